@@ -1,0 +1,159 @@
+"""Turning RowEvents into OpenAI choices: text, logprobs and finish reasons, whole or as deltas.
+
+A `Choice` accumulates one row's events (one choice = one row of one batcher job).
+`CompletionShape` and `ChatShape` render it the two ways OpenAI does: `/v1/completions`
+(`text`, legacy `logprobs` with tokens / token_logprobs / top_logprobs / text_offset)
+and `/v1/chat/completions` (`message` or `delta`, `logprobs.content[]` entries with
+`top_logprobs` lists). The batcher already holds back text that could start a stop
+string and never splits a UTF-8 character, so a delta is the event's `text` as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+
+@dataclasses.dataclass
+class Choice:
+    """One row's output so far."""
+
+    index: int  # OpenAI choice index: job * n + row index
+    echo: str = ""  # completions `echo`: the prompt text, sent before the first delta
+    prompt_entries: list[tuple[int, float | None, tuple]] | None = None  # echo logprobs
+    text: list[str] = dataclasses.field(default_factory=list)
+    entries: list[tuple[int, float, tuple]] = dataclasses.field(default_factory=list)  # (id, lp, top)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    started: bool = False  # streaming: first chunk (role / echo) sent
+    lp_offset: int = 0  # completions text_offset of the next logprob token
+
+    def add(self, event: Any) -> list[tuple[int, float, tuple]]:
+        """Fold in one RowEvent; returns the logprob entries it brought."""
+        if event.text:
+            self.text.append(event.text)
+        self.num_tokens += len(event.token_ids)
+        new = []
+        if event.logprobs:
+            for r in event.logprobs:
+                new.append((int(r.token_id), float(r.logprob), tuple(r.top_logprobs)))
+            self.entries.extend(new)
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+            self.error = event.error
+        return new
+
+
+def prompt_entries(prompt_ids: Sequence[int], prompt_logprobs: Any) -> list[tuple[int, float | None, tuple]]:
+    """Echo logprob entries: the first prompt token has none (nothing precedes it).
+
+    `prompt_logprobs` holds, per prompt token after the first, (logprob, top-k pairs).
+    """
+    out: list[tuple[int, float | None, tuple]] = [(int(prompt_ids[0]), None, ())]
+    for token_id, item in zip(prompt_ids[1:], prompt_logprobs or ()):
+        logprob, top = item
+        out.append((int(token_id), float(logprob), tuple(top)))
+    return out
+
+
+class TokenText:
+    """Token id -> its string (special tokens kept), cached: logprobs name every token."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.text = functools.lru_cache(maxsize=65536)(self._text)
+
+    def _text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+class CompletionShape:
+    """`/v1/completions`: object `text_completion`, choices carry `text`."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, tokens: TokenText, top_k: int | None) -> None:
+        self.tokens = tokens
+        self.top_k = top_k  # the request's `logprobs`; None = no logprobs
+
+    def _logprobs(self, choice: Choice, entries: Sequence[tuple[int, float | None, tuple]]) -> dict | None:
+        if self.top_k is None:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, logprob, top in entries:
+            s = self.tokens.text(token_id)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(logprob)
+            if logprob is None:
+                out["top_logprobs"].append(None)
+            else:
+                # OpenAI: the sampled token is always included, so up to top_k + 1 entries
+                tops = {self.tokens.text(t): lp for t, lp in top[: self.top_k]}
+                tops.setdefault(s, logprob)
+                out["top_logprobs"].append(tops)
+            out["text_offset"].append(choice.lp_offset)
+            choice.lp_offset += len(s)
+        return out
+
+    def final(self, choice: Choice) -> dict:
+        entries = (choice.prompt_entries or []) + choice.entries
+        return {"index": choice.index, "text": choice.echo + "".join(choice.text),
+                "logprobs": self._logprobs(choice, entries), "finish_reason": choice.finish_reason}
+
+    def deltas(self, choice: Choice, text: str, entries: list, finish_reason: str | None) -> list[dict]:
+        out = []
+        if not choice.started:
+            choice.started = True
+            if choice.echo:
+                out.append({"index": choice.index, "text": choice.echo,
+                            "logprobs": self._logprobs(choice, choice.prompt_entries or []),
+                            "finish_reason": None})
+        if text or entries or finish_reason:
+            out.append({"index": choice.index, "text": text, "logprobs": self._logprobs(choice, entries),
+                        "finish_reason": finish_reason})
+        return out
+
+
+class ChatShape:
+    """`/v1/chat/completions`: `message` when whole, `delta` when streamed."""
+
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, tokens: TokenText, top_k: int | None) -> None:
+        self.tokens = tokens
+        self.top_k = top_k  # top_logprobs when logprobs is true; None = no logprobs
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        s = self.tokens.text(token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    def _logprobs(self, entries: Sequence[tuple[int, float, tuple]]) -> dict | None:
+        if self.top_k is None:
+            return None
+        content = []
+        for token_id, logprob, top in entries:
+            item = self._entry(token_id, logprob)
+            item["top_logprobs"] = [self._entry(t, lp) for t, lp in top[: self.top_k]]
+            content.append(item)
+        return {"content": content}
+
+    def final(self, choice: Choice) -> dict:
+        return {"index": choice.index, "message": {"role": "assistant", "content": "".join(choice.text)},
+                "logprobs": self._logprobs(choice.entries), "finish_reason": choice.finish_reason}
+
+    def deltas(self, choice: Choice, text: str, entries: list, finish_reason: str | None) -> list[dict]:
+        out = []
+        if not choice.started:
+            choice.started = True
+            out.append({"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None})
+        if text or entries:
+            out.append({"index": choice.index, "delta": {"content": text},
+                        "logprobs": self._logprobs(entries), "finish_reason": None})
+        if finish_reason:
+            out.append({"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason})
+        return out

@@ -1,0 +1,222 @@
+"""Server settings: one table of every `ferrox serve` setting, its flag and its FERROX_* variable.
+
+Each setting is a CLI flag and an environment variable (the ferrox-server contract's
+names where it has one: FERROX_MODEL_PATH, FERROX_ADDR, FERROX_API_KEY, FERROX_CB_*).
+Precedence: flag > variable > default. This module is the only place in `api/` that
+reads the environment (STYLE §8); `api/cli.py` turns the merged values into
+`ServerConfig` (HTTP concerns, below) and the engine's `EngineConfig`/`BatcherConfig`.
+Invalid values stop start-up with a message naming the variable or the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+from typing import Any, Callable, Mapping
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8383
+MIB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """HTTP-side settings; validated once, field names in the messages."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None  # Bearer key for every route but /health and /metrics
+    max_body_bytes: int = 4 * MIB  # larger bodies get 413
+    max_n: int = 16  # choices per request (each is a row holding its own blocks)
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256  # per stop string
+    sse_keepalive_s: float = 15.0  # idle streams get a ": keep-alive" comment this often
+    cors_origins: tuple[str, ...] = ()  # exact origins; never "*"
+    rate_limit_per_minute: int = 0  # per client address; 0 = off
+    allow_unauthenticated_remote: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    shutdown_timeout_s: float = 30.0  # graceful drain on SIGTERM/SIGINT
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"ServerConfig.port must be in 1..65535; got {self.port}")
+        for name in ("max_body_bytes", "max_n", "max_stop_strings", "max_stop_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServerConfig.{name} must be >= 1; got {getattr(self, name)}")
+        if self.sse_keepalive_s <= 0:
+            raise ValueError(f"ServerConfig.sse_keepalive_s must be > 0; got {self.sse_keepalive_s}")
+        if self.rate_limit_per_minute < 0:
+            raise ValueError(f"ServerConfig.rate_limit_per_minute must be >= 0; got {self.rate_limit_per_minute}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"ServerConfig.shutdown_timeout_s must be >= 0; got {self.shutdown_timeout_s}")
+        for origin in self.cors_origins:
+            if origin == "*" or "://" not in origin:
+                raise ValueError("ServerConfig.cors_origins must be exact origins like "
+                                 f"'https://app.example.com' (never '*'); got {origin!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("ServerConfig.tls_cert and tls_key must be given together")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("ServerConfig.api_key must not be empty (leave it unset for no key)")
+        if not self.api_key and not self.allow_unauthenticated_remote and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to serve on non-loopback address {self.host!r} without an API key; "
+                "set --api-key / FERROX_API_KEY, or --allow-unauthenticated-remote "
+                "(FERROX_ALLOW_UNAUTHENTICATED_REMOTE=1) to accept that risk")
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self.tls_cert else "http"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------- the settings table
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError("must be a positive integer")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError("must be > 0")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("must be 1/0, true/false, yes/no or on/off")
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+def _str(text: str) -> str:
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str  # argparse dest
+    env: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    flag: str = ""  # defaults to --name-with-dashes
+
+    @property
+    def cli_flag(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # engine (EngineConfig)
+    Setting("model", "FERROX_MODEL_PATH", _str, "default",
+            "HF folder, .gguf file, or 'default' (embedded SmolLM2-135M-Instruct)"),
+    Setting("served_model_name", "FERROX_SERVED_MODEL_NAME", _str, None,
+            "model id clients send (default: the checkpoint's file or folder stem)"),
+    Setting("dtype", "FERROX_DTYPE", _str, None, "float32 or bfloat16 (default: per platform)"),
+    Setting("block_size", "FERROX_CB_KV_BLOCK_SIZE", _positive_int, None, "KV positions per block"),
+    Setting("kv_blocks", "FERROX_CB_KV_BLOCKS", _positive_int, None,
+            "KV blocks (default: derived from the memory budget)"),
+    Setting("kv_memory_gib", "FERROX_KV_MEMORY_GIB", _positive_float, None, "KV cache memory budget in GiB"),
+    Setting("max_context", "FERROX_CB_MAX_CONTEXT", _positive_int, None,
+            "per-request context ceiling in tokens (default: the model's trained context, within budget)"),
+    Setting("compile_cache_dir", "FERROX_COMPILE_CACHE_DIR", _str, None,
+            "JAX persistent compilation cache (default: ~/.cache/ferrox_jax/jax; 'off' disables)"),
+    # batcher (BatcherConfig)
+    Setting("max_seqs", "FERROX_CB_MAX_SEQS", _positive_int, None,
+            "rows (prefilling + decoding) at once (default: the largest row bucket)"),
+    Setting("prefill_chunk", "FERROX_CB_PREFILL_CHUNK", _positive_int, 128, "prompt tokens per tick"),
+    Setting("max_queue", "FERROX_CB_MAX_QUEUE", _positive_int, 512, "waiting jobs before 503"),
+    # server (ServerConfig)
+    Setting("addr", "FERROX_ADDR", _str, None, "host:port (overridden by --host/--port)"),
+    Setting("host", "FERROX_HOST", _str, None, f"bind address (default {DEFAULT_HOST})"),
+    Setting("port", "FERROX_PORT", _positive_int, None, f"port (default {DEFAULT_PORT})"),
+    Setting("api_key", "FERROX_API_KEY", _str, None, "require 'Authorization: Bearer KEY'"),
+    Setting("allow_unauthenticated_remote", "FERROX_ALLOW_UNAUTHENTICATED_REMOTE", _bool, False,
+            "allow a non-loopback bind without an API key"),
+    Setting("max_body_bytes", "FERROX_MAX_BODY_BYTES", _positive_int, 4 * MIB, "request body limit (413 above)"),
+    Setting("max_n", "FERROX_MAX_N", _positive_int, 16, "largest n per request"),
+    Setting("max_stop_strings", "FERROX_MAX_STOP_STRINGS", _positive_int, 16, "stop strings per request"),
+    Setting("max_stop_chars", "FERROX_MAX_STOP_CHARS", _positive_int, 256, "characters per stop string"),
+    Setting("cors_origins", "FERROX_CORS_ORIGINS", _origins, (), "comma-separated exact CORS origins"),
+    Setting("rate_limit_per_minute", "FERROX_RATE_LIMIT_PER_MINUTE", _nonneg_int, 0,
+            "requests per minute per client address (0 = off; 429 above)"),
+    Setting("tls_cert", "FERROX_TLS_CERT", _str, None, "TLS certificate file (with --tls-key)"),
+    Setting("tls_key", "FERROX_TLS_KEY", _str, None, "TLS private key file (with --tls-cert)"),
+    Setting("shutdown_timeout", "FERROX_SHUTDOWN_TIMEOUT", _nonneg_float, 30.0,
+            "seconds in-flight requests get to finish on SIGTERM"),
+    Setting("log_level", "FERROX_LOG_LEVEL", _str, "info", "debug, info, warning, error"),
+)
+
+
+def env_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Each setting's default, replaced by its FERROX_* variable where set.
+
+    Raises:
+      SystemExit naming the variable when a value does not parse.
+    """
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for s in SETTINGS:
+        text = environ.get(s.env)
+        if text is None:
+            out[s.name] = s.default
+            continue
+        try:
+            out[s.name] = s.parse(text)
+        except ValueError as e:
+            raise SystemExit(f"invalid {s.env}={text!r}: {e}") from None
+    return out
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    """'127.0.0.1:8383' / '[::1]:8383' / '0.0.0.0' -> (host, port)."""
+    if addr.startswith("["):
+        host, _, rest = addr[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    elif addr.count(":") == 1:
+        host, port_text = addr.split(":")
+    else:
+        host, port_text = addr, ""
+    try:
+        port = int(port_text) if port_text else DEFAULT_PORT
+    except ValueError:
+        raise SystemExit(f"invalid FERROX_ADDR / address {addr!r}: port must be a number") from None
+    return host or DEFAULT_HOST, port

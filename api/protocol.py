@@ -1,0 +1,370 @@
+"""The OpenAI wire format: request models, response shapes and the error envelope.
+
+Requests are validated here, before the engine sees them (STYLE §8): bodies are parsed
+with pydantic in strict mode from the raw JSON, so `"temperature": "0.5"` or
+`"n": 1.0` is a 400 naming its `param` instead of a silent coercion. Unknown fields
+are ignored (tools built for vLLM send extras such as `tools` or `response_format`).
+
+Every refusal is an `APIError`, rendered as OpenAI's envelope
+`{"error": {"message", "type", "param", "code"}}` by `api/app.py`. Response *models*
+below exist for `/openapi.json`; handlers build the same shapes as plain dicts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ferrox_jax.plan import MAX_LOGPROBS
+
+
+class APIError(Exception):
+    """A refusal with its HTTP status, rendered in the OpenAI error envelope."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def unavailable(message: str, code: str = "unavailable") -> APIError:
+    """503 for shedding (queue full, loading, draining, dead loop): the client retries in 1 s."""
+    return APIError(503, message, type="server_error", code=code, headers={"Retry-After": "1"})
+
+
+# ---------------------------------------------------------------- request models
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # -1 (vLLM) and 0 both mean off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    n: int | None = Field(1, ge=1)
+    stop: Any = None  # str | list[str]; checked below for a clean message
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = False
+    min_tokens: int | None = Field(0, ge=0)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop", mode="plain")
+    @classmethod
+    def _stop_shape(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            return v
+        raise ValueError("stop must be a string or a list of strings")
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Any = Field(..., description="string, list of strings, token ids, or list of token-id lists")
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v:
+            if all(isinstance(p, str) for p in v):
+                return v
+            if all(_is_int(t) for t in v):
+                return v
+            if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in v):
+                return v
+        raise ValueError("prompt must be a string, a non-empty list of strings, "
+                         "a list of token ids, or a list of token-id lists")
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts (each a string or a token-id list)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(_is_int(t) for t in p):
+            return [list(p)]
+        return list(p)
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # str | list of {"type": "text", "text"} | None (assistant tool calls)
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _content_shape(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            for part in v:
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise ValueError('content parts must be {"type": "text", "text": str}; '
+                                     "only text is supported")
+            return v
+        raise ValueError("content must be a string or a list of text parts")
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part["text"] for part in self.content)
+
+    def template_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        return d
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool | None = True
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class CancelRequest(_Strict):
+    request_id: str
+
+
+# ---------------------------------------------------------------- response models (schema only)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "cancelled"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    request_id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "cancelled"] | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    request_id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    text: str
+
+
+class CancelResponse(BaseModel):
+    request_id: str
+    cancelled: bool
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _param_name(loc: tuple) -> str | None:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or None
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """Validate a raw request body against `model`; raise a 400 APIError naming the param.
+
+    Args:
+      raw: the body bytes as received.
+      model: the pydantic request model.
+    Returns:
+      the validated model instance.
+    """
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})", code="invalid_body") from None
+    if not raw.strip():
+        raise APIError(400, "request body is empty; expected a JSON object", code="invalid_body")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            raise APIError(400, f"request body is not valid JSON: {err['msg']}", code="invalid_json") from None
+        param = _param_name(tuple(err["loc"]))
+        if param is None:
+            raise APIError(400, f"request body must be a JSON object: {err['msg']}", code="invalid_body") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            msg = "field required"
+        raise APIError(400, f"{param}: {msg}", param=param, code="invalid_value") from None
+
+
+def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id as string": bias in [-100, 100]} -> ((id, bias), ...)."""
+    if not bias:
+        return ()
+    out = []
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids; got {key!r}", param="logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise APIError(400, f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                           param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise APIError(400, f"logit_bias values must be in [-100, 100]; got {value} for {token_id}",
+                           param="logit_bias")
+        out.append((token_id, float(value)))
+    return tuple(sorted(out))
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON for the wire (non-ASCII kept as is; the body is UTF-8)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,167 @@
+"""The server's own counters (beside the batcher's) and the Prometheus registry.
+
+`ServerStats` counts what the HTTP layer sees: requests, errors, tokens, the `recent`
+ring of the last 200 requests for `/admin/stats`. Everything here is touched only from
+the server's event loop, so it needs no lock.
+
+`/metrics` is rendered from two sources at scrape time: the latest `BatcherStats`
+snapshot the owner thread published (the contract's `ferrox_*` counters and gauges,
+re-exported as they are, never re-counted here), and histograms the handlers observe
+(time to first token, inter-token latency, end-to-end latency, queue time). Each app
+has its own `CollectorRegistry`, so several servers in one test process do not collide.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+RECENT_SIZE = 200
+
+# The twelve BatcherStats fields of the ferrox-server stats contract, in its order.
+BATCHER_STATS_FIELDS = (
+    "prefill_chunks", "prefill_tokens", "decode_steps", "queue_depth", "queue_rejected",
+    "kv_blocks_total", "kv_blocks_free", "kv_block_size", "kv_rejected_too_large",
+    "kv_rejected_context_length", "kv_blocks_peak", "aborted",
+)
+
+# (BatcherStats field, metric name without _total, kind, help)
+_BATCHER_METRICS = (
+    ("prefill_chunks", "ferrox_prefill_chunks", "counter", "prefill chunks run"),
+    ("prefill_tokens", "ferrox_prefill_tokens", "counter", "prompt tokens prefilled"),
+    ("decode_steps", "ferrox_decode_steps", "counter", "batched decode steps run"),
+    ("queue_depth", "ferrox_scheduler_queue_depth", "gauge", "jobs waiting for admission"),
+    ("queue_rejected", "ferrox_scheduler_queue_rejected", "counter", "jobs refused: waiting queue full"),
+    ("kv_blocks_total", "ferrox_kv_blocks_total", "gauge", "KV blocks in the budget"),
+    ("kv_blocks_free", "ferrox_kv_blocks_free", "gauge", "KV blocks not reserved by admitted jobs"),
+    ("kv_block_size", "ferrox_kv_block_size", "gauge", "token positions per KV block"),
+    ("kv_rejected_too_large", "ferrox_kv_rejected_too_large", "counter",
+     "jobs refused: more blocks than the whole budget"),
+    ("kv_rejected_context_length", "ferrox_kv_rejected_context_length", "counter",
+     "jobs refused: prompt + max_tokens above the context ceiling"),
+    ("kv_blocks_peak", "ferrox_kv_blocks_peak", "gauge", "most KV blocks held at once, counted from the rows"),
+    ("aborted", "ferrox_scheduler_aborted", "counter", "jobs the scheduler stopped on cancellation"),
+)
+
+
+def stats_dict(stats: Any) -> dict[str, Any]:
+    """A BatcherStats snapshot as a dict (every dataclass field, the contract's twelve first)."""
+    if stats is None:
+        return {name: 0 for name in BATCHER_STATS_FIELDS}
+    if dataclasses.is_dataclass(stats):
+        d = dataclasses.asdict(stats)
+    else:
+        d = {name: getattr(stats, name) for name in BATCHER_STATS_FIELDS}
+    ordered = {name: d.pop(name, 0) for name in BATCHER_STATS_FIELDS}
+    ordered.update(d)
+    return ordered
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """One finished request, as shown in /admin/stats `recent`."""
+
+    id: str
+    route: str
+    status: int
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_ms: float | None
+    duration_ms: float
+    stream: bool
+
+
+class ServerStats:
+    """HTTP-side totals; event-loop only."""
+
+    def __init__(self) -> None:
+        self.started_at = time.monotonic()
+        self.requests_total = 0  # every request except the observability routes
+        self.errors_total = 0  # of those, answered >= 400 or ended by an error event
+        self.tokens_prompt_total = 0
+        self.tokens_generated_total = 0
+        self.generating_now = 0  # generation requests between submit and their last event
+        self.last_request_at: float | None = None
+        self.recent: collections.deque[RequestRecord] = collections.deque(maxlen=RECENT_SIZE)
+
+    def on_request(self) -> None:
+        self.requests_total += 1
+        self.last_request_at = time.monotonic()
+
+    def on_error(self) -> None:
+        self.errors_total += 1
+
+    def record(self, rec: RequestRecord) -> None:
+        self.tokens_prompt_total += rec.prompt_tokens
+        self.tokens_generated_total += rec.completion_tokens
+        self.recent.append(rec)
+
+    def uptime_s(self) -> float:
+        return time.monotonic() - self.started_at
+
+    def as_dict(self) -> dict[str, Any]:
+        age = None if self.last_request_at is None else time.monotonic() - self.last_request_at
+        return {
+            "uptime_seconds": round(self.uptime_s(), 3),
+            "requests_total": self.requests_total,
+            "errors_total": self.errors_total,
+            "tokens_prompt_total": self.tokens_prompt_total,
+            "tokens_generated_total": self.tokens_generated_total,
+            "last_request_age_seconds": None if age is None else round(age, 3),
+            "generating_now": self.generating_now,
+            "recent": [dataclasses.asdict(r) for r in self.recent],
+        }
+
+
+class _SnapshotCollector:
+    """Renders the latest BatcherStats + ServerStats at scrape time."""
+
+    def __init__(self, source: Callable[[], tuple[Any, ServerStats, int]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Any]:
+        stats, server, recompiles = self._source()
+        d = stats_dict(stats)
+        for field, name, kind, doc in _BATCHER_METRICS:
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(name, doc, value=float(d.get(field) or 0))
+        total, free = d.get("kv_blocks_total") or 0, d.get("kv_blocks_free") or 0
+        yield GaugeMetricFamily("ferrox_kv_usage_fraction", "reserved KV blocks / total (0 when unbudgeted)",
+                                value=(total - free) / total if total else 0.0)
+        waiting = d.get("queue_depth") or 0
+        yield GaugeMetricFamily("ferrox_requests_waiting", "jobs waiting for admission", value=float(waiting))
+        running = d.get("num_running", max(server.generating_now - waiting, 0))
+        yield GaugeMetricFamily("ferrox_requests_running", "jobs admitted and generating", value=float(running))
+        yield CounterMetricFamily("ferrox_recompiles_after_warmup", "bucket compilations after warm-up",
+                                  value=float(recompiles))
+        yield CounterMetricFamily("ferrox_requests", "HTTP requests (observability routes excluded)",
+                                  value=float(server.requests_total))
+        yield CounterMetricFamily("ferrox_request_errors", "requests answered >= 400 or ended by an error",
+                                  value=float(server.errors_total))
+        yield CounterMetricFamily("ferrox_prompt_tokens", "prompt tokens of served requests",
+                                  value=float(server.tokens_prompt_total))
+        yield CounterMetricFamily("ferrox_generation_tokens", "tokens generated for served requests",
+                                  value=float(server.tokens_generated_total))
+
+
+class Metrics:
+    """The app's Prometheus registry: snapshot counters plus latency histograms."""
+
+    def __init__(self, source: Callable[[], tuple[Any, ServerStats, int]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_SnapshotCollector(source))
+        latency = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+        self.ttft = Histogram("ferrox_time_to_first_token_seconds", "submit to first generated token",
+                              buckets=latency, registry=self.registry)
+        self.itl = Histogram("ferrox_inter_token_latency_seconds", "gap between generated tokens of a row",
+                             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
+                             registry=self.registry)
+        self.e2e = Histogram("ferrox_e2e_request_latency_seconds", "submit to the last row's finish",
+                             buckets=latency + (120.0, 300.0), registry=self.registry)
+        self.queue = Histogram("ferrox_queue_time_seconds", "submit to admission (first event of the job)",
+                               buckets=latency, registry=self.registry)

@@ -1,0 +1,81 @@
+"""The paged KV cache: THE layout, described once here and referred to elsewhere.
+
+Per layer, K and V are each one array
+
+    k[layer]: dtype[K kv_heads, N num_blocks, bs block_size, hd head_dim]
+
+a block holding `block_size` consecutive token positions of one sequence for every KV
+head. The layout is the one JAX's Pallas TPU paged-attention kernel reads
+(`[num_kv_heads, total_num_pages, page_size, head_dim]`), and its first axis is the one
+tensor parallelism shards. A sequence's *block table* lists its block ids in position
+order; position p sits in `block_table[p // bs]` at offset `p % bs`.
+
+Block 0 is the null block: padded tokens write into it and padded block-table entries
+point at it, so padding never touches a live request's K/V. The block budget never
+hands it out; `num_blocks` counts it, so `num_blocks - 1` blocks are usable.
+
+The cache is created on device by a jitted zeros constructor (no host copy), and is the
+only argument the step functions donate.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+NULL_BLOCK = 0
+
+
+@struct.dataclass
+class KVCache:
+    """Per-layer K and V block arrays (layout above)."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in self.k + self.v)
+
+
+def kv_cache_shape(num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int) -> tuple[int, ...]:
+    return (num_kv_heads, num_blocks, block_size, head_dim)
+
+
+def create_kv_cache(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int,
+                    head_dim: int, dtype, sharding=None) -> KVCache:
+    """Allocate the zeroed cache directly on device (optionally with a sharding per array)."""
+    if num_blocks < 2:
+        raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved); got {num_blocks}")
+    shape = kv_cache_shape(num_kv_heads, num_blocks, block_size, head_dim)
+
+    @functools.partial(jax.jit, out_shardings=sharding)
+    def zeros():
+        return jnp.zeros(shape, dtype)
+
+    return KVCache(k=tuple(zeros() for _ in range(num_layers)), v=tuple(zeros() for _ in range(num_layers)))
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype) -> int:
+    """K+V bytes one block takes across all layers."""
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * jnp.dtype(dtype).itemsize
+
+
+@functools.partial(jax.jit, donate_argnames=("kv_cache",))
+def copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Copy whole blocks src[i] -> dst[i] in every layer (i32[P] each; pad with 0 -> 0)."""
+    return KVCache(
+        k=tuple(a.at[:, dst].set(a[:, src]) for a in kv_cache.k),
+        v=tuple(a.at[:, dst].set(a[:, src]) for a in kv_cache.v),
+    )

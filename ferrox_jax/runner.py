@@ -1,0 +1,206 @@
+"""ModelRunner: turns a StepPlan into padded device batches and runs the step functions.
+
+It owns the device state (weights and KV cache) and is touched only by the owner
+thread. Every shape comes from `Buckets`; `warmup()` compiles all of them ahead of time
+(AOT: `lower().compile()`), and a shape first seen afterwards is compiled on demand and
+counted in `recompiles_after_warmup` (it should stay 0: tests assert it).
+
+`run(plan)`: block copies, then each prefill chunk (one row, T = token bucket), then
+one decode step over the decode rows (B = row bucket); all results come back to the host
+in a single `jax.device_get`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ferrox_jax.buckets import Buckets, pick
+from ferrox_jax.kv_cache import KVCache, copy_blocks, create_kv_cache
+from ferrox_jax.plan import RowResult, RowStep, StepOutput, StepPlan
+from ferrox_jax.sampling import SamplingBatch, host_sampling_batch
+from ferrox_jax.step import StepBatch, decode_step, logits_step, prefill_step
+
+log = logging.getLogger(__name__)
+COPY_BATCH = 8  # block copies are padded to this many pairs (0 -> 0 is a no-op copy)
+
+
+class ModelRunner:
+    """Device side of the engine (implements `ferrox_jax.plan.Runner`)."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, max_rows: int,
+                 max_prefill_tokens: int, max_context: int, kv_dtype=None):
+        cfg = model.cfg
+        self.cfg = cfg
+        self.graphdef, self.state = nnx.split(model)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_rows = max_rows
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_context = max_context
+        self.vocab_size = cfg.vocab_size
+        self.kv_dtype = kv_dtype or model.dtype
+        self.max_blocks_per_row = math.ceil(max_context / block_size)
+        self.buckets = Buckets.derive(max_rows, max_prefill_tokens, self.max_blocks_per_row)
+        self.kv_cache: KVCache = create_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_blocks,
+                                                 block_size, cfg.head_dim, self.kv_dtype)
+        self._compiled: dict[tuple, Callable] = {}
+        self.is_warm = False
+        self.recompiles_after_warmup = 0
+
+    # ---- compilation -------------------------------------------------------------
+    def _executable(self, key: tuple, batch: StepBatch) -> Callable:
+        exe = self._compiled.get(key)
+        if exe is None:
+            if self.is_warm:
+                self.recompiles_after_warmup += 1
+                log.warning("compiling shape %s after warm-up (recompile #%d)", key, self.recompiles_after_warmup)
+            step = prefill_step if key[0] == "prefill" else decode_step
+            exe = step.lower(self.graphdef, self.state, self.kv_cache, batch).compile()
+            self._compiled[key] = exe
+        return exe
+
+    def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> float:
+        """Compile every bucket; returns seconds taken. Nothing is executed."""
+        t0 = time.perf_counter()
+        keys = self.buckets.keys()
+        for i, key in enumerate(keys):
+            kind, b, t, mb = key
+            self._executable(key, self._dummy_batch(b, t, mb))
+            if progress:
+                progress(i + 1, len(keys), key)
+        copy_blocks.lower(self.kv_cache, jnp.zeros(COPY_BATCH, jnp.int32), jnp.zeros(COPY_BATCH, jnp.int32)).compile()
+        self.is_warm = True
+        return time.perf_counter() - t0
+
+    def _dummy_batch(self, b: int, t: int, mb: int) -> StepBatch:
+        return self._to_device(self._host_batch([None] * b, b, t, mb))
+
+    # ---- host batch building -------------------------------------------------------
+    def _host_batch(self, rows: list[RowStep | None], b: int, t: int, mb: int) -> dict:
+        tokens = np.zeros((b, t), np.int32)
+        positions = np.zeros((b, t), np.int32)
+        valid = np.zeros((b, t), bool)
+        tables = np.zeros((b, mb), np.int32)
+        last = np.zeros(b, np.int32)
+        next_tokens = np.full((b, t), -1, np.int32)
+        want_prompt = False
+        for i, row in enumerate(rows):
+            if row is None:
+                continue
+            n = len(row.token_ids)
+            tokens[i, :n] = row.token_ids
+            positions[i, :n] = np.arange(row.start_pos, row.start_pos + n)
+            valid[i, :n] = True
+            needed = math.ceil((row.start_pos + n) / self.block_size)
+            if needed > len(row.block_ids):
+                raise ValueError(f"row {row.row_id}: block table has {len(row.block_ids)} blocks "
+                                 f"but positions up to {row.start_pos + n - 1} need {needed}")
+            tables[i, :needed] = row.block_ids[:needed]
+            last[i] = n - 1
+            if row.prompt_logprobs:
+                want_prompt = True
+                next_tokens[i, : n - 1] = row.token_ids[1:]
+                next_tokens[i, n - 1] = row.next_token_id
+        sampling = host_sampling_batch(
+            [r.sampling if r is not None else None for r in rows],
+            [r.history_token_ids if r is not None else () for r in rows],
+            [r.num_prompt_tokens if r is not None else 0 for r in rows], b, self.vocab_size)
+        return dict(tokens=tokens, positions=positions, valid=valid, block_tables=tables,
+                    last_index=last, sampling=sampling, next_tokens=next_tokens,
+                    want_prompt_logprobs=np.asarray(want_prompt))
+
+    @staticmethod
+    def _to_device(h: dict) -> StepBatch:
+        return StepBatch(
+            tokens=jnp.asarray(h["tokens"]), positions=jnp.asarray(h["positions"]),
+            valid=jnp.asarray(h["valid"]), block_tables=jnp.asarray(h["block_tables"]),
+            last_index=jnp.asarray(h["last_index"]),
+            sampling=SamplingBatch(**{k: jnp.asarray(v) for k, v in h["sampling"].items()}),
+            next_tokens=jnp.asarray(h["next_tokens"]),
+            want_prompt_logprobs=jnp.asarray(h["want_prompt_logprobs"]),
+        )
+
+    def _blocks_needed(self, rows: list[RowStep]) -> int:
+        return max(math.ceil((r.start_pos + len(r.token_ids)) / self.block_size) for r in rows)
+
+    # ---- running -------------------------------------------------------------------
+    def _run_prefill(self, row: RowStep):
+        n = len(row.token_ids)
+        if n > self.max_prefill_tokens:
+            raise ValueError(f"prefill chunk of {n} tokens exceeds the largest bucket {self.max_prefill_tokens}")
+        t = pick(self.buckets.prefill_tokens, n)
+        mb = pick(self.buckets.prefill_blocks, self._blocks_needed([row]))
+        batch = self._to_device(self._host_batch([row], 1, t, mb))
+        exe = self._executable(("prefill", 1, t, mb), batch)
+        self.kv_cache, result = exe(self.state, self.kv_cache, batch)
+        return result
+
+    def _run_decode(self, rows: list[RowStep]):
+        for r in rows:
+            if len(r.token_ids) != 1:
+                raise ValueError(f"decode row {r.row_id} has {len(r.token_ids)} tokens; expected 1")
+        b = pick(self.buckets.decode_rows, len(rows))
+        mb = pick(self.buckets.decode_blocks, self._blocks_needed(rows))
+        batch = self._to_device(self._host_batch(list(rows) + [None] * (b - len(rows)), b, 1, mb))
+        exe = self._executable(("decode", b, 1, mb), batch)
+        self.kv_cache, result = exe(self.state, self.kv_cache, batch)
+        return result
+
+    def _run_copies(self, copies) -> None:
+        for i in range(0, len(copies), COPY_BATCH):
+            part = list(copies[i:i + COPY_BATCH])
+            part += [(0, 0)] * (COPY_BATCH - len(part))
+            src = jnp.asarray([s for s, _ in part], jnp.int32)
+            dst = jnp.asarray([d for _, d in part], jnp.int32)
+            self.kv_cache = copy_blocks(self.kv_cache, src, dst)
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        t0 = time.perf_counter()
+        if plan.block_copies:
+            self._run_copies(plan.block_copies)
+        pending: list[tuple[list[RowStep], object]] = []
+        for row in plan.prefill:
+            pending.append(([row], self._run_prefill(row)))
+        decode_rows = list(plan.decode)
+        for i in range(0, len(decode_rows), self.max_rows):
+            group = decode_rows[i:i + self.max_rows]
+            pending.append((group, self._run_decode(group)))
+        fetched = jax.device_get([res for _, res in pending])
+        results: dict[int, RowResult] = {}
+        for (rows, _), res in zip(pending, fetched):
+            for i, row in enumerate(rows):
+                if row.sample or row.prompt_logprobs:
+                    results[row.row_id] = self._row_result(row, res, i)
+        return StepOutput(results=results, device_s=time.perf_counter() - t0)
+
+    def run_logits(self, rows: list[RowStep]) -> list[np.ndarray]:
+        """Offline (tests, tools/compare_logits.py): write the rows' tokens into the cache
+        and return each row's logits f32[len(token_ids), V]. Shapes are not bucketed."""
+        t = max(len(r.token_ids) for r in rows)
+        mb = self._blocks_needed(rows)
+        batch = self._to_device(self._host_batch(list(rows), len(rows), t, mb))
+        self.kv_cache, logits = logits_step(self.graphdef, self.state, self.kv_cache, batch)
+        logits = np.asarray(jax.device_get(logits))
+        return [logits[i, : len(r.token_ids)] for i, r in enumerate(rows)]
+
+    def _row_result(self, row: RowStep, res, i: int) -> RowResult:
+        k = row.sampling.logprobs or 0
+        top = tuple(zip(res.top_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist()))
+        prompt = ()
+        if row.prompt_logprobs:
+            n = len(row.token_ids) if row.next_token_id >= 0 else len(row.token_ids) - 1
+            prompt = tuple(
+                (float(res.prompt_logprob[i, j]),
+                 tuple(zip(res.prompt_top_ids[i, j, :k].tolist(), res.prompt_top_logprobs[i, j, :k].tolist())))
+                for j in range(n)
+            )
+        return RowResult(row_id=row.row_id, token_id=int(res.tokens[i]), logprob=float(res.logprob[i]),
+                         top_logprobs=top, prompt_logprobs=prompt)

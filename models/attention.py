@@ -1,0 +1,82 @@
+"""Paged attention in pure JAX: K/V writes into blocks and attention through block tables.
+
+Cache layout per layer (described once in `ferrox_jax/kv_cache.py`):
+`[K kv_heads, num_blocks, block_size, hd]`, the layout JAX's Pallas TPU paged-attention
+kernel reads. A row's block table lists the blocks holding its positions in order:
+position p lives in block `block_tables[row, p // block_size]` at offset
+`p % block_size`. Block 0 is the null block: padded tokens write there, so padding can
+never overwrite a live request's K/V, and padded table entries point there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30  # large negative instead of -inf: a fully masked row stays finite
+
+
+def write_kv(k_cache, v_cache, k, v, positions, valid, block_tables):
+    """Scatter new K/V into their blocks.
+
+    Args:
+      k_cache, v_cache: [K, N, bs, hd].
+      k, v: [B, T, K, hd] for the new tokens.
+      positions: i32[B, T]; valid: bool[B, T]; block_tables: i32[B, MB].
+    Returns:
+      (k_cache, v_cache) with the valid tokens written (padding lands in block 0).
+    """
+    num_kv, _, block_size, head_dim = k_cache.shape
+    max_blocks = block_tables.shape[1]
+    block_idx = jnp.clip(positions // block_size, 0, max_blocks - 1)
+    blocks = jnp.take_along_axis(block_tables, block_idx, axis=1)
+    blocks = jnp.where(valid, blocks, 0).reshape(-1)
+    offsets = jnp.where(valid, positions % block_size, 0).reshape(-1)
+    b, t = positions.shape
+    k_flat = k.astype(k_cache.dtype).transpose(2, 0, 1, 3).reshape(num_kv, b * t, head_dim)
+    v_flat = v.astype(v_cache.dtype).transpose(2, 0, 1, 3).reshape(num_kv, b * t, head_dim)
+    k_cache = k_cache.at[:, blocks, offsets].set(k_flat)
+    v_cache = v_cache.at[:, blocks, offsets].set(v_flat)
+    return k_cache, v_cache
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float):
+    """Causal attention of new queries over each row's blocks (already holding the new K/V).
+
+    Args:
+      q: [B, T, H, hd] rotated queries.
+      k_cache, v_cache: [K, N, bs, hd].
+      block_tables: i32[B, MB]; only these MB blocks per row are read.
+      positions: i32[B, T] query positions; key s is visible iff s <= position.
+    Returns:
+      f32[B, T, H, hd].
+    """
+    b, t, num_heads, head_dim = q.shape
+    num_kv, _, block_size, _ = k_cache.shape
+    groups = num_heads // num_kv
+    max_blocks = block_tables.shape[1]
+    num_keys = max_blocks * block_size
+    # [K, B, MB, bs, hd] -> [K, B, S, hd]: only the blocks named in the table are read.
+    keys = k_cache[:, block_tables].reshape(num_kv, b, num_keys, head_dim)
+    values = v_cache[:, block_tables].reshape(num_kv, b, num_keys, head_dim)
+    qg = q.reshape(b, t, num_kv, groups, head_dim)
+    scores = jnp.einsum("btkgd,kbsd->bkgts", qg, keys, preferred_element_type=jnp.float32) * scale
+    key_pos = jnp.arange(num_keys, dtype=jnp.int32)
+    visible = key_pos[None, None, None, None, :] <= positions[:, None, None, :, None]
+    scores = jnp.where(visible, scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,kbsd->btkgd", probs.astype(values.dtype), values,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, num_heads, head_dim)
+
+
+def dense_causal_attention(q, k, v, scale: float):
+    """Reference: plain causal attention over contiguous K/V. q [T, H, hd], k/v [T, K, hd]."""
+    t, num_heads, head_dim = q.shape
+    groups = num_heads // k.shape[1]
+    k = jnp.repeat(k, groups, axis=1)
+    v = jnp.repeat(v, groups, axis=1)
+    scores = jnp.einsum("thd,shd->hts", q, k, preferred_element_type=jnp.float32) * scale
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    scores = jnp.where(mask[None], scores, _MASKED)
+    return jnp.einsum("hts,shd->thd", jax.nn.softmax(scores, -1), v.astype(jnp.float32))
