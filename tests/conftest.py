@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny random checkpoints on disk, the persistent compile cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests compile the same tiny shapes in many modules; the persistent cache makes the
+# second compile of an identical program a disk read.
+_CACHE = Path(__file__).resolve().parent.parent / ".jax_cache"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """Lazily built tiny HF folders by variant ("llama", "qwen2", "llama3_rope")."""
+    from tests.tiny_model import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    made: dict[str, Path] = {}
+
+    def get(variant: str = "llama") -> Path:
+        if variant not in made:
+            made[variant] = make_tiny_checkpoint(root / variant, variant)
+        return made[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoints) -> Path:
+    return tiny_checkpoints("llama")

@@ -1,0 +1,121 @@
+"""The runner's bucketed steps: chunking, batching, seeds and recompiles."""
+
+import numpy as np
+import pytest
+
+from ferrox_jax.plan import RowStep, SamplingParams, StepPlan
+from tests.engine_helpers import generate_alone, make_runner, shuffled_blocks
+
+NUM_BLOCKS = 160
+BLOCK_SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama):
+    r, _ = make_runner(tiny_llama, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_rows=8,
+                       max_prefill_tokens=64, max_context=256)
+    r.warmup()
+    return r
+
+
+def _prompt(n, seed, vocab=300):
+    return np.random.RandomState(seed).randint(3, vocab, n).tolist()
+
+
+def test_chunked_prefill_matches_single_prefill(runner):
+    prompt = _prompt(150, 0)
+    blocks = tuple(shuffled_blocks(20, NUM_BLOCKS, seed=2))
+    whole = runner.run_logits([RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks, sample=False)])[0]
+    for chunk in (16, 64):
+        parts = []
+        for pos in range(0, len(prompt), chunk):
+            ids = tuple(prompt[pos:pos + chunk])
+            parts.append(runner.run_logits([RowStep(row_id=0, token_ids=ids, start_pos=pos, block_ids=blocks, sample=False)])[0])
+        err = np.abs(np.concatenate(parts) - whole).max()
+        assert err < 1e-4, f"chunk {chunk}: logits differ from one-shot prefill by {err}"
+
+
+def test_chunked_prefill_samples_the_same_first_token(runner):
+    prompt = _prompt(100, 1)
+    firsts = {chunk: generate_alone(runner, prompt, 4, shuffled_blocks(16, NUM_BLOCKS, chunk), chunk=chunk)
+              for chunk in (16, 64)}
+    assert firsts[16] == firsts[64], "chunk size changed greedy tokens"
+
+
+def _decode_rows(prompts, blocks, tokens, sampling):
+    return [RowStep(row_id=i, token_ids=(tokens[i],), start_pos=len(p), block_ids=tuple(blocks[i]), sample=True,
+                    sampling=sampling) for i, p in enumerate(prompts)]
+
+
+def test_batched_decode_equals_each_row_alone(runner):
+    lengths = [1, 7, 8, 9, 20, 33, 50, 64]  # 8 rows, around the block size of 8
+    prompts = [_prompt(n, 10 + i) for i, n in enumerate(lengths)]
+    ids = shuffled_blocks(8 * 10, NUM_BLOCKS, seed=3)
+    blocks = [ids[i * 10:(i + 1) * 10] for i in range(8)]
+    greedy = SamplingParams(temperature=0.0, logprobs=20)
+    firsts = []
+    for i, p in enumerate(prompts):
+        res = runner.run(StepPlan(prefill=(RowStep(row_id=i, token_ids=tuple(p), start_pos=0, block_ids=tuple(blocks[i]),
+                                                   sample=True, sampling=greedy),)))
+        firsts.append(res.results[i].token_id)
+    batch = runner.run(StepPlan(decode=tuple(_decode_rows(prompts, blocks, firsts, greedy)))).results
+    for i, p in enumerate(prompts):
+        # Alone: the same decode step with only this row (rewrites the same K/V position).
+        alone = runner.run(StepPlan(decode=(_decode_rows(prompts, blocks, firsts, greedy)[i],))).results[i]
+        assert batch[i].token_id == alone.token_id, f"row {i}: greedy token differs in a batch"
+        got = np.array([lp for _, lp in batch[i].top_logprobs])
+        want = np.array([lp for _, lp in alone.top_logprobs])
+        assert np.abs(got - want).max() < 1e-4, f"row {i}: logprobs differ in a batch"
+
+
+def test_seeded_row_samples_the_same_alone_and_in_a_batch_of_8(runner):
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    prompt = _prompt(12, 99)
+    own = shuffled_blocks(6, NUM_BLOCKS, seed=5)
+    alone = generate_alone(runner, prompt, 12, own, sampling=sampled)
+    # Now the same row decodes inside a batch of 8 with different neighbours.
+    others = [(_prompt(5 + 3 * i, 200 + i), shuffled_blocks(6, NUM_BLOCKS, seed=50 + i)) for i in range(7)]
+    others = [(p, [b for b in bl if b not in own]) for p, bl in others]
+    greedy = SamplingParams(temperature=0.7, seed=7)
+    rows = [(prompt, own, sampled)] + [(p, bl, greedy) for p, bl in others]
+    outs = []
+    for i, (p, bl, s) in enumerate(rows):
+        res = runner.run(StepPlan(prefill=(RowStep(row_id=i, token_ids=tuple(p), start_pos=0, block_ids=tuple(bl),
+                                                   sample=True, sampling=s),)))
+        outs.append([res.results[i].token_id])
+    while len(outs[0]) < 12:
+        steps = tuple(RowStep(row_id=i, token_ids=(outs[i][-1],), start_pos=len(p) + len(outs[i]) - 1,
+                              block_ids=tuple(bl), sample=True, sampling=s) for i, (p, bl, s) in enumerate(rows))
+        res = runner.run(StepPlan(decode=steps)).results
+        for i in range(8):
+            outs[i].append(res[i].token_id)
+    assert outs[0] == alone, "a seeded row drew different tokens inside a batch"
+
+
+def test_mixed_workload_after_warmup_causes_zero_recompiles(runner):
+    before = runner.recompiles_after_warmup
+    for n_rows, length in [(1, 3), (3, 40), (5, 64), (8, 120), (2, 200)]:
+        prompts = [_prompt(length, 300 + r) for r in range(n_rows)]
+        per_row = (length + 3 + BLOCK_SIZE - 1) // BLOCK_SIZE  # prompt + 2 generated + 1 decoded
+        ids = shuffled_blocks(n_rows * per_row, NUM_BLOCKS, seed=n_rows)
+        for r, p in enumerate(prompts):
+            generate_alone(runner, p, 2, ids[r * per_row:(r + 1) * per_row], chunk=64)
+        steps = tuple(RowStep(row_id=r, token_ids=(5,), start_pos=len(p), block_ids=tuple(ids[r * per_row:(r + 1) * per_row]),
+                              sample=True, sampling=SamplingParams(temperature=0.8, top_p=0.5, seed=r))
+                      for r, p in enumerate(prompts))
+        runner.run(StepPlan(decode=steps, block_copies=((ids[0], ids[-1]),)))
+    assert runner.recompiles_after_warmup == before == 0, "a step shape escaped the warm-up buckets"
+
+
+def test_prompt_logprobs_match_the_logits(runner):
+    prompt = _prompt(20, 7)
+    blocks = tuple(shuffled_blocks(4, NUM_BLOCKS, seed=8))
+    logits = runner.run_logits([RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks, sample=False)])[0]
+    logprobs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    res = runner.run(StepPlan(prefill=(RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks,
+                                               sample=True, sampling=SamplingParams(temperature=0.0, logprobs=2),
+                                               prompt_logprobs=True),))).results[0]
+    assert len(res.prompt_logprobs) == len(prompt) - 1
+    want = [logprobs[i, prompt[i + 1]] for i in range(len(prompt) - 1)]
+    got = [lp for lp, _ in res.prompt_logprobs]
+    np.testing.assert_allclose(got, want, atol=1e-4)
