@@ -34,28 +34,23 @@ def pick(buckets: tuple[int, ...], n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """decode_rows: rows per decode step; prefill_tokens: tokens per prefill chunk;
-    decode_blocks / prefill_blocks: block-table widths (blocks a row may read)."""
+    """decode_rows: rows per decode step; prefill_tokens: tokens per prefill chunk.
+
+    Context length needs no bucket: attention walks the block table with a traced trip
+    count (`models/attention.py`), so the block-table width is one fixed size.
+    """
 
     decode_rows: tuple[int, ...]
     prefill_tokens: tuple[int, ...]
-    decode_blocks: tuple[int, ...]
-    prefill_blocks: tuple[int, ...]
 
     @classmethod
-    def derive(cls, max_rows: int, max_prefill_tokens: int, max_blocks_per_row: int,
-               min_prefill_tokens: int = 16, min_blocks: int = 4) -> "Buckets":
-        # Decode reads every block in the table for every row, so its widths are fine
-        # grained (x2); a prefill is one row, where over-reading costs less (x4 steps).
+    def derive(cls, max_rows: int, max_prefill_tokens: int, min_prefill_tokens: int = 16) -> "Buckets":
         return cls(
             decode_rows=powers_of_two_up_to(max_rows),
             prefill_tokens=powers_of_two_up_to(max_prefill_tokens, start=min(min_prefill_tokens, max_prefill_tokens)),
-            decode_blocks=powers_of_two_up_to(max_blocks_per_row, start=min(min_blocks, max_blocks_per_row)),
-            prefill_blocks=powers_of_two_up_to(max_blocks_per_row, start=min(min_blocks, max_blocks_per_row), ratio=4),
         )
 
-    def keys(self) -> list[tuple[str, int, int, int]]:
-        """Every (kind, rows, tokens, blocks) shape compiled at warm-up."""
-        keys = [("decode", b, 1, mb) for b in self.decode_rows for mb in self.decode_blocks]
-        keys += [("prefill", 1, t, mb) for t in self.prefill_tokens for mb in self.prefill_blocks]
-        return keys
+    def keys(self) -> list[tuple[str, int, int]]:
+        """Every (kind, rows, tokens) shape compiled at warm-up."""
+        return ([("decode", b, 1) for b in self.decode_rows]
+                + [("prefill", 1, t) for t in self.prefill_tokens])

@@ -139,8 +139,7 @@ class Engine:
             "kv_bytes": self.num_blocks * self.kv_bytes_per_block,
             "max_context": self.max_context,
             "kv_sizing": self.sizing_note,
-            "buckets": {"decode_rows": b.decode_rows, "decode_blocks": b.decode_blocks,
-                        "prefill_tokens": b.prefill_tokens, "prefill_blocks": b.prefill_blocks},
+            "buckets": {"decode_rows": b.decode_rows, "prefill_tokens": b.prefill_tokens},
             "num_compiled_shapes": len(b.keys()),
         }
 

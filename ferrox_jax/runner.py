@@ -27,9 +27,14 @@ from ferrox_jax.kv_cache import KVCache, copy_blocks, create_kv_cache
 from ferrox_jax.plan import RowResult, RowStep, StepOutput, StepPlan
 from ferrox_jax.sampling import SamplingBatch, host_sampling_batch
 from ferrox_jax.step import StepBatch, decode_step, logits_step, prefill_step
+from models.attention import ATTENTION_CHUNK_BLOCKS
 
 log = logging.getLogger(__name__)
 COPY_BATCH = 8  # block copies are padded to this many pairs (0 -> 0 is a no-op copy)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 class ModelRunner:
@@ -47,8 +52,9 @@ class ModelRunner:
         self.max_context = max_context
         self.vocab_size = cfg.vocab_size
         self.kv_dtype = kv_dtype or model.dtype
-        self.max_blocks_per_row = math.ceil(max_context / block_size)
-        self.buckets = Buckets.derive(max_rows, max_prefill_tokens, self.max_blocks_per_row)
+        # Fixed block-table width: enough for max_context, a multiple of attention's chunk.
+        self.max_blocks_per_row = _round_up(math.ceil(max_context / block_size), ATTENTION_CHUNK_BLOCKS)
+        self.buckets = Buckets.derive(max_rows, max_prefill_tokens)
         self.kv_cache: KVCache = create_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_blocks,
                                                  block_size, cfg.head_dim, self.kv_dtype)
         self._compiled: dict[tuple, Callable] = {}
@@ -72,19 +78,20 @@ class ModelRunner:
         t0 = time.perf_counter()
         keys = self.buckets.keys()
         for i, key in enumerate(keys):
-            kind, b, t, mb = key
-            self._executable(key, self._dummy_batch(b, t, mb))
+            kind, b, t = key
+            self._executable(key, self._dummy_batch(b, t))
             if progress:
                 progress(i + 1, len(keys), key)
         copy_blocks.lower(self.kv_cache, jnp.zeros(COPY_BATCH, jnp.int32), jnp.zeros(COPY_BATCH, jnp.int32)).compile()
         self.is_warm = True
         return time.perf_counter() - t0
 
-    def _dummy_batch(self, b: int, t: int, mb: int) -> StepBatch:
-        return self._to_device(self._host_batch([None] * b, b, t, mb))
+    def _dummy_batch(self, b: int, t: int) -> StepBatch:
+        return self._to_device(self._host_batch([None] * b, b, t))
 
     # ---- host batch building -------------------------------------------------------
-    def _host_batch(self, rows: list[RowStep | None], b: int, t: int, mb: int) -> dict:
+    def _host_batch(self, rows: list[RowStep | None], b: int, t: int) -> dict:
+        mb = self.max_blocks_per_row
         tokens = np.zeros((b, t), np.int32)
         positions = np.zeros((b, t), np.int32)
         valid = np.zeros((b, t), bool)
@@ -100,7 +107,7 @@ class ModelRunner:
             positions[i, :n] = np.arange(row.start_pos, row.start_pos + n)
             valid[i, :n] = True
             needed = math.ceil((row.start_pos + n) / self.block_size)
-            if needed > len(row.block_ids):
+            if needed > min(len(row.block_ids), mb):
                 raise ValueError(f"row {row.row_id}: block table has {len(row.block_ids)} blocks "
                                  f"but positions up to {row.start_pos + n - 1} need {needed}")
             tables[i, :needed] = row.block_ids[:needed]
@@ -128,18 +135,14 @@ class ModelRunner:
             want_prompt_logprobs=jnp.asarray(h["want_prompt_logprobs"]),
         )
 
-    def _blocks_needed(self, rows: list[RowStep]) -> int:
-        return max(math.ceil((r.start_pos + len(r.token_ids)) / self.block_size) for r in rows)
-
     # ---- running -------------------------------------------------------------------
     def _run_prefill(self, row: RowStep):
         n = len(row.token_ids)
         if n > self.max_prefill_tokens:
             raise ValueError(f"prefill chunk of {n} tokens exceeds the largest bucket {self.max_prefill_tokens}")
         t = pick(self.buckets.prefill_tokens, n)
-        mb = pick(self.buckets.prefill_blocks, self._blocks_needed([row]))
-        batch = self._to_device(self._host_batch([row], 1, t, mb))
-        exe = self._executable(("prefill", 1, t, mb), batch)
+        batch = self._to_device(self._host_batch([row], 1, t))
+        exe = self._executable(("prefill", 1, t), batch)
         self.kv_cache, result = exe(self.state, self.kv_cache, batch)
         return result
 
@@ -148,9 +151,8 @@ class ModelRunner:
             if len(r.token_ids) != 1:
                 raise ValueError(f"decode row {r.row_id} has {len(r.token_ids)} tokens; expected 1")
         b = pick(self.buckets.decode_rows, len(rows))
-        mb = pick(self.buckets.decode_blocks, self._blocks_needed(rows))
-        batch = self._to_device(self._host_batch(list(rows) + [None] * (b - len(rows)), b, 1, mb))
-        exe = self._executable(("decode", b, 1, mb), batch)
+        batch = self._to_device(self._host_batch(list(rows) + [None] * (b - len(rows)), b, 1))
+        exe = self._executable(("decode", b, 1), batch)
         self.kv_cache, result = exe(self.state, self.kv_cache, batch)
         return result
 
@@ -185,8 +187,7 @@ class ModelRunner:
         """Offline (tests, tools/compare_logits.py): write the rows' tokens into the cache
         and return each row's logits f32[len(token_ids), V]. Shapes are not bucketed."""
         t = max(len(r.token_ids) for r in rows)
-        mb = self._blocks_needed(rows)
-        batch = self._to_device(self._host_batch(list(rows), len(rows), t, mb))
+        batch = self._to_device(self._host_batch(list(rows), len(rows), t))
         self.kv_cache, logits = logits_step(self.graphdef, self.state, self.kv_cache, batch)
         logits = np.asarray(jax.device_get(logits))
         return [logits[i, : len(r.token_ids)] for i, r in enumerate(rows)]

@@ -13,7 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-_MASKED = -1e30  # large negative instead of -inf: a fully masked row stays finite
+_MASKED = -1e30
+ATTENTION_CHUNK_BLOCKS = 8  # blocks per attention loop iteration; table widths are multiples  # large negative instead of -inf: a fully masked row stays finite
 
 
 def write_kv(k_cache, v_cache, k, v, positions, valid, block_tables):
@@ -40,13 +41,19 @@ def write_kv(k_cache, v_cache, k, v, positions, valid, block_tables):
     return k_cache, v_cache
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float):
+def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
+                    chunk_blocks: int = ATTENTION_CHUNK_BLOCKS):
     """Causal attention of new queries over each row's blocks (already holding the new K/V).
+
+    Flash-decoding style: a `while_loop` walks the block tables `chunk_blocks` blocks at a
+    time with an online softmax, and stops after the chunk holding the batch's furthest
+    query position. The trip count is traced, so one compiled step serves every context
+    length and reads only the blocks in use (no block-table-width buckets).
 
     Args:
       q: [B, T, H, hd] rotated queries.
       k_cache, v_cache: [K, N, bs, hd].
-      block_tables: i32[B, MB]; only these MB blocks per row are read.
+      block_tables: i32[B, MB] with MB a multiple of chunk_blocks (pad with 0).
       positions: i32[B, T] query positions; key s is visible iff s <= position.
     Returns:
       f32[B, T, H, hd].
@@ -55,19 +62,35 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float):
     num_kv, _, block_size, _ = k_cache.shape
     groups = num_heads // num_kv
     max_blocks = block_tables.shape[1]
-    num_keys = max_blocks * block_size
-    # [K, B, MB, bs, hd] -> [K, B, S, hd]: only the blocks named in the table are read.
-    keys = k_cache[:, block_tables].reshape(num_kv, b, num_keys, head_dim)
-    values = v_cache[:, block_tables].reshape(num_kv, b, num_keys, head_dim)
+    if max_blocks % chunk_blocks:
+        raise ValueError(f"block table width {max_blocks} must be a multiple of chunk_blocks {chunk_blocks}")
+    chunk_keys = chunk_blocks * block_size
     qg = q.reshape(b, t, num_kv, groups, head_dim)
-    scores = jnp.einsum("btkgd,kbsd->bkgts", qg, keys, preferred_element_type=jnp.float32) * scale
-    key_pos = jnp.arange(num_keys, dtype=jnp.int32)
-    visible = key_pos[None, None, None, None, :] <= positions[:, None, None, :, None]
-    scores = jnp.where(visible, scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,kbsd->btkgd", probs.astype(values.dtype), values,
-                     preferred_element_type=jnp.float32)
-    return out.reshape(b, t, num_heads, head_dim)
+    num_chunks = jnp.max(positions) // chunk_keys + 1
+
+    def body(i, carry):
+        m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, hd]
+        blocks = jax.lax.dynamic_slice_in_dim(block_tables, i * chunk_blocks, chunk_blocks, axis=1)
+        keys = k_cache[:, blocks].reshape(num_kv, b, chunk_keys, head_dim)
+        values = v_cache[:, blocks].reshape(num_kv, b, chunk_keys, head_dim)
+        s = jnp.einsum("btkgd,kbsd->bkgts", qg, keys, preferred_element_type=jnp.float32) * scale
+        key_pos = i * chunk_keys + jnp.arange(chunk_keys, dtype=jnp.int32)
+        visible = key_pos[None, None, None, None, :] <= positions[:, None, None, :, None]
+        s = jnp.where(visible, s, _MASKED)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=-1)
+        pv = jnp.einsum("bkgts,kbsd->bkgtd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+        acc = acc * correction[..., None] + pv
+        return m_new, l, acc
+
+    init = (jnp.full((b, num_kv, groups, t), _MASKED, jnp.float32),
+            jnp.zeros((b, num_kv, groups, t), jnp.float32),
+            jnp.zeros((b, num_kv, groups, t, head_dim), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    out = acc / l[..., None]  # [B, K, G, T, hd]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, num_heads, head_dim)
 
 
 def dense_causal_attention(q, k, v, scale: float):
