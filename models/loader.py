@@ -52,7 +52,7 @@ def load_checkpoint(path: str, dtype=jnp.float32, progress: Callable[[str], None
     elif p.suffix == ".gguf":
         from models.loaders.gguf import load_gguf
 
-        cfg, model, tokenizer = load_gguf(p, dtype)
+        cfg, model, tokenizer = load_gguf(p, dtype, progress=progress)
         name = p.stem
     else:
         raise ValueError(f"unrecognised model path {p}: expected an HF folder with config.json or a .gguf file")

@@ -26,7 +26,6 @@ each, kept on decode), as transformers does.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from datetime import datetime
 from typing import Any, Mapping, Sequence
@@ -39,8 +38,6 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
 from models.config import UnsupportedModelError
-
-logger = logging.getLogger(__name__)
 
 # End-of-turn / end-of-text tokens chat templates close a turn with. Each one present in
 # the vocabulary as a special token is a stop token, next to the checkpoint's eos.
@@ -162,6 +159,8 @@ class Tokenizer:
         (`raise_exception`), touches something the sandbox forbids, or fails while rendering.
         """
         template = self._template()
+        if not all(isinstance(m, Mapping) for m in messages):
+            raise ChatTemplateError("chat messages must be dicts with 'role' and 'content'")
         clean = [_plain_data({k: v for k, v in m.items() if v is not None}) for m in messages]
         try:
             return template.render(
@@ -247,7 +246,7 @@ class Tokenizer:
         token_types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
         if kind == "gpt2":
             pre = meta.get("tokenizer.ggml.pre") or "default"
-            backend = _byte_level_backend(tokens, token_types, list(meta.require("tokenizer.ggml.merges")), pre)
+            backend = _byte_level_backend(tokens, token_types, list(meta.get("tokenizer.ggml.merges") or []), pre)
             default_add_bos = pre in _LLAMA3_PRES
         elif kind == "llama":
             scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))

@@ -33,7 +33,7 @@ def abstract_model(cfg: ModelConfig, dtype) -> LlamaModel:
 def expected_params(cfg: ModelConfig, dtype=jnp.float32) -> dict[str, tuple[int, ...]]:
     """Our parameter names and shapes for this config."""
     state = nnx.state(abstract_model(cfg, dtype), nnx.Param)
-    return {param_name(path): tuple(v.shape) for path, v in state.flat_state()}
+    return {param_name(path): tuple(v.shape) for path, v in nnx.to_flat_state(state)}
 
 
 def build_model(
@@ -50,7 +50,7 @@ def build_model(
     """
     model = abstract_model(cfg, dtype)
     state = nnx.state(model, nnx.Param)
-    flat = dict(state.flat_state())
+    flat = dict(nnx.to_flat_state(state))
     expected = {param_name(p): p for p in flat}
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -79,7 +79,7 @@ def build_model(
     if bad_shapes:
         raise CheckpointError("tensor shape or dtype mismatch: " + "; ".join(bad_shapes))
     for path, variable in flat.items():
-        variable.value = values[path]
+        variable.set_value(values[path])
     nnx.update(model, state)
     # The rope table is a constant derived from the config, not a checkpoint tensor.
     model.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
