@@ -36,7 +36,7 @@ class BatcherConfig:
     prefill_chunk: int = 128  # prompt tokens computed per tick, at most
     max_queue: int = 512  # waiting (not yet admitted) jobs; one more is refused
     kv_block_size: int | None = None  # token positions per KV block; must match the cache
-    kv_blocks: int | None = None  # usable KV blocks (the null block 0 not counted)
+    kv_blocks: int | None = None  # KV cache blocks, the null block 0 included (as Runner.num_blocks)
     max_context: int | None = None  # prompt + max_tokens ceiling per request
 
     def __post_init__(self) -> None:
@@ -46,6 +46,9 @@ class BatcherConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BatcherConfig.{field.name} must be a positive int; got {value!r}")
+        if self.kv_blocks is not None and self.kv_blocks < 2:
+            raise ValueError("BatcherConfig.kv_blocks must be >= 2 (block 0 is the null block); "
+                             f"got {self.kv_blocks}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> BatcherConfig:

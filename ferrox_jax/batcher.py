@@ -1,0 +1,348 @@
+"""ContinuousBatcher: the owner thread that drives the scheduler and the runner. No jax here.
+
+API handlers call `submit`, `cancel`, `stats` and `health` from any thread; everything else
+(requests, rows, the block budget, the runner and its device arrays) belongs to one owner
+thread, so none of it needs a lock. The owner loop, once per iteration:
+
+ 1. Drain the inbox (`_AddRequest`, `_AbortRequest`, `_Stop`). When the scheduler has no
+    work it blocks on the inbox instead of spinning.
+ 2. Hand new jobs and cancels to the scheduler; cancels are applied first thing in the tick.
+ 3. `plan = scheduler.schedule()`: apply cancellations, flush finished rows, admit waiting
+    jobs in strict FIFO while the row cap and the block ledger allow, plan at most one
+    prefill chunk (front prompt; an unfinished one goes to the back) and one batched
+    decode step, measure the block peak from the rows.
+ 4. `out = runner.run(plan)`. If the runner raises, the jobs in that step end with an
+    error event and free their blocks, the traceback is logged, and the loop goes on.
+ 5. `scheduler.update(plan, out)`: advance progress, check stops, flush finished rows.
+ 6. Publish a `BatcherStats` snapshot; `stats()` only ever reads published snapshots.
+ 7. Deliver this tick's `RowEvent`s through each request's `on_event` (on this thread);
+    publishing first means a client that saw its last event also sees it counted.
+
+A crash in the loop itself is loud: the traceback is logged, every open request gets an
+error event, `health()` turns "dead" and `submit` raises `AdmissionError("unavailable")`.
+
+Admission refusals happen in `submit`, on the caller's thread, before anything is queued:
+context length, then too large (pure checks against immutable limits), then the queue cap,
+checked and counted under one lock with the jobs still in the inbox, so racing submitters
+never overshoot it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ferrox_jax.config import BatcherConfig
+from ferrox_jax.plan import Runner, StepPlan
+from ferrox_jax.request import GenerationRequest, RowEvent
+from ferrox_jax.scheduler import Scheduler, SchedulerLimits, check_admission
+from ferrox_jax.stats import BatcherStats
+
+__all__ = ["AdmissionError", "ContinuousBatcher", "GenerationRequest", "RowEvent",
+           "resolve_limits"]
+
+log = logging.getLogger(__name__)
+
+EventCallback = Callable[[RowEvent], None]
+
+# AdmissionError.reason -> the BatcherStats field that counts it.
+_REFUSAL_FIELDS = {
+    "context_length": "kv_rejected_context_length",
+    "too_large": "kv_rejected_too_large",
+    "queue_full": "queue_rejected",
+}
+
+
+class AdmissionError(Exception):
+    """A refused submit. `reason`: "context_length" | "too_large" | "queue_full" | "unavailable"."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclasses.dataclass(frozen=True)
+class _AddRequest:
+    spec: GenerationRequest
+    on_event: EventCallback
+
+
+@dataclasses.dataclass(frozen=True)
+class _AbortRequest:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+@dataclasses.dataclass
+class _OpenRequest:
+    """Owner-thread record of a request whose rows have not all finished."""
+
+    spec: GenerationRequest
+    on_event: EventCallback
+    finished_indices: set[int] = dataclasses.field(default_factory=set)
+
+
+def resolve_limits(config: BatcherConfig, runner: Runner) -> SchedulerLimits:
+    """Fills the config's derived fields from the runner and checks they agree with it."""
+    if config.kv_block_size is not None and config.kv_block_size != runner.block_size:
+        raise ValueError(f"BatcherConfig.kv_block_size ({config.kv_block_size}) must match the "
+                         f"runner's KV cache block size ({runner.block_size})")
+    kv_blocks = runner.num_blocks if config.kv_blocks is None else config.kv_blocks
+    if kv_blocks > runner.num_blocks:
+        raise ValueError(f"BatcherConfig.kv_blocks ({kv_blocks}) exceeds the runner's KV cache "
+                         f"({runner.num_blocks} blocks)")
+    return SchedulerLimits(
+        block_size=runner.block_size, num_blocks=kv_blocks - 1,  # block 0 is the null block
+        max_seqs=config.max_seqs if config.max_seqs is not None else runner.max_rows,
+        max_rows=runner.max_rows,
+        max_chunk_tokens=min(config.prefill_chunk, runner.max_prefill_tokens),
+        max_context=config.max_context)
+
+
+class ContinuousBatcher:
+    """Continuous batching over one runner; see the module docstring for the loop."""
+
+    def __init__(self, runner: Runner, tokenizer: Any,
+                 config: BatcherConfig = BatcherConfig()) -> None:
+        self.limits = resolve_limits(config, runner)
+        self._runner = runner
+        self._max_queue = config.max_queue
+        self._scheduler = Scheduler(self.limits, tokenizer)
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        # Guarded by _lock (shared with submitters):
+        self._lock = threading.Lock()
+        self._health = "stopped"
+        self._num_in_inbox = 0  # submitted jobs the owner has not taken yet
+        self._num_waiting = 0  # the scheduler's waiting queue, as last published
+        self._open_request_ids: set[str] = set()
+        self._refusals: collections.Counter[str] = collections.Counter()
+        self._snapshot = BatcherStats(kv_blocks_total=self.limits.num_blocks,
+                                      kv_blocks_free=self.limits.num_blocks,
+                                      kv_block_size=self.limits.block_size)
+        # Owner thread only:
+        self._open: dict[str, _OpenRequest] = {}
+        self._ticks = 0
+        self._host_s = 0.0
+        self._device_s = 0.0
+
+    # -- the public API (any thread) ---------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the owner thread."""
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError("ContinuousBatcher.start() called twice")
+            self._health = "ready"
+            self._thread = threading.Thread(target=self._run, name="ferrox-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest, on_event: EventCallback) -> None:
+        """Queues a job; `on_event` is then called from the owner thread for each RowEvent.
+
+        Raises:
+            AdmissionError: refused ("context_length", "too_large", "queue_full",
+                "unavailable", checked in that order); nothing is held for it.
+            ValueError: the request id is already open.
+        """
+        refusal = check_admission(request, self.limits)
+        with self._lock:
+            if refusal is not None:
+                reason, message = refusal
+                self._refusals[_REFUSAL_FIELDS[reason]] += 1
+                raise AdmissionError(reason, message)
+            depth = self._num_in_inbox + self._num_waiting
+            if depth >= self._max_queue:
+                self._refusals["queue_rejected"] += 1
+                raise AdmissionError("queue_full", f"waiting queue is full: {depth} jobs waiting, "
+                                                   f"cap {self._max_queue}")
+            if self._health != "ready":
+                raise AdmissionError("unavailable", f"the batcher is {self._health}")
+            if request.request_id in self._open_request_ids:
+                raise ValueError(f"request id {request.request_id!r} is already open")
+            self._num_in_inbox += 1
+            self._open_request_ids.add(request.request_id)
+            self._inbox.put(_AddRequest(request, on_event))
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancels a request. Thread-safe; harmless twice or after it finished.
+
+        Returns:
+            True if the request was open (submitted and not yet finished).
+        """
+        with self._lock:
+            is_open = request_id in self._open_request_ids
+            if self._health == "ready":
+                # Sent even when unknown: its submit may still be on the way.
+                self._inbox.put(_AbortRequest(request_id))
+        return is_open
+
+    def stats(self) -> BatcherStats:
+        """The latest snapshot published by the owner, with the submit-side refusal
+        counters (kept under the admission lock, so they are current too)."""
+        with self._lock:
+            return dataclasses.replace(self._snapshot, **self._refusals)
+
+    def health(self) -> str:
+        """"ready", "dead" (the loop crashed) or "stopped" (not started, or shut down)."""
+        with self._lock:
+            return self._health
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stops the loop; open requests end with an error event."""
+        with self._lock:
+            if self._health == "ready":
+                self._health = "stopped"
+            self._inbox.put(_Stop())
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # -- the owner loop ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            is_idle = True
+            while True:
+                messages = self._drain_inbox(block=is_idle)  # step 1
+                if not self._take_messages(messages):  # step 2
+                    self._end_all("stopped", "the batcher was shut down")
+                    return
+                did_work = self._scheduler.has_work and self._tick()
+                is_idle = not did_work
+        except Exception as exc:  # the one catch-all: a dead loop must be loud, not silent
+            log.exception("batcher owner loop crashed")
+            self._end_all("dead", f"the batcher loop crashed: {exc!r}")
+
+    def _drain_inbox(self, *, block: bool) -> list[Any]:
+        messages = [self._inbox.get()] if block else []
+        while True:
+            try:
+                messages.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return messages
+
+    def _take_messages(self, messages: list[Any]) -> bool:
+        """Hands messages to the scheduler; False on a stop message."""
+        keep_running = True
+        num_added = 0
+        for message in messages:
+            if isinstance(message, _AddRequest):
+                self._open[message.spec.request_id] = _OpenRequest(message.spec, message.on_event)
+                self._scheduler.add_request(message.spec)
+                num_added += 1
+            elif isinstance(message, _AbortRequest):
+                self._scheduler.cancel(message.request_id)
+            else:
+                keep_running = False
+        with self._lock:
+            self._num_in_inbox -= num_added
+            self._num_waiting = self._scheduler.num_waiting
+        return keep_running
+
+    def _tick(self) -> bool:
+        """Steps 3-7. Returns False when there was nothing to do (the loop may block)."""
+        start_s = time.perf_counter()
+        plan = self._scheduler.schedule()
+        with self._lock:  # admission freed queue slots: make them usable during the step
+            self._num_waiting = self._scheduler.num_waiting
+        device_s = 0.0
+        if not plan.is_empty:
+            device_s = self._run_step(plan)
+            self._ticks += 1
+        self._device_s += device_s
+        self._host_s += time.perf_counter() - start_s - device_s
+        # Published before delivery, so a client that saw its last event sees its counts.
+        self._publish()
+        events = self._scheduler.take_events()
+        self._deliver(events)
+        return not plan.is_empty or bool(events)
+
+    def _run_step(self, plan: StepPlan) -> float:
+        """Steps 4-5; returns the device seconds the runner reported."""
+        try:
+            out = self._runner.run(plan)
+            self._scheduler.check_output(plan, out)
+        except Exception as exc:  # a failed step fails its jobs, not the server
+            log.exception("runner failed on a step with %d prefill and %d decode rows",
+                          len(plan.prefill), len(plan.decode))
+            self._scheduler.fail_step(plan, f"the model runner failed: {exc!r}")
+            return 0.0
+        self._scheduler.update(plan, out)
+        return out.device_s
+
+    def _deliver(self, events: list[RowEvent]) -> None:
+        closed = []
+        for event in events:
+            open_request = self._open[event.request_id]
+            try:
+                open_request.on_event(event)
+            except Exception:  # a broken reply channel cancels its request, not the loop
+                log.exception("on_event failed for request %s; cancelling it", event.request_id)
+                if event.finish_reason is None:
+                    self._scheduler.cancel(event.request_id)
+            if event.finish_reason is not None:
+                open_request.finished_indices.add(event.index)
+                if len(open_request.finished_indices) == open_request.spec.n:
+                    del self._open[event.request_id]
+                    closed.append(event.request_id)
+        if closed:
+            with self._lock:
+                self._open_request_ids.difference_update(closed)
+
+    def _publish(self) -> None:
+        scheduler = self._scheduler
+        snapshot = BatcherStats(
+            prefill_chunks=scheduler.prefill_chunks,
+            prefill_tokens=scheduler.prefill_tokens,
+            decode_steps=scheduler.decode_steps,
+            queue_depth=scheduler.num_waiting,
+            kv_blocks_total=scheduler.budget.num_blocks,
+            kv_blocks_free=scheduler.budget.num_free_blocks,
+            kv_block_size=self.limits.block_size,
+            kv_blocks_peak=scheduler.kv_blocks_peak,
+            aborted=scheduler.aborted,
+            running_rows=scheduler.num_running_rows,
+            waiting_requests=scheduler.num_waiting,
+            tokens_generated=scheduler.tokens_generated,
+            recompiles_after_warmup=getattr(self._runner, "recompiles_after_warmup", 0),
+            ticks=self._ticks,
+            host_s=self._host_s,
+            device_s=self._device_s)
+        with self._lock:
+            self._snapshot = snapshot
+            self._num_waiting = scheduler.num_waiting
+
+    def _end_all(self, health: str, error: str) -> None:
+        """Ends every open request with an error event; nothing is accepted afterwards.
+
+        Works from the owner's own records, not the scheduler's, which may be what broke.
+        """
+        with self._lock:
+            if self._health != "dead":
+                self._health = health
+            self._num_in_inbox = 0
+            self._num_waiting = 0
+        # The health change above stops new submits, so this drain sees the last of them.
+        for message in self._drain_inbox(block=False):
+            if isinstance(message, _AddRequest):
+                self._open[message.spec.request_id] = _OpenRequest(message.spec, message.on_event)
+        events = [
+            RowEvent(request_id=request_id, index=index, token_ids=(), text="", logprobs=None,
+                     finish_reason="error", error=error,
+                     num_prompt_tokens=len(open_request.spec.prompt_token_ids))
+            for request_id, open_request in self._open.items()
+            for index in range(open_request.spec.n)
+            if index not in open_request.finished_indices]
+        self._deliver(events)
+        with self._lock:
+            self._open_request_ids.clear()

@@ -1,0 +1,187 @@
+"""Requests and rows as the scheduler sees them, and the one state machine. No jax here.
+
+A `GenerationRequest` is what a client asked for (immutable). The scheduler turns it into a
+`Request` (the job: prompt, prefill progress, block reservation) holding n `Row`s (one
+sequence being generated each; `n > 1` gives n rows). Every row carries a `RequestState`;
+the rows of a job move together until they decode, then end one by one:
+
+    WAITING ──admit──> PREFILLING ──last chunk──> DECODING ──> FINISHED_STOP | _LENGTH
+       │                   │                         │
+       └───────────────────┴─────────────────────────┴──────> FINISHED_CANCELLED | _ERROR
+
+(WAITING -> DECODING directly when there is nothing to prefill: n > 1 with a one-token
+prompt, whose only token every row computes itself.) `_transition()` is the only code that
+changes a state; it checks `_ALLOWED_TRANSITIONS` and counts entries per state. Nothing is
+preempted, so no state leads back.
+
+`RowEvent` is what the owner loop hands to the API, per row and tick.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from typing import Any
+
+from ferrox_jax.detokenize import TextStream
+from ferrox_jax.plan import RowResult, SamplingParams
+
+# Multiplier mixing a choice index into the request seed (2^32 / golden ratio): choices of
+# one request, and neighbouring seeds, get well-separated streams.
+_SEED_MIX = 0x9E3779B1
+_SEED_MASK = 0x7FFFFFFF  # keep derived seeds in int32 range for the device arrays
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED_STOP = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_CANCELLED = "cancelled"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI finish_reason for a finished state ("stop", "length", ...), else None."""
+        return self.value if self.is_finished else None
+
+
+_FINISHED = frozenset({RequestState.FINISHED_STOP, RequestState.FINISHED_LENGTH,
+                       RequestState.FINISHED_CANCELLED, RequestState.FINISHED_ERROR})
+_ENDED_EARLY = frozenset({RequestState.FINISHED_CANCELLED, RequestState.FINISHED_ERROR})
+
+_ALLOWED_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.DECODING} | _ENDED_EARLY),
+    RequestState.PREFILLING: frozenset({RequestState.DECODING} | _ENDED_EARLY),
+    RequestState.DECODING: _FINISHED,
+    RequestState.FINISHED_STOP: frozenset(),
+    RequestState.FINISHED_LENGTH: frozenset(),
+    RequestState.FINISHED_CANCELLED: frozenset(),
+    RequestState.FINISHED_ERROR: frozenset(),
+}
+
+
+def _transition(row: Row, new_state: RequestState,
+                counts: collections.Counter[RequestState]) -> None:
+    """Moves a row to `new_state` if the table allows it, and counts the entry."""
+    allowed = _ALLOWED_TRANSITIONS[row.state]
+    assert new_state in allowed, (
+        f"row {row.row_id} of {row.request.spec.request_id}: "
+        f"{row.state.name} -> {new_state.name} is not an allowed transition")
+    row.state = new_state
+    counts[new_state] += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One API job, already tokenized and validated against the model by the API layer."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    n: int = 1  # choices; each is its own row, with its own derived seed
+    stop: tuple[str, ...] = ()  # stop strings; the text is cut where one starts
+    stop_token_ids: tuple[int, ...] = ()  # extra single-token stops (not in the output)
+    ignore_eos: bool = False  # keep generating through the tokenizer's stop tokens
+    min_tokens: int = 0  # no eos/stop-token stop before this many output tokens
+    prompt_logprobs: bool = False  # return logprobs of the prompt tokens (echo + logprobs)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"GenerationRequest {self.request_id!r}: prompt_token_ids is empty")
+        if self.max_tokens < 1:
+            raise ValueError(f"GenerationRequest.max_tokens must be >= 1; got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"GenerationRequest.n must be >= 1; got {self.n}")
+        if self.min_tokens < 0:
+            raise ValueError(f"GenerationRequest.min_tokens must be >= 0; got {self.min_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("GenerationRequest.stop must not contain an empty string")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowEvent:
+    """New output of one row (one choice) in one tick, delivered from the owner thread.
+
+    Each row gets exactly one event with a finish_reason, and it is that row's last event.
+    An eos/stop token ends the row without appearing in `token_ids`, `text` or `logprobs`
+    (it is counted in `num_generated_tokens`, which counts every sampled token).
+    """
+
+    request_id: str
+    index: int  # choice index, 0..n-1
+    token_ids: tuple[int, ...]  # tokens new this tick
+    text: str  # new text: whole UTF-8 characters, never a stop string or a possible start of one
+    logprobs: tuple[RowResult, ...] | None  # one per token in token_ids, when asked
+    finish_reason: str | None  # None | "stop" | "length" | "cancelled" | "error"
+    error: str | None = None  # why, when finish_reason is "error"
+    prompt_logprobs: tuple[Any, ...] | None = None  # first event only, when asked
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0  # sampled so far, the stop token included
+
+
+def derive_row_seed(seed: int, index: int) -> int:
+    """Seed of choice `index`. Choice 0 keeps the request's seed, so n=1 and the first of
+    n choices sample alike; others mix the index in (seed + index would make choice 1 of
+    seed s repeat choice 0 of seed s + 1)."""
+    if index == 0:
+        return seed
+    return (seed + index * _SEED_MIX) & _SEED_MASK
+
+
+class Row:
+    """One sequence being generated. Mutable; touched only by the owner thread."""
+
+    def __init__(self, row_id: int, request: Request, index: int, tokenizer: Any) -> None:
+        spec = request.spec
+        self.row_id = row_id  # never reused
+        self.request = request
+        self.index = index
+        self.state = RequestState.WAITING
+        self.sampling = dataclasses.replace(
+            spec.sampling, seed=derive_row_seed(spec.sampling.seed, index))
+        self.token_ids: list[int] = list(spec.prompt_token_ids)  # prompt + output so far
+        self.num_computed_tokens = 0  # positions whose K/V is in the cache
+        self.num_generated_tokens = 0  # sampled tokens, a final stop token included
+        self.block_ids: list[int] = []  # block table, in position order
+        self.pending_copy: tuple[int, int] | None = None  # (src, dst) still to run
+        self.text = TextStream(tokenizer, spec.prompt_token_ids, spec.stop)
+        self.error: str | None = None
+        self.has_sent_event = False
+        # Output gathered during the current tick; becomes one RowEvent.
+        self.new_token_ids: list[int] = []
+        self.new_text = ""
+        self.new_logprobs: list[RowResult] = []
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.request.spec.prompt_token_ids)
+
+
+class Request:
+    """One job: its rows, its shared prefill and its block reservation."""
+
+    def __init__(self, spec: GenerationRequest, first_row_id: int, tokenizer: Any) -> None:
+        self.spec = spec
+        self.rows = [Row(first_row_id + i, self, i, tokenizer) for i in range(spec.n)]
+        # n == 1: the prefill is the row's own and samples its first token. n > 1: every
+        # prompt token but the last is prefilled once for all rows; each row then computes
+        # the last prompt token itself and samples with its own seed.
+        self.num_prefill_tokens = len(spec.prompt_token_ids) - (0 if spec.n == 1 else 1)
+        self.num_computed_tokens = 0  # prefill progress
+        self.prefill_block_ids: list[int] = []  # blocks written by the shared prefill
+        self.num_shared_blocks = 0  # leading blocks every row's table shares (n > 1)
+        self.num_reserved_blocks = 0  # what this job still holds in the ledger
+        self.num_open_rows = spec.n
+        self.prompt_logprobs: list[Any] = []
+
+    @property
+    def is_prefilled(self) -> bool:
+        return self.num_computed_tokens == self.num_prefill_tokens

@@ -1,0 +1,506 @@
+"""The scheduler: plans one tick as a `StepPlan` and applies its `StepOutput`. No jax here.
+
+Owned by the batcher's owner thread (no locks). A tick, in the contract's order:
+
+    schedule():  1 apply cancellations   2 flush finished rows   3 admit waiting jobs (FIFO)
+                 4 plan one prefill chunk   5 plan one decode step   6 measure the peak
+    runner.run(plan)
+    update():    7 apply results (advance progress, stop checks)   8 flush finished rows
+
+Progress is `num_computed_tokens` catching up with `len(token_ids)`: a prefill chunk is
+that catch-up capped by `max_chunk_tokens`, a decode step a catch-up of one.
+
+Blocks. Admission reserves a job's lifetime worst case in the ledger (`blocks_to_reserve`);
+rows then take real block ids from the pool as they grow, always inside that reservation.
+For `n > 1` the prompt (all but its last token) is prefilled once; its full blocks are
+shared by the n rows (reference counted), and its partly filled last block goes to row 0
+while rows 1..n-1 each get a copy (`StepPlan.block_copies`), so every row writes its own.
+Each row then computes the last prompt token itself and samples with its own seed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ferrox_jax.block_budget import BlockBudget
+from ferrox_jax.plan import RowResult, RowStep, SamplingParams, StepOutput, StepPlan
+from ferrox_jax.request import GenerationRequest, Request, RequestState, Row, RowEvent, _transition
+
+# A cancel for a request id not seen yet is kept this long (the job's submit may still be on
+# its way), and at most this many are kept (ids that never arrive must not pile up).
+PENDING_CANCEL_TTL_S = 60.0
+MAX_PENDING_CANCELS = 1024
+_BANNED_LOGIT = float("-inf")  # logit bias masking stop tokens before min_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerLimits:
+    """The batcher's limits resolved against the runner (see `ContinuousBatcher`)."""
+
+    block_size: int  # token positions per block
+    num_blocks: int  # usable blocks, ids 1..num_blocks
+    max_seqs: int  # rows in flight: decoding rows plus the n rows of each prefilling job
+    max_rows: int  # rows per decode step (the runner's largest row bucket)
+    max_chunk_tokens: int  # prompt tokens per prefill chunk
+    max_context: int | None = None  # prompt + max_tokens ceiling; None: the budget decides
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None and value <= 0:
+                raise ValueError(f"SchedulerLimits.{field.name} must be > 0; got {value}")
+
+
+def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, n: int,
+                      block_size: int) -> tuple[int, int]:
+    """Blocks a job reserves for its whole life, and the part each row can give back.
+
+    Each row needs `per_row = ceil((prompt + max_tokens) / block_size)` blocks (the
+    contract's formula; at least 1). With n > 1 the first `shared = (prompt - 1) //
+    block_size` blocks (the full blocks of the shared prefill) are held once for all rows:
+
+        total = shared + n * (per_row - shared)      # n = 1: total = per_row
+
+    Returns:
+        (total, per_row - shared): the reservation, and what one finished row releases.
+    """
+    per_row = max(1, math.ceil((num_prompt_tokens + max_tokens) / block_size))
+    shared = 0 if n == 1 else (num_prompt_tokens - 1) // block_size
+    return shared + n * (per_row - shared), per_row - shared
+
+
+def check_admission(spec: GenerationRequest, limits: SchedulerLimits) -> tuple[str, str] | None:
+    """The "never" refusals, in the contract's order; None when the job can ever run.
+
+    Pure (reads immutable limits only), so submitters call it on their own threads.
+
+    Returns:
+        None, or (reason, message): reason "context_length" or "too_large".
+    """
+    num_prompt_tokens = len(spec.prompt_token_ids)
+    total_tokens = num_prompt_tokens + spec.max_tokens
+    if limits.max_context is not None and total_tokens > limits.max_context:
+        return ("context_length",
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({spec.max_tokens}) = "
+                f"{total_tokens} tokens exceeds the context limit of {limits.max_context} tokens")
+    num_blocks, _ = blocks_to_reserve(num_prompt_tokens, spec.max_tokens, spec.n, limits.block_size)
+    if num_blocks > limits.num_blocks:
+        return ("too_large",
+                f"request needs {num_blocks} KV blocks of {limits.block_size} positions "
+                f"(prompt {num_prompt_tokens} + max_tokens {spec.max_tokens}, n={spec.n}); "
+                f"the whole budget is {limits.num_blocks} blocks")
+    if spec.n > limits.max_seqs:
+        return ("too_large", f"request asks for n={spec.n} rows; at most {limits.max_seqs} "
+                             "rows run at once (max_seqs)")
+    return None
+
+
+class Scheduler:
+    """Plans ticks over waiting, prefilling and decoding jobs; see the module docstring."""
+
+    def __init__(self, limits: SchedulerLimits, tokenizer: Any, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self.budget = BlockBudget(limits.num_blocks)
+        self._tokenizer = tokenizer
+        self._eos_token_ids = frozenset(getattr(tokenizer, "stop_token_ids", ()) or ())
+        self._clock = clock
+        self._next_row_id = 1
+        self._jobs: dict[str, Request] = {}  # open jobs by request id
+        self._rows: dict[int, Row] = {}  # open rows by row id
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._prefilling: collections.deque[Request] = collections.deque()  # front is next
+        self._decoding: dict[int, Row] = {}  # insertion order is decode priority
+        self._cancel_inbox: list[str] = []
+        self._pending_cancels: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._to_flush: list[Row] = []
+        self._events: list[RowEvent] = []
+        self._planned_row_ids: tuple[int, ...] = ()
+        # Counters (published in BatcherStats by the owner).
+        self.prefill_chunks = 0
+        self.prefill_tokens = 0
+        self.decode_steps = 0
+        self.num_admitted = 0  # jobs that left the waiting queue by admission
+        self.aborted = 0  # jobs a cancel actually stopped
+        self.num_failed_jobs = 0  # jobs ended by a runner error
+        self.tokens_generated = 0
+        self.kv_blocks_peak = 0
+        self.state_counts: collections.Counter[RequestState] = collections.Counter()
+
+    # -- inputs from the owner loop ----------------------------------------------------
+
+    def add_request(self, spec: GenerationRequest) -> None:
+        """Queues a job (FIFO); one whose cancel arrived first ends at once, cancelled."""
+        assert spec.request_id not in self._jobs, f"duplicate request id {spec.request_id!r}"
+        job = Request(spec, self._next_row_id, self._tokenizer)
+        self._next_row_id += spec.n
+        self._jobs[spec.request_id] = job
+        self._rows.update((row.row_id, row) for row in job.rows)
+        self._expire_pending_cancels()
+        if self._pending_cancels.pop(spec.request_id, None) is not None:
+            self._stop_job(job, RequestState.FINISHED_CANCELLED)
+            self.aborted += 1
+            self._flush_finished()
+        else:
+            self._waiting.append(job)
+
+    def cancel(self, request_id: str) -> None:
+        """Asks for a cancel; it is applied first thing in the next `schedule()`."""
+        self._cancel_inbox.append(request_id)
+
+    def take_events(self) -> list[RowEvent]:
+        events, self._events = self._events, []
+        return events
+
+    # -- views -------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running_rows(self) -> int:
+        """Rows holding a slot: decoding rows plus the rows of prefilling jobs."""
+        return len(self._decoding) + sum(job.spec.n for job in self._prefilling)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._jobs or self._cancel_inbox or self._events)
+
+    @property
+    def waiting_request_ids(self) -> tuple[str, ...]:
+        return tuple(job.spec.request_id for job in self._waiting)
+
+    def num_held_blocks(self) -> int:
+        """Blocks held right now, counted from the rows and prefills themselves; a job's
+        shared prompt blocks (the first `num_shared_blocks` of each row's table) count once.
+        O(rows), cheap enough for every tick."""
+        num_blocks = sum(len(job.prefill_block_ids) for job in self._prefilling)
+        jobs_counted: set[int] = set()
+        for row in self._decoding.values():
+            job = row.request
+            num_blocks += len(row.block_ids) - job.num_shared_blocks
+            if id(job) not in jobs_counted:
+                jobs_counted.add(id(job))
+                num_blocks += job.num_shared_blocks
+        return num_blocks
+
+    def held_block_ids(self) -> set[int]:
+        """The ids behind `num_held_blocks()` (for tests: O(blocks))."""
+        held: set[int] = set()
+        for job in self._prefilling:
+            held.update(job.prefill_block_ids)
+        for row in self._decoding.values():
+            held.update(row.block_ids)
+            if row.pending_copy is not None:
+                held.add(row.pending_copy[0])
+        return held
+
+    # -- planning ----------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plans this tick's device work (steps 1-6 of the module docstring)."""
+        self._apply_cancellations()
+        self._flush_finished()
+        self._admit_waiting()
+        prefill = self._plan_prefill_chunk()
+        decode = self._plan_decode_step()
+        self._update_peak()
+        copies, copy_row_ids = self._take_block_copies()
+        self._planned_row_ids = tuple(step.row_id for step in prefill + decode) + copy_row_ids
+        return StepPlan(prefill=prefill, decode=decode, block_copies=copies)
+
+    def _apply_cancellations(self) -> None:
+        self._expire_pending_cancels()
+        for request_id in self._cancel_inbox:
+            job = self._jobs.get(request_id)
+            if job is None:
+                self._pending_cancels[request_id] = self._clock()
+                while len(self._pending_cancels) > MAX_PENDING_CANCELS:
+                    self._pending_cancels.popitem(last=False)
+            elif any(not row.state.is_finished for row in job.rows):
+                self._stop_job(job, RequestState.FINISHED_CANCELLED)
+                self.aborted += 1
+        self._cancel_inbox.clear()
+
+    def _expire_pending_cancels(self) -> None:
+        deadline = self._clock() - PENDING_CANCEL_TTL_S
+        while self._pending_cancels and next(iter(self._pending_cancels.values())) < deadline:
+            self._pending_cancels.popitem(last=False)
+
+    def _admit_waiting(self) -> None:
+        """Admits from the head while rows and ledger allow; a head that does not fit waits
+        and holds the line (no skip-ahead, so no starvation)."""
+        while self._waiting:
+            job = self._waiting[0]
+            if self.num_running_rows + job.spec.n > self.limits.max_seqs:
+                return
+            num_blocks, _ = blocks_to_reserve(len(job.spec.prompt_token_ids), job.spec.max_tokens,
+                                              job.spec.n, self.limits.block_size)
+            if not self.budget.try_reserve(num_blocks):
+                return
+            self._waiting.popleft()
+            self.num_admitted += 1
+            job.num_reserved_blocks = num_blocks
+            if job.num_prefill_tokens == 0:
+                self._start_decoding(job)
+            else:
+                for row in job.rows:
+                    _transition(row, RequestState.PREFILLING, self.state_counts)
+                self._prefilling.append(job)
+
+    def _plan_prefill_chunk(self) -> tuple[RowStep, ...]:
+        """One chunk of the front prompt; an unfinished prompt then goes to the back."""
+        if not self._prefilling:
+            return ()
+        job = self._prefilling[0]
+        prompt = job.spec.prompt_token_ids
+        start = job.num_computed_tokens
+        end = min(job.num_prefill_tokens, start + self.limits.max_chunk_tokens)
+        self._grow(job.prefill_block_ids, end)
+        is_last = end == job.num_prefill_tokens
+        if not is_last:
+            self._prefilling.rotate(-1)
+        row = job.rows[0]
+        sample = is_last and job.spec.n == 1  # n > 1: each row samples on its own
+        step = RowStep(
+            row_id=row.row_id, token_ids=prompt[start:end], start_pos=start,
+            block_ids=tuple(job.prefill_block_ids), sample=sample,
+            sampling=self._step_sampling(row), prompt_logprobs=job.spec.prompt_logprobs,
+            next_token_id=prompt[end] if end < len(prompt) else -1,
+            num_prompt_tokens=len(prompt),
+            history_token_ids=self._history(row) if sample else ())
+        return (step,)
+
+    def _plan_decode_step(self) -> tuple[RowStep, ...]:
+        """One token for every decoding row, at most `max_rows` of them (rotated for fairness)."""
+        rows = list(self._decoding.values())[:self.limits.max_rows]
+        if len(self._decoding) > len(rows):
+            for row in rows:  # to the back: the rows left out go first next tick
+                self._decoding[row.row_id] = self._decoding.pop(row.row_id)
+        steps = []
+        for row in rows:
+            pos = row.num_computed_tokens
+            assert pos == len(row.token_ids) - 1, f"row {row.row_id} has no token to compute"
+            self._grow(row.block_ids, pos + 1)
+            steps.append(RowStep(
+                row_id=row.row_id, token_ids=(row.token_ids[pos],), start_pos=pos,
+                block_ids=tuple(row.block_ids), sample=True, sampling=self._step_sampling(row),
+                num_prompt_tokens=len(row.request.spec.prompt_token_ids),
+                history_token_ids=self._history(row)))
+        return tuple(steps)
+
+    def _grow(self, block_ids: list[int], num_positions: int) -> None:
+        """Allocates blocks until `block_ids` covers positions 0..num_positions-1."""
+        while len(block_ids) * self.limits.block_size < num_positions:
+            block_ids.append(self.budget.allocate())
+
+    def _update_peak(self) -> None:
+        # Deliberately measured from the rows themselves rather than derived from the
+        # budget: a ledger-derived peak cannot exceed the budget however broken admission is.
+        num_held = self.num_held_blocks()
+        assert num_held == self.budget.num_held_blocks, (
+            f"rows hold {num_held} blocks but the pool handed out {self.budget.num_held_blocks}")
+        self.kv_blocks_peak = max(self.kv_blocks_peak, num_held)
+
+    def _take_block_copies(self) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+        """Copies for freshly fanned-out rows; they run first in this step. Each pending copy
+        held a reference on its source so the block could not be reused before the copy;
+        dropped now, after this step's allocations, so reuse can only come in a later step."""
+        copies, row_ids = [], []
+        for row in self._decoding.values():
+            if row.pending_copy is not None:
+                copies.append(row.pending_copy)
+                row_ids.append(row.row_id)
+                self.budget.free(row.pending_copy[0])
+                row.pending_copy = None
+        return tuple(copies), tuple(row_ids)
+
+    def _step_sampling(self, row: Row) -> SamplingParams:
+        """The row's settings, with its stop tokens banned while output < min_tokens."""
+        spec = row.request.spec
+        if row.num_output_tokens >= spec.min_tokens:
+            return row.sampling
+        banned = set(spec.stop_token_ids) | (set() if spec.ignore_eos else self._eos_token_ids)
+        bias = dict(row.sampling.logit_bias)
+        bias.update((token_id, _BANNED_LOGIT) for token_id in sorted(banned))
+        return dataclasses.replace(row.sampling, logit_bias=tuple(bias.items()))
+
+    def _history(self, row: Row) -> tuple[int, ...]:
+        return tuple(row.token_ids) if self._step_sampling(row).has_penalties else ()
+
+    # -- applying results --------------------------------------------------------------
+
+    def check_output(self, plan: StepPlan, out: StepOutput) -> None:
+        """Raises ValueError if the runner left out a result the plan asked for."""
+        wanted = [s.row_id for s in plan.prefill + plan.decode if s.sample or s.prompt_logprobs]
+        missing = [row_id for row_id in wanted if row_id not in out.results]
+        if missing:
+            raise ValueError(f"runner returned no result for rows {missing}")
+
+    def update(self, plan: StepPlan, out: StepOutput) -> None:
+        """Applies a step's results (steps 7-8 of the module docstring)."""
+        for step in plan.prefill:
+            self._apply_prefill_chunk(step, out.results.get(step.row_id))
+        for step in plan.decode:
+            row = self._rows[step.row_id]
+            row.num_computed_tokens += 1
+            self._accept_token(row, out.results[step.row_id])
+        self.prefill_chunks += len(plan.prefill)
+        self.prefill_tokens += sum(len(step.token_ids) for step in plan.prefill)
+        self.decode_steps += bool(plan.decode)
+        for row_id in self._planned_row_ids:
+            row = self._rows.get(row_id)
+            if row is not None and not row.state.is_finished and row.new_token_ids:
+                self._emit(row)
+        self._planned_row_ids = ()
+        self._flush_finished()
+
+    def fail_step(self, plan: StepPlan, error: str) -> None:
+        """Ends every job with a row in the failed step with an error; frees their blocks."""
+        # Rows with a pending block copy are not in the plan's steps, so use the record
+        # made when the plan was built.
+        assert {s.row_id for s in plan.prefill + plan.decode} <= set(self._planned_row_ids), (
+            "fail_step() got a plan other than the last one scheduled")
+        jobs = {self._rows[row_id].request.spec.request_id: self._rows[row_id].request
+                for row_id in self._planned_row_ids if row_id in self._rows}
+        for job in jobs.values():
+            self._stop_job(job, RequestState.FINISHED_ERROR, error)
+            self.num_failed_jobs += 1
+        self._planned_row_ids = ()
+        self._flush_finished()
+
+    def fail_all(self, error: str) -> None:
+        """Ends every open job with an error (shutdown)."""
+        for job in list(self._jobs.values()):
+            self._stop_job(job, RequestState.FINISHED_ERROR, error)
+        self._flush_finished()
+
+    def _apply_prefill_chunk(self, step: RowStep, result: RowResult | None) -> None:
+        job = self._rows[step.row_id].request
+        job.num_computed_tokens += len(step.token_ids)
+        if job.spec.prompt_logprobs and result is not None:
+            job.prompt_logprobs.extend(result.prompt_logprobs)
+        if not job.is_prefilled:
+            return
+        self._prefilling.remove(job)
+        self._start_decoding(job)
+        if step.sample:
+            self._accept_token(job.rows[0], result)
+
+    def _start_decoding(self, job: Request) -> None:
+        """Hands the prefill's blocks to the rows (see the module docstring for n > 1)."""
+        blocks, job.prefill_block_ids = job.prefill_block_ids, []
+        num_shared = job.num_prefill_tokens // self.limits.block_size if job.spec.n > 1 else 0
+        job.num_shared_blocks = num_shared
+        shared, partial = blocks[:num_shared], blocks[num_shared:]
+        for row in job.rows:
+            if row.index == 0:
+                row.block_ids = blocks
+            else:
+                for block_id in shared:
+                    self.budget.share(block_id)
+                row.block_ids = list(shared)
+                if partial:
+                    self.budget.share(partial[0])  # the pending copy's reference
+                    row.pending_copy = (partial[0], self.budget.allocate())
+                    row.block_ids.append(row.pending_copy[1])
+            row.num_computed_tokens = job.num_prefill_tokens
+            _transition(row, RequestState.DECODING, self.state_counts)
+            self._decoding[row.row_id] = row
+
+    def _accept_token(self, row: Row, result: RowResult) -> None:
+        """Records a sampled token and ends the row if it is a stop."""
+        spec = row.request.spec
+        token_id = result.token_id
+        row.num_generated_tokens += 1
+        self.tokens_generated += 1
+        is_stop_token = token_id in spec.stop_token_ids or (
+            not spec.ignore_eos and token_id in self._eos_token_ids)
+        if is_stop_token and row.num_output_tokens >= spec.min_tokens:
+            self._finish_row(row, RequestState.FINISHED_STOP)
+            return
+        row.token_ids.append(token_id)
+        row.new_token_ids.append(token_id)
+        if spec.sampling.logprobs is not None:
+            row.new_logprobs.append(result)
+        row.new_text += row.text.add_token(token_id)
+        if row.text.is_stopped:
+            self._finish_row(row, RequestState.FINISHED_STOP)
+        elif row.num_generated_tokens >= spec.max_tokens:
+            self._finish_row(row, RequestState.FINISHED_LENGTH)
+
+    # -- ending rows -------------------------------------------------------------------
+
+    def _stop_job(self, job: Request, state: RequestState, error: str | None = None) -> None:
+        if job in self._waiting:
+            self._waiting.remove(job)
+        if job in self._prefilling:
+            self._prefilling.remove(job)
+        for row in job.rows:
+            if not row.state.is_finished:
+                self._finish_row(row, state, error)
+
+    def _finish_row(self, row: Row, state: RequestState, error: str | None = None) -> None:
+        _transition(row, state, self.state_counts)
+        row.error = error
+        row.new_text += row.text.finish()
+        self._to_flush.append(row)
+
+    def _flush_finished(self) -> None:
+        """Frees finished rows' blocks, returns their reservations, sends their last event.
+
+        Blocks first, for every row, then reservations: a row's pending copy holds a
+        reference on row 0's block, so ledger checks are only meaningful once all are freed.
+        """
+        rows, self._to_flush = self._to_flush, []
+        for row in rows:
+            for block_id in row.block_ids:
+                self.budget.free(block_id)
+            row.block_ids = []
+            if row.pending_copy is not None:
+                self.budget.free(row.pending_copy[0])
+                row.pending_copy = None
+            self._decoding.pop(row.row_id, None)
+            del self._rows[row.row_id]
+        for row in rows:
+            self._release_reservation(row)
+            self._emit(row)
+
+    def _release_reservation(self, row: Row) -> None:
+        job = row.request
+        job.num_open_rows -= 1
+        if job.num_reserved_blocks and not job.prefill_block_ids:
+            _, num_row_blocks = blocks_to_reserve(len(job.spec.prompt_token_ids),
+                                                  job.spec.max_tokens, job.spec.n,
+                                                  self.limits.block_size)
+            num_row_blocks = min(num_row_blocks, job.num_reserved_blocks)
+            self.budget.unreserve(num_row_blocks)
+            job.num_reserved_blocks -= num_row_blocks
+        if job.num_open_rows == 0:
+            for block_id in job.prefill_block_ids:
+                self.budget.free(block_id)
+            job.prefill_block_ids = []
+            self.budget.unreserve(job.num_reserved_blocks)
+            job.num_reserved_blocks = 0
+            del self._jobs[job.spec.request_id]
+
+    def _emit(self, row: Row) -> None:
+        spec = row.request.spec
+        prompt_logprobs = None
+        if spec.prompt_logprobs and not row.has_sent_event:
+            prompt_logprobs = tuple(row.request.prompt_logprobs)
+        self._events.append(RowEvent(
+            request_id=spec.request_id, index=row.index, token_ids=tuple(row.new_token_ids),
+            text=row.new_text,
+            logprobs=tuple(row.new_logprobs) if spec.sampling.logprobs is not None else None,
+            finish_reason=row.state.finish_reason, error=row.error,
+            prompt_logprobs=prompt_logprobs, num_prompt_tokens=len(spec.prompt_token_ids),
+            num_generated_tokens=row.num_generated_tokens))
+        row.has_sent_event = True
+        row.new_token_ids, row.new_text, row.new_logprobs = [], "", []

@@ -1,0 +1,35 @@
+"""BatcherStats: the snapshot of batcher counters the owner thread publishes after each tick.
+
+The first twelve fields are the ferrox-server stats contract, field for field (served at
+`/admin/stats`, rendered at `/metrics`); the rest are ours. Readers get a frozen copy and
+never touch live counters, so a snapshot is always consistent with itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class BatcherStats:
+    # -- the ferrox-server contract ----------------------------------------------------
+    prefill_chunks: int = 0  # prompt chunks computed (one per tick at most; a long prompt takes several)
+    prefill_tokens: int = 0  # prompt tokens computed in those chunks (work, not requests)
+    decode_steps: int = 0  # ticks that ran a batched decode step with at least one row
+    queue_depth: int = 0  # jobs waiting for admission right now (a gauge)
+    queue_rejected: int = 0  # refused because the waiting queue was full: momentary pressure, retry helps
+    kv_blocks_total: int = 0  # usable KV blocks in the budget (the null block not counted)
+    kv_blocks_free: int = 0  # total minus blocks reserved by admitted jobs (the ledger, not use)
+    kv_block_size: int = 0  # token positions per KV block
+    kv_rejected_too_large: int = 0  # refused: needs more blocks than the whole budget; a box too small
+    kv_rejected_context_length: int = 0  # refused: prompt + max_tokens over the context ceiling; a request to fix
+    kv_blocks_peak: int = 0  # most blocks held at once, counted from the rows, not the ledger
+    aborted: int = 0  # jobs a cancel actually stopped (not cancels of finished or unknown jobs)
+    # -- ours --------------------------------------------------------------------------
+    running_rows: int = 0  # rows holding a slot: decoding rows plus prefilling jobs' rows
+    waiting_requests: int = 0  # same as queue_depth, named for the /metrics gauge
+    tokens_generated: int = 0  # tokens sampled, stop tokens included
+    recompiles_after_warmup: int = 0  # runner compiles after warmup (should stay 0)
+    ticks: int = 0  # owner-loop ticks that planned device work
+    host_s: float = 0.0  # tick wall time outside the runner's device calls (scheduling overhead)
+    device_s: float = 0.0  # wall time in the runner's device calls, as it reports

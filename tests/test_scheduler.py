@@ -1,0 +1,441 @@
+"""The scheduler driven tick by tick against the scripted runner (no threads, no device)."""
+
+from __future__ import annotations
+
+import collections
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from ferrox_jax.plan import SamplingParams
+from ferrox_jax.request import GenerationRequest, derive_row_seed
+from ferrox_jax.scheduler import Scheduler, SchedulerLimits, blocks_to_reserve, check_admission
+from tests.scripted import (EOS, ByteTokenizer, ScriptedRunner, letters_token_fn, run_until_idle,
+                            script_token_fn, tick)
+
+
+def make(*, block_size=4, num_blocks=64, max_seqs=8, max_rows=8, chunk=16, max_context=None,
+         token_fn=None, tokenizer=None, clock=None):
+    runner = ScriptedRunner(block_size=block_size, num_blocks=num_blocks + 1, max_rows=max_rows,
+                            max_prefill_tokens=chunk, token_fn=token_fn)
+    limits = SchedulerLimits(block_size=block_size, num_blocks=num_blocks, max_seqs=max_seqs,
+                             max_rows=max_rows, max_chunk_tokens=chunk, max_context=max_context)
+    kwargs = {} if clock is None else {"clock": clock}
+    return Scheduler(limits, tokenizer or ByteTokenizer(), **kwargs), runner
+
+
+def req(request_id, prompt_len=5, max_tokens=6, **kw):
+    prompt = tuple(100 + (i * 7 + len(request_id)) % 20 for i in range(prompt_len))
+    return GenerationRequest(request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens, **kw)
+
+
+def outputs_alone(spec, **make_kw):
+    scheduler, runner = make(**make_kw)
+    scheduler.add_request(spec)
+    return run_until_idle(scheduler, runner)
+
+
+def prefill_positions(runner, row_id):
+    return [step.start_pos + i for plan in runner.plans for step in plan.prefill
+            if step.row_id == row_id for i in range(len(step.token_ids))]
+
+
+# -- chunking, interleaving, FIFO ------------------------------------------------------
+
+SPECS = [req("p1", 1), req("p3", 3), req("p4", 4), req("p5", 5), req("p17", 17, 9),
+         req("p40", 40, 3), req("n3", 9, 7, n=3, sampling=SamplingParams(seed=11)),
+         req("n2", 8, 5, n=2, sampling=SamplingParams(seed=5))]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 128])
+def test_chunk_size_never_changes_tokens_and_plans_cover_each_prompt_position_once(chunk):
+    reference, _ = make(chunk=128)
+    for spec in SPECS:
+        reference.add_request(spec)
+    expected = run_until_idle(reference, make(chunk=128)[1])
+    scheduler, runner = make(chunk=chunk)
+    for spec in SPECS:
+        scheduler.add_request(spec)
+    got = run_until_idle(scheduler, runner)
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in expected.items()}, (
+        f"chunk size {chunk} changed the sampled tokens")
+    first_row_id = 1
+    for spec in SPECS:
+        num_prefill = len(spec.prompt_token_ids) - (0 if spec.n == 1 else 1)
+        assert sorted(prefill_positions(runner, first_row_id)) == list(range(num_prefill)), (
+            f"{spec.request_id}: prefill must cover each prompt position exactly once")
+        first_row_id += spec.n
+    assert all(len(s.token_ids) <= chunk for p in runner.plans for s in p.prefill), "chunk cap"
+
+
+def test_long_prompt_interleaves_with_decoding_rows_without_changing_them():
+    kw = dict(block_size=16, num_blocks=200, chunk=256, token_fn=letters_token_fn())
+    decoders = [req(f"d{i}", 6 + i, 40) for i in range(4)]
+    alone = {spec.request_id: outputs_alone(spec, **kw)[(spec.request_id, 0)].token_ids
+             for spec in decoders}
+    scheduler, runner = make(**kw)
+    outputs = {}
+    for spec in decoders:
+        scheduler.add_request(spec)
+    for _ in range(6):  # 4 prefill ticks, then every row has decoded at least once
+        tick(scheduler, runner, outputs)
+    assert all(outputs[(s.request_id, 0)].token_ids for s in decoders), "all 4 rows decode"
+    long_prompt = req("long", 2000, 4)
+    scheduler.add_request(long_prompt)
+    decode_steps_before = scheduler.decode_steps
+    long_row_id = 5
+    chunk_ticks = []
+    while scheduler.has_work:
+        plan = tick(scheduler, runner, outputs)
+        if any(step.row_id == long_row_id for step in plan.prefill):
+            chunk_ticks.append(len(plan.decode))
+    # ceil(2000 / 256) = 8 chunks, one per tick, each tick also decoding the 4 rows.
+    assert chunk_ticks == [4] * 8, f"each of the 8 chunks shares its tick with 4 decode rows: {chunk_ticks}"
+    assert scheduler.decode_steps - decode_steps_before >= 8, "decode steps counted between chunks"
+    for spec in decoders:
+        assert outputs[(spec.request_id, 0)].token_ids == alone[spec.request_id], (
+            f"{spec.request_id}: a long prompt arriving must not change a decoding row's tokens")
+
+
+def test_head_job_that_does_not_fit_holds_the_line():
+    # 10 blocks of 4: "big" reserves ceil((4+28)/4) = 8; "next" needs 6 > 2 left; "small" needs 1.
+    scheduler, runner = make(num_blocks=10, token_fn=letters_token_fn())
+    scheduler.add_request(req("big", 4, 28))
+    tick(scheduler, runner, {})
+    scheduler.add_request(req("next", 4, 20))
+    scheduler.add_request(req("small", 1, 2))
+    tick(scheduler, runner, {})
+    assert scheduler.waiting_request_ids == ("next", "small"), (
+        "a job that would fit must not skip ahead of a head that does not")
+    outputs = run_until_idle(scheduler, runner)
+    assert outputs[("small", 0)].finish_reason == "length", "the line moves once the head fits"
+
+
+def test_max_seqs_counts_prefilling_prompts_and_all_n_rows():
+    scheduler, runner = make(max_seqs=4)
+    scheduler.add_request(req("three", 30, 5, n=3))
+    scheduler.add_request(req("two", 30, 5, n=2))
+    tick(scheduler, runner, {})
+    assert scheduler.num_running_rows == 3 and scheduler.waiting_request_ids == ("two",), (
+        "3 rows of a prefilling job + 2 more would exceed max_seqs=4")
+
+
+def test_decode_rows_beyond_max_rows_take_turns_and_keep_their_tokens():
+    kw = dict(max_rows=2, token_fn=letters_token_fn())
+    specs = [req(f"r{i}", 3 + i, 5) for i in range(5)]
+    scheduler, runner = make(**kw)
+    for spec in specs:
+        scheduler.add_request(spec)
+    outputs = run_until_idle(scheduler, runner)
+    assert max(len(plan.decode) for plan in runner.plans) == 2, "decode steps capped at max_rows"
+    for spec in specs:
+        assert outputs[(spec.request_id, 0)].token_ids == outputs_alone(spec, **kw)[(spec.request_id, 0)].token_ids
+
+
+# -- n > 1: shared prompt blocks ---------------------------------------------------------
+
+@pytest.mark.parametrize("prompt_len", [1, 4, 5, 9])  # (P - 1) % 4: 0 (one token), 3, 0, 0 and partial
+def test_n_rows_share_prompt_blocks_and_sample_like_single_rows_with_derived_seeds(prompt_len):
+    spec = req("multi", prompt_len, 6, n=3, sampling=SamplingParams(seed=7))
+    scheduler, runner = make()
+    scheduler.add_request(spec)
+    outputs = {}
+    tick(scheduler, runner, outputs)
+    total, _ = blocks_to_reserve(prompt_len, 6, 3, 4)
+    assert scheduler.budget.num_reserved_blocks == total, "the job reserves blocks_to_reserve()"
+    run_until_idle(scheduler, runner, outputs)
+    for index in range(3):
+        single = req("multi", prompt_len, 6, sampling=SamplingParams(seed=derive_row_seed(7, index)))
+        assert outputs[("multi", index)].token_ids == outputs_alone(single)[("multi", 0)].token_ids, (
+            f"row {index} must sample as a lone request with its derived seed")
+    copies = [copy for plan in runner.plans for copy in plan.block_copies]
+    has_partial_block = (prompt_len - 1) % 4 != 0
+    assert len(copies) == (2 if has_partial_block else 0), "rows 1..n-1 copy a partly filled block"
+    assert len({tuple(outputs[("multi", i)].token_ids) for i in range(3)}) == 3, "seeds differ per row"
+
+
+def test_n_rows_hold_fewer_blocks_than_n_separate_requests():
+    # prompt 12 (11 prefilled = 2 full blocks + 3 positions), max_tokens 3 -> 4 blocks per row.
+    scheduler, runner = make(token_fn=letters_token_fn())
+    scheduler.add_request(req("multi", 12, 3, n=3, sampling=SamplingParams(seed=1)))
+    run_until_idle(scheduler, runner)
+    # 2 shared + 3 rows x 2 private (partial copy + one for the new tokens) = 8, not 3 x 4 = 12.
+    assert scheduler.kv_blocks_peak == 8, f"peak {scheduler.kv_blocks_peak}: shared blocks count once"
+
+
+# -- stops ---------------------------------------------------------------------------------
+
+def scripted(tokens_by_prompt, **kw):
+    return make(token_fn=script_token_fn(tokens_by_prompt), **kw)
+
+
+def test_eos_ends_the_row_without_appearing_in_its_output():
+    spec = req("e", 3, 10)
+    scheduler, runner = scripted({spec.prompt_token_ids: [ord("h"), ord("i"), EOS]})
+    scheduler.add_request(spec)
+    out = run_until_idle(scheduler, runner)[("e", 0)]
+    assert (out.token_ids, out.text, out.finish_reason) == ([104, 105], "hi", "stop")
+    assert out.events[-1].num_generated_tokens == 3, "the eos token is counted as generated"
+
+
+def test_ignore_eos_and_stop_token_ids():
+    spec = req("e", 3, 4, ignore_eos=True, stop_token_ids=(ord("x"),))
+    scheduler, runner = scripted({spec.prompt_token_ids: [ord("a"), EOS, ord("b"), ord("x")]})
+    scheduler.add_request(spec)
+    out = run_until_idle(scheduler, runner)[("e", 0)]
+    assert out.token_ids == [ord("a"), EOS, ord("b")] and out.finish_reason == "stop", (
+        "ignore_eos keeps going through eos; a stop token id ends the row, not in the output")
+
+
+def test_min_tokens_bans_and_ignores_eos_until_reached():
+    spec = req("m", 3, 6, min_tokens=2)
+    scheduler, runner = scripted({spec.prompt_token_ids: [EOS, ord("a"), EOS]})
+    scheduler.add_request(spec)
+    out = run_until_idle(scheduler, runner)[("m", 0)]
+    assert out.token_ids == [EOS, ord("a")] and out.finish_reason == "stop", (
+        "an eos before min_tokens output tokens does not stop the row")
+    first_step = runner.plans[0].prefill[0]
+    assert (EOS, float("-inf")) in first_step.sampling.logit_bias, "eos banned before min_tokens"
+    last_step = runner.plans[-1].decode[0]
+    assert last_step.sampling.logit_bias == (), "no ban once min_tokens is reached"
+
+
+def test_max_tokens_finishes_with_length():
+    scheduler, runner = make(token_fn=letters_token_fn())
+    scheduler.add_request(req("l", 3, 5))
+    out = run_until_idle(scheduler, runner)[("l", 0)]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_stop_string_across_tokens_ends_row_and_frees_blocks_in_the_same_tick():
+    tok = ByteTokenizer()
+    spec = req("s", 3, 20, stop=("END",))
+    script = tok.ids("ok E", "N", "D", "more", "more")
+    scheduler, runner = scripted({spec.prompt_token_ids: script}, tokenizer=tok)
+    scheduler.add_request(spec)
+    outputs = {}
+    for _ in range(3):  # prefill samples "ok E", then two decode steps: "N", "D"
+        tick(scheduler, runner, outputs)
+    out = outputs[("s", 0)]
+    assert out.finish_reason == "stop" and out.text == "ok ", f"text cut before the stop: {out.text!r}"
+    assert scheduler.budget.num_held_blocks == 0 and scheduler.budget.num_reserved_blocks == 0, (
+        "a row stopped by a stop string frees its blocks in that tick")
+
+
+def test_logprobs_and_prompt_logprobs_are_reported_per_token():
+    spec = req("lp", 9, 3, sampling=SamplingParams(logprobs=2), prompt_logprobs=True)
+    scheduler, runner = make(chunk=4, token_fn=letters_token_fn())
+    scheduler.add_request(spec)
+    out = run_until_idle(scheduler, runner)[("lp", 0)]
+    logprobs = [lp for event in out.events for lp in (event.logprobs or ())]
+    assert [lp.token_id for lp in logprobs] == out.token_ids, "one logprob entry per output token"
+    assert all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    # The scripted runner reports -p for the prompt token at position p, for p = 1..8.
+    assert [p[0] for p in out.events[0].prompt_logprobs] == [-float(p) for p in range(1, 9)]
+
+
+# -- cancellation and failure -----------------------------------------------------------
+
+@pytest.mark.parametrize("state", ["waiting", "prefilling", "decoding"])
+def test_cancel_frees_blocks_within_one_tick_and_counts_one_abort(state):
+    scheduler, runner = make(max_seqs=1, chunk=4, token_fn=letters_token_fn())
+    outputs = {}
+    scheduler.add_request(req("other", 3, 30))
+    scheduler.add_request(req("victim", 20, 30))
+    if state != "waiting":
+        scheduler.cancel("other")
+        tick(scheduler, runner, outputs)  # "other" cancelled from waiting; "victim" admitted
+    ticks = {"waiting": 1, "prefilling": 1, "decoding": 7}[state]  # 20 tokens / 4 = 5 chunks
+    for _ in range(ticks):
+        tick(scheduler, runner, outputs)
+    assert scheduler.waiting_request_ids == (("victim",) if state == "waiting" else ())
+    num_tokens_before = len(outputs.get(("victim", 0), None).token_ids) if state == "decoding" else 0
+    assert (num_tokens_before > 0) == (state == "decoding")
+    aborted_before = scheduler.aborted
+    scheduler.cancel("victim")
+    tick(scheduler, runner, outputs)
+    out = outputs[("victim", 0)]
+    assert out.finish_reason == "cancelled" and len(out.token_ids) == num_tokens_before, (
+        "a cancelled row ends at the next tick keeping the tokens it produced")
+    assert scheduler.aborted == aborted_before + 1, "aborted goes up by exactly one"
+    if state != "waiting":
+        assert scheduler.budget.num_held_blocks == 0 and scheduler.budget.num_reserved_blocks == 0, (
+            f"cancelling a {state} job frees its blocks within one tick")
+    scheduler.cancel("victim")
+    run_until_idle(scheduler, runner, outputs)
+    assert scheduler.aborted == aborted_before + 1, "a second cancel is harmless and not counted"
+
+
+def test_cancel_arriving_before_its_job_is_not_lost():
+    scheduler, runner = make()
+    scheduler.cancel("early")
+    tick(scheduler, runner, {})
+    scheduler.add_request(req("early"))
+    outputs = run_until_idle(scheduler, runner)
+    assert outputs[("early", 0)].finish_reason == "cancelled" and outputs[("early", 0)].token_ids == []
+    assert scheduler.aborted == 1 and not runner.plans, "the early-cancelled job never runs"
+
+
+def test_pending_cancel_expires_so_unknown_ids_do_not_pile_up():
+    now = [0.0]
+    scheduler, runner = make(clock=lambda: now[0])
+    scheduler.cancel("late")
+    tick(scheduler, runner, {})
+    now[0] += 61.0  # past PENDING_CANCEL_TTL_S
+    scheduler.add_request(req("late", 3, 2))
+    assert run_until_idle(scheduler, runner)[("late", 0)].finish_reason == "length", (
+        "a cancel older than the TTL no longer applies")
+
+
+def test_runner_failure_fails_the_steps_jobs_frees_blocks_and_later_jobs_run():
+    scheduler, runner = make(token_fn=letters_token_fn())
+    runner.fail_when = lambda plan: len(runner.plans) == 2
+    outputs = {}
+    scheduler.add_request(req("a", 3, 5))
+    scheduler.add_request(req("b", 3, 5))
+    tick(scheduler, runner, outputs)  # prefill a
+    tick(scheduler, runner, outputs)  # prefill b + decode a: fails
+    assert outputs[("a", 0)].finish_reason == "error" and outputs[("b", 0)].finish_reason == "error"
+    assert outputs[("a", 0)].events[-1].error == "scripted runner failure"
+    assert scheduler.budget.num_held_blocks == 0 and scheduler.budget.num_reserved_blocks == 0
+    scheduler.add_request(req("c", 3, 5))
+    assert run_until_idle(scheduler, runner, outputs)[("c", 0)].finish_reason == "length"
+
+
+def test_refusals_in_contract_order():
+    limits = SchedulerLimits(block_size=4, num_blocks=8, max_seqs=4, max_rows=4,
+                             max_chunk_tokens=8, max_context=40)
+    # 30 + 20 = 50 > 40 tokens, and ceil(50 / 4) = 13 > 8 blocks: context length is checked first.
+    assert check_admission(req("x", 30, 20), limits)[0] == "context_length"
+    assert check_admission(req("x", 30, 10), limits)[0] == "too_large"  # ceil(40/4) = 10 > 8
+    assert check_admission(req("x", 2, 2, n=5), limits)[0] == "too_large"  # n=5 > max_seqs=4
+    assert check_admission(req("x", 30, 2), limits) is None  # ceil(32/4) = 8 blocks fit
+
+
+# -- the stateful property test ---------------------------------------------------------
+
+LIMITS = SchedulerLimits(block_size=4, num_blocks=16, max_seqs=4, max_rows=3,
+                         max_chunk_tokens=5, max_context=40)
+QUEUE_CAP = 5
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random submit / cancel / tick / runner-failure sequences against a model of FIFO."""
+
+    def __init__(self):
+        super().__init__()
+        self.runner = ScriptedRunner(block_size=4, num_blocks=17, max_rows=3, max_prefill_tokens=5,
+                                     token_fn=letters_token_fn(eos_period=7))
+        self.scheduler = Scheduler(LIMITS, ByteTokenizer())
+        self.fail_next = False
+        self.runner.fail_when = self._take_failure
+        self.outputs = {}
+        self.specs = {}
+        self.refused = {}
+        self.model_waiting = collections.deque()  # what FIFO admission must leave waiting
+        self.model_cancels = []  # cancels not yet applied by a schedule()
+        self.model_pending = set()  # cancels that arrived before their job
+        self.num_ids = 0
+        self.num_ticks = 0
+
+    def _take_failure(self, plan):
+        failed, self.fail_next = self.fail_next, False
+        return failed
+
+    @rule(prompt_len=st.integers(1, 30), max_tokens=st.integers(1, 16), n=st.integers(1, 3),
+          min_tokens=st.integers(0, 2), stop=st.sampled_from([(), ("ab",), ("q", "zz")]),
+          seed=st.integers(0, 3))
+    def submit(self, prompt_len, max_tokens, n, min_tokens, stop, seed):
+        request_id = f"r{self.num_ids}"
+        self.num_ids += 1
+        spec = req(request_id, prompt_len, max_tokens, n=n, min_tokens=min(min_tokens, max_tokens),
+                   stop=stop, sampling=SamplingParams(seed=seed))
+        refusal = check_admission(spec, LIMITS)
+        if refusal is None and self.scheduler.num_waiting >= QUEUE_CAP:
+            refusal = ("queue_full", "")
+        if refusal is not None:
+            self.refused[request_id] = refusal[0]
+            return
+        self.specs[request_id] = spec
+        self.scheduler.add_request(spec)
+        if request_id in self.model_pending:
+            self.model_pending.discard(request_id)
+        else:
+            self.model_waiting.append(request_id)
+
+    @rule(data=st.data())
+    def cancel(self, data):
+        choices = [*self.specs, f"r{self.num_ids}", "never-submitted"]
+        request_id = data.draw(st.sampled_from(choices))
+        self.scheduler.cancel(request_id)
+        self.model_cancels.append(request_id)
+
+    @rule()
+    def fail_next_step(self):
+        self.fail_next = True
+
+    @rule(num_ticks=st.integers(1, 6))
+    def run_ticks(self, num_ticks):
+        for _ in range(num_ticks):
+            self._tick()
+
+    def _tick(self):
+        for request_id in self.model_cancels:
+            if request_id in self.model_waiting:
+                self.model_waiting.remove(request_id)
+            elif request_id not in self.specs:
+                self.model_pending.add(request_id)
+        self.model_cancels.clear()
+        admitted_before = self.scheduler.num_admitted
+        tick(self.scheduler, self.runner, self.outputs)
+        for _ in range(self.scheduler.num_admitted - admitted_before):
+            self.model_waiting.popleft()
+        assert self.scheduler.waiting_request_ids == tuple(self.model_waiting), (
+            "admission must take jobs strictly from the head of the queue")
+        self.num_ticks += 1
+
+    @invariant()
+    def blocks_stay_within_budget(self):
+        budget = self.scheduler.budget
+        held = self.scheduler.held_block_ids()
+        assert len(held) == self.scheduler.num_held_blocks() == budget.num_held_blocks, (
+            "blocks counted from the rows must match the ids they hold and the pool")
+        assert budget.num_held_blocks <= budget.num_reserved_blocks, "rows hold beyond reservations"
+        assert held <= set(range(1, LIMITS.num_blocks + 1)), "block 0 or an id beyond the budget held"
+        assert budget.num_reserved_blocks <= LIMITS.num_blocks, "reservations beyond the budget"
+        assert self.scheduler.kv_blocks_peak <= LIMITS.num_blocks, "peak beyond the budget"
+
+    @rule()
+    def drain_and_check_every_job_ended_once(self):
+        for _ in range(2000):
+            if not self.scheduler.has_work:
+                break
+            self._tick()
+        assert not self.scheduler.has_work, "the scheduler did not go idle"
+        budget = self.scheduler.budget
+        assert budget.num_free_blocks == LIMITS.num_blocks and budget.num_held_blocks == 0, (
+            "an idle scheduler must hold no blocks and reserve none (leak)")
+        for request_id, spec in self.specs.items():
+            for index in range(spec.n):
+                out = self.outputs.get((request_id, index))
+                assert out is not None and out.num_final_events == 1, (
+                    f"{request_id}/{index} must end exactly once")
+        assert not any(rid in self.refused for rid, _ in self.outputs), "a refused job produced events"
+        reasons = collections.defaultdict(set)
+        for (request_id, _), out in self.outputs.items():
+            reasons[out.finish_reason].add(request_id)
+        assert self.scheduler.aborted == len(reasons["cancelled"]), "aborted counts cancelled jobs"
+        assert self.scheduler.num_failed_jobs == len(reasons["error"]), "failed jobs counted once"
+        num_rows = sum(spec.n for spec in self.specs.values())
+        num_ended = sum(self.scheduler.state_counts[state] for state in self.scheduler.state_counts
+                        if state.is_finished)
+        assert num_ended == num_rows, f"{num_ended} row endings for {num_rows} rows"
+
+    def teardown(self):
+        self.drain_and_check_every_job_ended_once()  # every example ends drained and checked
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
