@@ -107,9 +107,12 @@ class ModelRunner:
             positions[i, :n] = np.arange(row.start_pos, row.start_pos + n)
             valid[i, :n] = True
             needed = math.ceil((row.start_pos + n) / self.block_size)
-            if needed > min(len(row.block_ids), mb):
+            if needed > len(row.block_ids):
                 raise ValueError(f"row {row.row_id}: block table has {len(row.block_ids)} blocks "
                                  f"but positions up to {row.start_pos + n - 1} need {needed}")
+            if needed > mb:
+                raise ValueError(f"row {row.row_id}: position {row.start_pos + n - 1} is beyond the "
+                                 f"context ceiling of {self.max_context} tokens")
             tables[i, :needed] = row.block_ids[:needed]
             last[i] = n - 1
             if row.prompt_logprobs:
