@@ -34,7 +34,9 @@ class Choice:
         """Fold in one RowEvent; returns the logprob entries it brought."""
         if event.text:
             self.text.append(event.text)
-        self.num_tokens += len(event.token_ids)
+        # num_generated_tokens also counts a final stop token, which never appears in
+        # token_ids; OpenAI bills it, so usage follows the batcher's count.
+        self.num_tokens = max(self.num_tokens + len(event.token_ids), event.num_generated_tokens or 0)
         new = []
         if event.logprobs:
             for r in event.logprobs:
@@ -91,7 +93,9 @@ class CompletionShape:
                 out["top_logprobs"].append(None)
             else:
                 # OpenAI: the sampled token is always included, so up to top_k + 1 entries
-                tops = {self.tokens.text(t): lp for t, lp in top[: self.top_k]}
+                tops: dict[str, float] = {}
+                for t, lp in top[: self.top_k]:  # best first; tokens that print alike keep the best
+                    tops.setdefault(self.tokens.text(t), lp)
                 tops.setdefault(s, logprob)
                 out["top_logprobs"].append(tops)
             out["text_offset"].append(choice.lp_offset)

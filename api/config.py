@@ -3,8 +3,10 @@
 Each setting is a CLI flag and an environment variable (the ferrox-server contract's
 names where it has one: FERROX_MODEL_PATH, FERROX_ADDR, FERROX_API_KEY, FERROX_CB_*).
 Precedence: flag > variable > default. This module is the only place in `api/` that
-reads the environment (STYLE §8); `api/cli.py` turns the merged values into
-`ServerConfig` (HTTP concerns, below) and the engine's `EngineConfig`/`BatcherConfig`.
+reads the environment (STYLE §8); the FERROX_CB_* variables are read by
+`ferrox_jax.config.BatcherConfig.from_env`, which takes the flags as overrides.
+`api/cli.py` turns the merged values into `ServerConfig` (HTTP concerns, below) and the
+engine's `EngineConfig` / `BatcherConfig`.
 Invalid values stop start-up with a message naming the variable or the field.
 """
 
@@ -138,6 +140,7 @@ class Setting:
     default: Any
     help: str
     flag: str = ""  # defaults to --name-with-dashes
+    batcher: bool = False  # a FERROX_CB_* variable: read by BatcherConfig.from_env, not here
 
     @property
     def cli_flag(self) -> str:
@@ -151,19 +154,22 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("served_model_name", "FERROX_SERVED_MODEL_NAME", _str, None,
             "model id clients send (default: the checkpoint's file or folder stem)"),
     Setting("dtype", "FERROX_DTYPE", _str, None, "float32 or bfloat16 (default: per platform)"),
-    Setting("block_size", "FERROX_CB_KV_BLOCK_SIZE", _positive_int, None, "KV positions per block"),
+    Setting("block_size", "FERROX_CB_KV_BLOCK_SIZE", _positive_int, None, "KV positions per block", batcher=True),
     Setting("kv_blocks", "FERROX_CB_KV_BLOCKS", _positive_int, None,
-            "KV blocks (default: derived from the memory budget)"),
+            "KV blocks (default: derived from the memory budget)", batcher=True),
     Setting("kv_memory_gib", "FERROX_KV_MEMORY_GIB", _positive_float, None, "KV cache memory budget in GiB"),
     Setting("max_context", "FERROX_CB_MAX_CONTEXT", _positive_int, None,
-            "per-request context ceiling in tokens (default: the model's trained context, within budget)"),
+            "per-request context ceiling in tokens (default: the model's trained context, within budget)",
+            batcher=True),
     Setting("compile_cache_dir", "FERROX_COMPILE_CACHE_DIR", _str, None,
             "JAX persistent compilation cache (default: ~/.cache/ferrox_jax/jax; 'off' disables)"),
     # batcher (BatcherConfig)
     Setting("max_seqs", "FERROX_CB_MAX_SEQS", _positive_int, None,
-            "rows (prefilling + decoding) at once (default: the largest row bucket)"),
-    Setting("prefill_chunk", "FERROX_CB_PREFILL_CHUNK", _positive_int, 128, "prompt tokens per tick"),
-    Setting("max_queue", "FERROX_CB_MAX_QUEUE", _positive_int, 512, "waiting jobs before 503"),
+            "rows (prefilling + decoding) at once (default: the largest row bucket)", batcher=True),
+    Setting("prefill_chunk", "FERROX_CB_PREFILL_CHUNK", _positive_int, None, "prompt tokens per tick (default 128)",
+            batcher=True),
+    Setting("max_queue", "FERROX_CB_MAX_QUEUE", _positive_int, None, "waiting jobs before 503 (default 512)",
+            batcher=True),
     # server (ServerConfig)
     Setting("addr", "FERROX_ADDR", _str, None, "host:port (overridden by --host/--port)"),
     Setting("host", "FERROX_HOST", _str, None, f"bind address (default {DEFAULT_HOST})"),
@@ -195,7 +201,7 @@ def env_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     environ = os.environ if environ is None else environ
     out: dict[str, Any] = {}
     for s in SETTINGS:
-        text = environ.get(s.env)
+        text = None if s.batcher else environ.get(s.env)
         if text is None:
             out[s.name] = s.default
             continue

@@ -133,10 +133,10 @@ class _SnapshotCollector:
         total, free = d.get("kv_blocks_total") or 0, d.get("kv_blocks_free") or 0
         yield GaugeMetricFamily("ferrox_kv_usage_fraction", "reserved KV blocks / total (0 when unbudgeted)",
                                 value=(total - free) / total if total else 0.0)
-        waiting = d.get("queue_depth") or 0
-        yield GaugeMetricFamily("ferrox_requests_waiting", "jobs waiting for admission", value=float(waiting))
-        running = d.get("num_running", max(server.generating_now - waiting, 0))
-        yield GaugeMetricFamily("ferrox_requests_running", "jobs admitted and generating", value=float(running))
+        yield GaugeMetricFamily("ferrox_requests_waiting", "jobs waiting for admission",
+                                value=float(d.get("queue_depth") or 0))
+        yield GaugeMetricFamily("ferrox_requests_running", "rows holding a slot (prefilling or decoding)",
+                                value=float(d.get("running_rows") or 0))
         yield CounterMetricFamily("ferrox_recompiles_after_warmup", "bucket compilations after warm-up",
                                   value=float(recompiles))
         yield CounterMetricFamily("ferrox_requests", "HTTP requests (observability routes excluded)",
@@ -163,5 +163,7 @@ class Metrics:
                              registry=self.registry)
         self.e2e = Histogram("ferrox_e2e_request_latency_seconds", "submit to the last row's finish",
                              buckets=latency + (120.0, 300.0), registry=self.registry)
-        self.queue = Histogram("ferrox_queue_time_seconds", "submit to admission (first event of the job)",
+        # The batcher reports no admission time per job; its first event (admitted,
+        # prefilled, first token sampled) is the closest the API sees.
+        self.queue = Histogram("ferrox_queue_time_seconds", "submit to the job's first event",
                                buckets=latency, registry=self.registry)

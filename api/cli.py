@@ -1,0 +1,243 @@
+"""The `ferrox` console script: `ferrox serve` (the HTTP server) and `ferrox generate` (one prompt).
+
+It sits on the top floor (STYLE §1): it wires `api/` and the engine together. Every
+`serve` setting is a flag and a FERROX_* variable (api/config.py holds the table).
+
+`serve` starts Hypercorn first, so `/health` answers `loading` (503) while the weights
+load and every bucket compiles (progress bars on stderr), then `ready`; one log block
+names the model, dtype, devices, KV blocks and bytes, buckets and URL. SIGTERM/SIGINT
+drain: /health and new work turn 503, in-flight requests get `--shutdown-timeout`
+seconds, the rest are cancelled, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import queue
+import signal
+import sys
+from typing import Any, Sequence
+
+from api.config import DEFAULT_HOST, DEFAULT_PORT, SETTINGS, ServerConfig, env_defaults, split_addr
+
+logger = logging.getLogger("ferrox")
+
+DEFAULT_COMPILE_CACHE = os.path.join("~", ".cache", "ferrox_jax", "jax")
+
+
+def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    defaults = env_defaults(environ)
+    parser = argparse.ArgumentParser(prog="ferrox", description="OpenAI-compatible LLM server on JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the HTTP server",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for s in SETTINGS:
+        if s.parse.__name__ == "_bool":
+            serve.add_argument(s.cli_flag, dest=s.name, action="store_true", default=defaults[s.name],
+                               help=f"{s.help} [{s.env}]")
+            continue
+        serve.add_argument(s.cli_flag, dest=s.name, type=s.parse, default=defaults[s.name],
+                           help=f"{s.help} [{s.env}]", metavar=s.name.upper())
+    gen = sub.add_parser("generate", help="generate from one prompt and print the text")
+    gen.add_argument("prompt", help="prompt text (a user message with --chat)")
+    gen.add_argument("--model", default=defaults["model"], help="HF folder, .gguf, or 'default'")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", default=defaults["dtype"])
+    gen.add_argument("--kv-memory-gib", type=float, default=0.25, help="KV cache budget (one request needs little)")
+    gen.add_argument("--log-level", default="warning")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return serve(args)
+    return generate(args)
+
+
+# ---------------------------------------------------------------- configs from arguments
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    host, port = split_addr(args.addr) if args.addr else (DEFAULT_HOST, DEFAULT_PORT)
+    try:
+        return ServerConfig(
+            host=args.host or host, port=args.port or port, api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_stop_strings=args.max_stop_strings,
+            max_stop_chars=args.max_stop_chars, cors_origins=tuple(args.cors_origins),
+            rate_limit_per_minute=args.rate_limit_per_minute,
+            allow_unauthenticated_remote=args.allow_unauthenticated_remote, tls_cert=args.tls_cert,
+            tls_key=args.tls_key, shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
+    except ValueError as e:
+        raise SystemExit(f"ferrox serve: {e}") from None
+
+
+def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
+    from ferrox_jax.config import BatcherConfig
+    from ferrox_jax.engine import EngineConfig
+
+    try:
+        batcher = BatcherConfig.from_env(
+            max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
+            kv_block_size=args.block_size, kv_blocks=args.kv_blocks, max_context=args.max_context)
+        cache = args.compile_cache_dir or os.path.expanduser(DEFAULT_COMPILE_CACHE)
+        extra = {"kv_memory_gib": args.kv_memory_gib} if args.kv_memory_gib else {}
+        engine = EngineConfig(
+            model=args.model, dtype=args.dtype, block_size=batcher.kv_block_size or 16,
+            served_model_name=args.served_model_name,
+            compile_cache_dir=None if cache == "off" else cache, **extra)
+    except ValueError as e:
+        raise SystemExit(f"ferrox serve: {e}") from None
+    return engine, batcher
+
+
+# ---------------------------------------------------------------- serve
+
+
+def load_engine(engine_config: Any, batcher_config: Any, url: str) -> Any:
+    """Load, warm up (progress bars on stderr) and start the engine; log the start-up block."""
+    from tqdm import tqdm
+
+    from ferrox_jax.engine import Engine
+
+    with tqdm(desc="loading weights", unit="tensor", file=sys.stderr, leave=False) as bar:
+        engine = Engine.load(engine_config, batcher_config, progress=lambda _name: bar.update(1))
+    bar = tqdm(desc="compiling buckets", unit="shape", file=sys.stderr, leave=False)
+
+    def on_compile(done: int, total: int, _key: Any) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    try:
+        engine.warmup(on_compile)
+    finally:
+        bar.close()
+    engine.start()
+    info = engine.describe()
+    lines = [f"  {key}: {value}" for key, value in info.items()]
+    lines.append(f"  load: {engine.load_s:.1f} s, warm-up: {engine.warmup_s or 0:.1f} s")
+    lines.append(f"  serving {info['model']!r} at {url}/v1 (health: {url}/health)")
+    logger.info("ferrox_jax ready\n%s", "\n".join(lines))
+    return engine
+
+
+def serve(args: argparse.Namespace) -> int:
+    from hypercorn.asyncio import serve as hypercorn_serve
+
+    from api.app import create_app, drain, state_of
+
+    config = server_config(args)
+    engine_config, batcher_config = engine_configs(args)
+    app = create_app(lambda: load_engine(engine_config, batcher_config, config.url), config)
+    hc = hypercorn_config(config)
+    logger.info("ferrox serve: listening on %s, loading %s", config.url, engine_config.model)
+
+    async def run() -> int:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        exit_code = 0
+
+        draining: list[asyncio.Task] = []  # at most one drain, however many signals arrive
+
+        async def shutdown_on_signal() -> None:
+            logger.info("draining (up to %.0f s)", config.shutdown_timeout_s)
+            await drain(app, config.shutdown_timeout_s)
+            stop.set()
+
+        def on_signal() -> None:
+            if not draining:
+                draining.append(loop.create_task(shutdown_on_signal()))
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+
+        async def trigger() -> None:
+            nonlocal exit_code
+            failed = asyncio.create_task(state_of(app).load_failed.wait())
+            stopped = asyncio.create_task(stop.wait())
+            done, pending = await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            if failed in done:
+                exit_code = 1
+
+        await hypercorn_serve(app, hc, shutdown_trigger=trigger)
+        return exit_code
+
+    return _run_loop(run())
+
+
+def hypercorn_config(config: ServerConfig) -> Any:
+    from hypercorn.config import Config
+
+    hc = Config()
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    hc.bind = [f"{host}:{config.port}"]
+    hc.loglevel = config.log_level.upper()
+    hc.accesslog = None
+    hc.graceful_timeout = 5.0  # the drain already waited; this only closes idle connections
+    hc.h11_max_incomplete_size = 64 * 1024  # request line + headers
+    if config.tls_cert:
+        hc.certfile, hc.keyfile = config.tls_cert, config.tls_key
+    return hc
+
+
+def _run_loop(coro: Any) -> int:
+    try:
+        import uvloop
+    except ImportError:  # Windows, or not installed: the default loop works too
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+# ---------------------------------------------------------------- generate
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Load the model, generate for one prompt and stream the text to stdout."""
+    from ferrox_jax.batcher import GenerationRequest
+    from ferrox_jax.config import BatcherConfig
+    from ferrox_jax.engine import Engine, EngineConfig
+    from ferrox_jax.plan import SamplingParams
+
+    engine = Engine.load(EngineConfig(model=args.model, dtype=args.dtype, kv_memory_gib=args.kv_memory_gib),
+                         BatcherConfig.from_env())
+    engine.start()
+    try:
+        tok = engine.tokenizer
+        if args.chat:
+            text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(args.prompt)
+        max_tokens = max(1, min(args.max_tokens, engine.max_context - len(ids)))
+        events: queue.Queue = queue.Queue()
+        req = GenerationRequest(request_id="generate-0", prompt_token_ids=tuple(ids), max_tokens=max_tokens,
+                                sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                                        seed=args.seed))
+        engine.batcher.submit(req, events.put)
+        while True:
+            ev = events.get()
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            if ev.finish_reason is not None:
+                sys.stdout.write("\n")
+                if ev.finish_reason == "error":
+                    print(f"ferrox generate: {ev.error}", file=sys.stderr)
+                    return 1
+                return 0
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
