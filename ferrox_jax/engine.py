@@ -22,7 +22,9 @@ from ferrox_jax.batcher import ContinuousBatcher
 from ferrox_jax.config import BatcherConfig
 from ferrox_jax.kv_cache import bytes_per_block
 from ferrox_jax.runner import ModelRunner
+from ferrox_jax.sharding import make_mesh, parse_mesh
 from models.loader import load_checkpoint
+from models.pallas_attention import ATTENTION_IMPLS
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +49,40 @@ class EngineConfig:
     max_rows: int = 32  # largest decode row bucket
     served_model_name: str | None = None
     compile_cache_dir: str | None = None
+    # ---- scale-out (ferrox_jax/sharding.py, docs/deploy-tpu.md) ----
+    tensor_parallel: int = 1  # devices on the mesh's "model" axis; 1 = no mesh
+    mesh: str | None = None  # "data=1,model=4" (overrides tensor_parallel; data must be 1)
+    replicate_attention: bool = False  # shard only MLP + vocab (heads need not divide)
+    attention_impl: str = "auto"  # decode attention: auto | jax | pallas | pallas-interpret
+    coordinator_address: str | None = None  # multi-host: "host:port", or "auto" on TPU pods
+    num_processes: int | None = None  # multi-host: processes in the cluster
+    process_id: int | None = None  # multi-host: this process's index
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """(data, model) sizes; (1, 1) means a single device and no mesh."""
+        return parse_mesh(self.mesh) if self.mesh else (1, self.tensor_parallel)
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel < 1:
+            raise ValueError(f"EngineConfig.tensor_parallel must be >= 1; got {self.tensor_parallel}")
+        try:
+            data, model = self.mesh_shape
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.mesh: {e}") from None
+        if self.mesh and self.tensor_parallel not in (1, model):
+            raise ValueError(f"EngineConfig.tensor_parallel {self.tensor_parallel} contradicts "
+                             f"EngineConfig.mesh {self.mesh!r} (model={model}); give one of them")
+        if data != 1:
+            raise ValueError(f"EngineConfig.mesh {self.mesh!r}: data={data} is not supported inside one "
+                             f"engine (one scheduler owns one KV block pool); run {data} replicas with "
+                             f"model={model} behind a load balancer (docs/deploy-tpu.md)")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"EngineConfig.attention_impl must be one of {', '.join(ATTENTION_IMPLS)}; "
+                             f"got {self.attention_impl!r}")
+        if self.coordinator_address not in (None, "auto") and (self.num_processes is None or self.process_id is None):
+            raise ValueError("EngineConfig.coordinator_address needs num_processes and process_id "
+                             "(or coordinator_address='auto' on a TPU pod)")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         for name in ("block_size", "max_rows"):
@@ -60,6 +94,31 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_memory_gib must be > 0; got {self.kv_memory_gib}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"EngineConfig.max_context must be >= 2; got {self.max_context}")
+
+
+def initialize_distributed(coordinator_address: str | None, num_processes: int | None = None,
+                           process_id: int | None = None) -> bool:
+    """`jax.distributed.initialize` when a coordinator is given; must run before any other
+    jax call. "auto" lets JAX discover the cluster (TPU pods, SLURM). Returns whether it ran."""
+    if not coordinator_address:
+        return False
+    if coordinator_address == "auto":
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                                   process_id=process_id)
+    log.info("jax.distributed: process %d of %d, %d global devices (%d local)", jax.process_index(),
+             jax.process_count(), jax.device_count(), jax.local_device_count())
+    return True
+
+
+def _host_device():
+    """Where to load weights before sharding them: host memory, so a model larger than one
+    chip never lands whole on device 0 (None if the CPU backend is disabled)."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
 
 
 def enable_compile_cache(path: str | None) -> None:
@@ -95,17 +154,32 @@ class Engine:
     def load(cls, config: EngineConfig, batcher_config: BatcherConfig | None = None,
              progress: Callable[[str], None] | None = None) -> "Engine":
         t0 = time.perf_counter()
+        initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"{jax.process_count()} JAX processes: multi-host serving needs every process to run "
+                "the same steps, and the scheduler does not broadcast its plans yet; run one engine "
+                "per host (docs/deploy-tpu.md, 'Multi-host')")
         enable_compile_cache(config.compile_cache_dir)
         dtype_name = config.dtype or default_dtype_name()
         dtype = DTYPES[dtype_name]
-        ckpt = load_checkpoint(config.model, dtype, progress=progress)
+        data, model_axis = config.mesh_shape
+        mesh = make_mesh(data, model_axis) if model_axis > 1 else None
+        host = _host_device() if mesh is not None else None
+        if host is not None:
+            with jax.default_device(host):
+                ckpt = load_checkpoint(config.model, dtype, progress=progress)
+        else:
+            ckpt = load_checkpoint(config.model, dtype, progress=progress)
         batcher_config = batcher_config or BatcherConfig()
         num_blocks, max_context, note = size_kv(config, batcher_config, ckpt.config, dtype)
         max_rows = min(config.max_rows, batcher_config.max_seqs or config.max_rows)
         prefill_chunk = min(batcher_config.prefill_chunk, max_context)
         runner = ModelRunner(ckpt.model, num_blocks=num_blocks, block_size=config.block_size,
                              max_rows=max_rows, max_prefill_tokens=prefill_chunk,
-                             max_context=max_context, kv_dtype=dtype)
+                             max_context=max_context, kv_dtype=dtype, mesh=mesh,
+                             replicate_attention=config.replicate_attention,
+                             attention_impl=config.attention_impl)
         batcher_config = dataclasses.replace(
             batcher_config, kv_block_size=config.block_size, kv_blocks=num_blocks, max_context=max_context)
         batcher = ContinuousBatcher(runner, ckpt.tokenizer, batcher_config)
@@ -134,6 +208,9 @@ class Engine:
                       f"({cfg.num_kv_heads} kv), vocab {cfg.vocab_size}",
             "dtype": str(jnp.dtype(self.runner.kv_dtype)),
             "devices": [str(d) for d in jax.devices()],
+            "mesh": None if self.runner.mesh is None else dict(self.runner.mesh.shape),
+            "replicate_attention": self.config.replicate_attention,
+            "attention": self.runner.attention_note,
             "kv_blocks": self.num_blocks,
             "block_size": self.block_size,
             "kv_bytes": self.num_blocks * self.kv_bytes_per_block,

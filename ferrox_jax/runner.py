@@ -12,8 +12,10 @@ in a single `jax.device_get`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
+import os
 import time
 from typing import Callable
 
@@ -26,8 +28,10 @@ from ferrox_jax.buckets import Buckets, pick
 from ferrox_jax.kv_cache import KVCache, copy_blocks, create_kv_cache
 from ferrox_jax.plan import RowResult, RowStep, StepOutput, StepPlan
 from ferrox_jax.sampling import SamplingBatch, host_sampling_batch
-from ferrox_jax.step import StepBatch, decode_step, logits_step, prefill_step
+from ferrox_jax.sharding import jit_steps, runner_shardings
+from ferrox_jax.step import STEP_BODIES, StepBatch, decode_step, logits_step, prefill_step
 from models.attention import ATTENTION_CHUNK_BLOCKS
+from models.pallas_attention import select_decode_attention
 
 log = logging.getLogger(__name__)
 COPY_BATCH = 8  # block copies are padded to this many pairs (0 -> 0 is a no-op copy)
@@ -41,10 +45,13 @@ class ModelRunner:
     """Device side of the engine (implements `ferrox_jax.plan.Runner`)."""
 
     def __init__(self, model, num_blocks: int, block_size: int, max_rows: int,
-                 max_prefill_tokens: int, max_context: int, kv_dtype=None):
+                 max_prefill_tokens: int, max_context: int, kv_dtype=None, mesh=None,
+                 replicate_attention: bool = False, attention_impl: str = "auto"):
+        """`mesh` (ferrox_jax/sharding.py): place weights and KV with NamedShardings and jit
+        the steps with explicit in/out shardings; None keeps everything on one device.
+        `attention_impl`: decode attention choice (models/pallas_attention.py)."""
         cfg = model.cfg
         self.cfg = cfg
-        self.graphdef, self.state = nnx.split(model)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_rows = max_rows
@@ -55,8 +62,23 @@ class ModelRunner:
         # Fixed block-table width: enough for max_context, a multiple of attention's chunk.
         self.max_blocks_per_row = _round_up(math.ceil(max_context / block_size), ATTENTION_CHUNK_BLOCKS)
         self.buckets = Buckets.derive(max_rows, max_prefill_tokens)
-        self.kv_cache: KVCache = create_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_blocks,
-                                                 block_size, cfg.head_dim, self.kv_dtype)
+        # ---- sharding and attention choice (issue 6) ----
+        self.mesh = mesh
+        model.decode_attention, self.attention_note = select_decode_attention(
+            attention_impl, head_dim=cfg.head_dim, block_size=block_size,
+            max_blocks_per_row=self.max_blocks_per_row, mesh=mesh, kv_sharded=not replicate_attention)
+        log.info("%s", self.attention_note)
+        self.graphdef, self.state = nnx.split(model)
+        self.shardings = None if mesh is None else runner_shardings(mesh, cfg, self.state, replicate_attention)
+        if self.shardings is not None:
+            self.state = jax.device_put(self.state, self.shardings.state)
+            self._steps = jit_steps(STEP_BODIES, self.shardings, cfg.num_layers)
+        else:
+            self._steps = {"prefill": prefill_step, "decode": decode_step, "logits": logits_step}
+        self.kv_cache: KVCache = create_kv_cache(
+            cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim, self.kv_dtype,
+            sharding=None if self.shardings is None else self.shardings.kv_array)
+        # ---- end sharding ----
         self._compiled: dict[tuple, Callable] = {}
         self.is_warm = False
         self.recompiles_after_warmup = 0
@@ -68,20 +90,31 @@ class ModelRunner:
             if self.is_warm:
                 self.recompiles_after_warmup += 1
                 log.warning("compiling shape %s after warm-up (recompile #%d)", key, self.recompiles_after_warmup)
-            step = prefill_step if key[0] == "prefill" else decode_step
+            step = self._steps["prefill" if key[0] == "prefill" else "decode"]
             exe = step.lower(self.graphdef, self.state, self.kv_cache, batch).compile()
             self._compiled[key] = exe
         return exe
 
-    def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> float:
-        """Compile every bucket; returns seconds taken. Nothing is executed."""
+    def warmup(self, progress: Callable[[int, int, tuple], None] | None = None,
+               num_threads: int | None = None) -> float:
+        """Compile every bucket ahead of time; returns seconds taken. Nothing is executed.
+
+        XLA compiles release the GIL, so buckets compile on one thread per core.
+        """
         t0 = time.perf_counter()
-        keys = self.buckets.keys()
-        for i, key in enumerate(keys):
+        keys = [k for k in self.buckets.keys() if k not in self._compiled]
+        num_threads = num_threads or min(len(keys), os.cpu_count() or 1) or 1
+
+        def compile_one(key):
             kind, b, t = key
-            self._executable(key, self._dummy_batch(b, t))
-            if progress:
-                progress(i + 1, len(keys), key)
+            step = self._steps["prefill" if kind == "prefill" else "decode"]
+            return key, step.lower(self.graphdef, self.state, self.kv_cache, self._dummy_batch(b, t)).compile()
+
+        with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
+            for i, (key, exe) in enumerate(pool.map(compile_one, keys)):
+                self._compiled[key] = exe
+                if progress:
+                    progress(i + 1, len(keys), key)
         copy_blocks.lower(self.kv_cache, jnp.zeros(COPY_BATCH, jnp.int32), jnp.zeros(COPY_BATCH, jnp.int32)).compile()
         self.is_warm = True
         return time.perf_counter() - t0
@@ -191,7 +224,7 @@ class ModelRunner:
         and return each row's logits f32[len(token_ids), V]. Shapes are not bucketed."""
         t = max(len(r.token_ids) for r in rows)
         batch = self._to_device(self._host_batch(list(rows), len(rows), t))
-        self.kv_cache, logits = logits_step(self.graphdef, self.state, self.kv_cache, batch)
+        self.kv_cache, logits = self._steps["logits"](self.graphdef, self.state, self.kv_cache, batch)
         logits = np.asarray(jax.device_get(logits))
         return [logits[i, : len(r.token_ids)] for i, r in enumerate(rows)]
 

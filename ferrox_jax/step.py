@@ -83,10 +83,18 @@ decode_step = jax.jit(functools.partial(_step, is_prefill=False), static_argnums
                       donate_argnames=("kv_cache",))
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnames=("kv_cache",))
-def logits_step(graphdef, state, kv_cache: KVCache, batch: StepBatch):
+def _logits(graphdef, state, kv_cache: KVCache, batch: StepBatch):
     """Offline variant for parity checks: the logits f32[B, T, V] at every new position."""
     model = nnx.merge(graphdef, state)
     hidden, k, v = model(batch.tokens, batch.positions, batch.valid, kv_cache.k, kv_cache.v,
                          batch.block_tables)
     return KVCache(k=k, v=v), model.logits(hidden)
+
+
+logits_step = jax.jit(_logits, static_argnums=(0,), donate_argnames=("kv_cache",))
+
+# The unjitted bodies, for a runner on a mesh that jits them with its own explicit
+# in/out shardings (ferrox_jax/sharding.py: jit_steps).
+STEP_BODIES = {"prefill": functools.partial(_step, is_prefill=True),
+               "decode": functools.partial(_step, is_prefill=False),
+               "logits": _logits}

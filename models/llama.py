@@ -100,8 +100,9 @@ class DecoderLayer(nnx.Module):
         self.up_proj = _param(rngs, (d, f), dtype)
         self.down_proj = _param(rngs, (f, d), dtype)
 
-    def __call__(self, x, positions, valid, k_cache, v_cache, block_tables, inv_freq, cfg: ModelConfig):
-        """x: [B, T, D] -> ([B, T, D], k_cache, v_cache)."""
+    def __call__(self, x, positions, valid, k_cache, v_cache, block_tables, inv_freq, cfg: ModelConfig,
+                 decode_attention=None):
+        """x: [B, T, D] -> ([B, T, D], k_cache, v_cache). decode_attention: see LlamaModel."""
         b, t, _ = x.shape
         h = rms_norm(x, self.input_norm[...], cfg.rms_norm_eps)
         q = h @ self.q_proj[...]
@@ -113,7 +114,8 @@ class DecoderLayer(nnx.Module):
         k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
         v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions, valid, block_tables)
-        attn = paged_attention(q, k_cache, v_cache, block_tables, positions, 1.0 / math.sqrt(cfg.head_dim))
+        attend = decode_attention if decode_attention is not None and t == 1 else paged_attention
+        attn = attend(q, k_cache, v_cache, block_tables, positions, 1.0 / math.sqrt(cfg.head_dim))
         x = x + attn.reshape(b, t, -1).astype(x.dtype) @ self.o_proj[...]
         h = rms_norm(x, self.post_attn_norm[...], cfg.rms_norm_eps)
         x = x + (jax.nn.silu(h @ self.gate_proj[...]) * (h @ self.up_proj[...])) @ self.down_proj[...]
@@ -134,6 +136,9 @@ class LlamaModel(nnx.Module):
         self.inv_freq = nnx.Variable(
             jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         )
+        # Static (part of the graphdef): None = pure-JAX paged attention everywhere, else a
+        # hashable callable used for one-query-per-row steps (models/pallas_attention.py).
+        self.decode_attention = None
 
     def __call__(self, tokens, positions, valid, k_caches, v_caches, block_tables):
         """Run the decoder over new tokens, writing their K/V into the paged cache.
@@ -152,7 +157,8 @@ class LlamaModel(nnx.Module):
         x = self.embed[...][tokens]
         new_k, new_v = [], []
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
-            x, k_cache, v_cache = layer(x, positions, valid, k_cache, v_cache, block_tables, inv_freq, cfg)
+            x, k_cache, v_cache = layer(x, positions, valid, k_cache, v_cache, block_tables, inv_freq, cfg,
+                                        self.decode_attention)
             new_k.append(k_cache)
             new_v.append(v_cache)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)

@@ -1,0 +1,208 @@
+"""Tensor parallelism on a `jax.sharding.Mesh`: which axis of which array lives where.
+
+One engine serves from one mesh with two named axes, `("data", "model")`. Weights, the
+KV cache and activations are split over `model` (Megatron-style: column-parallel
+q/k/v and gate/up, row-parallel o_proj and down_proj, vocab-parallel embedding and LM
+head), and XLA's SPMD partitioner inserts the collectives: one all-reduce after
+o_proj and one after down_proj per layer, plus the vocab reductions. Batch inputs and
+step results are replicated (every device sees the whole StepBatch; the host reads
+the results once).
+
+    param                       shape        spec                 (replicate_attention)
+    embed                       [V, D]       P("model", None)     same
+    q_proj / k_proj / v_proj    [D, H*hd]    P(None, "model")     P()
+    q_bias / k_bias / v_bias    [H*hd]       P("model")           P()
+    o_proj                      [H*hd, D]    P("model", None)     P()
+    gate_proj / up_proj         [D, F]       P(None, "model")     same
+    down_proj                   [F, D]       P("model", None)     same
+    lm_head                     [D, V]       P(None, "model")     same
+    norms, inv_freq             [D], [hd/2]  P()                  same
+    KV cache, per layer         [K, N, bs, hd]  P("model", ...)   P()
+
+Splitting q/k/v columns over `model` splits whole heads (columns are head-major), so
+each device owns H/M query heads and K/M KV heads and attends locally; this needs
+M | H and M | K. `replicate_attention=True` relaxes that: attention weights and the KV
+cache are replicated and only the MLP and vocab are split. The default SmolLM2-135M
+needs it (9 heads, 3 KV heads: no M > 1 in {2, 4, 8} divides both); its MLP is ~2/3 of
+the weights, so it still spreads most of the bytes read per decode step.
+
+`data` must be 1: the scheduler owns one KV block pool and one set of block tables, so a
+second batch shard would need its own pool; we run replicas instead
+(docs/deploy-tpu.md says why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models.config import ModelConfig
+
+DATA_AXIS = "data"
+MODEL_AXIS = "model"
+MESH_AXES = (DATA_AXIS, MODEL_AXIS)
+
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")  # [in, out]: split out
+_ROW = ("o_proj", "down_proj", "embed")  # split the first axis
+_BIAS = ("q_bias", "k_bias", "v_bias")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj") + _BIAS
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """"data=1,model=4" -> (1, 4). Either axis may be omitted (it is then 1)."""
+    sizes = {DATA_AXIS: 1, MODEL_AXIS: 1}
+    seen = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or name not in sizes:
+            raise ValueError(f"mesh {text!r}: expected comma-separated data=D,model=M; got {part!r}")
+        if name in seen:
+            raise ValueError(f"mesh {text!r}: axis {name!r} given twice")
+        seen.add(name)
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise ValueError(f"mesh {text!r}: size of {name!r} must be an integer; got {value!r}") from None
+        if sizes[name] < 1:
+            raise ValueError(f"mesh {text!r}: size of {name!r} must be >= 1; got {sizes[name]}")
+    return sizes[DATA_AXIS], sizes[MODEL_AXIS]
+
+
+def make_mesh(data: int, model: int, devices=None) -> Mesh:
+    """A ("data", "model") mesh over the first data*model devices (all processes' devices).
+
+    Raises ValueError when data > 1 (see the module docstring) or devices are too few.
+    """
+    if data != 1:
+        raise ValueError(
+            f"mesh data={data}: data parallelism inside one engine is not supported (the scheduler "
+            f"owns one KV block pool); run {data} replicas, each with model={model}, behind a load "
+            f"balancer (docs/deploy-tpu.md)")
+    devices = list(jax.devices() if devices is None else devices)
+    if model > len(devices):
+        raise ValueError(f"mesh model={model} needs {model} devices; only {len(devices)} available "
+                         f"({devices[0].platform})")
+    return Mesh(np.asarray(devices[: data * model]).reshape(data, model), MESH_AXES)
+
+
+def check_divisibility(cfg: ModelConfig, model_axis: int, replicate_attention: bool) -> None:
+    """Raise ValueError naming the numbers when a split axis does not divide by model_axis."""
+    if model_axis == 1:
+        return
+    if not replicate_attention:
+        for what, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)):
+            if n % model_axis:
+                raise ValueError(
+                    f"tensor parallelism {model_axis} does not divide the model's {what} {n} "
+                    f"(num_heads {cfg.num_heads}, num_kv_heads {cfg.num_kv_heads}); choose a size "
+                    f"dividing both, or pass --replicate-attention to shard only the MLP and vocab")
+    for what, n in (("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+        if n % model_axis:
+            raise ValueError(f"tensor parallelism {model_axis} does not divide the model's {what} {n}")
+
+
+def param_partition_spec(name: str, shape: tuple[int, ...], cfg: ModelConfig,
+                         replicate_attention: bool = False) -> P:
+    """PartitionSpec of one parameter, by its name in the `models/llama.py` table.
+
+    `name` is the dotted state path ("layers.3.q_proj", "embed"); `cfg` is unused by the
+    rules today but is part of the signature so a future rule (e.g. by head count) has it.
+    """
+    del cfg
+    leaf = name.split(".")[-1]
+    if replicate_attention and leaf in _ATTENTION:
+        return P()
+    if leaf in _COLUMN and len(shape) == 2:
+        return P(None, MODEL_AXIS)
+    if leaf in _ROW and len(shape) == 2:
+        return P(MODEL_AXIS, None)
+    if leaf in _BIAS and len(shape) == 1:
+        return P(MODEL_AXIS)
+    return P()  # norms, inv_freq, anything unknown: replicated
+
+
+def kv_partition_spec(replicate_attention: bool = False) -> P:
+    """Per-layer KV array [K, N, bs, hd] (layout: kv_cache.py): KV heads over `model`."""
+    return P() if replicate_attention else P(MODEL_AXIS, None, None, None)
+
+
+def _state_name(path) -> str:
+    """nnx.State key path -> dotted parameter name (drops the trailing `.value`)."""
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+    return ".".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerShardings:
+    """Everything a ModelRunner needs to place arrays and compile its steps on a mesh."""
+
+    mesh: Mesh
+    state: object  # pytree of NamedSharding matching the runner's nnx.State
+    kv_array: NamedSharding  # one per-layer K or V array
+    replicated: NamedSharding  # batches and results
+    replicate_attention: bool
+
+    @property
+    def model_axis_size(self) -> int:
+        return self.mesh.shape[MODEL_AXIS]
+
+
+def runner_shardings(mesh: Mesh, cfg: ModelConfig, state, replicate_attention: bool = False) -> RunnerShardings:
+    """Shardings for an nnx.State (from `nnx.split(model)`) and the KV cache on `mesh`."""
+    check_divisibility(cfg, mesh.shape[MODEL_AXIS], replicate_attention)
+
+    def spec(path, leaf):
+        return NamedSharding(mesh, param_partition_spec(_state_name(path), leaf.shape, cfg, replicate_attention))
+
+    return RunnerShardings(
+        mesh=mesh,
+        state=jax.tree_util.tree_map_with_path(spec, state),
+        kv_array=NamedSharding(mesh, kv_partition_spec(replicate_attention)),
+        replicated=NamedSharding(mesh, P()),
+        replicate_attention=replicate_attention,
+    )
+
+
+def kv_cache_shardings(shardings: RunnerShardings, num_layers: int):
+    """A KVCache-shaped pytree of shardings (for in/out_shardings)."""
+    from ferrox_jax.kv_cache import KVCache
+
+    per_layer = (shardings.kv_array,) * num_layers
+    return KVCache(k=per_layer, v=per_layer)
+
+
+def jit_steps(step_fns: dict, shardings: RunnerShardings | None, num_layers: int) -> dict:
+    """jax.jit each `fn(graphdef, state, kv_cache, batch) -> (kv_cache, out)` for this runner.
+
+    With shardings: state, KV (donated) and batch get explicit in_shardings, the KV comes
+    back with its own sharding (so the next step takes it without a reshard or recompile)
+    and the outputs come back replicated. Without: a plain jit (single device).
+    """
+    if shardings is None:
+        return {name: jax.jit(fn, static_argnums=(0,), donate_argnums=(2,)) for name, fn in step_fns.items()}
+    kv = kv_cache_shardings(shardings, num_layers)
+    rep = shardings.replicated
+    return {
+        name: jax.jit(fn, static_argnums=(0,), donate_argnums=(2,),
+                      in_shardings=(shardings.state, kv, rep), out_shardings=(kv, rep))
+        for name, fn in step_fns.items()
+    }
+
+
+def describe_sharding(array: jax.Array) -> dict:
+    """{"spec", "shard_shape", "num_shards"} of an array, for logs and tests."""
+    shapes = {tuple(s.data.shape) for s in array.addressable_shards}
+    return {"spec": str(getattr(array.sharding, "spec", array.sharding)),
+            "shard_shapes": sorted(shapes), "num_shards": len(array.addressable_shards)}

@@ -1,0 +1,147 @@
+"""Decode attention through JAX's Pallas TPU paged-attention kernel, and the choice of it.
+
+`jax.experimental.pallas.ops.tpu.paged_attention.paged_attention` reads the KV layout
+we already keep (`[K kv_heads, N num_blocks, bs block_size, hd]`, `ferrox_jax/kv_cache.py`;
+the kernel calls blocks "pages"), so decode steps can use it without copying: one query
+per row, `lengths = position + 1`, `page_indices = block_tables`. Prefill (T > 1 queries
+per row) stays on the pure-JAX `models.attention.paged_attention`; the kernel has no
+causal mask between new tokens.
+
+`select_decode_attention` decides per engine (the result is a static field of the model,
+so it is part of the compiled step's graphdef):
+
+    attention_impl   backend   constraints met   decode uses
+    "jax"            any       -                 pure JAX
+    "auto"           tpu       yes               Pallas kernel
+    "auto"           tpu       no                pure JAX (reason logged)
+    "auto"           cpu/gpu   -                 pure JAX (the kernel is Mosaic TPU code)
+    "pallas"         tpu       yes               Pallas kernel
+    "pallas"         tpu/other no / -            ValueError naming the unmet constraint
+    "pallas-interpret" any     -                 the kernel in Pallas TPU interpret mode
+                                                 (simulated on CPU; slow; tests only)
+
+Kernel constraints on real TPUs (Mosaic tiling; the upstream kernel test covers
+head_dim 128/256 and page sizes 16/32/64): head_dim a multiple of 128, block_size a
+multiple of 16, and `pages_per_compute_block` dividing the block-table width. The
+default SmolLM2-135M has head_dim 64, so it decodes with pure JAX even on TPU.
+
+On a mesh the kernel runs per device under `shard_map`: each device attends its own
+KV heads (KV sharded over "model") or all of them (replicate_attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+ATTENTION_IMPLS = ("auto", "jax", "pallas", "pallas-interpret")
+KERNEL_HEAD_DIM_MULTIPLE = 128
+KERNEL_BLOCK_SIZE_MULTIPLE = 16
+KERNEL_KEYS_PER_COMPUTE_BLOCK = 512  # keys one kernel iteration loads (the upstream test's choice)
+
+
+def pages_per_compute_block(block_size: int, max_blocks_per_row: int) -> int:
+    """Largest divisor of the table width with at most KERNEL_KEYS_PER_COMPUTE_BLOCK keys."""
+    limit = max(1, KERNEL_KEYS_PER_COMPUTE_BLOCK // block_size)
+    return max(d for d in range(1, min(limit, max_blocks_per_row) + 1) if max_blocks_per_row % d == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasDecodeAttention:
+    """Decode attention (one query per row) via the Pallas TPU kernel. Hashable: static.
+
+    Fields:
+      pages_per_compute_block: blocks per kernel iteration; divides the table width.
+      mesh: run under shard_map on this mesh (None: single device).
+      kv_sharded: KV heads split over the mesh's "model" axis (False: replicated).
+      interpret: trace the kernel in Pallas TPU interpret mode (CPU simulation).
+    """
+
+    pages_per_compute_block: int
+    mesh: Mesh | None = None
+    kv_sharded: bool = False
+    interpret: bool = False
+
+    def __call__(self, q, k_cache, v_cache, block_tables, positions, scale: float):
+        """Same contract as `models.attention.paged_attention` for T == 1.
+
+        Args:
+          q: [B, 1, H, hd] rotated queries; k_cache, v_cache: [K, N, bs, hd].
+          block_tables: i32[B, MB]; positions: i32[B, 1] (key s visible iff s <= position).
+        Returns:
+          f32[B, 1, H, hd].
+        """
+        b, t, num_heads, head_dim = q.shape
+        if t != 1:
+            raise ValueError(f"Pallas decode attention takes one query per row; got T={t}")
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache and v_cache must match; got {k_cache.shape} and {v_cache.shape}")
+        q1 = (q[:, 0].astype(jnp.float32) * scale).astype(q.dtype)  # the kernel does not scale
+        lengths = (positions[:, 0] + 1).astype(jnp.int32)
+        tables = block_tables.astype(jnp.int32)
+        kernel = self._kernel
+        if self.mesh is not None:
+            heads = "model" if self.kv_sharded else None
+            kernel = jax.shard_map(
+                kernel, mesh=self.mesh,
+                in_specs=(P(None, heads, None), P(heads, None, None, None), P(heads, None, None, None), P(), P()),
+                out_specs=P(None, heads, None), check_vma=False)
+        out = kernel(q1, k_cache, v_cache, lengths, tables)
+        return out.astype(jnp.float32).reshape(b, 1, num_heads, head_dim)
+
+    def _kernel(self, q, k_pages, v_pages, lengths, page_indices):
+        from jax.experimental.pallas import tpu as pltpu
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+        def call():
+            return paged_attention(q, k_pages, v_pages, lengths, page_indices,
+                                   pages_per_compute_block=self.pages_per_compute_block)
+
+        if self.interpret:
+            with pltpu.force_tpu_interpret_mode():
+                return call()
+        return call()
+
+
+def kernel_problems(head_dim: int, block_size: int, max_blocks_per_row: int, ppcb: int) -> list[str]:
+    """Unmet Mosaic constraints of the kernel on a real TPU (empty when it can run)."""
+    problems = []
+    if head_dim % KERNEL_HEAD_DIM_MULTIPLE:
+        problems.append(f"head_dim {head_dim} is not a multiple of {KERNEL_HEAD_DIM_MULTIPLE}")
+    if block_size % KERNEL_BLOCK_SIZE_MULTIPLE:
+        problems.append(f"block_size {block_size} is not a multiple of {KERNEL_BLOCK_SIZE_MULTIPLE}")
+    if max_blocks_per_row % ppcb:
+        problems.append(f"pages_per_compute_block {ppcb} does not divide the block-table width {max_blocks_per_row}")
+    return problems
+
+
+def select_decode_attention(impl: str, *, head_dim: int, block_size: int, max_blocks_per_row: int,
+                            backend: str | None = None, mesh: Mesh | None = None,
+                            kv_sharded: bool = False) -> tuple[PallasDecodeAttention | None, str]:
+    """Pick the decode attention for an engine; returns (None for pure JAX | kernel, why)."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}; got {impl!r}")
+    backend = backend or jax.default_backend()
+    ppcb = pages_per_compute_block(block_size, max_blocks_per_row)
+    if impl == "jax":
+        return None, "decode attention: pure JAX (attention_impl=jax)"
+    if impl == "pallas-interpret":
+        kernel = PallasDecodeAttention(ppcb, mesh, kv_sharded, interpret=True)
+        return kernel, f"decode attention: Pallas TPU kernel in interpret mode (pages_per_compute_block={ppcb})"
+    if backend != "tpu":
+        if impl == "pallas":
+            raise ValueError(f"attention_impl=pallas needs a TPU backend; this one is {backend!r} "
+                             f"(use auto or jax)")
+        return None, f"decode attention: pure JAX (backend {backend}; the Pallas kernel is TPU-only)"
+    problems = kernel_problems(head_dim, block_size, max_blocks_per_row, ppcb)
+    if problems:
+        if impl == "pallas":
+            raise ValueError("attention_impl=pallas: the Pallas TPU kernel cannot run this model: "
+                             + "; ".join(problems))
+        return None, "decode attention: pure JAX (Pallas kernel constraints unmet: " + "; ".join(problems) + ")"
+    return (PallasDecodeAttention(ppcb, mesh, kv_sharded),
+            f"decode attention: Pallas TPU kernel (pages_per_compute_block={ppcb}, "
+            f"{ppcb * block_size} keys per iteration)")

@@ -1,0 +1,262 @@
+"""Multi-device checks, run by tests/test_sharding.py in a subprocess.
+
+The pytest process stays single-device; this script sets
+`XLA_FLAGS=--xla_force_host_platform_device_count=8` before jax is imported (the test
+also passes it in the environment) so the CPU backend shows 8 devices. Each case
+prints one JSON object on the last stdout line with what it measured; the test asserts.
+
+    python tests/sharding_probe.py tiny      # tiny Llama, 8 heads / 8 KV heads, tp 1/2/4/8
+    python tests/sharding_probe.py default   # SmolLM2-135M, replicate_attention, tp 2/4/8
+    python tests/sharding_probe.py server    # HTTP end to end, tensor_parallel=2 vs 1
+    python tests/sharding_probe.py multihost COORD NPROC PID   # one process of a CPU cluster
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import json  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+SEED = 0
+BLOCK_SIZE = 8
+NUM_BLOCKS = 64
+TP_SIZES = (2, 4, 8)
+
+
+def tiny_config(num_heads=8, num_kv_heads=8):
+    """hidden 64 = 8 heads x head_dim 8; F 128 and V 256 divide 8 too."""
+    from models.config import ModelConfig
+
+    return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64 // num_heads,
+                       max_position_embeddings=512)
+
+
+def tiny_model(cfg):
+    """Random float32 weights (fixed seed) placed through the real build_model checks."""
+    from models.loaders.common import build_model, expected_params
+
+    rng = np.random.RandomState(SEED)
+    tensors = {}
+    for name, shape in expected_params(cfg).items():
+        is_norm = name.endswith("norm")
+        tensors[name] = (1.0 + 0.1 * rng.randn(*shape) if is_norm else 0.08 * rng.randn(*shape)).astype(np.float32)
+    return build_model(cfg, tensors)
+
+
+def _mesh(tp):
+    from ferrox_jax.sharding import make_mesh
+
+    return None if tp == 1 else make_mesh(1, tp)
+
+
+def prefill_then_decode_logits(runner, prompt, num_decode, blocks):
+    """Logits of a prefill (f32[len(prompt), V]) and of greedy decode steps (f32[num_decode, V])."""
+    from ferrox_jax.plan import RowStep
+
+    prefill = runner.run_logits([RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks,
+                                         sample=False)])[0]
+    tokens, decode = list(prompt), []
+    last = prefill[-1]
+    for _ in range(num_decode):
+        tokens.append(int(last.argmax()))
+        last = runner.run_logits([RowStep(row_id=0, token_ids=(tokens[-1],), start_pos=len(tokens) - 1,
+                                          block_ids=blocks, sample=False)])[0][-1]
+        decode.append(last)
+    return prefill, np.stack(decode)
+
+
+def _runner(model, tp, replicate_attention=False, attention_impl="auto", **kw):
+    from ferrox_jax.runner import ModelRunner
+
+    args = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_rows=4, max_prefill_tokens=32, max_context=128)
+    args.update(kw)
+    return ModelRunner(model, mesh=_mesh(tp), replicate_attention=replicate_attention,
+                       attention_impl=attention_impl, **args)
+
+
+def parity(model, prompt, num_decode, sizes, replicate_attention=False, attention_impl="auto"):
+    """{tp: {"prefill_err", "decode_err"}} against the unsharded runner."""
+    blocks = tuple(np.random.RandomState(1).permutation(np.arange(1, NUM_BLOCKS))[:8].tolist())
+    ref = prefill_then_decode_logits(_runner(model, 1), prompt, num_decode, blocks)
+    out = {}
+    for tp in sizes:
+        got = prefill_then_decode_logits(_runner(model, tp, replicate_attention, attention_impl), prompt,
+                                         num_decode, blocks)
+        out[tp] = {"prefill_err": float(np.abs(got[0] - ref[0]).max()),
+                   "decode_err": float(np.abs(got[1] - ref[1]).max()),
+                   "same_greedy": bool((got[1].argmax(-1) == ref[1].argmax(-1)).all())}
+    return out
+
+
+def placement(runner):
+    """Shard shapes of a few weights and the KV cache, as the test inspects them."""
+    from ferrox_jax.sharding import describe_sharding
+
+    state = runner.state
+    layer = state["layers"][0]
+    return {
+        "q_proj": describe_sharding(layer["q_proj"][...]),
+        "o_proj": describe_sharding(layer["o_proj"][...]),
+        "down_proj": describe_sharding(layer["down_proj"][...]),
+        "embed": describe_sharding(state["embed"][...]),
+        "input_norm": describe_sharding(layer["input_norm"][...]),
+        "kv_k0": describe_sharding(runner.kv_cache.k[0]),
+    }
+
+
+def mixed_workload(runner):
+    """Prefills of several lengths, decode batches of 1..4 rows, and block copies."""
+    from ferrox_jax.plan import RowStep, SamplingParams, StepPlan
+
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+    rng = np.random.RandomState(2)
+    ids = rng.permutation(np.arange(1, NUM_BLOCKS)).tolist()
+    rows = {}
+    for i, n in enumerate((1, 7, 8, 9, 31)):
+        blocks = tuple(ids[i * 8:(i + 1) * 8])
+        prompt = tuple(rng.randint(3, 250, n).tolist())
+        res = runner.run(StepPlan(prefill=(RowStep(row_id=i, token_ids=prompt, start_pos=0, block_ids=blocks,
+                                                   sample=True, sampling=greedy if i % 2 else sampled),)))
+        rows[i] = (blocks, n, res.results[i].token_id)
+    for num_rows in (1, 3, 4, 2):
+        plan_rows = []
+        for i in list(rows)[:num_rows]:
+            blocks, n, tok = rows[i]
+            plan_rows.append(RowStep(row_id=i, token_ids=(tok,), start_pos=n, block_ids=blocks, sample=True,
+                                     sampling=greedy))
+        res = runner.run(StepPlan(decode=tuple(plan_rows), block_copies=((ids[60], ids[61]),)))
+        for r in plan_rows:
+            blocks, n, _ = rows[r.row_id]
+            rows[r.row_id] = (blocks, n + 1, res.results[r.row_id].token_id)
+
+
+def case_tiny():
+    import jax
+
+    t0 = time.perf_counter()
+    model = tiny_model(tiny_config())
+    prompt = np.random.RandomState(3).randint(3, 250, 19).tolist()  # 19 = 2 blocks of 8 + 3
+    out = {"num_devices": len(jax.devices()), "parity": parity(model, prompt, 4, (1,) + TP_SIZES)}
+    # The Pallas TPU kernel (interpret mode) inside shard_map over 2 devices.
+    out["pallas_parity"] = parity(model, prompt, 2, (2,), attention_impl="pallas-interpret")
+    runner = _runner(model, 4)
+    out["placement_tp4"] = placement(runner)
+    runner.warmup()
+    mixed_workload(runner)
+    out["recompiles_after_warmup_tp4"] = runner.recompiles_after_warmup
+    out["kv_after_workload_tp4"] = placement(runner)["kv_k0"]
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def case_default():
+    import jax.numpy as jnp
+
+    from models.loader import load_checkpoint
+
+    t0 = time.perf_counter()
+    ckpt = load_checkpoint("default", jnp.float32)
+    prompt = ckpt.tokenizer.encode("The capital of France is")
+    out = {"parity": parity(ckpt.model, prompt, 3, TP_SIZES, replicate_attention=True)}
+    runner = _runner(ckpt.model, 8, replicate_attention=True)
+    out["placement_tp8"] = placement(runner)
+    out["config"] = {"num_heads": ckpt.config.num_heads, "num_kv_heads": ckpt.config.num_kv_heads}
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def case_server():
+    """Two engines (1 device, tensor_parallel=2) behind real servers; same greedy text."""
+    import httpx
+
+    from api.app import create_app
+    from ferrox_jax.config import BatcherConfig
+    from ferrox_jax.engine import Engine, EngineConfig
+    from tests.server_harness import ServerThread, api_checkpoint
+
+    t0 = time.perf_counter()
+    ckpt = api_checkpoint()
+    answers = {}
+    for tp in (1, 2):
+        engine = Engine.load(EngineConfig(model=str(ckpt), dtype="float32", block_size=16, kv_blocks=128,
+                                          max_context=256, max_rows=4, tensor_parallel=tp),
+                             BatcherConfig(max_seqs=4, max_queue=8, prefill_chunk=32))
+        engine.warmup()
+        engine.start()
+        try:
+            with ServerThread(create_app(engine)) as base:
+                comp = httpx.post(base + "/v1/completions", timeout=60, json={
+                    "model": engine.model_name, "prompt": "The quick brown fox", "max_tokens": 12,
+                    "temperature": 0})
+                chat = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+                    "model": engine.model_name, "messages": [{"role": "user", "content": "Hello world!"}],
+                    "max_tokens": 12, "temperature": 0})
+                stats = engine.batcher.stats()
+            answers[tp] = {"completion_status": comp.status_code, "chat_status": chat.status_code,
+                           "completion": comp.json()["choices"][0]["text"],
+                           "chat": chat.json()["choices"][0]["message"]["content"],
+                           "devices": engine.describe().get("mesh"),
+                           "recompiles": engine.runner.recompiles_after_warmup,
+                           "kv_shard_shapes": sorted({tuple(s.data.shape) for s in
+                                                      engine.runner.kv_cache.k[0].addressable_shards}),
+                           "stats_ok": stats is not None}
+        finally:
+            engine.shutdown()
+    return {"answers": answers, "seconds": time.perf_counter() - t0}
+
+
+def case_multihost(coordinator, num_processes, process_id):
+    """One process of a local CPU cluster: initialize, build a global mesh, psum across it."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    from ferrox_jax.engine import initialize_distributed
+
+    initialize_distributed(coordinator, int(num_processes), int(process_id))
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from ferrox_jax.sharding import make_mesh
+
+    mesh = make_mesh(1, len(jax.devices()))
+    sharding = NamedSharding(mesh, P(None, "model"))
+    local = np.arange(4 * len(jax.devices()), dtype=np.float32).reshape(4, -1)
+    x = jax.make_array_from_callback(local.shape, sharding, lambda idx: local[idx])
+    total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))(x)
+    out = {"process_index": jax.process_index(), "process_count": jax.process_count(),
+           "num_global_devices": len(jax.devices()), "num_local_devices": len(jax.local_devices()),
+           "sum": float(total), "expected_sum": float(local.sum())}
+    # The runner's sharded steps on a mesh spanning both processes; every process feeds the
+    # same rows (multi-controller JAX), as a plan-broadcasting follower loop would.
+    model = tiny_model(tiny_config())
+    prompt = np.random.RandomState(3).randint(3, 250, 19).tolist()
+    blocks = tuple(np.random.RandomState(1).permutation(np.arange(1, NUM_BLOCKS))[:8].tolist())
+    runner = _runner(model, len(jax.devices()))
+    prefill, decode = prefill_then_decode_logits(runner, prompt, 2, blocks)
+    ref_prefill, ref_decode = prefill_then_decode_logits(_runner(model, 1), prompt, 2, blocks)  # local device
+    out["kv_local_shard_shapes"] = sorted({tuple(s.data.shape) for s in runner.kv_cache.k[0].addressable_shards})
+    out["prefill_err"] = float(np.abs(prefill - ref_prefill).max())
+    out["decode_err"] = float(np.abs(decode - ref_decode).max())
+    return out
+
+
+def main(argv):
+    case = argv[1]
+    if case == "multihost":
+        result = case_multihost(*argv[2:5])
+    else:
+        result = {"tiny": case_tiny, "default": case_default, "server": case_server}[case]()
+    print(json.dumps(result, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
