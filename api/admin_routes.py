@@ -7,6 +7,8 @@ is. Both stats routes read the latest `BatcherStats` snapshot the owner thread p
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Blueprint, Response, current_app
 
@@ -39,8 +41,26 @@ async def metrics() -> Response:
 async def admin_stats() -> Response:
     state = state_of(current_app)
     batcher_stats = state.engine.batcher.stats() if state.engine is not None else None
-    body = {**stats_dict(batcher_stats), **state.stats.as_dict(), "state": state.health_state()}
+    body = {**stats_dict(batcher_stats), **state.stats.as_dict(), "state": state.health_state(),
+            "pid": os.getpid(), "rss_bytes": rss_bytes()}
+    if state.guards is not None:
+        body["http_open_requests"] = state.guards.num_open
+        body["http_refused_concurrency"] = state.guards.num_refused
+        body["sse_orphaned"] = state.guards.num_orphaned
     return json_response(body)
+
+
+def rss_bytes() -> int | None:
+    """The server process's resident set size now (not the peak), for leak checks (tools/soak.py)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # not Linux
+        try:
+            import psutil
+        except ImportError:
+            return None
+        return psutil.Process().memory_info().rss
 
 
 @blueprint.get("/openapi.json")

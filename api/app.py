@@ -6,7 +6,8 @@ generations `/v1/cancel` and the drain can reach. Everything in it is touched on
 the server's event loop, except the engine (its batcher is thread-safe by design) and
 the loader thread, which hands the engine over with `loop.call_soon_threadsafe`.
 
-Request hooks, in order: CORS preflight, API key (constant-time; `/health` and
+Below Quart, `api/guards.py` refuses oversized headers, caps concurrent requests and
+cancels streams whose client stopped reading (the SSE orphan timeout). Request hooks, in order: CORS preflight, API key (constant-time; `/health` and
 `/metrics` stay open), per-client rate limit; every error — ours, Quart's 404/405/413,
 an unexpected exception — leaves in the OpenAI envelope.
 
@@ -38,6 +39,7 @@ logger = logging.getLogger("ferrox.api")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # never behind the API key
 OBSERVABILITY_PATHS = frozenset({"/health", "/metrics", "/admin/stats"})  # not counted as requests
+DRAIN_ABORT_REASON = "the server shut down before this request finished (drain timeout); retry it"
 
 try:
     VERSION = metadata.version("ferrox-jax")
@@ -59,6 +61,7 @@ class AppState:
         self.inflight: dict[str, Any] = {}  # API request id -> Generation
         self.tokens = TokenText(engine.tokenizer) if engine is not None else None
         self.load_failed = asyncio.Event()  # set (on the loop) when the loader raised
+        self.guards: Any = None  # api.guards.RequestGuards, installed by create_app
         self._hits: dict[str, collections.deque] = collections.defaultdict(collections.deque)
 
     def _metrics_source(self) -> tuple[Any, ServerStats, int]:
@@ -131,7 +134,7 @@ def create_app(engine_or_loader: Any | Callable[[], Any], server_config: ServerC
     Returns:
       the app, ready for Hypercorn.
     """
-    from api import admin_routes, openai_routes  # import here: they import this module
+    from api import admin_routes, guards, openai_routes  # import here: they import this module
 
     config = server_config or ServerConfig()
     is_engine = hasattr(engine_or_loader, "batcher")
@@ -143,6 +146,8 @@ def create_app(engine_or_loader: Any | Callable[[], Any], server_config: ServerC
     app.register_blueprint(admin_routes.blueprint)
     _install_hooks(app, state)
     _install_error_handlers(app, state)
+    state.guards = guards.install(app, config.max_concurrent_requests, config.sse_orphan_timeout_ms / 1000,
+                                  config.max_header_bytes)
 
     @app.before_serving
     async def _start() -> None:
@@ -153,7 +158,7 @@ def create_app(engine_or_loader: Any | Callable[[], Any], server_config: ServerC
     @app.after_serving
     async def _stop() -> None:
         for generation in list(state.inflight.values()):
-            generation.cancel()
+            generation.abort(DRAIN_ABORT_REASON)
         if state.owns_engine and state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown)
 
@@ -246,13 +251,19 @@ def _install_error_handlers(app: Quart, state: AppState) -> None:
 
 
 async def drain(app: Quart, timeout_s: float) -> None:
-    """Graceful shutdown: refuse new work, let in-flight requests finish, cancel the rest."""
+    """Graceful shutdown: refuse new work, let in-flight requests finish within `timeout_s`,
+    then abort the rest (streams get a final SSE error event, whole requests a 503)."""
     state = state_of(app)
     state.phase = "draining"
     deadline = time.monotonic() + timeout_s
     while state.inflight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+    if state.inflight:
+        logger.warning("drain: %d request(s) still running after %.0f s; ending them with an error",
+                       len(state.inflight), timeout_s)
     for generation in list(state.inflight.values()):
-        generation.cancel()
+        generation.abort(DRAIN_ABORT_REASON)
+    # Their handlers now write the error and close; a stream whose client reads nothing
+    # is left to the SSE orphan timeout and Hypercorn's graceful_timeout.
     while state.inflight and time.monotonic() < deadline + 5.0:
         await asyncio.sleep(0.05)

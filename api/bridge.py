@@ -6,6 +6,9 @@ prompts submits one job per prompt; each job has `n` rows). The batcher calls
 handler's loop with `loop.call_soon_threadsafe` into one `asyncio.Queue`, tagged with
 the job's index, so the handler reads every row of every job from a single stream.
 
+`abort(reason)` is the server's cancel (graceful drain): the handler then ends the
+request with an error instead of `finish_reason: "cancelled"`.
+
 Cancellation is idempotent and synchronous (`batcher.cancel` only enqueues), so calling
 `Generation.cancel()` from a `finally` needs no shield: it cannot be interrupted
 half-way by the task's own cancellation. It only cancels jobs with unfinished rows:
@@ -33,6 +36,8 @@ class Generation:
         self.last_token_at: float | None = None
         self.inter_token_s: list[float] = []
         self._num_submitted = 0
+        self.abort_reason: str | None = None  # set by `abort`: the handler answers with an error
+
 
     def submit(self, requests: Sequence[Any]) -> None:
         """Submit one GenerationRequest per job; on a refusal cancel those already in.
@@ -66,8 +71,11 @@ class Generation:
 
     async def next_event(self, timeout_s: float | None) -> tuple[int, Any] | None:
         """The next (job index, RowEvent), or None after `timeout_s` with nothing new."""
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation that
+        # lands as the inner get completes, and a client disconnect would go unnoticed.
         try:
-            job, event = await asyncio.wait_for(self._queue.get(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                job, event = await self._queue.get()
         except TimeoutError:
             return None
         now = time.monotonic()
@@ -82,6 +90,14 @@ class Generation:
         if event.finish_reason is not None:
             self._rows_open[job] -= 1
         return job, event
+
+    def abort(self, reason: str) -> list[str]:
+        """Cancel as the server (drain, shutdown), not the client: the rows still end with
+        finish_reason "cancelled", and the handler, seeing `abort_reason`, answers with an
+        error (a final SSE error event, or a 503) instead of a normal reply."""
+        if self.abort_reason is None:
+            self.abort_reason = reason
+        return self.cancel()
 
     def cancel(self) -> list[str]:
         """Cancel every submitted job that still has open rows; safe to call repeatedly."""

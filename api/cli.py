@@ -72,7 +72,12 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         return ServerConfig(
             host=args.host or host, port=args.port or port, api_key=args.api_key,
             max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_stop_strings=args.max_stop_strings,
-            max_stop_chars=args.max_stop_chars, cors_origins=tuple(args.cors_origins),
+            max_stop_chars=args.max_stop_chars, max_prompt_tokens=args.max_prompt_tokens,
+            max_output_tokens=args.max_output_tokens, max_logprobs=args.max_logprobs,
+            max_concurrent_requests=args.max_concurrent_requests, max_header_bytes=args.max_header_bytes,
+            backlog=args.backlog, keep_alive_timeout_s=args.keep_alive_timeout,
+            request_timeout_s=args.request_timeout, sse_orphan_timeout_ms=args.sse_orphan_timeout_ms,
+            cors_origins=tuple(args.cors_origins),
             rate_limit_per_minute=args.rate_limit_per_minute,
             allow_unauthenticated_remote=args.allow_unauthenticated_remote, tls_cert=args.tls_cert,
             tls_key=args.tls_key, shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
@@ -185,7 +190,13 @@ def hypercorn_config(config: ServerConfig) -> Any:
     hc.loglevel = config.log_level.upper()
     hc.accesslog = None
     hc.graceful_timeout = 5.0  # the drain already waited; this only closes idle connections
-    hc.h11_max_incomplete_size = 64 * 1024  # request line + headers
+    # Connection limits Hypercorn 0.18 has (it has no cap on open connections; the app's
+    # max_concurrent_requests guard answers 503 instead, see api/guards.py).
+    hc.backlog = config.backlog
+    hc.h11_max_incomplete_size = config.max_header_bytes  # request line + headers (HTTP/1.1)
+    hc.h2_max_header_list_size = config.max_header_bytes  # the same for HTTP/2 (TLS with ALPN)
+    hc.keep_alive_timeout = config.keep_alive_timeout_s
+    # No read_timeout: it would also close a client that reads a long stream and sends nothing.
     if config.tls_cert:
         hc.certfile, hc.keyfile = config.tls_cert, config.tls_key
     return hc

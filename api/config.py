@@ -17,6 +17,8 @@ import ipaddress
 import os
 from typing import Any, Callable, Mapping
 
+from ferrox_jax.plan import MAX_LOGPROBS
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8383
 MIB = 1024 * 1024
@@ -33,6 +35,15 @@ class ServerConfig:
     max_n: int = 16  # choices per request (each is a row holding its own blocks)
     max_stop_strings: int = 16
     max_stop_chars: int = 256  # per stop string
+    max_prompt_tokens: int = 0  # tokens per prompt; 0 = the context ceiling (400 above)
+    max_output_tokens: int = 0  # max_tokens a request may ask; 0 = the room left in the context
+    max_logprobs: int = MAX_LOGPROBS  # logprobs (completions) / top_logprobs (chat)
+    max_concurrent_requests: int = 1024  # open HTTP requests (probes excluded); 503 above
+    max_header_bytes: int = 64 * 1024  # request line + headers (Hypercorn h11_max_incomplete_size)
+    backlog: int = 128  # listen queue of not-yet-accepted connections
+    keep_alive_timeout_s: float = 5.0  # idle keep-alive connections are closed after this
+    request_timeout_s: float = 600.0  # non-streaming generations: 504 and cancelled after this
+    sse_orphan_timeout_ms: int = 30_000  # a stream whose client reads nothing this long is cancelled
     sse_keepalive_s: float = 15.0  # idle streams get a ": keep-alive" comment this often
     cors_origins: tuple[str, ...] = ()  # exact origins; never "*"
     rate_limit_per_minute: int = 0  # per client address; 0 = off
@@ -45,9 +56,20 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"ServerConfig.port must be in 1..65535; got {self.port}")
-        for name in ("max_body_bytes", "max_n", "max_stop_strings", "max_stop_chars"):
+        for name in ("max_body_bytes", "max_n", "max_stop_strings", "max_stop_chars", "max_concurrent_requests",
+                     "max_header_bytes", "backlog", "sse_orphan_timeout_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1; got {getattr(self, name)}")
+        for name in ("max_prompt_tokens", "max_output_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ServerConfig.{name} must be >= 0 (0 = the context ceiling); "
+                                 f"got {getattr(self, name)}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"ServerConfig.max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine's limit); "
+                             f"got {self.max_logprobs}")
+        for name in ("request_timeout_s", "keep_alive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ServerConfig.{name} must be > 0; got {getattr(self, name)}")
         if self.sse_keepalive_s <= 0:
             raise ValueError(f"ServerConfig.sse_keepalive_s must be > 0; got {self.sse_keepalive_s}")
         if self.rate_limit_per_minute < 0:
@@ -181,6 +203,23 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_n", "FERROX_MAX_N", _positive_int, 16, "largest n per request"),
     Setting("max_stop_strings", "FERROX_MAX_STOP_STRINGS", _positive_int, 16, "stop strings per request"),
     Setting("max_stop_chars", "FERROX_MAX_STOP_CHARS", _positive_int, 256, "characters per stop string"),
+    Setting("max_prompt_tokens", "FERROX_MAX_PROMPT_TOKENS", _nonneg_int, 0,
+            "tokens per prompt (0 = the context ceiling; 400 above)"),
+    Setting("max_output_tokens", "FERROX_MAX_OUTPUT_TOKENS", _nonneg_int, 0,
+            "largest max_tokens a request may ask (0 = the room left in the context; 400 above)"),
+    Setting("max_logprobs", "FERROX_MAX_LOGPROBS", _nonneg_int, MAX_LOGPROBS,
+            f"largest logprobs / top_logprobs (at most {MAX_LOGPROBS})"),
+    Setting("max_concurrent_requests", "FERROX_MAX_CONCURRENT_REQUESTS", _positive_int, 1024,
+            "open HTTP requests at once, /health and /metrics excluded (503 above)"),
+    Setting("max_header_bytes", "FERROX_MAX_HEADER_BYTES", _positive_int, 64 * 1024,
+            "request line + headers in bytes (Hypercorn closes the connection above)"),
+    Setting("backlog", "FERROX_BACKLOG", _positive_int, 128, "listen backlog: connections not yet accepted"),
+    Setting("keep_alive_timeout", "FERROX_KEEP_ALIVE_TIMEOUT", _positive_float, 5.0,
+            "seconds an idle keep-alive connection stays open"),
+    Setting("request_timeout", "FERROX_REQUEST_TIMEOUT", _positive_float, 600.0,
+            "seconds a non-streaming generation may take (504 and cancelled above)"),
+    Setting("sse_orphan_timeout_ms", "FERROX_SSE_ORPHAN_TIMEOUT_MS", _positive_int, 30_000,
+            "ms a stream may wait on a client that reads nothing before it is cancelled"),
     Setting("cors_origins", "FERROX_CORS_ORIGINS", _origins, (), "comma-separated exact CORS origins"),
     Setting("rate_limit_per_minute", "FERROX_RATE_LIMIT_PER_MINUTE", _nonneg_int, 0,
             "requests per minute per client address (0 = off; 429 above)"),

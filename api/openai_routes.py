@@ -26,6 +26,8 @@ from quart import Blueprint, Response, current_app, request
 from api.app import AppState, json_response, state_of
 from api.bridge import Generation
 from api.choices import ChatShape, Choice, CompletionShape, prompt_entries
+from api.limits import (check_asked_tokens, check_common, check_logprobs, check_prompt_tokens, check_token_ids,
+                        max_tokens)
 from api.protocol import (APIError, CancelRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                           SamplingFields, TokenizeRequest, parse_body, parse_logit_bias, unavailable)
 from api.sse import DONE, KEEPALIVE, event, sse_response
@@ -101,7 +103,7 @@ async def detokenize() -> Response:
     body: DetokenizeRequest = await _body(DetokenizeRequest)
     engine = state.require_engine()
     _check_model(body.model, engine)
-    _check_token_ids(body.tokens, engine.tokenizer.vocab_size, "tokens")
+    check_token_ids(body.tokens, engine.tokenizer.vocab_size, "tokens")
     return json_response({"text": engine.tokenizer.decode(body.tokens)})
 
 
@@ -120,12 +122,6 @@ async def cancel() -> Response:
 
 
 # ---------------------------------------------------------------- validation helpers
-
-
-def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    for t in ids:
-        if not 0 <= t < vocab_size:
-            raise APIError(400, f"{param}: token id {t} is outside the vocabulary [0, {vocab_size})", param=param)
 
 
 async def _encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -162,34 +158,6 @@ def _sampling(body: SamplingFields, engine: Any, logprobs: int | None) -> Sampli
     )
 
 
-def _check_common(body: SamplingFields, engine: Any, config: Any) -> None:
-    n = body.n or 1
-    if n > config.max_n:
-        raise APIError(400, f"n must be at most {config.max_n}; got {n}", param="n")
-    stops = body.stop_list()
-    if len(stops) > config.max_stop_strings:
-        raise APIError(400, f"at most {config.max_stop_strings} stop strings; got {len(stops)}", param="stop")
-    for s in stops:
-        if not s:
-            raise APIError(400, "stop strings must not be empty", param="stop")
-        if len(s) > config.max_stop_chars:
-            raise APIError(400, f"stop strings must be at most {config.max_stop_chars} characters; "
-                                f"got {len(s)}", param="stop")
-    _check_token_ids(body.stop_token_ids or [], engine.tokenizer.vocab_size, "stop_token_ids")
-    if body.stream_options is not None and not body.stream:
-        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-
-
-def _max_tokens(asked: int | None, prompt_len: int, max_context: int, param: str) -> int:
-    """The contract: prompt alone at/over the ceiling -> 400; over with max_tokens -> clamp."""
-    if prompt_len >= max_context:
-        raise APIError(400, f"This model's maximum context length is {max_context} tokens, but the prompt has "
-                            f"{prompt_len} tokens (no room left to generate).",
-                       param=param, code="context_length_exceeded")
-    room = max_context - prompt_len
-    return room if asked is None else min(asked, room)
-
-
 def _job_request(job_id: str, prompt_ids: list[int], max_tokens: int, body: SamplingFields,
                  sampling: SamplingParams, prompt_logprobs: bool) -> GenerationRequest:
     return GenerationRequest(
@@ -212,18 +180,21 @@ async def completions() -> Response:
     body: CompletionRequest = await _body(CompletionRequest)
     engine = state.require_engine()
     _check_model(body.model, engine)
-    _check_common(body, engine, state.config)
+    check_common(body, engine, state.config)
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
+    check_logprobs(body.logprobs, state.config, "logprobs")
+    check_asked_tokens(body.max_tokens if "max_tokens" in body.model_fields_set else None, state.config)
     tok = engine.tokenizer
     prompts = []
     for p in body.prompt_list():
         ids = await _encode(tok, p) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, "prompt must contain at least one token", param="prompt")
-        _check_token_ids(ids, tok.vocab_size, "prompt")
+        check_token_ids(ids, tok.vocab_size, "prompt")
+        check_prompt_tokens(len(ids), state.config, "prompt")
         prompts.append(ids)
     sampling = _sampling(body, engine, body.logprobs)
     echo_logprobs = bool(body.echo) and body.logprobs is not None
@@ -233,7 +204,8 @@ async def completions() -> Response:
     # max_tokens 0 (lm-eval's echo + logprobs scoring): a job must sample at least one
     # token, so ask for one and drop it; with nothing to score, no job is submitted at all.
     zero_output = body.max_tokens == 0
-    reqs = [_job_request(job_id, ids, max(1, _max_tokens(body.max_tokens, len(ids), engine.max_context, "prompt")),
+    reqs = [_job_request(job_id, ids,
+                         max(1, max_tokens(body.max_tokens, len(ids), engine.max_context, state.config, "prompt")),
                          body, sampling, echo_logprobs)
             for job_id, ids in zip(_job_ids(api_id, len(prompts)), prompts)]
     echoes = [tok.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
@@ -247,20 +219,24 @@ async def chat_completions() -> Response:
     body: ChatCompletionRequest = await _body(ChatCompletionRequest)
     engine = state.require_engine()
     _check_model(body.model, engine)
-    _check_common(body, engine, state.config)
+    check_common(body, engine, state.config)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    check_logprobs(body.top_logprobs, state.config, "top_logprobs")
+    asked_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    check_asked_tokens(asked, state.config, asked_param)
     text = _render_chat(engine, [m.template_dict() for m in body.messages], body.add_generation_prompt is not False)
     prompt_ids = await _encode(engine.tokenizer, text, add_special_tokens=False)
     if not prompt_ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
-    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    check_prompt_tokens(len(prompt_ids), state.config, "messages")
     if asked is not None and (body.min_tokens or 0) > asked:
         raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
-    max_tokens = _max_tokens(asked, len(prompt_ids), engine.max_context, "messages")
+    limit = max_tokens(asked, len(prompt_ids), engine.max_context, state.config, "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     api_id = f"chatcmpl-{uuid.uuid4().hex}"
-    reqs = [_job_request(api_id, prompt_ids, max_tokens, body, _sampling(body, engine, logprobs), False)]
+    reqs = [_job_request(api_id, prompt_ids, limit, body, _sampling(body, engine, logprobs), False)]
     shape = ChatShape(state.tokens, logprobs)
     return await _serve(state, engine, "/v1/chat/completions", api_id, reqs, body, shape, [""], False)
 
@@ -343,15 +319,24 @@ class _Run:
 
     async def whole(self, engine: Any) -> Response:
         gen = self.generation
+        timeout_s = self.state.config.request_timeout_s
+        deadline = self.started_at + timeout_s
         try:
             while not gen.is_finished:
-                item = await gen.next_event(HEALTH_POLL_S)
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:  # the job is cancelled in `close` below
+                    raise APIError(504, f"the request did not finish within {timeout_s:g} s "
+                                        "(--request-timeout); it was cancelled", type="server_error",
+                                   code="request_timeout")
+                item = await gen.next_event(min(HEALTH_POLL_S, left_s))
                 if item is None:
                     if engine.batcher.health() != "ready":
                         raise APIError(500, "the engine stopped while generating", type="server_error",
                                        code="engine_error")
                     continue
                 self._fold(*item)
+            if gen.abort_reason is not None:
+                raise unavailable(gen.abort_reason, code="draining")
             failed = next((c for c in self.choices if c.finish_reason == "error"), None)
             if failed is not None:
                 raise APIError(500, f"generation failed: {failed.error or 'engine error'}", type="server_error",
@@ -382,6 +367,11 @@ class _Run:
                     self.status = 500
                     yield event({"error": {"message": f"generation failed: {ev.error or 'engine error'}",
                                            "type": "server_error", "param": None, "code": "engine_error"}})
+                    return
+                if ev.finish_reason == "cancelled" and gen.abort_reason is not None:
+                    self.status = 503  # the server ended it (drain): say so, not "cancelled"
+                    yield event({"error": {"message": gen.abort_reason, "type": "server_error", "param": None,
+                                           "code": "draining"}})
                     return
                 for delta in self.shape.deltas(choice, ev.text, entries, ev.finish_reason):
                     yield event(self._chunk([delta]))  # one choice per chunk, as OpenAI sends

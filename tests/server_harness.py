@@ -81,10 +81,14 @@ def free_port() -> int:
 class ServerThread:
     """Hypercorn serving `app` on 127.0.0.1:<free port> from a daemon thread."""
 
-    def __init__(self, app: Any, port: int | None = None) -> None:
+    def __init__(self, app: Any, port: int | None = None, hypercorn_config: Any = None) -> None:
+        """`hypercorn_config`: a `hypercorn.config.Config` to serve with (e.g. from
+        `api.cli.hypercorn_config`, for TLS and connection limits); its bind is replaced."""
         self.app = app
         self.port = port or free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.hypercorn_config = hypercorn_config
+        scheme = "https" if hypercorn_config is not None and hypercorn_config.certfile else "http"
+        self.base_url = f"{scheme}://127.0.0.1:{self.port}"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -97,7 +101,7 @@ class ServerThread:
             from hypercorn.asyncio import serve
             from hypercorn.config import Config
 
-            config = Config()
+            config = self.hypercorn_config or Config()
             config.bind = [f"127.0.0.1:{self.port}"]
             config.accesslog = None
             config.graceful_timeout = 2.0
@@ -118,7 +122,7 @@ class ServerThread:
         deadline = time.monotonic() + timeout_s
         while True:  # wait until the port answers (and, if asked, /health says ready)
             try:
-                r = httpx.get(self.base_url + "/health", timeout=2.0)
+                r = httpx.get(self.base_url + "/health", timeout=2.0, verify=False)
                 if not wait_ready or r.status_code == 200:
                     return self.base_url
             except httpx.TransportError:

@@ -1,0 +1,88 @@
+"""Per-request limits from `ServerConfig`, checked before the engine sees a request.
+
+Each check raises a 400 `APIError` naming its `param`. The limits and their flags
+(api/config.py holds the table; docs/operations.md explains them):
+
+| limit | flag | default |
+|---|---|---|
+| choices per request | `--max-n` | 16 |
+| stop strings, characters per stop string | `--max-stop-strings`, `--max-stop-chars` | 16, 256 |
+| tokens per prompt | `--max-prompt-tokens` | the context ceiling |
+| `max_tokens` a request may ask | `--max-output-tokens` | the room left in the context |
+| `logprobs` / `top_logprobs` | `--max-logprobs` | 20 |
+
+The context rule is the ferrox-server contract's: a prompt alone at or over the context
+ceiling is a 400 `context_length_exceeded`; a prompt that fits but leaves less room than
+`max_tokens` asks is served with `max_tokens` clamped to the room left.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.config import ServerConfig
+from api.protocol import APIError
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise APIError(400, f"{param}: token id {t} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def check_common(body: Any, engine: Any, config: ServerConfig) -> None:
+    """n, stop strings, stop token ids, stream_options: the fields both generation routes share."""
+    n = body.n or 1
+    if n > config.max_n:
+        raise APIError(400, f"n must be at most {config.max_n}; got {n}", param="n")
+    stops = body.stop_list()
+    if len(stops) > config.max_stop_strings:
+        raise APIError(400, f"at most {config.max_stop_strings} stop strings; got {len(stops)}", param="stop")
+    for s in stops:
+        if not s:
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        if len(s) > config.max_stop_chars:
+            raise APIError(400, f"stop strings must be at most {config.max_stop_chars} characters; "
+                                f"got {len(s)}", param="stop")
+    check_token_ids(body.stop_token_ids or [], engine.tokenizer.vocab_size, "stop_token_ids")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
+def check_logprobs(value: int | None, config: ServerConfig, param: str) -> None:
+    if value is not None and value > config.max_logprobs:
+        raise APIError(400, f"{param} must be at most {config.max_logprobs}; got {value}", param=param)
+
+
+def check_prompt_tokens(num_tokens: int, config: ServerConfig, param: str) -> None:
+    limit = config.max_prompt_tokens
+    if limit and num_tokens > limit:
+        raise APIError(400, f"the prompt has {num_tokens} tokens; this server accepts at most {limit} "
+                            "per prompt", param=param, code="prompt_too_long")
+
+
+def check_asked_tokens(asked: int | None, config: ServerConfig, param: str = "max_tokens") -> None:
+    limit = config.max_output_tokens
+    if limit and asked is not None and asked > limit:
+        raise APIError(400, f"{param} must be at most {limit}; got {asked}", param=param)
+
+
+def max_tokens(asked: int | None, prompt_len: int, max_context: int, config: ServerConfig, param: str) -> int:
+    """The tokens a job may generate: the contract's context rule, then the server's cap.
+
+    Args:
+      asked: the request's max_tokens, or None for "as many as fit".
+      prompt_len: tokens in the prompt.
+      max_context: the engine's per-request ceiling (prompt + generated tokens).
+      param: the field a context refusal names ("prompt" or "messages").
+    Returns:
+      min(asked, room left, --max-output-tokens when set).
+    """
+    if prompt_len >= max_context:
+        raise APIError(400, f"This model's maximum context length is {max_context} tokens, but the prompt has "
+                            f"{prompt_len} tokens (no room left to generate).",
+                       param=param, code="context_length_exceeded")
+    room = max_context - prompt_len
+    if config.max_output_tokens:
+        room = min(room, config.max_output_tokens)
+    return room if asked is None else min(asked, room)
