@@ -98,7 +98,12 @@ def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         engine = EngineConfig(
             model=args.model, dtype=args.dtype, block_size=batcher.kv_block_size or 16,
             served_model_name=args.served_model_name,
-            compile_cache_dir=None if cache == "off" else cache, **extra)
+            compile_cache_dir=None if cache == "off" else cache,
+            max_rows=batcher.max_seqs or EngineConfig.max_rows,
+            tensor_parallel=args.tensor_parallel, mesh=args.mesh,
+            replicate_attention=args.replicate_attention, attention_impl=args.attention_impl,
+            coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+            process_id=args.process_id, **extra)
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {e}") from None
     return engine, batcher
