@@ -41,6 +41,7 @@ class SamplingBatch:
     penalty_add: jax.Array  # f32[B, P]; logit_bias - presence - frequency * count
     penalty_rep: jax.Array  # bool[B, P]; token seen in prompt or output (repetition)
     repetition_penalty: jax.Array  # f32[B]; 1 = off
+    want_logprobs: jax.Array  # bool[B]; top-20 logprobs are computed only if some row asks
 
 
 def host_sampling_batch(params: list[SamplingParams | None], histories: list[tuple[int, ...]],
@@ -56,6 +57,7 @@ def host_sampling_batch(params: list[SamplingParams | None], histories: list[tup
         "penalty_add": np.zeros((rows, MAX_PENALTY_TOKENS), np.float32),
         "penalty_rep": np.zeros((rows, MAX_PENALTY_TOKENS), bool),
         "repetition_penalty": np.ones(rows, np.float32),
+        "want_logprobs": np.zeros(rows, bool),
     }
     for i, p in enumerate(params):
         if p is None:
@@ -66,6 +68,7 @@ def host_sampling_batch(params: list[SamplingParams | None], histories: list[tup
         out["min_p"][i] = p.min_p
         out["seed"][i] = p.seed & 0xFFFFFFFF
         out["repetition_penalty"][i] = p.repetition_penalty
+        out["want_logprobs"][i] = p.logprobs is not None
         if p.has_penalties:
             _fill_penalties(out, i, p, histories[i], num_prompt[i], vocab_size)
     return out
@@ -192,8 +195,12 @@ def sample(logits: jax.Array, positions: jax.Array, s: SamplingBatch):
       tokens i32[B], logprob f32[B] (raw, of the chosen token),
       top_ids i32[B, 20], top_logprobs f32[B, 20] (raw, best first).
     """
+    b = logits.shape[0]
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    top_lp, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
+    # The top-20 search over the vocabulary runs only when some row asked for logprobs.
+    top_lp, top_ids = jax.lax.cond(
+        jnp.any(s.want_logprobs), lambda: tuple(jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)),
+        lambda: (jnp.zeros((b, MAX_LOGPROBS), jnp.float32), jnp.zeros((b, MAX_LOGPROBS), jnp.int32)))
     has_penalties = jnp.any(s.penalty_ids < logits.shape[-1]) | jnp.any(s.repetition_penalty != 1.0)
     logits = jax.lax.cond(has_penalties, lambda: apply_penalties(logits, s), lambda: logits)
     greedy = fast_argmax(logits)

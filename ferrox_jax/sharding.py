@@ -45,7 +45,7 @@ DATA_AXIS = "data"
 MODEL_AXIS = "model"
 MESH_AXES = (DATA_AXIS, MODEL_AXIS)
 
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")  # [in, out]: split out
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "tied_lm_head")  # [in, out]: split out
 _ROW = ("o_proj", "down_proj", "embed")  # split the first axis
 _BIAS = ("q_bias", "k_bias", "v_bias")
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj") + _BIAS

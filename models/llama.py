@@ -20,7 +20,8 @@ loaders produce exactly these names (`models/loaders/common.py` checks them):
     layers.{i}.up_proj       [D, F]
     layers.{i}.down_proj     [F, D]
     final_norm               [D]
-    lm_head                  [D, V]        (absent when tie_word_embeddings)
+    lm_head                  [D, V]        (absent when tie_word_embeddings; the model then
+                                            keeps `tied_lm_head`, a transposed copy of embed)
 
 q/k rows are in HF's rotate-half RoPE order (the GGUF loader undoes llama.cpp's
 interleaved permutation). Axis names: B rows, T tokens per row, D hidden, H query
@@ -131,7 +132,11 @@ class LlamaModel(nnx.Module):
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
         self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
         self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
-        if not cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings:
+            # A [D, V] copy of the tied embedding, refreshed by the loader: reading [V, D]
+            # transposed inside the step made XLA CPU re-transpose it every decode step.
+            self.tied_lm_head = nnx.Variable(self.embed[...].T)
+        else:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
         self.inv_freq = nnx.Variable(
             jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
@@ -166,5 +171,5 @@ class LlamaModel(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., D] -> f32[..., V]."""
-        w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        w = self.tied_lm_head[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
         return (hidden @ w).astype(jnp.float32)

@@ -45,7 +45,7 @@ def test_filters_keep_exactly_the_expected_tokens(params, kept):
 
 
 def test_greedy_takes_the_argmax_and_reports_raw_logprobs():
-    tokens, lp, top_ids, top_lp = _draw(SamplingParams(temperature=0.0), rows=3)
+    tokens, lp, top_ids, top_lp = _draw(SamplingParams(temperature=0.0, logprobs=5), rows=3)
     assert tokens.tolist() == [0, 0, 0]
     np.testing.assert_allclose(lp, np.log(0.4), atol=1e-5)
     assert top_ids[0, :4].tolist() == [0, 1, 2, 3]
@@ -78,3 +78,9 @@ def test_penalties_and_logit_bias_change_the_greedy_choice():
 def test_fast_argmax_matches_argmax_with_ties():
     x = jnp.asarray([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 1.0, 5.0], [-1.0, -2.0, -3.0, -0.5]])
     assert fast_argmax(x).tolist() == jnp.argmax(x, axis=-1).tolist() == [1, 0, 3]
+
+
+def test_top_logprobs_are_skipped_when_no_row_asks():
+    _, lp, top_ids, top_lp = _draw(SamplingParams(temperature=0.0), rows=2)
+    assert (top_lp == 0).all() and (top_ids == 0).all(), "no row asked: the top-20 search is skipped"
+    np.testing.assert_allclose(lp, np.log(0.4), atol=1e-5)  # the chosen token's logprob is still exact

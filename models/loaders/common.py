@@ -83,4 +83,6 @@ def build_model(
     nnx.update(model, state)
     # The rope table is a constant derived from the config, not a checkpoint tensor.
     model.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
+    if cfg.tie_word_embeddings:
+        model.tied_lm_head = nnx.Variable(jnp.transpose(model.embed[...]))
     return model
