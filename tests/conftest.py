@@ -34,3 +34,24 @@ def tiny_checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_checkpoints) -> Path:
     return tiny_checkpoints("llama")
+
+
+# Clients of a module's own `server` fixture (a base URL); a module may override them.
+@pytest.fixture(scope="module")
+def http(server):
+    import httpx
+
+    with httpx.Client(base_url=server, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(http):
+    return http.get("/v1/models").json()["data"][0]["id"]

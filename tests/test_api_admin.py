@@ -42,12 +42,6 @@ def server(engine):
         yield url
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, timeout=60) as client:
-        yield client
-
-
 def samples(text: str) -> dict[str, float]:
     return {s.name + ("" if not s.labels else str(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}

@@ -4,7 +4,6 @@ a ChatML template), with the official `openai` client and httpx."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from api.app import create_app
@@ -18,22 +17,6 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 def server():
     with ServerThread(create_app(tiny_engine(), ServerConfig())) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(http):
-    return http.get("/v1/models").json()["data"][0]["id"]
 
 
 def chat(http, **body):

@@ -8,7 +8,6 @@ outputs from a first request) or from arithmetic shown next to the assertion.
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from api.app import create_app
@@ -21,22 +20,6 @@ def server():
     engine = tiny_engine()
     with ServerThread(create_app(engine, ServerConfig())) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(http):
-    return http.get("/v1/models").json()["data"][0]["id"]
 
 
 def complete(http, **body):

@@ -21,12 +21,6 @@ def server():
         yield url
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, timeout=60) as client:
-        yield client
-
-
 def assert_envelope(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json")

@@ -30,12 +30,6 @@ def server(engine):
         yield url
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, timeout=60) as client:
-        yield client
-
-
 def stats(http) -> dict:
     return http.get("/admin/stats").json()
 

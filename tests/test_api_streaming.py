@@ -25,12 +25,6 @@ def server():
         yield url
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, timeout=60) as client:
-        yield client
-
-
 def stats(http) -> dict:
     return http.get("/admin/stats").json()
 
