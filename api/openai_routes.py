@@ -297,9 +297,10 @@ class _Run:
             entries = prompt_entries(self.reqs[job].prompt_token_ids, ev.prompt_logprobs)
             for c in self.choices[job * self.n:(job + 1) * self.n]:
                 c.prompt_entries = entries
-        if job not in self.jobs_seen:  # the job's first event: it has been admitted and prefilled
+        if job not in self.jobs_seen:  # the job's first event carries its admission wait
             self.jobs_seen.add(job)
-            self.state.metrics.queue.observe(time.monotonic() - self.generation.submitted_at)
+            if ev.queue_s is not None:
+                self.state.metrics.queue.observe(ev.queue_s)
         return choice, choice.add(ev)
 
     def _usage(self) -> dict:

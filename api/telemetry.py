@@ -165,5 +165,5 @@ class Metrics:
                              buckets=latency + (120.0, 300.0), registry=self.registry)
         # The batcher reports no admission time per job; its first event (admitted,
         # prefilled, first token sampled) is the closest the API sees.
-        self.queue = Histogram("ferrox_queue_time_seconds", "submit to the job's first event",
+        self.queue = Histogram("ferrox_queue_time_seconds", "time a job waited in the queue before admission",
                                buckets=latency, registry=self.registry)

@@ -125,6 +125,7 @@ class RowEvent:
     prompt_logprobs: tuple[Any, ...] | None = None  # first event only, when asked
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0  # sampled so far, the stop token included
+    queue_s: float | None = None  # first event only: seconds the job waited for admission
 
 
 def derive_row_seed(seed: int, index: int) -> int:
@@ -181,6 +182,8 @@ class Request:
         self.num_reserved_blocks = 0  # what this job still holds in the ledger
         self.num_open_rows = spec.n
         self.prompt_logprobs: list[Any] = []
+        self.queued_at_s = 0.0  # scheduler clock when the job joined the waiting queue
+        self.queue_s: float | None = None  # waiting time, set at admission
 
     @property
     def is_prefilled(self) -> bool:

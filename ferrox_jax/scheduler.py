@@ -147,6 +147,7 @@ class Scheduler:
             self.aborted += 1
             self._flush_finished()
         else:
+            job.queued_at_s = self._clock()
             self._waiting.append(job)
 
     def cancel(self, request_id: str) -> None:
@@ -246,6 +247,7 @@ class Scheduler:
                 return
             self._waiting.popleft()
             self.num_admitted += 1
+            job.queue_s = self._clock() - job.queued_at_s
             job.num_reserved_blocks = num_blocks
             if job.num_prefill_tokens == 0:
                 self._start_decoding(job)
@@ -501,6 +503,7 @@ class Scheduler:
             logprobs=tuple(row.new_logprobs) if spec.sampling.logprobs is not None else None,
             finish_reason=row.state.finish_reason, error=row.error,
             prompt_logprobs=prompt_logprobs, num_prompt_tokens=len(spec.prompt_token_ids),
-            num_generated_tokens=row.num_generated_tokens))
+            num_generated_tokens=row.num_generated_tokens,
+            queue_s=None if row.has_sent_event else row.request.queue_s))
         row.has_sent_event = True
         row.new_token_ids, row.new_text, row.new_logprobs = [], "", []

@@ -113,6 +113,26 @@ def test_head_job_that_does_not_fit_holds_the_line():
     assert outputs[("small", 0)].finish_reason == "length", "the line moves once the head fits"
 
 
+def test_first_event_reports_the_wait_for_admission_then_none():
+    now = [100.0]
+    scheduler, runner = make(max_seqs=1, token_fn=letters_token_fn(), clock=lambda: now[0])
+    scheduler.add_request(req("first", 2, 3))
+    scheduler.add_request(req("second", 2, 3))  # waits: one row at a time
+    events = []
+    while scheduler.has_work:
+        now[0] += 0.5  # each tick takes half a second on the fake clock
+        plan = scheduler.schedule()
+        if not plan.is_empty:
+            scheduler.update(plan, runner.run(plan))
+        events += scheduler.take_events()
+    first = {e.request_id: e for e in reversed(events)}  # earliest event per request
+    assert first["first"].queue_s == 0.5, "admitted at the first tick, 0.5 s after it was queued"
+    # "first" runs 3 ticks (prefill + 2 decodes; its 3rd token ends it), "second" waits for them.
+    assert first["second"].queue_s > first["first"].queue_s, "a job behind a full row cap waited longer"
+    later = [e for e in events if e.request_id == "second"][1:]
+    assert later and all(e.queue_s is None for e in later), "only the first event carries the wait"
+
+
 def test_max_seqs_counts_prefilling_prompts_and_all_n_rows():
     scheduler, runner = make(max_seqs=4)
     scheduler.add_request(req("three", 30, 5, n=3))
