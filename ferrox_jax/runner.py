@@ -35,6 +35,7 @@ from models.pallas_attention import select_decode_attention
 
 log = logging.getLogger(__name__)
 COPY_BATCH = 8  # block copies are padded to this many pairs (0 -> 0 is a no-op copy)
+COPY_KEY = ("copy",)  # the block-copy executable's key among the compiled shapes
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -84,38 +85,37 @@ class ModelRunner:
         self.recompiles_after_warmup = 0
 
     # ---- compilation -------------------------------------------------------------
-    def _executable(self, key: tuple, batch: StepBatch) -> Callable:
+    def _compile(self, key: tuple) -> Callable:
+        """AOT-compile one (kind, rows, tokens) bucket, or ("copy",) for block copies."""
+        if key[0] == "copy":
+            pairs = jnp.zeros(COPY_BATCH, jnp.int32)
+            return copy_blocks.lower(self.kv_cache, pairs, pairs).compile()
+        kind, b, t = key
+        step = self._steps["prefill" if kind == "prefill" else "decode"]
+        return step.lower(self.graphdef, self.state, self.kv_cache, self._dummy_batch(b, t)).compile()
+
+    def _executable(self, key: tuple) -> Callable:
         exe = self._compiled.get(key)
         if exe is None:
             if self.is_warm:
                 self.recompiles_after_warmup += 1
                 log.warning("compiling shape %s after warm-up (recompile #%d)", key, self.recompiles_after_warmup)
-            step = self._steps["prefill" if key[0] == "prefill" else "decode"]
-            exe = step.lower(self.graphdef, self.state, self.kv_cache, batch).compile()
-            self._compiled[key] = exe
+            exe = self._compiled[key] = self._compile(key)
         return exe
 
     def warmup(self, progress: Callable[[int, int, tuple], None] | None = None,
                num_threads: int | None = None) -> float:
-        """Compile every bucket ahead of time; returns seconds taken. Nothing is executed.
-
-        XLA compiles release the GIL, so buckets compile on one thread per core.
+        """Compile every bucket and the block copy ahead of time; returns seconds taken.
+        Nothing is executed. XLA compiles release the GIL, so they run one thread per core.
         """
         t0 = time.perf_counter()
-        keys = [k for k in self.buckets.keys() if k not in self._compiled]
+        keys = [k for k in self.buckets.keys() + [COPY_KEY] if k not in self._compiled]
         num_threads = num_threads or min(len(keys), os.cpu_count() or 1) or 1
-
-        def compile_one(key):
-            kind, b, t = key
-            step = self._steps["prefill" if kind == "prefill" else "decode"]
-            return key, step.lower(self.graphdef, self.state, self.kv_cache, self._dummy_batch(b, t)).compile()
-
         with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
-            for i, (key, exe) in enumerate(pool.map(compile_one, keys)):
+            for i, (key, exe) in enumerate(zip(keys, pool.map(self._compile, keys))):
                 self._compiled[key] = exe
                 if progress:
                     progress(i + 1, len(keys), key)
-        copy_blocks.lower(self.kv_cache, jnp.zeros(COPY_BATCH, jnp.int32), jnp.zeros(COPY_BATCH, jnp.int32)).compile()
         self.is_warm = True
         return time.perf_counter() - t0
 
@@ -178,7 +178,7 @@ class ModelRunner:
             raise ValueError(f"prefill chunk of {n} tokens exceeds the largest bucket {self.max_prefill_tokens}")
         t = pick(self.buckets.prefill_tokens, n)
         batch = self._to_device(self._host_batch([row], 1, t))
-        exe = self._executable(("prefill", 1, t), batch)
+        exe = self._executable(("prefill", 1, t))
         self.kv_cache, result = exe(self.state, self.kv_cache, batch)
         return result
 
@@ -188,17 +188,18 @@ class ModelRunner:
                 raise ValueError(f"decode row {r.row_id} has {len(r.token_ids)} tokens; expected 1")
         b = pick(self.buckets.decode_rows, len(rows))
         batch = self._to_device(self._host_batch(list(rows) + [None] * (b - len(rows)), b, 1))
-        exe = self._executable(("decode", b, 1), batch)
+        exe = self._executable(("decode", b, 1))
         self.kv_cache, result = exe(self.state, self.kv_cache, batch)
         return result
 
     def _run_copies(self, copies) -> None:
+        copy = self._executable(COPY_KEY)
         for i in range(0, len(copies), COPY_BATCH):
             part = list(copies[i:i + COPY_BATCH])
             part += [(0, 0)] * (COPY_BATCH - len(part))
             src = jnp.asarray([s for s, _ in part], jnp.int32)
             dst = jnp.asarray([d for _, d in part], jnp.int32)
-            self.kv_cache = copy_blocks(self.kv_cache, src, dst)
+            self.kv_cache = copy(self.kv_cache, src, dst)
 
     def run(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
