@@ -97,7 +97,10 @@ class ServerConfig:
         return f"{scheme}://{host}:{self.port}"
 
 
-def is_loopback(host: str) -> bool:
+def is_loopback(host: str | None) -> bool:
+    """True for localhost and 127.0.0.0/8 / ::1 literals; no DNS lookup."""
+    if host is None:
+        return False
     if host == "localhost":
         return True
     try:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import ipaddress
 import json
 import math
 import random
@@ -52,6 +51,7 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
+from api.config import is_loopback  # the same check the server applies to its bind address
 from tools.bench_prompts import BenchRequest, dataset_requests, make_counter, synthetic_requests
 
 # Every metric of a result, in order (compute_metrics asserts it).
@@ -112,18 +112,6 @@ class BenchConfig:
     @property
     def route(self) -> str:
         return "/v1/completions" if self.endpoint == "completions" else "/v1/chat/completions"
-
-
-def is_loopback(host: str | None) -> bool:
-    """True for localhost and 127.0.0.0/8 / ::1 literals; no DNS lookup."""
-    if host is None:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclasses.dataclass
