@@ -2,7 +2,7 @@
 
 `/health` and `/metrics` are never behind the API key (probes and scrapers); `/admin/stats`
 is. Both stats routes read the latest `BatcherStats` snapshot the owner thread published
-(STYLE §4: nobody reads live counters) next to the server's own `ServerStats`.
+(nobody reads live counters) next to the server's own `ServerStats`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Blueprint, Response, current_app
 
 from api import protocol
-from api.app import VERSION, json_response, state_of
+from api.state import VERSION, json_response, state_of
 from api.telemetry import stats_dict
 
 blueprint = Blueprint("admin", __name__)
@@ -40,8 +40,7 @@ async def metrics() -> Response:
 @blueprint.get("/admin/stats")
 async def admin_stats() -> Response:
     state = state_of(current_app)
-    batcher_stats = state.engine.batcher.stats() if state.engine is not None else None
-    body = {**stats_dict(batcher_stats), **state.stats.as_dict(), "state": state.health_state(),
+    body = {**stats_dict(state.engine_stats()), **state.stats.as_dict(), "state": state.health_state(),
             "pid": os.getpid(), "rss_bytes": rss_bytes()}
     if state.guards is not None:
         body["http_open_requests"] = state.guards.num_open

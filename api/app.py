@@ -1,39 +1,34 @@
-"""`create_app(engine_or_loader, server_config)`: the Quart app and its shared state.
+"""`create_app(engine_or_loader, server_config)`: the Quart app, its hooks and error envelopes.
 
-The app holds one `AppState` (in `app.extensions["ferrox"]`): the engine once loaded,
-the phase `/health` reports, the server's own counters and metrics, and the in-flight
-generations `/v1/cancel` and the drain can reach. Everything in it is touched only on
-the server's event loop, except the engine (its batcher is thread-safe by design) and
-the loader thread, which hands the engine over with `loop.call_soon_threadsafe`.
+The app's shared state is one `AppState` (`api/state.py`); the routes are blueprints,
+one module per wire protocol plus the observability routes, each importing only
+`api/state.py` and the generation core, never this module.
 
 Below Quart, `api/guards.py` refuses oversized headers, caps concurrent requests and
 cancels streams whose client stopped reading (the SSE orphan timeout). Request hooks, in order: CORS preflight, API key (constant-time; `/health` and
 `/metrics` stay open), per-client rate limit; every error — ours, Quart's 404/405/413,
 an unexpected exception — leaves in the OpenAI envelope.
-
-Phases: `loading` (engine not warm yet; /health 503) -> `ready` (200) -> `draining`
-(SIGTERM: /health and new work 503, in-flight work finishes). A dead batcher loop or a
-failed load reads `unavailable`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import hmac
 import logging
 import threading
 import time
-from importlib import metadata
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from api.choices import TokenText
+from api import admin_routes, guards, openai_routes
 from api.config import ServerConfig
-from api.protocol import APIError, dumps, error_body, unavailable
-from api.telemetry import Metrics, ServerStats
+from api.errors import APIError, error_body
+from api.state import AppState, json_response, state_of
+
+if TYPE_CHECKING:
+    from ferrox_jax.engine import Engine
 
 logger = logging.getLogger("ferrox.api")
 
@@ -41,88 +36,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})  # never behind the API key
 OBSERVABILITY_PATHS = frozenset({"/health", "/metrics", "/admin/stats"})  # not counted as requests
 DRAIN_ABORT_REASON = "the server shut down before this request finished (drain timeout); retry it"
 
-try:
-    VERSION = metadata.version("ferrox-jax")
-except metadata.PackageNotFoundError:  # running from a source tree without install
-    VERSION = "0.0.0"
-
-
-class AppState:
-    """What the handlers share; event-loop only (see the module docstring)."""
-
-    def __init__(self, config: ServerConfig, engine: Any | None) -> None:
-        self.config = config
-        self.engine = engine
-        self.phase = "ready" if engine is not None else "loading"
-        self.load_error: str | None = None
-        self.owns_engine = engine is None  # loaded here -> shut down here
-        self.stats = ServerStats()
-        self.metrics = Metrics(self._metrics_source)
-        self.inflight: dict[str, Any] = {}  # API request id -> Generation
-        self.tokens = TokenText(engine.tokenizer) if engine is not None else None
-        self.load_failed = asyncio.Event()  # set (on the loop) when the loader raised
-        self.guards: Any = None  # api.guards.RequestGuards, installed by create_app
-        self._hits: dict[str, collections.deque] = collections.defaultdict(collections.deque)
-
-    def _metrics_source(self) -> tuple[Any, ServerStats, int]:
-        stats = self.engine.batcher.stats() if self.engine is not None else None
-        recompiles = getattr(stats, "recompiles_after_warmup", None)
-        if recompiles is None and self.engine is not None:
-            recompiles = getattr(self.engine, "recompiles_after_warmup", 0)
-        return stats, self.stats, int(recompiles or 0)
-
-    def set_engine(self, engine: Any) -> None:
-        self.engine = engine
-        self.tokens = TokenText(engine.tokenizer)
-        if self.phase == "loading":
-            self.phase = "ready"
-
-    def health_state(self) -> str:
-        if self.phase in ("loading", "draining"):
-            return self.phase
-        if self.phase == "failed" or self.engine is None or self.engine.batcher.health() != "ready":
-            return "unavailable"
-        return "ready"
-
-    def require_engine(self) -> Any:
-        """The engine, or a 503 with Retry-After while it cannot take work."""
-        state = self.health_state()
-        if state == "ready":
-            return self.engine
-        if state == "loading":
-            raise unavailable("the model is still loading; retry shortly", code="loading")
-        if state == "draining":
-            raise unavailable("the server is shutting down", code="draining")
-        reason = self.load_error or "the engine is not running"
-        raise unavailable(f"engine unavailable: {reason}", code="unavailable")
-
-    def over_rate_limit(self, client: str) -> bool:
-        """Sliding one-minute window per client address."""
-        limit = self.config.rate_limit_per_minute
-        if not limit:
-            return False
-        now = time.monotonic()
-        hits = self._hits[client]
-        while hits and now - hits[0] >= 60.0:
-            hits.popleft()
-        if len(hits) >= limit:
-            return True
-        hits.append(now)
-        return False
-
-
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    response = Response(dumps(obj), status=status, content_type="application/json")
-    for key, value in (headers or {}).items():
-        response.headers[key] = value
-    return response
-
-
-def state_of(app: Quart) -> AppState:
-    return app.extensions["ferrox"]
-
-
-def create_app(engine_or_loader: Any | Callable[[], Any], server_config: ServerConfig | None = None) -> Quart:
+def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: ServerConfig | None = None) -> Quart:
     """Build the Quart app.
 
     Args:
@@ -134,13 +48,11 @@ def create_app(engine_or_loader: Any | Callable[[], Any], server_config: ServerC
     Returns:
       the app, ready for Hypercorn.
     """
-    from api import admin_routes, guards, openai_routes  # import here: they import this module
-
     config = server_config or ServerConfig()
-    is_engine = hasattr(engine_or_loader, "batcher")
+    loader = engine_or_loader if callable(engine_or_loader) else None  # an engine is not callable
     app = Quart("ferrox")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
-    state = AppState(config, engine_or_loader if is_engine else None)
+    state = AppState(config, None if loader is not None else engine_or_loader)
     app.extensions["ferrox"] = state
     app.register_blueprint(openai_routes.blueprint)
     app.register_blueprint(admin_routes.blueprint)
@@ -152,20 +64,20 @@ def create_app(engine_or_loader: Any | Callable[[], Any], server_config: ServerC
     @app.before_serving
     async def _start() -> None:
         state.load_failed = asyncio.Event()
-        if not is_engine:
-            _start_loader(state, engine_or_loader, asyncio.get_running_loop())
+        if loader is not None:
+            _start_loader(state, loader, asyncio.get_running_loop())
 
     @app.after_serving
     async def _stop() -> None:
-        for generation in list(state.inflight.values()):
-            generation.abort(DRAIN_ABORT_REASON)
+        for run in list(state.inflight.values()):
+            run.abort(DRAIN_ABORT_REASON)
         if state.owns_engine and state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown)
 
     return app
 
 
-def _start_loader(state: AppState, loader: Callable[[], Any], loop: asyncio.AbstractEventLoop) -> None:
+def _start_loader(state: AppState, loader: Callable[[], Engine], loop: asyncio.AbstractEventLoop) -> None:
     def run() -> None:
         try:
             engine = loader()
@@ -261,8 +173,8 @@ async def drain(app: Quart, timeout_s: float) -> None:
     if state.inflight:
         logger.warning("drain: %d request(s) still running after %.0f s; ending them with an error",
                        len(state.inflight), timeout_s)
-    for generation in list(state.inflight.values()):
-        generation.abort(DRAIN_ABORT_REASON)
+    for run in list(state.inflight.values()):
+        run.abort(DRAIN_ABORT_REASON)
     # Their handlers now write the error and close; a stream whose client reads nothing
     # is left to the SSE orphan timeout and Hypercorn's graceful_timeout.
     while state.inflight and time.monotonic() < deadline + 5.0:

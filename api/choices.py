@@ -1,11 +1,12 @@
 """Turning RowEvents into OpenAI choices: text, logprobs and finish reasons, whole or as deltas.
 
-A `Choice` accumulates one row's events (one choice = one row of one batcher job).
+A `Choice` accumulates one row's events (one choice = one row of one engine job).
 `CompletionShape` and `ChatShape` render it the two ways OpenAI does: `/v1/completions`
 (`text`, legacy `logprobs` with tokens / token_logprobs / top_logprobs / text_offset)
 and `/v1/chat/completions` (`message` or `delta`, `logprobs.content[]` entries with
 `top_logprobs` lists). The batcher already holds back text that could start a stop
 string and never splits a UTF-8 character, so a delta is the event's `text` as is.
+Usage is counted by the generation core (`api/generation.py`), not here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from typing import Any, Sequence
+
+from ferrox_jax.request import RowEvent
 
 
 @dataclasses.dataclass
@@ -24,19 +27,15 @@ class Choice:
     prompt_entries: list[tuple[int, float | None, tuple]] | None = None  # echo logprobs
     text: list[str] = dataclasses.field(default_factory=list)
     entries: list[tuple[int, float, tuple]] = dataclasses.field(default_factory=list)  # (id, lp, top)
-    num_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
     started: bool = False  # streaming: first chunk (role / echo) sent
     lp_offset: int = 0  # completions text_offset of the next logprob token
 
-    def add(self, event: Any) -> list[tuple[int, float, tuple]]:
+    def add(self, event: RowEvent) -> list[tuple[int, float, tuple]]:
         """Fold in one RowEvent; returns the logprob entries it brought."""
         if event.text:
             self.text.append(event.text)
-        # num_generated_tokens also counts a final stop token, which never appears in
-        # token_ids; OpenAI bills it, so usage follows the batcher's count.
-        self.num_tokens = max(self.num_tokens + len(event.token_ids), event.num_generated_tokens or 0)
         new = []
         if event.logprobs:
             for r in event.logprobs:

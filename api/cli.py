@@ -1,6 +1,6 @@
 """The `ferrox` console script: `ferrox serve` (the HTTP server) and `ferrox generate` (one prompt).
 
-It sits on the top floor (STYLE §1): it wires `api/` and the engine together. Every
+It sits on the top floor: it wires `api/` and the engine together. Every
 `serve` setting is a flag and a FERROX_* variable (api/config.py holds the table).
 
 `serve` starts Hypercorn first, so `/health` answers `loading` (503) while the weights
@@ -19,9 +19,13 @@ import os
 import queue
 import signal
 import sys
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from api.config import DEFAULT_HOST, DEFAULT_PORT, SETTINGS, ServerConfig, env_defaults, split_addr
+from ferrox_jax.config import EngineConfig
+
+if TYPE_CHECKING:
+    from ferrox_jax.engine import Engine
 
 logger = logging.getLogger("ferrox")
 
@@ -85,41 +89,33 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit(f"ferrox serve: {e}") from None
 
 
-def engine_configs(args: argparse.Namespace) -> tuple[Any, Any]:
-    from ferrox_jax.config import BatcherConfig
-    from ferrox_jax.engine import EngineConfig
-
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's one configuration from the merged flags and variables."""
+    cache = args.compile_cache_dir or os.path.expanduser(DEFAULT_COMPILE_CACHE)
     try:
-        batcher = BatcherConfig.from_env(
-            max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
-            kv_block_size=args.block_size, kv_blocks=args.kv_blocks, max_context=args.max_context)
-        cache = args.compile_cache_dir or os.path.expanduser(DEFAULT_COMPILE_CACHE)
-        extra = {"kv_memory_gib": args.kv_memory_gib} if args.kv_memory_gib else {}
-        engine = EngineConfig(
-            model=args.model, dtype=args.dtype, block_size=batcher.kv_block_size or 16,
-            served_model_name=args.served_model_name,
-            compile_cache_dir=None if cache == "off" else cache,
-            max_rows=batcher.max_seqs or EngineConfig.max_rows,
-            tensor_parallel=args.tensor_parallel, mesh=args.mesh,
-            replicate_attention=args.replicate_attention, attention_impl=args.attention_impl,
-            coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-            process_id=args.process_id, **extra)
+        return EngineConfig(
+            model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+            block_size=args.block_size, kv_blocks=args.kv_blocks, kv_memory_gib=args.kv_memory_gib,
+            max_context=args.max_context, max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
+            max_queue=args.max_queue, compile_cache_dir=None if cache == "off" else cache,
+            tensor_parallel=args.tensor_parallel, mesh=args.mesh, replicate_attention=args.replicate_attention,
+            attention_impl=args.attention_impl, coordinator_address=args.coordinator_address,
+            num_processes=args.num_processes, process_id=args.process_id)
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {e}") from None
-    return engine, batcher
 
 
 # ---------------------------------------------------------------- serve
 
 
-def load_engine(engine_config: Any, batcher_config: Any, url: str) -> Any:
+def load_engine(config: EngineConfig, url: str) -> Engine:
     """Load, warm up (progress bars on stderr) and start the engine; log the start-up block."""
     from tqdm import tqdm
 
     from ferrox_jax.engine import Engine
 
     with tqdm(desc="loading weights", unit="tensor", file=sys.stderr, leave=False) as bar:
-        engine = Engine.load(engine_config, batcher_config, progress=lambda _name: bar.update(1))
+        engine = Engine.load(config, progress=lambda _name: bar.update(1))
     bar = tqdm(desc="compiling buckets", unit="shape", file=sys.stderr, leave=False)
 
     def on_compile(done: int, total: int, _key: Any) -> None:
@@ -146,10 +142,10 @@ def serve(args: argparse.Namespace) -> int:
     from api.app import create_app, drain, state_of
 
     config = server_config(args)
-    engine_config, batcher_config = engine_configs(args)
-    app = create_app(lambda: load_engine(engine_config, batcher_config, config.url), config)
+    engine_cfg = engine_config(args)
+    app = create_app(lambda: load_engine(engine_cfg, config.url), config)
     hc = hypercorn_config(config)
-    logger.info("ferrox serve: listening on %s, loading %s", config.url, engine_config.model)
+    logger.info("ferrox serve: listening on %s, loading %s", config.url, engine_cfg.model)
 
     async def run() -> int:
         loop = asyncio.get_running_loop()
@@ -220,13 +216,10 @@ def _run_loop(coro: Any) -> int:
 
 def generate(args: argparse.Namespace) -> int:
     """Load the model, generate for one prompt and stream the text to stdout."""
-    from ferrox_jax.batcher import GenerationRequest
-    from ferrox_jax.config import BatcherConfig
-    from ferrox_jax.engine import Engine, EngineConfig
-    from ferrox_jax.plan import SamplingParams
+    from ferrox_jax.engine import Engine
+    from ferrox_jax.request import GenerationRequest, SamplingParams
 
-    engine = Engine.load(EngineConfig(model=args.model, dtype=args.dtype, kv_memory_gib=args.kv_memory_gib),
-                         BatcherConfig.from_env())
+    engine = Engine.load(EngineConfig(model=args.model, dtype=args.dtype, kv_memory_gib=args.kv_memory_gib))
     engine.start()
     try:
         tok = engine.tokenizer
@@ -240,7 +233,7 @@ def generate(args: argparse.Namespace) -> int:
         req = GenerationRequest(request_id="generate-0", prompt_token_ids=tuple(ids), max_tokens=max_tokens,
                                 sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                                         seed=args.seed))
-        engine.batcher.submit(req, events.put)
+        engine.submit(req, events.put)
         while True:
             ev = events.get()
             sys.stdout.write(ev.text)

@@ -2,11 +2,9 @@
 
 Each setting is a CLI flag and an environment variable (the ferrox-server contract's
 names where it has one: FERROX_MODEL_PATH, FERROX_ADDR, FERROX_API_KEY, FERROX_CB_*).
-Precedence: flag > variable > default. This module is the only place in `api/` that
-reads the environment (STYLE §8); the FERROX_CB_* variables are read by
-`ferrox_jax.config.BatcherConfig.from_env`, which takes the flags as overrides.
-`api/cli.py` turns the merged values into `ServerConfig` (HTTP concerns, below) and the
-engine's `EngineConfig` / `BatcherConfig`.
+Precedence: flag > variable > default. This module is the only place that reads the
+environment. `api/cli.py` turns the merged values into `ServerConfig` (HTTP concerns,
+below) and the engine's one `EngineConfig` (`ferrox_jax/config.py`).
 Invalid values stop start-up with a message naming the variable or the field.
 """
 
@@ -17,7 +15,7 @@ import ipaddress
 import os
 from typing import Any, Callable, Mapping
 
-from ferrox_jax.plan import MAX_LOGPROBS
+from ferrox_jax.request import MAX_LOGPROBS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8383
@@ -165,7 +163,6 @@ class Setting:
     default: Any
     help: str
     flag: str = ""  # defaults to --name-with-dashes
-    batcher: bool = False  # a FERROX_CB_* variable: read by BatcherConfig.from_env, not here
 
     @property
     def cli_flag(self) -> str:
@@ -173,19 +170,18 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    # engine (EngineConfig)
+    # engine (ferrox_jax.config.EngineConfig)
     Setting("model", "FERROX_MODEL_PATH", _str, "default",
             "HF folder, .gguf file, or 'default' (embedded SmolLM2-135M-Instruct)"),
     Setting("served_model_name", "FERROX_SERVED_MODEL_NAME", _str, None,
             "model id clients send (default: the checkpoint's file or folder stem)"),
     Setting("dtype", "FERROX_DTYPE", _str, None, "float32 or bfloat16 (default: per platform)"),
-    Setting("block_size", "FERROX_CB_KV_BLOCK_SIZE", _positive_int, None, "KV positions per block", batcher=True),
+    Setting("block_size", "FERROX_CB_KV_BLOCK_SIZE", _positive_int, 16, "KV positions per block"),
     Setting("kv_blocks", "FERROX_CB_KV_BLOCKS", _positive_int, None,
-            "KV blocks (default: derived from the memory budget)", batcher=True),
-    Setting("kv_memory_gib", "FERROX_KV_MEMORY_GIB", _positive_float, None, "KV cache memory budget in GiB"),
+            "KV blocks (default: derived from the memory budget)"),
+    Setting("kv_memory_gib", "FERROX_KV_MEMORY_GIB", _positive_float, 2.0, "KV cache memory budget in GiB"),
     Setting("max_context", "FERROX_CB_MAX_CONTEXT", _positive_int, None,
-            "per-request context ceiling in tokens (default: the model's trained context, within budget)",
-            batcher=True),
+            "per-request context ceiling in tokens (default: the model's trained context, within budget)"),
     Setting("compile_cache_dir", "FERROX_COMPILE_CACHE_DIR", _str, None,
             "JAX persistent compilation cache (default: ~/.cache/ferrox_jax/jax; 'off' disables)"),
     Setting("tensor_parallel", "FERROX_TENSOR_PARALLEL", _positive_int, 1,
@@ -200,13 +196,10 @@ SETTINGS: tuple[Setting, ...] = (
             "multi-host: jax.distributed coordinator host:port, or 'auto' on a TPU pod"),
     Setting("num_processes", "FERROX_NUM_PROCESSES", _positive_int, None, "multi-host: number of processes"),
     Setting("process_id", "FERROX_PROCESS_ID", _nonneg_int, None, "multi-host: this process's index"),
-    # batcher (BatcherConfig)
-    Setting("max_seqs", "FERROX_CB_MAX_SEQS", _positive_int, None,
-            "rows (prefilling + decoding) at once (default: the largest row bucket)", batcher=True),
-    Setting("prefill_chunk", "FERROX_CB_PREFILL_CHUNK", _positive_int, None, "prompt tokens per tick (default 128)",
-            batcher=True),
-    Setting("max_queue", "FERROX_CB_MAX_QUEUE", _positive_int, None, "waiting jobs before 503 (default 512)",
-            batcher=True),
+    Setting("max_seqs", "FERROX_CB_MAX_SEQS", _positive_int, 32,
+            "rows (prefilling + decoding) at once; also the largest decode row bucket"),
+    Setting("prefill_chunk", "FERROX_CB_PREFILL_CHUNK", _positive_int, 128, "prompt tokens per tick"),
+    Setting("max_queue", "FERROX_CB_MAX_QUEUE", _positive_int, 512, "waiting jobs before 503"),
     # server (ServerConfig)
     Setting("addr", "FERROX_ADDR", _str, None, "host:port (overridden by --host/--port)"),
     Setting("host", "FERROX_HOST", _str, None, f"bind address (default {DEFAULT_HOST})"),
@@ -255,7 +248,7 @@ def env_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     environ = os.environ if environ is None else environ
     out: dict[str, Any] = {}
     for s in SETTINGS:
-        text = None if s.batcher else environ.get(s.env)
+        text = environ.get(s.env)
         if text is None:
             out[s.name] = s.default
             continue

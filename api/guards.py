@@ -28,7 +28,8 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable
 
-from api.protocol import dumps, error_body
+from api.errors import error_body
+from api.protocol import dumps
 
 logger = logging.getLogger("ferrox.api")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from api.config import ServerConfig
-from api.protocol import APIError
+from api.errors import APIError
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:

@@ -1,13 +1,13 @@
 """The OpenAI wire format: request models, response shapes and the error envelope.
 
-Requests are validated here, before the engine sees them (STYLE §8): bodies are parsed
+Requests are validated here, before the engine sees them: bodies are parsed
 with pydantic in strict mode from the raw JSON, so `"temperature": "0.5"` or
 `"n": 1.0` is a 400 naming its `param` instead of a silent coercion. Unknown fields
 are ignored (tools built for vLLM send extras such as `tools` or `response_format`).
 
-Every refusal is an `APIError`, rendered as OpenAI's envelope
-`{"error": {"message", "type", "param", "code"}}` by `api/app.py`. Response *models*
-below exist for `/openapi.json`; handlers build the same shapes as plain dicts.
+Every refusal is an `APIError` (`api/errors.py`), rendered in the envelope of the route's
+protocol by `api/app.py`. Response *models* below exist for `/openapi.json`; handlers
+build the same shapes as plain dicts.
 """
 
 from __future__ import annotations
@@ -17,34 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ferrox_jax.plan import MAX_LOGPROBS
-
-
-class APIError(Exception):
-    """A refusal with its HTTP status, rendered in the OpenAI error envelope."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def unavailable(message: str, code: str = "unavailable") -> APIError:
-    """503 for shedding (queue full, loading, draining, dead loop): the client retries in 1 s."""
-    return APIError(503, message, type="server_error", code=code, headers={"Retry-After": "1"})
+from api.errors import APIError
+from ferrox_jax.request import MAX_LOGPROBS
 
 
 # ---------------------------------------------------------------- request models

@@ -18,7 +18,7 @@ from quart import Response
 from api.protocol import dumps
 
 DONE = b"data: [DONE]\n\n"
-KEEPALIVE = b": keep-alive\n\n"
+KEEP_ALIVE_COMMENT = b": keep-alive\n\n"
 
 
 def event(obj: Any) -> bytes:

@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ferrox_jax.stats import BatcherStats
+
 RECENT_SIZE = 200
 
 # The twelve BatcherStats fields of the ferrox-server stats contract, in its order.
@@ -49,14 +51,10 @@ _BATCHER_METRICS = (
 )
 
 
-def stats_dict(stats: Any) -> dict[str, Any]:
-    """A BatcherStats snapshot as a dict (every dataclass field, the contract's twelve first)."""
-    if stats is None:
-        return {name: 0 for name in BATCHER_STATS_FIELDS}
-    if dataclasses.is_dataclass(stats):
-        d = dataclasses.asdict(stats)
-    else:
-        d = {name: getattr(stats, name) for name in BATCHER_STATS_FIELDS}
+def stats_dict(stats: BatcherStats | None) -> dict[str, Any]:
+    """A BatcherStats snapshot as a dict (every field, the contract's twelve first); zeros
+    before an engine is loaded."""
+    d = dataclasses.asdict(stats if stats is not None else BatcherStats())
     ordered = {name: d.pop(name, 0) for name in BATCHER_STATS_FIELDS}
     ordered.update(d)
     return ordered
@@ -121,11 +119,11 @@ class ServerStats:
 class _SnapshotCollector:
     """Renders the latest BatcherStats + ServerStats at scrape time."""
 
-    def __init__(self, source: Callable[[], tuple[Any, ServerStats, int]]) -> None:
+    def __init__(self, source: Callable[[], tuple[Any, ServerStats]]) -> None:
         self._source = source
 
     def collect(self) -> Iterator[Any]:
-        stats, server, recompiles = self._source()
+        stats, server = self._source()
         d = stats_dict(stats)
         for field, name, kind, doc in _BATCHER_METRICS:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
@@ -138,7 +136,7 @@ class _SnapshotCollector:
         yield GaugeMetricFamily("ferrox_requests_running", "rows holding a slot (prefilling or decoding)",
                                 value=float(d.get("running_rows") or 0))
         yield CounterMetricFamily("ferrox_recompiles_after_warmup", "bucket compilations after warm-up",
-                                  value=float(recompiles))
+                                  value=float(d.get("recompiles_after_warmup") or 0))
         yield CounterMetricFamily("ferrox_requests", "HTTP requests (observability routes excluded)",
                                   value=float(server.requests_total))
         yield CounterMetricFamily("ferrox_request_errors", "requests answered >= 400 or ended by an error",
@@ -152,7 +150,7 @@ class _SnapshotCollector:
 class Metrics:
     """The app's Prometheus registry: snapshot counters plus latency histograms."""
 
-    def __init__(self, source: Callable[[], tuple[Any, ServerStats, int]]) -> None:
+    def __init__(self, source: Callable[[], tuple[Any, ServerStats]]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_SnapshotCollector(source))
         latency = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -163,7 +161,7 @@ class Metrics:
                              registry=self.registry)
         self.e2e = Histogram("ferrox_e2e_request_latency_seconds", "submit to the last row's finish",
                              buckets=latency + (120.0, 300.0), registry=self.registry)
-        # The batcher reports no admission time per job; its first event (admitted,
-        # prefilled, first token sampled) is the closest the API sees.
+        # Observed from each job's first RowEvent, which carries the scheduler's own
+        # measure of the wait (submit to admission).
         self.queue = Histogram("ferrox_queue_time_seconds", "time a job waited in the queue before admission",
                                buckets=latency, registry=self.registry)

@@ -38,14 +38,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ferrox_jax.config import BatcherConfig
+from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.plan import Runner, StepPlan
-from ferrox_jax.request import GenerationRequest, RowEvent
-from ferrox_jax.scheduler import Scheduler, SchedulerLimits, check_admission
+from ferrox_jax.request import AdmissionError, GenerationRequest, RowEvent
+from ferrox_jax.scheduler import Scheduler, check_admission
 from ferrox_jax.stats import BatcherStats
-
-__all__ = ["AdmissionError", "ContinuousBatcher", "GenerationRequest", "RowEvent",
-           "resolve_limits"]
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +54,6 @@ _REFUSAL_FIELDS = {
     "too_large": "kv_rejected_too_large",
     "queue_full": "queue_rejected",
 }
-
-
-class AdmissionError(Exception):
-    """A refused submit. `reason`: "context_length" | "too_large" | "queue_full" | "unavailable"."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,31 +80,30 @@ class _OpenRequest:
     finished_indices: set[int] = dataclasses.field(default_factory=set)
 
 
-def resolve_limits(config: BatcherConfig, runner: Runner) -> SchedulerLimits:
-    """Fills the config's derived fields from the runner and checks they agree with it."""
-    if config.kv_block_size is not None and config.kv_block_size != runner.block_size:
-        raise ValueError(f"BatcherConfig.kv_block_size ({config.kv_block_size}) must match the "
-                         f"runner's KV cache block size ({runner.block_size})")
-    kv_blocks = runner.num_blocks if config.kv_blocks is None else config.kv_blocks
-    if kv_blocks > runner.num_blocks:
-        raise ValueError(f"BatcherConfig.kv_blocks ({kv_blocks}) exceeds the runner's KV cache "
-                         f"({runner.num_blocks} blocks)")
-    return SchedulerLimits(
-        block_size=runner.block_size, num_blocks=kv_blocks - 1,  # block 0 is the null block
-        max_seqs=config.max_seqs if config.max_seqs is not None else runner.max_rows,
-        max_rows=runner.max_rows,
-        max_chunk_tokens=min(config.prefill_chunk, runner.max_prefill_tokens),
-        max_context=config.max_context)
+def check_limits(limits: SchedulerLimits, runner: Runner) -> None:
+    """Raises ValueError when the limits ask for more than the runner's cache and buckets hold."""
+    if limits.block_size != runner.block_size:
+        raise ValueError(f"SchedulerLimits.block_size ({limits.block_size}) must match the runner's "
+                         f"KV cache block size ({runner.block_size})")
+    if limits.num_blocks > runner.num_blocks - 1:
+        raise ValueError(f"SchedulerLimits.num_blocks ({limits.num_blocks}) exceeds the runner's KV "
+                         f"cache ({runner.num_blocks - 1} usable blocks)")
+    if limits.max_rows > runner.max_rows:
+        raise ValueError(f"SchedulerLimits.max_rows ({limits.max_rows}) exceeds the runner's largest "
+                         f"row bucket ({runner.max_rows})")
+    if limits.max_chunk_tokens > runner.max_prefill_tokens:
+        raise ValueError(f"SchedulerLimits.max_chunk_tokens ({limits.max_chunk_tokens}) exceeds the "
+                         f"runner's largest token bucket ({runner.max_prefill_tokens})")
 
 
 class ContinuousBatcher:
     """Continuous batching over one runner; see the module docstring for the loop."""
 
-    def __init__(self, runner: Runner, tokenizer: Any,
-                 config: BatcherConfig = BatcherConfig()) -> None:
-        self.limits = resolve_limits(config, runner)
+    def __init__(self, runner: Runner, tokenizer: Any, limits: SchedulerLimits) -> None:
+        check_limits(limits, runner)
+        self.limits = limits
         self._runner = runner
-        self._max_queue = config.max_queue
+        self._max_queue = limits.max_queue
         self._scheduler = Scheduler(self.limits, tokenizer)
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -314,7 +301,7 @@ class ContinuousBatcher:
             running_rows=scheduler.num_running_rows,
             waiting_requests=scheduler.num_waiting,
             tokens_generated=scheduler.tokens_generated,
-            recompiles_after_warmup=getattr(self._runner, "recompiles_after_warmup", 0),
+            recompiles_after_warmup=self._runner.recompiles_after_warmup,
             ticks=self._ticks,
             host_s=self._host_s,
             device_s=self._device_s)

@@ -1,91 +1,125 @@
-"""Configuration dataclasses, and the only place that reads FERROX_* environment variables.
+"""The engine's one configuration, and the limits the batcher runs under. No jax here.
 
-`BatcherConfig` holds the continuous batcher's limits (the ferrox-server contract's
-`FERROX_CB_*` settings). A field left as None is derived when the batcher is built from
-the runner it drives: `kv_block_size` and `kv_blocks` from the KV cache, `max_seqs` from the
-largest decode row bucket; a None `max_context` means no per-request ceiling beyond the
-block budget (the engine normally fills it from the model's trained context).
+`EngineConfig` is everything a user sets about the engine: the checkpoint, the KV cache
+and batching sizes (the ferrox-server contract's `FERROX_CB_*` settings), compilation and
+scale-out. It is filled once (by `api/cli.py` from flags and `FERROX_*` variables, or by a
+test or tool directly) and validated here, each message naming its field.
+
+`SchedulerLimits` are what the engine derives from it once the checkpoint is open and the
+KV cache sized (`ferrox_jax/engine.py`): plain numbers, never None, checked against the
+runner by the batcher. Nothing else sizes the engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from collections.abc import Mapping
-from typing import Any
 
-# Environment variable -> BatcherConfig field. All are positive integers.
-BATCHER_ENV_VARS: dict[str, str] = {
-    "FERROX_CB_MAX_SEQS": "max_seqs",
-    "FERROX_CB_PREFILL_CHUNK": "prefill_chunk",
-    "FERROX_CB_MAX_QUEUE": "max_queue",
-    "FERROX_CB_KV_BLOCK_SIZE": "kv_block_size",
-    "FERROX_CB_KV_BLOCKS": "kv_blocks",
-    "FERROX_CB_MAX_CONTEXT": "max_context",
-}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
-_DERIVED_WHEN_NONE = ("max_seqs", "kv_block_size", "kv_blocks", "max_context")
+def parse_mesh(text: str) -> tuple[int, int]:
+    """"data=1,model=4" -> (1, 4). Either axis may be omitted (it is then 1)."""
+    sizes = {"data": 1, "model": 1}
+    seen = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or name not in sizes:
+            raise ValueError(f"mesh {text!r}: expected comma-separated data=D,model=M; got {part!r}")
+        if name in seen:
+            raise ValueError(f"mesh {text!r}: axis {name!r} given twice")
+        seen.add(name)
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise ValueError(f"mesh {text!r}: size of {name!r} must be an integer; got {value!r}") from None
+        if sizes[name] < 1:
+            raise ValueError(f"mesh {text!r}: size of {name!r} must be >= 1; got {sizes[name]}")
+    return sizes["data"], sizes["model"]
 
 
 @dataclasses.dataclass(frozen=True)
-class BatcherConfig:
-    """Limits of the continuous batcher; None means "derive from the runner" (see module doc)."""
+class EngineConfig:
+    """What the engine serves and how big it is; see the module docstring."""
 
-    max_seqs: int | None = None  # rows in flight (decoding rows + prefilling prompts' rows)
-    prefill_chunk: int = 128  # prompt tokens computed per tick, at most
-    max_queue: int = 512  # waiting (not yet admitted) jobs; one more is refused
-    kv_block_size: int | None = None  # token positions per KV block; must match the cache
-    kv_blocks: int | None = None  # KV cache blocks, the null block 0 included (as Runner.num_blocks)
-    max_context: int | None = None  # prompt + max_tokens ceiling per request
+    # ---- the checkpoint ----
+    model: str = "default"  # HF folder, .gguf file, or "default" (the embedded SmolLM2)
+    served_model_name: str | None = None  # the id clients send; None: the file or folder stem
+    dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 elsewhere
+    # ---- KV cache and batching (the contract's FERROX_CB_* settings) ----
+    block_size: int = 16  # token positions per KV block
+    kv_blocks: int | None = None  # cache blocks, the null block 0 included; None: from kv_memory_gib
+    kv_memory_gib: float = 2.0  # KV cache budget when kv_blocks is not given
+    max_context: int | None = None  # prompt + max_tokens ceiling; None: trained context within the budget
+    max_seqs: int = 32  # rows at once (prefilling and decoding); also the largest decode row bucket
+    prefill_chunk: int = 128  # prompt tokens computed per tick, at most (capped at max_context)
+    max_queue: int = 512  # waiting jobs; one more is refused (503)
+    # ---- compilation ----
+    compile_cache_dir: str | None = None  # JAX persistent compilation cache; None: off
+    # ---- scale-out (ferrox_jax/sharding.py, docs/deploy-tpu.md) ----
+    tensor_parallel: int = 1  # devices on the mesh's "model" axis; 1 = no mesh
+    mesh: str | None = None  # "data=1,model=4" (overrides tensor_parallel; data must be 1)
+    replicate_attention: bool = False  # shard only MLP + vocab (heads need not divide)
+    attention_impl: str = "auto"  # decode attention (models/pallas_attention.py checks the name)
+    coordinator_address: str | None = None  # multi-host: "host:port", or "auto" on TPU pods
+    num_processes: int | None = None  # multi-host: processes in the cluster
+    process_id: int | None = None  # multi-host: this process's index
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """(data, model) sizes; (1, 1) means a single device and no mesh."""
+        return parse_mesh(self.mesh) if self.mesh else (1, self.tensor_parallel)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_seqs", "prefill_chunk", "max_queue", "tensor_parallel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive int; got {value!r}")
+        if self.kv_blocks is not None and self.kv_blocks < 2:
+            raise ValueError(f"EngineConfig.kv_blocks must be >= 2 (block 0 is the null block); got {self.kv_blocks}")
+        if not self.kv_memory_gib > 0:
+            raise ValueError(f"EngineConfig.kv_memory_gib must be > 0; got {self.kv_memory_gib}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"EngineConfig.max_context must be >= 2; got {self.max_context}")
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"EngineConfig.dtype must be one of {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
+        self._check_mesh()
+        if self.coordinator_address not in (None, "auto") and (self.num_processes is None or self.process_id is None):
+            raise ValueError("EngineConfig.coordinator_address needs num_processes and process_id "
+                             "(or coordinator_address='auto' on a TPU pod)")
+
+    def _check_mesh(self) -> None:
+        try:
+            data, model = self.mesh_shape
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.mesh: {e}") from None
+        if self.mesh and self.tensor_parallel not in (1, model):
+            raise ValueError(f"EngineConfig.tensor_parallel {self.tensor_parallel} contradicts "
+                             f"EngineConfig.mesh {self.mesh!r} (model={model}); give one of them")
+        if data != 1:
+            raise ValueError(f"EngineConfig.mesh {self.mesh!r}: data={data} is not supported inside one "
+                             f"engine (one scheduler owns one KV block pool); run {data} replicas with "
+                             f"model={model} behind a load balancer (docs/deploy-tpu.md)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerLimits:
+    """The limits the batcher and scheduler run under, resolved against the runner."""
+
+    block_size: int  # token positions per block
+    num_blocks: int  # usable blocks, ids 1..num_blocks (the null block 0 not counted)
+    max_seqs: int  # rows in flight: decoding rows plus the n rows of each prefilling job
+    max_rows: int  # rows per decode step (the runner's largest row bucket)
+    max_chunk_tokens: int  # prompt tokens per prefill chunk
+    max_context: int | None = None  # prompt + max_tokens ceiling; None: the budget decides
+    max_queue: int = 512  # waiting jobs; one more is refused
+    kv_bytes_per_block: int = 0  # K+V bytes of one block, for refusal messages; 0: unknown
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if value is None and field.name in _DERIVED_WHEN_NONE:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"BatcherConfig.{field.name} must be a positive int; got {value!r}")
-        if self.kv_blocks is not None and self.kv_blocks < 2:
-            raise ValueError("BatcherConfig.kv_blocks must be >= 2 (block 0 is the null block); "
-                             f"got {self.kv_blocks}")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> BatcherConfig:
-        """Builds a config from FERROX_CB_* variables; overrides (CLI flags) win over them.
-
-        Args:
-            environ: the environment to read; `os.environ` when None.
-            **overrides: BatcherConfig fields; a None value means "not given" and is skipped,
-                so a CLI can pass every flag through unconditionally.
-
-        Returns:
-            The validated config.
-
-        Raises:
-            ValueError: a variable is not a positive integer (the message names it), or an
-                override names an unknown field.
-        """
-        environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for var, field_name in BATCHER_ENV_VARS.items():
-            raw = environ.get(var)
-            if raw is None or raw.strip() == "":
-                continue
-            values[field_name] = _parse_positive_int(var, raw)
-        known = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ValueError(f"BatcherConfig has no field(s) {', '.join(unknown)}")
-        values.update({name: value for name, value in overrides.items() if value is not None})
-        return cls(**values)
-
-
-def _parse_positive_int(var: str, raw: str) -> int:
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError(f"{var} must be a positive integer; got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{var} must be a positive integer; got {raw!r}")
-    return value
+            if value is not None and value <= 0 and field.name != "kv_bytes_per_block":
+                raise ValueError(f"SchedulerLimits.{field.name} must be > 0; got {value}")

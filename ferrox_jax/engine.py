@@ -1,13 +1,23 @@
-"""Engine: loads a checkpoint, sizes the KV cache, warms up the runner, owns the batcher.
+"""Engine: the facade the API holds. Loads a checkpoint, sizes the KV cache, owns the batcher.
 
-This is what the API holds (`docs/architecture.md`). Sizing, in order: `kv_blocks` if
-given, else the KV memory budget (`kv_memory_gib`) divided by the bytes one block takes;
-the per-request context ceiling is `max_context` if given, else the model's trained
-context capped by what the budget can hold. The start-up log says which applied.
+The API reaches the engine only through this class (`docs/architecture.md`): `submit`,
+`cancel`, `stats`, `health`, `tokenizer`, `model_card`, `describe`, `shutdown`. Request
+and error types come from `ferrox_jax/request.py`; the batcher, scheduler, block budget
+and runner stay behind this facade.
+
+`Engine.load(config)`, in order: open the checkpoint (config, tokenizer, lazy tensors;
+`models/loader.py`), size the KV cache and the context ceiling from the config and the
+checkpoint (`size_kv`), choose the decode attention for that block-table width, build
+the model with it, then the runner (device state, buckets) and the batcher with the
+resolved `SchedulerLimits`. Sizing: `kv_blocks` if given, else the KV memory budget
+divided by the bytes one block takes; the context ceiling is `max_context` if given, else
+the model's trained context capped by what the budget holds. The start-up log says which
+applied.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -17,13 +27,17 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from ferrox_jax.batcher import ContinuousBatcher
-from ferrox_jax.config import BatcherConfig
+from ferrox_jax.batcher import ContinuousBatcher, EventCallback
+from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.kv_cache import bytes_per_block
-from ferrox_jax.runner import ModelRunner
-from ferrox_jax.sharding import make_mesh, parse_mesh
-from models.loader import load_checkpoint
-from models.pallas_attention import ATTENTION_IMPLS
+from ferrox_jax.request import GenerationRequest
+from ferrox_jax.runner import ModelRunner, block_table_width
+from ferrox_jax.sharding import check_divisibility, make_mesh
+from ferrox_jax.stats import BatcherStats
+from models.config import ModelConfig
+from models.loader import CheckpointSource, open_checkpoint
+from models.pallas_attention import select_decode_attention
+from models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -36,63 +50,23 @@ def default_dtype_name() -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Model and KV-cache settings (the batcher's live in BatcherConfig)."""
+class ModelCard:
+    """What `/v1/models` and `/health` say about the served model."""
 
-    model: str = "default"  # HF folder, .gguf file, or "default" (embedded SmolLM2)
-    dtype: str | None = None  # None: default_dtype_name()
-    block_size: int = 16
-    kv_blocks: int | None = None  # total blocks including the null block
-    kv_memory_gib: float = 2.0  # KV budget when kv_blocks is not given
-    max_context: int | None = None  # per-request prompt + max_tokens ceiling
-    max_rows: int = 32  # largest decode row bucket
-    served_model_name: str | None = None
-    compile_cache_dir: str | None = None
-    # ---- scale-out (ferrox_jax/sharding.py, docs/deploy-tpu.md) ----
-    tensor_parallel: int = 1  # devices on the mesh's "model" axis; 1 = no mesh
-    mesh: str | None = None  # "data=1,model=4" (overrides tensor_parallel; data must be 1)
-    replicate_attention: bool = False  # shard only MLP + vocab (heads need not divide)
-    attention_impl: str = "auto"  # decode attention: auto | jax | pallas | pallas-interpret
-    coordinator_address: str | None = None  # multi-host: "host:port", or "auto" on TPU pods
-    num_processes: int | None = None  # multi-host: processes in the cluster
-    process_id: int | None = None  # multi-host: this process's index
+    id: str  # the name clients send as `model`
+    architecture: str  # the checkpoint's (HF) architecture name
+    max_context: int  # prompt + generated tokens per request, at most
+    dtype: str
 
-    @property
-    def mesh_shape(self) -> tuple[int, int]:
-        """(data, model) sizes; (1, 1) means a single device and no mesh."""
-        return parse_mesh(self.mesh) if self.mesh else (1, self.tensor_parallel)
 
-    def __post_init__(self) -> None:
-        if self.tensor_parallel < 1:
-            raise ValueError(f"EngineConfig.tensor_parallel must be >= 1; got {self.tensor_parallel}")
-        try:
-            data, model = self.mesh_shape
-        except ValueError as e:
-            raise ValueError(f"EngineConfig.mesh: {e}") from None
-        if self.mesh and self.tensor_parallel not in (1, model):
-            raise ValueError(f"EngineConfig.tensor_parallel {self.tensor_parallel} contradicts "
-                             f"EngineConfig.mesh {self.mesh!r} (model={model}); give one of them")
-        if data != 1:
-            raise ValueError(f"EngineConfig.mesh {self.mesh!r}: data={data} is not supported inside one "
-                             f"engine (one scheduler owns one KV block pool); run {data} replicas with "
-                             f"model={model} behind a load balancer (docs/deploy-tpu.md)")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"EngineConfig.attention_impl must be one of {', '.join(ATTENTION_IMPLS)}; "
-                             f"got {self.attention_impl!r}")
-        if self.coordinator_address not in (None, "auto") and (self.num_processes is None or self.process_id is None):
-            raise ValueError("EngineConfig.coordinator_address needs num_processes and process_id "
-                             "(or coordinator_address='auto' on a TPU pod)")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
-        for name in ("block_size", "max_rows"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1; got {getattr(self, name)}")
-        if self.kv_blocks is not None and self.kv_blocks < 2:
-            raise ValueError(f"EngineConfig.kv_blocks must be >= 2 (block 0 is reserved); got {self.kv_blocks}")
-        if self.kv_memory_gib <= 0:
-            raise ValueError(f"EngineConfig.kv_memory_gib must be > 0; got {self.kv_memory_gib}")
-        if self.max_context is not None and self.max_context < 2:
-            raise ValueError(f"EngineConfig.max_context must be >= 2; got {self.max_context}")
+@dataclasses.dataclass(frozen=True)
+class KVSizing:
+    """How big the KV cache is and why (the start-up log prints `note`)."""
+
+    num_blocks: int  # including the null block 0
+    max_context: int
+    bytes_per_block: int
+    note: str
 
 
 def initialize_distributed(coordinator_address: str | None, num_processes: int | None = None,
@@ -130,28 +104,55 @@ def enable_compile_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def size_kv(config: EngineConfig, model_cfg: ModelConfig, dtype) -> KVSizing:
+    """Blocks, context ceiling and the reason, from the config and the checkpoint."""
+    per_block = bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, config.block_size,
+                                model_cfg.head_dim, dtype)
+    kv_blocks = config.kv_blocks
+    if kv_blocks:
+        why = f"{kv_blocks} KV blocks as configured"
+    else:
+        kv_blocks = max(2, int(config.kv_memory_gib * 2**30 // per_block))
+        why = f"{kv_blocks} KV blocks from the {config.kv_memory_gib:g} GiB KV memory budget ({per_block} B/block)"
+    trained = model_cfg.max_position_embeddings
+    usable_tokens = (kv_blocks - 1) * config.block_size
+    max_context = config.max_context
+    if max_context:
+        why += f"; context ceiling {max_context} as configured"
+    else:
+        max_context = min(trained, usable_tokens)
+        why += f"; context ceiling {max_context} = min(trained context {trained}, KV capacity {usable_tokens})"
+    if max_context > trained:
+        log.warning("max_context %d exceeds the model's trained context %d", max_context, trained)
+    return KVSizing(kv_blocks, max_context, per_block, why)
+
+
 class Engine:
-    def __init__(self, checkpoint, runner: ModelRunner, batcher: ContinuousBatcher, config: EngineConfig,
-                 sizing_note: str):
-        self.checkpoint = checkpoint
-        self.runner = runner
-        self.batcher = batcher
+    """The engine facade (see the module docstring). Thread-safe where the API needs it:
+    `submit`, `cancel`, `stats` and `health` may be called from any thread."""
+
+    def __init__(self, source: CheckpointSource, runner: ModelRunner, batcher: ContinuousBatcher,
+                 config: EngineConfig, sizing: KVSizing, attention_note: str) -> None:
+        self._source = source
+        self._runner = runner
+        self._batcher = batcher
         self.config = config
-        self.tokenizer = checkpoint.tokenizer
-        self.model_name = config.served_model_name or checkpoint.name
-        self.max_context = runner.max_context
-        self.block_size = runner.block_size
-        self.num_blocks = runner.num_blocks
-        self.kv_bytes_per_block = bytes_per_block(
-            checkpoint.config.num_layers, checkpoint.config.num_kv_heads, runner.block_size,
-            checkpoint.config.head_dim, runner.kv_dtype)
-        self.sizing_note = sizing_note
+        self.tokenizer: Tokenizer = source.tokenizer
+        self.model_name = config.served_model_name or source.name
+        self.max_context = sizing.max_context
+        self.sizing = sizing
+        self.attention_note = attention_note
         self.warmup_s: float | None = None
         self.load_s: float = 0.0
 
     @classmethod
-    def load(cls, config: EngineConfig, batcher_config: BatcherConfig | None = None,
-             progress: Callable[[str], None] | None = None) -> "Engine":
+    def load(cls, config: EngineConfig, progress: Callable[[str], None] | None = None) -> "Engine":
+        """Open, size, build and wire an engine (not yet warmed up or started).
+
+        Raises:
+          ValueError (a configuration this checkpoint or these devices cannot serve, named),
+          FileNotFoundError, UnsupportedModelError, CheckpointError (models/loader.py).
+        """
         t0 = time.perf_counter()
         initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
         if jax.process_count() > 1:
@@ -160,84 +161,110 @@ class Engine:
                 "the same steps, and the scheduler does not broadcast its plans yet; run one engine "
                 "per host (docs/deploy-tpu.md, 'Multi-host')")
         enable_compile_cache(config.compile_cache_dir)
-        dtype_name = config.dtype or default_dtype_name()
-        dtype = DTYPES[dtype_name]
-        data, model_axis = config.mesh_shape
-        mesh = make_mesh(data, model_axis) if model_axis > 1 else None
+        dtype = DTYPES[config.dtype or default_dtype_name()]
+        source = open_checkpoint(config.model)
+        _, model_axis = config.mesh_shape
+        check_divisibility(source.config, model_axis, config.replicate_attention)
+        mesh = make_mesh(1, model_axis) if model_axis > 1 else None
+        sizing = size_kv(config, source.config, dtype)
+        attention, attention_note = select_decode_attention(
+            config.attention_impl, head_dim=source.config.head_dim, block_size=config.block_size,
+            max_blocks_per_row=block_table_width(sizing.max_context, config.block_size), mesh=mesh,
+            kv_sharded=not config.replicate_attention)
+        log.info("%s", attention_note)
         host = _host_device() if mesh is not None else None
-        if host is not None:
-            with jax.default_device(host):
-                ckpt = load_checkpoint(config.model, dtype, progress=progress)
-        else:
-            ckpt = load_checkpoint(config.model, dtype, progress=progress)
-        batcher_config = batcher_config or BatcherConfig()
-        num_blocks, max_context, note = size_kv(config, batcher_config, ckpt.config, dtype)
-        max_rows = min(config.max_rows, batcher_config.max_seqs or config.max_rows)
-        prefill_chunk = min(batcher_config.prefill_chunk, max_context)
-        runner = ModelRunner(ckpt.model, num_blocks=num_blocks, block_size=config.block_size,
+        with jax.default_device(host) if host is not None else contextlib.nullcontext():
+            model = source.build(dtype, decode_attention=attention, progress=progress)
+        max_rows = config.max_seqs
+        prefill_chunk = min(config.prefill_chunk, sizing.max_context)
+        runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size,
                              max_rows=max_rows, max_prefill_tokens=prefill_chunk,
-                             max_context=max_context, kv_dtype=dtype, mesh=mesh,
-                             replicate_attention=config.replicate_attention,
-                             attention_impl=config.attention_impl)
-        batcher_config = dataclasses.replace(
-            batcher_config, kv_block_size=config.block_size, kv_blocks=num_blocks, max_context=max_context)
-        batcher = ContinuousBatcher(runner, ckpt.tokenizer, batcher_config)
-        engine = cls(ckpt, runner, batcher, config, note)
+                             max_context=sizing.max_context, kv_dtype=dtype, mesh=mesh,
+                             replicate_attention=config.replicate_attention)
+        limits = SchedulerLimits(
+            block_size=config.block_size, num_blocks=sizing.num_blocks - 1, max_seqs=config.max_seqs,
+            max_rows=max_rows, max_chunk_tokens=prefill_chunk, max_context=sizing.max_context,
+            max_queue=config.max_queue, kv_bytes_per_block=sizing.bytes_per_block)
+        batcher = ContinuousBatcher(runner, source.tokenizer, limits)
+        engine = cls(source, runner, batcher, config, sizing, attention_note)
         engine.load_s = time.perf_counter() - t0
         return engine
 
+    # -- lifecycle -----------------------------------------------------------------------
+
     def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> float:
-        self.warmup_s = self.runner.warmup(progress)
+        """Compiles every bucket (progress(done, total, key) after each); returns seconds."""
+        self.warmup_s = self._runner.warmup(progress)
         return self.warmup_s
 
     def start(self) -> None:
-        self.batcher.start()
+        self._batcher.start()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        self.batcher.shutdown(timeout_s)
+        """Stops the batcher; open requests end with an error event."""
+        self._batcher.shutdown(timeout_s)
+
+    # -- serving (any thread) -----------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, on_event: EventCallback) -> None:
+        """Queues a job; `on_event(RowEvent)` is then called from the engine's owner thread.
+
+        Raises:
+          AdmissionError: refused, with a complete message; nothing is held for it.
+          ValueError: the request id is already open.
+        """
+        self._batcher.submit(request, on_event)
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancels a request; True if it was open. Idempotent."""
+        return self._batcher.cancel(request_id)
+
+    def stats(self) -> BatcherStats:
+        """The latest published counters (a frozen snapshot)."""
+        return self._batcher.stats()
+
+    def health(self) -> str:
+        """"ready", "dead" (the owner loop crashed) or "stopped"."""
+        return self._batcher.health()
+
+    # -- descriptions -------------------------------------------------------------------
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The device side, for offline tools that time steps directly (tools/bench_engine.py)
+        and fault-injection tests; the API never touches it."""
+        return self._runner
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self._source.config
+
+    @property
+    def model_card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, architecture=self._source.config.architecture,
+                         max_context=self.max_context, dtype=str(jnp.dtype(self._runner.kv_dtype)))
 
     def describe(self) -> dict:
-        cfg = self.checkpoint.config
-        b = self.runner.buckets
+        """The start-up log block: model, devices, KV sizing, buckets."""
+        cfg = self._source.config
+        runner = self._runner
+        buckets = runner.buckets
         return {
             "model": self.model_name,
-            "path": self.checkpoint.path,
+            "path": self._source.path,
             "architecture": cfg.architecture,
             "params": f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads "
                       f"({cfg.num_kv_heads} kv), vocab {cfg.vocab_size}",
-            "dtype": str(jnp.dtype(self.runner.kv_dtype)),
+            "dtype": str(jnp.dtype(runner.kv_dtype)),
             "devices": [str(d) for d in jax.devices()],
-            "mesh": None if self.runner.mesh is None else dict(self.runner.mesh.shape),
+            "mesh": None if runner.mesh is None else dict(runner.mesh.shape),
             "replicate_attention": self.config.replicate_attention,
-            "attention": self.runner.attention_note,
-            "kv_blocks": self.num_blocks,
-            "block_size": self.block_size,
-            "kv_bytes": self.num_blocks * self.kv_bytes_per_block,
+            "attention": self.attention_note,
+            "kv_blocks": self.sizing.num_blocks,
+            "block_size": self.config.block_size,
+            "kv_bytes": self.sizing.num_blocks * self.sizing.bytes_per_block,
             "max_context": self.max_context,
-            "kv_sizing": self.sizing_note,
-            "buckets": {"decode_rows": b.decode_rows, "prefill_tokens": b.prefill_tokens},
-            "num_compiled_shapes": len(b.keys()),
+            "kv_sizing": self.sizing.note,
+            "buckets": {"decode_rows": buckets.decode_rows, "prefill_tokens": buckets.prefill_tokens},
+            "num_compiled_shapes": len(buckets.keys()),
         }
-
-
-def size_kv(config: EngineConfig, batcher_config: BatcherConfig, model_cfg, dtype) -> tuple[int, int, str]:
-    """Return (num_blocks including the null block, max_context, why)."""
-    per_block = bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, config.block_size,
-                                model_cfg.head_dim, dtype)
-    kv_blocks = config.kv_blocks or batcher_config.kv_blocks
-    if kv_blocks:
-        why = f"{kv_blocks} KV blocks as configured"
-    else:
-        kv_blocks = max(2, int(config.kv_memory_gib * 2**30 // per_block))
-        why = f"{kv_blocks} KV blocks from the {config.kv_memory_gib:g} GiB KV memory budget ({per_block} B/block)"
-    trained = model_cfg.max_position_embeddings
-    usable_tokens = (kv_blocks - 1) * config.block_size
-    max_context = config.max_context or batcher_config.max_context
-    if max_context:
-        why += f"; context ceiling {max_context} as configured"
-    else:
-        max_context = min(trained, usable_tokens)
-        why += f"; context ceiling {max_context} = min(trained context {trained}, KV capacity {usable_tokens})"
-    if max_context > trained:
-        log.warning("max_context %d exceeds the model's trained context %d", max_context, trained)
-    return kv_blocks, max_context, why

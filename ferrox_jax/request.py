@@ -1,9 +1,14 @@
-"""Requests and rows as the scheduler sees them, and the one state machine. No jax here.
+"""The engine's request types, and the one state machine of its rows. No jax here.
 
-A `GenerationRequest` is what a client asked for (immutable). The scheduler turns it into a
-`Request` (the job: prompt, prefill progress, block reservation) holding n `Row`s (one
-sequence being generated each; `n > 1` gives n rows). Every row carries a `RequestState`;
-the rows of a job move together until they decode, then end one by one:
+What the API hands the engine and gets back (the engine facade's side of the seam):
+`SamplingParams` and `GenerationRequest` in, `RowEvent`s out (one or more per row per
+tick, each carrying `RowResult` logprobs when asked), `AdmissionError` when a submit is
+refused. The API imports these and `ferrox_jax/engine.py`'s facade, nothing deeper.
+
+Inside the engine the scheduler turns a `GenerationRequest` into a `Request` (the job:
+prompt, prefill progress, block reservation) holding n `Row`s (one sequence being
+generated each; `n > 1` gives n rows). Every row carries a `RequestState`; the rows of a
+job move together until they decode, then end one by one:
 
     WAITING ──admit──> PREFILLING ──last chunk──> DECODING ──> FINISHED_STOP | _LENGTH
        │                   │                         │
@@ -13,8 +18,6 @@ the rows of a job move together until they decode, then end one by one:
 prompt, whose only token every row computes itself.) `_transition()` is the only code that
 changes a state; it checks `_ALLOWED_TRANSITIONS` and counts entries per state. Nothing is
 preempted, so no state leads back.
-
-`RowEvent` is what the owner loop hands to the API, per row and tick.
 """
 
 from __future__ import annotations
@@ -25,57 +28,70 @@ import enum
 from typing import Any
 
 from ferrox_jax.detokenize import TextStream
-from ferrox_jax.plan import RowResult, SamplingParams
 
-# Multiplier mixing a choice index into the request seed (2^32 / golden ratio): choices of
-# one request, and neighbouring seeds, get well-separated streams.
-_SEED_MIX = 0x9E3779B1
-_SEED_MASK = 0x7FFFFFFF  # keep derived seeds in int32 range for the device arrays
+# ---------------------------------------------------------------- the public types
+
+MAX_LOGPROBS = 20  # top-k logprobs returned per sampled token, at most (OpenAI's limit)
 
 
-class RequestState(enum.Enum):
-    WAITING = "waiting"
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    FINISHED_STOP = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_CANCELLED = "cancelled"
-    FINISHED_ERROR = "error"
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-row sampling settings; they travel to the device as [rows] arrays, never static.
+
+    temperature 0 means greedy. top_k 0 means off; top_p 1 and min_p 0 are off.
+    `seed` makes the draw a function of (seed, position) only, so a row samples the same
+    tokens alone or in any batch. `logprobs` is None (not asked), or k in [0, 20]: the
+    chosen token's logprob plus the top k (raw model logprobs, before temperature).
+    Penalties follow vLLM: presence/frequency over generated tokens, repetition over
+    prompt and generated tokens; `logit_bias` adds to the raw logits by token id.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature:
+            raise ValueError(f"SamplingParams.temperature must be >= 0; got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1]; got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0; got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1]; got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"SamplingParams.logprobs must be in [0, {MAX_LOGPROBS}]; got {self.logprobs}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0; got {self.repetition_penalty}")
 
     @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
 
     @property
-    def finish_reason(self) -> str | None:
-        """The OpenAI finish_reason for a finished state ("stop", "length", ...), else None."""
-        return self.value if self.is_finished else None
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias)
 
 
-_FINISHED = frozenset({RequestState.FINISHED_STOP, RequestState.FINISHED_LENGTH,
-                       RequestState.FINISHED_CANCELLED, RequestState.FINISHED_ERROR})
-_ENDED_EARLY = frozenset({RequestState.FINISHED_CANCELLED, RequestState.FINISHED_ERROR})
+@dataclasses.dataclass(frozen=True)
+class RowResult:
+    """What one sampling row produced this step."""
 
-_ALLOWED_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
-    RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.DECODING} | _ENDED_EARLY),
-    RequestState.PREFILLING: frozenset({RequestState.DECODING} | _ENDED_EARLY),
-    RequestState.DECODING: _FINISHED,
-    RequestState.FINISHED_STOP: frozenset(),
-    RequestState.FINISHED_LENGTH: frozenset(),
-    RequestState.FINISHED_CANCELLED: frozenset(),
-    RequestState.FINISHED_ERROR: frozenset(),
-}
-
-
-def _transition(row: Row, new_state: RequestState,
-                counts: collections.Counter[RequestState]) -> None:
-    """Moves a row to `new_state` if the table allows it, and counts the entry."""
-    allowed = _ALLOWED_TRANSITIONS[row.state]
-    assert new_state in allowed, (
-        f"row {row.row_id} of {row.request.spec.request_id}: "
-        f"{row.state.name} -> {new_state.name} is not an allowed transition")
-    row.state = new_state
-    counts[new_state] += 1
+    row_id: int
+    token_id: int
+    logprob: float = 0.0  # raw logprob of token_id
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    # For prompt_logprobs rows: per computed token (after the first prompt token),
+    # (logprob of that token, its top-k). Empty otherwise.
+    prompt_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +142,74 @@ class RowEvent:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0  # sampled so far, the stop token included
     queue_s: float | None = None  # first event only: seconds the job waited for admission
+
+
+class AdmissionError(Exception):
+    """A refused submit, with what its error message needs.
+
+    `reason`: "context_length" (prompt + max_tokens over the context ceiling: a request
+    to fix), "too_large" (more KV blocks than the whole budget, or n above the row cap),
+    "queue_full" (momentary pressure: retry) or "unavailable" (the engine is not
+    running). `message` is complete and user-facing (token, block and byte counts).
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+# ---------------------------------------------------------------- inside the engine
+
+# Multiplier mixing a choice index into the request seed (2^32 / golden ratio): choices of
+# one request, and neighbouring seeds, get well-separated streams.
+_SEED_MIX = 0x9E3779B1
+_SEED_MASK = 0x7FFFFFFF  # keep derived seeds in int32 range for the device arrays
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED_STOP = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_CANCELLED = "cancelled"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI finish_reason for a finished state ("stop", "length", ...), else None."""
+        return self.value if self.is_finished else None
+
+
+_FINISHED = frozenset({RequestState.FINISHED_STOP, RequestState.FINISHED_LENGTH,
+                       RequestState.FINISHED_CANCELLED, RequestState.FINISHED_ERROR})
+_ENDED_EARLY = frozenset({RequestState.FINISHED_CANCELLED, RequestState.FINISHED_ERROR})
+
+_ALLOWED_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.DECODING} | _ENDED_EARLY),
+    RequestState.PREFILLING: frozenset({RequestState.DECODING} | _ENDED_EARLY),
+    RequestState.DECODING: _FINISHED,
+    RequestState.FINISHED_STOP: frozenset(),
+    RequestState.FINISHED_LENGTH: frozenset(),
+    RequestState.FINISHED_CANCELLED: frozenset(),
+    RequestState.FINISHED_ERROR: frozenset(),
+}
+
+
+def _transition(row: Row, new_state: RequestState,
+                counts: collections.Counter[RequestState]) -> None:
+    """Moves a row to `new_state` if the table allows it, and counts the entry."""
+    allowed = _ALLOWED_TRANSITIONS[row.state]
+    assert new_state in allowed, (
+        f"row {row.row_id} of {row.request.spec.request_id}: "
+        f"{row.state.name} -> {new_state.name} is not an allowed transition")
+    row.state = new_state
+    counts[new_state] += 1
 
 
 def derive_row_seed(seed: int, index: int) -> int:

@@ -26,20 +26,23 @@ from flax import nnx
 
 from ferrox_jax.buckets import Buckets, pick
 from ferrox_jax.kv_cache import KVCache, copy_blocks, create_kv_cache
-from ferrox_jax.plan import RowResult, RowStep, StepOutput, StepPlan
-from ferrox_jax.sampling import SamplingBatch, host_sampling_batch
-from ferrox_jax.sharding import jit_steps, runner_shardings
-from ferrox_jax.step import STEP_BODIES, StepBatch, decode_step, logits_step, prefill_step
+from ferrox_jax.plan import RowStep, StepOutput, StepPlan
+from ferrox_jax.request import RowResult
+from ferrox_jax.sampling import host_sampling_batch
+from ferrox_jax.sharding import runner_shardings
+from ferrox_jax.step import StepBatch, jit_steps
 from models.attention import ATTENTION_CHUNK_BLOCKS
-from models.pallas_attention import select_decode_attention
 
 log = logging.getLogger(__name__)
 COPY_BATCH = 8  # block copies are padded to this many pairs (0 -> 0 is a no-op copy)
 COPY_KEY = ("copy",)  # the block-copy executable's key among the compiled shapes
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def block_table_width(max_context: int, block_size: int) -> int:
+    """Blocks per row in every step's block table: enough for `max_context` positions,
+    rounded up to a multiple of the attention loop's chunk (`models/attention.py`)."""
+    num_blocks = math.ceil(max_context / block_size)
+    return -(-num_blocks // ATTENTION_CHUNK_BLOCKS) * ATTENTION_CHUNK_BLOCKS
 
 
 class ModelRunner:
@@ -47,10 +50,17 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, max_rows: int,
                  max_prefill_tokens: int, max_context: int, kv_dtype=None, mesh=None,
-                 replicate_attention: bool = False, attention_impl: str = "auto"):
-        """`mesh` (ferrox_jax/sharding.py): place weights and KV with NamedShardings and jit
-        the steps with explicit in/out shardings; None keeps everything on one device.
-        `attention_impl`: decode attention choice (models/pallas_attention.py)."""
+                 replicate_attention: bool = False):
+        """Args:
+          model: the built model, its decode attention already chosen (`models/loader.py`).
+          num_blocks: KV cache blocks, the null block 0 included.
+          max_rows, max_prefill_tokens: the largest row and token buckets.
+          max_context: positions a row may reach (sets the block-table width).
+          kv_dtype: the cache dtype (default: the model's).
+          mesh: place weights and KV with NamedShardings and jit the steps with explicit
+            in/out shardings (`ferrox_jax/sharding.py`); None keeps everything on one device.
+          replicate_attention: on a mesh, replicate attention weights and KV.
+        """
         cfg = model.cfg
         self.cfg = cfg
         self.block_size = block_size
@@ -60,26 +70,17 @@ class ModelRunner:
         self.max_context = max_context
         self.vocab_size = cfg.vocab_size
         self.kv_dtype = kv_dtype or model.dtype
-        # Fixed block-table width: enough for max_context, a multiple of attention's chunk.
-        self.max_blocks_per_row = _round_up(math.ceil(max_context / block_size), ATTENTION_CHUNK_BLOCKS)
+        self.max_blocks_per_row = block_table_width(max_context, block_size)
         self.buckets = Buckets.derive(max_rows, max_prefill_tokens)
-        # ---- sharding and attention choice (issue 6) ----
         self.mesh = mesh
-        model.decode_attention, self.attention_note = select_decode_attention(
-            attention_impl, head_dim=cfg.head_dim, block_size=block_size,
-            max_blocks_per_row=self.max_blocks_per_row, mesh=mesh, kv_sharded=not replicate_attention)
-        log.info("%s", self.attention_note)
         self.graphdef, self.state = nnx.split(model)
         self.shardings = None if mesh is None else runner_shardings(mesh, cfg, self.state, replicate_attention)
         if self.shardings is not None:
             self.state = jax.device_put(self.state, self.shardings.state)
-            self._steps = jit_steps(STEP_BODIES, self.shardings, cfg.num_layers)
-        else:
-            self._steps = {"prefill": prefill_step, "decode": decode_step, "logits": logits_step}
+        self._steps = jit_steps(self.shardings)
         self.kv_cache: KVCache = create_kv_cache(
             cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim, self.kv_dtype,
             sharding=None if self.shardings is None else self.shardings.kv_array)
-        # ---- end sharding ----
         self._compiled: dict[tuple, Callable] = {}
         self.is_warm = False
         self.recompiles_after_warmup = 0
@@ -91,7 +92,7 @@ class ModelRunner:
             pairs = jnp.zeros(COPY_BATCH, jnp.int32)
             return copy_blocks.lower(self.kv_cache, pairs, pairs).compile()
         kind, b, t = key
-        step = self._steps["prefill" if kind == "prefill" else "decode"]
+        step = self._steps.prefill if kind == "prefill" else self._steps.decode
         return step.lower(self.graphdef, self.state, self.kv_cache, self._dummy_batch(b, t)).compile()
 
     def _executable(self, key: tuple) -> Callable:
@@ -120,10 +121,12 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     def _dummy_batch(self, b: int, t: int) -> StepBatch:
-        return self._to_device(self._host_batch([None] * b, b, t))
+        return jax.device_put(self._host_batch([None] * b, b, t))
 
     # ---- host batch building -------------------------------------------------------
-    def _host_batch(self, rows: list[RowStep | None], b: int, t: int) -> dict:
+    def _host_batch(self, rows: list[RowStep | None], b: int, t: int) -> StepBatch:
+        """The step's inputs as a StepBatch of numpy arrays (None rows are padding);
+        `jax.device_put` moves it to the device in one call."""
         mb = self.max_blocks_per_row
         tokens = np.zeros((b, t), np.int32)
         positions = np.zeros((b, t), np.int32)
@@ -156,20 +159,9 @@ class ModelRunner:
             [r.sampling if r is not None else None for r in rows],
             [r.history_token_ids if r is not None else () for r in rows],
             [r.num_prompt_tokens if r is not None else 0 for r in rows], b, self.vocab_size)
-        return dict(tokens=tokens, positions=positions, valid=valid, block_tables=tables,
-                    last_index=last, sampling=sampling, next_tokens=next_tokens,
-                    want_prompt_logprobs=np.asarray(want_prompt))
-
-    @staticmethod
-    def _to_device(h: dict) -> StepBatch:
-        return StepBatch(
-            tokens=jnp.asarray(h["tokens"]), positions=jnp.asarray(h["positions"]),
-            valid=jnp.asarray(h["valid"]), block_tables=jnp.asarray(h["block_tables"]),
-            last_index=jnp.asarray(h["last_index"]),
-            sampling=SamplingBatch(**{k: jnp.asarray(v) for k, v in h["sampling"].items()}),
-            next_tokens=jnp.asarray(h["next_tokens"]),
-            want_prompt_logprobs=jnp.asarray(h["want_prompt_logprobs"]),
-        )
+        return StepBatch(tokens=tokens, positions=positions, valid=valid, block_tables=tables,
+                         last_index=last, sampling=sampling, next_tokens=next_tokens,
+                         want_prompt_logprobs=np.asarray(want_prompt))
 
     # ---- running -------------------------------------------------------------------
     def _run_prefill(self, row: RowStep):
@@ -177,7 +169,7 @@ class ModelRunner:
         if n > self.max_prefill_tokens:
             raise ValueError(f"prefill chunk of {n} tokens exceeds the largest bucket {self.max_prefill_tokens}")
         t = pick(self.buckets.prefill_tokens, n)
-        batch = self._to_device(self._host_batch([row], 1, t))
+        batch = jax.device_put(self._host_batch([row], 1, t))
         exe = self._executable(("prefill", 1, t))
         self.kv_cache, result = exe(self.state, self.kv_cache, batch)
         return result
@@ -187,7 +179,7 @@ class ModelRunner:
             if len(r.token_ids) != 1:
                 raise ValueError(f"decode row {r.row_id} has {len(r.token_ids)} tokens; expected 1")
         b = pick(self.buckets.decode_rows, len(rows))
-        batch = self._to_device(self._host_batch(list(rows) + [None] * (b - len(rows)), b, 1))
+        batch = jax.device_put(self._host_batch(list(rows) + [None] * (b - len(rows)), b, 1))
         exe = self._executable(("decode", b, 1))
         self.kv_cache, result = exe(self.state, self.kv_cache, batch)
         return result
@@ -224,8 +216,8 @@ class ModelRunner:
         """Offline (tests, tools/compare_logits.py): write the rows' tokens into the cache
         and return each row's logits f32[len(token_ids), V]. Shapes are not bucketed."""
         t = max(len(r.token_ids) for r in rows)
-        batch = self._to_device(self._host_batch(list(rows), len(rows), t))
-        self.kv_cache, logits = self._steps["logits"](self.graphdef, self.state, self.kv_cache, batch)
+        batch = jax.device_put(self._host_batch(list(rows), len(rows), t))
+        self.kv_cache, logits = self._steps.logits(self.graphdef, self.state, self.kv_cache, batch)
         logits = np.asarray(jax.device_get(logits))
         return [logits[i, : len(r.token_ids)] for i, r in enumerate(rows)]
 

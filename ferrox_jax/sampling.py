@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ferrox_jax.plan import MAX_LOGPROBS, SamplingParams
+from ferrox_jax.request import MAX_LOGPROBS, SamplingParams
 
 # Distinct tokens per row that penalties and logit_bias can touch (llama.cpp's default
 # window is 64 tokens; OpenAI caps logit_bias at 300 entries).
@@ -30,7 +30,8 @@ _BISECT_STEPS = 24
 
 @struct.dataclass
 class SamplingBatch:
-    """Per-row sampling inputs. B rows; P = MAX_PENALTY_TOKENS."""
+    """Per-row sampling inputs (numpy leaves on the host, jax arrays on the device).
+    B rows; P = MAX_PENALTY_TOKENS."""
 
     temperature: jax.Array  # f32[B]; 0 = greedy
     top_k: jax.Array  # i32[B]; 0 = off
@@ -45,37 +46,37 @@ class SamplingBatch:
 
 
 def host_sampling_batch(params: list[SamplingParams | None], histories: list[tuple[int, ...]],
-                        num_prompt: list[int], rows: int, vocab_size: int) -> dict[str, np.ndarray]:
-    """Build the numpy fields of a SamplingBatch for `rows` padded rows."""
-    out = {
-        "temperature": np.zeros(rows, np.float32),
-        "top_k": np.zeros(rows, np.int32),
-        "top_p": np.ones(rows, np.float32),
-        "min_p": np.zeros(rows, np.float32),
-        "seed": np.zeros(rows, np.uint32),
-        "penalty_ids": np.full((rows, MAX_PENALTY_TOKENS), vocab_size, np.int32),
-        "penalty_add": np.zeros((rows, MAX_PENALTY_TOKENS), np.float32),
-        "penalty_rep": np.zeros((rows, MAX_PENALTY_TOKENS), bool),
-        "repetition_penalty": np.ones(rows, np.float32),
-        "want_logprobs": np.zeros(rows, bool),
-    }
+                        num_prompt: list[int], rows: int, vocab_size: int) -> SamplingBatch:
+    """A SamplingBatch with numpy leaves for `rows` padded rows (None params: a padded row)."""
+    batch = SamplingBatch(
+        temperature=np.zeros(rows, np.float32),
+        top_k=np.zeros(rows, np.int32),
+        top_p=np.ones(rows, np.float32),
+        min_p=np.zeros(rows, np.float32),
+        seed=np.zeros(rows, np.uint32),
+        penalty_ids=np.full((rows, MAX_PENALTY_TOKENS), vocab_size, np.int32),
+        penalty_add=np.zeros((rows, MAX_PENALTY_TOKENS), np.float32),
+        penalty_rep=np.zeros((rows, MAX_PENALTY_TOKENS), bool),
+        repetition_penalty=np.ones(rows, np.float32),
+        want_logprobs=np.zeros(rows, bool),
+    )
     for i, p in enumerate(params):
         if p is None:
             continue
-        out["temperature"][i] = p.temperature
-        out["top_k"][i] = p.top_k
-        out["top_p"][i] = p.top_p
-        out["min_p"][i] = p.min_p
-        out["seed"][i] = p.seed & 0xFFFFFFFF
-        out["repetition_penalty"][i] = p.repetition_penalty
-        out["want_logprobs"][i] = p.logprobs is not None
+        batch.temperature[i] = p.temperature
+        batch.top_k[i] = p.top_k
+        batch.top_p[i] = p.top_p
+        batch.min_p[i] = p.min_p
+        batch.seed[i] = p.seed & 0xFFFFFFFF
+        batch.repetition_penalty[i] = p.repetition_penalty
+        batch.want_logprobs[i] = p.logprobs is not None
         if p.has_penalties:
-            _fill_penalties(out, i, p, histories[i], num_prompt[i], vocab_size)
-    return out
+            _fill_penalties(batch, i, p, histories[i], num_prompt[i], vocab_size)
+    return batch
 
 
-def _fill_penalties(out, i: int, p: SamplingParams, history: tuple[int, ...], num_prompt: int,
-                    vocab_size: int) -> None:
+def _fill_penalties(batch: SamplingBatch, i: int, p: SamplingParams, history: tuple[int, ...],
+                    num_prompt: int, vocab_size: int) -> None:
     add: dict[int, float] = {}
     rep: set[int] = set()
     generated = history[num_prompt:]
@@ -92,9 +93,9 @@ def _fill_penalties(out, i: int, p: SamplingParams, history: tuple[int, ...], nu
     order = [t for t in order if t in add or t in rep][:MAX_PENALTY_TOKENS]
     for j, t in enumerate(order):
         if 0 <= t < vocab_size:
-            out["penalty_ids"][i, j] = t
-            out["penalty_add"][i, j] = add.get(t, 0.0)
-            out["penalty_rep"][i, j] = t in rep
+            batch.penalty_ids[i, j] = t
+            batch.penalty_add[i, j] = add.get(t, 0.0)
+            batch.penalty_rep[i, j] = t in rep
 
 
 def apply_penalties(logits: jax.Array, s: SamplingBatch) -> jax.Array:

@@ -28,32 +28,16 @@ from collections.abc import Callable
 from typing import Any
 
 from ferrox_jax.block_budget import BlockBudget
-from ferrox_jax.plan import RowResult, RowStep, SamplingParams, StepOutput, StepPlan
-from ferrox_jax.request import GenerationRequest, Request, RequestState, Row, RowEvent, _transition
+from ferrox_jax.config import SchedulerLimits
+from ferrox_jax.plan import RowStep, StepOutput, StepPlan
+from ferrox_jax.request import (GenerationRequest, Request, RequestState, Row, RowEvent, RowResult, SamplingParams,
+                                _transition)
 
 # A cancel for a request id not seen yet is kept this long (the job's submit may still be on
 # its way), and at most this many are kept (ids that never arrive must not pile up).
 PENDING_CANCEL_TTL_S = 60.0
 MAX_PENDING_CANCELS = 1024
 _BANNED_LOGIT = float("-inf")  # logit bias masking stop tokens before min_tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerLimits:
-    """The batcher's limits resolved against the runner (see `ContinuousBatcher`)."""
-
-    block_size: int  # token positions per block
-    num_blocks: int  # usable blocks, ids 1..num_blocks
-    max_seqs: int  # rows in flight: decoding rows plus the n rows of each prefilling job
-    max_rows: int  # rows per decode step (the runner's largest row bucket)
-    max_chunk_tokens: int  # prompt tokens per prefill chunk
-    max_context: int | None = None  # prompt + max_tokens ceiling; None: the budget decides
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if value is not None and value <= 0:
-                raise ValueError(f"SchedulerLimits.{field.name} must be > 0; got {value}")
 
 
 def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, n: int,
@@ -90,10 +74,13 @@ def check_admission(spec: GenerationRequest, limits: SchedulerLimits) -> tuple[s
                 f"{total_tokens} tokens exceeds the context limit of {limits.max_context} tokens")
     num_blocks, _ = blocks_to_reserve(num_prompt_tokens, spec.max_tokens, spec.n, limits.block_size)
     if num_blocks > limits.num_blocks:
-        return ("too_large",
-                f"request needs {num_blocks} KV blocks of {limits.block_size} positions "
-                f"(prompt {num_prompt_tokens} + max_tokens {spec.max_tokens}, n={spec.n}); "
-                f"the whole budget is {limits.num_blocks} blocks")
+        message = (f"request needs {num_blocks} KV blocks of {limits.block_size} positions "
+                   f"(prompt {num_prompt_tokens} + max_tokens {spec.max_tokens}, n={spec.n}); "
+                   f"the whole budget is {limits.num_blocks} blocks")
+        if limits.kv_bytes_per_block:
+            message += (f" ({num_blocks * limits.kv_bytes_per_block} bytes needed; the KV budget holds "
+                        f"{limits.num_blocks * limits.kv_bytes_per_block} bytes)")
+        return "too_large", message
     if spec.n > limits.max_seqs:
         return ("too_large", f"request asks for n={spec.n} rows; at most {limits.max_seqs} "
                              "rows run at once (max_seqs)")
@@ -375,12 +362,6 @@ class Scheduler:
             self._stop_job(job, RequestState.FINISHED_ERROR, error)
             self.num_failed_jobs += 1
         self._planned_row_ids = ()
-        self._flush_finished()
-
-    def fail_all(self, error: str) -> None:
-        """Ends every open job with an error (shutdown)."""
-        for job in list(self._jobs.values()):
-            self._stop_job(job, RequestState.FINISHED_ERROR, error)
         self._flush_finished()
 
     def _apply_prefill_chunk(self, step: RowStep, result: RowResult | None) -> None:

@@ -51,30 +51,6 @@ _BIAS = ("q_bias", "k_bias", "v_bias")
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj") + _BIAS
 
 
-def parse_mesh(text: str) -> tuple[int, int]:
-    """"data=1,model=4" -> (1, 4). Either axis may be omitted (it is then 1)."""
-    sizes = {DATA_AXIS: 1, MODEL_AXIS: 1}
-    seen = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        name, sep, value = part.partition("=")
-        name = name.strip()
-        if not sep or name not in sizes:
-            raise ValueError(f"mesh {text!r}: expected comma-separated data=D,model=M; got {part!r}")
-        if name in seen:
-            raise ValueError(f"mesh {text!r}: axis {name!r} given twice")
-        seen.add(name)
-        try:
-            sizes[name] = int(value)
-        except ValueError:
-            raise ValueError(f"mesh {text!r}: size of {name!r} must be an integer; got {value!r}") from None
-        if sizes[name] < 1:
-            raise ValueError(f"mesh {text!r}: size of {name!r} must be >= 1; got {sizes[name]}")
-    return sizes[DATA_AXIS], sizes[MODEL_AXIS]
-
-
 def make_mesh(data: int, model: int, devices=None) -> Mesh:
     """A ("data", "model") mesh over the first data*model devices (all processes' devices).
 
@@ -162,10 +138,7 @@ class RunnerShardings:
     kv_array: NamedSharding  # one per-layer K or V array
     replicated: NamedSharding  # batches and results
     replicate_attention: bool
-
-    @property
-    def model_axis_size(self) -> int:
-        return self.mesh.shape[MODEL_AXIS]
+    num_layers: int  # KV arrays per cache side
 
 
 def runner_shardings(mesh: Mesh, cfg: ModelConfig, state, replicate_attention: bool = False) -> RunnerShardings:
@@ -181,33 +154,16 @@ def runner_shardings(mesh: Mesh, cfg: ModelConfig, state, replicate_attention: b
         kv_array=NamedSharding(mesh, kv_partition_spec(replicate_attention)),
         replicated=NamedSharding(mesh, P()),
         replicate_attention=replicate_attention,
+        num_layers=cfg.num_layers,
     )
 
 
-def kv_cache_shardings(shardings: RunnerShardings, num_layers: int):
+def kv_cache_shardings(shardings: RunnerShardings):
     """A KVCache-shaped pytree of shardings (for in/out_shardings)."""
     from ferrox_jax.kv_cache import KVCache
 
-    per_layer = (shardings.kv_array,) * num_layers
+    per_layer = (shardings.kv_array,) * shardings.num_layers
     return KVCache(k=per_layer, v=per_layer)
-
-
-def jit_steps(step_fns: dict, shardings: RunnerShardings | None, num_layers: int) -> dict:
-    """jax.jit each `fn(graphdef, state, kv_cache, batch) -> (kv_cache, out)` for this runner.
-
-    With shardings: state, KV (donated) and batch get explicit in_shardings, the KV comes
-    back with its own sharding (so the next step takes it without a reshard or recompile)
-    and the outputs come back replicated. Without: a plain jit (single device).
-    """
-    if shardings is None:
-        return {name: jax.jit(fn, static_argnums=(0,), donate_argnums=(2,)) for name, fn in step_fns.items()}
-    kv = kv_cache_shardings(shardings, num_layers)
-    rep = shardings.replicated
-    return {
-        name: jax.jit(fn, static_argnums=(0,), donate_argnums=(2,),
-                      in_shardings=(shardings.state, kv, rep), out_shardings=(kv, rep))
-        for name, fn in step_fns.items()
-    }
 
 
 def describe_sharding(array: jax.Array) -> dict:

@@ -1,4 +1,4 @@
-"""The jitted step functions: `prefill_step` and `decode_step`.
+"""The jitted step functions: `prefill_step` and `decode_step`, jitted here and nowhere else.
 
 Both are the same pure function of (graphdef, state, kv_cache, batch): run the model
 over each row's new tokens (writing their K/V into the paged cache, layout in
@@ -7,24 +7,34 @@ over each row's new tokens (writing their K/V into the paged cache, layout in
 logprobs; `decode_step` sees B = a row bucket with T = 1. The graphdef is static, the
 state traced, and only the KV cache is donated: the caller rebinds it in the same
 statement (`self.kv_cache, out = step(graphdef, state, self.kv_cache, batch)`).
+
+`jit_steps(shardings)` jits the three bodies once per runner: plain `jax.jit` on one
+device, or with explicit in/out shardings on a mesh (`ferrox_jax/sharding.py`).
+
+`StepBatch` is built on the host with numpy leaves (`ferrox_jax/runner.py`) and moved
+to the device in one `jax.device_put` per step; the same class holds either.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
 from ferrox_jax.kv_cache import KVCache
-from ferrox_jax.plan import MAX_LOGPROBS
+from ferrox_jax.request import MAX_LOGPROBS
 from ferrox_jax.sampling import SamplingBatch, sample
+from ferrox_jax.sharding import RunnerShardings, kv_cache_shardings
 
 
 @struct.dataclass
 class StepBatch:
-    """Inputs of one step. B rows, T tokens per row, MB blocks per row."""
+    """Inputs of one step (numpy leaves on the host, jax arrays on the device).
+    B rows, T tokens per row, MB blocks per row."""
 
     tokens: jax.Array  # i32[B, T]
     positions: jax.Array  # i32[B, T]
@@ -77,12 +87,6 @@ def _step(graphdef, state, kv_cache: KVCache, batch: StepBatch, *, is_prefill: b
     return KVCache(k=k, v=v), result
 
 
-prefill_step = jax.jit(functools.partial(_step, is_prefill=True), static_argnums=(0,),
-                       donate_argnames=("kv_cache",))
-decode_step = jax.jit(functools.partial(_step, is_prefill=False), static_argnums=(0,),
-                      donate_argnames=("kv_cache",))
-
-
 def _logits(graphdef, state, kv_cache: KVCache, batch: StepBatch):
     """Offline variant for parity checks: the logits f32[B, T, V] at every new position."""
     model = nnx.merge(graphdef, state)
@@ -91,10 +95,35 @@ def _logits(graphdef, state, kv_cache: KVCache, batch: StepBatch):
     return KVCache(k=k, v=v), model.logits(hidden)
 
 
-logits_step = jax.jit(_logits, static_argnums=(0,), donate_argnames=("kv_cache",))
+@dataclasses.dataclass(frozen=True)
+class StepFunctions:
+    """One runner's jitted steps; each is `fn(graphdef, state, kv_cache, batch) -> (kv_cache, out)`."""
 
-# The unjitted bodies, for a runner on a mesh that jits them with its own explicit
-# in/out shardings (ferrox_jax/sharding.py: jit_steps).
-STEP_BODIES = {"prefill": functools.partial(_step, is_prefill=True),
-               "decode": functools.partial(_step, is_prefill=False),
-               "logits": _logits}
+    prefill: Callable
+    decode: Callable
+    logits: Callable  # offline parity: f32[B, T, V] at every new position
+
+
+_BODIES = (functools.partial(_step, is_prefill=True), functools.partial(_step, is_prefill=False), _logits)
+
+
+def jit_steps(shardings: RunnerShardings | None = None) -> StepFunctions:
+    """jax.jit the step bodies for one runner, donating the KV cache (argument 2).
+
+    With shardings: state, KV and batch get explicit in_shardings, the KV comes back with
+    its own sharding (so the next step takes it without a reshard or recompile) and the
+    outputs come back replicated. Without: a plain jit on the default device, shared by
+    every unsharded runner (so equal graphdefs and shapes reuse one trace).
+    """
+    if shardings is None:
+        return _unsharded_steps()
+    kv = kv_cache_shardings(shardings)
+    rep = shardings.replicated
+    return StepFunctions(*(jax.jit(fn, static_argnums=(0,), donate_argnums=(2,),
+                                   in_shardings=(shardings.state, kv, rep), out_shardings=(kv, rep))
+                           for fn in _BODIES))
+
+
+@functools.cache
+def _unsharded_steps() -> StepFunctions:
+    return StepFunctions(*(jax.jit(fn, static_argnums=(0,), donate_argnums=(2,)) for fn in _BODIES))

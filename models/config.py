@@ -74,11 +74,6 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE; got {self.head_dim}")
 
-    @property
-    def num_groups(self) -> int:
-        """Query heads per KV head (grouped-query attention)."""
-        return self.num_heads // self.num_kv_heads
-
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token position takes across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -126,7 +126,10 @@ class DecoderLayer(nnx.Module):
 class LlamaModel(nnx.Module):
     """A Llama-family causal LM. Construct under `nnx.eval_shape` to get abstract params."""
 
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs, decode_attention=None):
+        """`decode_attention`: None for pure-JAX paged attention everywhere, else a hashable
+        callable used for one-query-per-row steps (`models/pallas_attention.py`). It is
+        static (part of the graphdef), so it is chosen here, when the model is built."""
         self.cfg = cfg
         self.dtype = dtype
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
@@ -141,9 +144,7 @@ class LlamaModel(nnx.Module):
         self.inv_freq = nnx.Variable(
             jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         )
-        # Static (part of the graphdef): None = pure-JAX paged attention everywhere, else a
-        # hashable callable used for one-query-per-row steps (models/pallas_attention.py).
-        self.decode_attention = None
+        self.decode_attention = decode_attention
 
     def __call__(self, tokens, positions, valid, k_caches, v_caches, block_tables):
         """Run the decoder over new tokens, writing their K/V into the paged cache.

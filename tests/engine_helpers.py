@@ -6,7 +6,8 @@ import math
 
 import numpy as np
 
-from ferrox_jax.plan import RowStep, SamplingParams, StepPlan
+from ferrox_jax.plan import RowStep, StepPlan
+from ferrox_jax.request import SamplingParams
 from ferrox_jax.runner import ModelRunner
 from models.loader import load_checkpoint
 

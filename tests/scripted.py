@@ -14,7 +14,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ferrox_jax.plan import RowResult, RowStep, StepOutput, StepPlan
+from ferrox_jax.plan import RowStep, StepOutput, StepPlan
+from ferrox_jax.request import RowResult
 from ferrox_jax.request import RowEvent
 from ferrox_jax.scheduler import Scheduler
 

@@ -30,8 +30,7 @@ CONTEXT_TOKENS = 2048
 # The shared engine: 2048-token context (the tiny model's trained length), 16-position
 # blocks, 32 decode rows so 32 concurrent streams all decode at once. The persistent
 # compile cache is configured by tests/conftest.py (JAX_COMPILATION_CACHE_DIR).
-DEFAULT_LIMITS = dict(block_size=16, kv_blocks=512, max_rows=32, max_seqs=32, max_queue=64,
-                      prefill_chunk=64, max_context=None)
+DEFAULT_LIMITS = dict(block_size=16, kv_blocks=512, max_seqs=32, max_queue=64, prefill_chunk=64, max_context=None)
 
 
 def api_checkpoint() -> Path:
@@ -52,19 +51,14 @@ def api_checkpoint() -> Path:
 def tiny_engine(checkpoint: Any = None, **limits: Any) -> Any:
     """A warmed, started Engine over `checkpoint` (default: `api_checkpoint()`); one per
     distinct (checkpoint, limits)."""
-    from ferrox_jax.config import BatcherConfig
-    from ferrox_jax.engine import Engine, EngineConfig
+    from ferrox_jax.config import EngineConfig
+    from ferrox_jax.engine import Engine
 
     checkpoint = checkpoint or api_checkpoint()
     merged = {**DEFAULT_LIMITS, **limits}
     key = (str(checkpoint), *sorted(merged.items()))
     if key not in _engines:
-        engine = Engine.load(
-            EngineConfig(model=str(checkpoint), dtype="float32", block_size=merged["block_size"],
-                         kv_blocks=merged["kv_blocks"], max_context=merged["max_context"],
-                         max_rows=merged["max_rows"]),
-            BatcherConfig(max_seqs=merged["max_seqs"], max_queue=merged["max_queue"],
-                          prefill_chunk=merged["prefill_chunk"]))
+        engine = Engine.load(EngineConfig(model=str(checkpoint), dtype="float32", **merged))
         engine.warmup()
         engine.start()
         _engines[key] = engine

@@ -40,7 +40,7 @@ def tiny_config(num_heads=8, num_kv_heads=8):
                        max_position_embeddings=512)
 
 
-def tiny_model(cfg):
+def tiny_model(cfg, decode_attention=None):
     """Random float32 weights (fixed seed) placed through the real build_model checks."""
     from models.loaders.common import build_model, expected_params
 
@@ -49,7 +49,7 @@ def tiny_model(cfg):
     for name, shape in expected_params(cfg).items():
         is_norm = name.endswith("norm")
         tensors[name] = (1.0 + 0.1 * rng.randn(*shape) if is_norm else 0.08 * rng.randn(*shape)).astype(np.float32)
-    return build_model(cfg, tensors)
+    return build_model(cfg, tensors, decode_attention=decode_attention)
 
 
 def _mesh(tp):
@@ -74,23 +74,34 @@ def prefill_then_decode_logits(runner, prompt, num_decode, blocks):
     return prefill, np.stack(decode)
 
 
-def _runner(model, tp, replicate_attention=False, attention_impl="auto", **kw):
+def _runner(model, tp, replicate_attention=False, **kw):
     from ferrox_jax.runner import ModelRunner
 
     args = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_rows=4, max_prefill_tokens=32, max_context=128)
     args.update(kw)
-    return ModelRunner(model, mesh=_mesh(tp), replicate_attention=replicate_attention,
-                       attention_impl=attention_impl, **args)
+    return ModelRunner(model, mesh=_mesh(tp), replicate_attention=replicate_attention, **args)
 
 
-def parity(model, prompt, num_decode, sizes, replicate_attention=False, attention_impl="auto"):
-    """{tp: {"prefill_err", "decode_err"}} against the unsharded runner."""
+def pallas_interpret_model(cfg, tp):
+    """The tiny model decoding through the Pallas TPU kernel (interpret mode) on a tp mesh."""
+    from ferrox_jax.runner import block_table_width
+    from models.pallas_attention import select_decode_attention
+
+    kernel, _ = select_decode_attention("pallas-interpret", head_dim=cfg.head_dim, block_size=BLOCK_SIZE,
+                                        max_blocks_per_row=block_table_width(128, BLOCK_SIZE), mesh=_mesh(tp),
+                                        kv_sharded=True)
+    return tiny_model(cfg, decode_attention=kernel)
+
+
+def parity(model, prompt, num_decode, sizes, replicate_attention=False, sharded_model=None):
+    """{tp: {"prefill_err", "decode_err"}} against the unsharded runner; `sharded_model(tp)`
+    builds the model the tp runner serves (default: `model` itself)."""
     blocks = tuple(np.random.RandomState(1).permutation(np.arange(1, NUM_BLOCKS))[:8].tolist())
     ref = prefill_then_decode_logits(_runner(model, 1), prompt, num_decode, blocks)
     out = {}
     for tp in sizes:
-        got = prefill_then_decode_logits(_runner(model, tp, replicate_attention, attention_impl), prompt,
-                                         num_decode, blocks)
+        served = model if sharded_model is None else sharded_model(tp)
+        got = prefill_then_decode_logits(_runner(served, tp, replicate_attention), prompt, num_decode, blocks)
         out[tp] = {"prefill_err": float(np.abs(got[0] - ref[0]).max()),
                    "decode_err": float(np.abs(got[1] - ref[1]).max()),
                    "same_greedy": bool((got[1].argmax(-1) == ref[1].argmax(-1)).all())}
@@ -115,7 +126,8 @@ def placement(runner):
 
 def mixed_workload(runner):
     """Prefills of several lengths, decode batches of 1..4 rows, and block copies."""
-    from ferrox_jax.plan import RowStep, SamplingParams, StepPlan
+    from ferrox_jax.plan import RowStep, StepPlan
+    from ferrox_jax.request import SamplingParams
 
     greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=3)
     rng = np.random.RandomState(2)
@@ -147,7 +159,8 @@ def case_tiny():
     prompt = np.random.RandomState(3).randint(3, 250, 19).tolist()  # 19 = 2 blocks of 8 + 3
     out = {"num_devices": len(jax.devices()), "parity": parity(model, prompt, 4, (1,) + TP_SIZES)}
     # The Pallas TPU kernel (interpret mode) inside shard_map over 2 devices.
-    out["pallas_parity"] = parity(model, prompt, 2, (2,), attention_impl="pallas-interpret")
+    out["pallas_parity"] = parity(model, prompt, 2, (2,),
+                                  sharded_model=lambda tp: pallas_interpret_model(tiny_config(), tp))
     runner = _runner(model, 4)
     out["placement_tp4"] = placement(runner)
     runner.warmup()
@@ -179,8 +192,8 @@ def case_server():
     import httpx
 
     from api.app import create_app
-    from ferrox_jax.config import BatcherConfig
-    from ferrox_jax.engine import Engine, EngineConfig
+    from ferrox_jax.config import EngineConfig
+    from ferrox_jax.engine import Engine
     from tests.server_harness import ServerThread, api_checkpoint
 
     t0 = time.perf_counter()
@@ -188,8 +201,8 @@ def case_server():
     answers = {}
     for tp in (1, 2):
         engine = Engine.load(EngineConfig(model=str(ckpt), dtype="float32", block_size=16, kv_blocks=128,
-                                          max_context=256, max_rows=4, tensor_parallel=tp),
-                             BatcherConfig(max_seqs=4, max_queue=8, prefill_chunk=32))
+                                          max_context=256, max_seqs=4, max_queue=8, prefill_chunk=32,
+                                          tensor_parallel=tp))
         engine.warmup()
         engine.start()
         try:
@@ -200,12 +213,12 @@ def case_server():
                 chat = httpx.post(base + "/v1/chat/completions", timeout=60, json={
                     "model": engine.model_name, "messages": [{"role": "user", "content": "Hello world!"}],
                     "max_tokens": 12, "temperature": 0})
-                stats = engine.batcher.stats()
+                stats = engine.stats()
             answers[tp] = {"completion_status": comp.status_code, "chat_status": chat.status_code,
                            "completion": comp.json()["choices"][0]["text"],
                            "chat": chat.json()["choices"][0]["message"]["content"],
                            "devices": engine.describe().get("mesh"),
-                           "recompiles": engine.runner.recompiles_after_warmup,
+                           "recompiles": stats.recompiles_after_warmup,
                            "kv_shard_shapes": sorted({tuple(s.data.shape) for s in
                                                       engine.runner.kv_cache.k[0].addressable_shards}),
                            "stats_ok": stats is not None}

@@ -30,7 +30,7 @@ def test_every_setting_has_a_flag_and_a_ferrox_variable():
         assert s.cli_flag in flags and s.env.startswith("FERROX_")
 
 
-def test_variables_fill_the_configs(monkeypatch):
+def test_variables_fill_the_configs():
     environ = {"FERROX_ADDR": "127.0.0.2:9000", "FERROX_API_KEY": "k", "FERROX_MODEL_PATH": "/m",
                "FERROX_MAX_BODY_BYTES": "1024", "FERROX_CORS_ORIGINS": "https://a.example, https://b.example"}
     config = cli.server_config(parse(["serve"], environ))
@@ -40,12 +40,14 @@ def test_variables_fill_the_configs(monkeypatch):
     # flags win over variables
     config = cli.server_config(parse(["serve", "--port", "9100", "--host", "127.0.0.3"], environ))
     assert (config.host, config.port) == ("127.0.0.3", 9100)
-    # FERROX_CB_* go through BatcherConfig.from_env (the engine's one reader of them)
-    monkeypatch.setenv("FERROX_CB_MAX_QUEUE", "7")
-    monkeypatch.setenv("FERROX_CB_KV_BLOCK_SIZE", "32")
-    engine_config, batcher_config = cli.engine_configs(parse(["serve", "--max-seqs", "3"]))
-    assert (batcher_config.max_queue, batcher_config.max_seqs) == (7, 3)
-    assert engine_config.block_size == 32
+    # FERROX_CB_* fill the engine's one config like every other variable
+    environ = {"FERROX_CB_MAX_QUEUE": "7", "FERROX_CB_KV_BLOCK_SIZE": "32", "FERROX_CB_PREFILL_CHUNK": "64",
+               "FERROX_CB_KV_BLOCKS": "1000", "FERROX_CB_MAX_CONTEXT": "2048", "FERROX_CB_MAX_SEQS": "16"}
+    engine_config = cli.engine_config(parse(["serve", "--max-seqs", "3"], environ))
+    assert (engine_config.max_queue, engine_config.max_seqs, engine_config.block_size) == (7, 3, 32)
+    assert (engine_config.prefill_chunk, engine_config.kv_blocks, engine_config.max_context) == (64, 1000, 2048)
+    defaults = cli.engine_config(parse(["serve"], {}))
+    assert (defaults.prefill_chunk, defaults.max_queue) == (128, 512), "the contract's defaults"
 
 
 @pytest.mark.parametrize("name,value", [("FERROX_MAX_BODY_BYTES", "lots"), ("FERROX_MAX_N", "0"),
@@ -56,10 +58,10 @@ def test_bad_variables_stop_start_up_naming_them(name, value):
         env_defaults({name: value})
 
 
-def test_bad_batcher_variable_names_it(monkeypatch):
-    monkeypatch.setenv("FERROX_CB_MAX_QUEUE", "zero")
+@pytest.mark.parametrize("value", ["zero", "0", "-3", "1.5"])
+def test_bad_batcher_variable_names_it(value):
     with pytest.raises(SystemExit, match="FERROX_CB_MAX_QUEUE"):
-        cli.engine_configs(parse(["serve"]))
+        env_defaults({"FERROX_CB_MAX_QUEUE": value})
 
 
 def test_remote_bind_without_key_is_refused():

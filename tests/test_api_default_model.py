@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def client():
-    engine = tiny_engine("default", kv_blocks=64, max_rows=1, max_seqs=1, prefill_chunk=64, max_queue=4)
+    engine = tiny_engine("default", kv_blocks=64, max_seqs=1, prefill_chunk=64, max_queue=4)
     with ServerThread(create_app(engine, ServerConfig())) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 

@@ -21,7 +21,7 @@ BLOCKER = {"prompt": "Hello world", "max_tokens": 2000, "temperature": 0, "ignor
 
 @pytest.fixture(scope="module")
 def engine():
-    return tiny_engine(kv_blocks=KV_BLOCKS, max_context=4096, max_rows=1, max_seqs=1, max_queue=1)
+    return tiny_engine(kv_blocks=KV_BLOCKS, max_context=4096, max_seqs=1, max_queue=1)
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +58,8 @@ def test_more_blocks_than_the_budget_is_400(http, engine):
     total = stats(http)["kv_blocks_total"]  # the budget as the batcher counts it
     assert need > total
     assert f"{need} KV blocks" in error["message"] and f"{total} blocks" in error["message"]
-    assert f"{need * engine.kv_bytes_per_block} bytes" in error["message"]
-    assert f"{total * engine.kv_bytes_per_block} bytes" in error["message"]
+    per_block = engine.sizing.bytes_per_block
+    assert f"{need * per_block} bytes" in error["message"] and f"{total * per_block} bytes" in error["message"]
     assert stats(http)["kv_rejected_too_large"] == before + 1
     assert http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2}).status_code == 200
 

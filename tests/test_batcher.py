@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from ferrox_jax.batcher import AdmissionError, ContinuousBatcher, GenerationRequest
-from ferrox_jax.config import BatcherConfig
-from ferrox_jax.plan import SamplingParams
+from ferrox_jax.batcher import ContinuousBatcher
+from ferrox_jax.config import SchedulerLimits
+from ferrox_jax.request import AdmissionError, GenerationRequest, SamplingParams
 from ferrox_jax.scheduler import Scheduler
 from tests.scripted import (ByteTokenizer, ScriptedRunner, collect, letters_token_fn, run_until_idle,
                             script_token_fn)
@@ -56,11 +56,19 @@ def req(request_id, prompt_len=5, max_tokens=6, **kw):
     return GenerationRequest(request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens, **kw)
 
 
-def make(config=BatcherConfig(), tokenizer=None, delay_s=0.001, **runner_kw):
+def limits_for(runner, **overrides):
+    """The runner's whole cache and buckets, as the engine resolves them; overrides win."""
+    limits = dict(block_size=runner.block_size, num_blocks=runner.num_blocks - 1, max_seqs=runner.max_rows,
+                  max_rows=runner.max_rows, max_chunk_tokens=min(128, runner.max_prefill_tokens))
+    return SchedulerLimits(**{**limits, **overrides})
+
+
+def make(limits=None, tokenizer=None, delay_s=0.001, **runner_kw):
+    """A started batcher over a scripted runner; `limits`: SchedulerLimits overrides."""
     runner_kw.setdefault("token_fn", letters_token_fn())
     runner = ScriptedRunner(**runner_kw)
     runner.delay_s = delay_s  # 200-token jobs stay open ~0.2 s: time to cancel them
-    batcher = ContinuousBatcher(runner, tokenizer or ByteTokenizer(), config)
+    batcher = ContinuousBatcher(runner, tokenizer or ByteTokenizer(), limits_for(runner, **(limits or {})))
     batcher.start()
     return batcher, runner
 
@@ -85,7 +93,7 @@ def wait_for(predicate, what):
 def test_concurrent_jobs_stream_the_same_tokens_as_the_scheduler_alone(cleanup):
     specs = [req(f"j{i}", 3 + 2 * i, 4 + i, n=1 + i % 2, sampling=SamplingParams(seed=i))
              for i in range(6)]
-    batcher, runner = make(BatcherConfig(prefill_chunk=4))
+    batcher, runner = make(dict(max_chunk_tokens=4))
     cleanup(batcher)
     sink = Sink()
     for spec in specs:
@@ -123,8 +131,8 @@ def test_stop_string_over_several_tokens_never_reaches_the_stream_and_utf8_stays
 # -- refusals --------------------------------------------------------------------------
 
 def test_refusals_are_counted_in_their_own_fields_and_hold_nothing(cleanup):
-    config = BatcherConfig(max_context=64, max_queue=1, max_seqs=1)
-    batcher, runner = make(config, block_size=4, num_blocks=9)  # 8 usable blocks = 32 positions
+    # 8 usable blocks of 4 = 32 positions
+    batcher, runner = make(dict(max_context=64, max_queue=1, max_seqs=1), block_size=4, num_blocks=9)
     cleanup(batcher)
     runner.gate = threading.Event()
     sink = Sink()
@@ -150,7 +158,7 @@ def test_refusals_are_counted_in_their_own_fields_and_hold_nothing(cleanup):
 
 def test_racing_submitters_never_overshoot_the_queue_cap(cleanup):
     cap = 5
-    batcher, runner = make(BatcherConfig(max_queue=cap, max_seqs=1))
+    batcher, runner = make(dict(max_queue=cap, max_seqs=1))
     cleanup(batcher)
     runner.gate = threading.Event()
     sink = Sink()
@@ -313,28 +321,17 @@ def test_stats_snapshot_is_frozen_and_reports_the_peak_from_rows(cleanup):
 
 # -- configuration -----------------------------------------------------------------------
 
-def test_config_from_env_reads_every_variable_and_overrides_win():
-    env = {"FERROX_CB_MAX_SEQS": "16", "FERROX_CB_PREFILL_CHUNK": "64", "FERROX_CB_MAX_QUEUE": "8",
-           "FERROX_CB_KV_BLOCK_SIZE": "16", "FERROX_CB_KV_BLOCKS": "1000", "FERROX_CB_MAX_CONTEXT": "2048"}
-    config = BatcherConfig.from_env(env, max_queue=9, max_seqs=None)
-    assert config == BatcherConfig(max_seqs=16, prefill_chunk=64, max_queue=9, kv_block_size=16,
-                                   kv_blocks=1000, max_context=2048), "None overrides are skipped"
-    assert BatcherConfig.from_env({}) == BatcherConfig(), "defaults: chunk 128, queue 512"
+def test_limits_are_validated_by_name():
+    with pytest.raises(ValueError, match="SchedulerLimits.max_queue"):
+        limits_for(ScriptedRunner(), max_queue=0)
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-3", "1.5"])
-def test_invalid_env_values_name_the_variable(value):
-    with pytest.raises(ValueError, match="FERROX_CB_PREFILL_CHUNK"):
-        BatcherConfig.from_env({"FERROX_CB_PREFILL_CHUNK": value})
-
-
-def test_config_fields_are_validated_by_name():
-    with pytest.raises(ValueError, match="BatcherConfig.max_queue"):
-        BatcherConfig(max_queue=0)
-
-
-def test_batcher_refuses_a_config_that_disagrees_with_the_runner():
-    with pytest.raises(ValueError, match="kv_block_size"):
-        ContinuousBatcher(ScriptedRunner(block_size=4), ByteTokenizer(), BatcherConfig(kv_block_size=16))
-    with pytest.raises(ValueError, match="kv_blocks"):
-        ContinuousBatcher(ScriptedRunner(num_blocks=9), ByteTokenizer(), BatcherConfig(kv_blocks=10))
+def test_batcher_refuses_limits_that_disagree_with_the_runner():
+    with pytest.raises(ValueError, match="block_size"):
+        ContinuousBatcher(ScriptedRunner(block_size=4), ByteTokenizer(),
+                          limits_for(ScriptedRunner(block_size=4), block_size=16))
+    with pytest.raises(ValueError, match="num_blocks"):
+        ContinuousBatcher(ScriptedRunner(num_blocks=9), ByteTokenizer(),
+                          limits_for(ScriptedRunner(num_blocks=9), num_blocks=9))
+    with pytest.raises(ValueError, match="max_rows"):
+        ContinuousBatcher(ScriptedRunner(max_rows=8), ByteTokenizer(), limits_for(ScriptedRunner(), max_rows=16))

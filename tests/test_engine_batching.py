@@ -5,10 +5,9 @@ import threading
 import numpy as np
 import pytest
 
-from ferrox_jax.batcher import GenerationRequest
-from ferrox_jax.config import BatcherConfig
-from ferrox_jax.engine import Engine, EngineConfig
-from ferrox_jax.plan import SamplingParams
+from ferrox_jax.config import EngineConfig
+from ferrox_jax.engine import Engine
+from ferrox_jax.request import GenerationRequest, SamplingParams
 
 TIMEOUT_S = 120
 
@@ -43,8 +42,8 @@ class Collector:
 
 
 def _engine(path, prefill_chunk=32, max_seqs=16):
-    engine = Engine.load(EngineConfig(model=str(path), block_size=8, kv_blocks=400, max_context=256, max_rows=16),
-                         BatcherConfig(prefill_chunk=prefill_chunk, max_seqs=max_seqs))
+    engine = Engine.load(EngineConfig(model=str(path), block_size=8, kv_blocks=400, max_context=256,
+                                      prefill_chunk=prefill_chunk, max_seqs=max_seqs))
     engine.warmup()
     engine.start()
     return engine
@@ -67,7 +66,7 @@ def _run(engine, jobs, sampling_for, prefix):
     for i, (prompt, max_tokens) in enumerate(jobs):
         col.expect(f"{prefix}{i}")
     for i, (prompt, max_tokens) in enumerate(jobs):
-        engine.batcher.submit(GenerationRequest(f"{prefix}{i}", tuple(prompt), max_tokens, sampling_for(i),
+        engine.submit(GenerationRequest(f"{prefix}{i}", tuple(prompt), max_tokens, sampling_for(i),
                                                 ignore_eos=True), col)
     return [col.tokens(f"{prefix}{i}") for i in range(len(jobs))]
 
@@ -79,7 +78,7 @@ def test_16_concurrent_greedy_jobs_equal_each_alone(engine):
     alone = [_run(engine, [job], greedy, f"a{i}-")[0] for i, job in enumerate(jobs)]
     assert [len(t) for t in together] == [m for _, m in jobs], "each job produced max_tokens tokens"
     assert together == alone, "batching changed greedy tokens"
-    assert engine.runner.recompiles_after_warmup == 0
+    assert engine.stats().recompiles_after_warmup == 0
 
 
 def test_8_seeded_sampled_jobs_equal_each_alone(engine):
@@ -111,10 +110,10 @@ def test_cancelled_neighbour_leaves_other_rows_bit_identical(engine):
     for i in range(4):
         col.expect(f"x{i}")
     for i, (prompt, max_tokens) in enumerate(jobs):
-        engine.batcher.submit(GenerationRequest(f"x{i}", tuple(prompt), max_tokens, greedy(i), ignore_eos=True), col)
-    engine.batcher.cancel("x1")
+        engine.submit(GenerationRequest(f"x{i}", tuple(prompt), max_tokens, greedy(i), ignore_eos=True), col)
+    engine.cancel("x1")
     assert col.finish_reason("x1") == "cancelled"
     for i in (0, 2, 3):
         assert col.tokens(f"x{i}") == reference[i], f"row {i} changed when its neighbour was cancelled"
-    stats = engine.batcher.stats()
+    stats = engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total, "blocks returned once idle"

@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 
 from ferrox_jax.plan import RowStep
-from ferrox_jax.runner import ModelRunner
+from ferrox_jax.runner import ModelRunner, block_table_width
 from models.attention import paged_attention
-from models.loader import load_checkpoint
+from models.loader import load_checkpoint, open_checkpoint
 from models.pallas_attention import PallasDecodeAttention, pages_per_compute_block, select_decode_attention
 from tests.engine_helpers import shuffled_blocks
 
@@ -77,9 +77,10 @@ def test_model_decode_through_the_kernel_matches_pure_jax(tiny_llama):
     prompt = tuple(np.random.RandomState(5).randint(3, 300, 11).tolist())
     logits = {}
     for impl in ("jax", "pallas-interpret"):
-        model = load_checkpoint(str(tiny_llama)).model
-        runner = ModelRunner(model, num_blocks=64, block_size=8, max_rows=4, max_prefill_tokens=32,
-                             max_context=64, attention_impl=impl)
+        kernel, _ = _select(impl, "cpu", head_dim=open_checkpoint(str(tiny_llama)).config.head_dim, block_size=8,
+                            max_blocks_per_row=block_table_width(64, 8))
+        model = load_checkpoint(str(tiny_llama), decode_attention=kernel).model
+        runner = ModelRunner(model, num_blocks=64, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=64)
         out = [runner.run_logits([RowStep(0, prompt, 0, blocks, False)])[0][-1]]
         tokens = list(prompt)
         for _ in range(3):
@@ -152,8 +153,6 @@ def test_pages_per_compute_block_divides_the_table_width(block_size, width, expe
 
 def test_the_choice_is_static_in_the_graphdef(tiny_llama):
     """Switching implementation changes the compiled program (it is part of the graphdef)."""
-    model = load_checkpoint(str(tiny_llama)).model
-    plain, _ = nnx.split(model)
-    model.decode_attention = PallasDecodeAttention(8, interpret=True)
-    kernel, _ = nnx.split(model)
+    plain, _ = nnx.split(load_checkpoint(str(tiny_llama)).model)
+    kernel, _ = nnx.split(load_checkpoint(str(tiny_llama), decode_attention=PallasDecodeAttention(8, interpret=True)).model)
     assert kernel != plain

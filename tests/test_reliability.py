@@ -165,7 +165,6 @@ class FailingRuns:
 def one_row():
     """One row at a time (max_seqs 1): a waiting request is in no step."""
     engine = tiny_engine(max_seqs=1, max_queue=8)
-    assert engine.batcher._runner is engine.runner
     with ServerThread(create_app(engine, ServerConfig())) as url, httpx.Client(base_url=url, timeout=30) as http:
         yield engine, url, http
 
@@ -214,7 +213,7 @@ def test_a_dead_loop_ends_open_requests_and_refuses_new_ones_without_hanging(mon
             def crash() -> None:
                 raise RuntimeError("injected loop crash")
 
-            monkeypatch.setattr(engine.batcher._scheduler, "schedule", crash)
+            monkeypatch.setattr(engine._batcher._scheduler, "schedule", crash)
             events = data_events(lines)  # httpx's 10 s timeout: a hang fails here
         thread.join(10)
         assert events[-1]["error"]["code"] == "engine_error" and "crashed" in events[-1]["error"]["message"]

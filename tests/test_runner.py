@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from ferrox_jax.plan import RowStep, SamplingParams, StepPlan
+from ferrox_jax.plan import RowStep, StepPlan
+from ferrox_jax.request import SamplingParams
 from tests.engine_helpers import generate_alone, make_runner, shuffled_blocks
 
 NUM_BLOCKS = 160

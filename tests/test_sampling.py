@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ferrox_jax.plan import SamplingParams
-from ferrox_jax.sampling import SamplingBatch, fast_argmax, host_sampling_batch, sample
+from ferrox_jax.request import SamplingParams
+from ferrox_jax.sampling import fast_argmax, host_sampling_batch, sample
 
 PROBS = np.array([0.4, 0.3, 0.2, 0.1] + [0.0] * 28)  # a vocabulary of 32 (top-20 logprobs need >= 20)
 LOGITS = np.log(np.maximum(PROBS, 1e-30)).astype(np.float32)
@@ -15,8 +15,7 @@ ROWS = 4000  # one row per seed: frequencies within ~3 sigma = 3*sqrt(.4*.6/4000
 
 def _draw(params: SamplingParams, rows=ROWS, logits=LOGITS, histories=None, positions=None):
     plist = [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(rows)]
-    h = host_sampling_batch(plist, histories or [()] * rows, [0] * rows, rows, logits.shape[-1])
-    batch = SamplingBatch(**{k: jnp.asarray(v) for k, v in h.items()})
+    batch = jax.device_put(host_sampling_batch(plist, histories or [()] * rows, [0] * rows, rows, logits.shape[-1]))
     pos = jnp.asarray(positions if positions is not None else np.full(rows, 5), jnp.int32)
     tokens, lp, top_ids, top_lp = jax.jit(sample)(jnp.asarray(np.tile(logits, (rows, 1))), pos, batch)
     return np.asarray(tokens), np.asarray(lp), np.asarray(top_ids), np.asarray(top_lp)

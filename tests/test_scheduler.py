@@ -9,9 +9,10 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from ferrox_jax.plan import SamplingParams
+from ferrox_jax.request import SamplingParams
 from ferrox_jax.request import GenerationRequest, derive_row_seed
-from ferrox_jax.scheduler import Scheduler, SchedulerLimits, blocks_to_reserve, check_admission
+from ferrox_jax.config import SchedulerLimits
+from ferrox_jax.scheduler import Scheduler, blocks_to_reserve, check_admission
 from tests.scripted import (EOS, ByteTokenizer, ScriptedRunner, letters_token_fn, run_until_idle,
                             script_token_fn, tick)
 

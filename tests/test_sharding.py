@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from ferrox_jax.engine import EngineConfig
-from ferrox_jax.sharding import check_divisibility, kv_partition_spec, param_partition_spec, parse_mesh
+from ferrox_jax.config import EngineConfig, parse_mesh
+from ferrox_jax.sharding import check_divisibility, kv_partition_spec, param_partition_spec
 from models.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent

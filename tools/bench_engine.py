@@ -67,10 +67,11 @@ def _matmul_roofline(cfg, rows: int, dtype) -> float:
 
 
 def bench_runner(engine, rows_list: list[int], context: int, steps: int) -> dict:
-    from ferrox_jax.plan import RowStep, SamplingParams, StepPlan
+    from ferrox_jax.plan import RowStep, StepPlan
+    from ferrox_jax.request import SamplingParams
 
     runner = engine.runner
-    cfg = engine.checkpoint.config
+    cfg = engine.model_config
     dtype_bytes = jnp.dtype(runner.kv_dtype).itemsize
     out: dict = {}
     blocks_per_row = -(-(max(context, runner.max_prefill_tokens) + steps + 1) // runner.block_size)
@@ -112,8 +113,7 @@ def bench_runner(engine, rows_list: list[int], context: int, steps: int) -> dict
 
 def bench_batcher(engine, rows: int, prompt_tokens: int, max_tokens: int) -> dict:
     """Ticks/s and host overhead with `rows` jobs decoding through the real batcher."""
-    from ferrox_jax.batcher import GenerationRequest
-    from ferrox_jax.plan import SamplingParams
+    from ferrox_jax.request import GenerationRequest, SamplingParams
 
     done = threading.Semaphore(0)
 
@@ -121,17 +121,17 @@ def bench_batcher(engine, rows: int, prompt_tokens: int, max_tokens: int) -> dic
         if event.finish_reason:
             done.release()
 
-    before = engine.batcher.stats()
+    before = engine.stats()
     t0 = time.perf_counter()
     for i in range(rows):
         prompt = tuple(int(t) for t in np.random.RandomState(i).randint(10, 1000, prompt_tokens))
-        engine.batcher.submit(GenerationRequest(f"bench-{i}", prompt, max_tokens,
-                                                SamplingParams(temperature=0.8, seed=i), ignore_eos=True), on_event)
+        engine.submit(GenerationRequest(f"bench-{i}", prompt, max_tokens, SamplingParams(temperature=0.8, seed=i),
+                                        ignore_eos=True), on_event)
     for _ in range(rows):
         done.acquire(timeout=600)
     wall = time.perf_counter() - t0
     time.sleep(0.2)
-    after = engine.batcher.stats()
+    after = engine.stats()
     ticks = after.ticks - before.ticks
     host = after.host_s - before.host_s
     device = after.device_s - before.device_s
@@ -143,8 +143,8 @@ def bench_batcher(engine, rows: int, prompt_tokens: int, max_tokens: int) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ferrox_jax.config import BatcherConfig
-    from ferrox_jax.engine import Engine, EngineConfig
+    from ferrox_jax.config import EngineConfig
+    from ferrox_jax.engine import Engine
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
@@ -159,9 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     engine = Engine.load(EngineConfig(model=args.model, dtype=args.dtype, max_context=args.max_context,
-                                      max_rows=max(args.rows + [args.batcher_rows]),
-                                      compile_cache_dir=args.compile_cache_dir),
-                         BatcherConfig())
+                                      max_seqs=max(args.rows + [args.batcher_rows]),
+                                      compile_cache_dir=args.compile_cache_dir))
     load_s = time.perf_counter() - t0
     warmup_s = engine.warmup()
     result = {"model": engine.model_name, "backend": jax.default_backend(), "load_s": load_s, "warmup_s": warmup_s,
@@ -169,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update(bench_runner(engine, args.rows, args.context, args.steps))
     engine.start()
     result["batcher"] = bench_batcher(engine, args.batcher_rows, 128, 64)
-    result["recompiles_after_warmup"] = engine.runner.recompiles_after_warmup
+    result["recompiles_after_warmup"] = engine.stats().recompiles_after_warmup
     engine.shutdown()
     text = json.dumps(result, indent=2)
     print(text)

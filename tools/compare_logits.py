@@ -229,7 +229,8 @@ class FerroxSide:
 
     def greedy(self, token_ids: list[int], num_tokens: int) -> list[int]:
         """Greedy continuation through the serving path: chunked prefill, then decode steps."""
-        from ferrox_jax.plan import RowStep, SamplingParams, StepPlan
+        from ferrox_jax.plan import RowStep, StepPlan
+        from ferrox_jax.request import SamplingParams
 
         if num_tokens <= 0:
             return []

@@ -8,7 +8,7 @@ together, then casts to the compute dtype and places the arrays.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +26,8 @@ def param_name(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def abstract_model(cfg: ModelConfig, dtype) -> LlamaModel:
-    return nnx.eval_shape(lambda: LlamaModel(cfg, dtype, rngs=nnx.Rngs(0)))
+def abstract_model(cfg: ModelConfig, dtype, decode_attention: Any = None) -> LlamaModel:
+    return nnx.eval_shape(lambda: LlamaModel(cfg, dtype, rngs=nnx.Rngs(0), decode_attention=decode_attention))
 
 
 def expected_params(cfg: ModelConfig, dtype=jnp.float32) -> dict[str, tuple[int, ...]]:
@@ -41,6 +41,8 @@ def build_model(
     tensors: Mapping[str, np.ndarray] | Mapping[str, Callable[[], np.ndarray]],
     dtype=jnp.float32,
     progress: Callable[[str], None] | None = None,
+    *,
+    decode_attention: Any = None,
 ) -> LlamaModel:
     """Check names and shapes, cast to `dtype`, place on the default device.
 
@@ -48,7 +50,7 @@ def build_model(
     can dequantize lazily, one tensor at a time, keeping peak host memory low).
     Raises CheckpointError listing all missing, unexpected and mis-shaped tensors at once.
     """
-    model = abstract_model(cfg, dtype)
+    model = abstract_model(cfg, dtype, decode_attention)
     state = nnx.state(model, nnx.Param)
     flat = dict(nnx.to_flat_state(state))
     expected = {param_name(p): p for p in flat}

@@ -127,6 +127,18 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     return reader
 
 
+def open_gguf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict, Tokenizer]:
+    """Config, lazy tensors and tokenizer of a llama/qwen2 GGUF; no tensor is dequantized yet.
+
+    Raises:
+      FileNotFoundError, ValueError (not a GGUF file), UnsupportedModelError (architecture,
+      option or tensor type we cannot run).
+    """
+    reader = open_gguf(path)
+    cfg = config_from_gguf(reader)
+    return cfg, gguf_tensors(reader, cfg), Tokenizer.from_gguf(reader)
+
+
 def load_gguf(path: str | os.PathLike, dtype=jnp.bfloat16, progress=None) -> GGUFCheckpoint:
     """Load a llama/qwen2 GGUF: config from metadata, tokenizer, dequantized weights.
 
@@ -137,15 +149,10 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.bfloat16, progress=None) -> GGU
     Returns:
       GGUFCheckpoint(config, model, tokenizer).
     Raises:
-      FileNotFoundError, ValueError (not a GGUF file), UnsupportedModelError (architecture,
-      option or tensor type we cannot run), CheckpointError (tensors do not fit the config).
+      what `open_gguf_checkpoint` raises, and CheckpointError (tensors do not fit the config).
     """
-    reader = open_gguf(path)
-    cfg = config_from_gguf(reader)
-    tensors = gguf_tensors(reader, cfg)
-    tokenizer = Tokenizer.from_gguf(reader)
-    model = build_model(cfg, tensors, dtype, progress)
-    return GGUFCheckpoint(cfg, model, tokenizer)
+    cfg, tensors, tokenizer = open_gguf_checkpoint(path)
+    return GGUFCheckpoint(cfg, build_model(cfg, tensors, dtype, progress), tokenizer)
 
 
 # -- config ----------------------------------------------------------------------------

@@ -1,0 +1,289 @@
+"""The generation core every wire protocol shares: one API request in, a stream of row events out.
+
+An adapter (`api/openai_routes.py`, and one module per other protocol) parses its own
+request shape, builds one `GenerationRequest` per prompt (each with `n` rows) and hands
+them to a `GenerationRun`. The run:
+
+ 1. submits them through the engine facade (`submit`); an `AdmissionError` becomes an
+    `APIError` (400 `context_length_exceeded` / `device_memory_budget_exceeded`, 503
+    `queue_full` / `unavailable`) that the adapter's envelope renders;
+ 2. yields `RowOutput(choice, job, event)` for every `RowEvent` the engine's owner
+    thread delivers (hopped onto the handler's loop with `call_soon_threadsafe`), and
+    `KEEPALIVE` while a stream is idle, until every row has finished;
+ 3. ends with an `APIError` instead when the request cannot finish: a row failed (500
+    `engine_error`), the engine stopped (500), the server is draining (503 `draining`),
+    or a whole (non-streamed) request outlived `--request-timeout` (504);
+ 4. on `close()` — whatever ended the handler: the last event, a client disconnect, an
+    exception — cancels the jobs still open (their KV blocks return to the budget) and
+    records the request: TTFT, inter-token and end-to-end latency, queue time, usage, and
+    a line in `/admin/stats`'s `recent` ring.
+
+Choice indices are `job * n + row index`, as OpenAI numbers the choices of a list prompt.
+Usage counts every sampled token, a final stop token included (the engine's count).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
+
+from api.errors import APIError, unavailable
+from api.telemetry import RequestRecord
+from ferrox_jax.request import AdmissionError, GenerationRequest, RowEvent
+
+if TYPE_CHECKING:
+    from api.state import AppState
+
+HEALTH_POLL_S = 5.0  # a whole request's wait re-checks the engine this often
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOutput:
+    """One RowEvent, with the choice it belongs to."""
+
+    choice: int  # job * n + event.index
+    job: int  # index of the GenerationRequest in the run
+    event: RowEvent
+
+
+KEEPALIVE = object()  # yielded by `events()` when a stream has been idle for a keep-alive period
+
+
+def admission_error(e: AdmissionError) -> APIError:
+    """The HTTP refusal for an engine refusal (the contract's codes)."""
+    if e.reason == "context_length":
+        return APIError(400, e.message, param="max_tokens", code="context_length_exceeded")
+    if e.reason == "too_large":
+        return APIError(400, e.message, param="max_tokens", code="device_memory_budget_exceeded")
+    if e.reason == "queue_full":
+        return unavailable(e.message, code="queue_full")
+    return unavailable(e.message, code="unavailable")
+
+
+class GenerationRun:
+    """One API generation request in flight (see the module docstring)."""
+
+    def __init__(self, state: AppState, route: str, api_id: str, jobs: Sequence[GenerationRequest], *,
+                 stream: bool, drop_output: bool = False) -> None:
+        """Args:
+          state: the app's shared state (engine, metrics, in-flight table).
+          route: recorded in `/admin/stats` (e.g. "/v1/chat/completions").
+          api_id: the request id clients see (and cancel by); jobs are named after it.
+          jobs: one engine job per prompt; all have the same `n`.
+          stream: the response is streamed (keep-alives, no request timeout).
+          drop_output: score the prompt only (OpenAI `max_tokens: 0`): every job samples one
+            token, which is dropped, and its rows end with "length" and 0 tokens.
+        """
+        self.state = state
+        self.route = route
+        self.api_id = api_id
+        self.jobs = tuple(jobs)
+        self.n = self.jobs[0].n
+        self.stream = stream
+        self.drop_output = drop_output
+        self.num_prompt_tokens = sum(len(job.prompt_token_ids) for job in self.jobs)
+        self.num_output_tokens = [0] * (len(self.jobs) * self.n)  # per choice
+        self.status = 200  # what the request is recorded with
+        self.started_at = time.monotonic()
+        self.submitted_at = self.started_at
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.inter_token_s: list[float] = []
+        self.abort_reason: str | None = None  # set by `abort` (drain): the run ends with a 503
+        self._queue: asyncio.Queue[RowOutput] = asyncio.Queue()
+        self._num_submitted = 0
+        self._rows_open = [self.n] * len(self.jobs)
+        self._jobs_seen: set[int] = set()
+        self._closed = False
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.num_output_tokens)
+
+    @property
+    def is_finished(self) -> bool:
+        return self._num_submitted == len(self.jobs) and not any(self._rows_open)
+
+    # -- submission -------------------------------------------------------------------
+
+    def submit(self) -> None:
+        """Submits every job; on a refusal cancels those already in and raises its APIError."""
+        engine = self.state.require_engine()
+        loop = asyncio.get_running_loop()
+        try:
+            for job, request in enumerate(self.jobs):
+                engine.submit(request, self._callback(loop, job))
+                self._num_submitted += 1
+        except AdmissionError as e:
+            self._cancel_open()
+            raise admission_error(e) from None
+        except BaseException:
+            self._cancel_open()
+            raise
+        self.submitted_at = time.monotonic()
+        self.state.inflight[self.api_id] = self
+        self.state.stats.generating_now += 1
+
+    def _callback(self, loop: asyncio.AbstractEventLoop, job: int):
+        queue, n = self._queue, self.n
+
+        def on_event(event: RowEvent) -> None:  # the engine's owner thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, RowOutput(job * n + event.index, job, event))
+            except RuntimeError:  # the loop is closed: the server is gone, nobody reads
+                pass
+
+        return on_event
+
+    # -- the event stream ---------------------------------------------------------------
+
+    async def events(self) -> AsyncIterator[RowOutput | object]:
+        """RowOutputs until every row finished (KEEPALIVE between them when streaming).
+
+        Raises:
+          APIError: a row failed, the engine stopped, the server is draining, or (whole
+            requests) the request timeout passed; `status` is set to its status.
+        """
+        timeout_s = self.state.config.request_timeout_s
+        deadline = self.started_at + timeout_s
+        while not self.is_finished:
+            if self.stream:
+                wait_s = self.state.config.sse_keepalive_s
+            else:
+                wait_s = min(HEALTH_POLL_S, deadline - time.monotonic())
+                if wait_s <= 0:  # the jobs are cancelled by close()
+                    self._fail(APIError(504, f"the request did not finish within {timeout_s:g} s "
+                                             "(--request-timeout); it was cancelled", type="server_error",
+                                        code="request_timeout"))
+            output = await self._next(wait_s)
+            if output is None:
+                if self.state.engine is None or self.state.engine.health() != "ready":
+                    self._fail(APIError(500, "the engine stopped while generating", type="server_error",
+                                        code="engine_error"))
+                if self.stream:
+                    yield KEEPALIVE
+                continue
+            event = output.event
+            if event.finish_reason == "error":
+                self._fail(APIError(500, f"generation failed: {event.error or 'engine error'}",
+                                    type="server_error", code="engine_error"))
+            if event.finish_reason == "cancelled" and self.abort_reason is not None:
+                self._fail(unavailable(self.abort_reason, code="draining"))
+            yield output
+        if self.abort_reason is not None:
+            self._fail(unavailable(self.abort_reason, code="draining"))
+
+    def _fail(self, error: APIError) -> None:
+        self.status = error.status
+        raise error
+
+    async def _next(self, timeout_s: float) -> RowOutput | None:
+        """The next output, or None after `timeout_s` with nothing new."""
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation that
+        # lands as the inner get completes, and a client disconnect would go unnoticed.
+        try:
+            async with asyncio.timeout(timeout_s):
+                output = await self._queue.get()
+        except TimeoutError:
+            return None
+        return self._observe(output)
+
+    def _observe(self, output: RowOutput) -> RowOutput:
+        """Timing, usage and queue-time bookkeeping for one event; applies `drop_output`."""
+        event = output.event
+        if self.drop_output:
+            reason = "length" if event.finish_reason in ("stop", "length") else event.finish_reason
+            event = dataclasses.replace(event, token_ids=(), text="", logprobs=None, num_generated_tokens=0,
+                                        finish_reason=reason)
+            output = dataclasses.replace(output, event=event)
+        now = time.monotonic()
+        if event.token_ids:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            elif self.last_token_at is not None:
+                # one gap per event, spread over its tokens (a tick may emit several)
+                gap = (now - self.last_token_at) / len(event.token_ids)
+                self.inter_token_s.extend([gap] * len(event.token_ids))
+            self.last_token_at = now
+        count = self.num_output_tokens[output.choice] + len(event.token_ids)
+        # num_generated_tokens also counts a final stop token, which never appears in
+        # token_ids; OpenAI bills it, so usage follows the engine's count.
+        self.num_output_tokens[output.choice] = max(count, event.num_generated_tokens)
+        if output.job not in self._jobs_seen:  # a job's first event carries its admission wait
+            self._jobs_seen.add(output.job)
+            if event.queue_s is not None:
+                self.state.metrics.queue.observe(event.queue_s)
+        if event.finish_reason is not None:
+            self._rows_open[output.job] -= 1
+        return output
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(self.num_output_tokens)
+
+    # -- ending -------------------------------------------------------------------------
+
+    def abort(self, reason: str) -> None:
+        """Cancel as the server (drain, shutdown), not the client: the run then ends with a
+        503 (a final SSE error event, or the whole request's status) instead of a reply."""
+        if self.abort_reason is None:
+            self.abort_reason = reason
+        self._cancel_open()
+
+    def cancel(self) -> None:
+        """Cancel as the client (`/v1/cancel`): rows end with finish_reason "cancelled"."""
+        self._cancel_open()
+
+    def _cancel_open(self) -> None:
+        """Cancels every submitted job that still has open rows; idempotent. Synchronous
+        (the engine only enqueues), so a `finally` can call it without a shield; a cancel for
+        a finished job is skipped (the engine would remember it as arriving early)."""
+        engine = self.state.engine
+        if engine is None:
+            return
+        for job in range(self._num_submitted):
+            if self._rows_open[job] > 0:
+                engine.cancel(self.jobs[job].request_id)
+
+    def close(self, client_gone: bool = False) -> None:
+        """Cancel what is still open and record the request; idempotent.
+
+        `client_gone`: the handler ended because the client went away (recorded as 499
+        unless an error status was already set)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.status == 200 and (client_gone or (self._num_submitted and not self.is_finished)):
+            self.status = 499  # left before its last event: the client went away
+        if self._num_submitted:
+            self._cancel_open()
+            if self.state.inflight.get(self.api_id) is self:
+                del self.state.inflight[self.api_id]
+                self.state.stats.generating_now -= 1
+        if self.status >= 500 and self.stream:
+            self.state.stats.on_error()  # a stream's status line said 200; count its failure here
+        self._record()
+
+    def _record(self) -> None:
+        now = time.monotonic()
+        metrics = self.state.metrics
+        ttft = None
+        if self.first_token_at is not None:
+            ttft = self.first_token_at - self.submitted_at
+            metrics.ttft.observe(ttft)
+        for gap in self.inter_token_s:
+            metrics.itl.observe(gap)
+        if self.status == 200 and self._num_submitted:
+            metrics.e2e.observe(now - self.submitted_at)
+        self.state.stats.record(RequestRecord(
+            id=self.api_id, route=self.route, status=self.status, prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_completion_tokens,
+            ttft_ms=None if ttft is None else round(ttft * 1e3, 3),
+            duration_ms=round((now - self.started_at) * 1e3, 3), stream=self.stream))
+
+
+def job_ids(api_id: str, num_jobs: int) -> list[str]:
+    """Engine request ids for an API request's jobs: the API id itself for one job."""
+    return [api_id] if num_jobs == 1 else [f"{api_id}-{j}" for j in range(num_jobs)]
