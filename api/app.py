@@ -13,6 +13,7 @@ an unexpected exception — leaves in the OpenAI envelope.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import threading
@@ -81,17 +82,26 @@ def _start_loader(state: AppState, loader: Callable[[], Engine], loop: asyncio.A
     def run() -> None:
         try:
             engine = loader()
-        except Exception as e:  # reported on /health and by the CLI, which then exits
-            logger.exception("loading the model failed")
+        except Exception as e:  # reported on /health and by the CLI, which then exits 1
             message = f"{type(e).__name__}: {e}"
-
-            def failed() -> None:
-                state.phase, state.load_error = "failed", message
-                state.load_failed.set()
-
-            loop.call_soon_threadsafe(failed)
+            if isinstance(e, (ValueError, OSError)):  # a checkpoint or setting this server cannot serve
+                logger.error("loading the model failed: %s", message)
+            else:
+                logger.exception("loading the model failed")
+        else:
+            loop.call_soon_threadsafe(state.set_engine, engine)
             return
-        loop.call_soon_threadsafe(state.set_engine, engine)
+        # Outside the except block, so the traceback (and the frames holding a half-built
+        # model) is gone: collect it now. Left to the interpreter's final collection, its
+        # device buffers would be freed after the XLA client and abort the process
+        # ("terminate called after throwing an instance of ...") instead of exiting 1.
+        gc.collect()
+
+        def failed() -> None:
+            state.phase, state.load_error = "failed", message
+            state.load_failed.set()
+
+        loop.call_soon_threadsafe(failed)
 
     threading.Thread(target=run, name="ferrox-loader", daemon=True).start()
 

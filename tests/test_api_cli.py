@@ -81,3 +81,48 @@ def test_generate_prints_the_completion(capsys):
                      "Hello world"])
     assert code == 0
     assert capsys.readouterr().out.endswith("\n")
+
+
+# -- start-up failures end with status 1 and one line, never an abort ------------------------
+
+def _serve(argv, extra_env=None, prelude=""):
+    """`ferrox serve ARGV` in a fresh interpreter (after `prelude`); returns (exit status, stderr)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.server_harness import free_port
+
+    code = f"import sys\n{prelude}\nfrom api.cli import main\nsys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, **(extra_env or {})}
+    out = subprocess.run([sys.executable, "-c", code, "serve", "--port", str(free_port()), *argv],
+                         capture_output=True, text=True, timeout=300, env=env)
+    return out.returncode, out.stderr
+
+
+@pytest.mark.parametrize("argv,env,reason", [
+    # 9 heads and 3 KV heads: 4 divides neither (refused before any weight is read)
+    (["--tensor-parallel", "4"], {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+     "tensor parallelism 4 does not divide the model's num_heads 9"),
+    (["--tensor-parallel", "2", "--replicate-attention"], {"XLA_FLAGS": ""}, "needs 2 devices; only 1"),
+    (["--model", "/nonexistent/model"], {}, "model path does not exist"),
+    (["--mesh", "data=2"], {}, "data=2 is not supported"),
+    ([], {"FERROX_CB_PREFILL_CHUNK": "lots"}, "FERROX_CB_PREFILL_CHUNK"),
+])
+def test_refused_configurations_exit_1_with_their_reason(argv, env, reason):
+    status, stderr = _serve(argv, env)
+    assert status == 1, f"exit status {status}, expected 1:\n{stderr[-2000:]}"
+    assert reason in stderr and "terminate called" not in stderr and "Traceback" not in stderr, stderr[-2000:]
+
+
+def test_a_failure_after_the_weights_are_built_exits_1_not_abort():
+    """The weights are on the device when the runner fails: the process still exits 1 (it
+    used to die with SIGABRT as the half-built model was freed after the XLA client)."""
+    prelude = ("import ferrox_jax.engine as engine\n"
+               "def boom(*args, **kwargs):\n"
+               "    raise ValueError('injected runner failure')\n"
+               "engine.ModelRunner = boom")
+    status, stderr = _serve(["--model", str(api_checkpoint()), "--compile-cache-dir", "off"], prelude=prelude)
+    assert status == 1, f"exit status {status}, expected 1:\n{stderr[-2000:]}"
+    assert "loading the model failed: ValueError: injected runner failure" in stderr
+    assert "terminate called" not in stderr
