@@ -12,7 +12,6 @@ chunks. This module is OpenAI's wire format only.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import time
 import uuid
