@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tools import compare_logits as cl
+from tools import logits_reference as lr
 
 # Both sides float32 on the same weights: differences come only from summation order.
 TIGHT = ["--max-abs", "1e-4", "--max-kl", "1e-8", "--min-top1", "1", "--min-greedy-match", "8"]
@@ -41,7 +42,7 @@ def test_passes_against_hf_transformers(saved):
 def test_save_only_writes_a_reference_without_comparing(saved):
     assert saved["rc_json"] == 0
     data = json.loads(saved["topk_json"].read_text())
-    assert data["format"] == cl.REFERENCE_FORMAT and len(data["prompts"]) == 2
+    assert data["format"] == lr.REFERENCE_FORMAT and len(data["prompts"]) == 2
     first = data["prompts"][0]
     assert np.asarray(first["top_ids"]).shape == (len(first["token_ids"]), 5)
     assert len(first["greedy_ids"]) == 8
@@ -58,17 +59,17 @@ def test_passes_against_saved_reference(saved, ref, capsys):
 
 
 def test_npz_round_trip_keeps_every_field(saved):
-    refs = cl.load_reference(saved["npz"])
+    refs = lr.load_reference(saved["npz"])
     assert [r.text for r in refs] == ["The quick brown fox", "Hello world! How are you today?"]
     for r in refs:
         assert r.logits.shape[0] == len(r.token_ids) and len(r.greedy_ids) == 8
 
 
 def test_fails_against_corrupted_logits(saved):
-    refs = cl.load_reference(saved["npz"])
+    refs = lr.load_reference(saved["npz"])
     refs[1].logits[3, 7] += 0.5  # one logit off by 0.5: far past 1e-4
     bad = saved["dir"] / "corrupt.npz"
-    cl.save_reference(bad, refs)
+    lr.save_reference(bad, refs)
     rc = cl.main(["--model", saved["path"], "--reference-file", str(bad), *GREEDY[2:], "--max-abs", "1e-4"])
     assert rc == 1, "a reference with one corrupted logit must fail --max-abs"
 
@@ -95,7 +96,7 @@ def test_fails_with_an_impossible_tolerance(saved):
 
 def test_malformed_reference_file_is_an_input_error(saved):
     bad = saved["dir"] / "malformed.json"
-    bad.write_text(json.dumps({"format": cl.REFERENCE_FORMAT, "version": 1,
+    bad.write_text(json.dumps({"format": lr.REFERENCE_FORMAT, "version": 1,
                                "prompts": [{"token_ids": [1, 2, 3], "logits": [[0.0, 1.0]]}]}))  # 1 row for 3 ids
     assert cl.main(["--model", saved["path"], "--reference-file", str(bad)]) == 2
 
@@ -109,7 +110,7 @@ def test_rejects_prompts_with_a_reference_file(saved):
 def test_top_k_kl_is_computed_over_the_renormalised_top_k():
     # Reference top-2 logprobs log(0.5), log(0.25) renormalise to (2/3, 1/3); ours puts
     # logits (0, 0, big negative) -> (1/2, 1/2) on those two ids after renormalising.
-    ref = cl.PromptReference([5], top_ids=np.array([[0, 1]]), top_logprobs=np.log([[0.5, 0.25]]))
+    ref = lr.PromptReference([5], top_ids=np.array([[0, 1]]), top_logprobs=np.log([[0.5, 0.25]]))
     ours = np.array([[0.0, 0.0, -30.0]])
     report = cl.compare_prompt(ref, ours, None)
     expected = 2 / 3 * np.log((2 / 3) / 0.5) + 1 / 3 * np.log((1 / 3) / 0.5)

@@ -16,6 +16,7 @@ import pytest
 from models.loader import load_checkpoint
 from models.loaders.gguf import DEFAULT_MODEL_FILE
 from tools import compare_logits as cl
+from tools import logits_reference as lr
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +39,8 @@ def default_vs_hf():
     ckpt = load_checkpoint("default")
     refs_in = [(t, cl.encode_prompt(ckpt.tokenizer, t, chat=False)) for t in RAW_PROMPTS]
     refs_in += [(t, cl.encode_prompt(ckpt.tokenizer, t, chat=True)) for t in CHAT_PROMPTS]
-    hf_model = cl.load_hf_model("default")
-    refs = [cl.hf_reference(hf_model, ids, GREEDY_TOKENS, text=t) for t, ids in refs_in]
+    hf_model = lr.load_hf_model("default")
+    refs = [lr.hf_reference(hf_model, ids, GREEDY_TOKENS, text=t) for t, ids in refs_in]
     del hf_model
     reports = cl.run_comparison(ckpt.model, refs, block_size=16, max_prefill_tokens=MAX_PREFILL_TOKENS)
     for i, r in enumerate(reports):
