@@ -1,9 +1,10 @@
-"""Static shapes: the row, token and block-table buckets every step pads to.
+"""Static shapes: the row and token buckets every step pads to.
 
 Each distinct shape costs an XLA compile, so the engine compiles all buckets at start-up
 and afterwards only pads to the nearest one. Buckets are derived from the config and
 always include the maximum. A long prompt is chunked, never padded past the largest
-token bucket.
+token bucket. The block table has one fixed width (`runner.block_table_width`): context
+length needs no bucket.
 """
 
 from __future__ import annotations
