@@ -89,11 +89,12 @@ class GrammarSpec:
     # (Rust regex syntax, matched in full); choice: the strings; grammar: the grammar text.
     source: str | tuple[str, ...]
     syntax: str = "lark"  # grammar kind only: "lark" (llguidance's Lark) or "gbnf" (llama.cpp)
-    # json_schema only. True: a keyword the engine cannot enforce is a GrammarError, and an
-    # object schema without `additionalProperties` gets `false` (the model may not invent
-    # keys; not applied when an allOf has several branches). False: such keywords are
-    # ignored (CompiledGrammar.warnings names them) and the schema's own
-    # additionalProperties default (any extra key) applies.
+    # json_schema only. True: a keyword the engine cannot enforce (or a oneOf it cannot
+    # prove exclusive) is a GrammarError, and an object schema without
+    # `additionalProperties` gets `false` (the model may not invent keys; not applied when
+    # an allOf has several branches). False: such keywords are ignored
+    # (CompiledGrammar.warnings names them), oneOf is treated as anyOf, and the schema's
+    # own additionalProperties default (any extra key) applies.
     strict: bool = True
     # json kinds only: longest run of whitespace between JSON tokens (0: compact JSON).
     # Whitespace inside strings is content, bounded only by maxLength / max_tokens.
@@ -205,7 +206,10 @@ def _to_llguidance_grammar(spec: GrammarSpec) -> str:
         # (an empty intersection), so such schemas keep JSON Schema's open default.
         if spec.kind == "json_schema" and spec.strict and not _has_multi_branch_all_of(schema):
             schema = _close_objects(schema)
-        options: dict[str, Any] = {"lenient": spec.kind == "json_schema" and not spec.strict}
+        # Non-strict is best effort: unimplemented keywords are ignored and a oneOf whose
+        # branches may overlap is approximated by anyOf.
+        is_lenient = spec.kind == "json_schema" and not spec.strict
+        options: dict[str, Any] = {"lenient": is_lenient, "coerce_one_of": is_lenient}
         if spec.max_whitespace_chars == 0:
             options.update(whitespace_flexible=False, whitespace_pattern=None)
         else:

@@ -201,6 +201,10 @@ def test_unsupported_keyword_raises_naming_it_when_strict_and_is_a_warning_other
         compiler.compile(GrammarSpec.json_schema(schema))
     lenient = compiler.compile(GrammarSpec.json_schema(schema, strict=False))
     assert any("dependentRequired" in w for w in lenient.warnings), lenient.warnings
+    overlapping = {"oneOf": [{"type": "number"}, {"type": "integer"}]}  # 1 matches both branches
+    with pytest.raises(GrammarError, match="oneOf"):
+        compiler.compile(GrammarSpec.json_schema(overlapping))
+    compiler.compile(GrammarSpec.json_schema(overlapping, strict=False))  # approximated by anyOf
 
 
 def test_invalid_regex_and_grammars_raise_grammar_error(compiler):
