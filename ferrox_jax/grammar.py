@@ -28,10 +28,11 @@ complete match; once nothing but a stop token can follow, `is_finished` turns tr
 row must stop (finish reason "stop") without sampling the stop token.
 
 Threads: llguidance's tokenizer and a never-stepped matcher are only read, so `compile`
-and `new_matcher` may run on any thread; they release the GIL while building. A
-`RowMatcher` wraps a Rust object whose methods take `&mut self`: two threads calling it at
-once get `RuntimeError("Already borrowed")` from pyo3, not corruption, but the contract is
-that only the owner thread touches it, as with every other per-row object.
+and `new_matcher` may run on any thread (`compile` releases the GIL while llguidance
+builds the grammar). A `RowMatcher` wraps a Rust object whose methods take `&mut self`:
+two threads calling it at once get a pyo3 borrow error (RuntimeError), not corruption,
+but the contract is that only the owner thread touches it, as with every other per-row
+object; `fill_bitmask` computes rows on llguidance's thread pool with the GIL released.
 """
 
 from __future__ import annotations
