@@ -1,0 +1,417 @@
+"""Grammar constraints: what a request asks its output to match, compiled into per-row
+token matchers that write packed allowed-token bitmasks on the host.
+
+This is the host half of structured output (JSON schema, any JSON object, regex, choice,
+Lark/GBNF grammars). The device half is `ferrox_jax.token_mask.apply_token_bitmask`, which
+turns the bitmask rows into -inf logits inside the jitted sampler. Nothing here imports
+jax; the engine is llguidance (why, and the measurements: docs/structured-output.md).
+
+    GrammarSpec          frozen, validated request data (what the API builds, the cache key)
+      │ GrammarCompiler.compile(spec)       API thread, before the request is queued:
+      ▼                                     errors are GrammarError -> HTTP 400
+    CompiledGrammar      immutable, shared by every row (and request) with the same spec
+      │ compiled.new_matcher()              owner thread, when a row starts generating
+      ▼
+    RowMatcher           one per generating row, mutable, owner thread only:
+                         fill_mask(bitmask[row]) -> sample -> accept(token) -> is_finished
+
+Bitmask layout (the one llguidance and xgrammar use): `int32[ceil(V / 32)]` per row, where
+V is the model's logits width; bit i of word j (`(word >> i) & 1`, two's complement) says
+whether token 32*j + i may be sampled. Ids the tokenizer does not have (V may exceed the
+tokenizer's vocabulary) and the padding bits past V are always 0 in a constrained row. A
+row without a constraint carries `all_ones_mask(V)`; the bitmask's shape never changes, so
+constraining a row never recompiles the step.
+
+Stop tokens: the tokenizer's `stop_token_ids` (eos and the template's end-of-turn tokens)
+are the grammar's end-of-sequence. They are allowed exactly when the text so far is a
+complete match; once nothing but a stop token can follow, `is_finished` turns true and the
+row must stop (finish reason "stop") without sampling the stop token.
+
+Threads: llguidance's tokenizer and a never-stepped matcher are only read, so `compile`
+and `new_matcher` may run on any thread (`compile` releases the GIL while llguidance
+builds the grammar). A `RowMatcher` wraps a Rust object whose methods take `&mut self`:
+two threads calling it at once get a pyo3 borrow error (RuntimeError), not corruption,
+but the contract is that only the owner thread touches it, as with every other per-row
+object; `fill_bitmask` computes rows on llguidance's thread pool with the GIL released.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import llguidance
+import numpy as np
+from llguidance.gbnf_to_lark import any_to_lark
+
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+GRAMMAR_SYNTAXES = ("lark", "gbnf")
+# Longest run of JSON whitespace between two JSON tokens: room for pretty-printed output
+# ("\n" plus 2-space indents 7 levels deep) while a small model that keeps choosing spaces
+# is forced back to structure after 16 of them. 0 means compact JSON (no whitespace).
+DEFAULT_MAX_WHITESPACE_CHARS = 16
+ALL_TOKENS_ALLOWED = np.int32(-1)  # a bitmask word with all 32 bits set
+DEFAULT_CACHE_SIZE = 256  # compiled grammars kept; a template matcher is a few hundred kB
+
+_UNIMPLEMENTED_KEYS = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled; the message names the problem (HTTP 400)."""
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Words in one bitmask row for `vocab_size` logits: ceil(vocab_size / 32)."""
+    return (vocab_size + 31) // 32
+
+
+def all_ones_mask(vocab_size: int) -> np.ndarray:
+    """The bitmask row of an unconstrained row: every token allowed. Returns int32[W]."""
+    return np.full(bitmask_words(vocab_size), ALL_TOKENS_ALLOWED, dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One output constraint, validated at construction; hashable, so it is the cache key.
+
+    Build it with the classmethods (`json_schema`, `json_object`, `regex`, `choice`,
+    `grammar`), which serialise the source canonically. A JSON schema is serialised
+    compactly but with its key order kept: llguidance emits object properties in the
+    order of `properties`, so two schemas that differ only in key order are different
+    constraints.
+    """
+
+    kind: str  # one of GRAMMAR_KINDS
+    # json_schema: the schema as compact JSON text; json_object: ""; regex: the pattern
+    # (Rust regex syntax, matched in full); choice: the strings; grammar: the grammar text.
+    source: str | tuple[str, ...]
+    syntax: str = "lark"  # grammar kind only: "lark" (llguidance's Lark) or "gbnf" (llama.cpp)
+    # json_schema only. True: a keyword the engine cannot enforce (or a oneOf it cannot
+    # prove exclusive) is a GrammarError, and an object schema without
+    # `additionalProperties` gets `false` (the model may not invent keys; not applied when
+    # an allOf has several branches). False: such keywords are ignored
+    # (CompiledGrammar.warnings names them), oneOf is treated as anyOf, and the schema's
+    # own additionalProperties default (any extra key) applies.
+    strict: bool = True
+    # json kinds only: longest run of whitespace between JSON tokens (0: compact JSON).
+    # Whitespace inside strings is content, bounded only by maxLength / max_tokens.
+    max_whitespace_chars: int = DEFAULT_MAX_WHITESPACE_CHARS
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise GrammarError(f"kind must be one of {GRAMMAR_KINDS}; got {self.kind!r}")
+        if self.syntax not in GRAMMAR_SYNTAXES:
+            raise GrammarError(f"syntax must be one of {GRAMMAR_SYNTAXES}; got {self.syntax!r}")
+        if isinstance(self.max_whitespace_chars, bool) or not isinstance(self.max_whitespace_chars, int) \
+                or self.max_whitespace_chars < 0:
+            raise GrammarError(f"max_whitespace_chars must be an int >= 0; got {self.max_whitespace_chars!r}")
+        if self.kind == "choice":
+            if not isinstance(self.source, tuple) or not self.source:
+                raise GrammarError("choice needs a non-empty tuple of strings")
+            for choice in self.source:
+                if not isinstance(choice, str) or not choice:
+                    raise GrammarError(f"every choice must be a non-empty string; got {choice!r}")
+            return
+        if not isinstance(self.source, str):
+            raise GrammarError(f"{self.kind} source must be a string; got {type(self.source).__name__}")
+        if self.kind == "json_object" and self.source:
+            raise GrammarError("json_object takes no source (it means any JSON object)")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.source)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"invalid JSON schema: not JSON ({e})") from e
+            if not isinstance(schema, dict):
+                raise GrammarError(f"invalid JSON schema: must be a JSON object; got {type(schema).__name__}")
+        if self.kind in ("regex", "grammar") and not self.source.strip():
+            raise GrammarError(f"{self.kind} must not be empty")
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any], *, strict: bool = True,
+                    max_whitespace_chars: int = DEFAULT_MAX_WHITESPACE_CHARS) -> "GrammarSpec":
+        """Output is one JSON value valid against `schema` (a dict, as parsed from JSON)."""
+        if not isinstance(schema, Mapping):
+            raise GrammarError(f"invalid JSON schema: must be a JSON object; got {type(schema).__name__}")
+        try:
+            source = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise GrammarError(f"invalid JSON schema: not serialisable as JSON ({e})") from e
+        return cls("json_schema", source, strict=strict, max_whitespace_chars=max_whitespace_chars)
+
+    @classmethod
+    def json_object(cls, *, max_whitespace_chars: int = DEFAULT_MAX_WHITESPACE_CHARS) -> "GrammarSpec":
+        """Output is any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
+        return cls("json_object", "", max_whitespace_chars=max_whitespace_chars)
+
+    @classmethod
+    def regex(cls, pattern: str) -> "GrammarSpec":
+        """Output matches `pattern` in full (Rust `regex` syntax: no lookaround, no backrefs)."""
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> "GrammarSpec":
+        """Output is exactly one of `choices`."""
+        if isinstance(choices, str):
+            raise GrammarError("choice needs a list of strings, not one string")
+        return cls("choice", tuple(choices))
+
+    @classmethod
+    def grammar(cls, text: str, syntax: str = "lark") -> "GrammarSpec":
+        """Output matches the grammar's start rule (`start` in Lark, `root` in GBNF)."""
+        return cls("grammar", text, syntax=syntax)
+
+
+def _close_objects(schema: Any) -> Any:
+    """A copy of `schema` where object schemas that do not say `additionalProperties`
+    (or `unevaluatedProperties`) get `additionalProperties: false`. `not` subschemas are
+    left alone (closing them would widen what they forbid)."""
+    if isinstance(schema, list):
+        return [_close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("const", "enum", "default", "examples", "not", "x-guidance"):
+            out[key] = value  # data, or a subschema whose meaning closing would invert
+        elif key in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"):
+            out[key] = {k: _close_objects(v) for k, v in value.items()} if isinstance(value, dict) else value
+        else:
+            out[key] = _close_objects(value)
+    is_object = "properties" in schema or schema.get("type") == "object"
+    if is_object and "additionalProperties" not in schema and "unevaluatedProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def _has_multi_branch_all_of(schema: Any) -> bool:
+    """True if some `allOf` has two or more branches (possibly through `$defs`)."""
+    if isinstance(schema, list):
+        return any(_has_multi_branch_all_of(s) for s in schema)
+    if not isinstance(schema, dict):
+        return False
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        return True
+    return any(_has_multi_branch_all_of(v) for k, v in schema.items() if k not in ("const", "enum", "default", "examples"))
+
+
+def _to_llguidance_grammar(spec: GrammarSpec) -> str:
+    """The llguidance grammar text for `spec`; raises GrammarError for an unparsable GBNF."""
+    if spec.kind in ("json_schema", "json_object"):
+        schema = json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}
+        # Closing every branch of an allOf would make each forbid the others' properties
+        # (an empty intersection), so such schemas keep JSON Schema's open default.
+        if spec.kind == "json_schema" and spec.strict and not _has_multi_branch_all_of(schema):
+            schema = _close_objects(schema)
+        # Non-strict is best effort: unimplemented keywords are ignored and a oneOf whose
+        # branches may overlap is approximated by anyOf.
+        is_lenient = spec.kind == "json_schema" and not spec.strict
+        options: dict[str, Any] = {"lenient": is_lenient, "coerce_one_of": is_lenient}
+        if spec.max_whitespace_chars == 0:
+            options.update(whitespace_flexible=False, whitespace_pattern=None)
+        else:
+            options["whitespace_pattern"] = f"[\\x20\\x0A\\x0D\\x09]{{1,{spec.max_whitespace_chars}}}"
+        # Overrides beat the schema's own "x-guidance", so a request cannot lift the bound.
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.source)
+    if spec.kind == "choice":
+        # JSON string literals are valid Lark string literals (llguidance's own recipe);
+        # ensure_ascii=False keeps characters outside the BMP out of surrogate escapes.
+        return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.source)
+    if spec.syntax == "gbnf":
+        try:
+            return any_to_lark(spec.source)
+        # The converter raises bare Exception for grammar errors (e.g. "Rule 'x' not found").
+        except Exception as e:  # noqa: BLE001
+            raise GrammarError(f"invalid GBNF grammar: {e}") from e
+    return llguidance.LLMatcher.grammar_from_lark(spec.source)
+
+
+def _error_message(spec: GrammarSpec, engine_error: str) -> str:
+    """A GrammarError message naming the problem, from llguidance's error text."""
+    engine_error = engine_error.strip()
+    unimplemented = _UNIMPLEMENTED_KEYS.search(engine_error)
+    if unimplemented:
+        keys = ", ".join(k.strip().strip('"') for k in unimplemented.group(1).split(","))
+        return (f"JSON schema uses unsupported keyword(s): {keys} "
+                "(not enforceable; a non-strict json_schema ignores them)")
+    what = {"json_schema": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",
+            "choice": "choice", "grammar": f"{spec.syntax} grammar"}[spec.kind]
+    return f"invalid {what}: {engine_error}"
+
+
+class RowMatcher:
+    """The grammar state of one generating row; owner thread only.
+
+    Per tick: `fill_mask(row)` before the step, `accept(token)` with the sampled token
+    after it, then `is_finished` says whether the row must stop.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, num_words: int):
+        self._matcher = matcher
+        self.num_words = num_words
+
+    def fill_mask(self, out_row: np.ndarray) -> None:
+        """Write the allowed-token bitmask for the next token into `out_row`.
+
+        Args:
+          out_row: int32[W], C-contiguous, W = ceil(V / 32) (e.g. one row of the tick's
+            bitmask); overwritten whole. When the grammar is complete only stop tokens
+            are set; a matcher in an error state also allows only stop tokens.
+        """
+        if out_row.dtype != np.int32 or out_row.shape != (self.num_words,):
+            raise ValueError(f"out_row must be int32[{self.num_words}]; got {out_row.dtype}{list(out_row.shape)}")
+        if not out_row.flags["C_CONTIGUOUS"]:
+            raise ValueError("out_row must be C-contiguous")
+        self._matcher.unsafe_compute_mask_ptr(out_row.ctypes.data, out_row.nbytes)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past the sampled `token_id`; False if the grammar forbids it.
+
+        False can only happen when the mask was not applied to the row (a bug upstream);
+        the matcher then stays in an error state (`error` says why) and is finished.
+        A stop token is accepted when the text so far is a complete match.
+        """
+        return self._matcher.consume_token(int(token_id))
+
+    @property
+    def is_finished(self) -> bool:
+        """True when nothing but a stop token may follow (or a stop token was accepted,
+        or the matcher is in an error state): the row must stop now."""
+        return self._matcher.is_stopped()
+
+    @property
+    def is_accepting(self) -> bool:
+        """True when the text so far is a complete match (a stop token is allowed next)."""
+        return self._matcher.is_accepting()
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed (a forbidden token was accepted), or None."""
+        if not self._matcher.is_error():
+            return None
+        return self._matcher.get_error() or "unknown matcher error"
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledGrammar:
+    """A validated, compiled constraint; immutable and shared. Any thread may call
+    `new_matcher`: the template is only ever deep-copied, never stepped."""
+
+    spec: GrammarSpec
+    warnings: tuple[str, ...]  # keywords a non-strict schema ignores, unknown formats, ...
+    _template: llguidance.LLMatcher
+    _num_words: int
+
+    def new_matcher(self) -> RowMatcher:
+        """A fresh matcher at the start of the constraint, for one row (a ~µs copy)."""
+        return RowMatcher(self._template.deep_copy(), self._num_words)
+
+
+class GrammarCompiler:
+    """Compiles GrammarSpecs for one tokenizer and logits width, with an LRU cache.
+
+    One per server, built at start-up (building the llguidance tokenizer takes ~0.4 s
+    for a 49k vocabulary). `compile` is thread-safe (API handlers call it before
+    queueing a request); `fill_bitmask` is for the owner thread.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, *, cache_size: int = DEFAULT_CACHE_SIZE,
+                 mask_threads: int | None = None):
+        """
+        Args:
+          tokenizer: a `models.tokenizer.Tokenizer` (its `.backend` HF tokenizer and its
+            `stop_token_ids` are used).
+          vocab_size: the model's logits width V (may exceed the tokenizer's vocabulary;
+            the extra ids are never allowed in a constrained row).
+          cache_size: compiled grammars kept (least recently used dropped first).
+          mask_threads: threads `fill_bitmask` computes rows on (llguidance's default:
+            80% of the CPUs, at least 1).
+        """
+        if vocab_size < tokenizer.vocab_size:
+            raise ValueError(f"vocab_size ({vocab_size}) must cover the tokenizer's vocabulary "
+                             f"({tokenizer.vocab_size} ids)")
+        if not tokenizer.stop_token_ids:
+            raise ValueError("the tokenizer has no stop tokens; a grammar could never end the row")
+        self.vocab_size = vocab_size
+        self.num_words = bitmask_words(vocab_size)
+        self.stop_token_ids = tuple(sorted(tokenizer.stop_token_ids))
+        self._lltokenizer = llguidance.LLTokenizer(
+            tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=list(self.stop_token_ids))
+        self._executor = llguidance.LLExecutor(num_threads=mask_threads)
+        self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()  # guards the cache and the counters only
+        self.num_cache_hits = 0
+        self.num_cache_misses = 0
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Validate and compile `spec` (cached). Any thread.
+
+        Raises:
+          GrammarError: naming the problem (invalid schema / regex / grammar, unsupported
+            JSON-schema keyword under strict).
+        """
+        with self._lock:
+            cached = self._cache.get(spec)
+            if cached is not None:
+                self._cache.move_to_end(spec)
+                self.num_cache_hits += 1
+                return cached
+            self.num_cache_misses += 1
+        # Compiled outside the lock: two threads compiling the same new spec both do the
+        # work (the second result wins the slot), instead of every compile queueing.
+        compiled = self._compile_uncached(spec)
+        with self._lock:
+            self._cache[spec] = compiled
+            self._cache.move_to_end(spec)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile_uncached(self, spec: GrammarSpec) -> CompiledGrammar:
+        try:
+            grammar = _to_llguidance_grammar(spec)
+        except ValueError as e:
+            if isinstance(e, GrammarError):
+                raise
+            raise GrammarError(_error_message(spec, str(e))) from e
+        # The constructor never raises for grammar errors; it leaves the matcher in an
+        # error state whose message is the validation error.
+        template = llguidance.LLMatcher(self._lltokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise GrammarError(_error_message(spec, template.get_error()))
+        return CompiledGrammar(spec, tuple(template.get_grammar_warnings()), template, self.num_words)
+
+    def fill_bitmask(self, bitmask: np.ndarray, matchers: Sequence[RowMatcher | None]) -> None:
+        """Fill one tick's bitmask: constrained rows from their matchers (in parallel, GIL
+        released), every other row all ones. Owner thread.
+
+        Args:
+          bitmask: int32[B, W], C-contiguous, W = ceil(V / 32); overwritten whole.
+          matchers: length <= B; matchers[r] is row r's RowMatcher or None. Rows past
+            len(matchers) (bucket padding) are set to all ones.
+        """
+        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[1] != self.num_words:
+            raise ValueError(f"bitmask must be int32[B, {self.num_words}]; got {bitmask.dtype}{list(bitmask.shape)}")
+        if not bitmask.flags["C_CONTIGUOUS"]:
+            raise ValueError("bitmask must be C-contiguous")
+        if len(matchers) > bitmask.shape[0]:
+            raise ValueError(f"{len(matchers)} matchers for a bitmask of {bitmask.shape[0]} rows")
+        rows = [(m._matcher, r) for r, m in enumerate(matchers) if m is not None]
+        constrained = {r for _, r in rows}
+        for r in range(bitmask.shape[0]):
+            if r not in constrained:
+                bitmask[r] = ALL_TOKENS_ALLOWED
+        if rows:
+            self._executor.unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, self.num_words * 4, bitmask.shape[0])
+
+    def cache_info(self) -> tuple[int, int, int]:
+        """(hits, misses, entries) of the compile cache."""
+        with self._lock:
+            return self.num_cache_hits, self.num_cache_misses, len(self._cache)
