@@ -176,7 +176,8 @@ def _constraint(body: SamplingFields) -> tuple[GrammarSpec | str | None, str]:
     elif fmt is not None and fmt.type == "json_schema":
         param = "response_format.json_schema.schema"
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise APIError(400, f"{param} is required for response_format type json_schema", param=param)
+            raise APIError(400, f"{param} is required for response_format type json_schema", param=param,
+                           code="invalid_value")
         given.append((json_schema_constraint(fmt.json_schema.schema_, strict=bool(fmt.json_schema.strict),
                                              param=param), param))
     if body.guided_json is not None:

@@ -253,7 +253,7 @@ class ModelRunner:
                           num_mask_rows=masks.num_rows, num_mask_fills=masks.num_fills,
                           num_mask_fills_hidden=masks.num_hidden)
 
-    def _run_sample(self, rows: list[RowStep], forward: ForwardResult, masks: "_MaskTimes") -> SampleResult | None:
+    def _run_sample(self, rows: list[RowStep], forward: ForwardResult, masks: _MaskTimes) -> SampleResult | None:
         """Dispatches the sampler for one model call's rows (None when none samples), after
         filling the constrained rows' grammar masks while that call runs."""
         if not any(row.sample for row in rows):
