@@ -6,6 +6,9 @@ A `Choice` accumulates one row's events (one choice = one row of one engine job)
 and `/v1/chat/completions` (`message` or `delta`, `logprobs.content[]` entries with
 `top_logprobs` lists). The batcher already holds back text that could start a stop
 string and never splits a UTF-8 character, so a delta is the event's `text` as is.
+A chat choice with tools or thinking sections carries an `OutputParser`
+(`api/structured.py`): its text becomes `reasoning_content`, `content` and `tool_calls`
+(whole, or as deltas), and a reply with calls finishes with "tool_calls".
 Usage is counted by the generation core (`api/generation.py`), not here.
 """
 
@@ -15,6 +18,7 @@ import dataclasses
 import functools
 from typing import Any, Sequence
 
+from api.structured import OutputParser, parse_output
 from ferrox_jax.request import RowEvent
 
 
@@ -31,6 +35,7 @@ class Choice:
     error: str | None = None
     started: bool = False  # streaming: first chunk (role / echo) sent
     lp_offset: int = 0  # completions text_offset of the next logprob token
+    parser: OutputParser | None = None  # chat: reasoning and tool calls to split out of the text
 
     def add(self, event: RowEvent) -> list[tuple[int, float, tuple]]:
         """Fold in one RowEvent; returns the logprob entries it brought."""
@@ -145,8 +150,19 @@ class ChatShape:
         return {"content": content}
 
     def final(self, choice: Choice) -> dict:
-        return {"index": choice.index, "message": {"role": "assistant", "content": "".join(choice.text)},
-                "logprobs": self._logprobs(choice.entries), "finish_reason": choice.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.text)}
+        finish_reason = choice.finish_reason
+        if choice.parser is not None:
+            parsed = parse_output(choice.parser, message["content"])
+            # OpenAI sends null content for a reply that is only calls.
+            message["content"] = parsed.content if parsed.content or not parsed.calls else None
+            if parsed.reasoning is not None:
+                message["reasoning_content"] = parsed.reasoning or None
+            if parsed.calls:
+                message["tool_calls"] = [call.to_openai() for call in parsed.calls]
+            finish_reason = choice.parser.finish_reason(finish_reason)
+        return {"index": choice.index, "message": message, "logprobs": self._logprobs(choice.entries),
+                "finish_reason": finish_reason}
 
     def deltas(self, choice: Choice, text: str, entries: list, finish_reason: str | None) -> list[dict]:
         out = []
@@ -154,9 +170,17 @@ class ChatShape:
             choice.started = True
             out.append({"index": choice.index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None})
-        if text or entries:
-            out.append({"index": choice.index, "delta": {"content": text},
-                        "logprobs": self._logprobs(entries), "finish_reason": None})
+        parser = choice.parser
+        if parser is None:
+            pieces = [{"content": text}] if text else []
+        else:  # reasoning, content and tool-call deltas; the parser holds back undecided text
+            pieces = parser.feed(text) + (parser.finish() if finish_reason else [])
+            finish_reason = parser.finish_reason(finish_reason)
+        if entries and not pieces:
+            pieces = [{"content": ""}]  # the logprobs of tokens whose text is held back
+        for i, piece in enumerate(pieces):
+            out.append({"index": choice.index, "delta": piece,
+                        "logprobs": self._logprobs(entries if i == 0 else []), "finish_reason": None})
         if finish_reason:
             out.append({"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason})
         return out

@@ -21,7 +21,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
-from api.config import DEFAULT_HOST, DEFAULT_PORT, SETTINGS, ServerConfig, env_defaults, split_addr
+from api.config import DEFAULT_HOST, DEFAULT_PORT, SETTINGS, ServerConfig, default_grammar, env_defaults, split_addr
 from ferrox_jax.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -84,7 +84,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             cors_origins=tuple(args.cors_origins),
             rate_limit_per_minute=args.rate_limit_per_minute,
             allow_unauthenticated_remote=args.allow_unauthenticated_remote, tls_cert=args.tls_cert,
-            tls_key=args.tls_key, shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
+            tls_key=args.tls_key, shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
+            default_grammar=default_grammar(args.grammar, args.grammar_file, args.json_schema))
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {e}") from None
 
@@ -108,14 +109,25 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 # ---------------------------------------------------------------- serve
 
 
-def load_engine(config: EngineConfig, url: str) -> Engine:
-    """Load, warm up (progress bars on stderr) and start the engine; log the start-up block."""
+def load_engine(config: EngineConfig, url: str, default_grammar: Any = None) -> Engine:
+    """Load, warm up (progress bars on stderr) and start the engine; log the start-up block.
+    `default_grammar` (the server-wide constraint) is compiled first: one the engine cannot
+    enforce stops start-up with its reason."""
     from tqdm import tqdm
 
     from ferrox_jax.engine import Engine
 
     with tqdm(desc="loading weights", unit="tensor", file=sys.stderr, leave=False) as bar:
         engine = Engine.load(config, progress=lambda _name: bar.update(1))
+    if default_grammar is not None:
+        from ferrox_jax.grammar import GrammarError
+
+        try:
+            engine.compile_grammar(default_grammar)
+        except GrammarError as e:
+            engine.shutdown()
+            raise ValueError(f"the default output constraint (--grammar, --grammar-file or --json-schema): {e}") \
+                from None
     bar = tqdm(desc="compiling buckets", unit="shape", file=sys.stderr, leave=False)
 
     def on_compile(done: int, total: int, _key: Any) -> None:
@@ -143,7 +155,7 @@ def serve(args: argparse.Namespace) -> int:
 
     config = server_config(args)
     engine_cfg = engine_config(args)
-    app = create_app(lambda: load_engine(engine_cfg, config.url), config)
+    app = create_app(lambda: load_engine(engine_cfg, config.url, config.default_grammar), config)
     hc = hypercorn_config(config)
     logger.info("ferrox serve: listening on %s, loading %s", config.url, engine_cfg.model)
 

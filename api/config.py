@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import os
 from typing import Any, Callable, Mapping
 
+from ferrox_jax.grammar import GrammarError, GrammarSpec, grammar_syntax
 from ferrox_jax.request import MAX_LOGPROBS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -50,6 +52,9 @@ class ServerConfig:
     tls_key: str | None = None
     shutdown_timeout_s: float = 30.0  # graceful drain on SIGTERM/SIGINT
     log_level: str = "info"
+    # The output constraint of every generation request that gives none
+    # (--grammar / --grammar-file / --json-schema; docs/structured-output.md).
+    default_grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -236,7 +241,45 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("shutdown_timeout", "FERROX_SHUTDOWN_TIMEOUT", _nonneg_float, 30.0,
             "seconds in-flight requests get to finish on SIGTERM"),
     Setting("log_level", "FERROX_LOG_LEVEL", _str, "info", "debug, info, warning, error"),
+    # structured output: a constraint for requests that give none (at most one of the three)
+    Setting("grammar", "FERROX_GRAMMAR", _str, None,
+            "default output grammar, Lark or GBNF, for generation requests that give no constraint"),
+    Setting("grammar_file", "FERROX_GRAMMAR_FILE", _str, None, "read the default output grammar from this file"),
+    Setting("json_schema", "FERROX_JSON_SCHEMA", _str, None,
+            "default output JSON schema (JSON text, strict) for generation requests that give no constraint"),
 )
+
+
+def default_grammar(grammar: str | None, grammar_file: str | None, json_schema: str | None) -> GrammarSpec | None:
+    """The server-wide constraint from --grammar / --grammar-file / --json-schema (at most
+    one). The engine compiles it at start-up, so an unenforceable one stops the server.
+
+    Raises:
+      ValueError naming the flag: more than one given, an unreadable file, invalid JSON.
+    """
+    given = [flag for flag, value in (("--grammar", grammar), ("--grammar-file", grammar_file),
+                                      ("--json-schema", json_schema)) if value]
+    if len(given) > 1:
+        raise ValueError(f"give at most one default constraint; got {' and '.join(given)}")
+    try:
+        if grammar:
+            return GrammarSpec.grammar(grammar, syntax=grammar_syntax(grammar))
+        if grammar_file:
+            try:
+                with open(grammar_file, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise ValueError(f"--grammar-file {grammar_file!r}: {e.strerror}") from None
+            return GrammarSpec.grammar(text, syntax=grammar_syntax(text))
+        if json_schema:
+            try:
+                schema = json.loads(json_schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--json-schema is not valid JSON: {e}") from None
+            return GrammarSpec.json_schema(schema)
+    except GrammarError as e:
+        raise ValueError(f"{given[0]}: {e}") from None
+    return None
 
 
 def env_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -1,17 +1,21 @@
 """The OpenAI adapter: models, completions, chat completions, cancel, tokenize, detokenize.
 
-A generation request goes: parse and validate (api/protocol.py) -> tokenize (chat:
-render the checkpoint's template first) -> check the context (prompt alone at or over
-the ceiling is a 400; prompt + max_tokens over it is clamped to the room left, the
-ferrox-server contract) -> one `GenerationRequest` per prompt, run by the generation
-core (`api/generation.py`: submission, events, cancellation, accounting) -> its row
-events folded into OpenAI choices (api/choices.py), returned whole or streamed as SSE
-chunks. This module is OpenAI's wire format only.
+A generation request goes: parse and validate (api/protocol.py) -> its output
+constraint and tools (`response_format` / `guided_*`, `tools` / `tool_choice`, planned by
+api/structured.py) -> tokenize (chat: render the checkpoint's template first, with the
+tools) -> check the context (prompt alone at or over the ceiling is a 400; prompt +
+max_tokens over it is clamped to the room left, the ferrox-server contract) -> compile the
+constraint (a 400 names what the engine cannot enforce) -> one `GenerationRequest` per
+prompt, run by the generation core (`api/generation.py`: submission, events,
+cancellation, accounting) -> its row events folded into OpenAI choices (api/choices.py:
+content, reasoning_content, tool_calls), returned whole or streamed as SSE chunks. This
+module is OpenAI's wire format only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 import uuid
@@ -28,7 +32,11 @@ from api.protocol import (CancelRequest, ChatCompletionRequest, CompletionReques
                           SamplingFields, TokenizeRequest, parse_body, parse_logit_bias)
 from api.sse import DONE, KEEP_ALIVE_COMMENT, event, sse_response
 from api.state import AppState, json_response, state_of
+from api.structured import (PLAIN_TEXT, OutputPlan, choice_constraint, compile_grammar, completion_plan,
+                            grammar_constraint, json_object_constraint, json_schema_constraint, prepare_chat,
+                            regex_constraint, tool_request)
 from ferrox_jax.engine import Engine
+from ferrox_jax.grammar import CompiledGrammar, GrammarSpec
 from ferrox_jax.request import GenerationRequest, SamplingParams
 
 blueprint = Blueprint("openai", __name__)
@@ -82,9 +90,10 @@ async def tokenize() -> Response:
     _check_model(body.model, engine)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-    if body.messages is not None:
-        text = _render_chat(engine, [m.template_dict() for m in body.messages], True)
-        tokens = await _encode(engine.tokenizer, text, add_special_tokens=False)
+    if body.messages is not None:  # rendered as the chat route renders them, tools included
+        chat = prepare_chat(engine.tokenizer, [m.template_dict() for m in body.messages],
+                            tools=tool_request(body.tools, None, None))
+        tokens = await _encode(engine.tokenizer, chat.text, add_special_tokens=False)
     else:
         tokens = await _encode(engine.tokenizer, body.prompt, add_special_tokens=bool(body.add_special_tokens))
     return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_context})
@@ -125,15 +134,6 @@ async def _encode(tokenizer: Any, text: str, add_special_tokens: bool = True) ->
     return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
 
 
-def _render_chat(engine: Engine, messages: list[dict], add_generation_prompt: bool) -> str:
-    from models.tokenizer import ChatTemplateError
-
-    try:
-        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    except ChatTemplateError as e:
-        raise APIError(400, f"messages: {e}", param="messages", code="chat_template_error") from None
-
-
 def _sampling(body: SamplingFields, engine: Engine, logprobs: int | None) -> SamplingParams:
     # The engine derives choice seeds in int32 range; keep the request's seed there too.
     seed = body.seed if body.seed is not None else random.getrandbits(31)
@@ -153,12 +153,53 @@ def _sampling(body: SamplingFields, engine: Engine, logprobs: int | None) -> Sam
 
 
 def _job_request(job_id: str, prompt_ids: list[int], max_tokens: int, body: SamplingFields,
-                 sampling: SamplingParams, prompt_logprobs: bool) -> GenerationRequest:
+                 sampling: SamplingParams, prompt_logprobs: bool, grammar: CompiledGrammar | None = None,
+                 plan: OutputPlan = OutputPlan()) -> GenerationRequest:
     return GenerationRequest(
         request_id=job_id, prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
         n=body.n or 1, stop=tuple(body.stop_list()), stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos), min_tokens=min(body.min_tokens or 0, max_tokens),
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=prompt_logprobs, grammar=grammar, skip_special_tokens=plan.skip_special_tokens)
+
+
+_CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _constraint(body: SamplingFields) -> tuple[GrammarSpec | str | None, str]:
+    """The request's output constraint and the field it came from: a GrammarSpec,
+    PLAIN_TEXT (`response_format: {"type": "text"}` alone, which also opts out of the
+    server's default constraint) or None. More than one constraint is a 400."""
+    given: list[tuple[GrammarSpec | str, str]] = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given.append((json_object_constraint(), "response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        param = "response_format.json_schema.schema"
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, f"{param} is required for response_format type json_schema", param=param,
+                           code="invalid_value")
+        given.append((json_schema_constraint(fmt.json_schema.schema_, strict=bool(fmt.json_schema.strict),
+                                             param=param), param))
+    if body.guided_json is not None:
+        schema = body.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise APIError(400, f"guided_json is not valid JSON: {e}", param="guided_json") from None
+        given.append((json_schema_constraint(schema, strict=False, param="guided_json"), "guided_json"))
+    if body.guided_regex is not None:
+        given.append((regex_constraint(body.guided_regex, param="guided_regex"), "guided_regex"))
+    if body.guided_choice is not None:
+        given.append((choice_constraint(body.guided_choice, param="guided_choice"), "guided_choice"))
+    if body.guided_grammar is not None:
+        given.append((grammar_constraint(body.guided_grammar, param="guided_grammar"), "guided_grammar"))
+    if len(given) > 1:
+        raise APIError(400, f"give at most one output constraint ({', '.join(_CONSTRAINT_FIELDS)}); got "
+                            f"{', '.join(param for _, param in given)}", param=given[1][1])
+    if given:
+        return given[0]
+    return (PLAIN_TEXT if fmt is not None else None), "response_format"
 
 
 # ---------------------------------------------------------------- the generation routes
@@ -190,13 +231,15 @@ async def completions() -> Response:
     echo_logprobs = bool(body.echo) and body.logprobs is not None
     if (body.min_tokens or 0) > (body.max_tokens if body.max_tokens is not None else 16):
         raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
+    plan = completion_plan(*_constraint(body), state.config.default_grammar)
+    grammar = await compile_grammar(engine, plan.grammar, plan.grammar_param)
     api_id = f"cmpl-{uuid.uuid4().hex}"
     # max_tokens 0 (lm-eval's echo + logprobs scoring): a job must sample at least one
     # token, so ask for one and drop it; with nothing to score, no job is submitted at all.
     zero_output = body.max_tokens == 0
     reqs = [_job_request(job_id, ids,
                          max(1, max_tokens(body.max_tokens, len(ids), engine.max_context, state.config, "prompt")),
-                         body, sampling, echo_logprobs)
+                         body, sampling, echo_logprobs, grammar, plan)
             for job_id, ids in zip(job_ids(api_id, len(prompts)), prompts)]
     echoes = [tok.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
     run = GenerationRun(state, "/v1/completions", api_id, reqs, stream=bool(body.stream), drop_output=zero_output)
@@ -216,8 +259,13 @@ async def chat_completions() -> Response:
     asked_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     check_asked_tokens(asked, state.config, asked_param)
-    text = _render_chat(engine, [m.template_dict() for m in body.messages], body.add_generation_prompt is not False)
-    prompt_ids = await _encode(engine.tokenizer, text, add_special_tokens=False)
+    constraint, constraint_param = _constraint(body)
+    tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, engine)
+    chat = prepare_chat(engine.tokenizer, [m.template_dict() for m in body.messages], tools=tools,
+                        constraint=constraint, constraint_param=constraint_param,
+                        default_constraint=state.config.default_grammar,
+                        add_generation_prompt=body.add_generation_prompt is not False)
+    prompt_ids = await _encode(engine.tokenizer, chat.text, add_special_tokens=False)
     if not prompt_ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
     check_prompt_tokens(len(prompt_ids), state.config, "messages")
@@ -225,15 +273,18 @@ async def chat_completions() -> Response:
         raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
     limit = max_tokens(asked, len(prompt_ids), engine.max_context, state.config, "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    grammar = await compile_grammar(engine, chat.plan.grammar, chat.plan.grammar_param)
     api_id = f"chatcmpl-{uuid.uuid4().hex}"
-    reqs = [_job_request(api_id, prompt_ids, limit, body, _sampling(body, engine, logprobs), False)]
+    reqs = [_job_request(api_id, prompt_ids, limit, body, _sampling(body, engine, logprobs), False, grammar,
+                         chat.plan)]
     run = GenerationRun(state, "/v1/chat/completions", api_id, reqs, stream=bool(body.stream))
-    return await _serve(run, body, ChatShape(state.tokens, logprobs), [""])
+    return await _serve(run, body, ChatShape(state.tokens, logprobs), [""], chat.plan)
 
 
-async def _serve(run: GenerationRun, body: SamplingFields, shape: Any, echoes: list[str]) -> Response:
+async def _serve(run: GenerationRun, body: SamplingFields, shape: Any, echoes: list[str],
+                 plan: OutputPlan = OutputPlan()) -> Response:
     """Submit the run's jobs and answer whole or as a stream."""
-    reply = _Reply(run, shape, echoes)
+    reply = _Reply(run, shape, echoes, plan)
     if run.drop_output and not any(job.prompt_logprobs for job in run.jobs) and not run.stream:
         return reply.without_engine()  # max_tokens 0 with nothing to score: no job at all
     run.submit()
@@ -250,12 +301,13 @@ async def _serve(run: GenerationRun, body: SamplingFields, shape: Any, echoes: l
 class _Reply:
     """A run's events rendered as an OpenAI completion or chat completion."""
 
-    def __init__(self, run: GenerationRun, shape: Any, echoes: list[str]) -> None:
+    def __init__(self, run: GenerationRun, shape: Any, echoes: list[str], plan: OutputPlan) -> None:
         self.run, self.shape = run, shape
         self.created = int(time.time())
         self.model = run.state.engine.model_name if run.state.engine is not None else ""
         n = run.n
-        self.choices = [Choice(index=j * n + i, echo=echoes[j]) for j in range(len(run.jobs)) for i in range(n)]
+        self.choices = [Choice(index=j * n + i, echo=echoes[j], parser=plan.new_parser())
+                        for j in range(len(run.jobs)) for i in range(n)]
 
     def _fold(self, output: RowOutput) -> tuple[Choice, list]:
         choice = self.choices[output.choice]

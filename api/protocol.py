@@ -3,7 +3,7 @@
 Requests are validated here, before the engine sees them: bodies are parsed
 with pydantic in strict mode from the raw JSON, so `"temperature": "0.5"` or
 `"n": 1.0` is a 400 naming its `param` instead of a silent coercion. Unknown fields
-are ignored (tools built for vLLM send extras such as `tools` or `response_format`).
+are ignored (tools built for vLLM send extras of their own).
 
 Every refusal is an `APIError` (`api/errors.py`), rendered in the envelope of the route's
 protocol by `api/app.py`. Response *models* below exist for `/openapi.json`; handlers
@@ -32,6 +32,22 @@ class StreamOptions(_Strict):
     include_usage: bool | None = False
 
 
+class JSONSchemaFormat(_Strict):
+    """`response_format.json_schema`: OpenAI's structured-output schema."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    # True: a keyword the engine cannot enforce is a 400 and objects get
+    # additionalProperties false unless they say otherwise; False (OpenAI's default): best effort.
+    strict: bool | None = False
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -53,6 +69,13 @@ class SamplingFields(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Output constraints (docs/structured-output.md), at most one: OpenAI's response_format,
+    # or vLLM's guided_* extensions.
+    response_format: ResponseFormat | None = None
+    guided_json: Any = None  # a JSON schema, as an object or its JSON text (best effort, like strict false)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # Lark, or llama.cpp GBNF (told apart by `::=`)
 
     @field_validator("stop", mode="plain")
     @classmethod
@@ -149,12 +172,16 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool | None = True
+    tools: list[dict[str, Any]] | None = None  # [{"type": "function", "function": {name, description, parameters}}]
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None  # None: true
 
 
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None  # with messages: rendered as a chat request's tools
     add_special_tokens: bool | None = True
 
 
@@ -214,16 +241,29 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the reply is only tool calls
+    reasoning_content: str | None = None  # templates with thinking sections only
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "cancelled"] | None
+    finish_reason: Literal["stop", "length", "tool_calls", "cancelled"] | None
 
 
 class ChatCompletionResponse(BaseModel):

@@ -48,6 +48,17 @@ _BATCHER_METRICS = (
      "jobs refused: prompt + max_tokens above the context ceiling"),
     ("kv_blocks_peak", "ferrox_kv_blocks_peak", "gauge", "most KV blocks held at once, counted from the rows"),
     ("aborted", "ferrox_scheduler_aborted", "counter", "jobs the scheduler stopped on cancellation"),
+    # structured output
+    ("constrained_requests", "ferrox_constrained_requests", "counter",
+     "jobs whose output a grammar constrains (response_format, guided_*, forced tool calls)"),
+    ("grammar_mask_rows", "ferrox_grammar_mask_rows", "counter",
+     "token masks computed, one per constrained row and step"),
+    ("grammar_mask_s", "ferrox_grammar_mask_seconds", "counter", "host seconds spent computing token masks"),
+    ("grammar_mask_fills", "ferrox_grammar_mask_fills", "counter",
+     "mask computations, one per model call with a constrained row"),
+    ("grammar_mask_fills_hidden", "ferrox_grammar_mask_fills_hidden", "counter",
+     "mask computations that finished while the model call was still running"),
+    ("grammar_errors", "ferrox_grammar_errors", "counter", "rows ended because their grammar rejected a sampled token"),
 )
 
 

@@ -122,6 +122,7 @@ class ContinuousBatcher:
         self._ticks = 0
         self._host_s = 0.0
         self._device_s = 0.0
+        self._masks = collections.Counter()  # grammar mask totals from each StepOutput
 
     # -- the public API (any thread) ---------------------------------------------------
 
@@ -265,6 +266,9 @@ class ContinuousBatcher:
             self._scheduler.fail_step(plan, f"the model runner failed: {exc!r}")
             return 0.0
         self._scheduler.update(plan, out)
+        self._masks.update(grammar_mask_s=out.mask_s, grammar_mask_rows=out.num_mask_rows,
+                           grammar_mask_fills=out.num_mask_fills,
+                           grammar_mask_fills_hidden=out.num_mask_fills_hidden)
         return out.device_s
 
     def _deliver(self, events: list[RowEvent]) -> None:
@@ -304,7 +308,10 @@ class ContinuousBatcher:
             recompiles_after_warmup=self._runner.recompiles_after_warmup,
             ticks=self._ticks,
             host_s=self._host_s,
-            device_s=self._device_s)
+            device_s=self._device_s,
+            constrained_requests=scheduler.num_constrained_requests,
+            grammar_errors=scheduler.num_grammar_errors,
+            **self._masks)
         with self._lock:
             self._snapshot = snapshot
             self._num_waiting = scheduler.num_waiting

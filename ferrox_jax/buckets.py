@@ -52,6 +52,8 @@ class Buckets:
         )
 
     def keys(self) -> list[tuple[str, int, int]]:
-        """Every (kind, rows, tokens) shape compiled at warm-up."""
+        """Every (kind, rows, tokens) shape compiled at warm-up. The sampler's shapes
+        depend on the rows only, and a prefill chunk is one row (`decode_rows` starts at 1)."""
         return ([("decode", b, 1) for b in self.decode_rows]
-                + [("prefill", 1, t) for t in self.prefill_tokens])
+                + [("prefill", 1, t) for t in self.prefill_tokens]
+                + [("sample", b, 1) for b in self.decode_rows])

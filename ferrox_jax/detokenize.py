@@ -151,3 +151,14 @@ class TextStream:
         if self._matcher.is_stopped:
             return released
         return released + self._matcher.flush()
+
+
+class SpecialTokensKept:
+    """A decoder that keeps special tokens in the text (for output parsed afterwards, such
+    as tool calls whose markers are special tokens)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=False)

@@ -46,7 +46,7 @@ from typing import Any, Mapping, Sequence
 
 import llguidance
 import numpy as np
-from llguidance.gbnf_to_lark import any_to_lark
+from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 GRAMMAR_SYNTAXES = ("lark", "gbnf")
@@ -62,6 +62,12 @@ _UNIMPLEMENTED_KEYS = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 
 class GrammarError(ValueError):
     """A constraint that cannot be compiled; the message names the problem (HTTP 400)."""
+
+
+def grammar_syntax(text: str) -> str:
+    """"lark" or "gbnf" for a grammar's text, told apart by its rules (GBNF's `::=`), as
+    llguidance's converter does; for the `grammar` kind's `syntax` when a client does not say."""
+    return "lark" if is_lark_syntax(text) else "gbnf"
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -14,9 +14,12 @@ request with `n > 1` has n rows; row ids are never reused); a *block* holds K/V 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ferrox_jax.request import RowResult, SamplingParams
+
+if TYPE_CHECKING:
+    from ferrox_jax.grammar import RowMatcher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +33,9 @@ class RowStep:
     whole prompt, its logprob given what precedes it (for `echo` + `logprobs`);
     `next_token_id` is the prompt token after this chunk's last one (or -1 when none).
     `history_token_ids` are the row's prompt+generated tokens before this step, used
-    only when `sampling.has_penalties`.
+    only when `sampling.has_penalties`. `matcher` is the row's grammar state
+    (`ferrox_jax.grammar.RowMatcher`) when its output is constrained and it samples: the
+    runner fills the row's token mask from it; only the scheduler advances it.
     """
 
     row_id: int
@@ -43,6 +48,7 @@ class RowStep:
     next_token_id: int = -1
     num_prompt_tokens: int = 0
     history_token_ids: tuple[int, ...] = ()
+    matcher: RowMatcher | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +72,13 @@ class StepPlan:
 class StepOutput:
     results: dict[int, RowResult]  # row_id -> result, for rows with sample or prompt_logprobs
     device_s: float = 0.0  # wall time spent in device calls, for host-overhead stats
+    # Grammar masks (constrained rows only): host seconds filling them (part of device_s,
+    # since they are computed while the model call runs), row masks filled, fills (one per
+    # model call with a constrained row), and fills done before that call finished.
+    mask_s: float = 0.0
+    num_mask_rows: int = 0
+    num_mask_fills: int = 0
+    num_mask_fills_hidden: int = 0
 
 
 class Runner(Protocol):

@@ -25,9 +25,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ferrox_jax.detokenize import TextStream
+from ferrox_jax.detokenize import SpecialTokensKept, TextStream
+
+if TYPE_CHECKING:
+    from ferrox_jax.grammar import CompiledGrammar
 
 # ---------------------------------------------------------------- the public types
 
@@ -108,6 +111,11 @@ class GenerationRequest:
     ignore_eos: bool = False  # keep generating through the tokenizer's stop tokens
     min_tokens: int = 0  # no eos/stop-token stop before this many output tokens
     prompt_logprobs: bool = False  # return logprobs of the prompt tokens (echo + logprobs)
+    # What the output must match (`Engine.compile_grammar`), enforced by a token mask in
+    # the sampler; the tokenizer's stop tokens are its end. None: unconstrained.
+    grammar: CompiledGrammar | None = None
+    # False: special tokens stay in the text (tool-call markers such as [TOOL_CALLS]).
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -237,7 +245,10 @@ class Row:
         self.num_generated_tokens = 0  # sampled tokens, a final stop token included
         self.block_ids: list[int] = []  # block table, in position order
         self.pending_copy: tuple[int, int] | None = None  # (src, dst) still to run
-        self.text = TextStream(tokenizer, spec.prompt_token_ids, spec.stop)
+        decoder = tokenizer if spec.skip_special_tokens else SpecialTokensKept(tokenizer)
+        self.text = TextStream(decoder, spec.prompt_token_ids, spec.stop)
+        # Grammar state, advanced only by the scheduler's _accept_token; the runner reads it.
+        self.matcher = spec.grammar.new_matcher() if spec.grammar is not None else None
         self.error: str | None = None
         self.has_sent_event = False
         # Output gathered during the current tick; becomes one RowEvent.

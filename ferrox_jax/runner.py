@@ -5,19 +5,28 @@ thread. Every shape comes from `Buckets`; `warmup()` compiles all of them ahead 
 (AOT: `lower().compile()`), and a shape first seen afterwards is compiled on demand and
 counted in `recompiles_after_warmup` (it should stay 0: tests assert it).
 
-`run(plan)`: block copies, then each prefill chunk (one row, T = token bucket), then
-one decode step over the decode rows (B = row bucket); all results come back to the host
-in a single `jax.device_get`.
+`run(plan)`, in order:
+  1. block copies, then every model call is dispatched: each prefill chunk (one row,
+     T = token bucket), then one decode step over the decode rows (B = row bucket).
+     Dispatch is asynchronous: the calls run on the device while the host goes on.
+  2. Meanwhile, per call that samples: the host builds the rows' sampling inputs and
+     fills the grammar bitmask of its constrained rows (`fill_bitmask`, llguidance's
+     thread pool with the GIL released; unconstrained rows carry all ones), then
+     dispatches the sampler on the call's logits. The mask for a row depends on the
+     token it sampled last step, so this is the earliest it can be computed, and the
+     model call is what it hides behind.
+  3. All results come back to the host in a single `jax.device_get`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import os
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +39,17 @@ from ferrox_jax.plan import RowStep, StepOutput, StepPlan
 from ferrox_jax.request import RowResult
 from ferrox_jax.sampling import host_sampling_batch
 from ferrox_jax.sharding import runner_shardings
-from ferrox_jax.step import StepBatch, jit_steps
+from ferrox_jax.step import ForwardResult, SampleResult, StepBatch, jit_steps
 from models.attention import ATTENTION_CHUNK_BLOCKS
 
 log = logging.getLogger(__name__)
 COPY_BATCH = 8  # block copies are padded to this many pairs (0 -> 0 is a no-op copy)
 COPY_KEY = ("copy",)  # the block-copy executable's key among the compiled shapes
+ALL_TOKENS_ALLOWED = -1  # a bitmask word with every bit set (`ferrox_jax/grammar.py`)
+
+# fill_bitmask(bitmask i32[B, W], matchers): writes every row, constrained rows from their
+# matcher and the rest all ones (`ferrox_jax.grammar.GrammarCompiler.fill_bitmask`).
+BitmaskFiller = Callable[[np.ndarray, Sequence], None]
 
 
 def block_table_width(max_context: int, block_size: int) -> int:
@@ -50,7 +64,7 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, max_rows: int,
                  max_prefill_tokens: int, max_context: int, kv_dtype=None, mesh=None,
-                 replicate_attention: bool = False):
+                 replicate_attention: bool = False, fill_bitmask: BitmaskFiller | None = None):
         """Args:
           model: the built model, its decode attention already chosen (`models/loader.py`).
           num_blocks: KV cache blocks, the null block 0 included.
@@ -60,6 +74,8 @@ class ModelRunner:
           mesh: place weights and KV with NamedShardings and jit the steps with explicit
             in/out shardings (`ferrox_jax/sharding.py`); None keeps everything on one device.
           replicate_attention: on a mesh, replicate attention weights and KV.
+          fill_bitmask: computes grammar masks for rows whose RowStep carries a matcher
+            (the engine's `GrammarCompiler.fill_bitmask`); None: no row may carry one.
         """
         cfg = model.cfg
         self.cfg = cfg
@@ -84,6 +100,9 @@ class ModelRunner:
         self._compiled: dict[tuple, Callable] = {}
         self.is_warm = False
         self.recompiles_after_warmup = 0
+        self.fill_bitmask = fill_bitmask
+        self.bitmask_words = -(-self.vocab_size // 32)  # int32 words per bitmask row
+        self._all_ones: dict[int, jax.Array] = {}  # rows -> all-ones bitmask, on the device
 
     # ---- compilation -------------------------------------------------------------
     def _compile(self, key: tuple) -> Callable:
@@ -92,6 +111,11 @@ class ModelRunner:
             pairs = jnp.zeros(COPY_BATCH, jnp.int32)
             return copy_blocks.lower(self.kv_cache, pairs, pairs).compile()
         kind, b, t = key
+        if kind == "sample":
+            logits = jnp.zeros((b, self.vocab_size), jnp.float32)
+            positions = jnp.zeros(b, jnp.int32)
+            sampling = jax.device_put(host_sampling_batch([None] * b, [()] * b, [0] * b, b, self.vocab_size))
+            return self._steps.sample.lower(logits, positions, sampling, self._all_ones_mask(b)).compile()
         step = self._steps.prefill if kind == "prefill" else self._steps.decode
         return step.lower(self.graphdef, self.state, self.kv_cache, self._dummy_batch(b, t)).compile()
 
@@ -155,13 +179,25 @@ class ModelRunner:
                 want_prompt = True
                 next_tokens[i, : n - 1] = row.token_ids[1:]
                 next_tokens[i, n - 1] = row.next_token_id
-        sampling = host_sampling_batch(
+        return StepBatch(tokens=tokens, positions=positions, valid=valid, block_tables=tables,
+                         last_index=last, next_tokens=next_tokens, want_prompt_logprobs=np.asarray(want_prompt))
+
+    def _host_sampling(self, rows: list[RowStep], b: int):
+        """The rows' SamplingBatch (numpy leaves), padded to `b` rows."""
+        rows = list(rows) + [None] * (b - len(rows))
+        return host_sampling_batch(
             [r.sampling if r is not None else None for r in rows],
             [r.history_token_ids if r is not None else () for r in rows],
             [r.num_prompt_tokens if r is not None else 0 for r in rows], b, self.vocab_size)
-        return StepBatch(tokens=tokens, positions=positions, valid=valid, block_tables=tables,
-                         last_index=last, sampling=sampling, next_tokens=next_tokens,
-                         want_prompt_logprobs=np.asarray(want_prompt))
+
+    def _all_ones_mask(self, b: int) -> jax.Array:
+        """The bitmask of `b` unconstrained rows, kept on the device (no transfer per step)."""
+        mask = self._all_ones.get(b)
+        if mask is None:
+            host = np.full((b, self.bitmask_words), ALL_TOKENS_ALLOWED, np.int32)
+            sharding = None if self.shardings is None else self.shardings.replicated
+            mask = self._all_ones[b] = jax.device_put(host, sharding)
+        return mask
 
     # ---- running -------------------------------------------------------------------
     def _run_prefill(self, row: RowStep):
@@ -194,23 +230,50 @@ class ModelRunner:
             self.kv_cache = copy(self.kv_cache, src, dst)
 
     def run(self, plan: StepPlan) -> StepOutput:
+        """Runs one tick's device work (module docstring, steps 1-3)."""
         t0 = time.perf_counter()
         if plan.block_copies:
             self._run_copies(plan.block_copies)
-        pending: list[tuple[list[RowStep], object]] = []
+        calls: list[tuple[list[RowStep], ForwardResult]] = []
         for row in plan.prefill:
-            pending.append(([row], self._run_prefill(row)))
+            calls.append(([row], self._run_prefill(row)))
         decode_rows = list(plan.decode)
         for i in range(0, len(decode_rows), self.max_rows):
             group = decode_rows[i:i + self.max_rows]
-            pending.append((group, self._run_decode(group)))
-        fetched = jax.device_get([res for _, res in pending])
+            calls.append((group, self._run_decode(group)))
+        masks = _MaskTimes()
+        sampled = [self._run_sample(rows, forward, masks) for rows, forward in calls]
+        fetched = jax.device_get([(forward, samples) for (_, forward), samples in zip(calls, sampled)])
         results: dict[int, RowResult] = {}
-        for (rows, _), res in zip(pending, fetched):
+        for (rows, _), (forward, samples) in zip(calls, fetched):
             for i, row in enumerate(rows):
                 if row.sample or row.prompt_logprobs:
-                    results[row.row_id] = self._row_result(row, res, i)
-        return StepOutput(results=results, device_s=time.perf_counter() - t0)
+                    results[row.row_id] = self._row_result(row, forward, samples, i)
+        return StepOutput(results=results, device_s=time.perf_counter() - t0, mask_s=masks.seconds,
+                          num_mask_rows=masks.num_rows, num_mask_fills=masks.num_fills,
+                          num_mask_fills_hidden=masks.num_hidden)
+
+    def _run_sample(self, rows: list[RowStep], forward: ForwardResult, masks: _MaskTimes) -> SampleResult | None:
+        """Dispatches the sampler for one model call's rows (None when none samples), after
+        filling the constrained rows' grammar masks while that call runs."""
+        if not any(row.sample for row in rows):
+            return None
+        b = forward.logits.shape[0]
+        sampling = self._host_sampling(rows, b)
+        matchers = [row.matcher if row.sample else None for row in rows]
+        if any(m is not None for m in matchers):
+            if self.fill_bitmask is None:
+                raise ValueError("a row carries a grammar matcher but the runner has no fill_bitmask")
+            bitmask = np.empty((b, self.bitmask_words), np.int32)
+            start_s = time.perf_counter()
+            self.fill_bitmask(bitmask, matchers)
+            masks.add(time.perf_counter() - start_s, sum(m is not None for m in matchers),
+                      is_hidden=not forward.logits.is_ready())
+            sampling, bitmask = jax.device_put((sampling, bitmask))
+        else:
+            sampling, bitmask = jax.device_put(sampling), self._all_ones_mask(b)
+        exe = self._executable(("sample", b, 1))
+        return exe(forward.logits, forward.sample_pos, sampling, bitmask)
 
     def run_logits(self, rows: list[RowStep]) -> list[np.ndarray]:
         """Offline (tests, tools/compare_logits.py): write the rows' tokens into the cache
@@ -221,16 +284,34 @@ class ModelRunner:
         logits = np.asarray(jax.device_get(logits))
         return [logits[i, : len(r.token_ids)] for i, r in enumerate(rows)]
 
-    def _row_result(self, row: RowStep, res, i: int) -> RowResult:
+    def _row_result(self, row: RowStep, forward, samples, i: int) -> RowResult:
         k = row.sampling.logprobs or 0
-        top = tuple(zip(res.top_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist()))
         prompt = ()
         if row.prompt_logprobs:
             n = len(row.token_ids) if row.next_token_id >= 0 else len(row.token_ids) - 1
             prompt = tuple(
-                (float(res.prompt_logprob[i, j]),
-                 tuple(zip(res.prompt_top_ids[i, j, :k].tolist(), res.prompt_top_logprobs[i, j, :k].tolist())))
+                (float(forward.prompt_logprob[i, j]),
+                 tuple(zip(forward.prompt_top_ids[i, j, :k].tolist(), forward.prompt_top_logprobs[i, j, :k].tolist())))
                 for j in range(n)
             )
-        return RowResult(row_id=row.row_id, token_id=int(res.tokens[i]), logprob=float(res.logprob[i]),
+        if not row.sample:  # a prompt-logprobs chunk that is not the prompt's last
+            return RowResult(row_id=row.row_id, token_id=-1, prompt_logprobs=prompt)
+        top = tuple(zip(samples.top_ids[i, :k].tolist(), samples.top_logprobs[i, :k].tolist()))
+        return RowResult(row_id=row.row_id, token_id=int(samples.tokens[i]), logprob=float(samples.logprob[i]),
                          top_logprobs=top, prompt_logprobs=prompt)
+
+
+@dataclasses.dataclass
+class _MaskTimes:
+    """Grammar mask cost within one run (reported in StepOutput)."""
+
+    seconds: float = 0.0
+    num_rows: int = 0
+    num_fills: int = 0
+    num_hidden: int = 0
+
+    def add(self, seconds: float, num_rows: int, is_hidden: bool) -> None:
+        self.seconds += seconds
+        self.num_rows += num_rows
+        self.num_fills += 1
+        self.num_hidden += is_hidden

@@ -10,7 +10,12 @@ additive value, repetition flag) entries built on the host from the row's histor
 Order, as in vLLM: repetition penalty (divide positive logits, multiply negative ones,
 over prompt and generated tokens), then presence/frequency penalties (generated tokens)
 and logit_bias, then temperature and the top-k/top-p/min-p filters. Returned logprobs
-are the raw model's (before penalties and temperature).
+are the raw model's (before grammar masks, penalties and temperature).
+
+Structured output arrives as one more per-row input, a packed allowed-token bitmask
+(`ferrox_jax/token_mask.py`; all ones for an unconstrained row): disallowed tokens get
+-inf after the raw logprobs are taken and before everything else, so every filter and
+draw sees only allowed tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import numpy as np
 from flax import struct
 
 from ferrox_jax.request import MAX_LOGPROBS, SamplingParams
+from ferrox_jax.token_mask import apply_token_bitmask
 
 # Distinct tokens per row that penalties and logit_bias can touch (llama.cpp's default
 # window is 64 tokens; OpenAI caps logit_bias at 300 entries).
@@ -185,13 +191,15 @@ def _draw(logits: jax.Array, positions: jax.Array, s: SamplingBatch) -> jax.Arra
     return jnp.min(jnp.where(reached, iota, cdf.shape[-1] - 1), axis=-1)
 
 
-def sample(logits: jax.Array, positions: jax.Array, s: SamplingBatch):
+def sample(logits: jax.Array, positions: jax.Array, s: SamplingBatch, bitmask: jax.Array | None = None):
     """Sample one token per row.
 
     Args:
       logits: f32[B, V] raw model logits.
       positions: i32[B] position the sampled token will occupy (keys the row's noise).
       s: the rows' SamplingBatch.
+      bitmask: i32[B, ceil(V/32)] allowed tokens per row (`ferrox_jax/token_mask.py`),
+        all ones (-1 words) for an unconstrained row; None: no row is constrained.
     Returns:
       tokens i32[B], logprob f32[B] (raw, of the chosen token),
       top_ids i32[B, 20], top_logprobs f32[B, 20] (raw, best first).
@@ -202,6 +210,12 @@ def sample(logits: jax.Array, positions: jax.Array, s: SamplingBatch):
     top_lp, top_ids = jax.lax.cond(
         jnp.any(s.want_logprobs), lambda: tuple(jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)),
         lambda: (jnp.zeros((b, MAX_LOGPROBS), jnp.float32), jnp.zeros((b, MAX_LOGPROBS), jnp.int32)))
+    if bitmask is not None:
+        # After the raw logprobs, so returned logprobs stay the model's. A batch with no
+        # constrained row (every word -1) skips unpacking the bits; a masked row's
+        # unconstrained neighbours pass through `where` bit for bit either way.
+        logits = jax.lax.cond(jnp.any(bitmask != -1), lambda: apply_token_bitmask(logits, bitmask),
+                              lambda: logits)
     has_penalties = jnp.any(s.penalty_ids < logits.shape[-1]) | jnp.any(s.repetition_penalty != 1.0)
     logits = jax.lax.cond(has_penalties, lambda: apply_penalties(logits, s), lambda: logits)
     greedy = fast_argmax(logits)

@@ -115,6 +115,8 @@ class Scheduler:
         self.num_admitted = 0  # jobs that left the waiting queue by admission
         self.aborted = 0  # jobs a cancel actually stopped
         self.num_failed_jobs = 0  # jobs ended by a runner error
+        self.num_constrained_requests = 0  # jobs whose output a grammar constrains
+        self.num_grammar_errors = 0  # rows whose grammar rejected a sampled token (should stay 0)
         self.tokens_generated = 0
         self.kv_blocks_peak = 0
         self.state_counts: collections.Counter[RequestState] = collections.Counter()
@@ -126,6 +128,7 @@ class Scheduler:
         assert spec.request_id not in self._jobs, f"duplicate request id {spec.request_id!r}"
         job = Request(spec, self._next_row_id, self._tokenizer)
         self._next_row_id += spec.n
+        self.num_constrained_requests += spec.grammar is not None
         self._jobs[spec.request_id] = job
         self._rows.update((row.row_id, row) for row in job.rows)
         self._expire_pending_cancels()
@@ -263,7 +266,8 @@ class Scheduler:
             sampling=self._step_sampling(row), prompt_logprobs=job.spec.prompt_logprobs,
             next_token_id=prompt[end] if end < len(prompt) else -1,
             num_prompt_tokens=len(prompt),
-            history_token_ids=self._history(row) if sample else ())
+            history_token_ids=self._history(row) if sample else (),
+            matcher=row.matcher if sample else None)
         return (step,)
 
     def _plan_decode_step(self) -> tuple[RowStep, ...]:
@@ -281,7 +285,7 @@ class Scheduler:
                 row_id=row.row_id, token_ids=(row.token_ids[pos],), start_pos=pos,
                 block_ids=tuple(row.block_ids), sample=True, sampling=self._step_sampling(row),
                 num_prompt_tokens=len(row.request.spec.prompt_token_ids),
-                history_token_ids=self._history(row)))
+                history_token_ids=self._history(row), matcher=row.matcher))
         return tuple(steps)
 
     def _grow(self, block_ids: list[int], num_positions: int) -> None:
@@ -311,11 +315,20 @@ class Scheduler:
         return tuple(copies), tuple(row_ids)
 
     def _step_sampling(self, row: Row) -> SamplingParams:
-        """The row's settings, with its stop tokens banned while output < min_tokens."""
+        """The row's settings, with its stop tokens banned while output < min_tokens.
+
+        A constrained row's grammar ends on the tokenizer's stop tokens; with `ignore_eos`
+        they are banned for as long as it samples, so it goes on while the grammar can.
+        Banning them never leaves such a row without an allowed token: a row whose grammar
+        allows only a stop token has already finished (`_accept_token`)."""
         spec = row.request.spec
-        if row.num_output_tokens >= spec.min_tokens:
+        banned: set[int] = set()
+        if row.num_output_tokens < spec.min_tokens:
+            banned = set(spec.stop_token_ids) | (set() if spec.ignore_eos else self._eos_token_ids)
+        if row.matcher is not None and spec.ignore_eos:
+            banned |= self._eos_token_ids
+        if not banned:
             return row.sampling
-        banned = set(spec.stop_token_ids) | (set() if spec.ignore_eos else self._eos_token_ids)
         bias = dict(row.sampling.logit_bias)
         bias.update((token_id, _BANNED_LOGIT) for token_id in sorted(banned))
         return dataclasses.replace(row.sampling, logit_bias=tuple(bias.items()))
@@ -398,14 +411,27 @@ class Scheduler:
             self._decoding[row.row_id] = row
 
     def _accept_token(self, row: Row, result: RowResult) -> None:
-        """Records a sampled token and ends the row if it is a stop."""
+        """Records a sampled token and ends the row if it is a stop.
+
+        A constrained row first advances its grammar. A token the grammar rejects means its
+        mask was not applied (an engine bug): the row ends with an error. A stop token the
+        grammar accepted is its end; and once the grammar allows nothing but a stop token
+        the row ends at once, "stop", without spending a step on sampling it."""
         spec = row.request.spec
         token_id = result.token_id
         row.num_generated_tokens += 1
         self.tokens_generated += 1
-        is_stop_token = token_id in spec.stop_token_ids or (
-            not spec.ignore_eos and token_id in self._eos_token_ids)
-        if is_stop_token and row.num_output_tokens >= spec.min_tokens:
+        matcher = row.matcher
+        if matcher is not None and not matcher.accept(token_id):
+            self.num_grammar_errors += 1
+            self._finish_row(row, RequestState.FINISHED_ERROR,
+                             f"the output grammar rejected sampled token {token_id} ({matcher.error}); "
+                             "its token mask was not applied")
+            return
+        is_eos = token_id in self._eos_token_ids
+        is_grammar_end = matcher is not None and is_eos
+        is_stop_token = token_id in spec.stop_token_ids or (not spec.ignore_eos and is_eos)
+        if is_grammar_end or (is_stop_token and row.num_output_tokens >= spec.min_tokens):
             self._finish_row(row, RequestState.FINISHED_STOP)
             return
         row.token_ids.append(token_id)
@@ -413,7 +439,7 @@ class Scheduler:
         if spec.sampling.logprobs is not None:
             row.new_logprobs.append(result)
         row.new_text += row.text.add_token(token_id)
-        if row.text.is_stopped:
+        if row.text.is_stopped or (matcher is not None and matcher.is_finished):
             self._finish_row(row, RequestState.FINISHED_STOP)
         elif row.num_generated_tokens >= spec.max_tokens:
             self._finish_row(row, RequestState.FINISHED_LENGTH)

@@ -33,3 +33,12 @@ class BatcherStats:
     ticks: int = 0  # owner-loop ticks that planned device work
     host_s: float = 0.0  # tick wall time outside the runner's device calls (scheduling overhead)
     device_s: float = 0.0  # wall time in the runner's device calls, as it reports
+    # -- structured output (docs/structured-output.md) -----------------------------------
+    constrained_requests: int = 0  # jobs taken whose output a grammar constrains
+    grammar_errors: int = 0  # rows ended because their grammar rejected a sampled token (a bug: stays 0)
+    grammar_mask_rows: int = 0  # row masks filled: one per constrained row per sampling step
+    grammar_mask_s: float = 0.0  # host seconds filling them (inside device_s: they run while the model does)
+    grammar_mask_fills: int = 0  # fills, one per model call that had a constrained row
+    # Of those, fills that ended while their model call was still running on the device: the
+    # mask cost nothing but host time. Checked once per fill (is the call's logits ready?).
+    grammar_mask_fills_hidden: int = 0

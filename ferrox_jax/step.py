@@ -1,15 +1,23 @@
-"""The jitted step functions: `prefill_step` and `decode_step`, jitted here and nowhere else.
+"""The jitted step functions: `prefill_step`, `decode_step` and `sample_step`, jitted here
+and nowhere else.
 
-Both are the same pure function of (graphdef, state, kv_cache, batch): run the model
-over each row's new tokens (writing their K/V into the paged cache, layout in
-`kv_cache.py`), take the logits at each row's last new token and sample on device.
-`prefill_step` sees one row with T = a token bucket and can also return prompt
-logprobs; `decode_step` sees B = a row bucket with T = 1. The graphdef is static, the
-state traced, and only the KV cache is donated: the caller rebinds it in the same
-statement (`self.kv_cache, out = step(graphdef, state, self.kv_cache, batch)`).
+A step is two device calls, so that the host can compute grammar masks while the model
+runs (`ferrox_jax/runner.py` dispatches the first, fills the masks, then the second):
 
-`jit_steps(shardings)` jits the three bodies once per runner: plain `jax.jit` on one
-device, or with explicit in/out shardings on a mesh (`ferrox_jax/sharding.py`).
+  * `prefill_step` / `decode_step` (graphdef, state, kv_cache, batch) -> (kv_cache,
+    ForwardResult): run the model over each row's new tokens (writing their K/V into the
+    paged cache, layout in `kv_cache.py`) and return the logits at each row's last new
+    token. `prefill_step` sees one row with T = a token bucket and can also return prompt
+    logprobs; `decode_step` sees B = a row bucket with T = 1. The graphdef is static, the
+    state traced, and only the KV cache is donated: the caller rebinds it in the same
+    statement (`self.kv_cache, out = step(graphdef, state, self.kv_cache, batch)`).
+  * `sample_step` (logits, positions, sampling, bitmask) -> SampleResult: apply the rows'
+    grammar bitmask (all ones for unconstrained rows) and sample (`sampling.py`). Its
+    shapes depend only on the row count, so one compiled sampler serves every prefill
+    bucket and the decode bucket of the same B.
+
+`jit_steps(shardings)` jits the bodies once per runner: plain `jax.jit` on one device, or
+with explicit in/out shardings on a mesh (`ferrox_jax/sharding.py`).
 
 `StepBatch` is built on the host with numpy leaves (`ferrox_jax/runner.py`) and moved
 to the device in one `jax.device_put` per step; the same class holds either.
@@ -41,22 +49,29 @@ class StepBatch:
     valid: jax.Array  # bool[B, T]
     block_tables: jax.Array  # i32[B, MB]
     last_index: jax.Array  # i32[B]: index in T of the row's last new token
-    sampling: SamplingBatch
     next_tokens: jax.Array  # i32[B, T]: token following each position, -1 if unknown
     want_prompt_logprobs: jax.Array  # bool[]: compute prompt logprobs (prefill only)
 
 
 @struct.dataclass
-class StepResult:
-    """Device outputs, fetched to the host in one transfer."""
+class ForwardResult:
+    """What the model call leaves on the device for the sampler and the host."""
 
-    tokens: jax.Array  # i32[B]
-    logprob: jax.Array  # f32[B]
-    top_ids: jax.Array  # i32[B, 20]
-    top_logprobs: jax.Array  # f32[B, 20]
+    logits: jax.Array  # f32[B, V] at each row's last new token
+    sample_pos: jax.Array  # i32[B]: the position the sampled token will occupy
     prompt_logprob: jax.Array  # f32[B, T] (prefill) or f32[B, 0]
     prompt_top_ids: jax.Array  # i32[B, T, 20] or [B, 0, 20]
     prompt_top_logprobs: jax.Array  # f32[B, T, 20] or [B, 0, 20]
+
+
+@struct.dataclass
+class SampleResult:
+    """Sampler outputs, fetched to the host with the step's other results in one transfer."""
+
+    tokens: jax.Array  # i32[B]
+    logprob: jax.Array  # f32[B]: raw logprob of the sampled token
+    top_ids: jax.Array  # i32[B, 20]
+    top_logprobs: jax.Array  # f32[B, 20]
 
 
 def _prompt_logprobs(model, hidden, next_tokens):
@@ -66,7 +81,7 @@ def _prompt_logprobs(model, hidden, next_tokens):
     return chosen, top_ids.astype(jnp.int32), top_lp
 
 
-def _step(graphdef, state, kv_cache: KVCache, batch: StepBatch, *, is_prefill: bool):
+def _forward(graphdef, state, kv_cache: KVCache, batch: StepBatch, *, is_prefill: bool):
     model = nnx.merge(graphdef, state)
     hidden, k, v = model(batch.tokens, batch.positions, batch.valid, kv_cache.k, kv_cache.v,
                          batch.block_tables)
@@ -74,7 +89,6 @@ def _step(graphdef, state, kv_cache: KVCache, batch: StepBatch, *, is_prefill: b
     last_hidden = jnp.take_along_axis(hidden, batch.last_index[:, None, None], axis=1)[:, 0]
     logits = model.logits(last_hidden)  # f32[B, V]
     sample_pos = jnp.take_along_axis(batch.positions, batch.last_index[:, None], axis=1)[:, 0] + 1
-    tokens, logprob, top_ids, top_lp = sample(logits, sample_pos, batch.sampling)
     if is_prefill:
         zeros = (jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t, MAX_LOGPROBS), jnp.int32),
                  jnp.zeros((b, t, MAX_LOGPROBS), jnp.float32))
@@ -83,8 +97,12 @@ def _step(graphdef, state, kv_cache: KVCache, batch: StepBatch, *, is_prefill: b
     else:
         prompt = (jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0, MAX_LOGPROBS), jnp.int32),
                   jnp.zeros((b, 0, MAX_LOGPROBS), jnp.float32))
-    result = StepResult(tokens, logprob, top_ids, top_lp, *prompt)
-    return KVCache(k=k, v=v), result
+    return KVCache(k=k, v=v), ForwardResult(logits, sample_pos, *prompt)
+
+
+def _sample(logits, positions, sampling: SamplingBatch, bitmask) -> SampleResult:
+    """logits f32[B, V], positions i32[B], bitmask i32[B, ceil(V/32)] -> SampleResult."""
+    return SampleResult(*sample(logits, positions, sampling, bitmask))
 
 
 def _logits(graphdef, state, kv_cache: KVCache, batch: StepBatch):
@@ -97,33 +115,40 @@ def _logits(graphdef, state, kv_cache: KVCache, batch: StepBatch):
 
 @dataclasses.dataclass(frozen=True)
 class StepFunctions:
-    """One runner's jitted steps; each is `fn(graphdef, state, kv_cache, batch) -> (kv_cache, out)`."""
+    """One runner's jitted steps."""
 
-    prefill: Callable
-    decode: Callable
-    logits: Callable  # offline parity: f32[B, T, V] at every new position
+    prefill: Callable  # (graphdef, state, kv_cache, batch) -> (kv_cache, ForwardResult)
+    decode: Callable  # the same, T = 1
+    sample: Callable  # (logits, positions, sampling, bitmask) -> SampleResult
+    logits: Callable  # offline parity: (graphdef, state, kv_cache, batch) -> (kv_cache, f32[B, T, V])
 
 
-_BODIES = (functools.partial(_step, is_prefill=True), functools.partial(_step, is_prefill=False), _logits)
+_MODEL_BODIES = (functools.partial(_forward, is_prefill=True), functools.partial(_forward, is_prefill=False))
 
 
 def jit_steps(shardings: RunnerShardings | None = None) -> StepFunctions:
-    """jax.jit the step bodies for one runner, donating the KV cache (argument 2).
+    """jax.jit the step bodies for one runner, donating the KV cache (argument 2) of the
+    model calls; the sampler donates nothing.
 
     With shardings: state, KV and batch get explicit in_shardings, the KV comes back with
     its own sharding (so the next step takes it without a reshard or recompile) and the
-    outputs come back replicated. Without: a plain jit on the default device, shared by
-    every unsharded runner (so equal graphdefs and shapes reuse one trace).
+    outputs come back replicated; the sampler takes and returns replicated arrays.
+    Without: a plain jit on the default device, shared by every unsharded runner (so
+    equal graphdefs and shapes reuse one trace).
     """
     if shardings is None:
         return _unsharded_steps()
     kv = kv_cache_shardings(shardings)
     rep = shardings.replicated
-    return StepFunctions(*(jax.jit(fn, static_argnums=(0,), donate_argnums=(2,),
-                                   in_shardings=(shardings.state, kv, rep), out_shardings=(kv, rep))
-                           for fn in _BODIES))
+    prefill, decode, logits = (jax.jit(fn, static_argnums=(0,), donate_argnums=(2,),
+                                       in_shardings=(shardings.state, kv, rep), out_shardings=(kv, rep))
+                               for fn in _MODEL_BODIES + (_logits,))
+    sample_step = jax.jit(_sample, in_shardings=(rep, rep, rep, rep), out_shardings=rep)
+    return StepFunctions(prefill=prefill, decode=decode, sample=sample_step, logits=logits)
 
 
 @functools.cache
 def _unsharded_steps() -> StepFunctions:
-    return StepFunctions(*(jax.jit(fn, static_argnums=(0,), donate_argnums=(2,)) for fn in _BODIES))
+    prefill, decode, logits = (jax.jit(fn, static_argnums=(0,), donate_argnums=(2,))
+                               for fn in _MODEL_BODIES + (_logits,))
+    return StepFunctions(prefill=prefill, decode=decode, sample=jax.jit(_sample), logits=logits)

@@ -126,3 +126,37 @@ def test_a_failure_after_the_weights_are_built_exits_1_not_abort():
     assert status == 1, f"exit status {status}, expected 1:\n{stderr[-2000:]}"
     assert "loading the model failed: ValueError: injected runner failure" in stderr
     assert "terminate called" not in stderr
+
+
+# -- the server-wide output constraint ------------------------------------------------------
+
+def test_default_constraint_from_flags_variables_or_a_file(tmp_path):
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    spec = cli.server_config(parse(["serve", "--json-schema", schema])).default_grammar
+    assert spec.kind == "json_schema" and spec.strict
+    spec = cli.server_config(parse(["serve"], {"FERROX_GRAMMAR": 'root ::= "yes" | "no"'})).default_grammar
+    assert (spec.kind, spec.syntax) == ("grammar", "gbnf")
+    grammar_file = tmp_path / "answer.lark"
+    grammar_file.write_text('start: "yes" | "no"')
+    spec = cli.server_config(parse(["serve", "--grammar-file", str(grammar_file)])).default_grammar
+    assert (spec.kind, spec.syntax, spec.source) == ("grammar", "lark", 'start: "yes" | "no"')
+    assert cli.server_config(parse(["serve"])).default_grammar is None
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--grammar", 'start: "a"', "--json-schema", "{}"], "at most one default constraint; got --grammar and --json-schema"),
+    (["--json-schema", "{nope"], "--json-schema is not valid JSON"),
+    (["--json-schema", "[1]"], "--json-schema: invalid JSON schema: must be a JSON object"),
+    (["--grammar-file", "/nonexistent/grammar.lark"], "--grammar-file '/nonexistent/grammar.lark'"),
+])
+def test_bad_default_constraints_stop_start_up_naming_the_flag(argv, reason):
+    with pytest.raises(SystemExit) as e:
+        cli.server_config(parse(["serve", *argv]))
+    assert reason in str(e.value)
+
+
+def test_a_default_schema_the_engine_cannot_enforce_exits_1_with_the_keyword():
+    schema = '{"type": "object", "dependentRequired": {"a": ["b"]}}'
+    status, stderr = _serve(["--model", str(api_checkpoint()), "--compile-cache-dir", "off", "--json-schema", schema])
+    assert status == 1, f"exit status {status}, expected 1:\n{stderr[-2000:]}"
+    assert "unsupported keyword(s): dependentRequired" in stderr and "Traceback" not in stderr, stderr[-2000:]

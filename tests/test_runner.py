@@ -1,5 +1,7 @@
 """The runner's bucketed steps: chunking, batching, seeds and recompiles."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -120,3 +122,33 @@ def test_prompt_logprobs_match_the_logits(runner):
     want = [logprobs[i, prompt[i + 1]] for i in range(len(prompt) - 1)]
     got = [lp for lp, _ in res.prompt_logprobs]
     np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_a_masked_row_leaves_its_neighbours_bit_identical(runner, tiny_llama):
+    """The same decode step (same shape, same K/V writes) with and without a grammar mask
+    on row 0: the other rows' tokens and logprobs are equal bit for bit, and row 0's
+    returned logprobs stay the raw model's."""
+    from ferrox_jax.grammar import GrammarCompiler, GrammarSpec
+    from models.tokenizer import Tokenizer
+
+    compiler = GrammarCompiler(Tokenizer.from_hf_dir(tiny_llama), runner.vocab_size)
+    runner.fill_bitmask = compiler.fill_bitmask
+    prompts = [_prompt(n, 400 + n) for n in (3, 9, 17, 30)]
+    ids = shuffled_blocks(4 * 6, NUM_BLOCKS, seed=11)
+    blocks = [ids[i * 6:(i + 1) * 6] for i in range(4)]
+    settings = [SamplingParams(temperature=1.0, seed=3, logprobs=5), SamplingParams(temperature=0.0, logprobs=5),
+                SamplingParams(temperature=1.0, seed=4, logprobs=5), SamplingParams(temperature=0.9, top_k=20, seed=5)]
+    firsts = [generate_alone(runner, p, 1, blocks[i], sampling=settings[i])[0] for i, p in enumerate(prompts)]
+    rows = [RowStep(row_id=i, token_ids=(firsts[i],), start_pos=len(p), block_ids=tuple(blocks[i]), sample=True,
+                    sampling=settings[i]) for i, p in enumerate(prompts)]
+    plain = runner.run(StepPlan(decode=tuple(rows)))
+    digits = compiler.compile(GrammarSpec.regex(r"[0-9]{3}"))
+    masked_rows = (dataclasses.replace(rows[0], matcher=digits.new_matcher()),) + tuple(rows[1:])
+    masked = runner.run(StepPlan(decode=masked_rows))
+    for i in range(1, 4):
+        assert masked.results[i] == plain.results[i], f"row {i} changed next to a masked row"
+    assert masked.num_mask_rows == 1 and masked.num_mask_fills == 1 and plain.num_mask_fills == 0
+    token = masked.results[0].token_id
+    assert Tokenizer.from_hf_dir(tiny_llama).decode([token]).isdigit(), "the masked row sampled a digit"
+    assert masked.results[0].top_logprobs == plain.results[0].top_logprobs, "raw logprobs, not the masked ones"
+    assert runner.recompiles_after_warmup == 0
