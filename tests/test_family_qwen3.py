@@ -33,3 +33,11 @@ def test_matches_transformers(qwen3):
 def test_served_end_to_end(qwen3):
     path, hf, _ = qwen3
     fc.assert_served(fc.serve(path), hf, "Qwen3ForCausalLM")
+
+
+def test_gguf_loads_the_same_model(qwen3, tmp_path):
+    path, hf, report = qwen3
+    got = fc.check_gguf(path, tmp_path / "tiny-qwen3.gguf", "qwen3", hf, report.prompt)
+    assert got["err"] < fc.ATOL, f"qwen3 GGUF prompt logits differ from HF by {got['err']:.3g}"
+    assert got["same_tokens"]
+    assert got["config"].head_dim == 32 and got["config"].architecture == "Qwen3ForCausalLM"
