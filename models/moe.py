@@ -15,26 +15,32 @@ expert's weights, over the tiles in use only. Shapes depend only on N (fixed per
 bucket: nothing recompiles) while the work follows the routing: a decode step reads the
 weights of the experts its rows chose, not all of them.
 
-On this 2-core CPU (f32, ms per MoE block, min of 5; D=1024, F=3584, E=8, k=2 and
-D=1024, F=384, E=64, k=8):
+On this 2-core CPU, shared and loaded (float32, ms per MoE block, min of 5 runs;
+`python -m tools.bench_moe`), a Mixtral-like layer (D=1024, F=3584, E=8, top-2) and a
+Qwen3-MoE-like one (D=1024, F=384, E=64, top-8), at 1..32 decode rows and a 128-token
+prefill:
 
-    tokens                 1     8     32    128        1     8     32    128
-    all experts (dense)  251   255    555    780      255   265    380    822
-    gather per pair       76   534   2235     -        29   308   1257   5603
-    ragged_dot           298   525    444   1304      375   565   1136   2308
-    tiles of 8            51   203    164    912      4.7    30     53    115
-    tiles of 32           72   268    221    640       13    98    173    106
+                          Mixtral-like               Qwen3-MoE-like
+    tokens               1     8     32    128      1     8     32    128
+    all experts (dense) 759   717   785   1472     643   684   920   2038
+    gather per pair     157  1410  5280     -       80   711  2667  14911
+    ragged_dot          802   848   619   2300     852  1121  2842   6467
+    tiles of 8          152   440   457   1600     6.3    29   180    416
+    tiles of 32         197   552   732    987      14   254   124    321
+    tiles (tile_rows)   152   313   507    997     5.9    30   102    307
 
 `jax.lax.ragged_dot` lowers on XLA CPU to a masked dense product over every group (each
 row times every expert), so it is the slowest here; on TPU/GPU it is a grouped matmul
 and worth measuring again there. Gathering each pair's expert weights reads an expert
-once per pair (64 reads for 32 rows of top-2 among 8 experts). Tiles win at every shape;
-the tile size grows with the rows per expert (`tile_rows`), 8 at decode, 32 for a
-128-token Mixtral prefill.
+once per pair (64 reads for 32 rows of top-2 among 8 experts). Tiles win or tie at every
+shape, by 2-100x over the others with many small experts; the tile size grows with the
+rows per expert (`tile_rows`): 8 at decode, 32 for a 128-token Mixtral prefill.
 
 Tensor parallelism splits every expert over its intermediate axis (gate/up by columns,
-down by rows; `ferrox_jax/sharding.py`), so each tile's matmuls are local and one
-all-reduce sums the down projection, as in a dense MLP.
+down by rows; `ferrox_jax/sharding.py`), so each tile's matmuls are local to a device and
+its down projection is summed across devices inside the loop: one all-reduce of
+[tile, D] per tile in use (checked in the compiled HLO). A shard_map around the loop
+could sum once per layer instead; it needs the mesh in the model, which it does not have.
 """
 
 from __future__ import annotations
@@ -96,11 +102,12 @@ def tile_rows(num_pairs: int, num_experts: int) -> int:
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, *,
-            top_k: int, normalize: bool, act: Callable[[jax.Array], jax.Array]) -> jax.Array:
+            top_k: int, normalize: bool, act: Callable[[jax.Array], jax.Array], tile: int | None = None) -> jax.Array:
     """The mixture-of-experts MLP over N tokens.
 
     Args:
       x: [N, D]; router: [D, E]; gate, up: [E, D, F]; down: [E, F, D].
+      tile: rows per tile (default `tile_rows`; static).
     Returns:
       [N, D] in x's dtype.
     """
@@ -108,7 +115,7 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, dow
     num_experts = gate.shape[0]
     weights, experts = route(x, router, top_k, normalize)
     pairs = n * top_k
-    tile = tile_rows(pairs, num_experts)
+    tile = tile or tile_rows(pairs, num_experts)
     # Sort the (token, expert) pairs by expert; stable, so each expert sees its tokens in order.
     flat_expert = experts.reshape(-1)
     order = jnp.argsort(flat_expert, stable=True)
