@@ -25,9 +25,10 @@ Splitting q/k/v columns over `model` splits whole heads (columns are head-major)
 each device owns H/M query heads and K/M KV heads and attends locally; this needs
 M | H and M | K. Fused checkpoint tensors (Phi-3's qkv_proj, gate_up_proj) are split
 at load, so they shard like any other projection. Experts are split Megatron-style over
-their intermediate axis (every device holds a slice of every expert), so an expert's
-tile is local on each device and its down projection all-reduced like a dense MLP's;
-RoPE tables are constants of the step, not parameters. `replicate_attention=True` relaxes that: attention weights and the KV
+their intermediate axis (every device holds a slice of every expert), so each tile of an
+expert's tokens is computed locally and its down projection all-reduced (one per tile in
+use: `models/moe.py`). RoPE tables are constants of the step, not parameters.
+`replicate_attention=True` relaxes the head constraint: attention weights and the KV
 cache are replicated and only the MLP and vocab are split. The default SmolLM2-135M
 needs it (9 heads, 3 KV heads: no M > 1 in {2, 4, 8} divides both); its MLP is ~2/3 of
 the weights, so it still spreads most of the bytes read per decode step.

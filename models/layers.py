@@ -149,14 +149,16 @@ class SelfAttention:
             self.q_norm = norm_param(spec.head_dim, dtype, 1.0 if spec.qk_norm == "rms" else 0.0)
             self.k_norm = norm_param(spec.head_dim, dtype, 1.0 if spec.qk_norm == "rms" else 0.0)
 
+    def _bias(self, name: str) -> jax.Array | None:
+        return getattr(self, name)[...] if self.attn.bias else None
+
     def attention(self, h: jax.Array, step: StepInputs, k_cache: jax.Array, v_cache: jax.Array):
         """h [B, T, D] (already normed) -> (o_proj output [B, T, D], k_cache, v_cache)."""
         spec = self.attn
         b, t, _ = h.shape
-        bias = (lambda name: getattr(self, name)[...]) if spec.bias else (lambda name: None)
-        q = project(h, self.q_proj[...], bias("q_bias")).reshape(b, t, spec.num_heads, spec.head_dim)
-        k = project(h, self.k_proj[...], bias("k_bias")).reshape(b, t, spec.num_kv_heads, spec.head_dim)
-        v = project(h, self.v_proj[...], bias("v_bias")).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+        q = project(h, self.q_proj[...], self._bias("q_bias")).reshape(b, t, spec.num_heads, spec.head_dim)
+        k = project(h, self.k_proj[...], self._bias("k_bias")).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+        v = project(h, self.v_proj[...], self._bias("v_bias")).reshape(b, t, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm is not None:
             norm = _QK_NORMS[spec.qk_norm]
             q = norm(q, self.q_norm[...], spec.norm_eps)

@@ -46,7 +46,8 @@ def config_from_hf(cfg: dict[str, Any]) -> MoeConfig:
     return MoeConfig(**fields, attention_bias=bool(cfg.get("attention_bias", False)), sliding_window=window,
                      layer_types=("sliding_attention",) * n if window else (),
                      # Hub configs say num_experts; transformers 5 saves num_local_experts
-                     num_experts=cfg.get("num_experts") or cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                     num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+                     num_experts_per_tok=cfg["num_experts_per_tok"],
                      moe_intermediate_size=cfg["moe_intermediate_size"],
                      norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
 

@@ -173,6 +173,8 @@ def check_family(path: Path, hf=None, seed: int = 0, chunked_vs_hf: bool = False
 
 def assert_report(report: FamilyReport, name: str) -> None:
     """The shared assertions, for a family module's one test of them."""
+    print(f"{name}: max |Δlogit| vs HF prefill {report.prefill_err:.2e} decode {report.decode_err:.2e}; "
+          f"chunked {report.chunked_err:.2e} batched {report.batched_err:.2e}")
     assert report.prefill_err < ATOL, f"{name}: prefill logits differ from HF by {report.prefill_err:.3g}"
     assert report.decode_err < ATOL, f"{name}: decode logits differ from HF by {report.decode_err:.3g}"
     assert report.tokens[len(report.prompt):] == report.hf_greedy, f"{name}: greedy tokens differ from HF's"
@@ -236,7 +238,9 @@ def check_gguf(hf_dir: Path, out: Path, arch: str, hf, prompt: list[int]) -> dic
     runner, ckpt = make_runner(path, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_context=MAX_CONTEXT)
     ours = runner.run_logits([_row(prompt, 0, shuffled_blocks(20, NUM_BLOCKS, seed=2))])[0]
     text = "Hello world! The quick brown fox."
-    return {"config": ckpt.config, "err": float(np.abs(ours - hf_logits(hf, prompt)).max()),
+    err = float(np.abs(ours - hf_logits(hf, prompt)).max())
+    print(f"{arch} GGUF: prompt max |Δlogit| vs HF {err:.2e}")
+    return {"config": ckpt.config, "err": err,
             "same_tokens": ckpt.tokenizer.encode(text) == Tokenizer.from_hf_dir(hf_dir).encode(text),
             "reference_config": load_checkpoint(str(hf_dir)).config}
 

@@ -58,7 +58,8 @@ def test_hub_style_config_uses_the_sliding_window_pattern():
         "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
         "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256})
     assert [cfg.window(i) for i in range(7)] == [512] * 5 + [None] + [512]
-    assert (cfg.rope_local_theta, cfg.rope_scaling.factor, cfg.rope_local_scaling.rope_type) == (10000.0, 8.0, "default")
+    assert (cfg.rope_local_theta, cfg.rope_scaling.factor) == (10000.0, 8.0)
+    assert cfg.rope_local_scaling.rope_type == "default"
 
 
 def test_vision_checkpoint_is_refused_naming_the_vision_tower():

@@ -253,9 +253,12 @@ def _rope_scaling(reader: GGUFReader, arch: str, head_dim: int, rope_theta: floa
         return _llama3_scaling_from_freqs(np.asarray(dequantize_tensor(freqs)).reshape(-1), head_dim, rope_theta)
     if kind in ("none", "") or (kind == "linear" and factor == 1.0):
         return RopeScaling()
+    if kind == "longrope" and any(t.name == "rope_factors_long.weight" for t in reader.tensors):
+        return RopeScaling()  # its family reads the factor tensors (phi3)
     if kind == "linear":
         return RopeScaling("linear", factor=factor)
-    raise UnsupportedModelError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported (only none and linear)")
+    raise UnsupportedModelError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported "
+                                "(only none, linear, and longrope with its factor tensors)")
 
 
 def _llama3_scaling_from_freqs(divisors: np.ndarray, head_dim: int, rope_theta: float) -> RopeScaling:
