@@ -143,3 +143,30 @@ def test_ferrox_serve_console_script_serves_gemma2(gemma2, tmp_path):
     assert chat.usage.completion_tokens == 5
     assert refused.status_code == 400, refused.text
     assert "System role not supported" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("layers,scalar", [(46, 4608 / 32), (26, 128.0)])
+def test_gguf_without_attention_scale_follows_llama_cpp(tmp_path, layers, scalar):
+    """No query_pre_attn_scalar in GGUF: hidden / heads for the 27B (46 layers, 4608 / 32 =
+    144), head_dim (128 here) otherwise, as llama.cpp decides."""
+    import gguf
+
+    from models.loaders.gguf import config_from_gguf, open_gguf
+
+    path = tmp_path / "meta.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma2")
+    w.add_block_count(layers)
+    w.add_embedding_length(4608)
+    w.add_feed_forward_length(36864)
+    w.add_head_count(32)
+    w.add_head_count_kv(16)
+    w.add_key_length(128)
+    w.add_value_length(128)
+    w.add_token_list(["a", "b"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cfg = config_from_gguf(open_gguf(path))
+    assert cfg.query_pre_attn_scalar == scalar
+    assert cfg.layer_types[:3] == ("sliding_attention", "full_attention", "sliding_attention")
