@@ -35,7 +35,7 @@ from flax import nnx
 from models.config import ModelConfig, UnsupportedModelError, hf_common_fields
 from models.decoder import CausalLM
 from models.family import Family
-from models.layers import (AttentionSpec, SelfAttention, gated_mlp, gelu_tanh, norm_param, param, project,
+from models.layers import (AttentionSpec, SelfAttention, gated_mlp, gelu_tanh, norm_param, param,
                            rms_norm_plus_one, softcap)
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -92,8 +92,7 @@ class Gemma2Model(CausalLM):
         return rms_norm_plus_one(x, weight, self.cfg.rms_norm_eps)
 
     def logits(self, hidden):
-        w = self.tied_lm_head[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return softcap(project(hidden, w).astype(jnp.float32), self.cfg.final_logit_softcap)
+        return softcap(super().logits(hidden), self.cfg.final_logit_softcap)
 
 
 def gemma_common_fields(cfg: dict[str, Any]) -> dict[str, Any]:

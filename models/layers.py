@@ -135,7 +135,7 @@ class SelfAttention:
     """
 
     def init_attention(self, spec: AttentionSpec, hidden: int, dtype, rngs: nnx.Rngs) -> None:
-        self.attn = spec
+        self.attn_spec = spec
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.q_proj = param(rngs, (hidden, q_dim), dtype)
         self.k_proj = param(rngs, (hidden, kv_dim), dtype)
@@ -150,11 +150,11 @@ class SelfAttention:
             self.k_norm = norm_param(spec.head_dim, dtype, 1.0 if spec.qk_norm == "rms" else 0.0)
 
     def _bias(self, name: str) -> jax.Array | None:
-        return getattr(self, name)[...] if self.attn.bias else None
+        return getattr(self, name)[...] if self.attn_spec.bias else None
 
     def attention(self, h: jax.Array, step: StepInputs, k_cache: jax.Array, v_cache: jax.Array):
         """h [B, T, D] (already normed) -> (o_proj output [B, T, D], k_cache, v_cache)."""
-        spec = self.attn
+        spec = self.attn_spec
         b, t, _ = h.shape
         q = project(h, self.q_proj[...], self._bias("q_bias")).reshape(b, t, spec.num_heads, spec.head_dim)
         k = project(h, self.k_proj[...], self._bias("k_bias")).reshape(b, t, spec.num_kv_heads, spec.head_dim)
