@@ -16,12 +16,19 @@ the results once).
     gate_proj / up_proj         [D, F]       P(None, "model")     same
     down_proj                   [F, D]       P("model", None)     same
     lm_head                     [D, V]       P(None, "model")     same
-    norms, inv_freq             [D], [hd/2]  P()                  same
+    experts_gate / experts_up   [E, D, F]    P(None, None, "model")  same
+    experts_down                [E, F, D]    P(None, "model", None)  same
+    norms, q_norm / k_norm, router  [D], [hd], [D, E]  P()        same
     KV cache, per layer         [K, N, bs, hd]  P("model", ...)   P()
 
 Splitting q/k/v columns over `model` splits whole heads (columns are head-major), so
 each device owns H/M query heads and K/M KV heads and attends locally; this needs
-M | H and M | K. `replicate_attention=True` relaxes that: attention weights and the KV
+M | H and M | K. Fused checkpoint tensors (Phi-3's qkv_proj, gate_up_proj) are split
+at load, so they shard like any other projection. Experts are split Megatron-style over
+their intermediate axis (every device holds a slice of every expert), so each tile of an
+expert's tokens is computed locally and its down projection all-reduced (one per tile in
+use: `models/moe.py`). RoPE tables are constants of the step, not parameters.
+`replicate_attention=True` relaxes the head constraint: attention weights and the KV
 cache are replicated and only the MLP and vocab are split. The default SmolLM2-135M
 needs it (9 heads, 3 KV heads: no M > 1 in {2, 4, 8} divides both); its MLP is ~2/3 of
 the weights, so it still spreads most of the bytes read per decode step.
@@ -47,6 +54,8 @@ MESH_AXES = (DATA_AXIS, MODEL_AXIS)
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "tied_lm_head")  # [in, out]: split out
 _ROW = ("o_proj", "down_proj", "embed")  # split the first axis
+_EXPERT_COLUMN = ("experts_gate", "experts_up")  # [E, D, F]: split F
+_EXPERT_ROW = ("experts_down",)  # [E, F, D]: split F
 _BIAS = ("q_bias", "k_bias", "v_bias")
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj") + _BIAS
 
@@ -79,7 +88,7 @@ def check_divisibility(cfg: ModelConfig, model_axis: int, replicate_attention: b
                     f"tensor parallelism {model_axis} does not divide the model's {what} {n} "
                     f"(num_heads {cfg.num_heads}, num_kv_heads {cfg.num_kv_heads}); choose a size "
                     f"dividing both, or pass --replicate-attention to shard only the MLP and vocab")
-    split = [("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)]
+    split = list(cfg.sharded_sizes().items())
     if replicate_attention:
         split.append(("hidden_size", cfg.hidden_size))  # down_proj's output columns
     for what, n in split:
@@ -89,7 +98,7 @@ def check_divisibility(cfg: ModelConfig, model_axis: int, replicate_attention: b
 
 def param_partition_spec(name: str, shape: tuple[int, ...], cfg: ModelConfig,
                          replicate_attention: bool = False) -> P:
-    """PartitionSpec of one parameter, by its name in the `models/llama.py` table.
+    """PartitionSpec of one parameter, by its name in the family modules' tables.
 
     `name` is the dotted state path ("layers.3.q_proj", "embed"); `cfg` is unused by the
     rules today but is part of the signature so a future rule (e.g. by head count) has it.
@@ -110,7 +119,11 @@ def param_partition_spec(name: str, shape: tuple[int, ...], cfg: ModelConfig,
         return P(MODEL_AXIS, None)
     if leaf in _BIAS and len(shape) == 1:
         return P(MODEL_AXIS)
-    return P()  # norms, inv_freq, anything unknown: replicated
+    if leaf in _EXPERT_COLUMN and len(shape) == 3:
+        return P(None, None, MODEL_AXIS)
+    if leaf in _EXPERT_ROW and len(shape) == 3:
+        return P(None, MODEL_AXIS, None)
+    return P()  # norms (q_norm, k_norm too), the router, anything unknown: replicated
 
 
 def kv_partition_spec(replicate_attention: bool = False) -> P:

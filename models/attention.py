@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-_MASKED = -1e30
-ATTENTION_CHUNK_BLOCKS = 8  # blocks per attention loop iteration; table widths are multiples  # large negative instead of -inf: a fully masked row stays finite
+_MASKED = -1e30  # large negative instead of -inf: a fully masked row stays finite
+ATTENTION_CHUNK_BLOCKS = 8  # blocks per attention loop iteration; table widths are multiples
 
 
 def write_kv(k_cache, v_cache, k, v, positions, valid, block_tables):
@@ -42,19 +42,30 @@ def write_kv(k_cache, v_cache, k, v, positions, valid, block_tables):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
-                    chunk_blocks: int = ATTENTION_CHUNK_BLOCKS):
+                    chunk_blocks: int = ATTENTION_CHUNK_BLOCKS, *, valid=None, window: int | None = None,
+                    softcap: float | None = None):
     """Causal attention of new queries over each row's blocks (already holding the new K/V).
 
-    Flash-decoding style: a `while_loop` walks the block tables `chunk_blocks` blocks at a
-    time with an online softmax, and stops after the chunk holding the batch's furthest
+    Flash-decoding style: a `fori_loop` walks the block tables `chunk_blocks` blocks at a
+    time with an online softmax, and stops after the chunk holding the row's furthest
     query position. The trip count is traced, so one compiled step serves every context
     length and reads only the blocks in use (no block-table-width buckets).
+
+    With a sliding `window`, key s is visible to a query at p iff p - window < s <= p (as
+    transformers' sliding mask), and each row starts its walk at the chunk holding its
+    first visible key, so a long context pays only for the keys it can see; the blocks
+    before it stay allocated and accounted (nothing is evicted). With `softcap`, scores
+    become softcap * tanh(score / softcap) before masking (Gemma 2's logit soft-capping).
 
     Args:
       q: [B, T, H, hd] rotated queries.
       k_cache, v_cache: [K, N, bs, hd].
       block_tables: i32[B, MB] with MB a multiple of chunk_blocks (pad with 0).
       positions: i32[B, T] query positions; key s is visible iff s <= position.
+      valid: bool[B, T] real tokens; needed with a window (padding must not pull a row's
+        first chunk back to 0).
+      window: sliding window in keys (the query's own included), or None.
+      softcap: logit soft-cap, or None.
     Returns:
       f32[B, T, H, hd].
     """
@@ -64,21 +75,48 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
     max_blocks = block_tables.shape[1]
     if max_blocks % chunk_blocks:
         raise ValueError(f"block table width {max_blocks} must be a multiple of chunk_blocks {chunk_blocks}")
+    if window is not None and valid is None:
+        raise ValueError("paged_attention with a window needs valid (which query tokens are real)")
     chunk_keys = chunk_blocks * block_size
     qg = q.reshape(b, t, num_kv, groups, head_dim)
-    num_chunks = jnp.max(positions) // chunk_keys + 1
+    if window is None:
+        first_chunk = jnp.zeros((b,), jnp.int32)
+        num_chunks = jnp.max(positions) // chunk_keys + 1
+    else:
+        first_chunk, num_chunks = _window_chunks(positions, valid, window, chunk_keys)
+
+    def chunk_blocks_of(i):
+        """i32[B, chunk_blocks] block ids of each row's i-th chunk in its walk, and the
+        position of that chunk's first key per row."""
+        if window is None:  # every row starts at chunk 0: one slice for the whole batch
+            blocks = jax.lax.dynamic_slice_in_dim(block_tables, i * chunk_blocks, chunk_blocks, axis=1)
+            return blocks, jnp.full((b,), i * chunk_keys, jnp.int32)
+        chunk = first_chunk + i  # [B]
+        idx = chunk[:, None] * chunk_blocks + jnp.arange(chunk_blocks, dtype=jnp.int32)
+        # Past the table's end (a row that finished its walk early) reads block 0; every
+        # such key lies beyond the row's positions, so it is masked.
+        blocks = jnp.take_along_axis(block_tables, jnp.minimum(idx, max_blocks - 1), axis=1)
+        return blocks, chunk * chunk_keys
 
     def body(i, carry):
         m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, hd]
-        blocks = jax.lax.dynamic_slice_in_dim(block_tables, i * chunk_blocks, chunk_blocks, axis=1)
+        blocks, start = chunk_blocks_of(i)
         keys = k_cache[:, blocks].reshape(num_kv, b, chunk_keys, head_dim)
         values = v_cache[:, blocks].reshape(num_kv, b, chunk_keys, head_dim)
         s = jnp.einsum("btkgd,kbsd->bkgts", qg, keys, preferred_element_type=jnp.float32) * scale
-        key_pos = i * chunk_keys + jnp.arange(chunk_keys, dtype=jnp.int32)
-        visible = key_pos[None, None, None, None, :] <= positions[:, None, None, :, None]
+        if softcap is not None:
+            s = softcap * jnp.tanh(s / softcap)
+        key_pos = start[:, None] + jnp.arange(chunk_keys, dtype=jnp.int32)  # [B, S]
+        visible = key_pos[:, None, None, None, :] <= positions[:, None, None, :, None]
+        if window is not None:
+            visible &= key_pos[:, None, None, None, :] > positions[:, None, None, :, None] - window
         s = jnp.where(visible, s, _MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])
+        if window is not None:
+            # A query may see nothing in its row's first chunks (its window starts later):
+            # exp(_MASKED - _MASKED) = 1 there, so zero them explicitly.
+            p = jnp.where(visible, p, 0.0)
         correction = jnp.exp(m - m_new)
         l = l * correction + p.sum(axis=-1)
         pv = jnp.einsum("bkgts,kbsd->bkgtd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
@@ -89,17 +127,32 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
             jnp.zeros((b, num_kv, groups, t), jnp.float32),
             jnp.zeros((b, num_kv, groups, t, head_dim), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
-    out = acc / l[..., None]  # [B, K, G, T, hd]
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # [B, K, G, T, hd]; padded queries see nothing
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, num_heads, head_dim)
 
 
-def dense_causal_attention(q, k, v, scale: float):
+def _window_chunks(positions, valid, window: int, chunk_keys: int):
+    """Per row, the chunk holding its first visible key, and the batch's trip count (the
+    most chunks any row walks from there to its furthest query)."""
+    real = valid.any(axis=1)
+    lo = jnp.min(jnp.where(valid, positions, jnp.iinfo(jnp.int32).max), axis=1)
+    hi = jnp.max(jnp.where(valid, positions, 0), axis=1)
+    first = jnp.where(real, jnp.maximum(lo - window + 1, 0) // chunk_keys, 0).astype(jnp.int32)
+    last = hi // chunk_keys
+    return first, jnp.max(last - first) + 1
+
+
+def dense_causal_attention(q, k, v, scale: float, window: int | None = None, softcap: float | None = None):
     """Reference: plain causal attention over contiguous K/V. q [T, H, hd], k/v [T, K, hd]."""
     t, num_heads, head_dim = q.shape
     groups = num_heads // k.shape[1]
     k = jnp.repeat(k, groups, axis=1)
     v = jnp.repeat(v, groups, axis=1)
     scores = jnp.einsum("thd,shd->hts", q, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     mask = jnp.tril(jnp.ones((t, t), bool))
+    if window is not None:
+        mask &= ~jnp.tril(jnp.ones((t, t), bool), -window)
     scores = jnp.where(mask[None], scores, _MASKED)
     return jnp.einsum("hts,shd->thd", jax.nn.softmax(scores, -1), v.astype(jnp.float32))

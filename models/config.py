@@ -1,18 +1,27 @@
-"""Model configuration for the Llama family, read from checkpoint metadata.
+"""Model configuration shared by every family, read from checkpoint metadata.
 
-`ModelConfig` is filled from an HF `config.json` (`from_hf_dict`) or from GGUF metadata
+`ModelConfig` holds what every decoder has (shapes, norms, RoPE, which layers attend
+through a sliding window); a family that needs more subclasses it in its own module
+(`Gemma2Config`, `MoeConfig`, ...). Configs come from an HF `config.json` (each family's
+`config_from_hf`, dispatched by `models/registry.py`) or from GGUF metadata
 (`models/loaders/gguf.py`), never from a file or directory name. Anything this engine
-cannot compute faithfully (another architecture, an unknown rope scaling, sliding
-windows) fails here, at load, with a message naming it.
+cannot compute faithfully (another architecture, an unknown rope type, a vision tower)
+fails at load with `UnsupportedModelError` naming it.
+
+The KV cache is sized from `num_layers`, `num_kv_heads` and `head_dim` alone
+(`ferrox_jax/kv_cache.py`), so every layer of a family must share one K/V head size.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
 class UnsupportedModelError(ValueError):
@@ -24,10 +33,13 @@ class RopeScaling:
     """RoPE frequency scaling. `rope_type` is one of SUPPORTED_ROPE_TYPES."""
 
     rope_type: str = "default"
-    factor: float = 1.0  # linear and llama3
+    factor: float = 1.0  # linear, llama3 and longrope (longrope: only sets attention_factor)
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int = 8192  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, longrope (the pretraining context)
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors within the pretraining context
+    long_factor: tuple[float, ...] = ()  # longrope: the divisors once a sequence grows past it
+    attention_factor: float = 1.0  # longrope: cos and sin are multiplied by this
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -37,11 +49,14 @@ class RopeScaling:
             )
         if self.factor <= 0:
             raise ValueError(f"rope_scaling.factor must be > 0; got {self.factor}")
+        if self.rope_type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise ValueError("rope_scaling longrope needs short_factor and long_factor lists of equal length; got "
+                             f"{len(self.short_factor)} and {len(self.long_factor)}")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and options of a Llama-family decoder."""
+    """Shapes and options of a decoder-only LM; a family's subclass adds its own fields."""
 
     vocab_size: int
     hidden_size: int
@@ -54,9 +69,12 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = RopeScaling()
+    rotary_dim: int | None = None  # leading dims of each head RoPE rotates; None: all of head_dim
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
-    architecture: str = "LlamaForCausalLM"
+    sliding_window: int | None = None  # keys a sliding layer's query sees, its own included
+    layer_types: tuple[str, ...] = ()  # per layer, one of LAYER_TYPES; () means all full_attention
+    architecture: str = "LlamaForCausalLM"  # the HF name; models/registry.py maps it to a family
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -73,66 +91,118 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE; got {self.head_dim}")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
+            raise ValueError(f"ModelConfig.rotary_dim must be even and in (0, head_dim={self.head_dim}]; "
+                             f"got {self.rotary_dim}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"ModelConfig.layer_types has {len(self.layer_types)} entries for "
+                                 f"{self.num_layers} layers")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise UnsupportedModelError(f"layer_types {unknown} are not supported; supported: "
+                                            f"{', '.join(LAYER_TYPES)}")
+            if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+                raise ValueError("ModelConfig.layer_types has sliding_attention layers but sliding_window is unset")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"ModelConfig.sliding_window must be > 0; got {self.sliding_window}")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (keys its queries see, their own included), or None."""
+        if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token position takes across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
+    def sharded_sizes(self) -> dict[str, int]:
+        """Sizes tensor parallelism splits besides the heads (`ferrox_jax/sharding.py`)."""
+        return {"intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size}
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from a transformers `config.json` dict, refusing what we cannot run."""
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if cfg.get("mlp_bias"):
-            raise UnsupportedModelError("config option mlp_bias=true is not supported")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
-        if arch != "Qwen2ForCausalLM" and cfg.get("sliding_window") not in (None, 0):
-            raise UnsupportedModelError("config option sliding_window is not supported")
-        if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
-            raise UnsupportedModelError("config option use_sliding_window=true is not supported")
-        num_heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or hidden // num_heads,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(cfg),
-            rope_scaling=rope_scaling_from_dict(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            architecture=arch,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+        """Build from a transformers `config.json` dict through its family's parser."""
+        from models.registry import config_from_hf
+
+        return config_from_hf(cfg)
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(cfg.get("rope_theta", 10000.0))
+# -- parsing helpers shared by the families' config_from_hf ---------------------------
 
 
-def rope_scaling_from_dict(d: dict[str, Any] | None) -> RopeScaling:
-    """Parse HF `rope_scaling` (or transformers 5 `rope_parameters`) into a RopeScaling."""
+def hf_common_fields(cfg: dict[str, Any], *, default_act: str = "silu", act_key: str = "hidden_act",
+                     supported_acts: tuple[str, ...] = ("silu",)) -> dict[str, Any]:
+    """The `ModelConfig` fields every family reads the same way from `config.json`.
+
+    Refuses options no family implements (mlp_bias, another activation, a vision tower).
+    """
+    arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    if cfg.get("vision_config") is not None:
+        raise UnsupportedModelError(f"{arch}: the checkpoint has a vision tower (vision_config), which is not "
+                                    "supported; serve a text-only checkpoint")
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModelError("config option mlp_bias=true is not supported")
+    act = cfg.get(act_key) or default_act
+    if act not in supported_acts:
+        raise UnsupportedModelError(f"{act_key} {act!r} is not supported for {arch} (only {', '.join(supported_acts)})")
+    num_heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    return dict(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or hidden // num_heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta(rope_parameters(cfg)),
+        rope_scaling=rope_scaling_from_dict(rope_parameters(cfg), cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        architecture=arch,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE settings of a config.json: transformers 5 `rope_parameters` (with its
+    `rope_theta`) or the older `rope_scaling` plus a top-level `rope_theta`."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if "rope_theta" not in params and "rope_theta" in cfg:
+        params["rope_theta"] = cfg["rope_theta"]
+    return params
+
+
+def rope_theta(params: dict[str, Any], default: float = 10000.0) -> float:
+    return float(params.get("rope_theta", default))
+
+
+def rope_scaling_from_dict(d: dict[str, Any] | None, cfg: dict[str, Any] | None = None) -> RopeScaling:
+    """Parse HF `rope_scaling` / `rope_parameters` into a RopeScaling.
+
+    `cfg` (the whole config.json) supplies `max_position_embeddings` and
+    `original_max_position_embeddings` where longrope keeps them outside the dict (Phi-3).
+    """
+    cfg = cfg or {}
     if not d:
         return RopeScaling()
     rope_type = d.get("rope_type", d.get("type", "default"))
+    if rope_type in ("su", "yarn") and "long_factor" in d:
+        rope_type = "longrope"  # Phi-3's early names for the same scaling (transformers renames them too)
     if rope_type == "default":
         return RopeScaling()
+    if rope_type == "longrope":
+        return _longrope(d, cfg)
     return RopeScaling(
         rope_type=rope_type,
         factor=float(d.get("factor", 1.0)),
@@ -140,3 +210,34 @@ def rope_scaling_from_dict(d: dict[str, Any] | None) -> RopeScaling:
         high_freq_factor=float(d.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
     )
+
+
+def _longrope(d: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
+    """As transformers' `_compute_longrope_parameters`: the attention factor comes from the
+    context extension (max / original), unless the checkpoint states it."""
+    original = int(cfg.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+                   or cfg.get("max_position_embeddings", 4096))
+    factor = d.get("factor")
+    factor = float(factor) if factor else cfg.get("max_position_embeddings", original) / original
+    attention_factor = d.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling("longrope", factor=float(factor), original_max_position_embeddings=original,
+                       short_factor=tuple(float(x) for x in d["short_factor"]),
+                       long_factor=tuple(float(x) for x in d["long_factor"]),
+                       attention_factor=float(attention_factor))
+
+
+def hf_layer_types(cfg: dict[str, Any], num_layers: int, *, window_applies: bool) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) for families whose windows come from `layer_types`.
+
+    `window_applies` False (e.g. Qwen's use_sliding_window=false) means every layer is
+    full whatever `layer_types` says, as transformers does by dropping the window.
+    """
+    window = cfg.get("sliding_window") if window_applies else None
+    if not window:
+        return None, ()
+    types = cfg.get("layer_types")
+    if types is None:
+        return window, (SLIDING_ATTENTION,) * num_layers
+    return window, tuple(types)

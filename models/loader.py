@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models.llama import LlamaModel
+from models.decoder import CausalLM
 from models.loaders.common import build_model
 from models.tokenizer import Tokenizer
 
@@ -38,7 +38,7 @@ class CheckpointSource:
     tensors: Mapping[str, Callable[[], np.ndarray]]  # our name -> lazily read array, our layout
 
     def build(self, dtype=jnp.float32, *, decode_attention: Any = None,
-              progress: Callable[[str], None] | None = None) -> LlamaModel:
+              progress: Callable[[str], None] | None = None) -> CausalLM:
         """Read, check and place the weights (`models/loaders/common.py`).
 
         Args:
@@ -55,7 +55,7 @@ class Checkpoint:
     """A built checkpoint (what `load_checkpoint` returns)."""
 
     config: ModelConfig
-    model: LlamaModel
+    model: CausalLM
     tokenizer: Tokenizer
     name: str
     path: str

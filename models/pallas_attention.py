@@ -5,7 +5,10 @@ we already keep (`[K kv_heads, N num_blocks, bs block_size, hd]`, `ferrox_jax/kv
 the kernel calls blocks "pages"), so decode steps can use it without copying: one query
 per row, `lengths = position + 1`, `page_indices = block_tables`. Prefill (T > 1 queries
 per row) stays on the pure-JAX `models.attention.paged_attention`; the kernel has no
-causal mask between new tokens.
+causal mask between new tokens. Nor does it know sliding windows or logit soft-capping:
+layers that need them (Mistral, Gemma 2's every layer, Gemma 3's sliding ones, Phi-3
+with a window) decode with pure JAX whatever was chosen here (`models/layers.py`), while
+the model's other layers use the kernel.
 
 `select_decode_attention` decides per engine (the result is a static field of the model,
 so it is part of the compiled step's graphdef):

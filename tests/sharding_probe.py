@@ -8,6 +8,7 @@ prints one JSON object on the last stdout line with what it measured; the test a
     python tests/sharding_probe.py tiny      # tiny Llama, 8 heads / 8 KV heads, tp 1/2/4/8
     python tests/sharding_probe.py default   # SmolLM2-135M, replicate_attention, tp 2/4/8
     python tests/sharding_probe.py server    # HTTP end to end, tensor_parallel=2 vs 1
+    python tests/sharding_probe.py families DIR...   # HF checkpoints of other families, tp 4 vs 1
     python tests/sharding_probe.py multihost COORD NPROC PID   # one process of a CPU cluster
 """
 
@@ -227,6 +228,28 @@ def case_server():
     return {"answers": answers, "seconds": time.perf_counter() - t0}
 
 
+def case_families(*paths):
+    """Each checkpoint folder at tp=4 against one device, and where its weights landed."""
+    from ferrox_jax.sharding import describe_sharding
+    from models.loader import load_checkpoint
+
+    t0 = time.perf_counter()
+    out = {}
+    for path in paths:
+        ckpt = load_checkpoint(path)
+        prompt = np.random.RandomState(3).randint(3, ckpt.config.vocab_size, 19).tolist()
+        runner = _runner(ckpt.model, 4)
+        layers = runner.state["layers"]
+        placed = {f"layers.{i}.{name}": describe_sharding(layers[i][name][...])
+                  for i in range(ckpt.config.num_layers) for name in
+                  ("q_proj", "q_norm", "down_proj", "router", "experts_gate", "experts_up", "experts_down")
+                  if name in layers[i]}
+        placed["kv_k0"] = describe_sharding(runner.kv_cache.k[0])
+        out[ckpt.config.architecture] = {"parity": parity(ckpt.model, prompt, 4, (4,))[4], "placement": placed}
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
 def case_multihost(coordinator, num_processes, process_id):
     """One process of a local CPU cluster: initialize, build a global mesh, psum across it."""
     import jax
@@ -266,6 +289,8 @@ def main(argv):
     case = argv[1]
     if case == "multihost":
         result = case_multihost(*argv[2:5])
+    elif case == "families":
+        result = case_families(*argv[2:])
     else:
         result = {"tiny": case_tiny, "default": case_default, "server": case_server}[case]()
     print(json.dumps(result, default=str), flush=True)

@@ -1,13 +1,19 @@
 """Placement shared by every loader: check a flat name->array dict against the model.
 
 Loaders turn a checkpoint into `{our_name: np.ndarray}` in our layout (names and shapes
-in the `models/llama.py` docstring). `build_model` compares that dict with the abstract
-parameters (`nnx.eval_shape`), reports every missing, unexpected and mis-shaped tensor
-together, then casts to the compute dtype and places the arrays.
+in each family module's docstring; `models/registry.py` picks the family from
+`cfg.architecture`). `build_model` compares that dict with the abstract parameters
+(`nnx.eval_shape`), reports every missing, unexpected and mis-shaped tensor together,
+then casts to the compute dtype and places the arrays.
+
+`map_layer_tensors` is the name mapping both loaders share: a family's weight table
+(`models/family.py`) applied to one checkpoint's per-layer tensors, splitting fused
+tensors and stacking per-expert ones.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
@@ -15,7 +21,8 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
-from models.llama import LlamaModel, rope_inv_freq
+from models.decoder import CausalLM
+from models.family import WeightTable
 
 
 class CheckpointError(ValueError):
@@ -26,8 +33,11 @@ def param_name(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def abstract_model(cfg: ModelConfig, dtype, decode_attention: Any = None) -> LlamaModel:
-    return nnx.eval_shape(lambda: LlamaModel(cfg, dtype, rngs=nnx.Rngs(0), decode_attention=decode_attention))
+def abstract_model(cfg: ModelConfig, dtype, decode_attention: Any = None) -> CausalLM:
+    from models.registry import family_for
+
+    model_class = family_for(cfg.architecture).model
+    return nnx.eval_shape(lambda: model_class(cfg, dtype, rngs=nnx.Rngs(0), decode_attention=decode_attention))
 
 
 def expected_params(cfg: ModelConfig, dtype=jnp.float32) -> dict[str, tuple[int, ...]]:
@@ -43,7 +53,7 @@ def build_model(
     progress: Callable[[str], None] | None = None,
     *,
     decode_attention: Any = None,
-) -> LlamaModel:
+) -> CausalLM:
     """Check names and shapes, cast to `dtype`, place on the default device.
 
     `tensors` values may be arrays or zero-argument callables producing them (so a loader
@@ -83,8 +93,75 @@ def build_model(
     for path, variable in flat.items():
         variable.set_value(values[path])
     nnx.update(model, state)
-    # The rope table is a constant derived from the config, not a checkpoint tensor.
-    model.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
     if cfg.tie_word_embeddings:
         model.tied_lm_head = nnx.Variable(jnp.transpose(model.embed[...]))
     return model
+
+
+# -- name mapping shared by the loaders ----------------------------------------------------
+
+Lazy = Callable[[], np.ndarray]
+
+
+def map_layer_tensors(layer: int, suffix: str, load: Lazy, table: WeightTable,
+                      expected: Mapping[str, tuple[int, ...]], experts: dict) -> dict[str, Lazy] | None:
+    """Our tensors from one checkpoint tensor of layer `layer` (`suffix`: its name after the
+    layer prefix; `load`: reads it as `[out, in]` or `[n]`), per the family's table.
+
+    Returns {our name: lazy array in our layout}, {} when the tensor is one expert's slice
+    (collected into `experts` until `stack_experts`), or None when the table has no entry.
+    Projection weights are transposed to `[in, out]`; a fused tensor is split by rows in
+    proportion to the expected output widths of its targets (`expected`: our name -> shape).
+    """
+    prefix = f"layers.{layer}."
+    target = table.get(suffix)
+    if target is None:
+        for key, name in table.items():
+            m = _expert_pattern(key).match(suffix)
+            if m:
+                experts.setdefault(prefix + name, {})[int(m.group(1))] = load
+                return {}
+        return None
+    if isinstance(target, str):
+        return {prefix + target: _transposed(load)}
+    names = [prefix + t for t in target]
+    missing = [n for n in names if n not in expected]
+    if missing:
+        raise CheckpointError(f"fused tensor {suffix} of layer {layer} splits into {', '.join(missing)}, "
+                              "which this model config does not have")
+    widths = [expected[n][-1] for n in names]
+    return {name: _split_rows(load, sum(widths[:i]), width) for i, (name, width) in enumerate(zip(names, widths))}
+
+
+def stack_experts(experts: dict, num_experts: int | None) -> dict[str, Lazy]:
+    """{our name: lazy [E, in, out] stack} from the per-expert `[out, in]` slices collected."""
+    out = {}
+    for name, by_index in experts.items():
+        if num_experts is None or sorted(by_index) != list(range(num_experts)):
+            raise CheckpointError(f"{name}: checkpoint has experts {sorted(by_index)[:8]}... for "
+                                  f"{num_experts} experts in the config")
+        loads = [by_index[i] for i in range(num_experts)]
+        out[name] = lambda loads=loads: np.stack([np.asarray(f()).T for f in loads])
+    return out
+
+
+def _expert_pattern(key: str) -> re.Pattern:
+    return re.compile("^" + re.escape(key).replace(re.escape("{e}"), r"(\d+)") + "$")
+
+
+def _transposed(load: Lazy) -> Lazy:
+    def read():
+        arr = load()
+        return arr.T if arr.ndim == 2 else arr
+
+    return read
+
+
+def _split_rows(load: Lazy, start: int, width: int) -> Lazy:
+    def read():
+        arr = load()
+        rows = arr[start:start + width]
+        if rows.shape[0] != width:
+            raise CheckpointError(f"fused tensor of {arr.shape[0]} rows is too short for rows {start}..{start + width}")
+        return rows.T
+    return read

@@ -1,19 +1,31 @@
-"""GGUF loader: one llama.cpp `.gguf` file -> (ModelConfig, LlamaModel, Tokenizer).
+"""GGUF loader: one llama.cpp `.gguf` file -> (ModelConfig, model, Tokenizer).
 
 A GGUF file carries everything: the config as `{arch}.*` metadata keys, the tokenizer as
 `tokenizer.*` keys (rebuilt by `models.tokenizer.Tokenizer.from_gguf`), and the tensors,
-possibly block-quantized. We dequantize each tensor to f32 with `gguf.quants.dequantize`
-(only when `build_model` asks for it, so at most one dequantized tensor is alive at a
-time), transpose it to our `[in, out]` layout and let `build_model` check and place it.
+possibly block-quantized. `general.architecture` picks the family (`models/registry.py`:
+llama, qwen2, qwen3, gemma2, gemma3, phi3); the keys every family shares are read here,
+the family's own ones by its `config_from_gguf`, and its per-layer tensor names come
+from its `GGUF_LAYER_WEIGHTS` table. We dequantize each tensor to f32 with
+`gguf.quants.dequantize` (only when `build_model` asks for it, so at most one
+dequantized tensor is alive at a time), bring it to our layout and let `build_model`
+check and place it.
 
 Format quirks handled here:
 - GGUF stores a weight as ggml dims `(in, out)`; the reader's numpy view is `[out, in]`,
   i.e. HF's layout, so 2-D weights are transposed (the embedding `[V, D]` is not).
 - llama.cpp's converter permutes the q/k rows of `llama` models from HF's rotate-half
   RoPE order into interleaved (GPT-J) order; our model is rotate-half, so we undo it
-  (`unpermute_rope_rows`). `qwen2` files are written unpermuted and are left alone.
+  (`unpermute_rope_rows`). The other architectures use rotate-half RoPE in llama.cpp
+  too and are written unpermuted (`Family.gguf_qk_permuted`).
+- llama.cpp's Gemma converters store every norm weight as 1 + w (ggml multiplies by the
+  weight); our Gemma norms keep HF's w, so 1 is subtracted (`Family.gguf_norm_offset`).
+- Phi-3 files fuse q/k/v (`attn_qkv`) and gate/up (`ffn_up`); they are split by rows
+  like the safetensors ones.
 - Llama 3.1/3.2 GGUFs carry the llama3 RoPE scaling as a `rope_freqs.weight` tensor of
   per-frequency divisors instead of metadata; we recognise the known parameter sets.
+  Phi-3's longrope factors are tensors too (`rope_factors_short/long.weight`).
+- Mixture-of-experts GGUFs are refused (the safetensors loader serves Mixtral and
+  Qwen3-MoE).
 """
 
 from __future__ import annotations
@@ -29,36 +41,24 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from models.config import ModelConfig, RopeScaling, UnsupportedModelError
-from models.llama import LlamaModel, rope_inv_freq
-from models.loaders.common import build_model
+from models.decoder import CausalLM
+from models.family import Family
+from models.loaders.common import build_model, expected_params, map_layer_tensors
+from models.registry import SUPPORTED_GGUF_ARCHITECTURES, family_for, family_for_gguf
+from models.rope import rope_inv_freq
 from models.tokenizer import Tokenizer
 
-# GGUF tensor name -> ours (names and layouts in the models/llama.py docstring).
+# GGUF global tensor name -> ours (per-layer names: each family's GGUF_LAYER_WEIGHTS).
 GGUF_TO_OURS_GLOBAL = {
     "token_embd.weight": "embed",
     "output_norm.weight": "final_norm",
     "output.weight": "lm_head",
 }
-# Per layer: "blk.{i}.<key>" -> "layers.{i}.<value>".
-GGUF_TO_OURS_LAYER = {
-    "attn_norm.weight": "input_norm",
-    "attn_q.weight": "q_proj",
-    "attn_k.weight": "k_proj",
-    "attn_v.weight": "v_proj",
-    "attn_q.bias": "q_bias",
-    "attn_k.bias": "k_bias",
-    "attn_v.bias": "v_bias",
-    "attn_output.weight": "o_proj",
-    "ffn_norm.weight": "post_attn_norm",
-    "ffn_gate.weight": "gate_proj",
-    "ffn_up.weight": "up_proj",
-    "ffn_down.weight": "down_proj",
-}
-# Tensors that are not parameters: the llama3 RoPE divisors (turned into config here).
+# Tensors that are not parameters in any family: the llama3 RoPE divisors (turned into config here).
 GGUF_NON_PARAMETERS = ("rope_freqs.weight",)
-
-# general.architecture -> the HF architecture name ModelConfig uses.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# general.architecture -> the HF architecture name ModelConfig uses (registry order).
+GGUF_ARCHITECTURES = {arch: hf for arch in SUPPORTED_GGUF_ARCHITECTURES
+                      for hf in [family_for_gguf(arch).gguf_architectures[arch]]}
 
 _T = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = (_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q5_K, _T.Q6_K)
@@ -80,7 +80,7 @@ class GGUFCheckpoint(NamedTuple):
     """What `load_gguf` returns; unpacks as `cfg, model, tokenizer = load_gguf(...)`."""
 
     config: ModelConfig
-    model: LlamaModel
+    model: CausalLM
     tokenizer: Tokenizer
 
 
@@ -128,7 +128,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
 
 
 def open_gguf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict, Tokenizer]:
-    """Config, lazy tensors and tokenizer of a llama/qwen2 GGUF; no tensor is dequantized yet.
+    """Config, lazy tensors and tokenizer of a GGUF file; no weight is dequantized yet.
 
     Raises:
       FileNotFoundError, ValueError (not a GGUF file), UnsupportedModelError (architecture,
@@ -140,7 +140,7 @@ def open_gguf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict, To
 
 
 def load_gguf(path: str | os.PathLike, dtype=jnp.bfloat16, progress=None) -> GGUFCheckpoint:
-    """Load a llama/qwen2 GGUF: config from metadata, tokenizer, dequantized weights.
+    """Load a GGUF file: config from metadata, tokenizer, dequantized weights.
 
     Args:
       path: the `.gguf` file.
@@ -179,17 +179,33 @@ def _scalar_per_model(value, key: str) -> int:
     return int(value)
 
 
+class GGUFMetadata:
+    """What a family's `config_from_gguf` reads: metadata keys and non-parameter tensors."""
+
+    def __init__(self, reader: GGUFReader, arch: str):
+        self.reader = reader
+        self.arch = arch
+        self._names = {t.name for t in reader.tensors}
+
+    def get(self, key: str, default=None):
+        return _field(self.reader, key, default)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._names
+
+    def tensor(self, name: str) -> np.ndarray | None:
+        """A tensor dequantized to f32 (numpy order), or None when the file has none."""
+        found = next((t for t in self.reader.tensors if t.name == name), None)
+        return None if found is None else dequantize_tensor(found)
+
+
 def config_from_gguf(reader: GGUFReader) -> ModelConfig:
-    """ModelConfig from `general.architecture` and the `{arch}.*` keys, refusing what we can't run."""
+    """The family's config from `general.architecture` and the `{arch}.*` keys, refusing
+    what we can't run."""
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
-        )
+    family = family_for_gguf(arch)
     if _field(reader, f"{arch}.expert_count", 0):
         raise UnsupportedModelError(f"mixture-of-experts GGUF ({arch}.expert_count > 0) is not supported")
-    if _field(reader, f"{arch}.attention.sliding_window") and arch != "qwen2":
-        raise UnsupportedModelError(f"{arch}.attention.sliding_window is not supported")
     hidden = int(_required(reader, f"{arch}.embedding_length"))
     num_heads = _scalar_per_model(_required(reader, f"{arch}.attention.head_count"), "attention.head_count")
     num_kv_heads = _scalar_per_model(
@@ -200,15 +216,15 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if value_dim != head_dim:
         raise UnsupportedModelError(f"key_length {head_dim} != value_length {value_dim} is not supported")
-    if rope_dim != head_dim:
-        raise UnsupportedModelError(f"partial rotary embedding (rope.dimension_count {rope_dim} < head_dim {head_dim}) is not supported")
+    if rope_dim > head_dim:
+        raise UnsupportedModelError(f"rope.dimension_count {rope_dim} > head_dim {head_dim} is not supported")
     tokens_field = reader.fields.get("tokenizer.ggml.tokens")
     if tokens_field is None:
         raise ValueError("GGUF metadata has no 'tokenizer.ggml.tokens'; cannot size the vocabulary")
     names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     rope_theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
-    return ModelConfig(
+    fields = dict(
         vocab_size=len(tokens_field.data),
         hidden_size=hidden,
         intermediate_size=_scalar_per_model(_required(reader, f"{arch}.feed_forward_length"), "feed_forward_length"),
@@ -219,13 +235,14 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=rope_theta,
-        rope_scaling=_rope_scaling(reader, arch, head_dim, rope_theta),
+        rope_scaling=_rope_scaling(reader, arch, rope_dim, rope_theta),
+        rotary_dim=rope_dim if rope_dim < head_dim else None,
         tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
         architecture=GGUF_ARCHITECTURES[arch],
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
+    return family.config_from_gguf(GGUFMetadata(reader, arch), fields)
 
 
 def _rope_scaling(reader: GGUFReader, arch: str, head_dim: int, rope_theta: float) -> RopeScaling:
@@ -236,9 +253,12 @@ def _rope_scaling(reader: GGUFReader, arch: str, head_dim: int, rope_theta: floa
         return _llama3_scaling_from_freqs(np.asarray(dequantize_tensor(freqs)).reshape(-1), head_dim, rope_theta)
     if kind in ("none", "") or (kind == "linear" and factor == 1.0):
         return RopeScaling()
+    if kind == "longrope" and any(t.name == "rope_factors_long.weight" for t in reader.tensors):
+        return RopeScaling()  # its family reads the factor tensors (phi3)
     if kind == "linear":
         return RopeScaling("linear", factor=factor)
-    raise UnsupportedModelError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported (only none and linear)")
+    raise UnsupportedModelError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported "
+                                "(only none, linear, and longrope with its factor tensors)")
 
 
 def _llama3_scaling_from_freqs(divisors: np.ndarray, head_dim: int, rope_theta: float) -> RopeScaling:
@@ -258,14 +278,14 @@ def _llama3_scaling_from_freqs(divisors: np.ndarray, head_dim: int, rope_theta: 
 # -- tensors ---------------------------------------------------------------------------
 
 
-def our_name(gguf_name: str) -> str | None:
-    """Our parameter name for a GGUF tensor name, or None when the table has no entry."""
+def our_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """Our parameter name for a GGUF tensor name of `arch`, or None when no table has it
+    (or it is a fused tensor, which maps to several)."""
     if gguf_name in GGUF_TO_OURS_GLOBAL:
         return GGUF_TO_OURS_GLOBAL[gguf_name]
     m = _LAYER_NAME.match(gguf_name)
-    if m and m.group(2) in GGUF_TO_OURS_LAYER:
-        return f"layers.{m.group(1)}.{GGUF_TO_OURS_LAYER[m.group(2)]}"
-    return None
+    target = family_for_gguf(arch).gguf_layer_weights.get(m.group(2)) if m else None
+    return f"layers.{m.group(1)}.{target}" if isinstance(target, str) else None
 
 
 def dequantize_tensor(tensor) -> np.ndarray:
@@ -297,32 +317,55 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, out // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _to_ours(tensor, name: str, cfg: ModelConfig, unpermute_qk: bool) -> np.ndarray:
+def _read(tensor, cfg: ModelConfig, unpermute_qk: bool) -> np.ndarray:
+    """Dequantized, in HF's `[out, in]` order (q/k rows un-permuted when llama.cpp permuted them)."""
     w = dequantize_tensor(tensor)
-    leaf = name.rsplit(".", 1)[-1]
-    if unpermute_qk and leaf in ("q_proj", "q_bias"):
+    suffix = tensor.name.split(".", 2)[-1]
+    if unpermute_qk and suffix in ("attn_q.weight", "attn_q.bias"):
         w = unpermute_rope_rows(w, cfg.num_heads)
-    elif unpermute_qk and leaf in ("k_proj", "k_bias"):
+    elif unpermute_qk and suffix in ("attn_k.weight", "attn_k.bias"):
         w = unpermute_rope_rows(w, cfg.num_kv_heads)
-    if w.ndim == 2 and name != "embed":
-        w = w.T  # [out, in] -> our [in, out]
     return w
+
+
+def _shift_norms(tensors: dict[str, Callable[[], np.ndarray]], offset: float) -> None:
+    """Our norm weights = GGUF's - offset (llama.cpp stored 1 + w for Gemma)."""
+    for name, load in list(tensors.items()):
+        if name.endswith("norm"):
+            tensors[name] = lambda load=load: load() - np.float32(offset)
 
 
 def gguf_tensors(reader: GGUFReader, cfg: ModelConfig) -> dict[str, Callable[[], np.ndarray]]:
     """`{our_name: () -> f32 array in our layout}` for `build_model`, dequantizing lazily.
 
-    Tensors the table does not know are passed through as "gguf:<name>" so build_model
+    Tensors the tables do not know are passed through as "gguf:<name>" so build_model
     reports them with every other mismatch. Raises UnsupportedModelError naming every
     tensor whose quantization type we cannot dequantize, before any work is done.
     """
-    params = [t for t in reader.tensors if t.name not in GGUF_NON_PARAMETERS]
+    family: Family = family_for(cfg.architecture)
+    arch = _field(reader, "general.architecture")
+    skip = GGUF_NON_PARAMETERS + family.gguf_non_parameters
+    params = [t for t in reader.tensors if t.name not in skip]
     unsupported = [t for t in params if t.tensor_type not in SUPPORTED_TENSOR_TYPES]
     if unsupported:
         raise UnsupportedModelError(_unsupported_types_message(unsupported))
-    unpermute_qk = cfg.architecture == "LlamaForCausalLM"
+    unpermute_qk = arch in family.gguf_qk_permuted
+    expected = expected_params(cfg)
     tensors: dict[str, Callable[[], np.ndarray]] = {}
     for t in params:
-        name = our_name(t.name) or f"gguf:{t.name}"
-        tensors[name] = lambda t=t, name=name: _to_ours(t, name, cfg, unpermute_qk)
+        load = lambda t=t: _read(t, cfg, unpermute_qk)  # noqa: E731
+        if t.name in GGUF_TO_OURS_GLOBAL:
+            name = GGUF_TO_OURS_GLOBAL[t.name]
+            tensors[name] = load if name == "embed" else (lambda load=load: _transpose_2d(load()))
+            continue
+        m = _LAYER_NAME.match(t.name)
+        mapped = map_layer_tensors(int(m.group(1)), m.group(2), load, family.gguf_layer_weights, expected, {}) \
+            if m else None
+        tensors.update({f"gguf:{t.name}": load} if not mapped else mapped)
+    if family.gguf_norm_offset:
+        _shift_norms(tensors, family.gguf_norm_offset)
     return tensors
+
+
+def _transpose_2d(w: np.ndarray) -> np.ndarray:
+    return w.T if w.ndim == 2 else w

@@ -1,9 +1,12 @@
 """HF safetensors folders (single file or sharded with `model.safetensors.index.json`).
 
-Names map through the table below (HF -> ours); projection weights are stored by HF as
-`[out, in]` and transposed to our `[in, out]` (x @ W). HF q/k rows are already in the
-rotate-half RoPE order our model uses, so nothing is permuted here (the GGUF loader,
-by contrast, must undo llama.cpp's interleaving).
+The family (`models/registry.py`, from config.json `architectures[0]`) names its
+per-layer tensors in its module (`HF_LAYER_WEIGHTS`); the global ones are the same for
+every family (table below). Projection weights are stored by HF as `[out, in]` and
+transposed to our `[in, out]` (x @ W); fused tensors (Phi-3) are split and per-expert
+tensors (Mixtral, Qwen3-MoE) stacked by `models/loaders/common.py`. HF q/k rows are
+already in the rotate-half RoPE order our model uses, so nothing is permuted here (the
+GGUF loader, by contrast, must undo llama.cpp's interleaving for `llama` files).
 """
 
 from __future__ import annotations
@@ -16,22 +19,9 @@ from typing import Callable
 from safetensors import safe_open
 
 from models.config import ModelConfig
+from models.loaders.common import expected_params, map_layer_tensors, stack_experts
+from models.registry import config_from_hf, family_for
 
-# HF per-layer suffix -> (our per-layer name, transpose?)
-LAYER_TABLE: dict[str, tuple[str, bool]] = {
-    "input_layernorm.weight": ("input_norm", False),
-    "self_attn.q_proj.weight": ("q_proj", True),
-    "self_attn.k_proj.weight": ("k_proj", True),
-    "self_attn.v_proj.weight": ("v_proj", True),
-    "self_attn.q_proj.bias": ("q_bias", False),
-    "self_attn.k_proj.bias": ("k_bias", False),
-    "self_attn.v_proj.bias": ("v_bias", False),
-    "self_attn.o_proj.weight": ("o_proj", True),
-    "post_attention_layernorm.weight": ("post_attn_norm", False),
-    "mlp.gate_proj.weight": ("gate_proj", True),
-    "mlp.up_proj.weight": ("up_proj", True),
-    "mlp.down_proj.weight": ("down_proj", True),
-}
 GLOBAL_TABLE: dict[str, tuple[str, bool]] = {
     "model.embed_tokens.weight": ("embed", False),
     "model.norm.weight": ("final_norm", False),
@@ -46,7 +36,7 @@ def read_config(folder: Path) -> ModelConfig:
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {folder}")
-    return ModelConfig.from_hf_dict(json.loads(path.read_text()))
+    return config_from_hf(json.loads(path.read_text()))
 
 
 def _shard_files(folder: Path) -> list[Path]:
@@ -63,39 +53,38 @@ def _shard_files(folder: Path) -> list[Path]:
     return files
 
 
-def our_name(hf_name: str) -> tuple[str, bool] | None:
-    """Map an HF tensor name to (our name, transpose); None for ignorable buffers."""
-    if hf_name.endswith(_IGNORED_SUFFIXES):
-        return None
-    if hf_name in GLOBAL_TABLE:
-        return GLOBAL_TABLE[hf_name]
-    m = _LAYER_RE.match(hf_name)
-    if m and m.group(2) in LAYER_TABLE:
-        name, transpose = LAYER_TABLE[m.group(2)]
-        return f"layers.{m.group(1)}.{name}", transpose
-    return hf_name, False  # reported as unexpected by build_model
-
-
 def read_tensors(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
-    """Lazy {our_name: () -> array} over every shard."""
+    """Lazy {our_name: () -> array in our layout} over every shard.
+
+    Names the family's table does not know pass through unchanged, so `build_model`
+    reports them as unexpected together with anything missing.
+    """
+    table = family_for(cfg.architecture).hf_layer_weights
+    expected = expected_params(cfg)
     tensors: dict[str, Callable] = {}
+    experts: dict = {}
     for shard in _shard_files(folder):
         with safe_open(str(shard), framework="flax") as f:
             for hf_name in f.keys():
-                mapped = our_name(hf_name)
-                if mapped is None:
+                if hf_name.endswith(_IGNORED_SUFFIXES):
                     continue
-                name, transpose = mapped
-                if name == "lm_head" and cfg.tie_word_embeddings:
-                    continue  # tied checkpoints sometimes save the shared matrix twice
-                tensors[name] = _lazy(shard, hf_name, transpose)
+                load = _lazy(shard, hf_name)
+                if hf_name in GLOBAL_TABLE:
+                    name, transpose = GLOBAL_TABLE[hf_name]
+                    if name == "lm_head" and cfg.tie_word_embeddings:
+                        continue  # tied checkpoints sometimes save the shared matrix twice
+                    tensors[name] = (lambda load=load: load().T) if transpose else load
+                    continue
+                m = _LAYER_RE.match(hf_name)
+                mapped = map_layer_tensors(int(m.group(1)), m.group(2), load, table, expected, experts) if m else None
+                tensors.update({hf_name: load} if mapped is None else mapped)
+    tensors.update(stack_experts(experts, getattr(cfg, "num_experts", None)))
     return tensors
 
 
-def _lazy(shard: Path, hf_name: str, transpose: bool) -> Callable:
+def _lazy(shard: Path, hf_name: str) -> Callable:
     def load():
         with safe_open(str(shard), framework="flax") as f:
-            arr = f.get_tensor(hf_name)
-        return arr.T if transpose else arr
+            return f.get_tensor(hf_name)
 
     return load

@@ -1,0 +1,103 @@
+"""The decoder skeleton every family shares: embed -> layers -> final norm -> LM head.
+
+A family subclasses `CausalLM`, names its decoder layer (`make_layer`) and overrides only
+what differs (Gemma scales the embeddings and norms with 1 + w; Gemma 2 soft-caps the
+logits; Gemma 3 has a second RoPE for its sliding layers). Layers are unrolled: a Python
+loop over `nnx.List` (see the style notes on scan vs unrolled for why).
+
+The model is pure math: it never owns the KV cache. Each call takes the per-layer K/V
+block arrays (layout: `ferrox_jax/kv_cache.py`) and block tables, writes the new tokens'
+K/V into their blocks, attends through the block tables and returns the updated arrays.
+The engine splits the model once (`nnx.split`) and jits the step functions over
+(graphdef static, state traced); `cfg` and `decode_attention` are static.
+
+Global parameters (per-layer ones are in each family's module docstring):
+
+    embed                    [V, D]
+    final_norm               [D]
+    lm_head                  [D, V]        (absent when tie_word_embeddings; the model then
+                                            keeps `tied_lm_head`, a transposed copy of embed)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.layers import StepInputs, norm_param, param, project, rms_norm
+from models.rope import rope_cos_sin
+
+
+class CausalLM(nnx.Module):
+    """A decoder-only LM over a paged KV cache. Construct under `nnx.eval_shape` to get
+    abstract params."""
+
+    final_norm_init = 1.0  # what a norm weight is initialised to (Gemma stores w - 1: 0.0)
+
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs, decode_attention=None):
+        """`decode_attention`: None for pure-JAX paged attention everywhere, else a hashable
+        callable used for one-query-per-row steps (`models/pallas_attention.py`). It is
+        static (part of the graphdef), so it is chosen here, when the model is built."""
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
+        self.layers = nnx.List([self.make_layer(i, rngs) for i in range(cfg.num_layers)])
+        self.final_norm = norm_param(cfg.hidden_size, dtype, self.final_norm_init)
+        if cfg.tie_word_embeddings:
+            # A [D, V] copy of the tied embedding, refreshed by the loader: reading [V, D]
+            # transposed inside the step made XLA CPU re-transpose it every decode step.
+            self.tied_lm_head = nnx.Variable(self.embed[...].T)
+        else:
+            self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+        self.decode_attention = decode_attention
+
+    # -- what a family overrides -------------------------------------------------------
+
+    def make_layer(self, index: int, rngs: nnx.Rngs) -> nnx.Module:
+        """The family's decoder layer for layer `index`: `layer(x, step, k_cache, v_cache)
+        -> (x, k_cache, v_cache)`."""
+        raise NotImplementedError
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return self.embed[...][tokens]
+
+    def norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
+        return rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def rope(self, positions: jax.Array, valid: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
+        """cos/sin per kind of RoPE the layers use (constants of the config)."""
+        cfg = self.cfg
+        return {"global": rope_cos_sin(positions, valid, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)}
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., D] -> f32[..., V]."""
+        w = self.tied_lm_head[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return project(hidden, w).astype(jnp.float32)
+
+    # -- the shared forward --------------------------------------------------------------
+
+    def __call__(self, tokens, positions, valid, k_caches, v_caches, block_tables):
+        """Run the decoder over new tokens, writing their K/V into the paged cache.
+
+        Args:
+          tokens: i32[B, T] new token ids (padding anywhere `valid` is False).
+          positions: i32[B, T] absolute position of each token.
+          valid: bool[B, T] which tokens are real; padded ones write into block 0.
+          k_caches, v_caches: tuples of L arrays [K, num_blocks, block_size, hd].
+          block_tables: i32[B, MB] block ids per row (0 = null block).
+        Returns:
+          (hidden f32/dtype[B, T, D] after the final norm, k_caches, v_caches).
+        """
+        if len(k_caches) != self.cfg.num_layers or len(v_caches) != self.cfg.num_layers:
+            raise ValueError(f"expected {self.cfg.num_layers} K and V cache arrays; got {len(k_caches)} "
+                             f"and {len(v_caches)}")
+        step = StepInputs(positions, valid, block_tables, self.rope(positions, valid), self.decode_attention)
+        x = self.embed_tokens(tokens)
+        new_k, new_v = [], []
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+            x, k_cache, v_cache = layer(x, step, k_cache, v_cache)
+            new_k.append(k_cache)
+            new_v.append(v_cache)
+        return self.norm(x, self.final_norm[...]), tuple(new_k), tuple(new_v)

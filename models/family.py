@@ -1,0 +1,38 @@
+"""What a model family is to the rest of the engine: its model class, how its config is
+read and how its checkpoint tensors are named. Each family module ends with one
+`FAMILY = Family(...)`; `models/registry.py` indexes them by architecture name.
+
+Weight tables map a checkpoint tensor name (HF: the suffix after `model.layers.{i}.`;
+GGUF: the suffix after `blk.{i}.`) to ours (`layers.{i}.<name>`):
+- a string: one parameter;
+- a tuple of names: a fused tensor split by rows into these parameters, each taking as
+  many rows as its expected output width (Phi-3's qkv_proj into q/k/v, gate_up_proj
+  into gate/up);
+- a key containing `{e}`: one tensor per expert, stacked into one `[E, ...]` parameter.
+Projection weights are transposed from `[out, in]` to our `[in, out]` on the way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+from models.config import ModelConfig
+
+WeightTable = Mapping[str, "str | tuple[str, ...]"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str  # short name, as in docs/models.md
+    model: type  # the CausalLM subclass
+    architectures: tuple[str, ...]  # HF config.json architectures[0] values
+    config_from_hf: Callable[[dict], ModelConfig]
+    hf_layer_weights: WeightTable
+    gguf_architectures: Mapping[str, str] = dataclasses.field(default_factory=dict)  # GGUF arch -> HF name
+    # (metadata, common fields) -> config; metadata: models.loaders.gguf.GGUFMetadata
+    config_from_gguf: Callable[[Any, dict], ModelConfig] | None = None
+    gguf_layer_weights: WeightTable = dataclasses.field(default_factory=dict)
+    gguf_non_parameters: tuple[str, ...] = ()  # GGUF tensors read as config, not weights
+    gguf_norm_offset: float = 0.0  # GGUF stores norm weights as ours + this (llama.cpp's Gemma: 1)
+    gguf_qk_permuted: tuple[str, ...] = ()  # GGUF archs whose q/k rows llama.cpp interleaved (llama)

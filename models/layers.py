@@ -1,0 +1,177 @@
+"""Building blocks every family's decoder layer is composed of.
+
+- `project(x, w)`: THE projection matmul. Every q/k/v/o, MLP, router, expert and LM-head
+  product goes through it, so quantized serving can change the weight representation
+  (an int8 weight with per-channel scales) in one place.
+- Norms: `rms_norm` (Llama: normalise in f32, cast back, then times w) and
+  `rms_norm_plus_one` (Gemma: times (1 + w) in f32, then cast).
+- MLPs: `gated_mlp(x, gate, up, down, act)` with `silu` (SwiGLU) or `gelu_tanh` (GeGLU);
+  the mixture of experts lives in `models/moe.py`.
+- Attention: `SelfAttention`, a mix-in that gives a decoder layer the flat parameters
+  q_proj/k_proj/v_proj/o_proj (+ q/k/v biases, + per-head q_norm/k_norm) and the whole
+  block: project, norm heads, rotate, write the new K/V into the paged cache, attend
+  (optionally through a sliding window, with soft-capped logits), project out.
+
+Layouts are `x @ W` (`[in, out]`, HF's `[out, in]` transposed); parameter names are flat
+per layer (`layers.{i}.q_proj`) so loaders, sharding rules and tests name them one way.
+Axis names: B rows, T tokens per row, D hidden, H query heads, K kv heads, hd head_dim,
+F intermediate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import paged_attention, write_kv
+from models.rope import apply_rope
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -> nnx.Param:
+    """A random parameter (real weights replace it at load; tests build from it)."""
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype))
+
+
+def norm_param(size: int, dtype, value: float = 1.0) -> nnx.Param:
+    return nnx.Param(jnp.full((size,), value, dtype))
+
+
+def project(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """x [..., in] @ w [in, out] (+ bias [out]) -> [..., out]. The one projection matmul."""
+    y = x @ w
+    return y if bias is None else y + bias
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in f32, cast back before the weight (as transformers' Llama)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rms_norm_plus_one(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Gemma's RMSNorm: the weight is stored as an offset from 1, applied in f32 before the cast."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def silu(x: jax.Array) -> jax.Array:
+    return jax.nn.silu(x)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU with the tanh approximation (transformers' gelu_pytorch_tanh)."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+              act: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu_tanh. x [..., D] -> [..., D]."""
+    return project(act(project(x, gate)) * project(x, up), down)
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap), or x when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """What every layer of one model call shares (a bundle while tracing, not a pytree).
+
+    Fields:
+      positions: i32[B, T]; valid: bool[B, T]; block_tables: i32[B, MB].
+      rope: kind -> (cos, sin) f32[B, T, rotary_dim]; each layer names the kind it uses.
+      decode_attention: the model's one-query attention (Pallas kernel) or None.
+    """
+
+    positions: jax.Array
+    valid: jax.Array
+    block_tables: jax.Array
+    rope: Mapping[str, tuple[jax.Array, jax.Array]]
+    decode_attention: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Static description of one layer's attention (part of the graphdef)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float  # multiplies q.k: head_dim^-0.5, or Gemma's query_pre_attn_scalar^-0.5
+    window: int | None = None  # sliding window in keys, or None for full causal attention
+    softcap: float | None = None  # attention logit soft-cap, or None
+    rope: str = "global"  # which StepInputs.rope entry rotates q and k
+    bias: bool = False  # q/k/v projections carry a bias
+    qk_norm: str | None = None  # per-head norm of q and k before RoPE: None, "rms" or "rms_plus_one"
+    norm_eps: float = 1e-6
+
+    @classmethod
+    def from_config(cls, cfg, layer: int, **overrides) -> "AttentionSpec":
+        fields = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                      scale=1.0 / math.sqrt(cfg.head_dim), window=cfg.window(layer), bias=cfg.attention_bias,
+                      norm_eps=cfg.rms_norm_eps)
+        fields.update(overrides)
+        return cls(**fields)
+
+
+_QK_NORMS = {"rms": rms_norm, "rms_plus_one": rms_norm_plus_one}
+
+
+class SelfAttention:
+    """Mix-in for a decoder layer (an `nnx.Module`): attention parameters and the block.
+
+    Parameters it adds (our layouts):
+        q_proj [D, H*hd]  k_proj [D, K*hd]  v_proj [D, K*hd]  o_proj [H*hd, D]
+        q_bias [H*hd]  k_bias / v_bias [K*hd]      when spec.bias
+        q_norm [hd]  k_norm [hd]                   when spec.qk_norm
+    """
+
+    def init_attention(self, spec: AttentionSpec, hidden: int, dtype, rngs: nnx.Rngs) -> None:
+        self.attn_spec = spec
+        q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.q_proj = param(rngs, (hidden, q_dim), dtype)
+        self.k_proj = param(rngs, (hidden, kv_dim), dtype)
+        self.v_proj = param(rngs, (hidden, kv_dim), dtype)
+        self.o_proj = param(rngs, (q_dim, hidden), dtype)
+        if spec.bias:
+            self.q_bias = param(rngs, (q_dim,), dtype)
+            self.k_bias = param(rngs, (kv_dim,), dtype)
+            self.v_bias = param(rngs, (kv_dim,), dtype)
+        if spec.qk_norm is not None:
+            self.q_norm = norm_param(spec.head_dim, dtype, 1.0 if spec.qk_norm == "rms" else 0.0)
+            self.k_norm = norm_param(spec.head_dim, dtype, 1.0 if spec.qk_norm == "rms" else 0.0)
+
+    def _bias(self, name: str) -> jax.Array | None:
+        return getattr(self, name)[...] if self.attn_spec.bias else None
+
+    def attention(self, h: jax.Array, step: StepInputs, k_cache: jax.Array, v_cache: jax.Array):
+        """h [B, T, D] (already normed) -> (o_proj output [B, T, D], k_cache, v_cache)."""
+        spec = self.attn_spec
+        b, t, _ = h.shape
+        q = project(h, self.q_proj[...], self._bias("q_bias")).reshape(b, t, spec.num_heads, spec.head_dim)
+        k = project(h, self.k_proj[...], self._bias("k_bias")).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+        v = project(h, self.v_proj[...], self._bias("v_bias")).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm is not None:
+            norm = _QK_NORMS[spec.qk_norm]
+            q = norm(q, self.q_norm[...], spec.norm_eps)
+            k = norm(k, self.k_norm[...], spec.norm_eps)
+        cos, sin = step.rope[spec.rope]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, step.positions, step.valid, step.block_tables)
+        # The Pallas decode kernel knows neither windows nor soft-capping: those layers
+        # always take the pure-JAX path (models/pallas_attention.py).
+        kernel_ok = step.decode_attention is not None and t == 1 and spec.window is None and spec.softcap is None
+        if kernel_ok:
+            out = step.decode_attention(q, k_cache, v_cache, step.block_tables, step.positions, spec.scale)
+        else:
+            out = paged_attention(q, k_cache, v_cache, step.block_tables, step.positions, spec.scale,
+                                  valid=step.valid, window=spec.window, softcap=spec.softcap)
+        return project(out.reshape(b, t, -1).astype(h.dtype), self.o_proj[...]), k_cache, v_cache

@@ -1,0 +1,85 @@
+"""Mixtral: Mistral's attention with a mixture of experts in place of the MLP.
+
+    x = x + attention(rms_norm(x))                          as Mistral (window on every layer if set)
+    x = x + moe_mlp(rms_norm(x))                            top-k (2 of 8) softmax routing, the
+                                                            top-k weights renormalised; experts are
+                                                            SwiGLU MLPs (models/moe.py)
+
+Per-layer parameters: Llama's attention and norms (models/llama.py), and
+
+    router        [D, E]      block_sparse_moe.gate.weight
+    experts_gate  [E, D, F]   block_sparse_moe.experts.{e}.w1.weight   (stacked)
+    experts_up    [E, D, F]   block_sparse_moe.experts.{e}.w3.weight
+    experts_down  [E, F, D]   block_sparse_moe.experts.{e}.w2.weight
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+from models import llama
+from models.config import hf_common_fields
+from models.decoder import CausalLM
+from models.family import Family
+from models.layers import AttentionSpec, SelfAttention, norm_param, param, rms_norm, silu
+from models.moe import MoeConfig, moe_mlp
+
+
+class MoeDecoderLayer(nnx.Module, SelfAttention):
+    """Attention then experts; the layer Mixtral and Qwen3-MoE share (Qwen3-MoE adds q/k
+    norms through its AttentionSpec)."""
+
+    def __init__(self, cfg: MoeConfig, attention: AttentionSpec, dtype, rngs: nnx.Rngs):
+        d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.eps = cfg.rms_norm_eps
+        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.input_norm = norm_param(d, dtype)
+        self.init_attention(attention, d, dtype, rngs)
+        self.post_attn_norm = norm_param(d, dtype)
+        self.router = param(rngs, (d, e), dtype)
+        self.experts_gate = param(rngs, (e, d, f), dtype)
+        self.experts_up = param(rngs, (e, d, f), dtype)
+        self.experts_down = param(rngs, (e, f, d), dtype)
+
+    def __call__(self, x, step, k_cache, v_cache):
+        """x: [B, T, D] -> ([B, T, D], k_cache, v_cache)."""
+        attn, k_cache, v_cache = self.attention(rms_norm(x, self.input_norm[...], self.eps), step, k_cache, v_cache)
+        x = x + attn
+        h = rms_norm(x, self.post_attn_norm[...], self.eps)
+        b, t, d = h.shape
+        y = moe_mlp(h.reshape(b * t, d), self.router[...], self.experts_gate[...], self.experts_up[...],
+                    self.experts_down[...], top_k=self.top_k, normalize=self.normalize, act=silu)
+        return x + y.reshape(b, t, d), k_cache, v_cache
+
+
+class MixtralModel(CausalLM):
+    def make_layer(self, index, rngs):
+        return MoeDecoderLayer(self.cfg, AttentionSpec.from_config(self.cfg, index), self.dtype, rngs)
+
+
+def config_from_hf(cfg: dict[str, Any]) -> MoeConfig:
+    fields = hf_common_fields(cfg)
+    window = cfg.get("sliding_window") or None
+    return MoeConfig(**fields, sliding_window=window,
+                     layer_types=("sliding_attention",) * fields["num_layers"] if window else (),
+                     num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                     moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+
+
+HF_LAYER_WEIGHTS = {
+    **{k: v for k, v in llama.HF_LAYER_WEIGHTS.items() if k.startswith(("self_attn.", "input_", "post_"))},
+    "block_sparse_moe.gate.weight": "router",
+    "block_sparse_moe.experts.{e}.w1.weight": "experts_gate",
+    "block_sparse_moe.experts.{e}.w3.weight": "experts_up",
+    "block_sparse_moe.experts.{e}.w2.weight": "experts_down",
+}
+
+FAMILY = Family(
+    name="mixtral",
+    model=MixtralModel,
+    architectures=("MixtralForCausalLM",),
+    config_from_hf=config_from_hf,
+    hf_layer_weights=HF_LAYER_WEIGHTS,
+)

@@ -1,0 +1,49 @@
+"""Architecture name -> model family: the one place that lists what the engine can serve.
+
+HF checkpoints are matched by `config.json` `architectures[0]`, GGUF files by
+`general.architecture`. Anything else is refused with `UnsupportedModelError` naming the
+architecture and listing the supported ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models import gemma2, gemma3, llama, mixtral, phi3, qwen3, qwen3_moe
+from models.config import ModelConfig, UnsupportedModelError
+from models.family import Family
+
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY,
+                                mixtral.FAMILY, qwen3_moe.FAMILY)
+_BY_ARCHITECTURE = {arch: f for f in FAMILIES for arch in f.architectures}
+_BY_GGUF_ARCHITECTURE = {arch: f for f in FAMILIES for arch in f.gguf_architectures}
+SUPPORTED_ARCHITECTURES = tuple(_BY_ARCHITECTURE)
+SUPPORTED_GGUF_ARCHITECTURES = tuple(_BY_GGUF_ARCHITECTURE)
+# Multimodal wrappers of supported text models: named so the refusal says what is missing.
+_VISION_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
+                         "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
+
+def family_for(architecture: str) -> Family:
+    """The family of an HF architecture name (as `ModelConfig.architecture` holds it)."""
+    family = _BY_ARCHITECTURE.get(architecture)
+    if family is None:
+        extra = " (a vision-language checkpoint: its vision tower is not supported)" \
+            if architecture in _VISION_ARCHITECTURES or architecture.endswith("ForConditionalGeneration") else ""
+        raise UnsupportedModelError(f"architecture {architecture!r} is not supported{extra}; supported: "
+                                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return family
+
+
+def family_for_gguf(arch: str) -> Family:
+    family = _BY_GGUF_ARCHITECTURE.get(arch)
+    if family is None:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; supported: "
+                                    f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    return family
+
+
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """A transformers `config.json` dict -> its family's config, refusing what we can't run."""
+    arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    return family_for(arch).config_from_hf(cfg)

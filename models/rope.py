@@ -1,0 +1,94 @@
+"""Rotary position embeddings: the frequency tables of every supported scaling, and applying them.
+
+A model computes its tables at trace time from the (static) config, so they are constants
+of the compiled step, not parameters. `rope_cos_sin` turns positions into cos/sin once
+per step and kind of RoPE (Gemma 3 has a local and a global one); every layer then
+rotates its q and k with `apply_rope`.
+
+Scalings, as transformers computes them (`modeling_rope_utils.py`):
+- default: inv_freq[i] = theta^(-2i/d).
+- linear: inv_freq / factor.
+- llama3: long wavelengths divided by factor, short ones kept, a smooth blend between.
+- longrope (Phi-3): inv_freq / short_factor[i] while a sequence fits the pretraining
+  context, / long_factor[i] once it is longer; cos and sin times `attention_factor`.
+  transformers picks the table per forward call from the call's largest position, so
+  here each row picks it from its own largest valid position in the step: identical for
+  decode and one-shot prefill; a prompt prefilled in chunks across the boundary sees
+  the short table for its earlier chunks, as HF does with a KV cache.
+Rotation is rotate-half (GPT-NeoX) over the first `rotary_dim` dims of each head; the
+rest pass through (Phi-3's `partial_rotary_factor`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import RopeScaling
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling, *, long: bool = False) -> np.ndarray:
+    """Inverse frequencies f32[rotary_dim/2] (longrope: the short table, or the long one)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
+    if scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.rope_type == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = np.where(is_medium, smoothed, scaled)
+    elif scaling.rope_type == "longrope":
+        factors = np.asarray(scaling.long_factor if long else scaling.short_factor, np.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"longrope factors have {factors.size} entries; rotary_dim {rotary_dim} needs "
+                             f"{inv_freq.size}")
+        # transformers: 1 / (factor * theta^(2i/d)), the power taken in float32
+        powers = theta ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim))
+        inv_freq = 1.0 / (factors.astype(np.float32) * powers.astype(np.float32))
+    return inv_freq.astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, valid: jax.Array, rotary_dim: int, theta: float,
+                 scaling: RopeScaling) -> tuple[jax.Array, jax.Array]:
+    """cos, sin f32[B, T, rotary_dim] for each token's position.
+
+    Args:
+      positions: i32[B, T]; valid: bool[B, T] (longrope picks its table per row from the
+        largest valid position).
+    """
+    inv_freq = jnp.asarray(rope_inv_freq(rotary_dim, theta, scaling))[None, None, :]  # [1, 1, r/2]
+    if scaling.rope_type == "longrope":
+        long = jnp.asarray(rope_inv_freq(rotary_dim, theta, scaling, long=True))[None, None, :]
+        seq_len = jnp.max(jnp.where(valid, positions, -1), axis=1) + 1  # [B]
+        is_long = (seq_len > scaling.original_max_position_embeddings)[:, None, None]
+        inv_freq = jnp.where(is_long, long, inv_freq)  # [B, 1, r/2]
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, r/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb) * scaling.attention_factor, jnp.sin(emb) * scaling.attention_factor
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on the first cos.shape[-1] dims of each head.
+
+    Args:
+      x: [B, T, heads, hd]; cos, sin: f32[B, T, r] with r <= hd.
+    Returns:
+      x's shape and dtype.
+    """
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    half = r // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    out = (rot.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+    return out if r == x.shape[-1] else jnp.concatenate([out, rest], axis=-1)

@@ -1,0 +1,132 @@
+"""A tiny HF checkpoint written as a float32 GGUF the way llama.cpp's convert_hf_to_gguf.py
+writes these architectures, so the GGUF loader can be checked against transformers.
+
+What the converter does, per architecture (and what the loader must undo):
+- names: `blk.{i}.<gguf name>` from the HF per-layer names (`gguf.constants` tables);
+- qwen3/gemma2/gemma3/phi3 rows are written unpermuted (llama.cpp uses rotate-half RoPE
+  for them; only `llama` files are permuted);
+- gemma2/gemma3: every `*norm.weight` is stored as 1 + w;
+- phi3: `qkv_proj` and `gate_up_proj` stay fused as `attn_qkv` / `ffn_up`; longrope
+  factors become the tensors `rope_factors_short/long.weight` with the attention factor
+  and the original context as metadata.
+The tokenizer is the checkpoint's byte-level BPE as `gpt2` tokens and merges.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+HF_TO_GGUF = {  # HF suffix after model.layers.{i}. -> GGUF suffix after blk.{i}.
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+GEMMA_TO_GGUF = {  # where Gemma's sandwich norms differ
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    w = gguf.GGUFWriter(str(out), arch)
+    n_layers = cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w.add_block_count(n_layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg.get("rope_parameters") or {}
+    is_gemma = arch in ("gemma2", "gemma3")
+    if arch == "gemma3":
+        full, local = rope["full_attention"], rope["sliding_attention"]
+        w.add_rope_freq_base(full["rope_theta"])
+        w.add_rope_freq_base_swa(local["rope_theta"])
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
+    else:
+        w.add_rope_freq_base(rope["rope_theta"])
+    rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    w.add_rope_dimension_count(rotary)
+    if is_gemma:
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_attention_scale(cfg["query_pre_attn_scalar"] ** -0.5)
+        if cfg.get("attn_logit_softcapping"):
+            w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        if arch == "gemma3":
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    if arch == "phi3":
+        if cfg.get("sliding_window"):
+            w.add_sliding_window(cfg["sliding_window"])
+        if rope.get("rope_type") == "longrope":
+            original = cfg["original_max_position_embeddings"]
+            scale = cfg["max_position_embeddings"] / original
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+            w.add_rope_scaling_orig_ctx_len(original)
+            w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+            w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+    _add_tokenizer(w, hf_dir)
+
+    def add(name: str, arr: np.ndarray, norm: bool = False):
+        arr = np.asarray(arr, np.float32)
+        w.add_tensor(name, arr + 1.0 if (is_gemma and norm) else arr)
+
+    add("token_embd.weight", tensors["model.embed_tokens.weight"])
+    add("output_norm.weight", tensors["model.norm.weight"], norm=True)
+    if "lm_head.weight" in tensors and not cfg.get("tie_word_embeddings"):
+        add("output.weight", tensors["lm_head.weight"])
+    table = {**HF_TO_GGUF, **(GEMMA_TO_GGUF if is_gemma else {})}
+    for i in range(n_layers):
+        prefix = f"model.layers.{i}."
+        for name, arr in tensors.items():
+            if name.startswith(prefix):
+                suffix = name[len(prefix):]
+                add(f"blk.{i}.{table[suffix]}", arr, norm=suffix.endswith("norm.weight"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path) -> None:
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    special = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    tokens = [None] * len(vocab)
+    for text, i in vocab.items():
+        tokens[i] = text
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_eos_token_id(special["<|im_end|>"])
+    w.add_add_bos_token(False)
