@@ -142,6 +142,9 @@ class RowEvent:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0  # sampled so far, the stop token included
     queue_s: float | None = None  # first event only: seconds the job waited for admission
+    # Last event of a row that a stop string ended ("stop"): which one. None when an
+    # eos or stop token ended it, so adapters can tell the two apart.
+    stop_string: str | None = None
 
 
 class AdmissionError(Exception):

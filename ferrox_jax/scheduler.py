@@ -485,6 +485,7 @@ class Scheduler:
             finish_reason=row.state.finish_reason, error=row.error,
             prompt_logprobs=prompt_logprobs, num_prompt_tokens=len(spec.prompt_token_ids),
             num_generated_tokens=row.num_generated_tokens,
-            queue_s=None if row.has_sent_event else row.request.queue_s))
+            queue_s=None if row.has_sent_event else row.request.queue_s,
+            stop_string=row.text.matched_stop if row.state is RequestState.FINISHED_STOP else None))
         row.has_sent_event = True
         row.new_token_ids, row.new_text, row.new_logprobs = [], "", []
