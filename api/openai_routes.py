@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator
 
 from quart import Blueprint, Response, current_app, request
 
+from api import resumable
 from api.choices import ChatShape, Choice, CompletionShape, prompt_entries
 from api.errors import APIError
 from api.generation import KEEPALIVE, GenerationRun, RowOutput, job_ids
@@ -199,7 +200,8 @@ async def completions() -> Response:
                          body, sampling, echo_logprobs)
             for job_id, ids in zip(job_ids(api_id, len(prompts)), prompts)]
     echoes = [tok.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
-    run = GenerationRun(state, "/v1/completions", api_id, reqs, stream=bool(body.stream), drop_output=zero_output)
+    run = GenerationRun(state, "/v1/completions", api_id, reqs, stream=bool(body.stream), drop_output=zero_output,
+                        engine=engine)
     return await _serve(run, body, CompletionShape(state.tokens, body.logprobs), echoes)
 
 
@@ -227,7 +229,7 @@ async def chat_completions() -> Response:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     api_id = f"chatcmpl-{uuid.uuid4().hex}"
     reqs = [_job_request(api_id, prompt_ids, limit, body, _sampling(body, engine, logprobs), False)]
-    run = GenerationRun(state, "/v1/chat/completions", api_id, reqs, stream=bool(body.stream))
+    run = GenerationRun(state, "/v1/chat/completions", api_id, reqs, stream=bool(body.stream), engine=engine)
     return await _serve(run, body, ChatShape(state.tokens, logprobs), [""])
 
 
@@ -236,13 +238,15 @@ async def _serve(run: GenerationRun, body: SamplingFields, shape: Any, echoes: l
     reply = _Reply(run, shape, echoes)
     if run.drop_output and not any(job.prompt_logprobs for job in run.jobs) and not run.stream:
         return reply.without_engine()  # max_tokens 0 with nothing to score: no job at all
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if run.stream and body.stream_resumable:  # detached from this connection: see api/resumable.py
+        return resumable.serve(run, reply.stream(include_usage))
     run.submit()
     # Belt and braces for the stream body: if the client leaves after the handler returns
     # but before Quart starts iterating the body, the generator never runs its `finally`.
     # The connection's task ends either way, so its done-callback closes the run.
     asyncio.current_task().add_done_callback(lambda _task: run.close(client_gone=True))
     if run.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse_response(reply.stream(include_usage), run.api_id)
     return await reply.whole()
 
@@ -253,7 +257,7 @@ class _Reply:
     def __init__(self, run: GenerationRun, shape: Any, echoes: list[str]) -> None:
         self.run, self.shape = run, shape
         self.created = int(time.time())
-        self.model = run.state.engine.model_name if run.state.engine is not None else ""
+        self.model = run.engine.model_name if run.engine is not None else ""
         n = run.n
         self.choices = [Choice(index=j * n + i, echo=echoes[j]) for j in range(len(run.jobs)) for i in range(n)]
 

@@ -52,6 +52,7 @@ class SamplingFields(_Strict):
     min_tokens: int | None = Field(0, ge=0)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    stream_resumable: bool | None = False  # ferrox: replayable stream, not cancelled by a disconnect
     user: str | None = None
 
     @field_validator("stop", mode="plain")

@@ -32,6 +32,7 @@ from ferrox_jax.detokenize import TextStream
 # ---------------------------------------------------------------- the public types
 
 MAX_LOGPROBS = 20  # top-k logprobs returned per sampled token, at most (OpenAI's limit)
+POOLINGS = ("mean", "last")  # GenerationRequest.pooling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +109,19 @@ class GenerationRequest:
     ignore_eos: bool = False  # keep generating through the tokenizer's stop tokens
     min_tokens: int = 0  # no eos/stop-token stop before this many output tokens
     prompt_logprobs: bool = False  # return logprobs of the prompt tokens (echo + logprobs)
+    # A prefill-only job (embeddings): "mean" or "last" pools the prompt's final hidden
+    # states; the job samples nothing, holds only the prompt's blocks, and its one event
+    # carries `RowEvent.embedding`. Needs max_tokens 0 and n 1.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"GenerationRequest {self.request_id!r}: prompt_token_ids is empty")
-        if self.max_tokens < 1:
+        if self.pooling is not None:
+            if self.pooling not in POOLINGS or self.max_tokens != 0 or self.n != 1:
+                raise ValueError(f"GenerationRequest.pooling must be one of {POOLINGS}, with max_tokens 0 and "
+                                 f"n 1; got {self.pooling!r}, {self.max_tokens}, {self.n}")
+        elif self.max_tokens < 1:
             raise ValueError(f"GenerationRequest.max_tokens must be >= 1; got {self.max_tokens}")
         if self.n < 1:
             raise ValueError(f"GenerationRequest.n must be >= 1; got {self.n}")
@@ -145,6 +154,7 @@ class RowEvent:
     # Last event of a row that a stop string ended ("stop"): which one. None when an
     # eos or stop token ended it, so adapters can tell the two apart.
     stop_string: str | None = None
+    embedding: Any = None  # a pooling job's last event: f32[hidden] numpy, not normalised
 
 
 class AdmissionError(Exception):
