@@ -30,7 +30,8 @@ class RowStep:
     whole prompt, its logprob given what precedes it (for `echo` + `logprobs`);
     `next_token_id` is the prompt token after this chunk's last one (or -1 when none).
     `history_token_ids` are the row's prompt+generated tokens before this step, used
-    only when `sampling.has_penalties`.
+    only when `sampling.has_penalties`. `pooling` (prefill only): also return the sum and
+    the last of the chunk's final hidden states (`RowResult.hidden_sum` / `last_hidden`).
     """
 
     row_id: int
@@ -43,6 +44,7 @@ class RowStep:
     next_token_id: int = -1
     num_prompt_tokens: int = 0
     history_token_ids: tuple[int, ...] = ()
+    pooling: bool = False  # return the chunk's pooled hidden states (embeddings jobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +66,7 @@ class StepPlan:
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    results: dict[int, RowResult]  # row_id -> result, for rows with sample or prompt_logprobs
+    results: dict[int, RowResult]  # row_id -> result, for rows with sample, prompt_logprobs or pooling
     device_s: float = 0.0  # wall time spent in device calls, for host-overhead stats
 
 

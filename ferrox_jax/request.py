@@ -15,7 +15,8 @@ job move together until they decode, then end one by one:
        └───────────────────┴─────────────────────────┴──────> FINISHED_CANCELLED | _ERROR
 
 (WAITING -> DECODING directly when there is nothing to prefill: n > 1 with a one-token
-prompt, whose only token every row computes itself.) `_transition()` is the only code that
+prompt, whose only token every row computes itself. PREFILLING -> FINISHED_STOP for a
+pooling job, which ends after its last prefill chunk with the pooled hidden state.) `_transition()` is the only code that
 changes a state; it checks `_ALLOWED_TRANSITIONS` and counts entries per state. Nothing is
 preempted, so no state leads back.
 """
@@ -93,6 +94,10 @@ class RowResult:
     # For prompt_logprobs rows: per computed token (after the first prompt token),
     # (logprob of that token, its top-k). Empty otherwise.
     prompt_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
+    # For pooling rows (embeddings): f32[D] sum of the chunk's final hidden states over its
+    # tokens, and f32[D] the state at its last token. None otherwise.
+    hidden_sum: Any = None
+    last_hidden: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +210,7 @@ _ENDED_EARLY = frozenset({RequestState.FINISHED_CANCELLED, RequestState.FINISHED
 
 _ALLOWED_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.DECODING} | _ENDED_EARLY),
-    RequestState.PREFILLING: frozenset({RequestState.DECODING} | _ENDED_EARLY),
+    RequestState.PREFILLING: frozenset({RequestState.DECODING, RequestState.FINISHED_STOP} | _ENDED_EARLY),
     RequestState.DECODING: _FINISHED,
     RequestState.FINISHED_STOP: frozenset(),
     RequestState.FINISHED_LENGTH: frozenset(),
@@ -281,6 +286,8 @@ class Request:
         self.prompt_logprobs: list[Any] = []
         self.queued_at_s = 0.0  # scheduler clock when the job joined the waiting queue
         self.queue_s: float | None = None  # waiting time, set at admission
+        self.hidden_sum: Any = None  # pooling jobs: f32[D] summed over the chunks so far
+        self.pooled: Any = None  # pooling jobs: the vector their last event carries
 
     @property
     def is_prefilled(self) -> bool:

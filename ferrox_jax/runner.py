@@ -208,7 +208,7 @@ class ModelRunner:
         results: dict[int, RowResult] = {}
         for (rows, _), res in zip(pending, fetched):
             for i, row in enumerate(rows):
-                if row.sample or row.prompt_logprobs:
+                if row.sample or row.prompt_logprobs or row.pooling:
                     results[row.row_id] = self._row_result(row, res, i)
         return StepOutput(results=results, device_s=time.perf_counter() - t0)
 
@@ -232,5 +232,6 @@ class ModelRunner:
                  tuple(zip(res.prompt_top_ids[i, j, :k].tolist(), res.prompt_top_logprobs[i, j, :k].tolist())))
                 for j in range(n)
             )
+        pooled = (res.hidden_sum[i], res.last_hidden[i]) if row.pooling else (None, None)
         return RowResult(row_id=row.row_id, token_id=int(res.tokens[i]), logprob=float(res.logprob[i]),
-                         top_logprobs=top, prompt_logprobs=prompt)
+                         top_logprobs=top, prompt_logprobs=prompt, hidden_sum=pooled[0], last_hidden=pooled[1])
