@@ -25,6 +25,9 @@ from api.errors import APIError
 from api.generation import KEEPALIVE, GenerationRun, RowOutput, job_ids
 from api.limits import (check_asked_tokens, check_common, check_logprobs, check_prompt_tokens, check_token_ids,
                         max_tokens)
+from api.prompts import check_model as _check_model
+from api.prompts import encode as _encode
+from api.prompts import render_chat as _render_chat
 from api.protocol import (CancelRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                           SamplingFields, TokenizeRequest, parse_body, parse_logit_bias)
 from api.sse import DONE, KEEP_ALIVE_COMMENT, event, sse_response
@@ -34,8 +37,6 @@ from ferrox_jax.request import GenerationRequest, SamplingParams
 
 blueprint = Blueprint("openai", __name__)
 
-ENCODE_INLINE_CHARS = 16_384  # longer prompts are tokenized in a worker thread
-
 
 def _state() -> AppState:
     return state_of(current_app)
@@ -43,12 +44,6 @@ def _state() -> AppState:
 
 async def _body(model: type) -> Any:
     return parse_body(await request.get_data(), model)
-
-
-def _check_model(name: str | None, engine: Engine) -> None:
-    if name is not None and name != engine.model_name:
-        raise APIError(404, f"model {name!r} not found; this server serves {engine.model_name!r}",
-                       param="model", code="model_not_found")
 
 
 # ---------------------------------------------------------------- small routes
@@ -117,22 +112,6 @@ async def cancel() -> Response:
 
 
 # ---------------------------------------------------------------- validation helpers
-
-
-async def _encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of `text`; long texts are encoded off the event loop (a 4 MiB body takes ~1 s)."""
-    if len(text) < ENCODE_INLINE_CHARS:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
-
-
-def _render_chat(engine: Engine, messages: list[dict], add_generation_prompt: bool) -> str:
-    from models.tokenizer import ChatTemplateError
-
-    try:
-        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    except ChatTemplateError as e:
-        raise APIError(400, f"messages: {e}", param="messages", code="chat_template_error") from None
 
 
 def _sampling(body: SamplingFields, engine: Engine, logprobs: int | None) -> SamplingParams:

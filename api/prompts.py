@@ -33,12 +33,13 @@ async def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> 
 
 
 def render_chat(engine: Engine, messages: list[dict], add_generation_prompt: bool = True,
-                param: str = "messages") -> str:
+                param: str = "messages", tools: list[dict] | None = None) -> str:
     """The conversation through the checkpoint's chat template; a template error is a 400."""
     from models.tokenizer import ChatTemplateError
 
     try:
-        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                    tools=tools)
     except ChatTemplateError as e:
         raise APIError(400, f"{param}: {e}", param=param, code="chat_template_error") from None
 

@@ -16,9 +16,9 @@ job move together until they decode, then end one by one:
 
 (WAITING -> DECODING directly when there is nothing to prefill: n > 1 with a one-token
 prompt, whose only token every row computes itself. PREFILLING -> FINISHED_STOP for a
-pooling job, which ends after its last prefill chunk with the pooled hidden state.) `_transition()` is the only code that
-changes a state; it checks `_ALLOWED_TRANSITIONS` and counts entries per state. Nothing is
-preempted, so no state leads back.
+pooling job, which ends after its last prefill chunk with the pooled hidden state.)
+`_transition()` is the only code that changes a state; it checks `_ALLOWED_TRANSITIONS`
+and counts entries per state. Nothing is preempted, so no state leads back.
 """
 
 from __future__ import annotations
