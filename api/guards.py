@@ -116,13 +116,6 @@ class RequestGuards:
 
         return guarded_send
 
-
-def header_size(scope: dict) -> int:
-    """Bytes of the request line and headers as sent (name: value CRLF per header)."""
-    line = len(scope["method"]) + len(scope.get("raw_path") or scope["path"].encode()) + len(scope["query_string"])
-    return line + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
-
-
     async def _refuse(self, scope: dict, send: Callable, error: APIError) -> None:
         if self.renderer is not None:
             status, body_obj = self.renderer(scope["path"])(error)
@@ -133,6 +126,12 @@ def header_size(scope: dict) -> int:
         headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def header_size(scope: dict) -> int:
+    """Bytes of the request line and headers as sent (name: value CRLF per header)."""
+    line = len(scope["method"]) + len(scope.get("raw_path") or scope["path"].encode()) + len(scope["query_string"])
+    return line + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
 
 
 def abort_transport(send: Callable, max_depth: int = 6) -> bool:

@@ -11,8 +11,8 @@ are 400s for now.
 Reply: a `response` object with one `message` output item holding one `output_text`
 part, `status` `completed`, or `incomplete` with `incomplete_details.reason:
 "max_output_tokens"` when the token limit ended it (`cancelled` after `/v1/cancel`), and
-`usage` (`input_tokens`, `output_tokens`, `total_tokens`). The SDKs' `output_text` is
-their property over `output`.
+`usage` (`input_tokens`, `output_tokens`, `total_tokens`). `output_text` (the SDKs'
+property over `output`) is also in the JSON, for clients without an SDK.
 
 A stream is the Responses event sequence, each `event: <type>\\ndata: {json}` with a
 `sequence_number` counting from 0: `response.created`, `response.in_progress`,
@@ -184,7 +184,8 @@ class _Response:
                 "background": False, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-                "model": self.model, "output": [self._item(True)] if done else [], "parallel_tool_calls": False,
+                "model": self.model, "output": [self._item(True)] if done else [],
+                "output_text": "".join(self.text) if done else "", "parallel_tool_calls": False,
                 "previous_response_id": None, "store": False, "temperature": self.sampling.temperature,
                 "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [],
                 "top_p": self.sampling.top_p, "truncation": "disabled", "usage": usage if done else None,

@@ -65,7 +65,6 @@ class AppState:
         self.load_error: str | None = None
         self.owned_engines: list[Engine] = []  # loaded here -> shut down here
         self.engine_factory: Any = None  # checkpoint -> a started Engine (`/admin/models/load`)
-        self.model_path: str | None = None  # what the current engine was loaded from, when known
         self.stats = ServerStats()
         self.rates = RateWindow()
         self.resumable: Any = None  # api.resumable.ResumableStreams, installed by create_app

@@ -159,9 +159,12 @@ def test_unknown_model_tools_and_missing_key(http, claude, server, model):
     assert other.status_code == 401 and "code" in other.json()["error"], "other routes keep the OpenAI envelope"
 
 
-def test_rate_limit_answers_in_the_anthropic_envelope(model):
-    with ServerThread(create_app(tiny_engine(), ServerConfig(rate_limit_per_minute=1))) as url:
+def test_rate_limit_and_header_limit_answer_in_the_anthropic_envelope(model):
+    config = ServerConfig(rate_limit_per_minute=1, max_header_bytes=2048)
+    with ServerThread(create_app(tiny_engine(), config)) as url:
         body = {"model": model, "max_tokens": 1, "messages": MESSAGES}
+        big = httpx.post(url + "/v1/messages", json=body, headers={"x-padding": "p" * 4096})
+        assert_anthropic_error(big, 431, "invalid_request_error")  # refused below Quart, by the guards
         httpx.post(url + "/v1/messages", json=body)
         assert_anthropic_error(httpx.post(url + "/v1/messages", json=body), 429, "rate_limit_error")
 

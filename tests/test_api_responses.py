@@ -85,6 +85,7 @@ def test_a_row_that_ends_by_itself_is_completed():
     body = reply.response()
     assert body["status"] == "completed" and body["incomplete_details"] is None
     assert body["output"][0]["status"] == "completed" and body["output"][0]["content"][0]["text"] == "Hi"
+    assert body["output_text"] == "Hi"
 
 
 def test_stateless_and_unsupported_fields_are_clear_400s(client, model, http):
