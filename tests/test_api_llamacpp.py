@@ -53,8 +53,9 @@ def test_completion_fields_and_timings(http):
 def test_token_id_prompts_and_the_default_n_predict(http):
     ids = http.post("/v1/tokenize", json={"prompt": PROMPT}).json()["tokens"]
     assert complete(http, prompt=ids, n_predict=6)["content"] == complete(http, n_predict=6)["content"]
-    out = complete(http, prompt=ids)  # n_predict absent: the room left in the context
-    assert out["tokens_predicted"] == CONTEXT_TOKENS - len(ids) and out["stop_type"] == "limit"
+    near_full = (ids * CONTEXT_TOKENS)[:CONTEXT_TOKENS - 20]  # room for 20 tokens: a short generation
+    out = complete(http, prompt=near_full)  # n_predict absent: the room left in the context
+    assert out["tokens_predicted"] == 20 and out["stop_type"] == "limit"
     scored = complete(http, n_predict=0)
     assert scored["content"] == "" and scored["tokens_predicted"] == 0
 
