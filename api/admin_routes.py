@@ -1,20 +1,30 @@
-"""Observability routes: /health, /metrics, /admin/stats, and /openapi.json.
+"""Observability routes: /health, /metrics, /admin/stats, /v1/stats, /v1/requests, /openapi.json.
 
-`/health` and `/metrics` are never behind the API key (probes and scrapers); `/admin/stats`
-is. Both stats routes read the latest `BatcherStats` snapshot the owner thread published
+`/health` and `/metrics` are never behind the API key (probes and scrapers); the rest
+are. The stats routes read the latest `BatcherStats` snapshot the owner thread published
 (nobody reads live counters) next to the server's own `ServerStats`.
+
+`/v1/stats?window=S` (1..120 s, default 10) is the dashboard view: prefill and decode
+tokens/s measured from the engine's counters over the window (`RateWindow`, sampled once
+a second), active / waiting / completed requests, end-to-end latency percentiles and
+mean time to first token over the `recent` ring, KV blocks and memory. `/v1/requests`
+pages through that ring: records after `since` (a record's `seq`), at most `limit`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from quart import Blueprint, Response, current_app
+from quart import Blueprint, Response, current_app, request
 
 from api import protocol
+from api.errors import APIError
 from api.state import VERSION, json_response, state_of
-from api.telemetry import stats_dict
+from api.telemetry import RECENT_SIZE, stats_dict
 
 blueprint = Blueprint("admin", __name__)
 
@@ -47,6 +57,61 @@ async def admin_stats() -> Response:
         body["http_refused_concurrency"] = state.guards.num_refused
         body["sse_orphaned"] = state.guards.num_orphaned
     return json_response(body)
+
+
+def _int_arg(name: str, default: int, low: int, high: int) -> int:
+    try:
+        value = int(request.args.get(name, default))
+    except ValueError:
+        raise APIError(400, f"{name} must be an integer", param=name) from None
+    if not low <= value <= high:
+        raise APIError(400, f"{name} must be in [{low}, {high}]; got {value}", param=name)
+    return value
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+@blueprint.get("/v1/stats")
+async def v1_stats() -> Response:
+    state = state_of(current_app)
+    window_s = _int_arg("window", 10, 1, 120)
+    prefill, decode, covered = state.rates.rates(time.monotonic(), window_s)
+    stats = stats_dict(state.engine_stats())
+    done = [r for r in state.stats.recent if r.status < 400]
+    ttfts = [r.ttft_ms for r in done if r.ttft_ms is not None]
+    total, free = stats["kv_blocks_total"], stats["kv_blocks_free"]
+    return json_response({
+        "window_s": window_s, "window_covered_s": round(covered, 3),
+        "prefill_tokens_per_s": round(prefill, 3), "decode_tokens_per_s": round(decode, 3),
+        "requests": {"active": state.stats.generating_now, "waiting": stats["queue_depth"],
+                     "completed": state.stats.completed_total, "total": state.stats.requests_total},
+        "latency_ms": {"p50": percentile([r.duration_ms for r in done], 50),
+                       "p95": percentile([r.duration_ms for r in done], 95), "samples": len(done)},
+        "ttft_ms": {"mean": round(sum(ttfts) / len(ttfts), 3) if ttfts else None, "samples": len(ttfts)},
+        "kv": {"blocks_total": total, "blocks_free": free, "blocks_used": total - free,
+               "usage_fraction": (total - free) / total if total else 0.0, "blocks_peak": stats["kv_blocks_peak"],
+               "block_size": stats["kv_block_size"]},
+        "memory": {"rss_bytes": rss_bytes(),
+                   "device": state.engine.memory_stats() if state.engine is not None else {}},
+        "model": state.engine.model_name if state.engine is not None else None, "state": state.health_state(),
+    })
+
+
+@blueprint.get("/v1/requests")
+async def v1_requests() -> Response:
+    state = state_of(current_app)
+    since = _int_arg("since", 0, 0, 2**62)
+    limit = _int_arg("limit", 50, 1, RECENT_SIZE)
+    after = [dataclasses.asdict(r) for r in state.stats.recent if r.seq > since]
+    page = after[:limit]
+    return json_response({"object": "list", "data": page, "has_more": len(after) > limit,
+                          "next_since": page[-1]["seq"] if page else since})
 
 
 def rss_bytes() -> int | None:
@@ -82,6 +147,19 @@ _ROUTES = (
     ("get", "/health", "Liveness/readiness: 200 only when ready", None, None),
     ("get", "/metrics", "Prometheus metrics", None, None),
     ("get", "/admin/stats", "Batcher and server counters as JSON", None, None),
+    ("get", "/v1/stats", "Windowed throughput, latency, KV and memory", None, None),
+    ("get", "/v1/requests", "The recent-request ring, paged by since and limit", None, None),
+    ("post", "/v1/messages", "Anthropic Messages (stream with `stream: true`)", None, None),
+    ("post", "/v1/messages/count_tokens", "Anthropic token count", None, None),
+    ("post", "/v1/responses", "OpenAI Responses (stream with `stream: true`)", None, None),
+    ("post", "/v1/embeddings", "Embeddings (mean or last pooling, L2-normalised)", None, None),
+    ("post", "/completion", "llama.cpp native completion", None, None),
+    ("get", "/v1/stream/{request_id}", "Resume a resumable stream (Last-Event-ID)", None, None),
+    ("get", "/v1/stream/{request_id}/poll", "A resumable stream's events as JSON", None, None),
+    ("get", "/admin/models", "Local checkpoints and the loaded model", None, None),
+    ("post", "/admin/models/load", "Load a listed checkpoint in the background (202 + task)", None, None),
+    ("post", "/admin/models/unload", "Unload the model (generation then answers 503)", None, None),
+    ("get", "/admin/tasks", "Model load and unload tasks", None, None),
 )
 
 

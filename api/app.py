@@ -5,14 +5,20 @@ one module per wire protocol plus the observability routes, each importing only
 `api/state.py` and the generation core, never this module.
 
 Below Quart, `api/guards.py` refuses oversized headers, caps concurrent requests and
-cancels streams whose client stopped reading (the SSE orphan timeout). Request hooks, in order: CORS preflight, API key (constant-time; `/health` and
-`/metrics` stay open), per-client rate limit; every error — ours, Quart's 404/405/413,
-an unexpected exception — leaves in the OpenAI envelope.
+cancels streams whose client stopped reading (the SSE orphan timeout). Request hooks, in
+order: CORS preflight, API key (constant-time, as `Authorization: Bearer` or `x-api-key`;
+`/health` and `/metrics` stay open), per-client rate limit.
+
+Every error — ours, Quart's 404/405/413, malformed JSON, the guards' refusals, an
+unexpected exception — is an `APIError` rendered in the envelope of the protocol its path
+belongs to (`ENVELOPES`: Anthropic's under /v1/messages, llama.cpp's on /completion; the
+OpenAI envelope everywhere else).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import hmac
 import logging
@@ -23,9 +29,10 @@ from typing import TYPE_CHECKING, Callable
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from api import admin_routes, guards, openai_routes
+from api import (admin_routes, anthropic_routes, embeddings_routes, guards, llamacpp_routes, model_admin,
+                 openai_routes, responses_routes, resumable)
 from api.config import ServerConfig
-from api.errors import APIError, error_body
+from api.errors import APIError
 from api.state import AppState, json_response, state_of
 
 if TYPE_CHECKING:
@@ -37,7 +44,33 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})  # never behind the API key
 OBSERVABILITY_PATHS = frozenset({"/health", "/metrics", "/admin/stats"})  # not counted as requests
 DRAIN_ABORT_REASON = "the server shut down before this request finished (drain timeout); retry it"
 
-def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: ServerConfig | None = None) -> Quart:
+# (path, renderer): a path equal to it or below it answers errors in that protocol's envelope.
+ENVELOPES: tuple[tuple[str, Callable[[APIError], tuple[int, dict]]], ...] = (
+    (anthropic_routes.ROUTE, anthropic_routes.error_response),
+    ("/completion", llamacpp_routes.error_response),
+    ("/completions", llamacpp_routes.error_response),
+)
+
+
+def openai_error_response(e: APIError) -> tuple[int, dict]:
+    return e.status, e.body()
+
+
+def error_renderer(path: str) -> Callable[[APIError], tuple[int, dict]]:
+    """The envelope errors on `path` are rendered in."""
+    for prefix, render in ENVELOPES:
+        if path == prefix or path.startswith(prefix + "/"):
+            return render
+    return openai_error_response
+
+
+def error_response(path: str, e: APIError) -> Response:
+    status, body = error_renderer(path)(e)
+    return json_response(body, status, e.headers)
+
+
+def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: ServerConfig | None = None,
+               engine_factory: Callable[[str], Engine] | None = None) -> Quart:
     """Build the Quart app.
 
     Args:
@@ -46,6 +79,8 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
         when serving begins, `/health` reading `loading` until it returns, and the app
         shuts that engine down when serving ends.
       server_config: HTTP settings (defaults: loopback, no key, 4 MiB bodies).
+      engine_factory: loads, warms and starts an engine for a checkpoint path (or
+        "default"); `/admin/models/load` needs it (without it, loading answers 501).
     Returns:
       the app, ready for Hypercorn.
     """
@@ -54,17 +89,23 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
     app = Quart("ferrox")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     state = AppState(config, None if loader is not None else engine_or_loader)
+    state.engine_factory = engine_factory
+    state.resumable = resumable.ResumableStreams(config.resumable_max_streams, config.resumable_max_bytes,
+                                                 config.resumable_ttl_s)
+    state.tasks = model_admin.TaskTable()
     app.extensions["ferrox"] = state
-    app.register_blueprint(openai_routes.blueprint)
-    app.register_blueprint(admin_routes.blueprint)
+    for module in (openai_routes, anthropic_routes, responses_routes, llamacpp_routes, embeddings_routes,
+                   resumable, admin_routes, model_admin):
+        app.register_blueprint(module.blueprint)
     _install_hooks(app, state)
     _install_error_handlers(app, state)
     state.guards = guards.install(app, config.max_concurrent_requests, config.sse_orphan_timeout_ms / 1000,
-                                  config.max_header_bytes)
+                                  config.max_header_bytes, error_renderer)
 
     @app.before_serving
     async def _start() -> None:
         state.load_failed = asyncio.Event()
+        state.start_background()
         if loader is not None:
             _start_loader(state, loader, asyncio.get_running_loop())
 
@@ -72,8 +113,8 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
     async def _stop() -> None:
         for run in list(state.inflight.values()):
             run.abort(DRAIN_ABORT_REASON)
-        if state.owns_engine and state.engine is not None:
-            await asyncio.to_thread(state.engine.shutdown)
+        state.stop_background()
+        await asyncio.to_thread(state.shutdown_owned_engines)
 
     return app
 
@@ -89,7 +130,7 @@ def _start_loader(state: AppState, loader: Callable[[], Engine], loop: asyncio.A
             else:
                 logger.exception("loading the model failed")
         else:
-            loop.call_soon_threadsafe(state.set_engine, engine)
+            loop.call_soon_threadsafe(functools.partial(state.set_engine, engine, owned=True))
             return
         # Outside the except block, so the traceback (and the frames holding a half-built
         # model) is gone: collect it now. Left to the interpreter's final collection, its
@@ -122,6 +163,8 @@ def _install_hooks(app: Quart, state: AppState) -> None:
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
             given = token.strip().encode("utf-8") if scheme.lower() == "bearer" else b""
+            if not given:  # Anthropic's clients send the key as x-api-key
+                given = request.headers.get("x-api-key", "").strip().encode("utf-8")
             if not hmac.compare_digest(given, api_key):
                 raise APIError(401, "invalid or missing API key", code="invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})
@@ -137,7 +180,7 @@ def _install_hooks(app: Quart, state: AppState) -> None:
         origin = request.headers.get("Origin")
         if origin and origin in config.cors_origins:
             response.headers["Access-Control-Allow-Origin"] = origin
-            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, x-api-key"
             response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
             response.headers["Access-Control-Max-Age"] = "600"
         response.headers.add("Vary", "Origin")
@@ -147,7 +190,7 @@ def _install_hooks(app: Quart, state: AppState) -> None:
 def _install_error_handlers(app: Quart, state: AppState) -> None:
     @app.errorhandler(APIError)
     async def _api_error(e: APIError) -> Response:
-        return json_response(e.body(), e.status, e.headers)
+        return error_response(request.path, e)
 
     @app.errorhandler(HTTPException)
     async def _http_error(e: HTTPException) -> Response:
@@ -158,18 +201,15 @@ def _install_error_handlers(app: Quart, state: AppState) -> None:
             413: f"request body larger than the limit of {state.config.max_body_bytes} bytes",
         }
         codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-        body = error_body(messages.get(status, e.description or e.name), "invalid_request_error",
-                          None, codes.get(status))
-        response = json_response(body, status)
-        if status == 405 and getattr(e, "valid_methods", None):
-            response.headers["Allow"] = ", ".join(e.valid_methods)
-        return response
+        headers = {"Allow": ", ".join(e.valid_methods)} if status == 405 and getattr(e, "valid_methods", None) else {}
+        return error_response(request.path, APIError(status, messages.get(status, e.description or e.name),
+                                                     code=codes.get(status), headers=headers))
 
     @app.errorhandler(Exception)
     async def _unexpected(e: Exception) -> Response:
         logger.exception("unhandled error on %s %s", request.method, request.path)
-        return json_response(error_body(f"internal error: {type(e).__name__}", "server_error", None,
-                                        "internal_error"), 500)
+        return error_response(request.path, APIError(500, f"internal error: {type(e).__name__}",
+                                                     type="server_error", code="internal_error"))
 
 
 async def drain(app: Quart, timeout_s: float) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import queue
@@ -85,7 +86,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             rate_limit_per_minute=args.rate_limit_per_minute,
             allow_unauthenticated_remote=args.allow_unauthenticated_remote, tls_cert=args.tls_cert,
             tls_key=args.tls_key, shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
-            default_grammar=default_grammar(args.grammar, args.grammar_file, args.json_schema))
+            default_grammar=default_grammar(args.grammar, args.grammar_file, args.json_schema),
+            model_dir=args.model_dir, resumable_max_bytes=args.resumable_max_bytes,
+            resumable_ttl_s=args.resumable_ttl, resumable_max_streams=args.resumable_max_streams)
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {e}") from None
 
@@ -155,7 +158,10 @@ def serve(args: argparse.Namespace) -> int:
 
     config = server_config(args)
     engine_cfg = engine_config(args)
-    app = create_app(lambda: load_engine(engine_cfg, config.url, config.default_grammar), config)
+    app = create_app(lambda: load_engine(engine_cfg, config.url, config.default_grammar), config,
+                     engine_factory=lambda model: load_engine(
+                         dataclasses.replace(engine_cfg, model=model, served_model_name=None), config.url,
+                         config.default_grammar))
     hc = hypercorn_config(config)
     logger.info("ferrox serve: listening on %s, loading %s", config.url, engine_cfg.model)
 

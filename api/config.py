@@ -55,12 +55,17 @@ class ServerConfig:
     # The output constraint of every generation request that gives none
     # (--grammar / --grammar-file / --json-schema; docs/structured-output.md).
     default_grammar: GrammarSpec | None = None
+    model_dir: str | None = None  # local checkpoints /admin/models lists and loads (nothing is downloaded)
+    resumable_max_bytes: int = MIB  # events one resumable stream keeps for replay (oldest dropped first)
+    resumable_ttl_s: float = 300.0  # a finished resumable stream is kept this long
+    resumable_max_streams: int = 256  # resumable streams kept at once
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"ServerConfig.port must be in 1..65535; got {self.port}")
         for name in ("max_body_bytes", "max_n", "max_stop_strings", "max_stop_chars", "max_concurrent_requests",
-                     "max_header_bytes", "backlog", "sse_orphan_timeout_ms"):
+                     "max_header_bytes", "backlog", "sse_orphan_timeout_ms", "resumable_max_bytes",
+                     "resumable_max_streams"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1; got {getattr(self, name)}")
         for name in ("max_prompt_tokens", "max_output_tokens"):
@@ -70,7 +75,7 @@ class ServerConfig:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"ServerConfig.max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine's limit); "
                              f"got {self.max_logprobs}")
-        for name in ("request_timeout_s", "keep_alive_timeout_s"):
+        for name in ("request_timeout_s", "keep_alive_timeout_s", "resumable_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerConfig.{name} must be > 0; got {getattr(self, name)}")
         if self.sse_keepalive_s <= 0:
@@ -247,6 +252,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("grammar_file", "FERROX_GRAMMAR_FILE", _str, None, "read the default output grammar from this file"),
     Setting("json_schema", "FERROX_JSON_SCHEMA", _str, None,
             "default output JSON schema (JSON text, strict) for generation requests that give no constraint"),
+    Setting("model_dir", "FERROX_MODEL_DIR", _str, None,
+            "folder of local checkpoints (HF folders, .gguf files) /admin/models lists and loads"),
+    Setting("resumable_max_bytes", "FERROX_RESUMABLE_MAX_BYTES", _positive_int, MIB,
+            "bytes of events one resumable stream keeps for replay (410 replay_window_lost beyond)"),
+    Setting("resumable_ttl", "FERROX_RESUMABLE_TTL", _positive_float, 300.0,
+            "seconds a finished resumable stream is kept for replay"),
+    Setting("resumable_max_streams", "FERROX_RESUMABLE_MAX_STREAMS", _positive_int, 256,
+            "resumable streams kept at once (the oldest finished one makes room)"),
 )
 
 

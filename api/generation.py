@@ -20,6 +20,14 @@ them to a `GenerationRun`. The run:
 
 Choice indices are `job * n + row index`, as OpenAI numbers the choices of a list prompt.
 Usage counts every sampled token, a final stop token included (the engine's count).
+
+A run is pinned to the engine it was built with (the one whose tokenizer made its prompt):
+it submits, cancels and checks health there, so a model swap (`api/model_admin.py`) lets
+requests in flight finish on the model they started on.
+
+Adapters drive a run with `start` (submit, and cancel when the connection's task ends)
+and then `collect` (a whole reply) or `stream` (frames in their wire format, with the
+close-on-disconnect and mid-stream-error rules every protocol shares).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Sequence
 
 from api.errors import APIError, unavailable
 from api.telemetry import RequestRecord
@@ -35,6 +43,7 @@ from ferrox_jax.request import AdmissionError, GenerationRequest, RowEvent
 
 if TYPE_CHECKING:
     from api.state import AppState
+    from ferrox_jax.engine import Engine
 
 HEALTH_POLL_S = 5.0  # a whole request's wait re-checks the engine this often
 
@@ -66,7 +75,7 @@ class GenerationRun:
     """One API generation request in flight (see the module docstring)."""
 
     def __init__(self, state: AppState, route: str, api_id: str, jobs: Sequence[GenerationRequest], *,
-                 stream: bool, drop_output: bool = False) -> None:
+                 stream: bool, drop_output: bool = False, engine: Engine | None = None) -> None:
         """Args:
           state: the app's shared state (engine, metrics, in-flight table).
           route: recorded in `/admin/stats` (e.g. "/v1/chat/completions").
@@ -75,8 +84,11 @@ class GenerationRun:
           stream: the response is streamed (keep-alives, no request timeout).
           drop_output: score the prompt only (OpenAI `max_tokens: 0`): every job samples one
             token, which is dropped, and its rows end with "length" and 0 tokens.
+          engine: the engine whose tokenizer made the prompts (default: the app's current one);
+            the run stays on it even if the app swaps models meanwhile.
         """
         self.state = state
+        self.engine = engine if engine is not None else state.engine
         self.route = route
         self.api_id = api_id
         self.jobs = tuple(jobs)
@@ -91,6 +103,7 @@ class GenerationRun:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.inter_token_s: list[float] = []
+        self.queue_s = 0.0  # the longest admission wait among its jobs
         self.abort_reason: str | None = None  # set by `abort` (drain): the run ends with a 503
         self._queue: asyncio.Queue[RowOutput] = asyncio.Queue()
         self._num_submitted = 0
@@ -110,7 +123,10 @@ class GenerationRun:
 
     def submit(self) -> None:
         """Submits every job; on a refusal cancels those already in and raises its APIError."""
-        engine = self.state.require_engine()
+        self.state.require_engine()  # loading, draining, unloaded: refused before anything is sent
+        engine = self.engine
+        if engine is None:
+            raise unavailable("no model is loaded", code="model_not_loaded")
         loop = asyncio.get_running_loop()
         try:
             for job, request in enumerate(self.jobs):
@@ -159,7 +175,7 @@ class GenerationRun:
                                         code="request_timeout"))
             output = await self._next(wait_s)
             if output is None:
-                if self.state.engine is None or self.state.engine.health() != "ready":
+                if self.engine is None or self.engine.health() != "ready":
                     self._fail(APIError(500, "the engine stopped while generating", type="server_error",
                                         code="engine_error"))
                 if self.stream:
@@ -215,6 +231,7 @@ class GenerationRun:
             self._jobs_seen.add(output.job)
             if event.queue_s is not None:
                 self.state.metrics.queue.observe(event.queue_s)
+                self.queue_s = max(self.queue_s, event.queue_s)
         if event.finish_reason is not None:
             self._rows_open[output.job] -= 1
         return output
@@ -222,6 +239,20 @@ class GenerationRun:
     @property
     def num_completion_tokens(self) -> int:
         return sum(self.num_output_tokens)
+
+    @property
+    def prefill_s(self) -> float:
+        """Submit to first token, less the wait for admission: the prompt's own time."""
+        if self.first_token_at is None:
+            return 0.0
+        return max(0.0, self.first_token_at - self.submitted_at - self.queue_s)
+
+    @property
+    def decode_s(self) -> float:
+        """First token to last token."""
+        if self.first_token_at is None or self.last_token_at is None:
+            return 0.0
+        return self.last_token_at - self.first_token_at
 
     # -- ending -------------------------------------------------------------------------
 
@@ -240,7 +271,7 @@ class GenerationRun:
         """Cancels every submitted job that still has open rows; idempotent. Synchronous
         (the engine only enqueues), so a `finally` can call it without a shield; a cancel for
         a finished job is skipped (the engine would remember it as arriving early)."""
-        engine = self.state.engine
+        engine = self.engine
         if engine is None:
             return
         for job in range(self._num_submitted):
@@ -287,3 +318,51 @@ class GenerationRun:
 def job_ids(api_id: str, num_jobs: int) -> list[str]:
     """Engine request ids for an API request's jobs: the API id itself for one job."""
     return [api_id] if num_jobs == 1 else [f"{api_id}-{j}" for j in range(num_jobs)]
+
+
+# ---------------------------------------------------------------- driving a run (every adapter)
+
+
+def start(run: GenerationRun) -> None:
+    """Submit the run's jobs and tie its end to the connection's task.
+
+    Belt and braces for a streamed body: if the client leaves after the handler returns but
+    before the server starts iterating the body, the generator never runs its `finally`.
+    The connection's task ends either way, so its done-callback closes the run."""
+    run.submit()
+    asyncio.current_task().add_done_callback(lambda _task: run.close(client_gone=True))
+
+
+async def collect(run: GenerationRun, fold: Callable[[RowOutput], None]) -> None:
+    """Feed every RowOutput to `fold` (a whole reply); raises the run's APIError, if any."""
+    try:
+        async for output in run.events():
+            fold(output)
+    except asyncio.CancelledError:
+        run.close(client_gone=True)
+        raise
+    finally:
+        run.close()
+
+
+async def stream(run: GenerationRun, frames: Callable[[RowOutput], Iterable[bytes]], *, keepalive: bytes,
+                 end: Callable[[], Iterable[bytes]], error: Callable[[APIError], bytes]) -> AsyncIterator[bytes]:
+    """A run's events as wire frames: `frames(output)` per event, `keepalive` while idle,
+    `end()` after the last event; a failure mid-stream is one `error(e)` frame, then the end.
+    A disconnect (the body generator closed or cancelled) cancels the run's jobs."""
+    try:
+        async for output in run.events():
+            if output is KEEPALIVE:
+                yield keepalive
+                continue
+            for frame in frames(output):
+                yield frame
+        for frame in end():
+            yield frame
+    except APIError as e:
+        yield error(e)
+    except BaseException:
+        run.close(client_gone=True)
+        raise
+    finally:
+        run.close()

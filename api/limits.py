@@ -35,18 +35,24 @@ def check_common(body: Any, engine: Any, config: ServerConfig) -> None:
     n = body.n or 1
     if n > config.max_n:
         raise APIError(400, f"n must be at most {config.max_n}; got {n}", param="n")
-    stops = body.stop_list()
-    if len(stops) > config.max_stop_strings:
-        raise APIError(400, f"at most {config.max_stop_strings} stop strings; got {len(stops)}", param="stop")
-    for s in stops:
-        if not s:
-            raise APIError(400, "stop strings must not be empty", param="stop")
-        if len(s) > config.max_stop_chars:
-            raise APIError(400, f"stop strings must be at most {config.max_stop_chars} characters; "
-                                f"got {len(s)}", param="stop")
+    check_stop_strings(body.stop_list(), config)
     check_token_ids(body.stop_token_ids or [], engine.tokenizer.vocab_size, "stop_token_ids")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if body.stream_resumable and not body.stream:
+        raise APIError(400, "stream_resumable is only allowed when stream is true", param="stream_resumable")
+
+
+def check_stop_strings(stops: list[str], config: ServerConfig, param: str = "stop") -> None:
+    """At most --max-stop-strings, each non-empty and at most --max-stop-chars long."""
+    if len(stops) > config.max_stop_strings:
+        raise APIError(400, f"at most {config.max_stop_strings} stop strings; got {len(stops)}", param=param)
+    for s in stops:
+        if not s:
+            raise APIError(400, "stop strings must not be empty", param=param)
+        if len(s) > config.max_stop_chars:
+            raise APIError(400, f"stop strings must be at most {config.max_stop_chars} characters; "
+                                f"got {len(s)}", param=param)
 
 
 def check_logprobs(value: int | None, config: ServerConfig, param: str) -> None:

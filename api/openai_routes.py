@@ -23,11 +23,13 @@ from typing import Any, AsyncIterator
 
 from quart import Blueprint, Response, current_app, request
 
+from api import resumable
 from api.choices import ChatShape, Choice, CompletionShape, prompt_entries
 from api.errors import APIError
 from api.generation import KEEPALIVE, GenerationRun, RowOutput, job_ids
 from api.limits import (check_asked_tokens, check_common, check_logprobs, check_prompt_tokens, check_token_ids,
                         max_tokens)
+from api.prompts import check_model, encode
 from api.protocol import (CancelRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                           SamplingFields, TokenizeRequest, parse_body, parse_logit_bias)
 from api.sse import DONE, KEEP_ALIVE_COMMENT, event, sse_response
@@ -41,8 +43,6 @@ from ferrox_jax.request import GenerationRequest, SamplingParams
 
 blueprint = Blueprint("openai", __name__)
 
-ENCODE_INLINE_CHARS = 16_384  # longer prompts are tokenized in a worker thread
-
 
 def _state() -> AppState:
     return state_of(current_app)
@@ -50,12 +50,6 @@ def _state() -> AppState:
 
 async def _body(model: type) -> Any:
     return parse_body(await request.get_data(), model)
-
-
-def _check_model(name: str | None, engine: Engine) -> None:
-    if name is not None and name != engine.model_name:
-        raise APIError(404, f"model {name!r} not found; this server serves {engine.model_name!r}",
-                       param="model", code="model_not_found")
 
 
 # ---------------------------------------------------------------- small routes
@@ -70,7 +64,7 @@ async def list_models() -> Response:
 @blueprint.get("/v1/models/<path:name>")
 async def get_model(name: str) -> Response:
     engine = _state().require_engine()
-    _check_model(name, engine)
+    check_model(name, engine)
     return json_response(_model_card(engine))
 
 
@@ -87,15 +81,15 @@ async def tokenize() -> Response:
     state = _state()
     body: TokenizeRequest = await _body(TokenizeRequest)
     engine = state.require_engine()
-    _check_model(body.model, engine)
+    check_model(body.model, engine)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:  # rendered as the chat route renders them, tools included
         chat = prepare_chat(engine.tokenizer, [m.template_dict() for m in body.messages],
                             tools=tool_request(body.tools, None, None))
-        tokens = await _encode(engine.tokenizer, chat.text, add_special_tokens=False)
+        tokens = await encode(engine.tokenizer, chat.text, add_special_tokens=False)
     else:
-        tokens = await _encode(engine.tokenizer, body.prompt, add_special_tokens=bool(body.add_special_tokens))
+        tokens = await encode(engine.tokenizer, body.prompt, add_special_tokens=bool(body.add_special_tokens))
     return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_context})
 
 
@@ -105,7 +99,7 @@ async def detokenize() -> Response:
     state = _state()
     body: DetokenizeRequest = await _body(DetokenizeRequest)
     engine = state.require_engine()
-    _check_model(body.model, engine)
+    check_model(body.model, engine)
     check_token_ids(body.tokens, engine.tokenizer.vocab_size, "tokens")
     return json_response({"text": engine.tokenizer.decode(body.tokens)})
 
@@ -125,13 +119,6 @@ async def cancel() -> Response:
 
 
 # ---------------------------------------------------------------- validation helpers
-
-
-async def _encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of `text`; long texts are encoded off the event loop (a 4 MiB body takes ~1 s)."""
-    if len(text) < ENCODE_INLINE_CHARS:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
 
 
 def _sampling(body: SamplingFields, engine: Engine, logprobs: int | None) -> SamplingParams:
@@ -210,7 +197,7 @@ async def completions() -> Response:
     state = _state()
     body: CompletionRequest = await _body(CompletionRequest)
     engine = state.require_engine()
-    _check_model(body.model, engine)
+    check_model(body.model, engine)
     check_common(body, engine, state.config)
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise APIError(400, "best_of other than n is not supported", param="best_of")
@@ -221,7 +208,7 @@ async def completions() -> Response:
     tok = engine.tokenizer
     prompts = []
     for p in body.prompt_list():
-        ids = await _encode(tok, p) if isinstance(p, str) else list(p)
+        ids = await encode(tok, p) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, "prompt must contain at least one token", param="prompt")
         check_token_ids(ids, tok.vocab_size, "prompt")
@@ -242,7 +229,8 @@ async def completions() -> Response:
                          body, sampling, echo_logprobs, grammar, plan)
             for job_id, ids in zip(job_ids(api_id, len(prompts)), prompts)]
     echoes = [tok.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
-    run = GenerationRun(state, "/v1/completions", api_id, reqs, stream=bool(body.stream), drop_output=zero_output)
+    run = GenerationRun(state, "/v1/completions", api_id, reqs, stream=bool(body.stream), drop_output=zero_output,
+                        engine=engine)
     return await _serve(run, body, CompletionShape(state.tokens, body.logprobs), echoes)
 
 
@@ -251,7 +239,7 @@ async def chat_completions() -> Response:
     state = _state()
     body: ChatCompletionRequest = await _body(ChatCompletionRequest)
     engine = state.require_engine()
-    _check_model(body.model, engine)
+    check_model(body.model, engine)
     check_common(body, engine, state.config)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -265,7 +253,7 @@ async def chat_completions() -> Response:
                         constraint=constraint, constraint_param=constraint_param,
                         default_constraint=state.config.default_grammar,
                         add_generation_prompt=body.add_generation_prompt is not False)
-    prompt_ids = await _encode(engine.tokenizer, chat.text, add_special_tokens=False)
+    prompt_ids = await encode(engine.tokenizer, chat.text, add_special_tokens=False)
     if not prompt_ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
     check_prompt_tokens(len(prompt_ids), state.config, "messages")
@@ -277,7 +265,7 @@ async def chat_completions() -> Response:
     api_id = f"chatcmpl-{uuid.uuid4().hex}"
     reqs = [_job_request(api_id, prompt_ids, limit, body, _sampling(body, engine, logprobs), False, grammar,
                          chat.plan)]
-    run = GenerationRun(state, "/v1/chat/completions", api_id, reqs, stream=bool(body.stream))
+    run = GenerationRun(state, "/v1/chat/completions", api_id, reqs, stream=bool(body.stream), engine=engine)
     return await _serve(run, body, ChatShape(state.tokens, logprobs), [""], chat.plan)
 
 
@@ -287,13 +275,15 @@ async def _serve(run: GenerationRun, body: SamplingFields, shape: Any, echoes: l
     reply = _Reply(run, shape, echoes, plan)
     if run.drop_output and not any(job.prompt_logprobs for job in run.jobs) and not run.stream:
         return reply.without_engine()  # max_tokens 0 with nothing to score: no job at all
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if run.stream and body.stream_resumable:  # detached from this connection: see api/resumable.py
+        return resumable.serve(run, reply.stream(include_usage))
     run.submit()
     # Belt and braces for the stream body: if the client leaves after the handler returns
     # but before Quart starts iterating the body, the generator never runs its `finally`.
     # The connection's task ends either way, so its done-callback closes the run.
     asyncio.current_task().add_done_callback(lambda _task: run.close(client_gone=True))
     if run.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse_response(reply.stream(include_usage), run.api_id)
     return await reply.whole()
 
@@ -304,7 +294,7 @@ class _Reply:
     def __init__(self, run: GenerationRun, shape: Any, echoes: list[str], plan: OutputPlan) -> None:
         self.run, self.shape = run, shape
         self.created = int(time.time())
-        self.model = run.state.engine.model_name if run.state.engine is not None else ""
+        self.model = run.engine.model_name if run.engine is not None else ""
         n = run.n
         self.choices = [Choice(index=j * n + i, echo=echoes[j], parser=plan.new_parser())
                         for j in range(len(run.jobs)) for i in range(n)]

@@ -68,6 +68,7 @@ class SamplingFields(_Strict):
     min_tokens: int | None = Field(0, ge=0)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    stream_resumable: bool | None = False  # ferrox: replayable stream, not cancelled by a disconnect
     user: str | None = None
     # Output constraints (docs/structured-output.md), at most one: OpenAI's response_format,
     # or vLLM's guided_* extensions.

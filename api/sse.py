@@ -26,6 +26,11 @@ def event(obj: Any) -> bytes:
     return b"data: " + dumps(obj).encode("utf-8") + b"\n\n"
 
 
+def named_event(kind: str, obj: Any) -> bytes:
+    """One named SSE event: `event: <kind>`, then `obj` as compact JSON."""
+    return b"event: " + kind.encode("utf-8") + b"\ndata: " + dumps(obj).encode("utf-8") + b"\n\n"
+
+
 def sse_response(body: AsyncIterator[bytes], request_id: str) -> Response:
     """A text/event-stream response over `body`, with no response timeout."""
     response = Response(body, status=200, content_type="text/event-stream; charset=utf-8")

@@ -9,7 +9,12 @@ engine over with `loop.call_soon_threadsafe`.
 
 Phases: `loading` (engine not warm yet; /health 503) -> `ready` (200) -> `draining`
 (SIGTERM: /health and new work 503, in-flight work finishes). A dead engine loop or a
-failed load reads `unavailable`.
+failed load reads `unavailable`; after `/admin/models/unload`, `unloaded` (503
+`model_not_loaded`) until a model is loaded again.
+
+Engines this app loaded (the start-up loader, `/admin/models/load`) are its own and are
+shut down here, once no run in flight still uses them (`retire`); an engine handed to
+`create_app` belongs to the caller.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from api.choices import TokenText
 from api.config import ServerConfig
 from api.errors import unavailable
 from api.protocol import dumps
-from api.telemetry import Metrics, ServerStats
+from api.telemetry import Metrics, RateWindow, ServerStats
 from ferrox_jax.stats import BatcherStats
+
+SAMPLE_EVERY_S = 1.0  # RateWindow and the resumable streams' sweep
 
 if TYPE_CHECKING:  # the facade's module imports jax; handlers only need its type here
     from ferrox_jax.engine import Engine
@@ -40,6 +47,8 @@ except metadata.PackageNotFoundError:  # running from a source tree without inst
 
 class InFlight(Protocol):
     """What `/v1/cancel` and the drain need of a request in flight (`api/generation.py`)."""
+
+    engine: Any  # the engine it runs on
 
     def cancel(self) -> None: ...
 
@@ -54,8 +63,13 @@ class AppState:
         self.engine = engine
         self.phase = "ready" if engine is not None else "loading"
         self.load_error: str | None = None
-        self.owns_engine = engine is None  # loaded here -> shut down here
+        self.owned_engines: list[Engine] = []  # loaded here -> shut down here
+        self.engine_factory: Any = None  # checkpoint -> a started Engine (`/admin/models/load`)
         self.stats = ServerStats()
+        self.rates = RateWindow()
+        self.resumable: Any = None  # api.resumable.ResumableStreams, installed by create_app
+        self.tasks: Any = None  # api.model_admin.TaskTable, installed by create_app
+        self._background: list[asyncio.Task] = []
         self.metrics = Metrics(self._metrics_source)
         self.inflight: dict[str, InFlight] = {}  # API request id -> its GenerationRun
         self.tokens = TokenText(engine.tokenizer) if engine is not None else None
@@ -69,14 +83,60 @@ class AppState:
     def engine_stats(self) -> BatcherStats | None:
         return self.engine.stats() if self.engine is not None else None
 
-    def set_engine(self, engine: Engine) -> None:
+    def set_engine(self, engine: Engine | None, owned: bool = False) -> None:
+        """Serve `engine` from now on (None: nothing is loaded); the previous one is retired."""
+        previous = self.engine
         self.engine = engine
-        self.tokens = TokenText(engine.tokenizer)
-        if self.phase == "loading":
-            self.phase = "ready"
+        if owned and engine is not None:
+            self.owned_engines.append(engine)
+        if engine is not None:
+            self.tokens = TokenText(engine.tokenizer)
+            if self.phase in ("loading", "unloaded", "failed"):
+                self.phase, self.load_error = "ready", None
+        elif self.phase == "ready":
+            self.phase = "unloaded"
+        if previous is not None and previous is not engine:
+            self.retire(previous)
+
+    def retire(self, engine: Engine) -> None:
+        """Shut an owned engine down once no run in flight uses it (they finish on it)."""
+        if engine not in self.owned_engines:
+            return
+
+        async def when_idle() -> None:
+            while any(getattr(run, "engine", None) is engine for run in self.inflight.values()):
+                await asyncio.sleep(0.05)
+            if engine is not self.engine and engine in self.owned_engines:
+                self.owned_engines.remove(engine)
+                await asyncio.to_thread(engine.shutdown)
+
+        self._background.append(asyncio.get_running_loop().create_task(when_idle()))
+
+    def shutdown_owned_engines(self) -> None:
+        """At exit (any thread): stop every engine this app loaded."""
+        for engine in self.owned_engines:
+            engine.shutdown()
+        self.owned_engines.clear()
+
+    def start_background(self) -> None:
+        """The once-a-second sampler: token rates for `/v1/stats`, expiry of resumable streams."""
+        async def sample() -> None:
+            while True:
+                now = time.monotonic()
+                self.rates.sample(now, self.engine_stats())
+                if self.resumable is not None:
+                    self.resumable.sweep(now)
+                await asyncio.sleep(SAMPLE_EVERY_S)
+
+        self._background.append(asyncio.get_running_loop().create_task(sample()))
+
+    def stop_background(self) -> None:
+        for task in self._background:
+            task.cancel()
+        self._background.clear()
 
     def health_state(self) -> str:
-        if self.phase in ("loading", "draining"):
+        if self.phase in ("loading", "draining", "unloaded"):
             return self.phase
         if self.phase == "failed" or self.engine is None or self.engine.health() != "ready":
             return "unavailable"
@@ -92,6 +152,8 @@ class AppState:
             raise unavailable("the model is still loading; retry shortly", code="loading")
         if state == "draining":
             raise unavailable("the server is shutting down", code="draining")
+        if state == "unloaded":
+            raise unavailable("no model is loaded; load one with POST /admin/models/load", code="model_not_loaded")
         reason = self.load_error or "the engine is not running"
         raise unavailable(f"engine unavailable: {reason}", code="unavailable")
 

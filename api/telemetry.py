@@ -1,8 +1,10 @@
 """The server's own counters (beside the batcher's) and the Prometheus registry.
 
 `ServerStats` counts what the HTTP layer sees: requests, errors, tokens, the `recent`
-ring of the last 200 requests for `/admin/stats`. Everything here is touched only from
-the server's event loop, so it needs no lock.
+ring of the last 200 requests for `/admin/stats` and `/v1/requests` (each record numbered,
+so clients page with `since`). `RateWindow` samples the engine's token counters once a
+second so `/v1/stats` can report prefill and decode tokens/s over a recent window.
+Everything here is touched only from the server's event loop, so it needs no lock.
 
 `/metrics` is rendered from two sources at scrape time: the latest `BatcherStats`
 snapshot the owner thread published (the contract's `ferrox_*` counters and gauges,
@@ -83,6 +85,8 @@ class RequestRecord:
     ttft_ms: float | None
     duration_ms: float
     stream: bool
+    seq: int = 0  # 1, 2, ... in the order requests finished (`/v1/requests?since=`)
+    finished_at: float = 0.0  # Unix time
 
 
 class ServerStats:
@@ -95,6 +99,8 @@ class ServerStats:
         self.tokens_prompt_total = 0
         self.tokens_generated_total = 0
         self.generating_now = 0  # generation requests between submit and their last event
+        self.completed_total = 0  # generation requests recorded with a status below 400
+        self.num_recorded = 0  # generation requests recorded (the last record's seq)
         self.last_request_at: float | None = None
         self.recent: collections.deque[RequestRecord] = collections.deque(maxlen=RECENT_SIZE)
 
@@ -106,6 +112,9 @@ class ServerStats:
         self.errors_total += 1
 
     def record(self, rec: RequestRecord) -> None:
+        self.num_recorded += 1
+        rec.seq, rec.finished_at = self.num_recorded, time.time()
+        self.completed_total += rec.status < 400
         self.tokens_prompt_total += rec.prompt_tokens
         self.tokens_generated_total += rec.completion_tokens
         self.recent.append(rec)
@@ -125,6 +134,36 @@ class ServerStats:
             "generating_now": self.generating_now,
             "recent": [dataclasses.asdict(r) for r in self.recent],
         }
+
+
+class RateWindow:
+    """Token counters sampled over time: (monotonic s, prefill tokens, generated tokens).
+
+    Rates are measured between samples, not derived from per-request timings, so they
+    count work done inside the window even for requests still running."""
+
+    def __init__(self, keep_s: float = 120.0) -> None:
+        self.keep_s = keep_s
+        self.samples: collections.deque[tuple[float, int, int]] = collections.deque()
+
+    def sample(self, now: float, stats: BatcherStats | None) -> None:
+        if stats is None:
+            return
+        point = (now, stats.prefill_tokens, stats.tokens_generated)
+        if self.samples and (point[1] < self.samples[-1][1] or point[2] < self.samples[-1][2]):
+            self.samples.clear()  # another engine (a model swap): its counters start again
+        self.samples.append(point)
+        while self.samples and now - self.samples[0][0] > self.keep_s:
+            self.samples.popleft()
+
+    def rates(self, now: float, window_s: float) -> tuple[float, float, float]:
+        """(prefill tokens/s, decode tokens/s, seconds actually covered) over the last `window_s`."""
+        inside = [p for p in self.samples if now - p[0] <= window_s]
+        if len(inside) < 2:
+            return 0.0, 0.0, 0.0
+        (t0, p0, g0), (t1, p1, g1) = inside[0], inside[-1]
+        span = t1 - t0
+        return ((p1 - p0) / span, (g1 - g0) / span, span) if span > 0 else (0.0, 0.0, 0.0)
 
 
 class _SnapshotCollector:

@@ -12,7 +12,9 @@ decode ends in U+FFFD is held back: the token stream stopped inside a multi-byte
 character, and the next token usually completes it.
 
 `StopStringMatcher` holds back any suffix that could still start a stop string, and when a
-stop string appears cuts the text where it begins (the stop string is never emitted).
+stop string appears cuts the text where it begins (the stop string is never emitted) and
+remembers which one it was (`matched`: Anthropic's `stop_sequence`, llama.cpp's
+`stopping_word`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class StopStringMatcher:
         self._text = ""
         self._num_emitted_chars = 0
         self.is_stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     @property
     def text(self) -> str:
@@ -95,10 +98,11 @@ class StopStringMatcher:
             return self._release(len(self._text))
         # Emitted text never ends with a possible stop-string start, so a match can only
         # begin at or after the first unemitted character.
-        matches = [i for i in (self._text.find(s, self._num_emitted_chars) for s in self._stop)
-                   if i >= 0]
+        matches = [(i, n, s) for n, s in enumerate(self._stop)
+                   if (i := self._text.find(s, self._num_emitted_chars)) >= 0]
         if matches:
-            cut = min(matches)
+            # The earliest start wins; at one start, the first listed (the request's order).
+            cut, _, self.matched = min(matches)
             self._text = self._text[:cut]
             self.is_stopped = True
             return self._release(cut)
@@ -138,6 +142,11 @@ class TextStream:
     @property
     def text(self) -> str:
         return self._matcher.text
+
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the row, or None."""
+        return self._matcher.matched
 
     def add_token(self, token_id: int) -> str:
         """Returns the text this token makes safe to send (possibly empty)."""

@@ -2,6 +2,7 @@
 
 The API reaches the engine only through this class (`docs/architecture.md`): `submit`,
 `cancel`, `stats`, `health`, `tokenizer`, `compile_grammar`, `model_card`, `describe`,
+`memory_stats`, `checkpoint_path` (and `resolve_checkpoint` for paths not loaded yet),
 `shutdown`. Request and error types come from `ferrox_jax/request.py`, output constraints
 from `ferrox_jax/grammar.py` (`GrammarSpec`, `GrammarError`); the batcher, scheduler,
 block budget and runner stay behind this facade.
@@ -37,7 +38,7 @@ from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.sharding import check_divisibility, make_mesh
 from ferrox_jax.stats import BatcherStats
 from models.config import ModelConfig
-from models.loader import CheckpointSource, open_checkpoint
+from models.loader import CheckpointSource, open_checkpoint, resolve_path
 from models.pallas_attention import select_decode_attention
 from models.tokenizer import Tokenizer
 
@@ -269,6 +270,23 @@ class Engine:
     @property
     def model_config(self) -> ModelConfig:
         return self._source.config
+
+    @property
+    def checkpoint_path(self) -> str:
+        """The file or folder the weights came from (the default model's resolved file)."""
+        return self._source.path
+
+    @staticmethod
+    def resolve_checkpoint(path: str) -> str:
+        """Where `path` ("default", a folder, a .gguf) points. Raises FileNotFoundError."""
+        return str(resolve_path(path))
+
+    def memory_stats(self) -> dict:
+        """Device memory as the first local device reports it (bytes_in_use, peak_bytes_in_use,
+        bytes_limit where known); empty where the backend reports nothing (XLA's CPU)."""
+        stats = jax.local_devices()[0].memory_stats() or {}
+        keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+        return {key: int(stats[key]) for key in keys if key in stats}
 
     @property
     def model_card(self) -> ModelCard:

@@ -35,7 +35,9 @@ class RowStep:
     `history_token_ids` are the row's prompt+generated tokens before this step, used
     only when `sampling.has_penalties`. `matcher` is the row's grammar state
     (`ferrox_jax.grammar.RowMatcher`) when its output is constrained and it samples: the
-    runner fills the row's token mask from it; only the scheduler advances it.
+    runner fills the row's token mask from it; only the scheduler advances it. `pooling`
+    (prefill only): also return the sum and the last of the chunk's final hidden states
+    (`RowResult.hidden_sum` / `last_hidden`).
     """
 
     row_id: int
@@ -49,6 +51,7 @@ class RowStep:
     num_prompt_tokens: int = 0
     history_token_ids: tuple[int, ...] = ()
     matcher: RowMatcher | None = None
+    pooling: bool = False  # return the chunk's pooled hidden states (embeddings jobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +73,7 @@ class StepPlan:
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    results: dict[int, RowResult]  # row_id -> result, for rows with sample or prompt_logprobs
+    results: dict[int, RowResult]  # row_id -> result, for rows with sample, prompt_logprobs or pooling
     device_s: float = 0.0  # wall time spent in device calls, for host-overhead stats
     # Grammar masks (constrained rows only): host seconds filling them (part of device_s,
     # since they are computed while the model call runs), row masks filled, fills (one per

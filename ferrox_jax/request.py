@@ -15,9 +15,10 @@ job move together until they decode, then end one by one:
        └───────────────────┴─────────────────────────┴──────> FINISHED_CANCELLED | _ERROR
 
 (WAITING -> DECODING directly when there is nothing to prefill: n > 1 with a one-token
-prompt, whose only token every row computes itself.) `_transition()` is the only code that
-changes a state; it checks `_ALLOWED_TRANSITIONS` and counts entries per state. Nothing is
-preempted, so no state leads back.
+prompt, whose only token every row computes itself. PREFILLING -> FINISHED_STOP for a
+pooling job, which ends after its last prefill chunk with the pooled hidden state.)
+`_transition()` is the only code that changes a state; it checks `_ALLOWED_TRANSITIONS`
+and counts entries per state. Nothing is preempted, so no state leads back.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------- the public types
 
 MAX_LOGPROBS = 20  # top-k logprobs returned per sampled token, at most (OpenAI's limit)
+POOLINGS = ("mean", "last")  # GenerationRequest.pooling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +97,10 @@ class RowResult:
     # For prompt_logprobs rows: per computed token (after the first prompt token),
     # (logprob of that token, its top-k). Empty otherwise.
     prompt_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
+    # For pooling rows (embeddings): f32[D] sum of the chunk's final hidden states over its
+    # tokens, and f32[D] the state at its last token. None otherwise.
+    hidden_sum: Any = None
+    last_hidden: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +122,19 @@ class GenerationRequest:
     grammar: CompiledGrammar | None = None
     # False: special tokens stay in the text (tool-call markers such as [TOOL_CALLS]).
     skip_special_tokens: bool = True
+    # A prefill-only job (embeddings): "mean" or "last" pools the prompt's final hidden
+    # states; the job samples nothing, holds only the prompt's blocks, and its one event
+    # carries `RowEvent.embedding`. Needs max_tokens 0 and n 1.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"GenerationRequest {self.request_id!r}: prompt_token_ids is empty")
-        if self.max_tokens < 1:
+        if self.pooling is not None:
+            if self.pooling not in POOLINGS or self.max_tokens != 0 or self.n != 1:
+                raise ValueError(f"GenerationRequest.pooling must be one of {POOLINGS}, with max_tokens 0 and "
+                                 f"n 1; got {self.pooling!r}, {self.max_tokens}, {self.n}")
+        elif self.max_tokens < 1:
             raise ValueError(f"GenerationRequest.max_tokens must be >= 1; got {self.max_tokens}")
         if self.n < 1:
             raise ValueError(f"GenerationRequest.n must be >= 1; got {self.n}")
@@ -150,6 +164,10 @@ class RowEvent:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0  # sampled so far, the stop token included
     queue_s: float | None = None  # first event only: seconds the job waited for admission
+    # Last event of a row that a stop string ended ("stop"): which one. None when an
+    # eos or stop token ended it, so adapters can tell the two apart.
+    stop_string: str | None = None
+    embedding: Any = None  # a pooling job's last event: f32[hidden] numpy, not normalised
 
 
 class AdmissionError(Exception):
@@ -200,7 +218,7 @@ _ENDED_EARLY = frozenset({RequestState.FINISHED_CANCELLED, RequestState.FINISHED
 
 _ALLOWED_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.DECODING} | _ENDED_EARLY),
-    RequestState.PREFILLING: frozenset({RequestState.DECODING} | _ENDED_EARLY),
+    RequestState.PREFILLING: frozenset({RequestState.DECODING, RequestState.FINISHED_STOP} | _ENDED_EARLY),
     RequestState.DECODING: _FINISHED,
     RequestState.FINISHED_STOP: frozenset(),
     RequestState.FINISHED_LENGTH: frozenset(),
@@ -279,6 +297,8 @@ class Request:
         self.prompt_logprobs: list[Any] = []
         self.queued_at_s = 0.0  # scheduler clock when the job joined the waiting queue
         self.queue_s: float | None = None  # waiting time, set at admission
+        self.hidden_sum: Any = None  # pooling jobs: f32[D] summed over the chunks so far
+        self.pooled: Any = None  # pooling jobs: the vector their last event carries
 
     @property
     def is_prefilled(self) -> bool:

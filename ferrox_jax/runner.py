@@ -247,7 +247,7 @@ class ModelRunner:
         results: dict[int, RowResult] = {}
         for (rows, _), (forward, samples) in zip(calls, fetched):
             for i, row in enumerate(rows):
-                if row.sample or row.prompt_logprobs:
+                if row.sample or row.prompt_logprobs or row.pooling:
                     results[row.row_id] = self._row_result(row, forward, samples, i)
         return StepOutput(results=results, device_s=time.perf_counter() - t0, mask_s=masks.seconds,
                           num_mask_rows=masks.num_rows, num_mask_fills=masks.num_fills,
@@ -294,8 +294,10 @@ class ModelRunner:
                  tuple(zip(forward.prompt_top_ids[i, j, :k].tolist(), forward.prompt_top_logprobs[i, j, :k].tolist())))
                 for j in range(n)
             )
-        if not row.sample:  # a prompt-logprobs chunk that is not the prompt's last
-            return RowResult(row_id=row.row_id, token_id=-1, prompt_logprobs=prompt)
+        pooled = (forward.hidden_sum[i], forward.last_hidden[i]) if row.pooling else (None, None)
+        if not row.sample:  # a prompt-logprobs chunk that is not the prompt's last, or pooling
+            return RowResult(row_id=row.row_id, token_id=-1, prompt_logprobs=prompt, hidden_sum=pooled[0],
+                             last_hidden=pooled[1])
         top = tuple(zip(samples.top_ids[i, :k].tolist(), samples.top_logprobs[i, :k].tolist()))
         return RowResult(row_id=row.row_id, token_id=int(samples.tokens[i]), logprob=float(samples.logprob[i]),
                          top_logprobs=top, prompt_logprobs=prompt)

@@ -259,7 +259,8 @@ class Scheduler:
         if not is_last:
             self._prefilling.rotate(-1)
         row = job.rows[0]
-        sample = is_last and job.spec.n == 1  # n > 1: each row samples on its own
+        # n > 1: each row samples on its own; a pooling job samples nothing
+        sample = is_last and job.spec.n == 1 and job.spec.pooling is None
         step = RowStep(
             row_id=row.row_id, token_ids=prompt[start:end], start_pos=start,
             block_ids=tuple(job.prefill_block_ids), sample=sample,
@@ -267,7 +268,7 @@ class Scheduler:
             next_token_id=prompt[end] if end < len(prompt) else -1,
             num_prompt_tokens=len(prompt),
             history_token_ids=self._history(row) if sample else (),
-            matcher=row.matcher if sample else None)
+            matcher=row.matcher if sample else None, pooling=job.spec.pooling is not None)
         return (step,)
 
     def _plan_decode_step(self) -> tuple[RowStep, ...]:
@@ -340,7 +341,7 @@ class Scheduler:
 
     def check_output(self, plan: StepPlan, out: StepOutput) -> None:
         """Raises ValueError if the runner left out a result the plan asked for."""
-        wanted = [s.row_id for s in plan.prefill + plan.decode if s.sample or s.prompt_logprobs]
+        wanted = [s.row_id for s in plan.prefill + plan.decode if s.sample or s.prompt_logprobs or s.pooling]
         missing = [row_id for row_id in wanted if row_id not in out.results]
         if missing:
             raise ValueError(f"runner returned no result for rows {missing}")
@@ -382,12 +383,26 @@ class Scheduler:
         job.num_computed_tokens += len(step.token_ids)
         if job.spec.prompt_logprobs and result is not None:
             job.prompt_logprobs.extend(result.prompt_logprobs)
+        if job.spec.pooling is not None:
+            self._pool_chunk(job, result)
+            return
         if not job.is_prefilled:
             return
         self._prefilling.remove(job)
         self._start_decoding(job)
         if step.sample:
             self._accept_token(job.rows[0], result)
+
+    def _pool_chunk(self, job: Request, result: RowResult) -> None:
+        """A pooling job (embeddings): add the chunk's hidden states; after its last chunk it
+        ends with the pooled vector (mean over the prompt, or its last token's state), having
+        sampled nothing; its prompt blocks are freed like any finished job's."""
+        job.hidden_sum = result.hidden_sum if job.hidden_sum is None else job.hidden_sum + result.hidden_sum
+        if not job.is_prefilled:
+            return
+        self._prefilling.remove(job)
+        job.pooled = job.hidden_sum / job.num_prefill_tokens if job.spec.pooling == "mean" else result.last_hidden
+        self._finish_row(job.rows[0], RequestState.FINISHED_STOP)
 
     def _start_decoding(self, job: Request) -> None:
         """Hands the prefill's blocks to the rows (see the module docstring for n > 1)."""
@@ -511,6 +526,8 @@ class Scheduler:
             finish_reason=row.state.finish_reason, error=row.error,
             prompt_logprobs=prompt_logprobs, num_prompt_tokens=len(spec.prompt_token_ids),
             num_generated_tokens=row.num_generated_tokens,
-            queue_s=None if row.has_sent_event else row.request.queue_s))
+            queue_s=None if row.has_sent_event else row.request.queue_s,
+            stop_string=row.text.matched_stop if row.state is RequestState.FINISHED_STOP else None,
+            embedding=row.request.pooled))
         row.has_sent_event = True
         row.new_token_ids, row.new_text, row.new_logprobs = [], "", []

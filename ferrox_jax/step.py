@@ -7,8 +7,10 @@ runs (`ferrox_jax/runner.py` dispatches the first, fills the masks, then the sec
   * `prefill_step` / `decode_step` (graphdef, state, kv_cache, batch) -> (kv_cache,
     ForwardResult): run the model over each row's new tokens (writing their K/V into the
     paged cache, layout in `kv_cache.py`) and return the logits at each row's last new
-    token. `prefill_step` sees one row with T = a token bucket and can also return prompt
-    logprobs; `decode_step` sees B = a row bucket with T = 1. The graphdef is static, the
+    token. `prefill_step` sees one row with T = a token bucket, can also return prompt
+    logprobs, and always returns the chunk's final hidden states pooled (summed over the
+    valid tokens, and the last one) for embeddings jobs; `decode_step` sees B = a row
+    bucket with T = 1. The graphdef is static, the
     state traced, and only the KV cache is donated: the caller rebinds it in the same
     statement (`self.kv_cache, out = step(graphdef, state, self.kv_cache, batch)`).
   * `sample_step` (logits, positions, sampling, bitmask) -> SampleResult: apply the rows'
@@ -62,6 +64,8 @@ class ForwardResult:
     prompt_logprob: jax.Array  # f32[B, T] (prefill) or f32[B, 0]
     prompt_top_ids: jax.Array  # i32[B, T, 20] or [B, 0, 20]
     prompt_top_logprobs: jax.Array  # f32[B, T, 20] or [B, 0, 20]
+    hidden_sum: jax.Array  # f32[B, D] (prefill: final hidden states summed over valid tokens) or f32[B, 0]
+    last_hidden: jax.Array  # f32[B, D] (prefill: the state at last_index) or f32[B, 0]
 
 
 @struct.dataclass
@@ -94,10 +98,15 @@ def _forward(graphdef, state, kv_cache: KVCache, batch: StepBatch, *, is_prefill
                  jnp.zeros((b, t, MAX_LOGPROBS), jnp.float32))
         prompt = jax.lax.cond(batch.want_prompt_logprobs,
                               lambda: _prompt_logprobs(model, hidden, batch.next_tokens), lambda: zeros)
+        # Pooling outputs for embeddings jobs, in the same executable: one reduction over
+        # [T, D], so every prefill bucket serves them without a compile of its own.
+        pooled = (jnp.sum(jnp.where(batch.valid[..., None], hidden.astype(jnp.float32), 0.0), axis=1),
+                  last_hidden.astype(jnp.float32))
     else:
         prompt = (jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0, MAX_LOGPROBS), jnp.int32),
                   jnp.zeros((b, 0, MAX_LOGPROBS), jnp.float32))
-    return KVCache(k=k, v=v), ForwardResult(logits, sample_pos, *prompt)
+        pooled = (jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.float32))
+    return KVCache(k=k, v=v), ForwardResult(logits, sample_pos, *prompt, *pooled)
 
 
 def _sample(logits, positions, sampling: SamplingBatch, bitmask) -> SampleResult:

@@ -202,9 +202,17 @@ def test_a_stream_whose_client_reads_nothing_is_cancelled_after_the_orphan_timeo
             record = s["recent"][-1]
             assert record["stream"] and record["status"] == 499
             assert record["completion_tokens"] < 4 * 2000, "cut short, not run to the end"
+            # Without reading: a read would drain the buffers and let a graceful close finish.
+            wait_for(lambda: not is_established(sock), timeout_s=10)
         finally:
             sock.close()
         assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def is_established(sock: socket.socket) -> bool:
+    """The client side's TCP state (Linux TCP_INFO): ESTABLISHED until the server's reset
+    arrives, and also while a graceful close waits forever for the client to read."""
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == 1  # TCP_ESTABLISHED
 
 
 # ---------------------------------------------------------------- security

@@ -66,6 +66,17 @@ def test_earliest_of_several_stop_strings_wins():
     assert matcher.is_stopped and released == "hel", "the stop that starts first cuts the text"
 
 
+def test_the_matched_stop_string_is_remembered():
+    matcher = StopStringMatcher(["world", "lo w", "xyz"])
+    matcher.add_text("hel")
+    assert matcher.matched is None
+    matcher.add_text("lo world")
+    assert matcher.matched == "lo w", "the one that starts first, as the text is cut there"
+    tied = StopStringMatcher(["ab", "abc"])
+    tied.add_text("xabc")
+    assert tied.matched == "ab", "at one start, the first listed"
+
+
 def test_stop_string_inside_one_token_mid_token_is_cut():
     tok = ByteTokenizer()
     stream = TextStream(tok, [], stop=["\n\n"])

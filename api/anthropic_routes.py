@@ -1,0 +1,288 @@
+"""The Anthropic Messages adapter: `POST /v1/messages` and `/v1/messages/count_tokens`.
+
+Anthropic's wire format only; the generation core (`api/generation.py`) does the rest.
+A request's `system` (a string or text blocks) and `messages` (text, `tool_use` and
+`tool_result` blocks) become chat-template turns (OpenAI's roles: tool uses are an
+assistant's `tool_calls`, tool results `tool` turns), rendered and tokenized like chat.
+
+Reply: `{"type": "message", "content": [blocks], "stop_reason", "stop_sequence", "usage":
+{"input_tokens", "output_tokens"}}`; the `request-id` header carries the id `/v1/cancel`
+takes. Stop reasons: a stop string -> `stop_sequence` (and which one, from the engine's
+`RowEvent.stop_string`); end of generation -> `end_turn`; the token limit -> `max_tokens`;
+a cancel -> `cancelled` (ferrox's, as on the OpenAI routes). `tool_use` will be the reason
+once tool calls are parsed here: the content is already a list of blocks, the text block
+at index 0, so tool-use blocks would follow it.
+
+A stream is Anthropic's event sequence, each `event: <type>\\ndata: {json}`:
+`message_start`, `content_block_start`, `ping`, `content_block_delta`* (text_delta),
+`content_block_stop`, `message_delta` (stop reason, output tokens), `message_stop`;
+`ping` again while idle; a failure mid-stream is an `error` event.
+
+Errors, on every path under /v1/messages (`api/app.py` picks this envelope by route):
+`{"type": "error", "error": {"type", "message"}}` with Anthropic's status codes and types;
+our 503s (queue full, loading, draining) are Anthropic's 529 `overloaded_error`.
+
+Defaults are Anthropic's: temperature 1.0 (range [0, 1]), top_p and top_k off. Recent
+`anthropic` clients send temperature / top_p / top_k only through `extra_body`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from quart import Blueprint, Response, current_app, request
+
+from api import generation
+from api.errors import APIError
+from api.generation import GenerationRun, RowOutput
+from api.limits import check_asked_tokens, check_prompt_tokens, check_stop_strings, max_tokens
+from api.prompts import chat_prompt, check_model
+from api.protocol import parse_body
+from api.sse import named_event as event, sse_response
+from api.state import AppState, json_response, state_of
+from ferrox_jax.engine import Engine
+from ferrox_jax.request import GenerationRequest, RowEvent, SamplingParams
+
+blueprint = Blueprint("anthropic", __name__)
+
+ROUTE = "/v1/messages"
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               504: "timeout_error", 529: "overloaded_error"}
+PING = event("ping", {"type": "ping"})  # sent once after the block starts, then while idle
+
+
+def error_response(e: APIError) -> tuple[int, dict]:
+    """Anthropic's status and envelope for a refusal (our 503 is their 529 overloaded_error)."""
+    status = 529 if e.status == 503 else e.status
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return status, {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+# ---------------------------------------------------------------- request shape
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+def _text_or_blocks(v: Any, optional: bool = False) -> Any:
+    if (v is None and optional) or isinstance(v, str) or (isinstance(v, list) and all(isinstance(b, dict) for b in v)):
+        return v
+    raise ValueError("must be a string or a list of content blocks")
+
+
+class MessageParam(_Strict):
+    role: Literal["user", "assistant"]
+    content: Any
+
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        return _text_or_blocks(v)
+
+
+class CountTokensRequest(_Strict):
+    model: str
+    messages: list[MessageParam] = Field(..., min_length=1)
+    system: Any = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    @field_validator("system", mode="plain")
+    @classmethod
+    def _system(cls, v: Any) -> Any:
+        return _text_or_blocks(v, optional=True)
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(..., ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool | None = False
+    metadata: dict[str, Any] | None = None
+
+    @field_validator("metadata", mode="plain")
+    @classmethod
+    def _metadata(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, dict):
+            raise ValueError("metadata must be an object")
+        return v
+
+
+def _text(block: dict, param: str) -> str:
+    if not isinstance(block.get("text"), str):
+        raise APIError(400, f"{param}.text: a string is required", param=f"{param}.text")
+    return block["text"]
+
+
+def _system_text(system: str | list[dict] | None) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    parts = []
+    for j, block in enumerate(system):
+        if block.get("type") != "text":
+            raise APIError(400, f"system[{j}]: only text blocks are supported", param=f"system[{j}]")
+        parts.append(_text(block, f"system[{j}]"))
+    return "\n".join(parts)
+
+
+def _tool_result_text(block: dict, param: str) -> str:
+    content = block.get("content", "")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(_text(b, f"{param}.content[{k}]") for k, b in enumerate(content)
+                         if isinstance(b, dict) and b.get("type") == "text")
+    raise APIError(400, f"{param}.content must be a string or text blocks", param=f"{param}.content")
+
+
+def _turns(message: MessageParam, i: int) -> list[dict]:
+    """One Anthropic message as chat-template turns (tool results become `tool` turns)."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    turns, texts, calls = [], [], []
+    for j, block in enumerate(message.content):
+        param = f"messages[{i}].content[{j}]"
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_text(block, param))
+        elif kind == "tool_use" and message.role == "assistant":
+            if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
+                raise APIError(400, f"{param}: tool_use needs a name and an input object", param=param)
+            calls.append({"id": str(block.get("id", "")), "type": "function",
+                          "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
+        elif kind == "tool_result" and message.role == "user":
+            turns.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
+                          "content": _tool_result_text(block, param)})
+        else:
+            raise APIError(400, f"{param}: content blocks of type {kind!r} are not supported in a "
+                                f"{message.role} message (text, tool_use, tool_result)", param=param)
+    if texts or calls:
+        turn: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
+        if calls:
+            turn["tool_calls"] = calls
+        turns.append(turn)
+    return turns
+
+
+async def _prompt(body: CountTokensRequest, engine: Engine) -> list[int]:
+    if body.tools or body.tool_choice is not None:
+        raise APIError(400, "tools are not supported on /v1/messages yet", param="tools")
+    system = _system_text(body.system)
+    turns = [{"role": "system", "content": system}] if system else []
+    for i, message in enumerate(body.messages):
+        turns.extend(_turns(message, i))
+    return await chat_prompt(engine, turns)
+
+
+# ---------------------------------------------------------------- routes
+
+
+def _state() -> AppState:
+    return state_of(current_app)
+
+
+@blueprint.post(ROUTE + "/count_tokens")
+async def count_tokens() -> Response:
+    state = _state()
+    body: CountTokensRequest = parse_body(await request.get_data(), CountTokensRequest)
+    engine = state.require_engine()
+    check_model(body.model, engine)
+    return json_response({"input_tokens": len(await _prompt(body, engine))})
+
+
+@blueprint.post(ROUTE)
+async def create_message() -> Response:
+    state = _state()
+    body: MessagesRequest = parse_body(await request.get_data(), MessagesRequest)
+    engine = state.require_engine()
+    check_model(body.model, engine)
+    check_stop_strings(body.stop_sequences or [], state.config, "stop_sequences")
+    check_asked_tokens(body.max_tokens, state.config)
+    prompt = await _prompt(body, engine)
+    check_prompt_tokens(len(prompt), state.config, "messages")
+    api_id = f"msg_{uuid.uuid4().hex}"
+    sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                              top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+                              seed=random.getrandbits(31))
+    job = GenerationRequest(request_id=api_id, prompt_token_ids=tuple(prompt), sampling=sampling,
+                            max_tokens=max_tokens(body.max_tokens, len(prompt), engine.max_context,
+                                                  state.config, "messages"),
+                            stop=tuple(body.stop_sequences or ()))
+    run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine)
+    reply = _Message(run, engine.model_name)
+    generation.start(run)
+    headers = {"request-id": api_id}
+    if run.stream:
+        response = sse_response(reply.stream(), api_id)
+        response.headers.update(headers)
+        return response
+    await generation.collect(run, reply.fold)
+    return json_response(reply.message(), headers=headers)
+
+
+def stop_reason(event: RowEvent) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) for a row's last event."""
+    reason = event.finish_reason
+    if reason == "stop":
+        return ("stop_sequence", event.stop_string) if event.stop_string is not None else ("end_turn", None)
+    if reason == "length":
+        return "max_tokens", None
+    return reason, None
+
+
+class _Message:
+    """One run's events as an Anthropic message, whole or as its event stream."""
+
+    def __init__(self, run: GenerationRun, model: str) -> None:
+        self.run, self.model = run, model
+        self.text: list[str] = []
+        self.stop_reason: str | None = None
+        self.stop_sequence: str | None = None
+
+    def fold(self, output: RowOutput) -> None:
+        event = output.event
+        if event.text:
+            self.text.append(event.text)
+        if event.finish_reason is not None:
+            self.stop_reason, self.stop_sequence = stop_reason(event)
+
+    def _usage(self) -> dict:
+        return {"input_tokens": self.run.num_prompt_tokens, "output_tokens": self.run.num_completion_tokens}
+
+    def message(self, content: list | None = None) -> dict:
+        return {"id": self.run.api_id, "type": "message", "role": "assistant", "model": self.model,
+                "content": [{"type": "text", "text": "".join(self.text)}] if content is None else content,
+                "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence, "usage": self._usage()}
+
+    def _frames(self, output: RowOutput) -> list[bytes]:
+        self.fold(output)
+        if not output.event.text:
+            return []
+        return [event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                              "delta": {"type": "text_delta", "text": output.event.text}})]
+
+    def _end(self) -> list[bytes]:
+        return [event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+                event("message_delta", {"type": "message_delta",
+                                        "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
+                                        "usage": {"output_tokens": self.run.num_completion_tokens}}),
+                event("message_stop", {"type": "message_stop"})]
+
+    async def stream(self):
+        start = self.message(content=[])
+        start["usage"]["output_tokens"] = 0
+        yield event("message_start", {"type": "message_start", "message": start})
+        yield event("content_block_start", {"type": "content_block_start", "index": 0,
+                                            "content_block": {"type": "text", "text": ""}})
+        yield PING
+        async for frame in generation.stream(self.run, self._frames, keepalive=PING, end=self._end,
+                                             error=lambda e: event("error", error_response(e)[1])):
+            yield frame

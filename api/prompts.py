@@ -1,0 +1,52 @@
+"""Prompt preparation every adapter shares: the model check, tokenizing, chat rendering.
+
+Adapters turn their own message shapes into the chat template's `{"role", "content", ...}`
+dicts (OpenAI's roles; `tool_calls` / `tool_call_id` for tool turns) and call
+`render_chat`, then `encode`; the token ids go into `GenerationRequest`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from api.errors import APIError
+
+if TYPE_CHECKING:
+    from ferrox_jax.engine import Engine
+
+ENCODE_INLINE_CHARS = 16_384  # longer prompts are tokenized in a worker thread
+
+
+def check_model(name: str | None, engine: Engine) -> None:
+    """404 `model_not_found` unless `name` is absent or the served model's id."""
+    if name is not None and name != engine.model_name:
+        raise APIError(404, f"model {name!r} not found; this server serves {engine.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+async def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`; long texts are encoded off the event loop (a 4 MiB body takes ~1 s)."""
+    if len(text) < ENCODE_INLINE_CHARS:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+
+
+def render_chat(engine: Engine, messages: list[dict], add_generation_prompt: bool = True,
+                param: str = "messages", tools: list[dict] | None = None) -> str:
+    """The conversation through the checkpoint's chat template; a template error is a 400."""
+    from models.tokenizer import ChatTemplateError
+
+    try:
+        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                    tools=tools)
+    except ChatTemplateError as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="chat_template_error") from None
+
+
+async def chat_prompt(engine: Engine, messages: list[dict], param: str = "messages") -> list[int]:
+    """Rendered and tokenized conversation; an empty result is a 400 naming `param`."""
+    ids = await encode(engine.tokenizer, render_chat(engine, messages, True, param), add_special_tokens=False)
+    if not ids:
+        raise APIError(400, f"{param} render to an empty prompt", param=param)
+    return ids

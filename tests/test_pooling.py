@@ -1,0 +1,92 @@
+"""Pooling jobs (embeddings) in the scheduler, against a scripted runner: prefill chunks
+only, the prompt's blocks only, the pooled vector in the one event, and generation traffic
+decoding every tick alongside. No device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ferrox_jax.config import SchedulerLimits
+from ferrox_jax.request import GenerationRequest, RowResult
+from ferrox_jax.scheduler import Scheduler
+from tests.scripted import ByteTokenizer, ScriptedRunner, run_until_idle, tick
+
+BLOCK_SIZE, CHUNK = 4, 8
+
+
+class PoolingRunner(ScriptedRunner):
+    """The hidden state of the token at position p is [p, token id]: sums are checkable by hand."""
+
+    def _result(self, step):
+        if not step.pooling:
+            return super()._result(step)
+        positions = np.arange(step.start_pos, step.start_pos + len(step.token_ids), dtype=np.float32)
+        states = np.stack([positions, np.asarray(step.token_ids, np.float32)], axis=1)  # [T, 2]
+        return RowResult(step.row_id, -1, hidden_sum=states.sum(axis=0), last_hidden=states[-1])
+
+
+def make(num_blocks=64):
+    runner = PoolingRunner(block_size=BLOCK_SIZE, num_blocks=num_blocks + 1, max_prefill_tokens=CHUNK)
+    limits = SchedulerLimits(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_seqs=8, max_rows=8,
+                             max_chunk_tokens=CHUNK, max_context=64)
+    return Scheduler(limits, ByteTokenizer()), runner
+
+
+def pooling(request_id, prompt, kind="mean"):
+    return GenerationRequest(request_id=request_id, prompt_token_ids=tuple(prompt), max_tokens=0, pooling=kind)
+
+
+@pytest.mark.parametrize("kind", ["mean", "last"])
+def test_pooled_vector_over_a_chunked_prompt(kind):
+    scheduler, runner = make()
+    prompt = list(range(30, 50))  # 20 tokens: chunks of 8, 8, 4
+    scheduler.add_request(pooling("e", prompt, kind))
+    out = run_until_idle(scheduler, runner)[("e", 0)]
+    event = out.events[-1]
+    assert out.num_events == 1 and event.finish_reason == "stop" and event.token_ids == ()
+    expected = [np.mean(range(20)), np.mean(prompt)] if kind == "mean" else [19, prompt[-1]]
+    np.testing.assert_allclose(event.embedding, expected)
+    assert [len(s.token_ids) for p in runner.plans for s in p.prefill] == [8, 8, 4]
+    assert not any(s.sample for p in runner.plans for s in p.prefill), "nothing is sampled"
+    assert scheduler.budget.num_free_blocks == 64 and scheduler.tokens_generated == 0
+
+
+def test_a_pooling_job_reserves_only_its_prompt_blocks():
+    scheduler, runner = make()
+    scheduler.add_request(pooling("e", range(30, 50)))
+    tick(scheduler, runner, {})
+    assert scheduler.budget.num_free_blocks == 64 - 20 // BLOCK_SIZE, "ceil(20 / 4) = 5 blocks, no room to generate"
+
+
+def test_generation_keeps_decoding_while_embeddings_prefill():
+    scheduler, runner = make()
+    scheduler.add_request(GenerationRequest(request_id="g", prompt_token_ids=(1, 2, 3), max_tokens=12))
+    outputs = {}
+    tick(scheduler, runner, outputs)  # g prefilled and sampled its first token
+    for i in range(3):
+        scheduler.add_request(pooling(f"e{i}", range(40, 64)))  # 3 chunks each
+    run_until_idle(scheduler, runner, outputs)
+    busy = [p for p in runner.plans[1:] if p.prefill]
+    assert len(busy) == 9 and all(len(p.decode) == 1 for p in busy[:5]), "one chunk per tick, g decodes every tick"
+    assert outputs[("g", 0)].finish_reason == "length" and len(outputs[("g", 0)].token_ids) == 12
+    assert all(outputs[(f"e{i}", 0)].events[-1].embedding is not None for i in range(3))
+
+
+def test_a_cancelled_pooling_job_frees_its_blocks_without_a_vector():
+    scheduler, runner = make()
+    scheduler.add_request(pooling("e", range(30, 50)))
+    outputs = {}
+    tick(scheduler, runner, outputs)
+    scheduler.cancel("e")
+    run_until_idle(scheduler, runner, outputs)
+    event = outputs[("e", 0)].events[-1]
+    assert event.finish_reason == "cancelled" and event.embedding is None
+    assert scheduler.budget.num_free_blocks == 64
+
+
+def test_pooling_needs_max_tokens_0_and_n_1():
+    with pytest.raises(ValueError, match="pooling"):
+        GenerationRequest(request_id="x", prompt_token_ids=(1,), max_tokens=1, pooling="mean")
+    with pytest.raises(ValueError, match="pooling"):
+        GenerationRequest(request_id="x", prompt_token_ids=(1,), max_tokens=0, pooling="max")
