@@ -2,7 +2,7 @@
 
 Adapters turn their own message shapes into the chat template's `{"role", "content", ...}`
 dicts (OpenAI's roles; `tool_calls` / `tool_call_id` for tool turns) and call
-`render_chat`, then `encode`; the token ids go into `GenerationRequest`s.
+`chat_prompt` (or `encode` for raw text); the token ids go into `GenerationRequest`s.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from api.errors import APIError
+from api.structured import prepare_chat
 
 if TYPE_CHECKING:
     from ferrox_jax.engine import Engine
@@ -32,21 +33,12 @@ async def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> 
     return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
 
 
-def render_chat(engine: Engine, messages: list[dict], add_generation_prompt: bool = True,
-                param: str = "messages", tools: list[dict] | None = None) -> str:
-    """The conversation through the checkpoint's chat template; a template error is a 400."""
-    from models.tokenizer import ChatTemplateError
-
-    try:
-        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                    tools=tools)
-    except ChatTemplateError as e:
-        raise APIError(400, f"{param}: {e}", param=param, code="chat_template_error") from None
-
-
 async def chat_prompt(engine: Engine, messages: list[dict], param: str = "messages") -> list[int]:
-    """Rendered and tokenized conversation; an empty result is a 400 naming `param`."""
-    ids = await encode(engine.tokenizer, render_chat(engine, messages, True, param), add_special_tokens=False)
+    """Rendered (as the OpenAI chat route renders it: `api/structured.py:prepare_chat`, so a
+    history's tool turns come out the same) and tokenized conversation; a template error or
+    an empty result is a 400 naming `param`."""
+    text = prepare_chat(engine.tokenizer, messages, messages_param=param).text
+    ids = await encode(engine.tokenizer, text, add_special_tokens=False)
     if not ids:
         raise APIError(400, f"{param} render to an empty prompt", param=param)
     return ids

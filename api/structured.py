@@ -232,7 +232,8 @@ class ChatPrompt:
 
 def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: ToolRequest | None = None,
                  constraint: GrammarSpec | str | None = None, constraint_param: str = "response_format",
-                 default_constraint: GrammarSpec | None = None, add_generation_prompt: bool = True) -> ChatPrompt:
+                 default_constraint: GrammarSpec | None = None, add_generation_prompt: bool = True,
+                 messages_param: str = "messages") -> ChatPrompt:
     """Render a chat request's prompt and plan its output (the module docstring's rules).
 
     Args:
@@ -243,9 +244,10 @@ def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: ToolR
       constraint: the request's own constraint, PLAIN_TEXT, or None.
       constraint_param: the field a compile error of the request's constraint names.
       default_constraint: the server-wide constraint.
+      messages_param: the field a template error names (the adapter's name for the messages).
     Raises:
       APIError 400: a constraint next to a forced call; a template that fails (names
-        `messages`).
+        `messages_param`).
     """
     from models.tokenizer import ChatTemplateError  # the engine's tokenizer raises it
 
@@ -263,7 +265,7 @@ def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: ToolR
         text = tokenizer.apply_chat_template(template_messages, add_generation_prompt=add_generation_prompt,
                                              tools=template_tools)
     except ChatTemplateError as e:
-        raise APIError(400, f"messages: {e}", param="messages", code="chat_template_error") from None
+        raise APIError(400, f"{messages_param}: {e}", param=messages_param, code="chat_template_error") from None
     tool_format = None
     if active:
         tool_format = "json" if tools.forces_call else detect_tool_call_format(template)
