@@ -92,18 +92,18 @@ def _generate(engine, jobs, prefix):
 
 def test_bf16_greedy_batched_equals_each_alone(tiny_llama):
     """A row's tokens must not depend on its neighbours in bf16 either: batching changes
-    the row bucket (1 vs 8), and a matmul whose reduction order followed the batch size
+    the row bucket (1 vs 4), and a matmul whose reduction order followed the batch size
     would flip near-tied greedy choices."""
-    engine = Engine.load(EngineConfig(model=str(tiny_llama), dtype="bfloat16", block_size=8, kv_blocks=200,
-                                      max_context=128, prefill_chunk=32, max_seqs=8))
+    engine = Engine.load(EngineConfig(model=str(tiny_llama), dtype="bfloat16", block_size=8, kv_blocks=120,
+                                      max_context=64, prefill_chunk=32, max_seqs=4))
     engine.warmup()
     engine.start()
     try:
         rng = np.random.RandomState(7)
-        jobs = [(rng.randint(3, 300, rng.randint(1, 40)).tolist(), 16) for _ in range(8)]
+        jobs = [(rng.randint(3, 300, rng.randint(1, 40)).tolist(), 16) for _ in range(4)]
         together = _generate(engine, jobs, "b")
         alone = [_generate(engine, [job], f"a{i}-")[0] for i, job in enumerate(jobs)]
-        assert [len(t) for t in together] == [16] * 8
+        assert [len(t) for t in together] == [16] * 4
         assert together == alone, "batching changed greedy tokens in bf16"
         assert engine.stats().recompiles_after_warmup == 0
     finally:

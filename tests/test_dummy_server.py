@@ -25,8 +25,8 @@ from tests.server_harness import free_port
 from tools.model_shapes import write_config_folder
 
 REPO = Path(__file__).resolve().parent.parent
-LIMITS = ["--block-size", "16", "--kv-blocks", "64", "--max-context", "256", "--max-seqs", "4",
-          "--prefill-chunk", "32", "--dtype", "float32"]
+LIMITS = ["--block-size", "16", "--kv-blocks", "64", "--max-context", "256", "--max-seqs", "2",
+          "--prefill-chunk", "16", "--dtype", "float32"]  # 3 buckets: decode 1 and 2 rows, prefill 16
 
 
 @contextlib.contextmanager
@@ -62,7 +62,7 @@ def folder(tmp_path_factory) -> Path:
 def _greedy_text_in_process(folder: Path, prompt: str, max_tokens: int) -> tuple[str, int]:
     """The same folder and seed loaded a second time, in this process: (text, tokens)."""
     engine = Engine.load(EngineConfig(model=str(folder), load_format="dummy", dummy_weights_seed=7, dtype="float32",
-                                      block_size=16, kv_blocks=64, max_context=256, max_seqs=4, prefill_chunk=32))
+                                      block_size=16, kv_blocks=64, max_context=256, max_seqs=2, prefill_chunk=16))
     engine.start()
     try:
         events, done = [], threading.Event()
