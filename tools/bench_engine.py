@@ -79,6 +79,32 @@ def prefill_flops(cfg, tokens: int) -> float:
     return 2 * cfg.num_layers * layer_params * tokens + attn + 2 * d * v
 
 
+def fill_kv_random(runner, seed: int = 0) -> None:
+    """Overwrite every KV block with random values, made on the device with each array's
+    sharding. Decode rows in these benchmarks sit at positions nothing prefilled; timing
+    over a zeroed cache could flatter the attention (matrix units run faster on zeros)."""
+    import functools
+
+    from ferrox_jax.kv_cache import KVCache
+
+    # One compile for all the layers' equal arrays. Each old array is donated, so its
+    # buffer takes the new values: the cache (69 GB for the device check's 8B) never
+    # exists twice.
+    @functools.lru_cache(maxsize=None)
+    def maker(shape, dtype, sharding):
+        return jax.jit(lambda old, k: jax.random.normal(k, shape, jnp.float32).astype(dtype),
+                       donate_argnums=0, out_shardings=sharding)
+
+    def fill(array, key):
+        return maker(array.shape, array.dtype, array.sharding)(array, key)
+
+    cache = runner.kv_cache
+    keys = jax.random.split(jax.random.key(seed), 2 * len(cache.k))
+    new_k = tuple(fill(a, keys[i]) for i, a in enumerate(cache.k))
+    new_v = tuple(fill(a, keys[len(cache.k) + i]) for i, a in enumerate(cache.v))
+    runner.kv_cache = KVCache(k=new_k, v=new_v)
+
+
 def _row_blocks(runner, tokens: int) -> int:
     return -(-tokens // runner.block_size)
 
@@ -217,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                                       compile_cache_dir=args.compile_cache_dir))
     load_s = time.perf_counter() - t0
     warmup_s = engine.warmup()
+    fill_kv_random(engine.runner)
     result = {"model": engine.model_name, "backend": jax.default_backend(), "load_s": load_s, "warmup_s": warmup_s,
               "num_compiled_shapes": len(engine.runner.buckets.keys())}
     result.update(bench_runner(engine, args.rows, args.context, args.steps))

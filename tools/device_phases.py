@@ -147,15 +147,31 @@ def attention_candidates(backend: str) -> tuple[str, ...]:
     return ("jax", "gather-xla")
 
 
+def _build_candidates(backend: str, head_dim: int, block_size: int, width: int, dtype) -> tuple[dict, dict]:
+    """({name: attention callable}, {name: why or why not}) for this backend's candidates."""
+    from models.attention import paged_attention
+    from models.pallas_attention import select_decode_attention
+
+    impls: dict[str, Any] = {"jax": paged_attention}
+    notes = {"jax": "models.attention.paged_attention (the reference)"}
+    for impl in attention_candidates(backend)[1:]:
+        try:
+            impls[impl], notes[impl] = select_decode_attention(impl, head_dim=head_dim, block_size=block_size,
+                                                               max_blocks_per_row=width, backend=backend,
+                                                               kv_dtype=dtype)
+        except ValueError as e:
+            impls.pop(impl, None)
+            notes[impl] = f"unavailable: {e}"
+    return impls, notes
+
+
 def attention(settings: Settings, result: PhaseResult) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from ferrox_jax.runner import block_table_width
-    from models.attention import paged_attention
     from models.config import ModelConfig
-    from models.pallas_attention import select_decode_attention
     from tools.model_shapes import SHAPES
 
     cfg = ModelConfig.from_hf_dict(SHAPES[settings.shape])
@@ -168,21 +184,9 @@ def attention(settings: Settings, result: PhaseResult) -> None:
     k_cache, v_cache = (jax.random.normal(jax.random.key(i), (kv, num_blocks, bs, hd), jnp.float32).astype(dtype)
                         for i in (0, 1))
     scale = 1.0 / math.sqrt(hd)
-    impls: dict[str, Any] = {}
     result.update(backend=backend, kv_heads=kv, heads=heads, head_dim=hd, block_size=bs, table_width_blocks=width,
-                  dtype=dtype.name, candidates={}, measurements=[])
-    for impl in attention_candidates(backend):
-        if impl == "jax":
-            impls[impl] = paged_attention
-            result["candidates"][impl] = "models.attention.paged_attention (the reference)"
-            continue
-        try:
-            fn, why = select_decode_attention(impl, head_dim=hd, block_size=bs, max_blocks_per_row=width,
-                                              backend=backend, kv_dtype=dtype)
-        except ValueError as e:
-            result["candidates"][impl] = f"unavailable: {e}"
-            continue
-        impls[impl], result["candidates"][impl] = fn, why
+                  dtype=dtype.name, num_layers=cfg.num_layers, measurements=[])
+    impls, result["candidates"] = _build_candidates(backend, hd, bs, width, dtype)
     result.save()
     rng = np.random.RandomState(0)
     ids = rng.permutation(np.arange(1, num_blocks))  # shuffled, so the block table matters
@@ -260,9 +264,10 @@ def _load_and_warm(settings: Settings, result: PhaseResult):
 
 
 def engine(settings: Settings, result: PhaseResult) -> None:
-    from tools.bench_engine import bench_decode, bench_prefill
+    from tools.bench_engine import bench_decode, bench_prefill, fill_kv_random
 
     eng = _load_and_warm(settings, result)
+    fill_kv_random(eng.runner)  # decode positions nothing prefilled: random, not zeros
     result["prefill"] = bench_prefill(eng, list(settings.prefill_tokens), deadline=settings.deadline)
     result.save()
     result["decode"] = {}

@@ -167,7 +167,8 @@ def _attention(report: dict) -> list[str]:
     names = list(att.get("candidates", {}))
     lines = [f"- one layer: {att.get('heads')} heads, {att.get('kv_heads')} KV heads, head_dim {att.get('head_dim')}, "
              f"{att.get('dtype')}, block-table width {att.get('table_width_blocks')} blocks of "
-             f"{att.get('block_size')}; cells: microseconds per call (KV TB/s), x = not correct"]
+             f"{att.get('block_size')}; cells: microseconds per call (KV TB/s), x = not correct; "
+             f"a decode step makes {att.get('num_layers')} such calls"]
     lines += [f"- {name}: {why}" for name, why in att.get("candidates", {}).items()]
     lines += ["", "| rows | context | " + " | ".join(names) + " | fastest correct |",
               "|---|---|" + "---|" * (len(names) + 1)]
