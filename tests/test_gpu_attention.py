@@ -20,7 +20,7 @@ from models.gpu_attention import (GPU_BACKENDS, GatherDecodeAttention, PallasGpu
                                   pallas_gpu_blocking)
 from models.loader import load_checkpoint, open_checkpoint
 from models.pallas_attention import select_decode_attention
-from tests.engine_helpers import shuffled_blocks
+from tests.engine_helpers import float32_matmuls, shuffled_blocks  # noqa: F401 (autouse: f32 tolerances)
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 64

@@ -73,17 +73,15 @@ def phase_env(name: str, settings: Settings) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_COMPILATION_CACHE_DIR": settings.cache_dir,
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # the 8B engine holds ~86 GB (docs/gpu.md)
-    if name == "parity":
-        # f32 parity at 1e-4 needs f32 matmuls; XLA on GPUs may use TF32 for them by default.
-        env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
     return env
 
 
 def phase_command(name: str, settings: Settings, result_path: Path, small: bool, limit_s: float) -> list[str]:
     """The phase's subprocess. Measuring phases stop 5 s before their time box kills them."""
     if name == "parity":
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--timeout={int(limit_s)}",
-               *DEVICE_TESTS]
+        # A hung test is cut by pytest-timeout before the phase's own box, so pytest reports.
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               f"--timeout={max(10, int(limit_s) - 15)}", *DEVICE_TESTS]
         return cmd + ["--collect-only"] if small else cmd  # --small: the files import and collect
     return [sys.executable, "-m", "tools.device_check", "--phase", name, "--phase-result", str(result_path),
             "--settings", settings.to_json(), "--deadline-s", f"{max(1.0, limit_s - 5.0):.1f}"]
@@ -121,8 +119,7 @@ def run_phase(name: str, settings: Settings, work: Path, log, small: bool, limit
     record.update(wall_s=round(time.monotonic() - t0, 1), returncode=rc)
     if name == "parity":
         record.update(summary=parse_pytest_summary(output[-3000:]),
-                      failures=[line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))][:40],
-                      matmul_precision="highest (f32 tests); bf16 tests are bf16 either way")
+                      failures=[line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))][:40])
     elif rc not in (0, None):
         record["error_tail"] = output[-2000:]
     return record

@@ -62,8 +62,7 @@ def _parity(report: dict) -> list[str]:
     if p is None:
         return ["- not run"]
     summary = ", ".join(f"{n} {k}" for k, n in p.get("summary", {}).items()) or "no summary line"
-    lines = [f"- pytest: {summary} ({p.get('wall_s')} s, return code {p.get('returncode')}; "
-             f"matmul precision: {p.get('matmul_precision')})"]
+    lines = [f"- pytest: {summary} ({p.get('wall_s')} s, return code {p.get('returncode')})"]
     lines += [f"  - {f}" for f in p.get("failures", [])]
     return lines
 
