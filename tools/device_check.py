@@ -18,7 +18,8 @@ what it had saved):
     torch        65 s  the same shapes through HF transformers on torch (the peer)
     rewarm       45 s  the engine loaded again in a fresh process: warm-up from the cache
                 ----
-                470 s  of the 480 s default --budget-s (a smaller --budget-s scales each)
+                470 s  of the 480 s default --budget-s (each phase gets its share of
+                       --budget-s among the phases selected with --phases)
 
 The engine's compile dominates: buckets are only those measured (4 decode + 2 prefill),
 and JAX's persistent compile cache lives in CACHE_DIR (under the system temp folder, not
@@ -133,12 +134,15 @@ def orchestrate(out: Path, settings: Settings, small: bool, budget_s: float, pha
                     "peaks": {"hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS},
                     "phases": {}, "notes": []}
     start = time.monotonic()
+    # Each phase's share of the budget: its BUDGET_S over the selected phases' total, so a
+    # run of a few phases gives each proportionally more (never more than what is left).
+    share = budget_s / sum(BUDGET_S[name] for name in phases)
     with open(out / "device_check.log", "w") as log:
         for name in PHASES:
             left = budget_s - (time.monotonic() - start)
             if name not in phases:
                 continue
-            limit = min(BUDGET_S[name] * (budget_s / DEFAULT_BUDGET_S), left)
+            limit = min(BUDGET_S[name] * share, left)
             if limit < MIN_PHASE_S:
                 report["notes"].append(f"phase {name} skipped: {left:.0f} s of the {budget_s:.0f} s budget left")
                 continue
