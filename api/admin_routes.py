@@ -1,7 +1,10 @@
 """Observability routes: /health, /metrics, /admin/stats, /v1/stats, /v1/requests, /openapi.json.
 
 `/health` and `/metrics` are never behind the API key (probes and scrapers); the rest
-are. The stats routes read the latest `BatcherStats` snapshot the owner thread published
+are. `/health` keeps `model` the served id (the contract's field, which clients compare) and
+adds `model_info` beside it: dtype, context, weights and KV bytes, and `synthetic_weights`
+(true under `--load-format dummy`); `/admin/stats` carries the same object. The stats routes
+read the latest `BatcherStats` snapshot the owner thread published
 (nobody reads live counters) next to the server's own `ServerStats`.
 
 `/v1/stats?window=S` (1..120 s, default 10) is the dashboard view: prefill and decode
@@ -34,7 +37,8 @@ async def health() -> Response:
     state = state_of(current_app)
     phase = state.health_state()
     body = {"state": phase, "model": state.engine.model_name if state.engine is not None else None,
-            "version": VERSION, "uptime_seconds": round(state.stats.uptime_s(), 3)}
+            "model_info": state.model_info(), "version": VERSION,
+            "uptime_seconds": round(state.stats.uptime_s(), 3)}
     if phase == "unavailable":
         body["reason"] = state.load_error or "the engine loop is not running"
     headers = {} if phase == "ready" else {"Retry-After": "1"}
@@ -51,7 +55,7 @@ async def metrics() -> Response:
 async def admin_stats() -> Response:
     state = state_of(current_app)
     body = {**stats_dict(state.engine_stats()), **state.stats.as_dict(), "state": state.health_state(),
-            "pid": os.getpid(), "rss_bytes": rss_bytes()}
+            "model_info": state.model_info(), "pid": os.getpid(), "rss_bytes": rss_bytes()}
     if state.guards is not None:
         body["http_open_requests"] = state.guards.num_open
         body["http_refused_concurrency"] = state.guards.num_refused

@@ -99,6 +99,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     try:
         return EngineConfig(
             model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+            load_format=args.load_format, dummy_weights_seed=args.dummy_weights_seed,
             block_size=args.block_size, kv_blocks=args.kv_blocks, kv_memory_gib=args.kv_memory_gib,
             max_context=args.max_context, max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
             max_queue=args.max_queue, compile_cache_dir=None if cache == "off" else cache,

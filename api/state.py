@@ -70,7 +70,7 @@ class AppState:
         self.resumable: Any = None  # api.resumable.ResumableStreams, installed by create_app
         self.tasks: Any = None  # api.model_admin.TaskTable, installed by create_app
         self._background: list[asyncio.Task] = []
-        self.metrics = Metrics(self._metrics_source)
+        self.metrics = Metrics(self._metrics_source, self.model_card)
         self.inflight: dict[str, InFlight] = {}  # API request id -> its GenerationRun
         self.tokens = TokenText(engine.tokenizer) if engine is not None else None
         self.load_failed = asyncio.Event()  # set (on the loop) when the loader raised
@@ -82,6 +82,19 @@ class AppState:
 
     def engine_stats(self) -> BatcherStats | None:
         return self.engine.stats() if self.engine is not None else None
+
+    def model_card(self) -> Any:
+        """The engine's `ModelCard`, or None before it is loaded."""
+        return self.engine.model_card if self.engine is not None else None
+
+    def model_info(self) -> dict[str, Any] | None:
+        """What `/health` and `/admin/stats` say about the served model (None before loading)."""
+        card = self.model_card()
+        if card is None:
+            return None
+        return {"id": card.id, "architecture": card.architecture, "dtype": card.dtype,
+                "max_context": card.max_context, "synthetic_weights": card.synthetic_weights,
+                "weights_bytes": card.weights_bytes, "kv_bytes": card.kv_bytes}
 
     def set_engine(self, engine: Engine | None, owned: bool = False) -> None:
         """Serve `engine` from now on (None: nothing is loaded); the previous one is retired."""

@@ -9,7 +9,9 @@ Everything here is touched only from the server's event loop, so it needs no loc
 `/metrics` is rendered from two sources at scrape time: the latest `BatcherStats`
 snapshot the owner thread published (the contract's `ferrox_*` counters and gauges,
 re-exported as they are, never re-counted here), and histograms the handlers observe
-(time to first token, inter-token latency, end-to-end latency, queue time). Each app
+(time to first token, inter-token latency, end-to-end latency, queue time); plus three
+gauges from the engine's model card: `ferrox_synthetic_weights` (1 when the weights are
+random, `--load-format dummy`), `ferrox_weights_bytes` and `ferrox_kv_cache_bytes`. Each app
 has its own `CollectorRegistry`, so several servers in one test process do not collide.
 """
 
@@ -169,11 +171,21 @@ class RateWindow:
 class _SnapshotCollector:
     """Renders the latest BatcherStats + ServerStats at scrape time."""
 
-    def __init__(self, source: Callable[[], tuple[Any, ServerStats]]) -> None:
+    def __init__(self, source: Callable[[], tuple[Any, ServerStats]],
+                 model_card: Callable[[], Any] | None = None) -> None:
         self._source = source
+        self._model_card = model_card
 
     def collect(self) -> Iterator[Any]:
         stats, server = self._source()
+        card = self._model_card() if self._model_card is not None else None  # None until loaded
+        yield GaugeMetricFamily("ferrox_synthetic_weights", "1 when the served weights are random "
+                                "(--load-format dummy): outputs are meaningless",
+                                value=float(bool(card is not None and card.synthetic_weights)))
+        yield GaugeMetricFamily("ferrox_weights_bytes", "bytes of the model's arrays on the devices",
+                                value=float(card.weights_bytes if card is not None else 0))
+        yield GaugeMetricFamily("ferrox_kv_cache_bytes", "bytes of the KV cache (every block)",
+                                value=float(card.kv_bytes if card is not None else 0))
         d = stats_dict(stats)
         for field, name, kind, doc in _BATCHER_METRICS:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
@@ -200,9 +212,10 @@ class _SnapshotCollector:
 class Metrics:
     """The app's Prometheus registry: snapshot counters plus latency histograms."""
 
-    def __init__(self, source: Callable[[], tuple[Any, ServerStats]]) -> None:
+    def __init__(self, source: Callable[[], tuple[Any, ServerStats]],
+                 model_card: Callable[[], Any] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_SnapshotCollector(source))
+        self.registry.register(_SnapshotCollector(source, model_card))
         latency = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
         self.ttft = Histogram("ferrox_time_to_first_token_seconds", "submit to first generated token",
                               buckets=latency, registry=self.registry)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+LOAD_FORMAT_NAMES = ("auto", "dummy")  # models/loader.py LOAD_FORMATS (that module imports jax)
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -49,6 +50,8 @@ class EngineConfig:
     model: str = "default"  # HF folder, .gguf file, or "default" (the embedded SmolLM2)
     served_model_name: str | None = None  # the id clients send; None: the file or folder stem
     dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 elsewhere
+    load_format: str = "auto"  # "auto": read the weights; "dummy": random weights from the config (sizing)
+    dummy_weights_seed: int = 0  # the seed of load_format="dummy" (same seed, same weights)
     # ---- KV cache and batching (the contract's FERROX_CB_* settings) ----
     block_size: int = 16  # token positions per KV block
     kv_blocks: int | None = None  # cache blocks, the null block 0 included; None: from kv_memory_gib
@@ -86,6 +89,12 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_context must be >= 2; got {self.max_context}")
         if self.dtype is not None and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"EngineConfig.dtype must be one of {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMAT_NAMES:
+            raise ValueError(f"EngineConfig.load_format must be one of {', '.join(LOAD_FORMAT_NAMES)}; "
+                             f"got {self.load_format!r}")
+        seed = self.dummy_weights_seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"EngineConfig.dummy_weights_seed must be an int >= 0; got {seed!r}")
         self._check_mesh()
         if self.coordinator_address not in (None, "auto") and (self.num_processes is None or self.process_id is None):
             raise ValueError("EngineConfig.coordinator_address needs num_processes and process_id "

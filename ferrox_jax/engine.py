@@ -15,6 +15,12 @@ resolved `SchedulerLimits`. Sizing: `kv_blocks` if given, else the KV memory bud
 divided by the bytes one block takes; the context ceiling is `max_context` if given, else
 the model's trained context capped by what the budget holds. The start-up log says which
 applied.
+
+`load_format="dummy"` serves the checkpoint's shapes with random weights made on the
+device (`models/loaders/dummy.py`), to size and benchmark a deployment before downloading
+weights: a WARNING at start-up, `synthetic_weights` in the model card (`/health`,
+`/metrics`). `plan_memory(config)` gives the same weights and KV bytes from abstract
+shapes without allocating anything.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from ferrox_jax.batcher import ContinuousBatcher, EventCallback
 from ferrox_jax.config import EngineConfig, SchedulerLimits
@@ -35,10 +42,11 @@ from ferrox_jax.grammar import CompiledGrammar, GrammarCompiler, GrammarError, G
 from ferrox_jax.kv_cache import bytes_per_block
 from ferrox_jax.request import GenerationRequest
 from ferrox_jax.runner import ModelRunner, block_table_width
-from ferrox_jax.sharding import check_divisibility, make_mesh
+from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
 from ferrox_jax.stats import BatcherStats
 from models.config import ModelConfig
 from models.loader import CheckpointSource, open_checkpoint, resolve_path
+from models.loaders.common import abstract_model
 from models.pallas_attention import select_decode_attention
 from models.tokenizer import Tokenizer
 
@@ -60,6 +68,9 @@ class ModelCard:
     architecture: str  # the checkpoint's (HF) architecture name
     max_context: int  # prompt + generated tokens per request, at most
     dtype: str
+    synthetic_weights: bool = False  # random weights (--load-format dummy): outputs are meaningless
+    weights_bytes: int = 0  # model arrays' logical bytes (the tied LM-head copy included)
+    kv_bytes: int = 0  # the KV cache's bytes (all blocks, the null block included)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +152,28 @@ def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int) -> tuple[GrammarCom
         return None, str(e)
 
 
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """What an engine of this config would hold on its devices (`plan_memory`)."""
+
+    weights_bytes: int  # every model array: the parameters and the tied LM-head copy
+    kv_bytes: int  # num_blocks * bytes_per_block
+    sizing: KVSizing
+    dtype: str
+
+
+def plan_memory(config: EngineConfig) -> MemoryPlan:
+    """Weights and KV bytes of `config`'s engine, from abstract shapes (`nnx.eval_shape`):
+    nothing is allocated and no weight is read, so an 8B or 70B shape sizes on a laptop.
+    Equal to what a loaded engine's `describe()` reports (tests/test_dummy_weights.py)."""
+    dtype = DTYPES[config.dtype or default_dtype_name()]
+    source = open_checkpoint(config.model, load_format=config.load_format, seed=config.dummy_weights_seed)
+    model = abstract_model(source.config, dtype)
+    weights = sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(nnx.state(model)))
+    sizing = size_kv(config, source.config, dtype)
+    return MemoryPlan(weights, sizing.num_blocks * sizing.bytes_per_block, sizing, jnp.dtype(dtype).name)
+
+
 class Engine:
     """The engine facade (see the module docstring). Thread-safe where the API needs it:
     `submit`, `cancel`, `stats` and `health` may be called from any thread."""
@@ -161,6 +194,9 @@ class Engine:
         self.load_s: float = 0.0
         self._grammar = grammar
         self.grammar_note = grammar_note  # why structured output is unavailable, when it is
+        # Measured from the placed arrays, not from the config: logical bytes, a replicated
+        # array counted once (on a mesh a device holds its shards of the split ones).
+        self.weights_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(runner.state))
 
     @classmethod
     def load(cls, config: EngineConfig, progress: Callable[[str], None] | None = None) -> "Engine":
@@ -179,7 +215,11 @@ class Engine:
                 "per host (docs/deploy-tpu.md, 'Multi-host')")
         enable_compile_cache(config.compile_cache_dir)
         dtype = DTYPES[config.dtype or default_dtype_name()]
-        source = open_checkpoint(config.model)
+        source = open_checkpoint(config.model, load_format=config.load_format, seed=config.dummy_weights_seed)
+        if source.is_synthetic:
+            log.warning("synthetic weights (--load-format dummy, seed %d): %s is served with random weights; "
+                        "its outputs are meaningless (for sizing and benchmarks only)",
+                        config.dummy_weights_seed, source.name)
         _, model_axis = config.mesh_shape
         check_divisibility(source.config, model_axis, config.replicate_attention)
         mesh = make_mesh(1, model_axis) if model_axis > 1 else None
@@ -187,11 +227,14 @@ class Engine:
         attention, attention_note = select_decode_attention(
             config.attention_impl, head_dim=source.config.head_dim, block_size=config.block_size,
             max_blocks_per_row=block_table_width(sizing.max_context, config.block_size), mesh=mesh,
-            kv_sharded=not config.replicate_attention)
+            kv_sharded=not config.replicate_attention, kv_dtype=dtype)
         log.info("%s", attention_note)
-        host = _host_device() if mesh is not None else None
+        # Read weights go through host memory and are sharded by the runner; synthetic ones
+        # are made on the devices, each parameter directly with its sharding.
+        placement = None if mesh is None else param_placement(mesh, source.config, config.replicate_attention)
+        host = _host_device() if mesh is not None and not source.is_synthetic else None
         with jax.default_device(host) if host is not None else contextlib.nullcontext():
-            model = source.build(dtype, decode_attention=attention, progress=progress)
+            model = source.build(dtype, decode_attention=attention, progress=progress, placement=placement)
         max_rows = config.max_seqs
         prefill_chunk = min(config.prefill_chunk, sizing.max_context)
         grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size)
@@ -291,7 +334,9 @@ class Engine:
     @property
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.model_name, architecture=self._source.config.architecture,
-                         max_context=self.max_context, dtype=str(jnp.dtype(self._runner.kv_dtype)))
+                         max_context=self.max_context, dtype=str(jnp.dtype(self._runner.kv_dtype)),
+                         synthetic_weights=self._source.is_synthetic, weights_bytes=self.weights_bytes,
+                         kv_bytes=self.sizing.num_blocks * self.sizing.bytes_per_block)
 
     def describe(self) -> dict:
         """The start-up log block: model, devices, KV sizing, buckets."""
@@ -301,6 +346,7 @@ class Engine:
         return {
             "model": self.model_name,
             "path": self._source.path,
+            "synthetic_weights": self._source.is_synthetic,
             "architecture": cfg.architecture,
             "params": f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads "
                       f"({cfg.num_kv_heads} kv), vocab {cfg.vocab_size}",
@@ -311,7 +357,10 @@ class Engine:
             "attention": self.attention_note,
             "kv_blocks": self.sizing.num_blocks,
             "block_size": self.config.block_size,
+            "weights_bytes": self.weights_bytes,
             "kv_bytes": self.sizing.num_blocks * self.sizing.bytes_per_block,
+            "memory": f"weights {self.weights_bytes / 2**30:.2f} GiB + KV "
+                      f"{self.sizing.num_blocks * self.sizing.bytes_per_block / 2**30:.2f} GiB",
             "max_context": self.max_context,
             "kv_sizing": self.sizing.note,
             "buckets": {"decode_rows": buckets.decode_rows, "prefill_tokens": buckets.prefill_tokens},

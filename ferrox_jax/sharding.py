@@ -126,6 +126,17 @@ def param_partition_spec(name: str, shape: tuple[int, ...], cfg: ModelConfig,
     return P()  # norms (q_norm, k_norm too), the router, anything unknown: replicated
 
 
+def param_placement(mesh: Mesh, cfg: ModelConfig, replicate_attention: bool = False):
+    """`placement(name, shape) -> NamedSharding` by the table above, for weights made directly
+    on the mesh (`--load-format dummy`: each device generates only its own shards)."""
+    check_divisibility(cfg, mesh.shape[MODEL_AXIS], replicate_attention)
+
+    def placement(name: str, shape: tuple[int, ...]) -> NamedSharding:
+        return NamedSharding(mesh, param_partition_spec(name, shape, cfg, replicate_attention))
+
+    return placement
+
+
 def kv_partition_spec(replicate_attention: bool = False) -> P:
     """Per-layer KV array [K, N, bs, hd] (layout: kv_cache.py): KV heads over `model`."""
     return P() if replicate_attention else P(MODEL_AXIS, None, None, None)

@@ -8,6 +8,9 @@ implementation from the checkpoint's config before any weight is read:
 
 `load_checkpoint(path, dtype)` does both (tests, tools). The model config and tokenizer
 always come from the checkpoint itself; nothing is downloaded.
+
+`open_checkpoint(path, load_format="dummy")` reads only the config (and tokenizer) and
+builds random weights on the device instead (`models/loaders/dummy.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from models.loaders.common import build_model
 from models.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "default"
+LOAD_FORMATS = ("auto", "dummy")  # auto: read the checkpoint's weights; dummy: synthetic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,17 +40,23 @@ class CheckpointSource:
     name: str  # served model id: the file or folder stem
     path: str
     tensors: Mapping[str, Callable[[], np.ndarray]]  # our name -> lazily read array, our layout
+    builder: Callable[..., CausalLM] | None = None  # makes the weights instead of reading tensors
+    is_synthetic: bool = False  # random weights (--load-format dummy): outputs are meaningless
 
     def build(self, dtype=jnp.float32, *, decode_attention: Any = None,
-              progress: Callable[[str], None] | None = None) -> CausalLM:
-        """Read, check and place the weights (`models/loaders/common.py`).
+              progress: Callable[[str], None] | None = None, placement: Any = None) -> CausalLM:
+        """Read, check and place the weights (`models/loaders/common.py`), or make them.
 
         Args:
           dtype: compute dtype of the parameters.
           decode_attention: the attention for one-query steps, fixed in the model's graph
             (None: pure-JAX paged attention; see `models/pallas_attention.py`).
           progress: called with each tensor's name once placed.
+          placement: `placement(name, shape)` -> sharding, for weights made on the device;
+            read weights ignore it (the runner places them).
         """
+        if self.builder is not None:
+            return self.builder(dtype, decode_attention=decode_attention, progress=progress, placement=placement)
         return build_model(self.config, self.tensors, dtype, progress, decode_attention=decode_attention)
 
 
@@ -72,14 +82,23 @@ def resolve_path(path: str) -> Path:
     return p
 
 
-def open_checkpoint(path: str) -> CheckpointSource:
+def open_checkpoint(path: str, load_format: str = "auto", seed: int = 0) -> CheckpointSource:
     """Config, tokenizer and lazy tensors of a checkpoint; no weight is read yet.
+
+    `load_format="dummy"`: only the config and tokenizer are read; `build` makes random
+    weights from `seed` on the device (`models/loaders/dummy.py`).
 
     Raises:
       FileNotFoundError, ValueError (not a checkpoint), UnsupportedModelError (an
       architecture, option or tensor type we cannot run).
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}")
     p = resolve_path(path)
+    if load_format == "dummy":
+        from models.loaders.dummy import open_dummy
+
+        return open_dummy(p, seed)
     if p.is_dir():
         from models.loaders import safetensors as st
 

@@ -22,6 +22,10 @@ so it is part of the compiled step's graphdef):
     "pallas"         tpu/other no / -            ValueError naming the unmet constraint
     "pallas-interpret" any     -                 the kernel in Pallas TPU interpret mode
                                                  (simulated on CPU; slow; tests only)
+    "auto"             gpu       -                 pure JAX (not yet measured against the
+                                                 GPU candidates; see below)
+    "pallas-gpu", "pallas-gpu-interpret", "gather-xla", "gather-cudnn"
+                                                 the GPU candidates of `models/gpu_attention.py`
 
 Kernel constraints on real TPUs (Mosaic tiling; the upstream kernel test covers
 head_dim 128/256 and page sizes 16/32/64): head_dim a multiple of 128, block_size a
@@ -30,6 +34,11 @@ default SmolLM2-135M has head_dim 64, so it decodes with pure JAX even on TPU.
 
 On a mesh the kernel runs per device under `shard_map`: each device attends its own
 KV heads (KV sharded over "model") or all of them (replicate_attention).
+
+On a GPU `auto` keeps the pure-JAX loop: the GPU candidates (`models/gpu_attention.py`)
+are correct on CPU (interpret mode, the XLA path) but none has yet been timed on a GPU.
+`tools/device_check.py` times each against the loop on an H200 and checks it; the fastest
+correct one becomes `auto` on GPU here, with the measured figures beside the choice.
 """
 
 from __future__ import annotations
@@ -40,7 +49,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-ATTENTION_IMPLS = ("auto", "jax", "pallas", "pallas-interpret")
+from models.gpu_attention import GPU_ATTENTION_IMPLS, GPU_BACKENDS, select_gpu_decode_attention
+
+ATTENTION_IMPLS = ("auto", "jax", "pallas", "pallas-interpret") + GPU_ATTENTION_IMPLS
 KERNEL_HEAD_DIM_MULTIPLE = 128
 KERNEL_BLOCK_SIZE_MULTIPLE = 16
 KERNEL_KEYS_PER_COMPUTE_BLOCK = 512  # keys one kernel iteration loads (the upstream test's choice)
@@ -123,11 +134,18 @@ def kernel_problems(head_dim: int, block_size: int, max_blocks_per_row: int, ppc
 
 def select_decode_attention(impl: str, *, head_dim: int, block_size: int, max_blocks_per_row: int,
                             backend: str | None = None, mesh: Mesh | None = None,
-                            kv_sharded: bool = False) -> tuple[PallasDecodeAttention | None, str]:
-    """Pick the decode attention for an engine; returns (None for pure JAX | kernel, why)."""
+                            kv_sharded: bool = False, kv_dtype=jnp.bfloat16):
+    """Pick the decode attention for an engine; returns (None for pure JAX | a hashable
+    callable with `models.attention.paged_attention`'s T == 1 contract, why).
+
+    `kv_dtype` matters only to candidates with dtype limits (gather-cudnn)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}; got {impl!r}")
     backend = backend or jax.default_backend()
+    if impl in GPU_ATTENTION_IMPLS:
+        return select_gpu_decode_attention(impl, head_dim=head_dim, block_size=block_size,
+                                           max_blocks_per_row=max_blocks_per_row, backend=backend,
+                                           kv_dtype=kv_dtype, mesh=mesh, kv_sharded=kv_sharded)
     ppcb = pages_per_compute_block(block_size, max_blocks_per_row)
     if impl == "jax":
         return None, "decode attention: pure JAX (attention_impl=jax)"
@@ -138,6 +156,9 @@ def select_decode_attention(impl: str, *, head_dim: int, block_size: int, max_bl
         if impl == "pallas":
             raise ValueError(f"attention_impl=pallas needs a TPU backend; this one is {backend!r} "
                              f"(use auto or jax)")
+        if backend in GPU_BACKENDS:
+            return None, (f"decode attention: pure JAX (backend {backend}; the Pallas kernel is TPU-only, "
+                          f"and no GPU candidate has been measured faster yet: tools/device_check.py)")
         return None, f"decode attention: pure JAX (backend {backend}; the Pallas kernel is TPU-only)"
     problems = kernel_problems(head_dim, block_size, max_blocks_per_row, ppcb)
     if problems:

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import math
 
+import jax
 import numpy as np
+import pytest
 
 from ferrox_jax.plan import RowStep, StepPlan
 from ferrox_jax.request import SamplingParams
 from ferrox_jax.runner import ModelRunner
 from models.loader import load_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def float32_matmuls():
+    """Autouse in every module that imports it: those compare float32 results at float32
+    tolerances, so their matmuls must be float32 on any backend (XLA on a GPU may use TF32
+    for them by default; on CPU this changes nothing)."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 def make_runner(path, num_blocks=96, block_size=8, max_rows=8, max_prefill_tokens=64, max_context=256):

@@ -23,7 +23,8 @@ CONTRACT_METRICS = [
 ]
 OUR_METRICS = [
     "ferrox_kv_blocks_peak", "ferrox_kv_usage_fraction", "ferrox_requests_running", "ferrox_requests_waiting",
-    "ferrox_recompiles_after_warmup_total",
+    "ferrox_recompiles_after_warmup_total", "ferrox_synthetic_weights", "ferrox_weights_bytes",
+    "ferrox_kv_cache_bytes",
 ]
 HISTOGRAMS = ["ferrox_time_to_first_token_seconds", "ferrox_inter_token_latency_seconds",
               "ferrox_e2e_request_latency_seconds", "ferrox_queue_time_seconds"]
@@ -53,6 +54,9 @@ def test_health_when_ready(http, engine):
     body = r.json()
     assert body["state"] == "ready" and body["model"] == engine.model_name
     assert body["version"] and body["uptime_seconds"] >= 0
+    info = body["model_info"]  # beside `model`, which stays the id clients compare
+    assert info["id"] == engine.model_name and info["synthetic_weights"] is False
+    assert info["weights_bytes"] == engine.weights_bytes and info["kv_bytes"] == engine.model_card.kv_bytes
 
 
 def test_metrics_names_and_values(http):
@@ -69,6 +73,8 @@ def test_metrics_names_and_values(http):
     stats = http.get("/admin/stats").json()
     assert values["ferrox_kv_blocks_total"] == stats["kv_blocks_total"]
     assert values["ferrox_kv_block_size"] == 16
+    assert values["ferrox_synthetic_weights"] == 0, "real weights: 0 (1 under --load-format dummy)"
+    assert values["ferrox_weights_bytes"] == stats["model_info"]["weights_bytes"] > 0
     assert values["ferrox_decode_steps_total"] <= stats["decode_steps"], "a snapshot, never ahead"
 
 
@@ -138,6 +144,7 @@ def test_health_loading_then_ready(engine):
     try:
         r = httpx.get(url + "/health")
         assert r.status_code == 503 and r.json()["state"] == "loading" and r.headers["retry-after"] == "1"
+        assert r.json()["model_info"] is None, "nothing to describe before the engine loads"
         r = httpx.post(url + "/v1/completions", json={"prompt": "Hi"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
         release.set()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from models.attention import dense_causal_attention, paged_attention, write_kv
+from tests.engine_helpers import float32_matmuls  # noqa: F401 (autouse: f32 tolerances on any backend)
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 24

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from ferrox_jax.plan import RowStep
-from tests.engine_helpers import make_runner, shuffled_blocks
+from tests.engine_helpers import float32_matmuls, make_runner, shuffled_blocks  # noqa: F401 (autouse)
 
 ATOL = 1e-4  # both float32; differences come only from summation order
 DECODE_STEPS = 32

@@ -9,6 +9,9 @@ Measures the engine without HTTP, on whatever backend JAX picks:
     compute-bound at many;
   * the batcher's ticks/s with N rows decoding and its host-side overhead per tick.
 
+`bench_prefill` and `bench_decode` are also the engine phase of `tools/device_check.py`
+(several chunk sizes and contexts, time-boxed).
+
     python -m tools.bench_engine --model default --rows 1 32 --json results/engine.json
 """
 
@@ -66,46 +69,123 @@ def _matmul_roofline(cfg, rows: int, dtype) -> float:
     return flops / seconds
 
 
-def bench_runner(engine, rows_list: list[int], context: int, steps: int) -> dict:
+def prefill_flops(cfg, tokens: int) -> float:
+    """Model FLOPs of one prefill chunk of `tokens` tokens from position 0 (causal attention:
+    token i attends i + 1 keys, ~tokens/2 on average; only the last token's logits)."""
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer_params = d * (q + 2 * kv) + q * d + 3 * d * f
+    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * (tokens + 1) / 2
+    return 2 * cfg.num_layers * layer_params * tokens + attn + 2 * d * v
+
+
+def fill_kv_random(runner, seed: int = 0) -> None:
+    """Overwrite every KV block with random values, made on the device with each array's
+    sharding. Decode rows in these benchmarks sit at positions nothing prefilled; timing
+    over a zeroed cache could flatter the attention (matrix units run faster on zeros)."""
+    import functools
+
+    from ferrox_jax.kv_cache import KVCache
+
+    # One compile for all the layers' equal arrays. Each old array is donated, so its
+    # buffer takes the new values: the cache (69 GB for the device check's 8B) never
+    # exists twice.
+    @functools.lru_cache(maxsize=None)
+    def maker(shape, dtype, sharding):
+        return jax.jit(lambda old, k: jax.random.normal(k, shape, jnp.float32).astype(dtype),
+                       donate_argnums=0, out_shardings=sharding)
+
+    def fill(array, key):
+        return maker(array.shape, array.dtype, array.sharding)(array, key)
+
+    cache = runner.kv_cache
+    keys = jax.random.split(jax.random.key(seed), 2 * len(cache.k))
+    new_k = tuple(fill(a, keys[i]) for i, a in enumerate(cache.k))
+    new_v = tuple(fill(a, keys[len(cache.k) + i]) for i, a in enumerate(cache.v))
+    runner.kv_cache = KVCache(k=new_k, v=new_v)
+
+
+def _row_blocks(runner, tokens: int) -> int:
+    return -(-tokens // runner.block_size)
+
+
+def bench_prefill(engine, tokens_list: list[int], repeats: int = 3, deadline: float | None = None) -> dict:
+    """Tokens/s of one prefill chunk of each size (one warm-up run, then `repeats` timed)."""
     from ferrox_jax.plan import RowStep, StepPlan
     from ferrox_jax.request import SamplingParams
 
+    runner, cfg = engine.runner, engine.model_config
+    out: dict = {}
+    for tokens in tokens_list:
+        if deadline is not None and time.monotonic() > deadline:
+            out[f"prefill_{tokens}"] = {"skipped": "time box reached"}
+            continue
+        prompt = tuple(int(t) for t in np.random.RandomState(tokens).randint(10, cfg.vocab_size - 10, tokens))
+        blocks = tuple(range(1, 1 + _row_blocks(runner, tokens)))
+        plan = StepPlan(prefill=(RowStep(row_id=0, token_ids=prompt, start_pos=0, block_ids=blocks, sample=True,
+                                         sampling=SamplingParams(temperature=0.0)),))
+        runner.run(plan)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            runner.run(plan)
+        seconds = (time.perf_counter() - t0) / repeats
+        out[f"prefill_{tokens}"] = {"tokens": tokens, "tokens_per_s": tokens / seconds, "step_ms": seconds * 1e3,
+                                    "achieved_tflops": prefill_flops(cfg, tokens) / seconds / 1e12}
+    return out
+
+
+def bench_decode(engine, rows_list: list[int], contexts: list[int], steps: int,
+                 deadline: float | None = None) -> dict:
+    """Decode tokens/s for each (rows, context): rows at `context` tokens each, sampling with
+    temperature 0.8 / top-p 0.95, `steps` timed steps after one warm-up step. Blocks are
+    laid out row after row; the cache must hold max(rows) x (max(contexts) + steps + 1)."""
+    from ferrox_jax.plan import RowStep, StepPlan
+    from ferrox_jax.request import SamplingParams
+
+    runner, cfg = engine.runner, engine.model_config
+    dtype_bytes = jnp.dtype(runner.kv_dtype).itemsize
+    per_row = _row_blocks(runner, max(contexts) + steps + 1)
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
+    out: dict = {}
+    for rows in rows_list:
+        if rows * per_row >= runner.num_blocks:
+            raise SystemExit(f"{rows} rows x {per_row} blocks do not fit in {runner.num_blocks} KV blocks")
+        tables = [tuple(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(rows)]
+        for context in contexts:
+            key = f"decode_{rows}_rows_{context}_context"
+            if deadline is not None and time.monotonic() > deadline:
+                out[key] = {"skipped": "time box reached"}
+                continue
+
+            def plan_at(pos):
+                return StepPlan(decode=tuple(RowStep(row_id=r, token_ids=(7,), start_pos=pos, block_ids=tables[r],
+                                                     sample=True, sampling=sampling) for r in range(rows)))
+
+            runner.run(plan_at(context))
+            t0 = time.perf_counter()
+            for s in range(steps):
+                runner.run(plan_at(context + 1 + s))
+            step_s = (time.perf_counter() - t0) / steps
+            flops, nbytes = _decode_flops_bytes(cfg, rows, context, dtype_bytes)
+            out[key] = {"rows": rows, "context": context, "tokens_per_s": rows / step_s, "step_ms": step_s * 1e3,
+                        "achieved_tflops": flops / step_s / 1e12, "achieved_tbytes_per_s": nbytes / step_s / 1e12,
+                        "bytes_per_step": nbytes, "flops_per_step": flops}
+    return out
+
+
+def bench_runner(engine, rows_list: list[int], context: int, steps: int) -> dict:
     runner = engine.runner
     cfg = engine.model_config
-    dtype_bytes = jnp.dtype(runner.kv_dtype).itemsize
-    out: dict = {}
-    blocks_per_row = -(-(max(context, runner.max_prefill_tokens) + steps + 1) // runner.block_size)
-    # Prefill: one full chunk.
-    chunk = runner.max_prefill_tokens
-    prompt = tuple(int(t) for t in np.random.RandomState(0).randint(10, cfg.vocab_size - 10, chunk))
-    blocks = tuple(range(1, 1 + blocks_per_row))
-    plan = StepPlan(prefill=(RowStep(row_id=0, token_ids=prompt, start_pos=0, block_ids=blocks, sample=True,
-                                     sampling=SamplingParams(temperature=0.0)),))
-    runner.run(plan)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        runner.run(plan)
-    out["prefill_tokens_per_s"] = 3 * chunk / (time.perf_counter() - t0)
+    out = {"prefill_tokens_per_s": bench_prefill(engine, [runner.max_prefill_tokens])[
+        f"prefill_{runner.max_prefill_tokens}"]["tokens_per_s"]}
+    decode = bench_decode(engine, rows_list, [context], steps)
     for rows in rows_list:
-        if rows * blocks_per_row >= runner.num_blocks:
-            raise SystemExit(f"{rows} rows x {blocks_per_row} blocks do not fit in {runner.num_blocks} KV blocks")
-        tables = [tuple(range(1 + r * blocks_per_row, 1 + (r + 1) * blocks_per_row)) for r in range(rows)]
-        sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
-
-        def plan_at(pos):
-            return StepPlan(decode=tuple(RowStep(row_id=r, token_ids=(7,), start_pos=pos, block_ids=tables[r],
-                                                 sample=True, sampling=sampling) for r in range(rows)))
-        runner.run(plan_at(context))
-        t0 = time.perf_counter()
-        for s in range(steps):
-            runner.run(plan_at(context + s))
-        step_s = (time.perf_counter() - t0) / steps
-        flops, nbytes = _decode_flops_bytes(cfg, rows, context, dtype_bytes)
+        d = decode[f"decode_{rows}_rows_{context}_context"]
         out[f"decode_{rows}_rows"] = {
-            "tokens_per_s": rows / step_s,
-            "step_ms": step_s * 1e3,
-            "achieved_gflops": flops / step_s / 1e9,
-            "achieved_gbytes_per_s": nbytes / step_s / 1e9,
+            "tokens_per_s": d["tokens_per_s"],
+            "step_ms": d["step_ms"],
+            "achieved_gflops": d["achieved_tflops"] * 1e3,
+            "achieved_gbytes_per_s": d["achieved_tbytes_per_s"] * 1e3,
             "matmul_roofline_gflops": _matmul_roofline(cfg, rows, runner.kv_dtype) / 1e9,
         }
     return out
@@ -163,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                                       compile_cache_dir=args.compile_cache_dir))
     load_s = time.perf_counter() - t0
     warmup_s = engine.warmup()
+    fill_kv_random(engine.runner)
     result = {"model": engine.model_name, "backend": jax.default_backend(), "load_s": load_s, "warmup_s": warmup_s,
               "num_compiled_shapes": len(engine.runner.buckets.keys())}
     result.update(bench_runner(engine, args.rows, args.context, args.steps))

@@ -1,0 +1,128 @@
+"""Config-only model folders of well-known shapes, and their memory plan: size before downloading.
+
+`SHAPES` holds the `config.json` of a few public checkpoints (shapes only: the numbers in
+their published configs). `write_config_folder(name, folder)` writes one as a config-only
+HF folder that `--load-format dummy` serves with random weights (no tokenizer.json: the
+byte-level fallback tokenizer is used). The CLI prints what an engine of that shape would
+hold, from abstract shapes (`ferrox_jax.engine.plan_memory`): nothing is allocated, so a
+70B shape sizes on a laptop.
+
+    python -m tools.model_shapes llama-3.1-8b --dtype bfloat16 --kv-memory-gib 8 --tensor-parallel 4
+    python -m tools.model_shapes llama-3.1-8b --write /tmp/llama8b   # then: ferrox serve --model /tmp/llama8b --load-format dummy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+SHAPES: dict[str, dict] = {
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
+    },
+    "llama-3.1-70b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
+    },
+    # The device check's --small shape: every code path of the 8B, in seconds on a CPU.
+    "tiny": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "eos_token_id": 300, "hidden_act": "silu",
+    },
+}
+
+
+def write_config_folder(name: str, folder: str | Path) -> Path:
+    """Write SHAPES[name] as `folder/config.json` (a config-only HF folder); returns folder."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(SHAPES[name], indent=2) + "\n")
+    return folder
+
+
+def _dotted(path) -> str:
+    """A state leaf's key path -> "layers.3.q_proj" (the names of the sharding table)."""
+    parts = []
+    for k in path:
+        if hasattr(k, "key"):
+            parts.append(str(k.key))
+        elif hasattr(k, "idx"):
+            parts.append(str(k.idx))
+    return ".".join(parts)
+
+
+def per_device_bytes(config, tensor_parallel: int) -> dict:
+    """Weights and KV bytes one device holds at `tensor_parallel` (the sharding table's rules)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from ferrox_jax.engine import DTYPES, default_dtype_name, plan_memory
+    from ferrox_jax.sharding import MODEL_AXIS, kv_partition_spec, param_partition_spec
+    from models.loader import open_checkpoint
+    from models.loaders.common import abstract_model
+
+    plan = plan_memory(config)
+    dtype = DTYPES[config.dtype or default_dtype_name()]
+    cfg = open_checkpoint(config.model, load_format=config.load_format).config
+    state = nnx.state(abstract_model(cfg, dtype))
+    weights = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        spec = param_partition_spec(_dotted(path), leaf.shape, cfg, config.replicate_attention)
+        split = tensor_parallel if MODEL_AXIS in tuple(spec) else 1
+        weights += leaf.size * jnp.dtype(leaf.dtype).itemsize // split
+    kv_split = 1 if MODEL_AXIS not in tuple(kv_partition_spec(config.replicate_attention)) else tensor_parallel
+    return {"weights_bytes": plan.weights_bytes, "kv_bytes": plan.kv_bytes,
+            "weights_bytes_per_device": weights, "kv_bytes_per_device": plan.kv_bytes // kv_split,
+            "kv_blocks": plan.sizing.num_blocks, "max_context": plan.sizing.max_context,
+            "kv_bytes_per_token": cfg.kv_bytes_per_token(jnp.dtype(dtype).itemsize), "dtype": plan.dtype}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
+    from ferrox_jax.config import EngineConfig
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("--write", metavar="DIR", help="write the config-only folder there and stop")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-memory-gib", type=float, default=2.0)
+    p.add_argument("--kv-blocks", type=int, default=None)
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--tensor-parallel", type=int, default=1)
+    p.add_argument("--replicate-attention", action="store_true")
+    args = p.parse_args(argv)
+    if args.write:
+        print(write_config_folder(args.shape, args.write))
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_config_folder(args.shape, Path(tmp) / args.shape)
+        config = EngineConfig(model=str(folder), load_format="dummy", dtype=args.dtype,
+                              kv_memory_gib=args.kv_memory_gib, kv_blocks=args.kv_blocks,
+                              max_context=args.max_context, block_size=args.block_size,
+                              replicate_attention=args.replicate_attention)
+        print(json.dumps({"shape": args.shape, "tensor_parallel": args.tensor_parallel,
+                          **per_device_bytes(config, args.tensor_parallel)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
