@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,6 @@ from flax import nnx
 
 from ferrox_jax.batcher import ContinuousBatcher, EventCallback
 from ferrox_jax.config import EngineConfig, SchedulerLimits
-from ferrox_jax.grammar import CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec
 from ferrox_jax.kv_cache import bytes_per_block
 from ferrox_jax.request import GenerationRequest
 from ferrox_jax.runner import ModelRunner, block_table_width
@@ -49,6 +48,9 @@ from models.loader import CheckpointSource, open_checkpoint, resolve_path
 from models.loaders.common import abstract_model
 from models.pallas_attention import select_decode_attention
 from models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # llguidance is imported only when structured output is set up
+    from ferrox_jax.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +148,12 @@ def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int) -> tuple[GrammarCom
     of the vocabulary takes ~0.4 s for 49k tokens), or None and the reason it cannot be
     built: a model without structured output still serves everything else."""
     try:
+        # Imported here: llguidance is only needed for structured output (the accelerator
+        # image of tools/device_check.py does not carry it).
+        from ferrox_jax.grammar import GrammarCompiler
+
         return GrammarCompiler(tokenizer, vocab_size), ""
-    except (ValueError, RuntimeError) as e:  # no stop token, a vocabulary llguidance cannot read
+    except (ImportError, ValueError, RuntimeError) as e:  # not installed, no stop token, a vocabulary it cannot read
         log.warning("structured output disabled: %s", e)
         return None, str(e)
 
@@ -295,6 +301,8 @@ class Engine:
             tokenizer has no structured output.
         """
         if self._grammar is None:
+            from ferrox_jax.grammar import GrammarError
+
             raise GrammarError(f"structured output is unavailable for this model: {self.grammar_note}")
         return self._grammar.compile(spec)
 
