@@ -106,9 +106,9 @@ def hf_chunked_logits(model, tokens: list[int], chunk: int) -> np.ndarray:
     """HF logits when `tokens` are fed `chunk` at a time into its KV cache."""
     import torch
 
-    from tools.compare_logits import _hf_cache_kwarg
+    from tools.logits_reference import hf_cache_kwarg
 
-    cache_kwarg, cache, out = _hf_cache_kwarg(model), None, []
+    cache_kwarg, cache, out = hf_cache_kwarg(model), None, []
     with torch.no_grad():
         for s in range(0, len(tokens), chunk):
             kwargs = {cache_kwarg: cache} if cache is not None else {}

@@ -86,7 +86,7 @@ def load_hf_model(path: str):
     return model.eval()
 
 
-def _hf_cache_kwarg(hf_model) -> str:
+def hf_cache_kwarg(hf_model) -> str:
     """The KV cache argument's name: `cache` in recent transformers 5.x, `past_key_values` before."""
     import inspect
 
@@ -98,7 +98,7 @@ def hf_reference(hf_model, token_ids: list[int], greedy_tokens: int, text: str |
     """Prompt logits (or their top-k logprobs) and a greedy continuation (HF's KV cache)."""
     import torch
 
-    cache_kwarg = _hf_cache_kwarg(hf_model)
+    cache_kwarg = hf_cache_kwarg(hf_model)
     with torch.no_grad():
         out = hf_model(torch.tensor([token_ids]), use_cache=True)
         logits = out.logits[0].float().numpy()
