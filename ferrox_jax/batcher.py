@@ -304,7 +304,10 @@ class ContinuousBatcher:
             recompiles_after_warmup=self._runner.recompiles_after_warmup,
             ticks=self._ticks,
             host_s=self._host_s,
-            device_s=self._device_s)
+            device_s=self._device_s,
+            prefix_cache_queries=scheduler.blocks.num_queried_tokens,
+            prefix_cache_hits=scheduler.blocks.num_hit_tokens,
+            kv_blocks_cached=scheduler.blocks.num_cached_blocks)
         with self._lock:
             self._snapshot = snapshot
             self._num_waiting = scheduler.num_waiting

@@ -57,6 +57,7 @@ class EngineConfig:
     max_seqs: int = 32  # rows at once (prefilling and decoding); also the largest decode row bucket
     prefill_chunk: int = 128  # prompt tokens computed per tick, at most (capped at max_context)
     max_queue: int = 512  # waiting jobs; one more is refused (503)
+    prefix_caching: bool = True  # full prompt blocks stay cached and are shared by later prompts
     # ---- compilation ----
     compile_cache_dir: str | None = None  # JAX persistent compilation cache; None: off
     # ---- scale-out (ferrox_jax/sharding.py, docs/deploy-tpu.md) ----
@@ -117,9 +118,13 @@ class SchedulerLimits:
     max_context: int | None = None  # prompt + max_tokens ceiling; None: the budget decides
     max_queue: int = 512  # waiting jobs; one more is refused
     kv_bytes_per_block: int = 0  # K+V bytes of one block, for refusal messages; 0: unknown
+    prefix_caching: bool = True  # keep and share full prompt blocks across requests
+    prefix_cache_salt: str = ""  # what else the K/V depend on (model, dtype), in every block name
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if value is not None and value <= 0 and field.name != "kv_bytes_per_block":
+            if isinstance(value, (bool, str)) or value is None or field.name == "kv_bytes_per_block":
+                continue
+            if value <= 0:
                 raise ValueError(f"SchedulerLimits.{field.name} must be > 0; got {value}")
