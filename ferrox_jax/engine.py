@@ -127,6 +127,13 @@ def size_kv(config: EngineConfig, model_cfg: ModelConfig, dtype) -> KVSizing:
     return KVSizing(kv_blocks, max_context, per_block, why)
 
 
+def prefix_cache_salt(source: CheckpointSource, dtype, block_size: int) -> str:
+    """What the K/V of a block depend on besides its tokens: the weights and how they run.
+    It goes into every prefix-cache block name (`ferrox_jax/prefix_cache.py`)."""
+    cfg = source.config
+    return f"{source.path}|{cfg.architecture}|{jnp.dtype(dtype).name}|{block_size}"
+
+
 class Engine:
     """The engine facade (see the module docstring). Thread-safe where the API needs it:
     `submit`, `cancel`, `stats` and `health` may be called from any thread."""
@@ -184,7 +191,9 @@ class Engine:
         limits = SchedulerLimits(
             block_size=config.block_size, num_blocks=sizing.num_blocks - 1, max_seqs=config.max_seqs,
             max_rows=max_rows, max_chunk_tokens=prefill_chunk, max_context=sizing.max_context,
-            max_queue=config.max_queue, kv_bytes_per_block=sizing.bytes_per_block)
+            max_queue=config.max_queue, kv_bytes_per_block=sizing.bytes_per_block,
+            prefix_caching=config.prefix_caching,
+            prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size))
         batcher = ContinuousBatcher(runner, source.tokenizer, limits)
         engine = cls(source, runner, batcher, config, sizing, attention_note)
         engine.load_s = time.perf_counter() - t0
@@ -265,6 +274,7 @@ class Engine:
             "kv_bytes": self.sizing.num_blocks * self.sizing.bytes_per_block,
             "max_context": self.max_context,
             "kv_sizing": self.sizing.note,
+            "prefix_caching": self.config.prefix_caching,
             "buckets": {"decode_rows": buckets.decode_rows, "prefill_tokens": buckets.prefill_tokens},
             "num_compiled_shapes": len(buckets.keys()),
         }
