@@ -91,8 +91,8 @@ def check_limits(limits: SchedulerLimits, runner: Runner) -> None:
     if limits.max_rows > runner.max_rows:
         raise ValueError(f"SchedulerLimits.max_rows ({limits.max_rows}) exceeds the runner's largest "
                          f"row bucket ({runner.max_rows})")
-    if limits.max_chunk_tokens > runner.max_prefill_tokens:
-        raise ValueError(f"SchedulerLimits.max_chunk_tokens ({limits.max_chunk_tokens}) exceeds the "
+    if limits.idle_chunk_tokens > runner.max_prefill_tokens:
+        raise ValueError(f"SchedulerLimits' prefill chunk ({limits.idle_chunk_tokens} tokens) exceeds the "
                          f"runner's largest token bucket ({runner.max_prefill_tokens})")
 
 

@@ -184,13 +184,15 @@ class Engine:
             model = source.build(dtype, decode_attention=attention, progress=progress)
         max_rows = config.max_seqs
         prefill_chunk = min(config.prefill_chunk, sizing.max_context)
+        idle_chunk = min(max(config.prefill_chunk_idle, prefill_chunk), sizing.max_context)
         runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size,
-                             max_rows=max_rows, max_prefill_tokens=prefill_chunk,
+                             max_rows=max_rows, max_prefill_tokens=idle_chunk,
                              max_context=sizing.max_context, kv_dtype=dtype, mesh=mesh,
                              replicate_attention=config.replicate_attention)
         limits = SchedulerLimits(
             block_size=config.block_size, num_blocks=sizing.num_blocks - 1, max_seqs=config.max_seqs,
-            max_rows=max_rows, max_chunk_tokens=prefill_chunk, max_context=sizing.max_context,
+            max_rows=max_rows, max_chunk_tokens=prefill_chunk, max_idle_chunk_tokens=idle_chunk,
+            max_context=sizing.max_context,
             max_queue=config.max_queue, kv_bytes_per_block=sizing.bytes_per_block,
             prefix_caching=config.prefix_caching,
             prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size))

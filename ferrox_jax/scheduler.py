@@ -9,7 +9,9 @@ Owned by the batcher's owner thread (no locks). A tick, in the contract's order:
 
 Progress is `num_computed_tokens` catching up with `len(token_ids)`: a prefill chunk is
 that catch-up capped by `max_chunk_tokens`, a decode step a catch-up of one. A prompt
-whose start is in the prefix cache starts its catch-up after the cached part.
+whose start is in the prefix cache starts its catch-up after the cached part. When no
+row is decoding, nobody's next token waits on the chunk, so it may take up to
+`idle_chunk_tokens` (a larger bucket) and a lone long prompt reaches its first token sooner.
 
 Blocks are `ferrox_jax/block_tables.py`'s business: admission looks the prompt up in the
 prefix cache and promises the job its lifetime worst case of new blocks; planning grows
@@ -208,7 +210,8 @@ class Scheduler:
         job = self._prefilling[0]
         prompt = job.spec.prompt_token_ids
         start = job.num_computed_tokens
-        end = min(job.num_prefill_tokens, start + self.limits.max_chunk_tokens)
+        cap = self.limits.max_chunk_tokens if self._decoding else self.limits.idle_chunk_tokens
+        end = min(job.num_prefill_tokens, start + cap)
         self.blocks.prepare_prefill(job, start, end)
         is_last = end == job.num_prefill_tokens
         if not is_last:

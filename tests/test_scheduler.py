@@ -102,6 +102,22 @@ def test_long_prompt_interleaves_with_decoding_rows_without_changing_them():
             f"{spec.request_id}: a long prompt arriving must not change a decoding row's tokens")
 
 
+def test_a_prompt_alone_takes_idle_chunks_and_decoding_rows_keep_the_small_ones():
+    runner = ScriptedRunner(block_size=4, num_blocks=65, max_prefill_tokens=16, token_fn=letters_token_fn())
+    limits = SchedulerLimits(block_size=4, num_blocks=64, max_seqs=8, max_rows=8, max_chunk_tokens=4,
+                             max_idle_chunk_tokens=16)
+    scheduler = Scheduler(limits, ByteTokenizer())
+    outputs = {}
+    scheduler.add_request(req("alone", 40, 20))
+    sizes = [len(tick(scheduler, runner, outputs).prefill[0].token_ids) for _ in range(3)]
+    assert sizes == [16, 16, 8], "no row decodes: 40 prompt tokens in chunks of up to 16"
+    scheduler.add_request(req("late", 10, 3))
+    late = [len(plan.prefill[0].token_ids) for plan in (tick(scheduler, runner, outputs) for _ in range(3))]
+    assert late == [4, 4, 2], "a row decodes: chunks of 4, so its tokens keep coming"
+    run_until_idle(scheduler, runner, outputs)
+    assert outputs[("alone", 0)].token_ids == outputs_alone(req("alone", 40, 20))[("alone", 0)].token_ids
+
+
 def test_head_job_that_does_not_fit_holds_the_line():
     # 10 blocks of 4: "big" reserves ceil((4+28)/4) = 8; "next" needs 6 > 2 left; "small" needs 1.
     scheduler, runner = make(num_blocks=10, token_fn=letters_token_fn())
