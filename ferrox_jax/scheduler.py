@@ -248,7 +248,7 @@ class Scheduler:
     def _update_peak(self) -> None:
         # Deliberately measured from the rows themselves rather than derived from the
         # budget: a ledger-derived peak cannot exceed the budget however broken admission is.
-        num_held = len(self.block_references())
+        num_held = len(self.blocks.held_block_ids(self._prefilling, self._decoding.values()))
         assert num_held == self.budget.num_held_blocks, (
             f"tables hold {num_held} blocks but the pool handed out {self.budget.num_held_blocks}")
         num_owed = sum(job.num_owed_blocks for job in self._jobs.values())
