@@ -9,12 +9,15 @@ A job's life, as block tables see it (P prompt tokens, M = max_tokens, n rows, b
 size):
 
 1. Admission (`try_admit`). The prompt's full blocks are named (`prefix_cache.chain_hashes`)
-   and looked up: the longest run of cached names from block 0, k blocks, is shared into
-   the job's table. Prefill then starts at `c = min(k * bs, P - 1)` (`num_cached_tokens`):
-   the last prompt token is always computed, so the first sampled token has fresh logits.
-   When the whole prompt hits (P = k * bs), position P - 1 lies in the shared block k - 1,
-   which is copied before that token is written. Jobs asking for prompt logprobs need
-   every position computed and skip the lookup.
+   and the first `S = (P - 1) // bs` of them, the blocks wholly before the last prompt
+   token, are looked up: the longest run of cached names from block 0, k <= S blocks, is
+   shared into the job's table, and prefill starts at `c = k * bs` (`num_cached_tokens`).
+   The last prompt token is always computed, so the first sampled token has fresh logits,
+   and it never lies in a hit block: a prompt that is cached whole (P a multiple of bs)
+   recomputes its last block into a block of its own, as vLLM does, rather than copying
+   the cached one (a copy would cost the job one block more than no hit at all, and a job
+   needing the whole budget could then never be admitted). Jobs asking for prompt
+   logprobs need every position computed and skip the lookup.
 2. Prefill writes positions c.. into new blocks; each full block is named in the cache
    once the step that computed it has run.
 3. Fork (`fork`), when the prefill is done: each of the n rows takes a table referencing
@@ -29,15 +32,16 @@ size):
 
 What admission reserves (`blocks_to_reserve`). Each row's table reaches at most
 `per_row = ceil((P + M) / bs)` blocks (the ferrox-server contract's lifetime worst case).
-The first `S = (P - 1) // bs` of them are full prompt blocks every row shares; of those,
-`r = c // bs` come from the cache hit and are never written. So a job promises
+The first S of them are full prompt blocks every row shares; k of those come from the
+cache hit and are never written. So a job promises
 
-    new = (S - r) + n * (per_row - S)        # n = 1: per_row - r
+    new = (S - k) + n * (per_row - S)        # n = 1: per_row - k
 
 new blocks (every row's own tail: its copy or in-place share of the partly filled block,
 and the blocks it grows into), and it also holds the k hit blocks; admission charges a hit
-block only when it is idle (nobody held it). A finished row gives back what it could still
-have allocated; the job's remainder goes back when its last row ends.
+block only when it is idle (nobody held it), so a hit never costs more than no hit. A
+finished row gives back what it could still have allocated; the job's remainder goes
+back when its last row ends.
 """
 
 from __future__ import annotations
@@ -85,8 +89,8 @@ class BlockTables:
             job.block_names = chain_hashes(prompt, self.block_size, self.cache.root)
         hits: list[int] = []
         if self.cache is not None and not job.spec.prompt_logprobs:
-            hits = self.cache.lookup(job.block_names)
-        num_cached = min(len(hits) * self.block_size, len(prompt) - 1)
+            hits = self.cache.lookup(job.block_names[:(len(prompt) - 1) // self.block_size])
+        num_cached = len(hits) * self.block_size
         num_new = blocks_to_reserve(len(prompt), job.spec.max_tokens, job.spec.n, self.block_size, num_cached)
         if not self.budget.try_admit(num_new, hits):
             return False

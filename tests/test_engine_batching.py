@@ -161,7 +161,7 @@ def test_cache_hits_change_nothing_but_speed_alone_and_batched(engine, uncached)
     assert warm[0][2] == 0, "a cold prompt computes everything"
     cases = {
         "same prompt": [SHARED + [300, 301]],  # 42 tokens: 5 blocks hit, 2 tokens computed
-        "whole prompt cached": [SHARED],  # 40 tokens, all cached: the last block is copied
+        "whole prompt cached": [SHARED],  # 40 tokens, all cached: 4 blocks hit, the last recomputed
         "prefix of a cached prompt": [SHARED[:20]],  # 2 blocks hit
         "batched": [SHARED + [200 + i] * (i + 1) for i in range(6)],  # 6 prompts on one prefix
     }
@@ -172,7 +172,8 @@ def test_cache_hits_change_nothing_but_speed_alone_and_batched(engine, uncached)
             assert ref_cached == 0 and cached > 0, f"{name}: a hit on one engine only"
             assert tokens == ref_tokens, f"{name}: a cache hit changed greedy tokens"
             np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-4, err_msg=f"{name}: logprobs")
-    assert [c for _, _, c in _run_logprobs(engine, [SHARED], "again-")] == [39], "P - 1 tokens from cache"
+    assert [c for _, _, c in _run_logprobs(engine, [SHARED], "again-")] == [32], (
+        "the blocks wholly before the last prompt token: (40 - 1) // 8 = 4")
     stats = engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total and stats.kv_blocks_cached > 0, (
         "idle: cached blocks are resident and count as free")

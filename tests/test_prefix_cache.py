@@ -4,6 +4,8 @@ shared block changes the sampled tokens)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ferrox_jax.config import SchedulerLimits
@@ -58,16 +60,19 @@ def uncached_tokens(s):
 CACHED = tokens(12)  # 3 full blocks of 4
 
 
-@pytest.mark.parametrize("second, num_cached, num_copies", [
-    (CACHED, 11, 1),  # the same prompt twice: 3 blocks hit; the last token is recomputed in a copy of block 2
-    (CACHED[:8] + tokens(5, 50), 8, 0),  # a prefix of exactly 2 blocks, then other tokens
-    (CACHED[:9] + tokens(5, 50), 8, 0),  # 2 blocks + 1 token: the partly matching block is computed
-    (CACHED[:8], 7, 1),  # a prompt that is a prefix of the cached one, ending on a block boundary
-    (CACHED[:6], 4, 0),  # a prefix of the cached one ending inside a block
-    (CACHED[:3], 0, 0),  # shorter than a block: nothing to hit
-    (tokens(12, 50), 0, 0),  # nothing shared
+# The last prompt token is always computed and never in a hit block: a hit covers at most
+# the (P - 1) // 4 blocks wholly before it.
+@pytest.mark.parametrize("second, num_cached", [
+    (CACHED, 8),  # the same prompt twice: 2 of its 3 blocks hit, the last block is recomputed
+    (CACHED[:8] + tokens(5, 50), 8),  # a prefix of exactly 2 blocks, then other tokens
+    (CACHED[:9] + tokens(5, 50), 8),  # 2 blocks + 1 token: the partly matching block is computed
+    (CACHED[:9], 8),  # a prefix of the cached one: 2 blocks + its last token
+    (CACHED[:8], 4),  # a prefix of the cached one ending on a block boundary: (8 - 1) // 4 = 1 block
+    (CACHED[:6], 4),  # a prefix of the cached one ending inside a block
+    (CACHED[:4], 0),  # one block, holding the last token: nothing to hit
+    (tokens(12, 50), 0),  # nothing shared
 ])
-def test_hits_at_block_boundaries_compute_only_the_rest_and_sample_the_same(second, num_cached, num_copies):
+def test_hits_at_block_boundaries_compute_only_the_rest_and_sample_the_same(second, num_cached):
     scheduler, runner = make()
     run(scheduler, runner, spec("first", CACHED))
     num_plans = len(runner.plans)
@@ -76,15 +81,14 @@ def test_hits_at_block_boundaries_compute_only_the_rest_and_sample_the_same(seco
     assert first_event(outputs, "second").num_cached_tokens == num_cached
     assert prefill_positions(runner, num_plans, first_row) == list(range(num_cached, len(second))), (
         "prefill starts right after the cached tokens and always computes the last prompt token")
-    copies = [c for plan in runner.plans[num_plans:] for c in plan.block_copies]
-    assert len(copies) == num_copies, "only a hit covering the whole prompt copies its last block"
+    assert not [c for plan in runner.plans[num_plans:] for c in plan.block_copies], "a hit copies nothing"
     assert outputs[("second", 0)].token_ids == uncached_tokens(spec("second", second)), (
         "a cache hit must not change the sampled tokens")
     assert scheduler.blocks.num_hit_tokens == num_cached
     assert scheduler.blocks.num_queried_tokens == len(CACHED) + len(second)
 
 
-def test_a_full_hit_never_writes_into_the_cached_block():
+def test_a_prompt_cached_whole_never_writes_into_a_cached_block():
     scheduler, runner = make()
     run(scheduler, runner, spec("first", CACHED, max_tokens=1))
     cached_ids = set(scheduler.blocks.cache.lookup(chain_hashes(CACHED, BS, scheduler.blocks.cache.root)))
@@ -92,7 +96,7 @@ def test_a_full_hit_never_writes_into_the_cached_block():
     run(scheduler, runner, spec("again", CACHED, max_tokens=6))
     written = {step.block_ids[pos // BS] for plan in runner.plans[num_plans:] for step in plan.prefill + plan.decode
                for pos in range(step.start_pos, step.start_pos + len(step.token_ids))}
-    assert len(cached_ids) == 3 and not written & cached_ids, "cached blocks are read-only; the hit copies"
+    assert len(cached_ids) == 3 and not written & cached_ids, "cached blocks are read-only"
 
 
 def test_generated_tokens_fill_cached_blocks_for_the_next_turn():
@@ -127,7 +131,7 @@ def test_caching_off_keeps_nothing_and_hits_nothing():
 @pytest.mark.parametrize("prompt_len, cached_first, num_copies", [
     (10, False, 2),  # 9 prefilled: 2 full blocks shared, the partly filled one copied by 2 of 3 rows
     (9, False, 0),  # 8 prefilled: the rows write the last prompt token into blocks of their own
-    (12, True, 3),  # the whole prompt cached: every row copies the cached last block
+    (12, True, 2),  # cached whole: 2 blocks hit, 3 tokens prefilled into a block 2 of 3 rows copy
 ])
 def test_n_rows_share_the_prompt_through_the_same_copy_on_write(prompt_len, cached_first, num_copies):
     scheduler, runner = make()
@@ -176,6 +180,16 @@ def test_a_cached_block_in_use_is_never_evicted_and_a_job_waits_instead():
     run_until_idle(scheduler, runner, outputs)
     assert outputs[("hit", 0)].token_ids == uncached_tokens(hit)
     assert outputs[("bigger", 0)].finish_reason == "length"
+
+
+def test_a_hit_never_costs_more_than_no_hit_so_a_job_filling_the_budget_runs_twice():
+    scheduler, runner = make(num_blocks=8)
+    whole = spec("whole", tokens(16), max_tokens=16)  # ceil(32 / 4) = 8 blocks: the whole budget
+    run(scheduler, runner, whole)
+    assert scheduler.blocks.num_cached_blocks >= 4, "its prompt (and reply) blocks stay cached, idle"
+    # Again: 3 blocks hit (the 4th holds the last prompt token), 8 - 3 = 5 new: 3 + 5 = 8 fit.
+    outputs = run(scheduler, runner, dataclasses.replace(whole, request_id="again"))
+    assert outputs[("again", 0)].finish_reason == "length" and first_event(outputs, "again").num_cached_tokens == 12
 
 
 # -- cancellation with shared blocks ---------------------------------------------------
