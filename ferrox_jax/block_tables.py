@@ -58,7 +58,8 @@ from ferrox_jax.request import Request, Row
 
 def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, n: int, block_size: int,
                       num_cached_tokens: int = 0) -> int:
-    """New blocks a job promises at admission (see the module docstring), `c` tokens cached."""
+    """New blocks a job promises at admission (see the module docstring); `num_cached_tokens`
+    is what its prefix-cache hit supplies (whole blocks), 0 for the worst case."""
     per_row = max(1, math.ceil((num_prompt_tokens + max_tokens) / block_size))
     shared = (num_prompt_tokens - 1) // block_size
     return shared - num_cached_tokens // block_size + n * (per_row - shared)

@@ -34,6 +34,10 @@ import numpy as np
 from tools.bench_prompts import BenchRequest, TokenCounter, synthetic_requests
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn")
+# Seed offsets per kind of text: with the same --seed, a random-workload prompt, a prefix, a
+# question and a system prompt must not start alike, or one run's prompts would hit the
+# cache another run of the same session left behind.
+_PREFIX_SEED, _QUESTION_SEED, _SYSTEM_SEED, _TURN_SEED = 1_000_003, 2_000_003, 3_000_017, 4_000_037
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +65,8 @@ def _texts(counter: TokenCounter, num: int, num_tokens: int, seed: int) -> list[
 def shared_prefix_requests(counter: TokenCounter, num: int, num_prefixes: int, prefix_len: int, input_len: int,
                            output_len: int, endpoint: str, seed: int) -> list[BenchRequest]:
     """`num` requests, request i = prefix (i mod num_prefixes) + a question of its own."""
-    prefixes = _texts(counter, num_prefixes, prefix_len, seed)
-    questions = _texts(counter, num, input_len, seed + 1)
+    prefixes = _texts(counter, num_prefixes, prefix_len, seed + _PREFIX_SEED)
+    questions = _texts(counter, num, input_len, seed + _QUESTION_SEED)
     requests = []
     for i, (question, _) in enumerate(questions):
         prefix, _ = prefixes[i % num_prefixes]
@@ -81,8 +85,8 @@ def shared_prefix_requests(counter: TokenCounter, num: int, num_prefixes: int, p
 def conversations(counter: TokenCounter, num: int, num_turns: int, prefix_len: int, input_len: int,
                   output_len: int, seed: int) -> list[Conversation]:
     """`num` conversations of `num_turns` user messages, each with its own system prompt."""
-    rng = random.Random(seed)
-    systems = _texts(counter, num, prefix_len, seed) if prefix_len else [("", 0)] * num
+    rng = random.Random(seed + _TURN_SEED)
+    systems = _texts(counter, num, prefix_len, seed + _SYSTEM_SEED) if prefix_len else [("", 0)] * num
     out = []
     for index in range(num):
         turns = _texts(counter, num_turns, input_len, rng.randrange(1 << 30))
@@ -156,13 +160,11 @@ def format_summary(summary: dict[str, Any] | None) -> list[str]:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f}"
 
-    lines = ["{:-^60}".format("TTFT by workload phase")]
+    lines = ["{:-^60}".format("TTFT by workload phase"), f"{'':<30}{'n':>6}{'median ms':>12}{'p90 ms':>12}"]
     if "cold_ttft" in summary:
-        for name in ("cold_ttft", "warm_ttft"):
-            s = summary[name]
-            lines.append(f"{name.split('_')[0].title() + ' requests: n, median, p90 (ms)':<44}"
-                         f"{s['n']:>4} {ms(s['median_ms']):>5} {ms(s['p90_ms'])}")
+        rows = [("Cold requests (first use)", summary["cold_ttft"]), ("Warm requests", summary["warm_ttft"])]
     else:
-        for turn, s in enumerate(summary["ttft_by_turn"], 1):
-            lines.append(f"{f'Turn {turn}: n, median TTFT (ms)':<44}{s['n']:>4} {ms(s['median_ms']):>10}")
+        rows = [(f"Turn {turn}", s) for turn, s in enumerate(summary["ttft_by_turn"], 1)]
+    for name, s in rows:
+        lines.append(f"{name:<30}{s['n']:>6}{ms(s['median_ms']):>12}{ms(s['p90_ms']):>12}")
     return lines
