@@ -41,7 +41,9 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for s in SETTINGS:
         if s.parse.__name__ == "_bool":
-            serve.add_argument(s.cli_flag, dest=s.name, action="store_true", default=defaults[s.name],
+            # A setting on by default gets --no-<flag> too, to turn it off from the command line.
+            action = argparse.BooleanOptionalAction if s.default else "store_true"
+            serve.add_argument(s.cli_flag, dest=s.name, action=action, default=defaults[s.name],
                                help=f"{s.help} [{s.env}]")
             continue
         serve.add_argument(s.cli_flag, dest=s.name, type=s.parse, default=defaults[s.name],
@@ -102,7 +104,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             load_format=args.load_format, dummy_weights_seed=args.dummy_weights_seed,
             block_size=args.block_size, kv_blocks=args.kv_blocks, kv_memory_gib=args.kv_memory_gib,
             max_context=args.max_context, max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
-            max_queue=args.max_queue, compile_cache_dir=None if cache == "off" else cache,
+            prefill_chunk_idle=args.prefill_chunk_idle,
+            max_queue=args.max_queue, prefix_caching=args.prefix_caching,
+            compile_cache_dir=None if cache == "off" else cache,
             tensor_parallel=args.tensor_parallel, mesh=args.mesh, replicate_attention=args.replicate_attention,
             attention_impl=args.attention_impl, coordinator_address=args.coordinator_address,
             num_processes=args.num_processes, process_id=args.process_id)

@@ -214,7 +214,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_seqs", "FERROX_CB_MAX_SEQS", _positive_int, 32,
             "rows (prefilling + decoding) at once; also the largest decode row bucket"),
     Setting("prefill_chunk", "FERROX_CB_PREFILL_CHUNK", _positive_int, 128, "prompt tokens per tick"),
+    Setting("prefill_chunk_idle", "FERROX_PREFILL_CHUNK_IDLE", _nonneg_int, 0,
+            "prompt tokens per tick while no row decodes (0 = --prefill-chunk; larger buckets compile at start-up)"),
     Setting("max_queue", "FERROX_CB_MAX_QUEUE", _positive_int, 512, "waiting jobs before 503"),
+    Setting("prefix_caching", "FERROX_PREFIX_CACHING", _bool, True,
+            "keep computed prompt blocks and reuse them for prompts sharing a prefix (--no-prefix-caching: off)"),
     # server (ServerConfig)
     Setting("addr", "FERROX_ADDR", _str, None, "host:port (overridden by --host/--port)"),
     Setting("host", "FERROX_HOST", _str, None, f"bind address (default {DEFAULT_HOST})"),

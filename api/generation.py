@@ -19,7 +19,9 @@ them to a `GenerationRun`. The run:
     a line in `/admin/stats`'s `recent` ring.
 
 Choice indices are `job * n + row index`, as OpenAI numbers the choices of a list prompt.
-Usage counts every sampled token, a final stop token included (the engine's count).
+Usage counts every sampled token, a final stop token included (the engine's count), and
+the prompt tokens each job took from the prefix cache (`num_cached_tokens`, OpenAI's
+`usage.prompt_tokens_details.cached_tokens`), read from the job's first event.
 
 A run is pinned to the engine it was built with (the one whose tokenizer made its prompt):
 it submits, cancels and checks health there, so a model swap (`api/model_admin.py`) lets
@@ -97,6 +99,7 @@ class GenerationRun:
         self.drop_output = drop_output
         self.num_prompt_tokens = sum(len(job.prompt_token_ids) for job in self.jobs)
         self.num_output_tokens = [0] * (len(self.jobs) * self.n)  # per choice
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache, summed over jobs
         self.status = 200  # what the request is recorded with
         self.started_at = time.monotonic()
         self.submitted_at = self.started_at
@@ -229,6 +232,7 @@ class GenerationRun:
         self.num_output_tokens[output.choice] = max(count, event.num_generated_tokens)
         if output.job not in self._jobs_seen:  # a job's first event carries its admission wait
             self._jobs_seen.add(output.job)
+            self.num_cached_tokens += event.num_cached_tokens
             if event.queue_s is not None:
                 self.state.metrics.queue.observe(event.queue_s)
                 self.queue_s = max(self.queue_s, event.queue_s)
@@ -310,7 +314,7 @@ class GenerationRun:
             metrics.e2e.observe(now - self.submitted_at)
         self.state.stats.record(RequestRecord(
             id=self.api_id, route=self.route, status=self.status, prompt_tokens=self.num_prompt_tokens,
-            completion_tokens=self.num_completion_tokens,
+            completion_tokens=self.num_completion_tokens, cached_tokens=self.num_cached_tokens,
             ttft_ms=None if ttft is None else round(ttft * 1e3, 3),
             duration_ms=round((now - self.started_at) * 1e3, 3), stream=self.stream))
 

@@ -311,7 +311,8 @@ class _Reply:
 
     def _usage(self) -> dict:
         prompt, completion = self.run.num_prompt_tokens, self.run.num_completion_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.run.num_cached_tokens}}
 
     def _response(self, choices: list[dict]) -> dict:
         return {"id": self.run.api_id, "request_id": self.run.api_id, "object": self.shape.object,

@@ -44,7 +44,8 @@ _BATCHER_METRICS = (
     ("queue_depth", "ferrox_scheduler_queue_depth", "gauge", "jobs waiting for admission"),
     ("queue_rejected", "ferrox_scheduler_queue_rejected", "counter", "jobs refused: waiting queue full"),
     ("kv_blocks_total", "ferrox_kv_blocks_total", "gauge", "KV blocks in the budget"),
-    ("kv_blocks_free", "ferrox_kv_blocks_free", "gauge", "KV blocks not reserved by admitted jobs"),
+    ("kv_blocks_free", "ferrox_kv_blocks_free", "gauge",
+     "KV blocks not held or promised by admitted jobs (idle cached blocks count as free)"),
     ("kv_block_size", "ferrox_kv_block_size", "gauge", "token positions per KV block"),
     ("kv_rejected_too_large", "ferrox_kv_rejected_too_large", "counter",
      "jobs refused: more blocks than the whole budget"),
@@ -52,6 +53,11 @@ _BATCHER_METRICS = (
      "jobs refused: prompt + max_tokens above the context ceiling"),
     ("kv_blocks_peak", "ferrox_kv_blocks_peak", "gauge", "most KV blocks held at once, counted from the rows"),
     ("aborted", "ferrox_scheduler_aborted", "counter", "jobs the scheduler stopped on cancellation"),
+    ("prefix_cache_queries", "ferrox_prefix_cache_queries", "counter",
+     "prompt tokens looked up in the prefix cache"),
+    ("prefix_cache_hits", "ferrox_prefix_cache_hits", "counter",
+     "prompt tokens served from the prefix cache instead of computed"),
+    ("kv_blocks_cached", "ferrox_kv_blocks_cached", "gauge", "KV blocks resident in the prefix cache"),
     # structured output
     ("constrained_requests", "ferrox_constrained_requests", "counter",
      "jobs whose output a grammar constrains (response_format, guided_*, forced tool calls)"),
@@ -84,6 +90,7 @@ class RequestRecord:
     status: int
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
     ttft_ms: float | None
     duration_ms: float
     stream: bool

@@ -91,8 +91,8 @@ def check_limits(limits: SchedulerLimits, runner: Runner) -> None:
     if limits.max_rows > runner.max_rows:
         raise ValueError(f"SchedulerLimits.max_rows ({limits.max_rows}) exceeds the runner's largest "
                          f"row bucket ({runner.max_rows})")
-    if limits.max_chunk_tokens > runner.max_prefill_tokens:
-        raise ValueError(f"SchedulerLimits.max_chunk_tokens ({limits.max_chunk_tokens}) exceeds the "
+    if limits.idle_chunk_tokens > runner.max_prefill_tokens:
+        raise ValueError(f"SchedulerLimits' prefill chunk ({limits.idle_chunk_tokens} tokens) exceeds the "
                          f"runner's largest token bucket ({runner.max_prefill_tokens})")
 
 
@@ -311,6 +311,9 @@ class ContinuousBatcher:
             device_s=self._device_s,
             constrained_requests=scheduler.num_constrained_requests,
             grammar_errors=scheduler.num_grammar_errors,
+            prefix_cache_queries=scheduler.blocks.num_queried_tokens,
+            prefix_cache_hits=scheduler.blocks.num_hit_tokens,
+            kv_blocks_cached=scheduler.blocks.num_cached_blocks,
             **self._masks)
         with self._lock:
             self._snapshot = snapshot

@@ -59,7 +59,9 @@ class EngineConfig:
     max_context: int | None = None  # prompt + max_tokens ceiling; None: trained context within the budget
     max_seqs: int = 32  # rows at once (prefilling and decoding); also the largest decode row bucket
     prefill_chunk: int = 128  # prompt tokens computed per tick, at most (capped at max_context)
+    prefill_chunk_idle: int = 0  # ... when no row is decoding (larger buckets, compiled at start-up); 0: prefill_chunk
     max_queue: int = 512  # waiting jobs; one more is refused (503)
+    prefix_caching: bool = True  # full prompt blocks stay cached and are shared by later prompts
     # ---- compilation ----
     compile_cache_dir: str | None = None  # JAX persistent compilation cache; None: off
     # ---- scale-out (ferrox_jax/sharding.py, docs/deploy-tpu.md) ----
@@ -81,6 +83,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int; got {value!r}")
+        if self.prefill_chunk_idle and self.prefill_chunk_idle < self.prefill_chunk:
+            raise ValueError(f"EngineConfig.prefill_chunk_idle must be 0 (off) or >= prefill_chunk "
+                             f"({self.prefill_chunk}); got {self.prefill_chunk_idle}")
         if self.kv_blocks is not None and self.kv_blocks < 2:
             raise ValueError(f"EngineConfig.kv_blocks must be >= 2 (block 0 is the null block); got {self.kv_blocks}")
         if not self.kv_memory_gib > 0:
@@ -123,12 +128,25 @@ class SchedulerLimits:
     max_seqs: int  # rows in flight: decoding rows plus the n rows of each prefilling job
     max_rows: int  # rows per decode step (the runner's largest row bucket)
     max_chunk_tokens: int  # prompt tokens per prefill chunk
+    max_idle_chunk_tokens: int | None = None  # per chunk when no row decodes; None: max_chunk_tokens
     max_context: int | None = None  # prompt + max_tokens ceiling; None: the budget decides
     max_queue: int = 512  # waiting jobs; one more is refused
     kv_bytes_per_block: int = 0  # K+V bytes of one block, for refusal messages; 0: unknown
+    prefix_caching: bool = True  # keep and share full prompt blocks across requests
+    prefix_cache_salt: str = ""  # what else the K/V depend on (model, dtype), in every block name
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if value is not None and value <= 0 and field.name != "kv_bytes_per_block":
+            if isinstance(value, (bool, str)) or value is None or field.name == "kv_bytes_per_block":
+                continue
+            if value <= 0:
                 raise ValueError(f"SchedulerLimits.{field.name} must be > 0; got {value}")
+        if self.idle_chunk_tokens < self.max_chunk_tokens:
+            raise ValueError(f"SchedulerLimits.max_idle_chunk_tokens ({self.max_idle_chunk_tokens}) must be "
+                             f">= max_chunk_tokens ({self.max_chunk_tokens})")
+
+    @property
+    def idle_chunk_tokens(self) -> int:
+        """Prompt tokens a chunk may take when no row is decoding (nobody's tokens wait on it)."""
+        return self.max_idle_chunk_tokens or self.max_chunk_tokens

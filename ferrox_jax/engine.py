@@ -143,6 +143,13 @@ def size_kv(config: EngineConfig, model_cfg: ModelConfig, dtype) -> KVSizing:
     return KVSizing(kv_blocks, max_context, per_block, why)
 
 
+def prefix_cache_salt(source: CheckpointSource, dtype, block_size: int) -> str:
+    """What the K/V of a block depend on besides its tokens: the weights and how they run.
+    It goes into every prefix-cache block name (`ferrox_jax/prefix_cache.py`)."""
+    cfg = source.config
+    return f"{source.path}|{cfg.architecture}|{jnp.dtype(dtype).name}|{block_size}"
+
+
 def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int) -> tuple[GrammarCompiler | None, str]:
     """The grammar compiler for this tokenizer and logits width (building llguidance's view
     of the vocabulary takes ~0.4 s for 49k tokens), or None and the reason it cannot be
@@ -244,15 +251,19 @@ class Engine:
         max_rows = config.max_seqs
         prefill_chunk = min(config.prefill_chunk, sizing.max_context)
         grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size)
+        idle_chunk = min(max(config.prefill_chunk_idle, prefill_chunk), sizing.max_context)
         runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size,
-                             max_rows=max_rows, max_prefill_tokens=prefill_chunk,
+                             max_rows=max_rows, max_prefill_tokens=idle_chunk,
                              max_context=sizing.max_context, kv_dtype=dtype, mesh=mesh,
                              replicate_attention=config.replicate_attention,
                              fill_bitmask=grammar.fill_bitmask if grammar is not None else None)
         limits = SchedulerLimits(
             block_size=config.block_size, num_blocks=sizing.num_blocks - 1, max_seqs=config.max_seqs,
-            max_rows=max_rows, max_chunk_tokens=prefill_chunk, max_context=sizing.max_context,
-            max_queue=config.max_queue, kv_bytes_per_block=sizing.bytes_per_block)
+            max_rows=max_rows, max_chunk_tokens=prefill_chunk, max_idle_chunk_tokens=idle_chunk,
+            max_context=sizing.max_context,
+            max_queue=config.max_queue, kv_bytes_per_block=sizing.bytes_per_block,
+            prefix_caching=config.prefix_caching,
+            prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size))
         batcher = ContinuousBatcher(runner, source.tokenizer, limits)
         engine = cls(source, runner, batcher, config, sizing, attention_note, grammar, grammar_note)
         engine.load_s = time.perf_counter() - t0
@@ -371,6 +382,7 @@ class Engine:
                       f"{self.sizing.num_blocks * self.sizing.bytes_per_block / 2**30:.2f} GiB",
             "max_context": self.max_context,
             "kv_sizing": self.sizing.note,
+            "prefix_caching": self.config.prefix_caching,
             "buckets": {"decode_rows": buckets.decode_rows, "prefill_tokens": buckets.prefill_tokens},
             "num_compiled_shapes": len(buckets.keys()),
         }

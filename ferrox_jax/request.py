@@ -127,6 +127,12 @@ class GenerationRequest:
     # carries `RowEvent.embedding`. Needs max_tokens 0 and n 1.
     pooling: str | None = None
 
+    @property
+    def computes_every_position(self) -> bool:
+        """The job needs every prompt position computed, so it takes nothing from the prefix
+        cache: prompt logprobs score each token, and mean pooling sums every hidden state."""
+        return self.prompt_logprobs or self.pooling == "mean"
+
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"GenerationRequest {self.request_id!r}: prompt_token_ids is empty")
@@ -168,6 +174,7 @@ class RowEvent:
     # eos or stop token ended it, so adapters can tell the two apart.
     stop_string: str | None = None
     embedding: Any = None  # a pooling job's last event: f32[hidden] numpy, not normalised
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed (per job)
 
 
 class AdmissionError(Exception):
@@ -262,7 +269,8 @@ class Row:
         self.num_computed_tokens = 0  # positions whose K/V is in the cache
         self.num_generated_tokens = 0  # sampled tokens, a final stop token included
         self.block_ids: list[int] = []  # block table, in position order
-        self.pending_copy: tuple[int, int] | None = None  # (src, dst) still to run
+        self.block_names: list[bytes] = []  # prefix-cache names of its full blocks, as far as known
+        self.num_named_blocks = 0  # leading blocks already entered in the prefix cache
         decoder = tokenizer if spec.skip_special_tokens else SpecialTokensKept(tokenizer)
         self.text = TextStream(decoder, spec.prompt_token_ids, spec.stop)
         # Grammar state, advanced only by the scheduler's _accept_token; the runner reads it.
@@ -289,10 +297,12 @@ class Request:
         # prompt token but the last is prefilled once for all rows; each row then computes
         # the last prompt token itself and samples with its own seed.
         self.num_prefill_tokens = len(spec.prompt_token_ids) - (0 if spec.n == 1 else 1)
-        self.num_computed_tokens = 0  # prefill progress
-        self.prefill_block_ids: list[int] = []  # blocks written by the shared prefill
-        self.num_shared_blocks = 0  # leading blocks every row's table shares (n > 1)
-        self.num_reserved_blocks = 0  # what this job still holds in the ledger
+        self.num_computed_tokens = 0  # prefill progress (starts after a prefix-cache hit)
+        self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at admission
+        self.prefill_block_ids: list[int] = []  # the prefill's block table: cache hits, then its own
+        self.block_names: list[bytes] = []  # prefix-cache names of the prompt's full blocks
+        self.num_named_blocks = 0  # leading prefill blocks in the prefix cache (hits included)
+        self.num_owed_blocks = 0  # blocks admission promised this job that it has not allocated
         self.num_open_rows = spec.n
         self.prompt_logprobs: list[Any] = []
         self.queued_at_s = 0.0  # scheduler clock when the job joined the waiting queue

@@ -8,26 +8,28 @@ Owned by the batcher's owner thread (no locks). A tick, in the contract's order:
     update():    7 apply results (advance progress, stop checks)   8 flush finished rows
 
 Progress is `num_computed_tokens` catching up with `len(token_ids)`: a prefill chunk is
-that catch-up capped by `max_chunk_tokens`, a decode step a catch-up of one.
+that catch-up capped by `max_chunk_tokens`, a decode step a catch-up of one. A prompt
+whose start is in the prefix cache starts its catch-up after the cached part. When no
+row is decoding, nobody's next token waits on the chunk, so it may take up to
+`idle_chunk_tokens` (a larger bucket) and a lone long prompt reaches its first token sooner.
 
-Blocks. Admission reserves a job's lifetime worst case in the ledger (`blocks_to_reserve`);
-rows then take real block ids from the pool as they grow, always inside that reservation.
-For `n > 1` the prompt (all but its last token) is prefilled once; its full blocks are
-shared by the n rows (reference counted), and its partly filled last block goes to row 0
-while rows 1..n-1 each get a copy (`StepPlan.block_copies`), so every row writes its own.
-Each row then computes the last prompt token itself and samples with its own seed.
+Blocks are `ferrox_jax/block_tables.py`'s business: admission looks the prompt up in the
+prefix cache and promises the job its lifetime worst case of new blocks; planning grows
+tables and copies a shared block before a row writes into it; `update` names the blocks a
+step completed; finished rows release theirs. For `n > 1` the prompt (all but its last
+token) is prefilled once and each row then starts as a prefix hit on it, computing the
+last prompt token itself and sampling with its own seed.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ferrox_jax.block_budget import BlockBudget
+from ferrox_jax.block_tables import BlockTables, blocks_to_reserve
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.plan import RowStep, StepOutput, StepPlan
 from ferrox_jax.request import (GenerationRequest, Request, RequestState, Row, RowEvent, RowResult, SamplingParams,
@@ -38,24 +40,6 @@ from ferrox_jax.request import (GenerationRequest, Request, RequestState, Row, R
 PENDING_CANCEL_TTL_S = 60.0
 MAX_PENDING_CANCELS = 1024
 _BANNED_LOGIT = float("-inf")  # logit bias masking stop tokens before min_tokens
-
-
-def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, n: int,
-                      block_size: int) -> tuple[int, int]:
-    """Blocks a job reserves for its whole life, and the part each row can give back.
-
-    Each row needs `per_row = ceil((prompt + max_tokens) / block_size)` blocks (the
-    contract's formula; at least 1). With n > 1 the first `shared = (prompt - 1) //
-    block_size` blocks (the full blocks of the shared prefill) are held once for all rows:
-
-        total = shared + n * (per_row - shared)      # n = 1: total = per_row
-
-    Returns:
-        (total, per_row - shared): the reservation, and what one finished row releases.
-    """
-    per_row = max(1, math.ceil((num_prompt_tokens + max_tokens) / block_size))
-    shared = 0 if n == 1 else (num_prompt_tokens - 1) // block_size
-    return shared + n * (per_row - shared), per_row - shared
 
 
 def check_admission(spec: GenerationRequest, limits: SchedulerLimits) -> tuple[str, str] | None:
@@ -72,7 +56,7 @@ def check_admission(spec: GenerationRequest, limits: SchedulerLimits) -> tuple[s
         return ("context_length",
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({spec.max_tokens}) = "
                 f"{total_tokens} tokens exceeds the context limit of {limits.max_context} tokens")
-    num_blocks, _ = blocks_to_reserve(num_prompt_tokens, spec.max_tokens, spec.n, limits.block_size)
+    num_blocks = blocks_to_reserve(num_prompt_tokens, spec.max_tokens, spec.n, limits.block_size)
     if num_blocks > limits.num_blocks:
         message = (f"request needs {num_blocks} KV blocks of {limits.block_size} positions "
                    f"(prompt {num_prompt_tokens} + max_tokens {spec.max_tokens}, n={spec.n}); "
@@ -93,7 +77,8 @@ class Scheduler:
     def __init__(self, limits: SchedulerLimits, tokenizer: Any, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
-        self.budget = BlockBudget(limits.num_blocks)
+        self.blocks = BlockTables(limits)
+        self.budget = self.blocks.budget
         self._tokenizer = tokenizer
         self._eos_token_ids = frozenset(getattr(tokenizer, "stop_token_ids", ()) or ())
         self._clock = clock
@@ -167,30 +152,9 @@ class Scheduler:
     def waiting_request_ids(self) -> tuple[str, ...]:
         return tuple(job.spec.request_id for job in self._waiting)
 
-    def num_held_blocks(self) -> int:
-        """Blocks held right now, counted from the rows and prefills themselves; a job's
-        shared prompt blocks (the first `num_shared_blocks` of each row's table) count once.
-        O(rows), cheap enough for every tick."""
-        num_blocks = sum(len(job.prefill_block_ids) for job in self._prefilling)
-        jobs_counted: set[int] = set()
-        for row in self._decoding.values():
-            job = row.request
-            num_blocks += len(row.block_ids) - job.num_shared_blocks
-            if id(job) not in jobs_counted:
-                jobs_counted.add(id(job))
-                num_blocks += job.num_shared_blocks
-        return num_blocks
-
-    def held_block_ids(self) -> set[int]:
-        """The ids behind `num_held_blocks()` (for tests: O(blocks))."""
-        held: set[int] = set()
-        for job in self._prefilling:
-            held.update(job.prefill_block_ids)
-        for row in self._decoding.values():
-            held.update(row.block_ids)
-            if row.pending_copy is not None:
-                held.add(row.pending_copy[0])
-        return held
+    def block_references(self) -> collections.Counter[int]:
+        """Block id -> references, counted from the tables of prefilling jobs and rows."""
+        return self.blocks.references(self._prefilling, self._decoding.values())
 
     # -- planning ----------------------------------------------------------------------
 
@@ -202,9 +166,8 @@ class Scheduler:
         prefill = self._plan_prefill_chunk()
         decode = self._plan_decode_step()
         self._update_peak()
-        copies, copy_row_ids = self._take_block_copies()
-        self._planned_row_ids = tuple(step.row_id for step in prefill + decode) + copy_row_ids
-        return StepPlan(prefill=prefill, decode=decode, block_copies=copies)
+        self._planned_row_ids = tuple(step.row_id for step in prefill + decode)
+        return StepPlan(prefill=prefill, decode=decode, block_copies=self.blocks.take_copies())
 
     def _apply_cancellations(self) -> None:
         self._expire_pending_cancels()
@@ -231,15 +194,12 @@ class Scheduler:
             job = self._waiting[0]
             if self.num_running_rows + job.spec.n > self.limits.max_seqs:
                 return
-            num_blocks, _ = blocks_to_reserve(len(job.spec.prompt_token_ids), job.spec.max_tokens,
-                                              job.spec.n, self.limits.block_size)
-            if not self.budget.try_reserve(num_blocks):
+            if not self.blocks.try_admit(job):
                 return
             self._waiting.popleft()
             self.num_admitted += 1
             job.queue_s = self._clock() - job.queued_at_s
-            job.num_reserved_blocks = num_blocks
-            if job.num_prefill_tokens == 0:
+            if job.is_prefilled:  # n > 1 and nothing before the last prompt token to compute
                 self._start_decoding(job)
             else:
                 for row in job.rows:
@@ -253,8 +213,9 @@ class Scheduler:
         job = self._prefilling[0]
         prompt = job.spec.prompt_token_ids
         start = job.num_computed_tokens
-        end = min(job.num_prefill_tokens, start + self.limits.max_chunk_tokens)
-        self._grow(job.prefill_block_ids, end)
+        cap = self.limits.max_chunk_tokens if self._decoding else self.limits.idle_chunk_tokens
+        end = min(job.num_prefill_tokens, start + cap)
+        self.blocks.prepare_prefill(job, start, end)
         is_last = end == job.num_prefill_tokens
         if not is_last:
             self._prefilling.rotate(-1)
@@ -281,7 +242,7 @@ class Scheduler:
         for row in rows:
             pos = row.num_computed_tokens
             assert pos == len(row.token_ids) - 1, f"row {row.row_id} has no token to compute"
-            self._grow(row.block_ids, pos + 1)
+            self.blocks.prepare_decode(row)
             steps.append(RowStep(
                 row_id=row.row_id, token_ids=(row.token_ids[pos],), start_pos=pos,
                 block_ids=tuple(row.block_ids), sample=True, sampling=self._step_sampling(row),
@@ -289,31 +250,16 @@ class Scheduler:
                 history_token_ids=self._history(row), matcher=row.matcher))
         return tuple(steps)
 
-    def _grow(self, block_ids: list[int], num_positions: int) -> None:
-        """Allocates blocks until `block_ids` covers positions 0..num_positions-1."""
-        while len(block_ids) * self.limits.block_size < num_positions:
-            block_ids.append(self.budget.allocate())
-
     def _update_peak(self) -> None:
         # Deliberately measured from the rows themselves rather than derived from the
         # budget: a ledger-derived peak cannot exceed the budget however broken admission is.
-        num_held = self.num_held_blocks()
+        num_held = len(self.blocks.held_block_ids(self._prefilling, self._decoding.values()))
         assert num_held == self.budget.num_held_blocks, (
-            f"rows hold {num_held} blocks but the pool handed out {self.budget.num_held_blocks}")
+            f"tables hold {num_held} blocks but the pool handed out {self.budget.num_held_blocks}")
+        num_owed = sum(job.num_owed_blocks for job in self._jobs.values())
+        assert num_owed == self.budget.num_owed_blocks, (
+            f"jobs are owed {num_owed} blocks but the ledger promised {self.budget.num_owed_blocks}")
         self.kv_blocks_peak = max(self.kv_blocks_peak, num_held)
-
-    def _take_block_copies(self) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
-        """Copies for freshly fanned-out rows; they run first in this step. Each pending copy
-        held a reference on its source so the block could not be reused before the copy;
-        dropped now, after this step's allocations, so reuse can only come in a later step."""
-        copies, row_ids = [], []
-        for row in self._decoding.values():
-            if row.pending_copy is not None:
-                copies.append(row.pending_copy)
-                row_ids.append(row.row_id)
-                self.budget.free(row.pending_copy[0])
-                row.pending_copy = None
-        return tuple(copies), tuple(row_ids)
 
     def _step_sampling(self, row: Row) -> SamplingParams:
         """The row's settings, with its stop tokens banned while output < min_tokens.
@@ -353,6 +299,7 @@ class Scheduler:
         for step in plan.decode:
             row = self._rows[step.row_id]
             row.num_computed_tokens += 1
+            self.blocks.name_row_blocks(row)
             self._accept_token(row, out.results[step.row_id])
         self.prefill_chunks += len(plan.prefill)
         self.prefill_tokens += sum(len(step.token_ids) for step in plan.prefill)
@@ -366,8 +313,6 @@ class Scheduler:
 
     def fail_step(self, plan: StepPlan, error: str) -> None:
         """Ends every job with a row in the failed step with an error; frees their blocks."""
-        # Rows with a pending block copy are not in the plan's steps, so use the record
-        # made when the plan was built.
         assert {s.row_id for s in plan.prefill + plan.decode} <= set(self._planned_row_ids), (
             "fail_step() got a plan other than the last one scheduled")
         jobs = {self._rows[row_id].request.spec.request_id: self._rows[row_id].request
@@ -381,6 +326,7 @@ class Scheduler:
     def _apply_prefill_chunk(self, step: RowStep, result: RowResult | None) -> None:
         job = self._rows[step.row_id].request
         job.num_computed_tokens += len(step.token_ids)
+        self.blocks.name_prefill_blocks(job)
         if job.spec.prompt_logprobs and result is not None:
             job.prompt_logprobs.extend(result.prompt_logprobs)
         if job.spec.pooling is not None:
@@ -405,22 +351,9 @@ class Scheduler:
         self._finish_row(job.rows[0], RequestState.FINISHED_STOP)
 
     def _start_decoding(self, job: Request) -> None:
-        """Hands the prefill's blocks to the rows (see the module docstring for n > 1)."""
-        blocks, job.prefill_block_ids = job.prefill_block_ids, []
-        num_shared = job.num_prefill_tokens // self.limits.block_size if job.spec.n > 1 else 0
-        job.num_shared_blocks = num_shared
-        shared, partial = blocks[:num_shared], blocks[num_shared:]
+        """Hands the prefill's blocks to the rows (`BlockTables.fork`) and starts them."""
+        self.blocks.fork(job)
         for row in job.rows:
-            if row.index == 0:
-                row.block_ids = blocks
-            else:
-                for block_id in shared:
-                    self.budget.share(block_id)
-                row.block_ids = list(shared)
-                if partial:
-                    self.budget.share(partial[0])  # the pending copy's reference
-                    row.pending_copy = (partial[0], self.budget.allocate())
-                    row.block_ids.append(row.pending_copy[1])
             row.num_computed_tokens = job.num_prefill_tokens
             _transition(row, RequestState.DECODING, self.state_counts)
             self._decoding[row.row_id] = row
@@ -477,42 +410,16 @@ class Scheduler:
         self._to_flush.append(row)
 
     def _flush_finished(self) -> None:
-        """Frees finished rows' blocks, returns their reservations, sends their last event.
-
-        Blocks first, for every row, then reservations: a row's pending copy holds a
-        reference on row 0's block, so ledger checks are only meaningful once all are freed.
-        """
+        """Releases finished rows' blocks (and their jobs' once all rows ended), sends their
+        last event."""
         rows, self._to_flush = self._to_flush, []
         for row in rows:
-            for block_id in row.block_ids:
-                self.budget.free(block_id)
-            row.block_ids = []
-            if row.pending_copy is not None:
-                self.budget.free(row.pending_copy[0])
-                row.pending_copy = None
             self._decoding.pop(row.row_id, None)
             del self._rows[row.row_id]
-        for row in rows:
-            self._release_reservation(row)
+            self.blocks.release_row(row)
+            if row.request.num_open_rows == 0:
+                del self._jobs[row.request.spec.request_id]
             self._emit(row)
-
-    def _release_reservation(self, row: Row) -> None:
-        job = row.request
-        job.num_open_rows -= 1
-        if job.num_reserved_blocks and not job.prefill_block_ids:
-            _, num_row_blocks = blocks_to_reserve(len(job.spec.prompt_token_ids),
-                                                  job.spec.max_tokens, job.spec.n,
-                                                  self.limits.block_size)
-            num_row_blocks = min(num_row_blocks, job.num_reserved_blocks)
-            self.budget.unreserve(num_row_blocks)
-            job.num_reserved_blocks -= num_row_blocks
-        if job.num_open_rows == 0:
-            for block_id in job.prefill_block_ids:
-                self.budget.free(block_id)
-            job.prefill_block_ids = []
-            self.budget.unreserve(job.num_reserved_blocks)
-            job.num_reserved_blocks = 0
-            del self._jobs[job.spec.request_id]
 
     def _emit(self, row: Row) -> None:
         spec = row.request.spec
@@ -528,6 +435,6 @@ class Scheduler:
             num_generated_tokens=row.num_generated_tokens,
             queue_s=None if row.has_sent_event else row.request.queue_s,
             stop_string=row.text.matched_stop if row.state is RequestState.FINISHED_STOP else None,
-            embedding=row.request.pooled))
+            embedding=row.request.pooled, num_cached_tokens=row.request.num_cached_tokens))
         row.has_sent_event = True
         row.new_token_ids, row.new_text, row.new_logprobs = [], "", []

@@ -19,7 +19,7 @@ class BatcherStats:
     queue_depth: int = 0  # jobs waiting for admission right now (a gauge)
     queue_rejected: int = 0  # refused because the waiting queue was full: momentary pressure, retry helps
     kv_blocks_total: int = 0  # usable KV blocks in the budget (the null block not counted)
-    kv_blocks_free: int = 0  # total minus blocks reserved by admitted jobs (the ledger, not use)
+    kv_blocks_free: int = 0  # total minus blocks admitted jobs hold or were promised; idle cached blocks count as free
     kv_block_size: int = 0  # token positions per KV block
     kv_rejected_too_large: int = 0  # refused: needs more blocks than the whole budget; a box too small
     kv_rejected_context_length: int = 0  # refused: prompt + max_tokens over the context ceiling; a request to fix
@@ -33,6 +33,9 @@ class BatcherStats:
     ticks: int = 0  # owner-loop ticks that planned device work
     host_s: float = 0.0  # tick wall time outside the runner's device calls (scheduling overhead)
     device_s: float = 0.0  # wall time in the runner's device calls, as it reports
+    prefix_cache_queries: int = 0  # prompt tokens of admitted jobs looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens served from cached blocks instead of computed
+    kv_blocks_cached: int = 0  # blocks resident in the prefix cache, held by rows or idle (a gauge)
     # -- structured output (docs/structured-output.md) -----------------------------------
     constrained_requests: int = 0  # jobs taken whose output a grammar constrains
     grammar_errors: int = 0  # rows ended because their grammar rejected a sampled token (a bug: stays 0)

@@ -180,7 +180,8 @@ def test_echo_with_zero_max_tokens_scores_the_prompt(http):
     assert lp["token_logprobs"][0] is None, "nothing precedes the first prompt token"
     assert all(x <= 0.0 for x in lp["token_logprobs"][1:])
     assert lp["top_logprobs"][0] is None and all(1 <= len(t) <= 2 for t in lp["top_logprobs"][1:])
-    assert out["usage"] == {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}
+    assert out["usage"] == {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n,
+                            "prompt_tokens_details": {"cached_tokens": 0}}, "prompt logprobs compute every token"
     no_logprobs = complete(http, prompt=prompt, max_tokens=0, echo=True)
     assert no_logprobs["choices"][0]["text"] == prompt
     assert no_logprobs["usage"]["completion_tokens"] == 0

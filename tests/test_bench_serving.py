@@ -139,6 +139,39 @@ def test_plot_of_two_result_files_writes_a_png(server, tmp_path):
                                                           ["| peer", "1"]], "rows by label, then concurrency"
 
 
+def test_shared_prefix_workload_sends_each_prefix_then_hits_it(server, tmp_path):
+    result = bench(server, tmp_path, "shared", workload="shared-prefix", num_prefixes=2, prefix_len=40,
+                   input_len=8, num_requests=6, max_concurrency=1, seed=123)
+    assert result["completed"] == 6, result["errors"]
+    assert result["groups"] == [0, 1, 0, 1, 0, 1] and result["turns"] == [0, 0, 1, 1, 1, 1], (
+        "prefixes in turn; the first use of each is the cold request")
+    cold, warm = result["cached_tokens"][:2], result["cached_tokens"][2:]
+    assert cold == [0, 0] and all(c >= 32 for c in warm), "a 40-token prefix: 2 full blocks of 16 hit"
+    summary = result["workload_summary"]
+    assert summary["cold_ttft"]["n"] == 2 and summary["warm_ttft"]["n"] == 4
+
+
+def test_multi_turn_workload_resends_the_whole_conversation(server, tmp_path):
+    result = bench(server, tmp_path, "turns", workload="multi-turn", endpoint="chat", num_requests=2,
+                   num_turns=3, prefix_len=20, input_len=6, output_len=4, max_concurrency=2, seed=321)
+    assert result["completed"] == 6, result["errors"]
+    assert result["groups"] == [0, 0, 0, 1, 1, 1] and result["turns"] == [0, 1, 2] * 2
+    for conv in (result["input_lens"][:3], result["input_lens"][3:]):
+        assert conv[0] < conv[1] < conv[2], "each turn resends the conversation so far"
+    assert all(c > 0 for c, t in zip(result["cached_tokens"], result["turns"]) if t > 0), (
+        "later turns hit the earlier turns' blocks")
+    assert [s["n"] for s in result["workload_summary"]["ttft_by_turn"]] == [2, 2, 2]
+
+
+def test_workload_options_are_checked():
+    with pytest.raises(ValueError, match="--endpoint chat"):
+        BenchConfig(base_url="http://127.0.0.1:9", label="x", workload="multi-turn")
+    with pytest.raises(ValueError, match="workload"):
+        BenchConfig(base_url="http://127.0.0.1:9", label="x", workload="zipf")
+    cfg = bench_serving.parse_args(["--workload", "shared-prefix", "--num-prefixes", "3", "--prefix-len", "900"])
+    assert (cfg.workload, cfg.num_prefixes, cfg.prefix_len) == ("shared-prefix", 3, 900)
+
+
 def test_non_loopback_hosts_are_refused_unless_allowed():
     with pytest.raises(ValueError, match="not loopback"):
         BenchConfig(base_url="http://10.1.2.3:8000", label="x")

@@ -117,3 +117,73 @@ def test_cancelled_neighbour_leaves_other_rows_bit_identical(engine):
         assert col.tokens(f"x{i}") == reference[i], f"row {i} changed when its neighbour was cancelled"
     stats = engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total, "blocks returned once idle"
+
+
+# -- prefix caching: a hit changes nothing but speed ----------------------------------
+
+@pytest.fixture(scope="module")
+def uncached(tiny_llama):
+    e = Engine.load(EngineConfig(model=str(tiny_llama), block_size=8, kv_blocks=400, max_context=256,
+                                 prefill_chunk=32, max_seqs=16, prefix_caching=False))
+    e.warmup()
+    e.start()
+    yield e
+    e.shutdown()
+
+
+def _run_logprobs(engine, prompts, prefix, max_tokens=12, n=1):
+    """Greedy (n = 1) or seeded (n > 1) tokens and chosen-token logprobs of each prompt, run together."""
+    col = Collector()
+    sampling = SamplingParams(temperature=0.0 if n == 1 else 0.8, seed=5, logprobs=1)
+    for i, prompt in enumerate(prompts):
+        col.expect(f"{prefix}{i}", n)
+    for i, prompt in enumerate(prompts):
+        engine.submit(GenerationRequest(f"{prefix}{i}", tuple(prompt), max_tokens, sampling, n=n,
+                                        ignore_eos=True), col)
+    out = []
+    for i in range(len(prompts)):
+        col.tokens(f"{prefix}{i}")  # waits
+        events = col.events[f"{prefix}{i}"]
+        for index in range(n):
+            mine = [e for e in events if e.index == index]
+            out.append(([t for e in mine for t in e.token_ids], [lp.logprob for e in mine for lp in e.logprobs],
+                        mine[0].num_cached_tokens))
+    return out
+
+
+SHARED = list(range(7, 47))  # 40 tokens: 5 blocks of 8
+
+
+def test_cache_hits_change_nothing_but_speed_alone_and_batched(engine, uncached):
+    # logprobs: the hit's K/V was computed in other chunks, so sums run in another order:
+    # float32 noise, atol 1e-4 on logprobs of a 2-layer model.
+    warm = _run_logprobs(engine, [SHARED + [300, 301]], "warm")
+    assert warm[0][2] == 0, "a cold prompt computes everything"
+    cases = {
+        "same prompt": [SHARED + [300, 301]],  # 42 tokens: 5 blocks hit, 2 tokens computed
+        "whole prompt cached": [SHARED],  # 40 tokens, all cached: 4 blocks hit, the last recomputed
+        "prefix of a cached prompt": [SHARED[:20]],  # 2 blocks hit
+        "batched": [SHARED + [200 + i] * (i + 1) for i in range(6)],  # 6 prompts on one prefix
+    }
+    for name, prompts in cases.items():
+        got = _run_logprobs(engine, prompts, f"hit-{name}-")
+        expected = _run_logprobs(uncached, prompts, f"ref-{name}-")
+        for (tokens, logprobs, cached), (ref_tokens, ref_logprobs, ref_cached) in zip(got, expected):
+            assert ref_cached == 0 and cached > 0, f"{name}: a hit on one engine only"
+            assert tokens == ref_tokens, f"{name}: a cache hit changed greedy tokens"
+            np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-4, err_msg=f"{name}: logprobs")
+    assert [c for _, _, c in _run_logprobs(engine, [SHARED], "again-")] == [32], (
+        "the blocks wholly before the last prompt token: (40 - 1) // 8 = 4")
+    stats = engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total and stats.kv_blocks_cached > 0, (
+        "idle: cached blocks are resident and count as free")
+    assert stats.recompiles_after_warmup == 0
+
+
+def test_n_rows_on_a_cached_prompt_sample_as_without_the_cache(engine, uncached):
+    prompt = SHARED + [250, 251, 252]
+    _run_logprobs(engine, [prompt], "n-warm-")
+    got = _run_logprobs(engine, [prompt], "n-hit-", n=3)
+    expected = _run_logprobs(uncached, [prompt], "n-ref-", n=3)
+    assert [t for t, _, _ in got] == [t for t, _, _ in expected], "seeded rows sample the same tokens"
+    assert all(c == 40 for _, _, c in got), "the rows' shared prefill came from the cache"

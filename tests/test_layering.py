@@ -3,8 +3,8 @@
 - `api/` has no import cycle (each module's imports of other `api` modules form a DAG);
 - `api/` reaches the engine only through its facade: it never imports the batcher,
   scheduler, block budget, runner, plan or step modules;
-- the scheduler, block budget, batcher, stats, request and config modules never import
-  jax (checked in a fresh interpreter, so a transitive import counts too);
+- the scheduler, block budget, block tables, prefix cache, batcher, stats, request and
+  config modules never import jax (checked in a fresh interpreter, so a transitive import counts too);
 - imports flow `api -> ferrox_jax -> models`: nothing under `ferrox_jax/` or `models/`
   imports `api`, and `models/` never imports `ferrox_jax`.
 """
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINE_INTERNALS = ("ferrox_jax.batcher", "ferrox_jax.scheduler", "ferrox_jax.block_budget", "ferrox_jax.runner",
-                    "ferrox_jax.plan", "ferrox_jax.step")
-JAX_FREE = ("ferrox_jax.scheduler", "ferrox_jax.block_budget", "ferrox_jax.batcher", "ferrox_jax.stats",
-            "ferrox_jax.request", "ferrox_jax.config")
+ENGINE_INTERNALS = ("ferrox_jax.batcher", "ferrox_jax.scheduler", "ferrox_jax.block_budget", "ferrox_jax.block_tables",
+                    "ferrox_jax.prefix_cache", "ferrox_jax.runner", "ferrox_jax.plan", "ferrox_jax.step")
+JAX_FREE = ("ferrox_jax.scheduler", "ferrox_jax.block_budget", "ferrox_jax.block_tables", "ferrox_jax.prefix_cache",
+            "ferrox_jax.batcher", "ferrox_jax.stats", "ferrox_jax.request", "ferrox_jax.config")
 
 
 def imported_modules(path: Path) -> set[str]:

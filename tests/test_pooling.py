@@ -90,3 +90,17 @@ def test_pooling_needs_max_tokens_0_and_n_1():
         GenerationRequest(request_id="x", prompt_token_ids=(1,), max_tokens=1, pooling="mean")
     with pytest.raises(ValueError, match="pooling"):
         GenerationRequest(request_id="x", prompt_token_ids=(1,), max_tokens=0, pooling="max")
+
+
+@pytest.mark.parametrize("kind,cached", [("mean", 0), ("last", 16)])
+def test_mean_pooling_never_takes_a_prompt_from_the_prefix_cache(kind, cached):
+    """Mean pooling sums every position's hidden state, which cached blocks do not recompute;
+    last pooling only needs the last token, which is always computed."""
+    scheduler, runner = make()
+    prompt = list(range(30, 50))  # 20 tokens: 4 full blocks before the last token, 16 positions
+    scheduler.add_request(pooling("first", prompt, kind))
+    first = run_until_idle(scheduler, runner)[("first", 0)].events[-1]
+    scheduler.add_request(pooling("again", prompt, kind))
+    again = run_until_idle(scheduler, runner)[("again", 0)].events[-1]
+    assert again.num_cached_tokens == cached
+    np.testing.assert_allclose(again.embedding, first.embedding)

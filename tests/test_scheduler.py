@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import hypothesis.strategies as st
 import pytest
@@ -51,7 +52,7 @@ SPECS = [req("p1", 1), req("p3", 3), req("p4", 4), req("p5", 5), req("p17", 17, 
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 128])
-def test_chunk_size_never_changes_tokens_and_plans_cover_each_prompt_position_once(chunk):
+def test_chunk_size_never_changes_tokens_and_plans_cover_each_uncached_prompt_position_once(chunk):
     reference, _ = make(chunk=128)
     for spec in SPECS:
         reference.add_request(spec)
@@ -65,8 +66,9 @@ def test_chunk_size_never_changes_tokens_and_plans_cover_each_prompt_position_on
     first_row_id = 1
     for spec in SPECS:
         num_prefill = len(spec.prompt_token_ids) - (0 if spec.n == 1 else 1)
-        assert sorted(prefill_positions(runner, first_row_id)) == list(range(num_prefill)), (
-            f"{spec.request_id}: prefill must cover each prompt position exactly once")
+        num_cached = got[(spec.request_id, 0)].events[0].num_cached_tokens  # a prefix-cache hit
+        assert sorted(prefill_positions(runner, first_row_id)) == list(range(num_cached, num_prefill)), (
+            f"{spec.request_id}: prefill must cover each prompt position not cached exactly once")
         first_row_id += spec.n
     assert all(len(s.token_ids) <= chunk for p in runner.plans for s in p.prefill), "chunk cap"
 
@@ -98,6 +100,22 @@ def test_long_prompt_interleaves_with_decoding_rows_without_changing_them():
     for spec in decoders:
         assert outputs[(spec.request_id, 0)].token_ids == alone[spec.request_id], (
             f"{spec.request_id}: a long prompt arriving must not change a decoding row's tokens")
+
+
+def test_a_prompt_alone_takes_idle_chunks_and_decoding_rows_keep_the_small_ones():
+    runner = ScriptedRunner(block_size=4, num_blocks=65, max_prefill_tokens=16, token_fn=letters_token_fn())
+    limits = SchedulerLimits(block_size=4, num_blocks=64, max_seqs=8, max_rows=8, max_chunk_tokens=4,
+                             max_idle_chunk_tokens=16)
+    scheduler = Scheduler(limits, ByteTokenizer())
+    outputs = {}
+    scheduler.add_request(req("alone", 40, 20))
+    sizes = [len(tick(scheduler, runner, outputs).prefill[0].token_ids) for _ in range(3)]
+    assert sizes == [16, 16, 8], "no row decodes: 40 prompt tokens in chunks of up to 16"
+    scheduler.add_request(req("late", 10, 3))
+    late = [len(plan.prefill[0].token_ids) for plan in (tick(scheduler, runner, outputs) for _ in range(3))]
+    assert late == [4, 4, 2], "a row decodes: chunks of 4, so its tokens keep coming"
+    run_until_idle(scheduler, runner, outputs)
+    assert outputs[("alone", 0)].token_ids == outputs_alone(req("alone", 40, 20))[("alone", 0)].token_ids
 
 
 def test_head_job_that_does_not_fit_holds_the_line():
@@ -164,7 +182,7 @@ def test_n_rows_share_prompt_blocks_and_sample_like_single_rows_with_derived_see
     scheduler.add_request(spec)
     outputs = {}
     tick(scheduler, runner, outputs)
-    total, _ = blocks_to_reserve(prompt_len, 6, 3, 4)
+    total = blocks_to_reserve(prompt_len, 6, 3, 4)
     assert scheduler.budget.num_reserved_blocks == total, "the job reserves blocks_to_reserve()"
     run_until_idle(scheduler, runner, outputs)
     for index in range(3):
@@ -340,16 +358,23 @@ def test_refusals_in_contract_order():
 LIMITS = SchedulerLimits(block_size=4, num_blocks=16, max_seqs=4, max_rows=3,
                          max_chunk_tokens=5, max_context=40)
 QUEUE_CAP = 5
+# Prompts are prefixes of one of three token sequences, so they share cached blocks at
+# every boundary: whole prompts, k blocks, k blocks + a few tokens, prefixes of each other.
+FAMILIES = [tuple(100 + (i * 7 + family) % 20 for i in range(30)) for family in range(3)]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random submit / cancel / tick / runner-failure sequences against a model of FIFO."""
+    """Random submit / cancel / tick / runner-failure sequences against a model of FIFO,
+    over prompts that share prefixes (the prefix cache on)."""
+
+    limits = LIMITS
 
     def __init__(self):
         super().__init__()
         self.runner = ScriptedRunner(block_size=4, num_blocks=17, max_rows=3, max_prefill_tokens=5,
                                      token_fn=letters_token_fn(eos_period=7))
-        self.scheduler = Scheduler(LIMITS, ByteTokenizer())
+        self.scheduler = Scheduler(self.limits, ByteTokenizer())
+        self.checked = set()  # jobs whose tokens were compared with a run alone
         self.fail_next = False
         self.runner.fail_when = self._take_failure
         self.outputs = {}
@@ -367,13 +392,14 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(prompt_len=st.integers(1, 30), max_tokens=st.integers(1, 16), n=st.integers(1, 3),
           min_tokens=st.integers(0, 2), stop=st.sampled_from([(), ("ab",), ("q", "zz")]),
-          seed=st.integers(0, 3))
-    def submit(self, prompt_len, max_tokens, n, min_tokens, stop, seed):
+          seed=st.integers(0, 3), family=st.integers(0, 2), prompt_logprobs=st.booleans())
+    def submit(self, prompt_len, max_tokens, n, min_tokens, stop, seed, family, prompt_logprobs):
         request_id = f"r{self.num_ids}"
         self.num_ids += 1
-        spec = req(request_id, prompt_len, max_tokens, n=n, min_tokens=min(min_tokens, max_tokens),
-                   stop=stop, sampling=SamplingParams(seed=seed))
-        refusal = check_admission(spec, LIMITS)
+        spec = GenerationRequest(request_id, FAMILIES[family][:prompt_len], max_tokens, n=n,
+                                 min_tokens=min(min_tokens, max_tokens), stop=stop,
+                                 sampling=SamplingParams(seed=seed), prompt_logprobs=prompt_logprobs)
+        refusal = check_admission(spec, self.limits)
         if refusal is None and self.scheduler.num_waiting >= QUEUE_CAP:
             refusal = ("queue_full", "")
         if refusal is not None:
@@ -420,11 +446,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def blocks_stay_within_budget(self):
         budget = self.scheduler.budget
-        held = self.scheduler.held_block_ids()
-        assert len(held) == self.scheduler.num_held_blocks() == budget.num_held_blocks, (
-            "blocks counted from the rows must match the ids they hold and the pool")
-        assert budget.num_held_blocks <= budget.num_reserved_blocks, "rows hold beyond reservations"
-        assert held <= set(range(1, LIMITS.num_blocks + 1)), "block 0 or an id beyond the budget held"
+        budget.check()  # free + held + idle cached == total, pairwise disjoint, promises covered
+        assert budget.ref_counts() == dict(self.scheduler.block_references()), (
+            "the pool's reference counts must be the references the tables hold")
         assert budget.num_reserved_blocks <= LIMITS.num_blocks, "reservations beyond the budget"
         assert self.scheduler.kv_blocks_peak <= LIMITS.num_blocks, "peak beyond the budget"
 
@@ -438,6 +462,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget = self.scheduler.budget
         assert budget.num_free_blocks == LIMITS.num_blocks and budget.num_held_blocks == 0, (
             "an idle scheduler must hold no blocks and reserve none (leak)")
+        assert budget.num_idle_cached_blocks == self.scheduler.blocks.num_cached_blocks, (
+            "idle: every cached block is evictable")
+        self._check_tokens_as_alone()
         for request_id, spec in self.specs.items():
             for index in range(spec.n):
                 out = self.outputs.get((request_id, index))
@@ -454,9 +481,33 @@ class SchedulerMachine(RuleBasedStateMachine):
                         if state.is_finished)
         assert num_ended == num_rows, f"{num_ended} row endings for {num_rows} rows"
 
+    def _check_tokens_as_alone(self):
+        """Jobs that ran to their end sampled what they sample alone without a cache: a hit on
+        a wrong or overwritten block would change what the scripted runner reads back."""
+        for request_id, spec in self.specs.items():
+            ends = {self.outputs[(request_id, i)].finish_reason for i in range(spec.n)}
+            if request_id in self.checked or not ends <= {"stop", "length"}:
+                continue
+            self.checked.add(request_id)
+            alone = Scheduler(dataclasses.replace(LIMITS, prefix_caching=False), ByteTokenizer())
+            alone.add_request(spec)
+            expected = run_until_idle(alone, ScriptedRunner(block_size=4, num_blocks=17,
+                                                            token_fn=letters_token_fn(eos_period=7)))
+            for index in range(spec.n):
+                assert self.outputs[(request_id, index)].token_ids == expected[(request_id, index)].token_ids, (
+                    f"{request_id}/{index}: tokens differ from the job run alone")
+
     def teardown(self):
         self.drain_and_check_every_job_ended_once()  # every example ends drained and checked
 
 
+class UncachedSchedulerMachine(SchedulerMachine):
+    """The same machine with the prefix cache off (n > 1 sharing still on)."""
+
+    limits = dataclasses.replace(LIMITS, prefix_caching=False)
+
+
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+TestUncachedSchedulerMachine = UncachedSchedulerMachine.TestCase
+TestUncachedSchedulerMachine.settings = settings(max_examples=50, stateful_step_count=40, deadline=None)

@@ -43,6 +43,9 @@ class BenchRequest:
     prompt: str
     prompt_len_tokens: int | None   # None when unknown (word approximation or dataset without tokenizer)
     output_len_tokens: int          # max_tokens asked
+    messages: tuple[dict, ...] | None = None  # chat messages to send instead of `prompt` as the user's
+    group: int = 0                  # shared prefix or conversation the request belongs to (tools/bench_workloads.py)
+    turn: int = 0                   # multi-turn: turn index; shared-prefix: 0 cold, 1 warm
 
 
 class TokenCounter:

@@ -13,7 +13,12 @@ One run, in order:
      with `--tokenizer-model default|PATH` (our `models.tokenizer`, the same prompts for
      every server), else the server's tokenize route, else one token per word (a
      documented approximation); or `--dataset` JSONL lines `{"prompt", "output_len"}`.
-  2. Warm-up: `--warmup-requests` requests at the same concurrency, not counted.
+     `--workload shared-prefix` or `multi-turn` sends prompts that share prefixes instead
+     (tools/bench_workloads.py): N prefixes of `--prefix-len` tokens each followed by
+     distinct questions, or conversations of `--num-turns` turns that resend the whole
+     conversation every turn; the report adds TTFT of cold vs warm requests, or by turn.
+  2. Warm-up: `--warmup-requests` requests at the same concurrency, not counted (for the
+     prefix workloads, with prefixes of their own).
   3. The measured phase: `--num-requests` requests, at most `--max-concurrency` in flight
      and arriving as a Poisson process of `--request-rate` per second (seeded), either or
      both; a tqdm bar counts finished requests.
@@ -52,6 +57,7 @@ import httpx
 import numpy as np
 
 from api.config import is_loopback  # the same check the server applies to its bind address
+from tools import bench_workloads
 from tools.bench_prompts import BenchRequest, dataset_requests, make_counter, synthetic_requests
 
 # Every metric of a result, in order (compute_metrics asserts it).
@@ -90,10 +96,25 @@ class BenchConfig:
     allow_remote: bool = False
     progress: bool = True
     result_json: str | None = None
+    workload: str = "random"                      # "random", "shared-prefix", "multi-turn"
+    num_prefixes: int = 4                         # shared-prefix: distinct prefixes
+    prefix_len: int = 1200                        # shared-prefix / multi-turn system prompt tokens
+    num_turns: int = 8                            # multi-turn: turns per conversation (num_requests conversations)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("completions", "chat"):
             raise ValueError(f"endpoint must be 'completions' or 'chat'; got {self.endpoint!r}")
+        if self.workload not in bench_workloads.WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(bench_workloads.WORKLOADS)}; got {self.workload!r}")
+        if self.workload == "multi-turn" and self.endpoint != "chat":
+            raise ValueError("the multi-turn workload sends chat messages: use --endpoint chat")
+        if self.workload != "random" and self.dataset is not None:
+            raise ValueError("--dataset replaces the synthetic prompts of the random workload only")
+        for name in ("num_prefixes", "num_turns"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive; got {getattr(self, name)}")
+        if self.prefix_len < 0 or (self.workload == "shared-prefix" and self.prefix_len == 0):
+            raise ValueError(f"prefix_len must be positive (>= 0 for multi-turn); got {self.prefix_len}")
         for name in ("input_len", "output_len", "num_requests", "timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive; got {getattr(self, name)}")
@@ -126,6 +147,8 @@ class RequestResult:
     e2el_s: float | None = None
     finish_reason: str | None = None
     text_chars: int = 0
+    text: str = ""                         # the reply (multi-turn sends it back next turn)
+    cached_tokens: int | None = None       # usage.prompt_tokens_details.cached_tokens, when sent
     error: str | None = None
 
 
@@ -136,7 +159,9 @@ def request_body(cfg: BenchConfig, model: str | None, req: BenchRequest) -> dict
     body: dict[str, Any] = {"max_tokens": req.output_len_tokens, "stream": True, "temperature": 0.0}
     if model is not None:
         body["model"] = model
-    if cfg.endpoint == "completions":
+    if req.messages is not None:
+        body["messages"] = list(req.messages)
+    elif cfg.endpoint == "completions":
         body["prompt"] = req.prompt
     else:
         body["messages"] = [{"role": "user", "content": req.prompt}]
@@ -217,12 +242,16 @@ async def _stream_into(result: RequestResult, client: httpx.AsyncClient, route: 
                 last_text_at = now
                 result.num_text_chunks += 1
                 result.text_chars += len(text)
+                result.text += text
             result.finish_reason = finish or result.finish_reason
             usage = chunk.get("usage")
             if usage:
                 result.output_tokens_from = "usage"
                 result.output_tokens = usage.get("completion_tokens", 0)
                 result.prompt_len_tokens = usage.get("prompt_tokens", result.prompt_len_tokens)
+                details = usage.get("prompt_tokens_details") or {}
+                if details.get("cached_tokens") is not None:
+                    result.cached_tokens = details["cached_tokens"]
     if result.output_tokens_from == "chunks":
         result.output_tokens = result.num_text_chunks
     if not saw_done:
@@ -333,6 +362,7 @@ def format_table(cfg: BenchConfig, metrics: dict[str, Any]) -> str:
         lines.append("{:-^60}".format(title))
         for stat, word in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
             lines.append(f"{f'{word} {name.upper()} (ms)':<44}{num(metrics[f'{stat}_{name}_ms']):>16}")
+    lines += bench_workloads.format_summary(metrics.get("workload_summary"))
     for err in metrics["errors"]:
         lines.append(f"error: {err}")
     lines.append("=" * 60)
@@ -356,6 +386,9 @@ def build_result(cfg: BenchConfig, model: str | None, tokens_from: str, requests
         "e2els_ms": [None if r.e2el_s is None else r.e2el_s * 1e3 for r in results],
         "finish_reasons": [r.finish_reason for r in results],
         "request_errors": [r.error for r in results],
+        "cached_tokens": [r.cached_tokens for r in results],
+        "groups": [q.group for q in requests],
+        "turns": [q.turn for q in requests],
     }
 
 
@@ -374,23 +407,48 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     with httpx.Client(base_url=cfg.base_url, timeout=60.0, trust_env=False) as http:
         model = cfg.model or served_model(http)
         counter = make_counter(http, cfg.tokenizer_model, cfg.server_tokenize)
-        total = cfg.warmup_requests + cfg.num_requests
-        if cfg.dataset is not None:
-            rows = dataset_requests(cfg.dataset, counter)
-            rows = (rows * math.ceil(total / len(rows)))[:total]
-        else:
-            rows = synthetic_requests(counter, total, cfg.input_len, cfg.output_len, cfg.range_ratio, cfg.seed)
-    warmup, measured = rows[:cfg.warmup_requests], rows[cfg.warmup_requests:]
+        warmup, measured = _requests(cfg, counter)
+        convs = []  # multi-turn: composed here, while the tokenizer's client is open
+        if cfg.workload == "multi-turn":
+            convs = bench_workloads.conversations(counter, cfg.num_requests, cfg.num_turns, cfg.prefix_len,
+                                                  cfg.input_len, cfg.output_len, cfg.seed)
     if warmup:
         asyncio.run(run_phase(cfg, model, warmup, cfg.seed + 1, "warmup"))
-    results, duration_s = asyncio.run(run_phase(cfg, model, measured, cfg.seed, cfg.label))
+    if convs:
+        async def send(client: httpx.AsyncClient, req: BenchRequest) -> RequestResult:
+            return await send_request(client, cfg, model, req)
+
+        measured, results, duration_s = asyncio.run(bench_workloads.run_conversations(cfg, convs, send, cfg.label))
+    else:
+        results, duration_s = asyncio.run(run_phase(cfg, model, measured, cfg.seed, cfg.label))
     metrics = compute_metrics(measured, results, duration_s)
+    metrics["workload_summary"] = bench_workloads.summarize(cfg.workload, measured, results)
     print(format_table(cfg, metrics))
     result = build_result(cfg, model, counter.source, measured, results, metrics)
     if cfg.result_json:
         Path(cfg.result_json).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.result_json).write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def _requests(cfg: BenchConfig, counter: Any) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """(warm-up, measured) requests; multi-turn builds its measured turns as it goes. The
+    prefix workloads' warm-up requests get prefixes of their own (another seed), so they
+    leave nothing in a cache that the measured requests could hit."""
+    total = cfg.warmup_requests + cfg.num_requests
+    if cfg.dataset is not None:
+        rows = dataset_requests(cfg.dataset, counter)
+        rows = (rows * math.ceil(total / len(rows)))[:total]
+        return rows[:cfg.warmup_requests], rows[cfg.warmup_requests:]
+    if cfg.workload == "random":
+        rows = synthetic_requests(counter, total, cfg.input_len, cfg.output_len, cfg.range_ratio, cfg.seed)
+        return rows[:cfg.warmup_requests], rows[cfg.warmup_requests:]
+    warmup = synthetic_requests(counter, cfg.warmup_requests, cfg.input_len, cfg.output_len, 0.0, cfg.seed + 7919)
+    if cfg.workload == "multi-turn":
+        return warmup, []
+    measured = bench_workloads.shared_prefix_requests(counter, cfg.num_requests, cfg.num_prefixes, cfg.prefix_len,
+                                                      cfg.input_len, cfg.output_len, cfg.endpoint, cfg.seed)
+    return warmup, measured
 
 
 def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
@@ -423,6 +481,13 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback host")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--result-json", default=None, help="write every metric and parameter here")
+    p.add_argument("--workload", choices=bench_workloads.WORKLOADS, default="random",
+                   help="random prompts, N shared prefixes + distinct questions, or multi-turn chats")
+    p.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct prefixes")
+    p.add_argument("--prefix-len", type=int, default=1200,
+                   help="shared-prefix: prefix tokens; multi-turn: system prompt tokens (0: none)")
+    p.add_argument("--num-turns", type=int, default=8,
+                   help="multi-turn: turns per conversation (--num-requests conversations)")
     a = p.parse_args(argv)
     base_url = a.base_url.rstrip("/").removesuffix("/v1")
     return BenchConfig(
@@ -432,7 +497,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         warmup_requests=a.warmup_requests, seed=a.seed, ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
         include_usage=a.include_usage, extra_body=a.extra_body, tokenizer_model=a.tokenizer_model,
         server_tokenize=a.server_tokenize, timeout_s=a.timeout, allow_remote=a.allow_remote,
-        progress=not a.no_progress, result_json=a.result_json)
+        progress=not a.no_progress, result_json=a.result_json, workload=a.workload,
+        num_prefixes=a.num_prefixes, prefix_len=a.prefix_len, num_turns=a.num_turns)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

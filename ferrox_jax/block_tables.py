@@ -1,0 +1,237 @@
+"""BlockTables: the block tables of jobs and rows, over the block budget and the prefix cache. No jax here.
+
+The scheduler decides *when* work runs; this module decides *which blocks* it runs in. One
+rule holds throughout: a row never writes into a block that another table or the prefix
+cache also holds. Before its first write into such a block it copies it into a block of its
+own (`StepPlan.block_copies`, run first in the step): copy-on-write.
+
+A job's life, as block tables see it (P prompt tokens, M = max_tokens, n rows, bs = block
+size):
+
+1. Admission (`try_admit`). The prompt's full blocks are named (`prefix_cache.chain_hashes`)
+   and the first `S = (P - 1) // bs` of them, the blocks wholly before the last prompt
+   token, are looked up: the longest run of cached names from block 0, k <= S blocks, is
+   shared into the job's table, and prefill starts at `c = k * bs` (`num_cached_tokens`).
+   The last prompt token is always computed, so the first sampled token has fresh logits,
+   and it never lies in a hit block: a prompt that is cached whole (P a multiple of bs)
+   recomputes its last block into a block of its own, as vLLM does, rather than copying
+   the cached one (a copy would cost the job one block more than no hit at all, and a job
+   needing the whole budget could then never be admitted). Jobs asking for prompt
+   logprobs need every position computed and skip the lookup.
+2. Prefill writes positions c.. into new blocks; each full block is named in the cache
+   once the step that computed it has run.
+3. Fork (`fork`), when the prefill is done: each of the n rows takes a table referencing
+   the job's blocks. n > 1 is a prefix hit of each row on the job's prefill: full prompt
+   blocks are shared read-only, and the partly filled last block is shared until a row
+   writes into it; the first n - 1 rows to do so copy it, the last writes in place.
+   (n > 1 jobs prefill P - 1 tokens; each row computes the last prompt token itself.)
+4. Decode: rows grow by a block every bs tokens; each block they fill is named too (the
+   next turn of a chat resends this turn's prompt and reply).
+5. Release: a finished row frees its references; blocks the cache names go idle (kept,
+   evictable), the rest free.
+
+What admission reserves (`blocks_to_reserve`). Each row's table reaches at most
+`per_row = ceil((P + M) / bs)` blocks (the ferrox-server contract's lifetime worst case).
+The first S of them are full prompt blocks every row shares; k of those come from the
+cache hit and are never written. So a job promises
+
+    new = (S - k) + n * (per_row - S)        # n = 1: per_row - k
+
+new blocks (every row's own tail: its copy or in-place share of the partly filled block,
+and the blocks it grows into), and it also holds the k hit blocks; admission charges a hit
+block only when it is idle (nobody held it), so a hit never costs more than no hit. A
+finished row gives back what it could still have allocated; the job's remainder goes
+back when its last row ends.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Iterable
+
+from ferrox_jax.block_budget import BlockBudget
+from ferrox_jax.config import SchedulerLimits
+from ferrox_jax.prefix_cache import PrefixCache, chain_hashes
+from ferrox_jax.request import Request, Row
+
+
+def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, n: int, block_size: int,
+                      num_cached_tokens: int = 0) -> int:
+    """New blocks a job promises at admission (see the module docstring); `num_cached_tokens`
+    is what its prefix-cache hit supplies (whole blocks), 0 for the worst case."""
+    per_row = max(1, math.ceil((num_prompt_tokens + max_tokens) / block_size))
+    shared = (num_prompt_tokens - 1) // block_size
+    return shared - num_cached_tokens // block_size + n * (per_row - shared)
+
+
+class BlockTables:
+    """Tables of the scheduler's jobs and rows; see the module docstring. Owner thread only."""
+
+    def __init__(self, limits: SchedulerLimits) -> None:
+        self.block_size = limits.block_size
+        self.cache = PrefixCache(limits.prefix_cache_salt) if limits.prefix_caching else None
+        self.budget = BlockBudget(limits.num_blocks, self.cache)
+        self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.num_hit_tokens = 0  # of those, tokens admission took from the cache (not computed)
+        self._copies: list[tuple[int, int]] = []
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks resident in the prefix cache (held or idle)."""
+        return self.cache.num_cached_blocks if self.cache is not None else 0
+
+    # -- admission ----------------------------------------------------------------------
+
+    def try_admit(self, job: Request) -> bool:
+        """Looks the prompt up, promises the job its blocks; False means "not now"."""
+        prompt = job.spec.prompt_token_ids
+        if self.cache is not None and not job.block_names:
+            job.block_names = chain_hashes(prompt, self.block_size, self.cache.root)
+        hits: list[int] = []
+        if self.cache is not None and not job.spec.computes_every_position:
+            hits = self.cache.lookup(job.block_names[:(len(prompt) - 1) // self.block_size])
+        num_cached = len(hits) * self.block_size
+        num_new = blocks_to_reserve(len(prompt), job.spec.max_tokens, job.spec.n, self.block_size, num_cached)
+        if not self.budget.try_admit(num_new, hits):
+            return False
+        job.prefill_block_ids = hits
+        job.num_named_blocks = len(hits)
+        job.num_cached_tokens = job.num_computed_tokens = num_cached
+        job.num_owed_blocks = num_new
+        if self.cache is not None and not job.spec.computes_every_position:
+            self.num_queried_tokens += len(prompt)
+            self.num_hit_tokens += num_cached
+        return True
+
+    # -- planning: make the positions a step writes writable ------------------------------
+
+    def prepare_prefill(self, job: Request, start: int, end: int) -> None:
+        """Makes the job's table cover positions start..end-1, every block writable."""
+        self._prepare(job, job.prefill_block_ids, start, end)
+
+    def prepare_decode(self, row: Row) -> None:
+        """Makes the row's table cover its next position, in a block it alone holds."""
+        pos = row.num_computed_tokens
+        self._prepare(row.request, row.block_ids, pos, pos + 1)
+
+    def _prepare(self, job: Request, block_ids: list[int], start: int, end: int) -> None:
+        index = start // self.block_size
+        if index < len(block_ids) and not self.budget.is_writable(block_ids[index]):
+            self._copy_on_write(job, block_ids, index)
+        while len(block_ids) * self.block_size < end:
+            block_ids.append(self._allocate(job))
+
+    def _copy_on_write(self, job: Request, block_ids: list[int], index: int) -> None:
+        """Replaces a shared or cached block by a private copy. The source reference is
+        dropped now: it stays held by the others or idle in the cache, and idle blocks are
+        only evicted at admission, so it is intact when the copy runs first in this step."""
+        src = block_ids[index]
+        dst = self._allocate(job)
+        self._copies.append((src, dst))
+        block_ids[index] = dst
+        self.budget.free(src)
+
+    def _allocate(self, job: Request) -> int:
+        assert job.num_owed_blocks > 0, (
+            f"job {job.spec.request_id} allocated beyond the {blocks_to_reserve.__name__}() promise")
+        job.num_owed_blocks -= 1
+        return self.budget.allocate()
+
+    def take_copies(self) -> tuple[tuple[int, int], ...]:
+        copies, self._copies = tuple(self._copies), []
+        return copies
+
+    # -- after a step: name the blocks it filled ------------------------------------------
+
+    def name_prefill_blocks(self, job: Request) -> None:
+        """Enters the prompt blocks the prefill has completed into the cache."""
+        if self.cache is None:
+            return
+        num_full = min(job.num_computed_tokens // self.block_size, len(job.block_names))
+        for i in range(job.num_named_blocks, num_full):
+            self.budget.name(job.prefill_block_ids[i], job.block_names[i])
+        job.num_named_blocks = max(job.num_named_blocks, num_full)
+
+    def name_row_blocks(self, row: Row) -> None:
+        """Enters the row's newly completed blocks (prompt tail and generated tokens)."""
+        if self.cache is None:
+            return
+        num_full = row.num_computed_tokens // self.block_size
+        if num_full <= row.num_named_blocks:
+            return
+        names = row.block_names
+        if len(names) < num_full:
+            parent = names[-1] if names else self.cache.root
+            names += chain_hashes(row.token_ids, self.block_size, parent, start_block=len(names),
+                                  num_blocks=num_full - len(names))
+        for i in range(row.num_named_blocks, num_full):
+            self.budget.name(row.block_ids[i], names[i])
+        row.num_named_blocks = num_full
+
+    # -- the prefill's blocks become the rows' -------------------------------------------
+
+    def fork(self, job: Request) -> None:
+        """Gives every row a table over the job's blocks (row 0 takes over the job's
+        references, the others add their own); see step 3 of the module docstring."""
+        blocks, job.prefill_block_ids = job.prefill_block_ids, []
+        for row in job.rows:
+            if row.index > 0:
+                for block_id in blocks:
+                    self.budget.share(block_id)
+            row.block_ids = list(blocks)
+            row.block_names = list(job.block_names)
+            row.num_named_blocks = job.num_named_blocks
+
+    # -- release ------------------------------------------------------------------------
+
+    def release_row(self, row: Row) -> None:
+        """Frees a finished row's blocks; gives back what it could still have allocated
+        while other rows of its job run on (the job's remainder goes at its end)."""
+        job = row.request
+        if row.block_ids and job.num_open_rows > 1:
+            unused = self._row_need(row)
+            assert unused <= job.num_owed_blocks, f"row {row.row_id} gives back more than its job was promised"
+            job.num_owed_blocks -= unused
+            self.budget.release(unused)
+        for block_id in reversed(row.block_ids):  # tail first: evicted before the head
+            self.budget.free(block_id)
+        row.block_ids = []
+        job.num_open_rows -= 1
+        if job.num_open_rows == 0:
+            for block_id in reversed(job.prefill_block_ids):
+                self.budget.free(block_id)
+            job.prefill_block_ids = []
+            self.budget.release(job.num_owed_blocks)
+            job.num_owed_blocks = 0
+
+    def _row_need(self, row: Row) -> int:
+        """Blocks a decoding row could still allocate: its growth up to `per_row`, plus a
+        copy of the block it writes next if that one is shared or cached."""
+        spec = row.request.spec
+        per_row = max(1, math.ceil((len(spec.prompt_token_ids) + spec.max_tokens) / self.block_size))
+        index = row.num_computed_tokens // self.block_size
+        must_copy = index < len(row.block_ids) and not self.budget.is_writable(row.block_ids[index])
+        return per_row - len(row.block_ids) + must_copy
+
+    # -- measured from the tables ---------------------------------------------------------
+
+    @staticmethod
+    def held_block_ids(jobs: Iterable[Request], rows: Iterable[Row]) -> set[int]:
+        """Distinct blocks in prefilling jobs' and rows' tables (cheaper than `references`)."""
+        held: set[int] = set()
+        for job in jobs:
+            held.update(job.prefill_block_ids)
+        for row in rows:
+            held.update(row.block_ids)
+        return held
+
+    @staticmethod
+    def references(jobs: Iterable[Request], rows: Iterable[Row]) -> collections.Counter[int]:
+        """Block id -> references, counted from prefilling jobs' and rows' tables. O(blocks)."""
+        counts: collections.Counter[int] = collections.Counter()
+        for job in jobs:
+            counts.update(job.prefill_block_ids)
+        for row in rows:
+            counts.update(row.block_ids)
+        return counts
