@@ -1,8 +1,10 @@
 """Observability routes: /health, /metrics, /admin/stats, and /openapi.json.
 
 `/health` and `/metrics` are never behind the API key (probes and scrapers); `/admin/stats`
-is. Both stats routes read the latest `BatcherStats` snapshot the owner thread published
-(nobody reads live counters) next to the server's own `ServerStats`.
+is. `/health` names the weight quantization. Both stats routes read the latest
+`BatcherStats` snapshot the owner thread published (nobody reads live counters) next to
+the server's own `ServerStats`; `/admin/stats` adds the bytes the weights and the KV cache
+take (`Engine.memory`, fixed once loaded).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ blueprint = Blueprint("admin", __name__)
 async def health() -> Response:
     state = state_of(current_app)
     phase = state.health_state()
-    body = {"state": phase, "model": state.engine.model_name if state.engine is not None else None,
+    engine = state.engine
+    body = {"state": phase, "model": engine.model_name if engine is not None else None,
+            "quantization": engine.model_card.quantization if engine is not None else None,
             "version": VERSION, "uptime_seconds": round(state.stats.uptime_s(), 3)}
     if phase == "unavailable":
         body["reason"] = state.load_error or "the engine loop is not running"
@@ -42,6 +46,8 @@ async def admin_stats() -> Response:
     state = state_of(current_app)
     body = {**stats_dict(state.engine_stats()), **state.stats.as_dict(), "state": state.health_state(),
             "pid": os.getpid(), "rss_bytes": rss_bytes()}
+    if state.engine is not None:
+        body.update(state.engine.memory())  # weights_bytes, kv_bytes
     if state.guards is not None:
         body["http_open_requests"] = state.guards.num_open
         body["http_refused_concurrency"] = state.guards.num_refused

@@ -10,7 +10,8 @@ and runner stay behind this facade.
 checkpoint (`size_kv`), choose the decode attention for that block-table width, build
 the model with it, then the runner (device state, buckets) and the batcher with the
 resolved `SchedulerLimits`. Sizing: `kv_blocks` if given, else the KV memory budget
-divided by the bytes one block takes; the context ceiling is `max_context` if given, else
+divided by the bytes one block takes in the KV storage dtype (`kv_cache_dtype`: a
+bfloat16 cache holds twice the blocks of a float32 one in the same budget); the context ceiling is `max_context` if given, else
 the model's trained context capped by what the budget holds. The start-up log says which
 applied.
 """
@@ -56,7 +57,9 @@ class ModelCard:
     id: str  # the name clients send as `model`
     architecture: str  # the checkpoint's (HF) architecture name
     max_context: int  # prompt + generated tokens per request, at most
-    dtype: str
+    dtype: str  # compute dtype
+    quantization: str  # weights: "none", "int8" or "w8a8" (models/quant.py)
+    kv_cache_dtype: str  # KV cache storage dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,16 +107,18 @@ def enable_compile_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def size_kv(config: EngineConfig, model_cfg: ModelConfig, dtype) -> KVSizing:
-    """Blocks, context ceiling and the reason, from the config and the checkpoint."""
+def size_kv(config: EngineConfig, model_cfg: ModelConfig, kv_dtype) -> KVSizing:
+    """Blocks, context ceiling and the reason, from the config and the checkpoint.
+    `kv_dtype`: the cache's storage dtype, which sets the bytes per block."""
     per_block = bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, config.block_size,
-                                model_cfg.head_dim, dtype)
+                                model_cfg.head_dim, kv_dtype)
     kv_blocks = config.kv_blocks
     if kv_blocks:
         why = f"{kv_blocks} KV blocks as configured"
     else:
         kv_blocks = max(2, int(config.kv_memory_gib * 2**30 // per_block))
-        why = f"{kv_blocks} KV blocks from the {config.kv_memory_gib:g} GiB KV memory budget ({per_block} B/block)"
+        why = (f"{kv_blocks} KV blocks from the {config.kv_memory_gib:g} GiB KV memory budget "
+               f"({per_block} B/block in {jnp.dtype(kv_dtype).name})")
     trained = model_cfg.max_position_embeddings
     usable_tokens = (kv_blocks - 1) * config.block_size
     max_context = config.max_context
@@ -142,6 +147,7 @@ class Engine:
         self.max_context = sizing.max_context
         self.sizing = sizing
         self.attention_note = attention_note
+        self.dtype_name = str(jnp.dtype(runner.compute_dtype))
         self.warmup_s: float | None = None
         self.load_s: float = 0.0
 
@@ -162,11 +168,12 @@ class Engine:
                 "per host (docs/deploy-tpu.md, 'Multi-host')")
         enable_compile_cache(config.compile_cache_dir)
         dtype = DTYPES[config.dtype or default_dtype_name()]
+        kv_dtype = DTYPES[config.kv_cache_dtype] if config.kv_cache_dtype else dtype
         source = open_checkpoint(config.model)
         _, model_axis = config.mesh_shape
         check_divisibility(source.config, model_axis, config.replicate_attention)
         mesh = make_mesh(1, model_axis) if model_axis > 1 else None
-        sizing = size_kv(config, source.config, dtype)
+        sizing = size_kv(config, source.config, kv_dtype)
         attention, attention_note = select_decode_attention(
             config.attention_impl, head_dim=source.config.head_dim, block_size=config.block_size,
             max_blocks_per_row=block_table_width(sizing.max_context, config.block_size), mesh=mesh,
@@ -174,12 +181,13 @@ class Engine:
         log.info("%s", attention_note)
         host = _host_device() if mesh is not None else None
         with jax.default_device(host) if host is not None else contextlib.nullcontext():
-            model = source.build(dtype, decode_attention=attention, progress=progress)
+            model = source.build(dtype, decode_attention=attention, progress=progress,
+                                 quantization=config.quantization)
         max_rows = config.max_seqs
         prefill_chunk = min(config.prefill_chunk, sizing.max_context)
         runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size,
                              max_rows=max_rows, max_prefill_tokens=prefill_chunk,
-                             max_context=sizing.max_context, kv_dtype=dtype, mesh=mesh,
+                             max_context=sizing.max_context, kv_dtype=kv_dtype, mesh=mesh,
                              replicate_attention=config.replicate_attention)
         limits = SchedulerLimits(
             block_size=config.block_size, num_blocks=sizing.num_blocks - 1, max_seqs=config.max_seqs,
@@ -242,10 +250,18 @@ class Engine:
     @property
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.model_name, architecture=self._source.config.architecture,
-                         max_context=self.max_context, dtype=str(jnp.dtype(self._runner.kv_dtype)))
+                         max_context=self.max_context, dtype=self.dtype_name,
+                         quantization=self.config.quantization,
+                         kv_cache_dtype=str(jnp.dtype(self._runner.kv_dtype)))
+
+    def memory(self) -> dict[str, int]:
+        """{"weights_bytes", "kv_bytes"}: bytes of the placed weights (quantized values and
+        scales included) and of the KV cache, measured from the arrays themselves, summed
+        over the whole mesh (a replicated array counts once)."""
+        return {"weights_bytes": self._runner.weights_bytes, "kv_bytes": self._runner.kv_cache.nbytes}
 
     def describe(self) -> dict:
-        """The start-up log block: model, devices, KV sizing, buckets."""
+        """The start-up log block: model, devices, weights and KV sizing, buckets."""
         cfg = self._source.config
         runner = self._runner
         buckets = runner.buckets
@@ -255,14 +271,17 @@ class Engine:
             "architecture": cfg.architecture,
             "params": f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads "
                       f"({cfg.num_kv_heads} kv), vocab {cfg.vocab_size}",
-            "dtype": str(jnp.dtype(runner.kv_dtype)),
+            "dtype": self.dtype_name,
+            "quantization": self.config.quantization,
+            "weights_bytes": runner.weights_bytes,
+            "kv_cache_dtype": str(jnp.dtype(runner.kv_dtype)),
             "devices": [str(d) for d in jax.devices()],
             "mesh": None if runner.mesh is None else dict(runner.mesh.shape),
             "replicate_attention": self.config.replicate_attention,
             "attention": self.attention_note,
             "kv_blocks": self.sizing.num_blocks,
             "block_size": self.config.block_size,
-            "kv_bytes": self.sizing.num_blocks * self.sizing.bytes_per_block,
+            "kv_bytes": runner.kv_cache.nbytes,
             "max_context": self.max_context,
             "kv_sizing": self.sizing.note,
             "buckets": {"decode_rows": buckets.decode_rows, "prefill_tokens": buckets.prefill_tokens},

@@ -69,6 +69,7 @@ class ModelRunner:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_context = max_context
         self.vocab_size = cfg.vocab_size
+        self.compute_dtype = model.dtype
         self.kv_dtype = kv_dtype or model.dtype
         self.max_blocks_per_row = block_table_width(max_context, block_size)
         self.buckets = Buckets.derive(max_rows, max_prefill_tokens)
@@ -77,6 +78,8 @@ class ModelRunner:
         self.shardings = None if mesh is None else runner_shardings(mesh, cfg, self.state, replicate_attention)
         if self.shardings is not None:
             self.state = jax.device_put(self.state, self.shardings.state)
+        # Measured from the placed arrays (int8 values and their scales when quantized).
+        self.weights_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(self.state))
         self._steps = jit_steps(self.shardings)
         self.kv_cache: KVCache = create_kv_cache(
             cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim, self.kv_dtype,

@@ -23,6 +23,11 @@ loaders produce exactly these names (`models/loaders/common.py` checks them):
     lm_head                  [D, V]        (absent when tie_word_embeddings; the model then
                                             keeps `tied_lm_head`, a transposed copy of embed)
 
+With `quantization` "int8" or "w8a8" (`models/quant.py`) every projection, the embedding
+and the LM head hold a `QuantizedWeight` (int8 values of the same shape plus one f32 scale
+per output channel; the embedding's scales are per row) instead of a float array, and every
+product goes through `project(x, w)`, which dispatches on the weight's type.
+
 q/k rows are in HF's rotate-half RoPE order (the GGUF loader undoes llama.cpp's
 interleaved permutation). Axis names: B rows, T tokens per row, D hidden, H query
 heads, K kv heads, G = H/K groups, hd head_dim, F intermediate, V vocab, S key positions.
@@ -39,6 +44,7 @@ from flax import nnx
 
 from models.attention import paged_attention, write_kv
 from models.config import ModelConfig, RopeScaling
+from models.quant import QuantizedWeight, check_mode, embed_lookup, quantize, quantized_matmul
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
@@ -79,36 +85,60 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
+def project(x: jax.Array, w) -> jax.Array:
+    """x [..., in] @ w [in, out]: a plain product for a float weight, the int8 matmul of
+    `models/quant.py` for a `QuantizedWeight`. Every projection of the model calls this."""
+    if isinstance(w, QuantizedWeight):
+        return quantized_matmul(x, w)
+    return x @ w
+
+
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -> nnx.Param:
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype))
 
 
+def _weight(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, quantization: str, channel_axis: int = 1) -> nnx.Param:
+    """A matrix parameter: float, or a QuantizedWeight when `quantization` is not "none"."""
+    param = _param(rngs, shape, dtype)
+    if quantization == "none":
+        return param
+    return nnx.Param(quantize(param.get_value(), quantization, channel_axis))
+
+
+def tied_head(embed):
+    """The [D, V] LM head of a tied embedding [V, D]: its transpose (a quantized embedding's
+    per-row scales are the head's per-output-channel scales)."""
+    if isinstance(embed, QuantizedWeight):
+        return QuantizedWeight(embed.values.T, embed.scales, embed.mode, channel_axis=1)
+    return embed.T
+
+
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quantization: str = "none"):
         d, f = cfg.hidden_size, cfg.intermediate_size
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.input_norm = nnx.Param(jnp.ones((d,), dtype))
-        self.q_proj = _param(rngs, (d, q_dim), dtype)
-        self.k_proj = _param(rngs, (d, kv_dim), dtype)
-        self.v_proj = _param(rngs, (d, kv_dim), dtype)
+        self.q_proj = _weight(rngs, (d, q_dim), dtype, quantization)
+        self.k_proj = _weight(rngs, (d, kv_dim), dtype, quantization)
+        self.v_proj = _weight(rngs, (d, kv_dim), dtype, quantization)
         if cfg.attention_bias:
             self.q_bias = _param(rngs, (q_dim,), dtype)
             self.k_bias = _param(rngs, (kv_dim,), dtype)
             self.v_bias = _param(rngs, (kv_dim,), dtype)
-        self.o_proj = _param(rngs, (q_dim, d), dtype)
+        self.o_proj = _weight(rngs, (q_dim, d), dtype, quantization)
         self.post_attn_norm = nnx.Param(jnp.ones((d,), dtype))
-        self.gate_proj = _param(rngs, (d, f), dtype)
-        self.up_proj = _param(rngs, (d, f), dtype)
-        self.down_proj = _param(rngs, (f, d), dtype)
+        self.gate_proj = _weight(rngs, (d, f), dtype, quantization)
+        self.up_proj = _weight(rngs, (d, f), dtype, quantization)
+        self.down_proj = _weight(rngs, (f, d), dtype, quantization)
 
     def __call__(self, x, positions, valid, k_cache, v_cache, block_tables, inv_freq, cfg: ModelConfig,
                  decode_attention=None):
         """x: [B, T, D] -> ([B, T, D], k_cache, v_cache). decode_attention: see LlamaModel."""
         b, t, _ = x.shape
         h = rms_norm(x, self.input_norm[...], cfg.rms_norm_eps)
-        q = h @ self.q_proj[...]
-        k = h @ self.k_proj[...]
-        v = h @ self.v_proj[...]
+        q = project(h, self.q_proj.get_value())
+        k = project(h, self.k_proj.get_value())
+        v = project(h, self.v_proj.get_value())
         if cfg.attention_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
@@ -117,30 +147,35 @@ class DecoderLayer(nnx.Module):
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions, valid, block_tables)
         attend = decode_attention if decode_attention is not None and t == 1 else paged_attention
         attn = attend(q, k_cache, v_cache, block_tables, positions, 1.0 / math.sqrt(cfg.head_dim))
-        x = x + attn.reshape(b, t, -1).astype(x.dtype) @ self.o_proj[...]
+        x = x + project(attn.reshape(b, t, -1).astype(x.dtype), self.o_proj.get_value())
         h = rms_norm(x, self.post_attn_norm[...], cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ self.gate_proj[...]) * (h @ self.up_proj[...])) @ self.down_proj[...]
+        gated = jax.nn.silu(project(h, self.gate_proj.get_value())) * project(h, self.up_proj.get_value())
+        x = x + project(gated, self.down_proj.get_value())
         return x, k_cache, v_cache
 
 
 class LlamaModel(nnx.Module):
     """A Llama-family causal LM. Construct under `nnx.eval_shape` to get abstract params."""
 
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs, decode_attention=None):
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs, decode_attention=None,
+                 quantization: str = "none"):
         """`decode_attention`: None for pure-JAX paged attention everywhere, else a hashable
         callable used for one-query-per-row steps (`models/pallas_attention.py`). It is
-        static (part of the graphdef), so it is chosen here, when the model is built."""
+        static (part of the graphdef), so it is chosen here, when the model is built.
+        `quantization`: "none", "int8" or "w8a8" (`models/quant.py`)."""
+        check_mode(quantization)
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.quantization = quantization
+        self.embed = _weight(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, quantization, channel_axis=0)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, quantization) for _ in range(cfg.num_layers)])
         self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
         if cfg.tie_word_embeddings:
             # A [D, V] copy of the tied embedding, refreshed by the loader: reading [V, D]
             # transposed inside the step made XLA CPU re-transpose it every decode step.
-            self.tied_lm_head = nnx.Variable(self.embed[...].T)
+            self.tied_lm_head = nnx.Variable(tied_head(self.embed.get_value()))
         else:
-            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+            self.lm_head = _weight(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, quantization)
         self.inv_freq = nnx.Variable(
             jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         )
@@ -160,7 +195,7 @@ class LlamaModel(nnx.Module):
         """
         cfg = self.cfg
         inv_freq = self.inv_freq[...]
-        x = self.embed[...][tokens]
+        x = embed_lookup(self.embed.get_value(), tokens, self.dtype)
         new_k, new_v = [], []
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             x, k_cache, v_cache = layer(x, positions, valid, k_cache, v_cache, block_tables, inv_freq, cfg,
@@ -172,5 +207,5 @@ class LlamaModel(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., D] -> f32[..., V]."""
-        w = self.tied_lm_head[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return (hidden @ w).astype(jnp.float32)
+        w = self.tied_lm_head.get_value() if self.cfg.tie_word_embeddings else self.lm_head.get_value()
+        return project(hidden, w).astype(jnp.float32)

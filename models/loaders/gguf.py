@@ -12,6 +12,9 @@ Format quirks handled here:
 - llama.cpp's converter permutes the q/k rows of `llama` models from HF's rotate-half
   RoPE order into interleaved (GPT-J) order; our model is rotate-half, so we undo it
   (`unpermute_rope_rows`). `qwen2` files are written unpermuted and are left alone.
+- Q8_0 and Q4_0 tensors can also be read straight into per-output-channel int8 for the
+  quantized serving modes (`gguf_int8_tensors`, `models/quant.py:requantize_blocks` says
+  what "straight" means and what it costs); the other types go through f32.
 - Llama 3.1/3.2 GGUFs carry the llama3 RoPE scaling as a `rope_freqs.weight` tensor of
   per-frequency divisors instead of metadata; we recognise the known parameter sets.
 """
@@ -30,7 +33,8 @@ from gguf.quants import dequantize
 
 from models.config import ModelConfig, RopeScaling, UnsupportedModelError
 from models.llama import LlamaModel, rope_inv_freq
-from models.loaders.common import build_model
+from models.loaders.common import HostInt8, build_model
+from models.quant import GGUF_BLOCK, requantize_blocks
 from models.tokenizer import Tokenizer
 
 # GGUF tensor name -> ours (names and layouts in the models/llama.py docstring).
@@ -62,6 +66,8 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 _T = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = (_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q5_K, _T.Q6_K)
+# Types whose blocks are integers times one scale, read straight into int8 (bytes per block).
+INT8_BLOCK_TYPES = {_T.Q8_0: 2 + GGUF_BLOCK, _T.Q4_0: 2 + GGUF_BLOCK // 2}
 
 # Known llama3 RoPE scalings (Llama 3.1: factor 8; Llama 3.2: factor 32), matched against
 # a file's rope_freqs.weight.
@@ -127,8 +133,9 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     return reader
 
 
-def open_gguf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict, Tokenizer]:
-    """Config, lazy tensors and tokenizer of a llama/qwen2 GGUF; no tensor is dequantized yet.
+def open_gguf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict, Tokenizer, dict]:
+    """Config, lazy tensors, tokenizer and lazy int8 tensors (`gguf_int8_tensors`) of a
+    llama/qwen2 GGUF; no tensor is read yet.
 
     Raises:
       FileNotFoundError, ValueError (not a GGUF file), UnsupportedModelError (architecture,
@@ -136,7 +143,7 @@ def open_gguf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict, To
     """
     reader = open_gguf(path)
     cfg = config_from_gguf(reader)
-    return cfg, gguf_tensors(reader, cfg), Tokenizer.from_gguf(reader)
+    return cfg, gguf_tensors(reader, cfg), Tokenizer.from_gguf(reader), gguf_int8_tensors(reader, cfg)
 
 
 def load_gguf(path: str | os.PathLike, dtype=jnp.bfloat16, progress=None) -> GGUFCheckpoint:
@@ -151,7 +158,7 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.bfloat16, progress=None) -> GGU
     Raises:
       what `open_gguf_checkpoint` raises, and CheckpointError (tensors do not fit the config).
     """
-    cfg, tensors, tokenizer = open_gguf_checkpoint(path)
+    cfg, tensors, tokenizer, _ = open_gguf_checkpoint(path)
     return GGUFCheckpoint(cfg, build_model(cfg, tensors, dtype, progress), tokenizer)
 
 
@@ -326,3 +333,47 @@ def gguf_tensors(reader: GGUFReader, cfg: ModelConfig) -> dict[str, Callable[[],
         name = our_name(t.name) or f"gguf:{t.name}"
         tensors[name] = lambda t=t, name=name: _to_ours(t, name, cfg, unpermute_qk)
     return tensors
+
+
+def int8_blocks(tensor) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 / Q4_0 tensor's integers and block scales, rows in the reader's order.
+
+    Returns (ints [rows, n] with w = ints * d per block: Q8_0 int8 as stored, Q4_0 nibble
+    - 8; d f32 [rows, n / 32]). ggml's block_q8_0 is {f16 d; int8 qs[32]}; block_q4_0 is
+    {f16 d; u8 qs[16]}, value j in the low nibble of qs[j], value j + 16 in the high one.
+    """
+    block_bytes = INT8_BLOCK_TYPES[tensor.tensor_type]
+    raw = np.ascontiguousarray(tensor.data)
+    rows = int(np.prod([int(d) for d in tensor.shape[1:]])) if len(tensor.shape) > 1 else 1
+    blocks = raw.reshape(rows, -1, block_bytes)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if tensor.tensor_type == _T.Q8_0:
+        ints = blocks[..., 2:].copy().view(np.int8)
+    else:
+        qs = blocks[..., 2:]
+        ints = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8
+    return ints.reshape(rows, -1), d
+
+
+def _to_ours_int8(tensor, name: str, cfg: ModelConfig, unpermute_qk: bool) -> HostInt8:
+    """(int8 values, f32 scales) in our layout, requantized per output channel from the blocks."""
+    values, scales = requantize_blocks(*int8_blocks(tensor))
+    leaf = name.rsplit(".", 1)[-1]
+    if unpermute_qk and leaf in ("q_proj", "k_proj"):
+        heads = cfg.num_heads if leaf == "q_proj" else cfg.num_kv_heads
+        values, scales = unpermute_rope_rows(values, heads), unpermute_rope_rows(scales, heads)
+    if name != "embed":
+        values = np.ascontiguousarray(values.T)  # [out, in] -> our [in, out]; scales stay per out
+    return values, scales
+
+
+def gguf_int8_tensors(reader: GGUFReader, cfg: ModelConfig) -> dict[str, Callable[[], HostInt8]]:
+    """`{our_name: () -> (int8, scales)}` for every 2-D Q8_0 / Q4_0 parameter, for the quantized
+    modes (`build_model` uses them instead of the f32 producers of `gguf_tensors`)."""
+    unpermute_qk = cfg.architecture == "LlamaForCausalLM"
+    out: dict[str, Callable[[], HostInt8]] = {}
+    for t in reader.tensors:
+        name = our_name(t.name)
+        if name is not None and t.tensor_type in INT8_BLOCK_TYPES and len(t.shape) == 2:
+            out[name] = lambda t=t, name=name: _to_ours_int8(t, name, cfg, unpermute_qk)
+    return out
