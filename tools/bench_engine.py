@@ -10,6 +10,10 @@ Measures the engine without HTTP, on whatever backend JAX picks:
   * the batcher's ticks/s with N rows decoding and its host-side overhead per tick.
 
     python -m tools.bench_engine --model default --rows 1 32 --json results/engine.json
+    python -m tools.bench_engine --quantization w8a8 --kv-cache-dtype bfloat16 --rows 1 32
+
+Bytes moved per decode step count the weights as placed (`ModelRunner.weights_bytes`:
+int8 values and their scales in the quantized modes) plus the KV read at that context.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _decode_flops_bytes(cfg, rows: int, context: int, dtype_bytes: int) -> tuple[float, float]:
-    """Model FLOPs and bytes moved for one decode step of `rows` rows at `context` tokens."""
+def _decode_flops_bytes(cfg, rows: int, context: int, dtype_bytes: int,
+                        weights_bytes: float | None = None) -> tuple[float, float]:
+    """Model FLOPs and bytes moved for one decode step of `rows` rows at `context` tokens
+    (`dtype_bytes`: KV element size; weights as f32 of that size unless `weights_bytes`)."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_layer_params = d * (q + 2 * kv) + q * d + 3 * d * f
@@ -34,7 +40,7 @@ def _decode_flops_bytes(cfg, rows: int, context: int, dtype_bytes: int) -> tuple
     attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
     flops = rows * (2 * params + attn_flops)
     kv_bytes = rows * context * cfg.kv_bytes_per_token(dtype_bytes)
-    return flops, params * dtype_bytes + kv_bytes
+    return flops, (params * dtype_bytes if weights_bytes is None else weights_bytes) + kv_bytes
 
 
 def _matmul_roofline(cfg, rows: int, dtype) -> float:
@@ -66,7 +72,8 @@ def _matmul_roofline(cfg, rows: int, dtype) -> float:
     return flops / seconds
 
 
-def bench_runner(engine, rows_list: list[int], context: int, steps: int) -> dict:
+def bench_runner(engine, rows_list: list[int], context: int, steps: int, greedy: bool = False,
+                 roofline: bool = True) -> dict:
     from ferrox_jax.plan import RowStep, StepPlan
     from ferrox_jax.request import SamplingParams
 
@@ -90,7 +97,7 @@ def bench_runner(engine, rows_list: list[int], context: int, steps: int) -> dict
         if rows * blocks_per_row >= runner.num_blocks:
             raise SystemExit(f"{rows} rows x {blocks_per_row} blocks do not fit in {runner.num_blocks} KV blocks")
         tables = [tuple(range(1 + r * blocks_per_row, 1 + (r + 1) * blocks_per_row)) for r in range(rows)]
-        sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
+        sampling = SamplingParams(temperature=0.0) if greedy else SamplingParams(temperature=0.8, top_p=0.95, seed=1)
 
         def plan_at(pos):
             return StepPlan(decode=tuple(RowStep(row_id=r, token_ids=(7,), start_pos=pos, block_ids=tables[r],
@@ -100,14 +107,15 @@ def bench_runner(engine, rows_list: list[int], context: int, steps: int) -> dict
         for s in range(steps):
             runner.run(plan_at(context + s))
         step_s = (time.perf_counter() - t0) / steps
-        flops, nbytes = _decode_flops_bytes(cfg, rows, context, dtype_bytes)
+        flops, nbytes = _decode_flops_bytes(cfg, rows, context, dtype_bytes, runner.weights_bytes)
         out[f"decode_{rows}_rows"] = {
             "tokens_per_s": rows / step_s,
             "step_ms": step_s * 1e3,
             "achieved_gflops": flops / step_s / 1e9,
             "achieved_gbytes_per_s": nbytes / step_s / 1e9,
-            "matmul_roofline_gflops": _matmul_roofline(cfg, rows, runner.kv_dtype) / 1e9,
         }
+        if roofline:
+            out[f"decode_{rows}_rows"]["matmul_roofline_gflops"] = _matmul_roofline(cfg, rows, jnp.float32) / 1e9
     return out
 
 
@@ -149,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "w8a8"])
+    p.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--greedy", action="store_true", help="decode greedily (default: temperature 0.8, top-p 0.95)")
+    p.add_argument("--no-roofline", action="store_true", help="skip the f32 matmul chain per row count")
+    p.add_argument("--no-batcher", action="store_true", help="skip the batcher run")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--context", type=int, default=256, help="context length the decode rows sit at")
     p.add_argument("--steps", type=int, default=10)
@@ -158,16 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    engine = Engine.load(EngineConfig(model=args.model, dtype=args.dtype, max_context=args.max_context,
+    engine = Engine.load(EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                                      kv_cache_dtype=args.kv_cache_dtype, max_context=args.max_context,
                                       max_seqs=max(args.rows + [args.batcher_rows]),
                                       compile_cache_dir=args.compile_cache_dir))
     load_s = time.perf_counter() - t0
     warmup_s = engine.warmup()
-    result = {"model": engine.model_name, "backend": jax.default_backend(), "load_s": load_s, "warmup_s": warmup_s,
-              "num_compiled_shapes": len(engine.runner.buckets.keys())}
-    result.update(bench_runner(engine, args.rows, args.context, args.steps))
+    result = {"model": engine.model_name, "backend": jax.default_backend(), "quantization": args.quantization,
+              "kv_cache_dtype": engine.model_card.kv_cache_dtype, **engine.memory(), "load_s": load_s,
+              "warmup_s": warmup_s, "num_compiled_shapes": len(engine.runner.buckets.keys())}
+    result.update(bench_runner(engine, args.rows, args.context, args.steps, args.greedy, not args.no_roofline))
     engine.start()
-    result["batcher"] = bench_batcher(engine, args.batcher_rows, 128, 64)
+    if not args.no_batcher:
+        result["batcher"] = bench_batcher(engine, args.batcher_rows, 128, 64)
     result["recompiles_after_warmup"] = engine.stats().recompiles_after_warmup
     engine.shutdown()
     text = json.dumps(result, indent=2)
