@@ -57,6 +57,7 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default=defaults["dtype"])
+    gen.add_argument("--quantization", default=defaults["quantization"], help="none, int8 or w8a8")
     gen.add_argument("--kv-memory-gib", type=float, default=0.25, help="KV cache budget (one request needs little)")
     gen.add_argument("--log-level", default="warning")
     return parser
@@ -102,6 +103,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         return EngineConfig(
             model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
             load_format=args.load_format, dummy_weights_seed=args.dummy_weights_seed,
+            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             block_size=args.block_size, kv_blocks=args.kv_blocks, kv_memory_gib=args.kv_memory_gib,
             max_context=args.max_context, max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
             prefill_chunk_idle=args.prefill_chunk_idle,
@@ -242,7 +244,12 @@ def generate(args: argparse.Namespace) -> int:
     from ferrox_jax.engine import Engine
     from ferrox_jax.request import GenerationRequest, SamplingParams
 
-    engine = Engine.load(EngineConfig(model=args.model, dtype=args.dtype, kv_memory_gib=args.kv_memory_gib))
+    try:
+        config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                              kv_memory_gib=args.kv_memory_gib)
+    except ValueError as e:
+        raise SystemExit(f"ferrox generate: {e}") from None
+    engine = Engine.load(config)
     engine.start()
     try:
         tok = engine.tokenizer

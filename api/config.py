@@ -190,10 +190,16 @@ SETTINGS: tuple[Setting, ...] = (
             "auto (read the weights) or dummy (random weights from the config alone: sizing, benchmarks)"),
     Setting("dummy_weights_seed", "FERROX_DUMMY_WEIGHTS_SEED", _nonneg_int, 0,
             "seed of --load-format dummy (same seed, same weights)"),
+    Setting("quantization", "FERROX_QUANTIZATION", _str, "none",
+            "weights: none, int8 (weight-only; fused on TPU/GPU, slower on CPU) or w8a8 (int8 weights and "
+            "per-token int8 activations; the fast CPU path)"),
     Setting("block_size", "FERROX_CB_KV_BLOCK_SIZE", _positive_int, 16, "KV positions per block"),
     Setting("kv_blocks", "FERROX_CB_KV_BLOCKS", _positive_int, None,
             "KV blocks (default: derived from the memory budget)"),
     Setting("kv_memory_gib", "FERROX_KV_MEMORY_GIB", _positive_float, 2.0, "KV cache memory budget in GiB"),
+    Setting("kv_cache_dtype", "FERROX_KV_CACHE_DTYPE", _str, None,
+            "KV cache storage: float32 or bfloat16 (default: the compute dtype); the same budget holds "
+            "proportionally more blocks"),
     Setting("max_context", "FERROX_CB_MAX_CONTEXT", _positive_int, None,
             "per-request context ceiling in tokens (default: the model's trained context, within budget)"),
     Setting("compile_cache_dir", "FERROX_COMPILE_CACHE_DIR", _str, None,

@@ -72,7 +72,8 @@ def _model_card(engine: Engine) -> dict:
     created = int(time.time() - _state().stats.uptime_s())
     card = engine.model_card
     return {"id": card.id, "object": "model", "created": created, "owned_by": "ferrox",
-            "max_model_len": card.max_context, "architecture": card.architecture}
+            "max_model_len": card.max_context, "architecture": card.architecture, "dtype": card.dtype,
+            "quantization": card.quantization, "kv_cache_dtype": card.kv_cache_dtype}
 
 
 @blueprint.post("/v1/tokenize")

@@ -283,6 +283,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    architecture: str | None = None
+    dtype: str | None = None  # compute dtype
+    quantization: str | None = None  # none, int8 or w8a8
+    kv_cache_dtype: str | None = None
 
 
 class ModelList(BaseModel):

@@ -93,6 +93,7 @@ class AppState:
         if card is None:
             return None
         return {"id": card.id, "architecture": card.architecture, "dtype": card.dtype,
+                "quantization": card.quantization, "kv_cache_dtype": card.kv_cache_dtype,
                 "max_context": card.max_context, "synthetic_weights": card.synthetic_weights,
                 "weights_bytes": card.weights_bytes, "kv_bytes": card.kv_bytes}
 

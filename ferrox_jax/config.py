@@ -16,6 +16,9 @@ import dataclasses
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LOAD_FORMAT_NAMES = ("auto", "dummy")  # models/loader.py LOAD_FORMATS (that module imports jax)
+# Weight quantization modes; the same tuple as models/quant.py's QUANTIZATION_MODES (this
+# module imports no jax, a test keeps the two equal).
+QUANTIZATION_NAMES = ("none", "int8", "w8a8")
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -52,10 +55,12 @@ class EngineConfig:
     dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 elsewhere
     load_format: str = "auto"  # "auto": read the weights; "dummy": random weights from the config (sizing)
     dummy_weights_seed: int = 0  # the seed of load_format="dummy" (same seed, same weights)
+    quantization: str = "none"  # "int8" (weight-only) or "w8a8" (int8 weights and activations)
     # ---- KV cache and batching (the contract's FERROX_CB_* settings) ----
     block_size: int = 16  # token positions per KV block
     kv_blocks: int | None = None  # cache blocks, the null block 0 included; None: from kv_memory_gib
     kv_memory_gib: float = 2.0  # KV cache budget when kv_blocks is not given
+    kv_cache_dtype: str | None = None  # KV storage dtype; None: the compute dtype
     max_context: int | None = None  # prompt + max_tokens ceiling; None: trained context within the budget
     max_seqs: int = 32  # rows at once (prefilling and decoding); also the largest decode row bucket
     prefill_chunk: int = 128  # prompt tokens computed per tick, at most (capped at max_context)
@@ -92,8 +97,13 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_memory_gib must be > 0; got {self.kv_memory_gib}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"EngineConfig.max_context must be >= 2; got {self.max_context}")
-        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"EngineConfig.dtype must be one of {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
+        for name in ("dtype", "kv_cache_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in DTYPE_NAMES:
+                raise ValueError(f"EngineConfig.{name} must be one of {', '.join(DTYPE_NAMES)}; got {value!r}")
+        if self.quantization not in QUANTIZATION_NAMES:
+            raise ValueError(f"EngineConfig.quantization must be one of {', '.join(QUANTIZATION_NAMES)}; "
+                             f"got {self.quantization!r}")
         if self.load_format not in LOAD_FORMAT_NAMES:
             raise ValueError(f"EngineConfig.load_format must be one of {', '.join(LOAD_FORMAT_NAMES)}; "
                              f"got {self.load_format!r}")

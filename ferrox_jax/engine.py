@@ -12,7 +12,8 @@ block budget and runner stay behind this facade.
 checkpoint (`size_kv`), choose the decode attention for that block-table width, build
 the model with it, then the runner (device state, buckets) and the batcher with the
 resolved `SchedulerLimits`. Sizing: `kv_blocks` if given, else the KV memory budget
-divided by the bytes one block takes; the context ceiling is `max_context` if given, else
+divided by the bytes one block takes in the KV storage dtype (`kv_cache_dtype`: a
+bfloat16 cache holds twice the blocks of a float32 one in the same budget); the context ceiling is `max_context` if given, else
 the model's trained context capped by what the budget holds. The start-up log says which
 applied.
 
@@ -46,6 +47,7 @@ from ferrox_jax.stats import BatcherStats
 from models.config import ModelConfig
 from models.loader import CheckpointSource, open_checkpoint, resolve_path
 from models.loaders.common import abstract_model
+from models.quant import quantized_channel_axis, quantized_nbytes
 from models.pallas_attention import select_decode_attention
 from models.tokenizer import Tokenizer
 
@@ -69,9 +71,11 @@ class ModelCard:
     id: str  # the name clients send as `model`
     architecture: str  # the checkpoint's (HF) architecture name
     max_context: int  # prompt + generated tokens per request, at most
-    dtype: str
+    dtype: str  # compute dtype
+    quantization: str = "none"  # weights: "none", "int8" or "w8a8" (models/quant.py)
+    kv_cache_dtype: str = "float32"  # KV cache storage dtype
     synthetic_weights: bool = False  # random weights (--load-format dummy): outputs are meaningless
-    weights_bytes: int = 0  # model arrays' logical bytes (the tied LM-head copy included)
+    weights_bytes: int = 0  # model arrays' bytes (quantized values and scales; the tied LM-head copy included)
     kv_bytes: int = 0  # the KV cache's bytes (all blocks, the null block included)
 
 
@@ -120,16 +124,18 @@ def enable_compile_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def size_kv(config: EngineConfig, model_cfg: ModelConfig, dtype) -> KVSizing:
-    """Blocks, context ceiling and the reason, from the config and the checkpoint."""
+def size_kv(config: EngineConfig, model_cfg: ModelConfig, kv_dtype) -> KVSizing:
+    """Blocks, context ceiling and the reason, from the config and the checkpoint.
+    `kv_dtype`: the cache's storage dtype, which sets the bytes per block."""
     per_block = bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, config.block_size,
-                                model_cfg.head_dim, dtype)
+                                model_cfg.head_dim, kv_dtype)
     kv_blocks = config.kv_blocks
     if kv_blocks:
         why = f"{kv_blocks} KV blocks as configured"
     else:
         kv_blocks = max(2, int(config.kv_memory_gib * 2**30 // per_block))
-        why = f"{kv_blocks} KV blocks from the {config.kv_memory_gib:g} GiB KV memory budget ({per_block} B/block)"
+        why = (f"{kv_blocks} KV blocks from the {config.kv_memory_gib:g} GiB KV memory budget "
+               f"({per_block} B/block in {jnp.dtype(kv_dtype).name})")
     trained = model_cfg.max_position_embeddings
     usable_tokens = (kv_blocks - 1) * config.block_size
     max_context = config.max_context
@@ -180,10 +186,15 @@ def plan_memory(config: EngineConfig) -> MemoryPlan:
     nothing is allocated and no weight is read, so an 8B or 70B shape sizes on a laptop.
     Equal to what a loaded engine's `describe()` reports (tests/test_dummy_weights.py)."""
     dtype = DTYPES[config.dtype or default_dtype_name()]
+    kv_dtype = DTYPES[config.kv_cache_dtype] if config.kv_cache_dtype else dtype
     source = open_checkpoint(config.model, load_format=config.load_format, seed=config.dummy_weights_seed)
     model = abstract_model(source.config, dtype)
-    weights = sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(nnx.state(model)))
-    sizing = size_kv(config, source.config, dtype)
+    weights = 0
+    for path, leaf in nnx.to_flat_state(nnx.state(model)):
+        shape = tuple(leaf.shape)
+        axis = quantized_channel_axis(".".join(map(str, path)), shape) if config.quantization != "none" else None
+        weights += quantized_nbytes(shape, axis) if axis is not None else leaf.size * jnp.dtype(leaf.dtype).itemsize
+    sizing = size_kv(config, source.config, kv_dtype)
     return MemoryPlan(weights, sizing.num_blocks * sizing.bytes_per_block, sizing, jnp.dtype(dtype).name)
 
 
@@ -203,6 +214,7 @@ class Engine:
         self.max_context = sizing.max_context
         self.sizing = sizing
         self.attention_note = attention_note
+        self.dtype_name = str(jnp.dtype(runner.compute_dtype))
         self.warmup_s: float | None = None
         self.load_s: float = 0.0
         self._grammar = grammar
@@ -228,6 +240,7 @@ class Engine:
                 "per host (docs/deploy-tpu.md, 'Multi-host')")
         enable_compile_cache(config.compile_cache_dir)
         dtype = DTYPES[config.dtype or default_dtype_name()]
+        kv_dtype = DTYPES[config.kv_cache_dtype] if config.kv_cache_dtype else dtype
         source = open_checkpoint(config.model, load_format=config.load_format, seed=config.dummy_weights_seed)
         if source.is_synthetic:
             log.warning("synthetic weights (--load-format dummy, seed %d): %s is served with random weights; "
@@ -236,25 +249,26 @@ class Engine:
         _, model_axis = config.mesh_shape
         check_divisibility(source.config, model_axis, config.replicate_attention)
         mesh = make_mesh(1, model_axis) if model_axis > 1 else None
-        sizing = size_kv(config, source.config, dtype)
+        sizing = size_kv(config, source.config, kv_dtype)
         attention, attention_note = select_decode_attention(
             config.attention_impl, head_dim=source.config.head_dim, block_size=config.block_size,
             max_blocks_per_row=block_table_width(sizing.max_context, config.block_size), mesh=mesh,
-            kv_sharded=not config.replicate_attention, kv_dtype=dtype)
+            kv_sharded=not config.replicate_attention, kv_dtype=kv_dtype)
         log.info("%s", attention_note)
         # Read weights go through host memory and are sharded by the runner; synthetic ones
         # are made on the devices, each parameter directly with its sharding.
         placement = None if mesh is None else param_placement(mesh, source.config, config.replicate_attention)
         host = _host_device() if mesh is not None and not source.is_synthetic else None
         with jax.default_device(host) if host is not None else contextlib.nullcontext():
-            model = source.build(dtype, decode_attention=attention, progress=progress, placement=placement)
+            model = source.build(dtype, decode_attention=attention, progress=progress, placement=placement,
+                                 quantization=config.quantization)
         max_rows = config.max_seqs
         prefill_chunk = min(config.prefill_chunk, sizing.max_context)
         grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size)
         idle_chunk = min(max(config.prefill_chunk_idle, prefill_chunk), sizing.max_context)
         runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size,
                              max_rows=max_rows, max_prefill_tokens=idle_chunk,
-                             max_context=sizing.max_context, kv_dtype=dtype, mesh=mesh,
+                             max_context=sizing.max_context, kv_dtype=kv_dtype, mesh=mesh,
                              replicate_attention=config.replicate_attention,
                              fill_bitmask=grammar.fill_bitmask if grammar is not None else None)
         limits = SchedulerLimits(
@@ -353,12 +367,14 @@ class Engine:
     @property
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.model_name, architecture=self._source.config.architecture,
-                         max_context=self.max_context, dtype=str(jnp.dtype(self._runner.kv_dtype)),
+                         max_context=self.max_context, dtype=str(jnp.dtype(self._runner.compute_dtype)),
+                         quantization=self.config.quantization,
+                         kv_cache_dtype=str(jnp.dtype(self._runner.kv_dtype)),
                          synthetic_weights=self._source.is_synthetic, weights_bytes=self.weights_bytes,
                          kv_bytes=self.sizing.num_blocks * self.sizing.bytes_per_block)
 
     def describe(self) -> dict:
-        """The start-up log block: model, devices, KV sizing, buckets."""
+        """The start-up log block: model, devices, weights and KV sizing, buckets."""
         cfg = self._source.config
         runner = self._runner
         buckets = runner.buckets
@@ -369,7 +385,9 @@ class Engine:
             "architecture": cfg.architecture,
             "params": f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads "
                       f"({cfg.num_kv_heads} kv), vocab {cfg.vocab_size}",
-            "dtype": str(jnp.dtype(runner.kv_dtype)),
+            "dtype": self.dtype_name,
+            "quantization": self.config.quantization,
+            "kv_cache_dtype": str(jnp.dtype(runner.kv_dtype)),
             "devices": [str(d) for d in jax.devices()],
             "mesh": None if runner.mesh is None else dict(runner.mesh.shape),
             "replicate_attention": self.config.replicate_attention,

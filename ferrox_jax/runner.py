@@ -85,6 +85,7 @@ class ModelRunner:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_context = max_context
         self.vocab_size = cfg.vocab_size
+        self.compute_dtype = model.dtype
         self.kv_dtype = kv_dtype or model.dtype
         self.max_blocks_per_row = block_table_width(max_context, block_size)
         self.buckets = Buckets.derive(max_rows, max_prefill_tokens)

@@ -21,6 +21,13 @@ the results once).
     norms, q_norm / k_norm, router  [D], [hd], [D, E]  P()        same
     KV cache, per layer         [K, N, bs, hd]  P("model", ...)   P()
 
+A quantized weight (`models/quant.py`: int8 values + one f32 scale per channel) shards
+like the float weight it replaces: its values take the spec above, its scales the spec of
+the values' channel axis (the output axis of a projection, the vocab axis of the
+embedding). So column-split weights split their scales too, row-split ones (o_proj,
+down_proj) replicate them, and a w8a8 row-parallel product all-reduces exact int32 partial
+sums before the rescale.
+
 Splitting q/k/v columns over `model` splits whole heads (columns are head-major), so
 each device owns H/M query heads and K/M KV heads and attends locally; this needs
 M | H and M | K. Fused checkpoint tensors (Phi-3's qkv_proj, gate_up_proj) are split
@@ -47,6 +54,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.config import ModelConfig
+from models.quant import QuantizedWeight
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
@@ -137,6 +145,15 @@ def param_placement(mesh: Mesh, cfg: ModelConfig, replicate_attention: bool = Fa
     return placement
 
 
+def quantized_partition_specs(name: str, weight: QuantizedWeight, cfg: ModelConfig,
+                               replicate_attention: bool = False) -> QuantizedWeight:
+    """A QuantizedWeight of PartitionSpecs: the values as the float weight, the scales as the
+    values' channel axis (see the module docstring)."""
+    values = param_partition_spec(name, weight.shape, cfg, replicate_attention)
+    axes = tuple(values) + (None,) * (len(weight.shape) - len(values))
+    return weight.replace(values=values, scales=P(axes[weight.channel_axis]))
+
+
 def kv_partition_spec(replicate_attention: bool = False) -> P:
     """Per-layer KV array [K, N, bs, hd] (layout: kv_cache.py): KV heads over `model`."""
     return P() if replicate_attention else P(MODEL_AXIS, None, None, None)
@@ -170,11 +187,17 @@ def runner_shardings(mesh: Mesh, cfg: ModelConfig, state, replicate_attention: b
     check_divisibility(cfg, mesh.shape[MODEL_AXIS], replicate_attention)
 
     def spec(path, leaf):
-        return NamedSharding(mesh, param_partition_spec(_state_name(path), leaf.shape, cfg, replicate_attention))
+        name = _state_name(path)
+        if isinstance(leaf, QuantizedWeight):
+            specs = quantized_partition_specs(name, leaf, cfg, replicate_attention)
+            return jax.tree_util.tree_map(lambda p: NamedSharding(mesh, p), specs,
+                                          is_leaf=lambda x: isinstance(x, P))
+        return NamedSharding(mesh, param_partition_spec(name, leaf.shape, cfg, replicate_attention))
 
+    is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
     return RunnerShardings(
         mesh=mesh,
-        state=jax.tree_util.tree_map_with_path(spec, state),
+        state=jax.tree_util.tree_map_with_path(spec, state, is_leaf=is_weight),
         kv_array=NamedSharding(mesh, kv_partition_spec(replicate_attention)),
         replicated=NamedSharding(mesh, P()),
         replicate_attention=replicate_attention,

@@ -6,6 +6,10 @@ kernel reads. A row's block table lists the blocks holding its positions in orde
 position p lives in block `block_tables[row, p // block_size]` at offset
 `p % block_size`. Block 0 is the null block: padded tokens write there, so padding can
 never overwrite a live request's K/V, and padded table entries point there.
+
+The cache may be stored narrower than the compute dtype (`--kv-cache-dtype bfloat16` under
+float32 compute): `store_kv` casts on the write path, `load_kv` widens on the read path,
+so the softmax and the weighted sum of values always run in the compute dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +19,16 @@ import jax.numpy as jnp
 
 _MASKED = -1e30  # large negative instead of -inf: a fully masked row stays finite
 ATTENTION_CHUNK_BLOCKS = 8  # blocks per attention loop iteration; table widths are multiples
+
+
+def store_kv(x: jax.Array, cache: jax.Array) -> jax.Array:
+    """New K or V values in the cache's storage dtype (write path)."""
+    return x.astype(cache.dtype)
+
+
+def load_kv(blocks: jax.Array, dtype) -> jax.Array:
+    """Gathered K or V blocks in the compute dtype (read path)."""
+    return blocks.astype(dtype)
 
 
 def write_kv(k_cache, v_cache, k, v, positions, valid, block_tables):
@@ -34,8 +48,8 @@ def write_kv(k_cache, v_cache, k, v, positions, valid, block_tables):
     blocks = jnp.where(valid, blocks, 0).reshape(-1)
     offsets = jnp.where(valid, positions % block_size, 0).reshape(-1)
     b, t = positions.shape
-    k_flat = k.astype(k_cache.dtype).transpose(2, 0, 1, 3).reshape(num_kv, b * t, head_dim)
-    v_flat = v.astype(v_cache.dtype).transpose(2, 0, 1, 3).reshape(num_kv, b * t, head_dim)
+    k_flat = store_kv(k, k_cache).transpose(2, 0, 1, 3).reshape(num_kv, b * t, head_dim)
+    v_flat = store_kv(v, v_cache).transpose(2, 0, 1, 3).reshape(num_kv, b * t, head_dim)
     k_cache = k_cache.at[:, blocks, offsets].set(k_flat)
     v_cache = v_cache.at[:, blocks, offsets].set(v_flat)
     return k_cache, v_cache
@@ -101,8 +115,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
     def body(i, carry):
         m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, hd]
         blocks, start = chunk_blocks_of(i)
-        keys = k_cache[:, blocks].reshape(num_kv, b, chunk_keys, head_dim)
-        values = v_cache[:, blocks].reshape(num_kv, b, chunk_keys, head_dim)
+        keys = load_kv(k_cache[:, blocks], q.dtype).reshape(num_kv, b, chunk_keys, head_dim)
+        values = load_kv(v_cache[:, blocks], q.dtype).reshape(num_kv, b, chunk_keys, head_dim)
         s = jnp.einsum("btkgd,kbsd->bkgts", qg, keys, preferred_element_type=jnp.float32) * scale
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)

@@ -17,6 +17,10 @@ Global parameters (per-layer ones are in each family's module docstring):
     final_norm               [D]
     lm_head                  [D, V]        (absent when tie_word_embeddings; the model then
                                             keeps `tied_lm_head`, a transposed copy of embed)
+
+Under `--quantization int8|w8a8` the loader places a `QuantizedWeight` (`models/quant.py`)
+for the embedding, an untied LM head and every projection; the model reads them with
+`.get_value()` and multiplies through `project` / `embed_lookup`, which take either kind.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import StepInputs, norm_param, param, project, rms_norm
+from models.quant import embed_lookup, tied_head
 from models.rope import rope_cos_sin
 
 
@@ -48,7 +53,7 @@ class CausalLM(nnx.Module):
         if cfg.tie_word_embeddings:
             # A [D, V] copy of the tied embedding, refreshed by the loader: reading [V, D]
             # transposed inside the step made XLA CPU re-transpose it every decode step.
-            self.tied_lm_head = nnx.Variable(self.embed[...].T)
+            self.tied_lm_head = nnx.Variable(tied_head(self.embed.get_value()))
         else:
             self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
         self.decode_attention = decode_attention
@@ -61,7 +66,7 @@ class CausalLM(nnx.Module):
         raise NotImplementedError
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        return self.embed[...][tokens]
+        return embed_lookup(self.embed.get_value(), tokens, self.dtype)
 
     def norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
         return rms_norm(x, weight, self.cfg.rms_norm_eps)
@@ -73,7 +78,7 @@ class CausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., D] -> f32[..., V]."""
-        w = self.tied_lm_head[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
+        w = self.tied_lm_head.get_value() if self.cfg.tie_word_embeddings else self.lm_head.get_value()
         return project(hidden, w).astype(jnp.float32)
 
     # -- the shared forward --------------------------------------------------------------

@@ -35,6 +35,7 @@ from flax import nnx
 from models.config import ModelConfig, UnsupportedModelError, hf_common_fields
 from models.decoder import CausalLM
 from models.family import Family
+from models.quant import embed_lookup
 from models.layers import (AttentionSpec, SelfAttention, gated_mlp, gelu_tanh, norm_param, param,
                            rms_norm_plus_one, softcap)
 
@@ -67,7 +68,7 @@ class Gemma2DecoderLayer(nnx.Module, SelfAttention):
                                                 k_cache, v_cache)
         x = x + rms_norm_plus_one(attn, self.post_attn_norm[...], self.eps)
         h = rms_norm_plus_one(x, self.pre_mlp_norm[...], self.eps)
-        h = gated_mlp(h, self.gate_proj[...], self.up_proj[...], self.down_proj[...], gelu_tanh)
+        h = gated_mlp(h, self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value(), gelu_tanh)
         x = x + rms_norm_plus_one(h, self.post_mlp_norm[...], self.eps)
         return x, k_cache, v_cache
 
@@ -84,7 +85,7 @@ class Gemma2Model(CausalLM):
         return Gemma2DecoderLayer(self.cfg, self.attention_spec(index), self.dtype, rngs)
 
     def embed_tokens(self, tokens):
-        x = self.embed[...][tokens]
+        x = embed_lookup(self.embed.get_value(), tokens, self.dtype)
         # transformers multiplies by the scale cast to the embedding dtype first.
         return x * jnp.asarray(math.sqrt(self.cfg.hidden_size), jnp.float32).astype(x.dtype)
 

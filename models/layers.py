@@ -1,8 +1,9 @@
 """Building blocks every family's decoder layer is composed of.
 
 - `project(x, w)`: THE projection matmul. Every q/k/v/o, MLP, router, expert and LM-head
-  product goes through it, so quantized serving can change the weight representation
-  (an int8 weight with per-channel scales) in one place.
+  product goes through it: a float weight is a plain product, a `QuantizedWeight` (int8
+  values with per-channel scales, `--quantization`) the int8 matmul of `models/quant.py`.
+  Layers read weights with `.get_value()`, which returns either kind.
 - Norms: `rms_norm` (Llama: normalise in f32, cast back, then times w) and
   `rms_norm_plus_one` (Gemma: times (1 + w) in f32, then cast).
 - MLPs: `gated_mlp(x, gate, up, down, act)` with `silu` (SwiGLU) or `gelu_tanh` (GeGLU);
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import paged_attention, write_kv
+from models.quant import QuantizedWeight, quantized_matmul
 from models.rope import apply_rope
 
 
@@ -41,9 +43,9 @@ def norm_param(size: int, dtype, value: float = 1.0) -> nnx.Param:
     return nnx.Param(jnp.full((size,), value, dtype))
 
 
-def project(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+def project(x: jax.Array, w: jax.Array | QuantizedWeight, bias: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ w [in, out] (+ bias [out]) -> [..., out]. The one projection matmul."""
-    y = x @ w
+    y = quantized_matmul(x, w) if isinstance(w, QuantizedWeight) else x @ w
     return y if bias is None else y + bias
 
 
@@ -156,9 +158,9 @@ class SelfAttention:
         """h [B, T, D] (already normed) -> (o_proj output [B, T, D], k_cache, v_cache)."""
         spec = self.attn_spec
         b, t, _ = h.shape
-        q = project(h, self.q_proj[...], self._bias("q_bias")).reshape(b, t, spec.num_heads, spec.head_dim)
-        k = project(h, self.k_proj[...], self._bias("k_bias")).reshape(b, t, spec.num_kv_heads, spec.head_dim)
-        v = project(h, self.v_proj[...], self._bias("v_bias")).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+        q = project(h, self.q_proj.get_value(), self._bias("q_bias")).reshape(b, t, spec.num_heads, spec.head_dim)
+        k = project(h, self.k_proj.get_value(), self._bias("k_bias")).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+        v = project(h, self.v_proj.get_value(), self._bias("v_bias")).reshape(b, t, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm is not None:
             norm = _QK_NORMS[spec.qk_norm]
             q = norm(q, self.q_norm[...], spec.norm_eps)
@@ -174,4 +176,4 @@ class SelfAttention:
         else:
             out = paged_attention(q, k_cache, v_cache, step.block_tables, step.positions, spec.scale,
                                   valid=step.valid, window=spec.window, softcap=spec.softcap)
-        return project(out.reshape(b, t, -1).astype(h.dtype), self.o_proj[...]), k_cache, v_cache
+        return project(out.reshape(b, t, -1).astype(h.dtype), self.o_proj.get_value()), k_cache, v_cache

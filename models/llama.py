@@ -50,7 +50,7 @@ class LlamaDecoderLayer(nnx.Module, SelfAttention):
         attn, k_cache, v_cache = self.attention(rms_norm(x, self.input_norm[...], self.eps), step, k_cache, v_cache)
         x = x + attn
         h = rms_norm(x, self.post_attn_norm[...], self.eps)
-        x = x + gated_mlp(h, self.gate_proj[...], self.up_proj[...], self.down_proj[...], silu)
+        x = x + gated_mlp(h, self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value(), silu)
         return x, k_cache, v_cache
 
 

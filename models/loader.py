@@ -42,13 +42,18 @@ class CheckpointSource:
     tensors: Mapping[str, Callable[[], np.ndarray]]  # our name -> lazily read array, our layout
     builder: Callable[..., CausalLM] | None = None  # makes the weights instead of reading tensors
     is_synthetic: bool = False  # random weights (--load-format dummy): outputs are meaningless
+    # our name -> lazily read (int8 values, f32 scales), where the format stores integer blocks
+    int8_tensors: Mapping[str, Callable[[], tuple[np.ndarray, np.ndarray]]] = dataclasses.field(
+        default_factory=dict)
 
     def build(self, dtype=jnp.float32, *, decode_attention: Any = None,
-              progress: Callable[[str], None] | None = None, placement: Any = None) -> CausalLM:
+              progress: Callable[[str], None] | None = None, placement: Any = None,
+              quantization: str = "none") -> CausalLM:
         """Read, check and place the weights (`models/loaders/common.py`), or make them.
 
         Args:
           dtype: compute dtype of the parameters.
+          quantization: "none", "int8" or "w8a8" (`models/quant.py`).
           decode_attention: the attention for one-query steps, fixed in the model's graph
             (None: pure-JAX paged attention; see `models/pallas_attention.py`).
           progress: called with each tensor's name once placed.
@@ -56,8 +61,10 @@ class CheckpointSource:
             read weights ignore it (the runner places them).
         """
         if self.builder is not None:
-            return self.builder(dtype, decode_attention=decode_attention, progress=progress, placement=placement)
-        return build_model(self.config, self.tensors, dtype, progress, decode_attention=decode_attention)
+            return self.builder(dtype, decode_attention=decode_attention, progress=progress, placement=placement,
+                                quantization=quantization)
+        return build_model(self.config, self.tensors, dtype, progress, decode_attention=decode_attention,
+                           quantization=quantization, int8_tensors=self.int8_tensors)
 
 
 @dataclasses.dataclass
@@ -107,14 +114,14 @@ def open_checkpoint(path: str, load_format: str = "auto", seed: int = 0) -> Chec
     if p.suffix == ".gguf":
         from models.loaders.gguf import open_gguf_checkpoint
 
-        cfg, tensors, tokenizer = open_gguf_checkpoint(p)
-        return CheckpointSource(cfg, tokenizer, p.stem, str(p), tensors)
+        cfg, tensors, tokenizer, int8_tensors = open_gguf_checkpoint(p)
+        return CheckpointSource(cfg, tokenizer, p.stem, str(p), tensors, int8_tensors=int8_tensors)
     raise ValueError(f"unrecognised model path {p}: expected an HF folder with config.json or a .gguf file")
 
 
 def load_checkpoint(path: str, dtype=jnp.float32, progress: Callable[[str], None] | None = None, *,
-                    decode_attention: Any = None) -> Checkpoint:
+                    decode_attention: Any = None, quantization: str = "none") -> Checkpoint:
     """`open_checkpoint(path).build(...)`, returned with its config and tokenizer."""
     source = open_checkpoint(path)
-    model = source.build(dtype, decode_attention=decode_attention, progress=progress)
+    model = source.build(dtype, decode_attention=decode_attention, progress=progress, quantization=quantization)
     return Checkpoint(source.config, model, source.tokenizer, source.name, source.path)

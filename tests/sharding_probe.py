@@ -9,6 +9,7 @@ prints one JSON object on the last stdout line with what it measured; the test a
     python tests/sharding_probe.py default   # SmolLM2-135M, replicate_attention, tp 2/4/8
     python tests/sharding_probe.py server    # HTTP end to end, tensor_parallel=2 vs 1
     python tests/sharding_probe.py families DIR...   # HF checkpoints of other families, tp 4 vs 1
+    python tests/sharding_probe.py quant     # int8 / w8a8 weights and a bf16 KV cache, tp 2/4
     python tests/sharding_probe.py multihost COORD NPROC PID   # one process of a CPU cluster
 """
 
@@ -41,8 +42,9 @@ def tiny_config(num_heads=8, num_kv_heads=8):
                        max_position_embeddings=512)
 
 
-def tiny_model(cfg, decode_attention=None):
-    """Random float32 weights (fixed seed) placed through the real build_model checks."""
+def tiny_model(cfg, decode_attention=None, quantization="none"):
+    """Random float32 weights (fixed seed) placed through the real build_model checks
+    (quantized there when `quantization` is not "none")."""
     from models.loaders.common import build_model, expected_params
 
     rng = np.random.RandomState(SEED)
@@ -50,7 +52,7 @@ def tiny_model(cfg, decode_attention=None):
     for name, shape in expected_params(cfg).items():
         is_norm = name.endswith("norm")
         tensors[name] = (1.0 + 0.1 * rng.randn(*shape) if is_norm else 0.08 * rng.randn(*shape)).astype(np.float32)
-    return build_model(cfg, tensors, decode_attention=decode_attention)
+    return build_model(cfg, tensors, decode_attention=decode_attention, quantization=quantization)
 
 
 def _mesh(tp):
@@ -188,6 +190,33 @@ def case_default():
     return out
 
 
+def case_quant():
+    """Each quantized mode on 2 and 4 devices against the same mode on one device, a bfloat16
+    KV cache sharded, where the int8 values and their scales live, and zero recompiles."""
+    import jax.numpy as jnp
+
+    from ferrox_jax.sharding import describe_sharding
+
+    t0 = time.perf_counter()
+    prompt = np.random.RandomState(3).randint(3, 250, 19).tolist()
+    out = {"num_devices": len(__import__("jax").devices()), "parity": {}}
+    for mode in ("int8", "w8a8"):
+        out["parity"][mode] = parity(tiny_model(tiny_config(), quantization=mode), prompt, 3, (2, 4))
+    model = tiny_model(tiny_config(), quantization="w8a8")
+    runner = _runner(model, 4, kv_dtype=jnp.bfloat16)
+    layer = runner.state["layers"][0]
+    out["placement_tp4"] = {
+        name: {"values": describe_sharding(w.get_value().values), "scales": describe_sharding(w.get_value().scales)}
+        for name, w in (("q_proj", layer["q_proj"]), ("o_proj", layer["o_proj"]), ("embed", runner.state["embed"]))}
+    out["placement_tp4"]["kv_k0"] = describe_sharding(runner.kv_cache.k[0])
+    out["kv_dtype"] = str(runner.kv_cache.k[0].dtype)
+    runner.warmup()
+    mixed_workload(runner)
+    out["recompiles_after_warmup_tp4"] = runner.recompiles_after_warmup
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
 def case_server():
     """Two engines (1 device, tensor_parallel=2) behind real servers; same greedy text."""
     import httpx
@@ -292,7 +321,7 @@ def main(argv):
     elif case == "families":
         result = case_families(*argv[2:])
     else:
-        result = {"tiny": case_tiny, "default": case_default, "server": case_server}[case]()
+        result = {"tiny": case_tiny, "default": case_default, "server": case_server, "quant": case_quant}[case]()
     print(json.dumps(result, default=str), flush=True)
 
 

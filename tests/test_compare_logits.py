@@ -116,3 +116,15 @@ def test_top_k_kl_is_computed_over_the_renormalised_top_k():
     expected = 2 / 3 * np.log((2 / 3) / 0.5) + 1 / 3 * np.log((1 / 3) / 0.5)
     assert report.max_kl == pytest.approx(expected, rel=1e-9)
     assert report.top1 == 1.0
+
+
+def test_quantized_mode_against_our_float32_reports_its_error(saved, capsys):
+    """--reference float32 --quantization w8a8: the metrics are nonzero (it really compared a
+    quantized model) and within the tiny model's error budget (tests/test_quant.py derives
+    ~13 % of the logits' spread; this model's logits spread ~0.65, so max |Δ| < 0.1)."""
+    rc = cl.main(["--model", saved["path"], "--reference", "float32", "--quantization", "w8a8", "--json",
+                  *PROMPTS, *GREEDY, "--max-abs", "0.1"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["quantization"] == "w8a8" and out["reference"] == "float32"
+    assert all(0 < p["max_abs"] < 0.1 for p in out["prompts"])
+    assert all(p["greedy_match"] is not None for p in out["prompts"])

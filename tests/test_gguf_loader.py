@@ -71,8 +71,11 @@ def encode_tensor(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> tuple[np
 
 
 def write_tiny_gguf(path, *, arch="llama", tied=False, layer_types=LAYER_TYPES, seed=0,
-                    override_types: dict[str, Q] | None = None, extra_keys=None, extra_tensors=()):
+                    override_types: dict[str, Q] | None = None, extra_keys=None, extra_tensors=(),
+                    values: dict[str, np.ndarray] | None = None):
     """Write a tiny GGUF; return {gguf_name: expected f32 in HF order [out, in]}.
+
+    `values` replaces the random f32 values of the named tensors (HF order [out, in]).
 
     q/k rows are generated in HF rotate-half order and written permuted as llama.cpp does
     for arch llama (not for qwen2), so the expected values are HF order.
@@ -106,6 +109,7 @@ def write_tiny_gguf(path, *, arch="llama", tied=False, layer_types=LAYER_TYPES, 
 
     def add(name: str, w: np.ndarray, qtype: Q, permute_heads: int | None = None):
         qtype = (override_types or {}).get(name, qtype)
+        w = (values or {}).get(name, w)
         if w.ndim == 1:
             writer.add_tensor(name, w)
             expected[name] = w

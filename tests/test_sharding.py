@@ -15,12 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from ferrox_jax.config import EngineConfig, parse_mesh
-from ferrox_jax.sharding import check_divisibility, kv_partition_spec, param_partition_spec
+from ferrox_jax.sharding import check_divisibility, kv_partition_spec, param_partition_spec, quantized_partition_specs
 from models.config import ModelConfig
+from models.quant import QuantizedWeight
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ROOT / "tests" / "sharding_probe.py"
@@ -73,6 +75,22 @@ def test_partition_specs_follow_the_megatron_table():
     assert spec("layers.0.input_norm", (64,)) == P()
     assert spec("inv_freq", (4,)) == P()
     assert kv_partition_spec() == P("model", None, None, None)
+
+
+def test_quantized_scales_follow_the_channel_axis_of_their_values():
+    cfg = _cfg()
+
+    def specs(name, shape, channel_axis=1, rep=False):
+        qw = QuantizedWeight(np.zeros(shape, np.int8), np.zeros(shape[channel_axis], np.float32),
+                             channel_axis=channel_axis)
+        got = quantized_partition_specs(name, qw, cfg, rep)
+        return got.values, got.scales
+
+    assert specs("layers.0.gate_proj", (64, 128)) == (P(None, "model"), P("model"))  # column: scales split
+    assert specs("layers.0.down_proj", (128, 64)) == (P("model", None), P(None))  # row: scales whole
+    assert specs("layers.0.down_proj", (128, 64), rep=True) == (P(None, "model"), P("model"))
+    assert specs("layers.0.q_proj", (64, 64), rep=True) == (P(), P(None))
+    assert specs("embed", (256, 64), channel_axis=0) == (P("model", None), P("model"))  # per-row scales
 
 
 def test_replicate_attention_replicates_attention_weights_and_kv_only():
@@ -216,3 +234,23 @@ def test_two_process_cpu_cluster_runs_the_sharded_steps():
         assert out["sum"] == out["expected_sum"], "cross-process reduction"
         assert out["kv_local_shard_shapes"] == [[8 // 4, 64, 8, 8]], "each process holds 2 of 4 KV shards"
         assert out["prefill_err"] < ATOL and out["decode_err"] < ATOL, out
+
+
+def test_quantized_modes_shard_like_the_weights_they_replace():
+    """int8 and w8a8 on 2 and 4 of 4 CPU devices against the same mode on one device."""
+    got = _probe("quant", device_count=4)
+    assert got["num_devices"] == 4
+    for mode, by_tp in got["parity"].items():
+        for tp, errs in by_tp.items():
+            # w8a8's row-parallel products all-reduce exact int32 partial sums and every
+            # rescale sees the same numbers, so only float summation order differs: ATOL.
+            assert errs["prefill_err"] < ATOL and errs["decode_err"] < ATOL, f"{mode} tp={tp}: {errs}"
+            assert errs["same_greedy"], f"{mode} tp={tp}: greedy tokens changed"
+    place = got["placement_tp4"]
+    # tiny model, tp=4: q_proj [64, 64] column-split -> values [64, 16], scales [16];
+    # o_proj row-split -> values [16, 64], scales replicated [64]; embed [256, 64] rows split.
+    assert place["q_proj"]["values"]["shard_shapes"] == [[64, 16]] and place["q_proj"]["scales"]["shard_shapes"] == [[16]]
+    assert place["o_proj"]["values"]["shard_shapes"] == [[16, 64]] and place["o_proj"]["scales"]["shard_shapes"] == [[64]]
+    assert place["embed"]["values"]["shard_shapes"] == [[64, 64]] and place["embed"]["scales"]["shard_shapes"] == [[64]]
+    assert got["kv_dtype"] == "bfloat16" and place["kv_k0"]["shard_shapes"] == [[2, 64, 8, 8]]
+    assert got["recompiles_after_warmup_tp4"] == 0

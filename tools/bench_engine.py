@@ -13,6 +13,10 @@ Measures the engine without HTTP, on whatever backend JAX picks:
 (several chunk sizes and contexts, time-boxed).
 
     python -m tools.bench_engine --model default --rows 1 32 --json results/engine.json
+    python -m tools.bench_engine --quantization w8a8 --kv-cache-dtype bfloat16 --rows 1 32
+
+Bytes moved per decode step count the weights as placed (`Engine.weights_bytes`: int8
+values and their scales in the quantized modes) plus the KV read at that context.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _decode_flops_bytes(cfg, rows: int, context: int, dtype_bytes: int) -> tuple[float, float]:
-    """Model FLOPs and bytes moved for one decode step of `rows` rows at `context` tokens."""
+def _decode_flops_bytes(cfg, rows: int, context: int, dtype_bytes: int,
+                        weights_bytes: float | None = None) -> tuple[float, float]:
+    """Model FLOPs and bytes moved for one decode step of `rows` rows at `context` tokens
+    (`dtype_bytes`: KV element size; weights as `params * dtype_bytes` unless `weights_bytes`)."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_layer_params = d * (q + 2 * kv) + q * d + 3 * d * f
@@ -37,7 +43,7 @@ def _decode_flops_bytes(cfg, rows: int, context: int, dtype_bytes: int) -> tuple
     attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
     flops = rows * (2 * params + attn_flops)
     kv_bytes = rows * context * cfg.kv_bytes_per_token(dtype_bytes)
-    return flops, params * dtype_bytes + kv_bytes
+    return flops, (params * dtype_bytes if weights_bytes is None else weights_bytes) + kv_bytes
 
 
 def _matmul_roofline(cfg, rows: int, dtype) -> float:
@@ -135,9 +141,9 @@ def bench_prefill(engine, tokens_list: list[int], repeats: int = 3, deadline: fl
 
 
 def bench_decode(engine, rows_list: list[int], contexts: list[int], steps: int,
-                 deadline: float | None = None) -> dict:
+                 deadline: float | None = None, greedy: bool = False) -> dict:
     """Decode tokens/s for each (rows, context): rows at `context` tokens each, sampling with
-    temperature 0.8 / top-p 0.95, `steps` timed steps after one warm-up step. Blocks are
+    temperature 0.8 / top-p 0.95 (or greedily), `steps` timed steps after one warm-up step. Blocks are
     laid out row after row; the cache must hold max(rows) x (max(contexts) + steps + 1)."""
     from ferrox_jax.plan import RowStep, StepPlan
     from ferrox_jax.request import SamplingParams
@@ -145,7 +151,7 @@ def bench_decode(engine, rows_list: list[int], contexts: list[int], steps: int,
     runner, cfg = engine.runner, engine.model_config
     dtype_bytes = jnp.dtype(runner.kv_dtype).itemsize
     per_row = _row_blocks(runner, max(contexts) + steps + 1)
-    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
+    sampling = SamplingParams(temperature=0.0) if greedy else SamplingParams(temperature=0.8, top_p=0.95, seed=1)
     out: dict = {}
     for rows in rows_list:
         if rows * per_row >= runner.num_blocks:
@@ -166,19 +172,20 @@ def bench_decode(engine, rows_list: list[int], contexts: list[int], steps: int,
             for s in range(steps):
                 runner.run(plan_at(context + 1 + s))
             step_s = (time.perf_counter() - t0) / steps
-            flops, nbytes = _decode_flops_bytes(cfg, rows, context, dtype_bytes)
+            flops, nbytes = _decode_flops_bytes(cfg, rows, context, dtype_bytes, engine.weights_bytes)
             out[key] = {"rows": rows, "context": context, "tokens_per_s": rows / step_s, "step_ms": step_s * 1e3,
                         "achieved_tflops": flops / step_s / 1e12, "achieved_tbytes_per_s": nbytes / step_s / 1e12,
                         "bytes_per_step": nbytes, "flops_per_step": flops}
     return out
 
 
-def bench_runner(engine, rows_list: list[int], context: int, steps: int) -> dict:
+def bench_runner(engine, rows_list: list[int], context: int, steps: int, greedy: bool = False,
+                 roofline: bool = True) -> dict:
     runner = engine.runner
     cfg = engine.model_config
     out = {"prefill_tokens_per_s": bench_prefill(engine, [runner.max_prefill_tokens])[
         f"prefill_{runner.max_prefill_tokens}"]["tokens_per_s"]}
-    decode = bench_decode(engine, rows_list, [context], steps)
+    decode = bench_decode(engine, rows_list, [context], steps, greedy=greedy)
     for rows in rows_list:
         d = decode[f"decode_{rows}_rows_{context}_context"]
         out[f"decode_{rows}_rows"] = {
@@ -186,8 +193,9 @@ def bench_runner(engine, rows_list: list[int], context: int, steps: int) -> dict
             "step_ms": d["step_ms"],
             "achieved_gflops": d["achieved_tflops"] * 1e3,
             "achieved_gbytes_per_s": d["achieved_tbytes_per_s"] * 1e3,
-            "matmul_roofline_gflops": _matmul_roofline(cfg, rows, runner.kv_dtype) / 1e9,
         }
+        if roofline:  # the float32 chain: what the unquantized step's matmuls reach here
+            out[f"decode_{rows}_rows"]["matmul_roofline_gflops"] = _matmul_roofline(cfg, rows, jnp.float32) / 1e9
     return out
 
 
@@ -229,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "w8a8"])
+    p.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--greedy", action="store_true", help="decode greedily (default: temperature 0.8, top-p 0.95)")
+    p.add_argument("--no-roofline", action="store_true", help="skip the f32 matmul chain per row count")
+    p.add_argument("--no-batcher", action="store_true", help="skip the batcher run")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--context", type=int, default=256, help="context length the decode rows sit at")
     p.add_argument("--steps", type=int, default=10)
@@ -238,17 +251,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    engine = Engine.load(EngineConfig(model=args.model, dtype=args.dtype, max_context=args.max_context,
+    engine = Engine.load(EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                                      kv_cache_dtype=args.kv_cache_dtype, max_context=args.max_context,
                                       max_seqs=max(args.rows + [args.batcher_rows]),
                                       compile_cache_dir=args.compile_cache_dir))
     load_s = time.perf_counter() - t0
     warmup_s = engine.warmup()
     fill_kv_random(engine.runner)
-    result = {"model": engine.model_name, "backend": jax.default_backend(), "load_s": load_s, "warmup_s": warmup_s,
-              "num_compiled_shapes": len(engine.runner.buckets.keys())}
-    result.update(bench_runner(engine, args.rows, args.context, args.steps))
+    card = engine.model_card
+    result = {"model": engine.model_name, "backend": jax.default_backend(), "quantization": card.quantization,
+              "kv_cache_dtype": card.kv_cache_dtype, "weights_bytes": card.weights_bytes, "kv_bytes": card.kv_bytes,
+              "load_s": load_s, "warmup_s": warmup_s, "num_compiled_shapes": len(engine.runner.buckets.keys())}
+    result.update(bench_runner(engine, args.rows, args.context, args.steps, args.greedy, not args.no_roofline))
     engine.start()
-    result["batcher"] = bench_batcher(engine, args.batcher_rows, 128, 64)
+    if not args.no_batcher:
+        result["batcher"] = bench_batcher(engine, args.batcher_rows, 128, 64)
     result["recompiles_after_warmup"] = engine.stats().recompiles_after_warmup
     engine.shutdown()
     text = json.dumps(result, indent=2)

@@ -11,6 +11,9 @@ then one-row decode steps, greedy) for a `--greedy-tokens` continuation. Both us
 shuffled block table, so a paging bug shows. The continuation ignores EOS on both sides.
 
 References:
+  --reference float32    ferrox_jax itself, unquantized in float32: the reference for a
+                         quantized mode (`--quantization int8` or `w8a8`), so the metrics
+                         measure what the quantization alone costs.
   --reference hf         HF transformers (a dev dependency, imported only here) loading the
                          same checkpoint in float32: an HF folder with `from_pretrained(dir)`,
                          a `.gguf` with `from_pretrained(parent_dir, gguf_file=name)`.
@@ -258,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Reference file format and metric definitions: see docs/compare_logits.md.")
     p.add_argument("--model", default="default", help="HF folder, .gguf file, or 'default' (the embedded SmolLM2)")
     ref = p.add_mutually_exclusive_group(required=True)
-    ref.add_argument("--reference", choices=["hf"], help="compute the reference with HF transformers (float32)")
+    ref.add_argument("--reference", choices=["hf", "float32"],
+                     help="hf: HF transformers in float32; float32: ferrox_jax itself, unquantized in float32 "
+                          "(the reference for --quantization)")
     ref.add_argument("--reference-file", metavar="F", help="a .json or .npz reference file (its token ids are used)")
     p.add_argument("--save-reference", metavar="F", help="write the HF reference to F (.json or .npz)")
     p.add_argument("--save-top-k", type=int, default=0, metavar="K",
@@ -269,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
     p.add_argument("--greedy-tokens", type=int, default=32, help="greedy continuation length (default 32)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="ferrox_jax compute dtype")
+    p.add_argument("--quantization", choices=["none", "int8", "w8a8"], default="none",
+                   help="ferrox_jax weight quantization (models/quant.py)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
     p.add_argument("--max-prefill-tokens", type=int, default=128, help="largest prefill chunk (default 128)")
     p.add_argument("--max-abs", type=float, help="fail when max |Δlogit| (top-k refs: |Δlogprob|) exceeds this")
@@ -282,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.reference_file and (args.prompt or args.prompts_file or args.chat):
         p.error("--reference-file brings its own token ids; drop --prompt / --prompts-file / --chat")
+    if args.reference == "float32" and args.save_only:
+        p.error("--save-only needs --reference hf")
     if args.save_reference and args.reference != "hf":
         p.error("--save-reference needs --reference hf")
     if args.save_only and not args.save_reference:
@@ -306,6 +315,24 @@ def _hf_references(args, tokenizer) -> list[PromptReference]:
         save_reference(args.save_reference, [to_top_k(r, args.save_top_k) for r in refs] if args.save_top_k else refs)
         _log(f"wrote {len(refs)} prompts to {args.save_reference}")
     return refs
+
+
+def _float32_references(args, tokenizer) -> list[PromptReference]:
+    """Our own unquantized float32 model as the reference: prompt logits and greedy tokens."""
+    import jax.numpy as jnp
+
+    from models.loader import load_checkpoint
+
+    texts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+    texts = texts or list(DEFAULT_PROMPTS)
+    encoded = [(t, encode_prompt(tokenizer, t, args.chat)) for t in texts]
+    _log(f"loading the float32 reference from {args.model} ...")
+    model = load_checkpoint(args.model, dtype=jnp.float32).model
+    max_total = max(len(ids) for _, ids in encoded) + args.greedy_tokens
+    side = FerroxSide(model, max_total, 1, args.block_size, args.max_prefill_tokens)
+    logits = side.prompt_logits([ids for _, ids in encoded])
+    return [PromptReference(token_ids=list(ids), text=t, logits=lg, greedy_ids=side.greedy(ids, args.greedy_tokens))
+            for (t, ids), lg in zip(encoded, logits)]
 
 
 LOGITS_CALL_BYTES = 1 << 30  # cap on one run_logits call's f32[rows, T, V] output
@@ -351,10 +378,12 @@ def main(argv: list[str] | None = None) -> int:
 
             from models.loader import load_checkpoint
 
-            _log(f"loading {args.model} into ferrox_jax ({args.dtype}) ...")
-            ckpt = load_checkpoint(args.model, dtype=jnp.dtype(args.dtype))
+            _log(f"loading {args.model} into ferrox_jax ({args.dtype}, quantization {args.quantization}) ...")
+            ckpt = load_checkpoint(args.model, dtype=jnp.dtype(args.dtype), quantization=args.quantization)
         if args.reference == "hf":
             refs = _hf_references(args, ckpt.tokenizer if ckpt else load_tokenizer(args.model))
+        elif args.reference == "float32":
+            refs = _float32_references(args, ckpt.tokenizer)
         else:
             refs = load_reference(args.reference_file)
         if args.save_only:
@@ -370,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({
             "model": args.model, "reference": args.reference or args.reference_file, "dtype": args.dtype,
+            "quantization": args.quantization,
             "tolerances": tolerances, "passed": passed, "elapsed_s": round(time.perf_counter() - t0, 3),
             "prompts": [{**dataclasses.asdict(r), "failures": f} for r, f in zip(reports, failures)],
         }, indent=2))

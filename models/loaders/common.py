@@ -6,6 +6,12 @@ in each family module's docstring; `models/registry.py` picks the family from
 (`nnx.eval_shape`), reports every missing, unexpected and mis-shaped tensor together,
 then casts to the compute dtype and places the arrays.
 
+With a quantization mode (`models/quant.py`: "int8" or "w8a8") the parameters
+`quantized_channel_axis` names are placed as `QuantizedWeight`s instead: from the loader's
+int8 producer for that name when it has one (GGUF Q8_0 / Q4_0 blocks, requantized per
+channel without a float copy), else by quantizing the float tensor on the host, one
+tensor at a time. The abstract model stays float: a quantized weight has its shape.
+
 `map_layer_tensors` is the name mapping both loaders share: a family's weight table
 (`models/family.py`) applied to one checkpoint's per-layer tensors, splitting fused
 tensors and stacking per-expert ones.
@@ -16,6 +22,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -23,6 +30,9 @@ from flax import nnx
 from models.config import ModelConfig
 from models.decoder import CausalLM
 from models.family import WeightTable
+from models.quant import QuantizedWeight, check_mode, quantize_host, quantized_channel_axis, tied_head
+
+HostInt8 = tuple[np.ndarray, np.ndarray]  # (int8 values, f32 scales) in our layout
 
 
 class CheckpointError(ValueError):
@@ -53,13 +63,18 @@ def build_model(
     progress: Callable[[str], None] | None = None,
     *,
     decode_attention: Any = None,
+    quantization: str = "none",
+    int8_tensors: Mapping[str, Callable[[], HostInt8]] | None = None,
 ) -> CausalLM:
-    """Check names and shapes, cast to `dtype`, place on the default device.
+    """Check names and shapes, cast to `dtype` (or quantize), place on the default device.
 
     `tensors` values may be arrays or zero-argument callables producing them (so a loader
     can dequantize lazily, one tensor at a time, keeping peak host memory low).
+    `int8_tensors`: for some names, a producer of (int8 values, f32 scales) in our layout,
+    used instead of `tensors[name]` when that parameter is quantized (module docstring).
     Raises CheckpointError listing all missing, unexpected and mis-shaped tensors at once.
     """
+    check_mode(quantization)
     model = abstract_model(cfg, dtype, decode_attention)
     state = nnx.state(model, nnx.Param)
     flat = dict(nnx.to_flat_state(state))
@@ -76,26 +91,58 @@ def build_model(
     values = {}
     bad_shapes = []
     for name, path in expected.items():
-        raw = tensors[name]
-        arr = raw() if callable(raw) else raw
         want = tuple(flat[path].shape)
-        if tuple(arr.shape) != want:
-            bad_shapes.append(f"{name}: checkpoint {tuple(arr.shape)} vs model {want}")
-            continue
-        if not np.issubdtype(np.asarray(arr[:0]).dtype, np.floating) and arr.dtype != jnp.bfloat16:
-            bad_shapes.append(f"{name}: dtype {arr.dtype} is not floating point")
-            continue
-        values[path] = jnp.asarray(arr, dtype=dtype)
-        if progress:
-            progress(name)
+        axis = quantized_channel_axis(name, want) if quantization != "none" else None
+        if axis is not None:
+            placed = _place_quantized(name, want, axis, quantization, tensors[name],
+                                      (int8_tensors or {}).get(name), bad_shapes)
+        else:
+            placed = _place_float(name, want, dtype, tensors[name], bad_shapes)
+        if placed is not None:
+            values[path] = placed
+            if progress:
+                progress(name)
     if bad_shapes:
         raise CheckpointError("tensor shape or dtype mismatch: " + "; ".join(bad_shapes))
     for path, variable in flat.items():
         variable.set_value(values[path])
     nnx.update(model, state)
     if cfg.tie_word_embeddings:
-        model.tied_lm_head = nnx.Variable(jnp.transpose(model.embed[...]))
+        model.tied_lm_head = nnx.Variable(tied_head(model.embed.get_value()))
     return model
+
+
+def _place_float(name: str, shape: tuple[int, ...], dtype, raw, problems: list[str]) -> jax.Array | None:
+    """One float parameter in `dtype`; appends to `problems` and returns None on a mismatch."""
+    arr = raw() if callable(raw) else raw
+    if tuple(arr.shape) != shape:
+        problems.append(f"{name}: checkpoint {tuple(arr.shape)} vs model {shape}")
+        return None
+    if not np.issubdtype(np.asarray(arr[:0]).dtype, np.floating) and arr.dtype != jnp.bfloat16:
+        problems.append(f"{name}: dtype {arr.dtype} is not floating point")
+        return None
+    return jnp.asarray(arr, dtype=dtype)
+
+
+def _place_quantized(name: str, shape: tuple[int, ...], axis: int, mode: str, raw, int8_raw,
+                     problems: list[str]) -> QuantizedWeight | None:
+    """The QuantizedWeight for one parameter of `shape`: from the loader's int8 producer if
+    it has one, else quantized from the float tensor. Appends to `problems` and returns
+    None on a mismatch."""
+    if int8_raw is not None:
+        values, scales = int8_raw()
+    else:
+        arr = raw() if callable(raw) else raw
+        if tuple(arr.shape) != shape:
+            problems.append(f"{name}: checkpoint {tuple(arr.shape)} vs model {shape}")
+            return None
+        values, scales = quantize_host(np.asarray(arr, np.float32), axis)
+    want_scales = (shape[axis],)
+    if tuple(values.shape) != shape or tuple(scales.shape) != want_scales or values.dtype != np.int8:
+        problems.append(f"{name}: int8 {values.dtype}{tuple(values.shape)} scales {tuple(scales.shape)} vs "
+                        f"model int8{shape} scales {want_scales}")
+        return None
+    return QuantizedWeight(jnp.asarray(values), jnp.asarray(scales, jnp.float32), mode, axis)
 
 
 # -- name mapping shared by the loaders ----------------------------------------------------

@@ -50,6 +50,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.decoder import CausalLM
 from models.loaders.common import abstract_model, param_name
+from models.quant import check_mode, quantize, quantized_channel_axis, tied_head
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,12 @@ def _initializer(shape: tuple[int, ...], dtype: str, std: float | None, fill: fl
     return jax.jit(make, out_shardings=sharding)
 
 
+@functools.lru_cache(maxsize=None)
+def _quantizer(mode: str, channel_axis: int) -> Callable:
+    """A jitted float weight -> QuantizedWeight (`models/quant.py`), on the weight's devices."""
+    return jax.jit(functools.partial(quantize, mode=mode, channel_axis=channel_axis))
+
+
 def param_salt(name: str) -> np.uint32:
     """What parameter `name`'s key folds into the seed's: its own, independent of order."""
     return np.uint32(zlib.crc32(name.encode()))
@@ -107,7 +114,7 @@ def param_salt(name: str) -> np.uint32:
 
 def build_dummy_model(cfg: ModelConfig, dtype, seed: int, *, decode_attention: Any = None,
                       progress: Callable[[str], None] | None = None,
-                      placement: Placement | None = None) -> CausalLM:
+                      placement: Placement | None = None, quantization: str = "none") -> CausalLM:
     """A model of `cfg`'s shapes with random weights made on the device (module docstring).
 
     Args:
@@ -116,7 +123,10 @@ def build_dummy_model(cfg: ModelConfig, dtype, seed: int, *, decode_attention: A
       decode_attention: as for `CheckpointSource.build`.
       progress: called with each parameter's name once made.
       placement: `placement(name, shape)` -> the parameter's sharding; None: default device.
+      quantization: "none", "int8" or "w8a8": the weights `build_model` would quantize are
+        made in float, then quantized on the device one at a time.
     """
+    check_mode(quantization)
     model = abstract_model(cfg, dtype, decode_attention)
     state = nnx.state(model, nnx.Param)
     dtype_name = jnp.dtype(dtype).name
@@ -128,14 +138,16 @@ def build_dummy_model(cfg: ModelConfig, dtype, seed: int, *, decode_attention: A
         fill = norm_fill if name.endswith("norm") else 0.0
         sharding = placement(name, shape) if placement is not None else None
         make = _initializer(shape, dtype_name, std, fill, sharding)
-        variable.set_value(make(np.uint32(seed), param_salt(name)))
+        value = make(np.uint32(seed), param_salt(name))
+        axis = quantized_channel_axis(name, shape) if quantization != "none" else None
+        variable.set_value(value if axis is None else _quantizer(quantization, axis)(value))
         if progress:
             progress(name)
     nnx.update(model, state)
     # As in `build_model`: a tied model keeps a transposed copy of the embedding (made on the
     # device from the device array).
     if cfg.tie_word_embeddings:
-        model.tied_lm_head = nnx.Variable(jnp.transpose(model.embed[...]))
+        model.tied_lm_head = nnx.Variable(tied_head(model.embed.get_value()))
     return model
 
 
@@ -198,14 +210,14 @@ def open_dummy(path: Path, seed: int):
     elif path.suffix == ".gguf":
         from models.loaders.gguf import open_gguf_checkpoint
 
-        cfg, _, tokenizer = open_gguf_checkpoint(path)  # metadata only; its tensors are never read
+        cfg, _, tokenizer, _ = open_gguf_checkpoint(path)  # metadata only; its tensors are never read
         name = path.stem
     else:
         raise ValueError(f"unrecognised model path {path}: expected a folder with config.json or a .gguf file")
 
-    def build(dtype, *, decode_attention=None, progress=None, placement=None):
+    def build(dtype, *, decode_attention=None, progress=None, placement=None, quantization="none"):
         return build_dummy_model(cfg, dtype, seed, decode_attention=decode_attention, progress=progress,
-                                 placement=placement)
+                                 placement=placement, quantization=quantization)
 
     return CheckpointSource(cfg, tokenizer, name, str(path), {}, builder=build, is_synthetic=True)
 

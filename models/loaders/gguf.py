@@ -21,6 +21,9 @@ Format quirks handled here:
   weight); our Gemma norms keep HF's w, so 1 is subtracted (`Family.gguf_norm_offset`).
 - Phi-3 files fuse q/k/v (`attn_qkv`) and gate/up (`ffn_up`); they are split by rows
   like the safetensors ones.
+- Q8_0 and Q4_0 tensors can also be read straight into per-output-channel int8 for the
+  quantized serving modes (`gguf_int8_tensors`, `models/quant.py:requantize_blocks` says
+  what "straight" means and what it costs); the other types go through f32.
 - Llama 3.1/3.2 GGUFs carry the llama3 RoPE scaling as a `rope_freqs.weight` tensor of
   per-frequency divisors instead of metadata; we recognise the known parameter sets.
   Phi-3's longrope factors are tensors too (`rope_factors_short/long.weight`).
@@ -43,7 +46,8 @@ from gguf.quants import dequantize
 from models.config import ModelConfig, RopeScaling, UnsupportedModelError
 from models.decoder import CausalLM
 from models.family import Family
-from models.loaders.common import build_model, expected_params, map_layer_tensors
+from models.loaders.common import HostInt8, build_model, expected_params, map_layer_tensors
+from models.quant import GGUF_BLOCK, requantize_blocks
 from models.registry import SUPPORTED_GGUF_ARCHITECTURES, family_for, family_for_gguf
 from models.rope import rope_inv_freq
 from models.tokenizer import Tokenizer
@@ -62,6 +66,8 @@ GGUF_ARCHITECTURES = {arch: hf for arch in SUPPORTED_GGUF_ARCHITECTURES
 
 _T = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = (_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q5_K, _T.Q6_K)
+# Types whose blocks are integers times one scale, read straight into int8 (bytes per block).
+INT8_BLOCK_TYPES = {_T.Q8_0: 2 + GGUF_BLOCK, _T.Q4_0: 2 + GGUF_BLOCK // 2}
 
 # Known llama3 RoPE scalings (Llama 3.1: factor 8; Llama 3.2: factor 32), matched against
 # a file's rope_freqs.weight.
@@ -127,8 +133,9 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     return reader
 
 
-def open_gguf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict, Tokenizer]:
-    """Config, lazy tensors and tokenizer of a GGUF file; no weight is dequantized yet.
+def open_gguf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict, Tokenizer, dict]:
+    """Config, lazy tensors, tokenizer and lazy int8 tensors (`gguf_int8_tensors`) of a GGUF
+    file; no weight is read yet.
 
     Raises:
       FileNotFoundError, ValueError (not a GGUF file), UnsupportedModelError (architecture,
@@ -136,7 +143,7 @@ def open_gguf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict, To
     """
     reader = open_gguf(path)
     cfg = config_from_gguf(reader)
-    return cfg, gguf_tensors(reader, cfg), Tokenizer.from_gguf(reader)
+    return cfg, gguf_tensors(reader, cfg), Tokenizer.from_gguf(reader), gguf_int8_tensors(reader, cfg)
 
 
 def load_gguf(path: str | os.PathLike, dtype=jnp.bfloat16, progress=None) -> GGUFCheckpoint:
@@ -151,7 +158,7 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.bfloat16, progress=None) -> GGU
     Raises:
       what `open_gguf_checkpoint` raises, and CheckpointError (tensors do not fit the config).
     """
-    cfg, tensors, tokenizer = open_gguf_checkpoint(path)
+    cfg, tensors, tokenizer, _ = open_gguf_checkpoint(path)
     return GGUFCheckpoint(cfg, build_model(cfg, tensors, dtype, progress), tokenizer)
 
 
@@ -369,3 +376,76 @@ def gguf_tensors(reader: GGUFReader, cfg: ModelConfig) -> dict[str, Callable[[],
 
 def _transpose_2d(w: np.ndarray) -> np.ndarray:
     return w.T if w.ndim == 2 else w
+
+
+def int8_blocks(tensor) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 / Q4_0 tensor's integers and block scales, rows in the reader's order.
+
+    Returns (ints [rows, n] with w = ints * d per block: Q8_0 int8 as stored, Q4_0 nibble
+    - 8; d f32 [rows, n / 32]). ggml's block_q8_0 is {f16 d; int8 qs[32]}; block_q4_0 is
+    {f16 d; u8 qs[16]}, value j in the low nibble of qs[j], value j + 16 in the high one.
+    """
+    block_bytes = INT8_BLOCK_TYPES[tensor.tensor_type]
+    raw = np.ascontiguousarray(tensor.data)
+    rows = int(np.prod([int(d) for d in tensor.shape[1:]])) if len(tensor.shape) > 1 else 1
+    blocks = raw.reshape(rows, -1, block_bytes)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if tensor.tensor_type == _T.Q8_0:
+        ints = blocks[..., 2:].copy().view(np.int8)
+    else:
+        qs = blocks[..., 2:]
+        ints = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8
+    return ints.reshape(rows, -1), d
+
+
+def _read_int8_rows(tensor, cfg: ModelConfig, unpermute_qk: bool) -> HostInt8:
+    """(int8 values [out, in], f32 scales [out]) of a Q8_0 / Q4_0 tensor, requantized per
+    row (output channel) from its blocks; q/k rows unpermuted like `_read` does."""
+    values, scales = requantize_blocks(*int8_blocks(tensor))
+    suffix = tensor.name.split(".", 2)[-1]
+    if unpermute_qk and suffix in ("attn_q.weight", "attn_k.weight"):
+        heads = cfg.num_heads if suffix == "attn_q.weight" else cfg.num_kv_heads
+        values, scales = unpermute_rope_rows(values, heads), unpermute_rope_rows(scales, heads)
+    return values, scales
+
+
+def _int8_ours(load: Callable[[], HostInt8], start: int = 0, width: int | None = None) -> Callable[[], HostInt8]:
+    """Rows start..start+width of an [out, in] int8 tensor as our [in, out] (scales per out)."""
+    def read():
+        values, scales = load()
+        stop = values.shape[0] if width is None else start + width
+        return np.ascontiguousarray(values[start:stop].T), scales[start:stop]
+    return read
+
+
+def gguf_int8_tensors(reader: GGUFReader, cfg: ModelConfig) -> dict[str, Callable[[], HostInt8]]:
+    """`{our_name: () -> (int8, scales)}` for every 2-D Q8_0 / Q4_0 parameter the quantized
+    modes hold as int8 (`build_model` uses them instead of the f32 producers of
+    `gguf_tensors`). Fused tensors (Phi-3's attn_qkv, ffn_up) split by rows, as the float
+    path does; per-expert tensors are not read this way (the experts stay float)."""
+    family: Family = family_for(cfg.architecture)
+    unpermute_qk = _field(reader, "general.architecture") in family.gguf_qk_permuted
+    expected = expected_params(cfg)
+    out: dict[str, Callable[[], HostInt8]] = {}
+    for t in reader.tensors:
+        if t.tensor_type not in INT8_BLOCK_TYPES or len(t.shape) != 2:
+            continue
+        load = lambda t=t: _read_int8_rows(t, cfg, unpermute_qk)  # noqa: E731
+        if t.name in GGUF_TO_OURS_GLOBAL:
+            name = GGUF_TO_OURS_GLOBAL[t.name]
+            out[name] = load if name == "embed" else _int8_ours(load)  # the embedding stays [V, D], per row
+            continue
+        m = _LAYER_NAME.match(t.name)
+        target = family.gguf_layer_weights.get(m.group(2)) if m else None
+        if target is None:
+            continue
+        prefix = f"layers.{m.group(1)}."
+        if isinstance(target, str):
+            out[prefix + target] = _int8_ours(load)
+            continue
+        names = [prefix + name for name in target]
+        if all(n in expected for n in names):
+            widths = [expected[n][-1] for n in names]
+            for i, (name, width) in enumerate(zip(names, widths)):
+                out[name] = _int8_ours(load, sum(widths[:i]), width)
+    return {name: load for name, load in out.items() if name in expected}

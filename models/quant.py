@@ -1,0 +1,191 @@
+"""Int8 weight quantization: the quantized weight type, (de)quantization, and its matmul.
+
+Serving modes (`--quantization`):
+
+    none   float weights in the compute dtype (the default).
+    int8   weight-only: int8 weights with symmetric per-output-channel f32 scales; the
+           activations stay float and the matmul is `(x @ int8_as_float) * scales`. On
+           TPU and GPU XLA fuses the convert into the dot, so the weights are read as
+           int8 (a quarter of the f32 bytes). XLA CPU does not fuse it: the convert
+           materialises float weights every step and the product is several times slower
+           than float32 (docs/benchmarks.md has the figures). Use it there for memory only.
+    w8a8   int8 weights as above, and int8 activations quantized per row (per token) at
+           run time: an int8 x int8 -> int32 dot, rescaled by the row scale times the
+           channel scale. This is the fast path on CPU, where XLA's int8 dot beats its
+           float32 dot from two rows up; a one-row product is padded to two rows because
+           XLA CPU's one-row int8 path is several times slower than its two-row one.
+
+Which weights (`quantized_channel_axis`): every 2-D projection matrix of every family
+(q/k/v/o, the dense MLP's gate/up/down), the embedding and an untied LM head. Norms,
+biases, the MoE router and the MoE expert stacks stay in the compute dtype (the experts'
+dynamic per-tile indexing keeps float weights for now). A `QuantizedWeight` replaces the
+float parameter, same shape:
+
+    values   int8[in, out]   for a projection (channel_axis 1: one scale per output column)
+             int8[V, D]      for the embedding (channel_axis 0: one scale per token row,
+                             which is per output channel of the tied LM head [D, V])
+    scales   f32[channels]   w ~= values * scales, broadcast along channel_axis
+
+Symmetric: scale = max|w| / 127 over the channel, values = round(w / scale) in
+[-127, 127] (-128 unused, so negation is exact). The rounding error of one element is at
+most scale / 2 = max|w| / 254 of its channel.
+
+Why our own module and not qwix (Google's JAX quantization library): qwix's `QArray` and
+`qwix.dot_general` do the same int8 x int8 -> int32 `lax.dot_general` on CPU (measured: the
+same time within noise for the 30-layer chain at 1, 8 and 32 rows), and its model-level
+PTQ works by intercepting the ops of a traced Flax call to swap parameters. Our weights
+come from GGUF blocks (loaded straight to int8, below), are checked by name against the
+abstract model, sharded by name (`ferrox_jax/sharding.py`) and multiplied in one place
+(`project` in `models/layers.py`); a two-field pytree and two functions fit that without a
+dependency, and the one-row padding is ours either way.
+
+GGUF blocks (`requantize_blocks`): Q8_0 and Q4_0 store integers with one f16 scale per
+32 inputs, `w = d_b * q`. Our per-output-channel int8 needs one scale per row, so each
+row is requantized from its integers and block scales (scale = max_b(d_b max|q_b|) / 127,
+values = round(q d_b / scale)): no float copy of the tensor is made, and a row whose
+blocks share one scale and reach |q| = 127 comes back exactly. Other rows get at most
+half a step of extra rounding (max|w| / 254 of the row); compare_logits measures what it
+costs (docs/benchmarks.md). Q4_1 (`w = d_b q + m_b`) has a per-block offset, so it is
+dequantized to float first and quantized like any float weight.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+QUANTIZATION_MODES = ("none", "int8", "w8a8")
+INT8_MAX = 127
+GGUF_BLOCK = 32  # Q8_0 / Q4_0 values per block scale
+
+
+@struct.dataclass
+class QuantizedWeight:
+    """An int8 weight with one f32 scale per channel (layout in the module docstring)."""
+
+    values: jax.Array  # int8[in, out] (projection) or int8[V, D] (embedding)
+    scales: jax.Array  # f32[channels], channels = values.shape[channel_axis]
+    mode: str = struct.field(pytree_node=False, default="w8a8")  # "int8" or "w8a8"
+    channel_axis: int = struct.field(pytree_node=False, default=1)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.size * self.values.dtype.itemsize + self.scales.size * self.scales.dtype.itemsize
+
+
+# Matrices quantized in the int8 modes: the last part of their flat name (`tied_lm_head`,
+# the [D, V] copy of a tied embedding, is made from the quantized embedding: `tied_head`).
+QUANTIZED_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                   "lm_head", "tied_lm_head"})
+
+
+def quantized_channel_axis(name: str, shape: tuple[int, ...]) -> int | None:
+    """The scales' axis if parameter `name` (flat: "layers.3.q_proj") is quantized in the
+    int8 modes, else None: 1 for projections and the LM head [in, out], 0 for the
+    embedding [V, D] (per row)."""
+    if len(shape) != 2:
+        return None
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "embed":
+        return 0
+    return 1 if leaf in QUANTIZED_PROJECTIONS else None
+
+
+def quantized_nbytes(shape: tuple[int, ...], channel_axis: int) -> int:
+    """Bytes of a QuantizedWeight of `shape`: int8 values and f32 scales."""
+    return int(np.prod(shape)) + 4 * shape[channel_axis]
+
+
+def check_mode(mode: str) -> None:
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {mode!r}")
+
+
+def quantize_host(w: np.ndarray, channel_axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """numpy f32 [a, b] -> (int8 values [a, b], f32 scales [w.shape[channel_axis]])."""
+    w = np.asarray(w, np.float32)
+    reduce_axis = 1 - channel_axis
+    amax = np.abs(w).max(axis=reduce_axis)
+    scales = np.where(amax > 0, amax / INT8_MAX, 1.0).astype(np.float32)
+    values = np.rint(w / np.expand_dims(scales, reduce_axis))
+    return np.clip(values, -INT8_MAX, INT8_MAX).astype(np.int8), scales
+
+
+def quantize(w: jax.Array, mode: str, channel_axis: int = 1) -> QuantizedWeight:
+    """jnp version of `quantize_host` (traceable: builds abstract models and test weights)."""
+    reduce_axis = 1 - channel_axis
+    amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=reduce_axis)
+    scales = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+    values = jnp.clip(jnp.round(w / jnp.expand_dims(scales, reduce_axis)), -INT8_MAX, INT8_MAX)
+    return QuantizedWeight(values.astype(jnp.int8), scales.astype(jnp.float32), mode, channel_axis)
+
+
+def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """values * scales along the channel axis, in `dtype`."""
+    scales = jnp.expand_dims(qw.scales, 1 - qw.channel_axis)
+    return (qw.values.astype(jnp.float32) * scales).astype(dtype)
+
+
+def requantize_blocks(ints: np.ndarray, block_scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF integer blocks -> per-row int8 (see the module docstring).
+
+    Args:
+      ints: integer array [rows, n] (Q8_0: int8; Q4_0: q - 8 in [-8, 7]), n a multiple of 32.
+      block_scales: f32 [rows, n / 32], one per block of 32 along n.
+    Returns:
+      (int8 [rows, n], f32 scales [rows]) with ints * block_scale ~= values * scale.
+    """
+    rows, n = ints.shape
+    blocks = ints.reshape(rows, n // GGUF_BLOCK, GGUF_BLOCK).astype(np.float32)
+    d = block_scales.astype(np.float32)[:, :, None]
+    amax = (np.abs(blocks).max(axis=2, keepdims=True) * np.abs(d)).max(axis=1)[:, 0]
+    scales = np.where(amax > 0, amax / INT8_MAX, 1.0).astype(np.float32)
+    values = np.rint(blocks * (d / scales[:, None, None]))
+    return np.clip(values, -INT8_MAX, INT8_MAX).astype(np.int8).reshape(rows, n), scales
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-row symmetric int8 of activations f32[M, K] -> (int8[M, K], f32[M, 1]).
+    An all-zero row (padding) gets scale 1, so nothing divides by zero."""
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+    return jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
+
+
+def quantized_matmul(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
+    """x [..., in] @ qw [in, out] -> [..., out] in x's dtype, by qw.mode (module docstring)."""
+    if qw.channel_axis != 1:
+        raise ValueError(f"quantized_matmul needs an [in, out] weight (channel_axis 1); got {qw.channel_axis}")
+    if qw.mode == "int8":
+        return ((x @ qw.values.astype(x.dtype)) * qw.scales.astype(x.dtype)).astype(x.dtype)
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    m = rows.shape[0]
+    if m == 1:  # XLA CPU's one-row int8 dot is several times slower than its two-row one
+        rows = jnp.pad(rows, ((0, 1), (0, 0)))
+    xq, xs = quantize_rows(rows)
+    acc = jax.lax.dot_general(xq, qw.values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+    out = acc.astype(jnp.float32) * xs * qw.scales
+    return out[:m].reshape(*lead, -1).astype(x.dtype)
+
+
+def tied_head(embed):
+    """The [D, V] LM head of a tied embedding [V, D]: its transpose (a quantized embedding's
+    per-row scales are the head's per-output-channel scales)."""
+    if isinstance(embed, QuantizedWeight):
+        return QuantizedWeight(embed.values.T, embed.scales, embed.mode, channel_axis=1)
+    return embed.T
+
+
+def embed_lookup(table, tokens: jax.Array, dtype) -> jax.Array:
+    """Rows of the embedding for token ids i32[...] -> [..., D] in `dtype`; a quantized
+    table (channel_axis 0) is dequantized for the gathered rows only."""
+    if isinstance(table, QuantizedWeight):
+        return (table.values[tokens].astype(jnp.float32) * table.scales[tokens][..., None]).astype(dtype)
+    return table[tokens]

@@ -1,0 +1,321 @@
+"""Quantized serving: int8 weights (weight-only and w8a8), GGUF blocks read straight to int8,
+the KV cache dtype, and what the facade reports.
+
+Tolerances come from the quantization error, derived next to each assertion. The tiny
+model is the 2-layer random Llama of `tests/tiny_model.py` (hidden 64, weights N(0, 0.08)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from ferrox_jax.config import QUANTIZATION_NAMES, EngineConfig
+from ferrox_jax.engine import plan_memory, size_kv
+from ferrox_jax.plan import RowStep
+from ferrox_jax.runner import ModelRunner
+from models.loader import load_checkpoint, open_checkpoint
+from models.quant import (INT8_MAX, QUANTIZATION_MODES, QuantizedWeight, dequantize, quantize, quantize_host,
+                          quantized_matmul, requantize_blocks)
+from tests.engine_helpers import shuffled_blocks
+from tests.sharding_probe import mixed_workload
+from tests.test_gguf_loader import D, F, H, HD, KV, L, V, write_tiny_gguf
+
+MODES = ("int8", "w8a8")
+
+
+def test_config_and_model_name_the_same_modes():
+    assert QUANTIZATION_NAMES == QUANTIZATION_MODES
+
+
+# ---- the quantized weight ----------------------------------------------------------------
+
+def test_quantize_error_is_at_most_half_a_step_per_channel():
+    w = np.random.RandomState(0).randn(96, 40).astype(np.float32)
+    values, scales = quantize_host(w, channel_axis=1)
+    assert values.dtype == np.int8 and scales.shape == (40,)
+    assert np.abs(values).max() == INT8_MAX, "each channel's largest weight maps to +-127"
+    err = np.abs(values * scales - w)
+    # round-to-nearest: at most half a step, the step being max|w| / 127 of the column
+    assert (err <= scales / 2 * (1 + 1e-6)).all()
+    on_device = quantize(jnp.asarray(w), "w8a8")
+    np.testing.assert_array_equal(np.asarray(on_device.values), values)
+    np.testing.assert_allclose(np.asarray(dequantize(on_device)), values * scales, rtol=1e-6)
+
+
+def test_embedding_scales_are_per_row():
+    w = np.random.RandomState(1).randn(10, 6).astype(np.float32)
+    values, scales = quantize_host(w, channel_axis=0)
+    assert scales.shape == (10,)
+    np.testing.assert_allclose(scales, np.abs(w).max(axis=1) / INT8_MAX, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_matmul_matches_the_dequantized_product(mode, rows):
+    rng = np.random.RandomState(2)
+    x = jnp.asarray(rng.randn(rows, 64).astype(np.float32))
+    qw = quantize(jnp.asarray(rng.randn(64, 48).astype(np.float32)), mode)
+    ref = np.asarray(x @ dequantize(qw))
+    got = np.asarray(quantized_matmul(x, qw))
+    assert got.shape == (rows, 48)
+    if mode == "int8":
+        # the same weights, only the order of float operations differs
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+    else:
+        # Per-row int8 activations: each x_k moves by at most half a step, max|x_row| / 254,
+        # so one output moves by at most sum_k |w_kn| * max|x_row| / 254.
+        bound = np.abs(np.asarray(dequantize(qw))).sum(0)[None, :] * np.abs(np.asarray(x)).max(1, keepdims=True) / 254
+        assert (np.abs(got - ref) <= bound * (1 + 1e-5)).all()
+        assert np.abs(got - ref).max() > 0, "w8a8 really quantized the activations"
+
+
+def test_requantize_blocks_is_exact_when_a_row_shares_one_scale():
+    rng = np.random.RandomState(3)
+    ints = rng.randint(-127, 128, size=(4, 64)).astype(np.int8)
+    ints[:, ::32] = 127  # every block reaches 127, so the row scale is the block scale
+    d = np.array([0.5, 0.25, 2.0, 1.0], np.float32)[:, None].repeat(2, axis=1)
+    values, scales = requantize_blocks(ints, d)
+    np.testing.assert_array_equal(values, ints)
+    np.testing.assert_array_equal(scales, d[:, 0])
+
+
+def test_requantize_blocks_error_is_half_a_row_step():
+    rng = np.random.RandomState(4)
+    ints = rng.randint(-127, 128, size=(8, 96)).astype(np.int8)
+    d = rng.uniform(1e-3, 1e-2, size=(8, 3)).astype(np.float32)
+    values, scales = requantize_blocks(ints, d)
+    w = (ints.reshape(8, 3, 32) * d[:, :, None]).reshape(8, 96)
+    # half a step, plus float32 rounding of q * d / scale (a few ulps: 1e-5 relative)
+    assert (np.abs(values * scales[:, None] - w) <= scales[:, None] / 2 * (1 + 1e-5)).all()
+
+
+# ---- GGUF Q8_0 / Q4_0 straight to int8 ------------------------------------------------------
+
+def _per_channel_weight(rng, rows, cols):
+    """f32 [rows, cols] = int8 * a per-row f16 scale, every 32-block reaching |q| = 127:
+    Q8_0 stores it exactly and per-channel int8 recovers the same integers and scales."""
+    ints = rng.integers(-127, 128, size=(rows, cols)).astype(np.int8)
+    ints[:, ::32] = 127
+    scales = rng.uniform(1e-3, 1e-2, size=rows).astype(np.float16).astype(np.float32)
+    return ints, scales, ints.astype(np.float32) * scales[:, None]
+
+
+@pytest.fixture(scope="module")
+def q8_gguf(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    exact = {}
+    for name, (rows, cols) in {"blk.0.ffn_gate.weight": (F, D), "blk.1.attn_q.weight": (H * HD, D),
+                               "blk.2.attn_k.weight": (KV * HD, D), "token_embd.weight": (V, D)}.items():
+        exact[name] = _per_channel_weight(rng, rows, cols)
+    all_q8 = {f"blk.{i}.{k}.weight": Q.Q8_0 for i in range(L)
+              for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    path = tmp_path_factory.mktemp("q8") / "tiny-q8.gguf"
+    write_tiny_gguf(path, override_types=all_q8, values={k: v[2] for k, v in exact.items()})
+    return path, exact
+
+
+def test_q8_0_loads_straight_into_the_same_int8_values_and_scales(q8_gguf):
+    path, exact = q8_gguf
+    source = open_checkpoint(str(path))
+    assert "layers.0.gate_proj" in source.int8_tensors, "Q8_0 tensors have an int8 producer"
+    model = source.build(quantization="w8a8")
+    for gguf_name, where in (("blk.0.ffn_gate.weight", model.layers[0].gate_proj),
+                             ("token_embd.weight", model.embed)):
+        ints, scales, _ = exact[gguf_name]
+        qw = where.get_value()
+        want = ints if gguf_name == "token_embd.weight" else ints.T  # projections are [in, out]
+        np.testing.assert_array_equal(np.asarray(qw.values), want, err_msg=gguf_name)
+        np.testing.assert_array_equal(np.asarray(qw.scales), scales, err_msg=gguf_name)
+
+
+def test_q8_0_int8_rows_are_unpermuted_like_the_float_ones(q8_gguf):
+    """q/k rows are stored in llama.cpp's interleaved order; the int8 path must undo it as
+    the float path does (values and scales together)."""
+    path, _ = q8_gguf
+    source = open_checkpoint(str(path))
+    quantized = source.build(quantization="int8")
+    floats = source.build()
+    for i, name in ((1, "q_proj"), (2, "k_proj")):
+        qw = getattr(quantized.layers[i], name).get_value()
+        ref = np.asarray(getattr(floats.layers[i], name).get_value())
+        np.testing.assert_allclose(np.asarray(dequantize(qw)), ref, rtol=0, atol=1e-7, err_msg=name)
+
+
+def test_q4_0_loads_straight_within_half_a_row_step(tmp_path):
+    path = tmp_path / "tiny-q4.gguf"
+    expected = write_tiny_gguf(path, override_types={"blk.0.ffn_up.weight": Q.Q4_0})
+    source = open_checkpoint(str(path))
+    assert "layers.0.up_proj" in source.int8_tensors
+    qw = source.build(quantization="w8a8").layers[0].up_proj.get_value()
+    ref = expected["blk.0.ffn_up.weight"].T  # the exact Q4_0 dequantization, [in, out]
+    assert (np.abs(np.asarray(dequantize(qw)) - ref) <= np.asarray(qw.scales) / 2 * (1 + 1e-5)).all()
+
+
+# ---- the model in each mode against float32 -----------------------------------------------
+
+def _prompt_logits(model, prompt, block_ids):
+    runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=128)
+    return runner.run_logits([RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=block_ids,
+                                      sample=False)])[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_logits(tiny_llama):
+    prompt = np.random.RandomState(5).randint(3, 300, 17).tolist()  # 17 = 2 blocks of 8 + 1
+    blocks = tuple(shuffled_blocks(3, 48, seed=6))
+    out = {"none": _prompt_logits(load_checkpoint(str(tiny_llama)).model, prompt, blocks)}
+    for mode in MODES:
+        out[mode] = _prompt_logits(load_checkpoint(str(tiny_llama), quantization=mode).model, prompt, blocks)
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_model_logits_within_the_quantization_error_of_float32(tiny_logits, mode):
+    ref, got = tiny_logits["none"], tiny_logits[mode]
+    # Error budget. A weight's rounding error is uniform in +-step/2 with step = max|w|/127
+    # of its channel; for N(0, s) weights over 64-128 inputs max|w| ~ 2.5-2.8 s, so the
+    # error's std is 2.8 / (127 sqrt 12) ~ 0.65 % of s, and each product's relative error
+    # is about the same. w8a8 adds the same again for the activations (x2 in variance).
+    # The logits go through ~9 products in series (2 layers x 4 + the head); independent
+    # errors add in quadrature: ~0.65 % x 3 ~ 2 % (weight-only) or ~2.8 % (w8a8) of the
+    # logits' spread. The largest of 17 x 384 errors lies within ~4.5 standard deviations,
+    # so bound max |Δ| by 4.5 x 2.8 % ~ 13 % of the reference's standard deviation.
+    spread = ref.std()
+    max_abs = np.abs(got - ref).max()
+    assert max_abs < 0.13 * spread, f"{mode}: max |Δlogit| {max_abs:.3g} vs 13 % of {spread:.3g}"
+    assert max_abs > 0, "the mode really quantized something"
+    top1 = (got.argmax(-1) == ref.argmax(-1)).mean()
+    assert top1 >= 15 / 17, f"{mode}: top-1 agreement {top1:.2f} (ties within the error may flip one or two)"
+
+
+@pytest.mark.slow
+def test_default_model_modes_stay_within_their_error_budget():
+    from tools.compare_logits import _kl
+    from tools.logits_reference import log_softmax
+
+    source = open_checkpoint("default")
+    prompt = source.tokenizer.encode("The capital of France is Paris. Once upon a time, in a small village by the sea,")
+    blocks = tuple(shuffled_blocks(4, 48, seed=9))
+    ref = _prompt_logits(source.build(), prompt, blocks).astype(np.float64)
+    # Error budget. A per-channel int8 weight errs by step/sqrt(12) rms, step = max|w|/127:
+    # relative to the channel's rms that is (max/rms) / (127 sqrt 12) = 3.4 / 440 = 0.77 %
+    # (SmolLM2's projections: max/rms per output channel has median 3.4). Through ~121
+    # products in series (30 layers x 4 + the head) independent errors add in quadrature,
+    # x11; on logits spread ~3 that is a perturbation delta of std ~0.25, and for a small
+    # perturbation KL(p||q) ~ Var_p(delta) / 2 ~ 0.03. w8a8 adds per-row activations, whose
+    # step is set by the row's largest |x|: max/rms has median 11.9 in SmolLM2's hidden
+    # states (outlier channels), so they err by 11.9 / 440 = 2.7 %, and the product by
+    # sqrt(0.77^2 + 2.7^2) = 2.8 %: 3.6x the weight-only error, 13x its KL -> 0.4.
+    budget = {"int8": 0.03, "w8a8": 0.03 * (2.8 / 0.77) ** 2}
+    for mode in MODES:
+        got = _prompt_logits(source.build(quantization=mode), prompt, blocks).astype(np.float64)
+        kl = _kl(log_softmax(ref), log_softmax(got)).mean()
+        assert kl < budget[mode], f"{mode}: mean KL {kl:.3g} over the budget {budget[mode]:.3g}"
+        top1 = (got.argmax(-1) == ref.argmax(-1)).mean()
+        # a flip needs the top two logits closer than the perturbation: rare for int8
+        assert top1 >= {"int8": 0.9, "w8a8": 0.8}[mode], f"{mode}: top-1 agreement {top1:.2f}"
+
+
+# ---- KV cache dtype -------------------------------------------------------------------------
+
+def test_bfloat16_kv_cache_holds_twice_the_blocks_in_the_same_budget(tiny_llama):
+    cfg = open_checkpoint(str(tiny_llama)).config
+    config = EngineConfig(model=str(tiny_llama), kv_memory_gib=0.01, block_size=8)
+    f32 = size_kv(config, cfg, jnp.float32)
+    bf16 = size_kv(config, cfg, jnp.bfloat16)
+    # K+V x 2 layers x 2 kv heads x 8 positions x 16 head_dim x 4 bytes = 4096 B per block.
+    assert f32.bytes_per_block == 2 * cfg.num_layers * cfg.num_kv_heads * 8 * cfg.head_dim * 4 == 4096
+    assert bf16.bytes_per_block == f32.bytes_per_block // 2
+    assert f32.num_blocks == int(0.01 * 2**30 // 4096) == 2621
+    assert bf16.num_blocks == int(0.01 * 2**30 // 2048) == 5242
+
+
+def test_bfloat16_kv_cache_logits_stay_close_to_float32(tiny_llama):
+    model = load_checkpoint(str(tiny_llama)).model
+    prompt = np.random.RandomState(7).randint(3, 300, 17).tolist()
+    blocks = tuple(shuffled_blocks(3, 48, seed=8))
+    ref = _prompt_logits(model, prompt, blocks)
+    runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=128,
+                         kv_dtype=jnp.bfloat16)
+    assert runner.kv_cache.k[0].dtype == jnp.bfloat16
+    got = runner.run_logits([RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks,
+                                     sample=False)])[0]
+    # bf16 keeps 8 mantissa bits: each K and V element moves by <= 2^-9 ~ 0.2 % relative,
+    # and so, about, do the scores and the attention output. Two layers and the head carry
+    # it to the logits, amplified ~3x by the residual stream's growth; the largest of
+    # 17 x 384 errors lies within ~4.5 standard deviations: 0.2 % x 3 x 4.5 ~ 3 % of the
+    # logits' spread (measured: 1.4 %).
+    assert np.abs(got - ref).max() < 0.03 * ref.std()
+
+
+# ---- compilation ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,kv_dtype", [("int8", jnp.float32), ("w8a8", jnp.bfloat16)])
+def test_mixed_workload_after_warmup_causes_zero_recompiles(tiny_llama, mode, kv_dtype):
+    model = load_checkpoint(str(tiny_llama), quantization=mode).model
+    runner = ModelRunner(model, num_blocks=64, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=128,
+                         kv_dtype=kv_dtype)
+    runner.warmup()
+    mixed_workload(runner)
+    assert runner.recompiles_after_warmup == 0
+
+
+# ---- what the facade reports ----------------------------------------------------------------
+
+def test_engine_reports_quantization_and_bytes(tiny_llama):
+    from ferrox_jax.engine import Engine
+
+    engines = {mode: Engine.load(EngineConfig(model=str(tiny_llama), dtype="float32", quantization=mode,
+                                              kv_cache_dtype="bfloat16", kv_blocks=32, max_context=128,
+                                              max_seqs=2, prefill_chunk=16))
+               for mode in ("none", "w8a8")}
+    card = engines["w8a8"].model_card
+    assert (card.quantization, card.kv_cache_dtype, card.dtype) == ("w8a8", "bfloat16", "float32")
+    cfg = engines["none"].model_config
+    # Every matrix: f32 4 B per weight -> int8 1 B plus 4 B per output channel.
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
+    matrices = layer * cfg.num_layers + [(v, d), (d, v)]  # embed [V, D] and lm_head [D, V]
+    vectors = (2 * cfg.num_layers + 1) * d  # norms stay f32
+    f32_bytes = 4 * sum(a * b for a, b in matrices) + 4 * vectors
+    embed_scales = v  # the embedding's scales are per row
+    int8_bytes = (sum(a * b for a, b in matrices) + 4 * sum(b for _, b in matrices[:-2]) + 4 * embed_scales
+                  + 4 * v + 4 * vectors)
+    assert engines["none"].model_card.weights_bytes == f32_bytes
+    assert engines["w8a8"].model_card.weights_bytes == int8_bytes
+    # KV: 32 blocks x 2 (K, V) x layers x kv heads x block 16 x head_dim x 2 bytes.
+    assert engines["w8a8"].model_card.kv_bytes == 32 * 2 * cfg.num_layers * cfg.num_kv_heads * 16 * cfg.head_dim * 2
+    plan = plan_memory(EngineConfig(model=str(tiny_llama), dtype="float32", quantization="w8a8",
+                                    kv_cache_dtype="bfloat16", kv_blocks=32, max_context=128))
+    assert (plan.weights_bytes, plan.kv_bytes) == (int8_bytes, engines["w8a8"].model_card.kv_bytes)
+    info = engines["w8a8"].describe()
+    assert (info["quantization"], info["kv_cache_dtype"]) == ("w8a8", "bfloat16")
+    assert info["weights_bytes"] == int8_bytes
+    for engine in engines.values():
+        engine.shutdown()
+
+
+def test_api_reports_quantization_and_bytes():
+    import httpx
+
+    from api.app import create_app
+    from api.config import ServerConfig
+    from tests.server_harness import ServerThread, tiny_engine
+
+    engine = tiny_engine(quantization="w8a8", kv_cache_dtype="bfloat16")
+    with ServerThread(create_app(engine, ServerConfig())) as url, httpx.Client(base_url=url, timeout=60) as http:
+        info = http.get("/health").json()["model_info"]
+        assert (info["quantization"], info["kv_cache_dtype"]) == ("w8a8", "bfloat16")
+        card = http.get("/v1/models").json()["data"][0]
+        assert (card["quantization"], card["kv_cache_dtype"]) == ("w8a8", "bfloat16")
+        info = http.get("/admin/stats").json()["model_info"]
+        assert info["weights_bytes"] == engine.model_card.weights_bytes > 0
+        assert info["kv_bytes"] == engine.model_card.kv_bytes > 0
+        r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
