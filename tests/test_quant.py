@@ -319,3 +319,51 @@ def test_api_reports_quantization_and_bytes():
         assert info["kv_bytes"] == engine.model_card.kv_bytes > 0
         r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+# ---- every family -----------------------------------------------------------------------------
+
+def _family_configs():
+    import transformers
+
+    return {
+        "gemma2": transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                            max_position_embeddings=512, sliding_window=12,
+                                            attn_logit_softcapping=30.0, final_logit_softcapping=30.0),
+        "phi3": transformers.Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                        tie_word_embeddings=False),
+        "qwen3_moe": transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 head_dim=16, max_position_embeddings=512, num_experts=8,
+                                                 num_experts_per_tok=2, mlp_only_layers=[1],
+                                                 tie_word_embeddings=False),
+    }
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3", "qwen3_moe"])
+def test_every_family_quantizes_its_projections_within_the_error_budget(tmp_path, family):
+    """The families compose shared layers, so quantization reaches each through `project`:
+    every projection, the embedding and the LM head become int8 (a MoE's router and expert
+    stacks stay float), and the logits stay within the tiny model's budget derived above."""
+    from tests import family_checks as fc
+
+    path = fc.make_checkpoint(tmp_path / family, _family_configs()[family])
+    prompt = np.random.RandomState(7).randint(3, 200, 17).tolist()
+    blocks = tuple(shuffled_blocks(3, 48, seed=8))
+    ref = _prompt_logits(load_checkpoint(str(path)).model, prompt, blocks)
+    model = load_checkpoint(str(path), quantization="w8a8").model
+    layer = model.layers[0]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert isinstance(getattr(layer, name).get_value(), QuantizedWeight), name
+    assert isinstance(model.embed.get_value(), QuantizedWeight)
+    if family == "qwen3_moe":
+        assert not isinstance(layer.experts_gate.get_value(), QuantizedWeight)
+        assert isinstance(model.layers[1].gate_proj.get_value(), QuantizedWeight)  # the dense layer
+    else:
+        assert isinstance(layer.down_proj.get_value(), QuantizedWeight)
+    got = _prompt_logits(model, prompt, blocks)
+    max_abs = np.abs(got - ref).max()
+    assert 0 < max_abs < 0.13 * ref.std(), f"{family}: max |Δlogit| {max_abs:.3g} vs 13 % of {ref.std():.3g}"
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 15 / 17
