@@ -179,7 +179,8 @@ async def _prompt(body: CountTokensRequest, engine: Engine) -> list[int]:
     turns = [{"role": "system", "content": system}] if system else []
     for i, message in enumerate(body.messages):
         turns.extend(_turns(message, i))
-    return await chat_prompt(engine, turns)
+    prompt, _plan = await chat_prompt(engine, turns)
+    return prompt
 
 
 # ---------------------------------------------------------------- routes

@@ -128,7 +128,7 @@ async def create_response() -> Response:
     check_model(body.model, engine)
     _check_supported(body)
     check_asked_tokens(body.max_output_tokens, state.config, "max_output_tokens")
-    prompt = await chat_prompt(engine, _turns(body), "input")
+    prompt, _plan = await chat_prompt(engine, _turns(body), "input")
     check_prompt_tokens(len(prompt), state.config, "input")
     api_id = f"resp_{uuid.uuid4().hex}"
     sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
