@@ -1,22 +1,33 @@
 """The Anthropic Messages adapter: `POST /v1/messages` and `/v1/messages/count_tokens`.
 
-Anthropic's wire format only; the generation core (`api/generation.py`) does the rest.
+Anthropic's wire format only; the generation core (`api/generation.py`) and the neutral
+tools and output pieces (`api/structured.py`, `api/output_blocks.py`) do the rest.
 A request's `system` (a string or text blocks) and `messages` (text, `tool_use` and
 `tool_result` blocks) become chat-template turns (OpenAI's roles: tool uses are an
 assistant's `tool_calls`, tool results `tool` turns), rendered and tokenized like chat.
+`tools` (`{name, description, input_schema}`; server tools such as web search are 400s)
+are the neutral tools with input_schema as parameters, rendered into the prompt as chat
+renders them (count_tokens counts them too); `tool_choice` `{"type": "auto"}` (the
+default with tools) parses calls the model writes, `none` renders no tools, `any` and
+`{"type": "tool", "name"}` force a call with a grammar (as OpenAI's "required" and named
+choices), and `disable_parallel_tool_use` allows one call. A server-wide default
+constraint (`--json-schema` ...) applies as on chat.
 
 Reply: `{"type": "message", "content": [blocks], "stop_reason", "stop_sequence", "usage":
 {"input_tokens", "output_tokens"}}`; the `request-id` header carries the id `/v1/cancel`
-takes. Stop reasons: a stop string -> `stop_sequence` (and which one, from the engine's
-`RowEvent.stop_string`); end of generation -> `end_turn`; the token limit -> `max_tokens`;
-a cancel -> `cancelled` (ferrox's, as on the OpenAI routes). `tool_use` will be the reason
-once tool calls are parsed here: the content is already a list of blocks, the text block
-at index 0, so tool-use blocks would follow it.
+takes. Content is a text block, then a `tool_use` block (`{"id": "toolu_…", "name",
+"input": {...}}`) per call; a reply of calls alone has no text block, a reply without
+tools always one. Stop reasons: calls and a normal end -> `tool_use`; a stop string ->
+`stop_sequence` (and which one, from the engine's `RowEvent.stop_string`); end of
+generation -> `end_turn`; the token limit -> `max_tokens`; a cancel -> `cancelled`
+(ferrox's, as on the OpenAI routes).
 
 A stream is Anthropic's event sequence, each `event: <type>\\ndata: {json}`:
-`message_start`, `content_block_start`, `ping`, `content_block_delta`* (text_delta),
-`content_block_stop`, `message_delta` (stop reason, output tokens), `message_stop`;
-`ping` again while idle; a failure mid-stream is an `error` event.
+`message_start`, `ping`, then per block `content_block_start` (the block empty: text "",
+tool_use input {}), `content_block_delta`* (`text_delta`, or `input_json_delta` with
+`partial_json`, pieces of the input's JSON), `content_block_stop`; then `message_delta`
+(stop reason, output tokens), `message_stop`. A reply without tools opens its text block
+before the first `ping` (no tools, or `tool_choice` none: no calls can come). `ping` again while idle; a failure mid-stream is an `error` event.
 
 Errors, on every path under /v1/messages (`api/app.py` picks this envelope by route):
 `{"type": "error", "error": {"type", "message"}}` with Anthropic's status codes and types;
@@ -40,10 +51,12 @@ from api import generation
 from api.errors import APIError
 from api.generation import GenerationRun, RowOutput
 from api.limits import check_asked_tokens, check_prompt_tokens, check_stop_strings, max_tokens
+from api.output_blocks import Block, BlockEvent, OutputBlocks
 from api.prompts import chat_prompt, check_model
 from api.protocol import parse_body
 from api.sse import named_event as event, sse_response
 from api.state import AppState, json_response, state_of
+from api.structured import OutputPlan, ToolRequest, compile_grammar, tool_request
 from ferrox_jax.engine import Engine
 from ferrox_jax.request import GenerationRequest, RowEvent, SamplingParams
 
@@ -172,14 +185,46 @@ def _turns(message: MessageParam, i: int) -> list[dict]:
     return turns
 
 
-async def _prompt(body: CountTokensRequest, engine: Engine) -> list[int]:
-    if body.tools or body.tool_choice is not None:
-        raise APIError(400, "tools are not supported on /v1/messages yet", param="tools")
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # "tool" names one: forced
+
+
+def _tools(body: CountTokensRequest, engine: Engine) -> ToolRequest | None:
+    """Anthropic's `tools` and `tool_choice` as the neutral ToolRequest: a tool's
+    input_schema is its parameters; `any` and `tool` force a call (with a grammar) as
+    OpenAI's "required" and named choices do; `disable_parallel_tool_use` allows one call."""
+    tools = []
+    for i, tool in enumerate(body.tools or []):
+        kind = (tool.get("type") or "custom") if isinstance(tool, dict) else type(tool).__name__
+        if kind != "custom":
+            raise APIError(400, f"tools[{i}]: tools of type {kind!r} are not supported; only client tools "
+                                "(name, description, input_schema)", param="tools")
+        if "input_schema" not in tool:
+            raise APIError(400, f"tools[{i}].input_schema: Field required", param="tools")
+        tools.append({"type": "function", "function": {"name": tool.get("name"), "parameters": tool["input_schema"],
+                                                       "description": tool.get("description", "")}})
+    choice = body.tool_choice
+    if choice is None:
+        return tool_request(tools, None, None, engine)
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in ("auto", "any", "tool", "none") or (kind == "tool" and not isinstance(choice.get("name"), str)):
+        raise APIError(400, 'tool_choice must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name"}',
+                       param="tool_choice")
+    disable_parallel = choice.get("disable_parallel_tool_use", False)
+    if not isinstance(disable_parallel, bool):
+        raise APIError(400, "tool_choice.disable_parallel_tool_use must be a boolean", param="tool_choice")
+    if kind != "none" and not tools:
+        raise APIError(400, f"tool_choice {kind!r} needs tools", param="tool_choice")
+    neutral = {"type": "function", "function": {"name": choice["name"]}} if kind == "tool" else _TOOL_CHOICES[kind]
+    return tool_request(tools, neutral, not disable_parallel, engine)
+
+
+async def _prompt(body: CountTokensRequest, engine: Engine, state: AppState) -> tuple[list[int], OutputPlan]:
     system = _system_text(body.system)
     turns = [{"role": "system", "content": system}] if system else []
     for i, message in enumerate(body.messages):
         turns.extend(_turns(message, i))
-    return await chat_prompt(engine, turns)
+    return await chat_prompt(engine, turns, tools=_tools(body, engine),
+                             default_constraint=state.config.default_grammar)
 
 
 # ---------------------------------------------------------------- routes
@@ -195,7 +240,8 @@ async def count_tokens() -> Response:
     body: CountTokensRequest = parse_body(await request.get_data(), CountTokensRequest)
     engine = state.require_engine()
     check_model(body.model, engine)
-    return json_response({"input_tokens": len(await _prompt(body, engine))})
+    prompt, _plan = await _prompt(body, engine, state)
+    return json_response({"input_tokens": len(prompt)})
 
 
 @blueprint.post(ROUTE)
@@ -206,8 +252,9 @@ async def create_message() -> Response:
     check_model(body.model, engine)
     check_stop_strings(body.stop_sequences or [], state.config, "stop_sequences")
     check_asked_tokens(body.max_tokens, state.config)
-    prompt = await _prompt(body, engine)
+    prompt, plan = await _prompt(body, engine, state)
     check_prompt_tokens(len(prompt), state.config, "messages")
+    grammar = await compile_grammar(engine, plan.grammar, plan.grammar_param)
     api_id = f"msg_{uuid.uuid4().hex}"
     sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
@@ -215,9 +262,10 @@ async def create_message() -> Response:
     job = GenerationRequest(request_id=api_id, prompt_token_ids=tuple(prompt), sampling=sampling,
                             max_tokens=max_tokens(body.max_tokens, len(prompt), engine.max_context,
                                                   state.config, "messages"),
-                            stop=tuple(body.stop_sequences or ()))
+                            stop=tuple(body.stop_sequences or ()), grammar=grammar,
+                            skip_special_tokens=plan.skip_special_tokens)
     run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine)
-    reply = _Message(run, engine.model_name)
+    reply = _Message(run, engine.model_name, plan)
     generation.start(run)
     headers = {"request-id": api_id}
     if run.stream:
@@ -228,9 +276,12 @@ async def create_message() -> Response:
     return json_response(reply.message(), headers=headers)
 
 
-def stop_reason(event: RowEvent) -> tuple[str | None, str | None]:
-    """(stop_reason, stop_sequence) for a row's last event."""
-    reason = event.finish_reason
+def stop_reason(event: RowEvent, finish_reason: str | None = None) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) for a row's last event; `finish_reason` is the parsed
+    output's ("tool_calls" for a reply with calls that ended normally)."""
+    reason = finish_reason or event.finish_reason
+    if reason == "tool_calls":
+        return "tool_use", None
     if reason == "stop":
         return ("stop_sequence", event.stop_string) if event.stop_string is not None else ("end_turn", None)
     if reason == "length":
@@ -238,40 +289,51 @@ def stop_reason(event: RowEvent) -> tuple[str | None, str | None]:
     return reason, None
 
 
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's id for a parsed call: the parser's random part after "toolu_"."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def content_block(block: Block, empty: bool = False) -> dict:
+    """A block as Anthropic's content block; `empty` as a stream's content_block_start has it."""
+    if block.kind == "text":
+        return {"type": "text", "text": "" if empty else block.text}
+    return {"type": "tool_use", "id": tool_use_id(block.call_id), "name": block.name,
+            "input": {} if empty else block.arguments()}
+
+
 class _Message:
     """One run's events as an Anthropic message, whole or as its event stream."""
 
-    def __init__(self, run: GenerationRun, model: str) -> None:
+    def __init__(self, run: GenerationRun, model: str, plan: OutputPlan = OutputPlan()) -> None:
         self.run, self.model = run, model
-        self.text: list[str] = []
+        self.output = OutputBlocks(plan)
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
 
-    def fold(self, output: RowOutput) -> None:
+    def fold(self, output: RowOutput) -> list[BlockEvent]:
         event = output.event
-        if event.text:
-            self.text.append(event.text)
+        events = self.output.feed(event.text) if event.text else []
         if event.finish_reason is not None:
-            self.stop_reason, self.stop_sequence = stop_reason(event)
+            events += self.output.finish()
+            self.stop_reason, self.stop_sequence = stop_reason(event, self.output.finish_reason(event.finish_reason))
+        return events
 
     def _usage(self) -> dict:
         return {"input_tokens": self.run.num_prompt_tokens, "output_tokens": self.run.num_completion_tokens}
 
     def message(self, content: list | None = None) -> dict:
+        if content is None:
+            content = [content_block(block) for block in self.output.blocks]
         return {"id": self.run.api_id, "type": "message", "role": "assistant", "model": self.model,
-                "content": [{"type": "text", "text": "".join(self.text)}] if content is None else content,
-                "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence, "usage": self._usage()}
+                "content": content, "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence,
+                "usage": self._usage()}
 
     def _frames(self, output: RowOutput) -> list[bytes]:
-        self.fold(output)
-        if not output.event.text:
-            return []
-        return [event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                              "delta": {"type": "text_delta", "text": output.event.text}})]
+        return [_frame(e) for e in self.fold(output)]
 
     def _end(self) -> list[bytes]:
-        return [event("content_block_stop", {"type": "content_block_stop", "index": 0}),
-                event("message_delta", {"type": "message_delta",
+        return [event("message_delta", {"type": "message_delta",
                                         "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
                                         "usage": {"output_tokens": self.run.num_completion_tokens}}),
                 event("message_stop", {"type": "message_stop"})]
@@ -280,9 +342,21 @@ class _Message:
         start = self.message(content=[])
         start["usage"]["output_tokens"] = 0
         yield event("message_start", {"type": "message_start", "message": start})
-        yield event("content_block_start", {"type": "content_block_start", "index": 0,
-                                            "content_block": {"type": "text", "text": ""}})
+        for block_event in self.output.start():
+            yield _frame(block_event)
         yield PING
         async for frame in generation.stream(self.run, self._frames, keepalive=PING, end=self._end,
                                              error=lambda e: event("error", error_response(e)[1])):
             yield frame
+
+
+def _frame(e: BlockEvent) -> bytes:
+    """One block event as its Anthropic stream event."""
+    if e.kind == "start":
+        return event("content_block_start", {"type": "content_block_start", "index": e.index,
+                                             "content_block": content_block(e.block, empty=True)})
+    if e.kind == "stop":
+        return event("content_block_stop", {"type": "content_block_stop", "index": e.index})
+    delta = ({"type": "text_delta", "text": e.delta} if e.block.kind == "text"
+             else {"type": "input_json_delta", "partial_json": e.delta})
+    return event("content_block_delta", {"type": "content_block_delta", "index": e.index, "delta": delta})

@@ -1,8 +1,10 @@
 """Prompt preparation every adapter shares: the model check, tokenizing, chat rendering.
 
 Adapters turn their own message shapes into the chat template's `{"role", "content", ...}`
-dicts (OpenAI's roles; `tool_calls` / `tool_call_id` for tool turns) and call
-`chat_prompt` (or `encode` for raw text); the token ids go into `GenerationRequest`s.
+dicts (OpenAI's roles; `tool_calls` / `tool_call_id` for tool turns), their tools into a
+`ToolRequest` and their output format into a constraint (`api/structured.py`), and call
+`chat_prompt` (or `encode` for raw text); the token ids go into `GenerationRequest`s and
+the output plan says how to constrain and parse what comes back.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from api.errors import APIError
-from api.structured import prepare_chat
+from api.structured import OutputPlan, ToolRequest, prepare_chat
 
 if TYPE_CHECKING:
     from ferrox_jax.engine import Engine
+    from ferrox_jax.grammar import GrammarSpec
 
 ENCODE_INLINE_CHARS = 16_384  # longer prompts are tokenized in a worker thread
 
@@ -33,12 +36,18 @@ async def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> 
     return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
 
 
-async def chat_prompt(engine: Engine, messages: list[dict], param: str = "messages") -> list[int]:
+async def chat_prompt(engine: Engine, messages: list[dict], param: str = "messages", *,
+                      tools: ToolRequest | None = None, constraint: GrammarSpec | str | None = None,
+                      constraint_param: str = "response_format",
+                      default_constraint: GrammarSpec | None = None) -> tuple[list[int], OutputPlan]:
     """Rendered (as the OpenAI chat route renders it: `api/structured.py:prepare_chat`, so a
-    history's tool turns come out the same) and tokenized conversation; a template error or
-    an empty result is a 400 naming `param`."""
-    text = prepare_chat(engine.tokenizer, messages, messages_param=param).text
-    ids = await encode(engine.tokenizer, text, add_special_tokens=False)
+    history's tool turns and the tools come out the same) and tokenized conversation, and
+    its output plan. Thinking sections stay in the text (its users, the Anthropic and
+    Responses adapters, render no reasoning yet). A template error or an empty result is a 400 naming `param`."""
+    chat = prepare_chat(engine.tokenizer, messages, tools=tools, constraint=constraint,
+                        constraint_param=constraint_param, default_constraint=default_constraint,
+                        messages_param=param, split_reasoning=False)
+    ids = await encode(engine.tokenizer, chat.text, add_special_tokens=False)
     if not ids:
         raise APIError(400, f"{param} render to an empty prompt", param=param)
-    return ids
+    return ids, chat.plan

@@ -1,26 +1,41 @@
 """The OpenAI Responses adapter: `POST /v1/responses`.
 
-The Responses wire format only; the generation core (`api/generation.py`) does the rest.
-Request: `input` (a string, or message items whose content is a string or
-`input_text` / `output_text` parts), `instructions` (a system turn before them),
-`max_output_tokens` (default: the room left in the context), `temperature`, `top_p`,
-`stream`. Stateless: `store` is accepted and nothing is kept, so `previous_response_id`
-is a 400 (send the whole conversation as `input`); `tools` and non-text `text.format`
-are 400s for now.
+The Responses wire format only; the generation core (`api/generation.py`) and the
+neutral tools and output pieces (`api/structured.py`, `api/output_blocks.py`) do the rest.
+Request: `input` (a string, or items: messages whose content is a string or
+`input_text` / `output_text` parts, `function_call` and `function_call_output` items,
+which become an assistant's `tool_calls` and `tool` turns as on chat), `instructions` (a
+system turn before them), `max_output_tokens` (default: the room left in the context),
+`temperature`, `top_p`, `stream`. Stateless: `store` is accepted and nothing is kept, so
+`previous_response_id` is a 400 (send the whole conversation as `input`).
 
-Reply: a `response` object with one `message` output item holding one `output_text`
-part, `status` `completed`, or `incomplete` with `incomplete_details.reason:
-"max_output_tokens"` when the token limit ended it (`cancelled` after `/v1/cancel`), and
-`usage` (`input_tokens`, `output_tokens`, `total_tokens`). `output_text` (the SDKs'
-property over `output`) is also in the JSON, for clients without an SDK.
+Tools: `tools` of type `function` (`{name, description, parameters, strict}`; other
+types such as web_search are 400s naming the type), `tool_choice` ("auto", the default
+with tools; "none"; "required" and `{"type": "function", "name"}` force a call with a
+grammar, as on chat) and `parallel_tool_calls`. Output format: `text.format`
+`{"type": "json_schema", "name", "schema", "strict"}` or `{"type": "json_object"}`
+constrains the text as chat's `response_format` does; `{"type": "text"}` opts out of a
+server-wide default constraint, which applies otherwise.
+
+Reply: a `response` object whose `output` is a `message` item (one `output_text` part),
+then a `function_call` item (`{"id": "fc_…", "call_id": "call_…", "name", "arguments":
+JSON text, "status"}`) per call; a reply of calls alone has no message item, a reply
+that can have no calls always one. `status` is `completed`, or `incomplete` with
+`incomplete_details.reason: "max_output_tokens"` when the token limit ended it
+(`cancelled` after `/v1/cancel`); `usage` (`input_tokens`, `output_tokens`,
+`total_tokens`). `output_text` (the SDKs' property over `output`) is also in the JSON,
+for clients without an SDK.
 
 A stream is the Responses event sequence, each `event: <type>\\ndata: {json}` with a
-`sequence_number` counting from 0: `response.created`, `response.in_progress`,
-`response.output_item.added`, `response.content_part.added`, `response.output_text.delta`*,
-`response.output_text.done`, `response.content_part.done`, `response.output_item.done`,
-then `response.completed` (or `response.incomplete`, as OpenAI sends for a truncated
-answer, and for a cancelled one, whose status says `cancelled`). A failure mid-stream is
-an `error` event. Errors use the OpenAI envelope.
+`sequence_number` counting from 0: `response.created`, `response.in_progress`, then per
+output item `response.output_item.added` and, for a message, `response.content_part.added`,
+`response.output_text.delta`*, `response.output_text.done`, `response.content_part.done`,
+or, for a call, `response.function_call_arguments.delta`*,
+`response.function_call_arguments.done`; then `response.output_item.done`; last
+`response.completed` (or `response.incomplete`, as OpenAI sends for a truncated answer,
+and for a cancelled one, whose status says `cancelled`). A reply that can have no calls
+opens its message item at once. A failure mid-stream is an `error` event. Errors use the
+OpenAI envelope.
 """
 
 from __future__ import annotations
@@ -37,16 +52,22 @@ from api import generation
 from api.errors import APIError
 from api.generation import GenerationRun, RowOutput
 from api.limits import check_asked_tokens, check_prompt_tokens, max_tokens
+from api.output_blocks import Block, BlockEvent, OutputBlocks
 from api.prompts import chat_prompt, check_model
 from api.protocol import parse_body
 from api.sse import named_event as event, sse_response
 from api.state import json_response, state_of
+from api.structured import (PLAIN_TEXT, OutputPlan, ToolRequest, compile_grammar, json_object_constraint,
+                            json_schema_constraint, tool_request)
+from ferrox_jax.engine import Engine
+from ferrox_jax.grammar import GrammarSpec
 from ferrox_jax.request import GenerationRequest, SamplingParams
 
 blueprint = Blueprint("responses", __name__)
 
 ROUTE = "/v1/responses"
 ROLES = ("user", "assistant", "system", "developer")
+TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
 
 class _Strict(BaseModel):
@@ -55,7 +76,7 @@ class _Strict(BaseModel):
 
 class ResponsesRequest(_Strict):
     model: str | None = None
-    input: Any = Field(..., description="a string or a list of message items")
+    input: Any = Field(..., description="a string or a list of input items")
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -63,8 +84,10 @@ class ResponsesRequest(_Strict):
     stream: bool | None = False
     store: bool | None = None
     previous_response_id: str | None = None
-    tools: list[Any] | None = None
-    text: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # [{"type": "function", "name", "description", "parameters", "strict"}]
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "name"}
+    parallel_tool_calls: bool | None = None  # None: true
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_schema" | "json_object", ...}}
     metadata: dict[str, Any] | None = None
     user: str | None = None
 
@@ -73,51 +96,103 @@ class ResponsesRequest(_Strict):
     def _input_shape(cls, v: Any) -> Any:
         if isinstance(v, str) or (isinstance(v, list) and all(isinstance(item, dict) for item in v)):
             return v
-        raise ValueError("input must be a string or a list of message items")
+        raise ValueError("input must be a string or a list of input items")
 
 
-def _item_text(item: dict, i: int) -> str:
-    content = item.get("content")
+def _text_parts(content: Any, param: str) -> str:
+    """A string, or input_text / output_text parts joined by newlines."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"input[{i}].content must be a string or a list of text parts",
-                       param=f"input[{i}].content")
+        raise APIError(400, f"{param} must be a string or a list of text parts", param=param)
     texts = []
     for j, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text")
-                and isinstance(part.get("text"), str)):
-            raise APIError(400, f"input[{i}].content[{j}]: only input_text / output_text parts are supported",
-                           param=f"input[{i}].content[{j}]")
+        if not (isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES and isinstance(part.get("text"), str)):
+            raise APIError(400, f"{param}[{j}]: only input_text / output_text parts are supported",
+                           param=f"{param}[{j}]")
         texts.append(part["text"])
     return "\n".join(texts)
 
 
+def _call(item: dict, i: int) -> dict:
+    """A `function_call` input item as a chat tool call."""
+    call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+    if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, str)):
+        raise APIError(400, f"input[{i}]: a function_call item needs call_id, name and arguments (a JSON string)",
+                       param=f"input[{i}]")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 def _turns(body: ResponsesRequest) -> list[dict]:
+    """`instructions` and `input` as chat-template turns: function_call items join the
+    assistant turn before them (or make one), function_call_output items are tool turns."""
     turns = [{"role": "system", "content": body.instructions}] if body.instructions else []
     if isinstance(body.input, str):
         return turns + [{"role": "user", "content": body.input}]
     if not body.input:
         raise APIError(400, "input must not be empty", param="input")
     for i, item in enumerate(body.input):
-        if item.get("type", "message") != "message" or item.get("role") not in ROLES:
-            raise APIError(400, f"input[{i}]: only message items with a role in {ROLES} are supported "
-                                f"(got type {item.get('type', 'message')!r})", param=f"input[{i}]")
-        turns.append({"role": item["role"], "content": _item_text(item, i)})
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            if turns and turns[-1]["role"] == "assistant":
+                turns[-1].setdefault("tool_calls", []).append(_call(item, i))
+            else:
+                turns.append({"role": "assistant", "content": "", "tool_calls": [_call(item, i)]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or "output" not in item:
+                raise APIError(400, f"input[{i}]: a function_call_output item needs call_id and output",
+                               param=f"input[{i}]")
+            turns.append({"role": "tool", "tool_call_id": item["call_id"],
+                          "content": _text_parts(item["output"], f"input[{i}].output")})
+        elif kind == "message" and item.get("role") in ROLES:
+            turns.append({"role": item["role"], "content": _text_parts(item.get("content"), f"input[{i}].content")})
+        else:
+            raise APIError(400, f"input[{i}]: only message items with a role in {ROLES}, function_call and "
+                                f"function_call_output items are supported (got type {kind!r})", param=f"input[{i}]")
     return turns
 
 
-def _check_supported(body: ResponsesRequest) -> None:
-    if body.previous_response_id is not None:
-        raise APIError(400, "previous_response_id is not supported: this server keeps no responses "
-                            "(store is ignored); send the whole conversation as input",
-                       param="previous_response_id")
-    if body.tools:
-        raise APIError(400, "tools are not supported on /v1/responses yet", param="tools")
-    fmt = (body.text or {}).get("format") or {"type": "text"}
-    if fmt.get("type") != "text":
-        raise APIError(400, "text.format other than text is not supported on /v1/responses yet",
-                       param="text.format")
+_TOOL_CHOICE_SHAPE = 'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}'
+
+
+def _tools(body: ResponsesRequest, engine: Engine) -> ToolRequest | None:
+    """The function tools and tool choice as the neutral ToolRequest (`strict` is
+    accepted: a forced call always matches its parameters)."""
+    tools = []
+    for i, tool in enumerate(body.tools or []):
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        if kind != "function":
+            raise APIError(400, f"tools[{i}]: tools of type {kind!r} are not supported; only function tools",
+                           param="tools")
+        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        tools.append({"type": "function", "function": function})
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise APIError(400, _TOOL_CHOICE_SHAPE, param="tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice not in (None, "none", "auto", "required"):
+        raise APIError(400, _TOOL_CHOICE_SHAPE, param="tool_choice")
+    return tool_request(tools, choice, body.parallel_tool_calls, engine)
+
+
+def _constraint(body: ResponsesRequest) -> tuple[GrammarSpec | str | None, str]:
+    """`text.format` as the request's constraint: a GrammarSpec, PLAIN_TEXT or None."""
+    fmt = (body.text or {}).get("format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None:
+        return None, "text.format"
+    if kind == "text":
+        return PLAIN_TEXT, "text.format"
+    if kind == "json_object":
+        return json_object_constraint(), "text.format"
+    if kind == "json_schema":
+        param = "text.format.schema"
+        if fmt.get("schema") is None:
+            raise APIError(400, f"{param} is required for text.format type json_schema", param=param)
+        return json_schema_constraint(fmt["schema"], strict=bool(fmt.get("strict")), param=param), param
+    raise APIError(400, f"text.format.type must be text, json_schema or json_object; got {kind!r}",
+                   param="text.format")
 
 
 @blueprint.post(ROUTE)
@@ -126,17 +201,24 @@ async def create_response() -> Response:
     body: ResponsesRequest = parse_body(await request.get_data(), ResponsesRequest)
     engine = state.require_engine()
     check_model(body.model, engine)
-    _check_supported(body)
+    if body.previous_response_id is not None:
+        raise APIError(400, "previous_response_id is not supported: this server keeps no responses "
+                            "(store is ignored); send the whole conversation as input",
+                       param="previous_response_id")
     check_asked_tokens(body.max_output_tokens, state.config, "max_output_tokens")
-    prompt = await chat_prompt(engine, _turns(body), "input")
+    constraint, constraint_param = _constraint(body)
+    prompt, plan = await chat_prompt(engine, _turns(body), "input", tools=_tools(body, engine), constraint=constraint,
+                                     constraint_param=constraint_param, default_constraint=state.config.default_grammar)
     check_prompt_tokens(len(prompt), state.config, "input")
+    grammar = await compile_grammar(engine, plan.grammar, plan.grammar_param)
     api_id = f"resp_{uuid.uuid4().hex}"
     sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, seed=random.getrandbits(31))
     limit = max_tokens(body.max_output_tokens, len(prompt), engine.max_context, state.config, "input")
-    job = GenerationRequest(request_id=api_id, prompt_token_ids=tuple(prompt), max_tokens=limit, sampling=sampling)
+    job = GenerationRequest(request_id=api_id, prompt_token_ids=tuple(prompt), max_tokens=limit, sampling=sampling,
+                            grammar=grammar, skip_special_tokens=plan.skip_special_tokens)
     run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine)
-    reply = _Response(run, engine.model_name, body, sampling)
+    reply = _Response(run, engine.model_name, body, sampling, plan)
     generation.start(run)
     if run.stream:
         return sse_response(reply.stream(), api_id)
@@ -147,32 +229,47 @@ async def create_response() -> Response:
 class _Response:
     """One run's events as a Responses `response`, whole or as its event stream."""
 
-    def __init__(self, run: GenerationRun, model: str, body: ResponsesRequest, sampling: SamplingParams) -> None:
+    def __init__(self, run: GenerationRun, model: str, body: ResponsesRequest, sampling: SamplingParams,
+                 plan: OutputPlan = OutputPlan()) -> None:
         self.run, self.model, self.body, self.sampling = run, model, body, sampling
         self.created_at = int(time.time())
-        self.item_id = f"msg_{uuid.uuid4().hex}"
-        self.text: list[str] = []
+        self.output = OutputBlocks(plan)
+        self.item_ids: list[str] = []  # per output block: "msg_…" for text, "fc_…" for a call
         self.finish_reason: str | None = None
         self.sequence_number = 0
 
-    def fold(self, output: RowOutput) -> None:
-        if output.event.text:
-            self.text.append(output.event.text)
-        if output.event.finish_reason is not None:
-            self.finish_reason = output.event.finish_reason
+    def fold(self, output: RowOutput) -> list[BlockEvent]:
+        event = output.event
+        events = self.output.feed(event.text) if event.text else []
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+            events += self.output.finish()
+        return events
 
     @property
     def status(self) -> Literal["in_progress", "completed", "incomplete", "cancelled"]:
         return {None: "in_progress", "length": "incomplete", "cancelled": "cancelled"}.get(
             self.finish_reason, "completed")
 
-    def _part(self) -> dict:
-        return {"type": "output_text", "text": "".join(self.text), "annotations": [], "logprobs": []}
+    def _item_id(self, index: int) -> str:
+        while len(self.item_ids) <= index:
+            block = self.output.blocks[len(self.item_ids)]
+            self.item_ids.append("fc_" + block.call_id.removeprefix("call_") if block.kind == "call"
+                                 else f"msg_{uuid.uuid4().hex}")
+        return self.item_ids[index]
 
-    def _item(self, done: bool) -> dict:
-        status = "in_progress" if not done else ("completed" if self.status == "completed" else "incomplete")
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
-                "content": [self._part()] if done else []}
+    def _item(self, index: int, block: Block, done: bool) -> dict:
+        """Output item `index`; an item the output has gone past is completed, the last one
+        is as complete as the response."""
+        status = "in_progress"
+        if done:
+            is_last = index == len(self.output.blocks) - 1
+            status = "completed" if not is_last or self.status == "completed" else "incomplete"
+        if block.kind == "call":
+            return {"type": "function_call", "id": self._item_id(index), "call_id": block.call_id,
+                    "name": block.name, "arguments": block.text if done else "", "status": status}
+        return {"type": "message", "id": self._item_id(index), "status": status, "role": "assistant",
+                "content": [_part(block.text)] if done else []}
 
     def response(self, done: bool = True) -> dict:
         run, body = self.run, self.body
@@ -180,38 +277,53 @@ class _Response:
         usage = {"input_tokens": run.num_prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
                  "output_tokens": run.num_completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": run.num_prompt_tokens + run.num_completion_tokens}
+        blocks = self.output.blocks if done else []
         return {"id": run.api_id, "object": "response", "created_at": self.created_at, "status": status,
                 "background": False, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-                "model": self.model, "output": [self._item(True)] if done else [],
-                "output_text": "".join(self.text) if done else "", "parallel_tool_calls": False,
-                "previous_response_id": None, "store": False, "temperature": self.sampling.temperature,
-                "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [],
-                "top_p": self.sampling.top_p, "truncation": "disabled", "usage": usage if done else None,
-                "user": body.user, "metadata": body.metadata or {}}
+                "model": self.model, "output": [self._item(i, b, True) for i, b in enumerate(blocks)],
+                "output_text": "".join(b.text for b in blocks if b.kind == "text"),
+                "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
+                "store": False, "temperature": self.sampling.temperature,
+                "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
+                "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+                "tools": body.tools or [], "top_p": self.sampling.top_p, "truncation": "disabled",
+                "usage": usage if done else None, "user": body.user, "metadata": body.metadata or {}}
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         frame = event(kind, {"type": kind, "sequence_number": self.sequence_number, **fields})
         self.sequence_number += 1
         return frame
 
-    def _where(self) -> dict:
-        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+    def _block_frames(self, e: BlockEvent) -> list[bytes]:
+        """One block event as its Responses stream events."""
+        block, where = e.block, {"item_id": self._item_id(e.index), "output_index": e.index}
+        text_where = {**where, "content_index": 0}
+        if e.kind == "start":
+            added = [self._event("response.output_item.added", output_index=e.index,
+                                 item=self._item(e.index, block, done=False))]
+            if block.kind == "text":
+                added.append(self._event("response.content_part.added", **text_where, part=_part("")))
+            return added
+        if e.kind == "delta" and block.kind == "text":
+            return [self._event("response.output_text.delta", **text_where, delta=e.delta, logprobs=[])]
+        if e.kind == "delta":
+            return [self._event("response.function_call_arguments.delta", **where, delta=e.delta)]
+        item = self._item(e.index, block, done=True)
+        if block.kind == "text":
+            done = [self._event("response.output_text.done", **text_where, text=block.text, logprobs=[]),
+                    self._event("response.content_part.done", **text_where, part=item["content"][0])]
+        else:
+            done = [self._event("response.function_call_arguments.done", **where, arguments=block.text)]
+        return done + [self._event("response.output_item.done", output_index=e.index, item=item)]
 
     def _frames(self, output: RowOutput) -> list[bytes]:
-        self.fold(output)
-        if not output.event.text:
-            return []
-        return [self._event("response.output_text.delta", **self._where(), delta=output.event.text, logprobs=[])]
+        return [frame for e in self.fold(output) for frame in self._block_frames(e)]
 
     def _end(self) -> list[bytes]:
-        part = self._part()
         final = "response.completed" if self.status == "completed" else "response.incomplete"
-        return [self._event("response.output_text.done", **self._where(), text=part["text"], logprobs=[]),
-                self._event("response.content_part.done", **self._where(), part=part),
-                self._event("response.output_item.done", output_index=0, item=self._item(True)),
-                self._event(final, response=self.response())]
+        return [self._event(final, response=self.response())]
 
     def _error(self, e: APIError) -> bytes:
         return self._event("error", code=e.code, message=e.message, param=e.param)
@@ -219,9 +331,13 @@ class _Response:
     async def stream(self):
         yield self._event("response.created", response=self.response(done=False))
         yield self._event("response.in_progress", response=self.response(done=False))
-        yield self._event("response.output_item.added", output_index=0, item=self._item(False))
-        yield self._event("response.content_part.added", **self._where(),
-                          part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+        for e in self.output.start():
+            for frame in self._block_frames(e):
+                yield frame
         async for frame in generation.stream(self.run, self._frames, keepalive=b": keep-alive\n\n", end=self._end,
                                              error=self._error):
             yield frame
+
+
+def _part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

@@ -31,7 +31,11 @@ Rules, in the order they apply:
     system message (`TOOLS_PROMPT`); history messages carrying `tool_calls` are given to
     such a template with parsed arguments, and written as the `json` call text otherwise;
   * thinking sections are split when the template has `<think>`, unless a grammar
-    constrains the output (the constrained text is the answer, not reasoning).
+    constrains the output (the constrained text is the answer, not reasoning) or the
+    adapter renders no reasoning (`split_reasoning=False`: the text keeps the section).
+
+Adapters whose replies are lists of blocks (Anthropic content blocks, Responses output
+items) fold the parser's deltas into ordered blocks with `api/output_blocks.py`.
 """
 
 from __future__ import annotations
@@ -233,7 +237,7 @@ class ChatPrompt:
 def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: ToolRequest | None = None,
                  constraint: GrammarSpec | str | None = None, constraint_param: str = "response_format",
                  default_constraint: GrammarSpec | None = None, add_generation_prompt: bool = True,
-                 messages_param: str = "messages") -> ChatPrompt:
+                 messages_param: str = "messages", split_reasoning: bool = True) -> ChatPrompt:
     """Render a chat request's prompt and plan its output (the module docstring's rules).
 
     Args:
@@ -245,6 +249,8 @@ def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: ToolR
       constraint_param: the field a compile error of the request's constraint names.
       default_constraint: the server-wide constraint.
       messages_param: the field a template error names (the adapter's name for the messages).
+      split_reasoning: False keeps thinking sections in the content (for adapters that do
+        not render reasoning of their own).
     Raises:
       APIError 400: a constraint next to a forced call; a template that fails (names
         `messages_param`).
@@ -269,7 +275,7 @@ def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: ToolR
     tool_format = None
     if active:
         tool_format = "json" if tools.forces_call else detect_tool_call_format(template)
-    reasoning = THINK_START in (template or "") and grammar is None
+    reasoning = split_reasoning and THINK_START in (template or "") and grammar is None
     plan = OutputPlan(grammar=grammar, grammar_param=param, tool_format=tool_format,
                       parallel_tool_calls=tools.parallel if tools is not None else True, reasoning=reasoning,
                       starts_in_reasoning=reasoning and prompt_opens_reasoning(text))

@@ -1,9 +1,14 @@
 """/v1/messages end to end with the official `anthropic` client: the message shape, stop
-reasons (which stop sequence matched), the event stream, count_tokens, Anthropic's error
-envelope on every error of its routes (auth included), cancellation and the counters.
-Real Hypercorn server, real engine on a tiny Llama; one server for the module."""
+reasons (which stop sequence matched), the event stream, count_tokens, tools (forced
+calls as tool_use blocks, whole and streamed; tool_result history; their 400s),
+Anthropic's error envelope on every error of its routes (auth included), cancellation and
+the counters. Real Hypercorn server, real engine on a tiny Llama; one server for the
+module. The random model writes garbage unless masked, so every tool input that
+validates below is the forced-call grammar's doing."""
 
 from __future__ import annotations
+
+import json
 
 import anthropic
 import httpx
@@ -11,12 +16,16 @@ import pytest
 
 from api.app import create_app
 from api.config import ServerConfig
+from tests.schema_check import check
 from tests.server_harness import CONTEXT_TOKENS, ServerThread, tiny_engine, wait_for
+from tests.test_api_structured import ADD, SCHEMAS, TOOLS as CHAT_TOOLS, WEATHER
 
 KEY = "sk-ant-test-key"
 MESSAGES = [{"role": "user", "content": "Hello world!"}]
 GREEDY = {"temperature": 0}  # recent clients send sampling fields only through extra_body
 MAX_BODY_BYTES = 64 * 1024
+TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER},
+         {"name": "add", "description": "Add two integers", "input_schema": ADD}]  # CHAT_TOOLS, Anthropic's shape
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +130,93 @@ def test_system_blocks_tool_use_and_tool_results_render_like_chat(claude, model,
     assert msg.usage.input_tokens == count
 
 
+# ---------------------------------------------------------------- tools
+
+
+def tool_blocks(msg) -> list[tuple[str, dict]]:
+    """(name, input) of each tool_use block; every block must be one, with Anthropic's id."""
+    assert [b.type for b in msg.content] == ["tool_use"] * len(msg.content) and msg.content, msg.content
+    for block in msg.content:
+        assert block.id.startswith("toolu_") and len(block.id) == len("toolu_") + 24, block.id
+        check(block.input, SCHEMAS[block.name])
+    return [(b.name, b.input) for b in msg.content]
+
+
+@pytest.mark.parametrize("tool_choice, names", [
+    ({"type": "any"}, ("get_weather", "add")), ({"type": "tool", "name": "get_weather"}, ("get_weather",))])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_forced_tool_use_blocks_validate_against_the_input_schema(claude, model, tool_choice, names, parallel):
+    msg = claude.messages.create(model=model, max_tokens=1000, messages=MESSAGES, tools=TOOLS, extra_body=GREEDY,
+                                 tool_choice={**tool_choice, "disable_parallel_tool_use": not parallel})
+    calls = tool_blocks(msg)
+    assert msg.stop_reason == "tool_use" and msg.stop_sequence is None
+    assert {name for name, _ in calls} <= set(names)
+    assert parallel or len(calls) == 1, "disable_parallel_tool_use leaves one call"
+
+
+def test_forced_tool_use_streams_to_the_whole_message(claude, model):
+    ask = dict(model=model, max_tokens=1000, messages=MESSAGES, tools=TOOLS, tool_choice={"type": "any"},
+               extra_body=GREEDY)
+    whole = claude.messages.create(**ask)
+    partial: dict[int, str] = {}
+    with claude.messages.stream(**ask) as stream:
+        for e in stream:
+            if e.type == "content_block_start":
+                assert e.content_block.type == "tool_use" and e.content_block.input == {}, "starts empty"
+                partial[e.index] = ""
+            elif e.type == "content_block_delta":
+                assert e.delta.type == "input_json_delta"
+                partial[e.index] += e.delta.partial_json
+        final = stream.get_final_message()
+    assert tool_blocks(final) == tool_blocks(whole) == [(b.name, json.loads(partial[i]))
+                                                         for i, b in enumerate(final.content)]
+    assert final.stop_reason == "tool_use" and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_tool_result_history_round_trip(claude, model, http):
+    call = claude.messages.create(model=model, max_tokens=200, messages=MESSAGES, tools=TOOLS, extra_body=GREEDY,
+                                  tool_choice={"type": "tool", "name": "add", "disable_parallel_tool_use": True})
+    (block,) = call.content
+    history = MESSAGES + [{"role": "assistant", "content": [b.model_dump() for b in call.content]},
+                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id,
+                                                        "content": "5"}]}]
+    reply = claude.messages.create(model=model, max_tokens=3, messages=history, tools=TOOLS, extra_body=GREEDY,
+                                   tool_choice={"type": "none"})
+    assert reply.content[0].type == "text" and reply.stop_reason in ("end_turn", "max_tokens")
+    chat = MESSAGES + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": block.id, "type": "function", "function": {"name": "add", "arguments": json.dumps(block.input)}}]},
+        {"role": "tool", "tool_call_id": block.id, "content": "5"}]
+    rendered = http.post("/v1/tokenize", json={"messages": chat}).json()["count"]
+    assert reply.usage.input_tokens == rendered, "tool_choice none: the history as chat renders it, no tools"
+
+
+def test_count_tokens_counts_the_tools(claude, model, http):
+    plain = claude.messages.count_tokens(model=model, messages=MESSAGES).input_tokens
+    with_tools = claude.messages.count_tokens(model=model, messages=MESSAGES, tools=TOOLS).input_tokens
+    as_chat = http.post("/v1/tokenize", json={"messages": MESSAGES, "tools": CHAT_TOOLS}).json()["count"]
+    assert with_tools == as_chat > plain, "tools render into the prompt as on chat"
+    msg = claude.messages.create(model=model, max_tokens=2, messages=MESSAGES, tools=TOOLS, extra_body=GREEDY)
+    assert msg.usage.input_tokens == with_tools
+
+
+@pytest.mark.parametrize("tools, tool_choice, message", [
+    ([{"description": "no name", "input_schema": ADD}], None, "function name must be"),
+    ([{"name": "add"}], None, "tools[0].input_schema"),
+    ([{"name": "add", "input_schema": "not a schema"}], None, "parameters must be a JSON schema object"),
+    ([{"name": "f", "input_schema": {"type": "objectx"}}], {"type": "any"}, "'f': parameters are not a usable"),
+    (TOOLS, {"type": "tool", "name": "sub"}, "'sub', which is not in tools"),
+    (TOOLS, {"type": "required"}, "tool_choice must be"),
+    (None, {"type": "any"}, "tool_choice 'any' needs tools"),
+    ([{"type": "web_search_20250305", "name": "web_search"}], None, "'web_search_20250305' are not supported"),
+])
+def test_unusable_tools_are_400s_in_the_anthropic_envelope(http, model, tools, tool_choice, message):
+    body = {"model": model, "max_tokens": 4, "messages": MESSAGES, "tools": tools, "tool_choice": tool_choice}
+    for route in ("/v1/messages", "/v1/messages/count_tokens"):
+        got = assert_anthropic_error(http.post(route, json=body), 400, "invalid_request_error")
+        assert message in got, got
+
+
 def assert_anthropic_error(r: httpx.Response, status: int, kind: str) -> str:
     assert r.status_code == status, r.text
     body = r.json()
@@ -141,12 +237,9 @@ def test_every_error_on_the_route_is_in_the_anthropic_envelope(http, method, pat
     assert_anthropic_error(http.request(method, path, **kwargs), status, kind)
 
 
-def test_unknown_model_tools_and_missing_key(http, claude, server, model):
+def test_unknown_model_and_missing_key(http, claude, server, model):
     body = {"model": model, "max_tokens": 4, "messages": MESSAGES}
     assert_anthropic_error(http.post("/v1/messages", json={**body, "model": "claude-x"}), 404, "not_found_error")
-    message = assert_anthropic_error(http.post("/v1/messages", json={**body, "tools": [{"name": "t"}]}), 400,
-                                     "invalid_request_error")
-    assert "tools" in message
     assert_anthropic_error(httpx.post(server + "/v1/messages", json=body), 401, "authentication_error")
     bearer = httpx.post(server + "/v1/messages", json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert bearer.status_code == 200, "the key works as a Bearer token too"
