@@ -27,7 +27,8 @@ A stream is Anthropic's event sequence, each `event: <type>\\ndata: {json}`:
 tool_use input {}), `content_block_delta`* (`text_delta`, or `input_json_delta` with
 `partial_json`, pieces of the input's JSON), `content_block_stop`; then `message_delta`
 (stop reason, output tokens), `message_stop`. A reply without tools opens its text block
-before the first `ping` (no tools, or `tool_choice` none: no calls can come). `ping` again while idle; a failure mid-stream is an `error` event.
+before the first `ping` (no tools, or `tool_choice` none: no calls can come). `ping`
+again while idle; a failure mid-stream is an `error` event.
 
 Errors, on every path under /v1/messages (`api/app.py` picks this envelope by route):
 `{"type": "error", "error": {"type", "message"}}` with Anthropic's status codes and types;

@@ -13,9 +13,10 @@ checkpoint (`size_kv`), choose the decode attention for that block-table width, 
 the model with it, then the runner (device state, buckets) and the batcher with the
 resolved `SchedulerLimits`. Sizing: `kv_blocks` if given, else the KV memory budget
 divided by the bytes one block takes in the KV storage dtype (`kv_cache_dtype`: a
-bfloat16 cache holds twice the blocks of a float32 one in the same budget); the context ceiling is `max_context` if given, else
-the model's trained context capped by what the budget holds. The start-up log says which
-applied.
+bfloat16 cache holds twice the blocks of a float32 one in the same budget); the context
+ceiling is `max_context` if given, else the model's trained context capped by what the
+budget holds. The start-up log says which applied. `quantization` ("int8", "w8a8") makes
+the loader place int8 weights (`models/quant.py`).
 
 `load_format="dummy"` serves the checkpoint's shapes with random weights made on the
 device (`models/loaders/dummy.py`), to size and benchmark a deployment before downloading
