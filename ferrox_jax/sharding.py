@@ -22,11 +22,11 @@ the results once).
     KV cache, per layer         [K, N, bs, hd]  P("model", ...)   P()
 
 A quantized weight (`models/quant.py`: int8 values + one f32 scale per channel) shards
-like the float weight it replaces: its values take the spec above, its scales the spec of
-the values' channel axis (the output axis of a projection, the vocab axis of the
-embedding). So column-split weights split their scales too, row-split ones (o_proj,
-down_proj) replicate them, and a w8a8 row-parallel product all-reduces exact int32 partial
-sums before the rescale.
+like the float weight it replaces: its values take the spec above, its scales that spec
+without the reduced (input) axis (the output axis of a projection, the vocab axis of the
+embedding, expert and output axes of an expert stack). So column-split weights split their
+scales too, row-split ones (o_proj, down_proj, experts_down) replicate them, and a w8a8
+row-parallel product all-reduces exact int32 partial sums before the rescale.
 
 Splitting q/k/v columns over `model` splits whole heads (columns are head-major), so
 each device owns H/M query heads and K/M KV heads and attends locally; this needs
@@ -151,7 +151,7 @@ def quantized_partition_specs(name: str, weight: QuantizedWeight, cfg: ModelConf
     values' channel axis (see the module docstring)."""
     values = param_partition_spec(name, weight.shape, cfg, replicate_attention)
     axes = tuple(values) + (None,) * (len(weight.shape) - len(values))
-    return weight.replace(values=values, scales=P(axes[weight.channel_axis]))
+    return weight.replace(values=values, scales=P(*(a for i, a in enumerate(axes) if i != weight.reduce_axis)))
 
 
 def kv_partition_spec(replicate_attention: bool = False) -> P:

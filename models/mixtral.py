@@ -49,8 +49,8 @@ class MoeDecoderLayer(nnx.Module, SelfAttention):
         x = x + attn
         h = rms_norm(x, self.post_attn_norm[...], self.eps)
         b, t, d = h.shape
-        y = moe_mlp(h.reshape(b * t, d), self.router[...], self.experts_gate[...], self.experts_up[...],
-                    self.experts_down[...], top_k=self.top_k, normalize=self.normalize, act=silu)
+        y = moe_mlp(h.reshape(b * t, d), self.router[...], self.experts_gate.get_value(),
+                    self.experts_up.get_value(), self.experts_down.get_value(), top_k=self.top_k, normalize=self.normalize, act=silu)
         return x + y.reshape(b, t, d), k_cache, v_cache
 
 

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.layers import project
+from models.quant import select_expert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,8 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, dow
     """The mixture-of-experts MLP over N tokens.
 
     Args:
-      x: [N, D]; router: [D, E]; gate, up: [E, D, F]; down: [E, F, D].
+      x: [N, D]; router: [D, E]; gate, up: [E, D, F]; down: [E, F, D], float or quantized
+        (`models/quant.py`: int8 with per-expert, per-output-column scales).
       tile: rows per tile (default `tile_rows`; static).
     Returns:
       [N, D] in x's dtype.
@@ -135,7 +137,8 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, dow
     def run_tile(i, out):
         xt = jax.lax.dynamic_slice_in_dim(rows, i * tile, tile)
         e = tile_expert[i]
-        yt = project(act(project(xt, gate[e])) * project(xt, up[e]), down[e])
+        yt = project(act(project(xt, select_expert(gate, e))) * project(xt, select_expert(up, e)),
+                     select_expert(down, e))
         return jax.lax.dynamic_update_slice_in_dim(out, yt.astype(out.dtype), i * tile, 0)
 
     out = jax.lax.fori_loop(0, padded_end[-1] // tile, run_tile, jnp.zeros_like(rows))

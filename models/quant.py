@@ -15,16 +15,18 @@ Serving modes (`--quantization`):
            float32 dot from two rows up; a one-row product is padded to two rows because
            XLA CPU's one-row int8 path is several times slower than its two-row one.
 
-Which weights (`quantized_channel_axis`): every 2-D projection matrix of every family
-(q/k/v/o, the dense MLP's gate/up/down), the embedding and an untied LM head. Norms,
-biases, the MoE router and the MoE expert stacks stay in the compute dtype (the experts'
-dynamic per-tile indexing keeps float weights for now). A `QuantizedWeight` replaces the
-float parameter, same shape:
+Which weights (`quantized_channel_axis`): every projection matrix of every family (q/k/v/o,
+the dense MLP's gate/up/down, each MoE expert's gate/up/down), the embedding and an
+untied LM head. Norms, biases and the MoE router (tiny, and it decides the routing) stay
+in the compute dtype. A `QuantizedWeight` replaces the float parameter, same shape:
 
-    values   int8[in, out]   for a projection (channel_axis 1: one scale per output column)
-             int8[V, D]      for the embedding (channel_axis 0: one scale per token row,
-                             which is per output channel of the tied LM head [D, V])
-    scales   f32[channels]   w ~= values * scales, broadcast along channel_axis
+    values   int8[in, out]      a projection (channel_axis 1: one scale per output column)
+             int8[V, D]         the embedding (channel_axis 0: one scale per token row,
+                                which is per output channel of the tied LM head [D, V])
+             int8[E, in, out]   a MoE layer's expert stack (channel_axis 2: one scale per
+                                expert and output column; `select_expert` slices one)
+    scales   f32[...]           the values' shape without the reduced (input) axis:
+                                [out], [V] or [E, out]; w ~= values * scales broadcast back
 
 Symmetric: scale = max|w| / 127 over the channel, values = round(w / scale) in
 [-127, 127] (-128 unused, so negation is exact). The rounding error of one element is at
@@ -65,14 +67,18 @@ GGUF_BLOCK = 32  # Q8_0 / Q4_0 values per block scale
 class QuantizedWeight:
     """An int8 weight with one f32 scale per channel (layout in the module docstring)."""
 
-    values: jax.Array  # int8[in, out] (projection) or int8[V, D] (embedding)
-    scales: jax.Array  # f32[channels], channels = values.shape[channel_axis]
+    values: jax.Array  # int8[in, out] (projection), int8[V, D] (embedding) or int8[E, in, out]
+    scales: jax.Array  # f32: values' shape without the reduced axis (`reduce_axis`)
     mode: str = struct.field(pytree_node=False, default="w8a8")  # "int8" or "w8a8"
     channel_axis: int = struct.field(pytree_node=False, default=1)
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.values.shape)
+
+    @property
+    def reduce_axis(self) -> int:
+        return reduce_axis(len(self.shape), self.channel_axis)
 
     @property
     def nbytes(self) -> int:
@@ -83,23 +89,33 @@ class QuantizedWeight:
 # the [D, V] copy of a tied embedding, is made from the quantized embedding: `tied_head`).
 QUANTIZED_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                                    "lm_head", "tied_lm_head"})
+QUANTIZED_EXPERT_STACKS = frozenset({"experts_gate", "experts_up", "experts_down"})  # [E, in, out]
 
 
 def quantized_channel_axis(name: str, shape: tuple[int, ...]) -> int | None:
     """The scales' axis if parameter `name` (flat: "layers.3.q_proj") is quantized in the
     int8 modes, else None: 1 for projections and the LM head [in, out], 0 for the
-    embedding [V, D] (per row)."""
+    embedding [V, D] (per row), 2 for an expert stack [E, in, out]."""
+    leaf = name.rsplit(".", 1)[-1]
+    if len(shape) == 3:
+        return 2 if leaf in QUANTIZED_EXPERT_STACKS else None
     if len(shape) != 2:
         return None
-    leaf = name.rsplit(".", 1)[-1]
     if leaf == "embed":
         return 0
     return 1 if leaf in QUANTIZED_PROJECTIONS else None
 
 
+def reduce_axis(ndim: int, channel_axis: int) -> int:
+    """The axis a weight's scales are taken over: of its last two axes, the one that is not
+    the channel axis (a leading axis, the experts', is kept)."""
+    return 2 * ndim - 3 - channel_axis
+
+
 def quantized_nbytes(shape: tuple[int, ...], channel_axis: int) -> int:
     """Bytes of a QuantizedWeight of `shape`: int8 values and f32 scales."""
-    return int(np.prod(shape)) + 4 * shape[channel_axis]
+    scales = [n for i, n in enumerate(shape) if i != reduce_axis(len(shape), channel_axis)]
+    return int(np.prod(shape)) + 4 * int(np.prod(scales))
 
 
 def check_mode(mode: str) -> None:
@@ -108,28 +124,37 @@ def check_mode(mode: str) -> None:
 
 
 def quantize_host(w: np.ndarray, channel_axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """numpy f32 [a, b] -> (int8 values [a, b], f32 scales [w.shape[channel_axis]])."""
+    """numpy f32 [a, b] or [E, a, b] -> (int8 values, same shape; f32 scales, the shape
+    without `reduce_axis`)."""
     w = np.asarray(w, np.float32)
-    reduce_axis = 1 - channel_axis
-    amax = np.abs(w).max(axis=reduce_axis)
+    axis = reduce_axis(w.ndim, channel_axis)
+    amax = np.abs(w).max(axis=axis)
     scales = np.where(amax > 0, amax / INT8_MAX, 1.0).astype(np.float32)
-    values = np.rint(w / np.expand_dims(scales, reduce_axis))
+    values = np.rint(w / np.expand_dims(scales, axis))
     return np.clip(values, -INT8_MAX, INT8_MAX).astype(np.int8), scales
 
 
 def quantize(w: jax.Array, mode: str, channel_axis: int = 1) -> QuantizedWeight:
     """jnp version of `quantize_host` (traceable: builds abstract models and test weights)."""
-    reduce_axis = 1 - channel_axis
-    amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=reduce_axis)
+    axis = reduce_axis(w.ndim, channel_axis)
+    amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=axis)
     scales = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
-    values = jnp.clip(jnp.round(w / jnp.expand_dims(scales, reduce_axis)), -INT8_MAX, INT8_MAX)
+    values = jnp.clip(jnp.round(w / jnp.expand_dims(scales, axis)), -INT8_MAX, INT8_MAX)
     return QuantizedWeight(values.astype(jnp.int8), scales.astype(jnp.float32), mode, channel_axis)
 
 
 def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
-    """values * scales along the channel axis, in `dtype`."""
-    scales = jnp.expand_dims(qw.scales, 1 - qw.channel_axis)
+    """values * scales broadcast back over the reduced axis, in `dtype`."""
+    scales = jnp.expand_dims(qw.scales, qw.reduce_axis)
     return (qw.values.astype(jnp.float32) * scales).astype(dtype)
+
+
+def select_expert(stack, expert: jax.Array):
+    """Expert `expert` (a traced index) of a stacked [E, in, out] weight, float or quantized:
+    its [in, out] matrix (a QuantizedWeight keeps that expert's scales)."""
+    if isinstance(stack, QuantizedWeight):
+        return QuantizedWeight(stack.values[expert], stack.scales[expert], stack.mode, channel_axis=1)
+    return stack[expert]
 
 
 def requantize_blocks(ints: np.ndarray, block_scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

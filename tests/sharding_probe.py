@@ -275,6 +275,14 @@ def case_families(*paths):
                   if name in layers[i]}
         placed["kv_k0"] = describe_sharding(runner.kv_cache.k[0])
         out[ckpt.config.architecture] = {"parity": parity(ckpt.model, prompt, 4, (4,))[4], "placement": placed}
+        if "experts_gate" in layers[0]:  # a MoE: its quantized expert stacks split the same way
+            quantized = load_checkpoint(path, quantization="w8a8").model
+            stacks = _runner(quantized, 4).state["layers"][0]
+            out[ckpt.config.architecture]["w8a8"] = {
+                "parity": parity(quantized, prompt, 4, (4,))[4],
+                "placement": {name: {"values": describe_sharding(stacks[name].get_value().values),
+                                     "scales": describe_sharding(stacks[name].get_value().scales)}
+                              for name in ("experts_gate", "experts_down")}}
     out["seconds"] = time.perf_counter() - t0
     return out
 

@@ -131,9 +131,11 @@ def test_load_format_names_agree_and_unknown_ones_are_refused(tmp_path):
         open_checkpoint(str(config_folder(tmp_path)), load_format="random")
 
 
-def test_plan_memory_equals_what_the_loaded_engine_holds(tmp_path):
+@pytest.mark.parametrize("quantization", ["none", "w8a8"])
+def test_plan_memory_equals_what_the_loaded_engine_holds(tmp_path, quantization):
     config = EngineConfig(model=str(config_folder(tmp_path)), load_format="dummy", dtype="bfloat16",
-                          block_size=16, kv_blocks=40, max_context=128, max_seqs=2, prefill_chunk=16)
+                          quantization=quantization, block_size=16, kv_blocks=40, max_context=128, max_seqs=2,
+                          prefill_chunk=16)
     plan = plan_memory(config)
     engine = Engine.load(config)
     info = engine.describe()
@@ -154,6 +156,14 @@ def test_plan_memory_of_llama_3_1_8b_matches_the_parameter_arithmetic(tmp_path):
     assert plan.weights_bytes == 2 * params, "bf16 parameters (the rope table is a constant of the step, not an array)"
     # 1 GiB / (16 positions x 2 x 32 layers x 8 kv heads x 128 x 2 bytes = 2 MiB per block) = 512 blocks
     assert plan.sizing.num_blocks == 512 and plan.kv_bytes == 2**30
+    # int8: every matrix 1 B per weight plus an f32 scale per output channel (the
+    # embedding's per row), the norms still bf16.
+    int8 = plan_memory(EngineConfig(model=str(folder), load_format="dummy", dtype="bfloat16", quantization="int8",
+                                    kv_memory_gib=1.0))
+    matrices = 2 * v * d + layers * (d * q + 2 * d * kv + q * d + 3 * d * f)
+    scales = 2 * v + layers * (q + 2 * kv + d + 2 * f + d)
+    norms = layers * 2 * d + d
+    assert int8.weights_bytes == matrices + 4 * scales + 2 * norms == 8_037_058_560
 
 
 _SHARDED_PROBE = """

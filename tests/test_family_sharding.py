@@ -47,6 +47,20 @@ def test_experts_are_split_over_their_intermediate_axis(probed):
     assert place["kv_k0"]["shard_shapes"] == [[1, 64, 8, 16]], "4 KV heads, one per device"
 
 
+def test_quantized_expert_stacks_shard_and_match_one_device(probed):
+    """w8a8 experts at tp=4 against w8a8 on one device: int8 values split like the float
+    stacks, scales [E, out] split with gate/up's intermediate columns, replicated for down
+    (its reduced axis is the split one)."""
+    got = probed["Qwen3MoeForCausalLM"]["w8a8"]
+    assert got["parity"]["prefill_err"] < ATOL and got["parity"]["decode_err"] < ATOL, got["parity"]
+    assert got["parity"]["same_greedy"]
+    place = got["placement"]
+    assert place["experts_gate"]["values"]["shard_shapes"] == [[8, 64, 8]]
+    assert place["experts_gate"]["scales"]["shard_shapes"] == [[8, 8]]
+    assert place["experts_down"]["values"]["shard_shapes"] == [[8, 8, 64]]
+    assert place["experts_down"]["scales"]["shard_shapes"] == [[8, 64]]
+
+
 def test_gemma2_heads_are_split(probed):
     place = probed["Gemma2ForCausalLM"]["placement"]
     assert place["layers.0.q_proj"]["shard_shapes"] == [[64, 16]], "4 heads x 16 over 4 devices"

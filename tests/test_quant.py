@@ -345,8 +345,8 @@ def _family_configs():
 @pytest.mark.parametrize("family", ["gemma2", "phi3", "qwen3_moe"])
 def test_every_family_quantizes_its_projections_within_the_error_budget(tmp_path, family):
     """The families compose shared layers, so quantization reaches each through `project`:
-    every projection, the embedding and the LM head become int8 (a MoE's router and expert
-    stacks stay float), and the logits stay within the tiny model's budget derived above."""
+    every projection, the MoE expert stacks, the embedding and the LM head become int8 (a
+    MoE's router stays float), and the logits stay within the tiny model's budget derived above."""
     from tests import family_checks as fc
 
     path = fc.make_checkpoint(tmp_path / family, _family_configs()[family])
@@ -359,7 +359,9 @@ def test_every_family_quantizes_its_projections_within_the_error_budget(tmp_path
         assert isinstance(getattr(layer, name).get_value(), QuantizedWeight), name
     assert isinstance(model.embed.get_value(), QuantizedWeight)
     if family == "qwen3_moe":
-        assert not isinstance(layer.experts_gate.get_value(), QuantizedWeight)
+        stack = layer.experts_up.get_value()
+        assert isinstance(stack, QuantizedWeight) and stack.scales.shape == (8, 32)  # [E, out]
+        assert not isinstance(layer.router.get_value(), QuantizedWeight)
         assert isinstance(model.layers[1].gate_proj.get_value(), QuantizedWeight)  # the dense layer
     else:
         assert isinstance(layer.down_proj.get_value(), QuantizedWeight)
@@ -367,3 +369,22 @@ def test_every_family_quantizes_its_projections_within_the_error_budget(tmp_path
     max_abs = np.abs(got - ref).max()
     assert 0 < max_abs < 0.13 * ref.std(), f"{family}: max |Δlogit| {max_abs:.3g} vs 13 % of {ref.std():.3g}"
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 15 / 17
+
+
+def test_expert_stacks_quantize_per_expert_and_output_column():
+    """[E, in, out]: each expert's columns get their own scale (over its inputs), a slice of
+    the stack is that expert's 2-D weight, and the bytes count E x out scales."""
+    from models.quant import quantized_channel_axis, quantized_nbytes, select_expert
+
+    w = np.random.RandomState(3).randn(4, 24, 10).astype(np.float32)
+    w[2] *= 50  # one expert much larger: shared scales would crush the others
+    assert quantized_channel_axis("layers.0.experts_down", w.shape) == 2
+    values, scales = quantize_host(w, channel_axis=2)
+    assert scales.shape == (4, 10)
+    np.testing.assert_allclose(scales, np.abs(w).max(axis=1) / INT8_MAX, rtol=1e-6)
+    stack = quantize(jnp.asarray(w), "w8a8", channel_axis=2)
+    np.testing.assert_array_equal(np.asarray(stack.values), values)
+    one = select_expert(stack, jnp.int32(1))
+    assert one.shape == (24, 10) and one.channel_axis == 1
+    np.testing.assert_allclose(np.asarray(dequantize(one)), w[1], atol=float(scales[1].max()) / 2 * (1 + 1e-5))
+    assert quantized_nbytes(w.shape, 2) == w.size + 4 * 4 * 10

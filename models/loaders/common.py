@@ -30,7 +30,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.decoder import CausalLM
 from models.family import WeightTable
-from models.quant import QuantizedWeight, check_mode, quantize_host, quantized_channel_axis, tied_head
+from models.quant import QuantizedWeight, check_mode, quantize_host, quantized_channel_axis, reduce_axis, tied_head
 
 HostInt8 = tuple[np.ndarray, np.ndarray]  # (int8 values, f32 scales) in our layout
 
@@ -137,7 +137,7 @@ def _place_quantized(name: str, shape: tuple[int, ...], axis: int, mode: str, ra
             problems.append(f"{name}: checkpoint {tuple(arr.shape)} vs model {shape}")
             return None
         values, scales = quantize_host(np.asarray(arr, np.float32), axis)
-    want_scales = (shape[axis],)
+    want_scales = tuple(n for i, n in enumerate(shape) if i != reduce_axis(len(shape), axis))
     if tuple(values.shape) != shape or tuple(scales.shape) != want_scales or values.dtype != np.int8:
         problems.append(f"{name}: int8 {values.dtype}{tuple(values.shape)} scales {tuple(scales.shape)} vs "
                         f"model int8{shape} scales {want_scales}")
