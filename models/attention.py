@@ -22,12 +22,17 @@ ATTENTION_CHUNK_BLOCKS = 8  # blocks per attention loop iteration; table widths 
 
 
 def store_kv(x: jax.Array, cache: jax.Array) -> jax.Array:
-    """New K or V values in the cache's storage dtype (write path)."""
+    """New K or V values in the cache's storage dtype (write path); a uint16 cache holds
+    bfloat16 bits (`ferrox_jax/kv_cache.py:storage_dtype`)."""
+    if cache.dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
     return x.astype(cache.dtype)
 
 
 def load_kv(blocks: jax.Array, dtype) -> jax.Array:
     """Gathered K or V blocks in the compute dtype (read path)."""
+    if blocks.dtype == jnp.uint16:
+        blocks = jax.lax.bitcast_convert_type(blocks, jnp.bfloat16)
     return blocks.astype(dtype)
 
 

@@ -209,7 +209,8 @@ def case_quant():
         name: {"values": describe_sharding(w.get_value().values), "scales": describe_sharding(w.get_value().scales)}
         for name, w in (("q_proj", layer["q_proj"]), ("o_proj", layer["o_proj"]), ("embed", runner.state["embed"]))}
     out["placement_tp4"]["kv_k0"] = describe_sharding(runner.kv_cache.k[0])
-    out["kv_dtype"] = str(runner.kv_cache.k[0].dtype)
+    out["kv_dtype"] = str(jnp.dtype(runner.kv_dtype))
+    out["kv_storage_dtype"] = str(runner.kv_cache.k[0].dtype)
     runner.warmup()
     mixed_workload(runner)
     out["recompiles_after_warmup_tp4"] = runner.recompiles_after_warmup

@@ -253,4 +253,5 @@ def test_quantized_modes_shard_like_the_weights_they_replace():
     assert place["o_proj"]["values"]["shard_shapes"] == [[16, 64]] and place["o_proj"]["scales"]["shard_shapes"] == [[64]]
     assert place["embed"]["values"]["shard_shapes"] == [[64, 64]] and place["embed"]["scales"]["shard_shapes"] == [[64]]
     assert got["kv_dtype"] == "bfloat16" and place["kv_k0"]["shard_shapes"] == [[2, 64, 8, 8]]
+    assert got["kv_storage_dtype"] == "uint16", "a CPU bfloat16 cache holds its words as uint16 (scattered in place)"
     assert got["recompiles_after_warmup_tp4"] == 0
