@@ -1,27 +1,30 @@
-"""A reply's output as ordered blocks, text and tool calls, whole or streamed.
+"""A reply's output as ordered blocks, thinking, text and tool calls, whole or streamed.
 
 The protocol-neutral half of the protocols whose replies are lists of blocks: Anthropic
-Messages (`content` blocks: text, tool_use) and OpenAI Responses (`output` items:
-message, function_call). It sits between the output parser (`api/structured.py`:
-`OutputParser` turns a row's text into content and tool-call deltas) and the adapter,
-which renders each event in its wire format:
+Messages (`content` blocks: thinking, text, tool_use) and OpenAI Responses (`output`
+items: reasoning, message, function_call). It sits between the output parser
+(`api/structured.py`: `OutputParser` turns a row's text into reasoning, content and
+tool-call deltas) and the adapter, which renders each event in its wire format:
 
-    RowEvent.text ──▶ OutputParser ──▶ {"content"} / {"tool_calls": [...]} deltas
+    RowEvent.text ──▶ OutputParser ──▶ {"reasoning_content"} / {"content"} / {"tool_calls": [...]} deltas
                                                   │
                                                   ▼
     per block:  BlockEvent start ── delta* ── stop        (index = the block's position)
 
 A whole reply is the same fold with the events ignored, then `blocks` read, so a stream's
 blocks accumulate to exactly the whole reply's. Rules:
-  * blocks come in the order the output has them (text, then the calls after it, as a
-    model writes them); a block stops when the next one starts or the output ends;
-  * a reply that can have no calls (no tool format in its plan) opens its text block at
-    once, so it always has exactly one text block, possibly empty, as before tools; with
-    tools a text block opens at its first character, so a reply of calls has none;
+  * blocks come in the order the output has them (the thinking section first, then
+    text, then the calls after it, as a model writes them); a block stops when the next
+    one starts or the output ends;
+  * a thinking block (plans that split thinking sections: `plan.reasoning`) holds the
+    parser's `reasoning_content`, the section without its tags; it opens at its first
+    character, so a reply whose section is empty or absent has none;
+  * a reply that can have no calls (no tool format in its plan) always has exactly one
+    text block, possibly empty, as before tools: opened at once, or, when a thinking
+    block may come first, at its first character or else empty at the end; with tools a
+    text block opens at its first character, so a reply of calls has none;
   * a call block carries the parser's id (`call_…`) and name from its start; its deltas
-    are pieces of the arguments' JSON text;
-  * thinking sections are not split here (the plan must not ask for it: these protocols
-    would carry them as thinking blocks / reasoning items, not rendered yet).
+    are pieces of the arguments' JSON text.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from api.structured import OutputPlan
 class Block:
     """One block of a reply, as far as it has come."""
 
-    kind: Literal["text", "call"]
-    text: str = ""  # text: the text; call: the arguments' JSON text
+    kind: Literal["thinking", "text", "call"]
+    text: str = ""  # thinking: the reasoning text; text: the text; call: the arguments' JSON text
     call_id: str = ""  # call: the parser's id, "call_…"
     name: str = ""  # call: the function's name
     is_open: bool = True
@@ -60,18 +63,18 @@ class BlockEvent:
     kind: Literal["start", "delta", "stop"]
     index: int  # the block's position in the reply
     block: Block
-    delta: str = ""  # "delta": the text or arguments piece
+    delta: str = ""  # "delta": the reasoning, text or arguments piece
 
 
 class OutputBlocks:
     """One row's output folded into `blocks` (see the module docstring)."""
 
     def __init__(self, plan: OutputPlan) -> None:
-        if plan.reasoning:
-            raise ValueError("OutputBlocks renders no thinking sections; prepare the chat with split_reasoning=False")
         self.plan = plan
         self._parser = plan.new_parser()  # None: the text is plain content
         self.blocks: list[Block] = [] if self._parser is not None else [Block("text")]
+        # No calls can come, but a thinking block may come first: the text block opens late.
+        self._has_late_text = self._parser is not None and plan.tool_format is None
 
     def start(self) -> list[BlockEvent]:
         """The events before any output: the start of a text block opened at once."""
@@ -86,6 +89,8 @@ class OutputBlocks:
     def finish(self) -> list[BlockEvent]:
         """The row ended: what the parser held back, then the last block's stop."""
         events = self._events(self._parser.finish() if self._parser is not None else [])
+        if self._has_late_text and not any(b.kind == "text" for b in self.blocks):
+            events += self._stop() + self._open(Block("text"))
         return events + self._stop()
 
     @property
@@ -99,6 +104,8 @@ class OutputBlocks:
     def _events(self, deltas: list[dict[str, Any]]) -> list[BlockEvent]:
         events: list[BlockEvent] = []
         for delta in deltas:
+            if delta.get("reasoning_content"):
+                events += self._grow("thinking", delta["reasoning_content"])
             if delta.get("content"):
                 events += self._grow("text", delta["content"])
             for call in delta.get("tool_calls", ()):
@@ -112,8 +119,8 @@ class OutputBlocks:
     def _grow(self, kind: str, piece: str) -> list[BlockEvent]:
         events: list[BlockEvent] = []
         if not self.blocks or not self.blocks[-1].is_open or self.blocks[-1].kind != kind:
-            assert kind == "text", "arguments only follow their call's start"
-            events = self._stop() + self._open(Block("text"))
+            assert kind != "call", "arguments only follow their call's start"
+            events = self._stop() + self._open(Block(kind))
         block = self.blocks[-1]
         block.text += piece
         return events + [BlockEvent("delta", len(self.blocks) - 1, block, piece)]

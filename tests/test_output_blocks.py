@@ -64,6 +64,41 @@ def test_a_call_cut_off_keeps_its_text_and_has_no_arguments_object():
     assert blocks.finish_reason("length") == "length"
 
 
-def test_a_plan_that_splits_reasoning_is_refused():
-    with pytest.raises(ValueError, match="split_reasoning=False"):
-        OutputBlocks(OutputPlan(reasoning=True))
+THINKING_PLAN = OutputPlan(reasoning=True)
+
+
+@pytest.mark.parametrize("plan", [THINKING_PLAN, dataclasses.replace(TOOLS_PLAN, reasoning=True)])
+@pytest.mark.parametrize("text", ["<think>\nplan it\n</think>\n\nthe answer", "<think>only thinking",
+                                  f"<think>a call</think>{CALL}", "no section"])
+def test_thinking_streamed_per_character_matches_whole(plan, text):
+    whole, _ = fold(plan, [text])
+    streamed, events = fold(plan, list(text))
+    assert summary(streamed) == summary(whole)
+    for i, block in enumerate(streamed.blocks):
+        assert "".join(e.delta for e in events if e.index == i and e.kind == "delta") == block.text
+        assert [e.kind for e in events if e.index == i and e.kind != "delta"] == ["start", "stop"]
+
+
+def test_thinking_comes_first_then_text():
+    blocks, events = fold(THINKING_PLAN, ["<think>\nplan it\n</think>\n\nthe answer"])
+    assert [(b.kind, b.text) for b in blocks.blocks] == [("thinking", "plan it"), ("text", "the answer")], \
+        "the section without its tags and the whitespace around them, then the rest"
+    assert [(e.kind, e.index) for e in events if e.kind != "delta"] == [
+        ("start", 0), ("stop", 0), ("start", 1), ("stop", 1)]
+
+
+def test_thinking_without_calls_still_ends_with_one_text_block():
+    blocks, events = fold(THINKING_PLAN, ["<think>only thinking"])
+    assert summary(blocks) == [("thinking", "only thinking", "", False), ("text", "", "", False)], \
+        "an unclosed section is all thinking; the text block opens empty at the end"
+    assert [e.kind for e in events if e.index == 1] == ["start", "stop"]
+    plain, _ = fold(THINKING_PLAN, ["no section"])
+    assert summary(plain) == [("text", "no section", "", False)], "no section, no thinking block"
+    opened, _ = fold(dataclasses.replace(THINKING_PLAN, starts_in_reasoning=True), ["in it</think>out"])
+    assert [(b.kind, b.text) for b in opened.blocks] == [("thinking", "in it"), ("text", "out")]
+
+
+def test_thinking_then_calls_has_no_text_block():
+    blocks, _ = fold(dataclasses.replace(TOOLS_PLAN, reasoning=True), [f"<think>a call</think>{CALL}"])
+    assert [(b.kind, b.text) for b in blocks.blocks] == [("thinking", "a call"), ("call", '{"a": 1, "b": 2}')]
+    assert blocks.finish_reason("stop") == "tool_calls"
