@@ -106,6 +106,7 @@ class CountTokensRequest(_Strict):
     system: Any = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    thinking: Any = None  # checked by `_splits_thinking`
 
     @field_validator("system", mode="plain")
     @classmethod
@@ -219,13 +220,37 @@ def _tools(body: CountTokensRequest, engine: Engine) -> ToolRequest | None:
     return tool_request(tools, neutral, not disable_parallel, engine)
 
 
+MIN_THINKING_BUDGET_TOKENS = 1024  # Anthropic's lower bound for budget_tokens
+
+
+def _splits_thinking(thinking: Any) -> bool:
+    """Whether a request's `thinking` lets the template's thinking sections become thinking
+    blocks: absent, `enabled` or `adaptive` do; `disabled` keeps them in the text. The
+    setting does not change generation (a template with thinking sections always has the
+    model think; `budget_tokens` is validated, not enforced: `max_tokens` bounds the reply)."""
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if thinking is None or kind == "adaptive":
+        return True
+    if kind == "disabled":
+        return False
+    if kind != "enabled":
+        raise APIError(400, 'thinking must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} '
+                            'or {"type": "disabled"}', param="thinking")
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET_TOKENS:
+        raise APIError(400, f"thinking.budget_tokens: an integer >= {MIN_THINKING_BUDGET_TOKENS} is required; "
+                            f"got {budget!r}", param="thinking.budget_tokens")
+    return True
+
+
 async def _prompt(body: CountTokensRequest, engine: Engine, state: AppState) -> tuple[list[int], OutputPlan]:
     system = _system_text(body.system)
     turns = [{"role": "system", "content": system}] if system else []
     for i, message in enumerate(body.messages):
         turns.extend(_turns(message, i))
     return await chat_prompt(engine, turns, tools=_tools(body, engine),
-                             default_constraint=state.config.default_grammar)
+                             default_constraint=state.config.default_grammar,
+                             split_reasoning=_splits_thinking(body.thinking))
 
 
 # ---------------------------------------------------------------- routes
@@ -296,7 +321,10 @@ def tool_use_id(call_id: str) -> str:
 
 
 def content_block(block: Block, empty: bool = False) -> dict:
-    """A block as Anthropic's content block; `empty` as a stream's content_block_start has it."""
+    """A block as Anthropic's content block; `empty` as a stream's content_block_start has it.
+    A thinking block's signature is empty: no Anthropic key signs this server's thinking."""
+    if block.kind == "thinking":
+        return {"type": "thinking", "thinking": "" if empty else block.text, "signature": ""}
     if block.kind == "text":
         return {"type": "text", "text": "" if empty else block.text}
     return {"type": "tool_use", "id": tool_use_id(block.call_id), "name": block.name,
@@ -331,7 +359,7 @@ class _Message:
                 "usage": self._usage()}
 
     def _frames(self, output: RowOutput) -> list[bytes]:
-        return [_frame(e) for e in self.fold(output)]
+        return [frame for e in self.fold(output) for frame in _frames(e)]
 
     def _end(self) -> list[bytes]:
         return [event("message_delta", {"type": "message_delta",
@@ -344,20 +372,31 @@ class _Message:
         start["usage"]["output_tokens"] = 0
         yield event("message_start", {"type": "message_start", "message": start})
         for block_event in self.output.start():
-            yield _frame(block_event)
+            for frame in _frames(block_event):
+                yield frame
         yield PING
         async for frame in generation.stream(self.run, self._frames, keepalive=PING, end=self._end,
                                              error=lambda e: event("error", error_response(e)[1])):
             yield frame
 
 
-def _frame(e: BlockEvent) -> bytes:
-    """One block event as its Anthropic stream event."""
+def _frames(e: BlockEvent) -> list[bytes]:
+    """One block event as its Anthropic stream events (a thinking block's stop is preceded
+    by its `signature_delta`, as Anthropic's stream has it)."""
     if e.kind == "start":
-        return event("content_block_start", {"type": "content_block_start", "index": e.index,
-                                             "content_block": content_block(e.block, empty=True)})
+        return [event("content_block_start", {"type": "content_block_start", "index": e.index,
+                                              "content_block": content_block(e.block, empty=True)})]
+    stop = event("content_block_stop", {"type": "content_block_stop", "index": e.index})
+    if e.kind == "stop" and e.block.kind != "thinking":
+        return [stop]
     if e.kind == "stop":
-        return event("content_block_stop", {"type": "content_block_stop", "index": e.index})
-    delta = ({"type": "text_delta", "text": e.delta} if e.block.kind == "text"
+        return [_delta(e.index, {"type": "signature_delta", "signature": ""}), stop]
+    kind = e.block.kind
+    delta = ({"type": "thinking_delta", "thinking": e.delta} if kind == "thinking"
+             else {"type": "text_delta", "text": e.delta} if kind == "text"
              else {"type": "input_json_delta", "partial_json": e.delta})
-    return event("content_block_delta", {"type": "content_block_delta", "index": e.index, "delta": delta})
+    return [_delta(e.index, delta)]
+
+
+def _delta(index: int, delta: dict) -> bytes:
+    return event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})

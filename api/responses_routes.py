@@ -234,7 +234,7 @@ class _Response:
         self.run, self.model, self.body, self.sampling = run, model, body, sampling
         self.created_at = int(time.time())
         self.output = OutputBlocks(plan)
-        self.item_ids: list[str] = []  # per output block: "msg_…" for text, "fc_…" for a call
+        self.item_ids: list[str] = []  # per output block: "rs_…" thinking, "msg_…" text, "fc_…" a call
         self.finish_reason: str | None = None
         self.sequence_number = 0
 
@@ -254,8 +254,9 @@ class _Response:
     def _item_id(self, index: int) -> str:
         while len(self.item_ids) <= index:
             block = self.output.blocks[len(self.item_ids)]
-            self.item_ids.append("fc_" + block.call_id.removeprefix("call_") if block.kind == "call"
-                                 else f"msg_{uuid.uuid4().hex}")
+            prefix = {"thinking": "rs", "text": "msg"}.get(block.kind)
+            self.item_ids.append(f"{prefix}_{uuid.uuid4().hex}" if prefix
+                                 else "fc_" + block.call_id.removeprefix("call_"))
         return self.item_ids[index]
 
     def _item(self, index: int, block: Block, done: bool) -> dict:
@@ -265,6 +266,9 @@ class _Response:
         if done:
             is_last = index == len(self.output.blocks) - 1
             status = "completed" if not is_last or self.status == "completed" else "incomplete"
+        if block.kind == "thinking":
+            return {"type": "reasoning", "id": self._item_id(index), "summary": [],
+                    "content": [_reasoning_part(block.text)] if done else [], "status": status}
         if block.kind == "call":
             return {"type": "function_call", "id": self._item_id(index), "call_id": block.call_id,
                     "name": block.name, "arguments": block.text if done else "", "status": status}
@@ -303,15 +307,21 @@ class _Response:
         if e.kind == "start":
             added = [self._event("response.output_item.added", output_index=e.index,
                                  item=self._item(e.index, block, done=False))]
-            if block.kind == "text":
-                added.append(self._event("response.content_part.added", **text_where, part=_part("")))
+            if block.kind != "call":
+                empty = _part("") if block.kind == "text" else _reasoning_part("")
+                added.append(self._event("response.content_part.added", **text_where, part=empty))
             return added
+        if e.kind == "delta" and block.kind == "thinking":
+            return [self._event("response.reasoning_text.delta", **text_where, delta=e.delta)]
         if e.kind == "delta" and block.kind == "text":
             return [self._event("response.output_text.delta", **text_where, delta=e.delta, logprobs=[])]
         if e.kind == "delta":
             return [self._event("response.function_call_arguments.delta", **where, delta=e.delta)]
         item = self._item(e.index, block, done=True)
-        if block.kind == "text":
+        if block.kind == "thinking":
+            done = [self._event("response.reasoning_text.done", **text_where, text=block.text),
+                    self._event("response.content_part.done", **text_where, part=item["content"][0])]
+        elif block.kind == "text":
             done = [self._event("response.output_text.done", **text_where, text=block.text, logprobs=[]),
                     self._event("response.content_part.done", **text_where, part=item["content"][0])]
         else:
@@ -341,3 +351,7 @@ class _Response:
 
 def _part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
