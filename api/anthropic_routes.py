@@ -3,7 +3,7 @@
 Anthropic's wire format only; the generation core (`api/generation.py`) and the neutral
 tools and output pieces (`api/structured.py`, `api/output_blocks.py`) do the rest.
 A request's `system` (a string or text blocks) and `messages` (text, `tool_use` and
-`tool_result` blocks) become chat-template turns (OpenAI's roles: tool uses are an
+`tool_result` blocks; an assistant's `thinking` blocks are accepted and dropped) become chat-template turns (OpenAI's roles: tool uses are an
 assistant's `tool_calls`, tool results `tool` turns), rendered and tokenized like chat.
 `tools` (`{name, description, input_schema}`; server tools such as web search are 400s)
 are the neutral tools with input_schema as parameters, rendered into the prompt as chat
@@ -13,9 +13,16 @@ default with tools) parses calls the model writes, `none` renders no tools, `any
 choices), and `disable_parallel_tool_use` allows one call. A server-wide default
 constraint (`--json-schema` ...) applies as on chat.
 
+Thinking: with a template that has thinking sections (`<think>`), the section becomes a
+`{"type": "thinking", "thinking", "signature": ""}` block before the text (the signature
+is empty: nothing signs it). The request's `thinking` (`{"type": "enabled",
+"budget_tokens": N >= 1024}`, `{"type": "adaptive"}`, `{"type": "disabled"}`) is
+validated (otherwise a 400) but does not change generation: `disabled` only keeps the
+section in the text, as before thinking blocks; absent splits as enabled does.
+
 Reply: `{"type": "message", "content": [blocks], "stop_reason", "stop_sequence", "usage":
 {"input_tokens", "output_tokens"}}`; the `request-id` header carries the id `/v1/cancel`
-takes. Content is a text block, then a `tool_use` block (`{"id": "toolu_…", "name",
+takes. Content is a thinking block (see above), a text block, then a `tool_use` block (`{"id": "toolu_…", "name",
 "input": {...}}`) per call; a reply of calls alone has no text block, a reply without
 tools always one. Stop reasons: calls and a normal end -> `tool_use`; a stop string ->
 `stop_sequence` (and which one, from the engine's `RowEvent.stop_string`); end of
@@ -24,9 +31,10 @@ generation -> `end_turn`; the token limit -> `max_tokens`; a cancel -> `cancelle
 
 A stream is Anthropic's event sequence, each `event: <type>\\ndata: {json}`:
 `message_start`, `ping`, then per block `content_block_start` (the block empty: text "",
-tool_use input {}), `content_block_delta`* (`text_delta`, or `input_json_delta` with
-`partial_json`, pieces of the input's JSON), `content_block_stop`; then `message_delta`
-(stop reason, output tokens), `message_stop`. A reply without tools opens its text block
+tool_use input {}, thinking "" with signature ""), `content_block_delta`* (`thinking_delta`,
+`text_delta`, or `input_json_delta` with `partial_json`, pieces of the input's JSON; a
+thinking block's last delta is its `signature_delta`), `content_block_stop`; then `message_delta`
+(stop reason, output tokens), `message_stop`. A reply without tools or thinking opens its text block
 before the first `ping` (no tools, or `tool_choice` none: no calls can come). `ping`
 again while idle; a failure mid-stream is an `error` event.
 
@@ -173,12 +181,14 @@ def _turns(message: MessageParam, i: int) -> list[dict]:
                 raise APIError(400, f"{param}: tool_use needs a name and an input object", param=param)
             calls.append({"id": str(block.get("id", "")), "type": "function",
                           "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
+        elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":
+            continue  # a reply's thinking sent back (tool loops must): earlier turns' thinking is not rendered
         elif kind == "tool_result" and message.role == "user":
             turns.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
                           "content": _tool_result_text(block, param)})
         else:
             raise APIError(400, f"{param}: content blocks of type {kind!r} are not supported in a "
-                                f"{message.role} message (text, tool_use, tool_result)", param=param)
+                                f"{message.role} message (text, thinking, tool_use, tool_result)", param=param)
     if texts or calls:
         turn: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
         if calls:

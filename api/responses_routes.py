@@ -4,7 +4,8 @@ The Responses wire format only; the generation core (`api/generation.py`) and th
 neutral tools and output pieces (`api/structured.py`, `api/output_blocks.py`) do the rest.
 Request: `input` (a string, or items: messages whose content is a string or
 `input_text` / `output_text` parts, `function_call` and `function_call_output` items,
-which become an assistant's `tool_calls` and `tool` turns as on chat), `instructions` (a
+which become an assistant's `tool_calls` and `tool` turns as on chat; `reasoning` items
+are accepted and dropped), `instructions` (a
 system turn before them), `max_output_tokens` (default: the room left in the context),
 `temperature`, `top_p`, `stream`. Stateless: `store` is accepted and nothing is kept, so
 `previous_response_id` is a 400 (send the whole conversation as `input`).
@@ -17,7 +18,9 @@ grammar, as on chat) and `parallel_tool_calls`. Output format: `text.format`
 constrains the text as chat's `response_format` does; `{"type": "text"}` opts out of a
 server-wide default constraint, which applies otherwise.
 
-Reply: a `response` object whose `output` is a `message` item (one `output_text` part),
+Reply: a `response` object whose `output` is, with a template that has thinking sections
+(`<think>`), a `reasoning` item (`{"id": "rs_…", "summary": [], "content": [{"type":
+"reasoning_text", "text"}], "status"}`), then a `message` item (one `output_text` part),
 then a `function_call` item (`{"id": "fc_…", "call_id": "call_…", "name", "arguments":
 JSON text, "status"}`) per call; a reply of calls alone has no message item, a reply
 that can have no calls always one. `status` is `completed`, or `incomplete` with
@@ -30,11 +33,12 @@ A stream is the Responses event sequence, each `event: <type>\\ndata: {json}` wi
 `sequence_number` counting from 0: `response.created`, `response.in_progress`, then per
 output item `response.output_item.added` and, for a message, `response.content_part.added`,
 `response.output_text.delta`*, `response.output_text.done`, `response.content_part.done`,
-or, for a call, `response.function_call_arguments.delta`*,
+for a reasoning item the same with a `reasoning_text` part and
+`response.reasoning_text.delta`* / `.done`, or, for a call, `response.function_call_arguments.delta`*,
 `response.function_call_arguments.done`; then `response.output_item.done`; last
 `response.completed` (or `response.incomplete`, as OpenAI sends for a truncated answer,
 and for a cancelled one, whose status says `cancelled`). A reply that can have no calls
-opens its message item at once. A failure mid-stream is an `error` event. Errors use the
+opens its message item at once (after the reasoning item, with thinking sections). A failure mid-stream is an `error` event. Errors use the
 OpenAI envelope.
 """
 
@@ -144,11 +148,15 @@ def _turns(body: ResponsesRequest) -> list[dict]:
                                param=f"input[{i}]")
             turns.append({"role": "tool", "tool_call_id": item["call_id"],
                           "content": _text_parts(item["output"], f"input[{i}].output")})
+        elif kind == "reasoning":
+            continue  # a reply's reasoning item sent back: earlier turns' thinking is not rendered
         elif kind == "message" and item.get("role") in ROLES:
             turns.append({"role": item["role"], "content": _text_parts(item.get("content"), f"input[{i}].content")})
         else:
             raise APIError(400, f"input[{i}]: only message items with a role in {ROLES}, function_call and "
                                 f"function_call_output items are supported (got type {kind!r})", param=f"input[{i}]")
+    if not turns:
+        raise APIError(400, "input has nothing to render: reasoning items alone are dropped", param="input")
     return turns
 
 

@@ -32,7 +32,8 @@ Rules, in the order they apply:
     such a template with parsed arguments, and written as the `json` call text otherwise;
   * thinking sections are split when the template has `<think>`, unless a grammar
     constrains the output (the constrained text is the answer, not reasoning) or the
-    adapter renders no reasoning (`split_reasoning=False`: the text keeps the section).
+    request asks for them in the text (`split_reasoning=False`: Anthropic's
+    `thinking: {"type": "disabled"}`).
 
 Adapters whose replies are lists of blocks (Anthropic content blocks, Responses output
 items) fold the parser's deltas into ordered blocks with `api/output_blocks.py`.

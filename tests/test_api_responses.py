@@ -103,7 +103,8 @@ def test_stateless_and_unsupported_fields_are_clear_400s(client, model, http):
         client.responses.create(model=model, input=INPUT, previous_response_id="resp_123")
     assert e.value.body["param"] == "previous_response_id" and "whole conversation" in e.value.body["message"]
     for body, param in (({"input": INPUT, "temperature": 3}, "temperature"),
-                        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+                        ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0]"),
+                        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # dropped: nothing left
                         ({"input": 5}, "input"),
                         ({"input": INPUT, "model": "gpt-x"}, "model")):
         r = http.post("/v1/responses", json=body)

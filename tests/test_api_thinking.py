@@ -139,3 +139,17 @@ def test_reasoning_events_over_raw_sse(server, model):
                                          "content": [], "status": "in_progress"}
     assert events[first - 1]["part"] == {"type": "reasoning_text", "text": ""}
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_a_reply_sent_back_as_history_is_accepted_and_its_thinking_not_rendered(claude, client, model):
+    msg = claude.messages.create(**ask(model))
+    history = [*MESSAGES, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+               {"role": "user", "content": "And then?"}]
+    without = [*MESSAGES, {"role": "assistant", "content": ""}, {"role": "user", "content": "And then?"}]
+    assert claude.messages.count_tokens(model=model, messages=history).input_tokens == \
+        claude.messages.count_tokens(model=model, messages=without).input_tokens, "the thinking block is dropped"
+    r = client.responses.create(model=model, input="Tell me about a person.", max_output_tokens=4, temperature=0)
+    again = client.responses.create(model=model, max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "Tell me about a person."}, *[i.model_dump(exclude_none=True) for i in r.output],
+        {"role": "user", "content": "And then?"}])
+    assert [i.type for i in again.output] == ["reasoning", "message"]
