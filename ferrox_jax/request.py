@@ -43,7 +43,8 @@ POOLINGS = ("mean", "last")  # GenerationRequest.pooling
 class SamplingParams:
     """Per-row sampling settings; they travel to the device as [rows] arrays, never static.
 
-    temperature 0 means greedy. top_k 0 means off; top_p 1 and min_p 0 are off.
+    temperature 0 means greedy. top_k 0 means off (as does a top_k of the vocabulary size or
+    more, however large); top_p 1 and min_p 0 are off.
     `seed` makes the draw a function of (seed, position) only, so a row samples the same
     tokens alone or in any batch. `logprobs` is None (not asked), or k in [0, 20]: the
     chosen token's logprob plus the top k (raw model logprobs, before temperature).

@@ -70,7 +70,7 @@ def host_sampling_batch(params: list[SamplingParams | None], histories: list[tup
         if p is None:
             continue
         batch.temperature[i] = p.temperature
-        batch.top_k[i] = p.top_k
+        batch.top_k[i] = p.top_k if p.top_k < vocab_size else 0  # keeping the whole vocabulary is off
         batch.top_p[i] = p.top_p
         batch.min_p[i] = p.min_p
         batch.seed[i] = p.seed & 0xFFFFFFFF

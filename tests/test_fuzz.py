@@ -169,3 +169,11 @@ def test_fuzzed_bodies_never_get_a_5xx(http, path):
     assert http.get("/health").status_code == 200
     stats = http.get("/admin/stats").json()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] or stats["generating_now"] > 0
+
+
+@pytest.mark.parametrize("body", [{"prompt": "0", "top_k": 2**63, "max_tokens": 2},
+                                  {"prompt": "0", "top_k": 2**31, "seed": 2**70, "max_tokens": 2}])
+def test_huge_integers_the_fuzzer_found_are_served(http, body):
+    r = http.post("/v1/completions", json=body)
+    check(r, json.dumps(body).encode())
+    assert r.status_code == 200, r.text

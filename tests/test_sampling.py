@@ -83,3 +83,13 @@ def test_top_logprobs_are_skipped_when_no_row_asks():
     _, lp, top_ids, top_lp = _draw(SamplingParams(temperature=0.0), rows=2)
     assert (top_lp == 0).all() and (top_ids == 0).all(), "no row asked: the top-20 search is skipped"
     np.testing.assert_allclose(lp, np.log(0.4), atol=1e-5)  # the chosen token's logprob is still exact
+
+
+@pytest.mark.parametrize("top_k", [32, 33, 2**31, 2**63, 2**80])
+def test_top_k_of_the_vocabulary_or_more_is_off_however_large(top_k):
+    """A client may send any integer (the fuzzer found 2**63 crashing the step with an
+    OverflowError): keeping at least the whole vocabulary is no filter at all."""
+    batch = host_sampling_batch([SamplingParams(top_k=top_k, seed=1)], [()], [0], 1, 32)
+    assert batch.top_k[0] == 0
+    tokens, *_ = _draw(SamplingParams(temperature=1.0, top_k=top_k))
+    np.testing.assert_allclose(np.bincount(tokens, minlength=32) / ROWS, PROBS, atol=0.03)
