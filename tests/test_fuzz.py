@@ -6,6 +6,9 @@ nested lists and objects) and raw garbage (bytes, truncated JSON, JSON that is n
 object). The server must answer each with a status below 500; a 4xx must carry the
 OpenAI envelope; a 200 stream must end with `[DONE]` and carry no error event.
 
+The Anthropic, Responses, llama.cpp and embeddings routes get the same property with
+their own envelopes (`test_other_protocols_fuzzed_bodies_never_get_a_5xx`).
+
 Generation is kept short by the server's limits, not by the strategies: the fuzzed
 `max_tokens` may be anything, `--max-output-tokens 8` caps what is served (asking more is
 a 400), `--max-n 4`. Bounded: 150 examples per route, no per-example deadline.
@@ -177,3 +180,93 @@ def test_huge_integers_the_fuzzer_found_are_served(http, body):
     r = http.post("/v1/completions", json=body)
     check(r, json.dumps(body).encode())
     assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------- the other wire protocols
+
+OTHER_EXAMPLES = 60  # per route
+
+
+def _other_routes(valid: bool) -> dict:
+    """Bodies for the Anthropic, Responses, llama.cpp and embeddings adapters: every field
+    plausible (`valid`), or each plausible four times in six, else junk or a huge integer."""
+
+    def field(plausible):
+        return plausible if valid else st.one_of(plausible, plausible, plausible, plausible, junk, huge_ints)
+
+    text = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=30)
+    ids = st.lists(st.integers(-5, 500), min_size=1, max_size=8)
+    small = st.integers(1, 12)
+    unit = st.floats(0, 1)
+    a_block = st.fixed_dictionaries({"type": st.sampled_from(["text", "image", "tool_use", "tool_result"]),
+                                     "text": text}, optional={"id": text, "name": text, "input": junk})
+    a_message = st.fixed_dictionaries({"role": field(st.sampled_from(["user", "assistant"])),
+                                       "content": field(text | st.lists(a_block, min_size=1, max_size=2))})
+    a_tool = st.fixed_dictionaries({"name": field(text), "input_schema": field(st.just({"type": "object"}))},
+                                   optional={"type": st.sampled_from(["custom", "web_search_20250305"])})
+    anthropic = {"model": field(st.just("tiny-chat")), "max_tokens": field(small),
+                 "messages": field(st.lists(a_message, min_size=1, max_size=3))}
+    anthropic_optional = {"system": field(text), "temperature": field(unit), "top_k": field(small),
+                          "top_p": field(unit), "stop_sequences": field(st.lists(text, max_size=2)),
+                          "stream": field(st.booleans()), "tools": field(st.lists(a_tool, max_size=2)),
+                          "tool_choice": field(st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "none",
+                                                                                             "tool"])})),
+                          "thinking": field(st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled"]),
+                                                                   "budget_tokens": st.integers(0, 5000)}))}
+    r_item = st.fixed_dictionaries({"role": field(st.sampled_from(["user", "assistant", "system", "developer"])),
+                                    "content": field(text)}, optional={"type": st.sampled_from(
+                                        ["message", "function_call", "function_call_output", "reasoning"])})
+    responses = {"input": field(text | st.lists(r_item, min_size=1, max_size=3))}
+    responses_optional = {"model": field(st.just("tiny-chat")), "instructions": field(text),
+                          "max_output_tokens": field(small), "temperature": field(unit), "top_p": field(unit),
+                          "stream": field(st.booleans()), "text": field(st.fixed_dictionaries(
+                              {"format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object",
+                                                                                         "json_schema"])})})),
+                          "tools": field(st.lists(st.fixed_dictionaries({"type": st.just("function"),
+                                                                         "name": text}), max_size=2))}
+    llamacpp = {"prompt": field(text | ids)}
+    llamacpp_optional = {"n_predict": field(st.integers(-1, 8)), "temperature": field(unit), "top_k": field(small),
+                         "top_p": field(unit), "min_p": field(unit), "repeat_penalty": field(st.floats(0.5, 2)),
+                         "seed": field(huge_ints), "stop": field(st.lists(text, max_size=2)),
+                         "stream": field(st.booleans()), "cache_prompt": field(st.booleans())}
+    embeddings = {"input": field(text | st.lists(text, min_size=1, max_size=3) | ids
+                                 | st.lists(ids, min_size=1, max_size=3))}
+    embeddings_optional = {"model": field(st.just("tiny-chat")), "encoding_format": field(
+        st.sampled_from(["float", "base64"])), "pooling": field(st.sampled_from(["mean", "last"]))}
+    return {"/v1/messages": bodies(anthropic, anthropic_optional),
+            "/v1/responses": bodies(responses, responses_optional),
+            "/completion": bodies(llamacpp, llamacpp_optional),
+            "/v1/embeddings": bodies(embeddings, embeddings_optional)}
+
+
+OTHER_ROUTES = _other_routes(valid=False)
+OTHER_VALID_ROUTES = _other_routes(valid=True)
+
+
+def check_other(path: str, r: httpx.Response, raw: bytes) -> None:
+    """No 5xx; a 4xx in the route's own envelope; a stream without an error event."""
+    assert r.status_code < 500, f"{path}: {r.status_code} for body {raw[:300]!r}: {r.text[:500]}"
+    if r.status_code >= 400:
+        body = r.json()
+        if path == "/v1/messages":
+            assert body["type"] == "error" and {"type", "message"} <= set(body["error"]), r.text
+        elif path == "/completion":
+            assert {"code", "message", "type"} <= set(body["error"]), r.text
+        else:
+            assert {"message", "type", "param", "code"} <= set(body["error"]), r.text
+        return
+    if r.headers["content-type"].startswith("text/event-stream"):
+        assert "event: error" not in r.text and '"type": "error"' not in r.text, f"{path}: error event: {r.text[-500:]}"
+
+
+@pytest.mark.parametrize("path", list(OTHER_ROUTES))
+def test_other_protocols_fuzzed_bodies_never_get_a_5xx(http, path):
+    @settings(FUZZ_SETTINGS, max_examples=OTHER_EXAMPLES)
+    @given(raw=OTHER_VALID_ROUTES[path] | OTHER_ROUTES[path] | garbage(OTHER_ROUTES[path]))
+    def run(raw: bytes) -> None:
+        check_other(path, http.post(path, content=raw, headers={"Content-Type": "application/json"}), raw)
+
+    run()
+    assert http.get("/health").status_code == 200
+    stats = http.get("/admin/stats").json()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] or stats["generating_now"] > 0
