@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
+import json
 import shutil
 import socket
 import tempfile
@@ -164,3 +166,21 @@ def parse_sse(text: str) -> list[Any]:
                 payload = line[len("data: "):]
                 events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+@contextlib.contextmanager
+def templated_server(chat_template: str, name: str = "tiny-templated"):
+    """A server over a copy of `api_checkpoint()` whose chat template is `chat_template`
+    (the same weights and tokenizer); yields its base URL."""
+    root = Path(tempfile.mkdtemp(prefix="ferrox_template_"))
+    folder = shutil.copytree(api_checkpoint(), root / name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template}))
+    try:
+        from api.app import create_app
+        from api.config import ServerConfig
+
+        with ServerThread(create_app(tiny_engine(folder), ServerConfig())) as url:
+            yield url
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -9,9 +9,6 @@ each sampled document ends well within max_tokens.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from pathlib import Path
 
 import openai
 import pytest
@@ -20,7 +17,7 @@ from api.app import create_app
 from api.config import ServerConfig
 from ferrox_jax.grammar import GrammarSpec
 from tests.schema_check import check
-from tests.server_harness import ServerThread, api_checkpoint, parse_sse, tiny_engine
+from tests.server_harness import ServerThread, parse_sse, templated_server, tiny_engine
 from tests.test_structured import HERMES_TEMPLATE
 
 MESSAGES = [{"role": "user", "content": "Tell me about a person."}]
@@ -250,15 +247,8 @@ def test_server_default_constraint_applies_to_requests_without_one():
 @pytest.fixture(scope="module")
 def hermes_client():
     """The tiny model behind a Hermes/Qwen-style template (renders tools, opens <think>)."""
-    root = Path(tempfile.mkdtemp(prefix="ferrox_hermes_"))
-    folder = shutil.copytree(api_checkpoint(), root / "tiny-hermes")
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
-    try:
-        with ServerThread(create_app(tiny_engine(folder), ServerConfig())) as url:
-            yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with templated_server(HERMES_TEMPLATE, "tiny-hermes") as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_template_format_calls_are_parsed_from_the_output(hermes_client):

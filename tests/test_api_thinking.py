@@ -8,19 +8,12 @@ text is covered in tests/test_output_blocks.py. One server for the module."""
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
-from pathlib import Path
-
 import anthropic
 import httpx
 import openai
 import pytest
 
-from api.app import create_app
-from api.config import ServerConfig
-from tests.server_harness import ServerThread, api_checkpoint, parse_sse, tiny_engine
+from tests.server_harness import parse_sse, templated_server
 from tests.test_structured import HERMES_TEMPLATE
 
 MESSAGES = [{"role": "user", "content": "Tell me about a person."}]
@@ -29,15 +22,8 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def server():
-    root = Path(tempfile.mkdtemp(prefix="ferrox_thinking_"))
-    folder = shutil.copytree(api_checkpoint(), root / "tiny-hermes")
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
-    try:
-        with ServerThread(create_app(tiny_engine(folder), ServerConfig())) as url:
-            yield url
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with templated_server(HERMES_TEMPLATE, "tiny-hermes") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
