@@ -184,3 +184,17 @@ def templated_server(chat_template: str, name: str = "tiny-templated"):
             yield url
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def wait_for_serve_process(proc: Any, url: str, log_path: Path, timeout_s: float, interval_s: float = 0.1) -> None:
+    """Wait until a `ferrox serve` subprocess answers /health with 200; fail with the tail
+    of its log if it exits first, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"ferrox serve exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        assert time.monotonic() < deadline, f"ferrox serve not ready after {timeout_s:g} s"
+        time.sleep(interval_s)

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -21,7 +20,7 @@ from ferrox_jax.config import EngineConfig
 from ferrox_jax.engine import Engine
 from ferrox_jax.request import GenerationRequest, SamplingParams
 from models.loader import open_checkpoint
-from tests.server_harness import free_port
+from tests.server_harness import free_port, wait_for_serve_process
 from tools.model_shapes import write_config_folder
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,15 +38,7 @@ def dummy_server(folder: Path, log_path: Path):
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"ferrox serve exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "ferrox serve --load-format dummy not ready after 180 s"
-            time.sleep(0.1)
+        wait_for_serve_process(proc, url, log_path, 180)
         yield url
     finally:
         proc.terminate()

@@ -15,7 +15,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -24,7 +23,7 @@ import pytest
 import transformers
 
 from tests import family_checks as fc
-from tests.server_harness import free_port
+from tests.server_harness import free_port, wait_for_serve_process
 
 # Gemma's own template shape: a system turn is refused with raise_exception.
 GEMMA_TEMPLATE = (
@@ -112,14 +111,7 @@ def ferrox_serve(model_dir: Path, log_path: Path):
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, f"ferrox serve exited {proc.returncode}:\n{log_path.read_text()[-3000:]}"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "ferrox serve not ready after 180 s"
-            time.sleep(0.2)
+        wait_for_serve_process(proc, url, log_path, 180, interval_s=0.2)
         yield url
     finally:
         proc.terminate()

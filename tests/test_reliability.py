@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -24,7 +23,7 @@ import pytest
 from api.app import create_app
 from api.config import ServerConfig
 from tests.server_harness import (CONTEXT_TOKENS, ServerThread, api_checkpoint, free_port, parse_sse, tiny_engine,
-                                  wait_for)
+                                  wait_for, wait_for_serve_process)
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "sk-drain-secret-5f3c9a"
@@ -49,15 +48,7 @@ def serve_process(tmp_path: Path, *flags: str, env: dict | None = None):
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"ferrox serve exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "ferrox serve not ready after 120 s"
-            time.sleep(0.1)
+        wait_for_serve_process(proc, url, log_path, 120)
         yield proc, url, log_path
     finally:
         if proc.poll() is None:
