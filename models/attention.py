@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 _MASKED = -1e30  # large negative instead of -inf: a fully masked row stays finite
 ATTENTION_CHUNK_BLOCKS = 8  # blocks per attention loop iteration; table widths are multiples
@@ -175,3 +176,26 @@ def dense_causal_attention(q, k, v, scale: float, window: int | None = None, sof
         mask &= ~jnp.tril(jnp.ones((t, t), bool), -window)
     scores = jnp.where(mask[None], scores, _MASKED)
     return jnp.einsum("hts,shd->thd", jax.nn.softmax(scores, -1), v.astype(jnp.float32))
+
+
+# -- shared by the one-query decode kernels (models/pallas_attention.py, models/gpu_attention.py)
+
+def check_decode_inputs(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> None:
+    """A decode kernel's inputs: one query per row, K and V caches of one shape."""
+    if q.shape[1] != 1:
+        raise ValueError(f"decode attention takes one query per row; got T={q.shape[1]}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must match; got {k_cache.shape} and {v_cache.shape}")
+
+
+def shard_over_kv_heads(kernel, mesh, kv_sharded: bool):
+    """`kernel(q [B, H, hd], k_pages, v_pages [K, N, bs, hd], a, b)` run per device under
+    `mesh`: heads split over "model" when the KV cache is (`kv_sharded`), else replicated;
+    the two trailing per-row arrays replicated. `kernel` itself when there is no mesh."""
+    if mesh is None:
+        return kernel
+    heads = "model" if kv_sharded else None
+    return jax.shard_map(kernel, mesh=mesh,
+                         in_specs=(P(None, heads, None), P(heads, None, None, None), P(heads, None, None, None), P(),
+                                   P()),
+                         out_specs=P(None, heads, None), check_vma=False)

@@ -50,7 +50,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+
+from models.attention import check_decode_inputs, shard_over_kv_heads
 
 GPU_ATTENTION_IMPLS = ("pallas-gpu", "pallas-gpu-interpret", "gather-xla", "gather-cudnn")
 GPU_BACKENDS = ("gpu", "cuda")
@@ -104,13 +106,6 @@ def cudnn_problems(head_dim: int, kv_dtype) -> list[str]:
     return problems
 
 
-def _check_decode_inputs(q, k_cache, v_cache) -> None:
-    if q.shape[1] != 1:
-        raise ValueError(f"decode attention takes one query per row; got T={q.shape[1]}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must match; got {k_cache.shape} and {v_cache.shape}")
-
-
 @dataclasses.dataclass(frozen=True)
 class PallasGpuDecodeAttention:
     """Decode attention via JAX's Pallas GPU (Triton) paged-attention kernel. Hashable: static.
@@ -131,21 +126,14 @@ class PallasGpuDecodeAttention:
 
     def __call__(self, q, k_cache, v_cache, block_tables, positions, scale: float):
         """Same contract as `models.attention.paged_attention` for T == 1 (module docstring)."""
-        _check_decode_inputs(q, k_cache, v_cache)
+        check_decode_inputs(q, k_cache, v_cache)
         b, _, num_heads, head_dim = q.shape
         q1 = (q[:, 0].astype(jnp.float32) * scale).astype(k_cache.dtype)  # the kernel does not scale
         lengths = (positions[:, 0] + 1).astype(jnp.int32)
         multiple = self.pages_per_compute_block * self.k_splits
         tables = block_tables.astype(jnp.int32)
         tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % multiple)))  # null block 0, never read
-        kernel = self._kernel
-        if self.mesh is not None:
-            heads = "model" if self.kv_sharded else None
-            kernel = jax.shard_map(
-                kernel, mesh=self.mesh,
-                in_specs=(P(None, heads, None), P(heads, None, None, None), P(heads, None, None, None), P(), P()),
-                out_specs=P(None, heads, None), check_vma=False)
-        out = kernel(q1, k_cache, v_cache, tables, lengths)
+        out = shard_over_kv_heads(self._kernel, self.mesh, self.kv_sharded)(q1, k_cache, v_cache, tables, lengths)
         return out.astype(jnp.float32).reshape(b, 1, num_heads, head_dim)
 
     def _kernel(self, q, k_pages, v_pages, block_tables, lengths):
@@ -168,7 +156,7 @@ class GatherDecodeAttention:
 
     def __call__(self, q, k_cache, v_cache, block_tables, positions, scale: float):
         """Same contract as `models.attention.paged_attention` for T == 1 (module docstring)."""
-        _check_decode_inputs(q, k_cache, v_cache)
+        check_decode_inputs(q, k_cache, v_cache)
         b, _, num_heads, head_dim = q.shape
         num_kv, _, block_size, _ = k_cache.shape
         width = block_tables.shape[1] * block_size

@@ -47,8 +47,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
+from models.attention import check_decode_inputs, shard_over_kv_heads
 from models.gpu_attention import GPU_ATTENTION_IMPLS, GPU_BACKENDS, select_gpu_decode_attention
 
 ATTENTION_IMPLS = ("auto", "jax", "pallas", "pallas-interpret") + GPU_ATTENTION_IMPLS
@@ -88,22 +89,12 @@ class PallasDecodeAttention:
         Returns:
           f32[B, 1, H, hd].
         """
-        b, t, num_heads, head_dim = q.shape
-        if t != 1:
-            raise ValueError(f"Pallas decode attention takes one query per row; got T={t}")
-        if k_cache.shape != v_cache.shape:
-            raise ValueError(f"k_cache and v_cache must match; got {k_cache.shape} and {v_cache.shape}")
+        check_decode_inputs(q, k_cache, v_cache)
+        b, _, num_heads, head_dim = q.shape
         q1 = (q[:, 0].astype(jnp.float32) * scale).astype(q.dtype)  # the kernel does not scale
         lengths = (positions[:, 0] + 1).astype(jnp.int32)
         tables = block_tables.astype(jnp.int32)
-        kernel = self._kernel
-        if self.mesh is not None:
-            heads = "model" if self.kv_sharded else None
-            kernel = jax.shard_map(
-                kernel, mesh=self.mesh,
-                in_specs=(P(None, heads, None), P(heads, None, None, None), P(heads, None, None, None), P(), P()),
-                out_specs=P(None, heads, None), check_vma=False)
-        out = kernel(q1, k_cache, v_cache, lengths, tables)
+        out = shard_over_kv_heads(self._kernel, self.mesh, self.kv_sharded)(q1, k_cache, v_cache, lengths, tables)
         return out.astype(jnp.float32).reshape(b, 1, num_heads, head_dim)
 
     def _kernel(self, q, k_pages, v_pages, lengths, page_indices):
