@@ -19,6 +19,7 @@ from ferrox_jax.grammar import GrammarSpec
 from tests.schema_check import check
 from tests.server_harness import ServerThread, parse_sse, templated_server, tiny_engine
 from tests.test_structured import HERMES_TEMPLATE
+from tests.test_tool_calls import ADD, TOOLS, WEATHER
 
 MESSAGES = [{"role": "user", "content": "Tell me about a person."}]
 PERSON = {
@@ -29,12 +30,6 @@ PERSON = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 10},
-                                            "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}
-ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
-                                        "b": {"type": "integer", "minimum": -99, "maximum": 99}}, "required": ["a", "b"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}}]
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 
 
