@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -55,3 +56,25 @@ def generate_alone(runner, prompt, max_new, blocks, sampling=SamplingParams(temp
 
 def blocks_for(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size)
+
+
+def random_paged(lengths, *, num_blocks: int, block_size: int, table_blocks: int, seed: int = 0, kv_heads: int = 2,
+                 heads: int = 4, head_dim: int = 16, dtype=jnp.float32, kv_rounded_to=None):
+    """Random one-query decode inputs over a paged cache: (q [B, 1, H, hd], k, v [K, N, bs,
+    hd], block tables [B, table_blocks] of shuffled block ids, positions [B, 1]) for rows of
+    `lengths` keys. `kv_rounded_to`: a dtype K and V values are made representable in
+    (a kernel that casts pages to it then sees the same numbers)."""
+    rng = np.random.RandomState(seed)
+    shape = (kv_heads, num_blocks, block_size, head_dim)
+    if kv_rounded_to is None:
+        k, v = (jnp.asarray(rng.randn(*shape), dtype) for _ in range(2))
+    else:
+        k, v = (jnp.asarray(rng.randn(*shape), kv_rounded_to).astype(dtype) for _ in range(2))
+    q = jnp.asarray(rng.randn(len(lengths), 1, heads, head_dim), dtype)
+    ids = rng.permutation(np.arange(1, num_blocks))  # shuffled, so the table matters
+    tables = np.zeros((len(lengths), table_blocks), np.int32)
+    for i, n in enumerate(lengths):
+        used = -(-n // block_size)
+        tables[i, :used] = ids[i * table_blocks:i * table_blocks + used]
+    positions = jnp.asarray(np.asarray(lengths)[:, None] - 1, jnp.int32)
+    return q, k, v, jnp.asarray(tables), positions

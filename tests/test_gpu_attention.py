@@ -20,7 +20,7 @@ from models.gpu_attention import (GPU_BACKENDS, GatherDecodeAttention, PallasGpu
                                   pallas_gpu_blocking)
 from models.loader import load_checkpoint, open_checkpoint
 from models.pallas_attention import select_decode_attention
-from tests.engine_helpers import float32_matmuls, shuffled_blocks  # noqa: F401 (autouse: f32 tolerances)
+from tests.engine_helpers import float32_matmuls, random_paged, shuffled_blocks  # noqa: F401 (autouse: f32 tolerances)
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 64
@@ -29,18 +29,8 @@ LENGTHS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 33, TABLE_BLOCKS * BLO
 ON_GPU = jax.default_backend() in GPU_BACKENDS
 
 
-def _random_paged(lengths, seed=0, kv_heads=2, heads=4, head_dim=16, dtype=jnp.float32):
-    rng = np.random.RandomState(seed)
-    shape = (kv_heads, NUM_BLOCKS, BLOCK_SIZE, head_dim)
-    k, v = (jnp.asarray(rng.randn(*shape), dtype) for _ in range(2))
-    q = jnp.asarray(rng.randn(len(lengths), 1, heads, head_dim), dtype)
-    ids = rng.permutation(np.arange(1, NUM_BLOCKS))  # shuffled, so the table matters
-    tables = np.zeros((len(lengths), TABLE_BLOCKS), np.int32)
-    for i, n in enumerate(lengths):
-        used = -(-n // BLOCK_SIZE)
-        tables[i, :used] = ids[i * TABLE_BLOCKS:i * TABLE_BLOCKS + used]
-    positions = jnp.asarray(np.asarray(lengths)[:, None] - 1, jnp.int32)
-    return q, k, v, jnp.asarray(tables), positions
+def _random_paged(lengths, **kwargs):
+    return random_paged(lengths, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, table_blocks=TABLE_BLOCKS, **kwargs)
 
 
 CPU_CANDIDATES = {

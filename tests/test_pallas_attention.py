@@ -14,27 +14,18 @@ from ferrox_jax.runner import ModelRunner, block_table_width
 from models.attention import paged_attention
 from models.loader import load_checkpoint, open_checkpoint
 from models.pallas_attention import PallasDecodeAttention, pages_per_compute_block, select_decode_attention
-from tests.engine_helpers import shuffled_blocks
+from tests.engine_helpers import random_paged, shuffled_blocks
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 64
 TABLE_BLOCKS = 8  # 8 blocks * 8 = 64 positions per row
 
 
-def _random_paged(lengths, seed=0, kv_heads=2, heads=4, head_dim=16):
-    rng = np.random.RandomState(seed)
+def _random_paged(lengths, seed=0):
     # bf16-representable K/V: the kernel casts pages to bfloat16 in VMEM, so with values
     # that survive that cast exactly both paths see identical keys and values.
-    shape = (kv_heads, NUM_BLOCKS, BLOCK_SIZE, head_dim)
-    k, v = (jnp.asarray(rng.randn(*shape), jnp.bfloat16).astype(jnp.float32) for _ in range(2))
-    q = jnp.asarray(rng.randn(len(lengths), 1, heads, head_dim), jnp.float32)
-    ids = rng.permutation(np.arange(1, NUM_BLOCKS))  # shuffled, so the table matters
-    tables = np.zeros((len(lengths), TABLE_BLOCKS), np.int32)
-    for i, n in enumerate(lengths):
-        used = -(-n // BLOCK_SIZE)
-        tables[i, :used] = ids[i * TABLE_BLOCKS:i * TABLE_BLOCKS + used]
-    positions = jnp.asarray(np.asarray(lengths)[:, None] - 1, jnp.int32)
-    return q, k, v, jnp.asarray(tables), positions
+    return random_paged(lengths, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, table_blocks=TABLE_BLOCKS, seed=seed,
+                        kv_rounded_to=jnp.bfloat16)
 
 
 @pytest.mark.parametrize("ppcb", [1, 4, 8])
