@@ -368,7 +368,7 @@ class Engine:
     @property
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.model_name, architecture=self._source.config.architecture,
-                         max_context=self.max_context, dtype=str(jnp.dtype(self._runner.compute_dtype)),
+                         max_context=self.max_context, dtype=self.dtype_name,
                          quantization=self.config.quantization,
                          kv_cache_dtype=str(jnp.dtype(self._runner.kv_dtype)),
                          synthetic_weights=self._source.is_synthetic, weights_bytes=self.weights_bytes,
