@@ -75,7 +75,7 @@ def test_load_swaps_while_the_request_in_flight_finishes_on_its_model(http, serv
     assert {c["model"] for c in chunks} == {model}, "the stream stayed on the model it started on"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
     assert http.get("/v1/models").json()["data"][0]["id"] == "tiny-b"
-    out = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).json()
+    out = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True}).json()
     assert out["model"] == "tiny-b" and out["usage"]["completion_tokens"] == 3
     assert [m["id"] for m in http.get("/admin/models").json()["data"] if m["loaded"]] == ["tiny-b"]
 
