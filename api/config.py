@@ -193,6 +193,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("quantization", "FERROX_QUANTIZATION", _str, "none",
             "weights: none, int8 (weight-only; fused on TPU/GPU, slower on CPU) or w8a8 (int8 weights and "
             "per-token int8 activations; the fast CPU path)"),
+    Setting("int8_kernel", "FERROX_INT8_KERNEL", _str, "auto",
+            "w8a8 projections on CPU: auto (ferrox's AVX2 int8 kernel when built, one device) or xla "
+            "(XLA's int8 dot)"),
     Setting("block_size", "FERROX_CB_KV_BLOCK_SIZE", _positive_int, 16, "KV positions per block"),
     Setting("kv_blocks", "FERROX_CB_KV_BLOCKS", _positive_int, None,
             "KV blocks (default: derived from the memory budget)"),

@@ -19,6 +19,9 @@ LOAD_FORMAT_NAMES = ("auto", "dummy")  # models/loader.py LOAD_FORMATS (that mod
 # Weight quantization modes; the same tuple as models/quant.py's QUANTIZATION_MODES (this
 # module imports no jax, a test keeps the two equal).
 QUANTIZATION_NAMES = ("none", "int8", "w8a8")
+# Where w8a8 projections run on CPU: "auto" (the AVX2 kernel of models/cpu_int8.py when it is
+# built and the model is on one device) or "xla" (XLA's int8 dot, for comparison).
+INT8_KERNEL_NAMES = ("auto", "xla")
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -56,6 +59,7 @@ class EngineConfig:
     load_format: str = "auto"  # "auto": read the weights; "dummy": random weights from the config (sizing)
     dummy_weights_seed: int = 0  # the seed of load_format="dummy" (same seed, same weights)
     quantization: str = "none"  # "int8" (weight-only) or "w8a8" (int8 weights and activations)
+    int8_kernel: str = "auto"  # w8a8 on CPU: "auto" (the AVX2 kernel where it applies) or "xla"
     # ---- KV cache and batching (the contract's FERROX_CB_* settings) ----
     block_size: int = 16  # token positions per KV block
     kv_blocks: int | None = None  # cache blocks, the null block 0 included; None: from kv_memory_gib
@@ -104,6 +108,9 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_NAMES:
             raise ValueError(f"EngineConfig.quantization must be one of {', '.join(QUANTIZATION_NAMES)}; "
                              f"got {self.quantization!r}")
+        if self.int8_kernel not in INT8_KERNEL_NAMES:
+            raise ValueError(f"EngineConfig.int8_kernel must be one of {', '.join(INT8_KERNEL_NAMES)}; "
+                             f"got {self.int8_kernel!r}")
         if self.load_format not in LOAD_FORMAT_NAMES:
             raise ValueError(f"EngineConfig.load_format must be one of {', '.join(LOAD_FORMAT_NAMES)}; "
                              f"got {self.load_format!r}")

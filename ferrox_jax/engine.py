@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ from ferrox_jax.request import GenerationRequest
 from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
 from ferrox_jax.stats import BatcherStats
+from models import cpu_int8
 from models.config import ModelConfig
 from models.loader import CheckpointSource, open_checkpoint, resolve_path
 from models.loaders.common import abstract_model
@@ -199,13 +200,33 @@ def plan_memory(config: EngineConfig) -> MemoryPlan:
     return MemoryPlan(weights, sizing.num_blocks * sizing.bytes_per_block, sizing, jnp.dtype(dtype).name)
 
 
+def _int8_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
+    """Lays a w8a8 model's projections out for the x86 CPU kernel where it applies
+    (`models/cpu_int8.py`); returns the start-up log line saying which matmul runs."""
+    if config.quantization != "w8a8":
+        return ""
+    if jax.default_backend() != "cpu":
+        return f"w8a8 projections: XLA's int8 dot on {jax.default_backend()}"
+    if config.int8_kernel == "xla":
+        return "w8a8 projections: XLA's int8 dot (--int8-kernel xla)"
+    if mesh is not None:
+        note = "w8a8 projections: XLA's int8 dot (the CPU kernel has no tensor-parallel partitioning)"
+    elif (reason := cpu_int8.unavailable_reason()) is not None:
+        note = f"w8a8 projections: XLA's int8 dot, several times slower on CPU: {reason}"
+    else:
+        packed = cpu_int8.pack_for_kernel(model)
+        return f"w8a8 projections: {packed} on the AVX2 int8 kernel (models/cpu_int8.py)"
+    log.warning("%s", note)
+    return note
+
+
 class Engine:
     """The engine facade (see the module docstring). Thread-safe where the API needs it:
     `submit`, `cancel`, `stats` and `health` may be called from any thread."""
 
     def __init__(self, source: CheckpointSource, runner: ModelRunner, batcher: ContinuousBatcher,
                  config: EngineConfig, sizing: KVSizing, attention_note: str,
-                 grammar: GrammarCompiler | None = None, grammar_note: str = "") -> None:
+                 grammar: GrammarCompiler | None = None, grammar_note: str = "", matmul_note: str = "") -> None:
         self._source = source
         self._runner = runner
         self._batcher = batcher
@@ -215,6 +236,7 @@ class Engine:
         self.max_context = sizing.max_context
         self.sizing = sizing
         self.attention_note = attention_note
+        self.matmul_note = matmul_note  # which int8 matmul w8a8 runs on ("" when not quantized)
         self.dtype_name = str(jnp.dtype(runner.compute_dtype))
         self.warmup_s: float | None = None
         self.load_s: float = 0.0
@@ -263,6 +285,7 @@ class Engine:
         with jax.default_device(host) if host is not None else contextlib.nullcontext():
             model = source.build(dtype, decode_attention=attention, progress=progress, placement=placement,
                                  quantization=config.quantization)
+        matmul_note = _int8_matmul(model, config, mesh)
         max_rows = config.max_seqs
         prefill_chunk = min(config.prefill_chunk, sizing.max_context)
         grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size)
@@ -280,7 +303,7 @@ class Engine:
             prefix_caching=config.prefix_caching,
             prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size))
         batcher = ContinuousBatcher(runner, source.tokenizer, limits)
-        engine = cls(source, runner, batcher, config, sizing, attention_note, grammar, grammar_note)
+        engine = cls(source, runner, batcher, config, sizing, attention_note, grammar, grammar_note, matmul_note)
         engine.load_s = time.perf_counter() - t0
         return engine
 
@@ -393,6 +416,7 @@ class Engine:
             "mesh": None if runner.mesh is None else dict(runner.mesh.shape),
             "replicate_attention": self.config.replicate_attention,
             "attention": self.attention_note,
+            "int8_matmul": self.matmul_note or None,
             "kv_blocks": self.sizing.num_blocks,
             "block_size": self.config.block_size,
             "weights_bytes": self.weights_bytes,

@@ -25,6 +25,8 @@ in the compute dtype. A `QuantizedWeight` replaces the float parameter, same sha
                                 which is per output channel of the tied LM head [D, V])
              int8[E, in, out]   a MoE layer's expert stack (channel_axis 2: one scale per
                                 expert and output column; `select_expert` slices one)
+             int8[out, in]      a w8a8 projection packed for the x86 CPU kernel at load
+                                (channel_axis 0, `kernel` names it; models/cpu_int8.py)
     scales   f32[...]           the values' shape without the reduced (input) axis:
                                 [out], [V] or [E, out]; w ~= values * scales broadcast back
 
@@ -71,6 +73,9 @@ class QuantizedWeight:
     scales: jax.Array  # f32: values' shape without the reduced axis (`reduce_axis`)
     mode: str = struct.field(pytree_node=False, default="w8a8")  # "int8" or "w8a8"
     channel_axis: int = struct.field(pytree_node=False, default=1)
+    # The XLA FFI target that multiplies this weight (a w8a8 projection laid out [out, in],
+    # channel_axis 0, by models/cpu_int8.py); None: XLA's dot.
+    kernel: str | None = struct.field(pytree_node=False, default=None)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -184,18 +189,26 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def quantized_matmul(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
-    """x [..., in] @ qw [in, out] -> [..., out] in x's dtype, by qw.mode (module docstring)."""
-    if qw.channel_axis != 1:
-        raise ValueError(f"quantized_matmul needs an [in, out] weight (channel_axis 1); got {qw.channel_axis}")
-    if qw.mode == "int8":
-        return ((x @ qw.values.astype(x.dtype)) * qw.scales.astype(x.dtype)).astype(x.dtype)
+    """x [..., in] @ qw -> [..., out] in x's dtype, by qw.mode (module docstring). qw is a
+    projection [in, out] (channel_axis 1), or [out, in] (channel_axis 0: a w8a8 weight
+    packed for the CPU kernel, or the tied embedding)."""
+    if len(qw.shape) != 2:
+        raise ValueError(f"quantized_matmul needs a 2-D weight; got shape {qw.shape}")
+    contract = qw.reduce_axis
     lead, k = x.shape[:-1], x.shape[-1]
+    if qw.mode == "int8":
+        w = qw.values.astype(x.dtype)
+        return ((x @ (w if contract == 0 else w.T)) * qw.scales.astype(x.dtype)).astype(x.dtype)
     rows = x.reshape(-1, k).astype(jnp.float32)
+    if qw.kernel is not None:
+        out = jax.ShapeDtypeStruct((rows.shape[0], qw.shape[0]), jnp.float32)
+        y = jax.ffi.ffi_call(qw.kernel, out)(rows, qw.values, qw.scales)
+        return y.reshape(*lead, -1).astype(x.dtype)
     m = rows.shape[0]
     if m == 1:  # XLA CPU's one-row int8 dot is several times slower than its two-row one
         rows = jnp.pad(rows, ((0, 1), (0, 0)))
     xq, xs = quantize_rows(rows)
-    acc = jax.lax.dot_general(xq, qw.values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+    acc = jax.lax.dot_general(xq, qw.values, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.int32)
     out = acc.astype(jnp.float32) * xs * qw.scales
     return out[:m].reshape(*lead, -1).astype(x.dtype)
 

@@ -1,0 +1,42 @@
+#!/bin/bash
+# Side by side, one run: llama.cpp's server (llama-cpp-python 0.3.36, 2 threads) vs ferrox
+# float32, w8a8 on XLA's int8 dot (--int8-kernel xla), w8a8 on the AVX2 kernel, and the
+# kernel with a bfloat16 KV cache; concurrency 1 and 32, 128-token prompts and outputs.
+# Run from the repository root: bash bench/quant/kernel/run.sh
+set -u
+OUT=bench/quant/kernel
+mkdir -p $OUT
+GGUF=$(.venv/bin/python -c "from models.loaders.gguf import default_model_path; print(default_model_path())")
+PEER_PY=${PEER_PY:-/tmp/llamacpp-venv/bin/python}  # pip install 'llama-cpp-python[server]==0.3.36'
+bench() { # url label concurrency requests file
+  .venv/bin/python -m tools.bench_serving --base-url $1 --label $2 --tokenizer-model default \
+    --input-len 128 --output-len 128 --max-concurrency $3 --num-requests $4 --warmup-requests 2 \
+    --result-json $5 > $5.log 2>&1
+}
+wait_health() {
+  for i in $(seq 1 300); do curl -sf $1 > /dev/null && return 0; sleep 1; done; return 1
+}
+date; uptime; grep -m1 "model name" /proc/cpuinfo
+$PEER_PY -m llama_cpp.server --model "$GGUF" --host 127.0.0.1 --port 8384 \
+  --n_threads 2 --n_threads_batch 2 --n_ctx 2048 --interrupt_requests False > $OUT/peer.log 2>&1 &
+PEER=$!
+wait_health http://127.0.0.1:8384/v1/models || echo "peer did not start"
+bench http://127.0.0.1:8384 llama.cpp 1 16 $OUT/llamacpp-c1.json
+bench http://127.0.0.1:8384 llama.cpp 32 128 $OUT/llamacpp-c32.json
+kill $PEER; wait $PEER 2>/dev/null
+run_ferrox() { # label, then serve flags
+  local label=$1; shift
+  date; uptime
+  .venv/bin/ferrox serve --host 127.0.0.1 --port 8383 --model default "$@" > $OUT/ferrox-$label.log 2>&1 &
+  local srv=$!
+  wait_health http://127.0.0.1:8383/health || echo "ferrox $label did not start"
+  bench http://127.0.0.1:8383 ferrox-$label 1 16 $OUT/ferrox-$label-c1.json
+  bench http://127.0.0.1:8383 ferrox-$label 32 128 $OUT/ferrox-$label-c32.json
+  curl -s http://127.0.0.1:8383/admin/stats > $OUT/ferrox-$label-admin-stats.json
+  kill -INT $srv; wait $srv 2>/dev/null
+}
+run_ferrox none
+run_ferrox w8a8-xla --quantization w8a8 --int8-kernel xla
+run_ferrox w8a8-kernel --quantization w8a8
+run_ferrox w8a8-kernel-bf16kv --quantization w8a8 --kv-cache-dtype bfloat16
+date; uptime

@@ -1,0 +1,213 @@
+"""The x86 CPU int8 kernel (models/cpu_int8.py, models/kernels/int8_matmul.cc): its
+products against an exact numpy reference and XLA's dot, the packing pass, and the
+engine on it (logits, zero recompiles, what it reports, `--int8-kernel xla`)."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ferrox_jax.config import EngineConfig
+from ferrox_jax.plan import RowStep
+from ferrox_jax.runner import ModelRunner
+from models import cpu_int8
+from models.loader import load_checkpoint
+from models.quant import QuantizedWeight, quantize, quantized_matmul
+from tests.engine_helpers import shuffled_blocks
+from tests.sharding_probe import mixed_workload
+
+
+def _has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx2" in f.read()
+    except OSError:
+        return False
+
+
+# Where `make` can build the kernel (x86-64 Linux with AVX2 and a C++ compiler) it must be
+# there: a broken build fails this module instead of silently testing XLA's dot twice.
+BUILDABLE = platform.machine() == "x86_64" and _has_avx2() and shutil.which("c++") is not None
+pytestmark = pytest.mark.skipif(not BUILDABLE, reason="the kernel needs x86-64 with AVX2 and a C++ compiler")
+
+
+def test_the_kernel_is_built_and_registered():
+    assert cpu_int8.unavailable_reason() is None
+
+
+def _reference(x: np.ndarray, values_t: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The kernel's contract in numpy: quantize_rows' int8 (scale amax * (1/127) as XLA
+    computes amax / 127, f32 division, round half to even, clip), an exact integer dot,
+    then (sum * row scale) * channel scale in f32."""
+    amax = np.abs(x).max(axis=1, keepdims=True)
+    xs = np.where(amax > 0, amax * np.float32(1 / 127), np.float32(1)).astype(np.float32)
+    xq = np.clip(np.rint(x / xs), -127, 127).astype(np.int64)
+    acc = (xq @ values_t.astype(np.int64).T).astype(np.float32)
+    return (acc * xs) * scales[None, :]
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 32, 1), (1, 576, 1536), (2, 64, 7), (3, 96, 33), (5, 576, 200),
+                                   (17, 128, 4), (40, 576, 203), (128, 256, 64)])
+def test_products_equal_the_exact_integer_reference(m, k, n):
+    rng = np.random.default_rng(m * 1000 + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[m // 2] = 0.0  # an all-zero row (a padded token) has scale 1 and gives zeros
+    qw = quantize(jnp.asarray(rng.standard_normal((k, n)).astype(np.float32) * 0.05), "w8a8")
+    packed = cpu_int8.pack(qw)
+    assert packed.shape == (n, k) and packed.channel_axis == 0 and packed.kernel == cpu_int8.TARGET
+    got = np.asarray(jax.jit(quantized_matmul)(jnp.asarray(x), packed))
+    want = _reference(x, np.asarray(packed.values), np.asarray(packed.scales))
+    # The same f32 operations in the same order: equal bits, whichever thread took a column
+    # (40 x 576 x 203 and 5 x 576 x 200 are over the size that splits columns across threads).
+    np.testing.assert_array_equal(got, want)
+    assert not got[m // 2].any()
+
+
+def test_extreme_values_do_not_saturate():
+    """|x|, |w| = 127 everywhere: the largest 16-bit pair sum (2 x 127 x 127 = 32258) must
+    not saturate; with alternating signs the sums cancel exactly."""
+    k = 576
+    x = np.full((2, k), 3.0, np.float32)
+    x[1, 1::2] = -3.0
+    values = np.full((4, k), 127, np.int8)
+    values[1] = -127
+    values[2, ::2] = -127  # w2: -127 at even inputs, +127 at odd ones; w3 the opposite
+    values[3, 1::2] = -127
+    packed = QuantizedWeight(jnp.asarray(values), jnp.ones(4, jnp.float32), "w8a8", channel_axis=0,
+                             kernel=cpu_int8.TARGET)
+    got = np.asarray(jax.jit(quantized_matmul)(jnp.asarray(x), packed))
+    s = 3.0 / 127  # the rows' scale: every |x| is the row's max
+    full = 127 * 127 * k * s
+    np.testing.assert_allclose(got, [[full, -full, 0, 0], [0, 0, -full, full]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("m", [1, 2, 9])
+def test_kernel_agrees_with_xla_dot(m):
+    """The XLA path (quantize_rows, int8 dot_general) and the kernel differ by at most float
+    rounding, or one activation step where XLA's division lands a value the other side of
+    a half (a step of the row is amax/127, times |w| summed over the channel)."""
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, 576)).astype(np.float32))
+    qw = quantize(jnp.asarray(rng.standard_normal((576, 300)).astype(np.float32) * 0.05), "w8a8")
+    xla = np.asarray(jax.jit(quantized_matmul)(x, qw))
+    kernel = np.asarray(jax.jit(quantized_matmul)(x, cpu_int8.pack(qw)))
+    step = np.abs(np.asarray(x)).max(axis=1, keepdims=True) / 127 * np.asarray(qw.scales)[None, :] * 127
+    assert np.all(np.abs(kernel - xla) <= step + 1e-5 * np.abs(xla))
+    assert np.median(np.abs(kernel - xla)) < 1e-5
+
+
+def _head(model_or_state) -> QuantizedWeight:
+    """The LM head of a model or its nnx state: `lm_head`, or `tied_lm_head` when tied."""
+    name = "tied_lm_head" if "tied_lm_head" in dict(nnx.to_flat_state(nnx.state(model_or_state))) else "lm_head"
+    node = model_or_state[name] if isinstance(model_or_state, nnx.State) else getattr(model_or_state, name)
+    return node.get_value()
+
+
+def test_pack_for_kernel_lays_out_every_packable_projection(tiny_llama):
+    model = load_checkpoint(str(tiny_llama), quantization="w8a8").model
+    packed = cpu_int8.pack_for_kernel(model)
+    layer = model.layers[0]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        qw = getattr(layer, name).get_value()
+        assert (qw.kernel, qw.channel_axis) == (cpu_int8.TARGET, 0), name
+    assert _head(model).kernel == cpu_int8.TARGET
+    embed = model.embed.get_value()  # looked up by row, not multiplied: stays as it was
+    assert embed.kernel is None and embed.channel_axis == 0
+    # 7 projections per layer and the head; the embedding is not a projection.
+    assert packed == 7 * model.cfg.num_layers + 1
+
+
+def test_weights_the_kernel_cannot_take_keep_xla():
+    odd = quantize(jnp.ones((48, 64)), "w8a8")  # 48 inputs: not a multiple of 32
+    assert not cpu_int8.packable(odd)
+    assert not cpu_int8.packable(quantize(jnp.ones((64, 64)), "int8"))  # weight-only mode
+    assert not cpu_int8.packable(quantize(jnp.ones((2, 64, 64)), "w8a8", channel_axis=2))  # expert stack
+    assert cpu_int8.packable(quantize(jnp.ones((64, 48)), "w8a8"))
+
+
+def _logits(model, prompt, blocks):
+    runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=128)
+    return runner.run_logits([RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks,
+                                      sample=False)])[0]
+
+
+def test_packed_model_logits_match_the_xla_path(tiny_llama):
+    prompt = np.random.RandomState(11).randint(3, 300, 17).tolist()
+    blocks = tuple(shuffled_blocks(3, 48, seed=12))
+    xla = _logits(load_checkpoint(str(tiny_llama), quantization="w8a8").model, prompt, blocks)
+    model = load_checkpoint(str(tiny_llama), quantization="w8a8").model
+    cpu_int8.pack_for_kernel(model)
+    got = _logits(model, prompt, blocks)
+    # Same integers and scales; the two paths differ only where an activation's division
+    # rounds the other way (test_kernel_agrees_with_xla_dot), far under the quantization
+    # error itself (tests/test_quant.py allows 13 % of the logits' spread against float32).
+    assert np.abs(got - xla).max() < 0.01 * xla.std()
+    assert (got.argmax(-1) == xla.argmax(-1)).all()
+
+
+def test_mixed_workload_on_the_kernel_causes_zero_recompiles(tiny_llama):
+    model = load_checkpoint(str(tiny_llama), quantization="w8a8").model
+    cpu_int8.pack_for_kernel(model)
+    runner = ModelRunner(model, num_blocks=64, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=128)
+    runner.warmup()
+    mixed_workload(runner)
+    assert runner.recompiles_after_warmup == 0
+
+
+@pytest.mark.parametrize("int8_kernel", ["auto", "xla"])
+def test_engine_says_which_matmul_w8a8_runs_on(tiny_llama, int8_kernel):
+    from ferrox_jax.engine import Engine
+
+    engine = Engine.load(EngineConfig(model=str(tiny_llama), dtype="float32", quantization="w8a8",
+                                      int8_kernel=int8_kernel, kv_blocks=32, max_context=128, max_seqs=2,
+                                      prefill_chunk=16))
+    try:
+        note = engine.describe()["int8_matmul"]
+        head = _head(engine._runner.state)
+        if int8_kernel == "auto":
+            assert note.startswith(f"w8a8 projections: {7 * engine.model_config.num_layers + 1} on the AVX2")
+            assert head.kernel == cpu_int8.TARGET
+        else:
+            assert note == "w8a8 projections: XLA's int8 dot (--int8-kernel xla)"
+            assert head.kernel is None
+    finally:
+        engine.shutdown()
+
+
+def test_engine_config_refuses_an_unknown_int8_kernel():
+    with pytest.raises(ValueError, match="int8_kernel must be one of auto, xla; got 'avx512'"):
+        EngineConfig(int8_kernel="avx512")
+
+
+@pytest.mark.slow
+def test_default_model_on_the_kernel_stays_within_the_w8a8_budget():
+    from models.loader import open_checkpoint
+    from tools.compare_logits import _kl
+    from tools.logits_reference import log_softmax
+
+    source = open_checkpoint("default")
+    prompt = source.tokenizer.encode("The capital of France is Paris. Once upon a time, in a small village by the sea,")
+    blocks = tuple(shuffled_blocks(4, 48, seed=9))
+    ref = _logits(source.build(), prompt, blocks).astype(np.float64)
+    xla = _logits(source.build(quantization="w8a8"), prompt, blocks).astype(np.float64)
+    model = source.build(quantization="w8a8")
+    assert cpu_int8.pack_for_kernel(model) == 7 * 30 + 1
+    got = _logits(model, prompt, blocks).astype(np.float64)
+    # The w8a8 budget of tests/test_quant.py (mean KL 0.4 against float32; derived there).
+    kl = _kl(log_softmax(ref), log_softmax(got)).mean()
+    kl_xla = _kl(log_softmax(ref), log_softmax(xla)).mean()
+    assert kl < 0.4, f"mean KL {kl:.3g}"
+    # And no worse than XLA's w8a8 (measured: 0.074 vs 0.077). The two do not agree bit for
+    # bit over 30 layers: re-quantizing the activations at every projection turns a 1-ulp
+    # difference anywhere upstream into a whole int8 step, and XLA's own w8a8 moves by as
+    # much when only the graph around it changes (packing layer 0's q_proj alone moves the
+    # other, still-XLA projections' logits by a mean KL of 0.013), so the test bounds the
+    # error against float32, which is what a user sees.
+    assert kl < 1.25 * kl_xla + 0.01, f"kernel mean KL {kl:.3g} vs XLA's w8a8 {kl_xla:.3g}"
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
