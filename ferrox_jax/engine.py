@@ -45,7 +45,7 @@ from ferrox_jax.request import GenerationRequest
 from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
 from ferrox_jax.stats import BatcherStats
-from models import cpu_int8
+from models import cpu_kernels
 from models.config import ModelConfig
 from models.loader import CheckpointSource, open_checkpoint, resolve_path
 from models.loaders.common import abstract_model
@@ -202,7 +202,7 @@ def plan_memory(config: EngineConfig) -> MemoryPlan:
 
 def _int8_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
     """Lays a w8a8 model's projections out for the x86 CPU kernel where it applies
-    (`models/cpu_int8.py`); returns the start-up log line saying which matmul runs."""
+    (`models/cpu_kernels.py`); returns the start-up log line saying which matmul runs."""
     if config.quantization != "w8a8":
         return ""
     if jax.default_backend() != "cpu":
@@ -211,11 +211,11 @@ def _int8_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
         return "w8a8 projections: XLA's int8 dot (--int8-kernel xla)"
     if mesh is not None:
         note = "w8a8 projections: XLA's int8 dot (the CPU kernel has no tensor-parallel partitioning)"
-    elif (reason := cpu_int8.unavailable_reason()) is not None:
+    elif (reason := cpu_kernels.unavailable_reason()) is not None:
         note = f"w8a8 projections: XLA's int8 dot, several times slower on CPU: {reason}"
     else:
-        packed = cpu_int8.pack_for_kernel(model)
-        return f"w8a8 projections: {packed} on the AVX2 int8 kernel (models/cpu_int8.py)"
+        packed = cpu_kernels.pack_for_kernel(model)
+        return f"w8a8 projections: {packed} on the AVX2 int8 kernel (models/cpu_kernels.py)"
     log.warning("%s", note)
     return note
 

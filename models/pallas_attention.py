@@ -52,7 +52,7 @@ from jax.sharding import Mesh
 from models.attention import check_decode_inputs, shard_over_kv_heads
 from models.gpu_attention import GPU_ATTENTION_IMPLS, GPU_BACKENDS, select_gpu_decode_attention
 
-ATTENTION_IMPLS = ("auto", "jax", "pallas", "pallas-interpret") + GPU_ATTENTION_IMPLS
+ATTENTION_IMPLS = ("auto", "jax", "pallas", "pallas-interpret", "cpu") + GPU_ATTENTION_IMPLS
 KERNEL_HEAD_DIM_MULTIPLE = 128
 KERNEL_BLOCK_SIZE_MULTIPLE = 16
 KERNEL_KEYS_PER_COMPUTE_BLOCK = 512  # keys one kernel iteration loads (the upstream test's choice)
@@ -123,6 +123,23 @@ def kernel_problems(head_dim: int, block_size: int, max_blocks_per_row: int, ppc
     return problems
 
 
+def _cpu_decode_attention(impl: str, *, head_dim: int, backend: str, mesh: Mesh | None, kv_dtype):
+    """`auto` on a CPU backend, or `cpu`: ferrox's AVX2 kernel where it can run."""
+    from models import cpu_kernels
+
+    problems = [] if backend == "cpu" else [f"backend {backend} is not a CPU"]
+    if mesh is not None:
+        problems.append("tensor parallelism (the kernel has no partitioning rule)")
+    if not problems and (reason := cpu_kernels.unavailable_reason()) is not None:
+        problems.append(reason)
+    problems += cpu_kernels.attention_problems(head_dim, kv_dtype)
+    if not problems:
+        return cpu_kernels.decode_attention(), "decode attention: ferrox's AVX2 CPU kernel (models/cpu_kernels.py)"
+    if impl == "cpu":
+        raise ValueError("attention_impl=cpu: the CPU kernel cannot run here: " + "; ".join(problems))
+    return None, "decode attention: pure JAX (the CPU kernel cannot run here: " + "; ".join(problems) + ")"
+
+
 def select_decode_attention(impl: str, *, head_dim: int, block_size: int, max_blocks_per_row: int,
                             backend: str | None = None, mesh: Mesh | None = None,
                             kv_sharded: bool = False, kv_dtype=jnp.bfloat16):
@@ -143,6 +160,8 @@ def select_decode_attention(impl: str, *, head_dim: int, block_size: int, max_bl
     if impl == "pallas-interpret":
         kernel = PallasDecodeAttention(ppcb, mesh, kv_sharded, interpret=True)
         return kernel, f"decode attention: Pallas TPU kernel in interpret mode (pages_per_compute_block={ppcb})"
+    if impl == "cpu" or (impl == "auto" and backend == "cpu"):
+        return _cpu_decode_attention(impl, head_dim=head_dim, backend=backend, mesh=mesh, kv_dtype=kv_dtype)
     if backend != "tpu":
         if impl == "pallas":
             raise ValueError(f"attention_impl=pallas needs a TPU backend; this one is {backend!r} "

@@ -26,7 +26,7 @@ in the compute dtype. A `QuantizedWeight` replaces the float parameter, same sha
              int8[E, in, out]   a MoE layer's expert stack (channel_axis 2: one scale per
                                 expert and output column; `select_expert` slices one)
              int8[out, in]      a w8a8 projection packed for the x86 CPU kernel at load
-                                (channel_axis 0, `kernel` names it; models/cpu_int8.py)
+                                (channel_axis 0, `kernel` names it; models/cpu_kernels.py)
     scales   f32[...]           the values' shape without the reduced (input) axis:
                                 [out], [V] or [E, out]; w ~= values * scales broadcast back
 
@@ -74,7 +74,7 @@ class QuantizedWeight:
     mode: str = struct.field(pytree_node=False, default="w8a8")  # "int8" or "w8a8"
     channel_axis: int = struct.field(pytree_node=False, default=1)
     # The XLA FFI target that multiplies this weight (a w8a8 projection laid out [out, in],
-    # channel_axis 0, by models/cpu_int8.py); None: XLA's dot.
+    # channel_axis 0, by models/cpu_kernels.py); None: XLA's dot.
     kernel: str | None = struct.field(pytree_node=False, default=None)
 
     @property

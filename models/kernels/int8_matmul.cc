@@ -19,22 +19,18 @@
 // The product of 32 pairs uses llama.cpp's AVX2 sign trick: maddubs(|x|, sign(w, x))
 // multiplies unsigned by signed bytes; |x|, |w| <= 127 keep each pair sum <= 32258, so
 // the 16-bit lanes never saturate. K must be a multiple of 32 (checked; the caller
-// falls back to XLA's dot otherwise). Columns are split into chunks that the calling
-// thread and XLA's intra-op pool claim from one atomic counter: a task that starts late
-// finds nothing left, and the caller never waits on a task that has not started.
-// Every output element is computed whole by one thread, so the result does not depend
-// on how the chunks were shared.
+// falls back to XLA's dot otherwise). Columns are split into chunks shared over XLA's
+// intra-op pool (parallel.h); every output element is computed whole by one thread, so
+// the result does not depend on how the chunks were shared.
 
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -145,23 +141,6 @@ void Columns(const Problem& p, int64_t n_begin, int64_t n_end) {
 
 #pragma GCC pop_options
 
-struct Job {
-  Problem problem;
-  int64_t chunk_columns = 0;
-  int64_t chunks = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Work() {
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
-         c = next.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t begin = c * chunk_columns;
-      Columns(problem, begin, std::min(problem.n, begin + chunk_columns));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 // Below this many multiply-adds a product runs on the calling thread alone.
 constexpr int64_t kParallelMacs = 1 << 18;
 
@@ -175,27 +154,18 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   if (static_cast<int64_t>(ws.element_count()) != n)
     return ffi::Error::InvalidArgument("ferrox_int8_matmul: ws must be [N]");
 
-  auto job = std::make_shared<Job>();
-  auto xq = std::make_shared<std::vector<int8_t>>(m * k);
-  auto xs = std::make_shared<std::vector<float>>(m);
-  for (int64_t i = 0; i < m; ++i) (*xs)[i] = QuantizeRow(x.typed_data() + i * k, k, xq->data() + i * k);
-  job->problem = Problem{xq->data(), xs->data(), w.typed_data(), ws.typed_data(), out->typed_data(), m, n, k};
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xs(m);
+  for (int64_t i = 0; i < m; ++i) xs[i] = QuantizeRow(x.typed_data() + i * k, k, xq.data() + i * k);
+  const Problem p{xq.data(), xs.data(), w.typed_data(), ws.typed_data(), out->typed_data(), m, n, k};
 
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const bool parallel = threads > 1 && m * n * k >= kParallelMacs;
+  const int64_t threads = m * n * k >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
   // 4 chunks per thread balance uneven progress; chunks are whole 4-column blocks.
-  const int64_t target = parallel ? threads * 4 : 1;
-  job->chunk_columns = std::max<int64_t>(4, ((n + target - 1) / target + 3) / 4 * 4);
-  job->chunks = (n + job->chunk_columns - 1) / job->chunk_columns;
-  if (parallel) {
-    const int64_t helpers = std::min(threads, job->chunks) - 1;
-    // Helpers hold the job and the quantized rows until they return (they may start late).
-    for (int64_t h = 0; h < helpers; ++h) pool.Schedule([job, xq, xs] { job->Work(); });
-  }
-  job->Work();
-  for (int spins = 0; job->done.load(std::memory_order_acquire) < job->chunks; ++spins) {
-    if (spins < 4096) _mm_pause(); else std::this_thread::yield();
-  }
+  const int64_t target = threads * 4;
+  const int64_t chunk = std::max<int64_t>(4, ((n + target - 1) / target + 3) / 4 * 4);
+  ferrox::ParallelFor(pool, threads, (n + chunk - 1) / chunk, [&p, chunk](int64_t c) {
+    Columns(p, c * chunk, std::min(p.n, (c + 1) * chunk));
+  });
   return ffi::Error::Success();
 }
 
@@ -209,5 +179,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxInt8Matmul, Int8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// 1 if this CPU can run the handler (AVX2); the loader asks before registering it.
-extern "C" int ferrox_int8_matmul_supported() { return __builtin_cpu_supports("avx2") ? 1 : 0; }
+// 1 if this CPU can run the handlers of this library (AVX2); the loader asks before registering them.
+extern "C" int ferrox_cpu_kernels_supported() { return __builtin_cpu_supports("avx2") ? 1 : 0; }

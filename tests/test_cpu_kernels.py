@@ -1,6 +1,7 @@
-"""The x86 CPU int8 kernel (models/cpu_int8.py, models/kernels/int8_matmul.cc): its
-products against an exact numpy reference and XLA's dot, the packing pass, and the
-engine on it (logits, zero recompiles, what it reports, `--int8-kernel xla`)."""
+"""ferrox's x86 CPU kernels (models/cpu_kernels.py, models/kernels/): the int8 matmul's
+products against an exact numpy reference and XLA's dot, the packing pass, and the engine
+on it (logits, zero recompiles, what it reports, `--int8-kernel xla`); the decode
+attention against the pure-JAX paged attention, alone and in a model."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from flax import nnx
 from ferrox_jax.config import EngineConfig
 from ferrox_jax.plan import RowStep
 from ferrox_jax.runner import ModelRunner
-from models import cpu_int8
+from models import cpu_kernels
 from models.loader import load_checkpoint
 from models.quant import QuantizedWeight, quantize, quantized_matmul
 from tests.engine_helpers import shuffled_blocks
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.skipif(not BUILDABLE, reason="the kernel needs x86-64 w
 
 
 def test_the_kernel_is_built_and_registered():
-    assert cpu_int8.unavailable_reason() is None
+    assert cpu_kernels.unavailable_reason() is None
 
 
 def _reference(x: np.ndarray, values_t: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -59,8 +60,8 @@ def test_products_equal_the_exact_integer_reference(m, k, n):
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[m // 2] = 0.0  # an all-zero row (a padded token) has scale 1 and gives zeros
     qw = quantize(jnp.asarray(rng.standard_normal((k, n)).astype(np.float32) * 0.05), "w8a8")
-    packed = cpu_int8.pack(qw)
-    assert packed.shape == (n, k) and packed.channel_axis == 0 and packed.kernel == cpu_int8.TARGET
+    packed = cpu_kernels.pack(qw)
+    assert packed.shape == (n, k) and packed.channel_axis == 0 and packed.kernel == cpu_kernels.MATMUL_TARGET
     got = np.asarray(jax.jit(quantized_matmul)(jnp.asarray(x), packed))
     want = _reference(x, np.asarray(packed.values), np.asarray(packed.scales))
     # The same f32 operations in the same order: equal bits, whichever thread took a column
@@ -80,7 +81,7 @@ def test_extreme_values_do_not_saturate():
     values[2, ::2] = -127  # w2: -127 at even inputs, +127 at odd ones; w3 the opposite
     values[3, 1::2] = -127
     packed = QuantizedWeight(jnp.asarray(values), jnp.ones(4, jnp.float32), "w8a8", channel_axis=0,
-                             kernel=cpu_int8.TARGET)
+                             kernel=cpu_kernels.MATMUL_TARGET)
     got = np.asarray(jax.jit(quantized_matmul)(jnp.asarray(x), packed))
     s = 3.0 / 127  # the rows' scale: every |x| is the row's max
     full = 127 * 127 * k * s
@@ -96,7 +97,7 @@ def test_kernel_agrees_with_xla_dot(m):
     x = jnp.asarray(rng.standard_normal((m, 576)).astype(np.float32))
     qw = quantize(jnp.asarray(rng.standard_normal((576, 300)).astype(np.float32) * 0.05), "w8a8")
     xla = np.asarray(jax.jit(quantized_matmul)(x, qw))
-    kernel = np.asarray(jax.jit(quantized_matmul)(x, cpu_int8.pack(qw)))
+    kernel = np.asarray(jax.jit(quantized_matmul)(x, cpu_kernels.pack(qw)))
     step = np.abs(np.asarray(x)).max(axis=1, keepdims=True) / 127 * np.asarray(qw.scales)[None, :] * 127
     assert np.all(np.abs(kernel - xla) <= step + 1e-5 * np.abs(xla))
     assert np.median(np.abs(kernel - xla)) < 1e-5
@@ -111,12 +112,12 @@ def _head(model_or_state) -> QuantizedWeight:
 
 def test_pack_for_kernel_lays_out_every_packable_projection(tiny_llama):
     model = load_checkpoint(str(tiny_llama), quantization="w8a8").model
-    packed = cpu_int8.pack_for_kernel(model)
+    packed = cpu_kernels.pack_for_kernel(model)
     layer = model.layers[0]
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
         qw = getattr(layer, name).get_value()
-        assert (qw.kernel, qw.channel_axis) == (cpu_int8.TARGET, 0), name
-    assert _head(model).kernel == cpu_int8.TARGET
+        assert (qw.kernel, qw.channel_axis) == (cpu_kernels.MATMUL_TARGET, 0), name
+    assert _head(model).kernel == cpu_kernels.MATMUL_TARGET
     embed = model.embed.get_value()  # looked up by row, not multiplied: stays as it was
     assert embed.kernel is None and embed.channel_axis == 0
     # 7 projections per layer and the head; the embedding is not a projection.
@@ -125,10 +126,10 @@ def test_pack_for_kernel_lays_out_every_packable_projection(tiny_llama):
 
 def test_weights_the_kernel_cannot_take_keep_xla():
     odd = quantize(jnp.ones((48, 64)), "w8a8")  # 48 inputs: not a multiple of 32
-    assert not cpu_int8.packable(odd)
-    assert not cpu_int8.packable(quantize(jnp.ones((64, 64)), "int8"))  # weight-only mode
-    assert not cpu_int8.packable(quantize(jnp.ones((2, 64, 64)), "w8a8", channel_axis=2))  # expert stack
-    assert cpu_int8.packable(quantize(jnp.ones((64, 48)), "w8a8"))
+    assert not cpu_kernels.packable(odd)
+    assert not cpu_kernels.packable(quantize(jnp.ones((64, 64)), "int8"))  # weight-only mode
+    assert not cpu_kernels.packable(quantize(jnp.ones((2, 64, 64)), "w8a8", channel_axis=2))  # expert stack
+    assert cpu_kernels.packable(quantize(jnp.ones((64, 48)), "w8a8"))
 
 
 def _logits(model, prompt, blocks):
@@ -142,7 +143,7 @@ def test_packed_model_logits_match_the_xla_path(tiny_llama):
     blocks = tuple(shuffled_blocks(3, 48, seed=12))
     xla = _logits(load_checkpoint(str(tiny_llama), quantization="w8a8").model, prompt, blocks)
     model = load_checkpoint(str(tiny_llama), quantization="w8a8").model
-    cpu_int8.pack_for_kernel(model)
+    cpu_kernels.pack_for_kernel(model)
     got = _logits(model, prompt, blocks)
     # Same integers and scales; the two paths differ only where an activation's division
     # rounds the other way (test_kernel_agrees_with_xla_dot), far under the quantization
@@ -153,7 +154,7 @@ def test_packed_model_logits_match_the_xla_path(tiny_llama):
 
 def test_mixed_workload_on_the_kernel_causes_zero_recompiles(tiny_llama):
     model = load_checkpoint(str(tiny_llama), quantization="w8a8").model
-    cpu_int8.pack_for_kernel(model)
+    cpu_kernels.pack_for_kernel(model)
     runner = ModelRunner(model, num_blocks=64, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=128)
     runner.warmup()
     mixed_workload(runner)
@@ -172,7 +173,7 @@ def test_engine_says_which_matmul_w8a8_runs_on(tiny_llama, int8_kernel):
         head = _head(engine._runner.state)
         if int8_kernel == "auto":
             assert note.startswith(f"w8a8 projections: {7 * engine.model_config.num_layers + 1} on the AVX2")
-            assert head.kernel == cpu_int8.TARGET
+            assert head.kernel == cpu_kernels.MATMUL_TARGET
         else:
             assert note == "w8a8 projections: XLA's int8 dot (--int8-kernel xla)"
             assert head.kernel is None
@@ -197,7 +198,7 @@ def test_default_model_on_the_kernel_stays_within_the_w8a8_budget():
     ref = _logits(source.build(), prompt, blocks).astype(np.float64)
     xla = _logits(source.build(quantization="w8a8"), prompt, blocks).astype(np.float64)
     model = source.build(quantization="w8a8")
-    assert cpu_int8.pack_for_kernel(model) == 7 * 30 + 1
+    assert cpu_kernels.pack_for_kernel(model) == 7 * 30 + 1
     got = _logits(model, prompt, blocks).astype(np.float64)
     # The w8a8 budget of tests/test_quant.py (mean KL 0.4 against float32; derived there).
     kl = _kl(log_softmax(ref), log_softmax(got)).mean()
@@ -211,3 +212,87 @@ def test_default_model_on_the_kernel_stays_within_the_w8a8_budget():
     # error against float32, which is what a user sees.
     assert kl < 1.25 * kl_xla + 0.01, f"kernel mean KL {kl:.3g} vs XLA's w8a8 {kl_xla:.3g}"
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
+
+
+# ---- decode attention ---------------------------------------------------------------------------
+
+def _random_cache(rng, kv_heads, blocks, block_size, head_dim, dtype):
+    k = jnp.asarray(rng.standard_normal((kv_heads, blocks, block_size, head_dim)).astype(np.float32))
+    v = jnp.asarray(rng.standard_normal((kv_heads, blocks, block_size, head_dim)).astype(np.float32))
+    if dtype == jnp.bfloat16:  # the CPU storage of a bfloat16 cache: its words as uint16
+        return tuple(jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16) for x in (k, v))
+    return k, v
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (4, 4, 128)])
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, head_dim, kv_dtype):
+    from models.attention import paged_attention
+
+    rng = np.random.default_rng(heads * head_dim)
+    block_size, width = 8, 16  # a table of 16 blocks: up to 128 keys
+    k_cache, v_cache = _random_cache(rng, kv_heads, 60, block_size, head_dim, kv_dtype)
+    lengths = [1, 7, 8, 9, 40, 128]  # within a block, at and across block edges, a full table
+    tables = np.zeros((len(lengths), width), np.int32)
+    for i, n in enumerate(lengths):  # each row's blocks: distinct, shuffled, never the null block
+        tables[i, : -(-n // block_size)] = rng.permutation(np.arange(1, 60))[: -(-n // block_size)]
+    q = jnp.asarray(rng.standard_normal((len(lengths), 1, heads, head_dim)).astype(np.float32))
+    positions = jnp.asarray(np.array(lengths, np.int32)[:, None] - 1)
+    scale = head_dim ** -0.5
+    want = jax.jit(paged_attention, static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables), positions, scale)
+    got = jax.jit(cpu_kernels.decode_attention(), static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables),
+                                                                        positions, scale)
+    assert got.shape == want.shape == (len(lengths), 1, heads, head_dim) and got.dtype == jnp.float32
+    # Both softmax in f32 over the same keys; they differ in summation order and exp's last
+    # bits (an AVX2 polynomial here): a few ulp of outputs of magnitude ~1.
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+
+
+def test_decode_attention_is_chosen_on_cpu_where_it_can_run():
+    from models.pallas_attention import select_decode_attention
+
+    kw = dict(block_size=16, max_blocks_per_row=64, backend="cpu")
+    attention, note = select_decode_attention("auto", head_dim=64, kv_dtype=jnp.float32, **kw)
+    assert isinstance(attention, cpu_kernels.CpuDecodeAttention) and "AVX2 CPU kernel" in note
+    assert select_decode_attention("jax", head_dim=64, kv_dtype=jnp.float32, **kw)[0] is None
+    attention, note = select_decode_attention("auto", head_dim=12, kv_dtype=jnp.float32, **kw)
+    assert attention is None and "head_dim 12 is not a multiple of 8" in note
+    with pytest.raises(ValueError, match="attention_impl=cpu: .*head_dim 12 is not a multiple of 8"):
+        select_decode_attention("cpu", head_dim=12, kv_dtype=jnp.float32, **kw)
+    with pytest.raises(ValueError, match="attention_impl=cpu: .*backend tpu is not a CPU"):
+        select_decode_attention("cpu", head_dim=64, kv_dtype=jnp.float32, block_size=16, max_blocks_per_row=64,
+                                backend="tpu")
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
+def test_model_decode_steps_on_the_attention_kernel_match_pure_jax(tiny_llama, kv_dtype):
+    """Two rows, a 17-token prompt each, then 6 one-token steps (T == 1: the kernel's path)."""
+    rng = np.random.RandomState(3)
+    prompts = [rng.randint(3, 300, 17).tolist(), rng.randint(3, 300, 11).tolist()]
+    blocks = shuffled_blocks(8, 48, seed=20)
+    tables = [tuple(blocks[:4]), tuple(blocks[4:])]  # positions up to 22 need 3 blocks of 8
+    steps = {}
+    for attention in (None, cpu_kernels.decode_attention()):
+        model = load_checkpoint(str(tiny_llama), decode_attention=attention).model
+        runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_prefill_tokens=32,
+                             max_context=128, kv_dtype=kv_dtype)
+        for prompt, table in zip(prompts, tables):
+            runner.run_logits([RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=table, sample=False)])
+        out = []
+        for s in range(6):
+            rows = [RowStep(row_id=i, token_ids=(5 + s + i,), start_pos=len(p) + s, block_ids=t, sample=False)
+                    for i, (p, t) in enumerate(zip(prompts, tables))]
+            out.append(np.stack([x[0] for x in runner.run_logits(rows)]))
+        steps[attention is None] = np.stack(out)
+    np.testing.assert_allclose(steps[False], steps[True], rtol=1e-4, atol=1e-5)
+
+
+def test_bench_tool_prints_both_sides_of_every_line(capsys):
+    from tools.bench_cpu_kernels import PRODUCTS, main
+
+    main(["--only", "products", "--rows", "2", "--repeats", "1"])
+    main(["--only", "attention", "--rows", "2", "--contexts", "8", "40", "--repeats", "1"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    assert len(lines) == len(PRODUCTS) + 2 * 2  # every product; 2 contexts x 2 KV dtypes
+    for line in lines:
+        assert line.rstrip().endswith("× |") and "nan" not in line

@@ -1,0 +1,184 @@
+"""ferrox's x86 CPU kernels (AVX2, `models/kernels/`) behind XLA FFI custom calls: the
+w8a8 projection and the one-query decode attention, the pass that lays the weights out
+for the first, and the attention object the model calls for the second.
+
+Why: on an AVX2 machine without VNNI, XLA CPU's int8 x int8 -> int32 dot has no kernel
+of its own and its paged attention gathers and transposes every block it reads. Side by
+side on a 2-core AMD EPYC (`python -m tools.bench_cpu_kernels` prints these tables):
+
+    w8a8 product, rows x [K, N]   XLA int8 dot   int8_matmul.cc
+    1 x [576, 1536]                  ~230 us        ~53 us   (17 GB/s of weights)
+    1 x [576, 49152] (LM head)      ~2800 us      ~1350 us
+    32 x [576, 1536]                 ~550 us       ~300 us
+    512 x [576, 1536] (prefill)     ~5900 us      ~4500 us
+
+The matmul wants each output channel's weights contiguous, `int8[out, in]`, the transpose
+of the `[in, out]` layout every loader and sharding rule uses. So the engine builds the
+model as usual and then, on one CPU device with `--quantization w8a8`, runs
+`pack_for_kernel`: each projection whose input size is a multiple of 32 becomes
+`QuantizedWeight(values.T, scales, "w8a8", channel_axis=0, kernel=MATMUL_TARGET)` (the same
+bytes, transposed once at load), and `quantized_matmul` calls the custom call it names.
+The kernel quantizes the activations per row exactly as `quantize_rows` does and
+multiplies the int32 sums back in the same order: its products equal XLA's bit for bit
+(tests/test_cpu_kernels.py).
+
+The decode attention (`CpuDecodeAttention`, chosen by `--attention-impl auto|cpu` on a
+CPU backend) reads each key and value once through the block table, f32 or bfloat16
+(u16) caches alike, with an AVX2 exp; it serves one-query steps of layers without a
+sliding window or soft-capping, as the Pallas TPU kernel does.
+
+A sharded model (the custom calls have no partitioning rule), any other backend, and a
+weight or head size the kernels cannot take keep XLA. Build: `make` does it (`python -m
+models.cpu_kernels`: one `c++` command against the FFI headers jaxlib ships). Without a
+compiler, or on a CPU without AVX2, everything runs on XLA and the start-up log says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.attention import check_decode_inputs
+from models.quant import QuantizedWeight
+
+KERNELS = Path(__file__).parent / "kernels"
+SOURCES = (KERNELS / "int8_matmul.cc", KERNELS / "decode_attention.cc")
+LIBRARY = KERNELS / "_ferrox_cpu.so"
+MATMUL_TARGET = "ferrox_int8_matmul"
+ATTENTION_TARGET = "ferrox_decode_attention"
+LANE = 32  # the matmul's input sizes are multiples of one AVX2 register of int8
+BUILD_HINT = f"{sys.executable} -m models.cpu_kernels"
+
+
+def build(cxx: str | None = None) -> Path:
+    """Compile the kernels into LIBRARY (raises CalledProcessError with the compiler's output)."""
+    cxx = cxx or os.environ.get("CXX", "c++")
+    tmp = LIBRARY.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes", "-Wno-return-type",
+           f"-I{jax.ffi.include_dir()}", f"-I{KERNELS}", *map(str, SOURCES), "-o", str(tmp)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    tmp.replace(LIBRARY)
+    return LIBRARY
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None once the kernels are registered with XLA (first call); else why they cannot be."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the kernels are for x86-64 CPUs; this is {platform.machine()}"
+    if not LIBRARY.exists():
+        return f"the kernels are not built (run `{BUILD_HINT}`, which `make` does)"
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
+    except OSError as e:
+        return f"the kernels did not load ({e}); rebuild them with `{BUILD_HINT}`"
+    if not lib.ferrox_cpu_kernels_supported():
+        return "this CPU has no AVX2"
+    jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.FerroxInt8Matmul), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.FerroxDecodeAttention), platform="cpu")
+    return None
+
+
+def _require() -> None:
+    if (reason := unavailable_reason()) is not None:
+        raise RuntimeError(f"ferrox's CPU kernels are unavailable: {reason}")
+
+
+# ---- the w8a8 matmul --------------------------------------------------------------------------
+
+def packable(qw: object) -> bool:
+    """A w8a8 projection [in, out] the matmul can take (in a multiple of LANE)."""
+    return (isinstance(qw, QuantizedWeight) and qw.mode == "w8a8" and qw.channel_axis == 1
+            and len(qw.shape) == 2 and qw.shape[0] % LANE == 0)
+
+
+def pack(qw: QuantizedWeight) -> QuantizedWeight:
+    """[in, out] -> the matmul's [out, in] (same values and scales, transposed). Raises
+    RuntimeError where the kernels cannot run (`unavailable_reason`)."""
+    _require()
+    return QuantizedWeight(qw.values.T, qw.scales, qw.mode, channel_axis=0, kernel=MATMUL_TARGET)
+
+
+def pack_for_kernel(model: nnx.Module) -> int:
+    """Lays every packable projection of `model` out for the matmul, in place; returns how
+    many. Raises RuntimeError where the kernels cannot run (`unavailable_reason`)."""
+    state = nnx.state(model)
+    packed = 0
+
+    def one(leaf):
+        nonlocal packed
+        if packable(leaf):
+            packed += 1
+            return pack(leaf)
+        return leaf
+
+    nnx.update(model, jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
+    return packed
+
+
+# ---- decode attention -------------------------------------------------------------------------
+
+def attention_problems(head_dim: int, kv_dtype) -> list[str]:
+    """Why the decode attention cannot serve this model ([] when it can)."""
+    problems = []
+    if head_dim % 8:
+        problems.append(f"head_dim {head_dim} is not a multiple of 8")
+    if jnp.dtype(kv_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        problems.append(f"KV cache dtype {jnp.dtype(kv_dtype).name} (the kernel reads float32 or bfloat16)")
+    return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuDecodeAttention:
+    """Decode attention (one query per row) via `decode_attention.cc`. Hashable: static."""
+
+    def __call__(self, q, k_cache, v_cache, block_tables, positions, scale: float):
+        """Same contract as `models.attention.paged_attention` for T == 1.
+
+        Args:
+          q: [B, 1, H, hd] rotated queries; k_cache, v_cache: [K, N, bs, hd], float32 or
+            uint16 (bfloat16 words, the CPU storage of a bfloat16 cache).
+          block_tables: i32[B, MB]; positions: i32[B, 1] (key s visible iff s <= position).
+        Returns:
+          f32[B, 1, H, hd].
+        """
+        check_decode_inputs(q, k_cache, v_cache)
+        b, _, num_heads, head_dim = q.shape
+        out = jax.ShapeDtypeStruct((b, num_heads, head_dim), jnp.float32)
+        lengths = (positions[:, 0] + 1).astype(jnp.int32)
+        y = jax.ffi.ffi_call(ATTENTION_TARGET, out)(q[:, 0].astype(jnp.float32), k_cache, v_cache,
+                                                    block_tables.astype(jnp.int32), lengths,
+                                                    scale=np.float32(scale))
+        return y.reshape(b, 1, num_heads, head_dim)
+
+
+def decode_attention() -> CpuDecodeAttention:
+    """The attention object (raises RuntimeError where the kernels cannot run)."""
+    _require()
+    return CpuDecodeAttention()
+
+
+def main() -> None:
+    try:
+        path = build()
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        print(f"models.cpu_kernels: the CPU kernels did not build; w8a8 and decode attention will use "
+              f"XLA.\n{detail}", file=sys.stderr)
+        raise SystemExit(1) from None
+    print(f"built {path}")
+
+
+if __name__ == "__main__":
+    main()

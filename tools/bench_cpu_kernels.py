@@ -1,0 +1,136 @@
+"""Side-by-side timings of ferrox's x86 CPU kernels (models/cpu_kernels.py) against XLA.
+
+    python -m tools.bench_cpu_kernels                 # all three tables
+    python -m tools.bench_cpu_kernels --only steps --rows 1 32
+
+Tables (median of --repeats calls, one process, interleaved per line so that load on a
+shared machine hits both sides alike):
+  products   one w8a8 projection of the default model's shapes: XLA's int8 dot (1 row padded
+             to 2) against the int8 matmul kernel, in µs and GB/s of int8 weights
+  attention  one layer's decode attention (9 heads, 3 kv heads, head_dim 64, blocks of 16):
+             the pure-JAX paged attention against the kernel, float32 and bfloat16 caches
+  steps      the default model's whole decode step (`ModelRunner.run`, greedy): w8a8 on
+             XLA, with the matmul kernel, and with the matmul and attention kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import cpu_kernels
+from models.attention import paged_attention
+from models.quant import quantize, quantized_matmul
+
+PRODUCTS = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152))
+
+
+def median_us(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e6)
+
+
+def products(rows: list[int], repeats: int) -> None:
+    print("| rows | [K, N] | XLA int8 dot (µs) | kernel (µs) | kernel GB/s | speed-up |\n|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    matmul = jax.jit(quantized_matmul)
+    for m in rows:
+        x = jnp.asarray(rng.standard_normal((m, 576)).astype(np.float32))
+        for k, n in PRODUCTS:
+            xk = x if k == 576 else jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+            qw = quantize(jnp.asarray(rng.standard_normal((k, n)).astype(np.float32) * 0.05), "w8a8")
+            packed = cpu_kernels.pack(qw)
+            xla = median_us(matmul, xk, qw, repeats=repeats)
+            ours = median_us(matmul, xk, packed, repeats=repeats)
+            print(f"| {m} | [{k}, {n}] | {xla:,.0f} | {ours:,.0f} | {k * n / ours / 1e3:.1f} | {xla / ours:.1f} × |")
+
+
+def attention(rows: list[int], contexts: list[int], repeats: int) -> None:
+    print("| rows | context | KV dtype | pure JAX (µs) | kernel (µs) | speed-up |\n|---|---|---|---|---|---|")
+    rng = np.random.default_rng(1)
+    heads, kv_heads, hd, bs = 9, 3, 64, 16
+    kernel = jax.jit(cpu_kernels.decode_attention(), static_argnums=(5,))
+    reference = jax.jit(paged_attention, static_argnums=(5,))
+    for b in rows:
+        width = max(contexts) // bs + 8
+        width += -width % 8  # paged_attention walks 8 blocks per iteration
+        blocks = b * width + 1
+        for kv_dtype in (jnp.float32, jnp.bfloat16):
+            k, v = (jnp.asarray(rng.standard_normal((kv_heads, blocks, bs, hd)).astype(np.float32)) for _ in "kv")
+            if kv_dtype == jnp.bfloat16:  # the CPU storage of a bfloat16 cache
+                k, v = (jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16) for x in (k, v))
+            tables = jnp.asarray(1 + np.arange(b * width, dtype=np.int32).reshape(b, width))
+            q = jnp.asarray(rng.standard_normal((b, 1, heads, hd)).astype(np.float32))
+            for ctx in contexts:
+                pos = jnp.full((b, 1), ctx - 1, jnp.int32)
+                ref = median_us(reference, q, k, v, tables, pos, hd ** -0.5, repeats=repeats)
+                ours = median_us(kernel, q, k, v, tables, pos, hd ** -0.5, repeats=repeats)
+                name = jnp.dtype(kv_dtype).name
+                print(f"| {b} | {ctx} | {name} | {ref:,.0f} | {ours:,.0f} | {ref / ours:.1f} × |")
+
+
+def steps(rows: list[int], contexts: list[int], repeats: int) -> None:
+    from ferrox_jax.plan import RowStep, StepPlan
+    from ferrox_jax.request import SamplingParams
+    from ferrox_jax.runner import ModelRunner
+    from models.loader import open_checkpoint
+
+    source = open_checkpoint("default")
+    variants = {"w8a8, XLA": (False, False), "w8a8, matmul kernel": (True, False),
+                "w8a8, matmul + attention kernels": (True, True)}
+    runners = {}
+    for name, (matmul, attend) in variants.items():
+        model = source.build(quantization="w8a8", decode_attention=cpu_kernels.decode_attention() if attend else None)
+        if matmul:
+            cpu_kernels.pack_for_kernel(model)
+        runners[name] = ModelRunner(model, num_blocks=40 * max(rows) + 1, block_size=16, max_rows=max(rows),
+                                    max_prefill_tokens=16, max_context=640)
+    print("| rows | context | " + " | ".join(f"{n} (ms)" for n in variants) + " |")
+    print("|---|---|" + "---|" * len(variants))
+    greedy = SamplingParams(temperature=0.0)
+    for b in rows:
+        tables = [tuple(range(1 + i * 40, 1 + (i + 1) * 40)) for i in range(b)]
+        for ctx in contexts:
+            def plan(pos):
+                return StepPlan(decode=tuple(RowStep(row_id=i, token_ids=(7,), start_pos=pos, block_ids=tables[i],
+                                                     sample=True, sampling=greedy) for i in range(b)))
+            cells = []
+            for runner in runners.values():
+                runner.run(plan(ctx))
+                times = []
+                for s in range(repeats):
+                    t = time.perf_counter()
+                    runner.run(plan(ctx + s))
+                    times.append(time.perf_counter() - t)
+                cells.append(f"{np.median(times) * 1e3:.1f}")
+            print(f"| {b} | {ctx} | " + " | ".join(cells) + " |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("products", "attention", "steps"))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8, 192, 500])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    if (reason := cpu_kernels.unavailable_reason()) is not None:
+        raise SystemExit(f"bench_cpu_kernels: {reason}")
+    if args.only in (None, "products"):
+        products(args.rows, args.repeats)
+    if args.only in (None, "attention"):
+        attention(args.rows, args.contexts, args.repeats)
+    if args.only in (None, "steps"):
+        steps(args.rows, args.contexts, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
