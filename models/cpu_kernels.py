@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.attention import check_decode_inputs
+from models.attention import check_decode_inputs, paged_attention
 from models.quant import QuantizedWeight
 
 KERNELS = Path(__file__).parent / "kernels"
@@ -141,7 +141,9 @@ def attention_problems(head_dim: int, kv_dtype) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class CpuDecodeAttention:
-    """Decode attention (one query per row) via `decode_attention.cc`. Hashable: static."""
+    """Decode attention (one query per row) via `decode_attention.cc`. Hashable: static.
+    A head size or cache dtype the kernel cannot read (`attention_problems`) takes the
+    pure-JAX path instead, so the object is safe to hand any model."""
 
     def __call__(self, q, k_cache, v_cache, block_tables, positions, scale: float):
         """Same contract as `models.attention.paged_attention` for T == 1.
@@ -155,6 +157,8 @@ class CpuDecodeAttention:
         """
         check_decode_inputs(q, k_cache, v_cache)
         b, _, num_heads, head_dim = q.shape
+        if head_dim % 8 or k_cache.dtype not in (jnp.float32, jnp.uint16):  # what the kernel cannot read
+            return paged_attention(q, k_cache, v_cache, block_tables, positions, scale)
         out = jax.ShapeDtypeStruct((b, num_heads, head_dim), jnp.float32)
         lengths = (positions[:, 0] + 1).astype(jnp.int32)
         y = jax.ffi.ffi_call(ATTENTION_TARGET, out)(q[:, 0].astype(jnp.float32), k_cache, v_cache,

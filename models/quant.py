@@ -11,9 +11,10 @@ Serving modes (`--quantization`):
            than float32 (docs/benchmarks.md has the figures). Use it there for memory only.
     w8a8   int8 weights as above, and int8 activations quantized per row (per token) at
            run time: an int8 x int8 -> int32 dot, rescaled by the row scale times the
-           channel scale. This is the fast path on CPU, where XLA's int8 dot beats its
-           float32 dot from two rows up; a one-row product is padded to two rows because
-           XLA CPU's one-row int8 path is several times slower than its two-row one.
+           channel scale. The fast path on CPU: on one x86 device the engine hands these
+           products to ferrox's AVX2 kernel (models/cpu_kernels.py; same integers, same
+           result), elsewhere XLA's int8 dot, where a one-row product is padded to two
+           rows because XLA CPU's one-row int8 path is several times slower.
 
 Which weights (`quantized_channel_axis`): every projection matrix of every family (q/k/v/o,
 the dense MLP's gate/up/down, each MoE expert's gate/up/down), the embedding and an

@@ -276,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="ferrox_jax compute dtype")
     p.add_argument("--quantization", choices=["none", "int8", "w8a8"], default="none",
                    help="ferrox_jax weight quantization (models/quant.py)")
+    p.add_argument("--cpu-kernels", choices=["auto", "off"], default="auto",
+                   help="ferrox's x86 CPU kernels as the server runs them (models/cpu_kernels.py): the decode "
+                        "attention, and the int8 matmul under w8a8; auto: where they can run")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
     p.add_argument("--max-prefill-tokens", type=int, default=128, help="largest prefill chunk (default 128)")
     p.add_argument("--max-abs", type=float, help="fail when max |Δlogit| (top-k refs: |Δlogprob|) exceeds this")
@@ -284,6 +287,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-greedy-match", type=int, help="fail when fewer leading greedy tokens match")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
+
+
+def _cpu_kernels(args: argparse.Namespace):
+    """models.cpu_kernels when --cpu-kernels auto and they can run here, else None."""
+    import jax
+
+    from models import cpu_kernels
+
+    if args.cpu_kernels == "off" or jax.default_backend() != "cpu" or cpu_kernels.unavailable_reason():
+        return None
+    return cpu_kernels
 
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -379,7 +393,11 @@ def main(argv: list[str] | None = None) -> int:
             from models.loader import load_checkpoint
 
             _log(f"loading {args.model} into ferrox_jax ({args.dtype}, quantization {args.quantization}) ...")
-            ckpt = load_checkpoint(args.model, dtype=jnp.dtype(args.dtype), quantization=args.quantization)
+            kernels = _cpu_kernels(args)
+            ckpt = load_checkpoint(args.model, dtype=jnp.dtype(args.dtype), quantization=args.quantization,
+                                   decode_attention=kernels.decode_attention() if kernels else None)
+            if kernels and args.quantization == "w8a8":
+                kernels.pack_for_kernel(ckpt.model)
         if args.reference == "hf":
             refs = _hf_references(args, ckpt.tokenizer if ckpt else load_tokenizer(args.model))
         elif args.reference == "float32":
@@ -400,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({
             "model": args.model, "reference": args.reference or args.reference_file, "dtype": args.dtype,
             "quantization": args.quantization,
+            "cpu_kernels": _cpu_kernels(args) is not None,
             "tolerances": tolerances, "passed": passed, "elapsed_s": round(time.perf_counter() - t0, 3),
             "prompts": [{**dataclasses.asdict(r), "failures": f} for r, f in zip(reports, failures)],
         }, indent=2))

@@ -1,7 +1,9 @@
 #!/bin/bash
 # Side by side, one run: llama.cpp's server (llama-cpp-python 0.3.36, 2 threads) vs ferrox
-# float32, w8a8 on XLA's int8 dot (--int8-kernel xla), w8a8 on the AVX2 kernel, and the
-# kernel with a bfloat16 KV cache; concurrency 1 and 32, 128-token prompts and outputs.
+# float32 (decode attention on the CPU kernel, the default), w8a8 all on XLA (the previous
+# path: --int8-kernel xla --attention-impl jax), w8a8 on the CPU kernels (the default for
+# w8a8), and that with a bfloat16 KV cache; concurrency 1 and 32, 128-token prompts and
+# outputs.
 # Run from the repository root: bash bench/quant/kernel/run.sh
 set -u
 OUT=bench/quant/kernel
@@ -36,7 +38,7 @@ run_ferrox() { # label, then serve flags
   kill -INT $srv; wait $srv 2>/dev/null
 }
 run_ferrox none
-run_ferrox w8a8-xla --quantization w8a8 --int8-kernel xla
+run_ferrox w8a8-xla --quantization w8a8 --int8-kernel xla --attention-impl jax
 run_ferrox w8a8-kernel --quantization w8a8
 run_ferrox w8a8-kernel-bf16kv --quantization w8a8 --kv-cache-dtype bfloat16
 date; uptime
