@@ -12,7 +12,7 @@ KERNEL := models/kernels/_ferrox_cpu.so
 
 .PHONY: venv serve test bench clean
 
-venv: $(STAMP)
+venv: $(STAMP) $(KERNEL)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
