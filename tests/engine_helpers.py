@@ -24,6 +24,26 @@ def float32_matmuls():
         yield
 
 
+def prompt_logits(model, prompt, block_ids) -> np.ndarray:
+    """f32[len(prompt), V]: the logits at every prompt position, one prefill through a
+    fresh runner (blocks of 8, up to 48 blocks)."""
+    runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=128)
+    return runner.run_logits([RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=block_ids,
+                                      sample=False)])[0]
+
+
+def default_model_case():
+    """The default model's checkpoint source, a 26-token prompt of two kinds of text, its
+    shuffled blocks, and float32's logits over it (f64) - what the quantized modes of the
+    default model are measured against."""
+    from models.loader import open_checkpoint
+
+    source = open_checkpoint("default")
+    prompt = source.tokenizer.encode("The capital of France is Paris. Once upon a time, in a small village by the sea,")
+    blocks = tuple(shuffled_blocks(4, 48, seed=9))
+    return source, prompt, blocks, prompt_logits(source.build(), prompt, blocks).astype(np.float64)
+
+
 def make_runner(path, num_blocks=96, block_size=8, max_rows=8, max_prefill_tokens=64, max_context=256):
     ckpt = load_checkpoint(str(path))
     return ModelRunner(ckpt.model, num_blocks=num_blocks, block_size=block_size, max_rows=max_rows,

@@ -20,7 +20,7 @@ from ferrox_jax.runner import ModelRunner
 from models import cpu_kernels
 from models.loader import load_checkpoint
 from models.quant import QuantizedWeight, quantize, quantized_matmul
-from tests.engine_helpers import shuffled_blocks
+from tests.engine_helpers import default_model_case, prompt_logits, shuffled_blocks
 from tests.sharding_probe import mixed_workload
 
 
@@ -132,19 +132,13 @@ def test_weights_the_kernel_cannot_take_keep_xla():
     assert cpu_kernels.packable(quantize(jnp.ones((64, 48)), "w8a8"))
 
 
-def _logits(model, prompt, blocks):
-    runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=128)
-    return runner.run_logits([RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks,
-                                      sample=False)])[0]
-
-
 def test_packed_model_logits_match_the_xla_path(tiny_llama):
     prompt = np.random.RandomState(11).randint(3, 300, 17).tolist()
     blocks = tuple(shuffled_blocks(3, 48, seed=12))
-    xla = _logits(load_checkpoint(str(tiny_llama), quantization="w8a8").model, prompt, blocks)
+    xla = prompt_logits(load_checkpoint(str(tiny_llama), quantization="w8a8").model, prompt, blocks)
     model = load_checkpoint(str(tiny_llama), quantization="w8a8").model
     cpu_kernels.pack_for_kernel(model)
-    got = _logits(model, prompt, blocks)
+    got = prompt_logits(model, prompt, blocks)
     # Same integers and scales; the two paths differ only where an activation's division
     # rounds the other way (test_kernel_agrees_with_xla_dot), far under the quantization
     # error itself (tests/test_quant.py allows 13 % of the logits' spread against float32).
@@ -188,18 +182,14 @@ def test_engine_config_refuses_an_unknown_int8_kernel():
 
 @pytest.mark.slow
 def test_default_model_on_the_kernel_stays_within_the_w8a8_budget():
-    from models.loader import open_checkpoint
     from tools.compare_logits import _kl
     from tools.logits_reference import log_softmax
 
-    source = open_checkpoint("default")
-    prompt = source.tokenizer.encode("The capital of France is Paris. Once upon a time, in a small village by the sea,")
-    blocks = tuple(shuffled_blocks(4, 48, seed=9))
-    ref = _logits(source.build(), prompt, blocks).astype(np.float64)
-    xla = _logits(source.build(quantization="w8a8"), prompt, blocks).astype(np.float64)
+    source, prompt, blocks, ref = default_model_case()
+    xla = prompt_logits(source.build(quantization="w8a8"), prompt, blocks).astype(np.float64)
     model = source.build(quantization="w8a8")
     assert cpu_kernels.pack_for_kernel(model) == 7 * 30 + 1
-    got = _logits(model, prompt, blocks).astype(np.float64)
+    got = prompt_logits(model, prompt, blocks).astype(np.float64)
     # The w8a8 budget of tests/test_quant.py (mean KL 0.4 against float32; derived there).
     kl = _kl(log_softmax(ref), log_softmax(got)).mean()
     kl_xla = _kl(log_softmax(ref), log_softmax(xla)).mean()

@@ -22,7 +22,7 @@ from ferrox_jax.runner import ModelRunner
 from models.loader import load_checkpoint, open_checkpoint
 from models.quant import (INT8_MAX, QUANTIZATION_MODES, QuantizedWeight, dequantize, quantize, quantize_host,
                           quantized_matmul, requantize_blocks)
-from tests.engine_helpers import shuffled_blocks
+from tests.engine_helpers import default_model_case, prompt_logits, shuffled_blocks
 from tests.sharding_probe import mixed_workload
 from tests.test_gguf_loader import D, F, H, HD, KV, L, V, write_tiny_gguf
 
@@ -159,19 +159,13 @@ def test_q4_0_loads_straight_within_half_a_row_step(tmp_path):
 
 # ---- the model in each mode against float32 -----------------------------------------------
 
-def _prompt_logits(model, prompt, block_ids):
-    runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=128)
-    return runner.run_logits([RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=block_ids,
-                                      sample=False)])[0]
-
-
 @pytest.fixture(scope="module")
 def tiny_logits(tiny_llama):
     prompt = np.random.RandomState(5).randint(3, 300, 17).tolist()  # 17 = 2 blocks of 8 + 1
     blocks = tuple(shuffled_blocks(3, 48, seed=6))
-    out = {"none": _prompt_logits(load_checkpoint(str(tiny_llama)).model, prompt, blocks)}
+    out = {"none": prompt_logits(load_checkpoint(str(tiny_llama)).model, prompt, blocks)}
     for mode in MODES:
-        out[mode] = _prompt_logits(load_checkpoint(str(tiny_llama), quantization=mode).model, prompt, blocks)
+        out[mode] = prompt_logits(load_checkpoint(str(tiny_llama), quantization=mode).model, prompt, blocks)
     return out
 
 
@@ -199,10 +193,7 @@ def test_default_model_modes_stay_within_their_error_budget():
     from tools.compare_logits import _kl
     from tools.logits_reference import log_softmax
 
-    source = open_checkpoint("default")
-    prompt = source.tokenizer.encode("The capital of France is Paris. Once upon a time, in a small village by the sea,")
-    blocks = tuple(shuffled_blocks(4, 48, seed=9))
-    ref = _prompt_logits(source.build(), prompt, blocks).astype(np.float64)
+    source, prompt, blocks, ref = default_model_case()
     # Error budget. A per-channel int8 weight errs by step/sqrt(12) rms, step = max|w|/127:
     # relative to the channel's rms that is (max/rms) / (127 sqrt 12) = 3.4 / 440 = 0.77 %
     # (SmolLM2's projections: max/rms per output channel has median 3.4). Through ~121
@@ -214,7 +205,7 @@ def test_default_model_modes_stay_within_their_error_budget():
     # sqrt(0.77^2 + 2.7^2) = 2.8 %: 3.6x the weight-only error, 13x its KL -> 0.4.
     budget = {"int8": 0.03, "w8a8": 0.03 * (2.8 / 0.77) ** 2}
     for mode in MODES:
-        got = _prompt_logits(source.build(quantization=mode), prompt, blocks).astype(np.float64)
+        got = prompt_logits(source.build(quantization=mode), prompt, blocks).astype(np.float64)
         kl = _kl(log_softmax(ref), log_softmax(got)).mean()
         assert kl < budget[mode], f"{mode}: mean KL {kl:.3g} over the budget {budget[mode]:.3g}"
         top1 = (got.argmax(-1) == ref.argmax(-1)).mean()
@@ -240,7 +231,7 @@ def test_bfloat16_kv_cache_logits_stay_close_to_float32(tiny_llama):
     model = load_checkpoint(str(tiny_llama)).model
     prompt = np.random.RandomState(7).randint(3, 300, 17).tolist()
     blocks = tuple(shuffled_blocks(3, 48, seed=8))
-    ref = _prompt_logits(model, prompt, blocks)
+    ref = prompt_logits(model, prompt, blocks)
     runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=128,
                          kv_dtype=jnp.bfloat16)
     # On CPU the bfloat16 words are held as uint16 (ferrox_jax/kv_cache.py: storage_dtype).
@@ -354,7 +345,7 @@ def test_every_family_quantizes_its_projections_within_the_error_budget(tmp_path
     path = fc.make_checkpoint(tmp_path / family, _family_configs()[family])
     prompt = np.random.RandomState(7).randint(3, 200, 17).tolist()
     blocks = tuple(shuffled_blocks(3, 48, seed=8))
-    ref = _prompt_logits(load_checkpoint(str(path)).model, prompt, blocks)
+    ref = prompt_logits(load_checkpoint(str(path)).model, prompt, blocks)
     model = load_checkpoint(str(path), quantization="w8a8").model
     layer = model.layers[0]
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -367,7 +358,7 @@ def test_every_family_quantizes_its_projections_within_the_error_budget(tmp_path
         assert isinstance(model.layers[1].gate_proj.get_value(), QuantizedWeight)  # the dense layer
     else:
         assert isinstance(layer.down_proj.get_value(), QuantizedWeight)
-    got = _prompt_logits(model, prompt, blocks)
+    got = prompt_logits(model, prompt, blocks)
     max_abs = np.abs(got - ref).max()
     assert 0 < max_abs < 0.13 * ref.std(), f"{family}: max |Δlogit| {max_abs:.3g} vs 13 % of {ref.std():.3g}"
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 15 / 17
