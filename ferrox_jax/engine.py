@@ -205,17 +205,16 @@ def _int8_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
     (`models/cpu_kernels.py`); returns the start-up log line saying which matmul runs."""
     if config.quantization != "w8a8":
         return ""
-    if jax.default_backend() != "cpu":
-        return f"w8a8 projections: XLA's int8 dot on {jax.default_backend()}"
-    if config.int8_kernel == "xla":
+    backend = jax.default_backend()
+    if backend == "cpu" and config.int8_kernel == "xla":
         return "w8a8 projections: XLA's int8 dot (--int8-kernel xla)"
-    if mesh is not None:
-        note = "w8a8 projections: XLA's int8 dot (the CPU kernel has no tensor-parallel partitioning)"
-    elif (reason := cpu_kernels.unavailable_reason()) is not None:
-        note = f"w8a8 projections: XLA's int8 dot, several times slower on CPU: {reason}"
-    else:
+    problems = cpu_kernels.runtime_problems(backend, mesh)
+    if not problems:
         packed = cpu_kernels.pack_for_kernel(model)
         return f"w8a8 projections: {packed} on the AVX2 int8 kernel (models/cpu_kernels.py)"
+    if backend != "cpu":  # XLA fuses the int8 convert into its dot there: nothing to warn about
+        return f"w8a8 projections: XLA's int8 dot on {backend}"
+    note = "w8a8 projections: XLA's int8 dot, several times slower on CPU: " + "; ".join(problems)
     log.warning("%s", note)
     return note
 

@@ -90,6 +90,17 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def runtime_problems(backend: str, mesh=None) -> list[str]:
+    """Why the kernels cannot serve a model on `backend` (sharded over `mesh`): [] when
+    they can (registering them on the first call)."""
+    if backend != "cpu":
+        return [f"backend {backend} is not a CPU"]
+    if mesh is not None:
+        return ["tensor parallelism (the kernels have no partitioning rule)"]
+    reason = unavailable_reason()
+    return [] if reason is None else [reason]
+
+
 def _require() -> None:
     if (reason := unavailable_reason()) is not None:
         raise RuntimeError(f"ferrox's CPU kernels are unavailable: {reason}")

@@ -127,12 +127,7 @@ def _cpu_decode_attention(impl: str, *, head_dim: int, backend: str, mesh: Mesh 
     """`auto` on a CPU backend, or `cpu`: ferrox's AVX2 kernel where it can run."""
     from models import cpu_kernels
 
-    problems = [] if backend == "cpu" else [f"backend {backend} is not a CPU"]
-    if mesh is not None:
-        problems.append("tensor parallelism (the kernel has no partitioning rule)")
-    if not problems and (reason := cpu_kernels.unavailable_reason()) is not None:
-        problems.append(reason)
-    problems += cpu_kernels.attention_problems(head_dim, kv_dtype)
+    problems = cpu_kernels.runtime_problems(backend, mesh) + cpu_kernels.attention_problems(head_dim, kv_dtype)
     if not problems:
         return cpu_kernels.decode_attention(), "decode attention: ferrox's AVX2 CPU kernel (models/cpu_kernels.py)"
     if impl == "cpu":

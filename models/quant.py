@@ -190,26 +190,25 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def quantized_matmul(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
-    """x [..., in] @ qw -> [..., out] in x's dtype, by qw.mode (module docstring). qw is a
-    projection [in, out] (channel_axis 1), or [out, in] (channel_axis 0: a w8a8 weight
-    packed for the CPU kernel, or the tied embedding)."""
-    if len(qw.shape) != 2:
-        raise ValueError(f"quantized_matmul needs a 2-D weight; got shape {qw.shape}")
-    contract = qw.reduce_axis
+    """x [..., in] @ qw -> [..., out] in x's dtype, by qw.mode (module docstring): qw is a
+    projection [in, out], or a w8a8 one packed [out, in] for the custom call `qw.kernel`
+    names (models/cpu_kernels.py)."""
     lead, k = x.shape[:-1], x.shape[-1]
-    if qw.mode == "int8":
-        w = qw.values.astype(x.dtype)
-        return ((x @ (w if contract == 0 else w.T)) * qw.scales.astype(x.dtype)).astype(x.dtype)
-    rows = x.reshape(-1, k).astype(jnp.float32)
     if qw.kernel is not None:
+        rows = x.reshape(-1, k).astype(jnp.float32)
         out = jax.ShapeDtypeStruct((rows.shape[0], qw.shape[0]), jnp.float32)
         y = jax.ffi.ffi_call(qw.kernel, out)(rows, qw.values, qw.scales)
         return y.reshape(*lead, -1).astype(x.dtype)
+    if qw.channel_axis != 1:
+        raise ValueError(f"quantized_matmul needs an [in, out] weight (channel_axis 1); got {qw.channel_axis}")
+    if qw.mode == "int8":
+        return ((x @ qw.values.astype(x.dtype)) * qw.scales.astype(x.dtype)).astype(x.dtype)
+    rows = x.reshape(-1, k).astype(jnp.float32)
     m = rows.shape[0]
     if m == 1:  # XLA CPU's one-row int8 dot is several times slower than its two-row one
         rows = jnp.pad(rows, ((0, 1), (0, 0)))
     xq, xs = quantize_rows(rows)
-    acc = jax.lax.dot_general(xq, qw.values, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.int32)
+    acc = jax.lax.dot_general(xq, qw.values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
     out = acc.astype(jnp.float32) * xs * qw.scales
     return out[:m].reshape(*lead, -1).astype(x.dtype)
 

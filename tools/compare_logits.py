@@ -295,7 +295,7 @@ def _cpu_kernels(args: argparse.Namespace):
 
     from models import cpu_kernels
 
-    if args.cpu_kernels == "off" or jax.default_backend() != "cpu" or cpu_kernels.unavailable_reason():
+    if args.cpu_kernels == "off" or cpu_kernels.runtime_problems(jax.default_backend()):
         return None
     return cpu_kernels
 
@@ -385,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check_args(parser, args)
     t0 = time.perf_counter()
+    kernels = None if args.save_only else _cpu_kernels(args)
     try:
         ckpt = None
         if not args.save_only:
@@ -393,7 +394,6 @@ def main(argv: list[str] | None = None) -> int:
             from models.loader import load_checkpoint
 
             _log(f"loading {args.model} into ferrox_jax ({args.dtype}, quantization {args.quantization}) ...")
-            kernels = _cpu_kernels(args)
             ckpt = load_checkpoint(args.model, dtype=jnp.dtype(args.dtype), quantization=args.quantization,
                                    decode_attention=kernels.decode_attention() if kernels else None)
             if kernels and args.quantization == "w8a8":
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({
             "model": args.model, "reference": args.reference or args.reference_file, "dtype": args.dtype,
             "quantization": args.quantization,
-            "cpu_kernels": _cpu_kernels(args) is not None,
+            "cpu_kernels": kernels is not None,
             "tolerances": tolerances, "passed": passed, "elapsed_s": round(time.perf_counter() - t0, 3),
             "prompts": [{**dataclasses.asdict(r), "failures": f} for r, f in zip(reports, failures)],
         }, indent=2))
