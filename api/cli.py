@@ -130,10 +130,10 @@ def load_engine(config: EngineConfig, url: str, default_grammar: Any = None) -> 
     with tqdm(desc="loading weights", unit="tensor", file=sys.stderr, leave=False) as bar:
         engine = Engine.load(config, progress=lambda _name: bar.update(1))
     if default_grammar is not None:
-        from ferrox_jax.grammar import GrammarError
+        from ferrox_jax.constraint import GrammarError
 
         try:
-            engine.compile_grammar(default_grammar)
+            engine.check_grammar(default_grammar)
         except GrammarError as e:
             engine.shutdown()
             raise ValueError(f"the default output constraint (--grammar, --grammar-file or --json-schema): {e}") \

@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any, Callable, Mapping
 
-from ferrox_jax.grammar import GrammarError, GrammarSpec, grammar_syntax
+from ferrox_jax.constraint import GrammarError, GrammarSpec, grammar_syntax
 from ferrox_jax.request import MAX_LOGPROBS
 
 DEFAULT_HOST = "127.0.0.1"

@@ -40,7 +40,7 @@ from typing import Any
 
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.plan import Runner, StepPlan
-from ferrox_jax.request import AdmissionError, GenerationRequest, RowEvent
+from ferrox_jax.request import AdmissionError, GenerationRequest, MatcherFactory, RowEvent
 from ferrox_jax.scheduler import Scheduler, check_admission
 from ferrox_jax.stats import BatcherStats
 
@@ -99,12 +99,14 @@ def check_limits(limits: SchedulerLimits, runner: Runner) -> None:
 class ContinuousBatcher:
     """Continuous batching over one runner; see the module docstring for the loop."""
 
-    def __init__(self, runner: Runner, tokenizer: Any, limits: SchedulerLimits) -> None:
+    def __init__(self, runner: Runner, tokenizer: Any, limits: SchedulerLimits,
+                 new_matcher: MatcherFactory | None = None) -> None:
         check_limits(limits, runner)
         self.limits = limits
         self._runner = runner
         self._max_queue = limits.max_queue
-        self._scheduler = Scheduler(self.limits, tokenizer)
+        self._scheduler = Scheduler(self.limits, tokenizer, new_matcher=new_matcher)
+        self._has_grammar = new_matcher is not None
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         # Guarded by _lock (shared with submitters):
@@ -141,8 +143,12 @@ class ContinuousBatcher:
         Raises:
             AdmissionError: refused ("context_length", "too_large", "queue_full",
                 "unavailable", checked in that order); nothing is held for it.
-            ValueError: the request id is already open.
+            ValueError: the request id is already open, or it has an output constraint and
+                this batcher no grammar compiler.
         """
+        if request.grammar is not None and not self._has_grammar:
+            raise ValueError(f"request {request.request_id!r} has an output constraint but this batcher "
+                             "has no grammar compiler")
         refusal = check_admission(request, self.limits)
         with self._lock:
             if refusal is not None:

@@ -1,10 +1,10 @@
 """Engine: the facade the API holds. Loads a checkpoint, sizes the KV cache, owns the batcher.
 
 The API reaches the engine only through this class (`docs/architecture.md`): `submit`,
-`cancel`, `stats`, `health`, `tokenizer`, `compile_grammar`, `model_card`, `describe`,
+`cancel`, `stats`, `health`, `tokenizer`, `check_grammar`, `model_card`, `describe`,
 `memory_stats`, `checkpoint_path` (and `resolve_checkpoint` for paths not loaded yet),
 `shutdown`. Request and error types come from `ferrox_jax/request.py`, output constraints
-from `ferrox_jax/grammar.py` (`GrammarSpec`, `GrammarError`); the batcher, scheduler,
+from `ferrox_jax/constraint.py` (`GrammarSpec`, `GrammarError`); the batcher, scheduler,
 block budget and runner stay behind this facade.
 
 `Engine.load(config)`, in order: open the checkpoint (config, tokenizer, lazy tensors;
@@ -40,6 +40,7 @@ from flax import nnx
 
 from ferrox_jax.batcher import ContinuousBatcher, EventCallback
 from ferrox_jax.config import EngineConfig, SchedulerLimits
+from ferrox_jax.constraint import GrammarError, GrammarSpec
 from ferrox_jax.kv_cache import bytes_per_block
 from ferrox_jax.request import GenerationRequest
 from ferrox_jax.runner import ModelRunner, block_table_width
@@ -54,7 +55,7 @@ from models.pallas_attention import select_decode_attention
 from models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # llguidance is imported only when structured output is set up
-    from ferrox_jax.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
+    from ferrox_jax.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +302,8 @@ class Engine:
             max_queue=config.max_queue, kv_bytes_per_block=sizing.bytes_per_block,
             prefix_caching=config.prefix_caching,
             prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size))
-        batcher = ContinuousBatcher(runner, source.tokenizer, limits)
+        batcher = ContinuousBatcher(runner, source.tokenizer, limits,
+                                    new_matcher=grammar.new_matcher if grammar is not None else None)
         engine = cls(source, runner, batcher, config, sizing, attention_note, grammar, grammar_note, matmul_note)
         engine.load_s = time.perf_counter() - t0
         return engine
@@ -325,10 +327,16 @@ class Engine:
     def submit(self, request: GenerationRequest, on_event: EventCallback) -> None:
         """Queues a job; `on_event(RowEvent)` is then called from the engine's owner thread.
 
+        A constrained request's grammar should have passed `check_grammar` first (on a
+        worker thread): here it is only looked up in the compile cache.
+
         Raises:
           AdmissionError: refused, with a complete message; nothing is held for it.
+          GrammarError: the request's output constraint cannot be compiled.
           ValueError: the request id is already open.
         """
+        if request.grammar is not None:
+            self.check_grammar(request.grammar)
         self._batcher.submit(request, on_event)
 
     def cancel(self, request_id: str) -> bool:
@@ -339,9 +347,10 @@ class Engine:
         """The latest published counters (a frozen snapshot)."""
         return self._batcher.stats()
 
-    def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
-        """Validate and compile an output constraint for `GenerationRequest.grammar`.
-        Cached by spec; about a millisecond cold, with the GIL released.
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Validate and compile an output constraint for `GenerationRequest.grammar` into
+        the engine's compile cache (keyed by spec; about a millisecond cold, with the GIL
+        released), so that `submit` finds it there. Call it off the event loop.
 
         Raises:
           GrammarError: naming the problem (an invalid schema, regex or grammar, a
@@ -349,10 +358,8 @@ class Engine:
             tokenizer has no structured output.
         """
         if self._grammar is None:
-            from ferrox_jax.grammar import GrammarError
-
             raise GrammarError(f"structured output is unavailable for this model: {self.grammar_note}")
-        return self._grammar.compile(spec)
+        self._grammar.compile(spec)
 
     def health(self) -> str:
         """"ready", "dead" (the owner loop crashed) or "stopped"."""

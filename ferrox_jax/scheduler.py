@@ -32,8 +32,8 @@ from typing import Any
 from ferrox_jax.block_tables import BlockTables, blocks_to_reserve
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.plan import RowStep, StepOutput, StepPlan
-from ferrox_jax.request import (GenerationRequest, Request, RequestState, Row, RowEvent, RowResult, SamplingParams,
-                                _transition)
+from ferrox_jax.request import (GenerationRequest, MatcherFactory, Request, RequestState, Row, RowEvent, RowResult,
+                                SamplingParams, _transition)
 
 # A cancel for a request id not seen yet is kept this long (the job's submit may still be on
 # its way), and at most this many are kept (ids that never arrive must not pile up).
@@ -74,9 +74,12 @@ def check_admission(spec: GenerationRequest, limits: SchedulerLimits) -> tuple[s
 class Scheduler:
     """Plans ticks over waiting, prefilling and decoding jobs; see the module docstring."""
 
-    def __init__(self, limits: SchedulerLimits, tokenizer: Any, *,
+    def __init__(self, limits: SchedulerLimits, tokenizer: Any, *, new_matcher: MatcherFactory | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """`new_matcher` makes constrained rows' grammar state (the engine's grammar compiler);
+        without one, the batcher refuses constrained jobs at submit."""
         self.limits = limits
+        self._new_matcher = new_matcher
         self.blocks = BlockTables(limits)
         self.budget = self.blocks.budget
         self._tokenizer = tokenizer
@@ -111,7 +114,7 @@ class Scheduler:
     def add_request(self, spec: GenerationRequest) -> None:
         """Queues a job (FIFO); one whose cancel arrived first ends at once, cancelled."""
         assert spec.request_id not in self._jobs, f"duplicate request id {spec.request_id!r}"
-        job = Request(spec, self._next_row_id, self._tokenizer)
+        job = Request(spec, self._next_row_id, self._tokenizer, self._new_matcher)
         self._next_row_id += spec.n
         self.num_constrained_requests += spec.grammar is not None
         self._jobs[spec.request_id] = job

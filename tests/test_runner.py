@@ -128,7 +128,8 @@ def test_a_masked_row_leaves_its_neighbours_bit_identical(runner, tiny_llama):
     """The same decode step (same shape, same K/V writes) with and without a grammar mask
     on row 0: the other rows' tokens and logprobs are equal bit for bit, and row 0's
     returned logprobs stay the raw model's."""
-    from ferrox_jax.grammar import GrammarCompiler, GrammarSpec
+    from ferrox_jax.constraint import GrammarSpec
+    from ferrox_jax.grammar import GrammarCompiler
     from models.tokenizer import Tokenizer
 
     compiler = GrammarCompiler(Tokenizer.from_hf_dir(tiny_llama), runner.vocab_size)

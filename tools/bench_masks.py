@@ -21,7 +21,8 @@ import sys
 import time
 
 from ferrox_jax.config import EngineConfig
-from ferrox_jax.grammar import GrammarSpec
+from ferrox_jax.constraint import GrammarSpec
+from ferrox_jax.grammar import GrammarCompiler
 from ferrox_jax.plan import RowStep, StepPlan
 from ferrox_jax.request import SamplingParams
 
@@ -49,7 +50,7 @@ def bench_rows(engine, rows: int, steps: int, prompt: list[int]) -> dict:
     blocks_per_row = -(-(len(prompt) + steps + 1) // runner.block_size)
     if rows * blocks_per_row > runner.num_blocks - 1:
         raise SystemExit(f"{rows} rows x {blocks_per_row} blocks do not fit in {runner.num_blocks} KV blocks")
-    grammar = engine.compile_grammar(GrammarSpec.json_schema(SCHEMA))
+    grammar = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size).compile(GrammarSpec.json_schema(SCHEMA))
     state = _prefill(runner, rows, prompt, blocks_per_row)
     matchers = [grammar.new_matcher() for _ in range(rows)]
     # The prefill's token is context; each document starts with the first masked token.
