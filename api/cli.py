@@ -106,7 +106,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             quantization=args.quantization, int8_kernel=args.int8_kernel, kv_cache_dtype=args.kv_cache_dtype,
             block_size=args.block_size, kv_blocks=args.kv_blocks, kv_memory_gib=args.kv_memory_gib,
             max_context=args.max_context, max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
-            prefill_chunk_idle=args.prefill_chunk_idle,
+            prefill_chunk_idle=args.prefill_chunk_idle, max_batched_tokens=args.max_batched_tokens,
             max_queue=args.max_queue, prefix_caching=args.prefix_caching,
             compile_cache_dir=None if cache == "off" else cache,
             tensor_parallel=args.tensor_parallel, mesh=args.mesh, replicate_attention=args.replicate_attention,

@@ -50,16 +50,11 @@ import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
 from ferrox_jax.constraint import GrammarError, GrammarSpec
+from ferrox_jax.host_batch import ALL_TOKENS_ALLOWED, bitmask_words
 
-ALL_TOKENS_ALLOWED = np.int32(-1)  # a bitmask word with all 32 bits set
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept; a template matcher is a few hundred kB
 
 _UNIMPLEMENTED_KEYS = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
-
-
-def bitmask_words(vocab_size: int) -> int:
-    """Words in one bitmask row for `vocab_size` logits: ceil(vocab_size / 32)."""
-    return (vocab_size + 31) // 32
 
 
 def all_ones_mask(vocab_size: int) -> np.ndarray:

@@ -4,8 +4,8 @@
 - `api/` reaches the engine only through its facade: it never imports the batcher,
   scheduler, block budget, runner, plan, step or grammar-compiler modules (output
   constraints are plain data from `ferrox_jax/constraint.py`);
-- the scheduler, block budget, block tables, prefix cache, batcher, stats, request, constraint
-  and config modules never import jax or llguidance (checked in a fresh interpreter, so a
+- the scheduler, block budget, block tables, prefix cache, batcher, stats, request, constraint,
+  config, plan, host batch and buckets modules never import jax or llguidance (checked in a fresh interpreter, so a
   transitive import counts too);
 - imports flow `api -> ferrox_jax -> models`: nothing under `ferrox_jax/` or `models/`
   imports `api`, and `models/` never imports `ferrox_jax`.
@@ -25,7 +25,8 @@ ENGINE_INTERNALS = ("ferrox_jax.batcher", "ferrox_jax.scheduler", "ferrox_jax.bl
                     "ferrox_jax.prefix_cache", "ferrox_jax.runner", "ferrox_jax.plan", "ferrox_jax.step",
                     "ferrox_jax.grammar")
 JAX_FREE = ("ferrox_jax.scheduler", "ferrox_jax.block_budget", "ferrox_jax.block_tables", "ferrox_jax.prefix_cache",
-            "ferrox_jax.batcher", "ferrox_jax.stats", "ferrox_jax.request", "ferrox_jax.constraint", "ferrox_jax.config")
+            "ferrox_jax.batcher", "ferrox_jax.stats", "ferrox_jax.request", "ferrox_jax.constraint", "ferrox_jax.config",
+            "ferrox_jax.host_batch", "ferrox_jax.plan", "ferrox_jax.buckets")
 
 
 def imported_modules(path: Path) -> set[str]:

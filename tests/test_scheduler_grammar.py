@@ -8,6 +8,7 @@ import pytest
 
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.constraint import GrammarSpec
+from ferrox_jax.plan import RowPlan
 from ferrox_jax.grammar import GrammarCompiler
 from ferrox_jax.request import GenerationRequest, SamplingParams
 from ferrox_jax.scheduler import Scheduler
@@ -30,7 +31,7 @@ def compiler(tokenizer) -> GrammarCompiler:
 def run(tokenizer, script: list[int], compiler=None, **request):
     """One request whose sampled tokens are `script`; returns (its output, scheduler, runner)."""
     runner = ScriptedRunner(block_size=4, num_blocks=33, token_fn=script_token_fn({PROMPT: script}))
-    limits = SchedulerLimits(block_size=4, num_blocks=32, max_seqs=4, max_rows=4, max_chunk_tokens=16)
+    limits = SchedulerLimits(block_size=4, num_blocks=32, max_rows=4, max_chunk_tokens=16)
     scheduler = Scheduler(limits, tokenizer, new_matcher=compiler.new_matcher if compiler else None)
     scheduler.add_request(GenerationRequest("r", PROMPT, request.pop("max_tokens", 20), **request))
     outputs = run_until_idle(scheduler, runner)
@@ -42,7 +43,7 @@ def test_a_complete_grammar_ends_the_row_without_a_step_for_the_stop_token(token
     out, scheduler, runner = run(tokenizer, word + [999], compiler=compiler, grammar=GrammarSpec.choice(["yes", "no"]))
     assert out.text == "yes" and out.finish_reason == "stop"
     assert out.events[-1].num_generated_tokens == len(word), "no token sampled after the choice was complete"
-    assert sum(len([s for s in p.prefill + p.decode if s.sample]) for p in runner.plans) == len(word)
+    assert sum(len([s for s in p.chunks + p.decode if s.sample]) for p in runner.plans) == len(word)
     assert scheduler.num_constrained_requests == 1 and scheduler.num_grammar_errors == 0
     assert scheduler.budget.num_held_blocks == 0
 
@@ -76,11 +77,12 @@ def test_constrained_rows_carry_their_matcher_and_ignore_eos_bans_stop_tokens(to
     out, _, runner = run(tokenizer, tokenizer.encode("1234"), compiler=compiler, grammar=grammar, ignore_eos=True,
                          sampling=SamplingParams(logit_bias=((9, 1.5),)))
     assert out.text == "1234" and out.finish_reason == "stop", "four digits: nothing but a stop token can follow"
-    sampled = [s for p in runner.plans for s in p.prefill + p.decode if s.sample]
-    assert sampled and len({id(s.matcher) for s in sampled}) == 1 and sampled[0].matcher is not None
+    sampled = [s for p in runner.plans for s in p.chunks + p.decode if s.sample]
+    assert sampled and all(s.is_constrained for s in sampled), "every sampling step of the row is constrained"
+    assert all(isinstance(s, RowPlan) and not hasattr(s, "matcher") for s in sampled), "the matcher stays off the plan"
     for step in sampled:
         bias = dict(step.sampling.logit_bias)
         assert all(bias[t] == float("-inf") for t in tokenizer.stop_token_ids), "stop tokens banned"
         assert bias[9] == 1.5, "the request's own logit_bias kept"
     unconstrained, _, runner = run(tokenizer, tokenizer.encode("1234"), max_tokens=2)
-    assert all(s.matcher is None and not s.sampling.logit_bias for p in runner.plans for s in p.prefill + p.decode)
+    assert all(not s.is_constrained and not s.sampling.logit_bias for p in runner.plans for s in p.chunks + p.decode)
