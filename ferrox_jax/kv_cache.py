@@ -4,10 +4,10 @@ Per layer, K and V are each one array
 
     k[layer]: dtype[K kv_heads, N num_blocks, bs block_size, hd head_dim]
 
-a block holding `block_size` consecutive token positions of one sequence for every KV
+a block holding `block_size` consecutive token positions of one row for every KV
 head. The layout is the one JAX's Pallas TPU paged-attention kernel reads
 (`[num_kv_heads, total_num_pages, page_size, head_dim]`), and its first axis is the one
-tensor parallelism shards. A sequence's *block table* lists its block ids in position
+tensor parallelism shards. A row's *block table* lists its block ids in position
 order; position p sits in `block_table[p // bs]` at offset `p % bs`.
 
 Block 0 is the null block: padded tokens write into it and padded block-table entries

@@ -65,7 +65,9 @@ async def run_round(base_url: str, model: str, *, decode_rows: int, burst: int, 
         decoders = []
         for i in range(decode_rows):
             prompt = [rng.randrange(vocab_low, vocab_high) for _ in range(16)]
-            body = {"model": model, "prompt": prompt, "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+            # Long enough to outlast the burst; small enough that every row is admitted at once
+            # (admission reserves prompt + max_tokens of KV blocks).
+            body = {"model": model, "prompt": prompt, "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
                     "stream": True}
             decoders.append(asyncio.create_task(_stream(client, url, body, decode_arrivals[i], started[i],
                                                         min_chunks=3)))
