@@ -23,14 +23,12 @@ import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
 from api.config import DEFAULT_HOST, DEFAULT_PORT, SETTINGS, ServerConfig, default_grammar, env_defaults, split_addr
-from ferrox_jax.config import EngineConfig
+from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig
 
 if TYPE_CHECKING:
     from ferrox_jax.engine import Engine
 
 logger = logging.getLogger("ferrox")
-
-DEFAULT_COMPILE_CACHE = os.path.join("~", ".cache", "ferrox_jax", "jax")
 
 
 def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
