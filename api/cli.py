@@ -89,7 +89,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             tls_key=args.tls_key, shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
             default_grammar=default_grammar(args.grammar, args.grammar_file, args.json_schema),
             model_dir=args.model_dir, resumable_max_bytes=args.resumable_max_bytes,
-            resumable_ttl_s=args.resumable_ttl, resumable_max_streams=args.resumable_max_streams)
+            resumable_ttl_s=args.resumable_ttl, resumable_max_streams=args.resumable_max_streams,
+            web_ui=args.web_ui)
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {e}") from None
 
