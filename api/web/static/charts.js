@@ -24,7 +24,8 @@ function niceStep(max, count) {
 }
 
 class LineChart {
-  // spec: {title, unit, series: [{key, name, color, area?}], format?(v), minMax?}
+  // spec: {id, title, unit, series: [{key, name, color, area?}], format?(v), minMax? (the least
+  // top of the value axis), fixedMax? (its top, always)}
   constructor(container, spec) {
     this.spec = spec;
     this.root = ferrox.el("div", "chart panel");
@@ -62,9 +63,9 @@ class LineChart {
         if (v !== null && v !== undefined && Number.isFinite(v)) { max = Math.max(max, v); drawn++; }
       }
     }
-    const top = Math.max(max, this.spec.minMax || 1e-9) * 1.1;
+    const top = this.spec.fixedMax || Math.max(max, this.spec.minMax || 1e-9) * 1.1;
     const step = niceStep(top, 4);
-    const yMax = Math.ceil(top / step) * step;
+    const yMax = this.spec.fixedMax || Math.ceil(top / step) * step;
     const x = (t) => PLOT.left + plotW * (1 - (nowMs - t) / (spanS * 1000));
     const y = (v) => PLOT.top + plotH * (1 - v / yMax);
     const fmt = this.spec.format || ((v) => ferrox.num(v));

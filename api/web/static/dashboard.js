@@ -140,7 +140,7 @@ const CHARTS = [
   { id: "kv", title: "KV blocks", unit: "blocks", series: [
     { key: "used", name: "used", color: COLORS.a, area: true }, { key: "cached", name: "cached", color: COLORS.c },
     { key: "free", name: "free", color: COLORS.b }] },
-  { id: "prefix", title: "Prefix-cache hit rate", unit: "% of prompt tokens (last " + HIT_S + " s)", minMax: 100,
+  { id: "prefix", title: "Prefix-cache hit rate", unit: "% of prompt tokens (last " + HIT_S + " s)", fixedMax: 100,
     format: (v) => (v === null || v === undefined ? "–" : Math.round(v) + "%"),
     series: [{ key: "hit", name: "hit rate", color: COLORS.c, area: true }] },
 ];
