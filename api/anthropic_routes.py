@@ -65,7 +65,7 @@ from api.prompts import chat_prompt, check_model
 from api.protocol import parse_body
 from api.sse import named_event as event, sse_response
 from api.state import AppState, json_response, state_of
-from api.structured import OutputPlan, ToolRequest, compile_grammar, tool_request
+from api.structured import OutputPlan, ToolRequest, check_grammar, tool_request
 from ferrox_jax.engine import Engine
 from ferrox_jax.request import GenerationRequest, RowEvent, SamplingParams
 
@@ -290,7 +290,7 @@ async def create_message() -> Response:
     check_asked_tokens(body.max_tokens, state.config)
     prompt, plan = await _prompt(body, engine, state)
     check_prompt_tokens(len(prompt), state.config, "messages")
-    grammar = await compile_grammar(engine, plan.grammar, plan.grammar_param)
+    grammar = await check_grammar(engine, plan.grammar, plan.grammar_param)
     api_id = f"msg_{uuid.uuid4().hex}"
     sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,

@@ -121,7 +121,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             quantization=args.quantization, int8_kernel=args.int8_kernel, kv_cache_dtype=args.kv_cache_dtype,
             block_size=args.block_size, kv_blocks=args.kv_blocks, kv_memory_gib=args.kv_memory_gib,
             max_context=args.max_context, max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
-            prefill_chunk_idle=args.prefill_chunk_idle,
+            prefill_chunk_idle=args.prefill_chunk_idle, max_batched_tokens=args.max_batched_tokens,
             max_queue=args.max_queue, prefix_caching=args.prefix_caching,
             compile_cache_dir=None if cache == "off" else cache,
             tensor_parallel=args.tensor_parallel, mesh=args.mesh, replicate_attention=args.replicate_attention,
@@ -145,10 +145,10 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
     with tqdm(desc="loading weights", unit="tensor", file=sys.stderr, leave=False) as bar:
         engine = Engine.load(config, progress=lambda _name: bar.update(1))
     if default_grammar is not None:
-        from ferrox_jax.grammar import GrammarError
+        from ferrox_jax.constraint import GrammarError
 
         try:
-            engine.compile_grammar(default_grammar)
+            engine.check_grammar(default_grammar)
         except GrammarError as e:
             engine.shutdown()
             raise ValueError(f"the default output constraint (--grammar, --grammar-file or --json-schema): {e}") \

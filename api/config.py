@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any, Callable, Mapping
 
-from ferrox_jax.grammar import GrammarError, GrammarSpec, grammar_syntax
+from ferrox_jax.constraint import GrammarError, GrammarSpec, grammar_syntax
 from ferrox_jax.request import MAX_LOGPROBS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -224,7 +224,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("process_id", "FERROX_PROCESS_ID", _nonneg_int, None, "multi-host: this process's index"),
     Setting("max_seqs", "FERROX_CB_MAX_SEQS", _positive_int, 32,
             "rows (prefilling + decoding) at once; also the largest decode row bucket"),
-    Setting("prefill_chunk", "FERROX_CB_PREFILL_CHUNK", _positive_int, 128, "prompt tokens per tick"),
+    Setting("prefill_chunk", "FERROX_CB_PREFILL_CHUNK", _positive_int, 128, "prompt tokens per chunk"),
+    Setting("max_batched_tokens", "FERROX_CB_MAX_BATCHED_TOKENS", _nonneg_int, 0,
+            "prompt tokens per step over all its chunks (one chunk per prefilling job; decode rows always run "
+            "besides); 0 = the backend's default (one chunk on CPU)"),
     Setting("prefill_chunk_idle", "FERROX_PREFILL_CHUNK_IDLE", _nonneg_int, 0,
             "prompt tokens per tick while no row decodes (0 = --prefill-chunk; larger buckets compile at start-up)"),
     Setting("max_queue", "FERROX_CB_MAX_QUEUE", _positive_int, 512, "waiting jobs before 503"),

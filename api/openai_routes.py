@@ -34,11 +34,11 @@ from api.protocol import (CancelRequest, ChatCompletionRequest, CompletionReques
                           SamplingFields, TokenizeRequest, parse_body, parse_logit_bias)
 from api.sse import DONE, KEEP_ALIVE_COMMENT, event, sse_response
 from api.state import AppState, json_response, state_of
-from api.structured import (PLAIN_TEXT, OutputPlan, choice_constraint, compile_grammar, completion_plan,
+from api.structured import (PLAIN_TEXT, OutputPlan, choice_constraint, check_grammar, completion_plan,
                             grammar_constraint, json_object_constraint, json_schema_constraint, prepare_chat,
                             regex_constraint, tool_request)
 from ferrox_jax.engine import Engine
-from ferrox_jax.grammar import CompiledGrammar, GrammarSpec
+from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.request import GenerationRequest, SamplingParams
 
 blueprint = Blueprint("openai", __name__)
@@ -141,7 +141,7 @@ def _sampling(body: SamplingFields, engine: Engine, logprobs: int | None) -> Sam
 
 
 def _job_request(job_id: str, prompt_ids: list[int], max_tokens: int, body: SamplingFields,
-                 sampling: SamplingParams, prompt_logprobs: bool, grammar: CompiledGrammar | None = None,
+                 sampling: SamplingParams, prompt_logprobs: bool, grammar: GrammarSpec | None = None,
                  plan: OutputPlan = OutputPlan()) -> GenerationRequest:
     return GenerationRequest(
         request_id=job_id, prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
@@ -220,7 +220,7 @@ async def completions() -> Response:
     if (body.min_tokens or 0) > (body.max_tokens if body.max_tokens is not None else 16):
         raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
     plan = completion_plan(*_constraint(body), state.config.default_grammar)
-    grammar = await compile_grammar(engine, plan.grammar, plan.grammar_param)
+    grammar = await check_grammar(engine, plan.grammar, plan.grammar_param)
     api_id = f"cmpl-{uuid.uuid4().hex}"
     # max_tokens 0 (lm-eval's echo + logprobs scoring): a job must sample at least one
     # token, so ask for one and drop it; with nothing to score, no job is submitted at all.
@@ -262,7 +262,7 @@ async def chat_completions() -> Response:
         raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
     limit = max_tokens(asked, len(prompt_ids), engine.max_context, state.config, "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    grammar = await compile_grammar(engine, chat.plan.grammar, chat.plan.grammar_param)
+    grammar = await check_grammar(engine, chat.plan.grammar, chat.plan.grammar_param)
     api_id = f"chatcmpl-{uuid.uuid4().hex}"
     reqs = [_job_request(api_id, prompt_ids, limit, body, _sampling(body, engine, logprobs), False, grammar,
                          chat.plan)]

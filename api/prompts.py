@@ -17,7 +17,7 @@ from api.structured import OutputPlan, ToolRequest, prepare_chat
 
 if TYPE_CHECKING:
     from ferrox_jax.engine import Engine
-    from ferrox_jax.grammar import GrammarSpec
+    from ferrox_jax.constraint import GrammarSpec
 
 ENCODE_INLINE_CHARS = 16_384  # longer prompts are tokenized in a worker thread
 

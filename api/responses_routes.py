@@ -61,10 +61,10 @@ from api.prompts import chat_prompt, check_model
 from api.protocol import parse_body
 from api.sse import named_event as event, sse_response
 from api.state import json_response, state_of
-from api.structured import (PLAIN_TEXT, OutputPlan, ToolRequest, compile_grammar, json_object_constraint,
+from api.structured import (PLAIN_TEXT, OutputPlan, ToolRequest, check_grammar, json_object_constraint,
                             json_schema_constraint, tool_request)
 from ferrox_jax.engine import Engine
-from ferrox_jax.grammar import GrammarSpec
+from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.request import GenerationRequest, SamplingParams
 
 blueprint = Blueprint("responses", __name__)
@@ -218,7 +218,7 @@ async def create_response() -> Response:
     prompt, plan = await chat_prompt(engine, _turns(body), "input", tools=_tools(body, engine), constraint=constraint,
                                      constraint_param=constraint_param, default_constraint=state.config.default_grammar)
     check_prompt_tokens(len(prompt), state.config, "input")
-    grammar = await compile_grammar(engine, plan.grammar, plan.grammar_param)
+    grammar = await check_grammar(engine, plan.grammar, plan.grammar_param)
     api_id = f"resp_{uuid.uuid4().hex}"
     sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, seed=random.getrandbits(31))

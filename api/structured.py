@@ -4,8 +4,8 @@ The protocol-neutral half of the feature (the OpenAI adapter is its first user; 
 adapters render the same pieces in their own shapes). An adapter parses its request into
 an optional constraint (`json_schema_constraint`, `regex_constraint`, ...) and an optional
 `ToolRequest` (`tool_request`), then `prepare_chat` renders the prompt and says what the
-output needs (`OutputPlan`); `compile_grammar` turns the plan's constraint into the
-engine's `GenerationRequest.grammar`. Each choice's text then goes through the plan's
+output needs (`OutputPlan`); `check_grammar` has the engine compile the plan's constraint
+(off the event loop) before it becomes the job's `GenerationRequest.grammar`. Each choice's text then goes through the plan's
 `OutputParser`:
 
     RowEvent.text ──▶ thinking split (api/reasoning.py) ──▶ tool-call parser (api/tool_calls.py)
@@ -50,7 +50,7 @@ from api.errors import APIError
 from api.reasoning import THINK_START, ReasoningStreamParser, prompt_opens_reasoning
 from api.tool_calls import (ToolCall, ToolCallStreamParser, ToolDefinitionError, ToolSpec, add_tools_to_messages,
                             detect_tool_call_format, template_renders_tools, tool_call_grammar, validate_tools)
-from ferrox_jax.grammar import CompiledGrammar, GrammarError, GrammarSpec, grammar_syntax
+from ferrox_jax.constraint import GrammarError, GrammarSpec, grammar_syntax
 
 # What a request may say about its output besides a constraint: plain text, which also
 # opts out of the server-wide default constraint.
@@ -104,14 +104,16 @@ def _spec(build, param: str) -> GrammarSpec:
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_grammar") from None
 
 
-async def compile_grammar(engine: Any, spec: GrammarSpec | None, param: str) -> CompiledGrammar | None:
-    """The engine's compiled constraint for `spec` (None for None), off the event loop
-    (about a millisecond cold; cached by spec). A constraint the engine cannot compile or
-    enforce is a 400 naming `param` and the problem (e.g. the unsupported keyword)."""
+async def check_grammar(engine: Any, spec: GrammarSpec | None, param: str) -> GrammarSpec | None:
+    """`spec` once the engine has compiled it (None for None), off the event loop (about a
+    millisecond cold; cached by spec), ready for `GenerationRequest.grammar`. A constraint
+    the engine cannot compile or enforce is a 400 naming `param` and the problem (e.g. the
+    unsupported keyword)."""
     if spec is None:
         return None
     try:
-        return await asyncio.to_thread(engine.compile_grammar, spec)
+        await asyncio.to_thread(engine.check_grammar, spec)
+        return spec
     except GrammarError as e:
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_grammar") from None
 
@@ -168,9 +170,9 @@ def tool_request(tools: Sequence[Any] | None, tool_choice: Any, parallel_tool_ca
         return None
     choice, function = _tool_choice(tool_choice, bool(tools))
     forced = choice in ("required", "function")
-    compiler = _EngineCompiler(engine) if forced and engine is not None else None
+    check = engine.check_grammar if forced and engine is not None else None
     try:
-        specs = validate_tools(tools, compiler)
+        specs = validate_tools(tools, check)
     except ToolDefinitionError as e:
         raise APIError(400, str(e), param="tools", code="invalid_tools") from None
     if function is not None and function not in {t.name for t in specs}:
@@ -195,13 +197,6 @@ def _tool_choice(tool_choice: Any, has_tools: bool) -> tuple[str, str | None]:
     return "function", name
 
 
-class _EngineCompiler:
-    """`validate_tools` wants an object with `compile(spec)`; the engine calls it this."""
-
-    def __init__(self, engine: Any) -> None:
-        self.compile = engine.compile_grammar
-
-
 # ---------------------------------------------------------------- chat prompt and output plan
 
 
@@ -209,7 +204,7 @@ class _EngineCompiler:
 class OutputPlan:
     """What a request's output needs: its constraint, and how to parse its text."""
 
-    grammar: GrammarSpec | None = None  # compile with `compile_grammar`
+    grammar: GrammarSpec | None = None  # checked by `check_grammar` before it is submitted
     grammar_param: str = "response_format"  # the field a compile error names
     tool_format: str | None = None  # parse calls in this format (api/tool_calls.py); None: no calls
     parallel_tool_calls: bool = True

@@ -4,7 +4,7 @@ templates cannot, and force a call with a grammar.
 Where it sits: the protocol adapters pass a request's `tools` through `validate_tools`,
 render the prompt (with `add_tools_to_messages` when `template_renders_tools` is false),
 and, for `tool_choice: "required"` or a named function, constrain the row with
-`tool_call_grammar(...)` (a `ferrox_jax.grammar.GrammarSpec`). The row's text (decoded
+`tool_call_grammar(...)` (a `ferrox_jax.constraint.GrammarSpec`). The row's text (decoded
 with special tokens kept: `[TOOL_CALLS]` and `<|python_tag|>` are special tokens) then
 goes through `parse_tool_calls` or, streamed, a `ToolCallStreamParser`, whose deltas are
 OpenAI `choices[].delta` payloads. A response with calls finishes with "tool_calls".
@@ -30,10 +30,10 @@ import re
 import secrets
 import string
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from api.reasoning import held_prefix_len
-from ferrox_jax.grammar import DEFAULT_MAX_WHITESPACE_CHARS, GrammarError, GrammarSpec
+from ferrox_jax.constraint import DEFAULT_MAX_WHITESPACE_CHARS, GrammarError, GrammarSpec
 
 TOOL_CALL_FORMATS = ("hermes", "llama3_json", "mistral", "json")
 _START_MARKERS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>",), "mistral": ("[TOOL_CALLS]",), "json": ()}
@@ -105,14 +105,15 @@ def template_renders_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
 
 
-def validate_tools(tools: Sequence[Any], compiler: Any = None) -> tuple[ToolSpec, ...]:
+def validate_tools(tools: Sequence[Any], check_grammar: Callable[[GrammarSpec], None] | None = None
+                   ) -> tuple[ToolSpec, ...]:
     """Check a request's `tools` and return them as ToolSpecs.
 
     Args:
       tools: the request's list of {"type": "function", "function": {"name",
         "description"?, "parameters"?}}.
-      compiler: a `ferrox_jax.grammar.GrammarCompiler`; when given, each parameters
-        schema is also compiled, so a schema the engine rejects is caught here.
+      check_grammar: the engine's `check_grammar`; when given, each parameters schema is
+        also compiled, so a schema the engine rejects is caught here.
     Raises:
       ToolDefinitionError naming the tool (by name, else by index) and the problem.
     """
@@ -134,9 +135,9 @@ def validate_tools(tools: Sequence[Any], compiler: Any = None) -> tuple[ToolSpec
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
             raise ToolDefinitionError(f"{label}: parameters must be a JSON schema object; got {type(parameters).__name__}")
-        if compiler is not None:
+        if check_grammar is not None:
             try:
-                compiler.compile(GrammarSpec.json_schema(parameters))
+                check_grammar(GrammarSpec.json_schema(parameters))
             except GrammarError as e:
                 raise ToolDefinitionError(f"{label}: parameters are not a usable JSON schema: {e}") from e
         specs.append(ToolSpec(name, description, parameters))

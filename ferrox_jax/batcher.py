@@ -8,11 +8,13 @@ thread, so none of it needs a lock. The owner loop, once per iteration:
     work it blocks on the inbox instead of spinning.
  2. Hand new jobs and cancels to the scheduler; cancels are applied first thing in the tick.
  3. `plan = scheduler.schedule()`: apply cancellations, flush finished rows, admit waiting
-    jobs in strict FIFO while the row cap and the block ledger allow, plan at most one
-    prefill chunk (front prompt; an unfinished one goes to the back) and one batched
-    decode step, measure the block peak from the rows.
- 4. `out = runner.run(plan)`. If the runner raises, the jobs in that step end with an
-    error event and free their blocks, the traceback is logged, and the loop goes on.
+    jobs in strict FIFO while the row cap and the block ledger allow, plan one token for
+    every decoding row and the prompt chunks the step's token budget allows (round robin;
+    an unfinished prompt goes to the back), measure the block peak from the rows.
+ 4. `out = run_plan(runner, plan, self._fill_masks)`: the plan as a host batch of numpy
+    arrays (`ferrox_jax/host_batch.py`), one forward for every row, the constrained rows'
+    grammar masks filled while it runs. If the runner raises, the jobs in that step end
+    with an error event and free their blocks, the traceback is logged, and the loop goes on.
  5. `scheduler.update(plan, out)`: advance progress, check stops, flush finished rows.
  6. Publish a `BatcherStats` snapshot; `stats()` only ever reads published snapshots.
  7. Deliver this tick's `RowEvent`s through each request's `on_event` (on this thread);
@@ -35,18 +37,24 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from ferrox_jax.config import SchedulerLimits
+from ferrox_jax.host_batch import HostBatch, bitmask_words, run_plan
 from ferrox_jax.plan import Runner, StepPlan
-from ferrox_jax.request import AdmissionError, GenerationRequest, RowEvent
+from ferrox_jax.request import AdmissionError, GenerationRequest, MatcherFactory, RowEvent
 from ferrox_jax.scheduler import Scheduler, check_admission
 from ferrox_jax.stats import BatcherStats
 
 log = logging.getLogger(__name__)
 
 EventCallback = Callable[[RowEvent], None]
+# fill_bitmask(bitmask i32[B, W], matchers): constrained rows from their matcher, the rest
+# all ones (`ferrox_jax.grammar.GrammarCompiler.fill_bitmask`).
+BitmaskFiller = Callable[[np.ndarray, Sequence[Any]], None]
 
 # AdmissionError.reason -> the BatcherStats field that counts it.
 _REFUSAL_FIELDS = {
@@ -91,20 +99,29 @@ def check_limits(limits: SchedulerLimits, runner: Runner) -> None:
     if limits.max_rows > runner.max_rows:
         raise ValueError(f"SchedulerLimits.max_rows ({limits.max_rows}) exceeds the runner's largest "
                          f"row bucket ({runner.max_rows})")
-    if limits.idle_chunk_tokens > runner.max_prefill_tokens:
+    if limits.max_chunks > runner.max_chunks:
+        raise ValueError(f"SchedulerLimits' {limits.max_chunks} chunks per step exceed the runner's "
+                         f"{runner.max_chunks}")
+    if limits.idle_chunk_tokens > runner.max_chunk_tokens:
         raise ValueError(f"SchedulerLimits' prefill chunk ({limits.idle_chunk_tokens} tokens) exceeds the "
-                         f"runner's largest token bucket ({runner.max_prefill_tokens})")
+                         f"runner's largest token bucket ({runner.max_chunk_tokens})")
 
 
 class ContinuousBatcher:
     """Continuous batching over one runner; see the module docstring for the loop."""
 
-    def __init__(self, runner: Runner, tokenizer: Any, limits: SchedulerLimits) -> None:
+    def __init__(self, runner: Runner, tokenizer: Any, limits: SchedulerLimits,
+                 new_matcher: MatcherFactory | None = None, fill_bitmask: BitmaskFiller | None = None) -> None:
+        """`new_matcher` and `fill_bitmask` come from the engine's grammar compiler
+        (`GrammarCompiler.new_matcher` / `.fill_bitmask`); without them constrained jobs
+        are refused at submit."""
         check_limits(limits, runner)
         self.limits = limits
         self._runner = runner
         self._max_queue = limits.max_queue
-        self._scheduler = Scheduler(self.limits, tokenizer)
+        self._scheduler = Scheduler(self.limits, tokenizer, new_matcher=new_matcher)
+        self._has_grammar = new_matcher is not None and fill_bitmask is not None
+        self._fill_bitmask = fill_bitmask
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         # Guarded by _lock (shared with submitters):
@@ -141,8 +158,12 @@ class ContinuousBatcher:
         Raises:
             AdmissionError: refused ("context_length", "too_large", "queue_full",
                 "unavailable", checked in that order); nothing is held for it.
-            ValueError: the request id is already open.
+            ValueError: the request id is already open, or it has an output constraint and
+                this batcher no grammar compiler.
         """
+        if request.grammar is not None and not self._has_grammar:
+            raise ValueError(f"request {request.request_id!r} has an output constraint but this batcher "
+                             "has no grammar compiler")
         refusal = check_admission(request, self.limits)
         with self._lock:
             if refusal is not None:
@@ -256,20 +277,30 @@ class ContinuousBatcher:
         return not plan.is_empty or bool(events)
 
     def _run_step(self, plan: StepPlan) -> float:
-        """Steps 4-5; returns the device seconds the runner reported."""
+        """Steps 4-5; returns the device seconds (the runner's call, grammar masks included)."""
         try:
-            out = self._runner.run(plan)
+            out = run_plan(self._runner, plan, self._fill_masks)
             self._scheduler.check_output(plan, out)
         except Exception as exc:  # a failed step fails its jobs, not the server
-            log.exception("runner failed on a step with %d prefill and %d decode rows",
-                          len(plan.prefill), len(plan.decode))
+            log.exception("runner failed on a step with %d chunks and %d decode rows",
+                          len(plan.chunks), len(plan.decode))
             self._scheduler.fail_step(plan, f"the model runner failed: {exc!r}")
             return 0.0
         self._scheduler.update(plan, out)
-        self._masks.update(grammar_mask_s=out.mask_s, grammar_mask_rows=out.num_mask_rows,
-                           grammar_mask_fills=out.num_mask_fills,
-                           grammar_mask_fills_hidden=out.num_mask_fills_hidden)
         return out.device_s
+
+    def _fill_masks(self, batch: HostBatch, forward_is_done: Callable[[], bool]) -> None:
+        """Fills the constrained rows' bitmask from their matchers (the runner calls it
+        while the forward runs); every other row is all ones."""
+        start_s = time.perf_counter()
+        matchers = [self._scheduler.matcher(int(row_id)) if constrained else None
+                    for row_id, constrained in zip(batch.row_ids, batch.constrained)]
+        bitmask = np.empty((batch.num_rows, bitmask_words(self._runner.geometry.vocab_size)), np.int32)
+        self._fill_bitmask(bitmask, matchers)
+        batch.bitmask = bitmask
+        self._masks.update(grammar_mask_s=time.perf_counter() - start_s,
+                           grammar_mask_rows=sum(m is not None for m in matchers), grammar_mask_fills=1,
+                           grammar_mask_fills_hidden=int(not forward_is_done()))
 
     def _deliver(self, events: list[RowEvent]) -> None:
         closed = []

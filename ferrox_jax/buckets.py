@@ -1,10 +1,24 @@
-"""Static shapes: the row and token buckets every step pads to.
+"""Static shapes: the step shapes every forward pads to. No jax here.
 
-Each distinct shape costs an XLA compile, so the engine compiles all buckets at start-up
-and afterwards only pads to the nearest one. Buckets are derived from the config and
-always include the maximum. A long prompt is chunked, never padded past the largest
-token bucket. The block table has one fixed width (`runner.block_table_width`): context
-length needs no bucket.
+Each distinct shape costs an XLA compile, so the engine compiles all of them at start-up
+and afterwards only pads to the nearest one. A step's forward holds two segments of rows:
+
+    decode segment   Bd rows of one token (decoding rows; the one-query attention kernels)
+    chunk segment    Pc rows of Tc tokens (prompt chunks; paged attention over [Pc, Tc])
+
+so a shape is `StepShape(Bd, Pc, Tc)`, with N = Bd + Pc * Tc tokens and R = Bd + Pc rows
+(the sampler's shape depends on R alone). The buckets:
+
+    decode only      (b, 0, 0)        b in decode_rows   (powers of two up to max_rows)
+    chunks only      (0, 1, t)        t in chunk_tokens  (16, 32, ... up to the largest chunk)
+                     (0, p, Tmax)     p in chunk_rows    (several full chunks, when the token
+                                                          budget holds more than one)
+    mixed            (b, p, t)        b in mixed_rows (a coarser set: padded decode rows cost
+                                      little next to a chunk), (p, t) as above
+
+Buckets always include their maximum. A long prompt is chunked, never padded past the
+largest token bucket. The block table has one fixed width (`runner.block_table_width`):
+context length needs no bucket.
 """
 
 from __future__ import annotations
@@ -33,27 +47,76 @@ def pick(buckets: tuple[int, ...], n: int) -> int:
     return buckets[i]
 
 
+@dataclasses.dataclass(frozen=True, order=True)
+class StepShape:
+    """One compiled forward shape: Bd decode rows, then Pc chunk rows of Tc tokens."""
+
+    decode_rows: int
+    chunk_rows: int
+    chunk_tokens: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.decode_rows + self.chunk_rows
+
+    @property
+    def num_tokens(self) -> int:
+        return self.decode_rows + self.chunk_rows * self.chunk_tokens
+
+
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """decode_rows: rows per decode step; prefill_tokens: tokens per prefill chunk.
+    """The step shapes of one runner (see the module docstring)."""
 
-    Context length needs no bucket: attention walks the block table with a traced trip
-    count (`models/attention.py`), so the block-table width is one fixed size.
-    """
-
-    decode_rows: tuple[int, ...]
-    prefill_tokens: tuple[int, ...]
+    decode_rows: tuple[int, ...]  # rows of a decode-only step
+    mixed_rows: tuple[int, ...]  # decode rows of a step that also has chunks
+    chunk_tokens: tuple[int, ...]  # tokens of a step's one chunk row
+    chunk_rows: tuple[int, ...]  # chunk rows of a step (several only at the largest chunk)
 
     @classmethod
-    def derive(cls, max_rows: int, max_prefill_tokens: int, min_prefill_tokens: int = 16) -> "Buckets":
-        return cls(
-            decode_rows=powers_of_two_up_to(max_rows),
-            prefill_tokens=powers_of_two_up_to(max_prefill_tokens, start=min(min_prefill_tokens, max_prefill_tokens)),
-        )
+    def derive(cls, max_rows: int, max_chunk_tokens: int, max_chunks: int = 1,
+               min_chunk_tokens: int = 16) -> "Buckets":
+        """Args:
+          max_rows: rows one step holds (decode rows; a step with chunks holds the chunks' rows too).
+          max_chunk_tokens: tokens of one chunk, at most.
+          max_chunks: chunks one step holds, at most (the token budget over the chunk size).
+        """
+        if max_chunks < 1:
+            raise ValueError(f"max_chunks must be >= 1; got {max_chunks}")
+        return cls(decode_rows=powers_of_two_up_to(max_rows),
+                   mixed_rows=powers_of_two_up_to(max_rows, start=min(4, max_rows), ratio=4),
+                   chunk_tokens=powers_of_two_up_to(max_chunk_tokens, start=min(min_chunk_tokens, max_chunk_tokens)),
+                   chunk_rows=powers_of_two_up_to(max_chunks))
 
-    def keys(self) -> list[tuple[str, int, int]]:
-        """Every (kind, rows, tokens) shape compiled at warm-up. The sampler's shapes
-        depend on the rows only, and a prefill chunk is one row (`decode_rows` starts at 1)."""
-        return ([("decode", b, 1) for b in self.decode_rows]
-                + [("prefill", 1, t) for t in self.prefill_tokens]
-                + [("sample", b, 1) for b in self.decode_rows])
+    @property
+    def max_chunk_tokens(self) -> int:
+        return self.chunk_tokens[-1]
+
+    def shapes(self) -> list[StepShape]:
+        """Every forward shape compiled at warm-up."""
+        chunk_parts = [(1, t) for t in self.chunk_tokens] + [(p, self.max_chunk_tokens) for p in self.chunk_rows[1:]]
+        return ([StepShape(b, 0, 0) for b in self.decode_rows]
+                + [StepShape(0, p, t) for p, t in chunk_parts]
+                + [StepShape(b, p, t) for b in self.mixed_rows for p, t in chunk_parts])
+
+    def sampler_rows(self) -> list[int]:
+        """Every sampler shape: one per distinct row count of a forward shape."""
+        return sorted({shape.num_rows for shape in self.shapes()})
+
+    def shape_for(self, num_decode_rows: int, chunk_lengths: list[int]) -> StepShape:
+        """The smallest shape holding `num_decode_rows` one-token rows and chunks of these lengths.
+
+        Raises:
+          ValueError: more rows or longer chunks than the largest bucket (a scheduling bug).
+        """
+        if not chunk_lengths:
+            return StepShape(pick(self.decode_rows, num_decode_rows), 0, 0)
+        longest = max(chunk_lengths)
+        if len(chunk_lengths) == 1:
+            rows, tokens = 1, pick(self.chunk_tokens, longest)
+        else:
+            rows, tokens = pick(self.chunk_rows, len(chunk_lengths)), self.max_chunk_tokens
+            if longest > tokens:
+                raise ValueError(f"chunk of {longest} tokens exceeds the largest bucket {tokens}")
+        decode = pick(self.mixed_rows, num_decode_rows) if num_decode_rows else 0
+        return StepShape(decode, rows, tokens)

@@ -69,9 +69,13 @@ class EngineConfig:
     kv_memory_gib: float = 2.0  # KV cache budget when kv_blocks is not given
     kv_cache_dtype: str | None = None  # KV storage dtype; None: the compute dtype
     max_context: int | None = None  # prompt + max_tokens ceiling; None: trained context within the budget
+    # The contract's names; inside the engine they are SchedulerLimits.max_rows / max_chunk_tokens.
     max_seqs: int = 32  # rows at once (prefilling and decoding); also the largest decode row bucket
-    prefill_chunk: int = 128  # prompt tokens computed per tick, at most (capped at max_context)
+    prefill_chunk: int = 128  # prompt tokens of one chunk, at most (capped at max_context)
     prefill_chunk_idle: int = 0  # ... when no row is decoding (larger buckets, compiled at start-up); 0: prefill_chunk
+    # Prompt tokens one step computes over all its chunks (decode rows always run besides);
+    # 0: the backend's default (ferrox_jax/engine_builder.py: one chunk on CPU).
+    max_batched_tokens: int = 0
     max_queue: int = 512  # waiting jobs; one more is refused (503)
     prefix_caching: bool = True  # full prompt blocks stay cached and are shared by later prompts
     # ---- compilation ----
@@ -95,6 +99,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int; got {value!r}")
+        if self.max_batched_tokens and self.max_batched_tokens < self.prefill_chunk:
+            raise ValueError(f"EngineConfig.max_batched_tokens must be 0 (the backend's default) or >= "
+                             f"prefill_chunk ({self.prefill_chunk}); got {self.max_batched_tokens}")
         if self.prefill_chunk_idle and self.prefill_chunk_idle < self.prefill_chunk:
             raise ValueError(f"EngineConfig.prefill_chunk_idle must be 0 (off) or >= prefill_chunk "
                              f"({self.prefill_chunk}); got {self.prefill_chunk_idle}")
@@ -145,10 +152,10 @@ class SchedulerLimits:
 
     block_size: int  # token positions per block
     num_blocks: int  # usable blocks, ids 1..num_blocks (the null block 0 not counted)
-    max_seqs: int  # rows in flight: decoding rows plus the n rows of each prefilling job
-    max_rows: int  # rows per decode step (the runner's largest row bucket)
-    max_chunk_tokens: int  # prompt tokens per prefill chunk
+    max_rows: int  # rows in flight (the contract's max_seqs): decoding rows plus the n rows of each prefilling job
+    max_chunk_tokens: int  # prompt tokens per chunk
     max_idle_chunk_tokens: int | None = None  # per chunk when no row decodes; None: max_chunk_tokens
+    max_batched_tokens: int | None = None  # prompt tokens per step, over all its chunks; None: max_chunk_tokens
     max_context: int | None = None  # prompt + max_tokens ceiling; None: the budget decides
     max_queue: int = 512  # waiting jobs; one more is refused
     kv_bytes_per_block: int = 0  # K+V bytes of one block, for refusal messages; 0: unknown
@@ -165,8 +172,22 @@ class SchedulerLimits:
         if self.idle_chunk_tokens < self.max_chunk_tokens:
             raise ValueError(f"SchedulerLimits.max_idle_chunk_tokens ({self.max_idle_chunk_tokens}) must be "
                              f">= max_chunk_tokens ({self.max_chunk_tokens})")
+        if self.batched_tokens < self.max_chunk_tokens:
+            raise ValueError(f"SchedulerLimits.max_batched_tokens ({self.max_batched_tokens}) must be "
+                             f">= max_chunk_tokens ({self.max_chunk_tokens})")
 
     @property
     def idle_chunk_tokens(self) -> int:
         """Prompt tokens a chunk may take when no row is decoding (nobody's tokens wait on it)."""
         return self.max_idle_chunk_tokens or self.max_chunk_tokens
+
+    @property
+    def batched_tokens(self) -> int:
+        """Prompt tokens one step computes, over all its chunks."""
+        return self.max_batched_tokens or self.max_chunk_tokens
+
+    @property
+    def max_chunks(self) -> int:
+        """Chunks one step holds: the budget over the chunk size, rounded up (1: the
+        contract's one chunk per tick)."""
+        return -(-self.batched_tokens // self.max_chunk_tokens)

@@ -1,69 +1,37 @@
-"""Engine: the facade the API holds. Loads a checkpoint, sizes the KV cache, owns the batcher.
+"""Engine: the facade the API holds. Serves a loaded checkpoint through the batcher.
 
 The API reaches the engine only through this class (`docs/architecture.md`): `submit`,
-`cancel`, `stats`, `health`, `tokenizer`, `compile_grammar`, `model_card`, `describe`,
+`cancel`, `stats`, `health`, `tokenizer`, `check_grammar`, `model_card`, `describe`,
 `memory_stats`, `checkpoint_path` (and `resolve_checkpoint` for paths not loaded yet),
 `shutdown`. Request and error types come from `ferrox_jax/request.py`, output constraints
-from `ferrox_jax/grammar.py` (`GrammarSpec`, `GrammarError`); the batcher, scheduler,
+from `ferrox_jax/constraint.py` (`GrammarSpec`, `GrammarError`); the batcher, scheduler,
 block budget and runner stay behind this facade.
 
-`Engine.load(config)`, in order: open the checkpoint (config, tokenizer, lazy tensors;
-`models/loader.py`), size the KV cache and the context ceiling from the config and the
-checkpoint (`size_kv`), choose the decode attention for that block-table width, build
-the model with it, then the runner (device state, buckets) and the batcher with the
-resolved `SchedulerLimits`. Sizing: `kv_blocks` if given, else the KV memory budget
-divided by the bytes one block takes in the KV storage dtype (`kv_cache_dtype`: a
-bfloat16 cache holds twice the blocks of a float32 one in the same budget); the context
-ceiling is `max_context` if given, else the model's trained context capped by what the
-budget holds. The start-up log says which applied. `quantization` ("int8", "w8a8") makes
-the loader place int8 weights (`models/quant.py`).
-
-`load_format="dummy"` serves the checkpoint's shapes with random weights made on the
-device (`models/loaders/dummy.py`), to size and benchmark a deployment before downloading
-weights: a WARNING at start-up, `synthetic_weights` in the model card (`/health`,
-`/metrics`). `plan_memory(config)` gives the same weights and KV bytes from abstract
-shapes without allocating anything.
+`Engine.load(config)` builds one (`ferrox_jax/engine_builder.py`: process setup, sizing,
+the model, the runner and the batcher); `warmup` compiles every step shape, `start` starts
+the owner thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
-import os
-import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from ferrox_jax.batcher import ContinuousBatcher, EventCallback
-from ferrox_jax.config import EngineConfig, SchedulerLimits
-from ferrox_jax.kv_cache import bytes_per_block
+from ferrox_jax.config import EngineConfig
+from ferrox_jax.constraint import GrammarError, GrammarSpec
 from ferrox_jax.request import GenerationRequest
-from ferrox_jax.runner import ModelRunner, block_table_width
-from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
+from ferrox_jax.runner import ModelRunner
 from ferrox_jax.stats import BatcherStats
-from models import cpu_kernels
 from models.config import ModelConfig
-from models.loader import CheckpointSource, open_checkpoint, resolve_path
-from models.loaders.common import abstract_model
-from models.quant import quantized_channel_axis, quantized_nbytes
-from models.pallas_attention import select_decode_attention
+from models.loader import CheckpointSource, resolve_path
 from models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # llguidance is imported only when structured output is set up
-    from ferrox_jax.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
-
-log = logging.getLogger(__name__)
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def default_dtype_name() -> str:
-    """float32 on CPU (XLA's CPU bf16 elementwise work is ~10x slower), bfloat16 elsewhere."""
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    from ferrox_jax.grammar import GrammarCompiler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,134 +57,6 @@ class KVSizing:
     max_context: int
     bytes_per_block: int
     note: str
-
-
-def initialize_distributed(coordinator_address: str | None, num_processes: int | None = None,
-                           process_id: int | None = None) -> bool:
-    """`jax.distributed.initialize` when a coordinator is given; must run before any other
-    jax call. "auto" lets JAX discover the cluster (TPU pods, SLURM). Returns whether it ran."""
-    if not coordinator_address:
-        return False
-    if coordinator_address == "auto":
-        jax.distributed.initialize()
-    else:
-        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                                   process_id=process_id)
-    log.info("jax.distributed: process %d of %d, %d global devices (%d local)", jax.process_index(),
-             jax.process_count(), jax.device_count(), jax.local_device_count())
-    return True
-
-
-def _host_device():
-    """Where to load weights before sharding them: host memory, so a model larger than one
-    chip never lands whole on device 0 (None if the CPU backend is disabled)."""
-    try:
-        return jax.devices("cpu")[0]
-    except RuntimeError:
-        return None
-
-
-def enable_compile_cache(path: str | None) -> None:
-    """JAX's persistent compilation cache: a second start reuses compiled buckets."""
-    if not path:
-        return
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def size_kv(config: EngineConfig, model_cfg: ModelConfig, kv_dtype) -> KVSizing:
-    """Blocks, context ceiling and the reason, from the config and the checkpoint.
-    `kv_dtype`: the cache's storage dtype, which sets the bytes per block."""
-    per_block = bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, config.block_size,
-                                model_cfg.head_dim, kv_dtype)
-    kv_blocks = config.kv_blocks
-    if kv_blocks:
-        why = f"{kv_blocks} KV blocks as configured"
-    else:
-        kv_blocks = max(2, int(config.kv_memory_gib * 2**30 // per_block))
-        why = (f"{kv_blocks} KV blocks from the {config.kv_memory_gib:g} GiB KV memory budget "
-               f"({per_block} B/block in {jnp.dtype(kv_dtype).name})")
-    trained = model_cfg.max_position_embeddings
-    usable_tokens = (kv_blocks - 1) * config.block_size
-    max_context = config.max_context
-    if max_context:
-        why += f"; context ceiling {max_context} as configured"
-    else:
-        max_context = min(trained, usable_tokens)
-        why += f"; context ceiling {max_context} = min(trained context {trained}, KV capacity {usable_tokens})"
-    if max_context > trained:
-        log.warning("max_context %d exceeds the model's trained context %d", max_context, trained)
-    return KVSizing(kv_blocks, max_context, per_block, why)
-
-
-def prefix_cache_salt(source: CheckpointSource, dtype, block_size: int) -> str:
-    """What the K/V of a block depend on besides its tokens: the weights and how they run.
-    It goes into every prefix-cache block name (`ferrox_jax/prefix_cache.py`)."""
-    cfg = source.config
-    return f"{source.path}|{cfg.architecture}|{jnp.dtype(dtype).name}|{block_size}"
-
-
-def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int) -> tuple[GrammarCompiler | None, str]:
-    """The grammar compiler for this tokenizer and logits width (building llguidance's view
-    of the vocabulary takes ~0.4 s for 49k tokens), or None and the reason it cannot be
-    built: a model without structured output still serves everything else."""
-    try:
-        # Imported here: llguidance is only needed for structured output (the accelerator
-        # image of tools/device_check.py does not carry it).
-        from ferrox_jax.grammar import GrammarCompiler
-
-        return GrammarCompiler(tokenizer, vocab_size), ""
-    except (ImportError, ValueError, RuntimeError) as e:  # not installed, no stop token, a vocabulary it cannot read
-        log.warning("structured output disabled: %s", e)
-        return None, str(e)
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """What an engine of this config would hold on its devices (`plan_memory`)."""
-
-    weights_bytes: int  # every model array: the parameters and the tied LM-head copy
-    kv_bytes: int  # num_blocks * bytes_per_block
-    sizing: KVSizing
-    dtype: str
-
-
-def plan_memory(config: EngineConfig) -> MemoryPlan:
-    """Weights and KV bytes of `config`'s engine, from abstract shapes (`nnx.eval_shape`):
-    nothing is allocated and no weight is read, so an 8B or 70B shape sizes on a laptop.
-    Equal to what a loaded engine's `describe()` reports (tests/test_dummy_weights.py)."""
-    dtype = DTYPES[config.dtype or default_dtype_name()]
-    kv_dtype = DTYPES[config.kv_cache_dtype] if config.kv_cache_dtype else dtype
-    source = open_checkpoint(config.model, load_format=config.load_format, seed=config.dummy_weights_seed)
-    model = abstract_model(source.config, dtype)
-    weights = 0
-    for path, leaf in nnx.to_flat_state(nnx.state(model)):
-        shape = tuple(leaf.shape)
-        axis = quantized_channel_axis(".".join(map(str, path)), shape) if config.quantization != "none" else None
-        weights += quantized_nbytes(shape, axis) if axis is not None else leaf.size * jnp.dtype(leaf.dtype).itemsize
-    sizing = size_kv(config, source.config, kv_dtype)
-    return MemoryPlan(weights, sizing.num_blocks * sizing.bytes_per_block, sizing, jnp.dtype(dtype).name)
-
-
-def _int8_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
-    """Lays a w8a8 model's projections out for the x86 CPU kernel where it applies
-    (`models/cpu_kernels.py`); returns the start-up log line saying which matmul runs."""
-    if config.quantization != "w8a8":
-        return ""
-    backend = jax.default_backend()
-    if backend == "cpu" and config.int8_kernel == "xla":
-        return "w8a8 projections: XLA's int8 dot (--int8-kernel xla)"
-    problems = cpu_kernels.runtime_problems(backend, mesh)
-    if not problems:
-        packed = cpu_kernels.pack_for_kernel(model)
-        return f"w8a8 projections: {packed} on the AVX2 int8 kernel (models/cpu_kernels.py)"
-    if backend != "cpu":  # XLA fuses the int8 convert into its dot there: nothing to warn about
-        return f"w8a8 projections: XLA's int8 dot on {backend}"
-    note = "w8a8 projections: XLA's int8 dot, several times slower on CPU: " + "; ".join(problems)
-    log.warning("%s", note)
-    return note
 
 
 class Engine:
@@ -247,64 +87,16 @@ class Engine:
 
     @classmethod
     def load(cls, config: EngineConfig, progress: Callable[[str], None] | None = None) -> "Engine":
-        """Open, size, build and wire an engine (not yet warmed up or started).
+        """Open, size, build and wire an engine (not yet warmed up or started):
+        `ferrox_jax/engine_builder.py:build_engine`.
 
         Raises:
           ValueError (a configuration this checkpoint or these devices cannot serve, named),
           FileNotFoundError, UnsupportedModelError, CheckpointError (models/loader.py).
         """
-        t0 = time.perf_counter()
-        initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"{jax.process_count()} JAX processes: multi-host serving needs every process to run "
-                "the same steps, and the scheduler does not broadcast its plans yet; run one engine "
-                "per host (docs/deploy-tpu.md, 'Multi-host')")
-        enable_compile_cache(config.compile_cache_dir)
-        dtype = DTYPES[config.dtype or default_dtype_name()]
-        kv_dtype = DTYPES[config.kv_cache_dtype] if config.kv_cache_dtype else dtype
-        source = open_checkpoint(config.model, load_format=config.load_format, seed=config.dummy_weights_seed)
-        if source.is_synthetic:
-            log.warning("synthetic weights (--load-format dummy, seed %d): %s is served with random weights; "
-                        "its outputs are meaningless (for sizing and benchmarks only)",
-                        config.dummy_weights_seed, source.name)
-        _, model_axis = config.mesh_shape
-        check_divisibility(source.config, model_axis, config.replicate_attention)
-        mesh = make_mesh(1, model_axis) if model_axis > 1 else None
-        sizing = size_kv(config, source.config, kv_dtype)
-        attention, attention_note = select_decode_attention(
-            config.attention_impl, head_dim=source.config.head_dim, block_size=config.block_size,
-            max_blocks_per_row=block_table_width(sizing.max_context, config.block_size), mesh=mesh,
-            kv_sharded=not config.replicate_attention, kv_dtype=kv_dtype)
-        log.info("%s", attention_note)
-        # Read weights go through host memory and are sharded by the runner; synthetic ones
-        # are made on the devices, each parameter directly with its sharding.
-        placement = None if mesh is None else param_placement(mesh, source.config, config.replicate_attention)
-        host = _host_device() if mesh is not None and not source.is_synthetic else None
-        with jax.default_device(host) if host is not None else contextlib.nullcontext():
-            model = source.build(dtype, decode_attention=attention, progress=progress, placement=placement,
-                                 quantization=config.quantization)
-        matmul_note = _int8_matmul(model, config, mesh)
-        max_rows = config.max_seqs
-        prefill_chunk = min(config.prefill_chunk, sizing.max_context)
-        grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size)
-        idle_chunk = min(max(config.prefill_chunk_idle, prefill_chunk), sizing.max_context)
-        runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size,
-                             max_rows=max_rows, max_prefill_tokens=idle_chunk,
-                             max_context=sizing.max_context, kv_dtype=kv_dtype, mesh=mesh,
-                             replicate_attention=config.replicate_attention,
-                             fill_bitmask=grammar.fill_bitmask if grammar is not None else None)
-        limits = SchedulerLimits(
-            block_size=config.block_size, num_blocks=sizing.num_blocks - 1, max_seqs=config.max_seqs,
-            max_rows=max_rows, max_chunk_tokens=prefill_chunk, max_idle_chunk_tokens=idle_chunk,
-            max_context=sizing.max_context,
-            max_queue=config.max_queue, kv_bytes_per_block=sizing.bytes_per_block,
-            prefix_caching=config.prefix_caching,
-            prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size))
-        batcher = ContinuousBatcher(runner, source.tokenizer, limits)
-        engine = cls(source, runner, batcher, config, sizing, attention_note, grammar, grammar_note, matmul_note)
-        engine.load_s = time.perf_counter() - t0
-        return engine
+        from ferrox_jax.engine_builder import build_engine  # it imports this module
+
+        return build_engine(config, progress)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -325,10 +117,16 @@ class Engine:
     def submit(self, request: GenerationRequest, on_event: EventCallback) -> None:
         """Queues a job; `on_event(RowEvent)` is then called from the engine's owner thread.
 
+        A constrained request's grammar should have passed `check_grammar` first (on a
+        worker thread): here it is only looked up in the compile cache.
+
         Raises:
           AdmissionError: refused, with a complete message; nothing is held for it.
+          GrammarError: the request's output constraint cannot be compiled.
           ValueError: the request id is already open.
         """
+        if request.grammar is not None:
+            self.check_grammar(request.grammar)
         self._batcher.submit(request, on_event)
 
     def cancel(self, request_id: str) -> bool:
@@ -339,9 +137,10 @@ class Engine:
         """The latest published counters (a frozen snapshot)."""
         return self._batcher.stats()
 
-    def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
-        """Validate and compile an output constraint for `GenerationRequest.grammar`.
-        Cached by spec; about a millisecond cold, with the GIL released.
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Validate and compile an output constraint for `GenerationRequest.grammar` into
+        the engine's compile cache (keyed by spec; about a millisecond cold, with the GIL
+        released), so that `submit` finds it there. Call it off the event loop.
 
         Raises:
           GrammarError: naming the problem (an invalid schema, regex or grammar, a
@@ -349,10 +148,8 @@ class Engine:
             tokenizer has no structured output.
         """
         if self._grammar is None:
-            from ferrox_jax.grammar import GrammarError
-
             raise GrammarError(f"structured output is unavailable for this model: {self.grammar_note}")
-        return self._grammar.compile(spec)
+        self._grammar.compile(spec)
 
     def health(self) -> str:
         """"ready", "dead" (the owner loop crashed) or "stopped"."""
@@ -425,6 +222,8 @@ class Engine:
             "max_context": self.max_context,
             "kv_sizing": self.sizing.note,
             "prefix_caching": self.config.prefix_caching,
-            "buckets": {"decode_rows": buckets.decode_rows, "prefill_tokens": buckets.prefill_tokens},
-            "num_compiled_shapes": len(buckets.keys()),
+            "buckets": {"decode_rows": buckets.decode_rows, "mixed_rows": buckets.mixed_rows,
+                        "chunk_tokens": buckets.chunk_tokens, "chunk_rows": buckets.chunk_rows},
+            "max_batched_tokens": self._batcher.limits.batched_tokens,
+            "num_compiled_shapes": len(runner.compile_keys()),
         }

@@ -1,30 +1,34 @@
-"""Plain data passed between the scheduler and the model runner. No jax here.
+"""Plain data passed between the scheduler and the device side. No jax here.
 
-The owner loop does: `plan = scheduler.schedule()` -> `out = runner.run(plan)` ->
-`scheduler.update(plan, out)`. A `StepPlan` names, per row, the tokens to compute,
-where they sit (positions and block table), whether to sample after the last one and
-with which settings. A `StepOutput` carries one `RowResult` per sampling row.
+The owner loop does: `plan = scheduler.schedule()` -> `ferrox_jax/host_batch.py` turns it
+into arrays -> the runner computes them -> `scheduler.update(plan, out)`. A `StepPlan` is
+the scheduler's decision for one step: per row, the tokens to compute, where they sit
+(positions and block table), whether to sample after the last one and with which
+settings. A `StepOutput` carries one `RowResult` per row that sampled, scored or pooled.
 Because both are plain data, the scheduler is tested against a scripted runner.
 
 Vocabulary: a *request* is one API job; a *row* is one sequence being generated (a
 request with `n > 1` has n rows; row ids are never reused); a *block* holds K/V for
-`block_size` token positions (block ids index the cache; block 0 is the null block).
+`block_size` token positions (block ids index the cache; block 0 is the null block); a
+*chunk* is the part of a prompt computed in one step; a *step* is one forward over every
+planned row (decode rows and prompt chunks together) and one sampling call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from ferrox_jax.request import RowResult, SamplingParams
 
 if TYPE_CHECKING:
-    from ferrox_jax.grammar import RowMatcher
+    from ferrox_jax.host_batch import BatchGeometry, HostBatch, StepArrays
 
 
 @dataclasses.dataclass(frozen=True)
-class RowStep:
-    """One row's work in one step.
+class RowPlan:
+    """One row's part of a step.
 
     Computes `token_ids` at positions `start_pos .. start_pos + len(token_ids) - 1`,
     writing their K/V through `block_ids` (the row's block table, in position order; it
@@ -33,11 +37,10 @@ class RowStep:
     whole prompt, its logprob given what precedes it (for `echo` + `logprobs`);
     `next_token_id` is the prompt token after this chunk's last one (or -1 when none).
     `history_token_ids` are the row's prompt+generated tokens before this step, used
-    only when `sampling.has_penalties`. `matcher` is the row's grammar state
-    (`ferrox_jax.grammar.RowMatcher`) when its output is constrained and it samples: the
-    runner fills the row's token mask from it; only the scheduler advances it. `pooling`
-    (prefill only): also return the sum and the last of the chunk's final hidden states
-    (`RowResult.hidden_sum` / `last_hidden`).
+    only when `sampling.has_penalties`. `is_constrained`: its output has a grammar, so
+    its token mask is filled from its matcher (which the scheduler keeps) while the
+    forward runs. `pooling` (prompt chunks only): also return the sum and the last of the
+    chunk's final hidden states (`RowResult.hidden_sum` / `last_hidden`).
     """
 
     row_id: int
@@ -50,47 +53,58 @@ class RowStep:
     next_token_id: int = -1
     num_prompt_tokens: int = 0
     history_token_ids: tuple[int, ...] = ()
-    matcher: RowMatcher | None = None
+    is_constrained: bool = False
     pooling: bool = False  # return the chunk's pooled hidden states (embeddings jobs)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """One tick's device work: at most one prefill chunk, then one batched decode step.
+    """One step's work: every decoding row (one token each) and the prompt chunks the
+    token budget allows, all in one forward.
 
     `block_copies` (src, dst) run first: for `n > 1` the rows share a prompt's full
     blocks and each gets a copy of the partly filled last one.
     """
 
-    prefill: tuple[RowStep, ...] = ()
-    decode: tuple[RowStep, ...] = ()
+    decode: tuple[RowPlan, ...] = ()
+    chunks: tuple[RowPlan, ...] = ()
     block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_empty(self) -> bool:
-        return not (self.prefill or self.decode or self.block_copies)
+        return not (self.chunks or self.decode or self.block_copies)
+
+    @property
+    def rows(self) -> tuple[RowPlan, ...]:
+        """Every row, in host-batch order: decode rows, then chunks."""
+        return self.decode + self.chunks
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     results: dict[int, RowResult]  # row_id -> result, for rows with sample, prompt_logprobs or pooling
-    device_s: float = 0.0  # wall time spent in device calls, for host-overhead stats
-    # Grammar masks (constrained rows only): host seconds filling them (part of device_s,
-    # since they are computed while the model call runs), row masks filled, fills (one per
-    # model call with a constrained row), and fills done before that call finished.
-    mask_s: float = 0.0
-    num_mask_rows: int = 0
-    num_mask_fills: int = 0
-    num_mask_fills_hidden: int = 0
+    device_s: float = 0.0  # wall time of the runner's call (grammar masks, filled meanwhile, included)
+
+
+# Called by the runner once the forward is dispatched: fills `batch.bitmask` for the
+# constrained rows and returns whether the forward was still running when it finished.
+MaskFiller = Callable[["HostBatch", Callable[[], bool]], None]
 
 
 class Runner(Protocol):
     """What the owner loop needs from the device side (`ferrox_jax/runner.py`)."""
 
-    block_size: int
     num_blocks: int  # total blocks in the cache, including the null block 0
-    max_rows: int  # largest decode row bucket
-    max_prefill_tokens: int  # largest prefill token bucket
+    max_rows: int  # decode rows one step holds, at most (the largest row bucket)
+    max_chunk_tokens: int  # tokens of one prompt chunk, at most (the largest token bucket)
+    max_chunks: int  # prompt chunks one step holds, at most
     recompiles_after_warmup: int  # shapes compiled after warm-up (should stay 0)
 
-    def run(self, plan: StepPlan) -> StepOutput: ...
+    @property
+    def geometry(self) -> BatchGeometry: ...
+
+    def run(self, batch: HostBatch, fill_masks: MaskFiller | None = None) -> StepArrays:
+        """Pads the batch to a compiled shape, dispatches the forward, calls
+        `fill_masks(batch, forward_is_done)` when the batch has constrained rows, samples,
+        and fetches everything in one transfer."""
+        ...

@@ -26,12 +26,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
+from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.detokenize import SpecialTokensKept, TextStream
 
-if TYPE_CHECKING:
-    from ferrox_jax.grammar import CompiledGrammar
+# Makes a row's grammar state (a `ferrox_jax.grammar.RowMatcher`) for its constraint: the
+# engine passes `GrammarCompiler.new_matcher`. Opaque here, so this module needs no llguidance.
+MatcherFactory = Callable[[GrammarSpec], Any]
 
 # ---------------------------------------------------------------- the public types
 
@@ -118,9 +121,9 @@ class GenerationRequest:
     ignore_eos: bool = False  # keep generating through the tokenizer's stop tokens
     min_tokens: int = 0  # no eos/stop-token stop before this many output tokens
     prompt_logprobs: bool = False  # return logprobs of the prompt tokens (echo + logprobs)
-    # What the output must match (`Engine.compile_grammar`), enforced by a token mask in
-    # the sampler; the tokenizer's stop tokens are its end. None: unconstrained.
-    grammar: CompiledGrammar | None = None
+    # What the output must match (checked by `Engine.check_grammar`), enforced by a token
+    # mask in the sampler; the tokenizer's stop tokens are its end. None: unconstrained.
+    grammar: GrammarSpec | None = None
     # False: special tokens stay in the text (tool-call markers such as [TOOL_CALLS]).
     skip_special_tokens: bool = True
     # A prefill-only job (embeddings): "mean" or "last" pools the prompt's final hidden
@@ -258,7 +261,8 @@ def derive_row_seed(seed: int, index: int) -> int:
 class Row:
     """One sequence being generated. Mutable; touched only by the owner thread."""
 
-    def __init__(self, row_id: int, request: Request, index: int, tokenizer: Any) -> None:
+    def __init__(self, row_id: int, request: Request, index: int, tokenizer: Any,
+                 new_matcher: MatcherFactory | None = None) -> None:
         spec = request.spec
         self.row_id = row_id  # never reused
         self.request = request
@@ -275,7 +279,12 @@ class Row:
         decoder = tokenizer if spec.skip_special_tokens else SpecialTokensKept(tokenizer)
         self.text = TextStream(decoder, spec.prompt_token_ids, spec.stop)
         # Grammar state, advanced only by the scheduler's _accept_token; the runner reads it.
-        self.matcher = spec.grammar.new_matcher() if spec.grammar is not None else None
+        self.matcher = None
+        if spec.grammar is not None:
+            if new_matcher is None:
+                raise ValueError(f"request {spec.request_id!r} has an output constraint but the engine "
+                                 "has no grammar compiler")
+            self.matcher = new_matcher(spec.grammar)
         self.error: str | None = None
         self.has_sent_event = False
         # Output gathered during the current tick; becomes one RowEvent.
@@ -291,9 +300,10 @@ class Row:
 class Request:
     """One job: its rows, its shared prefill and its block reservation."""
 
-    def __init__(self, spec: GenerationRequest, first_row_id: int, tokenizer: Any) -> None:
+    def __init__(self, spec: GenerationRequest, first_row_id: int, tokenizer: Any,
+                 new_matcher: MatcherFactory | None = None) -> None:
         self.spec = spec
-        self.rows = [Row(first_row_id + i, self, i, tokenizer) for i in range(spec.n)]
+        self.rows = [Row(first_row_id + i, self, i, tokenizer, new_matcher) for i in range(spec.n)]
         # n == 1: the prefill is the row's own and samples its first token. n > 1: every
         # prompt token but the last is prefilled once for all rows; each row then computes
         # the last prompt token itself and samples with its own seed.

@@ -6,7 +6,8 @@ value). A row's draw depends only on (seed, position): its Gumbel noise comes fr
 any batch.
 
 Penalties and logit_bias arrive sparse: per row up to `MAX_PENALTY_TOKENS` (token id,
-additive value, repetition flag) entries built on the host from the row's history.
+additive value, repetition flag) entries built on the host from the row's history
+(`ferrox_jax/host_batch.py:SamplingArrays`).
 Order, as in vLLM: repetition penalty (divide positive logits, multiply negative ones,
 over prompt and generated tokens), then presence/frequency penalties (generated tokens)
 and logit_bias, then temperature and the top-k/top-p/min-p filters. Returned logprobs
@@ -20,91 +21,23 @@ draw sees only allowed tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import struct
 
-from ferrox_jax.request import MAX_LOGPROBS, SamplingParams
+from ferrox_jax.host_batch import SamplingArrays
+from ferrox_jax.request import MAX_LOGPROBS
 from ferrox_jax.token_mask import apply_token_bitmask
 
-# Distinct tokens per row that penalties and logit_bias can touch (llama.cpp's default
-# window is 64 tokens; OpenAI caps logit_bias at 300 entries).
-MAX_PENALTY_TOKENS = 512
 _BISECT_STEPS = 24
 
-
-@struct.dataclass
-class SamplingBatch:
-    """Per-row sampling inputs (numpy leaves on the host, jax arrays on the device).
-    B rows; P = MAX_PENALTY_TOKENS."""
-
-    temperature: jax.Array  # f32[B]; 0 = greedy
-    top_k: jax.Array  # i32[B]; 0 = off
-    top_p: jax.Array  # f32[B]; 1 = off
-    min_p: jax.Array  # f32[B]; 0 = off
-    seed: jax.Array  # u32[B]
-    penalty_ids: jax.Array  # i32[B, P]; V (out of range) = unused slot
-    penalty_add: jax.Array  # f32[B, P]; logit_bias - presence - frequency * count
-    penalty_rep: jax.Array  # bool[B, P]; token seen in prompt or output (repetition)
-    repetition_penalty: jax.Array  # f32[B]; 1 = off
-    want_logprobs: jax.Array  # bool[B]; top-20 logprobs are computed only if some row asks
+# The host batch's sampling arrays travel to the device as a pytree of [rows] arrays.
+jax.tree_util.register_dataclass(SamplingArrays, data_fields=[f.name for f in dataclasses.fields(SamplingArrays)],
+                                 meta_fields=[])
 
 
-def host_sampling_batch(params: list[SamplingParams | None], histories: list[tuple[int, ...]],
-                        num_prompt: list[int], rows: int, vocab_size: int) -> SamplingBatch:
-    """A SamplingBatch with numpy leaves for `rows` padded rows (None params: a padded row)."""
-    batch = SamplingBatch(
-        temperature=np.zeros(rows, np.float32),
-        top_k=np.zeros(rows, np.int32),
-        top_p=np.ones(rows, np.float32),
-        min_p=np.zeros(rows, np.float32),
-        seed=np.zeros(rows, np.uint32),
-        penalty_ids=np.full((rows, MAX_PENALTY_TOKENS), vocab_size, np.int32),
-        penalty_add=np.zeros((rows, MAX_PENALTY_TOKENS), np.float32),
-        penalty_rep=np.zeros((rows, MAX_PENALTY_TOKENS), bool),
-        repetition_penalty=np.ones(rows, np.float32),
-        want_logprobs=np.zeros(rows, bool),
-    )
-    for i, p in enumerate(params):
-        if p is None:
-            continue
-        batch.temperature[i] = p.temperature
-        batch.top_k[i] = p.top_k if p.top_k < vocab_size else 0  # keeping the whole vocabulary is off
-        batch.top_p[i] = p.top_p
-        batch.min_p[i] = p.min_p
-        batch.seed[i] = p.seed & 0xFFFFFFFF
-        batch.repetition_penalty[i] = p.repetition_penalty
-        batch.want_logprobs[i] = p.logprobs is not None
-        if p.has_penalties:
-            _fill_penalties(batch, i, p, histories[i], num_prompt[i], vocab_size)
-    return batch
-
-
-def _fill_penalties(batch: SamplingBatch, i: int, p: SamplingParams, history: tuple[int, ...],
-                    num_prompt: int, vocab_size: int) -> None:
-    add: dict[int, float] = {}
-    rep: set[int] = set()
-    generated = history[num_prompt:]
-    if p.presence_penalty or p.frequency_penalty:
-        ids, counts = np.unique(np.asarray(generated, np.int64), return_counts=True)
-        for t, c in zip(ids.tolist(), counts.tolist()):
-            add[t] = add.get(t, 0.0) - p.presence_penalty - p.frequency_penalty * c
-    if p.repetition_penalty != 1.0:
-        rep = set(history)
-    for t, b in p.logit_bias:
-        add[t] = add.get(t, 0.0) + b
-    # Most recent tokens first, so a very long history keeps the newest within the cap.
-    order = list(dict.fromkeys([t for t, _ in p.logit_bias] + list(reversed(history))))
-    order = [t for t in order if t in add or t in rep][:MAX_PENALTY_TOKENS]
-    for j, t in enumerate(order):
-        if 0 <= t < vocab_size:
-            batch.penalty_ids[i, j] = t
-            batch.penalty_add[i, j] = add.get(t, 0.0)
-            batch.penalty_rep[i, j] = t in rep
-
-
-def apply_penalties(logits: jax.Array, s: SamplingBatch) -> jax.Array:
+def apply_penalties(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """logits f32[B, V] -> penalised f32[B, V]."""
     b = logits.shape[0]
     rows = jnp.arange(b)[:, None]
@@ -115,7 +48,7 @@ def apply_penalties(logits: jax.Array, s: SamplingBatch) -> jax.Array:
     return logits + add
 
 
-def _filter_threshold(probs: jax.Array, s: SamplingBatch) -> jax.Array:
+def _filter_threshold(probs: jax.Array, s: SamplingArrays) -> jax.Array:
     """f32[B]: the probability a token needs to survive top-k, top-p and min-p.
 
     No sort: two bisections over the probability threshold run side by side, each step
@@ -165,7 +98,7 @@ def _cumsum(x: jax.Array, block: int = 256) -> jax.Array:
     return (inner + offsets[:, :, None]).reshape(b, padded)[:, :v]
 
 
-def _draw(logits: jax.Array, positions: jax.Array, s: SamplingBatch) -> jax.Array:
+def _draw(logits: jax.Array, positions: jax.Array, s: SamplingArrays) -> jax.Array:
     """Temperature, filters and a seeded inverse-CDF draw: i32[B].
 
     One uniform number per row, `uniform(fold_in(key(seed), position))`, picks the token
@@ -191,13 +124,13 @@ def _draw(logits: jax.Array, positions: jax.Array, s: SamplingBatch) -> jax.Arra
     return jnp.min(jnp.where(reached, iota, cdf.shape[-1] - 1), axis=-1)
 
 
-def sample(logits: jax.Array, positions: jax.Array, s: SamplingBatch, bitmask: jax.Array | None = None):
+def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays, bitmask: jax.Array | None = None):
     """Sample one token per row.
 
     Args:
       logits: f32[B, V] raw model logits.
       positions: i32[B] position the sampled token will occupy (keys the row's noise).
-      s: the rows' SamplingBatch.
+      s: the rows' SamplingArrays.
       bitmask: i32[B, ceil(V/32)] allowed tokens per row (`ferrox_jax/token_mask.py`),
         all ones (-1 words) for an unconstrained row; None: no row is constrained.
     Returns:

@@ -3,15 +3,20 @@
 Owned by the batcher's owner thread (no locks). A tick, in the contract's order:
 
     schedule():  1 apply cancellations   2 flush finished rows   3 admit waiting jobs (FIFO)
-                 4 plan one prefill chunk   5 plan one decode step   6 measure the peak
-    runner.run(plan)
+                 4 plan the decode rows   5 plan prompt chunks within the token budget
+                 6 measure the peak
+    runner.run(host batch of the plan)   one forward for the decode rows and the chunks
     update():    7 apply results (advance progress, stop checks)   8 flush finished rows
 
-Progress is `num_computed_tokens` catching up with `len(token_ids)`: a prefill chunk is
-that catch-up capped by `max_chunk_tokens`, a decode step a catch-up of one. A prompt
-whose start is in the prefix cache starts its catch-up after the cached part. When no
-row is decoding, nobody's next token waits on the chunk, so it may take up to
-`idle_chunk_tokens` (a larger bucket) and a lone long prompt reaches its first token sooner.
+Progress is `num_computed_tokens` catching up with `len(token_ids)`: a chunk is that
+catch-up capped by `max_chunk_tokens`, a decode row a catch-up of one. Every decoding row
+computes one token per step; prompt chunks fill the step's token budget
+(`max_batched_tokens`, prompt tokens) round robin over the prefilling jobs, one chunk per
+job, at most `max_chunks` of them: with the budget equal to the chunk size that is the
+contract's one chunk per tick. A prompt whose start is in the prefix cache starts its
+catch-up after the cached part. When no row is decoding, nobody's next token waits on the
+chunks, so a chunk may take up to `idle_chunk_tokens` (a larger bucket) and a lone long
+prompt reaches its first token sooner.
 
 Blocks are `ferrox_jax/block_tables.py`'s business: admission looks the prompt up in the
 prefix cache and promises the job its lifetime worst case of new blocks; planning grows
@@ -31,9 +36,9 @@ from typing import Any
 
 from ferrox_jax.block_tables import BlockTables, blocks_to_reserve
 from ferrox_jax.config import SchedulerLimits
-from ferrox_jax.plan import RowStep, StepOutput, StepPlan
-from ferrox_jax.request import (GenerationRequest, Request, RequestState, Row, RowEvent, RowResult, SamplingParams,
-                                _transition)
+from ferrox_jax.plan import RowPlan, StepOutput, StepPlan
+from ferrox_jax.request import (GenerationRequest, MatcherFactory, Request, RequestState, Row, RowEvent, RowResult,
+                                SamplingParams, _transition)
 
 # A cancel for a request id not seen yet is kept this long (the job's submit may still be on
 # its way), and at most this many are kept (ids that never arrive must not pile up).
@@ -65,8 +70,8 @@ def check_admission(spec: GenerationRequest, limits: SchedulerLimits) -> tuple[s
             message += (f" ({num_blocks * limits.kv_bytes_per_block} bytes needed; the KV budget holds "
                         f"{limits.num_blocks * limits.kv_bytes_per_block} bytes)")
         return "too_large", message
-    if spec.n > limits.max_seqs:
-        return ("too_large", f"request asks for n={spec.n} rows; at most {limits.max_seqs} "
+    if spec.n > limits.max_rows:
+        return ("too_large", f"request asks for n={spec.n} rows; at most {limits.max_rows} "
                              "rows run at once (max_seqs)")
     return None
 
@@ -74,9 +79,12 @@ def check_admission(spec: GenerationRequest, limits: SchedulerLimits) -> tuple[s
 class Scheduler:
     """Plans ticks over waiting, prefilling and decoding jobs; see the module docstring."""
 
-    def __init__(self, limits: SchedulerLimits, tokenizer: Any, *,
+    def __init__(self, limits: SchedulerLimits, tokenizer: Any, *, new_matcher: MatcherFactory | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """`new_matcher` makes constrained rows' grammar state (the engine's grammar compiler);
+        without one, the batcher refuses constrained jobs at submit."""
         self.limits = limits
+        self._new_matcher = new_matcher
         self.blocks = BlockTables(limits)
         self.budget = self.blocks.budget
         self._tokenizer = tokenizer
@@ -111,7 +119,7 @@ class Scheduler:
     def add_request(self, spec: GenerationRequest) -> None:
         """Queues a job (FIFO); one whose cancel arrived first ends at once, cancelled."""
         assert spec.request_id not in self._jobs, f"duplicate request id {spec.request_id!r}"
-        job = Request(spec, self._next_row_id, self._tokenizer)
+        job = Request(spec, self._next_row_id, self._tokenizer, self._new_matcher)
         self._next_row_id += spec.n
         self.num_constrained_requests += spec.grammar is not None
         self._jobs[spec.request_id] = job
@@ -163,11 +171,17 @@ class Scheduler:
         self._apply_cancellations()
         self._flush_finished()
         self._admit_waiting()
-        prefill = self._plan_prefill_chunk()
-        decode = self._plan_decode_step()
+        decode = self._plan_decode_rows()
+        chunks = self._plan_chunks(is_idle=not decode)
         self._update_peak()
-        self._planned_row_ids = tuple(step.row_id for step in prefill + decode)
-        return StepPlan(prefill=prefill, decode=decode, block_copies=self.blocks.take_copies())
+        plan = StepPlan(decode=decode, chunks=chunks, block_copies=self.blocks.take_copies())
+        self._planned_row_ids = tuple(row.row_id for row in plan.rows)
+        return plan
+
+    def matcher(self, row_id: int) -> Any:
+        """The grammar state of a constrained row (`ferrox_jax.grammar.RowMatcher`), for
+        the owner thread's mask filling; None for an unconstrained row."""
+        return self._rows[row_id].matcher
 
     def _apply_cancellations(self) -> None:
         self._expire_pending_cancels()
@@ -192,7 +206,7 @@ class Scheduler:
         and holds the line (no skip-ahead, so no starvation)."""
         while self._waiting:
             job = self._waiting[0]
-            if self.num_running_rows + job.spec.n > self.limits.max_seqs:
+            if self.num_running_rows + job.spec.n > self.limits.max_rows:
                 return
             if not self.blocks.try_admit(job):
                 return
@@ -206,48 +220,53 @@ class Scheduler:
                     _transition(row, RequestState.PREFILLING, self.state_counts)
                 self._prefilling.append(job)
 
-    def _plan_prefill_chunk(self) -> tuple[RowStep, ...]:
-        """One chunk of the front prompt; an unfinished prompt then goes to the back."""
-        if not self._prefilling:
-            return ()
-        job = self._prefilling[0]
+    def _plan_chunks(self, is_idle: bool) -> tuple[RowPlan, ...]:
+        """Prompt chunks within the step's token budget, round robin: the front jobs get one
+        chunk each, and a job whose prompt is not done goes to the back."""
+        limits = self.limits
+        cap = limits.idle_chunk_tokens if is_idle else limits.max_chunk_tokens
+        budget = max(limits.batched_tokens, cap)
+        chunks = []
+        for job in list(self._prefilling)[:limits.max_chunks]:
+            if budget <= 0:
+                break
+            start = job.num_computed_tokens
+            end = min(job.num_prefill_tokens, start + cap, start + budget)
+            budget -= end - start
+            chunks.append(self._plan_chunk(job, start, end))
+            if end < job.num_prefill_tokens:  # a finished prompt leaves when its result is applied
+                self._prefilling.remove(job)
+                self._prefilling.append(job)
+        return tuple(chunks)
+
+    def _plan_chunk(self, job: Request, start: int, end: int) -> RowPlan:
         prompt = job.spec.prompt_token_ids
-        start = job.num_computed_tokens
-        cap = self.limits.max_chunk_tokens if self._decoding else self.limits.idle_chunk_tokens
-        end = min(job.num_prefill_tokens, start + cap)
         self.blocks.prepare_prefill(job, start, end)
         is_last = end == job.num_prefill_tokens
-        if not is_last:
-            self._prefilling.rotate(-1)
         row = job.rows[0]
         # n > 1: each row samples on its own; a pooling job samples nothing
         sample = is_last and job.spec.n == 1 and job.spec.pooling is None
-        step = RowStep(
+        return RowPlan(
             row_id=row.row_id, token_ids=prompt[start:end], start_pos=start,
             block_ids=tuple(job.prefill_block_ids), sample=sample,
             sampling=self._step_sampling(row), prompt_logprobs=job.spec.prompt_logprobs,
             next_token_id=prompt[end] if end < len(prompt) else -1,
             num_prompt_tokens=len(prompt),
             history_token_ids=self._history(row) if sample else (),
-            matcher=row.matcher if sample else None, pooling=job.spec.pooling is not None)
-        return (step,)
+            is_constrained=sample and row.matcher is not None, pooling=job.spec.pooling is not None)
 
-    def _plan_decode_step(self) -> tuple[RowStep, ...]:
-        """One token for every decoding row, at most `max_rows` of them (rotated for fairness)."""
-        rows = list(self._decoding.values())[:self.limits.max_rows]
-        if len(self._decoding) > len(rows):
-            for row in rows:  # to the back: the rows left out go first next tick
-                self._decoding[row.row_id] = self._decoding.pop(row.row_id)
+    def _plan_decode_rows(self) -> tuple[RowPlan, ...]:
+        """One token for every decoding row."""
         steps = []
-        for row in rows:
+        for row in self._decoding.values():
             pos = row.num_computed_tokens
             assert pos == len(row.token_ids) - 1, f"row {row.row_id} has no token to compute"
             self.blocks.prepare_decode(row)
-            steps.append(RowStep(
+            steps.append(RowPlan(
                 row_id=row.row_id, token_ids=(row.token_ids[pos],), start_pos=pos,
                 block_ids=tuple(row.block_ids), sample=True, sampling=self._step_sampling(row),
                 num_prompt_tokens=len(row.request.spec.prompt_token_ids),
-                history_token_ids=self._history(row), matcher=row.matcher))
+                history_token_ids=self._history(row), is_constrained=row.matcher is not None))
         return tuple(steps)
 
     def _update_peak(self) -> None:
@@ -287,22 +306,22 @@ class Scheduler:
 
     def check_output(self, plan: StepPlan, out: StepOutput) -> None:
         """Raises ValueError if the runner left out a result the plan asked for."""
-        wanted = [s.row_id for s in plan.prefill + plan.decode if s.sample or s.prompt_logprobs or s.pooling]
+        wanted = [s.row_id for s in plan.rows if s.sample or s.prompt_logprobs or s.pooling]
         missing = [row_id for row_id in wanted if row_id not in out.results]
         if missing:
             raise ValueError(f"runner returned no result for rows {missing}")
 
     def update(self, plan: StepPlan, out: StepOutput) -> None:
         """Applies a step's results (steps 7-8 of the module docstring)."""
-        for step in plan.prefill:
-            self._apply_prefill_chunk(step, out.results.get(step.row_id))
+        for step in plan.chunks:
+            self._apply_chunk(step, out.results.get(step.row_id))
         for step in plan.decode:
             row = self._rows[step.row_id]
             row.num_computed_tokens += 1
             self.blocks.name_row_blocks(row)
             self._accept_token(row, out.results[step.row_id])
-        self.prefill_chunks += len(plan.prefill)
-        self.prefill_tokens += sum(len(step.token_ids) for step in plan.prefill)
+        self.prefill_chunks += len(plan.chunks)
+        self.prefill_tokens += sum(len(step.token_ids) for step in plan.chunks)
         self.decode_steps += bool(plan.decode)
         for row_id in self._planned_row_ids:
             row = self._rows.get(row_id)
@@ -313,7 +332,7 @@ class Scheduler:
 
     def fail_step(self, plan: StepPlan, error: str) -> None:
         """Ends every job with a row in the failed step with an error; frees their blocks."""
-        assert {s.row_id for s in plan.prefill + plan.decode} <= set(self._planned_row_ids), (
+        assert {s.row_id for s in plan.rows} <= set(self._planned_row_ids), (
             "fail_step() got a plan other than the last one scheduled")
         jobs = {self._rows[row_id].request.spec.request_id: self._rows[row_id].request
                 for row_id in self._planned_row_ids if row_id in self._rows}
@@ -323,7 +342,7 @@ class Scheduler:
         self._planned_row_ids = ()
         self._flush_finished()
 
-    def _apply_prefill_chunk(self, step: RowStep, result: RowResult | None) -> None:
+    def _apply_chunk(self, step: RowPlan, result: RowResult | None) -> None:
         job = self._rows[step.row_id].request
         job.num_computed_tokens += len(step.token_ids)
         self.blocks.name_prefill_blocks(job)

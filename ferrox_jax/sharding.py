@@ -5,7 +5,7 @@ KV cache and activations are split over `model` (Megatron-style: column-parallel
 q/k/v and gate/up, row-parallel o_proj and down_proj, vocab-parallel embedding and LM
 head), and XLA's SPMD partitioner inserts the collectives: one all-reduce after
 o_proj and one after down_proj per layer, plus the vocab reductions. Batch inputs and
-step results are replicated (every device sees the whole StepBatch; the host reads
+step results are replicated (every device sees the whole ForwardBatch; the host reads
 the results once).
 
     param                       shape        spec                 (replicate_attention)

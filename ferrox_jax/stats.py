@@ -13,9 +13,9 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class BatcherStats:
     # -- the ferrox-server contract ----------------------------------------------------
-    prefill_chunks: int = 0  # prompt chunks computed (one per tick at most; a long prompt takes several)
+    prefill_chunks: int = 0  # prompt chunks computed (one per tick with the default token budget; a long prompt takes several)
     prefill_tokens: int = 0  # prompt tokens computed in those chunks (work, not requests)
-    decode_steps: int = 0  # ticks that ran a batched decode step with at least one row
+    decode_steps: int = 0  # steps that computed at least one decoding row (chunks may share the step)
     queue_depth: int = 0  # jobs waiting for admission right now (a gauge)
     queue_rejected: int = 0  # refused because the waiting queue was full: momentary pressure, retry helps
     kv_blocks_total: int = 0  # usable KV blocks in the budget (the null block not counted)

@@ -37,27 +37,31 @@ def load_kv(blocks: jax.Array, dtype) -> jax.Array:
     return blocks.astype(dtype)
 
 
-def write_kv(k_cache, v_cache, k, v, positions, valid, block_tables):
+def kv_slots(positions, valid, block_tables, block_size: int):
+    """Where each new token's K/V goes: (block id, offset in the block), both i32[B, T].
+
+    Args:
+      positions: i32[B, T]; valid: bool[B, T]; block_tables: i32[B, MB].
+    Padding goes to block 0, offset 0 (the null block), never into a live row's blocks.
+    """
+    max_blocks = block_tables.shape[1]
+    block_idx = jnp.clip(positions // block_size, 0, max_blocks - 1)
+    blocks = jnp.take_along_axis(block_tables, block_idx, axis=1)
+    return jnp.where(valid, blocks, 0), jnp.where(valid, positions % block_size, 0)
+
+
+def write_kv(k_cache, v_cache, k, v, blocks, offsets):
     """Scatter new K/V into their blocks.
 
     Args:
       k_cache, v_cache: [K, N, bs, hd].
-      k, v: [B, T, K, hd] for the new tokens.
-      positions: i32[B, T]; valid: bool[B, T]; block_tables: i32[B, MB].
+      k, v: [n, K, hd] for the n new tokens (flat).
+      blocks, offsets: i32[n] each token's slot (`kv_slots`).
     Returns:
-      (k_cache, v_cache) with the valid tokens written (padding lands in block 0).
+      (k_cache, v_cache) with the tokens written.
     """
-    num_kv, _, block_size, head_dim = k_cache.shape
-    max_blocks = block_tables.shape[1]
-    block_idx = jnp.clip(positions // block_size, 0, max_blocks - 1)
-    blocks = jnp.take_along_axis(block_tables, block_idx, axis=1)
-    blocks = jnp.where(valid, blocks, 0).reshape(-1)
-    offsets = jnp.where(valid, positions % block_size, 0).reshape(-1)
-    b, t = positions.shape
-    k_flat = store_kv(k, k_cache).transpose(2, 0, 1, 3).reshape(num_kv, b * t, head_dim)
-    v_flat = store_kv(v, v_cache).transpose(2, 0, 1, 3).reshape(num_kv, b * t, head_dim)
-    k_cache = k_cache.at[:, blocks, offsets].set(k_flat)
-    v_cache = v_cache.at[:, blocks, offsets].set(v_flat)
+    k_cache = k_cache.at[:, blocks, offsets].set(store_kv(k, k_cache).transpose(1, 0, 2))
+    v_cache = v_cache.at[:, blocks, offsets].set(store_kv(v, v_cache).transpose(1, 0, 2))
     return k_cache, v_cache
 
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import StepInputs, norm_param, param, project, rms_norm
+from models.layers import ForwardContext, norm_param, param, project, rms_norm
 from models.quant import embed_lookup, tied_head
 from models.rope import rope_cos_sin
 
@@ -61,8 +61,8 @@ class CausalLM(nnx.Module):
     # -- what a family overrides -------------------------------------------------------
 
     def make_layer(self, index: int, rngs: nnx.Rngs) -> nnx.Module:
-        """The family's decoder layer for layer `index`: `layer(x, step, k_cache, v_cache)
-        -> (x, k_cache, v_cache)`."""
+        """The family's decoder layer for layer `index`: `layer(x [N, D], fwd, k_cache,
+        v_cache) -> (x, k_cache, v_cache)` (`fwd`: the forward's `ForwardContext`)."""
         raise NotImplementedError
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -83,26 +83,33 @@ class CausalLM(nnx.Module):
 
     # -- the shared forward --------------------------------------------------------------
 
-    def __call__(self, tokens, positions, valid, k_caches, v_caches, block_tables):
-        """Run the decoder over new tokens, writing their K/V into the paged cache.
+    def __call__(self, tokens, positions, valid, k_caches, v_caches, block_tables, segment_tokens):
+        """Run the decoder over one forward's new tokens, writing their K/V into the paged cache.
+
+        The tokens are flat: segment after segment, each segment's rows row-major
+        (`models/layers.py:Segment`); a segment is `block_tables[s].shape[0]` rows of
+        `segment_tokens[s]` tokens.
 
         Args:
-          tokens: i32[B, T] new token ids (padding anywhere `valid` is False).
-          positions: i32[B, T] absolute position of each token.
-          valid: bool[B, T] which tokens are real; padded ones write into block 0.
+          tokens: i32[N] new token ids (padding anywhere `valid` is False).
+          positions: i32[N] absolute position of each token.
+          valid: bool[N] which tokens are real; padded ones write into block 0.
           k_caches, v_caches: tuples of L arrays [K, num_blocks, block_size, hd].
-          block_tables: i32[B, MB] block ids per row (0 = null block).
+          block_tables: one i32[B_s, MB] per segment, block ids per row (0 = null block).
+          segment_tokens: tokens per row of each segment (static ints).
         Returns:
-          (hidden f32/dtype[B, T, D] after the final norm, k_caches, v_caches).
+          (hidden f32/dtype[N, D] after the final norm, k_caches, v_caches).
         """
         if len(k_caches) != self.cfg.num_layers or len(v_caches) != self.cfg.num_layers:
             raise ValueError(f"expected {self.cfg.num_layers} K and V cache arrays; got {len(k_caches)} "
                              f"and {len(v_caches)}")
-        step = StepInputs(positions, valid, block_tables, self.rope(positions, valid), self.decode_attention)
+        block_size = k_caches[0].shape[2]
+        fwd = ForwardContext.build(positions, valid, block_tables, segment_tokens, block_size, self.rope,
+                                   self.decode_attention)
         x = self.embed_tokens(tokens)
         new_k, new_v = [], []
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
-            x, k_cache, v_cache = layer(x, step, k_cache, v_cache)
+            x, k_cache, v_cache = layer(x, fwd, k_cache, v_cache)
             new_k.append(k_cache)
             new_v.append(v_cache)
         return self.norm(x, self.final_norm[...]), tuple(new_k), tuple(new_v)

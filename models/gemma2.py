@@ -62,9 +62,9 @@ class Gemma2DecoderLayer(nnx.Module, SelfAttention):
         self.down_proj = param(rngs, (f, d), dtype)
         self.post_mlp_norm = norm_param(d, dtype, 0.0)
 
-    def __call__(self, x, step, k_cache, v_cache):
-        """x: [B, T, D] -> ([B, T, D], k_cache, v_cache)."""
-        attn, k_cache, v_cache = self.attention(rms_norm_plus_one(x, self.input_norm[...], self.eps), step,
+    def __call__(self, x, fwd, k_cache, v_cache):
+        """x: [N, D] -> ([N, D], k_cache, v_cache)."""
+        attn, k_cache, v_cache = self.attention(rms_norm_plus_one(x, self.input_norm[...], self.eps), fwd,
                                                 k_cache, v_cache)
         x = x + rms_norm_plus_one(attn, self.post_attn_norm[...], self.eps)
         h = rms_norm_plus_one(x, self.pre_mlp_norm[...], self.eps)

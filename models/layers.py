@@ -15,8 +15,10 @@
 
 Layouts are `x @ W` (`[in, out]`, HF's `[out, in]` transposed); parameter names are flat
 per layer (`layers.{i}.q_proj`) so loaders, sharding rules and tests name them one way.
-Axis names: B rows, T tokens per row, D hidden, H query heads, K kv heads, hd head_dim,
-F intermediate.
+Axis names: N new tokens of one forward (flat: every row's, segment after segment), B rows
+and T tokens per row of one segment, D hidden, H query heads, K kv heads, hd head_dim,
+F intermediate. Everything but attention works on the flat [N, ...] tokens; attention
+looks at each segment's rows as [B, T] (`Segment`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import paged_attention, write_kv
+from models.attention import kv_slots, paged_attention, write_kv
 from models.quant import QuantizedWeight, quantized_matmul
 from models.rope import apply_rope
 
@@ -84,20 +86,62 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepInputs:
-    """What every layer of one model call shares (a bundle while tracing, not a pytree).
+class Segment:
+    """Rows of one shape in a forward: `rows` rows of `tokens` new tokens each, stored
+    row-major in the flat tokens from index `start` (static ints), with their
+    positions i32[B, T], valid bool[B, T] and block tables i32[B, MB]."""
 
-    Fields:
-      positions: i32[B, T]; valid: bool[B, T]; block_tables: i32[B, MB].
-      rope: kind -> (cos, sin) f32[B, T, rotary_dim]; each layer names the kind it uses.
-      decode_attention: the model's one-query attention (Pallas kernel) or None.
-    """
-
+    start: int
+    rows: int
+    tokens: int
     positions: jax.Array
     valid: jax.Array
     block_tables: jax.Array
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.rows * self.tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardContext:
+    """What every layer of one forward shares (a bundle while tracing, not a pytree).
+
+    Fields:
+      segments: the forward's rows, by shape (decode rows of one token, prompt chunks).
+      kv_blocks, kv_offsets: i32[N] where each new token's K/V goes (`kv_slots`).
+      rope: kind -> (cos, sin) f32[N, rotary_dim]; each layer names the kind it uses.
+      decode_attention: the model's one-query attention (a kernel) or None; it serves
+        segments of one token per row.
+    """
+
+    segments: tuple[Segment, ...]
+    kv_blocks: jax.Array
+    kv_offsets: jax.Array
     rope: Mapping[str, tuple[jax.Array, jax.Array]]
     decode_attention: Any = None
+
+    @classmethod
+    def build(cls, positions, valid, block_tables, segment_tokens, block_size: int, rope, decode_attention):
+        """From the flat positions i32[N] / valid bool[N], one block table i32[B_s, MB] per
+        segment and each segment's tokens per row (static); `rope(positions, valid)` gives
+        a segment's cos/sin tables ([B, T, r] per kind), flattened here to [N, r]."""
+        segments, start = [], 0
+        for tables, tokens in zip(block_tables, segment_tokens):
+            rows = tables.shape[0]
+            stop = start + rows * tokens
+            segments.append(Segment(start, rows, tokens, positions[start:stop].reshape(rows, tokens),
+                                    valid[start:stop].reshape(rows, tokens), tables))
+            start = stop
+        if start != positions.shape[0]:
+            raise ValueError(f"segments hold {start} tokens but the forward has {positions.shape[0]}")
+        slots = [kv_slots(s.positions, s.valid, s.block_tables, block_size) for s in segments]
+        tables = [rope(s.positions, s.valid) for s in segments]
+        flat_rope = {kind: tuple(jnp.concatenate([t[kind][i].reshape(s.rows * s.tokens, -1)
+                                                  for s, t in zip(segments, tables)]) for i in (0, 1))
+                     for kind in tables[0]}
+        return cls(tuple(segments), jnp.concatenate([b.reshape(-1) for b, _ in slots]),
+                   jnp.concatenate([o.reshape(-1) for _, o in slots]), flat_rope, decode_attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +154,7 @@ class AttentionSpec:
     scale: float  # multiplies q.k: head_dim^-0.5, or Gemma's query_pre_attn_scalar^-0.5
     window: int | None = None  # sliding window in keys, or None for full causal attention
     softcap: float | None = None  # attention logit soft-cap, or None
-    rope: str = "global"  # which StepInputs.rope entry rotates q and k
+    rope: str = "global"  # which ForwardContext.rope entry rotates q and k
     bias: bool = False  # q/k/v projections carry a bias
     qk_norm: str | None = None  # per-head norm of q and k before RoPE: None, "rms" or "rms_plus_one"
     norm_eps: float = 1e-6
@@ -154,26 +198,35 @@ class SelfAttention:
     def _bias(self, name: str) -> jax.Array | None:
         return getattr(self, name)[...] if self.attn_spec.bias else None
 
-    def attention(self, h: jax.Array, step: StepInputs, k_cache: jax.Array, v_cache: jax.Array):
-        """h [B, T, D] (already normed) -> (o_proj output [B, T, D], k_cache, v_cache)."""
+    def attention(self, h: jax.Array, fwd: ForwardContext, k_cache: jax.Array, v_cache: jax.Array):
+        """h [N, D] (already normed) -> (o_proj output [N, D], k_cache, v_cache).
+
+        Every new token's K/V is written first, then each segment's rows attend through
+        their block tables (a row reads only its own blocks, so segments never see each
+        other's tokens)."""
         spec = self.attn_spec
-        b, t, _ = h.shape
-        q = project(h, self.q_proj.get_value(), self._bias("q_bias")).reshape(b, t, spec.num_heads, spec.head_dim)
-        k = project(h, self.k_proj.get_value(), self._bias("k_bias")).reshape(b, t, spec.num_kv_heads, spec.head_dim)
-        v = project(h, self.v_proj.get_value(), self._bias("v_bias")).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+        n = h.shape[0]
+        q = project(h, self.q_proj.get_value(), self._bias("q_bias")).reshape(n, spec.num_heads, spec.head_dim)
+        k = project(h, self.k_proj.get_value(), self._bias("k_bias")).reshape(n, spec.num_kv_heads, spec.head_dim)
+        v = project(h, self.v_proj.get_value(), self._bias("v_bias")).reshape(n, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm is not None:
             norm = _QK_NORMS[spec.qk_norm]
             q = norm(q, self.q_norm[...], spec.norm_eps)
             k = norm(k, self.k_norm[...], spec.norm_eps)
-        cos, sin = step.rope[spec.rope]
+        cos, sin = fwd.rope[spec.rope]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, step.positions, step.valid, step.block_tables)
-        # The Pallas decode kernel knows neither windows nor soft-capping: those layers
-        # always take the pure-JAX path (models/pallas_attention.py).
-        kernel_ok = step.decode_attention is not None and t == 1 and spec.window is None and spec.softcap is None
-        if kernel_ok:
-            out = step.decode_attention(q, k_cache, v_cache, step.block_tables, step.positions, spec.scale)
-        else:
-            out = paged_attention(q, k_cache, v_cache, step.block_tables, step.positions, spec.scale,
-                                  valid=step.valid, window=spec.window, softcap=spec.softcap)
-        return project(out.reshape(b, t, -1).astype(h.dtype), self.o_proj.get_value()), k_cache, v_cache
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, fwd.kv_blocks, fwd.kv_offsets)
+        outs = []
+        for seg in fwd.segments:
+            q_seg = q[seg.start:seg.stop].reshape(seg.rows, seg.tokens, spec.num_heads, spec.head_dim)
+            # The one-query kernels know neither windows nor soft-capping: those layers
+            # always take the pure-JAX path (models/pallas_attention.py).
+            if (fwd.decode_attention is not None and seg.tokens == 1 and spec.window is None
+                    and spec.softcap is None):
+                out = fwd.decode_attention(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, spec.scale)
+            else:
+                out = paged_attention(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, spec.scale,
+                                      valid=seg.valid, window=spec.window, softcap=spec.softcap)
+            outs.append(out.reshape(seg.rows * seg.tokens, -1))
+        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+        return project(out.astype(h.dtype), self.o_proj.get_value()), k_cache, v_cache

@@ -45,9 +45,9 @@ class LlamaDecoderLayer(nnx.Module, SelfAttention):
         self.up_proj = param(rngs, (d, f), dtype)
         self.down_proj = param(rngs, (f, d), dtype)
 
-    def __call__(self, x, step, k_cache, v_cache):
-        """x: [B, T, D] -> ([B, T, D], k_cache, v_cache)."""
-        attn, k_cache, v_cache = self.attention(rms_norm(x, self.input_norm[...], self.eps), step, k_cache, v_cache)
+    def __call__(self, x, fwd, k_cache, v_cache):
+        """x: [N, D] -> ([N, D], k_cache, v_cache)."""
+        attn, k_cache, v_cache = self.attention(rms_norm(x, self.input_norm[...], self.eps), fwd, k_cache, v_cache)
         x = x + attn
         h = rms_norm(x, self.post_attn_norm[...], self.eps)
         x = x + gated_mlp(h, self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value(), silu)

@@ -43,15 +43,14 @@ class MoeDecoderLayer(nnx.Module, SelfAttention):
         self.experts_up = param(rngs, (e, d, f), dtype)
         self.experts_down = param(rngs, (e, f, d), dtype)
 
-    def __call__(self, x, step, k_cache, v_cache):
-        """x: [B, T, D] -> ([B, T, D], k_cache, v_cache)."""
-        attn, k_cache, v_cache = self.attention(rms_norm(x, self.input_norm[...], self.eps), step, k_cache, v_cache)
+    def __call__(self, x, fwd, k_cache, v_cache):
+        """x: [N, D] -> ([N, D], k_cache, v_cache)."""
+        attn, k_cache, v_cache = self.attention(rms_norm(x, self.input_norm[...], self.eps), fwd, k_cache, v_cache)
         x = x + attn
         h = rms_norm(x, self.post_attn_norm[...], self.eps)
-        b, t, d = h.shape
-        y = moe_mlp(h.reshape(b * t, d), self.router[...], self.experts_gate.get_value(),
-                    self.experts_up.get_value(), self.experts_down.get_value(), top_k=self.top_k, normalize=self.normalize, act=silu)
-        return x + y.reshape(b, t, d), k_cache, v_cache
+        y = moe_mlp(h, self.router[...], self.experts_gate.get_value(), self.experts_up.get_value(),
+                    self.experts_down.get_value(), top_k=self.top_k, normalize=self.normalize, act=silu)
+        return x + y, k_cache, v_cache
 
 
 class MixtralModel(CausalLM):

@@ -81,13 +81,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate-half RoPE on the first cos.shape[-1] dims of each head.
 
     Args:
-      x: [B, T, heads, hd]; cos, sin: f32[B, T, r] with r <= hd.
+      x: [..., heads, hd]; cos, sin: f32[..., r] with r <= hd (the same leading shape).
     Returns:
       x's shape and dtype.
     """
     r = cos.shape[-1]
     rot, rest = x[..., :r], x[..., r:]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    cos, sin = cos[..., None, :], sin[..., None, :]
     half = r // 2
     rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
     out = (rot.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)

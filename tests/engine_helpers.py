@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ferrox_jax.plan import RowStep, StepPlan
+from ferrox_jax.plan import RowPlan, StepPlan
+from ferrox_jax.host_batch import run_plan
 from ferrox_jax.request import SamplingParams
 from ferrox_jax.runner import ModelRunner
 from models.loader import load_checkpoint
@@ -27,8 +28,8 @@ def float32_matmuls():
 def prompt_logits(model, prompt, block_ids) -> np.ndarray:
     """f32[len(prompt), V]: the logits at every prompt position, one prefill through a
     fresh runner (blocks of 8, up to 48 blocks)."""
-    runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=128)
-    return runner.run_logits([RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=block_ids,
+    runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_chunk_tokens=32, max_context=128)
+    return runner.run_logits([RowPlan(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=block_ids,
                                       sample=False)])[0]
 
 
@@ -44,10 +45,10 @@ def default_model_case():
     return source, prompt, blocks, prompt_logits(source.build(), prompt, blocks).astype(np.float64)
 
 
-def make_runner(path, num_blocks=96, block_size=8, max_rows=8, max_prefill_tokens=64, max_context=256):
+def make_runner(path, num_blocks=96, block_size=8, max_rows=8, max_chunk_tokens=64, max_context=256, max_chunks=1):
     ckpt = load_checkpoint(str(path))
     return ModelRunner(ckpt.model, num_blocks=num_blocks, block_size=block_size, max_rows=max_rows,
-                       max_prefill_tokens=max_prefill_tokens, max_context=max_context), ckpt
+                       max_chunk_tokens=max_chunk_tokens, max_context=max_context, max_chunks=max_chunks), ckpt
 
 
 def shuffled_blocks(n: int, num_blocks: int, seed: int) -> list[int]:
@@ -57,20 +58,20 @@ def shuffled_blocks(n: int, num_blocks: int, seed: int) -> list[int]:
 
 def generate_alone(runner, prompt, max_new, blocks, sampling=SamplingParams(temperature=0.0), chunk=None):
     """Prefill (chunked by `chunk`) then decode one row by itself; returns the tokens."""
-    chunk = chunk or runner.max_prefill_tokens
+    chunk = chunk or runner.max_chunk_tokens
     pos = 0
     out = []
     while pos < len(prompt):
         ids = prompt[pos:pos + chunk]
         last = pos + len(ids) == len(prompt)
-        res = runner.run(StepPlan(prefill=(RowStep(row_id=1, token_ids=tuple(ids), start_pos=pos,
+        res = run_plan(runner, StepPlan(chunks=(RowPlan(row_id=1, token_ids=tuple(ids), start_pos=pos,
                                                    block_ids=tuple(blocks), sample=last, sampling=sampling),)))
         pos += len(ids)
     out.append(res.results[1].token_id)
     while len(out) < max_new:
-        step = RowStep(row_id=1, token_ids=(out[-1],), start_pos=len(prompt) + len(out) - 1,
+        step = RowPlan(row_id=1, token_ids=(out[-1],), start_pos=len(prompt) + len(out) - 1,
                        block_ids=tuple(blocks), sample=True, sampling=sampling)
-        out.append(runner.run(StepPlan(decode=(step,))).results[1].token_id)
+        out.append(run_plan(runner, StepPlan(decode=(step,))).results[1].token_id)
     return out
 
 

@@ -97,9 +97,9 @@ class FamilyReport:
 
 
 def _row(tokens, start, blocks):
-    from ferrox_jax.plan import RowStep
+    from ferrox_jax.plan import RowPlan
 
-    return RowStep(row_id=0, token_ids=tuple(tokens), start_pos=start, block_ids=tuple(blocks), sample=False)
+    return RowPlan(row_id=0, token_ids=tuple(tokens), start_pos=start, block_ids=tuple(blocks), sample=False)
 
 
 def hf_chunked_logits(model, tokens: list[int], chunk: int) -> np.ndarray:

@@ -1,10 +1,11 @@
 """Test fakes at the edges: a byte-level tokenizer and a scripted runner.
 
 `ScriptedRunner` implements the `Runner` protocol without a model, but keeps a fake paged
-KV cache: each step writes its tokens through its block table, and a sampled token is a
-function of (row seed, the row's whole history *read back through its block table*). So a
-wrong block table, a missed copy, an overwritten shared block or a skipped position
-changes the tokens, and comparing against the same job run alone exposes it.
+KV cache: each step (read from its host batch, after a round trip through bytes) writes
+its tokens through its block table, and a sampled token is a function of (row seed, the
+row's whole history *read back through its block table*). So a wrong block table, a
+missed copy, an overwritten shared block or a skipped position changes the tokens, and
+comparing against the same job run alone exposes it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ferrox_jax.plan import RowStep, StepOutput, StepPlan
-from ferrox_jax.request import RowResult
+import numpy as np
+
+from ferrox_jax.host_batch import BatchGeometry, HostBatch, StepArrays, run_plan
+from ferrox_jax.plan import StepPlan
 from ferrox_jax.request import RowEvent
 from ferrox_jax.scheduler import Scheduler
 
@@ -97,93 +100,120 @@ def script_token_fn(scripts: dict[tuple[int, ...], Sequence[int]]) -> TokenFn:
 
 
 class ScriptedRunner:
-    """A `Runner` with a fake paged cache; records every plan it was given."""
+    """A `Runner` with a fake paged cache, reading every step from its host batch; records
+    each batch it was given (`tick` below also records the plans it runs)."""
 
     recompiles_after_warmup = 0
+    vocab_size = 1024
 
     def __init__(self, *, block_size: int = 4, num_blocks: int = 65, max_rows: int = 8,
-                 max_prefill_tokens: int = 512, token_fn: TokenFn | None = None) -> None:
+                 max_chunk_tokens: int = 512, max_chunks: int = 1, token_fn: TokenFn | None = None) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks  # including the null block 0
         self.max_rows = max_rows
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_chunk_tokens = max_chunk_tokens
+        self.max_chunks = max_chunks
         self.token_fn = token_fn or letters_token_fn()
-        self.plans: list[StepPlan] = []
-        self.fail_when: Callable[[StepPlan], bool] | None = None
+        self.geometry = BatchGeometry(block_size, -(-4096 // block_size), self.vocab_size)
+        self.plans: list[StepPlan] = []  # filled by `tick` (scheduler-level tests)
+        self.batches: list[HostBatch] = []
+        self.fail_when: Callable[[HostBatch], bool] | None = None
         self.gate: threading.Event | None = None  # when set, run() waits for it
         self.entered = threading.Event()  # set when run() is first called
         self.delay_s = 0.0  # sleep per step, to keep long jobs open in threaded tests
         self._cache: dict[int, list[tuple[int, int] | None]] = {}
 
-    def run(self, plan: StepPlan) -> StepOutput:
-        self.plans.append(plan)
+    def run(self, batch: HostBatch, fill_masks=None) -> StepArrays:
+        self.batches.append(batch)
         self.entered.set()
         time.sleep(self.delay_s)
         if self.gate is not None:
             assert self.gate.wait(timeout=30), "scripted runner gate never opened"
-        if self.fail_when is not None and self.fail_when(plan):
+        if self.fail_when is not None and self.fail_when(batch):
             raise RuntimeError("scripted runner failure")
-        self._check(plan)
-        for src, dst in plan.block_copies:
+        batch = HostBatch.from_bytes(batch.to_bytes())  # what another process would run
+        self._check(batch)
+        if batch.has_constrained_rows and fill_masks is not None:
+            fill_masks(batch, lambda: True)
+        for src, dst in batch.block_copies.tolist():
             self._cache[dst] = list(self._block(src))
-        results = {}
-        for step in plan.prefill + plan.decode:
-            self._write(step)
-            result = self._result(step)
-            if result is not None:
-                results[step.row_id] = result
-        return StepOutput(results=results, device_s=0.0)
+        rows = batch.num_rows
+        arrays = StepArrays(tokens=np.full(rows, -1, np.int32), logprob=np.zeros(rows, np.float32),
+                            top_ids=np.zeros((rows, 20), np.int32), top_logprobs=np.zeros((rows, 20), np.float32),
+                            prompt_logprob=np.zeros(len(batch.token_ids), np.float32),
+                            prompt_top_ids=np.zeros((len(batch.token_ids), 20), np.int32),
+                            prompt_top_logprobs=np.zeros((len(batch.token_ids), 20), np.float32))
+        if batch.pooling.any():
+            arrays.hidden_sum, arrays.last_hidden = np.zeros((rows, 2), np.float32), np.zeros((rows, 2), np.float32)
+        for r in range(rows):
+            self._write(batch, r)
+        for r in range(rows):
+            self._result(batch, r, arrays)
+        return arrays
+
+    def _positions(self, batch: HostBatch, r: int) -> range:
+        lo, hi = batch.row_starts[r], batch.row_starts[r + 1]
+        return range(int(batch.positions[lo]), int(batch.positions[lo]) + int(hi - lo))
+
+    def _table(self, batch: HostBatch, r: int) -> list[int]:
+        return [b for b in batch.block_tables[r].tolist() if b != 0]
 
     def _block(self, block_id: int) -> list[tuple[int, int] | None]:
         return self._cache.setdefault(block_id, [None] * self.block_size)
 
-    def _check(self, plan: StepPlan) -> None:
-        assert len(plan.prefill) <= 1, "more than one prefill chunk in a step"
-        assert len(plan.decode) <= self.max_rows, f"{len(plan.decode)} decode rows > max_rows"
-        assert sum(len(s.token_ids) for s in plan.prefill) <= self.max_prefill_tokens
+    def _check(self, batch: HostBatch) -> None:
+        lengths = batch.row_lengths
+        assert (lengths > 0).all(), "a row with no tokens"
+        assert int((batch.num_logits > 0).sum()) <= batch.num_rows
+        decode_rows = [r for r in range(batch.num_rows) if lengths[r] == 1]
+        chunks = [r for r in range(batch.num_rows) if lengths[r] > 1]
+        assert len(chunks) <= self.max_chunks, f"{len(chunks)} chunks in a step > max_chunks {self.max_chunks}"
+        assert len(decode_rows) <= self.max_rows + self.max_chunks, f"{len(decode_rows)} one-token rows > max_rows"
+        assert all(lengths[r] <= self.max_chunk_tokens for r in chunks)
         written: set[tuple[int, int]] = set()
-        for step in plan.prefill + plan.decode:
-            end = step.start_pos + len(step.token_ids)
-            assert len(step.block_ids) * self.block_size >= end, (
-                f"row {step.row_id}: block table {step.block_ids} does not cover position {end - 1}")
-            assert all(1 <= b < self.num_blocks for b in step.block_ids), (
-                f"row {step.row_id}: block table {step.block_ids} has ids outside the cache")
-            for pos in range(step.start_pos, end):
-                slot = (step.block_ids[pos // self.block_size], pos % self.block_size)
+        for r in range(batch.num_rows):
+            table, row_id = self._table(batch, r), int(batch.row_ids[r])
+            positions = self._positions(batch, r)
+            assert len(table) * self.block_size >= positions.stop, (
+                f"row {row_id}: block table {table} does not cover position {positions.stop - 1}")
+            assert all(1 <= b < self.num_blocks for b in table), (
+                f"row {row_id}: block table {table} has ids outside the cache")
+            for pos in positions:
+                slot = (table[pos // self.block_size], pos % self.block_size)
                 assert slot not in written, f"two rows write block slot {slot} in one step"
                 written.add(slot)
-        for src, dst in plan.block_copies:
+        for src, dst in batch.block_copies.tolist():
             assert 1 <= src < self.num_blocks and 1 <= dst < self.num_blocks and src != dst
 
-    def _write(self, step: RowStep) -> None:
-        for i, token_id in enumerate(step.token_ids):
-            pos = step.start_pos + i
-            self._block(step.block_ids[pos // self.block_size])[pos % self.block_size] = (pos, token_id)
+    def _write(self, batch: HostBatch, r: int) -> None:
+        table, lo = self._table(batch, r), int(batch.row_starts[r])
+        for i, pos in enumerate(self._positions(batch, r)):
+            self._block(table[pos // self.block_size])[pos % self.block_size] = (pos, int(batch.token_ids[lo + i]))
 
-    def _read(self, step: RowStep, num_positions: int) -> tuple[int, ...]:
-        history = []
+    def _read(self, batch: HostBatch, r: int, num_positions: int) -> tuple[int, ...]:
+        table, history = self._table(batch, r), []
         for pos in range(num_positions):
-            slot = self._block(step.block_ids[pos // self.block_size])[pos % self.block_size]
+            slot = self._block(table[pos // self.block_size])[pos % self.block_size]
             assert slot is not None and slot[0] == pos, (
-                f"row {step.row_id}: position {pos} reads {slot} through {step.block_ids}")
+                f"row {int(batch.row_ids[r])}: position {pos} reads {slot} through {table}")
             history.append(slot[1])
         return tuple(history)
 
-    def _result(self, step: RowStep) -> RowResult | None:
-        prompt_logprobs = ()
-        if step.prompt_logprobs:
+    def _result(self, batch: HostBatch, r: int, arrays: StepArrays) -> None:
+        lo, hi = int(batch.row_starts[r]), int(batch.row_starts[r + 1])
+        if batch.prompt_logprobs[r]:
             # The logprob of the prompt token at position p is -p: easy to check in order.
-            last = step.start_pos + len(step.token_ids) - (1 if step.next_token_id == -1 else 0)
-            prompt_logprobs = tuple((-float(p), ()) for p in range(step.start_pos + 1, last + 1))
-        if not step.sample:
-            return RowResult(step.row_id, -1, prompt_logprobs=prompt_logprobs) if step.prompt_logprobs else None
-        history = self._read(step, step.start_pos + len(step.token_ids))
-        seed = 0 if step.sampling.is_greedy else step.sampling.seed
+            arrays.prompt_logprob[lo:hi] = [-float(p + 1) for p in self._positions(batch, r)]
+        if not batch.num_logits[r]:
+            return
+        history = self._read(batch, r, self._positions(batch, r).stop)
+        s = batch.sampling
+        seed = 0 if s.temperature[r] == 0 else int(s.seed[r])
         token_id = self.token_fn(seed, history)
         logprob = -float(len(history) % 7) / 8
-        k = step.sampling.logprobs or 0
-        top = tuple((token_id + i, logprob - i) for i in range(k))
-        return RowResult(step.row_id, token_id, logprob, top, prompt_logprobs)
+        arrays.tokens[r], arrays.logprob[r] = token_id, logprob
+        arrays.top_ids[r] = token_id + np.arange(20)
+        arrays.top_logprobs[r] = logprob - np.arange(20)
 
 
 @dataclasses.dataclass
@@ -214,8 +244,9 @@ def tick(scheduler: Scheduler, runner: ScriptedRunner,
     """One tick as the owner loop does it (a runner failure fails the step)."""
     plan = scheduler.schedule()
     if not plan.is_empty:
+        runner.plans.append(plan)
         try:
-            out = runner.run(plan)
+            out = run_plan(runner, plan)
         except RuntimeError as exc:
             scheduler.fail_step(plan, str(exc))
         else:

@@ -27,6 +27,8 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from ferrox_jax.host_batch import run_plan  # noqa: E402
+
 SEED = 0
 BLOCK_SIZE = 8
 NUM_BLOCKS = 64
@@ -63,15 +65,15 @@ def _mesh(tp):
 
 def prefill_then_decode_logits(runner, prompt, num_decode, blocks):
     """Logits of a prefill (f32[len(prompt), V]) and of greedy decode steps (f32[num_decode, V])."""
-    from ferrox_jax.plan import RowStep
+    from ferrox_jax.plan import RowPlan
 
-    prefill = runner.run_logits([RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks,
+    prefill = runner.run_logits([RowPlan(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks,
                                          sample=False)])[0]
     tokens, decode = list(prompt), []
     last = prefill[-1]
     for _ in range(num_decode):
         tokens.append(int(last.argmax()))
-        last = runner.run_logits([RowStep(row_id=0, token_ids=(tokens[-1],), start_pos=len(tokens) - 1,
+        last = runner.run_logits([RowPlan(row_id=0, token_ids=(tokens[-1],), start_pos=len(tokens) - 1,
                                           block_ids=blocks, sample=False)])[0][-1]
         decode.append(last)
     return prefill, np.stack(decode)
@@ -80,7 +82,7 @@ def prefill_then_decode_logits(runner, prompt, num_decode, blocks):
 def _runner(model, tp, replicate_attention=False, **kw):
     from ferrox_jax.runner import ModelRunner
 
-    args = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_rows=4, max_prefill_tokens=32, max_context=128)
+    args = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_rows=4, max_chunk_tokens=32, max_context=128)
     args.update(kw)
     return ModelRunner(model, mesh=_mesh(tp), replicate_attention=replicate_attention, **args)
 
@@ -129,7 +131,7 @@ def placement(runner):
 
 def mixed_workload(runner):
     """Prefills of several lengths, decode batches of 1..4 rows, and block copies."""
-    from ferrox_jax.plan import RowStep, StepPlan
+    from ferrox_jax.plan import RowPlan, StepPlan
     from ferrox_jax.request import SamplingParams
 
     greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=3)
@@ -139,16 +141,16 @@ def mixed_workload(runner):
     for i, n in enumerate((1, 7, 8, 9, 31)):
         blocks = tuple(ids[i * 8:(i + 1) * 8])
         prompt = tuple(rng.randint(3, 250, n).tolist())
-        res = runner.run(StepPlan(prefill=(RowStep(row_id=i, token_ids=prompt, start_pos=0, block_ids=blocks,
+        res = run_plan(runner, StepPlan(chunks=(RowPlan(row_id=i, token_ids=prompt, start_pos=0, block_ids=blocks,
                                                    sample=True, sampling=greedy if i % 2 else sampled),)))
         rows[i] = (blocks, n, res.results[i].token_id)
     for num_rows in (1, 3, 4, 2):
         plan_rows = []
         for i in list(rows)[:num_rows]:
             blocks, n, tok = rows[i]
-            plan_rows.append(RowStep(row_id=i, token_ids=(tok,), start_pos=n, block_ids=blocks, sample=True,
+            plan_rows.append(RowPlan(row_id=i, token_ids=(tok,), start_pos=n, block_ids=blocks, sample=True,
                                      sampling=greedy))
-        res = runner.run(StepPlan(decode=tuple(plan_rows), block_copies=((ids[60], ids[61]),)))
+        res = run_plan(runner, StepPlan(decode=tuple(plan_rows), block_copies=((ids[60], ids[61]),)))
         for r in plan_rows:
             blocks, n, _ = rows[r.row_id]
             rows[r.row_id] = (blocks, n + 1, res.results[r.row_id].token_id)
@@ -293,7 +295,7 @@ def case_multihost(coordinator, num_processes, process_id):
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    from ferrox_jax.engine import initialize_distributed
+    from ferrox_jax.engine_builder import initialize_distributed
 
     initialize_distributed(coordinator, int(num_processes), int(process_id))
     import jax.numpy as jnp

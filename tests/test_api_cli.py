@@ -118,7 +118,7 @@ def test_refused_configurations_exit_1_with_their_reason(argv, env, reason):
 def test_a_failure_after_the_weights_are_built_exits_1_not_abort():
     """The weights are on the device when the runner fails: the process still exits 1 (it
     used to die with SIGABRT as the half-built model was freed after the XLA client)."""
-    prelude = ("import ferrox_jax.engine as engine\n"
+    prelude = ("import ferrox_jax.engine_builder as engine\n"
                "def boom(*args, **kwargs):\n"
                "    raise ValueError('injected runner failure')\n"
                "engine.ModelRunner = boom")

@@ -215,7 +215,7 @@ def test_unusable_tools_and_formats_are_400s(http, body, param, message):
 
 
 def test_server_default_constraint_applies_unless_text_format_is_text(model):
-    from ferrox_jax.grammar import GrammarSpec
+    from ferrox_jax.constraint import GrammarSpec
 
     config = ServerConfig(default_grammar=GrammarSpec.choice(["alpha", "beta"]))
     with ServerThread(create_app(tiny_engine(), config)) as url:

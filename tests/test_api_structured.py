@@ -15,7 +15,7 @@ import pytest
 
 from api.app import create_app
 from api.config import ServerConfig
-from ferrox_jax.grammar import GrammarSpec
+from ferrox_jax.constraint import GrammarSpec
 from tests.schema_check import check
 from tests.server_harness import ServerThread, parse_sse, templated_server, tiny_engine
 from tests.test_structured import HERMES_TEMPLATE

@@ -58,8 +58,8 @@ def req(request_id, prompt_len=5, max_tokens=6, **kw):
 
 def limits_for(runner, **overrides):
     """The runner's whole cache and buckets, as the engine resolves them; overrides win."""
-    limits = dict(block_size=runner.block_size, num_blocks=runner.num_blocks - 1, max_seqs=runner.max_rows,
-                  max_rows=runner.max_rows, max_chunk_tokens=min(128, runner.max_prefill_tokens))
+    limits = dict(block_size=runner.block_size, num_blocks=runner.num_blocks - 1, max_rows=runner.max_rows,
+                  max_chunk_tokens=min(128, runner.max_chunk_tokens))
     return SchedulerLimits(**{**limits, **overrides})
 
 
@@ -134,7 +134,7 @@ def test_stop_string_over_several_tokens_never_reaches_the_stream_and_utf8_stays
 
 def test_refusals_are_counted_in_their_own_fields_and_hold_nothing(cleanup):
     # 8 usable blocks of 4 = 32 positions
-    batcher, runner = make(dict(max_context=64, max_queue=1, max_seqs=1), block_size=4, num_blocks=9)
+    batcher, runner = make(dict(max_context=64, max_queue=1, max_rows=1), block_size=4, num_blocks=9)
     cleanup(batcher)
     runner.gate = threading.Event()
     sink = Sink()
@@ -160,7 +160,7 @@ def test_refusals_are_counted_in_their_own_fields_and_hold_nothing(cleanup):
 
 def test_racing_submitters_never_overshoot_the_queue_cap(cleanup):
     cap = 5
-    batcher, runner = make(dict(max_queue=cap, max_seqs=1))
+    batcher, runner = make(dict(max_queue=cap, max_rows=1))
     cleanup(batcher)
     runner.gate = threading.Event()
     sink = Sink()
@@ -242,7 +242,7 @@ def test_runner_exception_fails_that_steps_jobs_and_the_loop_stays_alive(cleanup
     batcher, runner = make()
     cleanup(batcher)
     doomed = req("doomed", 3, 5)
-    runner.fail_when = lambda plan: any(s.token_ids == doomed.prompt_token_ids for s in plan.prefill)
+    runner.fail_when = lambda batch: tuple(batch.token_ids.tolist()) == doomed.prompt_token_ids
     sink = Sink()
     sink.submit(batcher, doomed)
     sink.wait("doomed")
@@ -301,9 +301,9 @@ def test_idle_loop_blocks_instead_of_spinning(cleanup):
     sink.submit(batcher, req("one", 3, 3))
     sink.wait("one")
     ticks = batcher.stats().ticks
-    num_plans = len(runner.plans)
+    num_plans = len(runner.batches)
     time.sleep(0.1)
-    assert batcher.stats().ticks == ticks and len(runner.plans) == num_plans, "no ticks while idle"
+    assert batcher.stats().ticks == ticks and len(runner.batches) == num_plans, "no ticks while idle"
     sink.submit(batcher, req("two", 3, 3))
     sink.wait("two")
     assert batcher.stats().ticks > ticks, "a submit wakes the loop"

@@ -13,7 +13,7 @@ import transformers
 
 from ferrox_jax.config import EngineConfig
 from ferrox_jax.engine import Engine
-from ferrox_jax.plan import RowStep
+from ferrox_jax.plan import RowPlan
 from ferrox_jax.request import GenerationRequest, SamplingParams
 from ferrox_jax.runner import ModelRunner
 from models.loader import load_checkpoint
@@ -42,16 +42,16 @@ def predicted_relative_error(num_layers: int) -> float:
 def test_bf16_logits_match_float32_transformers_within_the_derived_tolerance(tiny_checkpoints, variant):
     path = tiny_checkpoints(variant)
     ckpt = load_checkpoint(str(path), dtype=jnp.bfloat16)
-    runner = ModelRunner(ckpt.model, num_blocks=64, block_size=8, max_rows=8, max_prefill_tokens=64, max_context=256)
+    runner = ModelRunner(ckpt.model, num_blocks=64, block_size=8, max_rows=8, max_chunk_tokens=64, max_context=256)
     assert runner.kv_dtype == jnp.bfloat16
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt = np.random.RandomState(0).randint(0, ckpt.config.vocab_size, 37).tolist()
     blocks = tuple(shuffled_blocks(12, 64, seed=1))  # 12 * 8 = 96 >= 37 + 32 positions
-    ours = [runner.run_logits([RowStep(0, tuple(prompt), 0, blocks, False)])[0]]
+    ours = [runner.run_logits([RowPlan(0, tuple(prompt), 0, blocks, False)])[0]]
     tokens = list(prompt)
     for _ in range(DECODE_STEPS):
         tokens.append(int(ours[-1][-1].argmax()))
-        ours.append(runner.run_logits([RowStep(0, (tokens[-1],), len(tokens) - 1, blocks, False)])[0])
+        ours.append(runner.run_logits([RowPlan(0, (tokens[-1],), len(tokens) - 1, blocks, False)])[0])
     ours = np.concatenate(ours)
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0].numpy()

@@ -19,7 +19,7 @@ from tools import logits_reference as lr
 # Both sides float32 on the same weights: differences come only from summation order.
 TIGHT = ["--max-abs", "1e-4", "--max-kl", "1e-8", "--min-top1", "1", "--min-greedy-match", "8"]
 PROMPTS = ["--prompt", "The quick brown fox", "--prompt", "Hello world! How are you today?"]
-GREEDY = ["--greedy-tokens", "8", "--block-size", "8", "--max-prefill-tokens", "16"]
+GREEDY = ["--greedy-tokens", "8", "--block-size", "8", "--max-chunk-tokens", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_save_only_writes_a_reference_without_comparing(saved):
 @pytest.mark.parametrize("ref", ["npz", "topk_json"])
 def test_passes_against_saved_reference(saved, ref, capsys):
     rc = cl.main(["--model", saved["path"], "--reference-file", str(saved[ref]), "--json",
-                  "--block-size", "8", "--max-prefill-tokens", "16", *TIGHT])
+                  "--block-size", "8", "--max-chunk-tokens", "16", *TIGHT])
     report = json.loads(capsys.readouterr().out)
     assert rc == 0 and report["passed"], f"saved {ref} reference must pass: {report}"
     assert [p["greedy_match"] for p in report["prompts"]] == [8, 8]

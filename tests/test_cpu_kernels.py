@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from ferrox_jax.config import EngineConfig
-from ferrox_jax.plan import RowStep
+from ferrox_jax.plan import RowPlan
 from ferrox_jax.runner import ModelRunner
 from models import cpu_kernels
 from models.loader import load_checkpoint
@@ -149,7 +149,7 @@ def test_packed_model_logits_match_the_xla_path(tiny_llama):
 def test_mixed_workload_on_the_kernel_causes_zero_recompiles(tiny_llama):
     model = load_checkpoint(str(tiny_llama), quantization="w8a8").model
     cpu_kernels.pack_for_kernel(model)
-    runner = ModelRunner(model, num_blocks=64, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=128)
+    runner = ModelRunner(model, num_blocks=64, block_size=8, max_rows=4, max_chunk_tokens=32, max_context=128)
     runner.warmup()
     mixed_workload(runner)
     assert runner.recompiles_after_warmup == 0
@@ -264,13 +264,13 @@ def test_model_decode_steps_on_the_attention_kernel_match_pure_jax(tiny_llama, k
     steps = {}
     for attention in (None, cpu_kernels.decode_attention()):
         model = load_checkpoint(str(tiny_llama), decode_attention=attention).model
-        runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_prefill_tokens=32,
+        runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_chunk_tokens=32,
                              max_context=128, kv_dtype=kv_dtype)
         for prompt, table in zip(prompts, tables):
-            runner.run_logits([RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=table, sample=False)])
+            runner.run_logits([RowPlan(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=table, sample=False)])
         out = []
         for s in range(6):
-            rows = [RowStep(row_id=i, token_ids=(5 + s + i,), start_pos=len(p) + s, block_ids=t, sample=False)
+            rows = [RowPlan(row_id=i, token_ids=(5 + s + i,), start_pos=len(p) + s, block_ids=t, sample=False)
                     for i, (p, t) in enumerate(zip(prompts, tables))]
             out.append(np.stack([x[0] for x in runner.run_logits(rows)]))
         steps[attention is None] = np.stack(out)

@@ -42,7 +42,7 @@ def default_vs_hf():
     hf_model = lr.load_hf_model("default")
     refs = [lr.hf_reference(hf_model, ids, GREEDY_TOKENS, text=t) for t, ids in refs_in]
     del hf_model
-    reports = cl.run_comparison(ckpt.model, refs, block_size=16, max_prefill_tokens=MAX_PREFILL_TOKENS)
+    reports = cl.run_comparison(ckpt.model, refs, block_size=16, max_chunk_tokens=MAX_PREFILL_TOKENS)
     for i, r in enumerate(reports):
         print(cl.format_report(i, r, cl.tolerance_failures(r, max_abs=MAX_ABS, min_greedy_match=GREEDY_TOKENS)))
     return ckpt, refs, reports

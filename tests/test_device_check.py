@@ -43,7 +43,11 @@ def test_small_run_measures_every_phase_and_writes_json_markdown_and_log(small_r
         for context in SMALL.contexts:
             assert engine["decode"][f"decode_{rows}_rows_{context}_context"]["tokens_per_s"] > 0
             assert report["phases"]["torch"]["decode"][f"decode_{rows}_rows_{context}_context"]["tokens_per_s"] > 0
-    assert [k[0] for k, _ in engine["compiled_shapes"]].count("decode") == len(SMALL.rows), "only measured buckets"
+    decode_only = [k for k, _ in engine["compiled_shapes"] if k[0] == "forward" and k[2] == 0]
+    assert len(decode_only) == len(SMALL.rows), "only measured buckets"
+    mixed = report["phases"]["mixed"]["mixed"]
+    assert mixed["chunks_1"]["mixed_prompt_tokens_per_s"] > 0 and mixed["chunks_4"]["mixed_ms"] > 0
+    assert report["phases"]["mixed"]["recompiles_after_warmup"] == 0
     assert engine["recompiles_after_warmup"] == 0 and engine["describe"]["synthetic_weights"]
     rewarm = report["phases"]["rewarm"]
     assert rewarm["compile_cache_files_after"] == rewarm["compile_cache_files_before"], \
@@ -53,7 +57,8 @@ def test_small_run_measures_every_phase_and_writes_json_markdown_and_log(small_r
     assert all(m["correct"] for m in attention), [m for m in attention if not m.get("correct")]
     table = (out / "device_check.md").read_text()
     assert table in stdout, "the table is printed last"
-    for line in ("| decode 1 row @ 32 |", "| prefill 16 tokens |", "## Targets", "| rows | context | jax |"):
+    for line in ("| decode 1 row @ 32 |", "| prefill 16 tokens |", "## Targets", "| rows | context | jax |",
+                 "## One step for decode rows and prompt chunks"):
         assert line in table
 
 

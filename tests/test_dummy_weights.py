@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from ferrox_jax.config import LOAD_FORMAT_NAMES, EngineConfig
-from ferrox_jax.engine import Engine, plan_memory
-from ferrox_jax.plan import RowStep
+from ferrox_jax.engine import Engine
+from ferrox_jax.engine_builder import plan_memory
+from ferrox_jax.plan import RowPlan
 from ferrox_jax.runner import ModelRunner
 from models.loader import LOAD_FORMATS, open_checkpoint
 from models.loaders.dummy import byte_fallback_tokenizer, init_std
@@ -89,9 +90,9 @@ def test_deep_narrow_bf16_model_keeps_finite_unit_scale_logits(tmp_path):
     (asserted within [0.3, 3]) and finite."""
     folder = str(config_folder(tmp_path, num_hidden_layers=32))
     model = open_checkpoint(folder, load_format="dummy").build(jnp.bfloat16)
-    runner = ModelRunner(model, num_blocks=8, block_size=16, max_rows=1, max_prefill_tokens=32, max_context=64)
+    runner = ModelRunner(model, num_blocks=8, block_size=16, max_rows=1, max_chunk_tokens=32, max_context=64)
     prompt = tuple(np.random.RandomState(0).randint(0, 512, 32).tolist())
-    logits = runner.run_logits([RowStep(0, prompt, 0, (3, 1), False)])[0]
+    logits = runner.run_logits([RowPlan(0, prompt, 0, (3, 1), False)])[0]
     assert np.isfinite(logits).all(), "NaN or inf logits through 32 bf16 layers"
     std = float(logits.std())
     assert 0.3 < std < 3.0, f"logit std {std:.3f}: activations drifted from unit scale through the depth"

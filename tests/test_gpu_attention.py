@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ferrox_jax.plan import RowStep
+from ferrox_jax.plan import RowPlan
 from ferrox_jax.runner import ModelRunner, block_table_width
 from models.attention import paged_attention
 from models.gpu_attention import (GPU_BACKENDS, GatherDecodeAttention, PallasGpuDecodeAttention,
@@ -91,13 +91,13 @@ def test_model_decode_through_each_candidate_matches_pure_jax(tiny_llama):
         attend, _ = select_decode_attention(name, head_dim=head_dim, block_size=8, backend="cpu",
                                             max_blocks_per_row=block_table_width(64, 8), kv_dtype=jnp.float32)
         model = load_checkpoint(str(tiny_llama), decode_attention=attend).model
-        runner = ModelRunner(model, num_blocks=64, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=64)
-        out = [runner.run_logits([RowStep(0, prompt, 0, blocks, False)])[0][-1]]
+        runner = ModelRunner(model, num_blocks=64, block_size=8, max_rows=4, max_chunk_tokens=32, max_context=64)
+        out = [runner.run_logits([RowPlan(0, prompt, 0, blocks, False)])[0][-1]]
         tokens = list(tokens)
         for pos in range(len(prompt), len(prompt) + 3):
             if len(tokens) <= pos:
                 tokens.append(int(out[-1].argmax()))
-            out.append(runner.run_logits([RowStep(0, (tokens[pos],), pos, blocks, False)])[0][-1])
+            out.append(runner.run_logits([RowPlan(0, (tokens[pos],), pos, blocks, False)])[0][-1])
         return np.stack(out), tokens
 
     ref, tokens = run("jax")

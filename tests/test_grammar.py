@@ -9,10 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from ferrox_jax.grammar import (
-    ALL_TOKENS_ALLOWED, CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec, RowMatcher,
-    all_ones_mask, bitmask_words,
-)
+from ferrox_jax.constraint import GrammarError, GrammarSpec, grammar_syntax
+from ferrox_jax.grammar import ALL_TOKENS_ALLOWED, CompiledGrammar, GrammarCompiler, RowMatcher, all_ones_mask, bitmask_words
 
 # Every string bounded, no free numbers, arrays bounded: a random walk always ends.
 PROFILE_SCHEMA = {
@@ -302,3 +300,11 @@ def test_matchers_from_one_compiled_grammar_are_independent(profile, tokenizer):
     first, second = profile.new_matcher(), profile.new_matcher()
     assert first.accept(tokenizer.encode("{", add_special_tokens=False)[0])
     assert tokenizer.encode("{", add_special_tokens=False)[0] in allowed_ids(second, 49152)
+
+
+@pytest.mark.parametrize("text", ['start: "a"', '  start : x\nx: "b"', '%llguidance {}\nstart: "c"', 'root ::= "a"',
+                                  'x ::= "start:"', 'rule: "a"'])
+def test_grammar_syntax_tells_lark_from_gbnf_as_llguidance_does(text):
+    from llguidance.gbnf_to_lark import is_lark_syntax
+
+    assert grammar_syntax(text) == ("lark" if is_lark_syntax(text) else "gbnf")

@@ -2,9 +2,11 @@
 
 - `api/` has no import cycle (each module's imports of other `api` modules form a DAG);
 - `api/` reaches the engine only through its facade: it never imports the batcher,
-  scheduler, block budget, runner, plan or step modules;
-- the scheduler, block budget, block tables, prefix cache, batcher, stats, request and
-  config modules never import jax (checked in a fresh interpreter, so a transitive import counts too);
+  scheduler, block budget, runner, plan, step or grammar-compiler modules (output
+  constraints are plain data from `ferrox_jax/constraint.py`);
+- the scheduler, block budget, block tables, prefix cache, batcher, stats, request, constraint,
+  config, plan, host batch and buckets modules never import jax or llguidance (checked in a fresh interpreter, so a
+  transitive import counts too);
 - imports flow `api -> ferrox_jax -> models`: nothing under `ferrox_jax/` or `models/`
   imports `api`, and `models/` never imports `ferrox_jax`.
 """
@@ -20,9 +22,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_INTERNALS = ("ferrox_jax.batcher", "ferrox_jax.scheduler", "ferrox_jax.block_budget", "ferrox_jax.block_tables",
-                    "ferrox_jax.prefix_cache", "ferrox_jax.runner", "ferrox_jax.plan", "ferrox_jax.step")
+                    "ferrox_jax.prefix_cache", "ferrox_jax.runner", "ferrox_jax.plan", "ferrox_jax.step",
+                    "ferrox_jax.grammar")
 JAX_FREE = ("ferrox_jax.scheduler", "ferrox_jax.block_budget", "ferrox_jax.block_tables", "ferrox_jax.prefix_cache",
-            "ferrox_jax.batcher", "ferrox_jax.stats", "ferrox_jax.request", "ferrox_jax.config")
+            "ferrox_jax.batcher", "ferrox_jax.stats", "ferrox_jax.request", "ferrox_jax.constraint", "ferrox_jax.config",
+            "ferrox_jax.host_batch", "ferrox_jax.plan", "ferrox_jax.buckets")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -91,9 +95,10 @@ def test_imports_flow_one_way(package, forbidden):
         assert not bad, f"{module} imports {bad}: imports flow api -> ferrox_jax -> models"
 
 
-def test_scheduler_side_never_imports_jax():
+def test_scheduler_side_never_imports_jax_or_llguidance():
     code = ("import sys\n"
             + "".join(f"import {m}\n" for m in JAX_FREE)
-            + "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib', 'flax'))))")
+            + "print(sorted(m for m in sys.modules if m in ('jax', 'llguidance')\n"
+            + "             or m.startswith(('jax.', 'jaxlib', 'flax', 'llguidance.'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"importing {JAX_FREE} pulled in {out.stdout.strip()}"

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.attention import dense_causal_attention, paged_attention, write_kv
+from models.attention import dense_causal_attention, kv_slots, paged_attention, write_kv
 from tests.engine_helpers import float32_matmuls  # noqa: F401 (autouse: f32 tolerances on any backend)
 
 BLOCK_SIZE = 8
@@ -35,7 +35,8 @@ def test_paged_attention_matches_dense_with_shuffled_blocks(length):
     positions = jnp.arange(length)[None]
     valid = jnp.ones((1, length), bool)
     tables = jnp.asarray(table[None], jnp.int32)
-    k_cache, v_cache = write_kv(k_cache, v_cache, k[None], v[None], positions, valid, tables)
+    blocks, offsets = kv_slots(positions, valid, tables, BLOCK_SIZE)
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, blocks.reshape(-1), offsets.reshape(-1))
     scale = 1 / math.sqrt(HEAD_DIM)
     paged = paged_attention(q[None], k_cache, v_cache, tables, positions, scale)[0]
     dense = dense_causal_attention(q, k, v, scale)
@@ -51,7 +52,8 @@ def test_padded_tokens_write_only_into_the_null_block():
     positions = jnp.asarray([[0, 1, 2, 3]])
     valid = jnp.asarray([[True, True, False, False]])
     tables = jnp.asarray([[5, 6]], jnp.int32)
-    k_cache, _ = write_kv(k_cache, v_cache, k, k, positions, valid, tables)
+    blocks, offsets = kv_slots(positions, valid, tables, BLOCK_SIZE)
+    k_cache, _ = write_kv(k_cache, v_cache, k[0], k[0], blocks.reshape(-1), offsets.reshape(-1))
     written = np.asarray(k_cache.sum(axis=(0, 2, 3)))
     assert written[5] == 2 * KV_HEADS * HEAD_DIM, "the two valid tokens land in block 5"
     assert written[0] > 0, "padding lands in the null block"

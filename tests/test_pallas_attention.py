@@ -9,7 +9,7 @@ import pytest
 
 from flax import nnx
 
-from ferrox_jax.plan import RowStep
+from ferrox_jax.plan import RowPlan
 from ferrox_jax.runner import ModelRunner, block_table_width
 from models.attention import paged_attention
 from models.loader import load_checkpoint, open_checkpoint
@@ -71,12 +71,12 @@ def test_model_decode_through_the_kernel_matches_pure_jax(tiny_llama):
         kernel, _ = _select(impl, "cpu", head_dim=open_checkpoint(str(tiny_llama)).config.head_dim, block_size=8,
                             max_blocks_per_row=block_table_width(64, 8))
         model = load_checkpoint(str(tiny_llama), decode_attention=kernel).model
-        runner = ModelRunner(model, num_blocks=64, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=64)
-        out = [runner.run_logits([RowStep(0, prompt, 0, blocks, False)])[0][-1]]
+        runner = ModelRunner(model, num_blocks=64, block_size=8, max_rows=4, max_chunk_tokens=32, max_context=64)
+        out = [runner.run_logits([RowPlan(0, prompt, 0, blocks, False)])[0][-1]]
         tokens = list(prompt)
         for _ in range(3):
             tokens.append(int(out[-1].argmax()))
-            out.append(runner.run_logits([RowStep(0, (tokens[-1],), len(tokens) - 1, blocks, False)])[0][-1])
+            out.append(runner.run_logits([RowPlan(0, (tokens[-1],), len(tokens) - 1, blocks, False)])[0][-1])
         logits[impl] = np.stack(out)
     prefill_err = np.abs(logits["jax"][0] - logits["pallas-interpret"][0]).max()
     decode_err = np.abs(logits["jax"][1:] - logits["pallas-interpret"][1:]).max()

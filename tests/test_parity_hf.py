@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from ferrox_jax.plan import RowStep
+from ferrox_jax.plan import RowPlan
 from tests.engine_helpers import float32_matmuls, make_runner, shuffled_blocks  # noqa: F401 (autouse)
 
 ATOL = 1e-4  # both float32; differences come only from summation order
@@ -19,12 +19,12 @@ def test_prefill_and_decode_logits_match_transformers(tiny_checkpoints, variant)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt = np.random.RandomState(0).randint(0, ckpt.config.vocab_size, 37).tolist()
     blocks = tuple(shuffled_blocks(12, 64, seed=1))  # 12 * 8 = 96 >= 37 + 32 positions
-    ours = [runner.run_logits([RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks,
+    ours = [runner.run_logits([RowPlan(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks,
                                        sample=False)])[0]]
     tokens = list(prompt)
     for _ in range(DECODE_STEPS):
         tokens.append(int(ours[-1][-1].argmax()))
-        step = RowStep(row_id=0, token_ids=(tokens[-1],), start_pos=len(tokens) - 1, block_ids=blocks, sample=False)
+        step = RowPlan(row_id=0, token_ids=(tokens[-1],), start_pos=len(tokens) - 1, block_ids=blocks, sample=False)
         ours.append(runner.run_logits([step])[0])
     ours = np.concatenate(ours)
     with torch.no_grad():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ferrox_jax.config import SchedulerLimits
-from ferrox_jax.request import GenerationRequest, RowResult
+from ferrox_jax.request import GenerationRequest
 from ferrox_jax.scheduler import Scheduler
 from tests.scripted import ByteTokenizer, ScriptedRunner, run_until_idle, tick
 
@@ -18,17 +18,17 @@ BLOCK_SIZE, CHUNK = 4, 8
 class PoolingRunner(ScriptedRunner):
     """The hidden state of the token at position p is [p, token id]: sums are checkable by hand."""
 
-    def _result(self, step):
-        if not step.pooling:
-            return super()._result(step)
-        positions = np.arange(step.start_pos, step.start_pos + len(step.token_ids), dtype=np.float32)
-        states = np.stack([positions, np.asarray(step.token_ids, np.float32)], axis=1)  # [T, 2]
-        return RowResult(step.row_id, -1, hidden_sum=states.sum(axis=0), last_hidden=states[-1])
+    def _result(self, batch, r, arrays):
+        if not batch.pooling[r]:
+            return super()._result(batch, r, arrays)
+        lo, hi = batch.row_starts[r], batch.row_starts[r + 1]
+        states = np.stack([batch.positions[lo:hi], batch.token_ids[lo:hi]], axis=1).astype(np.float32)  # [T, 2]
+        arrays.hidden_sum[r], arrays.last_hidden[r] = states.sum(axis=0), states[-1]
 
 
 def make(num_blocks=64):
-    runner = PoolingRunner(block_size=BLOCK_SIZE, num_blocks=num_blocks + 1, max_prefill_tokens=CHUNK)
-    limits = SchedulerLimits(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_seqs=8, max_rows=8,
+    runner = PoolingRunner(block_size=BLOCK_SIZE, num_blocks=num_blocks + 1, max_chunk_tokens=CHUNK)
+    limits = SchedulerLimits(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_rows=8,
                              max_chunk_tokens=CHUNK, max_context=64)
     return Scheduler(limits, ByteTokenizer()), runner
 
@@ -47,8 +47,8 @@ def test_pooled_vector_over_a_chunked_prompt(kind):
     assert out.num_events == 1 and event.finish_reason == "stop" and event.token_ids == ()
     expected = [np.mean(range(20)), np.mean(prompt)] if kind == "mean" else [19, prompt[-1]]
     np.testing.assert_allclose(event.embedding, expected)
-    assert [len(s.token_ids) for p in runner.plans for s in p.prefill] == [8, 8, 4]
-    assert not any(s.sample for p in runner.plans for s in p.prefill), "nothing is sampled"
+    assert [len(s.token_ids) for p in runner.plans for s in p.chunks] == [8, 8, 4]
+    assert not any(s.sample for p in runner.plans for s in p.chunks), "nothing is sampled"
     assert scheduler.budget.num_free_blocks == 64 and scheduler.tokens_generated == 0
 
 
@@ -67,7 +67,7 @@ def test_generation_keeps_decoding_while_embeddings_prefill():
     for i in range(3):
         scheduler.add_request(pooling(f"e{i}", range(40, 64)))  # 3 chunks each
     run_until_idle(scheduler, runner, outputs)
-    busy = [p for p in runner.plans[1:] if p.prefill]
+    busy = [p for p in runner.plans[1:] if p.chunks]
     assert len(busy) == 9 and all(len(p.decode) == 1 for p in busy[:5]), "one chunk per tick, g decodes every tick"
     assert outputs[("g", 0)].finish_reason == "length" and len(outputs[("g", 0)].token_ids) == 12
     assert all(outputs[(f"e{i}", 0)].events[-1].embedding is not None for i in range(3))

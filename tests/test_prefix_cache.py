@@ -17,10 +17,10 @@ from tests.scripted import ByteTokenizer, ScriptedRunner, letters_token_fn, run_
 BS = 4  # block size in every test here
 
 
-def make(*, num_blocks=64, caching=True, chunk=16, max_seqs=8):
-    runner = ScriptedRunner(block_size=BS, num_blocks=num_blocks + 1, max_rows=8, max_prefill_tokens=chunk,
+def make(*, num_blocks=64, caching=True, chunk=16, max_rows=8):
+    runner = ScriptedRunner(block_size=BS, num_blocks=num_blocks + 1, max_rows=8, max_chunk_tokens=chunk,
                             token_fn=letters_token_fn())
-    limits = SchedulerLimits(block_size=BS, num_blocks=num_blocks, max_seqs=max_seqs, max_rows=8,
+    limits = SchedulerLimits(block_size=BS, num_blocks=num_blocks, max_rows=max_rows,
                              max_chunk_tokens=chunk, prefix_caching=caching)
     return Scheduler(limits, ByteTokenizer()), runner
 
@@ -45,7 +45,7 @@ def first_event(outputs, request_id):
 
 
 def prefill_positions(runner, plans_from, row_id):
-    return [step.start_pos + i for plan in runner.plans[plans_from:] for step in plan.prefill
+    return [step.start_pos + i for plan in runner.plans[plans_from:] for step in plan.chunks
             if step.row_id == row_id for i in range(len(step.token_ids))]
 
 
@@ -94,7 +94,7 @@ def test_a_prompt_cached_whole_never_writes_into_a_cached_block():
     cached_ids = set(scheduler.blocks.cache.lookup(chain_hashes(CACHED, BS, scheduler.blocks.cache.root)))
     num_plans = len(runner.plans)
     run(scheduler, runner, spec("again", CACHED, max_tokens=6))
-    written = {step.block_ids[pos // BS] for plan in runner.plans[num_plans:] for step in plan.prefill + plan.decode
+    written = {step.block_ids[pos // BS] for plan in runner.plans[num_plans:] for step in plan.chunks + plan.decode
                for pos in range(step.start_pos, step.start_pos + len(step.token_ids))}
     assert len(cached_ids) == 3 and not written & cached_ids, "cached blocks are read-only"
 

@@ -16,8 +16,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from ferrox_jax.config import QUANTIZATION_NAMES, EngineConfig
-from ferrox_jax.engine import plan_memory, size_kv
-from ferrox_jax.plan import RowStep
+from ferrox_jax.engine_builder import plan_memory, size_kv
+from ferrox_jax.plan import RowPlan
 from ferrox_jax.runner import ModelRunner
 from models.loader import load_checkpoint, open_checkpoint
 from models.quant import (INT8_MAX, QUANTIZATION_MODES, QuantizedWeight, dequantize, quantize, quantize_host,
@@ -232,11 +232,11 @@ def test_bfloat16_kv_cache_logits_stay_close_to_float32(tiny_llama):
     prompt = np.random.RandomState(7).randint(3, 300, 17).tolist()
     blocks = tuple(shuffled_blocks(3, 48, seed=8))
     ref = prompt_logits(model, prompt, blocks)
-    runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=128,
+    runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_chunk_tokens=32, max_context=128,
                          kv_dtype=jnp.bfloat16)
     # On CPU the bfloat16 words are held as uint16 (ferrox_jax/kv_cache.py: storage_dtype).
     assert runner.kv_cache.k[0].dtype == (jnp.uint16 if jax.default_backend() == "cpu" else jnp.bfloat16)
-    got = runner.run_logits([RowStep(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks,
+    got = runner.run_logits([RowPlan(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks,
                                      sample=False)])[0]
     # bf16 keeps 8 mantissa bits: each K and V element moves by <= 2^-9 ~ 0.2 % relative,
     # and so, about, do the scores and the attention output. Two layers and the head carry
@@ -251,7 +251,7 @@ def test_bfloat16_kv_cache_logits_stay_close_to_float32(tiny_llama):
 @pytest.mark.parametrize("mode,kv_dtype", [("int8", jnp.float32), ("w8a8", jnp.bfloat16)])
 def test_mixed_workload_after_warmup_causes_zero_recompiles(tiny_llama, mode, kv_dtype):
     model = load_checkpoint(str(tiny_llama), quantization=mode).model
-    runner = ModelRunner(model, num_blocks=64, block_size=8, max_rows=4, max_prefill_tokens=32, max_context=128,
+    runner = ModelRunner(model, num_blocks=64, block_size=8, max_rows=4, max_chunk_tokens=32, max_context=128,
                          kv_dtype=kv_dtype)
     runner.warmup()
     mixed_workload(runner)

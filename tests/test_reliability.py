@@ -145,11 +145,11 @@ class FailingRuns:
         self.left = 0
         monkeypatch.setattr(runner, "run", self)
 
-    def __call__(self, plan):
+    def __call__(self, batch, fill_masks=None):
         if self.left > 0:
             self.left -= 1
             raise RuntimeError("injected step failure")
-        return self.original(plan)
+        return self.original(batch, fill_masks)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from ferrox_jax.request import SamplingParams
-from ferrox_jax.sampling import fast_argmax, host_sampling_batch, sample
+from ferrox_jax.host_batch import SamplingArrays
+from ferrox_jax.sampling import fast_argmax, sample
 
 PROBS = np.array([0.4, 0.3, 0.2, 0.1] + [0.0] * 28)  # a vocabulary of 32 (top-20 logprobs need >= 20)
 LOGITS = np.log(np.maximum(PROBS, 1e-30)).astype(np.float32)
@@ -15,7 +16,7 @@ ROWS = 4000  # one row per seed: frequencies within ~3 sigma = 3*sqrt(.4*.6/4000
 
 def _draw(params: SamplingParams, rows=ROWS, logits=LOGITS, histories=None, positions=None):
     plist = [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(rows)]
-    batch = jax.device_put(host_sampling_batch(plist, histories or [()] * rows, [0] * rows, rows, logits.shape[-1]))
+    batch = jax.device_put(SamplingArrays.build(plist, histories or [()] * rows, [0] * rows, logits.shape[-1]))
     pos = jnp.asarray(positions if positions is not None else np.full(rows, 5), jnp.int32)
     tokens, lp, top_ids, top_lp = jax.jit(sample)(jnp.asarray(np.tile(logits, (rows, 1))), pos, batch)
     return np.asarray(tokens), np.asarray(lp), np.asarray(top_ids), np.asarray(top_lp)
@@ -89,7 +90,7 @@ def test_top_logprobs_are_skipped_when_no_row_asks():
 def test_top_k_of_the_vocabulary_or_more_is_off_however_large(top_k):
     """A client may send any integer (the fuzzer found 2**63 crashing the step with an
     OverflowError): keeping at least the whole vocabulary is no filter at all."""
-    batch = host_sampling_batch([SamplingParams(top_k=top_k, seed=1)], [()], [0], 1, 32)
+    batch = SamplingArrays.build([SamplingParams(top_k=top_k, seed=1)], [()], [0], 32)
     assert batch.top_k[0] == 0
     tokens, *_ = _draw(SamplingParams(temperature=1.0, top_k=top_k))
     np.testing.assert_allclose(np.bincount(tokens, minlength=32) / ROWS, PROBS, atol=0.03)

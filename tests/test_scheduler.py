@@ -14,16 +14,17 @@ from ferrox_jax.request import SamplingParams
 from ferrox_jax.request import GenerationRequest, derive_row_seed
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.scheduler import Scheduler, blocks_to_reserve, check_admission
+from ferrox_jax.host_batch import run_plan
 from tests.scripted import (EOS, ByteTokenizer, ScriptedRunner, letters_token_fn, run_until_idle,
                             script_token_fn, tick)
 
 
-def make(*, block_size=4, num_blocks=64, max_seqs=8, max_rows=8, chunk=16, max_context=None,
+def make(*, block_size=4, num_blocks=64, max_rows=8, chunk=16, max_context=None, batched_tokens=None,
          token_fn=None, tokenizer=None, clock=None):
+    limits = SchedulerLimits(block_size=block_size, num_blocks=num_blocks, max_rows=max_rows,
+                             max_chunk_tokens=chunk, max_context=max_context, max_batched_tokens=batched_tokens)
     runner = ScriptedRunner(block_size=block_size, num_blocks=num_blocks + 1, max_rows=max_rows,
-                            max_prefill_tokens=chunk, token_fn=token_fn)
-    limits = SchedulerLimits(block_size=block_size, num_blocks=num_blocks, max_seqs=max_seqs,
-                             max_rows=max_rows, max_chunk_tokens=chunk, max_context=max_context)
+                            max_chunk_tokens=chunk, max_chunks=limits.max_chunks, token_fn=token_fn)
     kwargs = {} if clock is None else {"clock": clock}
     return Scheduler(limits, tokenizer or ByteTokenizer(), **kwargs), runner
 
@@ -40,7 +41,7 @@ def outputs_alone(spec, **make_kw):
 
 
 def prefill_positions(runner, row_id):
-    return [step.start_pos + i for plan in runner.plans for step in plan.prefill
+    return [step.start_pos + i for plan in runner.plans for step in plan.chunks
             if step.row_id == row_id for i in range(len(step.token_ids))]
 
 
@@ -70,7 +71,7 @@ def test_chunk_size_never_changes_tokens_and_plans_cover_each_uncached_prompt_po
         assert sorted(prefill_positions(runner, first_row_id)) == list(range(num_cached, num_prefill)), (
             f"{spec.request_id}: prefill must cover each prompt position not cached exactly once")
         first_row_id += spec.n
-    assert all(len(s.token_ids) <= chunk for p in runner.plans for s in p.prefill), "chunk cap"
+    assert all(len(s.token_ids) <= chunk for p in runner.plans for s in p.chunks), "chunk cap"
 
 
 def test_long_prompt_interleaves_with_decoding_rows_without_changing_them():
@@ -92,7 +93,7 @@ def test_long_prompt_interleaves_with_decoding_rows_without_changing_them():
     chunk_ticks = []
     while scheduler.has_work:
         plan = tick(scheduler, runner, outputs)
-        if any(step.row_id == long_row_id for step in plan.prefill):
+        if any(step.row_id == long_row_id for step in plan.chunks):
             chunk_ticks.append(len(plan.decode))
     # ceil(2000 / 256) = 8 chunks, one per tick, each tick also decoding the 4 rows.
     assert chunk_ticks == [4] * 8, f"each of the 8 chunks shares its tick with 4 decode rows: {chunk_ticks}"
@@ -102,17 +103,54 @@ def test_long_prompt_interleaves_with_decoding_rows_without_changing_them():
             f"{spec.request_id}: a long prompt arriving must not change a decoding row's tokens")
 
 
+def _chunk_schedule(batched_tokens):
+    """(decode rows, [(request, chunk length), ...]) per tick for three prompts arriving while
+    two rows decode (chunk 8: prompts of 20, 12 and 3 tokens)."""
+    scheduler, runner = make(chunk=8, batched_tokens=batched_tokens, token_fn=letters_token_fn())
+    outputs = {}
+    for spec in (req("d0", 3, 30), req("d1", 4, 30)):
+        scheduler.add_request(spec)
+    for _ in range(2):
+        tick(scheduler, runner, outputs)
+    for spec in (req("a", 20, 2), req("b", 12, 2), req("c", 3, 2)):
+        scheduler.add_request(spec)
+    names = {3: "a", 4: "b", 5: "c"}  # row ids in submit order
+    ticks = []
+    while any(scheduler.waiting_request_ids) or scheduler._prefilling:
+        plan = tick(scheduler, runner, outputs)
+        ticks.append((len(plan.decode), [(names[s.row_id], len(s.token_ids)) for s in plan.chunks]))
+    run_until_idle(scheduler, runner, outputs)
+    return ticks, {k: v.token_ids for k, v in outputs.items()}
+
+
+def test_a_budget_of_one_chunk_is_the_contracts_one_chunk_per_tick():
+    ticks, _ = _chunk_schedule(batched_tokens=None)
+    # Round robin, one chunk per tick: a 8, b 8, c 3 (done), a 8, b 4 (done), a 4 (done).
+    assert [chunks for _, chunks in ticks] == [[("a", 8)], [("b", 8)], [("c", 3)], [("a", 8)], [("b", 4)], [("a", 4)]]
+    assert all(decode == 2 for decode, _ in ticks[:3]), "the decoding rows run in every tick"
+
+
+def test_a_larger_budget_fills_a_step_with_chunks_round_robin_and_keeps_every_output():
+    one, tokens_one = _chunk_schedule(batched_tokens=None)
+    ticks, tokens = _chunk_schedule(batched_tokens=16)
+    # 16 prompt tokens per step, one chunk per job: a 8 + b 8, then c 3 + a 8 (c finishes,
+    # 11 tokens), then b 4 + a 4.
+    assert [chunks for _, chunks in ticks] == [[("a", 8), ("b", 8)], [("c", 3), ("a", 8)], [("b", 4), ("a", 4)]]
+    assert len(ticks) < len(one), "fewer ticks until every prompt has its first token"
+    assert tokens == tokens_one, "the schedule changed no row's tokens"
+
+
 def test_a_prompt_alone_takes_idle_chunks_and_decoding_rows_keep_the_small_ones():
-    runner = ScriptedRunner(block_size=4, num_blocks=65, max_prefill_tokens=16, token_fn=letters_token_fn())
-    limits = SchedulerLimits(block_size=4, num_blocks=64, max_seqs=8, max_rows=8, max_chunk_tokens=4,
+    runner = ScriptedRunner(block_size=4, num_blocks=65, max_chunk_tokens=16, token_fn=letters_token_fn())
+    limits = SchedulerLimits(block_size=4, num_blocks=64, max_rows=8, max_chunk_tokens=4,
                              max_idle_chunk_tokens=16)
     scheduler = Scheduler(limits, ByteTokenizer())
     outputs = {}
     scheduler.add_request(req("alone", 40, 20))
-    sizes = [len(tick(scheduler, runner, outputs).prefill[0].token_ids) for _ in range(3)]
+    sizes = [len(tick(scheduler, runner, outputs).chunks[0].token_ids) for _ in range(3)]
     assert sizes == [16, 16, 8], "no row decodes: 40 prompt tokens in chunks of up to 16"
     scheduler.add_request(req("late", 10, 3))
-    late = [len(plan.prefill[0].token_ids) for plan in (tick(scheduler, runner, outputs) for _ in range(3))]
+    late = [len(plan.chunks[0].token_ids) for plan in (tick(scheduler, runner, outputs) for _ in range(3))]
     assert late == [4, 4, 2], "a row decodes: chunks of 4, so its tokens keep coming"
     run_until_idle(scheduler, runner, outputs)
     assert outputs[("alone", 0)].token_ids == outputs_alone(req("alone", 40, 20))[("alone", 0)].token_ids
@@ -134,7 +172,7 @@ def test_head_job_that_does_not_fit_holds_the_line():
 
 def test_first_event_reports_the_wait_for_admission_then_none():
     now = [100.0]
-    scheduler, runner = make(max_seqs=1, token_fn=letters_token_fn(), clock=lambda: now[0])
+    scheduler, runner = make(max_rows=1, token_fn=letters_token_fn(), clock=lambda: now[0])
     scheduler.add_request(req("first", 2, 3))
     scheduler.add_request(req("second", 2, 3))  # waits: one row at a time
     events = []
@@ -142,7 +180,7 @@ def test_first_event_reports_the_wait_for_admission_then_none():
         now[0] += 0.5  # each tick takes half a second on the fake clock
         plan = scheduler.schedule()
         if not plan.is_empty:
-            scheduler.update(plan, runner.run(plan))
+            scheduler.update(plan, run_plan(runner, plan))
         events += scheduler.take_events()
     first = {e.request_id: e for e in reversed(events)}  # earliest event per request
     assert first["first"].queue_s == 0.5, "admitted at the first tick, 0.5 s after it was queued"
@@ -153,24 +191,12 @@ def test_first_event_reports_the_wait_for_admission_then_none():
 
 
 def test_max_seqs_counts_prefilling_prompts_and_all_n_rows():
-    scheduler, runner = make(max_seqs=4)
+    scheduler, runner = make(max_rows=4)
     scheduler.add_request(req("three", 30, 5, n=3))
     scheduler.add_request(req("two", 30, 5, n=2))
     tick(scheduler, runner, {})
     assert scheduler.num_running_rows == 3 and scheduler.waiting_request_ids == ("two",), (
         "3 rows of a prefilling job + 2 more would exceed max_seqs=4")
-
-
-def test_decode_rows_beyond_max_rows_take_turns_and_keep_their_tokens():
-    kw = dict(max_rows=2, token_fn=letters_token_fn())
-    specs = [req(f"r{i}", 3 + i, 5) for i in range(5)]
-    scheduler, runner = make(**kw)
-    for spec in specs:
-        scheduler.add_request(spec)
-    outputs = run_until_idle(scheduler, runner)
-    assert max(len(plan.decode) for plan in runner.plans) == 2, "decode steps capped at max_rows"
-    for spec in specs:
-        assert outputs[(spec.request_id, 0)].token_ids == outputs_alone(spec, **kw)[(spec.request_id, 0)].token_ids
 
 
 # -- n > 1: shared prompt blocks ---------------------------------------------------------
@@ -235,7 +261,7 @@ def test_min_tokens_bans_and_ignores_eos_until_reached():
     out = run_until_idle(scheduler, runner)[("m", 0)]
     assert out.token_ids == [EOS, ord("a")] and out.finish_reason == "stop", (
         "an eos before min_tokens output tokens does not stop the row")
-    first_step = runner.plans[0].prefill[0]
+    first_step = runner.plans[0].chunks[0]
     assert (EOS, float("-inf")) in first_step.sampling.logit_bias, "eos banned before min_tokens"
     last_step = runner.plans[-1].decode[0]
     assert last_step.sampling.logit_bias == (), "no ban once min_tokens is reached"
@@ -279,7 +305,7 @@ def test_logprobs_and_prompt_logprobs_are_reported_per_token():
 
 @pytest.mark.parametrize("state", ["waiting", "prefilling", "decoding"])
 def test_cancel_frees_blocks_within_one_tick_and_counts_one_abort(state):
-    scheduler, runner = make(max_seqs=1, chunk=4, token_fn=letters_token_fn())
+    scheduler, runner = make(max_rows=1, chunk=4, token_fn=letters_token_fn())
     outputs = {}
     scheduler.add_request(req("other", 3, 30))
     scheduler.add_request(req("victim", 20, 30))
@@ -344,19 +370,19 @@ def test_runner_failure_fails_the_steps_jobs_frees_blocks_and_later_jobs_run():
 
 
 def test_refusals_in_contract_order():
-    limits = SchedulerLimits(block_size=4, num_blocks=8, max_seqs=4, max_rows=4,
+    limits = SchedulerLimits(block_size=4, num_blocks=8, max_rows=4,
                              max_chunk_tokens=8, max_context=40)
     # 30 + 20 = 50 > 40 tokens, and ceil(50 / 4) = 13 > 8 blocks: context length is checked first.
     assert check_admission(req("x", 30, 20), limits)[0] == "context_length"
     assert check_admission(req("x", 30, 10), limits)[0] == "too_large"  # ceil(40/4) = 10 > 8
-    assert check_admission(req("x", 2, 2, n=5), limits)[0] == "too_large"  # n=5 > max_seqs=4
+    assert check_admission(req("x", 2, 2, n=5), limits)[0] == "too_large"  # n=5 > max_rows=4
     assert check_admission(req("x", 30, 2), limits) is None  # ceil(32/4) = 8 blocks fit
 
 
 # -- the stateful property test ---------------------------------------------------------
 
-LIMITS = SchedulerLimits(block_size=4, num_blocks=16, max_seqs=4, max_rows=3,
-                         max_chunk_tokens=5, max_context=40)
+LIMITS = SchedulerLimits(block_size=4, num_blocks=16, max_rows=4, max_chunk_tokens=5, max_batched_tokens=10,
+                         max_context=40)
 QUEUE_CAP = 5
 # Prompts are prefixes of one of three token sequences, so they share cached blocks at
 # every boundary: whole prompts, k blocks, k blocks + a few tokens, prefixes of each other.
@@ -371,7 +397,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.runner = ScriptedRunner(block_size=4, num_blocks=17, max_rows=3, max_prefill_tokens=5,
+        self.runner = ScriptedRunner(block_size=4, num_blocks=17, max_rows=4, max_chunk_tokens=5, max_chunks=2,
                                      token_fn=letters_token_fn(eos_period=7))
         self.scheduler = Scheduler(self.limits, ByteTokenizer())
         self.checked = set()  # jobs whose tokens were compared with a run alone

@@ -12,7 +12,7 @@ from api.errors import APIError
 from api.structured import (PLAIN_TEXT, OutputPlan, OutputParser, completion_plan, grammar_constraint,
                             json_schema_constraint, parse_output, prepare_chat, tool_request)
 from api.tool_calls import TOOLS_PROMPT
-from ferrox_jax.grammar import GrammarSpec
+from ferrox_jax.constraint import GrammarSpec
 from models.tokenizer import Tokenizer
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}

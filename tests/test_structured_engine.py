@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from ferrox_jax.grammar import GrammarSpec
+from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.request import AdmissionError, GenerationRequest, SamplingParams
 from tests.schema_check import check
 from tests.server_harness import tiny_engine
@@ -94,7 +94,7 @@ def submit_all(engine, requests: list[GenerationRequest], collector: Collector) 
 
 def test_sampled_schema_requests_all_parse_and_validate_over_100_seeds(engine, prompt):
     before = engine.stats()
-    grammar = engine.compile_grammar(GrammarSpec.json_schema(SCHEMA))
+    grammar = GrammarSpec.json_schema(SCHEMA)
     collector = Collector()
     requests = [GenerationRequest(f"schema-{seed}", prompt, MAX_TOKENS, SamplingParams(temperature=1.0, seed=seed),
                                   grammar=grammar) for seed in range(100)]
@@ -124,7 +124,7 @@ def test_the_same_seeds_unconstrained_are_not_json(engine, prompt):
 def test_json_object_output_parses(engine, prompt):
     """Any JSON object: strings are unbounded, so the random model may fill max_tokens inside
     one; every object it closes parses."""
-    grammar = engine.compile_grammar(GrammarSpec.json_object())
+    grammar = GrammarSpec.json_object()
     collector = Collector()
     requests = [GenerationRequest(f"object-{seed}", prompt, 400, SamplingParams(temperature=0.7, seed=seed),
                                   grammar=grammar) for seed in range(8)]
@@ -139,7 +139,7 @@ def test_json_object_output_parses(engine, prompt):
 
 def test_choice_stops_on_its_last_character_without_sampling_a_stop_token(engine, prompt):
     choices = ["apple", "banana split", "cherry"]
-    grammar = engine.compile_grammar(GrammarSpec.choice(choices))
+    grammar = GrammarSpec.choice(choices)
     collector = Collector()
     requests = [GenerationRequest(f"choice-{seed}", prompt, 50, SamplingParams(temperature=1.0, seed=seed),
                                   grammar=grammar) for seed in range(6)]
@@ -152,7 +152,7 @@ def test_choice_stops_on_its_last_character_without_sampling_a_stop_token(engine
 
 def test_ignore_eos_and_min_tokens_never_leave_a_row_without_an_allowed_token(engine, prompt):
     """Both ban the stop tokens with a -inf bias; the grammar's end must still end the row."""
-    grammar = engine.compile_grammar(GrammarSpec.regex(r"[0-9]{1,6}"))
+    grammar = GrammarSpec.regex(r"[0-9]{1,6}")
     collector = Collector()
     requests = [GenerationRequest(f"bans-{i}", prompt, 30, SamplingParams(temperature=1.0, seed=i), grammar=grammar,
                                   ignore_eos=i % 2 == 0, min_tokens=30 if i % 3 == 0 else 0) for i in range(6)]
@@ -164,7 +164,7 @@ def test_ignore_eos_and_min_tokens_never_leave_a_row_without_an_allowed_token(en
 
 def test_constrained_neighbour_leaves_unconstrained_rows_bit_identical(engine, prompt):
     """Unconstrained rows alone, then batched with constrained rows: the same tokens."""
-    grammar = engine.compile_grammar(GrammarSpec.json_schema(SCHEMA))
+    grammar = GrammarSpec.json_schema(SCHEMA)
     settings = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=1.0, seed=7, logprobs=3),
                 SamplingParams(temperature=0.8, top_p=0.9, seed=8, logprobs=3)]
 

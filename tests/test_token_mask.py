@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from ferrox_jax.request import SamplingParams
-from ferrox_jax.sampling import host_sampling_batch, sample
+from ferrox_jax.host_batch import SamplingArrays
+from ferrox_jax.sampling import sample
 from ferrox_jax.token_mask import apply_token_bitmask
 
 
@@ -92,7 +93,7 @@ def test_sampler_only_picks_allowed_tokens_greedy_and_drawn():
     run = jax.jit(sample)
     for params in settings:
         for position in range(8):
-            batch = jax.device_put(host_sampling_batch([params] * rows, [()] * rows, [0] * rows, rows, vocab_size))
+            batch = jax.device_put(SamplingArrays.build([params] * rows, [()] * rows, [0] * rows, vocab_size))
             tokens = np.asarray(run(masked, jnp.full(rows, position, jnp.int32), batch)[0])
             for r, ids in enumerate(allowed):
                 assert tokens[r] in ids, f"{params}: row {r} sampled {tokens[r]}, allowed {ids[:8]}"

@@ -157,7 +157,7 @@ def test_invalid_tool_definitions_raise_naming_the_tool(compiler):
     with pytest.raises(ToolDefinitionError, match="'lookup'.*parameters must be a JSON schema object"):
         validate_tools(function(name="lookup", parameters=["q"]))
     with pytest.raises(ToolDefinitionError, match="'lookup'.*not a usable JSON schema.*objectx"):
-        validate_tools(function(name="lookup", parameters={"type": "objectx"}), compiler)
+        validate_tools(function(name="lookup", parameters={"type": "objectx"}), compiler.compile)
     with pytest.raises(ToolDefinitionError, match="'add' is defined twice"):
         validate_tools(TOOLS + TOOLS[1:])
     with pytest.raises(ToolDefinitionError, match="'nope'.*not in tools"):
@@ -194,7 +194,7 @@ def walk(compiled, tokenizer, seed: int) -> str:
 @pytest.mark.parametrize("tool_choice, parallel", [
     ("required", True), ("required", False), ({"type": "function", "function": {"name": "add"}}, True)])
 def test_forced_call_grammar_walks_always_parse_into_valid_calls(compiler, tokenizer, tool_choice, parallel):
-    specs = validate_tools(TOOLS, compiler)
+    specs = validate_tools(TOOLS, compiler.compile)
     compiled = compiler.compile(tool_call_grammar(specs, tool_choice, parallel_tool_calls=parallel, max_calls=3))
     names = set()
     for seed in range(25):

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ferrox_jax.host_batch import run_plan
 from models import cpu_kernels
 from models.attention import paged_attention
 from models.quant import quantize, quantized_matmul
@@ -79,7 +80,7 @@ def attention(rows: list[int], contexts: list[int], repeats: int) -> None:
 
 
 def steps(rows: list[int], contexts: list[int], repeats: int) -> None:
-    from ferrox_jax.plan import RowStep, StepPlan
+    from ferrox_jax.plan import RowPlan, StepPlan
     from ferrox_jax.request import SamplingParams
     from ferrox_jax.runner import ModelRunner
     from models.loader import open_checkpoint
@@ -93,7 +94,7 @@ def steps(rows: list[int], contexts: list[int], repeats: int) -> None:
         if matmul:
             cpu_kernels.pack_for_kernel(model)
         runners[name] = ModelRunner(model, num_blocks=40 * max(rows) + 1, block_size=16, max_rows=max(rows),
-                                    max_prefill_tokens=16, max_context=640)
+                                    max_chunk_tokens=16, max_context=640)
     print("| rows | context | " + " | ".join(f"{n} (ms)" for n in variants) + " |")
     print("|---|---|" + "---|" * len(variants))
     greedy = SamplingParams(temperature=0.0)
@@ -101,15 +102,15 @@ def steps(rows: list[int], contexts: list[int], repeats: int) -> None:
         tables = [tuple(range(1 + i * 40, 1 + (i + 1) * 40)) for i in range(b)]
         for ctx in contexts:
             def plan(pos):
-                return StepPlan(decode=tuple(RowStep(row_id=i, token_ids=(7,), start_pos=pos, block_ids=tables[i],
+                return StepPlan(decode=tuple(RowPlan(row_id=i, token_ids=(7,), start_pos=pos, block_ids=tables[i],
                                                      sample=True, sampling=greedy) for i in range(b)))
             cells = []
             for runner in runners.values():
-                runner.run(plan(ctx))
+                run_plan(runner, plan(ctx))
                 times = []
                 for s in range(repeats):
                     t = time.perf_counter()
-                    runner.run(plan(ctx + s))
+                    run_plan(runner, plan(ctx + s))
                     times.append(time.perf_counter() - t)
                 cells.append(f"{np.median(times) * 1e3:.1f}")
             print(f"| {b} | {ctx} | " + " | ".join(cells) + " |")

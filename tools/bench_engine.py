@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ferrox_jax.host_batch import run_plan
+
 
 def _decode_flops_bytes(cfg, rows: int, context: int, dtype_bytes: int,
                         weights_bytes: float | None = None) -> tuple[float, float]:
@@ -117,7 +119,7 @@ def _row_blocks(runner, tokens: int) -> int:
 
 def bench_prefill(engine, tokens_list: list[int], repeats: int = 3, deadline: float | None = None) -> dict:
     """Tokens/s of one prefill chunk of each size (one warm-up run, then `repeats` timed)."""
-    from ferrox_jax.plan import RowStep, StepPlan
+    from ferrox_jax.plan import RowPlan, StepPlan
     from ferrox_jax.request import SamplingParams
 
     runner, cfg = engine.runner, engine.model_config
@@ -128,15 +130,64 @@ def bench_prefill(engine, tokens_list: list[int], repeats: int = 3, deadline: fl
             continue
         prompt = tuple(int(t) for t in np.random.RandomState(tokens).randint(10, cfg.vocab_size - 10, tokens))
         blocks = tuple(range(1, 1 + _row_blocks(runner, tokens)))
-        plan = StepPlan(prefill=(RowStep(row_id=0, token_ids=prompt, start_pos=0, block_ids=blocks, sample=True,
+        plan = StepPlan(chunks=(RowPlan(row_id=0, token_ids=prompt, start_pos=0, block_ids=blocks, sample=True,
                                          sampling=SamplingParams(temperature=0.0)),))
-        runner.run(plan)
+        run_plan(runner, plan)
         t0 = time.perf_counter()
         for _ in range(repeats):
-            runner.run(plan)
+            run_plan(runner, plan)
         seconds = (time.perf_counter() - t0) / repeats
         out[f"prefill_{tokens}"] = {"tokens": tokens, "tokens_per_s": tokens / seconds, "step_ms": seconds * 1e3,
                                     "achieved_tflops": prefill_flops(cfg, tokens) / seconds / 1e12}
+    return out
+
+
+def bench_mixed(engine, decode_rows: int, context: int, chunk_tokens: int, chunks_list: list[int],
+                steps: int) -> dict:
+    """The unified step: `decode_rows` rows at `context` decoding while k prompt chunks of
+    `chunk_tokens` run in the same forward, for each k of `chunks_list`, against the decode
+    step and the chunk step apart. Reports the mixed step's time, its prompt tokens/s and
+    what the same work costs as separate forwards (median of `steps` steps after one warm-up)."""
+    from ferrox_jax.plan import RowPlan, StepPlan
+    from ferrox_jax.request import SamplingParams
+
+    runner, cfg = engine.runner, engine.model_config
+    greedy = SamplingParams(temperature=0.0)
+    per_row = _row_blocks(runner, context + steps + 2)
+    chunk_blocks = _row_blocks(runner, chunk_tokens)
+    need = decode_rows * per_row + max(chunks_list) * chunk_blocks
+    if need >= runner.num_blocks:
+        raise SystemExit(f"the mixed step needs {need} KV blocks; the cache has {runner.num_blocks}")
+    tables = [tuple(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(decode_rows)]
+    base = 1 + decode_rows * per_row
+    prompt = tuple(int(t) for t in np.random.RandomState(chunk_tokens).randint(10, cfg.vocab_size - 10, chunk_tokens))
+
+    def decode_rows_at(pos):
+        return tuple(RowPlan(row_id=r, token_ids=(7,), start_pos=pos, block_ids=tables[r], sample=True,
+                             sampling=greedy) for r in range(decode_rows))
+
+    def chunks(k):
+        return tuple(RowPlan(row_id=1000 + c, token_ids=prompt, start_pos=0, sample=True, sampling=greedy,
+                             block_ids=tuple(range(base + c * chunk_blocks, base + (c + 1) * chunk_blocks)))
+                     for c in range(k))
+
+    def median_ms(make_plan) -> float:
+        run_plan(runner, make_plan(0))
+        times = []
+        for s in range(steps):
+            t0 = time.perf_counter()
+            run_plan(runner, make_plan(s + 1))
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times)) * 1e3
+
+    decode_ms = median_ms(lambda s: StepPlan(decode=decode_rows_at(context + s)))
+    out: dict = {"decode_rows": decode_rows, "context": context, "chunk_tokens": chunk_tokens, "decode_ms": decode_ms}
+    for k in chunks_list:
+        chunk_ms = median_ms(lambda s: StepPlan(chunks=chunks(k)))
+        mixed_ms = median_ms(lambda s: StepPlan(decode=decode_rows_at(context + s), chunks=chunks(k)))
+        out[f"chunks_{k}"] = {"chunk_ms": chunk_ms, "mixed_ms": mixed_ms, "apart_ms": decode_ms + chunk_ms,
+                              "mixed_prompt_tokens_per_s": k * chunk_tokens / mixed_ms * 1e3,
+                              "apart_prompt_tokens_per_s": k * chunk_tokens / (decode_ms + chunk_ms) * 1e3}
     return out
 
 
@@ -145,7 +196,7 @@ def bench_decode(engine, rows_list: list[int], contexts: list[int], steps: int,
     """Decode tokens/s for each (rows, context): rows at `context` tokens each, sampling with
     temperature 0.8 / top-p 0.95 (or greedily), `steps` timed steps after one warm-up step. Blocks are
     laid out row after row; the cache must hold max(rows) x (max(contexts) + steps + 1)."""
-    from ferrox_jax.plan import RowStep, StepPlan
+    from ferrox_jax.plan import RowPlan, StepPlan
     from ferrox_jax.request import SamplingParams
 
     runner, cfg = engine.runner, engine.model_config
@@ -164,13 +215,13 @@ def bench_decode(engine, rows_list: list[int], contexts: list[int], steps: int,
                 continue
 
             def plan_at(pos):
-                return StepPlan(decode=tuple(RowStep(row_id=r, token_ids=(7,), start_pos=pos, block_ids=tables[r],
+                return StepPlan(decode=tuple(RowPlan(row_id=r, token_ids=(7,), start_pos=pos, block_ids=tables[r],
                                                      sample=True, sampling=sampling) for r in range(rows)))
 
-            runner.run(plan_at(context))
+            run_plan(runner, plan_at(context))
             t0 = time.perf_counter()
             for s in range(steps):
-                runner.run(plan_at(context + 1 + s))
+                run_plan(runner, plan_at(context + 1 + s))
             step_s = (time.perf_counter() - t0) / steps
             flops, nbytes = _decode_flops_bytes(cfg, rows, context, dtype_bytes, engine.weights_bytes)
             out[key] = {"rows": rows, "context": context, "tokens_per_s": rows / step_s, "step_ms": step_s * 1e3,
@@ -183,8 +234,8 @@ def bench_runner(engine, rows_list: list[int], context: int, steps: int, greedy:
                  roofline: bool = True) -> dict:
     runner = engine.runner
     cfg = engine.model_config
-    out = {"prefill_tokens_per_s": bench_prefill(engine, [runner.max_prefill_tokens])[
-        f"prefill_{runner.max_prefill_tokens}"]["tokens_per_s"]}
+    out = {"prefill_tokens_per_s": bench_prefill(engine, [runner.max_chunk_tokens])[
+        f"prefill_{runner.max_chunk_tokens}"]["tokens_per_s"]}
     decode = bench_decode(engine, rows_list, [context], steps, greedy=greedy)
     for rows in rows_list:
         d = decode[f"decode_{rows}_rows_{context}_context"]
@@ -261,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     card = engine.model_card
     result = {"model": engine.model_name, "backend": jax.default_backend(), "quantization": card.quantization,
               "kv_cache_dtype": card.kv_cache_dtype, "weights_bytes": card.weights_bytes, "kv_bytes": card.kv_bytes,
-              "load_s": load_s, "warmup_s": warmup_s, "num_compiled_shapes": len(engine.runner.buckets.keys())}
+              "load_s": load_s, "warmup_s": warmup_s, "num_compiled_shapes": len(engine.runner.compile_keys())}
     result.update(bench_runner(engine, args.rows, args.context, args.steps, args.greedy, not args.no_roofline))
     engine.start()
     if not args.no_batcher:

@@ -20,9 +20,13 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
 from ferrox_jax.config import EngineConfig
-from ferrox_jax.grammar import GrammarSpec
-from ferrox_jax.plan import RowStep, StepPlan
+from ferrox_jax.constraint import GrammarSpec
+from ferrox_jax.grammar import GrammarCompiler
+from ferrox_jax.plan import RowPlan, StepPlan
+from ferrox_jax.host_batch import bitmask_words, run_plan
 from ferrox_jax.request import SamplingParams
 
 # Records of a name, an age and a city; at least 64 of them, so no document ends mid-run.
@@ -38,9 +42,9 @@ def _prefill(runner, rows: int, prompt: list[int], blocks_per_row: int) -> list[
     out = []
     for r in range(rows):
         blocks = list(range(1 + r * blocks_per_row, 1 + (r + 1) * blocks_per_row))
-        step = RowStep(row_id=r, token_ids=tuple(prompt), start_pos=0, block_ids=tuple(blocks), sample=True,
+        step = RowPlan(row_id=r, token_ids=tuple(prompt), start_pos=0, block_ids=tuple(blocks), sample=True,
                        sampling=SamplingParams(temperature=1.0, seed=r))
-        out.append((blocks, runner.run(StepPlan(prefill=(step,))).results[r].token_id))
+        out.append((blocks, run_plan(runner, StepPlan(chunks=(step,))).results[r].token_id))
     return out
 
 
@@ -49,9 +53,20 @@ def bench_rows(engine, rows: int, steps: int, prompt: list[int]) -> dict:
     blocks_per_row = -(-(len(prompt) + steps + 1) // runner.block_size)
     if rows * blocks_per_row > runner.num_blocks - 1:
         raise SystemExit(f"{rows} rows x {blocks_per_row} blocks do not fit in {runner.num_blocks} KV blocks")
-    grammar = engine.compile_grammar(GrammarSpec.json_schema(SCHEMA))
+    compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size)
+    grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA))
     state = _prefill(runner, rows, prompt, blocks_per_row)
     matchers = [grammar.new_matcher() for _ in range(rows)]
+    fill_s: list[float] = []
+    hidden_fills: list[bool] = []
+
+    def fill_masks(batch, forward_is_done) -> None:  # what the batcher does while the forward runs
+        start_s = time.perf_counter()
+        batch.bitmask = np.empty((batch.num_rows, bitmask_words(runner.vocab_size)), np.int32)
+        compiler.fill_bitmask(batch.bitmask, [matchers[int(r)] if c else None
+                                              for r, c in zip(batch.row_ids, batch.constrained)])
+        fill_s.append(time.perf_counter() - start_s)
+        hidden_fills.append(not forward_is_done())
     # The prefill's token is context; each document starts with the first masked token.
     tokens = [[first] for _, first in state]
     plain_s, masked_s, mask_s, hidden, fills = [], [], [], 0, 0
@@ -59,20 +74,20 @@ def bench_rows(engine, rows: int, steps: int, prompt: list[int]) -> dict:
 
     def plan(with_matchers: bool) -> StepPlan:
         return StepPlan(decode=tuple(
-            RowStep(row_id=r, token_ids=(tokens[r][-1],), start_pos=pos, block_ids=tuple(state[r][0]), sample=True,
-                    sampling=SamplingParams(temperature=1.0, seed=r), matcher=matchers[r] if with_matchers else None)
+            RowPlan(row_id=r, token_ids=(tokens[r][-1],), start_pos=pos, block_ids=tuple(state[r][0]), sample=True,
+                    sampling=SamplingParams(temperature=1.0, seed=r), is_constrained=with_matchers)
             for r in range(rows)))
 
     for _ in range(steps):
         t0 = time.perf_counter()
-        runner.run(plan(False))
+        run_plan(runner, plan(False))
         plain_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        out = runner.run(plan(True))
+        out = run_plan(runner, plan(True), fill_masks)
         masked_s.append(time.perf_counter() - t0)
-        mask_s.append(out.mask_s)
-        hidden += out.num_mask_fills_hidden
-        fills += out.num_mask_fills
+        mask_s.append(fill_s[-1])
+        hidden += hidden_fills[-1]
+        fills += 1
         for r in range(rows):
             token = out.results[r].token_id
             assert matchers[r].accept(token), "a masked row sampled a token its grammar forbids"

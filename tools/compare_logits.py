@@ -55,6 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ferrox_jax.host_batch import run_plan
 from tools.logits_reference import (PromptReference, hf_reference, load_hf_model, load_reference,
                                     log_softmax, save_reference, to_top_k)
 
@@ -161,49 +162,49 @@ class FerroxSide:
     """
 
     def __init__(self, model, max_total_tokens: int, num_tables: int = 1, block_size: int = 16,
-                 max_prefill_tokens: int = 128):
+                 max_chunk_tokens: int = 128):
         from ferrox_jax.runner import ModelRunner
 
         needed = math.ceil(max_total_tokens / block_size)
         num_blocks = (num_tables + 1) * needed + 1  # one table's worth spare, so the shuffle spreads
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, max_rows=1,
-                                  max_prefill_tokens=max_prefill_tokens, max_context=needed * block_size)
+                                  max_chunk_tokens=max_chunk_tokens, max_context=needed * block_size)
         # Block 0 is the null block; a fixed shuffle keeps runs reproducible.
         ids = np.random.RandomState(0).permutation(np.arange(1, num_blocks)).tolist()
         self.tables = [tuple(ids[i * needed:(i + 1) * needed]) for i in range(num_tables)]
 
     def prompt_logits(self, prompts: list[list[int]]) -> list[np.ndarray]:
         """f32[n, V] per prompt: the logits after each prompt token (`run_logits`, unbucketed)."""
-        from ferrox_jax.plan import RowStep
+        from ferrox_jax.plan import RowPlan
 
         out = []
         for i in range(0, len(prompts), len(self.tables)):
-            rows = [RowStep(row_id=j, token_ids=tuple(ids), start_pos=0, block_ids=table, sample=False)
+            rows = [RowPlan(row_id=j, token_ids=tuple(ids), start_pos=0, block_ids=table, sample=False)
                     for j, (ids, table) in enumerate(zip(prompts[i:i + len(self.tables)], self.tables))]
             out.extend(self.runner.run_logits(rows))
         return out
 
     def greedy(self, token_ids: list[int], num_tokens: int) -> list[int]:
         """Greedy continuation through the serving path: chunked prefill, then decode steps."""
-        from ferrox_jax.plan import RowStep, StepPlan
+        from ferrox_jax.plan import RowPlan, StepPlan
         from ferrox_jax.request import SamplingParams
 
         if num_tokens <= 0:
             return []
         greedy = SamplingParams(temperature=0.0)
-        chunk = self.runner.max_prefill_tokens
+        chunk = self.runner.max_chunk_tokens
         out: list[int] = []
         for pos in range(0, len(token_ids), chunk):
             ids = tuple(token_ids[pos:pos + chunk])
             last = pos + len(ids) == len(token_ids)
-            row = RowStep(row_id=1, token_ids=ids, start_pos=pos, block_ids=self.tables[0], sample=last,
+            row = RowPlan(row_id=1, token_ids=ids, start_pos=pos, block_ids=self.tables[0], sample=last,
                           sampling=greedy)
-            res = self.runner.run(StepPlan(prefill=(row,)))
+            res = run_plan(self.runner, StepPlan(chunks=(row,)))
         out.append(res.results[1].token_id)
         while len(out) < num_tokens:
-            row = RowStep(row_id=1, token_ids=(out[-1],), start_pos=len(token_ids) + len(out) - 1,
+            row = RowPlan(row_id=1, token_ids=(out[-1],), start_pos=len(token_ids) + len(out) - 1,
                           block_ids=self.tables[0], sample=True, sampling=greedy)
-            out.append(self.runner.run(StepPlan(decode=(row,))).results[1].token_id)
+            out.append(run_plan(self.runner, StepPlan(decode=(row,))).results[1].token_id)
         return out
 
 
@@ -280,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ferrox's x86 CPU kernels as the server runs them (models/cpu_kernels.py): the decode "
                         "attention, and the int8 matmul under w8a8; auto: where they can run")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
-    p.add_argument("--max-prefill-tokens", type=int, default=128, help="largest prefill chunk (default 128)")
+    p.add_argument("--max-chunk-tokens", "--max-prefill-tokens", dest="max_chunk_tokens", type=int, default=128,
+                   help="largest prompt chunk (default 128)")
     p.add_argument("--max-abs", type=float, help="fail when max |Δlogit| (top-k refs: |Δlogprob|) exceeds this")
     p.add_argument("--max-kl", type=float, help="fail when the max per-position KL(ref||ours) exceeds this")
     p.add_argument("--min-top1", type=float, help="fail when top-1 agreement (a fraction) is below this")
@@ -343,7 +345,7 @@ def _float32_references(args, tokenizer) -> list[PromptReference]:
     _log(f"loading the float32 reference from {args.model} ...")
     model = load_checkpoint(args.model, dtype=jnp.float32).model
     max_total = max(len(ids) for _, ids in encoded) + args.greedy_tokens
-    side = FerroxSide(model, max_total, 1, args.block_size, args.max_prefill_tokens)
+    side = FerroxSide(model, max_total, 1, args.block_size, args.max_chunk_tokens)
     logits = side.prompt_logits([ids for _, ids in encoded])
     return [PromptReference(token_ids=list(ids), text=t, logits=lg, greedy_ids=side.greedy(ids, args.greedy_tokens))
             for (t, ids), lg in zip(encoded, logits)]
@@ -353,7 +355,7 @@ LOGITS_CALL_BYTES = 1 << 30  # cap on one run_logits call's f32[rows, T, V] outp
 
 
 def run_comparison(model, refs: list[PromptReference], block_size: int = 16,
-                   max_prefill_tokens: int = 128) -> list[PromptReport]:
+                   max_chunk_tokens: int = 128) -> list[PromptReport]:
     """Run every reference prompt through ferrox_jax (`model`: a LlamaModel) and compare."""
     vocab_size = model.cfg.vocab_size
     for i, r in enumerate(refs):
@@ -363,7 +365,7 @@ def run_comparison(model, refs: list[PromptReference], block_size: int = 16,
     max_prompt = max(len(r.token_ids) for r in refs)
     max_total = max(len(r.token_ids) + len(r.greedy_ids or ()) for r in refs)
     per_call = max(1, min(len(refs), 8, LOGITS_CALL_BYTES // (4 * max_prompt * vocab_size)))
-    side = FerroxSide(model, max_total, per_call, block_size, max_prefill_tokens)
+    side = FerroxSide(model, max_total, per_call, block_size, max_chunk_tokens)
     logits = side.prompt_logits([r.token_ids for r in refs])
     reports = []
     for r, ours in zip(refs, logits):
@@ -406,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             refs = load_reference(args.reference_file)
         if args.save_only:
             return 0
-        reports = run_comparison(ckpt.model, refs, args.block_size, args.max_prefill_tokens)
+        reports = run_comparison(ckpt.model, refs, args.block_size, args.max_chunk_tokens)
     except (ValueError, FileNotFoundError) as e:
         _log(f"error: {e}")
         return 2

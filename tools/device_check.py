@@ -9,13 +9,16 @@ what it had saved):
 
     phase      budget  what
     platform     30 s  versions, devices, measured copy bandwidth and bf16 matmul rate
-    parity      110 s  pytest on DEVICE_TESTS (f32 and bf16 parity vs HF, GPU attention
+    parity      100 s  pytest on DEVICE_TESTS (f32 and bf16 parity vs HF, GPU attention
                        candidates, dummy weights, greedy batched == alone in bf16)
-    attention    50 s  each decode-attention candidate, one layer, rows x contexts
-    engine      170 s  the engine on a dummy Llama-3.1-8B: load, warm-up (compile) of exactly
+    attention    40 s  each decode-attention candidate, one layer, rows x contexts
+    engine      150 s  the engine on a dummy Llama-3.1-8B: load, warm-up (compile) of exactly
                        the measured buckets, prefill 512 / 2,048, decode 1/8/64/256 rows at
                        contexts 512 / 2,048
-    torch        65 s  the same shapes through HF transformers on torch (the peer)
+    mixed        50 s  the unified step: 64 decode rows with 1 and 4 prompt chunks of 512 in one
+                       forward, against the same work as separate forwards (the prefill
+                       rate that --max-batched-tokens buys, and what it costs decoding rows)
+    torch        55 s  the same shapes through HF transformers on torch (the peer)
     rewarm       45 s  the engine loaded again in a fresh process: warm-up from the cache
                 ----
                 470 s  of the 480 s default --budget-s (each phase gets its share of
@@ -48,8 +51,8 @@ from pathlib import Path
 from tools.device_phases import PHASE_FUNCTIONS, PhaseResult, Settings
 from tools.device_report import render_markdown
 
-PHASES = ("platform", "parity", "attention", "engine", "torch", "rewarm")
-BUDGET_S = {"platform": 30, "parity": 110, "attention": 50, "engine": 170, "torch": 65, "rewarm": 45}
+PHASES = ("platform", "parity", "attention", "engine", "mixed", "torch", "rewarm")
+BUDGET_S = {"platform": 30, "parity": 100, "attention": 40, "engine": 150, "mixed": 50, "torch": 55, "rewarm": 45}
 DEFAULT_BUDGET_S = 480.0
 SMALL_BUDGET_S = 900.0  # --small checks that every phase runs, not how fast: a loaded CI box is slow
 MIN_PHASE_S = 10.0  # a phase is not started with less than this left

@@ -52,6 +52,7 @@ class Settings:
     matmul_size: int  # n of the n x n x n bf16 product of the platform phase
     cache_dir: str  # JAX persistent compilation cache, independent of --out
     engine_attention: str = "auto"
+    mixed_chunks: tuple[int, ...] = (1, 4)  # prompt chunks per step measured by the mixed phase
     deadline: float = math.inf  # time.monotonic() by which the phase must have finished
 
     def to_json(self) -> str:
@@ -228,8 +229,9 @@ def count_cache_files(cache_dir: str) -> int:
     return sum(len(files) for _, _, files in os.walk(cache_dir)) if os.path.isdir(cache_dir) else 0
 
 
-def _load_and_warm(settings: Settings, result: PhaseResult):
-    """Load the engine on a dummy model of the shape and compile exactly the measured buckets."""
+def _load_and_warm(settings: Settings, result: PhaseResult, buckets=None):
+    """Load the engine on a dummy model of the shape and compile exactly the measured buckets
+    (`buckets`, or the decode rows and prefill sizes of `settings` apart)."""
     import jax
 
     from ferrox_jax.buckets import Buckets
@@ -251,8 +253,9 @@ def _load_and_warm(settings: Settings, result: PhaseResult):
                   weights_bytes=eng.weights_bytes, kv_bytes=eng.model_card.kv_bytes)
     result.save()
     # Only the measured shapes are compiled: the serving default would also compile every
-    # power of two in between (9 row and 8 token buckets), minutes of compile for nothing.
-    eng.runner.buckets = Buckets(decode_rows=tuple(settings.rows), prefill_tokens=tuple(settings.prefill_tokens))
+    # power of two in between (9 row and 8 token buckets) and their mixes, minutes of compile for nothing.
+    eng.runner.buckets = buckets or Buckets(decode_rows=tuple(settings.rows), mixed_rows=(),
+                                            chunk_tokens=tuple(settings.prefill_tokens), chunk_rows=(1,))
     compiled_at: list = []
     before = count_cache_files(settings.cache_dir)
     t0 = time.perf_counter()
@@ -275,6 +278,25 @@ def engine(settings: Settings, result: PhaseResult) -> None:
         result["decode"].update(bench_decode(eng, [rows], list(settings.contexts), settings.decode_steps,
                                              deadline=settings.deadline))
         result.save()
+    result["recompiles_after_warmup"] = eng.runner.recompiles_after_warmup
+    result.save()
+
+
+def mixed(settings: Settings, result: PhaseResult) -> None:
+    """The unified step's prefill rate: decode rows and prompt chunks in one forward against
+    the same work as separate forwards, for 1 and `max(mixed_chunks)` chunks of the smallest
+    measured prefill size (what `--max-batched-tokens` trades: prefill rate against every
+    decoding row's inter-token gap)."""
+    from ferrox_jax.buckets import Buckets
+    from tools.bench_engine import bench_mixed, fill_kv_random
+
+    rows, chunk = settings.rows[min(2, len(settings.rows) - 1)], min(settings.prefill_tokens)
+    chunks = (1, max(settings.mixed_chunks))
+    measured = dataclasses.replace(settings, rows=(rows,), prefill_tokens=(chunk,))
+    eng = _load_and_warm(measured, result, Buckets(decode_rows=(rows,), mixed_rows=(rows,), chunk_tokens=(chunk,),
+                                                  chunk_rows=tuple(sorted(set(chunks)))))
+    fill_kv_random(eng.runner)
+    result["mixed"] = bench_mixed(eng, rows, min(settings.contexts), chunk, list(chunks), settings.decode_steps)
     result["recompiles_after_warmup"] = eng.runner.recompiles_after_warmup
     result.save()
 
@@ -364,5 +386,6 @@ def hf_torch(settings: Settings, result: PhaseResult) -> None:
 
 
 PHASE_FUNCTIONS: dict[str, Callable[[Settings, PhaseResult], None]] = {
-    "platform": platform, "attention": attention, "engine": engine, "torch": hf_torch, "rewarm": rewarm,
+    "platform": platform, "attention": attention, "engine": engine, "mixed": mixed, "torch": hf_torch,
+    "rewarm": rewarm,
 }

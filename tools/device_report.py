@@ -120,6 +120,22 @@ def _engine(report: dict) -> list[str]:
     return lines
 
 
+def _mixed(report: dict) -> list[str]:
+    phase = report["phases"].get("mixed")
+    m = (phase or {}).get("mixed")
+    if m is None:
+        return ["- not run"]
+    lines = [f"- {m['decode_rows']} decode rows at context {m['context']} ({_fmt(m['decode_ms'], 2)} ms alone) "
+             f"and k prompt chunks of {m['chunk_tokens']} tokens; recompiles after warm-up: "
+             f"{phase.get('recompiles_after_warmup', '—')}", "",
+             "| chunks k | one forward ms | separate forwards ms | prompt tok/s, one forward | prompt tok/s, separate |",
+             "|---|---|---|---|---|"]
+    for key, r in sorted((k, v) for k, v in m.items() if k.startswith("chunks_")):
+        lines.append(f"| {key.split('_')[1]} | {_fmt(r['mixed_ms'], 2)} | {_fmt(r['apart_ms'], 2)} | "
+                     f"{_fmt(r['mixed_prompt_tokens_per_s'])} | {_fmt(r['apart_prompt_tokens_per_s'])} |")
+    return lines
+
+
 def target_rows(report: dict) -> list[tuple[str, str, bool | None]]:
     """(target, measured, met) for the targets written in docs/gpu.md."""
     rows = engine_rows(report)
@@ -198,6 +214,7 @@ def render_markdown(report: dict) -> str:
              "## Engine vs HF transformers on torch", *_engine(report), "", "## Targets", "",
              "| target | measured | met |", "|---|---|---|"]
     parts += [f"| {t} | {m} | {_yes_no(ok)} |" for t, m, ok in target_rows(report)]
+    parts += ["", "## One step for decode rows and prompt chunks", *_mixed(report)]
     parts += ["", "## Decode attention candidates", *_attention(report)]
     if report.get("notes"):
         parts += ["", "## Notes", *[f"- {n}" for n in report["notes"]]]

@@ -4,7 +4,7 @@
 their published configs). `write_config_folder(name, folder)` writes one as a config-only
 HF folder that `--load-format dummy` serves with random weights (no tokenizer.json: the
 byte-level fallback tokenizer is used). The CLI prints what an engine of that shape would
-hold, from abstract shapes (`ferrox_jax.engine.plan_memory`): nothing is allocated, so a
+hold, from abstract shapes (`ferrox_jax.engine_builder.plan_memory`): nothing is allocated, so a
 70B shape sizes on a laptop.
 
     python -m tools.model_shapes llama-3.1-8b --dtype bfloat16 --kv-memory-gib 8 --tensor-parallel 4
@@ -74,7 +74,7 @@ def per_device_bytes(config, tensor_parallel: int) -> dict:
     import numpy as np
     from flax import nnx
 
-    from ferrox_jax.engine import DTYPES, default_dtype_name, plan_memory
+    from ferrox_jax.engine_builder import DTYPES, default_dtype_name, plan_memory
     from ferrox_jax.sharding import MODEL_AXIS, kv_partition_spec, param_partition_spec
     from models.loader import open_checkpoint
     from models.loaders.common import abstract_model
