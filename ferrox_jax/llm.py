@@ -217,12 +217,14 @@ class LLM:
         """The engine's output constraint for `params` (None when unconstrained).
 
         Raises:
-          ValueError (GrammarError): a constraint the engine cannot compile or enforce.
+          GrammarError (a ValueError): a constraint the engine cannot compile or enforce.
         """
         constraint = params.constraint
         if constraint is None:
             return None
-        return self._engine.compile_grammar(constraint.spec())
+        spec = constraint.spec()
+        self._engine.check_grammar(spec)  # compiled into the engine's cache before submit
+        return spec
 
     # -- lifecycle -------------------------------------------------------------------------
 

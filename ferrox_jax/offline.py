@@ -29,9 +29,11 @@ log-softmax, before temperature and penalties (vLLM's default "raw_logprobs"). `
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from typing import Any
 
+from ferrox_jax.constraint import GrammarSpec, grammar_syntax
 from ferrox_jax.request import MAX_LOGPROBS, GenerationRequest
 from ferrox_jax.request import SamplingParams as RowSampling
 
@@ -61,12 +63,8 @@ class StructuredOutputsParams:
             raise ValueError(f"StructuredOutputsParams needs exactly one of json, regex, choice, grammar, "
                              f"json_object; got {given or 'none'}")
 
-    def spec(self) -> Any:
+    def spec(self) -> GrammarSpec:
         """The engine's `GrammarSpec` for this constraint (raises `GrammarError` naming the problem)."""
-        import json
-
-        from ferrox_jax.grammar import GrammarSpec, grammar_syntax
-
         if self.json is not None:
             schema = json.loads(self.json) if isinstance(self.json, str) else self.json
             return GrammarSpec.json_schema(schema)
