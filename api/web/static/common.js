@@ -43,9 +43,31 @@ const ferrox = {
     return message || (response ? "HTTP " + response.status : "request failed");
   },
 
+  // The key dialog (one per page, made on first use).
+  keyDialog() {
+    let dialog = document.getElementById("key-dialog");
+    if (dialog) return dialog;
+    dialog = ferrox.el("dialog", "key");
+    dialog.id = "key-dialog";
+    const note = ferrox.el("p");
+    note.id = "key-note";
+    const form = ferrox.el("form");
+    form.id = "key-form";
+    const input = ferrox.el("input");
+    Object.assign(input, { id: "key-input", type: "password", autocomplete: "off", placeholder: "key" });
+    form.append(input);
+    const actions = ferrox.el("div", "actions");
+    const save = ferrox.el("button", "btn primary", "Use key");
+    Object.assign(save, { id: "key-save", type: "button" });
+    actions.append(save);
+    dialog.append(ferrox.el("h2", "", "API key"), note, form, actions);
+    document.body.append(dialog);
+    return dialog;
+  },
+
   // Opens the key dialog; resolves when a key was saved.
   askKey(prefix) {
-    const dialog = document.getElementById("key-dialog");
+    const dialog = ferrox.keyDialog();
     const input = document.getElementById("key-input");
     const note = document.getElementById("key-note");
     note.textContent = (prefix || "") + "This server needs an API key (its --api-key / FERROX_API_KEY).";
