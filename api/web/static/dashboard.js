@@ -163,7 +163,7 @@ function render() {
   tile("itl", last.itl50, "ms");
   tile("running", last.running, s.kv_blocks_total !== undefined ? "rows" : "");
   tile("queue", last.queue, "jobs");
-  tile("kv", s.kv_blocks_total ? (100 * last.used) / s.kv_blocks_total : null, "% of " + ferrox.num(s.kv_blocks_total));
+  tile("kv", s.kv_blocks_total ? (100 * last.used) / s.kv_blocks_total : null, "%");
   tile("hit", last.hit, "%");
   document.getElementById("totals").textContent =
     `requests ${ferrox.num(s.requests_total)} · errors ${ferrox.num(s.errors_total)} · ` +
