@@ -52,8 +52,10 @@ def keyed_server():
 def browser():
     path = chromium_path()
     with playwright_api.sync_playwright() as p:
-        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
-        b = p.chromium.launch(executable_path=path, args=["--no-sandbox", "--disable-gpu"])
+        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start;
+        # --disable-dev-shm-usage: containers often give /dev/shm only 64 MiB.
+        b = p.chromium.launch(executable_path=path,
+                              args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
         yield b
         b.close()
 

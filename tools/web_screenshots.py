@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         print("no chromium on PATH (apt-get install chromium)", file=sys.stderr)
         return 1
     with serve(args.model, free_port()) as url, sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        browser = p.chromium.launch(executable_path=chromium,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
         page = browser.new_page(viewport={"width": 1280, "height": 820})
         chat_screenshot(page, url)
         page.set_viewport_size({"width": 1280, "height": 1040})
