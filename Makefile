@@ -10,7 +10,12 @@ PYTEST_ARGS ?=
 # ferrox's x86 CPU kernels (models/cpu_kernels.py); without a C++ compiler XLA runs everything.
 KERNEL := models/kernels/_ferrox_cpu.so
 
-.PHONY: venv serve test bench clean
+# Headless Chromium for the browser tests (tests/test_web_*.py): Debian's package, installed
+# when it is missing and apt can run (root, or sudo without a password); the browser tests
+# skip without it, except under CI (CI=true), where they fail.
+CHROMIUM := $(shell command -v chromium 2>/dev/null)
+
+.PHONY: venv serve test bench clean browser
 
 venv: $(STAMP) $(KERNEL)
 
@@ -28,8 +33,17 @@ $(KERNEL): $(wildcard models/kernels/*.cc models/kernels/*.h) $(STAMP)
 serve: $(STAMP) $(KERNEL)
 	$(VENV)/bin/ferrox serve --host $(HOST) --port $(PORT) --model default
 
-test: $(STAMP) $(KERNEL)
+test: $(STAMP) $(KERNEL) browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+browser:
+ifeq ($(CHROMIUM),)
+	@SUDO=$$( [ "$$(id -u)" = 0 ] && echo "" || echo "sudo -n" ); \
+	if $$SUDO true 2>/dev/null; then \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null \
+	  || echo "warning: apt-get install chromium failed; the browser tests will skip"; \
+	else echo "warning: chromium is missing and apt-get needs root; the browser tests will skip"; fi
+endif
 
 clean:
 	rm -rf $(VENV) .jax_cache .pytest_cache $(KERNEL)

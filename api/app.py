@@ -7,7 +7,8 @@ one module per wire protocol plus the observability routes, each importing only
 Below Quart, `api/guards.py` refuses oversized headers, caps concurrent requests and
 cancels streams whose client stopped reading (the SSE orphan timeout). Request hooks, in
 order: CORS preflight, API key (constant-time, as `Authorization: Bearer` or `x-api-key`;
-`/health` and `/metrics` stay open), per-client rate limit.
+`/health`, `/metrics` and the browser pages' static files stay open: `api/web/`), per-client
+rate limit.
 
 Every error — ours, Quart's 404/405/413, malformed JSON, the guards' refusals, an
 unexpected exception — is an `APIError` rendered in the envelope of the protocol its path
@@ -30,7 +31,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from api import (admin_routes, anthropic_routes, embeddings_routes, guards, llamacpp_routes, model_admin,
-                 openai_routes, responses_routes, resumable)
+                 openai_routes, responses_routes, resumable, web)
 from api.config import ServerConfig
 from api.errors import APIError
 from api.state import AppState, json_response, state_of
@@ -97,6 +98,8 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
     for module in (openai_routes, anthropic_routes, responses_routes, llamacpp_routes, embeddings_routes,
                    resumable, admin_routes, model_admin):
         app.register_blueprint(module.blueprint)
+    if config.web_ui:  # the chat page and the dashboard (api/web/)
+        app.register_blueprint(web.blueprint)
     _install_hooks(app, state)
     _install_error_handlers(app, state)
     state.guards = guards.install(app, config.max_concurrent_requests, config.sse_orphan_timeout_ms / 1000,
@@ -150,10 +153,14 @@ def _start_loader(state: AppState, loader: Callable[[], Engine], loop: asyncio.A
 def _install_hooks(app: Quart, state: AppState) -> None:
     config = state.config
     api_key = config.api_key.encode("utf-8") if config.api_key else None
+    # The pages load without the key (they ask for it; api/web/) and are not API requests.
+    open_pages = web.is_page if config.web_ui else (lambda _path: False)
 
     @app.before_request
     async def _gate() -> Response | None:
         path = request.path
+        if open_pages(path):
+            return None
         if path not in OBSERVABILITY_PATHS:
             state.stats.on_request()
         origin = request.headers.get("Origin")

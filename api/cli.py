@@ -1,4 +1,5 @@
-"""The `ferrox` console script: `ferrox serve` (the HTTP server) and `ferrox generate` (one prompt).
+"""The `ferrox` console script: `ferrox serve` (the HTTP server), `ferrox run-batch` (an OpenAI
+Batch file answered offline: api/batch.py) and `ferrox generate` (one prompt).
 
 It sits on the top floor: it wires `api/` and the engine together. Every
 `serve` setting is a flag and a FERROX_* variable (api/config.py holds the table).
@@ -23,14 +24,12 @@ import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
 from api.config import DEFAULT_HOST, DEFAULT_PORT, SETTINGS, ServerConfig, default_grammar, env_defaults, split_addr
-from ferrox_jax.config import EngineConfig
+from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig
 
 if TYPE_CHECKING:
     from ferrox_jax.engine import Engine
 
 logger = logging.getLogger("ferrox")
-
-DEFAULT_COMPILE_CACHE = os.path.join("~", ".cache", "ferrox_jax", "jax")
 
 
 def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
@@ -39,15 +38,15 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the HTTP server",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for s in SETTINGS:
-        if s.parse.__name__ == "_bool":
-            # A setting on by default gets --no-<flag> too, to turn it off from the command line.
-            action = argparse.BooleanOptionalAction if s.default else "store_true"
-            serve.add_argument(s.cli_flag, dest=s.name, action=action, default=defaults[s.name],
-                               help=f"{s.help} [{s.env}]")
-            continue
-        serve.add_argument(s.cli_flag, dest=s.name, type=s.parse, default=defaults[s.name],
-                           help=f"{s.help} [{s.env}]", metavar=s.name.upper())
+    _add_settings(serve, defaults)
+    batch = sub.add_parser("run-batch", help="answer an OpenAI Batch file (JSONL) offline, in-process",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    batch.add_argument("-i", "--input-file", required=True, help="requests, one JSON line each ('-': stdin)")
+    batch.add_argument("-o", "--output-file", required=True, help="answers, one JSON line each ('-': stdout)")
+    batch.add_argument("--max-concurrency", type=int, default=None,
+                       help="lines in flight at once (default: twice --max-seqs)")
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_settings(batch, defaults)
     gen = sub.add_parser("generate", help="generate from one prompt and print the text")
     gen.add_argument("prompt", help="prompt text (a user message with --chat)")
     gen.add_argument("--model", default=defaults["model"], help="HF folder, .gguf, or 'default'")
@@ -63,11 +62,26 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     return parser
 
 
+def _add_settings(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
+    """Every setting of the table as a flag (its FERROX_* variable the default)."""
+    for s in SETTINGS:
+        if s.parse.__name__ == "_bool":
+            # A setting on by default gets --no-<flag> too, to turn it off from the command line.
+            action = argparse.BooleanOptionalAction if s.default else "store_true"
+            parser.add_argument(s.cli_flag, dest=s.name, action=action, default=defaults[s.name],
+                                help=f"{s.help} [{s.env}]")
+            continue
+        parser.add_argument(s.cli_flag, dest=s.name, type=s.parse, default=defaults[s.name],
+                            help=f"{s.help} [{s.env}]", metavar=s.name.upper())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return serve(args)
+    if args.command == "run-batch":
+        return run_batch(args)
     return generate(args)
 
 
@@ -91,7 +105,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             tls_key=args.tls_key, shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
             default_grammar=default_grammar(args.grammar, args.grammar_file, args.json_schema),
             model_dir=args.model_dir, resumable_max_bytes=args.resumable_max_bytes,
-            resumable_ttl_s=args.resumable_ttl, resumable_max_streams=args.resumable_max_streams)
+            resumable_ttl_s=args.resumable_ttl, resumable_max_streams=args.resumable_max_streams,
+            web_ui=args.web_ui)
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {e}") from None
 
@@ -119,7 +134,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 # ---------------------------------------------------------------- serve
 
 
-def load_engine(config: EngineConfig, url: str, default_grammar: Any = None) -> Engine:
+def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = None) -> Engine:
     """Load, warm up (progress bars on stderr) and start the engine; log the start-up block.
     `default_grammar` (the server-wide constraint) is compiled first: one the engine cannot
     enforce stops start-up with its reason."""
@@ -153,7 +168,8 @@ def load_engine(config: EngineConfig, url: str, default_grammar: Any = None) -> 
     info = engine.describe()
     lines = [f"  {key}: {value}" for key, value in info.items()]
     lines.append(f"  load: {engine.load_s:.1f} s, warm-up: {engine.warmup_s or 0:.1f} s")
-    lines.append(f"  serving {info['model']!r} at {url}/v1 (health: {url}/health)")
+    if url is not None:  # None: nothing listens (run-batch)
+        lines.append(f"  serving {info['model']!r} at {url}/v1 (health: {url}/health)")
     logger.info("ferrox_jax ready\n%s", "\n".join(lines))
     return engine
 
@@ -234,6 +250,30 @@ def _run_loop(coro: Any) -> int:
     except ImportError:  # Windows, or not installed: the default loop works too
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+# ---------------------------------------------------------------- run-batch
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    """Answer an OpenAI Batch file with the server's own routes, in-process (api/batch.py)."""
+    from api.app import create_app
+    from api.batch import run_batch as answer_lines
+
+    # Nothing listens: the lines reach the routes through an in-process client, so the HTTP
+    # settings that guard a socket (address, key, rate limit, the pages) do not apply.
+    args.addr = args.host = args.port = args.api_key = None
+    args.rate_limit_per_minute, args.web_ui = 0, False
+    config = server_config(args)
+    engine_cfg = engine_config(args)
+    if args.input_file != "-" and not os.path.isfile(args.input_file):
+        raise SystemExit(f"ferrox run-batch: no input file {args.input_file!r}")
+    concurrency = args.max_concurrency or 2 * engine_cfg.max_seqs
+    if concurrency < 1:
+        raise SystemExit("ferrox run-batch: --max-concurrency must be >= 1")
+    app = create_app(lambda: load_engine(engine_cfg, None, config.default_grammar), config)
+    return _run_loop(answer_lines(app, args.input_file, args.output_file, concurrency,
+                                  progress=not args.no_progress))
 
 
 # ---------------------------------------------------------------- generate

@@ -59,6 +59,7 @@ class ServerConfig:
     resumable_max_bytes: int = MIB  # events one resumable stream keeps for replay (oldest dropped first)
     resumable_ttl_s: float = 300.0  # a finished resumable stream is kept this long
     resumable_max_streams: int = 256  # resumable streams kept at once
+    web_ui: bool = True  # the chat page at / and the dashboard at /dashboard (api/web/)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -282,6 +283,8 @@ SETTINGS: tuple[Setting, ...] = (
             "seconds a finished resumable stream is kept for replay"),
     Setting("resumable_max_streams", "FERROX_RESUMABLE_MAX_STREAMS", _positive_int, 256,
             "resumable streams kept at once (the oldest finished one makes room)"),
+    Setting("web_ui", "FERROX_WEB_UI", _bool, True,
+            "serve the chat page at / and the live dashboard at /dashboard (--no-web-ui: off)"),
 )
 
 

@@ -58,6 +58,9 @@ _BATCHER_METRICS = (
     ("prefix_cache_hits", "ferrox_prefix_cache_hits", "counter",
      "prompt tokens served from the prefix cache instead of computed"),
     ("kv_blocks_cached", "ferrox_kv_blocks_cached", "gauge", "KV blocks resident in the prefix cache"),
+    ("tokens_generated", "ferrox_tokens_generated", "counter",
+     "tokens the engine sampled, counted every step (stop tokens included); ferrox_generation_tokens "
+     "counts a request's tokens when it ends"),
     # structured output
     ("constrained_requests", "ferrox_constrained_requests", "counter",
      "jobs whose output a grammar constrains (response_format, guided_*, forced tool calls)"),

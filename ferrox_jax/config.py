@@ -13,8 +13,11 @@ runner by the batcher. Nothing else sizes the engine.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# JAX's persistent compilation cache when a user names none (`ferrox serve`, the offline `LLM`).
+DEFAULT_COMPILE_CACHE = os.path.join("~", ".cache", "ferrox_jax", "jax")
 LOAD_FORMAT_NAMES = ("auto", "dummy")  # models/loader.py LOAD_FORMATS (that module imports jax)
 # Weight quantization modes; the same tuple as models/quant.py's QUANTIZATION_MODES (this
 # module imports no jax, a test keeps the two equal).
