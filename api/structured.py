@@ -8,7 +8,7 @@ output needs (`OutputPlan`); `check_grammar` has the engine compile the plan's c
 (off the event loop) before it becomes the job's `GenerationRequest.grammar`. Each choice's text then goes through the plan's
 `OutputParser`:
 
-    RowEvent.text ──▶ thinking split (api/reasoning.py) ──▶ tool-call parser (api/tool_calls.py)
+    RowEvent.text ──▶ thinking split (api/reasoning.py) ──▶ tool-call parser (api/tool_call_parser.py)
                         │ reasoning text                      │ content text     │ calls
                         ▼                                     ▼                  ▼
     deltas: {"reasoning_content": str}            {"content": str}    {"tool_calls": [{index, id,
@@ -48,8 +48,9 @@ from typing import Any, Sequence
 
 from api.errors import APIError
 from api.reasoning import THINK_START, ReasoningStreamParser, prompt_opens_reasoning
-from api.tool_calls import (ToolCall, ToolCallStreamParser, ToolDefinitionError, ToolSpec, add_tools_to_messages,
-                            detect_tool_call_format, template_renders_tools, tool_call_grammar, validate_tools)
+from api.tool_call_parser import ToolCall, ToolCallStreamParser, detect_tool_call_format
+from api.tool_calls import (ToolDefinitionError, ToolSpec, add_tools_to_messages, template_renders_tools,
+                            tool_call_grammar, validate_tools)
 from ferrox_jax.constraint import GrammarError, GrammarSpec, grammar_syntax
 
 # What a request may say about its output besides a constraint: plain text, which also
