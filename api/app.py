@@ -30,7 +30,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from api import (admin_routes, anthropic_routes, embeddings_routes, guards, llamacpp_routes, model_admin,
-                 openai_routes, responses_routes, resumable)
+                 openai_routes, responses_routes, resumable, tokenizer_routes)
 from api.config import ServerConfig
 from api.errors import APIError
 from api.state import AppState, json_response, state_of
@@ -95,7 +95,7 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
     state.tasks = model_admin.TaskTable()
     app.extensions["ferrox"] = state
     for module in (openai_routes, anthropic_routes, responses_routes, llamacpp_routes, embeddings_routes,
-                   resumable, admin_routes, model_admin):
+                   tokenizer_routes, resumable, admin_routes, model_admin):
         app.register_blueprint(module.blueprint)
     _install_hooks(app, state)
     _install_error_handlers(app, state)

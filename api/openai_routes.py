@@ -1,4 +1,4 @@
-"""The OpenAI adapter: models, completions, chat completions, cancel, tokenize, detokenize.
+"""The OpenAI adapter: models, completions, chat completions, cancel.
 
 A generation request goes: parse and validate (api/protocol.py) -> its output
 constraint and tools (`response_format` / `guided_*`, `tools` / `tool_choice`, planned by
@@ -30,8 +30,7 @@ from api.generation import KEEPALIVE, GenerationRun, RowOutput, job_ids
 from api.limits import (check_asked_tokens, check_common, check_logprobs, check_prompt_tokens, check_token_ids,
                         max_tokens)
 from api.prompts import check_model, encode
-from api.protocol import (CancelRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                          SamplingFields, TokenizeRequest, parse_body, parse_logit_bias)
+from api.protocol import CancelRequest, ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body, parse_logit_bias
 from api.sse import DONE, KEEP_ALIVE_COMMENT, event, sse_response
 from api.state import AppState, json_response, state_of
 from api.structured import (PLAIN_TEXT, OutputPlan, choice_constraint, check_grammar, completion_plan,
@@ -74,35 +73,6 @@ def _model_card(engine: Engine) -> dict:
     return {"id": card.id, "object": "model", "created": created, "owned_by": "ferrox",
             "max_model_len": card.max_context, "architecture": card.architecture, "dtype": card.dtype,
             "quantization": card.quantization, "kv_cache_dtype": card.kv_cache_dtype}
-
-
-@blueprint.post("/v1/tokenize")
-@blueprint.post("/tokenize")
-async def tokenize() -> Response:
-    state = _state()
-    body: TokenizeRequest = await _body(TokenizeRequest)
-    engine = state.require_engine()
-    check_model(body.model, engine)
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-    if body.messages is not None:  # rendered as the chat route renders them, tools included
-        chat = prepare_chat(engine.tokenizer, [m.template_dict() for m in body.messages],
-                            tools=tool_request(body.tools, None, None))
-        tokens = await encode(engine.tokenizer, chat.text, add_special_tokens=False)
-    else:
-        tokens = await encode(engine.tokenizer, body.prompt, add_special_tokens=bool(body.add_special_tokens))
-    return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_context})
-
-
-@blueprint.post("/v1/detokenize")
-@blueprint.post("/detokenize")
-async def detokenize() -> Response:
-    state = _state()
-    body: DetokenizeRequest = await _body(DetokenizeRequest)
-    engine = state.require_engine()
-    check_model(body.model, engine)
-    check_token_ids(body.tokens, engine.tokenizer.vocab_size, "tokens")
-    return json_response({"text": engine.tokenizer.decode(body.tokens)})
 
 
 @blueprint.post("/v1/cancel")
