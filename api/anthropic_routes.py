@@ -53,7 +53,7 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from quart import Blueprint, Response, current_app, request
@@ -68,8 +68,10 @@ from api.protocol import parse_body
 from api.sse import named_event as event, sse_response
 from api.state import AppState, json_response, state_of
 from api.structured import OutputPlan, ToolRequest, check_grammar, tool_request
-from ferrox_jax.engine import Engine
 from ferrox_jax.request import GenerationRequest, RowEvent, SamplingParams
+
+if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
+    from ferrox_jax.engine import Engine
 
 blueprint = Blueprint("anthropic", __name__)
 

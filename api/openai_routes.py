@@ -19,7 +19,7 @@ import json
 import random
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from quart import Blueprint, Response, current_app, request
 
@@ -36,9 +36,11 @@ from api.state import AppState, json_response, state_of
 from api.structured import (PLAIN_TEXT, OutputPlan, choice_constraint, check_grammar, completion_plan,
                             grammar_constraint, json_object_constraint, json_schema_constraint, prepare_chat,
                             regex_constraint, tool_request)
-from ferrox_jax.engine import Engine
 from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.request import GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
+    from ferrox_jax.engine import Engine
 
 blueprint = Blueprint("openai", __name__)
 

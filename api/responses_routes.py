@@ -48,7 +48,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from quart import Blueprint, Response, current_app, request
@@ -64,9 +64,11 @@ from api.sse import named_event as event, sse_response
 from api.state import json_response, state_of
 from api.structured import (PLAIN_TEXT, OutputPlan, ToolRequest, check_grammar, json_object_constraint,
                             json_schema_constraint, tool_request)
-from ferrox_jax.engine import Engine
 from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.request import GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
+    from ferrox_jax.engine import Engine
 
 blueprint = Blueprint("responses", __name__)
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from api.errors import APIError
 from api.reasoning import THINK_START, ReasoningStreamParser, prompt_opens_reasoning
@@ -52,6 +52,9 @@ from api.tool_call_parser import ToolCall, ToolCallStreamParser, detect_tool_cal
 from api.tool_calls import (ToolDefinitionError, ToolSpec, add_tools_to_messages, template_renders_tools,
                             tool_call_grammar, validate_tools)
 from ferrox_jax.constraint import GrammarError, GrammarSpec, grammar_syntax
+
+if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
+    from ferrox_jax.engine import Engine
 
 # What a request may say about its output besides a constraint: plain text, which also
 # opts out of the server-wide default constraint.
@@ -105,7 +108,7 @@ def _spec(build, param: str) -> GrammarSpec:
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_grammar") from None
 
 
-async def check_grammar(engine: Any, spec: GrammarSpec | None, param: str) -> GrammarSpec | None:
+async def check_grammar(engine: Engine, spec: GrammarSpec | None, param: str) -> GrammarSpec | None:
     """`spec` once the engine has compiled it (None for None), off the event loop (about a
     millisecond cold; cached by spec), ready for `GenerationRequest.grammar`. A constraint
     the engine cannot compile or enforce is a 400 naming `param` and the problem (e.g. the
@@ -153,7 +156,7 @@ class ToolRequest:
 
 
 def tool_request(tools: Sequence[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None,
-                 engine: Any = None) -> ToolRequest | None:
+                 engine: Engine | None = None) -> ToolRequest | None:
     """Validate a request's tools and tool choice; None when it has neither.
 
     Args:
