@@ -14,7 +14,6 @@ module is OpenAI's wire format only.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import time
@@ -23,10 +22,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from quart import Blueprint, Response, current_app, request
 
-from api import resumable
+from api import generation, resumable
 from api.choices import ChatShape, Choice, CompletionShape, prompt_entries
 from api.errors import APIError
-from api.generation import KEEPALIVE, GenerationRun, RowOutput, job_ids
+from api.generation import GenerationRun, RowOutput, job_ids
 from api.limits import (check_asked_tokens, check_common, check_logprobs, check_prompt_tokens, check_token_ids,
                         max_tokens)
 from api.prompts import check_model, encode
@@ -244,21 +243,19 @@ async def chat_completions() -> Response:
 
 async def _serve(run: GenerationRun, body: SamplingFields, shape: Any, echoes: list[str],
                  plan: OutputPlan = OutputPlan()) -> Response:
-    """Submit the run's jobs and answer whole or as a stream."""
+    """Submit the run's jobs and answer whole or as a stream (the generation core's
+    `start`, `collect` and `stream`)."""
     reply = _Reply(run, shape, echoes, plan)
     if run.drop_output and not any(job.prompt_logprobs for job in run.jobs) and not run.stream:
         return reply.without_engine()  # max_tokens 0 with nothing to score: no job at all
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if run.stream and body.stream_resumable:  # detached from this connection: see api/resumable.py
         return resumable.serve(run, reply.stream(include_usage))
-    run.submit()
-    # Belt and braces for the stream body: if the client leaves after the handler returns
-    # but before Quart starts iterating the body, the generator never runs its `finally`.
-    # The connection's task ends either way, so its done-callback closes the run.
-    asyncio.current_task().add_done_callback(lambda _task: run.close(client_gone=True))
+    generation.start(run)
     if run.stream:
         return sse_response(reply.stream(include_usage), run.api_id)
-    return await reply.whole()
+    await generation.collect(run, reply.fold)
+    return json_response(reply.response([reply.shape.final(c) for c in reply.choices]))
 
 
 class _Reply:
@@ -272,7 +269,7 @@ class _Reply:
         self.choices = [Choice(index=j * n + i, echo=echoes[j], parser=plan.new_parser())
                         for j in range(len(run.jobs)) for i in range(n)]
 
-    def _fold(self, output: RowOutput) -> tuple[Choice, list]:
+    def fold(self, output: RowOutput) -> tuple[Choice, list]:
         choice = self.choices[output.choice]
         event = output.event
         if event.prompt_logprobs and choice.prompt_entries is None:
@@ -287,7 +284,7 @@ class _Reply:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": self.run.num_cached_tokens}}
 
-    def _response(self, choices: list[dict]) -> dict:
+    def response(self, choices: list[dict]) -> dict:
         return {"id": self.run.api_id, "request_id": self.run.api_id, "object": self.shape.object,
                 "created": self.created, "model": self.model, "choices": choices, "usage": self._usage()}
 
@@ -299,35 +296,16 @@ class _Reply:
         for c in self.choices:
             c.finish_reason = "length"
         self.run.close()
-        return json_response(self._response([self.shape.final(c) for c in self.choices]))
+        return json_response(self.response([self.shape.final(c) for c in self.choices]))
 
-    async def whole(self) -> Response:
-        try:
-            async for output in self.run.events():
-                self._fold(output)
-            return json_response(self._response([self.shape.final(c) for c in self.choices]))
-        except asyncio.CancelledError:
-            self.run.close(client_gone=True)
-            raise
-        finally:
-            self.run.close()
+    def _frames(self, output: RowOutput) -> list[bytes]:
+        choice, entries = self.fold(output)
+        return [event(self._chunk([delta]))  # one choice per chunk, as OpenAI sends
+                for delta in self.shape.deltas(choice, output.event.text, entries, output.event.finish_reason)]
 
-    async def stream(self, include_usage: bool) -> AsyncIterator[bytes]:
-        try:
-            async for output in self.run.events():
-                if output is KEEPALIVE:
-                    yield KEEP_ALIVE_COMMENT
-                    continue
-                choice, entries = self._fold(output)
-                for delta in self.shape.deltas(choice, output.event.text, entries, output.event.finish_reason):
-                    yield event(self._chunk([delta]))  # one choice per chunk, as OpenAI sends
-            if include_usage:
-                yield event({**self._chunk([]), "usage": self._usage()})
-            yield DONE
-        except APIError as e:  # mid-stream failure: one error event, then close
-            yield event(e.body())
-        except BaseException:
-            self.run.close(client_gone=True)
-            raise
-        finally:
-            self.run.close()
+    def stream(self, include_usage: bool) -> AsyncIterator[bytes]:
+        def end() -> list[bytes]:
+            return ([event({**self._chunk([]), "usage": self._usage()})] if include_usage else []) + [DONE]
+
+        return generation.stream(self.run, self._frames, keepalive=KEEP_ALIVE_COMMENT, end=end,
+                                 error=lambda e: event(e.body()))  # mid-stream failure: one error event

@@ -38,13 +38,18 @@ if TYPE_CHECKING:
 blueprint = Blueprint("tokenizer", __name__)
 
 
+async def _parsed(model: type) -> tuple[Any, Engine]:
+    """The request's body as `model`, and the engine (the body's `model` checked against it)."""
+    body = parse_body(await request.get_data(), model)
+    engine = state_of(current_app).require_engine()
+    check_model(body.model, engine)
+    return body, engine
+
+
 @blueprint.post("/v1/tokenize")
 @blueprint.post("/tokenize")
 async def tokenize() -> Response:
-    state = state_of(current_app)
-    body: TokenizeRequest = parse_body(await request.get_data(), TokenizeRequest)
-    engine = state.require_engine()
-    check_model(body.model, engine)
+    body, engine = await _parsed(TokenizeRequest)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:  # rendered as the chat route renders them, tools included
@@ -59,10 +64,7 @@ async def tokenize() -> Response:
 @blueprint.post("/v1/detokenize")
 @blueprint.post("/detokenize")
 async def detokenize() -> Response:
-    state = state_of(current_app)
-    body: DetokenizeRequest = parse_body(await request.get_data(), DetokenizeRequest)
-    engine = state.require_engine()
-    check_model(body.model, engine)
+    body, engine = await _parsed(DetokenizeRequest)
     check_token_ids(body.tokens, engine.tokenizer.vocab_size, "tokens")
     text = engine.tokenizer.decode(body.tokens)
     return json_response({"prompt": text, "text": text})
