@@ -45,25 +45,22 @@ class DrainUnreadBody:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        body = _RequestBody(receive, scope)
-
-        async def send_after_body(message: dict) -> None:
-            if message["type"] == "http.response.start" and not body.is_complete:
-                if await body.drain(self.max_drain_bytes, self.drain_timeout_s):
-                    self.num_drained += 1
-                else:
-                    self.num_closed += 1
-                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
-            await send(message)
-
-        await self.app(scope, body.receive, send_after_body)
+        body = _RequestBody(self, scope, receive, send)
+        await self.app(scope, body.receive, body.send_after_body)
 
 
 class _RequestBody:
-    """Watches one request's `receive` for the end of its body."""
+    """Watches one request's `receive` for the end of its body, and holds its response's
+    start until the body is in (or marks it `Connection: close`).
 
-    def __init__(self, receive: Callable[[], Awaitable[dict]], scope: dict) -> None:
+    `send_after_body` is a bound method whose owner keeps the server's `send` as `send`:
+    `api/guards.py:abort_transport` walks such owners down to the connection's transport."""
+
+    def __init__(self, middleware: DrainUnreadBody, scope: dict, receive: Callable[[], Awaitable[dict]],
+                 send: Callable[[dict], Awaitable[None]]) -> None:
+        self.middleware = middleware
         self._receive = receive
+        self.send = send
         headers = dict(scope.get("headers") or ())
         self.declared_bytes = _declared_bytes(headers)  # None: chunked (or a length h11 refuses anyway)
         self.is_complete = self.declared_bytes == 0
@@ -76,6 +73,16 @@ class _RequestBody:
             self.is_complete = True
             self._completed.set()
         return message
+
+    async def send_after_body(self, message: dict) -> None:
+        if message["type"] == "http.response.start" and not self.is_complete:
+            middleware = self.middleware
+            if await self.drain(middleware.max_drain_bytes, middleware.drain_timeout_s):
+                middleware.num_drained += 1
+            else:
+                middleware.num_closed += 1
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+        await self.send(message)
 
     async def drain(self, max_bytes: int, timeout_s: float) -> bool:
         """Read and drop the rest of the body; True once all of it is in.
