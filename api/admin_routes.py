@@ -148,6 +148,7 @@ _ROUTES = (
     ("post", "/v1/tokenize", "Tokenize a prompt (or chat messages)", protocol.TokenizeRequest,
      protocol.TokenizeResponse),
     ("post", "/v1/detokenize", "Token ids to text", protocol.DetokenizeRequest, protocol.DetokenizeResponse),
+    ("get", "/tokenizer_info", "The tokenizer's configuration (vLLM's shape)", None, None),
     ("get", "/health", "Liveness/readiness: 200 only when ready", None, None),
     ("get", "/metrics", "Prometheus metrics", None, None),
     ("get", "/admin/stats", "Batcher and server counters as JSON", None, None),

@@ -21,7 +21,9 @@ validated (otherwise a 400) but does not change generation: `disabled` only keep
 section in the text, as before thinking blocks; absent splits as enabled does.
 
 Reply: `{"type": "message", "content": [blocks], "stop_reason", "stop_sequence", "usage":
-{"input_tokens", "output_tokens"}}`; the `request-id` header carries the id `/v1/cancel`
+{"input_tokens", "output_tokens", "cache_creation_input_tokens": 0, "cache_read_input_tokens"}}`
+(the prompt tokens the prefix cache served are `cache_read_input_tokens`, the rest
+`input_tokens`, as Anthropic splits a prompt that hit its cache); the `request-id` header carries the id `/v1/cancel`
 takes. Content is a thinking block (see above), a text block, then a `tool_use` block (`{"id": "toolu_…", "name",
 "input": {...}}`) per call; a reply of calls alone has no text block, a reply without
 tools always one. Stop reasons: calls and a normal end -> `tool_use`; a stop string ->
@@ -34,7 +36,7 @@ A stream is Anthropic's event sequence, each `event: <type>\\ndata: {json}`:
 tool_use input {}, thinking "" with signature ""), `content_block_delta`* (`thinking_delta`,
 `text_delta`, or `input_json_delta` with `partial_json`, pieces of the input's JSON; a
 thinking block's last delta is its `signature_delta`), `content_block_stop`; then `message_delta`
-(stop reason, output tokens), `message_stop`. A reply without tools or thinking opens its text block
+(stop reason, the final usage: `message_start`'s cannot know the cache hits yet), `message_stop`. A reply without tools or thinking opens its text block
 before the first `ping` (no tools, or `tool_choice` none: no calls can come). `ping`
 again while idle; a failure mid-stream is an `error` event.
 
@@ -51,7 +53,7 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from quart import Blueprint, Response, current_app, request
@@ -66,8 +68,10 @@ from api.protocol import parse_body
 from api.sse import named_event as event, sse_response
 from api.state import AppState, json_response, state_of
 from api.structured import OutputPlan, ToolRequest, check_grammar, tool_request
-from ferrox_jax.engine import Engine
 from ferrox_jax.request import GenerationRequest, RowEvent, SamplingParams
+
+if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
+    from ferrox_jax.engine import Engine
 
 blueprint = Blueprint("anthropic", __name__)
 
@@ -359,7 +363,12 @@ class _Message:
         return events
 
     def _usage(self) -> dict:
-        return {"input_tokens": self.run.num_prompt_tokens, "output_tokens": self.run.num_completion_tokens}
+        """Anthropic's usage: `input_tokens` are the prompt tokens computed, those the prefix
+        cache served are `cache_read_input_tokens` (the prompt is their sum, as Anthropic
+        counts a cache hit); nothing is written to a cache on request, so no creation."""
+        cached = self.run.num_cached_tokens
+        return {"input_tokens": self.run.num_prompt_tokens - cached, "output_tokens": self.run.num_completion_tokens,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
     def message(self, content: list | None = None) -> dict:
         if content is None:
@@ -374,7 +383,7 @@ class _Message:
     def _end(self) -> list[bytes]:
         return [event("message_delta", {"type": "message_delta",
                                         "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
-                                        "usage": {"output_tokens": self.run.num_completion_tokens}}),
+                                        "usage": self._usage()}),
                 event("message_stop", {"type": "message_stop"})]
 
     async def stream(self):

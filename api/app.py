@@ -5,7 +5,9 @@ one module per wire protocol plus the observability routes, each importing only
 `api/state.py` and the generation core, never this module.
 
 Below Quart, `api/guards.py` refuses oversized headers, caps concurrent requests and
-cancels streams whose client stopped reading (the SSE orphan timeout). Request hooks, in
+cancels streams whose client stopped reading (the SSE orphan timeout); around everything,
+`api/unread_body.py` reads (or, past the body limit, closes on) a body still unread when
+an early error is answered, so a pooled keep-alive connection stays usable. Request hooks, in
 order: CORS preflight, API key (constant-time, as `Authorization: Bearer` or `x-api-key`;
 `/health`, `/metrics` and the browser pages' static files stay open: `api/web/`), per-client
 rate limit.
@@ -31,7 +33,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from api import (admin_routes, anthropic_routes, embeddings_routes, guards, llamacpp_routes, model_admin,
-                 openai_routes, responses_routes, resumable, web)
+                 openai_routes, responses_routes, resumable, tokenizer_routes, unread_body, web)
 from api.config import ServerConfig
 from api.errors import APIError
 from api.state import AppState, json_response, state_of
@@ -96,7 +98,7 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
     state.tasks = model_admin.TaskTable()
     app.extensions["ferrox"] = state
     for module in (openai_routes, anthropic_routes, responses_routes, llamacpp_routes, embeddings_routes,
-                   resumable, admin_routes, model_admin):
+                   tokenizer_routes, resumable, admin_routes, model_admin):
         app.register_blueprint(module.blueprint)
     if config.web_ui:  # the chat page and the dashboard (api/web/)
         app.register_blueprint(web.blueprint)
@@ -104,6 +106,7 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
     _install_error_handlers(app, state)
     state.guards = guards.install(app, config.max_concurrent_requests, config.sse_orphan_timeout_ms / 1000,
                                   config.max_header_bytes, error_renderer)
+    app.asgi_app = unread_body.DrainUnreadBody(app.asgi_app, config.max_body_bytes)  # outermost: covers the guards
 
     @app.before_serving
     async def _start() -> None:

@@ -1,6 +1,10 @@
 """Turning RowEvents into OpenAI choices: text, logprobs and finish reasons, whole or as deltas.
 
 A `Choice` accumulates one row's events (one choice = one row of one engine job).
+Logprobs cover every token usage counts: the sampled tokens and the eos/stop token that
+ended the row (`RowEvent.stop_token`, whose text is never part of the content), as
+OpenAI's and vLLM's echo responses do; scorers such as lm-eval drop the last entry as
+the generated token.
 `CompletionShape` and `ChatShape` render it the two ways OpenAI does: `/v1/completions`
 (`text`, legacy `logprobs` with tokens / token_logprobs / top_logprobs / text_offset)
 and `/v1/chat/completions` (`message` or `delta`, `logprobs.content[]` entries with
@@ -41,11 +45,11 @@ class Choice:
         """Fold in one RowEvent; returns the logprob entries it brought."""
         if event.text:
             self.text.append(event.text)
-        new = []
-        if event.logprobs:
-            for r in event.logprobs:
-                new.append((int(r.token_id), float(r.logprob), tuple(r.top_logprobs)))
-            self.entries.extend(new)
+        results = list(event.logprobs or ())
+        if event.logprobs is not None and event.stop_token is not None:
+            results.append(event.stop_token)  # counted in usage, so scored too (echo scoring reads it)
+        new = [(int(r.token_id), float(r.logprob), tuple(r.top_logprobs)) for r in results]
+        self.entries.extend(new)
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason
             self.error = event.error

@@ -215,7 +215,7 @@ class GenerationRun:
         if self.drop_output:
             reason = "length" if event.finish_reason in ("stop", "length") else event.finish_reason
             event = dataclasses.replace(event, token_ids=(), text="", logprobs=None, num_generated_tokens=0,
-                                        finish_reason=reason)
+                                        finish_reason=reason, stop_token=None)
             output = dataclasses.replace(output, event=event)
         now = time.monotonic()
         if event.token_ids:

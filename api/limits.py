@@ -18,10 +18,13 @@ ceiling is a 400 `context_length_exceeded`; a prompt that fits but leaves less r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api.config import ServerConfig
 from api.errors import APIError
+
+if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
+    from ferrox_jax.engine import Engine
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -30,7 +33,7 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
             raise APIError(400, f"{param}: token id {t} is outside the vocabulary [0, {vocab_size})", param=param)
 
 
-def check_common(body: Any, engine: Any, config: ServerConfig) -> None:
+def check_common(body: Any, engine: Engine, config: ServerConfig) -> None:
     """n, stop strings, stop token ids, stream_options: the fields both generation routes share."""
     n = body.n or 1
     if n > config.max_n:

@@ -6,7 +6,8 @@ tokenizer's special tokens, or token ids as given), `n_predict` (-1 or absent: t
 left in the context; 0: evaluate the prompt only), `temperature` 0.8, `top_k` 40, `top_p`
 0.95, `min_p` 0.05, `repeat_penalty` 1.0 (over prompt and output, vLLM's rule: there is no
 `repeat_last_n` window), `presence_penalty`, `frequency_penalty`, `seed` (-1: random),
-`stop`, `ignore_eos`, `stream`; `cache_prompt` is accepted (every prompt is computed).
+`stop`, `ignore_eos`, `stream`; `cache_prompt` is accepted (the prefix cache serves every
+prompt it can; `tokens_cached` says how many of the prompt's tokens it served).
 
 Reply: flat JSON `{"content", "stop": true, "stop_type", "stopping_word", "tokens_predicted",
 "tokens_evaluated", "timings", "generation_settings", ...}`; `stop_type` is `eos` (end of
@@ -165,7 +166,7 @@ class _Completion:
         text = "".join(self.text) if content is None else content
         return {"index": 0, "content": text, "tokens": [], "id_slot": 0, "stop": True, "model": self.model,
                 "tokens_predicted": self.run.num_completion_tokens, "tokens_evaluated": self.run.num_prompt_tokens,
-                "tokens_cached": 0, "truncated": False, "has_new_line": "\n" in text,
+                "tokens_cached": self.run.num_cached_tokens, "truncated": False, "has_new_line": "\n" in text,
                 "stop_type": self.stop_type, "stopping_word": self.stopping_word,
                 "generation_settings": self.settings, "timings": self._timings()}
 

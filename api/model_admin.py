@@ -27,12 +27,15 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response, current_app, request
 
 from api.errors import APIError
 from api.state import AppState, json_response, state_of
+
+if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
+    from ferrox_jax.engine import Engine
 
 blueprint = Blueprint("model_admin", __name__)
 
@@ -124,7 +127,7 @@ async def load() -> Response:
 
 
 def _start_load(state: AppState, task: Task, path: str, loop: asyncio.AbstractEventLoop) -> None:
-    def finish(engine: Any, error: str | None) -> None:  # on the loop
+    def finish(engine: Engine | None, error: str | None) -> None:  # on the loop
         task.finished_at = time.time()
         if error is not None:
             task.status, task.error = "failed", error

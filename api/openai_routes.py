@@ -1,4 +1,4 @@
-"""The OpenAI adapter: models, completions, chat completions, cancel, tokenize, detokenize.
+"""The OpenAI adapter: models, completions, chat completions, cancel.
 
 A generation request goes: parse and validate (api/protocol.py) -> its output
 constraint and tools (`response_format` / `guided_*`, `tools` / `tool_choice`, planned by
@@ -14,32 +14,32 @@ module is OpenAI's wire format only.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from quart import Blueprint, Response, current_app, request
 
-from api import resumable
+from api import generation, resumable
 from api.choices import ChatShape, Choice, CompletionShape, prompt_entries
 from api.errors import APIError
-from api.generation import KEEPALIVE, GenerationRun, RowOutput, job_ids
+from api.generation import GenerationRun, RowOutput, job_ids
 from api.limits import (check_asked_tokens, check_common, check_logprobs, check_prompt_tokens, check_token_ids,
                         max_tokens)
 from api.prompts import check_model, encode
-from api.protocol import (CancelRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                          SamplingFields, TokenizeRequest, parse_body, parse_logit_bias)
+from api.protocol import CancelRequest, ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body, parse_logit_bias
 from api.sse import DONE, KEEP_ALIVE_COMMENT, event, sse_response
 from api.state import AppState, json_response, state_of
 from api.structured import (PLAIN_TEXT, OutputPlan, choice_constraint, check_grammar, completion_plan,
                             grammar_constraint, json_object_constraint, json_schema_constraint, prepare_chat,
                             regex_constraint, tool_request)
-from ferrox_jax.engine import Engine
 from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.request import GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
+    from ferrox_jax.engine import Engine
 
 blueprint = Blueprint("openai", __name__)
 
@@ -74,35 +74,6 @@ def _model_card(engine: Engine) -> dict:
     return {"id": card.id, "object": "model", "created": created, "owned_by": "ferrox",
             "max_model_len": card.max_context, "architecture": card.architecture, "dtype": card.dtype,
             "quantization": card.quantization, "kv_cache_dtype": card.kv_cache_dtype}
-
-
-@blueprint.post("/v1/tokenize")
-@blueprint.post("/tokenize")
-async def tokenize() -> Response:
-    state = _state()
-    body: TokenizeRequest = await _body(TokenizeRequest)
-    engine = state.require_engine()
-    check_model(body.model, engine)
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-    if body.messages is not None:  # rendered as the chat route renders them, tools included
-        chat = prepare_chat(engine.tokenizer, [m.template_dict() for m in body.messages],
-                            tools=tool_request(body.tools, None, None))
-        tokens = await encode(engine.tokenizer, chat.text, add_special_tokens=False)
-    else:
-        tokens = await encode(engine.tokenizer, body.prompt, add_special_tokens=bool(body.add_special_tokens))
-    return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_context})
-
-
-@blueprint.post("/v1/detokenize")
-@blueprint.post("/detokenize")
-async def detokenize() -> Response:
-    state = _state()
-    body: DetokenizeRequest = await _body(DetokenizeRequest)
-    engine = state.require_engine()
-    check_model(body.model, engine)
-    check_token_ids(body.tokens, engine.tokenizer.vocab_size, "tokens")
-    return json_response({"text": engine.tokenizer.decode(body.tokens)})
 
 
 @blueprint.post("/v1/cancel")
@@ -272,21 +243,19 @@ async def chat_completions() -> Response:
 
 async def _serve(run: GenerationRun, body: SamplingFields, shape: Any, echoes: list[str],
                  plan: OutputPlan = OutputPlan()) -> Response:
-    """Submit the run's jobs and answer whole or as a stream."""
+    """Submit the run's jobs and answer whole or as a stream (the generation core's
+    `start`, `collect` and `stream`)."""
     reply = _Reply(run, shape, echoes, plan)
     if run.drop_output and not any(job.prompt_logprobs for job in run.jobs) and not run.stream:
         return reply.without_engine()  # max_tokens 0 with nothing to score: no job at all
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if run.stream and body.stream_resumable:  # detached from this connection: see api/resumable.py
         return resumable.serve(run, reply.stream(include_usage))
-    run.submit()
-    # Belt and braces for the stream body: if the client leaves after the handler returns
-    # but before Quart starts iterating the body, the generator never runs its `finally`.
-    # The connection's task ends either way, so its done-callback closes the run.
-    asyncio.current_task().add_done_callback(lambda _task: run.close(client_gone=True))
+    generation.start(run)
     if run.stream:
         return sse_response(reply.stream(include_usage), run.api_id)
-    return await reply.whole()
+    await generation.collect(run, reply.fold)
+    return json_response(reply.response([reply.shape.final(c) for c in reply.choices]))
 
 
 class _Reply:
@@ -300,7 +269,7 @@ class _Reply:
         self.choices = [Choice(index=j * n + i, echo=echoes[j], parser=plan.new_parser())
                         for j in range(len(run.jobs)) for i in range(n)]
 
-    def _fold(self, output: RowOutput) -> tuple[Choice, list]:
+    def fold(self, output: RowOutput) -> tuple[Choice, list]:
         choice = self.choices[output.choice]
         event = output.event
         if event.prompt_logprobs and choice.prompt_entries is None:
@@ -315,7 +284,7 @@ class _Reply:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": self.run.num_cached_tokens}}
 
-    def _response(self, choices: list[dict]) -> dict:
+    def response(self, choices: list[dict]) -> dict:
         return {"id": self.run.api_id, "request_id": self.run.api_id, "object": self.shape.object,
                 "created": self.created, "model": self.model, "choices": choices, "usage": self._usage()}
 
@@ -327,35 +296,16 @@ class _Reply:
         for c in self.choices:
             c.finish_reason = "length"
         self.run.close()
-        return json_response(self._response([self.shape.final(c) for c in self.choices]))
+        return json_response(self.response([self.shape.final(c) for c in self.choices]))
 
-    async def whole(self) -> Response:
-        try:
-            async for output in self.run.events():
-                self._fold(output)
-            return json_response(self._response([self.shape.final(c) for c in self.choices]))
-        except asyncio.CancelledError:
-            self.run.close(client_gone=True)
-            raise
-        finally:
-            self.run.close()
+    def _frames(self, output: RowOutput) -> list[bytes]:
+        choice, entries = self.fold(output)
+        return [event(self._chunk([delta]))  # one choice per chunk, as OpenAI sends
+                for delta in self.shape.deltas(choice, output.event.text, entries, output.event.finish_reason)]
 
-    async def stream(self, include_usage: bool) -> AsyncIterator[bytes]:
-        try:
-            async for output in self.run.events():
-                if output is KEEPALIVE:
-                    yield KEEP_ALIVE_COMMENT
-                    continue
-                choice, entries = self._fold(output)
-                for delta in self.shape.deltas(choice, output.event.text, entries, output.event.finish_reason):
-                    yield event(self._chunk([delta]))  # one choice per chunk, as OpenAI sends
-            if include_usage:
-                yield event({**self._chunk([]), "usage": self._usage()})
-            yield DONE
-        except APIError as e:  # mid-stream failure: one error event, then close
-            yield event(e.body())
-        except BaseException:
-            self.run.close(client_gone=True)
-            raise
-        finally:
-            self.run.close()
+    def stream(self, include_usage: bool) -> AsyncIterator[bytes]:
+        def end() -> list[bytes]:
+            return ([event({**self._chunk([]), "usage": self._usage()})] if include_usage else []) + [DONE]
+
+        return generation.stream(self.run, self._frames, keepalive=KEEP_ALIVE_COMMENT, end=end,
+                                 error=lambda e: event(e.body()))  # mid-stream failure: one error event

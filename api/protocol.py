@@ -301,6 +301,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeResponse(BaseModel):
+    prompt: str  # vLLM's name for the text
     text: str
 
 

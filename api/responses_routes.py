@@ -25,7 +25,8 @@ then a `function_call` item (`{"id": "fc_…", "call_id": "call_…", "name", "a
 JSON text, "status"}`) per call; a reply of calls alone has no message item, a reply
 that can have no calls always one. `status` is `completed`, or `incomplete` with
 `incomplete_details.reason: "max_output_tokens"` when the token limit ended it
-(`cancelled` after `/v1/cancel`); `usage` (`input_tokens`, `output_tokens`,
+(`cancelled` after `/v1/cancel`); `usage` (`input_tokens`, of which
+`input_tokens_details.cached_tokens` came from the prefix cache, `output_tokens`,
 `total_tokens`). `output_text` (the SDKs' property over `output`) is also in the JSON,
 for clients without an SDK.
 
@@ -47,7 +48,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from quart import Blueprint, Response, current_app, request
@@ -63,9 +64,11 @@ from api.sse import named_event as event, sse_response
 from api.state import json_response, state_of
 from api.structured import (PLAIN_TEXT, OutputPlan, ToolRequest, check_grammar, json_object_constraint,
                             json_schema_constraint, tool_request)
-from ferrox_jax.engine import Engine
 from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.request import GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
+    from ferrox_jax.engine import Engine
 
 blueprint = Blueprint("responses", __name__)
 
@@ -286,7 +289,8 @@ class _Response:
     def response(self, done: bool = True) -> dict:
         run, body = self.run, self.body
         status = self.status if done else "in_progress"
-        usage = {"input_tokens": run.num_prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        usage = {"input_tokens": run.num_prompt_tokens,
+                 "input_tokens_details": {"cached_tokens": run.num_cached_tokens},
                  "output_tokens": run.num_completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": run.num_prompt_tokens + run.num_completion_tokens}
         blocks = self.output.blocks if done else []

@@ -21,7 +21,12 @@ many streams are kept (the oldest finished one makes room; if all are live, a ne
 request is a 503). Asking for events that are gone is a 410 `replay_window_lost`; an id
 that is not `{request_id}:{n}` or is ahead of the stream a 400 `bad_last_event_id`; an
 unknown stream a 404 `stream_not_found`. A live follower that falls behind the byte bound
-is disconnected, so it reconnects and learns it lost events instead of missing them.
+is disconnected, so it reconnects and learns it lost events instead of missing them. The
+request's own connection is the exception: it gets every event, as a plain stream does
+(the events it has not taken yet are kept past the byte bound until it takes them or
+leaves), so a pump that ran ahead while the connection was still starting (a busy event
+loop hands it a burst of engine events at once) never costs the client events it never
+had a chance to read.
 """
 
 from __future__ import annotations
@@ -57,6 +62,9 @@ class ReplayBuffer:
         self.next_n = 0  # the number the next event gets
         self.finished_at: float | None = None  # monotonic s, once the run's last frame is in
         self.pump: asyncio.Task | None = None
+        # The first event the request's own connection has not taken yet, while it is
+        # attached: nothing from it on is dropped (see the module docstring).
+        self.pinned_n: int | None = None
         self._changed = asyncio.Event()
 
     @property
@@ -68,9 +76,19 @@ class ReplayBuffer:
         self.events.append((self.next_n, frame))
         self.next_n += 1
         self.num_bytes += len(frame)
-        while self.num_bytes > self.max_bytes and len(self.events) > 1:
-            self.num_bytes -= len(self.events.popleft()[1])
+        self._trim()
         self._wake()
+
+    def pin(self, n: int | None) -> None:
+        """Keep events from `n` on (None: release them to the byte bound)."""
+        self.pinned_n = n
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop the oldest events past the byte bound (keeping the newest, and what is pinned)."""
+        while self.num_bytes > self.max_bytes and len(self.events) > 1 and (
+                self.pinned_n is None or self.events[0][0] < self.pinned_n):
+            self.num_bytes -= len(self.events.popleft()[1])
 
     def finish(self) -> None:
         self.finished_at = time.monotonic()
@@ -145,8 +163,12 @@ def serve(run: GenerationRun, frames: AsyncIterator[bytes]) -> Response:
     except BaseException:
         del streams.streams[run.api_id]
         raise
+    buffer.pin(0)  # the request's own connection, from its first event
+    # Released when the connection's task ends, even if the body is never iterated (a
+    # client gone before it started) and the follower's `finally` never runs.
+    asyncio.current_task().add_done_callback(lambda _task: buffer.pin(None))
     buffer.pump = asyncio.get_running_loop().create_task(_pump(buffer, frames))
-    return sse_response(_follow(buffer, -1, run.state.config.sse_keepalive_s), run.api_id)
+    return sse_response(_follow(buffer, -1, run.state.config.sse_keepalive_s, pinned=True), run.api_id)
 
 
 async def _pump(buffer: ReplayBuffer, frames: AsyncIterator[bytes]) -> None:
@@ -158,22 +180,30 @@ async def _pump(buffer: ReplayBuffer, frames: AsyncIterator[bytes]) -> None:
         buffer.finish()
 
 
-async def _follow(buffer: ReplayBuffer, after: int, keepalive_s: float) -> AsyncIterator[bytes]:
-    """The events after `after`, then live ones until the stream ends."""
+async def _follow(buffer: ReplayBuffer, after: int, keepalive_s: float, pinned: bool = False
+                  ) -> AsyncIterator[bytes]:
+    """The events after `after`, then live ones until the stream ends. `pinned`: the
+    request's own connection, whose untaken events the buffer keeps (`ReplayBuffer.pin`)."""
     prefix = b"retry: %d\n" % RETRY_MS
-    while True:
-        events = buffer.after(after)
-        if events and events[0][0] != after + 1:
-            return  # fell behind the byte bound: the reconnect gets its 410
-        for n, frame in events:
-            yield prefix + f"id: {buffer.request_id}:{n}\n".encode() + frame
-            prefix, after = b"", n
-        if events:
-            continue
-        if buffer.finished_at is not None:
-            return
-        if not await buffer.wait(keepalive_s):
-            yield KEEP_ALIVE_COMMENT
+    try:
+        while True:
+            events = buffer.after(after)
+            if events and events[0][0] != after + 1:
+                return  # fell behind the byte bound: the reconnect gets its 410
+            for n, frame in events:
+                yield prefix + f"id: {buffer.request_id}:{n}\n".encode() + frame
+                prefix, after = b"", n
+                if pinned:
+                    buffer.pin(n + 1)
+            if events:
+                continue
+            if buffer.finished_at is not None:
+                return
+            if not await buffer.wait(keepalive_s):
+                yield KEEP_ALIVE_COMMENT
+    finally:
+        if pinned:
+            buffer.pin(None)
 
 
 def _last_seen(buffer: ReplayBuffer) -> int:

@@ -48,7 +48,7 @@ except metadata.PackageNotFoundError:  # running from a source tree without inst
 class InFlight(Protocol):
     """What `/v1/cancel` and the drain need of a request in flight (`api/generation.py`)."""
 
-    engine: Any  # the engine it runs on
+    engine: Engine | None  # the engine it runs on
 
     def cancel(self) -> None: ...
 

@@ -8,7 +8,7 @@ output needs (`OutputPlan`); `check_grammar` has the engine compile the plan's c
 (off the event loop) before it becomes the job's `GenerationRequest.grammar`. Each choice's text then goes through the plan's
 `OutputParser`:
 
-    RowEvent.text ──▶ thinking split (api/reasoning.py) ──▶ tool-call parser (api/tool_calls.py)
+    RowEvent.text ──▶ thinking split (api/reasoning.py) ──▶ tool-call parser (api/tool_call_parser.py)
                         │ reasoning text                      │ content text     │ calls
                         ▼                                     ▼                  ▼
     deltas: {"reasoning_content": str}            {"content": str}    {"tool_calls": [{index, id,
@@ -44,13 +44,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from api.errors import APIError
 from api.reasoning import THINK_START, ReasoningStreamParser, prompt_opens_reasoning
-from api.tool_calls import (ToolCall, ToolCallStreamParser, ToolDefinitionError, ToolSpec, add_tools_to_messages,
-                            detect_tool_call_format, template_renders_tools, tool_call_grammar, validate_tools)
+from api.tool_call_parser import ToolCall, ToolCallStreamParser, detect_tool_call_format
+from api.tool_calls import (ToolDefinitionError, ToolSpec, add_tools_to_messages, template_renders_tools,
+                            tool_call_grammar, validate_tools)
 from ferrox_jax.constraint import GrammarError, GrammarSpec, grammar_syntax
+
+if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
+    from ferrox_jax.engine import Engine
 
 # What a request may say about its output besides a constraint: plain text, which also
 # opts out of the server-wide default constraint.
@@ -104,7 +108,7 @@ def _spec(build, param: str) -> GrammarSpec:
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_grammar") from None
 
 
-async def check_grammar(engine: Any, spec: GrammarSpec | None, param: str) -> GrammarSpec | None:
+async def check_grammar(engine: Engine, spec: GrammarSpec | None, param: str) -> GrammarSpec | None:
     """`spec` once the engine has compiled it (None for None), off the event loop (about a
     millisecond cold; cached by spec), ready for `GenerationRequest.grammar`. A constraint
     the engine cannot compile or enforce is a 400 naming `param` and the problem (e.g. the
@@ -152,7 +156,7 @@ class ToolRequest:
 
 
 def tool_request(tools: Sequence[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None,
-                 engine: Any = None) -> ToolRequest | None:
+                 engine: Engine | None = None) -> ToolRequest | None:
     """Validate a request's tools and tool choice; None when it has neither.
 
     Args:

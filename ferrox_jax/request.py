@@ -160,7 +160,8 @@ class RowEvent:
 
     Each row gets exactly one event with a finish_reason, and it is that row's last event.
     An eos/stop token ends the row without appearing in `token_ids`, `text` or `logprobs`
-    (it is counted in `num_generated_tokens`, which counts every sampled token).
+    (it is counted in `num_generated_tokens`, which counts every sampled token); the last
+    event carries it as `stop_token`, so a client can score every counted token.
     """
 
     request_id: str
@@ -179,6 +180,9 @@ class RowEvent:
     stop_string: str | None = None
     embedding: Any = None  # a pooling job's last event: f32[hidden] numpy, not normalised
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed (per job)
+    # Last event of a row an eos/stop token ended: that token (its logprobs filled when
+    # the request asked for logprobs). None otherwise.
+    stop_token: RowResult | None = None
 
 
 class AdmissionError(Exception):
@@ -291,6 +295,7 @@ class Row:
         self.new_token_ids: list[int] = []
         self.new_text = ""
         self.new_logprobs: list[RowResult] = []
+        self.stop_token: RowResult | None = None  # the eos/stop token that ended the row
 
     @property
     def num_output_tokens(self) -> int:

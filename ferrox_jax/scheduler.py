@@ -399,6 +399,7 @@ class Scheduler:
         is_grammar_end = matcher is not None and is_eos
         is_stop_token = token_id in spec.stop_token_ids or (not spec.ignore_eos and is_eos)
         if is_grammar_end or (is_stop_token and row.num_output_tokens >= spec.min_tokens):
+            row.stop_token = result
             self._finish_row(row, RequestState.FINISHED_STOP)
             return
         row.token_ids.append(token_id)
@@ -454,6 +455,7 @@ class Scheduler:
             num_generated_tokens=row.num_generated_tokens,
             queue_s=None if row.has_sent_event else row.request.queue_s,
             stop_string=row.text.matched_stop if row.state is RequestState.FINISHED_STOP else None,
-            embedding=row.request.pooled, num_cached_tokens=row.request.num_cached_tokens))
+            embedding=row.request.pooled, num_cached_tokens=row.request.num_cached_tokens,
+            stop_token=row.stop_token))
         row.has_sent_event = True
         row.new_token_ids, row.new_text, row.new_logprobs = [], "", []

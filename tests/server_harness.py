@@ -168,14 +168,21 @@ def parse_sse(text: str) -> list[Any]:
     return events
 
 
+def templated_checkpoint(chat_template: str, folder: Path) -> Path:
+    """A copy of `api_checkpoint()` at `folder` whose chat template is `chat_template` (the
+    same weights and tokenizer)."""
+    folder = shutil.copytree(api_checkpoint(), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template}))
+    return folder
+
+
 @contextlib.contextmanager
 def templated_server(chat_template: str, name: str = "tiny-templated"):
     """A server over a copy of `api_checkpoint()` whose chat template is `chat_template`
     (the same weights and tokenizer); yields its base URL."""
     root = Path(tempfile.mkdtemp(prefix="ferrox_template_"))
-    folder = shutil.copytree(api_checkpoint(), root / name)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template}))
+    folder = templated_checkpoint(chat_template, root / name)
     try:
         from api.app import create_app
         from api.config import ServerConfig

@@ -102,7 +102,7 @@ def test_openapi_describes_the_routes(http):
     spec = http.get("/openapi.json").json()
     assert spec["openapi"].startswith("3.")
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/cancel", "/v1/tokenize",
-                 "/v1/detokenize", "/health", "/metrics", "/admin/stats"):
+                 "/v1/detokenize", "/tokenizer_info", "/health", "/metrics", "/admin/stats"):
         assert path in spec["paths"], path
     request_schema = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
     assert request_schema["schema"]["$ref"] == "#/components/schemas/CompletionRequest"
@@ -114,9 +114,25 @@ def test_tokenize_and_detokenize_round_trip(http):
     for route in ("/v1/tokenize", "/tokenize"):
         out = http.post(route, json={"prompt": "Hello world!"}).json()
         assert out["count"] == len(out["tokens"]) > 0
-    text = http.post("/detokenize", json={"tokens": out["tokens"]}).json()["text"]
-    assert text == "Hello world!"
+    detokenized = http.post("/detokenize", json={"tokens": out["tokens"]}).json()
+    assert detokenized == {"prompt": "Hello world!", "text": "Hello world!"}, "vLLM's field and ours"
     assert http.post("/v1/detokenize", json={"tokens": [10**9]}).status_code == 400
+
+
+def test_tokenizer_info_describes_the_tokenizer_as_transformers_loads_it(http):
+    import transformers
+
+    from tests.server_harness import CONTEXT_TOKENS, api_checkpoint
+
+    reference = transformers.AutoTokenizer.from_pretrained(api_checkpoint())
+    info = http.get("/tokenizer_info").json()
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template"):
+        assert info[name] == getattr(reference, name), name
+    assert info["eos_token_id"] == reference.eos_token_id and info["eos_token_id"] in info["stop_token_ids"]
+    assert info["added_tokens_decoder"] == {str(i): t.content for i, t in reference.added_tokens_decoder.items()}
+    assert info["add_bos_token"] is False and info["add_eos_token"] is False, "this tokenizer adds neither"
+    assert info["model_max_length"] == CONTEXT_TOKENS and info["vocab_size"] == len(reference)
+    assert info["tokenizer_class"] == "PreTrainedTokenizerFast"
 
 
 class Borrowed:

@@ -51,6 +51,11 @@ def model(http):
     return http.get("/v1/models").json()["data"][0]["id"]
 
 
+def prompt_tokens(usage) -> int:
+    """The whole prompt: computed (`input_tokens`) plus served by the prefix cache."""
+    return usage.input_tokens + usage.cache_read_input_tokens
+
+
 def idle(http) -> bool:
     s = http.get("/admin/stats").json()
     return s["kv_blocks_free"] == s["kv_blocks_total"] and s["generating_now"] == 0
@@ -63,7 +68,7 @@ def test_create_message_with_the_client(claude, model, http):
     assert msg.stop_reason == "max_tokens" and msg.stop_sequence is None, "greedy here never ends by itself"
     assert msg.usage.output_tokens == 6
     count = claude.messages.count_tokens(model=model, messages=MESSAGES)
-    assert msg.usage.input_tokens == count.input_tokens
+    assert prompt_tokens(msg.usage) == count.input_tokens
     assert count.input_tokens == http.post("/v1/tokenize", json={"messages": MESSAGES}).json()["count"]
 
 
@@ -92,7 +97,7 @@ def test_stream_matches_the_whole_message(claude, model):
         final = stream.get_final_message()
     assert text == whole.content[0].text == final.content[0].text
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 12
-    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert prompt_tokens(final.usage) == prompt_tokens(whole.usage)
 
 
 def test_stream_event_sequence_and_framing(http, model):
@@ -127,7 +132,7 @@ def test_system_blocks_tool_use_and_tool_results_render_like_chat(claude, model,
             {"role": "tool", "content": "4", "tool_call_id": "t1"}, {"role": "user", "content": "Thanks"}]
     assert count == http.post("/v1/tokenize", json={"messages": chat}).json()["count"]
     msg = claude.messages.create(model=model, max_tokens=2, messages=messages, system=system, extra_body=GREEDY)
-    assert msg.usage.input_tokens == count
+    assert prompt_tokens(msg.usage) == count
 
 
 # ---------------------------------------------------------------- tools
@@ -188,7 +193,7 @@ def test_tool_result_history_round_trip(claude, model, http):
             {"id": block.id, "type": "function", "function": {"name": "add", "arguments": json.dumps(block.input)}}]},
         {"role": "tool", "tool_call_id": block.id, "content": "5"}]
     rendered = http.post("/v1/tokenize", json={"messages": chat}).json()["count"]
-    assert reply.usage.input_tokens == rendered, "tool_choice none: the history as chat renders it, no tools"
+    assert prompt_tokens(reply.usage) == rendered, "tool_choice none: the history as chat renders it, no tools"
 
 
 def test_count_tokens_counts_the_tools(claude, model, http):
@@ -197,7 +202,7 @@ def test_count_tokens_counts_the_tools(claude, model, http):
     as_chat = http.post("/v1/tokenize", json={"messages": MESSAGES, "tools": CHAT_TOOLS}).json()["count"]
     assert with_tools == as_chat > plain, "tools render into the prompt as on chat"
     msg = claude.messages.create(model=model, max_tokens=2, messages=MESSAGES, tools=TOOLS, extra_body=GREEDY)
-    assert msg.usage.input_tokens == with_tools
+    assert prompt_tokens(msg.usage) == with_tools
 
 
 @pytest.mark.parametrize("tools, tool_choice, message", [

@@ -3,6 +3,9 @@ server still serving afterwards (each case is followed by a successful request).
 
 from __future__ import annotations
 
+import json
+from http.client import HTTPConnection
+
 import httpx
 import openai
 import pytest
@@ -14,10 +17,15 @@ from tests.server_harness import CONTEXT_TOKENS, ServerThread, tiny_engine
 MAX_BODY_BYTES = 64 * 1024  # small, so the 413 case sends little
 
 
+DRAIN_TIMEOUT_S = 0.3  # the module's: a client that never sends its body waits this long for the answer
+
+
 @pytest.fixture(scope="module")
 def server():
     config = ServerConfig(max_body_bytes=MAX_BODY_BYTES, max_n=4, max_stop_strings=2, max_stop_chars=8)
-    with ServerThread(create_app(tiny_engine(), config)) as url:
+    app = create_app(tiny_engine(), config)
+    app.asgi_app.drain_timeout_s = DRAIN_TIMEOUT_S  # api/unread_body.py, the outermost middleware
+    with ServerThread(app) as url:
         yield url
 
 
@@ -163,3 +171,51 @@ def test_errors_are_counted(http):
     before = http.get("/admin/stats").json()["errors_total"]
     http.post("/v1/completions", json={"prompt": "Hi", "n": 0})
     assert http.get("/admin/stats").json()["errors_total"] == before + 1
+
+
+# ---------------------------------------------------------------- errors answered before the body is read
+
+
+def connection(server: str) -> HTTPConnection:
+    host, port = server.removeprefix("http://").split(":")
+    return HTTPConnection(host, int(port), timeout=30)
+
+
+def send_headers(conn: HTTPConnection, path: str, num_body_bytes: int) -> None:
+    conn.putrequest("POST", path)
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(num_body_bytes))
+    conn.endheaders()  # the headers alone: the server can answer before the body arrives
+
+
+def test_an_error_before_the_body_is_read_drains_it_and_keeps_the_connection(server):
+    body = json.dumps({"prompt": "x" * 4000}).encode()
+    conn = connection(server)
+    for path, status in (("/v1/nowhere", 404), ("/v1/models", 405)):
+        send_headers(conn, path, len(body))
+        conn.send(body)  # arrives after the route was refused
+        reply = conn.getresponse()
+        assert reply.status == status and reply.getheader("connection") is None, "kept alive"
+        assert json.loads(reply.read())["error"]["code"] in ("not_found", "method_not_allowed")
+        socket_used = conn.sock
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Hi", "max_tokens": 2}),
+                     headers={"Content-Type": "application/json"})
+        assert conn.getresponse().read() and conn.sock is socket_used, "the next request reuses the connection"
+    conn.close()
+
+
+def test_a_client_that_waits_for_the_answer_gets_connection_close(server):
+    conn = connection(server)
+    send_headers(conn, "/v1/nowhere", 100)  # and never sends the body: the answer comes after the drain timeout
+    reply = conn.getresponse()
+    assert reply.status == 404 and reply.getheader("connection") == "close", "the connection is not reused"
+    reply.read()
+    conn.close()
+
+
+def test_a_body_over_the_limit_is_refused_with_connection_close_and_the_pool_recovers(http):
+    r = http.post("/v1/completions", json={"prompt": "x" * MAX_BODY_BYTES})
+    assert_envelope(r, 413, None, "request_too_large")
+    assert r.headers["connection"] == "close", "too large to read: the connection closes, and says so"
+    for _ in range(3):
+        assert_still_serving(http)

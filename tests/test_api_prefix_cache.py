@@ -80,3 +80,36 @@ def test_chat_turns_share_the_system_prompt(http, client, model):
     num_prompt = len(rendered[1])
     assert usage[0].prompt_tokens_details.cached_tokens == (num_prompt - 1) // BLOCK * BLOCK, (
         "the same turn again: every block before the one holding the last prompt token hits")
+
+
+def test_every_wire_reports_the_cached_tokens_v1_requests_records(http, server):
+    import anthropic
+    import openai
+
+    words = random.Random(7).choices(["paged", "block", "cache", "fox", "dog", "quick", "lazy", "world"], k=60)
+    messages = [{"role": "user", "content": " ".join(words)}]
+    ids = http.post("/v1/tokenize", json={"messages": messages}).json()["tokens"]
+    expected = (len(ids) - 1) // BLOCK * BLOCK  # full blocks before the last prompt token, which is computed
+    assert expected >= 2 * BLOCK
+    http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})  # fills the cache
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    claude = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=2)
+    response = client.responses.create(model=model, input=messages[0]["content"], max_output_tokens=2)
+    message = claude.messages.create(model=model, max_tokens=2, messages=messages)
+    with claude.messages.stream(model=model, max_tokens=2, messages=messages) as stream:
+        streamed = stream.get_final_message()
+    llama = http.post("/completion", json={"prompt": ids, "n_predict": 2})
+    reported = {
+        chat.id: chat.usage.prompt_tokens_details.cached_tokens,
+        response.id: response.usage.input_tokens_details.cached_tokens,
+        message.id: message.usage.cache_read_input_tokens,
+        streamed.id: streamed.usage.cache_read_input_tokens,
+        llama.headers["x-request-id"]: llama.json()["tokens_cached"],
+    }
+    assert set(reported.values()) == {expected}, reported
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(ids)
+    assert streamed.usage.input_tokens == message.usage.input_tokens, "the stream's final usage is the whole's"
+    records = {r["id"]: r["cached_tokens"] for r in http.get("/v1/requests", params={"limit": 200}).json()["data"]}
+    assert {rid: records.get(rid) for rid in reported} == reported, "/v1/requests records the same counts"

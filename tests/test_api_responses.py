@@ -88,7 +88,7 @@ def test_a_row_that_ends_by_itself_is_completed():
     from ferrox_jax.request import RowEvent, SamplingParams
 
     class Run:
-        api_id, num_prompt_tokens, num_completion_tokens = "resp_x", 3, 1
+        api_id, num_prompt_tokens, num_completion_tokens, num_cached_tokens = "resp_x", 3, 1, 0
 
     reply = _Response(Run(), "m", ResponsesRequest(input="hi"), SamplingParams())
     reply.fold(RowOutput(0, 0, RowEvent("resp_x", 0, (5,), "Hi", None, "stop")))

@@ -4,13 +4,12 @@ bounded replay window (410 / 400 / 404). Real server, tiny Llama."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
 from api.app import create_app
 from api.config import ServerConfig
+from api.state import state_of
 from tests.server_harness import ServerThread, tiny_engine, wait_for
 
 CHAT = {"messages": [{"role": "user", "content": "Hello world!"}], "max_tokens": 30, "temperature": 0,
@@ -107,8 +106,10 @@ def test_bad_ids_and_unknown_streams(http):
 
 
 def test_the_replay_window_is_bounded_in_bytes_age_and_number():
-    config = ServerConfig(resumable_max_bytes=2000, resumable_ttl_s=0.5, resumable_max_streams=2)
-    with ServerThread(create_app(tiny_engine(), config)) as url, httpx.Client(base_url=url, timeout=60) as http:
+    config = ServerConfig(resumable_max_bytes=2000, resumable_ttl_s=60.0, resumable_max_streams=2)
+    app = create_app(tiny_engine(), config)
+    streams = state_of(app).resumable
+    with ServerThread(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         first = http.post("/v1/chat/completions", json=CHAT)
         rid, last = first.headers["x-request-id"], sse_events(first.text)[-1]["id"]
         for lost in ({"Last-Event-ID": f"{rid}:0"}, {}):
@@ -117,9 +118,28 @@ def test_the_replay_window_is_bounded_in_bytes_age_and_number():
         n = int(last.rsplit(":", 1)[1])
         kept = sse_events(http.get(f"/v1/stream/{rid}", headers={"Last-Event-ID": f"{rid}:{n - 2}"}).text)
         assert [e["id"] for e in kept] == [f"{rid}:{n - 1}", last], "the newest events are kept"
-        time.sleep(0.6)  # past the TTL
+        streams.streams[rid].finished_at -= config.resumable_ttl_s + 1  # aged past the TTL, not slept
         assert http.get(f"/v1/stream/{rid}").json()["error"]["code"] == "replay_window_lost"
         lasts = [sse_events(http.post("/v1/chat/completions", json=CHAT).text)[-1]["id"] for _ in range(3)]
         polls = [http.get(f"/v1/stream/{last.rsplit(':', 1)[0]}/poll", params={"last_event_id": last})
                  for last in lasts]
         assert [p.status_code for p in polls] == [410, 200, 200], "the oldest made room for the third"
+
+
+def test_the_requests_own_connection_keeps_what_it_has_not_taken_past_the_byte_bound():
+    import asyncio
+
+    from api.resumable import ReplayBuffer
+
+    async def run() -> None:
+        buffer = ReplayBuffer("r", max_bytes=100)
+        buffer.pin(0)  # the request's own connection, before it reads anything
+        for _ in range(10):  # a burst of 400 bytes, as a busy loop hands the pump
+            buffer.append(b"x" * 40)
+        assert [n for n, _ in buffer.events] == list(range(10)), "nothing the connection has not taken is dropped"
+        buffer.pin(6)  # it took 0..5
+        assert [n for n, _ in buffer.events] == [6, 7, 8, 9]
+        buffer.pin(None)  # it left: back to the byte bound
+        assert [n for n, _ in buffer.events] == [8, 9] and buffer.num_bytes == 80
+
+    asyncio.run(run())

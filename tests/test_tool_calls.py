@@ -4,16 +4,16 @@ tool validation, and forced-call grammars walked on the real default tokenizer."
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
 
-from api.tool_calls import (
-    TOOLS_PROMPT_PARALLEL, ToolCallStreamParser, ToolDefinitionError, add_tools_to_messages,
-    detect_tool_call_format, new_call_id, parse_tool_calls, render_tools_prompt, template_renders_tools,
-    tool_call_grammar, validate_tools,
-)
+from api.tool_call_parser import ToolCallStreamParser, detect_tool_call_format, new_call_id, parse_tool_calls
+from api.tool_calls import (TOOLS_PROMPT_PARALLEL, ToolDefinitionError, add_tools_to_messages, render_tools_prompt,
+                            template_renders_tools, tool_call_grammar, validate_tools)
 from ferrox_jax.grammar import GrammarCompiler, bitmask_words
+from tests import nested_tools
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 10},
                                             "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}
@@ -176,11 +176,11 @@ def check_arguments(name: str, args: dict) -> None:
         assert all(type(args[k]) is int and -99 <= args[k] <= 99 for k in "ab"), args
 
 
-def walk(compiled, tokenizer, seed: int) -> str:
+def walk(compiled, tokenizer, seed: int, max_tokens: int = 600) -> str:
     """Sample uniformly among allowed tokens until the grammar finishes."""
     rng, matcher, out = np.random.default_rng(seed), compiled.new_matcher(), []
     row = np.zeros(bitmask_words(49152), np.int32)
-    while not matcher.is_finished and len(out) < 600:
+    while not matcher.is_finished and len(out) < max_tokens:
         matcher.fill_mask(row)
         token = int(rng.choice(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))))
         assert matcher.accept(token)
@@ -207,4 +207,56 @@ def test_forced_call_grammar_walks_always_parse_into_valid_calls(compiler, token
             check_arguments(call.name, json.loads(call.arguments))
             names.add(call.name)
     expected = {"add"} if isinstance(tool_choice, dict) else {"add", "get_weather"}
+    assert names == expected, f"walks should reach every allowed tool; got {names}"
+
+
+# ---------------------------------------------------------------- parameters with $ref
+
+
+def resolve(document: dict, ref: str) -> Any:
+    """The subschema a root-relative `$ref` names in `document` (KeyError if none)."""
+    node = document
+    for token in ref.removeprefix("#").split("/")[1:]:
+        node = node[token.replace("~1", "/").replace("~0", "~")]
+    return node
+
+
+def refs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        return [v for k, v in node.items() if k == "$ref" and isinstance(v, str)] + \
+            [r for k, v in node.items() if k != "$ref" for r in refs(v)]
+    return [r for v in node for r in refs(v)] if isinstance(node, list) else []
+
+
+def test_forced_call_schema_moves_each_tools_definitions_into_its_own_defs():
+    specs = validate_tools(nested_tools.TOOLS)
+    wrapper = json.loads(tool_call_grammar(specs, "required").source)
+    defs = wrapper["$defs"]
+    # Person's and LEGACY's "Address" clash by name; each keeps its own shape.
+    assert defs["save_person.Address"]["required"] == ["street", "city"]
+    assert defs["mail.Address"]["required"] == ["zip"], "draft-7 `definitions` are moved too"
+    assert defs["plant_tree.Node"]["properties"]["children"]["items"] == {"$ref": "#/$defs/plant_tree.Node"}
+    # Refs into the document itself ("#", "#/properties/to") point at a copy of it.
+    assert defs["chain"]["properties"]["next"] == {"$ref": "#/$defs/chain"}
+    assert resolve(wrapper, defs["mail"]["properties"]["copy"]["$ref"]) == {"$ref": "#/$defs/mail.Address"}
+    for ref in refs(wrapper):
+        assert ref.startswith("#/$defs/") and resolve(wrapper, ref), f"{ref} resolves in the wrapper"
+    arguments = {call["properties"]["name"]["const"]: call["properties"]["arguments"] for call in wrapper["items"]["anyOf"]}
+    assert "$defs" not in arguments["save_person"] and arguments["chain"] == {"$ref": "#/$defs/chain"}
+    assert arguments["plant_tree"] == {"$ref": "#/$defs/plant_tree.Node"}, "a root $ref is rewritten too"
+    untouched = validate_tools(TOOLS)
+    assert "$defs" not in json.loads(tool_call_grammar(untouched, "required").source), "no refs, no $defs"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "plant_tree"}}])
+def test_forced_calls_with_refs_walk_into_calls_valid_against_each_tools_schema(compiler, tokenizer, tool_choice):
+    specs = validate_tools(nested_tools.TOOLS, compiler.compile)
+    compiled = compiler.compile(tool_call_grammar(specs, tool_choice, parallel_tool_calls=False))
+    names = set()
+    for seed in range(30):
+        content, calls = parse_tool_calls(walk(compiled, tokenizer, seed, max_tokens=2000), "json")
+        assert content == "" and len(calls) == 1
+        nested_tools.check_call(calls[0].name, calls[0].arguments)
+        names.add(calls[0].name)
+    expected = {"plant_tree"} if isinstance(tool_choice, dict) else set(nested_tools.SCHEMAS)
     assert names == expected, f"walks should reach every allowed tool; got {names}"
