@@ -16,7 +16,8 @@ So when a response starts, this middleware looks at the request's body:
   is read and dropped first, for at most `drain_timeout_s`, and the connection stays
   reusable;
 - otherwise (larger, chunked, or a client too slow to send it): the response carries
-  `Connection: close`, so the client opens a new connection for its next request.
+  `Connection: close`, so the client opens a new connection for its next request. A
+  declared length over the limit always does, even when the body was already in.
 
 It wraps the whole ASGI app (outside `api/guards.py`, whose refusals it covers too) and
 touches nothing else: a response to a request whose body was read passes through as is.
@@ -75,9 +76,12 @@ class _RequestBody:
         return message
 
     async def send_after_body(self, message: dict) -> None:
-        if message["type"] == "http.response.start" and not self.is_complete:
-            middleware = self.middleware
-            if await self.drain(middleware.max_drain_bytes, middleware.drain_timeout_s):
+        middleware = self.middleware
+        over_limit = self.declared_bytes is not None and self.declared_bytes > middleware.max_drain_bytes
+        if message["type"] == "http.response.start" and (over_limit or not self.is_complete):
+            # Over the limit, the answer says close even when the body happened to arrive
+            # whole before it (a fast client on loopback): it never depends on timing.
+            if not over_limit and await self.drain(middleware.max_drain_bytes, middleware.drain_timeout_s):
                 middleware.num_drained += 1
             else:
                 middleware.num_closed += 1
