@@ -33,7 +33,8 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from api import (admin_routes, anthropic_routes, embeddings_routes, guards, llamacpp_routes, model_admin,
-                 openai_routes, responses_routes, resumable, tokenizer_routes, unread_body, web)
+                 openai_routes, responses_routes, resumable, sessions, surface_routes, tokenizer_routes, unread_body,
+                 web)
 from api.config import ServerConfig
 from api.errors import APIError
 from api.state import AppState, json_response, state_of
@@ -52,6 +53,7 @@ ENVELOPES: tuple[tuple[str, Callable[[APIError], tuple[int, dict]]], ...] = (
     (anthropic_routes.ROUTE, anthropic_routes.error_response),
     ("/completion", llamacpp_routes.error_response),
     ("/completions", llamacpp_routes.error_response),
+    (surface_routes.SLOTS_ROUTE, llamacpp_routes.error_response),
 )
 
 
@@ -96,9 +98,11 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
     state.resumable = resumable.ResumableStreams(config.resumable_max_streams, config.resumable_max_bytes,
                                                  config.resumable_ttl_s)
     state.tasks = model_admin.TaskTable()
+    state.sessions = sessions.SessionStore(config.session_max, config.session_ttl_s)
+    state.on_engine_change.append(state.sessions.clear)
     app.extensions["ferrox"] = state
     for module in (openai_routes, anthropic_routes, responses_routes, llamacpp_routes, embeddings_routes,
-                   tokenizer_routes, resumable, admin_routes, model_admin):
+                   tokenizer_routes, resumable, admin_routes, model_admin, surface_routes):
         app.register_blueprint(module.blueprint)
     if config.web_ui:  # the chat page and the dashboard (api/web/)
         app.register_blueprint(web.blueprint)

@@ -60,13 +60,15 @@ class ServerConfig:
     resumable_ttl_s: float = 300.0  # a finished resumable stream is kept this long
     resumable_max_streams: int = 256  # resumable streams kept at once
     web_ui: bool = True  # the chat page at / and the dashboard at /dashboard (api/web/)
+    session_max: int = 1024  # chat sessions (`session_id`) kept at once; the least recently used makes room
+    session_ttl_s: float = 3600.0  # a session unused this long is forgotten
 
     def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ValueError(f"ServerConfig.port must be in 1..65535; got {self.port}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"ServerConfig.port must be in 0..65535 (0: a free port); got {self.port}")
         for name in ("max_body_bytes", "max_n", "max_stop_strings", "max_stop_chars", "max_concurrent_requests",
                      "max_header_bytes", "backlog", "sse_orphan_timeout_ms", "resumable_max_bytes",
-                     "resumable_max_streams"):
+                     "resumable_max_streams", "session_max"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1; got {getattr(self, name)}")
         for name in ("max_prompt_tokens", "max_output_tokens"):
@@ -76,7 +78,7 @@ class ServerConfig:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"ServerConfig.max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine's limit); "
                              f"got {self.max_logprobs}")
-        for name in ("request_timeout_s", "keep_alive_timeout_s", "resumable_ttl_s"):
+        for name in ("request_timeout_s", "keep_alive_timeout_s", "resumable_ttl_s", "session_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerConfig.{name} must be > 0; got {getattr(self, name)}")
         if self.sse_keepalive_s <= 0:
@@ -236,7 +238,10 @@ SETTINGS: tuple[Setting, ...] = (
     # server (ServerConfig)
     Setting("addr", "FERROX_ADDR", _str, None, "host:port (overridden by --host/--port)"),
     Setting("host", "FERROX_HOST", _str, None, f"bind address (default {DEFAULT_HOST})"),
-    Setting("port", "FERROX_PORT", _positive_int, None, f"port (default {DEFAULT_PORT})"),
+    Setting("port", "FERROX_PORT", _nonneg_int, None,
+            f"port (default {DEFAULT_PORT}; 0: a free port, named in the ready line on stdout)"),
+    Setting("exit_on_stdin_close", "FERROX_EXIT_ON_STDIN_CLOSE", _bool, False,
+            "drain and exit when stdin reaches its end (a parent process that dies takes the server with it)"),
     Setting("api_key", "FERROX_API_KEY", _str, None, "require 'Authorization: Bearer KEY'"),
     Setting("allow_unauthenticated_remote", "FERROX_ALLOW_UNAUTHENTICATED_REMOTE", _bool, False,
             "allow a non-loopback bind without an API key"),
@@ -285,6 +290,10 @@ SETTINGS: tuple[Setting, ...] = (
             "resumable streams kept at once (the oldest finished one makes room)"),
     Setting("web_ui", "FERROX_WEB_UI", _bool, True,
             "serve the chat page at / and the live dashboard at /dashboard (--no-web-ui: off)"),
+    Setting("session_max", "FERROX_SESSION_MAX", _positive_int, 1024,
+            "chat sessions (session_id) kept at once; the least recently used one makes room"),
+    Setting("session_ttl", "FERROX_SESSION_TTL", _positive_float, 3600.0,
+            "seconds an unused chat session is kept"),
 )
 
 

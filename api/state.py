@@ -69,6 +69,10 @@ class AppState:
         self.rates = RateWindow()
         self.resumable: Any = None  # api.resumable.ResumableStreams, installed by create_app
         self.tasks: Any = None  # api.model_admin.TaskTable, installed by create_app
+        self.sessions: Any = None  # api.sessions.SessionStore, installed by create_app
+        # Called with no arguments when the served engine changes (a swap, an unload): what
+        # was kept for the previous model (sessions, cached responses) is dropped there.
+        self.on_engine_change: list[Any] = []
         self._background: list[asyncio.Task] = []
         self.metrics = Metrics(self._metrics_source, self.model_card)
         self.inflight: dict[str, InFlight] = {}  # API request id -> its GenerationRun
@@ -109,6 +113,9 @@ class AppState:
                 self.phase, self.load_error = "ready", None
         elif self.phase == "ready":
             self.phase = "unloaded"
+        if previous is not engine:
+            for hook in self.on_engine_change:
+                hook()
         if previous is not None and previous is not engine:
             self.retire(previous)
 

@@ -130,12 +130,16 @@ class GenerationRequest:
     # states; the job samples nothing, holds only the prompt's blocks, and its one event
     # carries `RowEvent.embedding`. Needs max_tokens 0 and n 1.
     pooling: str | None = None
+    # False: the prompt is computed whole, nothing taken from the prefix cache (llama.cpp's
+    # `cache_prompt: false`); its blocks are still cached for later prompts.
+    reads_prefix_cache: bool = True
 
     @property
     def computes_every_position(self) -> bool:
         """The job needs every prompt position computed, so it takes nothing from the prefix
-        cache: prompt logprobs score each token, and mean pooling sums every hidden state."""
-        return self.prompt_logprobs or self.pooling == "mean"
+        cache: prompt logprobs score each token, mean pooling sums every hidden state, and
+        a job may ask not to read the cache."""
+        return self.prompt_logprobs or self.pooling == "mean" or not self.reads_prefix_cache
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
