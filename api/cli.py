@@ -106,7 +106,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             default_grammar=default_grammar(args.grammar, args.grammar_file, args.json_schema),
             model_dir=args.model_dir, resumable_max_bytes=args.resumable_max_bytes,
             resumable_ttl_s=args.resumable_ttl, resumable_max_streams=args.resumable_max_streams,
-            web_ui=args.web_ui, session_max=args.session_max, session_ttl_s=args.session_ttl)
+            web_ui=args.web_ui, session_max=args.session_max, session_ttl_s=args.session_ttl,
+            response_cache=args.response_cache, response_cache_max_entries=args.response_cache_max_entries,
+            response_cache_max_bytes=args.response_cache_max_bytes, rerank_scheme=args.rerank_scheme)
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {e}") from None
 

@@ -62,13 +62,18 @@ class ServerConfig:
     web_ui: bool = True  # the chat page at / and the dashboard at /dashboard (api/web/)
     session_max: int = 1024  # chat sessions (`session_id`) kept at once; the least recently used makes room
     session_ttl_s: float = 3600.0  # a session unused this long is forgotten
+    response_cache: bool = False  # answer repeated deterministic requests from memory (api/response_cache.py)
+    response_cache_max_entries: int = 1024
+    response_cache_max_bytes: int = 64 * MIB
+    rerank_scheme: str = "auto"  # /v1/rerank, /v1/score: auto, yes-no or embedding (api/rerank_routes.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"ServerConfig.port must be in 0..65535 (0: a free port); got {self.port}")
         for name in ("max_body_bytes", "max_n", "max_stop_strings", "max_stop_chars", "max_concurrent_requests",
                      "max_header_bytes", "backlog", "sse_orphan_timeout_ms", "resumable_max_bytes",
-                     "resumable_max_streams", "session_max"):
+                     "resumable_max_streams", "session_max", "response_cache_max_entries",
+                     "response_cache_max_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1; got {getattr(self, name)}")
         for name in ("max_prompt_tokens", "max_output_tokens"):
@@ -93,6 +98,8 @@ class ServerConfig:
                                  f"'https://app.example.com' (never '*'); got {origin!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("ServerConfig.tls_cert and tls_key must be given together")
+        if self.rerank_scheme not in ("auto", "yes-no", "embedding"):
+            raise ValueError(f"ServerConfig.rerank_scheme must be auto, yes-no or embedding; got {self.rerank_scheme!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("ServerConfig.api_key must not be empty (leave it unset for no key)")
         if not self.api_key and not self.allow_unauthenticated_remote and not is_loopback(self.host):
@@ -294,6 +301,15 @@ SETTINGS: tuple[Setting, ...] = (
             "chat sessions (session_id) kept at once; the least recently used one makes room"),
     Setting("session_ttl", "FERROX_SESSION_TTL", _positive_float, 3600.0,
             "seconds an unused chat session is kept"),
+    Setting("response_cache", "FERROX_RESPONSE_CACHE", _bool, False,
+            "answer a repeated greedy or seeded request from memory (header ferrox-cache: hit|miss|skip)"),
+    Setting("response_cache_max_entries", "FERROX_RESPONSE_CACHE_MAX_ENTRIES", _positive_int, 1024,
+            "responses the response cache keeps (the least recently used makes room)"),
+    Setting("rerank_scheme", "FERROX_RERANK_SCHEME", _str, "auto",
+            "how /v1/rerank and /v1/score score a pair: yes-no (Qwen3-Reranker's logits), embedding (cosine), "
+            "or auto (yes-no when the model id names a reranker)"),
+    Setting("response_cache_max_bytes", "FERROX_RESPONSE_CACHE_MAX_BYTES", _positive_int, 64 * MIB,
+            "bytes the response cache's entries may take"),
 )
 
 

@@ -113,6 +113,7 @@ async def completion() -> Response:
                             reads_prefix_cache=body.cache_prompt)
     run = GenerationRun(state, "/completion", api_id, [job], stream=body.stream, drop_output=asked == 0,
                         engine=engine)
+    run.seeded = body.seed >= 0
     settings = {"n_predict": body.n_predict, "n_ctx": engine.max_context, "temperature": body.temperature,
                 "top_k": body.top_k, "top_p": body.top_p, "min_p": body.min_p, "repeat_penalty": body.repeat_penalty,
                 "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,

@@ -204,6 +204,7 @@ async def completions() -> Response:
     echoes = [tok.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
     run = GenerationRun(state, "/v1/completions", api_id, reqs, stream=bool(body.stream), drop_output=zero_output,
                         engine=engine)
+    run.seeded = body.seed is not None
     return await _serve(run, body, CompletionShape(state.tokens, body.logprobs), echoes)
 
 
@@ -243,6 +244,7 @@ async def chat_completions() -> Response:
     reqs = [_job_request(api_id, prompt_ids, limit, body, _sampling(body, engine, logprobs), False, grammar,
                          chat.plan)]
     run = GenerationRun(state, "/v1/chat/completions", api_id, reqs, stream=bool(body.stream), engine=engine)
+    run.seeded = body.seed is not None
     after = (lambda reply: _remember(state, session, messages, reply)) if session else None
     return await _serve(run, body, ChatShape(state.tokens, logprobs), [""], chat.plan, after)
 

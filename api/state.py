@@ -70,6 +70,7 @@ class AppState:
         self.resumable: Any = None  # api.resumable.ResumableStreams, installed by create_app
         self.tasks: Any = None  # api.model_admin.TaskTable, installed by create_app
         self.sessions: Any = None  # api.sessions.SessionStore, installed by create_app
+        self.response_cache: Any = None  # api.response_cache.ResponseCache with --response-cache, else None
         # Called with no arguments when the served engine changes (a swap, an unload): what
         # was kept for the previous model (sessions, cached responses) is dropped there.
         self.on_engine_change: list[Any] = []

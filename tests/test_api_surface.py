@@ -17,7 +17,7 @@ import pytest
 
 from api.app import create_app
 from api.config import ServerConfig
-from tests.server_harness import ServerThread, templated_checkpoint, tiny_engine
+from tests.server_harness import ServerThread, parse_sse, templated_checkpoint, tiny_engine, wait_for
 
 # Prints each turn, then the variables under test right after the generation prompt.
 TEMPLATE = ("{%- for m in messages -%}<|{{ m.role }}|>{{ m.content }}\n{% endfor -%}"
@@ -158,3 +158,78 @@ def test_session_store_is_bounded_in_number_and_age():
     assert store.history("other-key", "b", now=2.0) == [], "a session is filed under its key"
     assert store.history("k", "b", now=11.0) == [], "unused for 10 s: forgotten"
     assert store.history("k", "c", now=11.0) == turn and len(store) == 1
+
+
+# ---------------------------------------------------------------- llama.cpp /completion
+
+
+def completion(http, **body):
+    return http.post("/completion", json={"n_predict": 4, "temperature": 0, **body}).json()
+
+
+def test_return_tokens_gives_the_generated_ids(http):
+    plain = completion(http, prompt="Hello")
+    assert plain["tokens"] == [], "llama.cpp leaves tokens empty unless asked"
+    asked = completion(http, prompt="Hello", return_tokens=True)
+    assert len(asked["tokens"]) == asked["tokens_predicted"] == 4, "greedy here never ends by itself"
+    assert http.post("/v1/detokenize", json={"tokens": asked["tokens"]}).json()["text"] == asked["content"]
+    with http.stream("POST", "/completion", json={"prompt": "Hello", "n_predict": 4, "temperature": 0,
+                                                  "stream": True, "return_tokens": True}) as r:
+        events = parse_sse(r.read().decode())
+    assert [t for e in events for t in e["tokens"]] == asked["tokens"]
+
+
+def test_cache_prompt_decides_whether_the_prefix_cache_serves(http):
+    prompt = "The prefix cache keeps whole blocks of sixteen positions. " * 3  # > 2 blocks, unique here
+    length = http.post("/v1/tokenize", json={"prompt": prompt}).json()["count"]
+    cached = (length - 1) // 16 * 16  # whole blocks before the last prompt token
+    assert cached >= 32
+    assert completion(http, prompt=prompt, cache_prompt=False)["tokens_cached"] == 0, "a first sight"
+    assert completion(http, prompt=prompt)["tokens_cached"] == cached, "cache_prompt false still fills the cache"
+    assert completion(http, prompt=prompt, cache_prompt=False)["tokens_cached"] == 0, "false: nothing read"
+
+
+def test_llamacpp_bad_fields_are_400s_in_its_envelope(http):
+    r = http.post("/completion", json={"prompt": "Hello", "return_tokens": "yes"})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "return_tokens" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- Responses lookups, slots, caches
+
+
+def test_an_in_flight_response_is_found_shown_in_slots_and_cancelled(client, http, model):
+    stream = client.responses.create(model=model, input="Hello", max_output_tokens=1500, stream=True,
+                                     temperature=0)
+    events = iter(stream)
+    response_id = next(events).response.id
+    assert client.responses.retrieve(response_id).status == "in_progress"
+    slots = http.get("/slots").json()
+    assert len(slots) == 32 and [s["id"] for s in slots] == list(range(32)), "one per row (max_seqs 32)"
+    busy = [s for s in slots if s["is_processing"]]
+    assert [s["id_task"] for s in busy] == [response_id] and busy[0]["route"] == "/v1/responses"
+    assert busy[0]["n_prompt_tokens"] > 0 and busy[0]["n_ctx"] == 2048
+    assert client.responses.cancel(response_id).status == "cancelled"
+    last = list(events)[-1]
+    assert last.type == "response.incomplete" and last.response.status == "cancelled"
+    wait_for(lambda: not any(s["is_processing"] for s in http.get("/slots").json()))
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.retrieve(response_id)
+    assert e.value.body["code"] == "response_not_found" and e.value.body["param"] == "response_id"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel(response_id)
+
+
+def test_cache_status_and_stats_match_the_engine(http):
+    status = http.get("/v1/cache/status").json()
+    stats = http.get("/admin/stats").json()
+    assert (status["block_size"], status["blocks_total"]) == (16, stats["kv_blocks_total"])
+    assert status["blocks_used"] == status["blocks_total"] - status["blocks_free"]
+    # the null block is part of the cache's bytes, never handed out
+    assert status["bytes_total"] == status["bytes_per_block"] * (status["blocks_total"] + 1)
+    prefix = status["prefix_cache"]
+    assert prefix["enabled"] and prefix["hit_tokens"] == stats["prefix_cache_hits"]
+    assert prefix["queried_tokens"] == stats["prefix_cache_queries"]
+    both = http.get("/cache/stats").json()
+    assert both["prefix_cache"]["hit_tokens"] == prefix["hit_tokens"] and "response_cache" in both
