@@ -33,8 +33,8 @@ from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from api import (admin_routes, anthropic_routes, embeddings_routes, guards, llamacpp_routes, model_admin,
-                 openai_routes, rerank_routes, response_cache, responses_routes, resumable, sessions, surface_routes, tokenizer_routes, unread_body,
-                 web)
+                 openai_routes, rerank_routes, response_cache, responses_routes, resumable, sessions, sleep_routes,
+                 surface_routes, tokenizer_routes, unread_body, web)
 from api.config import ServerConfig
 from api.errors import APIError
 from api.state import AppState, json_response, state_of
@@ -107,7 +107,8 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
         state.metrics.registry.register(response_cache.ResponseCacheCollector(state.response_cache))
     app.extensions["ferrox"] = state
     for module in (openai_routes, anthropic_routes, responses_routes, llamacpp_routes, embeddings_routes,
-                   tokenizer_routes, resumable, admin_routes, model_admin, surface_routes, rerank_routes):
+                   tokenizer_routes, resumable, admin_routes, model_admin, surface_routes, rerank_routes,
+                   sleep_routes):
         app.register_blueprint(module.blueprint)
     if config.web_ui:  # the chat page and the dashboard (api/web/)
         app.register_blueprint(web.blueprint)

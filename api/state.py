@@ -8,7 +8,8 @@ in it is touched only on the server's event loop, except the engine (whose `subm
 engine over with `loop.call_soon_threadsafe`.
 
 Phases: `loading` (engine not warm yet; /health 503) -> `ready` (200) -> `draining`
-(SIGTERM: /health and new work 503, in-flight work finishes). A dead engine loop or a
+(SIGTERM: /health and new work 503, in-flight work finishes). `sleeping` (POST /sleep:
+/health and new work 503 `sleeping` until POST /wake_up). A dead engine loop or a
 failed load reads `unavailable`; after `/admin/models/unload`, `unloaded` (503
 `model_not_loaded`) until a model is loaded again.
 
@@ -158,7 +159,7 @@ class AppState:
         self._background.clear()
 
     def health_state(self) -> str:
-        if self.phase in ("loading", "draining", "unloaded"):
+        if self.phase in ("loading", "draining", "unloaded", "sleeping"):
             return self.phase
         if self.phase == "failed" or self.engine is None or self.engine.health() != "ready":
             return "unavailable"
@@ -174,6 +175,8 @@ class AppState:
             raise unavailable("the model is still loading; retry shortly", code="loading")
         if state == "draining":
             raise unavailable("the server is shutting down", code="draining")
+        if state == "sleeping":
+            raise unavailable("the server is asleep (POST /sleep); POST /wake_up wakes it", code="sleeping")
         if state == "unloaded":
             raise unavailable("no model is loaded; load one with POST /admin/models/load", code="model_not_loaded")
         reason = self.load_error or "the engine is not running"
