@@ -159,7 +159,7 @@ class AppState:
         self._background.clear()
 
     def health_state(self) -> str:
-        if self.phase in ("loading", "draining", "unloaded", "sleeping"):
+        if self.phase in ("loading", "draining", "unloaded", "sleeping", "rebuilding"):
             return self.phase
         if self.phase == "failed" or self.engine is None or self.engine.health() != "ready":
             return "unavailable"
@@ -175,6 +175,9 @@ class AppState:
             raise unavailable("the model is still loading; retry shortly", code="loading")
         if state == "draining":
             raise unavailable("the server is shutting down", code="draining")
+        if state == "rebuilding":
+            raise unavailable("the KV cache is being rebuilt (POST /v1/cache/rebuild); retry shortly",
+                              code="cache_rebuilding")
         if state == "sleeping":
             raise unavailable("the server is asleep (POST /sleep); POST /wake_up wakes it", code="sleeping")
         if state == "unloaded":
