@@ -233,3 +233,12 @@ def test_cache_status_and_stats_match_the_engine(http):
     assert prefix["queried_tokens"] == stats["prefix_cache_queries"]
     both = http.get("/cache/stats").json()
     assert both["prefix_cache"]["hit_tokens"] == prefix["hit_tokens"] and "response_cache" in both
+
+
+def test_responses_reasoning_effort_reaches_the_template(client, http, model):
+    reply = client.responses.create(model=model, input="Hello", max_output_tokens=1, temperature=0,
+                                    reasoning={"effort": "none"})
+    assert reply.usage.input_tokens == count(http, "<|user|>Hello\n<|assistant|>[no-think][effort=none]")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input="Hello", max_output_tokens=1, reasoning={"effort": "max"})
+    assert e.value.body["param"] == "reasoning.effort"
