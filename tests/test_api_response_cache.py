@@ -124,3 +124,22 @@ def test_errors_carry_no_marker(http, model):
     r = http.post("/v1/chat/completions", json={"model": model, "messages": [], "max_tokens": 1})
     assert r.status_code == 400 and "ferrox-cache" not in r.headers and "ferrox_cache" not in r.json()
     assert json.loads(r.text)["error"]["param"] == "messages"
+
+
+def test_the_key_names_the_model_and_ignores_a_greedy_seed():
+    from types import SimpleNamespace
+
+    from api.response_cache import ResponseCache, run_key
+    from ferrox_jax.request import GenerationRequest, SamplingParams
+
+    def run(model: str, seed: int, temperature: float = 0.0, request_id: str = "a"):
+        job = GenerationRequest(request_id=request_id, prompt_token_ids=(1, 2, 3), max_tokens=4,
+                                sampling=SamplingParams(temperature=temperature, seed=seed))
+        return SimpleNamespace(engine=SimpleNamespace(model_name=model, checkpoint_path="/ckpt"), jobs=(job,),
+                               drop_output=False, seeded=False)
+
+    assert run_key(run("m", 1)) == run_key(run("m", 2, request_id="b")), "greedy: seed and id change nothing"
+    assert run_key(run("m", 1)) != run_key(run("other", 1)), "another model's answer is never served"
+    assert run_key(run("m", 1, 1.0)) != run_key(run("m", 2, 1.0)), "sampled: the seed is part of the input"
+    cache = ResponseCache(max_entries=8, max_bytes=1024)
+    assert cache.lookup(run("m", 1, 1.0))[0] == "skip", "sampled without a seed the client named"
