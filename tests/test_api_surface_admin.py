@@ -84,7 +84,7 @@ def test_prepare_stop_bad_bodies_are_400s(http, body, param):
 def test_prepare_stop_finishes_in_flight_work_then_reports_sealed(server, http, client, model):
     """Last in the module: the server stays sealed."""
     with httpx.Client(base_url=server, timeout=60) as streamer:
-        with streamer.stream("POST", "/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 1800,
+        with streamer.stream("POST", "/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 800,
                                                               "temperature": 0, "ignore_eos": True,
                                                               "stream": True}) as stream:
             lines = stream.iter_lines()
