@@ -130,6 +130,12 @@ class GenerationRequest:
     # states; the job samples nothing, holds only the prompt's blocks, and its one event
     # carries `RowEvent.embedding`. Needs max_tokens 0 and n 1.
     pooling: str | None = None
+    # The LoRA adapter the job runs with: its device slot (0: the base model), its name
+    # (the counters') and its key (name + a digest of its weights: the prefix cache's, so an
+    # adapter reloaded with other weights never meets its old blocks). None with slot 0.
+    adapter_slot: int = 0
+    adapter_name: str | None = None
+    adapter_key: str | None = None
 
     @property
     def computes_every_position(self) -> bool:
