@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Callable
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from api import (admin_routes, anthropic_routes, embeddings_routes, guards, llamacpp_routes, model_admin,
-                 openai_routes, responses_routes, resumable, tokenizer_routes, unread_body, web)
+from api import (admin_routes, anthropic_routes, embeddings_routes, guards, llamacpp_routes, lora_routes,
+                 model_admin, openai_routes, responses_routes, resumable, tokenizer_routes, unread_body, web)
 from api.config import ServerConfig
 from api.errors import APIError
 from api.state import AppState, json_response, state_of
@@ -98,7 +98,7 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
     state.tasks = model_admin.TaskTable()
     app.extensions["ferrox"] = state
     for module in (openai_routes, anthropic_routes, responses_routes, llamacpp_routes, embeddings_routes,
-                   tokenizer_routes, resumable, admin_routes, model_admin):
+                   tokenizer_routes, resumable, admin_routes, model_admin, lora_routes):
         app.register_blueprint(module.blueprint)
     if config.web_ui:  # the chat page and the dashboard (api/web/)
         app.register_blueprint(web.blueprint)

@@ -63,6 +63,8 @@ class Engine:
     """The engine facade (see the module docstring). Thread-safe where the API needs it:
     `submit`, `cancel`, `stats` and `health` may be called from any thread."""
 
+    lora = None  # the LoraRegistry when --max-loras > 0 (engine_builder sets it), else None
+
     def __init__(self, source: CheckpointSource, runner: ModelRunner, batcher: ContinuousBatcher,
                  config: EngineConfig, sizing: KVSizing, attention_note: str,
                  grammar: GrammarCompiler | None = None, grammar_note: str = "", matmul_note: str = "") -> None:

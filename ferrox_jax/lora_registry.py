@@ -134,3 +134,25 @@ class LoraRegistry:
         if runner.shardings is not None:  # keep each leaf's sharding, so compiled steps take it
             state = jax.device_put(state, runner.shardings.state)
         runner.state = state
+
+
+def build_registry(runner, architecture: str, slots: LoraSlots, targets: dict[tuple[int, str], tuple[int, int]],
+                   modules: tuple[tuple[str, str], ...] = ()) -> LoraRegistry:
+    """The registry of a runner whose model `attach_lora` wrapped, with the start-up
+    adapters (`--lora-modules`) loaded.
+
+    Raises:
+      LoraError("unsupported_architecture") when the model has no projection LoRA can
+      target, or what `load` raises for a start-up adapter (named)."""
+    from models.registry import family_for
+
+    if not targets:
+        raise LoraError("unsupported_architecture", f"{architecture} has no projection LoRA can target "
+                                                    f"(--max-loras needs q/k/v/o or dense MLP projections)")
+    registry = LoraRegistry(runner, slots, family_for(architecture).hf_layer_weights, targets)
+    for name, path in modules:
+        try:
+            registry.load(name, path)
+        except LoraError as e:
+            raise LoraError(e.code, f"--lora-modules {name}={path}: {e}") from None
+    return registry

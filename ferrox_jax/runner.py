@@ -41,7 +41,7 @@ from ferrox_jax.plan import MaskFiller, RowPlan
 from ferrox_jax.sharding import runner_shardings
 from ferrox_jax.step import ForwardBatch, ForwardResult, jit_steps
 from models.attention import ATTENTION_CHUNK_BLOCKS
-from models.lora import has_lora_slots
+from models.lora import lora_slot_count
 
 log = logging.getLogger(__name__)
 COPY_BATCH = 8  # block copies are padded to this many pairs (0 -> 0 is a no-op copy)
@@ -92,7 +92,8 @@ class ModelRunner:
         if self.shardings is not None:
             self.state = jax.device_put(self.state, self.shardings.state)
         self._steps = jit_steps(self.shardings)
-        self.has_lora = has_lora_slots(self.state)  # the model's projections carry adapter slots
+        self.max_loras = lora_slot_count(self.state)  # adapter slots the projections carry (0: no LoRA)
+        self.has_lora = self.max_loras > 0
         self.kv_cache: KVCache = create_kv_cache(
             cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim, self.kv_dtype,
             sharding=None if self.shardings is None else self.shardings.kv_array)

@@ -157,6 +157,14 @@ class Scheduler:
         return bool(self._jobs or self._cancel_inbox or self._events)
 
     @property
+    def lora_adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(adapters of jobs holding rows, adapters of waiting jobs), each sorted, unique."""
+        running = {job.spec.adapter_name for job in self._prefilling}
+        running |= {row.request.spec.adapter_name for row in self._decoding.values()}
+        waiting = {job.spec.adapter_name for job in self._waiting}
+        return tuple(sorted(running - {None})), tuple(sorted(waiting - {None}))
+
+    @property
     def waiting_request_ids(self) -> tuple[str, ...]:
         return tuple(job.spec.request_id for job in self._waiting)
 

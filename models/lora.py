@@ -241,8 +241,8 @@ def read_peft_adapter(folder: str | Path, hf_layer_weights: dict[str, str],
       max_rank: `--max-lora-rank`.
     Raises:
       LoraError: code "invalid_adapter" (missing files, unsupported options),
-        "rank_too_large", or "missing_target_module" (a module the model lacks or whose
-        shape differs).
+        "rank_too_large", "missing_target_module" (a module the model lacks or whose
+        shape differs) or "unsupported_architecture" (a fused projection).
     """
     from safetensors.numpy import load_file
 
@@ -256,6 +256,9 @@ def read_peft_adapter(folder: str | Path, hf_layer_weights: dict[str, str],
     for key, tensor in load_file(str(folder / ADAPTER_WEIGHTS)).items():
         m = _PEFT_KEY.match(key)
         ours = hf_layer_weights.get(f"{m.group(2)}.weight") if m else None
+        if isinstance(ours, tuple):  # a fused checkpoint tensor (Phi-3's qkv_proj) split at load
+            raise LoraError("unsupported_architecture", f"adapter tensor {key!r} adapts a fused projection "
+                                                        f"({m.group(2)}); LoRA on fused projections is not supported")
         if ours is None or (int(m.group(1)), ours) not in targets:
             raise LoraError("missing_target_module", f"adapter tensor {key!r} targets a module the model lacks "
                                                      f"(targets: {', '.join(LORA_TARGETS)})")
@@ -280,6 +283,8 @@ def _to_our_layout(where, ab: dict[str, np.ndarray], shape: tuple[int, int], ran
     return a, b
 
 
-def has_lora_slots(state) -> bool:
-    """Whether an nnx.State holds LoraWeights (`attach_lora` ran on its model)."""
-    return bool(_lora_leaves(state))
+def lora_slot_count(state) -> int:
+    """Adapter slots (the zero slot not counted) of the LoraWeights in an nnx.State; 0 when
+    `attach_lora` did not run on its model."""
+    leaves = _lora_leaves(state)
+    return int(leaves[0][1].a.shape[0]) - 1 if leaves else 0
