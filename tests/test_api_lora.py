@@ -179,3 +179,18 @@ def test_prefix_cache_never_shares_blocks_across_adapters(server):
     assert cached(engine.model_name) > 0, "the base model's second identical prompt hits the cache"
     assert cached("a1") == 0, "an adapter must not reuse the base model's blocks"
     assert cached("a1") > 0, "an adapter's own second identical prompt hits its own blocks"
+
+
+def test_metrics_and_stats_count_adapters(server):
+    url, engine, _, _ = server
+    client = _client(url)
+    before = {a["name"]: a["requests"] for a in httpx.get(url + "/admin/stats", headers={
+        "Authorization": f"Bearer {KEY}"}).json()["lora_adapters"]}
+    _complete(client, "a1")
+    stats = httpx.get(url + "/admin/stats", headers={"Authorization": f"Bearer {KEY}"}).json()
+    after = {a["name"]: a for a in stats["lora_adapters"]}
+    assert after["a1"]["requests"] == before["a1"] + 1 and after["a1"]["running"] == 0
+    assert stats["max_loras"] == 2
+    metrics = httpx.get(url + "/metrics").text
+    line = next(m for m in metrics.splitlines() if m.startswith("vllm:lora_requests_info{"))
+    assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line, line
