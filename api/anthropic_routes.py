@@ -320,7 +320,7 @@ async def create_message() -> Response:
                                                   state.config, "messages"),
                             stop=tuple(body.stop_sequences or ()), grammar=grammar,
                             skip_special_tokens=plan.skip_special_tokens)
-    run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine)
+    run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine, model=body.model)
     reply = _Message(run, engine.model_name, plan)
     generation.start(run)
     headers = {"request-id": api_id}

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Callable
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from api import (admin_routes, anthropic_routes, cache_rebuild, embeddings_routes, guards, llamacpp_routes, model_admin,
-                 openai_routes, rerank_routes, response_cache, responses_routes, resumable, sessions, sleep_routes,
-                 surface_routes, tokenizer_routes, unread_body, web)
+from api import (admin_routes, anthropic_routes, cache_rebuild, embeddings_routes, guards, llamacpp_routes, lora_routes,
+                 model_admin, openai_routes, rerank_routes, response_cache, responses_routes, resumable, sessions,
+                 sleep_routes, surface_routes, tokenizer_routes, unread_body, web)
 from api.config import ServerConfig
 from api.errors import APIError
 from api.state import AppState, json_response, state_of
@@ -108,7 +108,7 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
     app.extensions["ferrox"] = state
     for module in (openai_routes, anthropic_routes, responses_routes, llamacpp_routes, embeddings_routes,
                    tokenizer_routes, resumable, admin_routes, model_admin, surface_routes, rerank_routes,
-                   sleep_routes, cache_rebuild):
+                   sleep_routes, cache_rebuild, lora_routes):
         app.register_blueprint(module.blueprint)
     if config.web_ui:  # the chat page and the dashboard (api/web/)
         app.register_blueprint(web.blueprint)

@@ -71,6 +71,10 @@ def _add_settings(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> 
             parser.add_argument(s.cli_flag, dest=s.name, action=action, default=defaults[s.name],
                                 help=f"{s.help} [{s.env}]")
             continue
+        if s.parse.__name__ == "_lora_modules":  # vLLM's form: --lora-modules a=PATH b=PATH
+            parser.add_argument(s.cli_flag, dest=s.name, type=s.parse, nargs="+", default=defaults[s.name],
+                                help=f"{s.help} [{s.env}]", metavar="NAME=PATH")
+            continue
         parser.add_argument(s.cli_flag, dest=s.name, type=s.parse, default=defaults[s.name],
                             help=f"{s.help} [{s.env}]", metavar=s.name.upper())
 
@@ -108,7 +112,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             resumable_ttl_s=args.resumable_ttl, resumable_max_streams=args.resumable_max_streams,
             web_ui=args.web_ui, session_max=args.session_max, session_ttl_s=args.session_ttl,
             response_cache=args.response_cache, response_cache_max_entries=args.response_cache_max_entries,
-            response_cache_max_bytes=args.response_cache_max_bytes, rerank_scheme=args.rerank_scheme)
+            response_cache_max_bytes=args.response_cache_max_bytes, rerank_scheme=args.rerank_scheme,
+            enable_runtime_lora=args.enable_runtime_lora)
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {e}") from None
 
@@ -128,9 +133,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             compile_cache_dir=None if cache == "off" else cache,
             tensor_parallel=args.tensor_parallel, mesh=args.mesh, replicate_attention=args.replicate_attention,
             attention_impl=args.attention_impl, coordinator_address=args.coordinator_address,
-            num_processes=args.num_processes, process_id=args.process_id)
+            num_processes=args.num_processes, process_id=args.process_id, max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank, lora_modules=_flat_pairs(args.lora_modules))
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {e}") from None
+
+
+def _flat_pairs(value) -> tuple[tuple[str, str], ...]:
+    """--lora-modules: the variable's pairs, or the flag's list of parsed words."""
+    if value and isinstance(value, list):
+        return tuple(pair for word in value for pair in word)
+    return tuple(value or ())
 
 
 # ---------------------------------------------------------------- serve

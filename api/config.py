@@ -66,6 +66,7 @@ class ServerConfig:
     response_cache_max_entries: int = 1024
     response_cache_max_bytes: int = 64 * MIB
     rerank_scheme: str = "auto"  # /v1/rerank, /v1/score: auto, yes-no or embedding (api/rerank_routes.py)
+    enable_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -173,6 +174,17 @@ def _origins(text: str) -> tuple[str, ...]:
 
 def _str(text: str) -> str:
     return text
+
+
+def _lora_modules(text: str) -> tuple[tuple[str, str], ...]:
+    """'name=path' pairs, separated by spaces or commas."""
+    pairs = []
+    for item in text.replace(",", " ").split():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"expected name=path, got {item!r}")
+        pairs.append((name, path))
+    return tuple(pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,6 +322,14 @@ SETTINGS: tuple[Setting, ...] = (
             "or auto (yes-no when the model id names a reranker)"),
     Setting("response_cache_max_bytes", "FERROX_RESPONSE_CACHE_MAX_BYTES", _positive_int, 64 * MIB,
             "bytes the response cache's entries may take"),
+    # LoRA adapters (models/lora.py; docs/api.md, "LoRA adapters")
+    Setting("max_loras", "FERROX_MAX_LORAS", _nonneg_int, 0,
+            "LoRA adapter slots on the device (0 = no LoRA); a request picks an adapter by its name in `model`"),
+    Setting("max_lora_rank", "FERROX_MAX_LORA_RANK", _positive_int, 16, "largest LoRA rank a slot holds"),
+    Setting("lora_modules", "FERROX_LORA_MODULES", _lora_modules, (),
+            "PEFT adapters loaded at start-up: name=path ... (needs --max-loras)"),
+    Setting("enable_runtime_lora", "FERROX_ENABLE_RUNTIME_LORA", _bool, False,
+            "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (paths inside --model-dir only)"),
 )
 
 

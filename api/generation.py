@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Sequence
 from quart import g, has_request_context
 
 from api.errors import APIError, unavailable
+from api.lora_routes import adapter_jobs
 from api.telemetry import RequestRecord
 from ferrox_jax.request import AdmissionError, GenerationRequest, RowEvent
 
@@ -79,7 +80,8 @@ class GenerationRun:
     """One API generation request in flight (see the module docstring)."""
 
     def __init__(self, state: AppState, route: str, api_id: str, jobs: Sequence[GenerationRequest], *,
-                 stream: bool, drop_output: bool = False, engine: Engine | None = None) -> None:
+                 stream: bool, drop_output: bool = False, engine: Engine | None = None,
+                 model: str | None = None) -> None:
         """Args:
           state: the app's shared state (engine, metrics, in-flight table).
           route: recorded in `/admin/stats` (e.g. "/v1/chat/completions").
@@ -90,6 +92,8 @@ class GenerationRun:
             token, which is dropped, and its rows end with "length" and 0 tokens.
           engine: the engine whose tokenizer made the prompts (default: the app's current one);
             the run stays on it even if the app swaps models meanwhile.
+          model: the request's `model`; a LoRA adapter's name runs the jobs in its slot,
+            held from `submit` until `close` (`api/lora_routes.py`).
         """
         self.state = state
         self.engine = engine if engine is not None else state.engine
@@ -121,6 +125,8 @@ class GenerationRun:
         self._rows_open = [self.n] * len(self.jobs)
         self._jobs_seen: set[int] = set()
         self._closed = False
+        self.model = model
+        self._adapter_slot = 0  # the LoRA slot this run holds (0: none)
 
     @property
     def num_choices(self) -> int:
@@ -141,15 +147,18 @@ class GenerationRun:
         if self._answer_from_cache():
             return
         loop = asyncio.get_running_loop()
+        self.jobs, self._adapter_slot = adapter_jobs(engine, self.model, self.jobs)
         try:
             for job, request in enumerate(self.jobs):
                 engine.submit(request, self._callback(loop, job))
                 self._num_submitted += 1
         except AdmissionError as e:
             self._cancel_open()
+            self._release_adapter()
             raise admission_error(e) from None
         except BaseException:
             self._cancel_open()
+            self._release_adapter()
             raise
         self.submitted_at = time.monotonic()
         self.state.inflight[self.api_id] = self
@@ -339,7 +348,13 @@ class GenerationRun:
                 self.state.stats.generating_now -= 1
         if self.status >= 500 and self.stream:
             self.state.stats.on_error()  # a stream's status line said 200; count its failure here
+        self._release_adapter()
         self._record()
+
+    def _release_adapter(self) -> None:
+        if self._adapter_slot:
+            self.engine.lora.release(self._adapter_slot)
+            self._adapter_slot = 0
 
     def _record(self) -> None:
         now = time.monotonic()

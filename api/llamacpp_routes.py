@@ -39,7 +39,7 @@ from api import generation
 from api.errors import APIError
 from api.generation import GenerationRun, RowOutput
 from api.limits import check_asked_tokens, check_prompt_tokens, check_stop_strings, check_token_ids, max_tokens
-from api.prompts import encode
+from api.prompts import check_model, encode
 from api.protocol import dumps, parse_body
 from api.sse import KEEP_ALIVE_COMMENT, sse_response
 from api.state import json_response, state_of
@@ -78,6 +78,7 @@ class LlamaCompletionRequest(BaseModel):
     stream: bool = False
     cache_prompt: bool = True
     return_tokens: bool = False
+    model: str | None = None  # a LoRA adapter's name runs the request with it (api/lora_routes.py)
 
     @field_validator("prompt", mode="plain")
     @classmethod
@@ -95,6 +96,7 @@ async def completion() -> Response:
     state = state_of(current_app)
     body: LlamaCompletionRequest = parse_body(await request.get_data(), LlamaCompletionRequest)
     engine = state.require_engine()
+    check_model(body.model, engine)
     check_stop_strings(body.stop, state.config)
     tok = engine.tokenizer
     ids = await encode(tok, body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
@@ -112,7 +114,7 @@ async def completion() -> Response:
                             stop=tuple(body.stop), ignore_eos=body.ignore_eos,
                             reads_prefix_cache=body.cache_prompt)
     run = GenerationRun(state, "/completion", api_id, [job], stream=body.stream, drop_output=asked == 0,
-                        engine=engine)
+                        engine=engine, model=body.model)
     run.seeded = body.seed >= 0
     settings = {"n_predict": body.n_predict, "n_ctx": engine.max_context, "temperature": body.temperature,
                 "top_k": body.top_k, "top_p": body.top_p, "min_p": body.min_p, "repeat_penalty": body.repeat_penalty,

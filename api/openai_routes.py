@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 from quart import Blueprint, Response, current_app, request
 
 from api import generation, resumable, sessions
+from api.lora_routes import lora_cards
 from api.choices import ChatShape, Choice, CompletionShape, prompt_entries
 from api.errors import APIError
 from api.generation import GenerationRun, RowOutput, job_ids
@@ -59,14 +60,16 @@ async def _body(model: type) -> Any:
 @blueprint.get("/v1/models")
 async def list_models() -> Response:
     engine = _state().require_engine()
-    return json_response({"object": "list", "data": [_model_card(engine)]})
+    card = _model_card(engine)
+    return json_response({"object": "list", "data": [card, *lora_cards(engine, card)]})
 
 
 @blueprint.get("/v1/models/<path:name>")
 async def get_model(name: str) -> Response:
     engine = _state().require_engine()
     check_model(name, engine)
-    return json_response(_model_card(engine))
+    card = _model_card(engine)
+    return json_response(next((c for c in lora_cards(engine, card) if c["id"] == name), card))
 
 
 def _model_card(engine: Engine) -> dict:
@@ -203,7 +206,7 @@ async def completions() -> Response:
             for job_id, ids in zip(job_ids(api_id, len(prompts)), prompts)]
     echoes = [tok.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
     run = GenerationRun(state, "/v1/completions", api_id, reqs, stream=bool(body.stream), drop_output=zero_output,
-                        engine=engine)
+                        engine=engine, model=body.model)
     run.seeded = body.seed is not None
     return await _serve(run, body, CompletionShape(state.tokens, body.logprobs), echoes)
 
@@ -243,7 +246,8 @@ async def chat_completions() -> Response:
     api_id = f"chatcmpl-{uuid.uuid4().hex}"
     reqs = [_job_request(api_id, prompt_ids, limit, body, _sampling(body, engine, logprobs), False, grammar,
                          chat.plan)]
-    run = GenerationRun(state, "/v1/chat/completions", api_id, reqs, stream=bool(body.stream), engine=engine)
+    run = GenerationRun(state, "/v1/chat/completions", api_id, reqs, stream=bool(body.stream), engine=engine,
+                        model=body.model)
     run.seeded = body.seed is not None
     after = (lambda reply: _remember(state, session, messages, reply)) if session else None
     return await _serve(run, body, ChatShape(state.tokens, logprobs), [""], chat.plan, after)

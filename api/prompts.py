@@ -13,6 +13,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from api.errors import APIError
+from api.lora_routes import lora_names
 from api.structured import OutputPlan, ToolRequest, prepare_chat
 
 if TYPE_CHECKING:
@@ -23,8 +24,9 @@ ENCODE_INLINE_CHARS = 16_384  # longer prompts are tokenized in a worker thread
 
 
 def check_model(name: str | None, engine: Engine) -> None:
-    """404 `model_not_found` unless `name` is absent or the served model's id."""
-    if name is not None and name != engine.model_name:
+    """404 `model_not_found` unless `name` is absent, the served model's id or a loaded
+    LoRA adapter's name (`api/lora_routes.py`)."""
+    if name is not None and name != engine.model_name and name not in lora_names(engine):
         raise APIError(404, f"model {name!r} not found; this server serves {engine.model_name!r}",
                        param="model", code="model_not_found")
 

@@ -294,6 +294,8 @@ class ModelCard(BaseModel):
     dtype: str | None = None  # compute dtype
     quantization: str | None = None  # none, int8 or w8a8
     kv_cache_dtype: str | None = None
+    root: str | None = None  # a LoRA adapter: its folder
+    parent: str | None = None  # a LoRA adapter: the base model's id
 
 
 class ModelList(BaseModel):

@@ -244,7 +244,7 @@ async def create_response() -> Response:
     limit = max_tokens(body.max_output_tokens, len(prompt), engine.max_context, state.config, "input")
     job = GenerationRequest(request_id=api_id, prompt_token_ids=tuple(prompt), max_tokens=limit, sampling=sampling,
                             grammar=grammar, skip_special_tokens=plan.skip_special_tokens)
-    run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine)
+    run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine, model=body.model)
     reply = _Response(run, engine.model_name, body, sampling, plan)
     generation.start(run)
     if run.stream:

@@ -379,6 +379,8 @@ class ContinuousBatcher:
             prefix_cache_queries=scheduler.blocks.num_queried_tokens,
             prefix_cache_hits=scheduler.blocks.num_hit_tokens,
             kv_blocks_cached=scheduler.blocks.num_cached_blocks,
+            max_loras=getattr(self._runner, "max_loras", 0),  # scripted test runners have none
+            running_lora_adapters=scheduler.lora_adapters[0], waiting_lora_adapters=scheduler.lora_adapters[1],
             **self._masks)
         with self._lock:
             self._snapshot = snapshot

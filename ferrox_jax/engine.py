@@ -31,6 +31,8 @@ from models.loader import CheckpointSource, resolve_path
 from models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # llguidance is imported only when structured output is set up
+    import concurrent.futures
+
     from ferrox_jax.grammar import GrammarCompiler
 
 
@@ -62,6 +64,8 @@ class KVSizing:
 class Engine:
     """The engine facade (see the module docstring). Thread-safe where the API needs it:
     `submit`, `cancel`, `stats` and `health` may be called from any thread."""
+
+    lora = None  # the LoraRegistry when --max-loras > 0 (engine_builder sets it), else None
 
     def __init__(self, source: CheckpointSource, runner: ModelRunner, batcher: ContinuousBatcher,
                  config: EngineConfig, sizing: KVSizing, attention_note: str,

@@ -133,6 +133,12 @@ class GenerationRequest:
     # False: the prompt is computed whole, nothing taken from the prefix cache (llama.cpp's
     # `cache_prompt: false`); its blocks are still cached for later prompts.
     reads_prefix_cache: bool = True
+    # The LoRA adapter the job runs with: its device slot (0: the base model), its name
+    # (the counters') and its key (name + a digest of its weights: the prefix cache's, so an
+    # adapter reloaded with other weights never meets its old blocks). None with slot 0.
+    adapter_slot: int = 0
+    adapter_name: str | None = None
+    adapter_key: str | None = None
 
     @property
     def computes_every_position(self) -> bool:
