@@ -144,10 +144,10 @@ class GenerationRun:
         engine = self.engine
         if engine is None:
             raise unavailable("no model is loaded", code="model_not_loaded")
-        if self._answer_from_cache():
-            return
         loop = asyncio.get_running_loop()
         self.jobs, self._adapter_slot = adapter_jobs(engine, self.model, self.jobs)
+        if self._answer_from_cache():  # after the adapter is named in the jobs: it is part of the key
+            return
         try:
             for job, request in enumerate(self.jobs):
                 engine.submit(request, self._callback(loop, job))

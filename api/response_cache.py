@@ -4,8 +4,9 @@ A request is *cacheable* when every job of it is deterministic: greedy (temperat
 seeded by the client (`GenerationRun.seeded`: the request named its `seed`), and not a
 pooling job. Its key is a SHA-256 over the served engine (model name and checkpoint) and
 every engine job with its request id blanked: the prompt's token ids, the sampling
-settings, the limits, stops and output constraint, and whatever else a job carries (an
-adapter id, where jobs have one). Two requests with equal keys are given the same tokens
+settings, the limits, stops and output constraint, the LoRA adapter's name and key (the
+key changes when an adapter is reloaded with other weights; the slot it sits in does not
+count), and whatever else a job carries. The lookup runs after the adapter is resolved. Two requests with equal keys are given the same tokens
 by the engine, so the second is answered from the first's recorded row events.
 
 - A hit replays the recorded `RowOutput`s through the same `GenerationRun` path a miss
@@ -59,7 +60,9 @@ def run_key(run: GenerationRun) -> str:
         sampling = job.sampling
         if sampling.temperature == 0.0:  # greedy: the seed (random unless given) changes nothing
             sampling = dataclasses.replace(sampling, seed=0)
-        parts.append(repr(dataclasses.replace(job, request_id="", sampling=sampling)))
+        # The adapter's name and key (its weights' version) stay in; its slot is placement only.
+        placement = {"adapter_slot": 0} if hasattr(job, "adapter_slot") else {}
+        parts.append(repr(dataclasses.replace(job, request_id="", sampling=sampling, **placement)))
     return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()
 
 
