@@ -148,9 +148,10 @@ async def _tokens(engine: Engine, state: AppState, text: str, param: str, add_sp
 
 
 async def _run(state: AppState, engine: Engine, route: str, api_id: str, jobs: list[GenerationRequest],
-               ) -> tuple[list[RowOutput], int]:
-    """Every job's last output (in job order) and the prompt tokens computed or cached."""
-    run = GenerationRun(state, route, api_id, jobs, stream=False, engine=engine)
+               model: str | None = None) -> tuple[list[RowOutput], int]:
+    """Every job's last output (in job order) and the prompt tokens computed or cached;
+    `model` may name a LoRA adapter, which then scores (api/lora_routes.py)."""
+    run = GenerationRun(state, route, api_id, jobs, stream=False, engine=engine, model=model)
     last: list[RowOutput | None] = [None] * len(jobs)
 
     def fold(output: RowOutput) -> None:
@@ -165,7 +166,7 @@ async def _run(state: AppState, engine: Engine, route: str, api_id: str, jobs: l
 
 
 async def yes_no_scores(state: AppState, engine: Engine, route: str, api_id: str, pairs: list[tuple[str, str]],
-                        instruction: str) -> tuple[list[float], int]:
+                        instruction: str, model: str | None = None) -> tuple[list[float], int]:
     """sigmoid(l_yes - l_no) of each pair's judging prompt (see the module docstring)."""
     yes_id, no_id = answer_token_ids(engine.tokenizer)
     prompts = [await _tokens(engine, state, judge_prompt(q, d, instruction), "documents", False) for q, d in pairs]
@@ -177,7 +178,7 @@ async def yes_no_scores(state: AppState, engine: Engine, route: str, api_id: str
                                       logit_bias=((token_id, BIAS),))
             jobs.append(GenerationRequest(request_id=names[2 * i + k], prompt_token_ids=tuple(ids), max_tokens=1,
                                           sampling=sampling, ignore_eos=True))
-    outputs, _ = await _run(state, engine, route, api_id, jobs)
+    outputs, _ = await _run(state, engine, route, api_id, jobs, model)
     logprobs = []
     for job, output in zip(jobs, outputs):
         event = output.event
@@ -191,13 +192,13 @@ async def yes_no_scores(state: AppState, engine: Engine, route: str, api_id: str
 
 
 async def embedding_scores(state: AppState, engine: Engine, route: str, api_id: str,
-                           pairs: list[tuple[str, str]]) -> tuple[list[float], int]:
+                           pairs: list[tuple[str, str]], model: str | None = None) -> tuple[list[float], int]:
     """Cosine similarity of each pair's mean-pooled embeddings (each distinct text embedded once)."""
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     prompts = [await _tokens(engine, state, text, "documents", True) for text in texts]
     jobs = [GenerationRequest(request_id=name, prompt_token_ids=tuple(ids), max_tokens=0, pooling="mean")
             for name, ids in zip(job_ids(api_id, len(prompts)), prompts)]
-    outputs, num_tokens = await _run(state, engine, route, api_id, jobs)
+    outputs, num_tokens = await _run(state, engine, route, api_id, jobs, model)
     vectors = {text: normalize(o.event.embedding) for text, o in zip(texts, outputs)}
     return [float(np.dot(vectors[q], vectors[d])) for q, d in pairs], num_tokens
 
@@ -211,10 +212,11 @@ async def _scores(route: str, pairs: list[tuple[str, str]], instruction: str | N
         raise APIError(400, f"at most {MAX_DOCUMENTS} documents per request; got {len(pairs)}", param="documents")
     api_id = f"rerank-{uuid.uuid4().hex}"
     if scheme_for(state.config.rerank_scheme, engine) == "yes-no":
-        scores, tokens = await yes_no_scores(state, engine, route, api_id, pairs, instruction or DEFAULT_INSTRUCTION)
+        scores, tokens = await yes_no_scores(state, engine, route, api_id, pairs, instruction or DEFAULT_INSTRUCTION,
+                                             model)
     else:
-        scores, tokens = await embedding_scores(state, engine, route, api_id, pairs)
-    return scores, tokens, api_id, engine.model_name
+        scores, tokens = await embedding_scores(state, engine, route, api_id, pairs, model)
+    return scores, tokens, api_id, model or engine.model_name
 
 
 @blueprint.post("/v1/rerank")
