@@ -177,15 +177,20 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
 def serve(args: argparse.Namespace) -> int:
     from hypercorn.asyncio import serve as hypercorn_serve
 
+    from api import multihost_app
     from api.app import create_app, drain, state_of
 
     config = server_config(args)
     engine_cfg = engine_config(args)
+    if multihost_app.is_follower(engine_cfg):  # processes > 0 of a cluster: steps from process 0, /health only
+        return multihost_app.serve_follower(engine_cfg, config)
     app = create_app(lambda: load_engine(engine_cfg, config.url, config.default_grammar), config,
                      engine_factory=lambda model: load_engine(
                          dataclasses.replace(engine_cfg, model=model, served_model_name=None), config.url,
                          config.default_grammar))
     hc = hypercorn_config(config)
+    if multihost_app.is_multiprocess(engine_cfg):
+        multihost_app.watch_group(app)
     logger.info("ferrox serve: listening on %s, loading %s", config.url, engine_cfg.model)
 
     async def run() -> int:
@@ -220,7 +225,10 @@ def serve(args: argparse.Namespace) -> int:
         await hypercorn_serve(app, hc, shutdown_trigger=trigger)
         return exit_code
 
-    return _run_loop(run())
+    code = _run_loop(run())
+    if multihost_app.is_multiprocess(engine_cfg):
+        multihost_app.exit_now(code)
+    return code
 
 
 def hypercorn_config(config: ServerConfig) -> Any:

@@ -37,6 +37,7 @@ from flax import nnx
 from ferrox_jax.buckets import Buckets, StepShape
 from ferrox_jax.host_batch import ALL_TOKENS_ALLOWED, BatchGeometry, HostBatch, SamplingArrays, StepArrays
 from ferrox_jax.kv_cache import KVCache, copy_blocks, create_kv_cache
+from ferrox_jax.multihost import place_on_mesh
 from ferrox_jax.plan import MaskFiller, RowPlan
 from ferrox_jax.sharding import runner_shardings
 from ferrox_jax.step import ForwardBatch, ForwardResult, jit_steps
@@ -89,7 +90,7 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.shardings = None if mesh is None else runner_shardings(mesh, cfg, self.state, replicate_attention)
         if self.shardings is not None:
-            self.state = jax.device_put(self.state, self.shardings.state)
+            self.state = place_on_mesh(self.state, self.shardings.state)
         self._steps = jit_steps(self.shardings)
         self.kv_cache: KVCache = create_kv_cache(
             cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim, self.kv_dtype,
