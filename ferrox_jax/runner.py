@@ -196,7 +196,9 @@ class ModelRunner:
         if mask is None:
             host = np.full((rows, self.bitmask_words), ALL_TOKENS_ALLOWED, np.int32)
             sharding = None if self.shardings is None else self.shardings.replicated
-            mask = self._all_ones[rows] = jax.device_put(host, sharding)
+            # place_on_mesh: warm-up builds these from a thread pool, in an order that differs
+            # between processes, so on a multi-process mesh the placement must need no collective.
+            mask = self._all_ones[rows] = place_on_mesh(host, sharding) if sharding is not None else jax.device_put(host)
         return mask
 
     # ---- dispatch and fetch -----------------------------------------------------------

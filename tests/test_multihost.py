@@ -1,13 +1,13 @@
-"""Multi-host serving on a local CPU cluster: `ferrox serve` as 2 processes (jax.distributed,
-gloo collectives, tensor parallel 2 across them; the follower configured by FERROX_*
-variables) answers the single-process greedy tokens through the HTTP API with no compile
-after warm-up; a follower killed mid-stream ends the stream with an error event, turns
-the leader's /health 503 with the reason and makes the leader exit non-zero."""
+"""Multi-host serving on a local CPU cluster: `ferrox serve` as 2 and as 4 processes
+(jax.distributed, gloo collectives, tensor parallel across them; the followers configured
+by FERROX_* variables) answers the single-process greedy tokens through the HTTP API with
+no compile after warm-up; a follower killed mid-stream ends the stream with an error
+event, turns the leader's /health 503 with the reason and makes the leader exit
+non-zero; followers whose leader was killed exit non-zero."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -44,10 +44,10 @@ def _coordinator_port() -> int:
 
 
 @contextlib.contextmanager
-def cluster(num_processes: int, log_dir: Path):
+def cluster(num_processes: int, log_dir: Path, extra: tuple[str, ...] = ()):
     coordinator = f"127.0.0.1:{_coordinator_port()}"
     common = [sys.executable, "-m", "api.cli", "serve", "--model", str(api_checkpoint()), "--dtype", "float32",
-              *_flags(LIMITS), "--tensor-parallel", str(num_processes),
+              *_flags(LIMITS), "--tensor-parallel", str(num_processes), *extra,
               "--compile-cache-dir", os.environ["JAX_COMPILATION_CACHE_DIR"]]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     procs, ports = [], [free_port() for _ in range(num_processes)]
@@ -127,3 +127,16 @@ def test_a_killed_follower_fails_the_stream_the_health_and_the_leader(two_proces
     assert events[-1] == "[DONE]" or "error" in events[-1], "the error event closes the stream"
     assert leader_proc.wait(60) != 0, "the leader exits non-zero so a supervisor restarts the group"
     assert "multi-host group failed" in (log_dir / "process-0.log").read_text()
+
+
+def test_four_processes_give_the_single_process_greedy_tokens(tmp_path, reference):
+    # The tiny model has 2 KV heads: 4-way tensor parallelism replicates attention and
+    # splits the MLP and the vocabulary over the 4 processes.
+    with cluster(4, tmp_path, ("--replicate-attention",)) as (urls, procs):
+        for follower in urls[1:]:
+            assert httpx.get(follower + "/health").json()["state"] == "ready"
+        assert complete_all(urls[0]) == reference, "tp4 across 4 processes: the greedy tokens of one process"
+        assert "ferrox_recompiles_after_warmup_total 0.0" in httpx.get(urls[0] + "/metrics").text
+        procs[0].send_signal(signal.SIGKILL)  # the leader dies: every follower exits too, non-zero
+        for follower in procs[1:]:
+            assert follower.wait(30) != 0, "a follower without its leader exits non-zero"
