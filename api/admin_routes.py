@@ -167,6 +167,12 @@ _ROUTES = (
     ("post", "/admin/models/load", "Load a listed checkpoint in the background (202 + task)", None, None),
     ("post", "/admin/models/unload", "Unload the model (generation then answers 503)", None, None),
     ("get", "/admin/tasks", "Model load and unload tasks", None, None),
+    # what routers poll (api/router_routes.py)
+    ("get", "/version", "The server version (vLLM's shape)", None, None),
+    ("get", "/server_info", "Model, parallelism and capacity (SGLang's shape; also /get_server_info)", None, None),
+    ("get", "/model_info", "The model (SGLang's shape; also /get_model_info)", None, None),
+    ("get", "/v1/loads", "Load per data-parallel rank (SGLang's shape)", None, None),
+    ("get", "/get_load", "Running plus waiting requests as one number", None, None),
 )
 
 

@@ -34,7 +34,7 @@ from werkzeug.exceptions import HTTPException
 
 from api import (admin_routes, anthropic_routes, cache_rebuild, embeddings_routes, guards, llamacpp_routes, lora_routes,
                  model_admin, openai_routes, rerank_routes, response_cache, responses_routes, resumable, sessions,
-                 sleep_routes, surface_routes, tokenizer_routes, unread_body, web)
+                 router_routes, sleep_routes, surface_routes, tokenizer_routes, unread_body, web)
 from api.config import ServerConfig
 from api.errors import APIError
 from api.state import AppState, json_response, state_of
@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ferrox.api")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # never behind the API key
-OBSERVABILITY_PATHS = frozenset({"/health", "/metrics", "/admin/stats"})  # not counted as requests
+# Not counted as requests: probes, scrapers and the routers' load polls (api/router_routes.py).
+OBSERVABILITY_PATHS = frozenset({"/health", "/metrics", "/admin/stats"}) | router_routes.PROBE_PATHS
 DRAIN_ABORT_REASON = "the server shut down before this request finished (drain timeout); retry it"
 
 # (path, renderer): a path equal to it or below it answers errors in that protocol's envelope.
@@ -108,8 +109,9 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
     app.extensions["ferrox"] = state
     for module in (openai_routes, anthropic_routes, responses_routes, llamacpp_routes, embeddings_routes,
                    tokenizer_routes, resumable, admin_routes, model_admin, surface_routes, rerank_routes,
-                   sleep_routes, cache_rebuild, lora_routes):
+                   sleep_routes, cache_rebuild, lora_routes, router_routes):
         app.register_blueprint(module.blueprint)
+    state.metrics.registry.register(router_routes.VllmGauges(state))  # vLLM's names on /metrics
     if config.web_ui:  # the chat page and the dashboard (api/web/)
         app.register_blueprint(web.blueprint)
     _install_hooks(app, state)

@@ -192,12 +192,13 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
 def serve(args: argparse.Namespace) -> int:
     from hypercorn.asyncio import serve as hypercorn_serve
 
+    from api import multihost_app, process_knobs
     from api.app import create_app, drain, state_of
-
-    from api import process_knobs
 
     config = server_config(args)
     engine_cfg = engine_config(args)
+    if multihost_app.is_follower(engine_cfg):  # processes > 0 of a cluster: steps from process 0, /health only
+        return multihost_app.serve_follower(engine_cfg, config)
     hc = hypercorn_config(config)
     listener = process_knobs.bind_free_port(config, config.backlog) if config.port == 0 else None
     port = listener.getsockname()[1] if listener is not None else config.port
@@ -208,6 +209,8 @@ def serve(args: argparse.Namespace) -> int:
                      engine_factory=lambda model: load_engine(
                          dataclasses.replace(engine_cfg, model=model, served_model_name=None), url,
                          config.default_grammar))
+    if multihost_app.is_multiprocess(engine_cfg):
+        multihost_app.watch_group(app)
     logger.info("ferrox serve: listening on %s, loading %s", url, engine_cfg.model)
 
     async def run() -> int:
@@ -247,7 +250,10 @@ def serve(args: argparse.Namespace) -> int:
         announcing.cancel()
         return exit_code
 
-    return _run_loop(run())
+    code = _run_loop(run())
+    if multihost_app.is_multiprocess(engine_cfg):
+        multihost_app.exit_now(code)
+    return code
 
 
 def hypercorn_config(config: ServerConfig) -> Any:

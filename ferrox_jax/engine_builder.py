@@ -28,6 +28,7 @@ shapes without allocating anything.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -44,6 +45,7 @@ from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.engine import Engine, KVSizing
 from ferrox_jax.kv_cache import bytes_per_block
 from ferrox_jax.lora_registry import build_registry
+from ferrox_jax.multihost import BroadcastRunner, StepChannel, check_mesh, step_channel_address
 from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
 from models import cpu_kernels
@@ -74,6 +76,9 @@ def initialize_distributed(coordinator_address: str | None, num_processes: int |
     jax call. "auto" lets JAX discover the cluster (TPU pods, SLURM). Returns whether it ran."""
     if not coordinator_address:
         return False
+    # CPU clusters (tests, laptops) need a cross-process collectives backend; the setting
+    # only concerns XLA's CPU client, so it is harmless on TPU and GPU.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if coordinator_address == "auto":
         jax.distributed.initialize()
     else:
@@ -88,7 +93,7 @@ def _host_device():
     """Where to load weights before sharding them: host memory, so a model larger than one
     chip never lands whole on device 0 (None if the CPU backend is disabled)."""
     try:
-        return jax.devices("cpu")[0]
+        return jax.local_devices(backend="cpu")[0]  # this process's: jax.devices() lists every process's
     except RuntimeError:
         return None
 
@@ -226,6 +231,20 @@ def batched_tokens(config: EngineConfig, chunk_tokens: int, backend: str) -> int
     return chunk_tokens * DEFAULT_BATCHED_CHUNKS.get(backend, DEFAULT_ACCELERATOR_BATCHED_CHUNKS)
 
 
+def _leader_runner(runner: ModelRunner, config: EngineConfig) -> ModelRunner | BroadcastRunner:
+    """On process 0 of a multi-process cluster, the runner that sends every step to the
+    other processes first (`ferrox_jax/multihost.py`); elsewhere `runner` itself (a
+    follower runs its runner from `multihost.follow`, never from a batcher)."""
+    if jax.process_count() == 1 or jax.process_index() != 0:
+        return runner
+    if not config.coordinator_address or config.coordinator_address == "auto":
+        raise ValueError("multi-host serving needs --coordinator-address HOST:PORT (the step channel "
+                         "listens on the leader at PORT + 1)")
+    channel = StepChannel(step_channel_address(config.coordinator_address), jax.process_count() - 1)
+    atexit.register(channel.close)  # a clean exit stops the followers too
+    return BroadcastRunner(runner, channel)
+
+
 def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = None) -> Engine:
     """Open, size, build and wire an engine (not yet warmed up or started).
 
@@ -235,11 +254,6 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
     """
     t0 = time.perf_counter()
     setup_process(config)
-    if jax.process_count() > 1:
-        raise ValueError(
-            f"{jax.process_count()} JAX processes: multi-host serving needs every process to run "
-            "the same steps, and the scheduler does not broadcast its plans yet; run one engine "
-            "per host (docs/deploy-tpu.md, 'Multi-host')")
     dtype = DTYPES[config.dtype or default_dtype_name()]
     kv_dtype = DTYPES[config.kv_cache_dtype] if config.kv_cache_dtype else dtype
     source = open_checkpoint(config.model, load_format=config.load_format, seed=config.dummy_weights_seed)
@@ -248,6 +262,10 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
                     "its outputs are meaningless (for sizing and benchmarks only)",
                     config.dummy_weights_seed, source.name)
     _, model_axis = config.mesh_shape
+    if jax.process_count() > 1:
+        check_mesh(model_axis, jax.device_count())
+        if config.max_loras:  # adapters are loaded into slots on process 0 by its routes alone
+            raise ValueError("multi-host: LoRA adapters (--max-loras) are not supported across processes yet")
     check_divisibility(source.config, model_axis, config.replicate_attention)
     mesh = make_mesh(1, model_axis) if model_axis > 1 else None
     sizing = size_kv(config, source.config, kv_dtype)
@@ -278,6 +296,7 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
     runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=limits.max_rows,
                          max_chunk_tokens=idle_chunk, max_context=sizing.max_context, kv_dtype=kv_dtype, mesh=mesh,
                          replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks)
+    runner = _leader_runner(runner, config)
     batcher = ContinuousBatcher(runner, source.tokenizer, limits,
                                 new_matcher=grammar.new_matcher if grammar is not None else None,
                                 fill_bitmask=grammar.fill_bitmask if grammar is not None else None)

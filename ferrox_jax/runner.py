@@ -37,6 +37,7 @@ from flax import nnx
 from ferrox_jax.buckets import Buckets, StepShape
 from ferrox_jax.host_batch import ALL_TOKENS_ALLOWED, BatchGeometry, HostBatch, SamplingArrays, StepArrays
 from ferrox_jax.kv_cache import KVCache, copy_blocks, create_kv_cache
+from ferrox_jax.multihost import place_on_mesh
 from ferrox_jax.plan import MaskFiller, RowPlan
 from ferrox_jax.sharding import runner_shardings
 from ferrox_jax.step import ForwardBatch, ForwardResult, jit_steps
@@ -90,7 +91,7 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.shardings = None if mesh is None else runner_shardings(mesh, cfg, self.state, replicate_attention)
         if self.shardings is not None:
-            self.state = jax.device_put(self.state, self.shardings.state)
+            self.state = place_on_mesh(self.state, self.shardings.state)
         self._steps = jit_steps(self.shardings)
         self.max_loras = lora_slot_count(self.state)  # adapter slots the projections carry (0: no LoRA)
         self.has_lora = self.max_loras > 0
@@ -211,7 +212,9 @@ class ModelRunner:
         if mask is None:
             host = np.full((rows, self.bitmask_words), ALL_TOKENS_ALLOWED, np.int32)
             sharding = None if self.shardings is None else self.shardings.replicated
-            mask = self._all_ones[rows] = jax.device_put(host, sharding)
+            # place_on_mesh: warm-up builds these from a thread pool, in an order that differs
+            # between processes, so on a multi-process mesh the placement must need no collective.
+            mask = self._all_ones[rows] = place_on_mesh(host, sharding) if sharding is not None else jax.device_put(host)
         return mask
 
     # ---- dispatch and fetch -----------------------------------------------------------

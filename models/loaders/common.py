@@ -118,7 +118,9 @@ def _place_float(name: str, shape: tuple[int, ...], dtype, raw, problems: list[s
     if tuple(arr.shape) != shape:
         problems.append(f"{name}: checkpoint {tuple(arr.shape)} vs model {shape}")
         return None
-    if not np.issubdtype(np.asarray(arr[:0]).dtype, np.floating) and arr.dtype != jnp.bfloat16:
+    # A placed array spanning several processes cannot be read back whole, not even [:0].
+    kind = arr.dtype if isinstance(arr, jax.Array) else np.asarray(arr[:0]).dtype
+    if not np.issubdtype(kind, np.floating) and arr.dtype != jnp.bfloat16:
         problems.append(f"{name}: dtype {arr.dtype} is not floating point")
         return None
     return jnp.asarray(arr, dtype=dtype)

@@ -1,0 +1,114 @@
+"""`ferrox serve` in a multi-process cluster: the leader's failure path and the followers' life.
+
+Process 0 (the leader) serves the whole API as usual; its engine sends every step to the
+followers (`ferrox_jax/multihost.py`). `watch_group(app)` makes a failed group visible and
+final: `/health` answers 503 with the reason, every in-flight request ends with an error
+event (a stream) or a 500 carrying it, and after `EXIT_GRACE_S` (time for those events to
+reach their clients) the server stops and the process exits 1, so a supervisor restarts
+the whole group. `EXIT_BACKSTOP_S` later it exits whatever is still running (a device call
+stuck in a collective with a dead peer).
+
+A follower (`serve_follower`) answers only `GET /health` on its own port (503 `loading`
+until its engine is warm and connected to the leader, then 200), loads and compiles the
+same engine, and runs the steps the leader sends until the leader stops it (exit 0) or
+disappears (exit 3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import logging
+import os
+import threading
+from typing import Any
+
+from api.config import ServerConfig
+from ferrox_jax import multihost
+from ferrox_jax.config import EngineConfig
+
+log = logging.getLogger("ferrox.multihost")
+
+EXIT_GRACE_S = 2.0  # between the failure and the shutdown: error events reach their clients
+EXIT_BACKSTOP_S = 30.0  # after the failure, the process exits even if shutting down hangs
+
+
+def is_multiprocess(config: EngineConfig) -> bool:
+    return bool(config.coordinator_address) and (config.num_processes or 0) > 1
+
+
+def is_follower(config: EngineConfig) -> bool:
+    return is_multiprocess(config) and (config.process_id or 0) > 0
+
+
+def watch_group(app: Any) -> None:
+    """On the leader: turn a group failure into /health 503, error events and exit 1."""
+    from api.app import state_of
+
+    loop_box: list[asyncio.AbstractEventLoop] = []
+
+    @app.before_serving
+    async def _grab_loop() -> None:
+        loop_box.append(asyncio.get_running_loop())
+
+    def fail_group(reason: str) -> None:  # on the event loop
+        state = state_of(app)
+        message = f"multi-host group failed: {reason}"
+        state.phase, state.load_error = "failed", message
+        for run in list(state.inflight.values()):
+            run.abort(message)
+        asyncio.get_running_loop().call_later(EXIT_GRACE_S, state.load_failed.set)
+
+    def listener(reason: str) -> None:  # on the step channel's thread
+        timer = threading.Timer(EXIT_BACKSTOP_S, lambda: exit_now(1))
+        timer.daemon = True
+        timer.start()
+        if loop_box:
+            loop_box[0].call_soon_threadsafe(fail_group, reason)
+
+    multihost.on_group_failure(listener)
+
+
+def exit_now(code: int) -> None:
+    """Leave without interpreter teardown: `jax.distributed`'s exit hook waits for peers
+    that may be gone. A leader stops its followers first (no-op after a failure)."""
+    multihost.close_all()
+    logging.shutdown()
+    os._exit(code)
+
+
+class _HealthHandler(http.server.BaseHTTPRequestHandler):
+    status: dict[str, Any] = {}
+
+    def do_GET(self) -> None:  # noqa: N802 (the http.server name)
+        if self.path != "/health":
+            self.send_error(404, "a follower serves only /health; send requests to process 0")
+            return
+        body = json.dumps(self.status).encode()
+        self.send_response(200 if self.status.get("state") == "ready" else 503)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:  # probes every few seconds: not worth a line each
+        pass
+
+
+def serve_follower(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
+    """A follower process: health endpoint, engine, warm-up, then the leader's steps."""
+    from ferrox_jax.engine import Engine
+
+    status = {"state": "loading", "role": "follower", "process_id": engine_cfg.process_id}
+    handler = type("Handler", (_HealthHandler,), {"status": status})
+    health = http.server.ThreadingHTTPServer((server_cfg.host, server_cfg.port), handler)
+    threading.Thread(target=health.serve_forever, name="ferrox-follower-health", daemon=True).start()
+    log.info("follower %d: health on %s:%d", engine_cfg.process_id, server_cfg.host, server_cfg.port)
+    engine = Engine.load(engine_cfg)
+    engine.warmup()
+    code = multihost.follow(engine.runner, multihost.step_channel_address(engine_cfg.coordinator_address),
+                            engine_cfg.process_id, on_connected=lambda: status.update(state="ready"))
+    log.info("follower %d: the leader stopped the group", engine_cfg.process_id)
+    exit_now(code)
+    return code

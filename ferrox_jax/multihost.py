@@ -1,0 +1,309 @@
+"""Multi-host serving: one engine whose mesh spans every process of a `jax.distributed` cluster.
+
+JAX is multi-controller: every process must call the same jitted step, with the same
+inputs, in the same order, or the collectives inside it never meet. So process 0 (the
+*leader*) runs the HTTP server and the scheduler as a single-process server does, and
+each step it sends the step's `HostBatch` as bytes (`to_bytes`, lossless) to the other
+processes (the *followers*), which run nothing but the runner:
+
+    leader (process 0)                              follower (process i > 0)
+    scheduler.schedule() -> HostBatch
+    channel.send(B, batch.to_bytes())     ----->    batch = HostBatch.from_bytes(...)
+    runner.run(batch, fill_masks)                   runner.run(batch, fill_masks)
+      dispatch forward (collectives)      <---->      dispatch forward (collectives)
+      fill the grammar bitmask
+      channel.send(M, bitmask)            ----->      the bitmask it waits for
+      sample, fetch results                           sample (its results are dropped)
+
+Results are read on the leader only. Every array a step returns is replicated over the
+mesh, so each process holds a whole copy locally and the leader's fetch needs no
+cross-process transfer.
+
+The channel is a plain TCP connection per follower, to the coordinator's host at its
+port + 1 (`step_channel_address`), carrying length-prefixed frames: `B` (a batch), `M`
+(a bitmask), `S` (stop), and `H` (heartbeat, follower to leader, every second). It is
+chosen over `jax.experimental.multihost_utils.broadcast_one_to_all` because a collective
+cannot fail cleanly: a dead peer leaves it waiting, while a socket says at once that the
+other end is gone (EOF), and a missing heartbeat says in bounded time that it hung.
+
+Failure is loud and bounded (`FOLLOWER_TIMEOUT_S`): the leader's channel calls every
+`on_group_failure` listener with the reason (the API then answers `/health` 503 with it,
+ends in-flight requests with an error event and exits non-zero: `api/multihost_app.py`)
+and refuses every later step. A follower whose leader is gone (EOF, or no frame and no
+accepted heartbeat) exits non-zero at once: there is nothing it could serve alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from ferrox_jax.host_batch import HostBatch
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0  # a follower's heartbeat period
+FOLLOWER_TIMEOUT_S = 10.0  # a follower silent this long is taken for hung
+CONNECT_TIMEOUT_S = 600.0  # followers build and compile before they connect
+FOLLOWER_EXIT_CODE = 3  # a follower that lost its leader
+FAILURE_NAMING_S = 2.0  # a failed step waits this long for the channel to say which process died
+_HEADER = struct.Struct("!cQ")  # frame kind, payload bytes
+BATCH, MASK, STOP, HEARTBEAT, HELLO = b"B", b"M", b"S", b"H", b"O"
+
+_listeners: list[Callable[[str], None]] = []
+_channels: list["StepChannel"] = []  # this process's (the leader's), for `close_all`
+
+
+class GroupFailure(RuntimeError):
+    """A process of the group died or hung: no step can run any more."""
+
+
+def on_group_failure(listener: Callable[[str], None]) -> None:
+    """Call `listener(reason)` (from the channel's thread) when the group fails."""
+    _listeners.append(listener)
+
+
+def step_channel_address(coordinator_address: str) -> tuple[str, int]:
+    """The leader's step channel: the coordinator's host, its port + 1."""
+    host, _, port = coordinator_address.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port) + 1
+
+
+def check_mesh(model_axis: int, device_count: int) -> None:
+    """Every process must take part in every step: the mesh spans all global devices."""
+    if model_axis != device_count:
+        raise ValueError(f"multi-host: the mesh must span every process's devices; --tensor-parallel "
+                         f"{model_axis} with {device_count} devices in the cluster (use {device_count})")
+
+
+def place_on_mesh(tree: Any, shardings: Any) -> Any:
+    """`jax.device_put(tree, shardings)`; on a mesh spanning several processes, each process
+    supplies its own shards from its local copy of every leaf (the weights every process
+    read), with no cross-process check or transfer."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def one(leaf: Any, sharding: Any) -> jax.Array:
+        host = np.asarray(leaf)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def _send_frame(sock: socket.socket, kind: bytes, payload: bytes = b"") -> None:
+    sock.sendall(_HEADER.pack(kind, len(payload)) + payload)
+
+
+def _recv_exact(sock: socket.socket, num_bytes: int) -> bytes:
+    chunks, left = [], num_bytes
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise EOFError("the connection closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _recv_frame(sock: socket.socket) -> tuple[bytes, bytes]:
+    kind, size = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    return kind, _recv_exact(sock, size) if size else b""
+
+
+class StepChannel:
+    """The leader's side: accepts the followers, sends them every step, watches them."""
+
+    def __init__(self, address: tuple[str, int], num_followers: int) -> None:
+        self.num_followers = num_followers
+        self.failure: str | None = None
+        self._failed = threading.Event()
+        self._followers: dict[int, socket.socket] = {}
+        self._lock = threading.Lock()  # the owner thread sends; watchers may fail the group
+        self._all_connected = threading.Event()
+        self._server = socket.create_server(("", address[1]))
+        _channels.append(self)
+        threading.Thread(target=self._accept, name="ferrox-step-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while len(self._followers) < self.num_followers:
+            try:
+                conn, _ = self._server.accept()
+                conn.settimeout(FOLLOWER_TIMEOUT_S)
+                kind, payload = _recv_frame(conn)
+            except (OSError, EOFError, struct.error) as e:
+                log.warning("step channel: a connection failed its hello: %s", e)
+                continue
+            if kind != HELLO:
+                conn.close()
+                continue
+            process_id = int(payload)
+            conn.settimeout(None)
+            self._followers[process_id] = conn
+            log.info("step channel: follower %d connected", process_id)
+            threading.Thread(target=self._watch, args=(process_id, conn), name=f"ferrox-watch-{process_id}",
+                             daemon=True).start()
+        self._server.close()
+        self._all_connected.set()
+
+    def _watch(self, process_id: int, conn: socket.socket) -> None:
+        """Reads the follower's heartbeats; EOF or silence fails the group."""
+        conn.settimeout(FOLLOWER_TIMEOUT_S)
+        try:
+            while self.failure is None:
+                _recv_frame(conn)
+        except EOFError:
+            self.fail(f"follower process {process_id} closed its step channel (it exited or crashed)")
+        except TimeoutError:
+            self.fail(f"follower process {process_id} sent no heartbeat for {FOLLOWER_TIMEOUT_S:g} s (hung)")
+        except OSError as e:
+            self.fail(f"follower process {process_id}: step channel error: {e}")
+
+    def wait_followers(self, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        if not self._all_connected.wait(timeout_s):
+            missing = sorted(set(range(1, self.num_followers + 1)) - set(self._followers))
+            raise TimeoutError(f"multi-host: follower processes {missing} did not connect within {timeout_s:g} s")
+
+    def fail(self, reason: str) -> None:
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = reason
+        self._failed.set()
+        log.error("multi-host group failed: %s", reason)
+        for listener in list(_listeners):
+            listener(reason)
+
+    def wait_failure(self, timeout_s: float) -> bool:
+        """Whether the group has failed, waiting up to `timeout_s` for it to."""
+        return self._failed.wait(timeout_s)
+
+    def send(self, kind: bytes, payload: bytes = b"") -> None:
+        if self.failure is not None:
+            raise GroupFailure(self.failure)
+        for process_id, conn in sorted(self._followers.items()):
+            try:
+                _send_frame(conn, kind, payload)
+            except OSError as e:
+                self.fail(f"follower process {process_id}: sending a step failed: {e}")
+                raise GroupFailure(self.failure) from e
+
+    def close(self) -> None:
+        """Tells the followers to stop (a clean shutdown) and closes the connections."""
+        for conn in self._followers.values():
+            try:
+                _send_frame(conn, STOP)
+                conn.close()
+            except OSError:
+                pass
+
+
+def close_all() -> None:
+    """Stops this process's followers (a leader's clean exit)."""
+    for channel in _channels:
+        channel.close()
+
+
+class BroadcastRunner:
+    """The leader's runner: sends each step to the followers, then runs it itself.
+    Everything else is the wrapped `ModelRunner`'s."""
+
+    def __init__(self, runner: Any, channel: StepChannel) -> None:
+        self._runner = runner
+        self.channel = channel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    def warmup(self, progress: Callable | None = None, num_threads: int | None = None) -> float:
+        """Compiles every shape, then waits until every follower (which compiled the same
+        shapes) is connected: no step is served before the whole group can run it."""
+        seconds = self._runner.warmup(progress, num_threads)
+        self.channel.wait_followers()
+        return seconds
+
+    def run(self, batch: HostBatch, fill_masks: Callable | None = None) -> Any:
+        self.channel.send(BATCH, batch.to_bytes())
+
+        def fill_and_send(b: HostBatch, forward_is_done: Callable[[], bool]) -> None:
+            fill_masks(b, forward_is_done)
+            self.channel.send(MASK, np.ascontiguousarray(b.bitmask, np.int32).tobytes())
+
+        try:
+            return self._runner.run(batch, fill_and_send if fill_masks is not None else None)
+        except Exception as e:
+            # A peer that died mid-step breaks the step's collective (gloo: "connection reset")
+            # about when its channel closes: name the process rather than the socket.
+            if self.channel.wait_failure(FAILURE_NAMING_S):
+                raise GroupFailure(self.channel.failure) from e
+            raise
+
+
+def follow(runner: Any, address: tuple[str, int], process_id: int,
+           on_connected: Callable[[], None] | None = None) -> int:
+    """A follower's whole life after warm-up: connect, run every step the leader sends.
+
+    Returns 0 on the leader's stop frame; exits the process with FOLLOWER_EXIT_CODE when
+    the leader is gone (its device calls may be stuck in a collective: no clean return)."""
+    sock = _connect(address)
+    sock.settimeout(None)  # an idle leader sends nothing for as long as no request comes
+    _send_frame(sock, HELLO, str(process_id).encode())
+    send_lock = threading.Lock()
+    threading.Thread(target=_heartbeat, args=(sock, send_lock), name="ferrox-heartbeat", daemon=True).start()
+    if on_connected is not None:
+        on_connected()
+    log.info("follower %d: connected to the leader at %s:%d", process_id, *address)
+    words = runner.bitmask_words
+    try:
+        while True:
+            kind, payload = _recv_frame(sock)
+            if kind == STOP:
+                return 0
+            if kind != BATCH:
+                raise ValueError(f"follower {process_id}: unexpected frame {kind!r}")
+            batch = HostBatch.from_bytes(payload)
+
+            def fill(b: HostBatch, _is_done: Callable[[], bool]) -> None:
+                mask_kind, mask = _recv_frame(sock)
+                assert mask_kind == MASK, f"expected the step's bitmask, got {mask_kind!r}"
+                b.bitmask = np.frombuffer(mask, np.int32).reshape(b.num_rows, words).copy()
+
+            runner.run(batch, fill if batch.has_constrained_rows else None)
+    except (EOFError, OSError) as e:
+        leader_gone(f"follower {process_id}: the leader's step channel closed ({e}); exiting")
+    return FOLLOWER_EXIT_CODE  # not reached
+
+
+def _connect(address: tuple[str, int]) -> socket.socket:
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while True:
+        try:
+            return socket.create_connection(address, timeout=5.0)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _heartbeat(sock: socket.socket, lock: threading.Lock) -> None:
+    while True:
+        time.sleep(HEARTBEAT_S)
+        try:
+            with lock:
+                _send_frame(sock, HEARTBEAT)
+        except OSError as e:
+            leader_gone(f"follower: the leader stopped taking heartbeats ({e}); exiting")
+
+
+def leader_gone(message: str) -> None:
+    """A follower without its leader: say why and exit non-zero now, whatever its threads are doing."""
+    log.error("%s", message)
+    logging.shutdown()
+    os._exit(FOLLOWER_EXIT_CODE)
