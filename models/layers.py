@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import kv_slots, paged_attention, write_kv
+from models.gguf_blocks import BlockQuantizedWeight, block_matmul
 from models.quant import QuantizedWeight, quantized_matmul
 from models.rope import apply_rope
 
@@ -47,7 +48,10 @@ def norm_param(size: int, dtype, value: float = 1.0) -> nnx.Param:
 
 def project(x: jax.Array, w: jax.Array | QuantizedWeight, bias: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ w [in, out] (+ bias [out]) -> [..., out]. The one projection matmul."""
-    y = quantized_matmul(x, w) if isinstance(w, QuantizedWeight) else x @ w
+    if isinstance(w, BlockQuantizedWeight):
+        y = block_matmul(x, w)
+    else:
+        y = quantized_matmul(x, w) if isinstance(w, QuantizedWeight) else x @ w
     return y if bias is None else y + bias
 
 
