@@ -246,8 +246,10 @@ def _block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
     problems = cpu_kernels.runtime_problems(jax.default_backend(), mesh)
     if not problems:
         packed = cpu_kernels.pack_blocks_for_kernel(model)
-        return (f"gguf projections: {packed} on the {cpu_kernels.block_isa()} block kernel (float32 activations "
-                f"below {cpu_kernels.BLOCK_INT_ROWS} rows, 32-wide int8 activation blocks from there)")
+        rows = cpu_kernels.block_int_rows()
+        paths = (f"float32 activations below {rows} rows, 32-wide int8 activation blocks from there" if rows
+                 else "float32 activations at every row count")
+        return f"gguf projections: {packed} on the {cpu_kernels.block_isa()} block kernel ({paths})"
     note = "gguf projections: XLA dequantizes the blocks every step (slow): " + "; ".join(problems)
     log.warning("%s", note)
     return note

@@ -149,9 +149,19 @@ def pack_for_kernel(model: nnx.Module) -> int:
 # ---- the GGUF block matmul ---------------------------------------------------------------------
 
 # Rows from which a block product quantizes its activations (32-wide int8 blocks, integer
-# dots) instead of multiplying float32 activations by the dequantized blocks; measured with
-# `python -m tools.bench_cpu_kernels` (docs/benchmarks.md, "GGUF blocks on the CPU").
-BLOCK_INT_ROWS = 8
+# dots) instead of multiplying float32 activations by the dequantized blocks, by the ISA
+# the kernel runs; 0: never. Measured with `python -m tools.bench_cpu_kernels --only blocks`
+# (docs/benchmarks.md, "GGUF blocks on the CPU"): on AVX-512 (Zen 4) the float path, whose
+# Q4 dequantization is one vpermps per 16 weights, is as fast as the integer one at every
+# row count from 1 to 512, so it runs everywhere there and the products keep float32's
+# accuracy; AVX2 dequantizes with two conversions per 8 weights, and integer dots take over
+# from 8 rows.
+BLOCK_INT_ROWS = {"AVX-512 VNNI": 0, "AVX2": 8}
+
+
+def block_int_rows() -> int:
+    """BLOCK_INT_ROWS for the ISA the block kernel runs here."""
+    return BLOCK_INT_ROWS.get(block_isa(), 0)
 
 
 def block_isa() -> str:
@@ -159,10 +169,12 @@ def block_isa() -> str:
     return _ISA.get("block", "none") if unavailable_reason() is None else "none"
 
 
-def pack_blocks_for_kernel(model: nnx.Module, int_rows: int = BLOCK_INT_ROWS) -> int:
+def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None) -> int:
     """Points every BlockQuantizedWeight of `model` at the block kernel, in place (the bytes
-    stay as they are); returns how many. Raises RuntimeError where the kernels cannot run."""
+    stay as they are), with integer dots from `int_rows` rows (None: `block_int_rows()`; 0:
+    never); returns how many. Raises RuntimeError where the kernels cannot run."""
     _require()
+    int_rows = block_int_rows() if int_rows is None else int_rows
     state = nnx.state(model)
     packed = 0
 

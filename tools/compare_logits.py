@@ -404,8 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             if kernels and args.quantization == "w8a8":
                 kernels.pack_for_kernel(ckpt.model)
             if kernels and args.quantization == "gguf":
-                rows = kernels.BLOCK_INT_ROWS if args.block_int_rows is None else args.block_int_rows
-                kernels.pack_blocks_for_kernel(ckpt.model, rows)
+                kernels.pack_blocks_for_kernel(ckpt.model, args.block_int_rows)
         if args.reference == "hf":
             refs = _hf_references(args, ckpt.tokenizer if ckpt else load_tokenizer(args.model))
         elif args.reference == "float32":
