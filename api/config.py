@@ -191,7 +191,7 @@ SETTINGS: tuple[Setting, ...] = (
             "auto (read the weights) or dummy (random weights from the config alone: sizing, benchmarks)"),
     Setting("dummy_weights_seed", "FERROX_DUMMY_WEIGHTS_SEED", _nonneg_int, 0,
             "seed of --load-format dummy (same seed, same weights)"),
-    Setting("quantization", "FERROX_QUANTIZATION", _str, "none",
+    Setting("quantization", "FERROX_QUANTIZATION", _str, "auto",
             "weights: none, int8 (weight-only; fused on TPU/GPU, slower on CPU), w8a8 (int8 weights and "
             "per-token int8 activations), gguf (a GGUF's Q4_0/Q4_1/Q8_0 blocks as shipped, on ferrox's CPU "
             "block kernel) or auto (gguf for such a file on one CPU device, else none)"),
