@@ -4,7 +4,7 @@
 # Run from the repository root: bash bench/quant/blocks/accuracy.sh
 set -u
 OUT=bench/quant/blocks
-for mode in gguf w8a8 int8; do
+for mode in gguf w8a8; do
   for kind in raw chat; do
     chat=$([ $kind = chat ] && echo --chat)
     .venv/bin/python -m tools.compare_logits --model default --reference float32 --quantization $mode \
