@@ -55,6 +55,7 @@ class RowPlan:
     history_token_ids: tuple[int, ...] = ()
     is_constrained: bool = False
     pooling: bool = False  # return the chunk's pooled hidden states (embeddings jobs)
+    adapter_slot: int = 0  # the LoRA slot its projections add (0: none, the base model)
 
 
 @dataclasses.dataclass(frozen=True)

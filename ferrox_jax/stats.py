@@ -45,3 +45,8 @@ class BatcherStats:
     # Of those, fills that ended while their model call was still running on the device: the
     # mask cost nothing but host time. Checked once per fill (is the call's logits ready?).
     grammar_mask_fills_hidden: int = 0
+    # LoRA (vLLM's lora_requests_info): adapter slots, and the adapters of the jobs holding
+    # rows now / waiting for admission (names, sorted; the base model is not listed).
+    max_loras: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
