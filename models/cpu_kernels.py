@@ -50,13 +50,15 @@ import numpy as np
 from flax import nnx
 
 from models.attention import check_decode_inputs, paged_attention
+from models.gguf_blocks import BlockQuantizedWeight, with_kernel
 from models.quant import QuantizedWeight
 
 KERNELS = Path(__file__).parent / "kernels"
-SOURCES = (KERNELS / "int8_matmul.cc", KERNELS / "decode_attention.cc")
+SOURCES = (KERNELS / "int8_matmul.cc", KERNELS / "decode_attention.cc", KERNELS / "block_matmul.cc")
 LIBRARY = KERNELS / "_ferrox_cpu.so"
 MATMUL_TARGET = "ferrox_int8_matmul"
 ATTENTION_TARGET = "ferrox_decode_attention"
+BLOCK_TARGET = "ferrox_block_matmul"
 LANE = 32  # the matmul's input sizes are multiples of one AVX2 register of int8
 BUILD_HINT = f"{sys.executable} -m models.cpu_kernels"
 
@@ -70,6 +72,10 @@ def build(cxx: str | None = None) -> Path:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     tmp.replace(LIBRARY)
     return LIBRARY
+
+
+BLOCK_ISAS = {2: "AVX-512 VNNI", 1: "AVX2"}  # ferrox_block_isa()'s answers
+_ISA: dict[str, str] = {}  # "block": the block kernel's build cpuid chose (set on registration)
 
 
 @functools.cache
@@ -87,6 +93,8 @@ def unavailable_reason() -> str | None:
         return "this CPU has no AVX2"
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.FerroxInt8Matmul), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.FerroxDecodeAttention), platform="cpu")
+    jax.ffi.register_ffi_target(BLOCK_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmul), platform="cpu")
+    _ISA["block"] = BLOCK_ISAS.get(lib.ferrox_block_isa(), "none")
     return None
 
 
@@ -135,6 +143,49 @@ def pack_for_kernel(model: nnx.Module) -> int:
         return leaf
 
     nnx.update(model, jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
+    return packed
+
+
+# ---- the GGUF block matmul ---------------------------------------------------------------------
+
+# Rows from which a block product quantizes its activations (32-wide int8 blocks, integer
+# dots) instead of multiplying float32 activations by the dequantized blocks, by the ISA
+# the kernel runs; 0: never. Measured with `python -m tools.bench_cpu_kernels --only blocks`
+# (docs/benchmarks.md, "GGUF blocks on the CPU"): on AVX-512 (Zen 4) the float path, whose
+# Q4 dequantization is one vpermps per 16 weights, is as fast as the integer one at every
+# row count from 1 to 512, so it runs everywhere there and the products keep float32's
+# accuracy; AVX2 dequantizes with two conversions per 8 weights, and integer dots take over
+# from 8 rows.
+BLOCK_INT_ROWS = {"AVX-512 VNNI": 0, "AVX2": 8}
+
+
+def block_int_rows() -> int:
+    """BLOCK_INT_ROWS for the ISA the block kernel runs here."""
+    return BLOCK_INT_ROWS.get(block_isa(), 0)
+
+
+def block_isa() -> str:
+    """Which build of the block kernel this CPU runs ("AVX-512 VNNI", "AVX2"), or "none"."""
+    return _ISA.get("block", "none") if unavailable_reason() is None else "none"
+
+
+def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None) -> int:
+    """Points every BlockQuantizedWeight of `model` at the block kernel, in place (the bytes
+    stay as they are), with integer dots from `int_rows` rows (None: `block_int_rows()`; 0:
+    never); returns how many. Raises RuntimeError where the kernels cannot run."""
+    _require()
+    int_rows = block_int_rows() if int_rows is None else int_rows
+    state = nnx.state(model)
+    packed = 0
+
+    def one(leaf):
+        nonlocal packed
+        if isinstance(leaf, BlockQuantizedWeight):
+            packed += 1
+            return with_kernel(leaf, BLOCK_TARGET, int_rows)
+        return leaf
+
+    nnx.update(model, jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, BlockQuantizedWeight)))
     return packed
 
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import kv_slots, paged_attention, write_kv
+from models.gguf_blocks import BlockQuantizedWeight, block_matmul
 from models.lora import LoraWeight, lora_delta
 from models.quant import QuantizedWeight, quantized_matmul
 from models.rope import apply_rope
@@ -47,16 +48,21 @@ def norm_param(size: int, dtype, value: float = 1.0) -> nnx.Param:
     return nnx.Param(jnp.full((size,), value, dtype))
 
 
-def project(x: jax.Array, w: jax.Array | QuantizedWeight | LoraWeight, bias: jax.Array | None = None) -> jax.Array:
+def project(x: jax.Array, w: jax.Array | QuantizedWeight | BlockQuantizedWeight | LoraWeight,
+            bias: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ w [in, out] (+ bias [out]) -> [..., out]. The one projection matmul.
 
-    A `LoraWeight` (models/lora.py) adds each token's adapter product to its base's."""
+    A `LoraWeight` (models/lora.py) adds each token's adapter product to its base's; a
+    `BlockQuantizedWeight` is a GGUF file's own blocks (models/gguf_blocks.py)."""
     if isinstance(w, LoraWeight) and w.token_slots is None:  # a forward without adapter slots
         return project(x, w.base, bias)
     if isinstance(w, LoraWeight):
         y = project(x, w.base) + lora_delta(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
-    y = quantized_matmul(x, w) if isinstance(w, QuantizedWeight) else x @ w
+    if isinstance(w, BlockQuantizedWeight):
+        y = block_matmul(x, w)
+    else:
+        y = quantized_matmul(x, w) if isinstance(w, QuantizedWeight) else x @ w
     return y if bias is None else y + bias
 
 

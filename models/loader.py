@@ -45,6 +45,8 @@ class CheckpointSource:
     # our name -> lazily read (int8 values, f32 scales), where the format stores integer blocks
     int8_tensors: Mapping[str, Callable[[], tuple[np.ndarray, np.ndarray]]] = dataclasses.field(
         default_factory=dict)
+    # our name -> lazily read GGUF block rows (u8[out, row bytes], format), for quantization "gguf"
+    block_tensors: Mapping[str, Callable[[], tuple[np.ndarray, str]]] = dataclasses.field(default_factory=dict)
 
     def build(self, dtype=jnp.float32, *, decode_attention: Any = None,
               progress: Callable[[str], None] | None = None, placement: Any = None,
@@ -53,7 +55,8 @@ class CheckpointSource:
 
         Args:
           dtype: compute dtype of the parameters.
-          quantization: "none", "int8" or "w8a8" (`models/quant.py`).
+          quantization: "none", "int8", "w8a8" (`models/quant.py`) or "gguf"
+            (`models/gguf_blocks.py`).
           decode_attention: the attention for one-query steps, fixed in the model's graph
             (None: pure-JAX paged attention; see `models/pallas_attention.py`).
           progress: called with each tensor's name once placed.
@@ -64,7 +67,8 @@ class CheckpointSource:
             return self.builder(dtype, decode_attention=decode_attention, progress=progress, placement=placement,
                                 quantization=quantization)
         return build_model(self.config, self.tensors, dtype, progress, decode_attention=decode_attention,
-                           quantization=quantization, int8_tensors=self.int8_tensors)
+                           quantization=quantization, int8_tensors=self.int8_tensors,
+                           block_tensors=self.block_tensors)
 
 
 @dataclasses.dataclass
@@ -114,8 +118,11 @@ def open_checkpoint(path: str, load_format: str = "auto", seed: int = 0) -> Chec
     if p.suffix == ".gguf":
         from models.loaders.gguf import open_gguf_checkpoint
 
+        from models.loaders.gguf_blocks import gguf_block_tensors
+
         cfg, tensors, tokenizer, int8_tensors = open_gguf_checkpoint(p)
-        return CheckpointSource(cfg, tokenizer, p.stem, str(p), tensors, int8_tensors=int8_tensors)
+        return CheckpointSource(cfg, tokenizer, p.stem, str(p), tensors, int8_tensors=int8_tensors,
+                                block_tensors=gguf_block_tensors(p, cfg))
     raise ValueError(f"unrecognised model path {p}: expected an HF folder with config.json or a .gguf file")
 
 

@@ -61,7 +61,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-QUANTIZATION_MODES = ("none", "int8", "w8a8")
+QUANTIZATION_MODES = ("none", "int8", "w8a8", "gguf")  # gguf: models/gguf_blocks.py
+INT8_MODES = ("int8", "w8a8")  # the modes that place QuantizedWeight
 INT8_MAX = 127
 GGUF_BLOCK = 32  # Q8_0 / Q4_0 values per block scale
 

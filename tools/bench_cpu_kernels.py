@@ -9,8 +9,11 @@ shared machine hits both sides alike):
              to 2) against the int8 matmul kernel, in µs and GB/s of int8 weights
   attention  one layer's decode attention (9 heads, 3 kv heads, head_dim 64, blocks of 16):
              the pure-JAX paged attention against the kernel, float32 and bfloat16 caches
-  steps      the default model's whole decode step (`ModelRunner.run`, greedy): w8a8 on
-             XLA, with the matmul kernel, and with the matmul and attention kernels
+  blocks     one projection on GGUF blocks (models/gguf_blocks.py; Q4_1, the LM head Q8_0):
+             the w8a8 matmul kernel beside the block kernel's float path and integer path,
+             in µs and GB/s of the bytes each reads
+  steps      the default model's whole decode step (`ModelRunner.run`, greedy): float32,
+             w8a8 on XLA and on the kernels, and gguf on the block kernel
 """
 
 from __future__ import annotations
@@ -55,6 +58,26 @@ def products(rows: list[int], repeats: int) -> None:
             print(f"| {m} | [{k}, {n}] | {xla:,.0f} | {ours:,.0f} | {k * n / ours / 1e3:.1f} | {xla / ours:.1f} × |")
 
 
+def blocks(rows: list[int], repeats: int) -> None:
+    from models.gguf_blocks import block_matmul, make_weight, with_kernel
+    from tests.test_block_matmul import random_blocks
+
+    print("| rows | [K, N] fmt | w8a8 kernel (µs) | blocks, float path (µs) | blocks, integer path (µs) "
+          "| float path GB/s |\n|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    matmul, blocked = jax.jit(quantized_matmul), jax.jit(block_matmul)
+    for m in rows:
+        for k, n in PRODUCTS:
+            fmt = "q8_0" if n == 49152 else "q4_1"
+            x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+            packed = cpu_kernels.pack(quantize(jnp.asarray(rng.standard_normal((k, n)).astype(np.float32)), "w8a8"))
+            w = make_weight(random_blocks(fmt, n, k), fmt, k)
+            w8 = median_us(matmul, x, packed, repeats=repeats)
+            fl = median_us(blocked, x, with_kernel(w, cpu_kernels.BLOCK_TARGET, 0), repeats=repeats)
+            it = median_us(blocked, x, with_kernel(w, cpu_kernels.BLOCK_TARGET, 1), repeats=repeats)
+            print(f"| {m} | [{k}, {n}] {fmt} | {w8:,.0f} | {fl:,.0f} | {it:,.0f} | {w.nbytes / fl / 1e3:.1f} |")
+
+
 def attention(rows: list[int], contexts: list[int], repeats: int) -> None:
     print("| rows | context | KV dtype | pure JAX (µs) | kernel (µs) | speed-up |\n|---|---|---|---|---|---|")
     rng = np.random.default_rng(1)
@@ -86,13 +109,16 @@ def steps(rows: list[int], contexts: list[int], repeats: int) -> None:
     from models.loader import open_checkpoint
 
     source = open_checkpoint("default")
-    variants = {"w8a8, XLA": (False, False), "w8a8, matmul kernel": (True, False),
-                "w8a8, matmul + attention kernels": (True, True)}
+    variants = {"float32 + attention kernel": ("none", False, True), "w8a8, XLA": ("w8a8", False, False),
+                "w8a8, matmul + attention kernels": ("w8a8", True, True),
+                "gguf blocks + attention kernels": ("gguf", True, True)}
     runners = {}
-    for name, (matmul, attend) in variants.items():
-        model = source.build(quantization="w8a8", decode_attention=cpu_kernels.decode_attention() if attend else None)
-        if matmul:
+    for name, (mode, matmul, attend) in variants.items():
+        model = source.build(quantization=mode, decode_attention=cpu_kernels.decode_attention() if attend else None)
+        if matmul and mode == "w8a8":
             cpu_kernels.pack_for_kernel(model)
+        if matmul and mode == "gguf":
+            cpu_kernels.pack_blocks_for_kernel(model)
         runners[name] = ModelRunner(model, num_blocks=40 * max(rows) + 1, block_size=16, max_rows=max(rows),
                                     max_chunk_tokens=16, max_context=640)
     print("| rows | context | " + " | ".join(f"{n} (ms)" for n in variants) + " |")
@@ -118,7 +144,7 @@ def steps(rows: list[int], contexts: list[int], repeats: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("products", "attention", "steps"))
+    parser.add_argument("--only", choices=("products", "blocks", "attention", "steps"))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8, 192, 500])
     parser.add_argument("--repeats", type=int, default=20)
@@ -127,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"bench_cpu_kernels: {reason}")
     if args.only in (None, "products"):
         products(args.rows, args.repeats)
+    if args.only in (None, "blocks"):
+        blocks(args.rows, args.repeats)
     if args.only in (None, "attention"):
         attention(args.rows, args.contexts, args.repeats)
     if args.only in (None, "steps"):

@@ -275,8 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
     p.add_argument("--greedy-tokens", type=int, default=32, help="greedy continuation length (default 32)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="ferrox_jax compute dtype")
-    p.add_argument("--quantization", choices=["none", "int8", "w8a8"], default="none",
-                   help="ferrox_jax weight quantization (models/quant.py)")
+    p.add_argument("--quantization", choices=["none", "int8", "w8a8", "gguf"], default="none",
+                   help="ferrox_jax weight quantization (models/quant.py; gguf: models/gguf_blocks.py)")
+    p.add_argument("--block-int-rows", type=int, default=None, metavar="N",
+                   help="gguf on the block kernel: quantize activations from N rows on (0: never; "
+                        "default: the serving threshold)")
     p.add_argument("--cpu-kernels", choices=["auto", "off"], default="auto",
                    help="ferrox's x86 CPU kernels as the server runs them (models/cpu_kernels.py): the decode "
                         "attention, and the int8 matmul under w8a8; auto: where they can run")
@@ -400,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
                                    decode_attention=kernels.decode_attention() if kernels else None)
             if kernels and args.quantization == "w8a8":
                 kernels.pack_for_kernel(ckpt.model)
+            if kernels and args.quantization == "gguf":
+                kernels.pack_blocks_for_kernel(ckpt.model, args.block_int_rows)
         if args.reference == "hf":
             refs = _hf_references(args, ckpt.tokenizer if ckpt else load_tokenizer(args.model))
         elif args.reference == "float32":

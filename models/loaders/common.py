@@ -30,7 +30,8 @@ from flax import nnx
 from models.config import ModelConfig
 from models.decoder import CausalLM
 from models.family import WeightTable
-from models.quant import QuantizedWeight, check_mode, quantize_host, quantized_channel_axis, reduce_axis, tied_head
+from models.gguf_blocks import BlockQuantizedWeight, make_weight
+from models.quant import INT8_MODES, QuantizedWeight, check_mode, quantize_host, quantized_channel_axis, reduce_axis, tied_head
 
 HostInt8 = tuple[np.ndarray, np.ndarray]  # (int8 values, f32 scales) in our layout
 
@@ -65,6 +66,7 @@ def build_model(
     decode_attention: Any = None,
     quantization: str = "none",
     int8_tensors: Mapping[str, Callable[[], HostInt8]] | None = None,
+    block_tensors: Mapping[str, Callable[[], tuple[np.ndarray, str]]] | None = None,
 ) -> CausalLM:
     """Check names and shapes, cast to `dtype` (or quantize), place on the default device.
 
@@ -72,6 +74,9 @@ def build_model(
     can dequantize lazily, one tensor at a time, keeping peak host memory low).
     `int8_tensors`: for some names, a producer of (int8 values, f32 scales) in our layout,
     used instead of `tensors[name]` when that parameter is quantized (module docstring).
+    `block_tensors`: with quantization "gguf", a producer of a GGUF tensor's raw block rows
+    (`models/loaders/gguf_blocks.py`); those projections are placed as BlockQuantizedWeight
+    and everything else as float.
     Raises CheckpointError listing all missing, unexpected and mis-shaped tensors at once.
     """
     check_mode(quantization)
@@ -92,8 +97,11 @@ def build_model(
     bad_shapes = []
     for name, path in expected.items():
         want = tuple(flat[path].shape)
-        axis = quantized_channel_axis(name, want) if quantization != "none" else None
-        if axis is not None:
+        axis = quantized_channel_axis(name, want) if quantization in INT8_MODES else None
+        blocks = (block_tensors or {}).get(name) if quantization == "gguf" else None
+        if blocks is not None and quantized_channel_axis(name, want) == 1:
+            placed = _place_blocks(name, want, blocks, bad_shapes)
+        elif axis is not None:
             placed = _place_quantized(name, want, axis, quantization, tensors[name],
                                       (int8_tensors or {}).get(name), bad_shapes)
         else:
@@ -108,8 +116,26 @@ def build_model(
         variable.set_value(values[path])
     nnx.update(model, state)
     if cfg.tie_word_embeddings:
-        model.tied_lm_head = nnx.Variable(tied_head(model.embed.get_value()))
+        embed_blocks = (block_tensors or {}).get("embed") if quantization == "gguf" else None
+        head = _place_blocks("embed", flat[expected["embed"]].shape[::-1], embed_blocks, bad_shapes) \
+            if embed_blocks is not None else None
+        model.tied_lm_head = nnx.Variable(head if head is not None else tied_head(model.embed.get_value()))
     return model
+
+
+def _place_blocks(name: str, shape: tuple[int, ...], raw, problems: list[str]) -> BlockQuantizedWeight | None:
+    """A projection [in, out] as GGUF block rows (`models/gguf_blocks.py`); appends to
+    `problems` and returns None on a mismatch."""
+    blocks, fmt = raw()
+    try:
+        weight = make_weight(blocks, fmt, shape[0])
+    except ValueError as e:
+        problems.append(f"{name}: {e}")
+        return None
+    if weight.shape != tuple(shape):
+        problems.append(f"{name}: {fmt} blocks {weight.shape} vs model {tuple(shape)}")
+        return None
+    return weight
 
 
 def _place_float(name: str, shape: tuple[int, ...], dtype, raw, problems: list[str]) -> jax.Array | None:

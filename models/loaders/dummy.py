@@ -50,7 +50,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.decoder import CausalLM
 from models.loaders.common import abstract_model, param_name
-from models.quant import check_mode, quantize, quantized_channel_axis, tied_head
+from models.quant import INT8_MODES, check_mode, quantize, quantized_channel_axis, tied_head
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def build_dummy_model(cfg: ModelConfig, dtype, seed: int, *, decode_attention: A
         sharding = placement(name, shape) if placement is not None else None
         make = _initializer(shape, dtype_name, std, fill, sharding)
         value = make(np.uint32(seed), param_salt(name))
-        axis = quantized_channel_axis(name, shape) if quantization != "none" else None
+        axis = quantized_channel_axis(name, shape) if quantization in INT8_MODES else None  # gguf: float
         variable.set_value(value if axis is None else _quantizer(quantization, axis)(value))
         if progress:
             progress(name)

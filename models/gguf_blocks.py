@@ -1,0 +1,148 @@
+"""GGUF's quantized blocks kept as shipped: the weight type, its dequantization and matmul.
+
+`--quantization gguf` serves a GGUF file's Q4_0, Q4_1 and Q8_0 projections (and the LM
+head) in the bytes the file stores, instead of dequantizing them to float32 (about six
+times the bytes read per token for Q4_1) or requantizing them per channel (`int8`/`w8a8`,
+which rounds every weight a second time). The file's blocks, dequantized, *are* the
+reference weights, so the product is float32's up to float32 rounding on the float path.
+
+Layout (`BlockQuantizedWeight.blocks`): u8[out, in / 32 * B], one output channel per
+row, its `in` inputs as in / 32 consecutive blocks of B bytes, byte for byte the file's:
+
+    Q4_0  B = 18   f16 d, u8 qs[16]          w = d * (q - 8)
+    Q4_1  B = 20   f16 d, f16 m, u8 qs[16]   w = d * q + m
+    Q8_0  B = 34   f16 d, s8 qs[32]          w = d * q
+
+(Q4: value j is the low nibble of qs[j], value j + 16 its high nibble.) GGUF's numpy view
+of a weight is already [out, in] with each row's blocks contiguous: loading is a
+reshape, and llama's q/k row permutation (`models/loaders/gguf.py`) permutes whole rows.
+The logical shape (`shape`) is the projection's [in, out], what the model expects.
+
+The product (`block_matmul`): on one x86 CPU device the engine points `kernel` at
+ferrox's block kernel (`models/kernels/block_matmul.cc` via `models/cpu_kernels.py`):
+float32 activations times the blocks dequantized in registers for few rows, activations
+quantized in 32-wide int8 blocks (llama.cpp's scheme) with integer dots from `int_rows`
+rows on. Elsewhere (`kernel` None) XLA dequantizes the blocks (`dequantize_blocks`) and
+runs a float dot: correct everywhere, fast nowhere, as the start-up log says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+BLOCK = 32  # values per GGUF block
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFormat:
+    name: str  # "q4_0", "q4_1", "q8_0": GGML's type name, lower case
+    code: int  # the kernel's `fmt` attribute
+    block_bytes: int
+
+
+BLOCK_FORMATS = {f.name: f for f in (BlockFormat("q4_0", 0, 18), BlockFormat("q4_1", 1, 20),
+                                     BlockFormat("q8_0", 2, 34))}
+
+
+@struct.dataclass
+class BlockQuantizedWeight:
+    """A projection [in, out] as GGUF blocks, u8[out, in / 32 * B] (module docstring)."""
+
+    blocks: jax.Array  # u8[out, row bytes]
+    fmt: str = struct.field(pytree_node=False, default="q8_0")  # a BLOCK_FORMATS key
+    # The XLA FFI target that multiplies it (models/cpu_kernels.py); None: XLA dequantizes.
+    kernel: str | None = struct.field(pytree_node=False, default=None)
+    # With `kernel`: products of at least this many rows quantize the activations (0: never).
+    int_rows: int = struct.field(pytree_node=False, default=0)
+
+    @property
+    def out_features(self) -> int:
+        return int(self.blocks.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.blocks.shape[1]) // BLOCK_FORMATS[self.fmt].block_bytes * BLOCK
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.in_features, self.out_features
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blocks.size)
+
+
+def row_bytes(fmt: str, in_features: int) -> int:
+    """Bytes of one output channel's blocks."""
+    if in_features % BLOCK:
+        raise ValueError(f"a {fmt} row holds a multiple of {BLOCK} values; got {in_features}")
+    return in_features // BLOCK * BLOCK_FORMATS[fmt].block_bytes
+
+
+def make_weight(blocks: np.ndarray, fmt: str, in_features: int) -> BlockQuantizedWeight:
+    """A BlockQuantizedWeight from host bytes u8[out, row bytes], checked against `in_features`."""
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"block format must be one of {', '.join(BLOCK_FORMATS)}; got {fmt!r}")
+    want = row_bytes(fmt, in_features)
+    if blocks.dtype != np.uint8 or blocks.ndim != 2 or blocks.shape[1] != want:
+        raise ValueError(f"{fmt} blocks for {in_features} inputs must be uint8[out, {want}]; "
+                         f"got {blocks.dtype}{tuple(blocks.shape)}")
+    return BlockQuantizedWeight(jnp.asarray(np.ascontiguousarray(blocks)), fmt)
+
+
+def dequantize_host(blocks: np.ndarray, fmt: str, dtype=np.float64) -> np.ndarray:
+    """numpy u8[rows, row bytes] -> [rows, in] in `dtype` (float64 for test references)."""
+    size = BLOCK_FORMATS[fmt].block_bytes
+    rows = blocks.shape[0]
+    b = np.ascontiguousarray(blocks).reshape(rows, -1, size)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(dtype)[..., None]
+    if fmt == "q8_0":
+        return (d * b[..., 2:].view(np.int8).astype(dtype)).reshape(rows, -1)
+    qs = b[..., 4:] if fmt == "q4_1" else b[..., 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(dtype)
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(dtype)[..., None] if fmt == "q4_1" else -8.0 * d
+    return (d * q + m).reshape(rows, -1)
+
+
+def dequantize_blocks(blocks: jax.Array, fmt: str) -> jax.Array:
+    """jnp version of `dequantize_host`: u8[rows, row bytes] -> f32[rows, in] (traceable)."""
+    size = BLOCK_FORMATS[fmt].block_bytes
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, size)
+
+    def half(at: int) -> jax.Array:  # the f16 at bytes at..at+1 of every block, as f32[rows, nb, 1]
+        return jax.lax.bitcast_convert_type(b[..., at:at + 2], jnp.float16).astype(jnp.float32)[..., None]
+
+    d = half(0)
+    if fmt == "q8_0":
+        q = jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
+        return (d * q).reshape(rows, -1)
+    qs = b[..., 4:] if fmt == "q4_1" else b[..., 2:]
+    q = jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(jnp.float32)
+    m = half(2) if fmt == "q4_1" else -8.0 * d
+    return (d * q + m).reshape(rows, -1)
+
+
+def block_matmul(x: jax.Array, w: BlockQuantizedWeight) -> jax.Array:
+    """x [..., in] @ w -> [..., out] in x's dtype (module docstring)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    if k != w.in_features:
+        raise ValueError(f"block_matmul: x has {k} inputs and the {w.fmt} weight {w.in_features}")
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    if w.kernel is None:
+        y = rows @ dequantize_blocks(w.blocks, w.fmt).T
+    else:
+        out = jax.ShapeDtypeStruct((rows.shape[0], w.out_features), jnp.float32)
+        y = jax.ffi.ffi_call(w.kernel, out)(rows, w.blocks, fmt=np.int32(BLOCK_FORMATS[w.fmt].code),
+                                            int_rows=np.int32(w.int_rows))
+    return y.reshape(*lead, -1).astype(x.dtype)
+
+
+def with_kernel(w: BlockQuantizedWeight, kernel: str | None, int_rows: int) -> BlockQuantizedWeight:
+    """The same blocks, multiplied by `kernel` (None: XLA), integer from `int_rows` rows."""
+    return BlockQuantizedWeight(w.blocks, w.fmt, kernel, int_rows)

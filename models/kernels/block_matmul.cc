@@ -1,0 +1,165 @@
+// Projections on GGUF's own quantized blocks, as shipped: out = x @ dequantize(w)^T.
+//
+// Operands (row-major; models/gguf_blocks.py lays them out):
+//   x    f32[M, K]          activations
+//   w    u8[N, K/32 * B]    one output channel per row, its K inputs as K / 32 GGUF blocks
+//                           of B bytes, exactly the bytes of the file:
+//                             Q4_0 (B 18): f16 d, u8 qs[16]          w = d * (q - 8)
+//                             Q4_1 (B 20): f16 d, f16 m, u8 qs[16]   w = d * q + m
+//                             Q8_0 (B 34): f16 d, s8 qs[32]          w = d * q
+//                           (Q4: value j in the low nibble of qs[j], j + 16 in the high one)
+//   out  f32[M, N]
+// Attributes: fmt (0 Q4_0, 1 Q4_1, 2 Q8_0), int_rows (M at or above which the integer
+// path runs; 0 never).
+//
+// Two paths, chosen by the row count M:
+// - M < int_rows: float32 activations times the blocks dequantized in registers
+//   (d * q + m, one FMA per 8 weights), accumulated in float32: the float32 product of
+//   the dequantized weights up to float32 rounding; nothing but the weights is rounded.
+// - M >= int_rows: the activations are quantized in blocks of 32 as llama.cpp's Q8_0 /
+//   Q8_1 do (one float32 scale per 32 values, round half to even, and the block's sum for
+//   Q4's offset term), then each block pair is one integer dot: VNNI's vpdpbusd where the
+//   CPU has AVX-512 VNNI, AVX2's maddubs + madd elsewhere. Per block,
+//     d_w * d_x * sum_j q_j x_j  +  m_w * d_x * sum_j x_j      (Q4_0: m_w = -8 d_w)
+//   summed over blocks in float32. The integer sums are exact; only the float32 sum of
+//   the per-block terms rounds (tests/test_block_matmul.py checks both paths against
+//   float64 references).
+// Which ISA: chosen at run time from cpuid (`ferrox_block_isa`); both builds come from
+// block_matmul_body.inc. Columns are shared over XLA's intra-op pool (parallel.h); one
+// thread computes each output element whole, so results do not depend on the sharing.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2;
+constexpr int64_t kBlock = 32;
+
+constexpr int64_t BlockBytes(int fmt) { return fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : 34; }
+
+struct Problem {
+  const float* x;    // [M, K]
+  const uint8_t* w;  // [N, row bytes]
+  float* out;        // [M, N]
+  int64_t m, n, k;
+};
+
+// Activations quantized per 32-wide block (M * K / 32 blocks, row-major).
+struct QuantizedRows {
+  const int8_t* values;  // [M, K]
+  const float* scales;   // [M, K / 32]
+  const float* sums;     // [M, K / 32]: scale * sum(values) of the block
+};
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace ferrox_avx2 {
+#define FERROX_VNNI 0
+inline float HalfToFloat(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+#include "block_matmul_body.inc"
+#undef FERROX_VNNI
+}  // namespace ferrox_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+namespace ferrox_avx512 {
+#define FERROX_VNNI 1
+inline float HalfToFloat(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+#include "block_matmul_body.inc"
+#undef FERROX_VNNI
+}  // namespace ferrox_avx512
+#pragma GCC pop_options
+
+namespace {
+
+// 2: AVX-512 VL + VNNI, 1: AVX2 + FMA + F16C, 0: neither (the caller keeps XLA).
+int DetectIsa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+    return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+  return 0;
+}
+
+const int kIsa = DetectIsa();
+
+// Below this many multiply-adds a product runs on the calling thread alone.
+constexpr int64_t kParallelMacs = 1 << 18;
+
+ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                           ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int32_t int_rows) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2)
+    return ffi::Error::InvalidArgument("ferrox_block_matmul: x must be [M, K] and w [N, row bytes]");
+  const int64_t m = xd[0], k = xd[1], n = wd[0];
+  if (fmt < kQ4_0 || fmt > kQ8_0) return ffi::Error::InvalidArgument("ferrox_block_matmul: unknown fmt");
+  if (k % kBlock != 0 || wd[1] != k / kBlock * BlockBytes(fmt))
+    return ffi::Error::InvalidArgument("ferrox_block_matmul: w's row bytes do not match K / 32 blocks of fmt");
+  if (kIsa == 0) return ffi::Error::Internal("ferrox_block_matmul: this CPU has no AVX2");
+  const Problem p{x.typed_data(), w.typed_data(), out->typed_data(), m, n, k};
+  const int64_t threads = m * n * k >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
+
+  std::vector<int8_t> values;
+  std::vector<float> scales, sums;
+  QuantizedRows xq{};
+  const bool integer = int_rows > 0 && m >= int_rows;
+  if (integer) {
+    const int64_t blocks = k / kBlock;
+    values.resize(m * k);
+    scales.resize(m * blocks);
+    sums.resize(m * blocks);
+    ferrox::ParallelFor(pool, std::min<int64_t>(threads, m), m, [&](int64_t r) {
+      if (kIsa == 2)
+        ferrox_avx512::QuantizeRowBlocks(p.x + r * k, k, &values[r * k], &scales[r * blocks], &sums[r * blocks]);
+      else
+        ferrox_avx2::QuantizeRowBlocks(p.x + r * k, k, &values[r * k], &scales[r * blocks], &sums[r * blocks]);
+    });
+    xq = QuantizedRows{values.data(), scales.data(), sums.data()};
+  }
+  // 4 chunks per thread balance uneven progress; chunks are whole 4-column tiles.
+  const int64_t target = threads * 4;
+  const int64_t chunk = std::max<int64_t>(4, ((n + target - 1) / target + 3) / 4 * 4);
+  const QuantizedRows* rows = integer ? &xq : nullptr;
+  ferrox::ParallelFor(pool, threads, (n + chunk - 1) / chunk, [&p, rows, chunk, fmt](int64_t c) {
+    const int64_t begin = c * chunk, end = std::min(p.n, (c + 1) * chunk);
+    if (kIsa == 2) ferrox_avx512::Run(fmt, p, rows, begin, end);
+    else ferrox_avx2::Run(fmt, p, rows, begin, end);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxBlockMatmul, BlockMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("fmt")
+                                  .Attr<int32_t>("int_rows"));
+
+// Which build of this kernel runs here: 2 AVX-512 VNNI, 1 AVX2, 0 none.
+extern "C" int ferrox_block_isa() { return kIsa; }

@@ -1,0 +1,82 @@
+"""A GGUF file's Q4_0 / Q4_1 / Q8_0 projections as raw block rows, for `--quantization gguf`.
+
+`gguf_block_tensors(path, cfg)` gives `{our name: () -> (u8[out, row bytes], fmt)}` for
+every 2-D tensor in one of those formats that is a projection or the LM head
+(`models/gguf_blocks.py` has the layout). The numpy view of a GGUF weight is already
+[out, in] with each output channel's blocks contiguous, so reading is a slice of the
+memory-mapped file; what `models/loaders/gguf.py` does to float rows is done to block rows:
+llama's q/k rows are un-permuted (whole rows move, so it is exact), fused tensors
+(Phi-3's attn_qkv, ffn_up) split by rows. The embedding's blocks are kept under "embed":
+the model's lookup table stays float, and its tied LM head is made from these blocks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+
+from models.config import ModelConfig
+from models.family import Family
+from models.loaders.common import expected_params
+from models.loaders.gguf import _LAYER_NAME, GGUF_TO_OURS_GLOBAL, unpermute_rope_rows
+from models.registry import family_for
+
+HostBlocks = tuple[np.ndarray, str]  # (u8[out, row bytes], block format name)
+BlockProducer = Callable[[], HostBlocks]
+
+GGML_BLOCK_FORMATS = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1",
+                      GGMLQuantizationType.Q8_0: "q8_0"}
+
+
+def _rows(tensor, cfg: ModelConfig, unpermute_qk: bool) -> np.ndarray:
+    """u8[out, row bytes] of a block tensor; q/k rows un-permuted when llama.cpp permuted them."""
+    rows = np.asarray(tensor.data)
+    suffix = tensor.name.split(".", 2)[-1]
+    if unpermute_qk and suffix == "attn_q.weight":
+        rows = unpermute_rope_rows(rows, cfg.num_heads)
+    elif unpermute_qk and suffix == "attn_k.weight":
+        rows = unpermute_rope_rows(rows, cfg.num_kv_heads)
+    return rows
+
+
+def _producer(tensor, cfg: ModelConfig, unpermute_qk: bool, start: int = 0, width: int | None = None) -> BlockProducer:
+    fmt = GGML_BLOCK_FORMATS[tensor.tensor_type]
+
+    def read() -> HostBlocks:
+        rows = _rows(tensor, cfg, unpermute_qk)
+        stop = rows.shape[0] if width is None else start + width
+        return np.ascontiguousarray(rows[start:stop]), fmt
+    return read
+
+
+def gguf_block_tensors(path: str | os.PathLike, cfg: ModelConfig) -> dict[str, BlockProducer]:
+    """The block producers of `path` by our parameter name (module docstring)."""
+    reader = GGUFReader(path)
+    family: Family = family_for(cfg.architecture)
+    arch = reader.fields["general.architecture"].contents()
+    unpermute_qk = arch in family.gguf_qk_permuted
+    expected = expected_params(cfg)
+    out: dict[str, BlockProducer] = {}
+    for t in reader.tensors:
+        if t.tensor_type not in GGML_BLOCK_FORMATS or len(t.shape) != 2:
+            continue
+        if t.name in GGUF_TO_OURS_GLOBAL:
+            out[GGUF_TO_OURS_GLOBAL[t.name]] = _producer(t, cfg, unpermute_qk)
+            continue
+        m = _LAYER_NAME.match(t.name)
+        target = family.gguf_layer_weights.get(m.group(2)) if m else None
+        if target is None:
+            continue
+        prefix = f"layers.{m.group(1)}."
+        if isinstance(target, str):
+            out[prefix + target] = _producer(t, cfg, unpermute_qk)
+            continue
+        names = [prefix + name for name in target]
+        if all(n in expected for n in names):
+            widths = [expected[n][-1] for n in names]
+            for i, (name, width) in enumerate(zip(names, widths)):
+                out[name] = _producer(t, cfg, unpermute_qk, sum(widths[:i]), width)
+    return {name: load for name, load in out.items() if name in expected}

@@ -1,0 +1,157 @@
+"""GGUF block weights (models/gguf_blocks.py) and the block kernel (block_matmul.cc).
+
+References are float64 numpy: the float path against x @ dequantize(w)^T, the integer
+path against the same 32-wide activation quantization done in numpy, its integer block
+dots exact and combined in float64. The kernel sums in float32, so the tolerance is a
+few float32 ulps of sum |x_k w_k| over the K = 1536 (or 96) products of an element.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import cpu_kernels
+from models.gguf_blocks import BLOCK, BLOCK_FORMATS, block_matmul, dequantize_blocks, dequantize_host, make_weight, \
+    with_kernel
+
+FORMATS = tuple(BLOCK_FORMATS)
+F32_EPS = float(np.finfo(np.float32).eps)
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None,
+                                   reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+
+
+def random_blocks(fmt: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """u8[rows, k / 32 * B]: random quants, f16 scales ~1e-2 and offsets (Q4_1) ~ -0.1,
+    the magnitudes of a real Q4_1 projection."""
+    rng = np.random.default_rng(seed)
+    nb = k // BLOCK
+    size = BLOCK_FORMATS[fmt].block_bytes
+    out = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
+    d = (rng.uniform(0.002, 0.02, size=(rows, nb)) * rng.choice([-1, 1], size=(rows, nb))).astype(np.float16)
+    out[..., 0:2] = d.view(np.uint8).reshape(rows, nb, 2)
+    if fmt == "q4_1":
+        m = rng.uniform(-0.15, 0.0, size=(rows, nb)).astype(np.float16)
+        out[..., 2:4] = m.view(np.uint8).reshape(rows, nb, 2)
+    if fmt == "q8_0":  # quantize_row_q8_0 writes values in [-127, 127]
+        q = out[..., 2:].view(np.int8)
+        q[q == -128] = -127
+    return out.reshape(rows, nb * size)
+
+
+def activations(m: int, k: int, seed: int = 1) -> np.ndarray:
+    """f32[m, k] with a few outlier features, as a real model's hidden states have."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, rng.integers(0, k, size=4)] *= 20.0
+    return x
+
+
+def quantize_blocks_ref(x: np.ndarray):
+    """numpy version of the kernel's activation quantization: (int values, f32 scales)."""
+    m, k = x.shape
+    xb = x.reshape(m, k // BLOCK, BLOCK)
+    amax = np.abs(xb).max(axis=2)
+    scales = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    values = np.rint(xb / scales[..., None]).astype(np.int64)
+    return values, scales
+
+
+def integer_reference(x: np.ndarray, blocks: np.ndarray, fmt: str) -> np.ndarray:
+    """out[m, n] = sum_b d_w d_x (q . xq)_b + m_w d_x sum(xq_b), integers exact, float64 sums."""
+    values, scales = quantize_blocks_ref(x)
+    n = blocks.shape[0]
+    nb = values.shape[1]
+    b = blocks.reshape(n, nb, -1)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    if fmt == "q8_0":
+        q, off = b[..., 2:].view(np.int8).astype(np.int64), np.zeros_like(d)
+    else:
+        qs = b[..., 4:] if fmt == "q4_1" else b[..., 2:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64)
+        off = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if fmt == "q4_1" else -8.0 * d
+    dots = np.einsum("mbj,nbj->mnb", values, q)  # exact int64
+    dx = scales.astype(np.float64)
+    sums = dx * values.sum(axis=2)
+    return np.einsum("mnb,nb,mb->mn", dots.astype(np.float64), d, dx) + np.einsum("nb,mb->mn", off, sums)
+
+
+def bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """A few float32 ulps of sum |x||w| per output element (the accumulation's error)."""
+    return 8 * F32_EPS * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-6
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_blocks_jnp_equals_numpy(fmt):
+    blocks = random_blocks(fmt, 8, 64)
+    got = np.asarray(dequantize_blocks(jnp.asarray(blocks), fmt))
+    np.testing.assert_array_equal(got, dequantize_host(blocks, fmt, np.float32))
+
+
+def test_q4_0_dequantizes_nibbles_in_ggml_order():
+    # one block: d = 1, qs[j] = j | (15 - j) << 4 -> values 0..15 then 15..0, minus 8
+    qs = np.array([j | (15 - j) << 4 for j in range(16)], np.uint8)
+    block = np.concatenate([np.float16(1.0).reshape(1).view(np.uint8), qs])[None]
+    want = np.concatenate([np.arange(16), 15 - np.arange(16)]) - 8.0
+    np.testing.assert_array_equal(dequantize_host(block, "q4_0")[0], want)
+
+
+def test_xla_path_matches_float64_reference():
+    blocks, x = random_blocks("q4_1", 24, 96), activations(3, 96)
+    w = dequantize_host(blocks, "q4_1")
+    got = np.asarray(block_matmul(jnp.asarray(x), make_weight(blocks, "q4_1", 96)))
+    assert np.all(np.abs(got - x.astype(np.float64) @ w.T) <= bound(x, w)), "XLA dequantize + dot"
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_float_path_equals_float64_reference(fmt, rows):
+    # 1, 3, 6 rows: one row, a partial 4-row tile, a whole tile plus a remainder
+    k, n = 1536, 44  # n: 11 column tiles of 4 over the thread chunks
+    blocks, x = random_blocks(fmt, n, k), activations(rows, k)
+    w = dequantize_host(blocks, fmt)
+    weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_TARGET, 0)
+    got = np.asarray(jax.jit(block_matmul)(jnp.asarray(x), weight))
+    err = np.abs(got - x.astype(np.float64) @ w.T)
+    assert np.all(err <= bound(x, w)), f"{fmt} float path: max error {err.max():.3g}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_integer_path_equals_integer_reference(fmt, rows):
+    # 70 rows: past one 64-row panel; 5: a 4-row tile and a remainder; n = 7: a 4 tile + 3 singles
+    k, n = 576, 7
+    blocks, x = random_blocks(fmt, n, k, seed=2), activations(rows, k, seed=3)
+    x[0, :BLOCK] = 0.0  # an all-zero block (scale 1) must contribute nothing
+    weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_TARGET, 1)
+    got = np.asarray(block_matmul(jnp.asarray(x), weight))
+    want = integer_reference(x, blocks, fmt)
+    w = dequantize_host(blocks, fmt)
+    err = np.abs(got - want)
+    assert np.all(err <= bound(x, w)), f"{fmt} integer path: max error {err.max():.3g}"
+
+
+@needs_kernels
+def test_integer_path_is_chosen_by_row_count():
+    # From int_rows rows on the activations are quantized: the result moves off the float
+    # product by the activation rounding (much more than float32 rounding), below it it does not.
+    k, n = 576, 16
+    blocks, x = random_blocks("q4_1", n, k), activations(8, k)
+    w = dequantize_host(blocks, "q4_1")
+    exact = x.astype(np.float64) @ w.T
+    weight = with_kernel(make_weight(blocks, "q4_1", k), cpu_kernels.BLOCK_TARGET, 8)
+    at = np.asarray(block_matmul(jnp.asarray(x), weight))
+    below = np.asarray(block_matmul(jnp.asarray(x[:7]), weight))
+    assert np.all(np.abs(below - exact[:7]) <= bound(x[:7], w)), "7 rows < int_rows: float path"
+    assert np.abs(at - exact).max() > 10 * bound(x, w).max(), "8 rows: integer path (activations rounded)"
+    np.testing.assert_allclose(at, integer_reference(x, blocks, "q4_1"), rtol=1e-4, atol=1e-3)
+
+
+@needs_kernels
+def test_kernel_reports_an_isa():
+    assert cpu_kernels.block_isa() in ("AVX-512 VNNI", "AVX2")
