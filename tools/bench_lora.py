@@ -102,8 +102,8 @@ def product_ms(engine, tokens_list: list[int], repeats: int = 20) -> dict:
     shapes = [shape for (layer, _), shape in engine.lora.targets.items() if layer == 0]
     slots = NUM_ADAPTERS + 1
     key = jax.random.key(0)
-    weights = [LoraWeight(base=jnp.zeros((1, 1)), a=jax.random.normal(key, (slots, i, RANK)),
-                          b=jax.random.normal(key, (slots, RANK, o))) for i, o in shapes]
+    weights = [LoraWeight(base=jnp.zeros((1, 1)), a=jax.random.normal(key, (i, slots * RANK)),
+                          b=jax.random.normal(key, (slots * RANK, o)), num_slots=slots, rank=RANK) for i, o in shapes]
     out = {}
     for n in tokens_list:
         token_slots = jnp.asarray(np.arange(n) % slots, jnp.int32)
