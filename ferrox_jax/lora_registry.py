@@ -68,6 +68,11 @@ class LoraRegistry:
     def max_loras(self) -> int:
         return self.slots.max_loras
 
+    @property
+    def targets(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """{(layer, name): (in, out)} of the projections with slots."""
+        return dict(self._targets)
+
     def names(self) -> list[str]:
         """Loaded adapters, in load order."""
         with self._lock:

@@ -34,7 +34,9 @@ M | H and M | K. Fused checkpoint tensors (Phi-3's qkv_proj, gate_up_proj) are s
 at load, so they shard like any other projection. Experts are split Megatron-style over
 their intermediate axis (every device holds a slice of every expert), so each tile of an
 expert's tokens is computed locally and its down projection all-reduced (one per tile in
-use: `models/moe.py`). RoPE tables are constants of the step, not parameters.
+use: `models/moe.py`). RoPE tables are constants of the step, not parameters. LoRA adapter slots
+(`models/lora.py`: A [in, S*r], B [S*r, out] beside each adapted projection) are replicated;
+the base weight inside shards as above.
 `replicate_attention=True` relaxes the head constraint: attention weights and the KV
 cache are replicated and only the MLP and vocab are split. The default SmolLM2-135M
 needs it (9 heads, 3 KV heads: no M > 1 in {2, 4, 8} divides both); its MLP is ~2/3 of
@@ -170,6 +172,12 @@ def _state_name(path) -> str:
     return ".".join(parts)
 
 
+def _is_lora_stack(path) -> bool:
+    """The A or B stack of a LoraWeight (its fields `a` / `b`), which keep no split axis."""
+    last = path[-1] if path else None
+    return isinstance(last, jax.tree_util.GetAttrKey) and last.name in ("a", "b")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunnerShardings:
     """Everything a ModelRunner needs to place arrays and compile its steps on a mesh."""
@@ -188,6 +196,8 @@ def runner_shardings(mesh: Mesh, cfg: ModelConfig, state, replicate_attention: b
 
     def spec(path, leaf):
         name = _state_name(path)
+        if _is_lora_stack(path):  # LoRA slots (models/lora.py): replicated, small next to the weights
+            return NamedSharding(mesh, P())
         if isinstance(leaf, QuantizedWeight):
             specs = quantized_partition_specs(name, leaf, cfg, replicate_attention)
             return jax.tree_util.tree_map(lambda p: NamedSharding(mesh, p), specs,

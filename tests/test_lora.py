@@ -25,16 +25,18 @@ def _weight(slots=3, rank=4, seed=0):
     a = rng.randn(slots, D_IN, rank).astype(np.float32)
     b = rng.randn(slots, rank, D_OUT).astype(np.float32)
     a[0], b[0] = 0.0, 0.0  # slot 0: no adapter
-    return LoraWeight(base=jnp.asarray(rng.randn(D_IN, D_OUT), jnp.float32), a=jnp.asarray(a), b=jnp.asarray(b))
+    flat_a = a.transpose(1, 0, 2).reshape(D_IN, slots * rank)  # slot s in columns s*r .. s*r + r - 1
+    w = LoraWeight(base=jnp.asarray(rng.randn(D_IN, D_OUT), jnp.float32), a=jnp.asarray(flat_a),
+                   b=jnp.asarray(b.reshape(slots * rank, D_OUT)), num_slots=slots, rank=rank)
+    return w, a, b
 
 
 def test_slot_zero_adds_exactly_zero_and_slots_match_numpy():
-    w = _weight()
+    w, a, b = _weight()
     slots = np.asarray([0, 1, 2, 0, 2], np.int32)
     x = np.random.RandomState(1).randn(len(slots), D_IN).astype(np.float32)
     got = np.asarray(lora_delta(jnp.asarray(x), w.replace(token_slots=jnp.asarray(slots))))
     assert np.all(got[slots == 0] == 0.0), "a token in slot 0 must get exactly 0.0"
-    a, b = np.asarray(w.a), np.asarray(w.b)
     want = np.stack([x[n] @ a[s] @ b[s] for n, s in enumerate(slots)])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # f32, inner sizes 8 and 4
     gathered = np.asarray(lora_delta_gather(jnp.asarray(x), w.replace(token_slots=jnp.asarray(slots))))
@@ -92,8 +94,8 @@ def test_a_folder_without_the_files_is_invalid(tmp_path):
 
 def _registry(max_loras=2, rank=8):
     slots = LoraSlots(max_loras, rank)
-    weight = LoraWeight(base=jnp.zeros((D_IN, D_OUT)), a=jnp.zeros((slots.num_slots, D_IN, rank)),
-                        b=jnp.zeros((slots.num_slots, rank, D_OUT)))
+    weight = LoraWeight(base=jnp.zeros((D_IN, D_OUT)), a=jnp.zeros((D_IN, slots.num_slots * rank)),
+                        b=jnp.zeros((slots.num_slots * rank, D_OUT)), num_slots=slots.num_slots, rank=rank)
     runner = types.SimpleNamespace(state={"layers": {0: {"q_proj": weight}}}, shardings=None)
     return LoraRegistry(runner, slots, TABLE, TARGETS), runner
 
@@ -104,9 +106,10 @@ def test_registry_writes_slots_and_frees_them_only_when_released(tmp_path):
     assert [registry.load(f"a{i}", paths[i]).slot for i in range(2)] == [1, 2]
     a1 = read_peft_adapter(paths[1], TABLE, TARGETS, 8).weights[(0, "q_proj")]
     stored = runner.state["layers"][0]["q_proj"]
-    np.testing.assert_array_equal(np.asarray(stored.a[2, :, :4]), a1[0])
-    np.testing.assert_array_equal(np.asarray(stored.a[2, :, 4:]), 0.0)  # rank 4 in a rank-8 slot: zero-padded
-    np.testing.assert_array_equal(np.asarray(stored.a[0]), 0.0)  # the zero slot stays zero
+    np.testing.assert_array_equal(np.asarray(stored.a[:, 16:20]), a1[0])  # slot 2 of rank 8: columns 16..23
+    np.testing.assert_array_equal(np.asarray(stored.a[:, 20:24]), 0.0)  # rank 4 in a rank-8 slot: zero-padded
+    np.testing.assert_allclose(np.asarray(stored.b[16:20]), a1[1])
+    np.testing.assert_array_equal(np.asarray(stored.a[:, :8]), 0.0)  # the zero slot stays zero
     with pytest.raises(LoraError) as full:
         registry.load("a2", paths[2])
     assert full.value.code == "slots_full"
