@@ -42,7 +42,8 @@ def server(tmp_path_factory):
                                       max_lora_rank=8, lora_modules=(("a1", str(paths["a1"])),)))
     engine.warmup()
     engine.start()
-    app = create_app(engine, ServerConfig(api_key=KEY, model_dir=str(root), enable_runtime_lora=True))
+    app = create_app(engine, ServerConfig(api_key=KEY, model_dir=str(root), enable_runtime_lora=True,
+                                         response_cache=True))
     with ServerThread(app) as url:
         yield url, engine, base, paths
     engine.shutdown()
@@ -68,6 +69,19 @@ def _peft_text(base, adapter, tokenizer):
     with torch.no_grad():
         ids = model.generate(torch.tensor([PROMPT]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(PROMPT):]
     return tokenizer.decode(ids.tolist())
+
+
+def test_the_response_cache_keeps_adapters_apart(server):
+    url = server[0]
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        answers = []
+        for model in (server[1].model_name, "a1", "a1"):
+            r = http.post("/v1/completions", json={**body, "prompt": PROMPT[::-1], "model": model})
+            assert r.status_code == 200, r.text
+            answers.append((r.headers["ferrox-cache"], r.json()["choices"][0]["text"]))
+    assert [status for status, _ in answers] == ["miss", "miss", "hit"], "the adapter is in the cache's key"
+    assert answers[2][1] == answers[1][1] != answers[0][1]
 
 
 def test_models_list_adapters_with_parent(server):
@@ -171,7 +185,8 @@ def test_prefix_cache_never_shares_blocks_across_adapters(server):
     prompt = list(range(40, 40 + 48))  # 3 full blocks of 16
 
     def cached(model):
-        out = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0.0)
+        # sampled without a seed: the response cache (on in this server) stays out of it
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=1.0)
         details = out.usage.prompt_tokens_details
         return details.cached_tokens if details else 0
 
