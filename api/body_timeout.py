@@ -52,7 +52,7 @@ class BodyReadTimeout:
             await self.app(scope, receive, send)
             return
         body = _TimedBody(self, receive, send)
-        await self.app(scope, body.receive, body.send)
+        await self.app(scope, body.receive, body.send_watched)
         if body.timed_out and not body.response_started:
             self.num_timed_out += 1
             logger.warning("%s %s: the body did not arrive in time (%d bytes in %.1f s); answered 408",
@@ -79,7 +79,7 @@ class _TimedBody:
                  send: Callable[[dict], Awaitable[None]]) -> None:
         self.middleware = middleware
         self._receive = receive
-        self._send = send
+        self.send = send  # the server's: api/guards.py:abort_transport walks `send` owners to the transport
         self.start = time.monotonic()
         self.received = 0
         self.complete = False
@@ -106,7 +106,7 @@ class _TimedBody:
             self.complete = True
         return message
 
-    async def send(self, message: dict) -> None:
+    async def send_watched(self, message: dict) -> None:
         if message["type"] == "http.response.start":
             self.response_started = True
-        await self._send(message)
+        await self.send(message)

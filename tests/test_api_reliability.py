@@ -4,12 +4,8 @@ event loop."""
 
 from __future__ import annotations
 
-import json
-import threading
-import time
 
 import anthropic
-import httpx
 import openai
 import pytest
 
