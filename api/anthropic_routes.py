@@ -63,8 +63,8 @@ from api.errors import APIError
 from api.generation import GenerationRun, RowOutput
 from api.limits import check_asked_tokens, check_prompt_tokens, check_stop_strings, max_tokens
 from api.output_blocks import Block, BlockEvent, OutputBlocks
-from api.prompts import chat_prompt, check_model
-from api.protocol import parse_body
+from api.offload import parse_body_off_loop, run_cpu_if
+from api.prompts import chat_prompt, check_model, heavy_chat
 from api.sse import named_event as event, sse_response
 from api.state import AppState, json_response, state_of
 from api.structured import OutputPlan, ToolRequest, check_grammar, tool_request
@@ -270,7 +270,7 @@ def _folded_system(body: CountTokensRequest) -> str:
     return "\n\n".join(part for part in parts if part)
 
 
-async def _prompt(body: CountTokensRequest, engine: Engine, state: AppState) -> tuple[list[int], OutputPlan]:
+def _conversation(body: CountTokensRequest) -> list[dict]:
     system = _folded_system(body)
     turns = [{"role": "system", "content": system}] if system else []
     for i, message in enumerate(body.messages):
@@ -278,7 +278,13 @@ async def _prompt(body: CountTokensRequest, engine: Engine, state: AppState) -> 
             turns.extend(_turns(message, i))
     if not any(turn["role"] != "system" for turn in turns):
         raise APIError(400, "messages: at least one user or assistant message is required", param="messages")
-    return await chat_prompt(engine, turns, tools=_tools(body, engine),
+    return turns
+
+
+async def _prompt(body: CountTokensRequest, engine: Engine, state: AppState) -> tuple[list[int], OutputPlan]:
+    turns = await run_cpu_if(heavy_chat(body.messages), _conversation, body)
+    tools = await run_cpu_if(bool(body.tools), _tools, body, engine)  # a forced call compiles schemas
+    return await chat_prompt(engine, turns, tools=tools,
                              default_constraint=state.config.default_grammar,
                              split_reasoning=_splits_thinking(body.thinking))
 
@@ -293,7 +299,7 @@ def _state() -> AppState:
 @blueprint.post(ROUTE + "/count_tokens")
 async def count_tokens() -> Response:
     state = _state()
-    body: CountTokensRequest = parse_body(await request.get_data(), CountTokensRequest)
+    body: CountTokensRequest = await parse_body_off_loop(await request.get_data(), CountTokensRequest)
     engine = state.require_engine()
     check_model(body.model, engine)
     prompt, _plan = await _prompt(body, engine, state)
@@ -303,7 +309,7 @@ async def count_tokens() -> Response:
 @blueprint.post(ROUTE)
 async def create_message() -> Response:
     state = _state()
-    body: MessagesRequest = parse_body(await request.get_data(), MessagesRequest)
+    body: MessagesRequest = await parse_body_off_loop(await request.get_data(), MessagesRequest)
     engine = state.require_engine()
     check_model(body.model, engine)
     check_stop_strings(body.stop_sequences or [], state.config, "stop_sequences")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
-import hmac
 import logging
 import threading
 import time
@@ -32,9 +31,10 @@ from typing import TYPE_CHECKING, Callable
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from api import (admin_routes, anthropic_routes, cache_rebuild, embeddings_routes, guards, llamacpp_routes, lora_routes,
-                 model_admin, openai_routes, rerank_routes, response_cache, responses_routes, resumable, sessions,
-                 router_routes, sleep_routes, surface_routes, tokenizer_routes, unread_body, web)
+from api import (admin_routes, anthropic_routes, auth_limit, body_timeout, cache_rebuild, embeddings_routes, guards,
+                 llamacpp_routes, lora_routes, model_admin, openai_routes, rerank_routes, response_cache,
+                 responses_routes, resumable, router_routes, sessions, sleep_routes, surface_routes, tokenizer_routes,
+                 unread_body, web)
 from api.config import ServerConfig
 from api.errors import APIError
 from api.state import AppState, json_response, state_of
@@ -106,6 +106,7 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
                                                             config.response_cache_max_bytes)
         state.on_engine_change.append(state.response_cache.clear)
         state.metrics.registry.register(response_cache.ResponseCacheCollector(state.response_cache))
+    state.auth_limiter = auth_limit.FailedAuthLimiter(config.auth_failures_per_minute)
     app.extensions["ferrox"] = state
     for module in (openai_routes, anthropic_routes, responses_routes, llamacpp_routes, embeddings_routes,
                    tokenizer_routes, resumable, admin_routes, model_admin, surface_routes, rerank_routes,
@@ -118,7 +119,10 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
     _install_error_handlers(app, state)
     state.guards = guards.install(app, config.max_concurrent_requests, config.sse_orphan_timeout_ms / 1000,
                                   config.max_header_bytes, error_renderer)
-    app.asgi_app = unread_body.DrainUnreadBody(app.asgi_app, config.max_body_bytes)  # outermost: covers the guards
+    app.asgi_app = unread_body.DrainUnreadBody(app.asgi_app, config.max_body_bytes)  # covers the guards
+    state.body_timeout = body_timeout.BodyReadTimeout(app.asgi_app, config.body_read_timeout_s,
+                                                      renderer=error_renderer)  # outermost: after the slot is freed
+    app.asgi_app = state.body_timeout
 
     @app.before_serving
     async def _start() -> None:
@@ -181,16 +185,10 @@ def _install_hooks(app: Quart, state: AppState) -> None:
         origin = request.headers.get("Origin")
         if request.method == "OPTIONS" and origin and origin in config.cors_origins:
             return Response("", status=204)  # CORS headers added in _after
-        if api_key is not None and path not in OPEN_PATHS:
-            header = request.headers.get("Authorization", "")
-            scheme, _, token = header.partition(" ")
-            given = token.strip().encode("utf-8") if scheme.lower() == "bearer" else b""
-            if not given:  # Anthropic's clients send the key as x-api-key
-                given = request.headers.get("x-api-key", "").strip().encode("utf-8")
-            if not hmac.compare_digest(given, api_key):
-                raise APIError(401, "invalid or missing API key", code="invalid_api_key",
-                               headers={"WWW-Authenticate": "Bearer"})
-        if path not in OPEN_PATHS and state.over_rate_limit(request.remote_addr or "?"):
+        client = request.remote_addr or "?"
+        if api_key is not None and path not in OPEN_PATHS:  # the limits first, then the key
+            auth_limit.check_key(state, api_key, request.headers, client)
+        elif path not in OPEN_PATHS and state.over_rate_limit(client):
             raise APIError(429, "rate limit exceeded", type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": "60"})
         return None

@@ -105,6 +105,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             request_timeout_s=args.request_timeout, sse_orphan_timeout_ms=args.sse_orphan_timeout_ms,
             cors_origins=tuple(args.cors_origins),
             rate_limit_per_minute=args.rate_limit_per_minute,
+            auth_failures_per_minute=args.auth_failures_per_minute, body_read_timeout_s=args.body_read_timeout,
             allow_unauthenticated_remote=args.allow_unauthenticated_remote, tls_cert=args.tls_cert,
             tls_key=args.tls_key, shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
             default_grammar=default_grammar(args.grammar, args.grammar_file, args.json_schema),

@@ -47,6 +47,8 @@ class ServerConfig:
     sse_keepalive_s: float = 15.0  # idle streams get a ": keep-alive" comment this often
     cors_origins: tuple[str, ...] = ()  # exact origins; never "*"
     rate_limit_per_minute: int = 0  # per client address; 0 = off
+    auth_failures_per_minute: int = 20  # wrong keys per client address; 429 above, before the key check (0 = off)
+    body_read_timeout_s: float = 10.0  # a body must arrive within this plus 1 s per 64 KiB (408 above)
     allow_unauthenticated_remote: bool = False
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -91,6 +93,10 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.sse_keepalive_s must be > 0; got {self.sse_keepalive_s}")
         if self.rate_limit_per_minute < 0:
             raise ValueError(f"ServerConfig.rate_limit_per_minute must be >= 0; got {self.rate_limit_per_minute}")
+        if self.auth_failures_per_minute < 0:
+            raise ValueError(f"ServerConfig.auth_failures_per_minute must be >= 0; got {self.auth_failures_per_minute}")
+        if not self.body_read_timeout_s > 0:
+            raise ValueError(f"ServerConfig.body_read_timeout_s must be > 0; got {self.body_read_timeout_s}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"ServerConfig.shutdown_timeout_s must be >= 0; got {self.shutdown_timeout_s}")
         for origin in self.cors_origins:
@@ -289,6 +295,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cors_origins", "FERROX_CORS_ORIGINS", _origins, (), "comma-separated exact CORS origins"),
     Setting("rate_limit_per_minute", "FERROX_RATE_LIMIT_PER_MINUTE", _nonneg_int, 0,
             "requests per minute per client address (0 = off; 429 above)"),
+    Setting("auth_failures_per_minute", "FERROX_AUTH_FAILURES_PER_MINUTE", _nonneg_int, 20,
+            "wrong API keys per minute per client address before its requests get 429 (0 = off)"),
+    Setting("body_read_timeout", "FERROX_BODY_READ_TIMEOUT", _positive_float, 10.0,
+            "seconds a request body may take to arrive, plus 1 s per 64 KiB received (408 above)"),
     Setting("tls_cert", "FERROX_TLS_CERT", _str, None, "TLS certificate file (with --tls-key)"),
     Setting("tls_key", "FERROX_TLS_KEY", _str, None, "TLS private key file (with --tls-cert)"),
     Setting("shutdown_timeout", "FERROX_SHUTDOWN_TIMEOUT", _nonneg_float, 30.0,

@@ -25,9 +25,9 @@ from quart import Blueprint, Response, current_app, request
 from api import generation
 from api.errors import APIError
 from api.generation import GenerationRun, RowOutput, job_ids
-from api.limits import check_prompt_tokens, check_token_ids
+from api.limits import check_fits_queue, check_prompt_tokens, check_token_ids
+from api.offload import parse_body_off_loop
 from api.prompts import check_model, encode
-from api.protocol import parse_body
 from api.state import json_response, state_of
 from ferrox_jax.request import GenerationRequest
 
@@ -67,7 +67,7 @@ class EmbeddingRequest(BaseModel):
 @blueprint.post(ROUTE)
 async def create_embeddings() -> Response:
     state = state_of(current_app)
-    body: EmbeddingRequest = parse_body(await request.get_data(), EmbeddingRequest)
+    body: EmbeddingRequest = await parse_body_off_loop(await request.get_data(), EmbeddingRequest)
     engine = state.require_engine()
     check_model(body.model, engine)
     hidden_size = engine.model_config.hidden_size
@@ -76,6 +76,7 @@ async def create_embeddings() -> Response:
                             f"got {body.dimensions}", param="dimensions")
     if len(body.input) > MAX_INPUTS:
         raise APIError(400, f"at most {MAX_INPUTS} inputs per request; got {len(body.input)}", param="input")
+    check_fits_queue(len(body.input), engine, "input")
     prompts = []
     for i, item in enumerate(body.input):
         ids = await encode(engine.tokenizer, item) if isinstance(item, str) else item

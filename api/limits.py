@@ -95,3 +95,12 @@ def max_tokens(asked: int | None, prompt_len: int, max_context: int, config: Ser
     if config.max_output_tokens:
         room = min(room, config.max_output_tokens)
     return room if asked is None else min(asked, room)
+
+
+def check_fits_queue(num_jobs: int, engine: Engine, param: str) -> None:
+    """400 when a request's jobs outnumber the engine's whole waiting queue (`--max-queue`):
+    it could never be admitted, so a retryable 503 `queue_full` would be a lie."""
+    max_queue = engine.config.max_queue
+    if num_jobs > max_queue:
+        raise APIError(400, f"{param}: {num_jobs} items in one request; this server queues at most {max_queue} "
+                            "(--max-queue); split the request", param=param, code="too_many_inputs")

@@ -39,8 +39,9 @@ from api import generation
 from api.errors import APIError
 from api.generation import GenerationRun, RowOutput
 from api.limits import check_asked_tokens, check_prompt_tokens, check_stop_strings, check_token_ids, max_tokens
+from api.offload import parse_body_off_loop
 from api.prompts import check_model, encode
-from api.protocol import dumps, parse_body
+from api.protocol import dumps
 from api.sse import KEEP_ALIVE_COMMENT, sse_response
 from api.state import json_response, state_of
 from ferrox_jax.request import GenerationRequest, RowEvent, SamplingParams
@@ -94,7 +95,7 @@ class LlamaCompletionRequest(BaseModel):
 @blueprint.post("/completions")
 async def completion() -> Response:
     state = state_of(current_app)
-    body: LlamaCompletionRequest = parse_body(await request.get_data(), LlamaCompletionRequest)
+    body: LlamaCompletionRequest = await parse_body_off_loop(await request.get_data(), LlamaCompletionRequest)
     engine = state.require_engine()
     check_model(body.model, engine)
     check_stop_strings(body.stop, state.config)

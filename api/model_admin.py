@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 import threading
 import time
 import uuid
@@ -113,7 +114,7 @@ async def list_models() -> Response:
 @blueprint.post("/admin/models/load")
 async def load() -> Response:
     state = state_of(current_app)
-    body = await request.get_json(force=True, silent=True)
+    body = _json_body(await request.get_data())
     name = body.get("model") if isinstance(body, dict) else None
     if not isinstance(name, str):
         raise APIError(400, 'the body must be {"model": "<id from GET /admin/models>"}', param="model")
@@ -129,6 +130,14 @@ async def load() -> Response:
     _start_load(state, task, DEFAULT_ID if name == DEFAULT_ID else found["path"], asyncio.get_running_loop())
     return json_response({"task_id": task.id, "status": task.status, "model": name}, 202,
                          {"Location": f"/admin/tasks/{task.id}"})
+
+
+def _json_body(raw: bytes) -> Any:
+    """The body as JSON, or None when it is not UTF-8 JSON (then the caller's 400 says what to send)."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
 
 
 def _start_load(state: AppState, task: Task, path: str, loop: asyncio.AbstractEventLoop) -> None:

@@ -27,10 +27,11 @@ from api.lora_routes import lora_cards
 from api.choices import ChatShape, Choice, CompletionShape, prompt_entries
 from api.errors import APIError
 from api.generation import GenerationRun, RowOutput, job_ids
-from api.limits import (check_asked_tokens, check_common, check_logprobs, check_prompt_tokens, check_token_ids,
-                        max_tokens)
-from api.prompts import check_model, encode
-from api.protocol import CancelRequest, ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body, parse_logit_bias
+from api.limits import (check_asked_tokens, check_common, check_fits_queue, check_logprobs, check_prompt_tokens,
+                        check_token_ids, max_tokens)
+from api.offload import parse_body_off_loop, run_cpu_if
+from api.prompts import check_model, encode, heavy_chat
+from api.protocol import CancelRequest, ChatCompletionRequest, CompletionRequest, SamplingFields, parse_logit_bias
 from api.sse import DONE, KEEP_ALIVE_COMMENT, event, sse_response
 from api.state import AppState, json_response, state_of
 from api.structured import (PLAIN_TEXT, OutputPlan, choice_constraint, check_grammar, completion_plan,
@@ -51,7 +52,7 @@ def _state() -> AppState:
 
 
 async def _body(model: type) -> Any:
-    return parse_body(await request.get_data(), model)
+    return await parse_body_off_loop(await request.get_data(), model)
 
 
 # ---------------------------------------------------------------- small routes
@@ -183,6 +184,7 @@ async def completions() -> Response:
     check_asked_tokens(body.max_tokens if "max_tokens" in body.model_fields_set else None, state.config)
     tok = engine.tokenizer
     prompts = []
+    check_fits_queue(len(body.prompt_list()), engine, "prompt")
     for p in body.prompt_list():
         ids = await encode(tok, p) if isinstance(p, str) else list(p)
         if not ids:
@@ -225,15 +227,18 @@ async def chat_completions() -> Response:
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     check_asked_tokens(asked, state.config, asked_param)
     constraint, constraint_param = _constraint(body)
-    tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, engine)
     kwargs = template_kwargs(body.chat_template_kwargs, body.reasoning_effort, engine.tokenizer.chat_template)
     session = _session(state, body.session_id)
     messages = [m.template_dict() for m in body.messages]
     history = state.sessions.history(*session) if session else []
-    chat = prepare_chat(engine.tokenizer, history + messages, tools=tools,
-                        constraint=constraint, constraint_param=constraint_param,
-                        default_constraint=state.config.default_grammar,
-                        add_generation_prompt=body.add_generation_prompt is not False, template_kwargs=kwargs)
+
+    def plan_chat():  # in the CPU pool for a long conversation or tools (a forced call compiles)
+        tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, engine)
+        return prepare_chat(engine.tokenizer, history + messages, tools=tools, constraint=constraint,
+                            constraint_param=constraint_param, default_constraint=state.config.default_grammar,
+                            add_generation_prompt=body.add_generation_prompt is not False, template_kwargs=kwargs)
+
+    chat = await run_cpu_if(heavy_chat(body.messages, body.tools), plan_chat)
     prompt_ids = await encode(engine.tokenizer, chat.text, add_special_tokens=False)
     if not prompt_ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")

@@ -9,18 +9,19 @@ the output plan says how to constrain and parse what comes back.
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any
 
 from api.errors import APIError
 from api.lora_routes import lora_names
+from api.offload import run_cpu, run_cpu_if
 from api.structured import OutputPlan, ToolRequest, prepare_chat
 
 if TYPE_CHECKING:
     from ferrox_jax.engine import Engine
     from ferrox_jax.constraint import GrammarSpec
 
-ENCODE_INLINE_CHARS = 16_384  # longer prompts are tokenized in a worker thread
+ENCODE_INLINE_CHARS = 16_384  # longer prompts are tokenized in the CPU pool (api/offload.py)
+INLINE_MESSAGES = 32  # longer conversations are rendered in the CPU pool
 
 
 def check_model(name: str | None, engine: Engine) -> None:
@@ -35,7 +36,16 @@ async def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> 
     """Token ids of `text`; long texts are encoded off the event loop (a 4 MiB body takes ~1 s)."""
     if len(text) < ENCODE_INLINE_CHARS:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+    return await run_cpu(tokenizer.encode, text, add_special_tokens)
+
+
+def heavy_chat(messages: list[Any], tools: Any = None) -> bool:
+    """Whether preparing `messages` (dicts or the request's message models) belongs in the
+    CPU pool: many messages, long contents, or tools (a forced call compiles their schemas)."""
+    if tools or len(messages) > INLINE_MESSAGES:
+        return True
+    contents = (m.get("content") if isinstance(m, dict) else getattr(m, "content", None) for m in messages)
+    return sum(len(c) if isinstance(c, str) else len(str(c or "")) for c in contents) > ENCODE_INLINE_CHARS
 
 
 async def chat_prompt(engine: Engine, messages: list[dict], param: str = "messages", *,
@@ -49,9 +59,10 @@ async def chat_prompt(engine: Engine, messages: list[dict], param: str = "messag
     its output plan. Thinking sections are split as on chat (the Anthropic and Responses
     adapters render them as thinking blocks / reasoning items) unless `split_reasoning` is
     False, which keeps them in the text. A template error or an empty result is a 400 naming `param`."""
-    chat = prepare_chat(engine.tokenizer, messages, tools=tools, constraint=constraint,
-                        constraint_param=constraint_param, default_constraint=default_constraint,
-                        messages_param=param, split_reasoning=split_reasoning, template_kwargs=template_kwargs)
+    chat = await run_cpu_if(heavy_chat(messages, tools), prepare_chat, engine.tokenizer, messages, tools=tools,
+                            constraint=constraint, constraint_param=constraint_param,
+                            default_constraint=default_constraint, messages_param=param,
+                            split_reasoning=split_reasoning, template_kwargs=template_kwargs)
     ids = await encode(engine.tokenizer, chat.text, add_special_tokens=False)
     if not ids:
         raise APIError(400, f"{param} render to an empty prompt", param=param)

@@ -59,9 +59,9 @@ from api.errors import APIError
 from api.generation import GenerationRun, RowOutput
 from api.limits import check_asked_tokens, check_prompt_tokens, max_tokens
 from api.output_blocks import Block, BlockEvent, OutputBlocks
+from api.offload import parse_body_off_loop, run_cpu_if
+from api.prompts import chat_prompt, check_model, heavy_chat
 from api.template_kwargs import template_kwargs
-from api.prompts import chat_prompt, check_model
-from api.protocol import parse_body
 from api.sse import named_event as event, sse_response
 from api.state import json_response, state_of
 from api.structured import (PLAIN_TEXT, OutputPlan, ToolRequest, check_grammar, json_object_constraint,
@@ -224,7 +224,7 @@ def _constraint(body: ResponsesRequest) -> tuple[GrammarSpec | str | None, str]:
 @blueprint.post(ROUTE)
 async def create_response() -> Response:
     state = state_of(current_app)
-    body: ResponsesRequest = parse_body(await request.get_data(), ResponsesRequest)
+    body: ResponsesRequest = await parse_body_off_loop(await request.get_data(), ResponsesRequest)
     engine = state.require_engine()
     check_model(body.model, engine)
     if body.previous_response_id is not None:
@@ -233,7 +233,9 @@ async def create_response() -> Response:
                        param="previous_response_id")
     check_asked_tokens(body.max_output_tokens, state.config, "max_output_tokens")
     constraint, constraint_param = _constraint(body)
-    prompt, plan = await chat_prompt(engine, _turns(body), "input", tools=_tools(body, engine), constraint=constraint,
+    turns = await run_cpu_if(isinstance(body.input, list) and heavy_chat(body.input), _turns, body)
+    tools = await run_cpu_if(bool(body.tools), _tools, body, engine)  # a forced call compiles schemas
+    prompt, plan = await chat_prompt(engine, turns, "input", tools=tools, constraint=constraint,
                                      constraint_param=constraint_param, default_constraint=state.config.default_grammar,
                                      template_kwargs=_effort_kwargs(body, engine))
     check_prompt_tokens(len(prompt), state.config, "input")

@@ -41,12 +41,12 @@ items) fold the parser's deltas into ordered blocks with `api/output_blocks.py`.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from typing import TYPE_CHECKING, Any, Sequence
 
 from api.errors import APIError
+from api.offload import run_cpu
 from api.reasoning import THINK_START, ReasoningStreamParser, prompt_opens_reasoning
 from api.tool_call_parser import ToolCall, ToolCallStreamParser, detect_tool_call_format
 from api.tool_calls import (ToolDefinitionError, ToolSpec, add_tools_to_messages, template_renders_tools,
@@ -116,7 +116,7 @@ async def check_grammar(engine: Engine, spec: GrammarSpec | None, param: str) ->
     if spec is None:
         return None
     try:
-        await asyncio.to_thread(engine.check_grammar, spec)
+        await run_cpu(engine.check_grammar, spec)
         return spec
     except GrammarError as e:
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_grammar") from None

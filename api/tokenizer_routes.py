@@ -27,8 +27,9 @@ from quart import Blueprint, Response, current_app, request
 
 from api.errors import APIError
 from api.limits import check_token_ids
-from api.prompts import check_model, encode
-from api.protocol import DetokenizeRequest, TokenizeRequest, parse_body
+from api.offload import parse_body_off_loop, run_cpu_if
+from api.prompts import check_model, encode, heavy_chat
+from api.protocol import DetokenizeRequest, TokenizeRequest
 from api.state import json_response, state_of
 from api.structured import prepare_chat, tool_request
 from api.template_kwargs import template_kwargs
@@ -41,7 +42,7 @@ blueprint = Blueprint("tokenizer", __name__)
 
 async def _parsed(model: type) -> tuple[Any, Engine]:
     """The request's body as `model`, and the engine (the body's `model` checked against it)."""
-    body = parse_body(await request.get_data(), model)
+    body = await parse_body_off_loop(await request.get_data(), model)
     engine = state_of(current_app).require_engine()
     check_model(body.model, engine)
     return body, engine
@@ -54,10 +55,10 @@ async def tokenize() -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:  # rendered as the chat route renders them, tools included
-        chat = prepare_chat(engine.tokenizer, [m.template_dict() for m in body.messages],
-                            template_kwargs=template_kwargs(body.chat_template_kwargs, body.reasoning_effort,
-                                                            engine.tokenizer.chat_template),
-                            tools=tool_request(body.tools, None, None))
+        kwargs = template_kwargs(body.chat_template_kwargs, body.reasoning_effort, engine.tokenizer.chat_template)
+        chat = await run_cpu_if(heavy_chat(body.messages, body.tools), lambda: prepare_chat(
+            engine.tokenizer, [m.template_dict() for m in body.messages], template_kwargs=kwargs,
+            tools=tool_request(body.tools, None, None)))
         tokens = await encode(engine.tokenizer, chat.text, add_special_tokens=False)
     else:
         tokens = await encode(engine.tokenizer, body.prompt, add_special_tokens=bool(body.add_special_tokens))

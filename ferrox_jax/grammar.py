@@ -39,6 +39,8 @@ object; `fill_bitmask` computes rows on llguidance's thread pool with the GIL re
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -50,9 +52,13 @@ import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
 from ferrox_jax.constraint import GrammarError, GrammarSpec
+from ferrox_jax.grammar_limits import check_limits
+from ferrox_jax.grammar_sandbox import SandboxUnavailable, shared_sandbox
 from ferrox_jax.host_batch import ALL_TOKENS_ALLOWED, bitmask_words
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept; a template matcher is a few hundred kB
+
+log = logging.getLogger(__name__)
 
 _UNIMPLEMENTED_KEYS = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 
@@ -142,6 +148,24 @@ def _error_message(spec: GrammarSpec, engine_error: str) -> str:
     return f"invalid {what}: {engine_error}"
 
 
+def compile_template(lltokenizer: llguidance.LLTokenizer, spec: GrammarSpec) -> tuple[llguidance.LLMatcher, tuple[str, ...]]:
+    """The never-stepped matcher for `spec` and its warnings; GrammarError naming the problem.
+    Native code: call it only on a spec that passed `check_limits` (and, in the server,
+    the sandbox)."""
+    try:
+        grammar = _to_llguidance_grammar(spec)
+    except ValueError as e:
+        if isinstance(e, GrammarError):
+            raise
+        raise GrammarError(_error_message(spec, str(e))) from e
+    # The constructor never raises for grammar errors; it leaves the matcher in an
+    # error state whose message is the validation error.
+    template = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
+    if template.is_error():
+        raise GrammarError(_error_message(spec, template.get_error()))
+    return template, tuple(template.get_grammar_warnings())
+
+
 class RowMatcher:
     """The grammar state of one generating row; owner thread only.
 
@@ -219,7 +243,7 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, cache_size: int = DEFAULT_CACHE_SIZE,
-                 mask_threads: int | None = None):
+                 mask_threads: int | None = None, sandbox: bool | None = None):
         """
         Args:
           tokenizer: a `models.tokenizer.Tokenizer` (its `.backend` HF tokenizer and its
@@ -229,6 +253,9 @@ class GrammarCompiler:
           cache_size: compiled grammars kept (least recently used dropped first).
           mask_threads: threads `fill_bitmask` computes rows on (llguidance's default:
             80% of the CPUs, at least 1).
+          sandbox: compile each new spec in a child process first (grammar_sandbox.py),
+            so a native crash is that request's GrammarError; None reads
+            FERROX_GRAMMAR_SANDBOX (on unless "0").
         """
         if vocab_size < tokenizer.vocab_size:
             raise ValueError(f"vocab_size ({vocab_size}) must cover the tokenizer's vocabulary "
@@ -238,9 +265,14 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.num_words = bitmask_words(vocab_size)
         self.stop_token_ids = tuple(sorted(tokenizer.stop_token_ids))
+        tokenizer_json = tokenizer.backend.to_str()
         self._lltokenizer = llguidance.LLTokenizer(
-            tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=list(self.stop_token_ids))
+            tokenizer_json, n_vocab=vocab_size, eos_token=list(self.stop_token_ids))
         self._executor = llguidance.LLExecutor(num_threads=mask_threads)
+        if sandbox is None:
+            sandbox = os.environ.get("FERROX_GRAMMAR_SANDBOX", "1") != "0"
+        self._sandbox = shared_sandbox(tokenizer_json, vocab_size, self.stop_token_ids) \
+            if sandbox else None
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()  # guards the cache and the counters only
@@ -276,18 +308,14 @@ class GrammarCompiler:
         return self.compile(spec).new_matcher()
 
     def _compile_uncached(self, spec: GrammarSpec) -> CompiledGrammar:
-        try:
-            grammar = _to_llguidance_grammar(spec)
-        except ValueError as e:
-            if isinstance(e, GrammarError):
-                raise
-            raise GrammarError(_error_message(spec, str(e))) from e
-        # The constructor never raises for grammar errors; it leaves the matcher in an
-        # error state whose message is the validation error.
-        template = llguidance.LLMatcher(self._lltokenizer, grammar, log_level=0)
-        if template.is_error():
-            raise GrammarError(_error_message(spec, template.get_error()))
-        return CompiledGrammar(spec, tuple(template.get_grammar_warnings()), template, self.num_words)
+        check_limits(spec)
+        if self._sandbox is not None:
+            try:
+                self._sandbox.check(spec)
+            except SandboxUnavailable as e:
+                log.warning("%s; compiling in-process", e)
+        template, warnings = compile_template(self._lltokenizer, spec)
+        return CompiledGrammar(spec, warnings, template, self.num_words)
 
     def fill_bitmask(self, bitmask: np.ndarray, matchers: Sequence[RowMatcher | None]) -> None:
         """Fill one tick's bitmask: constrained rows from their matchers (in parallel, GIL

@@ -4,9 +4,11 @@
 templates expect. The environment is transformers' (`trim_blocks`, `lstrip_blocks`,
 `loopcontrols`, a non-escaping `tojson`, `raise_exception`, `strftime_now`, `namespace`),
 made immutable and sandboxed: templates come with checkpoints and are not trusted, so
-they see plain JSON data only and cannot reach Python internals. Every failure (does
-not compile, `raise_exception`, a sandbox violation, an error while rendering) is a
-`ChatTemplateError`, which the API answers with a 400 naming the reason.
+they see plain JSON data only and cannot reach Python internals, and each render has an
+output-size and time budget (`models/template_guard.py`: `{{ 'x' * 1000000000 }}` is
+refused before it allocates). Every failure (does not compile, `raise_exception`, a
+sandbox violation, a limit, an error while rendering) is a `ChatTemplateError`, which the
+API answers with a 400 naming the reason.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any, Mapping
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from models.template_guard import MAX_OUTPUT_CHARS, MAX_RENDER_SECONDS, GuardedEnvironment, guard_filter, render_guarded
 
 # Used when a checkpoint has no chat template: "role: content" paragraphs, then an open
 # "assistant:" turn when a generation prompt is asked for. Plain text on purpose, so it
@@ -37,8 +40,11 @@ class ChatTemplateError(ValueError):
 class ChatTemplate:
     """One compiled chat template (the checkpoint's, or FALLBACK_CHAT_TEMPLATE when None)."""
 
-    def __init__(self, source: str | None) -> None:
+    def __init__(self, source: str | None, *, max_output_chars: int = MAX_OUTPUT_CHARS,
+                 max_seconds: float = MAX_RENDER_SECONDS) -> None:
         self.source = source
+        self.max_output_chars = max_output_chars  # any string the template builds, and its output
+        self.max_seconds = max_seconds  # one render's wall time
         try:
             self._template = _chat_environment().from_string(source if source is not None else FALLBACK_CHAT_TEMPLATE)
         except jinja2.TemplateError as e:
@@ -59,12 +65,17 @@ class ChatTemplate:
             raise ChatTemplateError("chat messages must be dicts with 'role' and 'content'")
         clean = [_plain_data({k: v for k, v in m.items() if v is not None}) for m in messages]
         try:
-            variables = {**_plain_data(dict(extra or {})), **special_tokens}
-            return self._template.render(variables, messages=clean, add_generation_prompt=add_generation_prompt,
-                                         tools=_plain_data(tools), documents=None)
+            variables = {**_plain_data(dict(extra or {})), **special_tokens, "messages": clean,
+                         "add_generation_prompt": add_generation_prompt, "tools": _plain_data(tools),
+                         "documents": None}
+            return render_guarded(self._template, self.max_output_chars, self.max_seconds, **variables)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
+        except RecursionError:
+            raise ChatTemplateError("chat template failed: it recursed too deep") from None
+        except MemoryError:
+            raise ChatTemplateError("chat template failed: out of memory while rendering") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError) as e:
             raise ChatTemplateError(f"chat template failed while rendering: {type(e).__name__}: {e}") from e
 
 
@@ -101,10 +112,11 @@ class _TemplateNamespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attribute {name!r}")
 
 
-def _chat_environment() -> ImmutableSandboxedEnvironment:
-    """The environment transformers renders chat templates in (minus its generation tracker)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
+def _chat_environment() -> GuardedEnvironment:
+    """The environment transformers renders chat templates in (minus its generation tracker),
+    with an output-size and time budget per render (models/template_guard.py)."""
+    env = GuardedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = guard_filter(_tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _TemplateNamespace

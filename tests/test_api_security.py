@@ -16,7 +16,8 @@ ORIGIN = "https://app.example.com"
 
 @pytest.fixture(scope="module")
 def server():
-    config = ServerConfig(api_key=KEY, cors_origins=(ORIGIN,))
+    # 40+ wrong keys from one address below: the failed-key limit (tests/test_api_abuse.py) is raised.
+    config = ServerConfig(api_key=KEY, cors_origins=(ORIGIN,), auth_failures_per_minute=1000)
     with ServerThread(create_app(tiny_engine(), config)) as url:
         yield url
 

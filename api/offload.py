@@ -1,0 +1,59 @@
+"""CPU-heavy request steps run in a small, bounded thread pool, never on the event loop.
+
+Rendering a chat template over 60,000 messages, tokenizing a megabyte, compiling a
+grammar or validating a large body each take from tens of milliseconds to seconds of
+CPU. On the event loop they stall every connection, `/health` included: eight such
+requests at once held it for 27 s, long enough for a liveness probe to restart the
+server. `run_cpu(fn, *args)` runs the step on one of `FERROX_CPU_WORKERS` threads
+(default 2): at most that many run at once, the rest queue in the pool, and the loop
+keeps answering. Python code in the pool still shares the GIL with the loop, so a small
+pool also bounds how much of it the loop loses (CPython hands the GIL over every 5 ms).
+Small inputs are handled inline (`run_cpu_if`): a thread hop costs more than the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+DEFAULT_WORKERS = 2
+INLINE_BODY_BYTES = 64 << 10  # bodies up to this are validated on the loop (well under 1 ms)
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def cpu_pool() -> ThreadPoolExecutor:
+    """The process's pool for CPU-heavy request steps (created on first use)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            workers = max(1, int(os.environ.get("FERROX_CPU_WORKERS", DEFAULT_WORKERS)))
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ferrox-cpu")
+        return _pool
+
+
+async def run_cpu(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)` on the CPU pool; its exception re-raises here."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(cpu_pool(), functools.partial(fn, *args, **kwargs))
+
+
+async def run_cpu_if(heavy: bool, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`run_cpu` when `heavy`, else a plain call on the loop."""
+    if heavy:
+        return await run_cpu(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+async def parse_body_off_loop(raw: bytes, model: Any) -> Any:
+    """`api.protocol.parse_body(raw, model)`, in the pool for a body over INLINE_BODY_BYTES."""
+    from api.protocol import parse_body
+
+    return await run_cpu_if(len(raw) > INLINE_BODY_BYTES, parse_body, raw, model)

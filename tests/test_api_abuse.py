@@ -1,0 +1,90 @@
+"""Abuse that must not lock others out: slow bodies get a 408 and free their slot, wrong
+keys are rate limited before the key check, a non-UTF-8 admin body is a 400, and a request
+with more items than the whole queue is a 400 (it could never be admitted), not a 503."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from api.app import create_app
+from api.config import ServerConfig
+from tests.server_harness import ServerThread, tiny_engine
+
+KEY = "sk-abuse-0123456789"
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = ServerConfig(api_key=KEY, max_concurrent_requests=3, body_read_timeout_s=0.5,
+                          auth_failures_per_minute=5)
+    with ServerThread(create_app(tiny_engine(), config)) as url:
+        yield url
+
+
+def auth(key: str = KEY) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def slow_uploader(url: str) -> socket.socket:
+    """A connection that declares a 4 MB body and sends one byte of it."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: 4000000\r\n\r\n{{".encode())
+    return sock
+
+
+def test_slow_bodies_get_408_and_free_their_slots(server):
+    uploaders = [slow_uploader(server) for _ in range(3)]  # every slot taken
+    try:
+        start = time.monotonic()
+        while True:  # within the body timeout (0.5 s) the slots come back
+            r = httpx.get(server + "/v1/models", headers=auth(), timeout=10)
+            if r.status_code == 200 or time.monotonic() - start > 5:
+                break
+        assert r.status_code == 200, r.text
+        assert time.monotonic() - start < 3
+        for sock in uploaders:
+            sock.settimeout(5)
+            head = sock.recv(4096).decode()
+            assert head.startswith("HTTP/1.1 408"), head
+            assert "connection: close" in head.lower() and "request_timeout" in head
+    finally:
+        for sock in uploaders:
+            sock.close()
+
+
+def test_wrong_keys_are_limited_before_the_key_is_checked(server):
+    with httpx.Client(base_url=server) as client:
+        codes = [client.get("/v1/models", headers=auth(f"guess-{i}")).status_code for i in range(8)]
+        assert codes[:5] == [401] * 5 and codes[5:] == [429] * 3, codes
+        limited = client.get("/v1/models", headers=auth())  # even the right key, until the window passes
+        assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1
+        assert limited.json()["error"]["code"] == "rate_limit_exceeded"
+        assert client.get("/health").status_code == 200  # probes are never limited
+
+
+def test_non_utf8_admin_load_body_is_400():
+    with ServerThread(create_app(tiny_engine(), ServerConfig())) as url:
+        r = httpx.post(url + "/admin/models/load", content=b'{"model": "\xff\xfe"}',
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "model" in r.json()["error"]["message"], r.text
+
+
+def test_more_inputs_than_the_queue_is_400_not_503():
+    engine = tiny_engine()
+    with ServerThread(create_app(engine, ServerConfig())) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        too_many = engine.config.max_queue + 1
+        with pytest.raises(openai.BadRequestError, match="--max-queue") as e:
+            client.embeddings.create(model=model, input=["hi"] * too_many)
+        assert e.value.body["code"] == "too_many_inputs"
+        with pytest.raises(openai.BadRequestError, match="--max-queue"):
+            client.completions.create(model=model, prompt=["hi"] * too_many, max_tokens=1)
+        assert len(client.embeddings.create(model=model, input=["hi", "there"]).data) == 2
