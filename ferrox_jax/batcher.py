@@ -47,6 +47,7 @@ from ferrox_jax.host_batch import HostBatch, bitmask_words, run_plan
 from ferrox_jax.plan import Runner, StepPlan
 from ferrox_jax.request import AdmissionError, GenerationRequest, MatcherFactory, RowEvent
 from ferrox_jax.scheduler import Scheduler, check_admission
+from ferrox_jax.speculative import spec_decode_stats
 from ferrox_jax.stats import BatcherStats
 
 log = logging.getLogger(__name__)
@@ -345,6 +346,7 @@ class ContinuousBatcher:
             prefix_cache_queries=scheduler.blocks.num_queried_tokens,
             prefix_cache_hits=scheduler.blocks.num_hit_tokens,
             kv_blocks_cached=scheduler.blocks.num_cached_blocks,
+            **spec_decode_stats(scheduler.speculator),
             **self._masks)
         with self._lock:
             self._snapshot = snapshot
