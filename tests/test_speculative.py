@@ -55,6 +55,21 @@ def test_config_reads_vllm_json_and_checks_fields():
         SpeculativeConfig(method="eagle")
 
 
+def test_verify_shapes_are_a_few_compiled_shapes_of_their_own():
+    from ferrox_jax.buckets import Buckets, StepShape
+
+    plain = Buckets.derive(8, 64)
+    spec = Buckets.derive(8, 64, max_verify_rows=4, verify_tokens=5)
+    added = [s for s in spec.shapes() if s not in plain.shapes()]
+    assert added == [StepShape(0, 0, 0, b, 5) for b in (1, 2, 4)], "rows 1, 2, 4 of 1 + k = 5 tokens"
+    # the sampler samples after every verify token: 5, 10, 20 positions
+    assert {5, 10, 20} <= set(spec.sampler_rows())
+    assert spec.verify_shape_for(3) == StepShape(0, 0, 0, 4, 5)
+    assert StepShape(0, 0, 0, 4, 5).num_tokens == StepShape(0, 0, 0, 4, 5).num_logits == 20
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        spec.verify_shape_for(5)
+
+
 class _Tokenizer:
     stop_token_ids = (0,)
 
