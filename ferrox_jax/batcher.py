@@ -100,6 +100,10 @@ def check_limits(limits: SchedulerLimits, runner: Runner) -> None:
     if limits.max_rows > runner.max_rows:
         raise ValueError(f"SchedulerLimits.max_rows ({limits.max_rows}) exceeds the runner's largest "
                          f"row bucket ({runner.max_rows})")
+    if limits.speculative is not None and limits.speculative.step_rows(limits.max_rows) > runner.max_rows:
+        raise ValueError(f"speculation needs {limits.speculative.step_rows(limits.max_rows)} rows per step "
+                         f"(each speculating row's tokens are rows); the runner's largest row bucket is "
+                         f"{runner.max_rows}")
     if limits.max_chunks > runner.max_chunks:
         raise ValueError(f"SchedulerLimits' {limits.max_chunks} chunks per step exceed the runner's "
                          f"{runner.max_chunks}")

@@ -17,9 +17,6 @@ so a shape is `StepShape(Bd, Pc, Tc)`, with N = Bd + Pc * Tc tokens and R = Bd +
                                       since 1-3 padded decode rows cost little next to a
                                       chunk), (p, t) as above
 
-    verify           (0, 0, 0, b, K) b in verify_rows   (speculation: b decoding rows of K = 1 + k
-                                      tokens, sampled after every one; `ferrox_jax/speculative.py`)
-
 A mixed step is compute-bound on a CPU (the chunk), so its padding is paid in full: rows
 are padded by at most 2x (a 4x grid cost 10 % of a 16-row + 128-token step, measured),
 and each chunk size keeps its own mixed shapes (a short prompt arriving while rows decode
@@ -58,27 +55,19 @@ def pick(buckets: tuple[int, ...], n: int) -> int:
 
 @dataclasses.dataclass(frozen=True, order=True)
 class StepShape:
-    """One compiled forward shape: Bd decode rows, then Pc chunk rows of Tc tokens; or Bv
-    verify rows of Tv tokens (speculation), alone."""
+    """One compiled forward shape: Bd decode rows, then Pc chunk rows of Tc tokens."""
 
     decode_rows: int
     chunk_rows: int
     chunk_tokens: int
-    verify_rows: int = 0
-    verify_tokens: int = 0
 
     @property
     def num_rows(self) -> int:
-        return self.decode_rows + self.chunk_rows + self.verify_rows
+        return self.decode_rows + self.chunk_rows
 
     @property
     def num_tokens(self) -> int:
-        return self.decode_rows + self.chunk_rows * self.chunk_tokens + self.verify_rows * self.verify_tokens
-
-    @property
-    def num_logits(self) -> int:
-        """Positions the sampler samples after: each row's last token, every verify token."""
-        return self.decode_rows + self.chunk_rows + self.verify_rows * self.verify_tokens
+        return self.decode_rows + self.chunk_rows * self.chunk_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,27 +78,21 @@ class Buckets:
     mixed_rows: tuple[int, ...]  # decode rows of a step that also has chunks
     chunk_tokens: tuple[int, ...]  # tokens of a step's one chunk row
     chunk_rows: tuple[int, ...]  # chunk rows of a step (several only at the largest chunk)
-    verify_rows: tuple[int, ...] = ()  # rows of a speculating step (none: speculation off)
-    verify_tokens: int = 0  # tokens per verify row: 1 + k
 
     @classmethod
     def derive(cls, max_rows: int, max_chunk_tokens: int, max_chunks: int = 1,
-               min_chunk_tokens: int = 16, max_verify_rows: int = 0, verify_tokens: int = 0) -> "Buckets":
+               min_chunk_tokens: int = 16) -> "Buckets":
         """Args:
           max_rows: rows one step holds (decode rows; a step with chunks holds the chunks' rows too).
           max_chunk_tokens: tokens of one chunk, at most.
           max_chunks: chunks one step holds, at most (the token budget over the chunk size).
-          max_verify_rows, verify_tokens: rows of a speculating step, at most, and 1 + k
-            (0: no speculation, no verify shapes).
         """
         if max_chunks < 1:
             raise ValueError(f"max_chunks must be >= 1; got {max_chunks}")
         return cls(decode_rows=powers_of_two_up_to(max_rows),
                    mixed_rows=powers_of_two_up_to(max_rows, start=min(4, max_rows)),
                    chunk_tokens=powers_of_two_up_to(max_chunk_tokens, start=min(min_chunk_tokens, max_chunk_tokens)),
-                   chunk_rows=powers_of_two_up_to(max_chunks),
-                   verify_rows=powers_of_two_up_to(max_verify_rows) if max_verify_rows and verify_tokens > 1 else (),
-                   verify_tokens=verify_tokens if max_verify_rows else 0)
+                   chunk_rows=powers_of_two_up_to(max_chunks))
 
     @property
     def max_chunk_tokens(self) -> int:
@@ -120,18 +103,11 @@ class Buckets:
         chunk_parts = [(1, t) for t in self.chunk_tokens] + [(p, self.max_chunk_tokens) for p in self.chunk_rows[1:]]
         return ([StepShape(b, 0, 0) for b in self.decode_rows]
                 + [StepShape(0, p, t) for p, t in chunk_parts]
-                + [StepShape(b, p, t) for b in self.mixed_rows for p, t in chunk_parts]
-                + [StepShape(0, 0, 0, b, self.verify_tokens) for b in self.verify_rows])
+                + [StepShape(b, p, t) for b in self.mixed_rows for p, t in chunk_parts])
 
     def sampler_rows(self) -> list[int]:
-        """Every sampler shape: one per distinct logits count of a forward shape."""
-        return sorted({shape.num_logits for shape in self.shapes()})
-
-    def verify_shape_for(self, num_rows: int) -> StepShape:
-        """The smallest verify shape holding `num_rows` speculating rows (ValueError past the largest)."""
-        if not self.verify_rows:
-            raise ValueError("this runner has no verify shapes (speculation is off)")
-        return StepShape(0, 0, 0, pick(self.verify_rows, num_rows), self.verify_tokens)
+        """Every sampler shape: one per distinct row count of a forward shape."""
+        return sorted({shape.num_rows for shape in self.shapes()})
 
     def shape_for(self, num_decode_rows: int, chunk_lengths: list[int]) -> StepShape:
         """The smallest shape holding `num_decode_rows` one-token rows and chunks of these lengths.

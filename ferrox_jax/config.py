@@ -176,6 +176,12 @@ class SpeculativeConfig:
         """Tokens a speculating row computes in one step: its last token and k drafts."""
         return 1 + self.num_speculative_tokens
 
+    def step_rows(self, max_rows: int) -> int:
+        """One-token rows a step's forward must hold when `max_rows` rows run at once: each
+        speculating row's tokens are rows of their own (`ferrox_jax/runner.py`), so a
+        step of `self.max_rows` speculating rows holds 1 + k rows each."""
+        return max(max_rows, min(max_rows, self.max_rows) * self.verify_tokens)
+
     @classmethod
     def from_json(cls, text: str, **defaults) -> "SpeculativeConfig":
         """vLLM's form: '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'

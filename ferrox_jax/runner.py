@@ -7,7 +7,11 @@ counted in `recompiles_after_warmup` (it should stay 0: tests assert it).
 
 `run(batch, fill_masks)`, in order:
   1. Pad: rows of one new token go to the decode segment, longer rows (prompt chunks) to
-     the chunk segment; the smallest `StepShape` holding both is picked and the batch's
+     the chunk segment; a speculating row (its last token and d drafts, sampled after each:
+     `num_logits` 1 + d) becomes 1 + d consecutive one-token decode rows sharing its block
+     table, at consecutive positions. Every token's K/V is written before any row attends,
+     so the row at position p + j reads the drafts before it: causal verification through
+     the one-query kernels, with no shape of its own; the smallest `StepShape` holding both is picked and the batch's
      arrays are laid out in it (`ForwardBatch`, numpy) with one `jax.device_put`.
   2. Dispatch: block copies, then the one forward over every row. Dispatch is
      asynchronous: the forward runs on the device while the host goes on.
@@ -35,7 +39,6 @@ import numpy as np
 from flax import nnx
 
 from ferrox_jax.buckets import Buckets, StepShape
-from ferrox_jax.config import SpeculativeConfig
 from ferrox_jax.host_batch import ALL_TOKENS_ALLOWED, BatchGeometry, HostBatch, SamplingArrays, StepArrays
 from ferrox_jax.kv_cache import KVCache, copy_blocks, create_kv_cache
 from ferrox_jax.plan import MaskFiller, RowPlan
@@ -60,7 +63,7 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, max_rows: int, max_chunk_tokens: int,
                  max_context: int, kv_dtype=None, mesh=None, replicate_attention: bool = False,
-                 max_chunks: int = 1, speculative: SpeculativeConfig | None = None):
+                 max_chunks: int = 1):
         """Args:
           model: the built model, its decode attention already chosen (`models/loader.py`).
           num_blocks: KV cache blocks, the null block 0 included.
@@ -72,8 +75,6 @@ class ModelRunner:
             in/out shardings (`ferrox_jax/sharding.py`); None keeps everything on one device.
           replicate_attention: on a mesh, replicate attention weights and KV.
           max_chunks: prompt chunks one step holds (the token budget over the chunk size).
-          speculative: compile verify shapes for its rows of 1 + k tokens (up to its
-            `max_rows` rows); None: no speculation.
         """
         cfg = model.cfg
         self.cfg = cfg
@@ -87,10 +88,7 @@ class ModelRunner:
         self.compute_dtype = model.dtype
         self.kv_dtype = kv_dtype or model.dtype
         self.geometry = BatchGeometry(block_size, block_table_width(max_context, block_size), cfg.vocab_size)
-        self.buckets = Buckets.derive(
-            max_rows, max_chunk_tokens, max_chunks,
-            max_verify_rows=min(speculative.max_rows, max_rows) if speculative is not None else 0,
-            verify_tokens=speculative.verify_tokens if speculative is not None else 0)
+        self.buckets = Buckets.derive(max_rows, max_chunk_tokens, max_chunks)
         self.mesh = mesh
         self.graphdef, self.state = nnx.split(model)
         self.shardings = None if mesh is None else runner_shardings(mesh, cfg, self.state, replicate_attention)
@@ -113,7 +111,7 @@ class ModelRunner:
     # ---- compilation -------------------------------------------------------------
     def compile_keys(self) -> list[tuple]:
         """Every executable warm-up compiles, as plain tuples (they go into logs and JSON):
-        ("forward", Bd, Pc, Tc, Bv, Tv) per step shape, ("sample", rows) per sampler, ("copy",)."""
+        ("forward", Bd, Pc, Tc) per step shape, ("sample", rows) per sampler, ("copy",)."""
         return ([("forward", *dataclasses.astuple(shape)) for shape in self.buckets.shapes()]
                 + [("sample", rows) for rows in self.buckets.sampler_rows()] + [COPY_KEY])
 
@@ -159,34 +157,38 @@ class ModelRunner:
     def _empty_forward(self, shape: StepShape) -> ForwardBatch:
         """A ForwardBatch of `shape` with numpy leaves, every token padding."""
         n, r, mb = shape.num_tokens, shape.num_rows, self.geometry.table_width
-        segments = [(shape.decode_rows, 1), (shape.verify_rows, shape.verify_tokens),
-                    (shape.chunk_rows, shape.chunk_tokens)]
+        segments = [(shape.decode_rows, 1), (shape.chunk_rows, shape.chunk_tokens)]
         segments = [(rows, tokens) for rows, tokens in segments if rows]
         return ForwardBatch(
             tokens=np.zeros(n, np.int32), positions=np.zeros(n, np.int32), valid=np.zeros(n, bool),
             block_tables=tuple(np.zeros((rows, mb), np.int32) for rows, _ in segments),
             last_index=np.zeros(r, np.int32), next_tokens=np.full(n, -1, np.int32),
             row_of_token=np.full(n, r, np.int32), want_prompt_logprobs=np.asarray(False),
-            logit_index=np.arange(shape.num_logits, dtype=np.int32) if shape.verify_rows else np.zeros(r, np.int32),
             segment_tokens=tuple(tokens for _, tokens in segments))
 
     def _pad(self, batch: HostBatch) -> tuple[StepShape, np.ndarray, ForwardBatch]:
         """The step shape, `order` (i64[R]: the host row in each padded row, -1 for
         padding) and the padded forward inputs."""
-        if batch.num_logits.max(initial=0) > 1:
-            return self._pad_verify(batch)
         lengths = batch.row_lengths
-        decode = np.flatnonzero(lengths == 1)
-        chunks = np.flatnonzero(lengths > 1)
-        shape = self.buckets.shape_for(len(decode), lengths[chunks].tolist())
+        is_decode = (lengths == 1) | (batch.num_logits == lengths)  # one token, or every token sampled
+        decode = np.flatnonzero(is_decode)
+        chunks = np.flatnonzero(~is_decode)
+        # A speculating row takes one decode row per token; `part` is the token's offset in its row.
+        decode_order = np.repeat(decode, lengths[decode])
+        part = np.arange(len(decode_order)) - np.repeat(np.cumsum(lengths[decode]) - lengths[decode], lengths[decode])
+        shape = self.buckets.shape_for(len(decode_order), lengths[chunks].tolist())
         order = np.full(shape.num_rows, -1, np.int64)
-        order[:len(decode)] = decode
+        order[:len(decode_order)] = decode_order
         order[shape.decode_rows:shape.decode_rows + len(chunks)] = chunks
+        offsets = np.zeros(shape.num_rows, np.int64)
+        offsets[:len(part)] = part
         out = self._empty_forward(shape)
         starts = _row_token_starts(shape)
         for row in np.flatnonzero(order >= 0):
             host = order[row]
             lo, hi = batch.row_starts[host], batch.row_starts[host + 1]
+            if row < shape.decode_rows:  # one token of a decode row, or of a speculating row
+                lo, hi = lo + offsets[row], lo + offsets[row] + 1
             start, stop = starts[row], starts[row] + (hi - lo)
             out.tokens[start:stop] = batch.token_ids[lo:hi]
             out.positions[start:stop] = batch.positions[lo:hi]
@@ -197,32 +199,7 @@ class ModelRunner:
             # The chunk segment is the last one; the decode segment, when present, the first.
             segment, local = (0, row) if row < shape.decode_rows else (-1, row - shape.decode_rows)
             out.block_tables[segment][local] = batch.block_tables[host]
-        return shape, order, out.replace(want_prompt_logprobs=np.asarray(bool(batch.prompt_logprobs.any())),
-                                         logit_index=out.last_index.copy())
-
-    def _pad_verify(self, batch: HostBatch) -> tuple[StepShape, np.ndarray, ForwardBatch]:
-        """A speculating step: every row (decoding rows only; those without drafts have one
-        token) goes to the verify segment, padded to 1 + k tokens."""
-        lengths = batch.row_lengths
-        if (batch.num_logits != lengths).any():
-            raise ValueError("a speculating step holds decoding rows only (every new token samples)")
-        shape = self.buckets.verify_shape_for(batch.num_rows)
-        if lengths.max() > shape.verify_tokens:
-            raise ValueError(f"a row verifies {lengths.max()} tokens; the verify shapes hold {shape.verify_tokens}")
-        order = np.full(shape.num_rows, -1, np.int64)
-        order[:batch.num_rows] = np.arange(batch.num_rows)
-        out = self._empty_forward(shape)
-        for row in range(batch.num_rows):
-            lo, hi = batch.row_starts[row], batch.row_starts[row + 1]
-            start = row * shape.verify_tokens
-            stop = start + (hi - lo)
-            out.tokens[start:stop] = batch.token_ids[lo:hi]
-            out.positions[start:stop] = batch.positions[lo:hi]
-            out.valid[start:stop] = True
-            out.row_of_token[start:stop] = row
-            out.last_index[row] = stop - 1
-            out.block_tables[0][row] = batch.block_tables[row]
-        return shape, order, out
+        return shape, order, out.replace(want_prompt_logprobs=np.asarray(bool(batch.prompt_logprobs.any())))
 
     def _all_ones_mask(self, rows: int) -> jax.Array:
         """The bitmask of `rows` unconstrained rows, kept on the device (no transfer per step)."""
@@ -240,15 +217,13 @@ class ModelRunner:
         if len(batch.block_copies):
             self._run_copies(batch.block_copies)
         forward = self._run_forward(shape, forward_inputs)
-        rows = shape.num_logits
-        logit_order, mask_order = _logit_orders(shape, order)
-        sampling = batch.sampling.gather(logit_order, self.vocab_size)
+        rows = shape.num_rows
+        sampling = batch.sampling.gather(order, self.vocab_size)
         if batch.has_constrained_rows:
             if fill_masks is None:
                 raise ValueError("a row is constrained but the runner was given no fill_masks")
             fill_masks(batch, forward.logits.is_ready)
-            bitmask = np.where((mask_order >= 0)[:, None], batch.bitmask[np.maximum(mask_order, 0)],
-                               ALL_TOKENS_ALLOWED)
+            bitmask = np.where((order >= 0)[:, None], batch.bitmask[np.maximum(order, 0)], ALL_TOKENS_ALLOWED)
             sampling, bitmask = jax.device_put((sampling, bitmask.astype(np.int32)))
         else:
             sampling, bitmask = jax.device_put(sampling), self._all_ones_mask(rows)
@@ -260,17 +235,16 @@ class ModelRunner:
         if wants_pooled:
             fetch += [forward.hidden_sum, forward.last_hidden]
         fetched = [np.asarray(a) for a in jax.device_get(fetch)]
-        # Back to host-batch order: host row h sits in padded row padded_row[h].
+        # Back to host-batch order: host row h starts at padded row padded_row[h] (a
+        # speculating row's later tokens follow it).
         padded_row = np.empty(batch.num_rows, np.int64)
-        padded_row[order[order >= 0]] = np.flatnonzero(order >= 0)
-        samples_fetched = fetched[:4]
-        if shape.verify_rows:  # [Bv * K, ...] -> [Bv, K, ...]; column 0 is each row's first sample
-            per_row = [a.reshape(shape.verify_rows, shape.verify_tokens, *a.shape[1:])[padded_row]
-                       for a in samples_fetched]
-            arrays = StepArrays(*(a[:, 0] for a in per_row))
-            arrays.verify_tokens, arrays.verify_logprob, arrays.verify_top_ids, arrays.verify_top_logprobs = per_row
-        else:
-            arrays = StepArrays(*(a[padded_row] for a in samples_fetched))
+        real = np.flatnonzero(order >= 0)
+        first = np.ones(len(real), bool)
+        first[1:] = order[real][1:] != order[real][:-1]
+        padded_row[order[real][first]] = real[first]
+        arrays = StepArrays(*(a[padded_row] for a in fetched[:4]))
+        if batch.num_logits.max(initial=0) > 1:
+            _add_verify_arrays(arrays, batch, fetched[:4], padded_row)
         rest = fetched[4:]
         if wants_prompt:
             token_index = _host_token_index(batch, shape, padded_row)
@@ -303,7 +277,7 @@ class ModelRunner:
                              block_tables=(np.zeros((len(rows), mb), np.int32),),
                              last_index=np.zeros(len(rows), np.int32), next_tokens=np.full(n, -1, np.int32),
                              row_of_token=np.full(n, len(rows), np.int32), want_prompt_logprobs=np.asarray(False),
-                             logit_index=np.zeros(len(rows), np.int32), segment_tokens=(t,))
+                             segment_tokens=(t,))
         for i, row in enumerate(rows):
             k = len(row.token_ids)
             batch.tokens[i * t:i * t + k] = row.token_ids
@@ -316,15 +290,15 @@ class ModelRunner:
         return [logits[i, : len(r.token_ids)] for i, r in enumerate(rows)]
 
 
-def _logit_orders(shape: StepShape, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each sampler row: the host row whose settings it samples with, and the host row
-    whose grammar mask applies (-1: none, all tokens allowed). A verify row's K samples
-    share its settings; only its first can be constrained (constrained rows never draft)."""
-    if not shape.verify_rows:
-        return order, order
-    logit_order = np.repeat(order, shape.verify_tokens)
-    is_first = np.tile(np.arange(shape.verify_tokens) == 0, shape.verify_rows)
-    return logit_order, np.where(is_first, logit_order, -1)
+def _add_verify_arrays(arrays: StepArrays, batch: HostBatch, samples: list[np.ndarray],
+                       padded_row: np.ndarray) -> None:
+    """A speculating step: what was sampled after each token of each row, [R, K] with K the
+    most tokens a row verified (a row's tokens sit in consecutive padded rows)."""
+    width = int(batch.num_logits.max())
+    index = padded_row[:, None] + np.arange(width)[None, :]
+    index = np.where(np.arange(width)[None, :] < batch.num_logits[:, None], index, padded_row[:, None])
+    arrays.verify_tokens, arrays.verify_logprob, arrays.verify_top_ids, arrays.verify_top_logprobs = (
+        a[index] for a in samples)
 
 
 def _row_token_starts(shape: StepShape) -> np.ndarray:

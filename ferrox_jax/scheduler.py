@@ -176,8 +176,9 @@ class Scheduler:
         self._admit_waiting()
         decode = self._plan_decode_rows()
         chunks = self._plan_chunks(is_idle=not decode)
-        if self.speculator is not None and not chunks:  # a step with chunks does not speculate
-            decode = self.speculator.extend(decode, self._rows, self.blocks)
+        if self.speculator is not None:
+            decode = self.speculator.extend(decode, self._rows, self.blocks,
+                                            self.limits.speculative.step_rows(self.limits.max_rows))
         self._update_peak()
         plan = StepPlan(decode=decode, chunks=chunks, block_copies=self.blocks.take_copies())
         self._planned_row_ids = tuple(row.row_id for row in plan.rows)

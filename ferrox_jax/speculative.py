@@ -2,7 +2,7 @@
 
 A decoding row usually computes one token per step. With speculation it computes its last
 token plus k *draft* tokens guessed from its own text, and the step samples after each of
-those 1 + k positions at once (the runner's verify segment: `ferrox_jax/buckets.py`):
+those 1 + k positions at once:
 
     row text   ... the cat sat on the mat . the cat      last token "cat"
     drafts     the n-gram "the cat" occurred before, followed by "sat on the": k = 3 drafts
@@ -10,6 +10,12 @@ those 1 + k positions at once (the runner's verify segment: `ferrox_jax/buckets.
     samples    t0  t1  t2  t3          after each of them, with the row's own settings
     accepts    t0 == "sat"? t1 == "on"? ... the longest run of drafts equal to what was
                sampled at their position, then the next sample: 1 to k + 1 tokens a step
+
+In the forward, the row's 1 + k tokens are 1 + k one-token decode rows sharing its block
+table (`ferrox_jax/runner.py`): every token's K/V is written before any row attends, so the
+row at position p + j reads the drafts before it. Verification needs no compiled shape of
+its own (only more rows of the decode buckets) and runs through the same one-query
+attention kernels as plain decoding, so its logits are the non-speculative ones.
 
 Exactness. Each sampled token is what the row would have sampled without speculation: the
 target model's logits at that position given the same prefix, and the row's noise keyed by
@@ -27,9 +33,9 @@ before it in a way one step's settings cannot express: structured-output rows (t
 grammar's mask at draft positions is unknown until the draft is accepted), rows with
 presence / frequency / repetition penalties (the counts change inside the run), and rows
 still short of `min_tokens` (their stop tokens are banned by count). `logit_bias` is the
-same at every position, so it speculates. A step that has prompt chunks, or more decoding
-rows than `max_rows`, does not speculate at all (the verify segment has shapes of its own;
-a large batch is compute-bound, where verifying k tokens costs k times more).
+same at every position, so it speculates. A step with more decoding rows than `max_rows`
+does not speculate at all (a large batch is compute-bound, where verifying k tokens costs
+k times more), and a step's rows and drafts together stay within its largest row bucket.
 
 KV of rejected drafts: their positions were written this step, but `num_computed_tokens`
 advances only over the accepted ones, so those positions lie beyond the row's length; the
@@ -143,16 +149,21 @@ class Speculator:
             return 0
         return max(0, min(self.config.num_speculative_tokens, spec.max_tokens - row.num_generated_tokens - 1))
 
-    def extend(self, decode: tuple[RowPlan, ...], rows: dict[int, Row], blocks: BlockTables) -> tuple[RowPlan, ...]:
+    def extend(self, decode: tuple[RowPlan, ...], rows: dict[int, Row], blocks: BlockTables,
+               max_tokens: int) -> tuple[RowPlan, ...]:
         """The decoding rows with their drafts (and their tables grown to cover them);
-        unchanged when the batch is over `max_rows` or no row finds a draft."""
+        unchanged when the batch is over `max_rows` or no row finds a draft. The rows'
+        tokens stay within `max_tokens` (each is a one-token row of the step's forward,
+        so they must fit its largest row bucket)."""
         if len(decode) > self.config.max_rows:
             return decode
         cfg = self.config
+        room = max_tokens - len(decode)
         out = []
         for plan in decode:
             row = rows[plan.row_id]
-            drafts = propose_ngram(row.token_ids, self.max_drafts(row), cfg.ngram_min, cfg.ngram_max)
+            drafts = propose_ngram(row.token_ids, min(room, self.max_drafts(row)), cfg.ngram_min, cfg.ngram_max)
+            room -= len(drafts)
             if drafts:
                 blocks.prepare_decode(row, num_tokens=1 + len(drafts))
                 plan = dataclasses.replace(plan, token_ids=plan.token_ids + drafts, block_ids=tuple(row.block_ids),

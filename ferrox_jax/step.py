@@ -53,7 +53,6 @@ class ForwardBatch:
     next_tokens: jax.Array  # i32[N]: token following each position, -1 if unknown
     row_of_token: jax.Array  # i32[N]: the row each token belongs to (R for padding)
     want_prompt_logprobs: jax.Array  # bool[]: compute prompt logprobs
-    logit_index: jax.Array  # i32[S]: flat index of each token sampled after (a row's last; every verify token)
     segment_tokens: tuple[int, ...] = struct.field(pytree_node=False, default=())  # tokens per row, per segment
 
 
@@ -61,8 +60,8 @@ class ForwardBatch:
 class ForwardResult:
     """What the forward leaves on the device for the sampler and the host."""
 
-    logits: jax.Array  # f32[S, V] after each token of `logit_index`
-    sample_pos: jax.Array  # i32[S]: the position each sampled token will occupy
+    logits: jax.Array  # f32[R, V] at each row's last new token
+    sample_pos: jax.Array  # i32[R]: the position the sampled token will occupy
     prompt_logprob: jax.Array  # f32[N] logprob of next_tokens[n] after token n (zeros unless asked)
     prompt_top_ids: jax.Array  # i32[N, 20]
     prompt_top_logprobs: jax.Array  # f32[N, 20]
@@ -99,8 +98,8 @@ def _forward(graphdef, state, kv_cache: KVCache, batch: ForwardBatch):
     n, _ = hidden.shape
     rows = batch.last_index.shape[0]
     last_hidden = hidden[batch.last_index]  # [R, D]
-    logits = model.logits(hidden[batch.logit_index])  # f32[S, V]
-    sample_pos = batch.positions[batch.logit_index] + 1
+    logits = model.logits(last_hidden)  # f32[R, V]
+    sample_pos = batch.positions[batch.last_index] + 1
     zeros = (jnp.zeros((n,), jnp.float32), jnp.zeros((n, MAX_LOGPROBS), jnp.int32),
              jnp.zeros((n, MAX_LOGPROBS), jnp.float32))
     prompt = jax.lax.cond(batch.want_prompt_logprobs,

@@ -45,12 +45,10 @@ def default_model_case():
     return source, prompt, blocks, prompt_logits(source.build(), prompt, blocks).astype(np.float64)
 
 
-def make_runner(path, num_blocks=96, block_size=8, max_rows=8, max_chunk_tokens=64, max_context=256, max_chunks=1,
-                speculative=None):
+def make_runner(path, num_blocks=96, block_size=8, max_rows=8, max_chunk_tokens=64, max_context=256, max_chunks=1):
     ckpt = load_checkpoint(str(path))
     return ModelRunner(ckpt.model, num_blocks=num_blocks, block_size=block_size, max_rows=max_rows,
-                       max_chunk_tokens=max_chunk_tokens, max_context=max_context, max_chunks=max_chunks,
-                       speculative=speculative), ckpt
+                       max_chunk_tokens=max_chunk_tokens, max_context=max_context, max_chunks=max_chunks), ckpt
 
 
 def shuffled_blocks(n: int, num_blocks: int, seed: int) -> list[int]:

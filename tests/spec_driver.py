@@ -22,6 +22,8 @@ from ferrox_jax.scheduler import Scheduler  # noqa: E402
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, ngram_min=1, ngram_max=3, max_rows=4)
 GREEDY = SamplingParams(temperature=0.0)
+MAX_ROWS = 8  # rows at once in the tests' schedulers
+STEP_ROWS = SPEC.step_rows(MAX_ROWS)  # the runner's largest row bucket: 4 speculating rows of 1 + 4 tokens
 
 
 @dataclasses.dataclass
@@ -33,14 +35,14 @@ class Run:
     scheduler: Scheduler
 
 
-def limits_for(runner, speculative: SpeculativeConfig | None, max_rows: int = 4,
+def limits_for(runner, speculative: SpeculativeConfig | None, max_rows: int = MAX_ROWS,
                prefix_caching: bool = True) -> SchedulerLimits:
     return SchedulerLimits(block_size=runner.block_size, num_blocks=runner.num_blocks - 1, max_rows=max_rows,
                            max_chunk_tokens=runner.max_chunk_tokens, max_context=runner.max_context,
                            prefix_caching=prefix_caching, speculative=speculative)
 
 
-def drive(runner, tokenizer, jobs, speculative: SpeculativeConfig | None, max_rows: int = 4,
+def drive(runner, tokenizer, jobs, speculative: SpeculativeConfig | None, max_rows: int = MAX_ROWS,
           on_step=None) -> Run:
     """Submits `jobs` (GenerationRequests) and steps until all have finished.
     `on_step(scheduler, step_index)` runs before each step (to cancel, for instance)."""
@@ -86,8 +88,8 @@ def _tp_main(path: str) -> None:
     from models.loader import load_checkpoint
 
     ckpt = load_checkpoint(path)
-    runner = ModelRunner(ckpt.model, num_blocks=96, block_size=8, max_rows=4, max_chunk_tokens=64, max_context=256,
-                         mesh=make_mesh(1, 2), speculative=SPEC)
+    runner = ModelRunner(ckpt.model, num_blocks=96, block_size=8, max_rows=STEP_ROWS, max_chunk_tokens=64, max_context=256,
+                         mesh=make_mesh(1, 2))
     jobs = greedy_jobs(ckpt.tokenizer)
     off = drive(runner, ckpt.tokenizer, jobs, None)
     on = drive(runner, ckpt.tokenizer, jobs, SPEC)

@@ -17,7 +17,7 @@ from ferrox_jax.config import SpeculativeConfig
 from ferrox_jax.request import GenerationRequest, Request, SamplingParams
 from ferrox_jax.speculative import Speculator, count_accepted, propose_ngram
 from tests.engine_helpers import make_runner
-from tests.spec_driver import GREEDY, SPEC, copy_prompt, drive, greedy_jobs
+from tests.spec_driver import GREEDY, SPEC, STEP_ROWS, copy_prompt, drive, greedy_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,21 +53,6 @@ def test_config_reads_vllm_json_and_checks_fields():
         SpeculativeConfig(ngram_min=5, ngram_max=2)
     with pytest.raises(ValueError, match="method"):
         SpeculativeConfig(method="eagle")
-
-
-def test_verify_shapes_are_a_few_compiled_shapes_of_their_own():
-    from ferrox_jax.buckets import Buckets, StepShape
-
-    plain = Buckets.derive(8, 64)
-    spec = Buckets.derive(8, 64, max_verify_rows=4, verify_tokens=5)
-    added = [s for s in spec.shapes() if s not in plain.shapes()]
-    assert added == [StepShape(0, 0, 0, b, 5) for b in (1, 2, 4)], "rows 1, 2, 4 of 1 + k = 5 tokens"
-    # the sampler samples after every verify token: 5, 10, 20 positions
-    assert {5, 10, 20} <= set(spec.sampler_rows())
-    assert spec.verify_shape_for(3) == StepShape(0, 0, 0, 4, 5)
-    assert StepShape(0, 0, 0, 4, 5).num_tokens == StepShape(0, 0, 0, 4, 5).num_logits == 20
-    with pytest.raises(ValueError, match="exceeds the largest bucket"):
-        spec.verify_shape_for(5)
 
 
 class _Tokenizer:
@@ -124,7 +109,25 @@ def families(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runners(families):
-    return {name: make_runner(path, speculative=SPEC) for name, path in families.items()}
+    return {name: make_runner(path, max_rows=STEP_ROWS) for name, path in families.items()}
+
+
+def test_a_speculating_row_is_consecutive_decode_rows(runners):
+    from ferrox_jax.buckets import StepShape
+    from ferrox_jax.host_batch import HostBatch
+    from ferrox_jax.plan import RowPlan, StepPlan
+
+    runner, _ = runners["llama"]
+    rows = (RowPlan(row_id=1, token_ids=(5, 6, 7, 8, 9), start_pos=10, block_ids=(3, 4), sample=True,
+                    num_draft_tokens=4),
+            RowPlan(row_id=2, token_ids=(5,), start_pos=3, block_ids=(7,), sample=True))
+    shape, order, forward = runner._pad(HostBatch.build(StepPlan(decode=rows), runner.geometry))
+    assert shape == StepShape(8, 0, 0), "5 + 1 one-token rows: the 8-row decode bucket, no shape of its own"
+    assert SPEC.step_rows(8) == 20 and SPEC.step_rows(32) == 32, "4 speculating rows of 1 + 4 tokens"
+    assert order[:6].tolist() == [0, 0, 0, 0, 0, 1]
+    assert forward.tokens[:6].tolist() == [5, 6, 7, 8, 9, 5]
+    assert forward.positions[:6].tolist() == [10, 11, 12, 13, 14, 3]
+    assert (forward.block_tables[0][:5, :2] == [3, 4]).all(), "every position reads the row's own table"
 
 
 def _assert_same(off, on, what):
@@ -144,7 +147,7 @@ def test_greedy_tokens_identical_alone_and_batched(runners, family):
         assert counters.num_accepted_tokens > 0, f"{family}: no draft was ever accepted (nothing was tested)"
         assert on.num_steps < off.num_steps, "accepted drafts must save steps"
         assert on.scheduler.budget.num_held_blocks == 0
-    # every shape used was among those warm-up compiles: no recompile after warm-up
+    # verification adds no shape: every one used is among those warm-up compiles
     assert set(runner._compiled) <= set(runner.compile_keys())
 
 
@@ -162,9 +165,9 @@ def test_stops_max_tokens_logprobs_n_and_prefix_cache_stay_exact(runners):
                               stop=(stop_text,)),
             GenerationRequest(request_id="len", prompt_token_ids=prompt, max_tokens=7, sampling=logprobs),
             GenerationRequest(request_id="n2", prompt_token_ids=prompt, max_tokens=20, sampling=GREEDY, n=2)]
-    # the same prompt four times: the later jobs start from the prefix cache
-    off = drive(runner, tok, jobs, None)
-    on = drive(runner, tok, jobs, SPEC)
+    # the same prompt four times; with 4 rows at once n=2 waits, then starts from the prefix cache
+    off = drive(runner, tok, jobs, None, max_rows=4)
+    on = drive(runner, tok, jobs, SPEC, max_rows=4)
     _assert_same(off, on, "stops")
     assert on.finish["len"] == ["length"] and len(on.tokens["len"][0]) == 7
     assert on.scheduler.blocks.num_hit_tokens > 0, "the prefix cache was not exercised"
@@ -259,8 +262,8 @@ def test_greedy_identical_under_tensor_parallel_on_two_devices(families):
 
 @pytest.mark.slow
 def test_default_model_greedy_identical_alone_and_batched():
-    runner, ckpt = make_runner("default", num_blocks=48, block_size=16, max_rows=4, max_chunk_tokens=128,
-                               max_context=512, speculative=SPEC)
+    runner, ckpt = make_runner("default", num_blocks=48, block_size=16, max_rows=STEP_ROWS, max_chunk_tokens=128,
+                               max_context=512)
     tok = ckpt.tokenizer
     code = "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
     prompts = [f"Copy this code exactly, renaming w to width:\n{code}\nCopy:\n", "The capital of France is",

@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--speculative-max-rows", type=int, default=4)
+    p.add_argument("--max-seqs", type=int, default=32, help="both engines (the serving default)")
     p.add_argument("--result-json", type=Path)
     args = p.parse_args(argv)
 
@@ -151,8 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     spec = SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
                              ngram_max=args.ngram_max, max_rows=args.speculative_max_rows)
     t0 = time.perf_counter()
-    llms = {"off": LLM(args.model, max_seqs=max(args.concurrency)),
-            "ngram": LLM(args.model, max_seqs=max(args.concurrency), speculative=spec)}
+    llms = {"off": LLM(args.model, max_seqs=args.max_seqs),
+            "ngram": LLM(args.model, max_seqs=args.max_seqs, speculative=spec)}
     print(f"loaded and warmed both engines in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     try:
         samples = measure(llms, args)
