@@ -156,8 +156,8 @@ class SpeculativeConfig:
     """`--speculative ngram` and its settings (vLLM's `--speculative-config` names in brackets)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4  # k: draft tokens per row and step [num_speculative_tokens]
-    ngram_min: int = 1  # shortest suffix looked up [prompt_lookup_min]
+    num_speculative_tokens: int = 3  # k: draft tokens per row and step [num_speculative_tokens]
+    ngram_min: int = 2  # shortest suffix looked up [prompt_lookup_min]
     ngram_max: int = 4  # longest suffix looked up, tried first [prompt_lookup_max]
     max_rows: int = 4  # a step with more decoding rows does not speculate (measured: docs/benchmarks.md)
 

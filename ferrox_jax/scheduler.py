@@ -333,7 +333,7 @@ class Scheduler:
                 if row.state.is_finished:
                     break
             if step.num_draft_tokens:
-                self.speculator.record(step, result)
+                self.speculator.record(step, result, row.state.is_finished)
         self.prefill_chunks += len(plan.chunks)
         self.prefill_tokens += sum(len(step.token_ids) for step in plan.chunks)
         self.decode_steps += bool(plan.decode)

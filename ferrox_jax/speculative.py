@@ -60,6 +60,9 @@ if TYPE_CHECKING:
     from ferrox_jax.host_batch import StepArrays
     from ferrox_jax.plan import RowPlan
 
+MAX_BACKOFF_STEPS = 16  # longest a row waits between drafts while none is accepted
+
+
 def propose_ngram(token_ids, max_drafts: int, ngram_min: int, ngram_max: int) -> tuple[int, ...]:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the text's
     longest suffix of `ngram_max` down to `ngram_min` tokens; () when none occurs.
@@ -138,6 +141,10 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.counters = SpecDecodeCounters(config.num_speculative_tokens)
+        # Back-off per row: a verification that kept no draft makes the row skip drafting
+        # for its next `wait` steps, doubling up to MAX_BACKOFF_STEPS while none is kept
+        # (a draft costs a row of the step; text with nothing to copy should not pay it).
+        self._backoff: dict[int, list[int]] = {}  # row id -> [steps left to skip, next wait]
 
     def max_drafts(self, row: Row) -> int:
         """Drafts the row may verify this step: 0 for a row that never speculates, else k
@@ -158,10 +165,17 @@ class Speculator:
         if len(decode) > self.config.max_rows:
             return decode
         cfg = self.config
+        if len(self._backoff) > 4 * len(rows) + 64:  # rows that ended by a cancel: forget them
+            self._backoff = {row_id: b for row_id, b in self._backoff.items() if row_id in rows}
         room = max_tokens - len(decode)
         out = []
         for plan in decode:
             row = rows[plan.row_id]
+            backoff = self._backoff.get(plan.row_id)
+            if backoff is not None and backoff[0] > 0:
+                backoff[0] -= 1
+                out.append(plan)
+                continue
             drafts = propose_ngram(row.token_ids, min(room, self.max_drafts(row)), cfg.ngram_min, cfg.ngram_max)
             room -= len(drafts)
             if drafts:
@@ -171,8 +185,17 @@ class Speculator:
             out.append(plan)
         return tuple(out)
 
-    def record(self, plan: RowPlan, result: RowResult) -> None:
-        self.counters.record(plan.num_draft_tokens, len(result.following))
+    def record(self, plan: RowPlan, result: RowResult, is_finished: bool) -> None:
+        """Counts a verification and updates the row's back-off (forgotten once it ends)."""
+        accepted = len(result.following)
+        self.counters.record(plan.num_draft_tokens, accepted)
+        if is_finished:
+            self._backoff.pop(plan.row_id, None)
+        elif accepted:
+            self._backoff.pop(plan.row_id, None)
+        else:
+            wait = self._backoff.get(plan.row_id, [0, 1])[1]
+            self._backoff[plan.row_id] = [wait, min(2 * wait, MAX_BACKOFF_STEPS)]
 
 
 def spec_decode_stats(speculator: Speculator | None) -> dict[str, object]:

@@ -33,7 +33,7 @@ def test_flags_and_vllm_json_give_the_same_config():
                     "--speculative-max-rows", "8"])
     json_form = _parse(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 5, "max_rows": 8}'])
-    assert flags == json_form == SpeculativeConfig(num_speculative_tokens=3, ngram_min=1, ngram_max=5, max_rows=8)
+    assert flags == json_form == SpeculativeConfig(num_speculative_tokens=3, ngram_min=2, ngram_max=5, max_rows=8)
 
 
 def test_counters_in_metrics_and_admin_stats(client, model, http):

@@ -87,6 +87,32 @@ def test_rows_whose_next_token_depends_on_more_than_the_step_do_not_speculate():
     assert speculator.max_drafts(row) == 1
 
 
+def test_a_row_whose_drafts_are_rejected_backs_off_doubling():
+    from ferrox_jax.plan import RowPlan
+    from ferrox_jax.request import RowResult
+
+    class Blocks:
+        def prepare_decode(self, row, num_tokens=1):
+            pass
+
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=2, ngram_min=1))
+    row = _row()
+    row.token_ids[:] = [1, 2, 1, 2]  # the suffix (1, 2) occurred before: drafts (1, 2)
+    plan = RowPlan(row_id=row.row_id, token_ids=(2,), start_pos=3, block_ids=(), sample=True)
+
+    def step(accepted):
+        (planned,) = speculator.extend((plan,), {row.row_id: row}, Blocks(), max_tokens=8)
+        if planned.num_draft_tokens:
+            speculator.record(planned, RowResult(row.row_id, 1, following=(RowResult(row.row_id, 2),) * accepted),
+                              is_finished=False)
+        return planned.num_draft_tokens
+
+    # rejected: skip 1 step, then 2, then 4; an accepted draft resets it
+    assert [step(0) for _ in range(10)] == [2, 0, 2, 0, 0, 2, 0, 0, 0, 0]
+    assert [step(1) for _ in range(3)] == [2, 2, 2]
+    assert speculator.counters.num_drafts == 3 + 3 and speculator.counters.num_accepted_tokens == 3
+
+
 # ---------------------------------------------------------------- the real runner
 
 
