@@ -26,6 +26,7 @@ from quart import Blueprint, Response, current_app, request
 
 from api import protocol
 from api.errors import APIError
+from api.lora_routes import lora_stats
 from api.state import VERSION, json_response, state_of
 from api.telemetry import RECENT_SIZE, stats_dict
 
@@ -56,6 +57,7 @@ async def admin_stats() -> Response:
     state = state_of(current_app)
     body = {**stats_dict(state.engine_stats()), **state.stats.as_dict(), "state": state.health_state(),
             "model_info": state.model_info(), "pid": os.getpid(), "rss_bytes": rss_bytes()}
+    body["lora_adapters"] = lora_stats(state.engine)
     if state.guards is not None:
         body["http_open_requests"] = state.guards.num_open
         body["http_refused_concurrency"] = state.guards.num_refused

@@ -103,7 +103,9 @@ def _text_or_blocks(v: Any, optional: bool = False) -> Any:
 
 
 class MessageParam(_Strict):
-    role: Literal["user", "assistant"]
+    # "system" is not Anthropic's (its system prompt is the top-level field), but recent
+    # clients (Claude Code) send one inside `messages`: it is folded into the system prompt.
+    role: Literal["user", "assistant", "system"]
     content: Any
 
     @field_validator("content", mode="plain")
@@ -149,14 +151,14 @@ def _text(block: dict, param: str) -> str:
     return block["text"]
 
 
-def _system_text(system: str | list[dict] | None) -> str:
+def _system_text(system: str | list[dict] | None, param: str = "system") -> str:
     if system is None or isinstance(system, str):
         return system or ""
     parts = []
     for j, block in enumerate(system):
         if block.get("type") != "text":
-            raise APIError(400, f"system[{j}]: only text blocks are supported", param=f"system[{j}]")
-        parts.append(_text(block, f"system[{j}]"))
+            raise APIError(400, f"{param}[{j}]: only text blocks are supported", param=f"{param}[{j}]")
+        parts.append(_text(block, f"{param}[{j}]"))
     return "\n".join(parts)
 
 
@@ -257,11 +259,25 @@ def _splits_thinking(thinking: Any) -> bool:
     return True
 
 
+def _folded_system(body: CountTokensRequest) -> str:
+    """The system prompt: the top-level `system`, then the text of every `system` message
+    inside `messages`, in order, one paragraph each (where in the conversation such a
+    message stood is not kept: chat templates take one system turn, first)."""
+    parts = [_system_text(body.system)]
+    for i, message in enumerate(body.messages):
+        if message.role == "system":
+            parts.append(_system_text(message.content, f"messages[{i}].content"))
+    return "\n\n".join(part for part in parts if part)
+
+
 async def _prompt(body: CountTokensRequest, engine: Engine, state: AppState) -> tuple[list[int], OutputPlan]:
-    system = _system_text(body.system)
+    system = _folded_system(body)
     turns = [{"role": "system", "content": system}] if system else []
     for i, message in enumerate(body.messages):
-        turns.extend(_turns(message, i))
+        if message.role != "system":
+            turns.extend(_turns(message, i))
+    if not any(turn["role"] != "system" for turn in turns):
+        raise APIError(400, "messages: at least one user or assistant message is required", param="messages")
     return await chat_prompt(engine, turns, tools=_tools(body, engine),
                              default_constraint=state.config.default_grammar,
                              split_reasoning=_splits_thinking(body.thinking))
@@ -304,7 +320,7 @@ async def create_message() -> Response:
                                                   state.config, "messages"),
                             stop=tuple(body.stop_sequences or ()), grammar=grammar,
                             skip_special_tokens=plan.skip_special_tokens)
-    run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine)
+    run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine, model=body.model)
     reply = _Message(run, engine.model_name, plan)
     generation.start(run)
     headers = {"request-id": api_id}

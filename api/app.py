@@ -29,11 +29,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from quart import Quart, Response, request
+from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from api import (admin_routes, anthropic_routes, embeddings_routes, guards, llamacpp_routes, model_admin,
-                 openai_routes, responses_routes, resumable, tokenizer_routes, unread_body, web)
+from api import (admin_routes, anthropic_routes, cache_rebuild, embeddings_routes, guards, llamacpp_routes, lora_routes,
+                 model_admin, openai_routes, rerank_routes, response_cache, responses_routes, resumable, sessions,
+                 sleep_routes, surface_routes, tokenizer_routes, unread_body, web)
 from api.config import ServerConfig
 from api.errors import APIError
 from api.state import AppState, json_response, state_of
@@ -52,6 +53,7 @@ ENVELOPES: tuple[tuple[str, Callable[[APIError], tuple[int, dict]]], ...] = (
     (anthropic_routes.ROUTE, anthropic_routes.error_response),
     ("/completion", llamacpp_routes.error_response),
     ("/completions", llamacpp_routes.error_response),
+    (surface_routes.SLOTS_ROUTE, llamacpp_routes.error_response),
 )
 
 
@@ -96,9 +98,17 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
     state.resumable = resumable.ResumableStreams(config.resumable_max_streams, config.resumable_max_bytes,
                                                  config.resumable_ttl_s)
     state.tasks = model_admin.TaskTable()
+    state.sessions = sessions.SessionStore(config.session_max, config.session_ttl_s)
+    state.on_engine_change.append(state.sessions.clear)
+    if config.response_cache:
+        state.response_cache = response_cache.ResponseCache(config.response_cache_max_entries,
+                                                            config.response_cache_max_bytes)
+        state.on_engine_change.append(state.response_cache.clear)
+        state.metrics.registry.register(response_cache.ResponseCacheCollector(state.response_cache))
     app.extensions["ferrox"] = state
     for module in (openai_routes, anthropic_routes, responses_routes, llamacpp_routes, embeddings_routes,
-                   tokenizer_routes, resumable, admin_routes, model_admin):
+                   tokenizer_routes, resumable, admin_routes, model_admin, surface_routes, rerank_routes,
+                   sleep_routes, cache_rebuild, lora_routes):
         app.register_blueprint(module.blueprint)
     if config.web_ui:  # the chat page and the dashboard (api/web/)
         app.register_blueprint(web.blueprint)
@@ -185,6 +195,7 @@ def _install_hooks(app: Quart, state: AppState) -> None:
 
     @app.after_request
     async def _after(response: Response) -> Response:
+        await response_cache.mark_response(response, getattr(g, "ferrox_cache", None))
         if response.status_code >= 400 and request.path not in OBSERVABILITY_PATHS:
             state.stats.on_error()
         origin = request.headers.get("Origin")

@@ -71,6 +71,10 @@ def _add_settings(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> 
             parser.add_argument(s.cli_flag, dest=s.name, action=action, default=defaults[s.name],
                                 help=f"{s.help} [{s.env}]")
             continue
+        if s.parse.__name__ == "_lora_modules":  # vLLM's form: --lora-modules a=PATH b=PATH
+            parser.add_argument(s.cli_flag, dest=s.name, type=s.parse, nargs="+", default=defaults[s.name],
+                                help=f"{s.help} [{s.env}]", metavar="NAME=PATH")
+            continue
         parser.add_argument(s.cli_flag, dest=s.name, type=s.parse, default=defaults[s.name],
                             help=f"{s.help} [{s.env}]", metavar=s.name.upper())
 
@@ -92,7 +96,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     host, port = split_addr(args.addr) if args.addr else (DEFAULT_HOST, DEFAULT_PORT)
     try:
         return ServerConfig(
-            host=args.host or host, port=args.port or port, api_key=args.api_key,
+            host=args.host or host, port=port if args.port is None else args.port, api_key=args.api_key,
             max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_stop_strings=args.max_stop_strings,
             max_stop_chars=args.max_stop_chars, max_prompt_tokens=args.max_prompt_tokens,
             max_output_tokens=args.max_output_tokens, max_logprobs=args.max_logprobs,
@@ -106,7 +110,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             default_grammar=default_grammar(args.grammar, args.grammar_file, args.json_schema),
             model_dir=args.model_dir, resumable_max_bytes=args.resumable_max_bytes,
             resumable_ttl_s=args.resumable_ttl, resumable_max_streams=args.resumable_max_streams,
-            web_ui=args.web_ui)
+            web_ui=args.web_ui, session_max=args.session_max, session_ttl_s=args.session_ttl,
+            response_cache=args.response_cache, response_cache_max_entries=args.response_cache_max_entries,
+            response_cache_max_bytes=args.response_cache_max_bytes, rerank_scheme=args.rerank_scheme,
+            enable_runtime_lora=args.enable_runtime_lora)
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {e}") from None
 
@@ -126,7 +133,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             compile_cache_dir=None if cache == "off" else cache,
             tensor_parallel=args.tensor_parallel, mesh=args.mesh, replicate_attention=args.replicate_attention,
             attention_impl=args.attention_impl, coordinator_address=args.coordinator_address,
-            num_processes=args.num_processes, process_id=args.process_id,
+            num_processes=args.num_processes, process_id=args.process_id, max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank, lora_modules=_flat_pairs(args.lora_modules),
             speculative=speculative_config(args))
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {e}") from None
@@ -141,6 +149,13 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     if args.speculative in (None, "", "off"):
         return None
     return SpeculativeConfig(method=args.speculative, **flags)
+
+
+def _flat_pairs(value) -> tuple[tuple[str, str], ...]:
+    """--lora-modules: the variable's pairs, or the flag's list of parsed words."""
+    if value and isinstance(value, list):
+        return tuple(pair for word in value for pair in word)
+    return tuple(value or ())
 
 
 # ---------------------------------------------------------------- serve
@@ -191,14 +206,21 @@ def serve(args: argparse.Namespace) -> int:
 
     from api.app import create_app, drain, state_of
 
+    from api import process_knobs
+
     config = server_config(args)
     engine_cfg = engine_config(args)
-    app = create_app(lambda: load_engine(engine_cfg, config.url, config.default_grammar), config,
-                     engine_factory=lambda model: load_engine(
-                         dataclasses.replace(engine_cfg, model=model, served_model_name=None), config.url,
-                         config.default_grammar))
     hc = hypercorn_config(config)
-    logger.info("ferrox serve: listening on %s, loading %s", config.url, engine_cfg.model)
+    listener = process_knobs.bind_free_port(config, config.backlog) if config.port == 0 else None
+    port = listener.getsockname()[1] if listener is not None else config.port
+    url = process_knobs.url_of(config, port)
+    if listener is not None:  # Hypercorn serves the socket already bound (api/process_knobs.py)
+        hc.bind = [f"fd://{listener.fileno()}"]
+    app = create_app(lambda: load_engine(engine_cfg, url, config.default_grammar), config,
+                     engine_factory=lambda model: load_engine(
+                         dataclasses.replace(engine_cfg, model=model, served_model_name=None), url,
+                         config.default_grammar))
+    logger.info("ferrox serve: listening on %s, loading %s", url, engine_cfg.model)
 
     async def run() -> int:
         loop = asyncio.get_running_loop()
@@ -218,6 +240,10 @@ def serve(args: argparse.Namespace) -> int:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
+        if args.exit_on_stdin_close:
+            process_knobs.exit_on_stdin_close(loop, on_signal)
+        process_knobs.print_event("listening", url, config.host, port)
+        announcing = loop.create_task(process_knobs.announce_ready(state_of(app), url, config.host, port))
 
         async def trigger() -> None:
             nonlocal exit_code
@@ -230,6 +256,7 @@ def serve(args: argparse.Namespace) -> int:
                 exit_code = 1
 
         await hypercorn_serve(app, hc, shutdown_trigger=trigger)
+        announcing.cancel()
         return exit_code
 
     return _run_loop(run())

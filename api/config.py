@@ -60,13 +60,21 @@ class ServerConfig:
     resumable_ttl_s: float = 300.0  # a finished resumable stream is kept this long
     resumable_max_streams: int = 256  # resumable streams kept at once
     web_ui: bool = True  # the chat page at / and the dashboard at /dashboard (api/web/)
+    session_max: int = 1024  # chat sessions (`session_id`) kept at once; the least recently used makes room
+    session_ttl_s: float = 3600.0  # a session unused this long is forgotten
+    response_cache: bool = False  # answer repeated deterministic requests from memory (api/response_cache.py)
+    response_cache_max_entries: int = 1024
+    response_cache_max_bytes: int = 64 * MIB
+    rerank_scheme: str = "auto"  # /v1/rerank, /v1/score: auto, yes-no or embedding (api/rerank_routes.py)
+    enable_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer
 
     def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ValueError(f"ServerConfig.port must be in 1..65535; got {self.port}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"ServerConfig.port must be in 0..65535 (0: a free port); got {self.port}")
         for name in ("max_body_bytes", "max_n", "max_stop_strings", "max_stop_chars", "max_concurrent_requests",
                      "max_header_bytes", "backlog", "sse_orphan_timeout_ms", "resumable_max_bytes",
-                     "resumable_max_streams"):
+                     "resumable_max_streams", "session_max", "response_cache_max_entries",
+                     "response_cache_max_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1; got {getattr(self, name)}")
         for name in ("max_prompt_tokens", "max_output_tokens"):
@@ -76,7 +84,7 @@ class ServerConfig:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"ServerConfig.max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine's limit); "
                              f"got {self.max_logprobs}")
-        for name in ("request_timeout_s", "keep_alive_timeout_s", "resumable_ttl_s"):
+        for name in ("request_timeout_s", "keep_alive_timeout_s", "resumable_ttl_s", "session_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerConfig.{name} must be > 0; got {getattr(self, name)}")
         if self.sse_keepalive_s <= 0:
@@ -91,6 +99,8 @@ class ServerConfig:
                                  f"'https://app.example.com' (never '*'); got {origin!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("ServerConfig.tls_cert and tls_key must be given together")
+        if self.rerank_scheme not in ("auto", "yes-no", "embedding"):
+            raise ValueError(f"ServerConfig.rerank_scheme must be auto, yes-no or embedding; got {self.rerank_scheme!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("ServerConfig.api_key must not be empty (leave it unset for no key)")
         if not self.api_key and not self.allow_unauthenticated_remote and not is_loopback(self.host):
@@ -164,6 +174,17 @@ def _origins(text: str) -> tuple[str, ...]:
 
 def _str(text: str) -> str:
     return text
+
+
+def _lora_modules(text: str) -> tuple[tuple[str, str], ...]:
+    """'name=path' pairs, separated by spaces or commas."""
+    pairs = []
+    for item in text.replace(",", " ").split():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"expected name=path, got {item!r}")
+        pairs.append((name, path))
+    return tuple(pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +268,10 @@ SETTINGS: tuple[Setting, ...] = (
     # server (ServerConfig)
     Setting("addr", "FERROX_ADDR", _str, None, "host:port (overridden by --host/--port)"),
     Setting("host", "FERROX_HOST", _str, None, f"bind address (default {DEFAULT_HOST})"),
-    Setting("port", "FERROX_PORT", _positive_int, None, f"port (default {DEFAULT_PORT})"),
+    Setting("port", "FERROX_PORT", _nonneg_int, None,
+            f"port (default {DEFAULT_PORT}; 0: a free port, named in the ready line on stdout)"),
+    Setting("exit_on_stdin_close", "FERROX_EXIT_ON_STDIN_CLOSE", _bool, False,
+            "drain and exit when stdin reaches its end (a parent process that dies takes the server with it)"),
     Setting("api_key", "FERROX_API_KEY", _str, None, "require 'Authorization: Bearer KEY'"),
     Setting("allow_unauthenticated_remote", "FERROX_ALLOW_UNAUTHENTICATED_REMOTE", _bool, False,
             "allow a non-loopback bind without an API key"),
@@ -296,6 +320,27 @@ SETTINGS: tuple[Setting, ...] = (
             "resumable streams kept at once (the oldest finished one makes room)"),
     Setting("web_ui", "FERROX_WEB_UI", _bool, True,
             "serve the chat page at / and the live dashboard at /dashboard (--no-web-ui: off)"),
+    Setting("session_max", "FERROX_SESSION_MAX", _positive_int, 1024,
+            "chat sessions (session_id) kept at once; the least recently used one makes room"),
+    Setting("session_ttl", "FERROX_SESSION_TTL", _positive_float, 3600.0,
+            "seconds an unused chat session is kept"),
+    Setting("response_cache", "FERROX_RESPONSE_CACHE", _bool, False,
+            "answer a repeated greedy or seeded request from memory (header ferrox-cache: hit|miss|skip)"),
+    Setting("response_cache_max_entries", "FERROX_RESPONSE_CACHE_MAX_ENTRIES", _positive_int, 1024,
+            "responses the response cache keeps (the least recently used makes room)"),
+    Setting("rerank_scheme", "FERROX_RERANK_SCHEME", _str, "auto",
+            "how /v1/rerank and /v1/score score a pair: yes-no (Qwen3-Reranker's logits), embedding (cosine), "
+            "or auto (yes-no when the model id names a reranker)"),
+    Setting("response_cache_max_bytes", "FERROX_RESPONSE_CACHE_MAX_BYTES", _positive_int, 64 * MIB,
+            "bytes the response cache's entries may take"),
+    # LoRA adapters (models/lora.py; docs/api.md, "LoRA adapters")
+    Setting("max_loras", "FERROX_MAX_LORAS", _nonneg_int, 0,
+            "LoRA adapter slots on the device (0 = no LoRA); a request picks an adapter by its name in `model`"),
+    Setting("max_lora_rank", "FERROX_MAX_LORA_RANK", _positive_int, 16, "largest LoRA rank a slot holds"),
+    Setting("lora_modules", "FERROX_LORA_MODULES", _lora_modules, (),
+            "PEFT adapters loaded at start-up: name=path ... (needs --max-loras)"),
+    Setting("enable_runtime_lora", "FERROX_ENABLE_RUNTIME_LORA", _bool, False,
+            "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (paths inside --model-dir only)"),
 )
 
 

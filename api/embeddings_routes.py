@@ -90,7 +90,7 @@ async def create_embeddings() -> Response:
     api_id = f"embd-{uuid.uuid4().hex}"
     jobs = [GenerationRequest(request_id=job_id, prompt_token_ids=tuple(ids), max_tokens=0, pooling=body.pooling)
             for job_id, ids in zip(job_ids(api_id, len(prompts)), prompts)]
-    run = GenerationRun(state, ROUTE, api_id, jobs, stream=False, engine=engine)
+    run = GenerationRun(state, ROUTE, api_id, jobs, stream=False, engine=engine, model=body.model)
     vectors: list[np.ndarray | None] = [None] * len(jobs)
 
     def fold(output: RowOutput) -> None:

@@ -39,7 +39,10 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Sequence
 
+from quart import g, has_request_context
+
 from api.errors import APIError, unavailable
+from api.lora_routes import adapter_jobs
 from api.telemetry import RequestRecord
 from ferrox_jax.request import AdmissionError, GenerationRequest, RowEvent
 
@@ -77,7 +80,8 @@ class GenerationRun:
     """One API generation request in flight (see the module docstring)."""
 
     def __init__(self, state: AppState, route: str, api_id: str, jobs: Sequence[GenerationRequest], *,
-                 stream: bool, drop_output: bool = False, engine: Engine | None = None) -> None:
+                 stream: bool, drop_output: bool = False, engine: Engine | None = None,
+                 model: str | None = None) -> None:
         """Args:
           state: the app's shared state (engine, metrics, in-flight table).
           route: recorded in `/admin/stats` (e.g. "/v1/chat/completions").
@@ -88,6 +92,8 @@ class GenerationRun:
             token, which is dropped, and its rows end with "length" and 0 tokens.
           engine: the engine whose tokenizer made the prompts (default: the app's current one);
             the run stays on it even if the app swaps models meanwhile.
+          model: the request's `model`; a LoRA adapter's name runs the jobs in its slot,
+            held from `submit` until `close` (`api/lora_routes.py`).
         """
         self.state = state
         self.engine = engine if engine is not None else state.engine
@@ -108,11 +114,19 @@ class GenerationRun:
         self.inter_token_s: list[float] = []
         self.queue_s = 0.0  # the longest admission wait among its jobs
         self.abort_reason: str | None = None  # set by `abort` (drain): the run ends with a 503
+        # The whole-response cache (api/response_cache.py): `seeded` is set by an adapter
+        # whose request named its seed; `cache_status` is hit, miss or skip once submitted.
+        self.seeded = False
+        self.cache_status: str | None = None
+        self._cache_key: str | None = None
+        self._recorded: list[RowOutput] | None = None  # a miss's raw outputs, stored when it ends well
         self._queue: asyncio.Queue[RowOutput] = asyncio.Queue()
         self._num_submitted = 0
         self._rows_open = [self.n] * len(self.jobs)
         self._jobs_seen: set[int] = set()
         self._closed = False
+        self.model = model
+        self._adapter_slot = 0  # the LoRA slot this run holds (0: none)
 
     @property
     def num_choices(self) -> int:
@@ -131,19 +145,50 @@ class GenerationRun:
         if engine is None:
             raise unavailable("no model is loaded", code="model_not_loaded")
         loop = asyncio.get_running_loop()
+        self.jobs, self._adapter_slot = adapter_jobs(engine, self.model, self.jobs)
+        if self._answer_from_cache():  # after the adapter is named in the jobs: it is part of the key
+            return
         try:
             for job, request in enumerate(self.jobs):
                 engine.submit(request, self._callback(loop, job))
                 self._num_submitted += 1
         except AdmissionError as e:
             self._cancel_open()
+            self._release_adapter()
             raise admission_error(e) from None
         except BaseException:
             self._cancel_open()
+            self._release_adapter()
             raise
         self.submitted_at = time.monotonic()
         self.state.inflight[self.api_id] = self
         self.state.stats.generating_now += 1
+
+    def _answer_from_cache(self) -> bool:
+        """Looks the run up in the response cache; a hit queues the recorded outputs as the
+        engine's would be, and nothing is submitted."""
+        cache = self.state.response_cache
+        if cache is None:
+            return False
+        self.cache_status, self._cache_key, recorded = cache.lookup(self)
+        if recorded is None:
+            self._recorded = [] if self._cache_key is not None else None
+            return False
+        for output in recorded:
+            self._queue.put_nowait(output)
+        self._num_submitted = len(self.jobs)
+        self.submitted_at = time.monotonic()
+        self.state.inflight[self.api_id] = self
+        self.state.stats.generating_now += 1
+        return True
+
+    def _store_in_cache(self) -> None:
+        """A miss that ended well (every row stop or length, nothing aborted) is stored."""
+        recorded, self._recorded = self._recorded, None
+        if recorded is None or self._cache_key is None or self.abort_reason is not None or not self.is_finished:
+            return
+        if all(o.event.finish_reason in (None, "stop", "length") for o in recorded):
+            self.state.response_cache.store(self._cache_key, recorded)
 
     def _callback(self, loop: asyncio.AbstractEventLoop, job: int):
         queue, n = self._queue, self.n
@@ -207,6 +252,8 @@ class GenerationRun:
                 output = await self._queue.get()
         except TimeoutError:
             return None
+        if self._recorded is not None:
+            self._recorded.append(output)
         return self._observe(output)
 
     def _observe(self, output: RowOutput) -> RowOutput:
@@ -276,7 +323,7 @@ class GenerationRun:
         (the engine only enqueues), so a `finally` can call it without a shield; a cancel for
         a finished job is skipped (the engine would remember it as arriving early)."""
         engine = self.engine
-        if engine is None:
+        if engine is None or self.cache_status == "hit":  # a hit has no job in the engine
             return
         for job in range(self._num_submitted):
             if self._rows_open[job] > 0:
@@ -292,6 +339,8 @@ class GenerationRun:
         self._closed = True
         if self.status == 200 and (client_gone or (self._num_submitted and not self.is_finished)):
             self.status = 499  # left before its last event: the client went away
+        if self.status == 200:
+            self._store_in_cache()
         if self._num_submitted:
             self._cancel_open()
             if self.state.inflight.get(self.api_id) is self:
@@ -299,7 +348,13 @@ class GenerationRun:
                 self.state.stats.generating_now -= 1
         if self.status >= 500 and self.stream:
             self.state.stats.on_error()  # a stream's status line said 200; count its failure here
+        self._release_adapter()
         self._record()
+
+    def _release_adapter(self) -> None:
+        if self._adapter_slot:
+            self.engine.lora.release(self._adapter_slot)
+            self._adapter_slot = 0
 
     def _record(self) -> None:
         now = time.monotonic()
@@ -334,6 +389,8 @@ def start(run: GenerationRun) -> None:
     before the server starts iterating the body, the generator never runs its `finally`.
     The connection's task ends either way, so its done-callback closes the run."""
     run.submit()
+    if run.cache_status is not None and has_request_context():  # the ferrox-cache header (api/app.py)
+        g.ferrox_cache = run.cache_status
     asyncio.current_task().add_done_callback(lambda _task: run.close(client_gone=True))
 
 

@@ -6,8 +6,10 @@ tokenizer's special tokens, or token ids as given), `n_predict` (-1 or absent: t
 left in the context; 0: evaluate the prompt only), `temperature` 0.8, `top_k` 40, `top_p`
 0.95, `min_p` 0.05, `repeat_penalty` 1.0 (over prompt and output, vLLM's rule: there is no
 `repeat_last_n` window), `presence_penalty`, `frequency_penalty`, `seed` (-1: random),
-`stop`, `ignore_eos`, `stream`; `cache_prompt` is accepted (the prefix cache serves every
-prompt it can; `tokens_cached` says how many of the prompt's tokens it served).
+`stop`, `ignore_eos`, `stream`, `cache_prompt` (default true: the prefix cache serves what
+it can of the prompt and `tokens_cached` says how many tokens; false: the prompt is computed
+whole, `tokens_cached` 0, its blocks still cached for later requests), `return_tokens`
+(false: `tokens` is empty, as llama.cpp sends it; true: the generated token ids).
 
 Reply: flat JSON `{"content", "stop": true, "stop_type", "stopping_word", "tokens_predicted",
 "tokens_evaluated", "timings", "generation_settings", ...}`; `stop_type` is `eos` (end of
@@ -37,7 +39,7 @@ from api import generation
 from api.errors import APIError
 from api.generation import GenerationRun, RowOutput
 from api.limits import check_asked_tokens, check_prompt_tokens, check_stop_strings, check_token_ids, max_tokens
-from api.prompts import encode
+from api.prompts import check_model, encode
 from api.protocol import dumps, parse_body
 from api.sse import KEEP_ALIVE_COMMENT, sse_response
 from api.state import json_response, state_of
@@ -75,6 +77,8 @@ class LlamaCompletionRequest(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     cache_prompt: bool = True
+    return_tokens: bool = False
+    model: str | None = None  # a LoRA adapter's name runs the request with it (api/lora_routes.py)
 
     @field_validator("prompt", mode="plain")
     @classmethod
@@ -92,6 +96,7 @@ async def completion() -> Response:
     state = state_of(current_app)
     body: LlamaCompletionRequest = parse_body(await request.get_data(), LlamaCompletionRequest)
     engine = state.require_engine()
+    check_model(body.model, engine)
     check_stop_strings(body.stop, state.config)
     tok = engine.tokenizer
     ids = await encode(tok, body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
@@ -106,15 +111,17 @@ async def completion() -> Response:
                               presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
     api_id = f"cmpl-{uuid.uuid4().hex}"
     job = GenerationRequest(request_id=api_id, prompt_token_ids=tuple(ids), max_tokens=limit, sampling=sampling,
-                            stop=tuple(body.stop), ignore_eos=body.ignore_eos)
+                            stop=tuple(body.stop), ignore_eos=body.ignore_eos,
+                            reads_prefix_cache=body.cache_prompt)
     run = GenerationRun(state, "/completion", api_id, [job], stream=body.stream, drop_output=asked == 0,
-                        engine=engine)
+                        engine=engine, model=body.model)
+    run.seeded = body.seed >= 0
     settings = {"n_predict": body.n_predict, "n_ctx": engine.max_context, "temperature": body.temperature,
                 "top_k": body.top_k, "top_p": body.top_p, "min_p": body.min_p, "repeat_penalty": body.repeat_penalty,
                 "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
                 "seed": seed, "stop": body.stop, "ignore_eos": body.ignore_eos, "stream": body.stream,
                 "cache_prompt": body.cache_prompt}
-    reply = _Completion(run, engine.model_name, settings)
+    reply = _Completion(run, engine.model_name, settings, body.return_tokens)
     generation.start(run)
     if run.stream:
         return sse_response(generation.stream(run, reply.frames, keepalive=KEEP_ALIVE_COMMENT, end=reply.end,
@@ -139,15 +146,18 @@ def _data(obj: Any) -> bytes:
 class _Completion:
     """One run's events as llama.cpp's completion, whole or as its stream."""
 
-    def __init__(self, run: GenerationRun, model: str, settings: dict) -> None:
+    def __init__(self, run: GenerationRun, model: str, settings: dict, return_tokens: bool = False) -> None:
         self.run, self.model, self.settings = run, model, settings
+        self.return_tokens = return_tokens
         self.text: list[str] = []
+        self.token_ids: list[int] = []
         self.stop_type, self.stopping_word = "none", ""
 
     def fold(self, output: RowOutput) -> None:
         event = output.event
         if event.text:
             self.text.append(event.text)
+        self.token_ids.extend(event.token_ids)
         if event.finish_reason is not None:
             self.stop_type, self.stopping_word = stop_type(event)
 
@@ -163,8 +173,10 @@ class _Completion:
                 "predicted_per_second": predicted_n / (predicted_ms / 1e3) if predicted_ms else 0.0}
 
     def final(self, content: str | None = None) -> dict:
+        """The whole reply; `content=""` for a stream's last event (its text went already)."""
         text = "".join(self.text) if content is None else content
-        return {"index": 0, "content": text, "tokens": [], "id_slot": 0, "stop": True, "model": self.model,
+        tokens = self.token_ids if self.return_tokens and content is None else []
+        return {"index": 0, "content": text, "tokens": tokens, "id_slot": 0, "stop": True, "model": self.model,
                 "tokens_predicted": self.run.num_completion_tokens, "tokens_evaluated": self.run.num_prompt_tokens,
                 "tokens_cached": self.run.num_cached_tokens, "truncated": False, "has_new_line": "\n" in text,
                 "stop_type": self.stop_type, "stopping_word": self.stopping_word,
@@ -175,7 +187,8 @@ class _Completion:
         event = output.event
         if not event.text and not event.token_ids:
             return []
-        return [_data({"index": 0, "content": event.text, "tokens": list(event.token_ids), "stop": False,
+        tokens = list(event.token_ids) if self.return_tokens else []
+        return [_data({"index": 0, "content": event.text, "tokens": tokens, "stop": False,
                        "id_slot": 0, "tokens_predicted": self.run.num_completion_tokens,
                        "tokens_evaluated": self.run.num_prompt_tokens})]
 

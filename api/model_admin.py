@@ -12,6 +12,11 @@
   load leaves the current model serving and says why in its task.
 - `POST /admin/models/unload`: generation answers 503 `model_not_loaded` until a load.
 - `GET /admin/tasks` (and `/admin/tasks/{id}`): loads and unloads, newest last.
+- `POST /admin/tasks/{id}/cancel`: a pending or running load is cancelled: the loading
+  thread cannot be interrupted, so it runs to its end in the background and the engine it
+  built is shut down instead of swapped in; the current model keeps serving throughout.
+  200 with the task (`status: cancelled`); a finished task is a 409 `task_finished`, an
+  unknown one a 404.
 - `/admin/download`: 501. Nothing is downloaded; checkpoints must be local.
 
 Only listed checkpoints load (ids, not arbitrary paths): the admin routes sit behind
@@ -50,7 +55,7 @@ class Task:
     id: str
     kind: str  # "load" | "unload"
     model: str
-    status: str = "pending"  # pending -> running -> succeeded | failed
+    status: str = "pending"  # pending -> running -> succeeded | failed | cancelled
     error: str | None = None
     created_at: float = dataclasses.field(default_factory=time.time)
     finished_at: float | None = None
@@ -128,6 +133,10 @@ async def load() -> Response:
 
 def _start_load(state: AppState, task: Task, path: str, loop: asyncio.AbstractEventLoop) -> None:
     def finish(engine: Engine | None, error: str | None) -> None:  # on the loop
+        if task.status == "cancelled":  # POST /admin/tasks/{id}/cancel came first
+            if engine is not None:
+                threading.Thread(target=engine.shutdown, name=f"ferrox-discard-{task.id}", daemon=True).start()
+            return
         task.finished_at = time.time()
         if error is not None:
             task.status, task.error = "failed", error
@@ -135,8 +144,12 @@ def _start_load(state: AppState, task: Task, path: str, loop: asyncio.AbstractEv
         state.set_engine(engine, owned=True)
         task.status = "succeeded"
 
+    def running() -> None:
+        if task.status == "pending":
+            task.status = "running"
+
     def run() -> None:
-        loop.call_soon_threadsafe(setattr, task, "status", "running")
+        loop.call_soon_threadsafe(running)
         try:
             engine = state.engine_factory(path)
         except Exception as e:  # reported in the task; the current model keeps serving
@@ -169,6 +182,18 @@ async def task(task_id: str) -> Response:
     found = state_of(current_app).tasks.tasks.get(task_id)
     if found is None:
         raise APIError(404, f"no task {task_id!r}", code="not_found")
+    return json_response(dataclasses.asdict(found))
+
+
+@blueprint.post("/admin/tasks/<task_id>/cancel")
+async def cancel_task(task_id: str) -> Response:
+    found = state_of(current_app).tasks.tasks.get(task_id)
+    if found is None:
+        raise APIError(404, f"no task {task_id!r}", code="not_found")
+    if found.status not in ("pending", "running"):
+        raise APIError(409, f"task {task_id!r} already {found.status}; only a pending or running load can be "
+                            "cancelled", code="task_finished")
+    found.status, found.finished_at = "cancelled", time.time()
     return json_response(dataclasses.asdict(found))
 
 

@@ -18,11 +18,12 @@ import json
 import random
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from quart import Blueprint, Response, current_app, request
 
-from api import generation, resumable
+from api import generation, resumable, sessions
+from api.lora_routes import lora_cards
 from api.choices import ChatShape, Choice, CompletionShape, prompt_entries
 from api.errors import APIError
 from api.generation import GenerationRun, RowOutput, job_ids
@@ -35,6 +36,7 @@ from api.state import AppState, json_response, state_of
 from api.structured import (PLAIN_TEXT, OutputPlan, choice_constraint, check_grammar, completion_plan,
                             grammar_constraint, json_object_constraint, json_schema_constraint, prepare_chat,
                             regex_constraint, tool_request)
+from api.template_kwargs import template_kwargs
 from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.request import GenerationRequest, SamplingParams
 
@@ -58,14 +60,16 @@ async def _body(model: type) -> Any:
 @blueprint.get("/v1/models")
 async def list_models() -> Response:
     engine = _state().require_engine()
-    return json_response({"object": "list", "data": [_model_card(engine)]})
+    card = _model_card(engine)
+    return json_response({"object": "list", "data": [card, *lora_cards(engine, card)]})
 
 
 @blueprint.get("/v1/models/<path:name>")
 async def get_model(name: str) -> Response:
     engine = _state().require_engine()
     check_model(name, engine)
-    return json_response(_model_card(engine))
+    card = _model_card(engine)
+    return json_response(next((c for c in lora_cards(engine, card) if c["id"] == name), card))
 
 
 def _model_card(engine: Engine) -> dict:
@@ -202,7 +206,8 @@ async def completions() -> Response:
             for job_id, ids in zip(job_ids(api_id, len(prompts)), prompts)]
     echoes = [tok.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
     run = GenerationRun(state, "/v1/completions", api_id, reqs, stream=bool(body.stream), drop_output=zero_output,
-                        engine=engine)
+                        engine=engine, model=body.model)
+    run.seeded = body.seed is not None
     return await _serve(run, body, CompletionShape(state.tokens, body.logprobs), echoes)
 
 
@@ -221,10 +226,14 @@ async def chat_completions() -> Response:
     check_asked_tokens(asked, state.config, asked_param)
     constraint, constraint_param = _constraint(body)
     tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, engine)
-    chat = prepare_chat(engine.tokenizer, [m.template_dict() for m in body.messages], tools=tools,
+    kwargs = template_kwargs(body.chat_template_kwargs, body.reasoning_effort, engine.tokenizer.chat_template)
+    session = _session(state, body.session_id)
+    messages = [m.template_dict() for m in body.messages]
+    history = state.sessions.history(*session) if session else []
+    chat = prepare_chat(engine.tokenizer, history + messages, tools=tools,
                         constraint=constraint, constraint_param=constraint_param,
                         default_constraint=state.config.default_grammar,
-                        add_generation_prompt=body.add_generation_prompt is not False)
+                        add_generation_prompt=body.add_generation_prompt is not False, template_kwargs=kwargs)
     prompt_ids = await encode(engine.tokenizer, chat.text, add_special_tokens=False)
     if not prompt_ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
@@ -237,24 +246,53 @@ async def chat_completions() -> Response:
     api_id = f"chatcmpl-{uuid.uuid4().hex}"
     reqs = [_job_request(api_id, prompt_ids, limit, body, _sampling(body, engine, logprobs), False, grammar,
                          chat.plan)]
-    run = GenerationRun(state, "/v1/chat/completions", api_id, reqs, stream=bool(body.stream), engine=engine)
-    return await _serve(run, body, ChatShape(state.tokens, logprobs), [""], chat.plan)
+    run = GenerationRun(state, "/v1/chat/completions", api_id, reqs, stream=bool(body.stream), engine=engine,
+                        model=body.model)
+    run.seeded = body.seed is not None
+    after = (lambda reply: _remember(state, session, messages, reply)) if session else None
+    return await _serve(run, body, ChatShape(state.tokens, logprobs), [""], chat.plan, after)
+
+
+def _session(state: AppState, session_id: Any) -> tuple[str, str] | None:
+    """(credential namespace, id) of the request's session (api/sessions.py), or None."""
+    session_id = sessions.check_session_id(session_id)
+    return (sessions.credential_namespace(request.headers), session_id) if session_id else None
+
+
+def _remember(state: AppState, session: tuple[str, str], messages: list[dict], reply: _Reply) -> None:
+    """A finished exchange joins its session: the request's messages, then the first
+    choice's text as the assistant's turn (a cancelled or failed reply is not kept)."""
+    choice = reply.choices[0]
+    if choice.finish_reason in ("stop", "length", "tool_calls"):
+        state.sessions.append(*session, messages + [{"role": "assistant", "content": "".join(choice.text)}])
+
+
+async def _then(frames: AsyncIterator[bytes], done: Callable[[], None]) -> AsyncIterator[bytes]:
+    """`frames`, then `done()` once they all went out (not after a disconnect)."""
+    async for frame in frames:
+        yield frame
+    done()
 
 
 async def _serve(run: GenerationRun, body: SamplingFields, shape: Any, echoes: list[str],
-                 plan: OutputPlan = OutputPlan()) -> Response:
+                 plan: OutputPlan = OutputPlan(), after: Callable[[Any], None] | None = None) -> Response:
     """Submit the run's jobs and answer whole or as a stream (the generation core's
-    `start`, `collect` and `stream`)."""
+    `start`, `collect` and `stream`); `after(reply)` runs once the reply is complete."""
     reply = _Reply(run, shape, echoes, plan)
     if run.drop_output and not any(job.prompt_logprobs for job in run.jobs) and not run.stream:
         return reply.without_engine()  # max_tokens 0 with nothing to score: no job at all
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    frames = reply.stream(include_usage) if run.stream else None
+    if frames is not None and after is not None:
+        frames = _then(frames, lambda: after(reply))
     if run.stream and body.stream_resumable:  # detached from this connection: see api/resumable.py
-        return resumable.serve(run, reply.stream(include_usage))
+        return resumable.serve(run, frames)
     generation.start(run)
     if run.stream:
-        return sse_response(reply.stream(include_usage), run.api_id)
+        return sse_response(frames, run.api_id)
     await generation.collect(run, reply.fold)
+    if after is not None:
+        after(reply)
     return json_response(reply.response([reply.shape.final(c) for c in reply.choices]))
 
 

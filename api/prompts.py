@@ -13,6 +13,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from api.errors import APIError
+from api.lora_routes import lora_names
 from api.structured import OutputPlan, ToolRequest, prepare_chat
 
 if TYPE_CHECKING:
@@ -23,8 +24,9 @@ ENCODE_INLINE_CHARS = 16_384  # longer prompts are tokenized in a worker thread
 
 
 def check_model(name: str | None, engine: Engine) -> None:
-    """404 `model_not_found` unless `name` is absent or the served model's id."""
-    if name is not None and name != engine.model_name:
+    """404 `model_not_found` unless `name` is absent, the served model's id or a loaded
+    LoRA adapter's name (`api/lora_routes.py`)."""
+    if name is not None and name != engine.model_name and name not in lora_names(engine):
         raise APIError(404, f"model {name!r} not found; this server serves {engine.model_name!r}",
                        param="model", code="model_not_found")
 
@@ -40,7 +42,8 @@ async def chat_prompt(engine: Engine, messages: list[dict], param: str = "messag
                       tools: ToolRequest | None = None, constraint: GrammarSpec | str | None = None,
                       constraint_param: str = "response_format",
                       default_constraint: GrammarSpec | None = None,
-                      split_reasoning: bool = True) -> tuple[list[int], OutputPlan]:
+                      split_reasoning: bool = True,
+                      template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], OutputPlan]:
     """Rendered (as the OpenAI chat route renders it: `api/structured.py:prepare_chat`, so a
     history's tool turns and the tools come out the same) and tokenized conversation, and
     its output plan. Thinking sections are split as on chat (the Anthropic and Responses
@@ -48,7 +51,7 @@ async def chat_prompt(engine: Engine, messages: list[dict], param: str = "messag
     False, which keeps them in the text. A template error or an empty result is a 400 naming `param`."""
     chat = prepare_chat(engine.tokenizer, messages, tools=tools, constraint=constraint,
                         constraint_param=constraint_param, default_constraint=default_constraint,
-                        messages_param=param, split_reasoning=split_reasoning)
+                        messages_param=param, split_reasoning=split_reasoning, template_kwargs=template_kwargs)
     ids = await encode(engine.tokenizer, chat.text, add_special_tokens=False)
     if not ids:
         raise APIError(400, f"{param} render to an empty prompt", param=param)

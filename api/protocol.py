@@ -176,6 +176,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None  # [{"type": "function", "function": {name, description, parameters}}]
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
     parallel_tool_calls: bool | None = None  # None: true
+    # Template variables and history (api/template_kwargs.py, api/sessions.py); their
+    # shapes are checked there, for messages that name the field.
+    chat_template_kwargs: Any = None
+    reasoning_effort: Any = None
+    session_id: Any = None
 
 
 class TokenizeRequest(_Strict):
@@ -184,6 +189,8 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     tools: list[dict[str, Any]] | None = None  # with messages: rendered as a chat request's tools
     add_special_tokens: bool | None = True
+    chat_template_kwargs: Any = None  # with messages: as on chat (api/template_kwargs.py)
+    reasoning_effort: Any = None
 
 
 class DetokenizeRequest(_Strict):
@@ -287,6 +294,8 @@ class ModelCard(BaseModel):
     dtype: str | None = None  # compute dtype
     quantization: str | None = None  # none, int8 or w8a8
     kv_cache_dtype: str | None = None
+    root: str | None = None  # a LoRA adapter: its folder
+    parent: str | None = None  # a LoRA adapter: the base model's id
 
 
 class ModelList(BaseModel):

@@ -7,7 +7,8 @@ Request: `input` (a string, or items: messages whose content is a string or
 which become an assistant's `tool_calls` and `tool` turns as on chat; `reasoning` items
 are accepted and dropped), `instructions` (a
 system turn before them), `max_output_tokens` (default: the room left in the context),
-`temperature`, `top_p`, `stream`. Stateless: `store` is accepted and nothing is kept, so
+`temperature`, `top_p`, `stream`, `reasoning.effort` (as chat's `reasoning_effort`:
+`api/template_kwargs.py`). Stateless: `store` is accepted and nothing is kept, so
 `previous_response_id` is a 400 (send the whole conversation as `input`).
 
 Tools: `tools` of type `function` (`{name, description, parameters, strict}`; other
@@ -58,6 +59,7 @@ from api.errors import APIError
 from api.generation import GenerationRun, RowOutput
 from api.limits import check_asked_tokens, check_prompt_tokens, max_tokens
 from api.output_blocks import Block, BlockEvent, OutputBlocks
+from api.template_kwargs import template_kwargs
 from api.prompts import chat_prompt, check_model
 from api.protocol import parse_body
 from api.sse import named_event as event, sse_response
@@ -97,6 +99,7 @@ class ResponsesRequest(_Strict):
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_schema" | "json_object", ...}}
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    reasoning: Any = None  # {"effort"}: mapped onto the template's thinking switch (api/template_kwargs.py)
 
     @field_validator("input", mode="plain")
     @classmethod
@@ -104,6 +107,18 @@ class ResponsesRequest(_Strict):
         if isinstance(v, str) or (isinstance(v, list) and all(isinstance(item, dict) for item in v)):
             return v
         raise ValueError("input must be a string or a list of input items")
+
+
+def _effort_kwargs(body: ResponsesRequest, engine: Any) -> dict[str, Any] | None:
+    """`reasoning.effort` as chat's `reasoning_effort` (a 400 names `reasoning.effort`)."""
+    if body.reasoning is None:
+        return None
+    if not isinstance(body.reasoning, dict):
+        raise APIError(400, "reasoning must be an object", param="reasoning", code="invalid_value")
+    try:
+        return template_kwargs(None, body.reasoning.get("effort"), engine.tokenizer.chat_template)
+    except APIError as e:
+        raise APIError(400, e.message, param="reasoning.effort", code="invalid_value") from None
 
 
 def _text_parts(content: Any, param: str) -> str:
@@ -219,7 +234,8 @@ async def create_response() -> Response:
     check_asked_tokens(body.max_output_tokens, state.config, "max_output_tokens")
     constraint, constraint_param = _constraint(body)
     prompt, plan = await chat_prompt(engine, _turns(body), "input", tools=_tools(body, engine), constraint=constraint,
-                                     constraint_param=constraint_param, default_constraint=state.config.default_grammar)
+                                     constraint_param=constraint_param, default_constraint=state.config.default_grammar,
+                                     template_kwargs=_effort_kwargs(body, engine))
     check_prompt_tokens(len(prompt), state.config, "input")
     grammar = await check_grammar(engine, plan.grammar, plan.grammar_param)
     api_id = f"resp_{uuid.uuid4().hex}"
@@ -228,7 +244,7 @@ async def create_response() -> Response:
     limit = max_tokens(body.max_output_tokens, len(prompt), engine.max_context, state.config, "input")
     job = GenerationRequest(request_id=api_id, prompt_token_ids=tuple(prompt), max_tokens=limit, sampling=sampling,
                             grammar=grammar, skip_special_tokens=plan.skip_special_tokens)
-    run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine)
+    run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine, model=body.model)
     reply = _Response(run, engine.model_name, body, sampling, plan)
     generation.start(run)
     if run.stream:

@@ -8,7 +8,8 @@ in it is touched only on the server's event loop, except the engine (whose `subm
 engine over with `loop.call_soon_threadsafe`.
 
 Phases: `loading` (engine not warm yet; /health 503) -> `ready` (200) -> `draining`
-(SIGTERM: /health and new work 503, in-flight work finishes). A dead engine loop or a
+(SIGTERM: /health and new work 503, in-flight work finishes). `sleeping` (POST /sleep:
+/health and new work 503 `sleeping` until POST /wake_up). A dead engine loop or a
 failed load reads `unavailable`; after `/admin/models/unload`, `unloaded` (503
 `model_not_loaded`) until a model is loaded again.
 
@@ -69,6 +70,11 @@ class AppState:
         self.rates = RateWindow()
         self.resumable: Any = None  # api.resumable.ResumableStreams, installed by create_app
         self.tasks: Any = None  # api.model_admin.TaskTable, installed by create_app
+        self.sessions: Any = None  # api.sessions.SessionStore, installed by create_app
+        self.response_cache: Any = None  # api.response_cache.ResponseCache with --response-cache, else None
+        # Called with no arguments when the served engine changes (a swap, an unload): what
+        # was kept for the previous model (sessions, cached responses) is dropped there.
+        self.on_engine_change: list[Any] = []
         self._background: list[asyncio.Task] = []
         self.metrics = Metrics(self._metrics_source, self.model_card)
         self.inflight: dict[str, InFlight] = {}  # API request id -> its GenerationRun
@@ -109,6 +115,9 @@ class AppState:
                 self.phase, self.load_error = "ready", None
         elif self.phase == "ready":
             self.phase = "unloaded"
+        if previous is not engine:
+            for hook in self.on_engine_change:
+                hook()
         if previous is not None and previous is not engine:
             self.retire(previous)
 
@@ -150,7 +159,7 @@ class AppState:
         self._background.clear()
 
     def health_state(self) -> str:
-        if self.phase in ("loading", "draining", "unloaded"):
+        if self.phase in ("loading", "draining", "unloaded", "sleeping", "rebuilding"):
             return self.phase
         if self.phase == "failed" or self.engine is None or self.engine.health() != "ready":
             return "unavailable"
@@ -166,6 +175,11 @@ class AppState:
             raise unavailable("the model is still loading; retry shortly", code="loading")
         if state == "draining":
             raise unavailable("the server is shutting down", code="draining")
+        if state == "rebuilding":
+            raise unavailable("the KV cache is being rebuilt (POST /v1/cache/rebuild); retry shortly",
+                              code="cache_rebuilding")
+        if state == "sleeping":
+            raise unavailable("the server is asleep (POST /sleep); POST /wake_up wakes it", code="sleeping")
         if state == "unloaded":
             raise unavailable("no model is loaded; load one with POST /admin/models/load", code="model_not_loaded")
         reason = self.load_error or "the engine is not running"

@@ -237,7 +237,8 @@ class ChatPrompt:
 def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: ToolRequest | None = None,
                  constraint: GrammarSpec | str | None = None, constraint_param: str = "response_format",
                  default_constraint: GrammarSpec | None = None, add_generation_prompt: bool = True,
-                 messages_param: str = "messages", split_reasoning: bool = True) -> ChatPrompt:
+                 messages_param: str = "messages", split_reasoning: bool = True,
+                 template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
     """Render a chat request's prompt and plan its output (the module docstring's rules).
 
     Args:
@@ -251,6 +252,7 @@ def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: ToolR
       messages_param: the field a template error names (the adapter's name for the messages).
       split_reasoning: False keeps thinking sections in the content (for adapters that do
         not render reasoning of their own).
+      template_kwargs: further template variables (`api/template_kwargs.py`).
     Raises:
       APIError 400: a constraint next to a forced call; a template that fails (names
         `messages_param`).
@@ -269,7 +271,7 @@ def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: ToolR
         template_messages = add_tools_to_messages(template_messages, tools.tools, parallel=tools.parallel)
     try:
         text = tokenizer.apply_chat_template(template_messages, add_generation_prompt=add_generation_prompt,
-                                             tools=template_tools)
+                                             tools=template_tools, template_kwargs=template_kwargs)
     except ChatTemplateError as e:
         raise APIError(400, f"{messages_param}: {e}", param=messages_param, code="chat_template_error") from None
     tool_format = None

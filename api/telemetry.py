@@ -178,6 +178,16 @@ class RateWindow:
         return ((p1 - p0) / span, (g1 - g0) / span, span) if span > 0 else (0.0, 0.0, 0.0)
 
 
+def lora_requests_info(d: dict[str, Any]) -> GaugeMetricFamily:
+    """vLLM's `vllm:lora_requests_info`: one sample, the time of the snapshot, labelled with
+    the adapters of running and of waiting requests (comma-separated) and max_lora."""
+    family = GaugeMetricFamily("vllm:lora_requests_info", "running and waiting LoRA adapters",
+                               labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    family.add_metric([",".join(d.get("running_lora_adapters") or ()), ",".join(d.get("waiting_lora_adapters") or ()),
+                       str(d.get("max_loras") or 0)], time.time())
+    return family
+
+
 class _SnapshotCollector:
     """Renders the latest BatcherStats + ServerStats at scrape time."""
 
@@ -207,6 +217,7 @@ class _SnapshotCollector:
                                 value=float(d.get("queue_depth") or 0))
         yield GaugeMetricFamily("ferrox_requests_running", "rows holding a slot (prefilling or decoding)",
                                 value=float(d.get("running_rows") or 0))
+        yield lora_requests_info(d)
         yield CounterMetricFamily("ferrox_recompiles_after_warmup", "bucket compilations after warm-up",
                                   value=float(d.get("recompiles_after_warmup") or 0))
         yield from _spec_decode_metrics(d)

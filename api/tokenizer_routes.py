@@ -31,6 +31,7 @@ from api.prompts import check_model, encode
 from api.protocol import DetokenizeRequest, TokenizeRequest, parse_body
 from api.state import json_response, state_of
 from api.structured import prepare_chat, tool_request
+from api.template_kwargs import template_kwargs
 
 if TYPE_CHECKING:
     from ferrox_jax.engine import Engine
@@ -54,6 +55,8 @@ async def tokenize() -> Response:
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:  # rendered as the chat route renders them, tools included
         chat = prepare_chat(engine.tokenizer, [m.template_dict() for m in body.messages],
+                            template_kwargs=template_kwargs(body.chat_template_kwargs, body.reasoning_effort,
+                                                            engine.tokenizer.chat_template),
                             tools=tool_request(body.tools, None, None))
         tokens = await encode(engine.tokenizer, chat.text, add_special_tokens=False)
     else:

@@ -32,6 +32,7 @@ never overshoot it.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -78,6 +79,14 @@ class _AbortRequest:
 
 class _Stop:
     pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _WhenIdle:
+    """Run `fn` on the owner thread once the scheduler has no work (sleep and wake)."""
+
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future
 
 
 @dataclasses.dataclass
@@ -128,6 +137,7 @@ class ContinuousBatcher:
         self._has_grammar = new_matcher is not None and fill_bitmask is not None
         self._fill_bitmask = fill_bitmask
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._idle_calls: list[_WhenIdle] = []  # owner thread: run_when_idle calls still waiting
         self._thread: threading.Thread | None = None
         # Guarded by _lock (shared with submitters):
         self._lock = threading.Lock()
@@ -231,6 +241,7 @@ class ContinuousBatcher:
                 if not self._take_messages(messages):  # step 2
                     self._end_all("stopped", "the batcher was shut down")
                     return
+                self._run_idle_calls()
                 did_work = self._scheduler.has_work and self._tick()
                 is_idle = not did_work
         except Exception as exc:  # the one catch-all: a dead loop must be loud, not silent
@@ -256,12 +267,35 @@ class ContinuousBatcher:
                 num_added += 1
             elif isinstance(message, _AbortRequest):
                 self._scheduler.cancel(message.request_id)
+            elif isinstance(message, _WhenIdle):
+                self._idle_calls.append(message)
             else:
                 keep_running = False
         with self._lock:
             self._num_in_inbox -= num_added
             self._num_waiting = self._scheduler.num_waiting
         return keep_running
+
+    def run_when_idle(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Runs `fn` on the owner thread as soon as no job is waiting or running (the caller
+        stops submitting first); the future carries its result or exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_WhenIdle(fn, future))
+        return future
+
+    def forget_cached_blocks(self) -> int:
+        """Owner thread, idle: the prefix cache forgets every block (the KV cache was freed)."""
+        return self._scheduler.budget.forget_cached_blocks()
+
+    def _run_idle_calls(self) -> None:
+        if not self._idle_calls or self._scheduler.has_work:
+            return
+        calls, self._idle_calls = self._idle_calls, []
+        for call in calls:
+            try:
+                call.future.set_result(call.fn())
+            except Exception as e:  # reported to the caller, who asked for this call
+                call.future.set_exception(e)
 
     def _tick(self) -> bool:
         """Steps 3-7. Returns False when there was nothing to do (the loop may block)."""
@@ -351,6 +385,8 @@ class ContinuousBatcher:
             prefix_cache_hits=scheduler.blocks.num_hit_tokens,
             kv_blocks_cached=scheduler.blocks.num_cached_blocks,
             **spec_decode_stats(scheduler.speculator),
+            max_loras=getattr(self._runner, "max_loras", 0),  # scripted test runners have none
+            running_lora_adapters=scheduler.lora_adapters[0], waiting_lora_adapters=scheduler.lora_adapters[1],
             **self._masks)
         with self._lock:
             self._snapshot = snapshot

@@ -160,6 +160,15 @@ class BlockBudget:
         assert block_id in self._ref_counts, f"naming block {block_id}, which is not held"
         return self.cache is not None and self.cache.insert(block_name, block_id)
 
+    def forget_cached_blocks(self) -> int:
+        """Evicts every idle cached block into the free list (the KV cache's contents are
+        gone: sleep); returns how many. Held blocks stay (an idle engine holds none)."""
+        num = 0
+        while self.cache is not None and self.cache.num_idle_blocks:
+            self._free_ids.append(self.cache.evict())
+            num += 1
+        return num
+
     def check(self) -> None:
         """Asserts the state invariants (tests call it after every step)."""
         free = set(self._free_ids)

@@ -52,7 +52,7 @@ from collections.abc import Iterable
 
 from ferrox_jax.block_budget import BlockBudget
 from ferrox_jax.config import SchedulerLimits
-from ferrox_jax.prefix_cache import PrefixCache, chain_hashes
+from ferrox_jax.prefix_cache import PrefixCache, adapter_root, chain_hashes
 from ferrox_jax.request import Request, Row
 
 
@@ -87,7 +87,7 @@ class BlockTables:
         """Looks the prompt up, promises the job its blocks; False means "not now"."""
         prompt = job.spec.prompt_token_ids
         if self.cache is not None and not job.block_names:
-            job.block_names = chain_hashes(prompt, self.block_size, self.cache.root)
+            job.block_names = chain_hashes(prompt, self.block_size, adapter_root(self.cache.root, job.spec.adapter_key))
         hits: list[int] = []
         if self.cache is not None and not job.spec.computes_every_position:
             hits = self.cache.lookup(job.block_names[:(len(prompt) - 1) // self.block_size])
@@ -164,7 +164,7 @@ class BlockTables:
             return
         names = row.block_names
         if len(names) < num_full:
-            parent = names[-1] if names else self.cache.root
+            parent = names[-1] if names else adapter_root(self.cache.root, row.request.spec.adapter_key)
             names += chain_hashes(row.token_ids, self.block_size, parent, start_block=len(names),
                                   num_blocks=num_full - len(names))
         for i in range(row.num_named_blocks, num_full):

@@ -90,6 +90,11 @@ class EngineConfig:
     coordinator_address: str | None = None  # multi-host: "host:port", or "auto" on TPU pods
     num_processes: int | None = None  # multi-host: processes in the cluster
     process_id: int | None = None  # multi-host: this process's index
+    # LoRA (models/lora.py): adapter slots on the device (0: no LoRA, the projections stay
+    # plain), the largest rank a slot holds, and (name, PEFT folder) pairs loaded at start-up.
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
@@ -101,6 +106,7 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int; got {value!r}")
+        self._check_lora()
         if self.max_batched_tokens and self.max_batched_tokens < self.prefill_chunk:
             raise ValueError(f"EngineConfig.max_batched_tokens must be 0 (the backend's default) or >= "
                              f"prefill_chunk ({self.prefill_chunk}); got {self.max_batched_tokens}")
@@ -133,6 +139,18 @@ class EngineConfig:
         if self.coordinator_address not in (None, "auto") and (self.num_processes is None or self.process_id is None):
             raise ValueError("EngineConfig.coordinator_address needs num_processes and process_id "
                              "(or coordinator_address='auto' on a TPU pod)")
+
+    def _check_lora(self) -> None:
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"EngineConfig.max_loras must be an int >= 0; got {self.max_loras!r}")
+        if isinstance(self.max_lora_rank, bool) or not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1:
+            raise ValueError(f"EngineConfig.max_lora_rank must be a positive int; got {self.max_lora_rank!r}")
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"EngineConfig.lora_modules names {len(self.lora_modules)} adapters but max_loras is "
+                             f"{self.max_loras}; raise --max-loras")
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"EngineConfig.lora_modules repeats a name: {names}")
 
     def _check_mesh(self) -> None:
         try:

@@ -31,6 +31,8 @@ from models.loader import CheckpointSource, resolve_path
 from models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # llguidance is imported only when structured output is set up
+    import concurrent.futures
+
     from ferrox_jax.grammar import GrammarCompiler
 
 
@@ -62,6 +64,8 @@ class KVSizing:
 class Engine:
     """The engine facade (see the module docstring). Thread-safe where the API needs it:
     `submit`, `cancel`, `stats` and `health` may be called from any thread."""
+
+    lora = None  # the LoraRegistry when --max-loras > 0 (engine_builder sets it), else None
 
     def __init__(self, source: CheckpointSource, runner: ModelRunner, batcher: ContinuousBatcher,
                  config: EngineConfig, sizing: KVSizing, attention_note: str,
@@ -150,6 +154,29 @@ class Engine:
         if self._grammar is None:
             raise GrammarError(f"structured output is unavailable for this model: {self.grammar_note}")
         self._grammar.compile(spec)
+
+    def sleep(self, level: int = 1) -> "concurrent.futures.Future":
+        """Frees the KV cache (level 2: also moves the weights to host memory) once idle;
+        the caller stops submitting first (`ferrox_jax/sleep.py`)."""
+        from ferrox_jax import sleep
+
+        def go() -> None:
+            self._batcher.forget_cached_blocks()
+            sleep.put_to_sleep(self._runner, level)
+
+        return self._batcher.run_when_idle(go)
+
+    def wake(self) -> "concurrent.futures.Future":
+        """Reallocates what `sleep` freed, in the same shapes (no recompiles)."""
+        from ferrox_jax import sleep
+
+        return self._batcher.run_when_idle(lambda: sleep.wake(self._runner))
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake, else the level it sleeps at."""
+        asleep = getattr(self._runner, "asleep", None)
+        return 0 if asleep is None else asleep.level
 
     def health(self) -> str:
         """"ready", "dead" (the owner loop crashed) or "stopped"."""

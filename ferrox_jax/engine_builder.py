@@ -43,12 +43,14 @@ from ferrox_jax.batcher import ContinuousBatcher
 from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.engine import Engine, KVSizing
 from ferrox_jax.kv_cache import bytes_per_block
+from ferrox_jax.lora_registry import build_registry
 from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
 from models import cpu_kernels
 from models.config import ModelConfig
 from models.loader import CheckpointSource, open_checkpoint
 from models.loaders.common import abstract_model
+from models.lora import LoraSlots, attach_lora
 from models.pallas_attention import select_decode_attention
 from models.quant import quantized_channel_axis, quantized_nbytes
 from models.tokenizer import Tokenizer
@@ -262,6 +264,8 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
         model = source.build(dtype, decode_attention=attention, progress=progress, placement=placement,
                              quantization=config.quantization)
     matmul_note = _int8_matmul(model, config, mesh)
+    lora_slots = LoraSlots(config.max_loras, config.max_lora_rank) if config.max_loras else None
+    lora_targets = attach_lora(model, lora_slots) if lora_slots is not None else None
     chunk = min(config.prefill_chunk, sizing.max_context)
     idle_chunk = min(max(config.prefill_chunk_idle, chunk), sizing.max_context)
     limits = SchedulerLimits(
@@ -281,5 +285,7 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
                                 new_matcher=grammar.new_matcher if grammar is not None else None,
                                 fill_bitmask=grammar.fill_bitmask if grammar is not None else None)
     engine = Engine(source, runner, batcher, config, sizing, attention_note, grammar, grammar_note, matmul_note)
+    if lora_slots is not None:
+        engine.lora = build_registry(runner, source.config.architecture, lora_slots, lora_targets, config.lora_modules)
     engine.load_s = time.perf_counter() - t0
     return engine

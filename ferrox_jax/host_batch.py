@@ -29,6 +29,7 @@ Layout: R rows in plan order (decode rows, then prompt chunks), N new tokens.
                                   the forward runs (W = ceil(V / 32)); None when no row is
                                   constrained (the runner uses all ones)
     block_copies    i32[C, 2]     (src, dst) block copies that run before the forward
+    adapter_slots   i32[R]        each row's LoRA slot (0: no adapter; models/lora.py)
 
 A new capability adds a column here (an adapter index per row, 1 + k logits per row), not a
 branch in the runner.
@@ -188,6 +189,7 @@ class HostBatch:
     sampling: SamplingArrays
     block_copies: np.ndarray
     bitmask: np.ndarray | None = None
+    adapter_slots: np.ndarray | None = None  # None reads as all zeros
 
     @classmethod
     def build(cls, plan: StepPlan, geometry: BatchGeometry) -> "HostBatch":
@@ -225,7 +227,8 @@ class HostBatch:
                    prompt_logprobs=np.asarray([row.prompt_logprobs for row in rows], bool),
                    next_token_ids=next_token_ids, pooling=np.asarray([row.pooling for row in rows], bool),
                    constrained=np.asarray([row.is_constrained and row.sample for row in rows], bool),
-                   sampling=sampling, block_copies=copies)
+                   sampling=sampling, block_copies=copies,
+                   adapter_slots=np.asarray([row.adapter_slot for row in rows], np.int32))
 
     @property
     def num_rows(self) -> int:

@@ -8,7 +8,8 @@ token ids that produced it:
 
 so a name covers the block's tokens *and every token before it* (K/V at a position depend
 on the whole prefix), and the salt covers whatever else changes the K/V: the engine passes
-the model, dtype and block size. sha256 rather than Python's `hash()`: a collision would
+the model, dtype and block size. A job with a LoRA adapter starts its chain from the root
+hashed with the adapter's key (`adapter_root`). sha256 rather than Python's `hash()`: a collision would
 serve one user's K/V to another prompt, so names must not be forgeable.
 
 The cache is an index, not an owner: `BlockBudget` (`ferrox_jax/block_budget.py`) owns the
@@ -38,6 +39,15 @@ _ROOT_TAG = b"ferrox-prefix-cache"
 def root_hash(salt: str) -> bytes:
     """The parent of every chain's first block; differs per model, dtype and block size."""
     return hashlib.sha256(_ROOT_TAG + salt.encode("utf-8")).digest()
+
+
+def adapter_root(root: bytes, adapter_key: str | None) -> bytes:
+    """The chain root of a job run with a LoRA adapter (None: the base model's `root`).
+    An adapter changes every K/V it computes, so its blocks form chains of their own:
+    two adapters, or an adapter and the base model, never share a block."""
+    if adapter_key is None:
+        return root
+    return hashlib.sha256(root + b"lora:" + adapter_key.encode("utf-8")).digest()
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, parent: bytes, start_block: int = 0,

@@ -133,12 +133,22 @@ class GenerationRequest:
     # states; the job samples nothing, holds only the prompt's blocks, and its one event
     # carries `RowEvent.embedding`. Needs max_tokens 0 and n 1.
     pooling: str | None = None
+    # False: the prompt is computed whole, nothing taken from the prefix cache (llama.cpp's
+    # `cache_prompt: false`); its blocks are still cached for later prompts.
+    reads_prefix_cache: bool = True
+    # The LoRA adapter the job runs with: its device slot (0: the base model), its name
+    # (the counters') and its key (name + a digest of its weights: the prefix cache's, so an
+    # adapter reloaded with other weights never meets its old blocks). None with slot 0.
+    adapter_slot: int = 0
+    adapter_name: str | None = None
+    adapter_key: str | None = None
 
     @property
     def computes_every_position(self) -> bool:
         """The job needs every prompt position computed, so it takes nothing from the prefix
-        cache: prompt logprobs score each token, and mean pooling sums every hidden state."""
-        return self.prompt_logprobs or self.pooling == "mean"
+        cache: prompt logprobs score each token, mean pooling sums every hidden state, and
+        a job may ask not to read the cache."""
+        return self.prompt_logprobs or self.pooling == "mean" or not self.reads_prefix_cache
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -11,8 +11,8 @@ counted in `recompiles_after_warmup` (it should stay 0: tests assert it).
      `num_logits` 1 + d) becomes 1 + d consecutive one-token decode rows sharing its block
      table, at consecutive positions. Every token's K/V is written before any row attends,
      so the row at position p + j reads the drafts before it: causal verification through
-     the one-query kernels, with no shape of its own; the smallest `StepShape` holding both is picked and the batch's
-     arrays are laid out in it (`ForwardBatch`, numpy) with one `jax.device_put`.
+     the one-query kernels, with no shape of its own. The smallest `StepShape` holding both
+     is picked and the batch's arrays are laid out in it (`ForwardBatch`, numpy) with one `jax.device_put`.
   2. Dispatch: block copies, then the one forward over every row. Dispatch is
      asynchronous: the forward runs on the device while the host goes on.
   3. Meanwhile, if some row is constrained, `fill_masks(batch, forward_is_done)` fills its
@@ -45,6 +45,7 @@ from ferrox_jax.plan import MaskFiller, RowPlan
 from ferrox_jax.sharding import runner_shardings
 from ferrox_jax.step import ForwardBatch, ForwardResult, jit_steps
 from models.attention import ATTENTION_CHUNK_BLOCKS
+from models.lora import lora_slot_count
 
 log = logging.getLogger(__name__)
 COPY_BATCH = 8  # block copies are padded to this many pairs (0 -> 0 is a no-op copy)
@@ -95,6 +96,8 @@ class ModelRunner:
         if self.shardings is not None:
             self.state = jax.device_put(self.state, self.shardings.state)
         self._steps = jit_steps(self.shardings)
+        self.max_loras = lora_slot_count(self.state)  # adapter slots the projections carry (0: no LoRA)
+        self.has_lora = self.max_loras > 0
         self.kv_cache: KVCache = create_kv_cache(
             cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim, self.kv_dtype,
             sharding=None if self.shardings is None else self.shardings.kv_array)
@@ -164,7 +167,8 @@ class ModelRunner:
             block_tables=tuple(np.zeros((rows, mb), np.int32) for rows, _ in segments),
             last_index=np.zeros(r, np.int32), next_tokens=np.full(n, -1, np.int32),
             row_of_token=np.full(n, r, np.int32), want_prompt_logprobs=np.asarray(False),
-            segment_tokens=tuple(tokens for _, tokens in segments))
+            segment_tokens=tuple(tokens for _, tokens in segments),
+            adapter_slots=np.zeros(n, np.int32) if self.has_lora else None)
 
     def _pad(self, batch: HostBatch) -> tuple[StepShape, np.ndarray, ForwardBatch]:
         """The step shape, `order` (i64[R]: the host row in each padded row, -1 for
@@ -199,7 +203,22 @@ class ModelRunner:
             # The chunk segment is the last one; the decode segment, when present, the first.
             segment, local = (0, row) if row < shape.decode_rows else (-1, row - shape.decode_rows)
             out.block_tables[segment][local] = batch.block_tables[host]
-        return shape, order, out.replace(want_prompt_logprobs=np.asarray(bool(batch.prompt_logprobs.any())))
+        out = out.replace(want_prompt_logprobs=np.asarray(bool(batch.prompt_logprobs.any())))
+        return shape, order, self._pad_adapters(out, batch, order, starts, shape.decode_rows)
+
+    def _pad_adapters(self, out: ForwardBatch, batch: HostBatch, order: np.ndarray, starts: np.ndarray,
+                      decode_rows: int):
+        """Each padded token's LoRA slot (padding: 0), when the model has adapter slots."""
+        if not self.has_lora:
+            return out
+        slots = np.zeros(len(out.tokens), np.int32)
+        if batch.adapter_slots is not None:
+            for row in np.flatnonzero(order >= 0):
+                host = order[row]
+                # a decode row holds one token (a speculating row's tokens are several such rows)
+                length = 1 if row < decode_rows else batch.row_lengths[host]
+                slots[starts[row]:starts[row] + length] = batch.adapter_slots[host]
+        return out.replace(adapter_slots=slots)
 
     def _all_ones_mask(self, rows: int) -> jax.Array:
         """The bitmask of `rows` unconstrained rows, kept on the device (no transfer per step)."""
@@ -285,6 +304,8 @@ class ModelRunner:
             batch.valid[i * t:i * t + k] = True
             needed = self.geometry.blocks_needed(row)
             batch.block_tables[0][i, :needed] = row.block_ids[:needed]
+        if self.has_lora:
+            batch = batch.replace(adapter_slots=np.repeat(np.asarray([r.adapter_slot for r in rows], np.int32), t))
         self.kv_cache, logits = self._steps.logits(self.graphdef, self.state, self.kv_cache, jax.device_put(batch))
         logits = np.asarray(jax.device_get(logits)).reshape(len(rows), t, -1)
         return [logits[i, : len(r.token_ids)] for i, r in enumerate(rows)]

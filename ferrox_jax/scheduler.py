@@ -160,6 +160,14 @@ class Scheduler:
         return bool(self._jobs or self._cancel_inbox or self._events)
 
     @property
+    def lora_adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(adapters of jobs holding rows, adapters of waiting jobs), each sorted, unique."""
+        running = {job.spec.adapter_name for job in self._prefilling}
+        running |= {row.request.spec.adapter_name for row in self._decoding.values()}
+        waiting = {job.spec.adapter_name for job in self._waiting}
+        return tuple(sorted(running - {None})), tuple(sorted(waiting - {None}))
+
+    @property
     def waiting_request_ids(self) -> tuple[str, ...]:
         return tuple(job.spec.request_id for job in self._waiting)
 
@@ -259,7 +267,8 @@ class Scheduler:
             next_token_id=prompt[end] if end < len(prompt) else -1,
             num_prompt_tokens=len(prompt),
             history_token_ids=self._history(row) if sample else (),
-            is_constrained=sample and row.matcher is not None, pooling=job.spec.pooling is not None)
+            is_constrained=sample and row.matcher is not None, pooling=job.spec.pooling is not None,
+            adapter_slot=job.spec.adapter_slot)
 
     def _plan_decode_rows(self) -> tuple[RowPlan, ...]:
         """One token for every decoding row."""
@@ -272,7 +281,8 @@ class Scheduler:
                 row_id=row.row_id, token_ids=(row.token_ids[pos],), start_pos=pos,
                 block_ids=tuple(row.block_ids), sample=True, sampling=self._step_sampling(row),
                 num_prompt_tokens=len(row.request.spec.prompt_token_ids),
-                history_token_ids=self._history(row), is_constrained=row.matcher is not None))
+                history_token_ids=self._history(row), is_constrained=row.matcher is not None,
+                adapter_slot=row.request.spec.adapter_slot))
         return tuple(steps)
 
     def _update_peak(self) -> None:

@@ -50,3 +50,8 @@ class BatcherStats:
     spec_decode_num_draft_tokens: int = 0  # draft tokens verified
     spec_decode_num_accepted_tokens: int = 0  # of those, accepted (each saved a step of its row)
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # accepted at draft position 0, 1, ... k-1
+    # LoRA (vLLM's lora_requests_info): adapter slots, and the adapters of the jobs holding
+    # rows now / waiting for admission (names, sorted; the base model is not listed).
+    max_loras: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()

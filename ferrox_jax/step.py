@@ -38,6 +38,7 @@ from ferrox_jax.kv_cache import KVCache
 from ferrox_jax.request import MAX_LOGPROBS
 from ferrox_jax.sampling import sample
 from ferrox_jax.sharding import RunnerShardings, kv_cache_shardings
+from models.lora import bind_token_slots
 
 
 @struct.dataclass
@@ -54,6 +55,7 @@ class ForwardBatch:
     row_of_token: jax.Array  # i32[N]: the row each token belongs to (R for padding)
     want_prompt_logprobs: jax.Array  # bool[]: compute prompt logprobs
     segment_tokens: tuple[int, ...] = struct.field(pytree_node=False, default=())  # tokens per row, per segment
+    adapter_slots: jax.Array | None = None  # i32[N]: each token's LoRA slot (0 = none); None: no LoRA
 
 
 @struct.dataclass
@@ -88,6 +90,8 @@ def _prompt_logprobs(model, hidden, next_tokens):
 
 def _run_model(graphdef, state, kv_cache: KVCache, batch: ForwardBatch):
     model = nnx.merge(graphdef, state)
+    if batch.adapter_slots is not None:
+        bind_token_slots(model, batch.adapter_slots)
     hidden, k, v = model(batch.tokens, batch.positions, batch.valid, kv_cache.k, kv_cache.v,
                          batch.block_tables, batch.segment_tokens)
     return model, hidden, KVCache(k=k, v=v)

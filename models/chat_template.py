@@ -45,10 +45,12 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template does not compile: {type(e).__name__}: {e}") from e
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool, special_tokens: Mapping[str, str],
-               tools: list[dict] | None = None) -> str:
+               tools: list[dict] | None = None, extra: Mapping[str, Any] | None = None) -> str:
         """The prompt text for `messages` (keys whose value is None dropped, as transformers
         does), `add_generation_prompt`, `tools` (None: the template's no-tools branch),
         `documents=None` and the special token strings (`bos_token`, `eos_token`, ...).
+        `extra` are further template variables (a request's `chat_template_kwargs`, e.g.
+        `enable_thinking`); they never replace the names above.
 
         Raises:
           ChatTemplateError: the template raised, broke the sandbox or failed while rendering.
@@ -57,8 +59,9 @@ class ChatTemplate:
             raise ChatTemplateError("chat messages must be dicts with 'role' and 'content'")
         clean = [_plain_data({k: v for k, v in m.items() if v is not None}) for m in messages]
         try:
-            return self._template.render(messages=clean, add_generation_prompt=add_generation_prompt,
-                                         tools=_plain_data(tools), documents=None, **special_tokens)
+            variables = {**_plain_data(dict(extra or {})), **special_tokens}
+            return self._template.render(variables, messages=clean, add_generation_prompt=add_generation_prompt,
+                                         tools=_plain_data(tools), documents=None)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:

@@ -2,7 +2,8 @@
 
 - `project(x, w)`: THE projection matmul. Every q/k/v/o, MLP, router, expert and LM-head
   product goes through it: a float weight is a plain product, a `QuantizedWeight` (int8
-  values with per-channel scales, `--quantization`) the int8 matmul of `models/quant.py`.
+  values with per-channel scales, `--quantization`) the int8 matmul of `models/quant.py`,
+  a `LoraWeight` its base's product plus each token's adapter (`models/lora.py`).
   Layers read weights with `.get_value()`, which returns either kind.
 - Norms: `rms_norm` (Llama: normalise in f32, cast back, then times w) and
   `rms_norm_plus_one` (Gemma: times (1 + w) in f32, then cast).
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import kv_slots, paged_attention, write_kv
+from models.lora import LoraWeight, lora_delta
 from models.quant import QuantizedWeight, quantized_matmul
 from models.rope import apply_rope
 
@@ -45,8 +47,15 @@ def norm_param(size: int, dtype, value: float = 1.0) -> nnx.Param:
     return nnx.Param(jnp.full((size,), value, dtype))
 
 
-def project(x: jax.Array, w: jax.Array | QuantizedWeight, bias: jax.Array | None = None) -> jax.Array:
-    """x [..., in] @ w [in, out] (+ bias [out]) -> [..., out]. The one projection matmul."""
+def project(x: jax.Array, w: jax.Array | QuantizedWeight | LoraWeight, bias: jax.Array | None = None) -> jax.Array:
+    """x [..., in] @ w [in, out] (+ bias [out]) -> [..., out]. The one projection matmul.
+
+    A `LoraWeight` (models/lora.py) adds each token's adapter product to its base's."""
+    if isinstance(w, LoraWeight) and w.token_slots is None:  # a forward without adapter slots
+        return project(x, w.base, bias)
+    if isinstance(w, LoraWeight):
+        y = project(x, w.base) + lora_delta(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
     y = quantized_matmul(x, w) if isinstance(w, QuantizedWeight) else x @ w
     return y if bias is None else y + bias
 

@@ -94,18 +94,20 @@ class Tokenizer:
     # -- chat template -----------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         """Render `messages` with the checkpoint's template (or FALLBACK_CHAT_TEMPLATE).
 
         The template sees `messages`, `add_generation_prompt`, `tools`, `documents=None` and
-        the special token strings `bos_token`, `eos_token`, `unk_token`, `pad_token`.
+        the special token strings `bos_token`, `eos_token`, `unk_token`, `pad_token`, and
+        `template_kwargs` as further variables (a request's `chat_template_kwargs`).
         Raises ChatTemplateError when the template does not compile, raises itself
         (`raise_exception`), touches something the sandbox forbids, or fails while rendering.
         """
         if self._compiled_template is None:
             self._compiled_template = ChatTemplate(self.chat_template)
         return self._compiled_template.render(messages, add_generation_prompt=add_generation_prompt,
-                                              special_tokens=self._special_token_strings(), tools=tools)
+                                              special_tokens=self._special_token_strings(), tools=tools,
+                                              extra=template_kwargs)
 
     def _special_token_strings(self) -> dict[str, str]:
         names = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id,

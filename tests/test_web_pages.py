@@ -190,21 +190,25 @@ def test_the_dashboard_charts_move_while_a_load_runs(page, server):
     chart = "document.querySelector('[data-chart={}]')"
     page.wait_for_function(f"() => Number({chart.format('kv')}?.dataset.samples) >= 2")
 
-    def load():
+    done = threading.Event()
+
+    def load():  # until the charts have seen it: a loaded machine may poll late
         with httpx.Client(base_url=server, timeout=120) as http:
-            threads = [threading.Thread(target=http.post, args=("/v1/completions",), kwargs={"json": {
-                "prompt": f"load {i}", "max_tokens": 300, "ignore_eos": True}}) for i in range(6)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            while not done.is_set():
+                threads = [threading.Thread(target=http.post, args=("/v1/completions",), kwargs={"json": {
+                    "prompt": f"load {i}", "max_tokens": 100, "ignore_eos": True}}) for i in range(6)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
 
     runner = threading.Thread(target=load)
     runner.start()
     try:
         for name in ("throughput", "scheduler", "itl"):  # output tok/s, running rows, inter-token latency
-            page.wait_for_function(f"() => Number({chart.format(name)}.dataset.max) > 0", timeout=60_000)
+            page.wait_for_function(f"() => Number({chart.format(name)}.dataset.max) > 0", timeout=180_000)
     finally:
+        done.set()
         runner.join()
     page.wait_for_function(f"() => Number({chart.format('ttft')}.dataset.max) > 0", timeout=10_000)
     assert float(page.get_attribute("[data-chart=kv]", "data-max")) > 0

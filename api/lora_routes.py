@@ -1,0 +1,134 @@
+"""LoRA adapters over HTTP: runtime loading and unloading, and picking one by `model`.
+
+- `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and
+  `POST /v1/unload_lora_adapter {"lora_name"}`: vLLM's routes and shapes (a plain-text
+  "Success: ..." line on 200), answered only with `--enable-runtime-lora` (403
+  `runtime_lora_disabled` otherwise). Like every route but /health and /metrics they sit
+  behind the API key. `lora_path` must lie inside `--model-dir` (relative to it, or an
+  absolute path that resolves there, symlinks followed), the rule `/admin/models` keeps:
+  a path from a request body never reaches the rest of the filesystem.
+- Refusals by name (`code`): `unsupported_architecture`, `rank_too_large`,
+  `missing_target_module`, `invalid_adapter` (400), `adapter_exists` (400), `slots_full`
+  (409), `adapter_not_found` (404), `lora_path_outside_model_dir` (403).
+- Every protocol's `model` may name a loaded adapter instead of the base model
+  (`check_model` in `api/prompts.py` accepts it); `GenerationRun` then runs its jobs in
+  the adapter's slot (`adapter_jobs`) and releases the slot when the run closes.
+  `/v1/models` lists each adapter with `parent` = the base model's id (`lora_cards`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from quart import Blueprint, Response, current_app, request
+
+from api.errors import APIError
+from api.state import state_of
+from models.lora import LoraError
+
+if TYPE_CHECKING:
+    from ferrox_jax.engine import Engine
+    from ferrox_jax.request import GenerationRequest
+
+blueprint = Blueprint("lora", __name__)
+
+_STATUS = {"slots_full": 409, "adapter_not_found": 404}
+
+
+def lora_names(engine: Engine | None) -> list[str]:
+    """The adapters loaded on `engine` (none without LoRA slots)."""
+    registry = getattr(engine, "lora", None)
+    return registry.names() if registry is not None else []
+
+
+def lora_error(e: LoraError, param: str | None = None) -> APIError:
+    return APIError(_STATUS.get(e.code, 400), str(e), param=param, code=e.code)
+
+
+def adapter_jobs(engine: Engine, model: str | None,
+                 jobs: Sequence[GenerationRequest]) -> tuple[tuple[GenerationRequest, ...], int]:
+    """The jobs to submit for a request's `model`, and the slot acquired (0: the base model).
+    A slot acquired here is the caller's to `engine.lora.release`."""
+    registry = getattr(engine, "lora", None)
+    if registry is None or model is None or model == engine.model_name:
+        return tuple(jobs), 0
+    try:
+        loaded = registry.acquire(model)
+    except LoraError as e:
+        raise APIError(404, str(e), param="model", code="model_not_found") from None
+    return tuple(dataclasses.replace(job, adapter_slot=loaded.slot, adapter_name=loaded.name,
+                                     adapter_key=loaded.key) for job in jobs), loaded.slot
+
+
+def lora_cards(engine: Engine, base: dict[str, Any]) -> list[dict[str, Any]]:
+    """One /v1/models card per loaded adapter, `parent` the base model (vLLM's fields)."""
+    registry = getattr(engine, "lora", None)
+    if registry is None:
+        return []
+    return [{**base, "id": a.name, "created": int(a.loaded_at), "root": a.path, "parent": base["id"]}
+            for a in registry.adapters()]
+
+
+def lora_stats(engine: Engine | None) -> list[dict[str, Any]]:
+    """Per adapter, for /admin/stats: its slot, rank and folder, requests served since it
+    was loaded and requests holding it now."""
+    registry = getattr(engine, "lora", None)
+    if registry is None:
+        return []
+    return [{"name": a.name, "slot": a.slot, "rank": a.rank, "path": a.path, "requests": a.num_requests,
+             "running": a.num_running} for a in registry.adapters()]
+
+
+def _registry_and_body(body: Any, fields: tuple[str, ...]):
+    state = state_of(current_app)
+    if not state.config.enable_runtime_lora:
+        raise APIError(403, "loading LoRA adapters at run time is off (start the server with --enable-runtime-lora)",
+                       code="runtime_lora_disabled")
+    engine = state.require_engine()
+    if engine.lora is None:
+        raise APIError(400, "this server has no LoRA slots (start it with --max-loras N)", code="lora_disabled")
+    if not isinstance(body, dict) or not all(isinstance(body.get(f), str) and body.get(f) for f in fields):
+        raise APIError(400, f"the body must be a JSON object with string fields {', '.join(fields)}",
+                       param=fields[0])
+    return state, engine.lora
+
+
+def resolve_lora_path(model_dir: str | None, lora_path: str) -> Path:
+    """`lora_path` inside `model_dir` (relative to it or absolute), or a 403 naming the rule."""
+    if not model_dir:
+        raise APIError(403, "lora_path must lie inside --model-dir, and this server has none",
+                       param="lora_path", code="lora_path_outside_model_dir")
+    root = Path(model_dir).resolve()
+    path = (root / lora_path).resolve()
+    if path != root and root not in path.parents:
+        raise APIError(403, f"lora_path {lora_path!r} is outside --model-dir", param="lora_path",
+                       code="lora_path_outside_model_dir")
+    return path
+
+
+@blueprint.post("/v1/load_lora_adapter")
+async def load_lora_adapter() -> Response:
+    body = await request.get_json(force=True, silent=True)
+    state, registry = _registry_and_body(body, ("lora_name", "lora_path"))
+    name = body["lora_name"]
+    path = resolve_lora_path(state.config.model_dir, body["lora_path"])
+    try:
+        await asyncio.to_thread(registry.load, name, path)
+    except LoraError as e:
+        raise lora_error(e, "lora_path" if e.code not in ("adapter_exists", "slots_full") else "lora_name") from None
+    return Response(f"Success: LoRA adapter '{name}' added successfully.", 200, content_type="text/plain")
+
+
+@blueprint.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter() -> Response:
+    body = await request.get_json(force=True, silent=True)
+    _, registry = _registry_and_body(body, ("lora_name",))
+    name = body["lora_name"]
+    try:
+        registry.unload(name)
+    except LoraError as e:
+        raise lora_error(e, "lora_name") from None
+    return Response(f"Success: LoRA adapter '{name}' removed successfully.", 200, content_type="text/plain")

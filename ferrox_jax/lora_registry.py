@@ -1,0 +1,158 @@
+"""LoraRegistry: which LoRA adapter sits in which device slot, and loading one at run time.
+
+The model's target projections carry `max_loras + 1` adapter slots (`models/lora.py`;
+slot 0 is the zero slot, the base model). The registry maps adapter names to slots 1..M:
+
+    load(name, path)    read the PEFT folder, pick a free slot, write its A/B there
+    acquire(name)       a request starts with the adapter: (slot, key), and the slot is
+                        held until `release` (the request's end)
+    unload(name)        the name stops resolving at once; its slot is freed when the
+                        last request holding it releases it, so a running request never
+                        sees its slot refilled with another adapter mid-generation
+
+Loading writes new arrays of the same shapes into the runner's state (`write_slot`) and
+rebinds `runner.state` in one assignment: the owner thread reads the state once per step,
+so a step runs wholly on the old or wholly on the new slots, and the compiled forwards
+take the new state as they took the old (no recompile). Loads and unloads come from HTTP
+handlers, so the registry's own bookkeeping is under a lock; the owner thread never
+takes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+import time
+from pathlib import Path
+
+import jax
+
+from models.lora import ADAPTER_WEIGHTS, LoraError, LoraSlots, read_peft_adapter, write_slot
+
+
+@dataclasses.dataclass
+class LoadedAdapter:
+    """One adapter in a slot."""
+
+    name: str
+    path: str
+    slot: int
+    rank: int
+    key: str  # name + a digest of its weights (the prefix cache's salt)
+    loaded_at: float = dataclasses.field(default_factory=time.time)
+    num_running: int = 0  # requests holding the slot now
+    num_requests: int = 0  # requests served since it was loaded
+    is_unloaded: bool = False  # unloaded; the slot frees when num_running reaches 0
+
+
+class LoraRegistry:
+    """Adapter names <-> device slots of one runner (see the module docstring)."""
+
+    def __init__(self, runner, slots: LoraSlots, hf_layer_weights: dict[str, str],
+                 targets: dict[tuple[int, str], tuple[int, int]]):
+        """Args:
+          runner: the ModelRunner whose state holds the LoraWeights (`attach_lora`).
+          hf_layer_weights: the family's HF -> ours layer table (PEFT names map through it).
+          targets: {(layer, name): (in, out)} of the projections with slots.
+        """
+        self.runner = runner
+        self.slots = slots
+        self._table = hf_layer_weights
+        self._targets = targets
+        self._lock = threading.Lock()
+        self._by_name: dict[str, LoadedAdapter] = {}
+        self._by_slot: dict[int, LoadedAdapter] = {}  # unloaded ones stay until released
+
+    @property
+    def max_loras(self) -> int:
+        return self.slots.max_loras
+
+    def names(self) -> list[str]:
+        """Loaded adapters, in load order."""
+        with self._lock:
+            return list(self._by_name)
+
+    def adapters(self) -> list[LoadedAdapter]:
+        with self._lock:
+            return [dataclasses.replace(a) for a in self._by_name.values()]
+
+    def load(self, name: str, path: str | Path) -> LoadedAdapter:
+        """Read and place an adapter.
+
+        Raises:
+          LoraError: "adapter_exists", "slots_full", or what `read_peft_adapter` raises.
+        """
+        path = Path(path)
+        adapter = read_peft_adapter(path, self._table, self._targets, self.slots.max_rank)
+        digest = hashlib.sha256((path / ADAPTER_WEIGHTS).read_bytes()).hexdigest()[:16]
+        with self._lock:
+            if name in self._by_name:
+                raise LoraError("adapter_exists", f"a LoRA adapter named {name!r} is already loaded")
+            free = [s for s in range(1, self.slots.num_slots) if s not in self._by_slot]
+            if not free:
+                raise LoraError("slots_full", f"all {self.slots.max_loras} LoRA slots (--max-loras) are in use")
+            loaded = LoadedAdapter(name=name, path=str(path), slot=free[0], rank=adapter.rank, key=f"{name}:{digest}")
+            self._write(loaded.slot, adapter.weights)
+            self._by_name[name] = self._by_slot[loaded.slot] = loaded
+        return loaded
+
+    def unload(self, name: str) -> None:
+        """Raises LoraError("adapter_not_found") for a name not loaded."""
+        with self._lock:
+            loaded = self._by_name.pop(name, None)
+            if loaded is None:
+                raise LoraError("adapter_not_found", f"no LoRA adapter named {name!r} is loaded")
+            loaded.is_unloaded = True
+            if loaded.num_running == 0:
+                del self._by_slot[loaded.slot]
+
+    def acquire(self, name: str) -> LoadedAdapter:
+        """Hold the adapter's slot for one request. Raises LoraError("adapter_not_found")."""
+        with self._lock:
+            loaded = self._by_name.get(name)
+            if loaded is None:
+                raise LoraError("adapter_not_found", f"no LoRA adapter named {name!r} is loaded")
+            loaded.num_running += 1
+            loaded.num_requests += 1
+            return dataclasses.replace(loaded)
+
+    def release(self, slot: int) -> None:
+        """The request holding `slot` ended (finished, failed or cancelled)."""
+        with self._lock:
+            loaded = self._by_slot.get(slot)
+            if loaded is None:
+                return
+            loaded.num_running -= 1
+            assert loaded.num_running >= 0, f"LoRA slot {slot} released more often than acquired"
+            if loaded.is_unloaded and loaded.num_running == 0:
+                del self._by_slot[slot]
+
+    def _write(self, slot: int, weights) -> None:
+        runner = self.runner
+        state = write_slot(runner.state, slot, weights, self.slots.max_rank)
+        if runner.shardings is not None:  # keep each leaf's sharding, so compiled steps take it
+            state = jax.device_put(state, runner.shardings.state)
+        runner.state = state
+
+
+def build_registry(runner, architecture: str, slots: LoraSlots, targets: dict[tuple[int, str], tuple[int, int]],
+                   modules: tuple[tuple[str, str], ...] = ()) -> LoraRegistry:
+    """The registry of a runner whose model `attach_lora` wrapped, with the start-up
+    adapters (`--lora-modules`) loaded.
+
+    Raises:
+      LoraError("unsupported_architecture") when the model has no projection LoRA can
+      target, or what `load` raises for a start-up adapter (named)."""
+    from models.registry import family_for
+
+    if not targets:
+        raise LoraError("unsupported_architecture", f"{architecture} has no projection LoRA can target "
+                                                    f"(--max-loras needs q/k/v/o or dense MLP projections)")
+    registry = LoraRegistry(runner, slots, family_for(architecture).hf_layer_weights, targets)
+    for name, path in modules:
+        try:
+            registry.load(name, path)
+        except LoraError as e:
+            raise LoraError(e.code, f"--lora-modules {name}={path}: {e}") from None
+    return registry

@@ -1,0 +1,290 @@
+"""LoRA adapters on the shared projection path: stacked slots, a per-token slot index.
+
+A LoRA adapter adds a low-rank product to a projection: y = x W + s (x A) B, with A
+[in, r], B [r, out] and s = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). Many adapters
+serve one batch through fixed slots, so every shape is static whatever is loaded:
+
+    LoraWeight (replaces the Param value of each targeted projection, as QuantizedWeight does)
+      base          [in, out]       the projection's own weight (float or QuantizedWeight)
+      a             [S, in, r]      S = max_loras + 1 slots; r = max_lora_rank
+      b             [S, r, out]     B with the adapter's scale s folded in (b = s * B)
+      token_slots   i32[N] | None   the slot of each new token of this forward (set while
+                                    tracing by `bind_token_slots`; None in the stored state)
+
+Slot 0 is all zeros and means "no adapter": a row in slot 0 adds exactly 0.0 to every
+projection, so its output equals the base model's bit for bit. An adapter of rank r <
+max_lora_rank fills the first r columns of A and rows of B; the rest stay zero. Loading
+an adapter writes its slot's rows (`write_slot`, one jitted update over same-shape
+arrays), so loading, unloading and mixing adapters never changes a compiled shape.
+
+The product (`lora_delta`) computes every slot's x A at once ([N, S*r], one matmul of
+x with A's columns), zeroes all but each token's own slot, and multiplies by B flattened
+to [S*r, out]: two dense matmuls whose inner size is S*r. The alternative, gathering A
+and B per token ([N, in, r] and [N, r, out]), reads N copies of the adapter weights
+instead of S; docs/benchmarks.md has the measurement that chose this one on CPU.
+
+Targets: q_proj, k_proj, v_proj, o_proj and the dense MLP's gate_proj, up_proj,
+down_proj, wherever a family's layer has them as 2-D parameters (MoE experts, routers
+and the LM head are never targets). PEFT names map to ours through each family's HF
+weight table (`self_attn.q_proj.weight` -> `q_proj`), so every family whose checkpoint
+names go through that table reads PEFT adapters the same way (`read_peft_adapter`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be served; `code` names why (the API's error code)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@struct.dataclass
+class LoraWeight:
+    """A projection weight with its adapter slots (layout in the module docstring)."""
+
+    base: jax.Array
+    a: jax.Array  # [S, in, r]
+    b: jax.Array  # [S, r, out], scale folded in
+    token_slots: jax.Array | None = None  # i32[N] while tracing a forward
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.base.shape)
+
+
+def lora_delta(x: jax.Array, w: LoraWeight) -> jax.Array:
+    """x [N, in] -> [N, out]: each token's own slot's s (x A) B; exactly 0 for slot 0.
+
+    The one-hot select uses `where`, not a product, so a slot's values never reach
+    another slot's tokens (not even as 0 * inf)."""
+    slots, _, rank = w.a.shape
+    u = jnp.einsum("ni,sir->nsr", x, w.a.astype(x.dtype))  # [N, S, r]
+    own = w.token_slots[:, None, None] == jnp.arange(slots, dtype=jnp.int32)[None, :, None]
+    u = jnp.where(own, u, jnp.zeros((), u.dtype))
+    return jnp.einsum("nsr,sro->no", u, w.b.astype(x.dtype))
+
+
+def lora_delta_gather(x: jax.Array, w: LoraWeight) -> jax.Array:
+    """The per-token gather variant of `lora_delta` (same result; kept for the benchmark)."""
+    a, b = w.a[w.token_slots].astype(x.dtype), w.b[w.token_slots].astype(x.dtype)  # [N, in, r], [N, r, out]
+    return jnp.einsum("nr,nro->no", jnp.einsum("ni,nir->nr", x, a), b)
+
+
+# ---------------------------------------------------------------- the model side
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSlots:
+    """How many adapters fit at once and how large (from `--max-loras`, `--max-lora-rank`)."""
+
+    max_loras: int
+    max_rank: int
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"LoraSlots.max_loras must be >= 1; got {self.max_loras}")
+        if self.max_rank < 1:
+            raise ValueError(f"LoraSlots.max_rank must be >= 1; got {self.max_rank}")
+
+    @property
+    def num_slots(self) -> int:
+        """Device slots, the zero slot 0 included."""
+        return self.max_loras + 1
+
+
+def _targets(model) -> list[tuple[int, str, nnx.Variable]]:
+    """(layer, name, variable) of every projection LoRA can target."""
+    out = []
+    for i, layer in enumerate(model.layers):
+        for name in LORA_TARGETS:
+            var = getattr(layer, name, None)
+            if isinstance(var, nnx.Variable) and len(getattr(var.get_value(), "shape", ())) == 2:
+                out.append((i, name, var))
+    return out
+
+
+def attach_lora(model, slots: LoraSlots) -> dict[tuple[int, str], tuple[int, int]]:
+    """Wrap every target projection of a loaded model in a zero `LoraWeight` (in place).
+
+    Returns {(layer, name): (in, out)}: what adapters may target, with their shapes."""
+    shapes = {}
+    for i, name, var in _targets(model):
+        base = var.get_value()
+        d_in, d_out = base.shape
+        dtype = model.dtype
+        var.set_value(LoraWeight(base=base, a=jnp.zeros((slots.num_slots, d_in, slots.max_rank), dtype),
+                                 b=jnp.zeros((slots.num_slots, slots.max_rank, d_out), dtype)))
+        shapes[(i, name)] = (d_in, d_out)
+    return shapes
+
+
+def bind_token_slots(model, token_slots: jax.Array) -> None:
+    """Give every LoraWeight of a merged model (inside a traced forward) this forward's
+    per-token slots i32[N]. A model without adapters is left as it is."""
+    for _, _, var in _targets(model):
+        w = var.get_value()
+        if isinstance(w, LoraWeight):
+            var.set_value(w.replace(token_slots=token_slots))
+
+
+def lora_paths(state) -> list[tuple[int, str]]:
+    """(layer, name) of every LoraWeight in an nnx.State (`nnx.split` of a model), in order."""
+    return [(int(path[1]), str(path[2])) for path, w in _lora_leaves(state)]
+
+
+def _lora_leaves(state):
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, LoraWeight))[0]
+    out = []
+    for path, leaf in flat:
+        if isinstance(leaf, LoraWeight):
+            keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+            out.append((keys, leaf))
+    return out
+
+
+@jax.jit
+def _write(stacks, slot, values):
+    """stacks: ((a [S, in, r], b [S, r, out]), ...); values: the same without S."""
+    return tuple((a.at[slot].set(va.astype(a.dtype)), b.at[slot].set(vb.astype(b.dtype)))
+                 for (a, b), (va, vb) in zip(stacks, values))
+
+
+def write_slot(state, slot: int, adapter: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] | None,
+               max_rank: int):
+    """The state with slot `slot` of every LoraWeight set to the adapter's A and s*B
+    (zeros where the adapter does not target a projection, or everywhere when None).
+    Returns a new state (arrays are immutable); shapes are unchanged."""
+    leaves = _lora_leaves(state)
+    values = []
+    for keys, w in leaves:
+        _, d_in, _ = w.a.shape
+        d_out = w.b.shape[2]
+        a, b = np.zeros((d_in, max_rank), np.float32), np.zeros((max_rank, d_out), np.float32)
+        if adapter is not None and (int(keys[1]), str(keys[2])) in adapter:
+            pa, pb = adapter[(int(keys[1]), str(keys[2]))]
+            a[:, :pa.shape[1]] = pa
+            b[:pb.shape[0], :] = pb
+        values.append((a, b))
+    stacks = _write(tuple((w.a, w.b) for _, w in leaves), jnp.int32(slot), tuple(values))
+    new = iter(stacks)
+
+    def replace(leaf):
+        if isinstance(leaf, LoraWeight):
+            a, b = next(new)
+            return leaf.replace(a=a, b=b)
+        return leaf
+
+    return jax.tree_util.tree_map(replace, state, is_leaf=lambda x: isinstance(x, LoraWeight))
+
+
+# ---------------------------------------------------------------- PEFT files
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftAdapter:
+    """A PEFT LoRA adapter read into our layout: {(layer, name): (A f32[in, r], s*B f32[r, out])}."""
+
+    rank: int
+    scale: float
+    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+    base_model: str | None = None
+
+
+def lora_scale(config: dict) -> tuple[int, float]:
+    """(r, s) of an adapter_config: s = lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora."""
+    r = int(config.get("r", 8))
+    alpha = float(config.get("lora_alpha", r))
+    return r, alpha / (math.sqrt(r) if config.get("use_rslora") else r)
+
+
+def _check_config(config: dict, max_rank: int) -> None:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoraError("invalid_adapter", f"peft_type {config.get('peft_type')!r} is not LORA")
+    for key in ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise LoraError("invalid_adapter", f"adapter_config {key}={config[key]!r} is not supported")
+    if config.get("bias", "none") != "none":
+        raise LoraError("invalid_adapter", f"adapter_config bias={config['bias']!r} is not supported (only 'none')")
+    if config.get("fan_in_fan_out"):
+        raise LoraError("invalid_adapter", "adapter_config fan_in_fan_out=true is not supported")
+    r = int(config.get("r", 8))
+    if r > max_rank:
+        raise LoraError("rank_too_large", f"adapter rank {r} is larger than --max-lora-rank {max_rank}")
+
+
+def read_peft_adapter(folder: str | Path, hf_layer_weights: dict[str, str],
+                      targets: dict[tuple[int, str], tuple[int, int]], max_rank: int) -> PeftAdapter:
+    """Read adapter_config.json + adapter_model.safetensors from `folder`.
+
+    Args:
+      hf_layer_weights: the family's table (HF name after `model.layers.{i}.` -> ours).
+      targets: {(layer, name): (in, out)} the served model can adapt (`attach_lora`).
+      max_rank: `--max-lora-rank`.
+    Raises:
+      LoraError: code "invalid_adapter" (missing files, unsupported options),
+        "rank_too_large", "missing_target_module" (a module the model lacks or whose
+        shape differs) or "unsupported_architecture" (a fused projection).
+    """
+    from safetensors.numpy import load_file
+
+    folder = Path(folder)
+    if not (folder / ADAPTER_CONFIG).is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
+        raise LoraError("invalid_adapter", f"{folder.name}: needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    _check_config(config, max_rank)
+    rank, scale = lora_scale(config)
+    pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for key, tensor in load_file(str(folder / ADAPTER_WEIGHTS)).items():
+        m = _PEFT_KEY.match(key)
+        ours = hf_layer_weights.get(f"{m.group(2)}.weight") if m else None
+        if isinstance(ours, tuple):  # a fused checkpoint tensor (Phi-3's qkv_proj) split at load
+            raise LoraError("unsupported_architecture", f"adapter tensor {key!r} adapts a fused projection "
+                                                        f"({m.group(2)}); LoRA on fused projections is not supported")
+        if ours is None or (int(m.group(1)), ours) not in targets:
+            raise LoraError("missing_target_module", f"adapter tensor {key!r} targets a module the model lacks "
+                                                     f"(targets: {', '.join(LORA_TARGETS)})")
+        pairs.setdefault((int(m.group(1)), ours), {})[m.group(3)] = tensor.astype(np.float32)
+    weights = {}
+    for where, ab in sorted(pairs.items()):
+        weights[where] = _to_our_layout(where, ab, targets[where], rank, scale)
+    if not weights:
+        raise LoraError("invalid_adapter", f"{folder.name}: {ADAPTER_WEIGHTS} holds no LoRA tensors")
+    return PeftAdapter(rank=rank, scale=scale, weights=weights, base_model=config.get("base_model_name_or_path"))
+
+
+def _to_our_layout(where, ab: dict[str, np.ndarray], shape: tuple[int, int], rank: int, scale: float):
+    """PEFT lora_A [r, in], lora_B [out, r] -> (A [in, r], s * B [r, out])."""
+    if set(ab) != {"A", "B"}:
+        raise LoraError("invalid_adapter", f"layer {where[0]} {where[1]}: needs both lora_A and lora_B")
+    a, b = ab["A"].T, ab["B"].T * np.float32(scale)
+    if a.shape != (shape[0], rank) or b.shape != (rank, shape[1]):
+        raise LoraError("missing_target_module",
+                        f"layer {where[0]} {where[1]}: adapter shapes A {a.shape}, B {b.shape} do not fit the "
+                        f"model's [{shape[0]}, {shape[1]}] at rank {rank}")
+    return a, b
+
+
+def lora_slot_count(state) -> int:
+    """Adapter slots (the zero slot not counted) of the LoraWeights in an nnx.State; 0 when
+    `attach_lora` did not run on its model."""
+    leaves = _lora_leaves(state)
+    return int(leaves[0][1].a.shape[0]) - 1 if leaves else 0

@@ -1,0 +1,196 @@
+"""LoRA adapters through a real server and the official clients.
+
+One engine (tiny Llama, 2 adapter slots of rank <= 8, adapter `a1` loaded at start-up
+with --lora-modules) behind an API key, runtime loading on, `--model-dir` holding the
+base checkpoint and the adapters. Greedy outputs are checked against HF peft's greedy
+tokens for the same prompt ids; the runner's recompile counter must stay 0 through
+loading, mixing, unloading and reloading.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import openai
+import pytest
+
+from api.app import create_app
+from api.config import ServerConfig
+from tests.lora_helpers import make_peft_adapter, peft_models
+from tests.server_harness import ServerThread
+
+KEY = "lora-test-key"
+PROMPT = [5, 17, 42, 99, 7, 64, 3, 120, 11, 250, 33, 8]  # token ids (the tiny vocab has 384)
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from ferrox_jax.config import EngineConfig
+    from ferrox_jax.engine import Engine
+    from tests.tiny_model import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("lora-models")
+    base = make_tiny_checkpoint(root / "tiny-base", max_position_embeddings=256)
+    paths = {"a1": make_peft_adapter(base, root / "a1", seed=1, r=4),
+             "a2": make_peft_adapter(base, root / "a2", seed=2, r=8, targets=("q_proj", "v_proj", "up_proj")),
+             "big": make_peft_adapter(base, root / "big", seed=3, r=16),
+             "head": make_peft_adapter(base, root / "head", seed=4, r=4, targets=("lm_head",))}
+    engine = Engine.load(EngineConfig(model=str(base), dtype="float32", block_size=16, kv_blocks=64, max_seqs=4,
+                                      max_queue=8, prefill_chunk=32, max_context=256, max_loras=2,
+                                      max_lora_rank=8, lora_modules=(("a1", str(paths["a1"])),)))
+    engine.warmup()
+    engine.start()
+    app = create_app(engine, ServerConfig(api_key=KEY, model_dir=str(root), enable_runtime_lora=True))
+    with ServerThread(app) as url:
+        yield url, engine, base, paths
+    engine.shutdown()
+
+
+def _client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+
+
+def _post(client, route, body):
+    return client.post(route, body=body, cast_to=httpx.Response)
+
+
+def _complete(client, model):
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0)
+    return out.choices[0].text
+
+
+def _peft_text(base, adapter, tokenizer):
+    import torch
+
+    model = peft_models(base, adapter)[0]
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([PROMPT]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(PROMPT):]
+    return tokenizer.decode(ids.tolist())
+
+
+def test_models_list_adapters_with_parent(server):
+    url, engine, _, _ = server
+    cards = {m.id: m for m in _client(url).models.list().data}
+    assert set(cards) == {engine.model_name, "a1"}
+    assert cards["a1"].parent == engine.model_name, "an adapter's card names the base model as parent"
+
+
+def test_load_use_unload_reload_with_zero_recompiles(server):
+    url, engine, base, paths = server
+    client = _client(url)
+    tok = engine.tokenizer
+    assert _complete(client, "a1") == _peft_text(base, paths["a1"], tok), "a1 greedy text differs from peft's"
+    base_text = _complete(client, engine.model_name)
+    assert _complete(client, "a1") != base_text, "the adapter must change the output"
+
+    reply = _post(client, "/load_lora_adapter", {"lora_name": "a2", "lora_path": "a2"})
+    assert reply.status_code == 200 and "a2" in reply.text
+    a2_text = _complete(client, "a2")
+    assert a2_text == _peft_text(base, paths["a2"], tok), "a2 (loaded at run time) differs from peft"
+
+    # Mixed: the base model and both adapters at once, each as alone.
+    models = [engine.model_name, "a1", "a2"] * 2
+    with concurrent.futures.ThreadPoolExecutor(len(models)) as pool:
+        texts = list(pool.map(lambda m: _complete(client, m), models))
+    alone = {engine.model_name: base_text, "a1": _complete(client, "a1"), "a2": a2_text}
+    assert texts == [alone[m] for m in models], "a row in a mixed batch differs from the same request alone"
+
+    assert _post(client, "/unload_lora_adapter", {"lora_name": "a2"}).status_code == 200
+    with pytest.raises(openai.NotFoundError) as gone:
+        _complete(client, "a2")
+    assert gone.value.body["code"] == "model_not_found"
+    assert "a2" not in {m.id for m in client.models.list().data}
+    assert _post(client, "/load_lora_adapter", {"lora_name": "a2", "lora_path": str(paths["a2"])}).status_code == 200
+    assert _complete(client, "a2") == a2_text, "a reloaded adapter answers as before"
+    assert engine.runner.recompiles_after_warmup == 0, "loading, mixing and unloading must not compile"
+
+
+def test_refusals_by_name(server):
+    url, engine, _, paths = server
+    client = _client(url)
+
+    def refused(body, route="/load_lora_adapter"):
+        with pytest.raises(openai.APIStatusError) as e:
+            _post(client, route, body)
+        return e.value.status_code, e.value.body["code"]
+
+    assert refused({"lora_name": "big", "lora_path": "big"}) == (400, "rank_too_large")
+    assert refused({"lora_name": "head", "lora_path": "head"}) == (400, "missing_target_module")
+    assert refused({"lora_name": "x", "lora_path": "../outside"}) == (403, "lora_path_outside_model_dir")
+    assert refused({"lora_name": "x", "lora_path": "/etc"}) == (403, "lora_path_outside_model_dir")
+    assert refused({"lora_name": "a1", "lora_path": "a1"}) == (400, "adapter_exists")
+    assert refused({"lora_name": "nope"}, "/unload_lora_adapter") == (404, "adapter_not_found")
+    names = {m.id for m in client.models.list().data}
+    if "a2" not in names:
+        _post(client, "/load_lora_adapter", {"lora_name": "a2", "lora_path": "a2"})
+    assert refused({"lora_name": "a3", "lora_path": "a1"}) == (409, "slots_full")
+    unauthenticated = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": "a1"})
+    assert unauthenticated.status_code == 401, "the LoRA routes sit behind the API key"
+
+
+def test_runtime_loading_off_by_default(server):
+    url, engine, _, _ = server
+    app = create_app(engine, ServerConfig(api_key=KEY))
+    with ServerThread(app) as other:
+        with pytest.raises(openai.PermissionDeniedError) as e:
+            _post(_client(other), "/load_lora_adapter", {"lora_name": "z", "lora_path": "a1"})
+    assert e.value.body["code"] == "runtime_lora_disabled"
+
+
+def test_every_protocol_selects_the_adapter_by_model(server):
+    import anthropic
+
+    url, engine, _, _ = server
+    client = _client(url)
+    messages = [{"role": "user", "content": "Hello there"}]
+
+    def chat(model):
+        out = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0.0)
+        return out.choices[0].message.content
+
+    want, base = chat("a1"), chat(engine.model_name)
+    assert want != base
+    claude = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+    msg = claude.messages.create(model="a1", messages=messages, max_tokens=MAX_TOKENS, extra_body={"temperature": 0.0})
+    assert msg.content[0].text == want, "Anthropic Messages with model=a1"
+    resp = client.responses.create(model="a1", input=messages, max_output_tokens=MAX_TOKENS, temperature=0.0)
+    assert resp.output_text == want, "Responses with model=a1"
+    llama = httpx.post(url + "/completion", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"prompt": PROMPT, "n_predict": MAX_TOKENS, "temperature": 0.0, "model": "a1"})
+    assert llama.json()["content"] == _complete(client, "a1"), "llama.cpp /completion with model=a1"
+    emb = {m: client.embeddings.create(model=m, input="Hello there").data[0].embedding
+           for m in ("a1", engine.model_name)}
+    assert emb["a1"] != emb[engine.model_name], "embeddings with model=a1 come from the adapted model"
+
+
+def test_prefix_cache_never_shares_blocks_across_adapters(server):
+    url, engine, _, _ = server
+    client = _client(url)
+    prompt = list(range(40, 40 + 48))  # 3 full blocks of 16
+
+    def cached(model):
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0.0)
+        details = out.usage.prompt_tokens_details
+        return details.cached_tokens if details else 0
+
+    cached(engine.model_name)
+    assert cached(engine.model_name) > 0, "the base model's second identical prompt hits the cache"
+    assert cached("a1") == 0, "an adapter must not reuse the base model's blocks"
+    assert cached("a1") > 0, "an adapter's own second identical prompt hits its own blocks"
+
+
+def test_metrics_and_stats_count_adapters(server):
+    url, engine, _, _ = server
+    client = _client(url)
+    before = {a["name"]: a["requests"] for a in httpx.get(url + "/admin/stats", headers={
+        "Authorization": f"Bearer {KEY}"}).json()["lora_adapters"]}
+    _complete(client, "a1")
+    stats = httpx.get(url + "/admin/stats", headers={"Authorization": f"Bearer {KEY}"}).json()
+    after = {a["name"]: a for a in stats["lora_adapters"]}
+    assert after["a1"]["requests"] == before["a1"] + 1 and after["a1"]["running"] == 0
+    assert stats["max_loras"] == 2
+    metrics = httpx.get(url + "/metrics").text
+    line = next(m for m in metrics.splitlines() if m.startswith("vllm:lora_requests_info{"))
+    assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line, line

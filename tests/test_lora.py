@@ -1,0 +1,122 @@
+"""models/lora.py and ferrox_jax/lora_registry.py without a model: the slot product, PEFT
+files and their refusals, and the registry's slot lifecycle (a fake runner whose state is
+one LoraWeight)."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from ferrox_jax.lora_registry import LoraRegistry
+from models.lora import LoraError, LoraSlots, LoraWeight, lora_delta, lora_delta_gather, lora_scale, read_peft_adapter
+
+D_IN, D_OUT = 8, 6
+TABLE = {"self_attn.q_proj.weight": "q_proj", "self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj")}
+TARGETS = {(0, "q_proj"): (D_IN, D_OUT)}
+
+
+def _weight(slots=3, rank=4, seed=0):
+    rng = np.random.RandomState(seed)
+    a = rng.randn(slots, D_IN, rank).astype(np.float32)
+    b = rng.randn(slots, rank, D_OUT).astype(np.float32)
+    a[0], b[0] = 0.0, 0.0  # slot 0: no adapter
+    return LoraWeight(base=jnp.asarray(rng.randn(D_IN, D_OUT), jnp.float32), a=jnp.asarray(a), b=jnp.asarray(b))
+
+
+def test_slot_zero_adds_exactly_zero_and_slots_match_numpy():
+    w = _weight()
+    slots = np.asarray([0, 1, 2, 0, 2], np.int32)
+    x = np.random.RandomState(1).randn(len(slots), D_IN).astype(np.float32)
+    got = np.asarray(lora_delta(jnp.asarray(x), w.replace(token_slots=jnp.asarray(slots))))
+    assert np.all(got[slots == 0] == 0.0), "a token in slot 0 must get exactly 0.0"
+    a, b = np.asarray(w.a), np.asarray(w.b)
+    want = np.stack([x[n] @ a[s] @ b[s] for n, s in enumerate(slots)])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # f32, inner sizes 8 and 4
+    gathered = np.asarray(lora_delta_gather(jnp.asarray(x), w.replace(token_slots=jnp.asarray(slots))))
+    np.testing.assert_allclose(gathered, want, rtol=1e-5, atol=1e-5)
+
+
+def test_scale_is_alpha_over_r_or_over_sqrt_r_with_rslora():
+    assert lora_scale({"r": 4, "lora_alpha": 8}) == (4, 2.0)  # 8 / 4
+    assert lora_scale({"r": 4, "lora_alpha": 8, "use_rslora": True}) == (4, 4.0)  # 8 / sqrt(4)
+
+
+def _adapter(folder, r=4, alpha=8, module="self_attn.q_proj", seed=0, **config):
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.RandomState(seed)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha,
+                                                            **config}))
+    out = D_OUT * 3 if "qkv" in module else D_OUT
+    prefix = f"base_model.model.model.layers.0.{module}"
+    save_file({f"{prefix}.lora_A.weight": rng.randn(r, D_IN).astype(np.float32),
+               f"{prefix}.lora_B.weight": rng.randn(out, r).astype(np.float32)},
+              str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+def test_peft_layout_is_transposed_with_the_scale_folded_into_b(tmp_path):
+    path = _adapter(tmp_path / "a", r=4, alpha=8)
+    adapter = read_peft_adapter(path, TABLE, TARGETS, max_rank=8)
+    a, b = adapter.weights[(0, "q_proj")]
+    from safetensors.numpy import load_file
+
+    raw = load_file(str(path / "adapter_model.safetensors"))
+    np.testing.assert_array_equal(a, raw["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].T)
+    np.testing.assert_allclose(b, 2.0 * raw["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"].T)
+
+
+@pytest.mark.parametrize("kwargs, code", [
+    (dict(r=16), "rank_too_large"),
+    (dict(module="self_attn.o_proj"), "missing_target_module"),
+    (dict(module="self_attn.qkv_proj"), "unsupported_architecture"),
+    (dict(use_dora=True), "invalid_adapter"),
+    (dict(bias="all"), "invalid_adapter"),
+])
+def test_refusals_are_named(tmp_path, kwargs, code):
+    path = _adapter(tmp_path / "a", **kwargs)
+    with pytest.raises(LoraError) as e:
+        read_peft_adapter(path, TABLE, TARGETS, max_rank=8)
+    assert e.value.code == code, str(e.value)
+
+
+def test_a_folder_without_the_files_is_invalid(tmp_path):
+    with pytest.raises(LoraError) as e:
+        read_peft_adapter(tmp_path, TABLE, TARGETS, max_rank=8)
+    assert e.value.code == "invalid_adapter"
+
+
+def _registry(max_loras=2, rank=8):
+    slots = LoraSlots(max_loras, rank)
+    weight = LoraWeight(base=jnp.zeros((D_IN, D_OUT)), a=jnp.zeros((slots.num_slots, D_IN, rank)),
+                        b=jnp.zeros((slots.num_slots, rank, D_OUT)))
+    runner = types.SimpleNamespace(state={"layers": {0: {"q_proj": weight}}}, shardings=None)
+    return LoraRegistry(runner, slots, TABLE, TARGETS), runner
+
+
+def test_registry_writes_slots_and_frees_them_only_when_released(tmp_path):
+    registry, runner = _registry()
+    paths = [_adapter(tmp_path / f"a{i}", seed=i) for i in range(3)]
+    assert [registry.load(f"a{i}", paths[i]).slot for i in range(2)] == [1, 2]
+    a1 = read_peft_adapter(paths[1], TABLE, TARGETS, 8).weights[(0, "q_proj")]
+    stored = runner.state["layers"][0]["q_proj"]
+    np.testing.assert_array_equal(np.asarray(stored.a[2, :, :4]), a1[0])
+    np.testing.assert_array_equal(np.asarray(stored.a[2, :, 4:]), 0.0)  # rank 4 in a rank-8 slot: zero-padded
+    np.testing.assert_array_equal(np.asarray(stored.a[0]), 0.0)  # the zero slot stays zero
+    with pytest.raises(LoraError) as full:
+        registry.load("a2", paths[2])
+    assert full.value.code == "slots_full"
+
+    held = registry.acquire("a0")
+    registry.unload("a0")
+    assert registry.names() == ["a1"]
+    with pytest.raises(LoraError):
+        registry.acquire("a0")  # the name is gone at once
+    with pytest.raises(LoraError):
+        registry.load("a2", paths[2])  # ... but its slot is still held by a running request
+    registry.release(held.slot)
+    assert registry.load("a2", paths[2]).slot == 1, "a released slot is reused"
