@@ -24,7 +24,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
 from api.config import DEFAULT_HOST, DEFAULT_PORT, SETTINGS, ServerConfig, default_grammar, env_defaults, split_addr
-from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig
+from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig, SpeculativeConfig
 
 if TYPE_CHECKING:
     from ferrox_jax.engine import Engine
@@ -135,9 +135,21 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             tensor_parallel=args.tensor_parallel, mesh=args.mesh, replicate_attention=args.replicate_attention,
             attention_impl=args.attention_impl, coordinator_address=args.coordinator_address,
             num_processes=args.num_processes, process_id=args.process_id, max_loras=args.max_loras,
-            max_lora_rank=args.max_lora_rank, lora_modules=_flat_pairs(args.lora_modules))
+            max_lora_rank=args.max_lora_rank, lora_modules=_flat_pairs(args.lora_modules),
+            speculative=speculative_config(args))
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {e}") from None
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """`--speculative ngram` with its flags, or `--speculative-config JSON`; None: off."""
+    flags = dict(num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
+                 ngram_max=args.ngram_max, max_rows=args.speculative_max_rows)
+    if args.speculative_config:
+        return SpeculativeConfig.from_json(args.speculative_config, **flags)
+    if args.speculative in (None, "", "off"):
+        return None
+    return SpeculativeConfig(method=args.speculative, **flags)
 
 
 def _flat_pairs(value) -> tuple[tuple[str, str], ...]:

@@ -261,6 +261,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_queue", "FERROX_CB_MAX_QUEUE", _positive_int, 512, "waiting jobs before 503"),
     Setting("prefix_caching", "FERROX_PREFIX_CACHING", _bool, True,
             "keep computed prompt blocks and reuse them for prompts sharing a prefix (--no-prefix-caching: off)"),
+    Setting("speculative", "FERROX_SPECULATIVE", _str, None,
+            "speculative decoding: ngram (prompt lookup over the row's own prompt and output); default off"),
+    Setting("num_speculative_tokens", "FERROX_NUM_SPECULATIVE_TOKENS", _positive_int, 3,
+            "draft tokens a speculating row verifies per step"),
+    Setting("ngram_min", "FERROX_NGRAM_MIN", _positive_int, 2, "shortest suffix prompt lookup matches"),
+    Setting("ngram_max", "FERROX_NGRAM_MAX", _positive_int, 4, "longest suffix prompt lookup matches (tried first)"),
+    Setting("speculative_max_rows", "FERROX_SPECULATIVE_MAX_ROWS", _positive_int, 4,
+            "a step with more decoding rows than this does not speculate"),
+    Setting("speculative_config", "FERROX_SPECULATIVE_CONFIG", _str, None,
+            "vLLM-style JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+            "\"prompt_lookup_max\": 4}' (overrides the flags above)"),
     # server (ServerConfig)
     Setting("addr", "FERROX_ADDR", _str, None, "host:port (overridden by --host/--port)"),
     Setting("host", "FERROX_HOST", _str, None, f"bind address (default {DEFAULT_HOST})"),

@@ -220,6 +220,7 @@ class _SnapshotCollector:
         yield lora_requests_info(d)
         yield CounterMetricFamily("ferrox_recompiles_after_warmup", "bucket compilations after warm-up",
                                   value=float(d.get("recompiles_after_warmup") or 0))
+        yield from _spec_decode_metrics(d)
         yield CounterMetricFamily("ferrox_requests", "HTTP requests (observability routes excluded)",
                                   value=float(server.requests_total))
         yield CounterMetricFamily("ferrox_request_errors", "requests answered >= 400 or ended by an error",
@@ -228,6 +229,19 @@ class _SnapshotCollector:
                                   value=float(server.tokens_prompt_total))
         yield CounterMetricFamily("ferrox_generation_tokens", "tokens generated for served requests",
                                   value=float(server.tokens_generated_total))
+
+
+def _spec_decode_metrics(d: dict[str, Any]) -> Iterator[Any]:
+    """Speculative decoding's counters under vLLM's names (0 while speculation is off)."""
+    for field, doc in (("num_drafts", "row-steps that verified draft tokens"),
+                       ("num_draft_tokens", "draft tokens verified"),
+                       ("num_accepted_tokens", "draft tokens accepted")):
+        yield CounterMetricFamily(f"vllm:spec_decode_{field}", doc, value=float(d.get(f"spec_decode_{field}") or 0))
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "draft tokens accepted, by draft position", labels=["position"])
+    for position, count in enumerate(d.get("spec_decode_num_accepted_tokens_per_pos") or ()):
+        per_pos.add_metric([str(position)], float(count))
+    yield per_pos
 
 
 class Metrics:

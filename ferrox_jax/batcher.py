@@ -48,6 +48,7 @@ from ferrox_jax.host_batch import HostBatch, bitmask_words, run_plan
 from ferrox_jax.plan import Runner, StepPlan
 from ferrox_jax.request import AdmissionError, GenerationRequest, MatcherFactory, RowEvent
 from ferrox_jax.scheduler import Scheduler, check_admission
+from ferrox_jax.speculative import spec_decode_stats
 from ferrox_jax.stats import BatcherStats
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,10 @@ def check_limits(limits: SchedulerLimits, runner: Runner) -> None:
     if limits.max_rows > runner.max_rows:
         raise ValueError(f"SchedulerLimits.max_rows ({limits.max_rows}) exceeds the runner's largest "
                          f"row bucket ({runner.max_rows})")
+    if limits.speculative is not None and limits.speculative.step_rows(limits.max_rows) > runner.max_rows:
+        raise ValueError(f"speculation needs {limits.speculative.step_rows(limits.max_rows)} rows per step "
+                         f"(each speculating row's tokens are rows); the runner's largest row bucket is "
+                         f"{runner.max_rows}")
     if limits.max_chunks > runner.max_chunks:
         raise ValueError(f"SchedulerLimits' {limits.max_chunks} chunks per step exceed the runner's "
                          f"{runner.max_chunks}")
@@ -379,6 +384,7 @@ class ContinuousBatcher:
             prefix_cache_queries=scheduler.blocks.num_queried_tokens,
             prefix_cache_hits=scheduler.blocks.num_hit_tokens,
             kv_blocks_cached=scheduler.blocks.num_cached_blocks,
+            **spec_decode_stats(scheduler.speculator),
             max_loras=getattr(self._runner, "max_loras", 0),  # scripted test runners have none
             running_lora_adapters=scheduler.lora_adapters[0], waiting_lora_adapters=scheduler.lora_adapters[1],
             **self._masks)

@@ -110,10 +110,12 @@ class BlockTables:
         """Makes the job's table cover positions start..end-1, every block writable."""
         self._prepare(job, job.prefill_block_ids, start, end)
 
-    def prepare_decode(self, row: Row) -> None:
-        """Makes the row's table cover its next position, in a block it alone holds."""
+    def prepare_decode(self, row: Row, num_tokens: int = 1) -> None:
+        """Makes the row's table cover its next `num_tokens` positions (more than one: its
+        last token and drafts), the first in a block it alone holds; later ones fall in
+        blocks it allocated itself."""
         pos = row.num_computed_tokens
-        self._prepare(row.request, row.block_ids, pos, pos + 1)
+        self._prepare(row.request, row.block_ids, pos, pos + num_tokens)
 
     def _prepare(self, job: Request, block_ids: list[int], start: int, end: int) -> None:
         index = start // self.block_size

@@ -13,6 +13,7 @@ runner by the batcher. Nothing else sizes the engine.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -78,6 +79,7 @@ class EngineConfig:
     max_batched_tokens: int = 0
     max_queue: int = 512  # waiting jobs; one more is refused (503)
     prefix_caching: bool = True  # full prompt blocks stay cached and are shared by later prompts
+    speculative: SpeculativeConfig | None = None  # prompt-lookup speculative decoding; None: off
     # ---- compilation ----
     compile_cache_dir: str | None = None  # JAX persistent compilation cache; None: off
     # ---- scale-out (ferrox_jax/sharding.py, docs/deploy-tpu.md) ----
@@ -164,6 +166,61 @@ class EngineConfig:
                              f"model={model} behind a load balancer (docs/deploy-tpu.md)")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative ngram` and its settings (vLLM's `--speculative-config` names in brackets)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3  # k: draft tokens per row and step [num_speculative_tokens]
+    ngram_min: int = 2  # shortest suffix looked up [prompt_lookup_min]
+    ngram_max: int = 4  # longest suffix looked up, tried first [prompt_lookup_max]
+    max_rows: int = 4  # a step with more decoding rows does not speculate (measured: docs/benchmarks.md)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"SpeculativeConfig.method must be one of {', '.join(SPECULATIVE_METHODS)}; got {self.method!r}")
+        for name in ("num_speculative_tokens", "ngram_min", "ngram_max", "max_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SpeculativeConfig.{name} must be a positive int; got {value!r}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"SpeculativeConfig.ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+
+    @property
+    def verify_tokens(self) -> int:
+        """Tokens a speculating row computes in one step: its last token and k drafts."""
+        return 1 + self.num_speculative_tokens
+
+    def step_rows(self, max_rows: int) -> int:
+        """One-token rows a step's forward must hold when `max_rows` rows run at once: each
+        speculating row's tokens are rows of their own (`ferrox_jax/runner.py`), so a
+        step of `self.max_rows` speculating rows holds 1 + k rows each."""
+        return max(max_rows, min(max_rows, self.max_rows) * self.verify_tokens)
+
+    @classmethod
+    def from_json(cls, text: str, **defaults) -> "SpeculativeConfig":
+        """vLLM's form: '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+        (ours, ngram_min / ngram_max / max_rows, are accepted too). `defaults` fill the rest."""
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative config is not JSON: {e}") from None
+        if not isinstance(given, dict):
+            raise ValueError(f"speculative config must be a JSON object; got {text!r}")
+        aliases = {"prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = dict(defaults)
+        for key, value in given.items():
+            name = aliases.get(key, key)
+            if name not in known:
+                raise ValueError(f"speculative config: unknown key {key!r} (known: {', '.join(sorted(known | set(aliases)))})")
+            values[name] = value
+        return cls(**values)
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerLimits:
     """The limits the batcher and scheduler run under, resolved against the runner."""
@@ -179,11 +236,12 @@ class SchedulerLimits:
     kv_bytes_per_block: int = 0  # K+V bytes of one block, for refusal messages; 0: unknown
     prefix_caching: bool = True  # keep and share full prompt blocks across requests
     prefix_cache_salt: str = ""  # what else the K/V depend on (model, dtype), in every block name
+    speculative: SpeculativeConfig | None = None  # prompt-lookup drafts (ferrox_jax/speculative.py); None: off
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, (bool, str)) or value is None or field.name == "kv_bytes_per_block":
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or field.name == "kv_bytes_per_block":
                 continue
             if value <= 0:
                 raise ValueError(f"SchedulerLimits.{field.name} must be > 0; got {value}")

@@ -338,9 +338,12 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
         max_chunk_tokens=chunk, max_idle_chunk_tokens=idle_chunk,
         max_batched_tokens=batched_tokens(config, chunk, jax.default_backend()),
         max_context=sizing.max_context, max_queue=config.max_queue, kv_bytes_per_block=sizing.bytes_per_block,
-        prefix_caching=config.prefix_caching, prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size))
+        prefix_caching=config.prefix_caching, prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size),
+        speculative=config.speculative)
     grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size)
-    runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=limits.max_rows,
+    # Speculating rows take a decode row per token: room for them in the row buckets.
+    step_rows = config.speculative.step_rows(limits.max_rows) if config.speculative else limits.max_rows
+    runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=step_rows,
                          max_chunk_tokens=idle_chunk, max_context=sizing.max_context, kv_dtype=kv_dtype, mesh=mesh,
                          replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks)
     runner = _leader_runner(runner, config)

@@ -18,7 +18,8 @@ Layout: R rows in plan order (decode rows, then prompt chunks), N new tokens.
     positions       i32[N]        their positions
     row_starts      i32[R + 1]    offsets into token_ids (row_starts[0] = 0, row_starts[R] = N)
     block_tables    i32[R, MB]    each row's blocks in position order, 0 past its last
-    num_logits      i32[R]        positions the row samples after: 0 or 1 (its last new token)
+    num_logits      i32[R]        positions the row samples after: 0, 1 (its last new token), or
+                                  1 + d for a decoding row with d draft tokens (after every token)
     prompt_logprobs bool[R]       also score each new token given what precedes it (echo)
     next_token_ids  i32[N]        the prompt token after each position, -1 when unknown
     pooling         bool[R]       also return the row's pooled final hidden states (embeddings)
@@ -46,6 +47,7 @@ import numpy as np
 
 from ferrox_jax.plan import MaskFiller, RowPlan, Runner, StepOutput, StepPlan
 from ferrox_jax.request import RowResult, SamplingParams
+from ferrox_jax.speculative import verified_result
 
 # Distinct tokens per row that penalties and logit_bias can touch (llama.cpp's default
 # window is 64 tokens; OpenAI caps logit_bias at 300 entries).
@@ -221,7 +223,7 @@ class HostBatch:
         copies = np.asarray(plan.block_copies, np.int32).reshape(-1, 2)
         return cls(row_ids=np.asarray([row.row_id for row in rows], np.int64), token_ids=token_ids,
                    positions=positions, row_starts=row_starts, block_tables=tables,
-                   num_logits=np.asarray([int(row.sample) for row in rows], np.int32),
+                   num_logits=np.asarray([int(row.sample) + row.num_draft_tokens for row in rows], np.int32),
                    prompt_logprobs=np.asarray([row.prompt_logprobs for row in rows], bool),
                    next_token_ids=next_token_ids, pooling=np.asarray([row.pooling for row in rows], bool),
                    constrained=np.asarray([row.is_constrained and row.sample for row in rows], bool),
@@ -298,6 +300,12 @@ class StepArrays:
     prompt_top_logprobs: np.ndarray | None = None  # f32[N, 20]
     hidden_sum: np.ndarray | None = None  # f32[R, D] final hidden states summed over the row's tokens
     last_hidden: np.ndarray | None = None  # f32[R, D] the state at the row's last token
+    # A speculating step (some num_logits > 1): what was sampled after each of a row's first
+    # K = 1 + k tokens (`tokens` etc. are column 0); None otherwise.
+    verify_tokens: np.ndarray | None = None  # i32[R, K]
+    verify_logprob: np.ndarray | None = None  # f32[R, K]
+    verify_top_ids: np.ndarray | None = None  # i32[R, K, 20]
+    verify_top_logprobs: np.ndarray | None = None  # f32[R, K, 20]
 
 
 def step_output(plan: StepPlan, batch: HostBatch, arrays: StepArrays, *, device_s: float = 0.0) -> StepOutput:
@@ -325,6 +333,8 @@ def _row_result(row: RowPlan, batch: HostBatch, arrays: StepArrays, i: int) -> R
     if not row.sample:  # a prompt-logprobs chunk that is not the prompt's last, or pooling
         return RowResult(row_id=row.row_id, token_id=-1, prompt_logprobs=prompt, hidden_sum=hidden_sum,
                          last_hidden=last_hidden)
+    if row.num_draft_tokens:
+        return verified_result(row, arrays, i)
     top = tuple(zip(arrays.top_ids[i, :k].tolist(), arrays.top_logprobs[i, :k].tolist()))
     return RowResult(row_id=row.row_id, token_id=int(arrays.tokens[i]), logprob=float(arrays.logprob[i]),
                      top_logprobs=top, prompt_logprobs=prompt)

@@ -55,6 +55,9 @@ class RowPlan:
     history_token_ids: tuple[int, ...] = ()
     is_constrained: bool = False
     pooling: bool = False  # return the chunk's pooled hidden states (embeddings jobs)
+    # Decoding rows that speculate: the last this many of `token_ids` are draft tokens, and
+    # the row samples after each of its tokens (`ferrox_jax/speculative.py`).
+    num_draft_tokens: int = 0
     adapter_slot: int = 0  # the LoRA slot its projections add (0: none, the base model)
 
 

@@ -105,6 +105,9 @@ class RowResult:
     # tokens, and f32[D] the state at its last token. None otherwise.
     hidden_sum: Any = None
     last_hidden: Any = None
+    # A speculating row: the tokens verification accepted after this one, in order, each
+    # with its own logprobs (`ferrox_jax/speculative.py`). Empty otherwise.
+    following: tuple["RowResult", ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

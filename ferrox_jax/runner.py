@@ -7,8 +7,12 @@ counted in `recompiles_after_warmup` (it should stay 0: tests assert it).
 
 `run(batch, fill_masks)`, in order:
   1. Pad: rows of one new token go to the decode segment, longer rows (prompt chunks) to
-     the chunk segment; the smallest `StepShape` holding both is picked and the batch's
-     arrays are laid out in it (`ForwardBatch`, numpy) with one `jax.device_put`.
+     the chunk segment; a speculating row (its last token and d drafts, sampled after each:
+     `num_logits` 1 + d) becomes 1 + d consecutive one-token decode rows sharing its block
+     table, at consecutive positions. Every token's K/V is written before any row attends,
+     so the row at position p + j reads the drafts before it: causal verification through
+     the one-query kernels, with no shape of its own. The smallest `StepShape` holding both
+     is picked and the batch's arrays are laid out in it (`ForwardBatch`, numpy) with one `jax.device_put`.
   2. Dispatch: block copies, then the one forward over every row. Dispatch is
      asynchronous: the forward runs on the device while the host goes on.
   3. Meanwhile, if some row is constrained, `fill_masks(batch, forward_is_done)` fills its
@@ -171,17 +175,25 @@ class ModelRunner:
         """The step shape, `order` (i64[R]: the host row in each padded row, -1 for
         padding) and the padded forward inputs."""
         lengths = batch.row_lengths
-        decode = np.flatnonzero(lengths == 1)
-        chunks = np.flatnonzero(lengths > 1)
-        shape = self.buckets.shape_for(len(decode), lengths[chunks].tolist())
+        is_decode = (lengths == 1) | (batch.num_logits == lengths)  # one token, or every token sampled
+        decode = np.flatnonzero(is_decode)
+        chunks = np.flatnonzero(~is_decode)
+        # A speculating row takes one decode row per token; `part` is the token's offset in its row.
+        decode_order = np.repeat(decode, lengths[decode])
+        part = np.arange(len(decode_order)) - np.repeat(np.cumsum(lengths[decode]) - lengths[decode], lengths[decode])
+        shape = self.buckets.shape_for(len(decode_order), lengths[chunks].tolist())
         order = np.full(shape.num_rows, -1, np.int64)
-        order[:len(decode)] = decode
+        order[:len(decode_order)] = decode_order
         order[shape.decode_rows:shape.decode_rows + len(chunks)] = chunks
+        offsets = np.zeros(shape.num_rows, np.int64)
+        offsets[:len(part)] = part
         out = self._empty_forward(shape)
         starts = _row_token_starts(shape)
         for row in np.flatnonzero(order >= 0):
             host = order[row]
             lo, hi = batch.row_starts[host], batch.row_starts[host + 1]
+            if row < shape.decode_rows:  # one token of a decode row, or of a speculating row
+                lo, hi = lo + offsets[row], lo + offsets[row] + 1
             start, stop = starts[row], starts[row] + (hi - lo)
             out.tokens[start:stop] = batch.token_ids[lo:hi]
             out.positions[start:stop] = batch.positions[lo:hi]
@@ -193,9 +205,10 @@ class ModelRunner:
             segment, local = (0, row) if row < shape.decode_rows else (-1, row - shape.decode_rows)
             out.block_tables[segment][local] = batch.block_tables[host]
         out = out.replace(want_prompt_logprobs=np.asarray(bool(batch.prompt_logprobs.any())))
-        return shape, order, self._pad_adapters(out, batch, order, starts)
+        return shape, order, self._pad_adapters(out, batch, order, starts, shape.decode_rows)
 
-    def _pad_adapters(self, out: ForwardBatch, batch: HostBatch, order: np.ndarray, starts: np.ndarray):
+    def _pad_adapters(self, out: ForwardBatch, batch: HostBatch, order: np.ndarray, starts: np.ndarray,
+                      decode_rows: int):
         """Each padded token's LoRA slot (padding: 0), when the model has adapter slots."""
         if not self.has_lora:
             return out
@@ -203,7 +216,9 @@ class ModelRunner:
         if batch.adapter_slots is not None:
             for row in np.flatnonzero(order >= 0):
                 host = order[row]
-                slots[starts[row]:starts[row] + batch.row_lengths[host]] = batch.adapter_slots[host]
+                # a decode row holds one token (a speculating row's tokens are several such rows)
+                length = 1 if row < decode_rows else batch.row_lengths[host]
+                slots[starts[row]:starts[row] + length] = batch.adapter_slots[host]
         return out.replace(adapter_slots=slots)
 
     def _all_ones_mask(self, rows: int) -> jax.Array:
@@ -242,10 +257,16 @@ class ModelRunner:
         if wants_pooled:
             fetch += [forward.hidden_sum, forward.last_hidden]
         fetched = [np.asarray(a) for a in jax.device_get(fetch)]
-        # Back to host-batch order: host row h sits in padded row padded_row[h].
+        # Back to host-batch order: host row h starts at padded row padded_row[h] (a
+        # speculating row's later tokens follow it).
         padded_row = np.empty(batch.num_rows, np.int64)
-        padded_row[order[order >= 0]] = np.flatnonzero(order >= 0)
+        real = np.flatnonzero(order >= 0)
+        first = np.ones(len(real), bool)
+        first[1:] = order[real][1:] != order[real][:-1]
+        padded_row[order[real][first]] = real[first]
         arrays = StepArrays(*(a[padded_row] for a in fetched[:4]))
+        if batch.num_logits.max(initial=0) > 1:
+            _add_verify_arrays(arrays, batch, fetched[:4], padded_row)
         rest = fetched[4:]
         if wants_prompt:
             token_index = _host_token_index(batch, shape, padded_row)
@@ -291,6 +312,17 @@ class ModelRunner:
         self.kv_cache, logits = self._steps.logits(self.graphdef, self.state, self.kv_cache, jax.device_put(batch))
         logits = np.asarray(jax.device_get(logits)).reshape(len(rows), t, -1)
         return [logits[i, : len(r.token_ids)] for i, r in enumerate(rows)]
+
+
+def _add_verify_arrays(arrays: StepArrays, batch: HostBatch, samples: list[np.ndarray],
+                       padded_row: np.ndarray) -> None:
+    """A speculating step: what was sampled after each token of each row, [R, K] with K the
+    most tokens a row verified (a row's tokens sit in consecutive padded rows)."""
+    width = int(batch.num_logits.max())
+    index = padded_row[:, None] + np.arange(width)[None, :]
+    index = np.where(np.arange(width)[None, :] < batch.num_logits[:, None], index, padded_row[:, None])
+    arrays.verify_tokens, arrays.verify_logprob, arrays.verify_top_ids, arrays.verify_top_logprobs = (
+        a[index] for a in samples)
 
 
 def _row_token_starts(shape: StepShape) -> np.ndarray:

@@ -37,6 +37,7 @@ from typing import Any
 from ferrox_jax.block_tables import BlockTables, blocks_to_reserve
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.plan import RowPlan, StepOutput, StepPlan
+from ferrox_jax.speculative import Speculator
 from ferrox_jax.request import (GenerationRequest, MatcherFactory, Request, RequestState, Row, RowEvent, RowResult,
                                 SamplingParams, _transition)
 
@@ -101,6 +102,8 @@ class Scheduler:
         self._to_flush: list[Row] = []
         self._events: list[RowEvent] = []
         self._planned_row_ids: tuple[int, ...] = ()
+        # Prompt-lookup drafts for decoding rows (ferrox_jax/speculative.py); None: off.
+        self.speculator = Speculator(limits.speculative) if limits.speculative is not None else None
         # Counters (published in BatcherStats by the owner).
         self.prefill_chunks = 0
         self.prefill_tokens = 0
@@ -181,6 +184,9 @@ class Scheduler:
         self._admit_waiting()
         decode = self._plan_decode_rows()
         chunks = self._plan_chunks(is_idle=not decode)
+        if self.speculator is not None:
+            decode = self.speculator.extend(decode, self._rows, self.blocks,
+                                            self.limits.speculative.step_rows(self.limits.max_rows))
         self._update_peak()
         plan = StepPlan(decode=decode, chunks=chunks, block_copies=self.blocks.take_copies())
         self._planned_row_ids = tuple(row.row_id for row in plan.rows)
@@ -327,9 +333,17 @@ class Scheduler:
             self._apply_chunk(step, out.results.get(step.row_id))
         for step in plan.decode:
             row = self._rows[step.row_id]
-            row.num_computed_tokens += 1
-            self.blocks.name_row_blocks(row)
-            self._accept_token(row, out.results[step.row_id])
+            result = out.results[step.row_id]
+            # A speculating row's accepted tokens follow its first, each applied as if
+            # sampled in a step of its own (stops, max_tokens, stop strings stay exact).
+            for token in (result, *result.following):
+                row.num_computed_tokens += 1
+                self.blocks.name_row_blocks(row)
+                self._accept_token(row, token)
+                if row.state.is_finished:
+                    break
+            if step.num_draft_tokens:
+                self.speculator.record(step, result, row.state.is_finished)
         self.prefill_chunks += len(plan.chunks)
         self.prefill_tokens += sum(len(step.token_ids) for step in plan.chunks)
         self.decode_steps += bool(plan.decode)

@@ -45,6 +45,11 @@ class BatcherStats:
     # Of those, fills that ended while their model call was still running on the device: the
     # mask cost nothing but host time. Checked once per fill (is the call's logits ready?).
     grammar_mask_fills_hidden: int = 0
+    # -- speculative decoding (ferrox_jax/speculative.py; vLLM's vllm:spec_decode_* counters) ---
+    spec_decode_num_drafts: int = 0  # row-steps that verified at least one draft token
+    spec_decode_num_draft_tokens: int = 0  # draft tokens verified
+    spec_decode_num_accepted_tokens: int = 0  # of those, accepted (each saved a step of its row)
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # accepted at draft position 0, 1, ... k-1
     # LoRA (vLLM's lora_requests_info): adapter slots, and the adapters of the jobs holding
     # rows now / waiting for admission (names, sorted; the base model is not listed).
     max_loras: int = 0

@@ -1,0 +1,176 @@
+"""Speculative decoding side by side: one engine without, one with `--speculative ngram`, in
+one process, rounds alternating, on a copy-heavy workload and on one with nothing to copy.
+
+    python -m tools.bench_speculative --model default --rounds 2 --result-json bench/speculative/default.json
+
+Both engines are warmed up before the first round (the persistent compile cache makes a
+second run's warm-up a disk read). Each round runs, for each engine in turn, each workload
+at each concurrency: concurrency 1 sends the prompts one after another, concurrency C sends
+C prompts at once. Greedy, so the two engines must return the same tokens: the report puts
+the count of identical outputs beside every speed, and the acceptance rate (accepted / draft
+tokens, from the engine's `spec_decode_*` counters over that run) beside the speculative
+engine's figures.
+
+Workloads (chat template, the default model's instruct turn):
+  copy     "here is a file, return it with one thing renamed" over small Python files
+  nothing  short stories on given topics: no text to copy
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+FILE = '''import math
+
+
+def {name}(width, height):
+    """Area of a {width}-wide rectangle."""
+    return width * height
+
+
+def perimeter(width, height):
+    return 2 * (width + height)
+
+
+def diagonal(width, height):
+    return math.sqrt(width ** 2 + height ** 2)
+
+
+if __name__ == "__main__":
+    print({name}(3, 4), perimeter(3, 4), diagonal(3, 4))
+'''
+TOPICS = ["a dragon who learns to bake bread", "a lighthouse keeper and a storm", "a robot that plants trees",
+          "two friends lost in a desert", "a cat that becomes mayor", "a train that never stops",
+          "the last library on Earth", "a violin made of ice"]
+
+
+def copy_prompt(i: int) -> str:
+    code = FILE.format(name=f"area_{i}", width=i + 2)
+    return (f"Here is a Python file:\n```python\n{code}```\nReturn the whole file with the function "
+            f"`area_{i}` renamed to `rect_area`, and nothing else.")
+
+
+def nothing_prompt(i: int) -> str:
+    return f"Write a short story about {TOPICS[i % len(TOPICS)]} (variation {i})."
+
+
+WORKLOADS = {"copy": copy_prompt, "nothing": nothing_prompt}
+
+
+@dataclasses.dataclass
+class Sample:
+    engine: str
+    workload: str
+    concurrency: int
+    round: int
+    wall_s: float
+    output_tokens: int
+    draft_tokens: int
+    accepted_tokens: int
+    outputs: list[list[int]]
+
+
+def _run(llm: Any, workload: str, concurrency: int, num_prompts: int, max_tokens: int) -> tuple[float, list]:
+    from ferrox_jax import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    convs = [[{"role": "user", "content": WORKLOADS[workload](i)}] for i in range(num_prompts)]
+    start = time.perf_counter()
+    if concurrency == 1:
+        outs = [llm.chat(c, params, use_tqdm=False)[0] for c in convs]
+    else:
+        outs = [o for i in range(0, num_prompts, concurrency)
+                for o in llm.chat(convs[i:i + concurrency], params, use_tqdm=False)]
+    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def measure(llms: dict, args: argparse.Namespace) -> list[Sample]:
+    samples = []
+    for r in range(args.rounds):
+        for name, llm in llms.items():
+            for workload in WORKLOADS:
+                for c in args.concurrency:
+                    before = llm.engine.stats()
+                    n, max_tokens = (args.prompts_c1, args.max_tokens_c1) if c == 1 else (c, args.max_tokens)
+                    wall_s, outputs = _run(llm, workload, c, n, max_tokens)
+                    after = llm.engine.stats()
+                    s = Sample(name, workload, c, r, wall_s, sum(map(len, outputs)),
+                               after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+                               after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
+                               outputs)
+                    samples.append(s)
+                    print(f"round {r} {name:5s} {workload:7s} c{c:<3d} {s.output_tokens / wall_s:7.1f} tok/s "
+                          f"({s.output_tokens} tokens, {wall_s:.1f} s) accepted {s.accepted_tokens}/{s.draft_tokens}",
+                          file=sys.stderr, flush=True)
+    return samples
+
+
+def summarize(samples: list[Sample]) -> list[dict]:
+    rows = []
+    for workload in WORKLOADS:
+        for c in sorted({s.concurrency for s in samples}):
+            pick = {e: [s for s in samples if (s.engine, s.workload, s.concurrency) == (e, workload, c)]
+                    for e in ("off", "ngram")}
+            rate = {e: sum(s.output_tokens for s in v) / sum(s.wall_s for s in v) for e, v in pick.items()}
+            same = sum(a == b for x, y in zip(pick["off"], pick["ngram"]) for a, b in zip(x.outputs, y.outputs))
+            total = sum(len(x.outputs) for x in pick["off"])
+            drafts = sum(s.draft_tokens for s in pick["ngram"])
+            accepted = sum(s.accepted_tokens for s in pick["ngram"])
+            rows.append(dict(workload=workload, concurrency=c, off_tok_s=round(rate["off"], 1),
+                             ngram_tok_s=round(rate["ngram"], 1), speedup=round(rate["ngram"] / rate["off"], 3),
+                             identical_outputs=f"{same}/{total}", draft_tokens=drafts, accepted_tokens=accepted,
+                             acceptance=round(accepted / drafts, 3) if drafts else None,
+                             tokens_per_row=round(sum(s.output_tokens for s in pick["ngram"]) / total, 1)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--prompts-c1", type=int, default=4, help="prompts of each concurrency-1 run")
+    p.add_argument("--max-tokens-c1", type=int, default=160)
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens at concurrency > 1")
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--ngram-min", type=int, default=2)
+    p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--speculative-max-rows", type=int, default=4)
+    p.add_argument("--max-seqs", type=int, default=32, help="both engines (the serving default)")
+    p.add_argument("--result-json", type=Path)
+    args = p.parse_args(argv)
+
+    from ferrox_jax import LLM
+    from ferrox_jax.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
+                             ngram_max=args.ngram_max, max_rows=args.speculative_max_rows)
+    t0 = time.perf_counter()
+    llms = {"off": LLM(args.model, max_seqs=args.max_seqs),
+            "ngram": LLM(args.model, max_seqs=args.max_seqs, speculative=spec)}
+    print(f"loaded and warmed both engines in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    try:
+        samples = measure(llms, args)
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    rows = summarize(samples)
+    for row in rows:
+        print(json.dumps(row))
+    if args.result_json:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(json.dumps(
+            {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+             "speculative": dataclasses.asdict(spec), "summary": rows,
+             "samples": [{k: v for k, v in dataclasses.asdict(s).items() if k != "outputs"} for s in samples]},
+            indent=1))
+
+
+if __name__ == "__main__":
+    main()
