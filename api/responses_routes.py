@@ -109,7 +109,7 @@ class ResponsesRequest(_Strict):
         raise ValueError("input must be a string or a list of input items")
 
 
-def _effort_kwargs(body: ResponsesRequest, engine: Any) -> dict[str, Any] | None:
+def _effort_kwargs(body: ResponsesRequest, engine: Engine) -> dict[str, Any] | None:
     """`reasoning.effort` as chat's `reasoning_effort` (a 400 names `reasoning.effort`)."""
     if body.reasoning is None:
         return None

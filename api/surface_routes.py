@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response, current_app, request
 
 from api.errors import APIError, unavailable
 from api.state import AppState, json_response, state_of
+
+if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
+    from ferrox_jax.engine import Engine
 
 blueprint = Blueprint("surface", __name__)
 
@@ -59,7 +62,7 @@ def _engine_stats(state: AppState) -> tuple[Any, Any]:
 # ---------------------------------------------------------------- /slots
 
 
-def _busy_rows(state: AppState, engine: Any) -> list[dict[str, Any]]:
+def _busy_rows(state: AppState, engine: Engine) -> list[dict[str, Any]]:
     rows = []
     for run in list(state.inflight.values()):
         if getattr(run, "engine", None) is not engine:
@@ -90,7 +93,7 @@ async def slots() -> Response:
 # ---------------------------------------------------------------- caches
 
 
-def _prefix_cache(engine: Any, stats: Any) -> dict[str, Any]:
+def _prefix_cache(engine: Engine, stats: Any) -> dict[str, Any]:
     queried, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
     return {"enabled": bool(engine.config.prefix_caching), "queried_tokens": queried, "hit_tokens": hits,
             "hit_rate": hits / queried if queried else 0.0, "blocks_cached": stats.kv_blocks_cached}
