@@ -418,6 +418,27 @@ def _int8_ours(load: Callable[[], HostInt8], start: int = 0, width: int | None =
     return read
 
 
+def our_row_ranges(gguf_name: str, family: Family, expected: dict[str, tuple[int, ...]]
+                   ) -> list[tuple[str, int, int | None]]:
+    """(our name, first row, rows or None for all) of each of our parameters a 2-D GGUF
+    tensor holds: one for a plain tensor, one per target for a fused one (split by rows in
+    proportion to the targets' expected output widths), none when we have no such name."""
+    if gguf_name in GGUF_TO_OURS_GLOBAL:
+        return [(GGUF_TO_OURS_GLOBAL[gguf_name], 0, None)]
+    m = _LAYER_NAME.match(gguf_name)
+    target = family.gguf_layer_weights.get(m.group(2)) if m else None
+    if target is None:
+        return []
+    prefix = f"layers.{m.group(1)}."
+    if isinstance(target, str):
+        return [(prefix + target, 0, None)]
+    names = [prefix + name for name in target]
+    if not all(n in expected for n in names):
+        return []
+    widths = [expected[n][-1] for n in names]
+    return [(name, sum(widths[:i]), width) for i, (name, width) in enumerate(zip(names, widths))]
+
+
 def gguf_int8_tensors(reader: GGUFReader, cfg: ModelConfig) -> dict[str, Callable[[], HostInt8]]:
     """`{our_name: () -> (int8, scales)}` for every 2-D Q8_0 / Q4_0 parameter the quantized
     modes hold as int8 (`build_model` uses them instead of the f32 producers of
@@ -431,21 +452,7 @@ def gguf_int8_tensors(reader: GGUFReader, cfg: ModelConfig) -> dict[str, Callabl
         if t.tensor_type not in INT8_BLOCK_TYPES or len(t.shape) != 2:
             continue
         load = lambda t=t: _read_int8_rows(t, cfg, unpermute_qk)  # noqa: E731
-        if t.name in GGUF_TO_OURS_GLOBAL:
-            name = GGUF_TO_OURS_GLOBAL[t.name]
-            out[name] = load if name == "embed" else _int8_ours(load)  # the embedding stays [V, D], per row
-            continue
-        m = _LAYER_NAME.match(t.name)
-        target = family.gguf_layer_weights.get(m.group(2)) if m else None
-        if target is None:
-            continue
-        prefix = f"layers.{m.group(1)}."
-        if isinstance(target, str):
-            out[prefix + target] = _int8_ours(load)
-            continue
-        names = [prefix + name for name in target]
-        if all(n in expected for n in names):
-            widths = [expected[n][-1] for n in names]
-            for i, (name, width) in enumerate(zip(names, widths)):
-                out[name] = _int8_ours(load, sum(widths[:i]), width)
+        for name, start, width in our_row_ranges(t.name, family, expected):
+            # the embedding stays [V, D], per row
+            out[name] = load if name == "embed" else _int8_ours(load, start, width)
     return {name: load for name, load in out.items() if name in expected}

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from models.config import ModelConfig
 from models.family import Family
 from models.loaders.common import expected_params
-from models.loaders.gguf import _LAYER_NAME, GGUF_TO_OURS_GLOBAL, unpermute_rope_rows
+from models.loaders.gguf import our_row_ranges, unpermute_rope_rows
 from models.registry import family_for
 
 HostBlocks = tuple[np.ndarray, str]  # (u8[out, row bytes], block format name)
@@ -63,20 +63,6 @@ def gguf_block_tensors(path: str | os.PathLike, cfg: ModelConfig) -> dict[str, B
     for t in reader.tensors:
         if t.tensor_type not in GGML_BLOCK_FORMATS or len(t.shape) != 2:
             continue
-        if t.name in GGUF_TO_OURS_GLOBAL:
-            out[GGUF_TO_OURS_GLOBAL[t.name]] = _producer(t, cfg, unpermute_qk)
-            continue
-        m = _LAYER_NAME.match(t.name)
-        target = family.gguf_layer_weights.get(m.group(2)) if m else None
-        if target is None:
-            continue
-        prefix = f"layers.{m.group(1)}."
-        if isinstance(target, str):
-            out[prefix + target] = _producer(t, cfg, unpermute_qk)
-            continue
-        names = [prefix + name for name in target]
-        if all(n in expected for n in names):
-            widths = [expected[n][-1] for n in names]
-            for i, (name, width) in enumerate(zip(names, widths)):
-                out[name] = _producer(t, cfg, unpermute_qk, sum(widths[:i]), width)
+        for name, start, width in our_row_ranges(t.name, family, expected):
+            out[name] = _producer(t, cfg, unpermute_qk, start, width)
     return {name: load for name, load in out.items() if name in expected}
