@@ -15,7 +15,7 @@ KERNEL := models/kernels/_ferrox_cpu.so
 # skip without it, except under CI (CI=true), where they fail.
 CHROMIUM := $(shell command -v chromium 2>/dev/null)
 
-.PHONY: venv serve test bench clean browser
+.PHONY: venv serve test bench clean browser maps
 
 venv: $(STAMP) $(KERNEL)
 
@@ -33,7 +33,7 @@ $(KERNEL): $(wildcard models/kernels/*.cc models/kernels/*.h models/kernels/*.in
 serve: $(STAMP) $(KERNEL)
 	$(VENV)/bin/ferrox serve --host $(HOST) --port $(PORT) --model default
 
-test: $(STAMP) $(KERNEL) browser
+test: $(STAMP) $(KERNEL) browser maps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 browser:
@@ -44,6 +44,16 @@ ifeq ($(CHROMIUM),)
 	  || echo "warning: apt-get install chromium failed; the browser tests will skip"; \
 	else echo "warning: chromium is missing and apt-get needs root; the browser tests will skip"; fi
 endif
+
+# The suite keeps many engines' compiled executables in one process, each with its own
+# memory maps: past Linux's default of 65,530 maps XLA's next compile aborts or segfaults
+# (seen at ~70 % of the suite). Raised when it is lower and we may (root, or sudo -n).
+maps:
+	@if [ -r /proc/sys/vm/max_map_count ] && [ "$$(cat /proc/sys/vm/max_map_count)" -lt 262144 ]; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] && echo "" || echo "sudo -n" ); \
+	  $$SUDO sysctl -q -w vm.max_map_count=262144 2>/dev/null \
+	  || echo "warning: vm.max_map_count is $$(cat /proc/sys/vm/max_map_count) and could not be raised; the full suite may abort"; \
+	fi
 
 clean:
 	rm -rf $(VENV) .jax_cache .pytest_cache $(KERNEL)
