@@ -7,6 +7,11 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8383
 PYTEST_ARGS ?=
+# Two worker processes, each taking whole files (module fixtures and servers stay in one
+# process): the suite is mostly compiles and waits, so two cores finish it sooner, and
+# each process holds half the executables (and memory maps). PYTEST_WORKERS=0 runs it
+# in this process.
+PYTEST_WORKERS ?= 2
 # ferrox's x86 CPU kernels (models/cpu_kernels.py); without a C++ compiler XLA runs everything.
 KERNEL := models/kernels/_ferrox_cpu.so
 
@@ -34,7 +39,7 @@ serve: $(STAMP) $(KERNEL)
 	$(VENV)/bin/ferrox serve --host $(HOST) --port $(PORT) --model default
 
 test: $(STAMP) $(KERNEL) browser maps
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 browser:
 ifeq ($(CHROMIUM),)
