@@ -57,7 +57,7 @@ def watch_group(app: Any) -> None:
         message = f"multi-host group failed: {reason}"
         state.phase, state.load_error = "failed", message
         for run in list(state.inflight.values()):
-            run.abort(message)
+            run.fail_now(message)  # not `abort`: a step stuck in a collective never ends the rows
         asyncio.get_running_loop().call_later(EXIT_GRACE_S, state.load_failed.set)
 
     def listener(reason: str) -> None:  # on the step channel's thread

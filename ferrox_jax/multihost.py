@@ -41,8 +41,8 @@ nothing it could serve alone.
 
 from __future__ import annotations
 
-import logging
 import contextlib
+import logging
 import os
 import queue
 import socket
