@@ -250,6 +250,9 @@ SETTINGS: tuple[Setting, ...] = (
             "multi-host: jax.distributed coordinator host:port, or 'auto' on a TPU pod"),
     Setting("num_processes", "FERROX_NUM_PROCESSES", _positive_int, None, "multi-host: number of processes"),
     Setting("process_id", "FERROX_PROCESS_ID", _nonneg_int, None, "multi-host: this process's index"),
+    Setting("multihost_timeout_s", "FERROX_MULTIHOST_TIMEOUT_S", _positive_float, 10.0,
+            "multi-host: seconds without a step or heartbeat after which a peer is taken for hung "
+            "(the group fails and exits)"),
     Setting("max_seqs", "FERROX_CB_MAX_SEQS", _positive_int, 32,
             "rows (prefilling + decoding) at once; also the largest decode row bucket"),
     Setting("prefill_chunk", "FERROX_CB_PREFILL_CHUNK", _positive_int, 128, "prompt tokens per chunk"),

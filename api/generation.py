@@ -120,7 +120,7 @@ class GenerationRun:
         self.cache_status: str | None = None
         self._cache_key: str | None = None
         self._recorded: list[RowOutput] | None = None  # a miss's raw outputs, stored when it ends well
-        self._queue: asyncio.Queue[RowOutput] = asyncio.Queue()
+        self._queue: asyncio.Queue[RowOutput | APIError] = asyncio.Queue()  # an APIError: `fail_now`
         self._num_submitted = 0
         self._rows_open = [self.n] * len(self.jobs)
         self._jobs_seen: set[int] = set()
@@ -252,6 +252,8 @@ class GenerationRun:
                 output = await self._queue.get()
         except TimeoutError:
             return None
+        if isinstance(output, APIError):
+            self._fail(output)
         if self._recorded is not None:
             self._recorded.append(output)
         return self._observe(output)
@@ -312,6 +314,14 @@ class GenerationRun:
         503 (a final SSE error event, or the whole request's status) instead of a reply."""
         if self.abort_reason is None:
             self.abort_reason = reason
+        self._cancel_open()
+
+    def fail_now(self, message: str) -> None:
+        """End the run at once with a 500 naming `message` (a final SSE error event), without
+        waiting for the engine's last events: a multi-host group whose step waits in a
+        collective with a hung peer sends none (`api/multihost_app.py`). On the event loop."""
+        self._queue.put_nowait(APIError(500, f"generation failed: {message}", type="server_error",
+                                        code="engine_error"))
         self._cancel_open()
 
     def cancel(self) -> None:

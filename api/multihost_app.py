@@ -11,7 +11,7 @@ stuck in a collective with a dead peer).
 A follower (`serve_follower`) answers only `GET /health` on its own port (503 `loading`
 until its engine is warm and connected to the leader, then 200), loads and compiles the
 same engine, and runs the steps the leader sends until the leader stops it (exit 0) or
-disappears (exit 3).
+disappears or hangs (no step and no heartbeat for `--multihost-timeout-s`: exit 3).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def watch_group(app: Any) -> None:
         message = f"multi-host group failed: {reason}"
         state.phase, state.load_error = "failed", message
         for run in list(state.inflight.values()):
-            run.abort(message)
+            run.fail_now(message)  # not `abort`: a step stuck in a collective never ends the rows
         asyncio.get_running_loop().call_later(EXIT_GRACE_S, state.load_failed.set)
 
     def listener(reason: str) -> None:  # on the step channel's thread
@@ -108,7 +108,8 @@ def serve_follower(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     engine = Engine.load(engine_cfg)
     engine.warmup()
     code = multihost.follow(engine.runner, multihost.step_channel_address(engine_cfg.coordinator_address),
-                            engine_cfg.process_id, on_connected=lambda: status.update(state="ready"))
+                            engine_cfg.process_id, on_connected=lambda: status.update(state="ready"),
+                            timeout_s=engine_cfg.multihost_timeout_s)
     log.info("follower %d: the leader stopped the group", engine_cfg.process_id)
     exit_now(code)
     return code

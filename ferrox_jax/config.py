@@ -90,6 +90,7 @@ class EngineConfig:
     coordinator_address: str | None = None  # multi-host: "host:port", or "auto" on TPU pods
     num_processes: int | None = None  # multi-host: processes in the cluster
     process_id: int | None = None  # multi-host: this process's index
+    multihost_timeout_s: float = 10.0  # multi-host: a peer silent this long (no step, no heartbeat) is hung
     # LoRA (models/lora.py): adapter slots on the device (0: no LoRA, the projections stay
     # plain), the largest rank a slot holds, and (name, PEFT folder) pairs loaded at start-up.
     max_loras: int = 0
@@ -139,6 +140,8 @@ class EngineConfig:
         if self.coordinator_address not in (None, "auto") and (self.num_processes is None or self.process_id is None):
             raise ValueError("EngineConfig.coordinator_address needs num_processes and process_id "
                              "(or coordinator_address='auto' on a TPU pod)")
+        if not self.multihost_timeout_s > 0:
+            raise ValueError(f"EngineConfig.multihost_timeout_s must be > 0; got {self.multihost_timeout_s!r}")
 
     def _check_lora(self) -> None:
         if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:

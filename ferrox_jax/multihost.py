@@ -21,22 +21,30 @@ cross-process transfer.
 
 The channel is a plain TCP connection per follower, to the coordinator's host at its
 port + 1 (`step_channel_address`), carrying length-prefixed frames: `B` (a batch), `M`
-(a bitmask), `S` (stop), and `H` (heartbeat, follower to leader, every second). It is
+(a bitmask), `S` (stop), and `H` (heartbeat, both ways, every second, from a thread of
+its own: a heartbeat says the process is alive even while its step waits in a collective,
+and an idle leader, which sends no step for as long as no request comes, is not taken for
+a hung one). It is
 chosen over `jax.experimental.multihost_utils.broadcast_one_to_all` because a collective
 cannot fail cleanly: a dead peer leaves it waiting, while a socket says at once that the
 other end is gone (EOF), and a missing heartbeat says in bounded time that it hung.
 
-Failure is loud and bounded (`FOLLOWER_TIMEOUT_S`): the leader's channel calls every
-`on_group_failure` listener with the reason (the API then answers `/health` 503 with it,
-ends in-flight requests with an error event and exits non-zero: `api/multihost_app.py`)
-and refuses every later step. A follower whose leader is gone (EOF, or no frame and no
-accepted heartbeat) exits non-zero at once: there is nothing it could serve alone.
+Failure is loud and bounded (`timeout_s`, `--multihost-timeout-s`, 10 s by default): a
+follower that closed its channel (died) or sent nothing for `timeout_s` (hung: SIGSTOP, a
+wedged host) makes the leader's channel call every `on_group_failure` listener with the
+reason (the API then answers `/health` 503 with it, ends in-flight requests with an error
+event and exits non-zero: `api/multihost_app.py`) and refuse every later step. A follower
+whose leader is gone (EOF) or silent for `timeout_s` (no step, no heartbeat: hung) exits
+non-zero at once, from its reader thread, whatever its step is waiting for: there is
+nothing it could serve alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import queue
 import socket
 import struct
 import threading
@@ -50,8 +58,8 @@ from ferrox_jax.host_batch import HostBatch
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 1.0  # a follower's heartbeat period
-FOLLOWER_TIMEOUT_S = 10.0  # a follower silent this long is taken for hung
+HEARTBEAT_S = 1.0  # the heartbeat period, both ways
+DEFAULT_TIMEOUT_S = 10.0  # a peer silent this long is taken for hung (EngineConfig.multihost_timeout_s)
 CONNECT_TIMEOUT_S = 600.0  # followers build and compile before they connect
 FOLLOWER_EXIT_CODE = 3  # a follower that lost its leader
 FAILURE_NAMING_S = 2.0  # a failed step waits this long for the channel to say which process died
@@ -121,22 +129,25 @@ def _recv_frame(sock: socket.socket) -> tuple[bytes, bytes]:
 class StepChannel:
     """The leader's side: accepts the followers, sends them every step, watches them."""
 
-    def __init__(self, address: tuple[str, int], num_followers: int) -> None:
+    def __init__(self, address: tuple[str, int], num_followers: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.num_followers = num_followers
+        self.timeout_s = timeout_s
         self.failure: str | None = None
         self._failed = threading.Event()
         self._followers: dict[int, socket.socket] = {}
         self._lock = threading.Lock()  # the owner thread sends; watchers may fail the group
+        self._send_lock = threading.Lock()  # the owner's frames and the heartbeats never interleave
         self._all_connected = threading.Event()
         self._server = socket.create_server(("", address[1]))
         _channels.append(self)
         threading.Thread(target=self._accept, name="ferrox-step-accept", daemon=True).start()
+        threading.Thread(target=self._heartbeat, name="ferrox-leader-heartbeat", daemon=True).start()
 
     def _accept(self) -> None:
         while len(self._followers) < self.num_followers:
             try:
                 conn, _ = self._server.accept()
-                conn.settimeout(FOLLOWER_TIMEOUT_S)
+                conn.settimeout(self.timeout_s)
                 kind, payload = _recv_frame(conn)
             except (OSError, EOFError, struct.error) as e:
                 log.warning("step channel: a connection failed its hello: %s", e)
@@ -145,8 +156,8 @@ class StepChannel:
                 conn.close()
                 continue
             process_id = int(payload)
-            conn.settimeout(None)
-            self._followers[process_id] = conn
+            with self._send_lock:
+                self._followers[process_id] = conn
             log.info("step channel: follower %d connected", process_id)
             threading.Thread(target=self._watch, args=(process_id, conn), name=f"ferrox-watch-{process_id}",
                              daemon=True).start()
@@ -154,15 +165,16 @@ class StepChannel:
         self._all_connected.set()
 
     def _watch(self, process_id: int, conn: socket.socket) -> None:
-        """Reads the follower's heartbeats; EOF or silence fails the group."""
-        conn.settimeout(FOLLOWER_TIMEOUT_S)
+        """Reads the follower's heartbeats; EOF or `timeout_s` of silence fails the group.
+        The same timeout bounds the leader's sends to it (a send that cannot go through
+        for that long is a hung follower too)."""
         try:
             while self.failure is None:
                 _recv_frame(conn)
         except EOFError:
             self.fail(f"follower process {process_id} closed its step channel (it exited or crashed)")
         except TimeoutError:
-            self.fail(f"follower process {process_id} sent no heartbeat for {FOLLOWER_TIMEOUT_S:g} s (hung)")
+            self.fail(f"follower process {process_id} sent no heartbeat for {self.timeout_s:g} s (hung)")
         except OSError as e:
             self.fail(f"follower process {process_id}: step channel error: {e}")
 
@@ -188,21 +200,32 @@ class StepChannel:
     def send(self, kind: bytes, payload: bytes = b"") -> None:
         if self.failure is not None:
             raise GroupFailure(self.failure)
-        for process_id, conn in sorted(self._followers.items()):
-            try:
-                _send_frame(conn, kind, payload)
-            except OSError as e:
-                self.fail(f"follower process {process_id}: sending a step failed: {e}")
-                raise GroupFailure(self.failure) from e
+        with self._send_lock:
+            for process_id, conn in sorted(self._followers.items()):
+                try:
+                    _send_frame(conn, kind, payload)
+                except OSError as e:
+                    self.fail(f"follower process {process_id}: sending a step failed: {e}")
+                    raise GroupFailure(self.failure) from e
+
+    def _heartbeat(self) -> None:
+        """Every HEARTBEAT_S, an `H` to every connected follower: an idle or busy leader is alive."""
+        while self.failure is None:
+            time.sleep(HEARTBEAT_S)
+            with contextlib.suppress(GroupFailure):
+                self.send(HEARTBEAT)
 
     def close(self) -> None:
         """Tells the followers to stop (a clean shutdown) and closes the connections."""
-        for conn in self._followers.values():
-            try:
-                _send_frame(conn, STOP)
-                conn.close()
-            except OSError:
-                pass
+        with self._lock:  # no heartbeat, no step, no failure report after the stop frame
+            self.failure = self.failure or "closed"
+        with self._send_lock:
+            for conn in self._followers.values():
+                try:
+                    _send_frame(conn, STOP)
+                    conn.close()
+                except OSError:
+                    pass
 
 
 def close_all() -> None:
@@ -247,38 +270,57 @@ class BroadcastRunner:
 
 
 def follow(runner: Any, address: tuple[str, int], process_id: int,
-           on_connected: Callable[[], None] | None = None) -> int:
+           on_connected: Callable[[], None] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """A follower's whole life after warm-up: connect, run every step the leader sends.
 
     Returns 0 on the leader's stop frame; exits the process with FOLLOWER_EXIT_CODE when
-    the leader is gone (its device calls may be stuck in a collective: no clean return)."""
+    the leader is gone or silent for `timeout_s` (its device calls may be stuck in a
+    collective: no clean return)."""
     sock = _connect(address)
-    sock.settimeout(None)  # an idle leader sends nothing for as long as no request comes
     _send_frame(sock, HELLO, str(process_id).encode())
     send_lock = threading.Lock()
     threading.Thread(target=_heartbeat, args=(sock, send_lock), name="ferrox-heartbeat", daemon=True).start()
+    frames: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read_leader, args=(sock, frames, process_id, timeout_s), name="ferrox-leader-reader",
+                     daemon=True).start()
     if on_connected is not None:
         on_connected()
     log.info("follower %d: connected to the leader at %s:%d", process_id, *address)
     words = runner.bitmask_words
+    while True:
+        kind, payload = frames.get()
+        if kind == STOP:
+            return 0
+        if kind != BATCH:
+            leader_gone(f"follower {process_id}: unexpected frame {kind!r} from the leader; exiting")
+        batch = HostBatch.from_bytes(payload)
+
+        def fill(b: HostBatch, _is_done: Callable[[], bool]) -> None:
+            mask_kind, mask = frames.get()
+            if mask_kind != MASK:
+                leader_gone(f"follower {process_id}: expected the step's bitmask, got {mask_kind!r}; exiting")
+            b.bitmask = np.frombuffer(mask, np.int32).reshape(b.num_rows, words).copy()
+
+        runner.run(batch, fill if batch.has_constrained_rows else None)
+
+
+def _read_leader(sock: socket.socket, frames: queue.SimpleQueue, process_id: int, timeout_s: float) -> None:
+    """The follower's reader: every frame but heartbeats goes to `frames`; EOF, an error or
+    `timeout_s` without any frame (the leader sends a heartbeat every second, idle or
+    not) ends the process, even while the main thread waits in a collective."""
+    sock.settimeout(timeout_s)
     try:
         while True:
             kind, payload = _recv_frame(sock)
+            if kind != HEARTBEAT:
+                frames.put((kind, payload))
             if kind == STOP:
-                return 0
-            if kind != BATCH:
-                raise ValueError(f"follower {process_id}: unexpected frame {kind!r}")
-            batch = HostBatch.from_bytes(payload)
-
-            def fill(b: HostBatch, _is_done: Callable[[], bool]) -> None:
-                mask_kind, mask = _recv_frame(sock)
-                assert mask_kind == MASK, f"expected the step's bitmask, got {mask_kind!r}"
-                b.bitmask = np.frombuffer(mask, np.int32).reshape(b.num_rows, words).copy()
-
-            runner.run(batch, fill if batch.has_constrained_rows else None)
-    except (EOFError, OSError) as e:
+                return
+    except TimeoutError:
+        leader_gone(f"follower {process_id}: no step and no heartbeat from the leader for {timeout_s:g} s "
+                    "(hung); exiting")
+    except (EOFError, OSError, struct.error) as e:
         leader_gone(f"follower {process_id}: the leader's step channel closed ({e}); exiting")
-    return FOLLOWER_EXIT_CODE  # not reached
 
 
 def _connect(address: tuple[str, int]) -> socket.socket:
