@@ -150,6 +150,7 @@ def test_a_step_past_the_watchdog_ends_every_request_and_the_engine_loudly(monke
             assert events[-1]["error"]["code"] == "engine_error"
             assert "past the step timeout of 2 s" in events[-1]["error"]["message"]
             assert whole[0].status_code == 500 and "step timeout" in whole[0].json()["error"]["message"]
+            health = http.get("/health")
             assert health.status_code == 503 and health.json()["state"] == "unavailable"
             assert "step timeout" in health.json()["reason"] and health.json()["step_faults"]["timeout"] == 1
             assert metric(http, "ferrox_step_faults_total", "timeout") == 1
@@ -194,6 +195,76 @@ def test_a_hung_step_exits_the_server_with_4(tmp_path):
         assert "past the step timeout" in events[-1]["error"]["message"]
         assert proc.wait(30) == 4
     assert "TEST-ONLY fault injection" in log.read_text()
+
+
+# ---------------------------------------------------------------- the batcher alone (scripted runner)
+
+
+def scripted_batcher(policy, **limits):
+    from ferrox_jax.batcher import ContinuousBatcher
+    from tests.scripted import ByteTokenizer, ScriptedRunner, letters_token_fn
+    from tests.test_batcher import limits_for
+
+    runner = ScriptedRunner(token_fn=letters_token_fn())
+    runner.delay_s = 0.001
+    batcher = ContinuousBatcher(runner, ByteTokenizer(), limits_for(runner, **limits), faults=policy)
+    fatal = []
+    batcher.add_fatal_listener(lambda kind, reason: fatal.append((kind, reason)))
+    batcher.start()
+    return batcher, runner, fatal
+
+
+def test_consecutive_failed_steps_end_every_request_even_a_waiting_one_and_call_the_listener_once():
+    from ferrox_jax.step_faults import FaultPolicy
+    from tests.test_batcher import Sink, req
+
+    batcher, runner, fatal = scripted_batcher(FaultPolicy(max_consecutive_faults=2), max_rows=1)
+    try:
+        runner.gate = threading.Event()  # hold the first step until all three are queued
+        runner.fail_when = lambda batch: True
+        sink = Sink()
+        for name in ("a", "b", "c"):
+            sink.submit(batcher, req(name, 3, 50))
+        runner.gate.set()
+        sink.wait("a", "b", "c")
+        assert "scripted runner failure" in sink.out("a").events[-1].error  # the first failed step: its job
+        for name in ("b", "c"):  # the second is unrecoverable: its job and the waiting one
+            assert "unrecoverable: 2 consecutive faulted steps" in sink.out(name).events[-1].error
+        assert batcher.health() == "dead" and [kind for kind, _ in fatal] == ["exception"]
+        assert batcher.fatal() == fatal[0]
+        stats = batcher.stats()
+        assert stats.step_faults_exception == 2 and "scripted runner failure" in stats.last_step_fault
+        late = []
+        batcher.add_fatal_listener(lambda *fault: late.append(fault))
+        assert late == fatal, "a listener added after the end is told at once"
+    finally:
+        batcher.shutdown(5)
+
+
+def test_the_watchdog_ends_a_hung_step_and_the_owner_touches_nothing_when_it_returns():
+    from ferrox_jax.step_faults import FaultPolicy
+    from tests.test_batcher import Sink, req
+
+    batcher, runner, fatal = scripted_batcher(FaultPolicy(step_timeout_s=0.3))
+    events = []
+    try:
+        sink = Sink()
+        spec = req("hung", 3, 200)
+        callback = sink.callback(spec)
+        batcher.submit(spec, lambda event: (events.append(event), callback(event)))
+        wait_for(lambda: events)
+        runner.gate = threading.Event()  # the next step blocks
+        sink.wait("hung")
+        assert "past the step timeout of 0.3 s" in events[-1].error and events[-1].finish_reason == "error"
+        assert batcher.health() == "dead" and fatal and fatal[0][0] == "timeout"
+        assert batcher.stats().step_faults_timeout == 1
+        finals = len([e for e in events if e.finish_reason])
+        runner.gate.set()  # the stuck step comes back: nothing more may be delivered
+        batcher._thread.join(5)
+        assert not batcher._thread.is_alive()
+        assert len([e for e in events if e.finish_reason]) == finals == 1
+    finally:
+        batcher.shutdown(5)
 
 
 # ---------------------------------------------------------------- the model-swap race
