@@ -28,6 +28,10 @@ from tests.server_harness import ServerThread, tiny_engine, wait_for
 from tests.test_reliability import FailingRuns, LONG, data_events, first_event, idle, post_in_thread, serve_process
 
 NAN_MAX_TOKENS = 77  # marks the request whose rows get NaN logits
+# The engines these tests kill: two rows, 16-token chunks (few shapes to compile), each
+# with limits of its own so that no other test shares it.
+SMALL = dict(max_seqs=2, prefill_chunk=16)
+FEW_SHAPES = ("--max-seqs", "2", "--prefill-chunk", "16")  # the same shapes for `ferrox serve`
 
 
 def metric(http, name: str, kind: str) -> float:
@@ -132,7 +136,7 @@ class HangingRuns:
 
 
 def test_a_step_past_the_watchdog_ends_every_request_and_the_engine_loudly(monkeypatch):
-    engine = tiny_engine(max_seqs=2, max_queue=7, prefill_chunk=16, step_timeout_s=2.0)  # killed here
+    engine = tiny_engine(**SMALL, max_queue=7, step_timeout_s=2.0)  # killed here
     app = create_app(engine, ServerConfig())
     hang = HangingRuns(monkeypatch, engine.runner)
     try:
@@ -167,7 +171,7 @@ def test_repeated_failing_steps_exit_the_server_non_zero_with_errors_in_every_en
     # Steps fail after 400 good ones: both streams are decoding by then; with
     # --max-step-faults 1 the first failed step is unrecoverable.
     env = {"FERROX_FAULT_INJECT": "raise:after=400"}
-    with serve_process(tmp_path, "--max-step-faults", "1", env=env) as (proc, url, log):
+    with serve_process(tmp_path, *FEW_SHAPES, "--max-step-faults", "1", env=env) as (proc, url, log):
         with httpx.Client(base_url=url, timeout=30) as http, \
                 http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as completion, \
                 http.stream("POST", "/v1/chat/completions", json={
@@ -186,7 +190,7 @@ def test_repeated_failing_steps_exit_the_server_non_zero_with_errors_in_every_en
 
 def test_a_hung_step_exits_the_server_with_4(tmp_path):
     env = {"FERROX_FAULT_INJECT": "hang:after=100"}
-    with serve_process(tmp_path, "--step-timeout-s", "2", env=env) as (proc, url, log):
+    with serve_process(tmp_path, *FEW_SHAPES, "--step-timeout-s", "2", env=env) as (proc, url, log):
         with httpx.Client(base_url=url, timeout=30) as http, \
                 http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as stream:
             lines = stream.iter_lines()
@@ -273,7 +277,7 @@ def test_the_watchdog_ends_a_hung_step_and_the_owner_touches_nothing_when_it_ret
 def test_a_swap_between_the_engine_pick_and_submit_keeps_the_request_on_its_engine(monkeypatch):
     import api.openai_routes
 
-    old = tiny_engine(max_seqs=2, max_queue=5, prefill_chunk=16)  # owned by the app below: shut down here
+    old = tiny_engine(**SMALL, max_queue=5)  # owned by the app below: shut down here
     new = tiny_engine()
     app = create_app(old, ServerConfig())
     state = state_of(app)
