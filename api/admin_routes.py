@@ -1,7 +1,9 @@
 """Observability routes: /health, /metrics, /admin/stats, /v1/stats, /v1/requests, /openapi.json.
 
 `/health` and `/metrics` are never behind the API key (probes and scrapers); the rest
-are. `/health` keeps `model` the served id (the contract's field, which clients compare) and
+are. `/health` also carries the engine's step faults by kind and the last one's reason
+(`step_faults`, `last_step_fault`), and a dead engine's reason (503 `unavailable`);
+`/metrics` counts them as `ferrox_step_faults_total{kind}`. `/health` keeps `model` the served id (the contract's field, which clients compare) and
 adds `model_info` beside it: dtype, context, weights and KV bytes, and `synthetic_weights`
 (true under `--load-format dummy`); `/admin/stats` carries the same object. The stats routes
 read the latest `BatcherStats` snapshot the owner thread published
@@ -29,6 +31,7 @@ from api.errors import APIError
 from api.lora_routes import lora_stats
 from api.state import VERSION, json_response, state_of
 from api.telemetry import RECENT_SIZE, stats_dict
+from ferrox_jax.step_faults import FAULT_KINDS
 
 blueprint = Blueprint("admin", __name__)
 
@@ -40,8 +43,12 @@ async def health() -> Response:
     body = {"state": phase, "model": state.engine.model_name if state.engine is not None else None,
             "model_info": state.model_info(), "version": VERSION,
             "uptime_seconds": round(state.stats.uptime_s(), 3)}
+    stats = state.engine_stats()
+    if stats is not None:  # what went wrong in the engine's steps (ferrox_jax/step_faults.py)
+        body["step_faults"] = {kind: getattr(stats, f"step_faults_{kind}") for kind in FAULT_KINDS}
+        body["last_step_fault"] = stats.last_step_fault
     if phase == "unavailable":
-        body["reason"] = state.load_error or "the engine loop is not running"
+        body["reason"] = state.load_error or state.fatal_reason() or "the engine loop is not running"
     headers = {} if phase == "ready" else {"Retry-After": "1"}
     return json_response(body, 200 if phase == "ready" else 503, headers)
 

@@ -127,6 +127,9 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
     @app.before_serving
     async def _start() -> None:
         state.load_failed = asyncio.Event()
+        state.engine_failed = asyncio.Event()
+        if state.engine is not None:
+            state.watch_engine(state.engine)
         state.start_background()
         if loader is not None:
             _start_loader(state, loader, asyncio.get_running_loop())
@@ -136,7 +139,8 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
         for run in list(state.inflight.values()):
             run.abort(DRAIN_ABORT_REASON)
         state.stop_background()
-        await asyncio.to_thread(state.shutdown_owned_engines)
+        if state.fatal is None:  # a dead engine's owner thread may be stuck in the device: leave it
+            await asyncio.to_thread(state.shutdown_owned_engines)
 
     return app
 
@@ -192,6 +196,10 @@ def _install_hooks(app: Quart, state: AppState) -> None:
             raise APIError(429, "rate limit exceeded", type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": "60"})
         return None
+
+    @app.teardown_request
+    async def _unpin(_exc: BaseException | None) -> None:
+        state.unpin_engine()
 
     @app.after_request
     async def _after(response: Response) -> Response:

@@ -8,7 +8,10 @@ It sits on the top floor: it wires `api/` and the engine together. Every
 load and every bucket compiles (progress bars on stderr), then `ready`; one log block
 names the model, dtype, devices, KV blocks and bytes, buckets and URL. SIGTERM/SIGINT
 drain: /health and new work turn 503, in-flight requests get `--shutdown-timeout`
-seconds, the rest are cancelled, and the process exits 0.
+seconds, the rest are cancelled, and the process exits 0. An engine that gives up (a step
+hung past `--step-timeout-s`, `--max-step-faults` failed steps in a row, a crashed owner
+loop) has already ended every in-flight request with an error; the server then stops and
+the process exits non-zero (`EXIT_*`, docs/operations.md) so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ if TYPE_CHECKING:
     from ferrox_jax.engine import Engine
 
 logger = logging.getLogger("ferrox")
+
+# `ferrox serve` exit statuses (docs/operations.md has the table and what a supervisor does).
+EXIT_OK = 0  # SIGTERM/SIGINT drain, or stdin closed with --exit-on-stdin-close
+EXIT_LOAD_FAILED = 1  # the model did not load (a bad checkpoint or setting)
+EXIT_ENGINE_FAULTED = 3  # repeated failed steps or a crashed owner loop
+EXIT_ENGINE_HUNG = 4  # a step ran past --step-timeout-s (the device is hung or gone)
 
 
 def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
@@ -137,7 +146,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             num_processes=args.num_processes, process_id=args.process_id,
             multihost_timeout_s=args.multihost_timeout_s, max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank, lora_modules=_flat_pairs(args.lora_modules),
-            speculative=speculative_config(args))
+            speculative=speculative_config(args), step_timeout_s=args.step_timeout_s,
+            max_step_faults=args.max_step_faults)
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {e}") from None
 
@@ -193,6 +203,9 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
         engine.warmup(on_compile)
     finally:
         bar.close()
+    from ferrox_jax import fault_inject
+
+    fault_inject.install_from_env(engine.runner)  # TEST-ONLY: FERROX_FAULT_INJECT (normally unset)
     engine.start()
     info = engine.describe()
     lines = [f"  {key}: {value}" for key, value in info.items()]
@@ -252,13 +265,20 @@ def serve(args: argparse.Namespace) -> int:
 
         async def trigger() -> None:
             nonlocal exit_code
-            failed = asyncio.create_task(state_of(app).load_failed.wait())
+            state = state_of(app)
+            failed = asyncio.create_task(state.load_failed.wait())
+            faulted = asyncio.create_task(state.engine_failed.wait())
             stopped = asyncio.create_task(stop.wait())
-            done, pending = await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            done, pending = await asyncio.wait({failed, faulted, stopped}, return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
                 task.cancel()
             if failed in done:
-                exit_code = 1
+                exit_code = EXIT_LOAD_FAILED
+            elif faulted in done:
+                kind, reason = state.fatal
+                exit_code = EXIT_ENGINE_HUNG if kind == "timeout" else EXIT_ENGINE_FAULTED
+                logger.critical("the engine gave up (%s): %s; exiting %d for a supervisor to restart the server",
+                                kind, reason, exit_code)
 
         await hypercorn_serve(app, hc, shutdown_trigger=trigger)
         announcing.cancel()
@@ -267,6 +287,13 @@ def serve(args: argparse.Namespace) -> int:
     code = _run_loop(run())
     if multihost_app.is_multiprocess(engine_cfg):
         multihost_app.exit_now(code)
+    if code in (EXIT_ENGINE_FAULTED, EXIT_ENGINE_HUNG):
+        # The owner thread may be stuck inside a device call, which interpreter exit (jax's
+        # atexit hooks) would wait on forever: leave now, logs flushed.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 

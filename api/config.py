@@ -262,6 +262,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prefill_chunk_idle", "FERROX_PREFILL_CHUNK_IDLE", _nonneg_int, 0,
             "prompt tokens per tick while no row decodes (0 = --prefill-chunk; larger buckets compile at start-up)"),
     Setting("max_queue", "FERROX_CB_MAX_QUEUE", _positive_int, 512, "waiting jobs before 503"),
+    Setting("step_timeout_s", "FERROX_STEP_TIMEOUT_S", _nonneg_float, 600.0,
+            "seconds one engine step may run after warm-up before the engine is declared hung: in-flight "
+            "requests end with an error and the process exits 4 (0 = no watchdog)"),
+    Setting("max_step_faults", "FERROX_MAX_STEP_FAULTS", _positive_int, 3,
+            "failed engine steps in a row before the engine gives up and the process exits 3"),
     Setting("prefix_caching", "FERROX_PREFIX_CACHING", _bool, True,
             "keep computed prompt blocks and reuse them for prompts sharing a prefix (--no-prefix-caching: off)"),
     Setting("speculative", "FERROX_SPECULATIVE", _str, None,

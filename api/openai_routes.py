@@ -210,7 +210,7 @@ async def completions() -> Response:
     run = GenerationRun(state, "/v1/completions", api_id, reqs, stream=bool(body.stream), drop_output=zero_output,
                         engine=engine, model=body.model)
     run.seeded = body.seed is not None
-    return await _serve(run, body, CompletionShape(state.tokens, body.logprobs), echoes)
+    return await _serve(run, body, CompletionShape(state.tokens_for(engine), body.logprobs), echoes)
 
 
 @blueprint.post("/v1/chat/completions")
@@ -255,7 +255,7 @@ async def chat_completions() -> Response:
                         model=body.model)
     run.seeded = body.seed is not None
     after = (lambda reply: _remember(state, session, messages, reply)) if session else None
-    return await _serve(run, body, ChatShape(state.tokens, logprobs), [""], chat.plan, after)
+    return await _serve(run, body, ChatShape(state.tokens_for(engine), logprobs), [""], chat.plan, after)
 
 
 def _session(state: AppState, session_id: Any) -> tuple[str, str] | None:

@@ -16,6 +16,16 @@ failed load reads `unavailable`; after `/admin/models/unload`, `unloaded` (503
 Engines this app loaded (the start-up loader, `/admin/models/load`) are its own and are
 shut down here, once no run in flight still uses them (`retire`); an engine handed to
 `create_app` belongs to the caller.
+
+A request is pinned to one engine: `require_engine()` picks the current one the first
+time a request calls it and returns that same engine on every later call, and the app's
+teardown hook unpins it; a pinned engine is not retired. So a model swap between a
+handler's pick and its `submit` neither answers a spurious 503 (the old engine shut down
+under it) nor renders logprob strings in the new model's vocabulary (`tokens_for`).
+
+An engine that gives up (`ferrox_jax/step_faults.py`: a hung step, repeated step faults, a
+dead loop) reads `unavailable` with its reason, and sets `engine_failed`, which
+`ferrox serve` waits on to exit non-zero (docs/operations.md, exit codes).
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import time
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Protocol
 
-from quart import Quart, Response
+from quart import Quart, Response, g, has_request_context
 
 from api.choices import TokenText
 from api.config import ServerConfig
@@ -84,6 +94,11 @@ class AppState:
         self.load_failed = asyncio.Event()  # set (on the loop) when the loader raised
         self.guards: Any = None  # api.guards.RequestGuards, installed by create_app
         self._hits: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        self.engine_pins: collections.Counter[Any] = collections.Counter()  # engine -> requests pinned to it
+        self._retired_tokens: dict[Any, TokenText] = {}  # a swapped-out engine -> its TokenText, until retired
+        self.fatal: tuple[str, str] | None = None  # (kind, reason) once the served engine gave up
+        self.engine_failed = asyncio.Event()  # set (on the loop) then; `ferrox serve` exits non-zero
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by `watch_engine` when serving starts
 
     def _metrics_source(self) -> tuple[BatcherStats | None, ServerStats]:
         return self.engine_stats(), self.stats
@@ -108,11 +123,14 @@ class AppState:
     def set_engine(self, engine: Engine | None, owned: bool = False) -> None:
         """Serve `engine` from now on (None: nothing is loaded); the previous one is retired."""
         previous = self.engine
+        if previous is not None and previous is not engine and self.tokens is not None:
+            self._retired_tokens[previous] = self.tokens
         self.engine = engine
         if owned and engine is not None:
             self.owned_engines.append(engine)
         if engine is not None:
             self.tokens = TokenText(engine.tokenizer)
+            self.watch_engine(engine)
             if self.phase in ("loading", "unloaded", "failed"):
                 self.phase, self.load_error = "ready", None
         elif self.phase == "ready":
@@ -129,8 +147,11 @@ class AppState:
             return
 
         async def when_idle() -> None:
-            while any(getattr(run, "engine", None) is engine for run in self.inflight.values()):
+            while self.engine_pins[engine] or any(getattr(run, "engine", None) is engine
+                                                  for run in self.inflight.values()):
                 await asyncio.sleep(0.05)
+            if engine is not self.engine:
+                self._retired_tokens.pop(engine, None)
             if engine is not self.engine and engine in self.owned_engines:
                 self.owned_engines.remove(engine)
                 await asyncio.to_thread(engine.shutdown)
@@ -167,12 +188,72 @@ class AppState:
             return "unavailable"
         return "ready"
 
+    def tokens_for(self, engine: Engine) -> TokenText:
+        """Token strings in `engine`'s vocabulary (the current one's, or a swapped-out one's)."""
+        if engine is self.engine and self.tokens is not None:
+            return self.tokens
+        tokens = self._retired_tokens.get(engine)
+        if tokens is None:
+            tokens = self._retired_tokens[engine] = TokenText(engine.tokenizer)
+        return tokens
+
+    def pin_engine(self, engine: Engine) -> Engine:
+        """The engine this request is pinned to: `engine` on the first call, the same one
+        after (outside a request, `engine` itself)."""
+        if not has_request_context():
+            return engine
+        pinned = g.get("ferrox_engine")
+        if pinned is None:
+            g.ferrox_engine = pinned = engine
+            self.engine_pins[engine] += 1
+        return pinned
+
+    def unpin_engine(self) -> None:
+        """The request ended (the app's teardown hook); a run it submitted keeps its engine
+        alive through `inflight`."""
+        engine = g.pop("ferrox_engine", None)
+        if engine is not None:
+            self.engine_pins[engine] -= 1
+            if self.engine_pins[engine] <= 0:
+                del self.engine_pins[engine]
+
+    def watch_engine(self, engine: Engine) -> None:
+        """Listen for `engine` giving up (on the loop serving the app; no-op before it runs)."""
+        try:
+            loop = self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        add = getattr(engine, "add_fatal_listener", None)  # test doubles may have none
+        if add is None:
+            return
+
+        def on_fatal(kind: str, reason: str) -> None:  # the engine's owner or watchdog thread
+            try:
+                loop.call_soon_threadsafe(self._on_fatal, engine, kind, reason)
+            except RuntimeError:  # the loop is closed: the server is gone already
+                pass
+
+        add(on_fatal)
+
+    def _on_fatal(self, engine: Engine, kind: str, reason: str) -> None:
+        if engine is not self.engine:  # a swapped-out engine's end changes nothing served
+            return
+        self.fatal = (kind, reason)
+        self.engine_failed.set()
+
+    def fatal_reason(self) -> str | None:
+        """Why the served engine gave up, or None."""
+        fatal = getattr(self.engine, "fatal", None) if self.engine is not None else None
+        found = fatal() if fatal is not None else None
+        return found[1] if found is not None else None
+
     def require_engine(self) -> Engine:
-        """The engine, or a 503 with Retry-After while it cannot take work."""
+        """The engine this request is pinned to (`pin_engine`), or a 503 with Retry-After
+        while the server cannot take work."""
         state = self.health_state()
         if state == "ready":
             assert self.engine is not None
-            return self.engine
+            return self.pin_engine(self.engine)
         if state == "loading":
             raise unavailable("the model is still loading; retry shortly", code="loading")
         if state == "draining":
@@ -184,7 +265,7 @@ class AppState:
             raise unavailable("the server is asleep (POST /sleep); POST /wake_up wakes it", code="sleeping")
         if state == "unloaded":
             raise unavailable("no model is loaded; load one with POST /admin/models/load", code="model_not_loaded")
-        reason = self.load_error or "the engine is not running"
+        reason = self.load_error or self.fatal_reason() or "the engine is not running"
         raise unavailable(f"engine unavailable: {reason}", code="unavailable")
 
     def over_rate_limit(self, client: str) -> bool:

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ferrox_jax.stats import BatcherStats
+from ferrox_jax.step_faults import FAULT_KINDS
 
 RECENT_SIZE = 200
 
@@ -220,6 +221,12 @@ class _SnapshotCollector:
         yield lora_requests_info(d)
         yield CounterMetricFamily("ferrox_recompiles_after_warmup", "bucket compilations after warm-up",
                                   value=float(d.get("recompiles_after_warmup") or 0))
+        faults = CounterMetricFamily("ferrox_step_faults", "engine steps that went wrong, by kind: the runner "
+                                     "raised, a row's logits were non-finite, a step hung past the watchdog",
+                                     labels=["kind"])
+        for kind in FAULT_KINDS:
+            faults.add_metric([kind], float(d.get(f"step_faults_{kind}") or 0))
+        yield faults
         yield from _spec_decode_metrics(d)
         yield CounterMetricFamily("ferrox_requests", "HTTP requests (observability routes excluded)",
                                   value=float(server.requests_total))

@@ -22,6 +22,10 @@ thread, so none of it needs a lock. The owner loop, once per iteration:
 
 A crash in the loop itself is loud: the traceback is logged, every open request gets an
 error event, `health()` turns "dead" and `submit` raises `AdmissionError("unavailable")`.
+Step faults (a raising runner, a row's non-finite logits, a step that hangs past the
+watchdog) are counted by kind and the engine gives up on repeated ones
+(`ferrox_jax/step_faults.py`); a dead batcher calls its fatal listeners once
+(`add_fatal_listener`), which is how `ferrox serve` knows to exit non-zero.
 
 Admission refusals happen in `submit`, on the caller's thread, before anything is queued:
 context length, then too large (pure checks against immutable limits), then the queue cap,
@@ -50,6 +54,7 @@ from ferrox_jax.request import AdmissionError, GenerationRequest, MatcherFactory
 from ferrox_jax.scheduler import Scheduler, check_admission
 from ferrox_jax.speculative import spec_decode_stats
 from ferrox_jax.stats import BatcherStats
+from ferrox_jax.step_faults import FaultLedger, FaultPolicy, StepWatchdog, Unrecoverable
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +84,10 @@ class _AbortRequest:
 
 class _Stop:
     pass
+
+
+class _Abandoned(Exception):
+    """The watchdog took over while the owner was in a step: the owner touches nothing more."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +134,11 @@ class ContinuousBatcher:
     """Continuous batching over one runner; see the module docstring for the loop."""
 
     def __init__(self, runner: Runner, tokenizer: Any, limits: SchedulerLimits,
-                 new_matcher: MatcherFactory | None = None, fill_bitmask: BitmaskFiller | None = None) -> None:
+                 new_matcher: MatcherFactory | None = None, fill_bitmask: BitmaskFiller | None = None,
+                 faults: FaultPolicy | None = None) -> None:
         """`new_matcher` and `fill_bitmask` come from the engine's grammar compiler
         (`GrammarCompiler.new_matcher` / `.fill_bitmask`); without them constrained jobs
-        are refused at submit."""
+        are refused at submit. `faults`: the step watchdog and the consecutive-fault limit."""
         check_limits(limits, runner)
         self.limits = limits
         self._runner = runner
@@ -146,6 +156,10 @@ class ContinuousBatcher:
         self._num_waiting = 0  # the scheduler's waiting queue, as last published
         self._open_request_ids: set[str] = set()
         self._refusals: collections.Counter[str] = collections.Counter()
+        self._faults = FaultLedger(faults or FaultPolicy())
+        self._watchdog = StepWatchdog(self._faults.policy.step_timeout_s, self._on_step_timeout)
+        self._fatal_listeners: list[Callable[[str, str], None]] = []
+        self._fatal: tuple[str, str] | None = None  # (kind, reason) once the engine gave up
         self._snapshot = BatcherStats(kv_blocks_total=self.limits.num_blocks,
                                       kv_blocks_free=self.limits.num_blocks,
                                       kv_block_size=self.limits.block_size)
@@ -215,12 +229,28 @@ class ContinuousBatcher:
         """The latest snapshot published by the owner, with the submit-side refusal
         counters (kept under the admission lock, so they are current too)."""
         with self._lock:
-            return dataclasses.replace(self._snapshot, **self._refusals)
+            return dataclasses.replace(self._snapshot, **self._refusals, **self._faults.fields())
 
     def health(self) -> str:
         """"ready", "dead" (the loop crashed) or "stopped" (not started, or shut down)."""
         with self._lock:
             return self._health
+
+    def fatal(self) -> tuple[str, str] | None:
+        """(kind, reason) of what made the engine give up, or None while it has not."""
+        with self._lock:
+            return self._fatal
+
+    def add_fatal_listener(self, listener: Callable[[str, str], None]) -> None:
+        """`listener(kind, reason)` is called once when the engine gives up (from the owner
+        or the watchdog thread); at once when it already has. kind: "exception",
+        "nonfinite" (repeated faulted steps), "timeout" (a hung step) or "loop" (a crash)."""
+        with self._lock:
+            fatal = self._fatal
+            if fatal is None:
+                self._fatal_listeners.append(listener)
+        if fatal is not None:
+            listener(*fatal)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stops the loop; open requests end with an error event."""
@@ -228,6 +258,7 @@ class ContinuousBatcher:
             if self._health == "ready":
                 self._health = "stopped"
             self._inbox.put(_Stop())
+        self._watchdog.stop()
         if self._thread is not None:
             self._thread.join(timeout_s)
 
@@ -244,9 +275,35 @@ class ContinuousBatcher:
                 self._run_idle_calls()
                 did_work = self._scheduler.has_work and self._tick()
                 is_idle = not did_work
+        except _Abandoned:  # the watchdog ended everything; this thread was stuck in a step
+            log.error("a step that outlived the watchdog came back; the batcher stays dead")
+        except Unrecoverable as fault:
+            log.error("the engine gives up: %s", fault.reason)
+            self._die(fault.kind, f"the engine is unrecoverable: {fault.reason}")
         except Exception as exc:  # the one catch-all: a dead loop must be loud, not silent
             log.exception("batcher owner loop crashed")
-            self._end_all("dead", f"the batcher loop crashed: {exc!r}")
+            self._die("loop", f"the batcher loop crashed: {exc!r}")
+
+    def _die(self, kind: str, reason: str) -> None:
+        """Ends every open request with `reason`, turns health "dead", tells the listeners."""
+        with self._lock:
+            self._fatal = (kind, reason)
+            listeners, self._fatal_listeners = self._fatal_listeners, []
+        self._end_all("dead", reason)
+        for listener in listeners:
+            try:
+                listener(kind, reason)
+            except Exception:  # one broken listener must not silence the others
+                log.exception("a fatal listener failed")
+
+    def _on_step_timeout(self, elapsed_s: float) -> None:
+        """The watchdog's thread: the owner is stuck in a step (and will touch nothing if it
+        ever comes back: `disarm` tells it so), so this thread ends the work."""
+        reason = (f"a step ran {elapsed_s:.1f} s, past the step timeout of {self._watchdog.timeout_s:g} s "
+                  "(the device is hung or gone)")
+        log.error("step watchdog: %s", reason)
+        self._faults.record_timeout(reason)
+        self._die("timeout", f"the engine is unrecoverable: {reason}")
 
     def _drain_inbox(self, *, block: bool) -> list[Any]:
         messages = [self._inbox.get()] if block else []
@@ -316,16 +373,38 @@ class ContinuousBatcher:
         return not plan.is_empty or bool(events)
 
     def _run_step(self, plan: StepPlan) -> float:
-        """Steps 4-5; returns the device seconds (the runner's call, grammar masks included)."""
+        """Steps 4-5; returns the device seconds (the runner's call, grammar masks included).
+
+        Raises:
+          _Abandoned: the watchdog fired while the step ran (it ended everything).
+          Unrecoverable: the fault policy gives up (too many faulted steps in a row).
+        """
+        if getattr(self._runner, "is_warm", True):  # warm-up's compiles never trip the watchdog
+            self._watchdog.arm()
         try:
             out = run_plan(self._runner, plan, self._fill_masks)
             self._scheduler.check_output(plan, out)
         except Exception as exc:  # a failed step fails its jobs, not the server
+            if not self._watchdog.disarm():
+                raise _Abandoned() from exc
             log.exception("runner failed on a step with %d chunks and %d decode rows",
                           len(plan.chunks), len(plan.decode))
-            self._scheduler.fail_step(plan, f"the model runner failed: {exc!r}")
+            reason = f"the model runner failed: {exc!r}"
+            self._scheduler.fail_step(plan, reason)
+            self._faults.record("exception", reason)
             return 0.0
-        self._scheduler.update(plan, out)
+        if not self._watchdog.disarm():
+            raise _Abandoned()
+        bad = out.nonfinite_row_ids
+        if bad:
+            reason = f"non-finite logits (NaN or inf) in {len(bad)} of the step's {len(plan.rows)} rows"
+            log.error("%s; their requests end with an error", reason)
+            kept = self._scheduler.fail_rows(plan, bad, f"the model produced {reason}")
+            self._scheduler.update(kept, out)
+            self._faults.record("nonfinite", reason, step_faulted=not kept.rows)
+        else:
+            self._scheduler.update(plan, out)
+            self._faults.ok_step()
         return out.device_s
 
     def _fill_masks(self, batch: HostBatch, forward_is_done: Callable[[], bool]) -> None:

@@ -96,6 +96,9 @@ class EngineConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # ---- step faults (ferrox_jax/step_faults.py, docs/operations.md) ----
+    step_timeout_s: float = 600.0  # a step running longer after warm-up kills the engine; 0: no watchdog
+    max_step_faults: int = 3  # faulted steps in a row before the engine gives up
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
@@ -137,6 +140,10 @@ class EngineConfig:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"EngineConfig.dummy_weights_seed must be an int >= 0; got {seed!r}")
         self._check_mesh()
+        if not self.step_timeout_s >= 0:
+            raise ValueError(f"EngineConfig.step_timeout_s must be >= 0 (0: no watchdog); got {self.step_timeout_s}")
+        if isinstance(self.max_step_faults, bool) or not isinstance(self.max_step_faults, int) or self.max_step_faults < 1:
+            raise ValueError(f"EngineConfig.max_step_faults must be a positive int; got {self.max_step_faults!r}")
         if self.coordinator_address not in (None, "auto") and (self.num_processes is None or self.process_id is None):
             raise ValueError("EngineConfig.coordinator_address needs num_processes and process_id "
                              "(or coordinator_address='auto' on a TPU pod)")

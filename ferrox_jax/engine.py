@@ -180,8 +180,16 @@ class Engine:
         return 0 if asleep is None else asleep.level
 
     def health(self) -> str:
-        """"ready", "dead" (the owner loop crashed) or "stopped"."""
+        """"ready", "dead" (the owner loop crashed or the engine gave up on faults) or "stopped"."""
         return self._batcher.health()
+
+    def fatal(self) -> tuple[str, str] | None:
+        """(kind, reason) once the engine gave up (`ferrox_jax/step_faults.py`), else None."""
+        return self._batcher.fatal()
+
+    def add_fatal_listener(self, listener: Callable[[str, str], None]) -> None:
+        """`listener(kind, reason)`, once, when the engine gives up (any thread)."""
+        self._batcher.add_fatal_listener(listener)
 
     # -- descriptions -------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ferrox_jax.batcher import ContinuousBatcher
+from ferrox_jax.step_faults import FaultPolicy
 from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.engine import Engine, KVSizing
 from ferrox_jax.kv_cache import bytes_per_block
@@ -354,7 +355,8 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
     runner = _leader_runner(runner, config)
     batcher = ContinuousBatcher(runner, source.tokenizer, limits,
                                 new_matcher=grammar.new_matcher if grammar is not None else None,
-                                fill_bitmask=grammar.fill_bitmask if grammar is not None else None)
+                                fill_bitmask=grammar.fill_bitmask if grammar is not None else None,
+                                faults=FaultPolicy(config.step_timeout_s, config.max_step_faults))
     engine = Engine(source, runner, batcher, config, sizing, attention_note, grammar, grammar_note, matmul_note)
     if lora_slots is not None:
         engine.lora = build_registry(runner, source.config.architecture, lora_slots, lora_targets, config.lora_modules)

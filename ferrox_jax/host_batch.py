@@ -306,6 +306,8 @@ class StepArrays:
     verify_logprob: np.ndarray | None = None  # f32[R, K]
     verify_top_ids: np.ndarray | None = None  # i32[R, K, 20]
     verify_top_logprobs: np.ndarray | None = None  # f32[R, K, 20]
+    # bool[R]: every logit of the row finite (all of a speculating row's); None: not checked.
+    finite: np.ndarray | None = None
 
 
 def step_output(plan: StepPlan, batch: HostBatch, arrays: StepArrays, *, device_s: float = 0.0) -> StepOutput:
@@ -314,7 +316,8 @@ def step_output(plan: StepPlan, batch: HostBatch, arrays: StepArrays, *, device_
     for i, row in enumerate(plan.decode + plan.chunks):
         if row.sample or row.prompt_logprobs or row.pooling:
             results[row.row_id] = _row_result(row, batch, arrays, i)
-    return StepOutput(results=results, device_s=device_s)
+    nonfinite = () if arrays.finite is None else tuple(int(batch.row_ids[i]) for i in np.flatnonzero(~arrays.finite))
+    return StepOutput(results=results, device_s=device_s, nonfinite_row_ids=nonfinite)
 
 
 def _row_result(row: RowPlan, batch: HostBatch, arrays: StepArrays, i: int) -> RowResult:

@@ -88,6 +88,8 @@ class StepPlan:
 class StepOutput:
     results: dict[int, RowResult]  # row_id -> result, for rows with sample, prompt_logprobs or pooling
     device_s: float = 0.0  # wall time of the runner's call (grammar masks, filled meanwhile, included)
+    # Rows whose logits held NaN or inf (found on the device): their results are garbage.
+    nonfinite_row_ids: tuple[int, ...] = ()
 
 
 # Called by the runner once the forward is dispatched: fills `batch.bitmask` for the

@@ -251,7 +251,7 @@ class ModelRunner:
             sampling, bitmask = jax.device_put(sampling), self._all_ones_mask(rows)
         samples = self._executable(("sample", rows))(forward.logits, forward.sample_pos, sampling, bitmask)
         wants_prompt, wants_pooled = bool(batch.prompt_logprobs.any()), bool(batch.pooling.any())
-        fetch = [samples.tokens, samples.logprob, samples.top_ids, samples.top_logprobs]
+        fetch = [samples.tokens, samples.logprob, samples.top_ids, samples.top_logprobs, samples.finite]
         if wants_prompt:
             fetch += [forward.prompt_logprob, forward.prompt_top_ids, forward.prompt_top_logprobs]
         if wants_pooled:
@@ -264,10 +264,10 @@ class ModelRunner:
         first = np.ones(len(real), bool)
         first[1:] = order[real][1:] != order[real][:-1]
         padded_row[order[real][first]] = real[first]
-        arrays = StepArrays(*(a[padded_row] for a in fetched[:4]))
+        arrays = StepArrays(*(a[padded_row] for a in fetched[:4]), finite=_host_finite(fetched[4], order, batch.num_rows))
         if batch.num_logits.max(initial=0) > 1:
             _add_verify_arrays(arrays, batch, fetched[:4], padded_row)
-        rest = fetched[4:]
+        rest = fetched[5:]
         if wants_prompt:
             token_index = _host_token_index(batch, shape, padded_row)
             arrays.prompt_logprob, arrays.prompt_top_ids, arrays.prompt_top_logprobs = (a[token_index] for a in rest[:3])
@@ -323,6 +323,15 @@ def _add_verify_arrays(arrays: StepArrays, batch: HostBatch, samples: list[np.nd
     index = np.where(np.arange(width)[None, :] < batch.num_logits[:, None], index, padded_row[:, None])
     arrays.verify_tokens, arrays.verify_logprob, arrays.verify_top_ids, arrays.verify_top_logprobs = (
         a[index] for a in samples)
+
+
+def _host_finite(finite: np.ndarray, order: np.ndarray, num_rows: int) -> np.ndarray:
+    """bool[R] per host row from the padded rows' flags: a speculating row's tokens are
+    several padded rows, all of which must be finite; padding rows are ignored."""
+    out = np.ones(num_rows, bool)
+    real = order >= 0
+    np.logical_and.at(out, order[real], finite[real])
+    return out
 
 
 def _row_token_starts(shape: StepShape) -> np.ndarray:

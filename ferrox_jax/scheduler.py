@@ -31,7 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ferrox_jax.block_tables import BlockTables, blocks_to_reserve
@@ -365,6 +365,21 @@ class Scheduler:
             self.num_failed_jobs += 1
         self._planned_row_ids = ()
         self._flush_finished()
+
+    def fail_rows(self, plan: StepPlan, row_ids: Sequence[int], error: str) -> StepPlan:
+        """Ends the jobs owning `row_ids` (rows of the last scheduled step whose results are
+        unusable: non-finite logits) with an error and frees their blocks; returns the plan
+        without any row of those jobs, for `update` to apply to the step's other rows.
+        Their blocks written this step are never named in the prefix cache."""
+        jobs = {self._rows[row_id].request.spec.request_id: self._rows[row_id].request
+                for row_id in row_ids if row_id in self._rows}
+        failed = {row.row_id for job in jobs.values() for row in job.rows}
+        for job in jobs.values():
+            self._stop_job(job, RequestState.FINISHED_ERROR, error)
+            self.num_failed_jobs += 1
+        self._planned_row_ids = tuple(row_id for row_id in self._planned_row_ids if row_id not in failed)
+        return dataclasses.replace(plan, decode=tuple(r for r in plan.decode if r.row_id not in failed),
+                                   chunks=tuple(r for r in plan.chunks if r.row_id not in failed))
 
     def _apply_chunk(self, step: RowPlan, result: RowResult | None) -> None:
         job = self._rows[step.row_id].request

@@ -55,3 +55,9 @@ class BatcherStats:
     max_loras: int = 0
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # Step faults by kind (ferrox_jax/step_faults.py) and the last one's reason, e.g.
+    # "nonfinite: non-finite logits (NaN or inf) in 1 of the step's 3 rows".
+    step_faults_exception: int = 0
+    step_faults_nonfinite: int = 0
+    step_faults_timeout: int = 0
+    last_step_fault: str | None = None

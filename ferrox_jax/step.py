@@ -79,6 +79,7 @@ class SampleResult:
     logprob: jax.Array  # f32[R]: raw logprob of the sampled token
     top_ids: jax.Array  # i32[R, 20]
     top_logprobs: jax.Array  # f32[R, 20]
+    finite: jax.Array  # bool[R]: every raw logit of the row finite (NaN/inf: a step fault)
 
 
 def _prompt_logprobs(model, hidden, next_tokens):
@@ -116,8 +117,12 @@ def _forward(graphdef, state, kv_cache: KVCache, batch: ForwardBatch):
 
 
 def _sample(logits, positions, sampling: SamplingArrays, bitmask) -> SampleResult:
-    """logits f32[R, V], positions i32[R], bitmask i32[R, ceil(V/32)] -> SampleResult."""
-    return SampleResult(*sample(logits, positions, sampling, bitmask))
+    """logits f32[R, V], positions i32[R], bitmask i32[R, ceil(V/32)] -> SampleResult.
+
+    `finite` is one reduction over the logits already on the device, so a NaN is caught
+    without copying the logits to the host (`ferrox_jax/step_faults.py`)."""
+    finite = jnp.isfinite(logits).all(axis=-1)
+    return SampleResult(*sample(logits, positions, sampling, bitmask), finite=finite)
 
 
 def _logits(graphdef, state, kv_cache: KVCache, batch: ForwardBatch):

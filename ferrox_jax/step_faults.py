@@ -1,0 +1,156 @@
+"""Step faults: what the owner loop counts when a step goes wrong, and the watchdog that
+notices a step that never comes back. No jax here.
+
+Kinds (`FAULT_KINDS`, the `kind` label of `ferrox_step_faults_total`):
+  exception  the runner raised: the jobs with a row in that step end with an error, the
+             loop goes on (`Scheduler.fail_step`).
+  nonfinite  a row's logits held NaN or inf (found on the device: one `isfinite`
+             reduction per row, fetched with the sampled tokens, never the logits): that
+             row's job ends with an error; the step's other rows keep their outputs.
+  timeout    a step ran past `FaultPolicy.step_timeout_s` (`StepWatchdog`, armed only once
+             the runner is warm, so start-up compiles never trip it). The owner thread is
+             stuck inside the device call and cannot be got back: the engine is dead.
+
+The engine is *unrecoverable* after a timeout, after `max_consecutive_faults` faulted
+steps in a row (a step faults when it raised, or when every row in it was non-finite; a
+step with one good row resets the count, so one request whose rows keep going NaN cannot
+take the engine down), or when the owner loop itself crashed. Then every open request
+ends with an error, `health()` reads "dead", and the batcher's fatal listeners are called
+once with (kind, reason): `ferrox serve` exits non-zero there (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+FAULT_KINDS = ("exception", "nonfinite", "timeout")
+DEFAULT_STEP_TIMEOUT_S = 600.0  # a cold compile after warm-up (a new bucket) fits well inside
+DEFAULT_MAX_CONSECUTIVE_FAULTS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultPolicy:
+    """When a faulting engine gives up. `step_timeout_s` 0 turns the watchdog off."""
+
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
+    max_consecutive_faults: int = DEFAULT_MAX_CONSECUTIVE_FAULTS
+
+    def __post_init__(self) -> None:
+        if not self.step_timeout_s >= 0:
+            raise ValueError(f"FaultPolicy.step_timeout_s must be >= 0 (0: no watchdog); got {self.step_timeout_s}")
+        if isinstance(self.max_consecutive_faults, bool) or not isinstance(self.max_consecutive_faults, int) \
+                or self.max_consecutive_faults < 1:
+            raise ValueError(f"FaultPolicy.max_consecutive_faults must be a positive int; got "
+                             f"{self.max_consecutive_faults!r}")
+
+
+class Unrecoverable(Exception):
+    """Raised inside the owner loop when the fault policy gives up; the loop ends all work."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+class FaultLedger:
+    """Fault counters by kind and the last fault's reason; thread-safe (the watchdog
+    records timeouts from its own thread, `stats()` reads from any)."""
+
+    def __init__(self, policy: FaultPolicy) -> None:
+        self.policy = policy
+        self._lock = threading.Lock()
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._last: str | None = None
+        self._consecutive = 0  # owner thread only
+
+    def record(self, kind: str, reason: str, *, step_faulted: bool = True) -> None:
+        """Counts one fault. Raises Unrecoverable once `step_faulted` steps reach the limit
+        in a row (call it on the owner thread, after the good rows were applied)."""
+        with self._lock:
+            self._counts[kind] += 1
+            self._last = f"{kind}: {reason}"
+        if not step_faulted:
+            self._consecutive = 0
+            return
+        self._consecutive += 1
+        if self._consecutive >= self.policy.max_consecutive_faults:
+            raise Unrecoverable(kind, f"{self._consecutive} consecutive faulted steps; the last: {reason}")
+
+    def record_timeout(self, reason: str) -> None:
+        with self._lock:
+            self._counts["timeout"] += 1
+            self._last = f"timeout: {reason}"
+
+    def ok_step(self) -> None:
+        self._consecutive = 0
+
+    def fields(self) -> dict[str, object]:
+        """The BatcherStats fields: `step_faults_<kind>` and `last_step_fault`."""
+        with self._lock:
+            return {**{f"step_faults_{kind}": self._counts[kind] for kind in FAULT_KINDS},
+                    "last_step_fault": self._last}
+
+
+class StepWatchdog:
+    """Calls `on_timeout(elapsed_s)` from its own thread when one armed step outlives
+    `timeout_s`. `arm()` before the runner's call, `disarm()` after: False means the
+    watchdog fired meanwhile and took over (the owner must then touch nothing)."""
+
+    def __init__(self, timeout_s: float, on_timeout: Callable[[float], None]) -> None:
+        self.timeout_s = timeout_s
+        self._on_timeout = on_timeout
+        self._cond = threading.Condition()
+        self._armed_at: float | None = None
+        self._fired = False
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.timeout_s > 0
+
+    def arm(self) -> None:
+        if not self.enabled:
+            return
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="ferrox-step-watchdog", daemon=True)
+                self._thread.start()
+            self._armed_at = time.monotonic()
+            self._cond.notify()
+
+    def disarm(self) -> bool:
+        """True: the step came back in time (or the watchdog is off)."""
+        with self._cond:
+            self._armed_at = None
+            return not self._fired
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _watch(self) -> None:
+        with self._cond:
+            while not self._stopped and not self._fired:
+                if self._armed_at is None:
+                    self._cond.wait()
+                    continue
+                elapsed_s = time.monotonic() - self._armed_at
+                if elapsed_s < self.timeout_s:
+                    self._cond.wait(self.timeout_s - elapsed_s)
+                    continue
+                self._fired = True
+        if self._fired:
+            try:
+                self._on_timeout(elapsed_s)
+            except Exception:  # the watchdog's one job is to be loud
+                log.exception("the step watchdog's handler failed")
