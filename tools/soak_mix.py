@@ -167,11 +167,16 @@ def malformed_call(rng: random.Random, model: str, protocols: tuple[str, ...] = 
         lambda: json.dumps({k: v for k, v in ok.items() if k != _REQUIRED[protocol]}).encode(),
     ])
     raw = broken()
-    if protocol == "embeddings" and raw == json.dumps({**ok, "temperature": 7}).encode():
-        raw = json.dumps({**ok, "encoding_format": "hex"}).encode()  # embeddings take no temperature
-    if protocol == "embeddings" and raw == json.dumps({**ok, "stop": ["x"] * 100}).encode():
-        raw = json.dumps({**ok, "input": []}).encode()
+    # Fields a protocol lacks are ignored, not refused: break one it has instead.
+    if raw == json.dumps({**ok, "temperature": 7}).encode() and protocol == "embeddings":
+        raw = json.dumps({**ok, "encoding_format": "hex"}).encode()
+    if raw == json.dumps({**ok, "stop": ["x"] * 100}).encode() and protocol in _NO_STOP:
+        raw = json.dumps({**ok, **_NO_STOP[protocol]}).encode()
     return Call(protocol, PATH[protocol], ok, False), raw
+
+
+_NO_STOP = {"embeddings": {"input": []}, "messages": {"stop_sequences": ["x"] * 100},
+            "responses": {"top_p": 0}}
 
 
 def in_envelope(envelope: str, body: Any) -> bool:
