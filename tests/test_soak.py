@@ -29,7 +29,7 @@ def soak_url(tmp_path_factory):
     root = tmp_path_factory.mktemp("soak-adapters")
     adapters = tuple((name, str(make_peft_adapter(api_checkpoint(), root / name, seed=i + 1, r=4)))
                      for i, name in enumerate(("soak-a1", "soak-a2")))
-    engine = tiny_engine(block_size=16, kv_blocks=512, max_seqs=16, max_queue=128, prefill_chunk=64,
+    engine = tiny_engine(block_size=16, kv_blocks=512, max_seqs=8, max_queue=128, prefill_chunk=64,
                          speculative=SPEC, max_loras=2, max_lora_rank=4, lora_modules=adapters)
     with ServerThread(create_app(engine, ServerConfig())) as url:
         yield url
