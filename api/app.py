@@ -131,7 +131,7 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
         if loader is not None:
             _start_loader(state, loader, asyncio.get_running_loop())
         else:
-            offload.freeze_heap()  # the engine is up: keep full collections off its objects
+            offload.freeze_heap(collect=False)  # the engine is up: keep full collections off it
 
     @app.after_serving
     async def _stop() -> None:
