@@ -72,10 +72,11 @@ def freeze_heap(collect: bool = True) -> int:
     """Freeze what is alive now (the loaded model, modules, the app) so later full collections
     skip it; returns the number of objects frozen. Off with FERROX_GC_FREEZE=0.
 
-    The earlier freeze is undone first, so after a model swap the old engine's objects are
-    collectable again. `collect` runs a full collection before freezing, so no garbage is
-    frozen with the rest (~0.5 s: the loader thread does it once; a server started over an
-    engine already built skips it, as the test suite starts dozens).
+    The earlier freeze is undone first, so after a model swap (`/admin/models/load` calls
+    this too) the old engine's objects are collectable again. `collect` runs a full
+    collection first so no garbage is frozen with the rest (~0.5 s holding the GIL: the
+    start-up loader thread does it once, before serving; a swap, which happens while
+    serving, and a server started over an engine already built, skip it).
     """
     if os.environ.get("FERROX_GC_FREEZE", "1") == "0":
         return 0
