@@ -26,7 +26,6 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Blueprint, Response, current_app, request
 
-from api import protocol
 from api.errors import APIError
 from api.lora_routes import lora_stats
 from api.state import VERSION, json_response, state_of
@@ -145,84 +144,8 @@ async def openapi() -> Response:
     return json_response(openapi_spec())
 
 
-_ROUTES = (
-    # (method, path, summary, request model, response model)
-    ("get", "/v1/models", "List the served model", None, protocol.ModelList),
-    ("post", "/v1/completions", "Text completion (stream with `stream: true`)", protocol.CompletionRequest,
-     protocol.CompletionResponse),
-    ("post", "/v1/chat/completions", "Chat completion (stream with `stream: true`)",
-     protocol.ChatCompletionRequest, protocol.ChatCompletionResponse),
-    ("post", "/v1/cancel", "Cancel an in-flight request by its request_id", protocol.CancelRequest,
-     protocol.CancelResponse),
-    ("post", "/v1/tokenize", "Tokenize a prompt (or chat messages)", protocol.TokenizeRequest,
-     protocol.TokenizeResponse),
-    ("post", "/v1/detokenize", "Token ids to text", protocol.DetokenizeRequest, protocol.DetokenizeResponse),
-    ("get", "/tokenizer_info", "The tokenizer's configuration (vLLM's shape)", None, None),
-    ("get", "/health", "Liveness/readiness: 200 only when ready", None, None),
-    ("get", "/metrics", "Prometheus metrics", None, None),
-    ("get", "/admin/stats", "Batcher and server counters as JSON", None, None),
-    ("get", "/v1/stats", "Windowed throughput, latency, KV and memory", None, None),
-    ("get", "/v1/requests", "The recent-request ring, paged by since and limit", None, None),
-    ("post", "/v1/messages", "Anthropic Messages (stream with `stream: true`)", None, None),
-    ("post", "/v1/messages/count_tokens", "Anthropic token count", None, None),
-    ("post", "/v1/responses", "OpenAI Responses (stream with `stream: true`)", None, None),
-    ("post", "/v1/embeddings", "Embeddings (mean or last pooling, L2-normalised)", None, None),
-    ("post", "/completion", "llama.cpp native completion", None, None),
-    ("get", "/v1/stream/{request_id}", "Resume a resumable stream (Last-Event-ID)", None, None),
-    ("get", "/v1/stream/{request_id}/poll", "A resumable stream's events as JSON", None, None),
-    ("get", "/admin/models", "Local checkpoints and the loaded model", None, None),
-    ("post", "/admin/models/load", "Load a listed checkpoint in the background (202 + task)", None, None),
-    ("post", "/admin/models/unload", "Unload the model (generation then answers 503)", None, None),
-    ("get", "/admin/tasks", "Model load and unload tasks", None, None),
-    # what routers poll (api/router_routes.py)
-    ("get", "/version", "The server version (vLLM's shape)", None, None),
-    ("get", "/server_info", "Model, parallelism and capacity (SGLang's shape; also /get_server_info)", None, None),
-    ("get", "/model_info", "The model (SGLang's shape; also /get_model_info)", None, None),
-    ("get", "/v1/loads", "Load per data-parallel rank (SGLang's shape)", None, None),
-    ("get", "/get_load", "Running plus waiting requests as one number", None, None),
-)
-
-
 def openapi_spec() -> dict:
-    """OpenAPI 3.1 document built from the pydantic models' JSON schemas."""
-    schemas: dict = {}
-    paths: dict = {}
-    ref = "#/components/schemas/{model}"
-    for model in (protocol.ErrorResponse,):
-        schemas.update(_schema(model, ref, schemas))
-    for method, path, summary, req, resp in _ROUTES:
-        op: dict = {"summary": summary, "responses": {}}
-        if req is not None:
-            _schema(req, ref, schemas)
-            op["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": {"$ref": ref.format(model=req.__name__)}}}}
-        ok: dict = {"description": "OK"}
-        if resp is not None:
-            _schema(resp, ref, schemas)
-            ok["content"] = {"application/json": {"schema": {"$ref": ref.format(model=resp.__name__)}}}
-        op["responses"]["200"] = ok
-        err = {"content": {"application/json": {"schema": {"$ref": ref.format(model="ErrorResponse")}}}}
-        for status, what in (("400", "invalid request"), ("401", "invalid or missing API key"),
-                             ("404", "unknown model or request"), ("503", "overloaded, loading or draining")):
-            if req is not None or status in ("401", "503"):
-                op["responses"][status] = {"description": what, **err}
-        if path in ("/health", "/metrics"):
-            op["security"] = []  # never behind the API key
-        paths.setdefault(path, {})[method] = op
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "ferrox_jax", "version": VERSION,
-                 "description": "OpenAI-compatible LLM inference server on JAX"},
-        "paths": paths,
-        "components": {"schemas": schemas,
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-        "security": [{"bearer": []}],
-    }
+    """The OpenAPI 3.1 document (api/openapi.py: every route, its body and its errors' envelope)."""
+    from api.openapi import build_spec
 
-
-def _schema(model: type, ref: str, schemas: dict) -> dict:
-    schema = model.model_json_schema(ref_template=ref)
-    for name, sub in schema.pop("$defs", {}).items():
-        schemas[name] = sub
-    schemas[model.__name__] = schema
-    return schemas
+    return build_spec(VERSION)

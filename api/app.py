@@ -32,7 +32,7 @@ from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from api import (admin_routes, anthropic_routes, auth_limit, body_timeout, cache_rebuild, embeddings_routes, guards,
-                 llamacpp_routes, lora_routes, model_admin, openai_routes, rerank_routes, response_cache,
+                 llamacpp_routes, lora_routes, model_admin, offload, openai_routes, rerank_routes, response_cache,
                  responses_routes, resumable, router_routes, sessions, sleep_routes, surface_routes, tokenizer_routes,
                  unread_body, web)
 from api.config import ServerConfig
@@ -133,6 +133,8 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
         state.start_background()
         if loader is not None:
             _start_loader(state, loader, asyncio.get_running_loop())
+        else:
+            offload.freeze_heap(collect=False)  # the engine is up: keep full collections off it
 
     @app.after_serving
     async def _stop() -> None:
@@ -156,6 +158,7 @@ def _start_loader(state: AppState, loader: Callable[[], Engine], loop: asyncio.A
             else:
                 logger.exception("loading the model failed")
         else:
+            offload.freeze_heap()
             loop.call_soon_threadsafe(functools.partial(state.set_engine, engine, owned=True))
             return
         # Outside the except block, so the traceback (and the frames holding a half-built

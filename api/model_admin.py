@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response, current_app, request
 
+from api import offload
 from api.errors import APIError
 from api.state import AppState, json_response, state_of
 
@@ -164,6 +165,7 @@ def _start_load(state: AppState, task: Task, path: str, loop: asyncio.AbstractEv
         except Exception as e:  # reported in the task; the current model keeps serving
             loop.call_soon_threadsafe(finish, None, f"{type(e).__name__}: {e}")
         else:
+            offload.freeze_heap(collect=False)  # the new engine out of full collections' sight too
             loop.call_soon_threadsafe(finish, engine, None)
 
     threading.Thread(target=run, name=f"ferrox-load-{task.id}", daemon=True).start()

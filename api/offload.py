@@ -9,12 +9,21 @@ server. `run_cpu(fn, *args)` runs the step on one of `FERROX_CPU_WORKERS` thread
 keeps answering. Python code in the pool still shares the GIL with the loop, so a small
 pool also bounds how much of it the loop loses (CPython hands the GIL over every 5 ms).
 Small inputs are handled inline (`run_cpu_if`): a thread hop costs more than the work.
+
+Two things hold the GIL for seconds whatever the pool does, and so stop the loop too:
+the tokenizer backend's `encode` (models/tokenizer.py encodes long texts with the GIL
+released instead), and CPython's full garbage collections, which a burst of allocation
+(validating 60,000 messages makes ~10^6 objects) triggers and which walk every tracked
+object in the process (the model, jax, the app: ~0.5-0.9 s each here). `freeze_heap()`,
+called once the engine is up, moves the long-lived objects out of the collector's sight
+(`gc.freeze`), so a collection walks only what requests allocated since.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -57,3 +66,22 @@ async def parse_body_off_loop(raw: bytes, model: Any) -> Any:
     from api.protocol import parse_body
 
     return await run_cpu_if(len(raw) > INLINE_BODY_BYTES, parse_body, raw, model)
+
+
+def freeze_heap(collect: bool = True) -> int:
+    """Freeze what is alive now (the loaded model, modules, the app) so later full collections
+    skip it; returns the number of objects frozen. Off with FERROX_GC_FREEZE=0.
+
+    The earlier freeze is undone first, so after a model swap (`/admin/models/load` calls
+    this too) the old engine's objects are collectable again. `collect` runs a full
+    collection first so no garbage is frozen with the rest (~0.5 s holding the GIL: the
+    start-up loader thread does it once, before serving; a swap, which happens while
+    serving, and a server started over an engine already built, skip it).
+    """
+    if os.environ.get("FERROX_GC_FREEZE", "1") == "0":
+        return 0
+    gc.unfreeze()
+    if collect:
+        gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

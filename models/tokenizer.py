@@ -32,6 +32,9 @@ END_OF_TURN_TOKENS = (
     "</s>", "<|end|>", "<end_of_turn>", "<|END_OF_TURN_TOKEN|>",
 )
 
+GIL_FREE_ENCODE_CHARS = 16 << 10  # longer texts are encoded with the GIL released (`Tokenizer.encode`)
+
+
 class Tokenizer:
     """A checkpoint's tokenizer: the backend plus special ids and the chat template.
 
@@ -79,7 +82,15 @@ class Tokenizer:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies the post-processor (BOS/EOS)."""
+        """Token ids of `text`; `add_special_tokens` applies the post-processor (BOS/EOS).
+
+        A long text goes through `encode_batch`, the same ids: the backend's `encode` holds
+        the GIL for the whole call (measured: 5.9 s for the 2.4 M characters a 60,000-message
+        chat renders to, every other thread and the server's event loop stopped), while
+        `encode_batch` releases it while the Rust code runs.
+        """
+        if len(text) > GIL_FREE_ENCODE_CHARS:
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -1,30 +1,35 @@
 """Soak test: a bounded, loopback-only load of mixed requests against a running `ferrox serve`.
 
-    python -m tools.soak --url http://127.0.0.1:8383 --requests 2000 --concurrency 16
+    python -m tools.soak --url http://127.0.0.1:8383 --duration 1800 --concurrency 64 --rss-baseline 300
 
-Each request is drawn (seeded) from this mix:
+Each request is drawn (seeded) from the mix in tools/soak_mix.py, over every wire protocol
+(OpenAI completions / chat / responses, Anthropic messages, llama.cpp `/completion`,
+embeddings), half of the prompts starting with a shared prefix, some with structured
+output (`json_schema`), tools, or a LoRA adapter (the adapters `/v1/models` lists):
 
-- 10% malformed: bad JSON, non-UTF-8, wrong types, out-of-range values, unknown model,
-  too many stop strings... each must get a 4xx in the OpenAI error envelope;
-- 20% cancelled mid-flight by closing the connection: a stream after 1-3 events, a
-  whole request after a random 10-300 ms;
-- the rest served in full: `/v1/completions` or `/v1/chat/completions`, streaming or
-  not, random prompt lengths, `max_tokens` drawn from `--max-tokens LO,HI`, some with
-  n=2, logprobs or a stop string. A stream must end with `data: [DONE]` and carry no
-  error event.
+- `--malformed-frac` (10%) malformed: bad JSON, non-UTF-8, wrong types, out-of-range
+  values, unknown model, too many stop strings, a missing field... each must get a 4xx
+  in its protocol's own error envelope;
+- `--cancel-frac` (20%) cancelled mid-flight by closing the connection: a stream after
+  1-3 events, a whole request after a random 10-300 ms;
+- `--recheck-frac` (5%) prefix-cache re-checks: one greedy llama.cpp `/completion` over a
+  shared prefix sent with `cache_prompt: true` twice (the second reads the cache) and once
+  with `cache_prompt: false` (computed cold); the cached text must equal the cold one;
+- the rest served in full. A stream must end the way its protocol ends one (`[DONE]`,
+  `response.completed`, `message_stop`, llama.cpp's `stop: true`) and carry no error event.
 
-Then it waits for the server to go idle and reports: counts by status (and by kind),
-leaked KV blocks (`kv_blocks_total - kv_blocks_free` from /admin/stats once nothing is
-running or waiting), and the server's RSS before and after (from /admin/stats
-`rss_bytes`, or /proc/PID/status with `--pid`). RSS "before" is taken after
-`--warmup` requests, so allocator growth on the first requests is not counted as a leak;
-the RSS at the very start is reported too.
+Throughout, a thread samples `/health` every `--health-interval` seconds on its own
+connection (latency p50 / p99 / max, and any non-200) and `/admin/stats` RSS. At the end
+it waits for the server to go idle and reports counts by status (and by kind and
+protocol), leaked KV blocks (`kv_blocks_total - kv_blocks_free` once nothing is running or
+waiting), RSS growth from the baseline (taken `--rss-baseline` seconds in, or after
+`--warmup` requests) to the end, and speculative-decoding counters.
 
 Exit status: 0 when there was no 5xx, no stream error, no malformed request answered
-outside the 4xx envelope, no leaked block, the server is still ready, and (with
-`--max-rss-growth-pct`) RSS grew less than that; 1 otherwise; 2 for a non-loopback URL.
-Traffic goes only to loopback addresses, and the run is bounded by `--requests` and
-`--max-seconds`.
+outside its envelope, no cached/cold mismatch, no leaked block, the server is still ready,
+and (with `--max-rss-growth-pct` / `--max-health-p99-ms`) RSS growth and /health p99 are
+under those limits; 1 otherwise; 2 for a non-loopback URL. Traffic goes only to loopback
+addresses, and the run is bounded by `--requests` (or `--duration`) and `--max-seconds`.
 """
 
 from __future__ import annotations
@@ -44,8 +49,8 @@ from urllib.parse import urlparse
 
 import httpx
 
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge "
-         "boxing matches near old stone bridges under bright winter stars").split()
+from tools import soak_mix
+from tools.soak_monitor import HealthSampler, percentile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,22 +62,31 @@ class SoakConfig:
     max_prompt_words: int = 64
     cancel_frac: float = 0.2
     malformed_frac: float = 0.1
-    warmup: int = 20  # requests before the RSS baseline
+    recheck_frac: float = 0.0
+    warmup: int = 20  # requests before the RSS baseline (when rss_baseline_s is None)
+    rss_baseline_s: float | None = None  # seconds into the run for the RSS baseline
+    duration_s: float | None = None  # run for this long instead of num_requests
+    protocols: tuple[str, ...] = soak_mix.PROTOCOLS
     seed: int = 0
     api_key: str | None = None
     pid: int | None = None
     idle_timeout_s: float = 120.0
     max_seconds: float = 3600.0
     request_timeout_s: float = 300.0
+    health_interval_s: float = 0.25
     max_rss_growth_pct: float | None = None
+    max_health_p99_ms: float | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.cancel_frac + self.malformed_frac <= 1:
-            raise ValueError("SoakConfig.cancel_frac + malformed_frac must be in [0, 1]")
+        if not 0 <= self.cancel_frac + self.malformed_frac + self.recheck_frac <= 1:
+            raise ValueError("SoakConfig.cancel_frac + malformed_frac + recheck_frac must be in [0, 1]")
         if not 1 <= self.max_tokens[0] <= self.max_tokens[1]:
             raise ValueError(f"SoakConfig.max_tokens must be 1 <= LO <= HI; got {self.max_tokens}")
         if self.concurrency < 1 or self.num_requests < 0:
             raise ValueError("SoakConfig.concurrency must be >= 1 and num_requests >= 0")
+        unknown = set(self.protocols) - set(soak_mix.PROTOCOLS)
+        if unknown or not self.protocols:
+            raise ValueError(f"SoakConfig.protocols must be some of {soak_mix.PROTOCOLS}; got {self.protocols}")
 
 
 def require_loopback(url: str) -> None:
@@ -86,117 +100,89 @@ def require_loopback(url: str) -> None:
         raise ValueError(f"soak traffic goes to loopback only; {parsed.hostname!r} resolves to {sorted(addresses)}")
 
 
-# ---------------------------------------------------------------- the request mix
-
-
-def _prompt(rng: random.Random, max_words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, max_words)))
-
-
-def valid_body(rng: random.Random, config: SoakConfig, model: str) -> tuple[str, dict]:
-    """A random request the server must serve: (path, JSON body)."""
-    body: dict[str, Any] = {"model": model, "max_tokens": rng.randint(*config.max_tokens),
-                            "temperature": rng.choice([0.0, 0.7, 1.0]), "seed": rng.randrange(1 << 20),
-                            "stream": rng.random() < 0.5}
-    if rng.random() < 0.1:
-        body["n"] = 2
-    if rng.random() < 0.1:
-        body["stop"] = [rng.choice(WORDS)]
-    if body["stream"] and rng.random() < 0.5:
-        body["stream_options"] = {"include_usage": True}
-    if rng.random() < 0.5:
-        path = "/v1/completions"
-        body["prompt"] = _prompt(rng, config.max_prompt_words)
-        if rng.random() < 0.1:
-            body["logprobs"] = 2
-    else:
-        path = "/v1/chat/completions"
-        body["messages"] = [{"role": "user", "content": _prompt(rng, config.max_prompt_words)}]
-        if rng.random() < 0.1:
-            body.update(logprobs=True, top_logprobs=2)
-    return path, body
-
-
-def malformed_body(rng: random.Random, model: str) -> tuple[str, bytes]:
-    """A request the server must refuse with a 4xx: (path, raw body)."""
-    path = rng.choice(["/v1/completions", "/v1/chat/completions"])
-    ok = ({"model": model, "prompt": "hi", "max_tokens": 2} if path == "/v1/completions"
-          else {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    broken = rng.choice([
-        lambda: b'{"prompt": "hi", "max_tokens": ',
-        lambda: b"\xff\xfe not utf-8",
-        lambda: b"",
-        lambda: b"[1, 2, 3]",
-        lambda: json.dumps({**ok, "max_tokens": "many"}).encode(),
-        lambda: json.dumps({**ok, "max_tokens": -3}).encode(),
-        lambda: json.dumps({**ok, "temperature": 7}).encode(),
-        lambda: json.dumps({**ok, "n": 0}).encode(),
-        lambda: json.dumps({**ok, "model": "no-such-model"}).encode(),
-        lambda: json.dumps({**ok, "stop": ["x"] * 100}).encode(),
-        lambda: json.dumps({**ok, "top_p": 0}).encode(),
-        lambda: json.dumps({k: v for k, v in ok.items() if k not in ("prompt", "messages")}).encode(),
-    ])
-    return path, broken()
-
-
 # ---------------------------------------------------------------- one request
 
 
-async def _full(client: httpx.AsyncClient, path: str, body: dict) -> str:
+async def _events(response: httpx.Response, stop_after: int | None = None) -> tuple[list, bool]:
+    """(event name or None, data) pairs of an SSE body; True when we left after `stop_after` data events."""
+    events: list[tuple[str | None, str]] = []
+    name = None
+    async for line in response.aiter_lines():
+        if line.startswith("event: "):
+            name = line[7:].strip()
+        elif line.startswith("data: "):
+            events.append((name, line[6:]))
+            name = None
+            if stop_after is not None and len(events) >= stop_after:
+                return events, True
+    return events, False
+
+
+async def _full(client: httpx.AsyncClient, call: soak_mix.Call) -> str:
     """Serve one request in full; returns the outcome key ("200", "5xx-stream-error", ...)."""
-    if not body["stream"]:
-        r = await client.post(path, json=body)
-        if r.status_code == 200 and not r.json().get("choices"):
+    if not call.stream:
+        r = await client.post(call.path, json=call.body)
+        if r.status_code == 200 and not _has_output(call.protocol, r.json()):
             return "200-empty"
         return str(r.status_code)
-    async with client.stream("POST", path, json=body) as r:
+    async with client.stream("POST", call.path, json=call.body) as r:
         if r.status_code != 200:
             await r.aread()
             return str(r.status_code)
-        saw_done = False
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                payload = line[6:]
-                if payload == "[DONE]":
-                    saw_done = True
-                elif '"error"' in payload and "error" in json.loads(payload):
-                    return "5xx-stream-error"
-        return "200" if saw_done else "200-no-done"
+        events, _ = await _events(r)
+    return soak_mix.stream_verdict(call.protocol, events)
 
 
-async def _cancelled(client: httpx.AsyncClient, path: str, body: dict, rng: random.Random) -> str:
+def _has_output(protocol: str, body: Any) -> bool:
+    key = {"completions": "choices", "chat": "choices", "responses": "output", "messages": "content",
+           "llamacpp": "content", "embeddings": "data"}[protocol]
+    return isinstance(body, dict) and key in body and (protocol == "llamacpp" or bool(body[key]))
+
+
+async def _cancelled(client: httpx.AsyncClient, call: soak_mix.Call, rng: random.Random) -> str:
     """Start a request and close the connection mid-flight."""
-    if body["stream"]:
-        stop_after = rng.randint(1, 3)
-        async with client.stream("POST", path, json=body) as r:
+    if call.stream:
+        async with client.stream("POST", call.path, json=call.body) as r:
             if r.status_code != 200:
                 await r.aread()
                 return str(r.status_code)
-            seen = 0
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    if line == "data: [DONE]":
-                        return "200"  # finished before we could leave
-                    seen += 1
-                    if seen >= stop_after:
-                        return "cancelled"  # leaving the block closes the connection
-        return "200-no-done"
+            events, left = await _events(r, stop_after=rng.randint(1, 3))
+        if left:
+            return "cancelled"  # leaving the block closed the connection
+        return soak_mix.stream_verdict(call.protocol, events)  # finished before we could leave
     try:
-        r = await asyncio.wait_for(client.post(path, json=body), rng.uniform(0.01, 0.3))
+        r = await asyncio.wait_for(client.post(call.path, json=call.body), rng.uniform(0.01, 0.3))
     except TimeoutError:
         return "cancelled"
     return str(r.status_code)
 
 
-async def _malformed(client: httpx.AsyncClient, path: str, raw: bytes) -> str:
-    r = await client.post(path, content=raw, headers={"Content-Type": "application/json"})
+async def _malformed(client: httpx.AsyncClient, call: soak_mix.Call, raw: bytes) -> str:
+    r = await client.post(call.path, content=raw, headers={"Content-Type": "application/json"})
     if 400 <= r.status_code < 500:
         try:
-            error = r.json()["error"]
-            assert {"message", "type", "param", "code"} <= set(error)
-        except (ValueError, KeyError, TypeError, AssertionError):
+            body = r.json()
+        except ValueError:
+            body = None
+        if not soak_mix.in_envelope(call.envelope, body):
             return f"{r.status_code}-no-envelope"
     return str(r.status_code)
+
+
+async def _recheck(client: httpx.AsyncClient, rng: random.Random, model: str, prefixes: list[str]) -> str:
+    """Greedy text over a shared prefix: read from the prefix cache vs computed cold."""
+    text = f"{rng.choice(prefixes)} {' '.join(rng.choice(soak_mix.WORDS) for _ in range(rng.randint(1, 8)))}"
+    body = {"model": model, "prompt": text, "n_predict": 8, "temperature": 0.0, "ignore_eos": True}
+    replies = []
+    for cache in (True, True, False):
+        r = await client.post("/completion", json={**body, "cache_prompt": cache})
+        if r.status_code != 200:
+            return str(r.status_code)
+        replies.append(r.json())
+    cached, cold = replies[1], replies[2]
+    if cached["content"] != cold["content"]:
+        return "recheck-mismatch"
+    return "200-cached" if cached.get("tokens_cached") else "200"
 
 
 # ---------------------------------------------------------------- the run
@@ -232,101 +218,169 @@ async def _wait_idle(client: httpx.AsyncClient, timeout_s: float) -> dict:
         await asyncio.sleep(0.1)
 
 
+def _kind(u: float, config: SoakConfig) -> str:
+    edges = (("malformed", config.malformed_frac), ("cancelled", config.cancel_frac),
+             ("recheck", config.recheck_frac))
+    total = 0.0
+    for kind, frac in edges:
+        total += frac
+        if u < total:
+            return kind
+    return "full"
+
+
+class _Run:
+    """The shared state of one soak: the mix, the counters, and the RSS baseline."""
+
+    def __init__(self, config: SoakConfig, client: httpx.AsyncClient, model: str, adapters: tuple[str, ...]):
+        self.config, self.client, self.model, self.adapters = config, client, model, adapters
+        self.prefixes = soak_mix.shared_prefixes(config.seed)
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        self.by_kind: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.by_protocol: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.next_index = 0
+        self.started = time.monotonic()
+        self.rss_before: int | None = None
+
+    def _more(self) -> int | None:
+        elapsed = time.monotonic() - self.started
+        if elapsed >= self.config.max_seconds:
+            return None
+        if self.config.duration_s is not None:
+            if elapsed >= self.config.duration_s:
+                return None
+        elif self.next_index >= self.config.num_requests:
+            return None
+        index, self.next_index = self.next_index, self.next_index + 1
+        return index
+
+    async def one(self, index: int) -> None:
+        config = self.config
+        rng = random.Random(f"{config.seed}-{index}")
+        kind, protocol = _kind(rng.random(), config), "llamacpp"
+        try:
+            if kind == "malformed":
+                call, raw = soak_mix.malformed_call(rng, self.model, config.protocols)
+                protocol, outcome = call.protocol, await _malformed(self.client, call, raw)
+            elif kind == "recheck":
+                outcome = await _recheck(self.client, rng, self.model, self.prefixes)
+            else:
+                call = soak_mix.valid_call(rng, self.model, config.max_tokens, config.max_prompt_words,
+                                           self.prefixes, self.adapters, config.protocols)
+                protocol = call.protocol
+                outcome = await (_full(self.client, call) if kind == "full"
+                                 else _cancelled(self.client, call, rng))
+        except httpx.HTTPError as e:
+            outcome = f"transport-error:{type(e).__name__}"
+        self.outcomes[outcome] += 1
+        self.by_kind[kind][outcome] += 1
+        self.by_protocol[protocol][outcome] += 1
+
+    async def worker(self) -> None:
+        config = self.config
+        while (index := self._more()) is not None:
+            baseline_due = (time.monotonic() - self.started >= config.rss_baseline_s
+                            if config.rss_baseline_s is not None else index == config.warmup and config.warmup)
+            if baseline_due and self.rss_before is None:
+                self.rss_before = -1  # claimed; one worker takes it
+                self.rss_before = read_rss(await _stats(self.client), config.pid)
+            await self.one(index)
+
+
+async def _models(client: httpx.AsyncClient) -> tuple[str, tuple[str, ...]]:
+    """The served model's id, and the LoRA adapters `/v1/models` lists beside it."""
+    data = (await client.get("/v1/models")).json()["data"]
+    return data[0]["id"], tuple(m["id"] for m in data[1:] if m.get("parent"))
+
+
 async def _soak(config: SoakConfig) -> dict:
-    rng = random.Random(config.seed)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=config.concurrency + 4, max_keepalive_connections=config.concurrency)
     async with httpx.AsyncClient(base_url=config.url, headers=headers, limits=limits,
                                  timeout=config.request_timeout_s) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        model, adapters = await _models(client)
         first = await _stats(client)
         rss_start = read_rss(first, config.pid)
-        outcomes: collections.Counter[str] = collections.Counter()
-        by_kind: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        plan = []
-        for _ in range(config.num_requests):
-            u = rng.random()
-            kind = ("malformed" if u < config.malformed_frac
-                    else "cancelled" if u < config.malformed_frac + config.cancel_frac else "full")
-            plan.append((kind, random.Random(rng.randrange(1 << 30))))
-        started = time.monotonic()
-        rss_before = rss_start
-        next_index = 0
-        lock = asyncio.Lock()
-
-        async def one(kind: str, r: random.Random) -> None:
-            try:
-                if kind == "malformed":
-                    outcome = await _malformed(client, *malformed_body(r, model))
-                else:
-                    path, body = valid_body(r, config, model)
-                    outcome = await (_full(client, path, body) if kind == "full" else _cancelled(client, path, body, r))
-            except httpx.HTTPError as e:
-                outcome = f"transport-error:{type(e).__name__}"
-            outcomes[outcome] += 1
-            by_kind[kind][outcome] += 1
-
-        async def worker() -> None:
-            nonlocal next_index, rss_before
-            while time.monotonic() - started < config.max_seconds:
-                async with lock:
-                    if next_index >= len(plan):
-                        return
-                    index = next_index
-                    next_index += 1
-                if index == config.warmup and config.warmup:
-                    # the RSS baseline: taken once the warm-up requests are out
-                    rss_before = read_rss(await _stats(client), config.pid)
-                await one(*plan[index])
-
-        await asyncio.gather(*(worker() for _ in range(config.concurrency)))
-        elapsed_s = time.monotonic() - started
-        idle = await _wait_idle(client, config.idle_timeout_s)
+        run = _Run(config, client, model, adapters)
+        if not config.warmup and config.rss_baseline_s is None:
+            run.rss_before = rss_start
+        with HealthSampler(config.url, headers, config.health_interval_s) as health_sampler:
+            await asyncio.gather(*(run.worker() for _ in range(config.concurrency)))
+            elapsed_s = time.monotonic() - run.started
+            idle = await _wait_idle(client, config.idle_timeout_s)
         health = (await client.get("/health")).status_code
         rss_after = read_rss(idle, config.pid)
-    return _report(config, outcomes, by_kind, idle, health, rss_start, rss_before, rss_after, elapsed_s,
-                   sum(outcomes.values()))
+    if run.rss_before in (None, -1):
+        run.rss_before = rss_start
+    return _report(config, run, idle, health, rss_start, rss_after, elapsed_s, health_sampler)
 
 
-def _report(config: SoakConfig, outcomes: collections.Counter, by_kind: dict, idle: dict, health: int,
-            rss_start: int | None, rss_before: int | None, rss_after: int | None, elapsed_s: float,
-            num_done: int) -> dict:
-    num_5xx = sum(n for k, n in outcomes.items() if k.startswith("5"))
-    bad_malformed = sum(n for k, n in by_kind["malformed"].items() if not (k.startswith("4") and k[3:] == ""))
-    bad_other = sum(n for k, n in outcomes.items()
-                    if k.startswith("transport-error") or k in ("200-no-done", "200-empty"))
-    leaked = idle["kv_blocks_total"] - idle["kv_blocks_free"]
-    growth_pct = None
-    if rss_before and rss_after:
-        growth_pct = 100.0 * (rss_after - rss_before) / rss_before
+def _failures(config: SoakConfig, report: dict, run: _Run, idle: dict, health: int) -> list[str]:
     failures = []
-    if num_5xx:
-        failures.append(f"{num_5xx} 5xx / stream errors")
+    if report["num_5xx"]:
+        failures.append(f"{report['num_5xx']} 5xx / stream errors")
+    bad_malformed = sum(n for k, n in run.by_kind["malformed"].items() if not (k.startswith("4") and k[3:] == ""))
     if bad_malformed:
-        failures.append(f"{bad_malformed} malformed requests not answered with a 4xx envelope")
+        failures.append(f"{bad_malformed} malformed requests not answered with a 4xx in their envelope")
+    bad_other = sum(n for k, n in run.outcomes.items()
+                    if k.startswith("transport-error") or k in ("200-no-done", "200-empty"))
     if bad_other:
         failures.append(f"{bad_other} transport errors or incomplete responses")
-    if leaked:
-        failures.append(f"{leaked} KV blocks leaked")
+    if run.outcomes["recheck-mismatch"]:
+        failures.append(f"{run.outcomes['recheck-mismatch']} prefix-cached greedy outputs differ from cold ones")
+    if report["leaked_blocks"]:
+        failures.append(f"{report['leaked_blocks']} KV blocks leaked")
     if idle["generating_now"] or idle["queue_depth"]:
         failures.append(f"not idle: generating_now={idle['generating_now']} queue_depth={idle['queue_depth']}")
     if health != 200:
         failures.append(f"/health answered {health} after the soak")
-    if num_done < config.num_requests:
-        failures.append(f"only {num_done} of {config.num_requests} requests ran within {config.max_seconds} s")
-    if config.max_rss_growth_pct is not None and growth_pct is not None and growth_pct > config.max_rss_growth_pct:
-        failures.append(f"RSS grew {growth_pct:.1f}% (limit {config.max_rss_growth_pct}%)")
-    return {
-        "requests": num_done, "elapsed_s": round(elapsed_s, 2),
+    if report["health"]["non_200"]:
+        failures.append(f"/health answered non-200 {report['health']['non_200']} times during the soak")
+    if config.duration_s is None and report["requests"] < config.num_requests:
+        failures.append(f"only {report['requests']} of {config.num_requests} requests ran within "
+                        f"{config.max_seconds} s")
+    growth = report["rss_growth_pct"]
+    if config.max_rss_growth_pct is not None and growth is not None and growth > config.max_rss_growth_pct:
+        failures.append(f"RSS grew {growth:.1f}% (limit {config.max_rss_growth_pct}%)")
+    p99 = report["health"]["p99_ms"]
+    if config.max_health_p99_ms is not None and p99 is not None and p99 > config.max_health_p99_ms:
+        failures.append(f"/health p99 {p99:.1f} ms (limit {config.max_health_p99_ms} ms)")
+    return failures
+
+
+def _report(config: SoakConfig, run: _Run, idle: dict, health: int, rss_start: int | None,
+            rss_after: int | None, elapsed_s: float, sampler: HealthSampler) -> dict:
+    num_done = sum(run.outcomes.values())
+    rss_before = run.rss_before
+    growth_pct = 100.0 * (rss_after - rss_before) / rss_before if rss_before and rss_after else None
+    latencies = sampler.latencies_ms
+    report = {
+        "requests": num_done, "elapsed_s": round(elapsed_s, 2), "concurrency": config.concurrency,
         "requests_per_s": round(num_done / elapsed_s, 2) if elapsed_s else None,
-        "by_status": dict(sorted(outcomes.items())),
-        "by_kind": {k: dict(sorted(v.items())) for k, v in sorted(by_kind.items())},
-        "num_5xx": num_5xx, "kv_blocks_total": idle["kv_blocks_total"], "kv_blocks_free": idle["kv_blocks_free"],
-        "leaked_blocks": leaked, "aborted": idle.get("aborted"), "health_after": health,
+        "by_status": dict(sorted(run.outcomes.items())),
+        "by_kind": {k: dict(sorted(v.items())) for k, v in sorted(run.by_kind.items())},
+        "by_protocol": {k: dict(sorted(v.items())) for k, v in sorted(run.by_protocol.items())},
+        "adapters": list(run.adapters),
+        "num_5xx": sum(n for k, n in run.outcomes.items() if k.startswith("5")),
+        "kv_blocks_total": idle["kv_blocks_total"], "kv_blocks_free": idle["kv_blocks_free"],
+        "leaked_blocks": idle["kv_blocks_total"] - idle["kv_blocks_free"], "aborted": idle.get("aborted"),
+        "spec_decode": {k: idle[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                             "spec_decode_num_accepted_tokens") if k in idle},
+        "health_after": health,
+        "health": {"samples": len(latencies), "p50_ms": _round(percentile(latencies, 50)),
+                   "p99_ms": _round(percentile(latencies, 99)), "max_ms": _round(max(latencies, default=None)),
+                   "non_200": sampler.non_200},
         "rss_start_bytes": rss_start, "rss_before_bytes": rss_before, "rss_after_bytes": rss_after,
+        "rss_max_bytes": max(sampler.rss_bytes, default=None),
         "rss_growth_pct": None if growth_pct is None else round(growth_pct, 2),
-        "failures": failures, "ok": not failures,
     }
+    report["failures"] = _failures(config, report, run, idle, health)
+    report["ok"] = not report["failures"]
+    return report
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
 
 
 def run_soak(config: SoakConfig) -> dict:
@@ -345,26 +399,36 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8383")
     p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--duration", type=float, default=None, help="run this many seconds (instead of --requests)")
     p.add_argument("--concurrency", type=int, default=16, help="keep it at or below the server's --max-queue")
     p.add_argument("--max-tokens", type=_range, default=(1, 16), help="LO,HI for full requests")
     p.add_argument("--max-prompt-words", type=int, default=64)
     p.add_argument("--cancel-frac", type=float, default=0.2)
     p.add_argument("--malformed-frac", type=float, default=0.1)
+    p.add_argument("--recheck-frac", type=float, default=0.05, help="prefix-cached vs cold greedy re-checks")
+    p.add_argument("--protocols", default=",".join(soak_mix.PROTOCOLS), help="comma-separated subset")
     p.add_argument("--warmup", type=int, default=20, help="requests before the RSS baseline")
+    p.add_argument("--rss-baseline", type=float, default=None, help="seconds in for the RSS baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--pid", type=int, default=None, help="read RSS from /proc/PID (default: /admin/stats)")
     p.add_argument("--idle-timeout", type=float, default=120.0, help="seconds to wait for the server to go idle")
     p.add_argument("--max-seconds", type=float, default=3600.0, help="stop sending after this long")
+    p.add_argument("--health-interval", type=float, default=0.25, help="seconds between /health samples")
     p.add_argument("--max-rss-growth-pct", type=float, default=None, help="fail above this RSS growth")
+    p.add_argument("--max-health-p99-ms", type=float, default=None, help="fail above this /health p99")
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args(argv)
-    config = SoakConfig(url=args.url, num_requests=args.requests, concurrency=args.concurrency,
-                        max_tokens=args.max_tokens, max_prompt_words=args.max_prompt_words,
-                        cancel_frac=args.cancel_frac, malformed_frac=args.malformed_frac, warmup=args.warmup,
-                        seed=args.seed, api_key=args.api_key, pid=args.pid, idle_timeout_s=args.idle_timeout,
-                        max_seconds=args.max_seconds, max_rss_growth_pct=args.max_rss_growth_pct)
     try:
+        config = SoakConfig(
+            url=args.url, num_requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens,
+            max_prompt_words=args.max_prompt_words, cancel_frac=args.cancel_frac,
+            malformed_frac=args.malformed_frac, recheck_frac=args.recheck_frac, warmup=args.warmup,
+            rss_baseline_s=args.rss_baseline, duration_s=args.duration,
+            protocols=tuple(args.protocols.split(",")), seed=args.seed, api_key=args.api_key, pid=args.pid,
+            idle_timeout_s=args.idle_timeout, max_seconds=args.max_seconds,
+            health_interval_s=args.health_interval, max_rss_growth_pct=args.max_rss_growth_pct,
+            max_health_p99_ms=args.max_health_p99_ms)
         report = run_soak(config)
     except ValueError as e:
         print(f"soak: {e}", file=sys.stderr)
