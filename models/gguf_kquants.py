@@ -53,7 +53,7 @@ def _dequantize(b, fmt: str, xp, half: Callable, signed: Callable, dtype):
         low = xp.stack([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
         high = xp.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=3)
         q = (low | (high << 4)).astype(dtype) - 32  # [rows, supers, 2, 4, 32]: weight 128 n + 32 k + l
-        scale = half(b[..., 208:210])[..., None] * signed(b[..., 192:208]).astype(dtype)  # [rows, supers, 16]
+        scale = half(b[..., 208:210]) * signed(b[..., 192:208]).astype(dtype)  # [rows, supers, 16]
         return (scale[..., None] * q.reshape(rows, supers, 16, 16)).reshape(rows, -1)
     d, dmin = half(b[..., 0:2]), half(b[..., 2:4])  # [rows, supers, 1]
     scales, mins = _scales_mins(b[..., 4:16], xp)
