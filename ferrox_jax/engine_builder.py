@@ -257,7 +257,10 @@ def _block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
         rows = cpu_kernels.block_int_rows()
         paths = (f"float32 activations below {rows} rows, 32-wide int8 activation blocks from there" if rows
                  else "float32 activations at every row count")
-        return f"gguf projections: {packed} on the {cpu_kernels.block_isa()} block kernel ({paths})"
+        k_quants = cpu_kernels.k_quant_count(model)
+        k_note = (f"; of them {k_quants} K-quants, on the {cpu_kernels.block_k_isa()} K-quant kernel "
+                  f"(float32 activations)" if k_quants else "")
+        return f"gguf projections: {packed} on the {cpu_kernels.block_isa()} block kernel ({paths}){k_note}"
     note = "gguf projections: XLA dequantizes the blocks every step (slow): " + "; ".join(problems)
     log.warning("%s", note)
     return note

@@ -207,6 +207,12 @@ def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None) -> in
     return packed
 
 
+def k_quant_count(model: nnx.Module) -> int:
+    """How many of `model`'s BlockQuantizedWeights are K-quants (for the start-up log)."""
+    leaves = jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, BlockQuantizedWeight))
+    return sum(isinstance(leaf, BlockQuantizedWeight) and leaf.fmt in K_FORMATS for leaf in leaves)
+
+
 # ---- decode attention -------------------------------------------------------------------------
 
 def attention_problems(head_dim: int, kv_dtype) -> list[str]:

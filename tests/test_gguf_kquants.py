@@ -91,6 +91,7 @@ def test_kernel_greedy_equals_the_dequantized_float_model(base, tmp_path, scheme
         assert isinstance(w, BlockQuantizedWeight) and w.fmt == want, f"{name} kept as {want} blocks"
     assert model.lm_head.get_value().fmt == fmt_for(scheme, "lm_head.weight")
     assert cpu_kernels.pack_blocks_for_kernel(model) == PROJECTIONS
+    assert cpu_kernels.k_quant_count(model) == PROJECTIONS, "what the start-up log counts"
     assert model.lm_head.get_value().kernel == cpu_kernels.BLOCK_K_TARGET
     runner = ModelRunner(model, num_blocks=16, block_size=8, max_rows=1, max_chunk_tokens=16, max_context=64)
     runner.warmup()
