@@ -57,8 +57,19 @@ def base(tmp_path_factory):
     return fc.make_checkpoint(tmp_path_factory.mktemp("kq") / "tiny-qwen3", config)
 
 
-def quantized(base, tmp, scheme: str):
-    """(the GGUF, HF's float model of its dequantized weights)."""
+@pytest.fixture(scope="module")
+def quantized(base, tmp_path_factory):
+    """scheme -> (the GGUF, HF's float model of its dequantized weights), each made once."""
+    made = {}
+
+    def get(scheme: str):
+        if scheme not in made:
+            made[scheme] = _quantize(base, tmp_path_factory.mktemp(scheme), scheme)
+        return made[scheme]
+    return get
+
+
+def _quantize(base, tmp, scheme: str):
     ref_dir = tmp / f"ref-{scheme}"
     shutil.copytree(base, ref_dir)
     tensors = load_file(str(base / "model.safetensors"))
@@ -81,8 +92,8 @@ PROMPT = [5, 80, 17, 230, 41, 9, 300, 77, 12, 140, 64]
 
 @needs_kernels
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_kernel_greedy_equals_the_dequantized_float_model(base, tmp_path, scheme):
-    path, hf = quantized(base, tmp_path, scheme)
+def test_kernel_greedy_equals_the_dequantized_float_model(quantized, scheme):
+    path, hf = quantized(scheme)
     model = open_checkpoint(str(path)).build(quantization="gguf")
     layer = model.layers[1]
     for proj, name in ((layer.v_proj, "v_proj"), (layer.down_proj, "down_proj"), (layer.q_proj, "q_proj")):
@@ -103,9 +114,9 @@ def test_kernel_greedy_equals_the_dequantized_float_model(base, tmp_path, scheme
     assert runner.recompiles_after_warmup == 0
 
 
-def test_xla_path_equals_the_dequantized_float_model(base, tmp_path):
+def test_xla_path_equals_the_dequantized_float_model(quantized):
     # no kernel (as on a non-x86 host): XLA dequantizes the super-blocks and runs a float dot
-    path, hf = quantized(base, tmp_path, "q4_k_m")
+    path, hf = quantized("q4_k_m")
     model = open_checkpoint(str(path)).build(quantization="gguf")
     assert model.layers[0].down_proj.get_value().kernel is None
     got = prompt_logits(model, PROMPT, tuple(shuffled_blocks(2, 48, seed=3)))
