@@ -227,15 +227,16 @@ def _int8_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
 def resolve_quantization(config: EngineConfig, source: CheckpointSource, mesh: Any) -> tuple[str, str]:
     """The mode to build ("auto" and "gguf" resolved) and a start-up note ("" for none).
 
-    "auto": a GGUF whose projections are Q4_0 / Q4_1 / Q8_0 blocks, on one CPU device with
-    ferrox's kernels, serves its own blocks ("gguf", `models/gguf_blocks.py`); anything else
+    "auto": a GGUF whose projections are Q4_0 / Q4_1 / Q8_0 / K-quant blocks, on one CPU
+    device with ferrox's kernels, serves its own blocks ("gguf", `models/gguf_blocks.py`); anything else
     "none". "gguf" where it cannot apply (no such blocks, or tensor parallelism: the blocks
     have no sharding rule) serves float weights, with a warning."""
     mode = config.quantization
     if mode not in ("auto", "gguf"):
         return mode, ""
     backend = jax.default_backend()
-    problems = [] if source.block_tensors else ["the checkpoint has no Q4_0 / Q4_1 / Q8_0 projections"]
+    problems = [] if source.block_tensors else [
+        "the checkpoint has no Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K projections"]
     if mesh is not None:
         problems.append("tensor parallelism (GGUF blocks have no sharding rule)")
     if mode == "auto":
@@ -261,7 +262,10 @@ def _block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
         rows = cpu_kernels.block_int_rows()
         paths = (f"float32 activations below {rows} rows, 32-wide int8 activation blocks from there" if rows
                  else "float32 activations at every row count")
-        return f"gguf projections: {packed} on the {cpu_kernels.block_isa()} block kernel ({paths})"
+        k_quants = cpu_kernels.k_quant_count(model)
+        k_note = (f"; of them {k_quants} K-quants, on the {cpu_kernels.block_k_isa()} K-quant kernel "
+                  f"(float32 activations)" if k_quants else "")
+        return f"gguf projections: {packed} on the {cpu_kernels.block_isa()} block kernel ({paths}){k_note}"
     note = "gguf projections: XLA dequantizes the blocks every step (slow): " + "; ".join(problems)
     log.warning("%s", note)
     return note

@@ -50,15 +50,18 @@ import numpy as np
 from flax import nnx
 
 from models.attention import check_decode_inputs, paged_attention
-from models.gguf_blocks import BlockQuantizedWeight, with_kernel
+from models.gguf_blocks import K_FORMATS, BlockQuantizedWeight, with_kernel
 from models.quant import QuantizedWeight
 
 KERNELS = Path(__file__).parent / "kernels"
-SOURCES = (KERNELS / "int8_matmul.cc", KERNELS / "decode_attention.cc", KERNELS / "block_matmul.cc")
+SOURCES = (KERNELS / "int8_matmul.cc", KERNELS / "decode_attention.cc", KERNELS / "block_matmul.cc",
+           KERNELS / "block_matmul_k.cc")
 LIBRARY = KERNELS / "_ferrox_cpu.so"
 MATMUL_TARGET = "ferrox_int8_matmul"
 ATTENTION_TARGET = "ferrox_decode_attention"
 BLOCK_TARGET = "ferrox_block_matmul"
+BLOCK_K_TARGET = "ferrox_block_matmul_k"  # the K-quants (block_matmul_k.cc)
+BLOCK_K_AVX2_TARGET = "ferrox_block_matmul_k_avx2"  # the same, its AVX2 build forced (tests)
 LANE = 32  # the matmul's input sizes are multiples of one AVX2 register of int8
 BUILD_HINT = f"{sys.executable} -m models.cpu_kernels"
 
@@ -75,7 +78,8 @@ def build(cxx: str | None = None) -> Path:
 
 
 BLOCK_ISAS = {2: "AVX-512 VNNI", 1: "AVX2"}  # ferrox_block_isa()'s answers
-_ISA: dict[str, str] = {}  # "block": the block kernel's build cpuid chose (set on registration)
+BLOCK_K_ISAS = {2: "AVX-512", 1: "AVX2"}  # ferrox_block_k_isa()'s answers
+_ISA: dict[str, str] = {}  # "block", "block_k": the build cpuid chose (set on registration)
 
 
 @functools.cache
@@ -95,6 +99,9 @@ def unavailable_reason() -> str | None:
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.FerroxDecodeAttention), platform="cpu")
     jax.ffi.register_ffi_target(BLOCK_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmul), platform="cpu")
     _ISA["block"] = BLOCK_ISAS.get(lib.ferrox_block_isa(), "none")
+    jax.ffi.register_ffi_target(BLOCK_K_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmulK), platform="cpu")
+    jax.ffi.register_ffi_target(BLOCK_K_AVX2_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmulKAvx2), platform="cpu")
+    _ISA["block_k"] = BLOCK_K_ISAS.get(lib.ferrox_block_k_isa(), "none")
     return None
 
 
@@ -169,10 +176,21 @@ def block_isa() -> str:
     return _ISA.get("block", "none") if unavailable_reason() is None else "none"
 
 
+def block_k_isa() -> str:
+    """Which build of the K-quant kernel this CPU runs ("AVX-512", "AVX2"), or "none"."""
+    return _ISA.get("block_k", "none") if unavailable_reason() is None else "none"
+
+
+def block_target(fmt: str) -> str:
+    """The custom call that multiplies blocks of `fmt` (a `models.gguf_blocks.BLOCK_FORMATS` key)."""
+    return BLOCK_K_TARGET if fmt in K_FORMATS else BLOCK_TARGET
+
+
 def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None) -> int:
     """Points every BlockQuantizedWeight of `model` at the block kernel, in place (the bytes
     stay as they are), with integer dots from `int_rows` rows (None: `block_int_rows()`; 0:
-    never); returns how many. Raises RuntimeError where the kernels cannot run."""
+    never; the K-quants' kernel has only the float path); returns how many. Raises
+    RuntimeError where the kernels cannot run."""
     _require()
     int_rows = block_int_rows() if int_rows is None else int_rows
     state = nnx.state(model)
@@ -182,11 +200,17 @@ def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None) -> in
         nonlocal packed
         if isinstance(leaf, BlockQuantizedWeight):
             packed += 1
-            return with_kernel(leaf, BLOCK_TARGET, int_rows)
+            return with_kernel(leaf, block_target(leaf.fmt), 0 if leaf.fmt in K_FORMATS else int_rows)
         return leaf
 
     nnx.update(model, jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, BlockQuantizedWeight)))
     return packed
+
+
+def k_quant_count(model: nnx.Module) -> int:
+    """How many of `model`'s BlockQuantizedWeights are K-quants (for the start-up log)."""
+    leaves = jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, BlockQuantizedWeight))
+    return sum(isinstance(leaf, BlockQuantizedWeight) and leaf.fmt in K_FORMATS for leaf in leaves)
 
 
 # ---- decode attention -------------------------------------------------------------------------

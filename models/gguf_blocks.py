@@ -1,7 +1,8 @@
 """GGUF's quantized blocks kept as shipped: the weight type, its dequantization and matmul.
 
 `--quantization gguf` serves a GGUF file's Q4_0, Q4_1 and Q8_0 projections (and the LM
-head) in the bytes the file stores, instead of dequantizing them to float32 (about six
+head; the K-quants Q4_K / Q5_K / Q6_K too, their layout in `models/gguf_kquants.py`)
+in the bytes the file stores, instead of dequantizing them to float32 (about six
 times the bytes read per token for Q4_1) or requantizing them per channel (`int8`/`w8a8`,
 which rounds every weight a second time). The file's blocks, dequantized, *are* the
 reference weights, so the product is float32's up to float32 rounding on the float path.
@@ -35,18 +36,25 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from models import gguf_kquants
+
 BLOCK = 32  # values per GGUF block
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockFormat:
-    name: str  # "q4_0", "q4_1", "q8_0": GGML's type name, lower case
+    name: str  # "q4_0", "q4_1", "q8_0", "q4_k", ...: GGML's type name, lower case
     code: int  # the kernel's `fmt` attribute
     block_bytes: int
+    block_values: int = BLOCK  # 256 for the K-quants' super-blocks (models/gguf_kquants.py)
 
 
+# The K-quants (codes 3-5) are multiplied by models/kernels/block_matmul_k.cc.
+K_FORMATS = ("q4_k", "q5_k", "q6_k")
 BLOCK_FORMATS = {f.name: f for f in (BlockFormat("q4_0", 0, 18), BlockFormat("q4_1", 1, 20),
-                                     BlockFormat("q8_0", 2, 34))}
+                                     BlockFormat("q8_0", 2, 34),
+                                     *(BlockFormat(name, 3 + i, gguf_kquants.SUPER_BYTES[name], gguf_kquants.SUPER)
+                                       for i, name in enumerate(K_FORMATS)))}
 
 
 @struct.dataclass
@@ -66,7 +74,8 @@ class BlockQuantizedWeight:
 
     @property
     def in_features(self) -> int:
-        return int(self.blocks.shape[1]) // BLOCK_FORMATS[self.fmt].block_bytes * BLOCK
+        f = BLOCK_FORMATS[self.fmt]
+        return int(self.blocks.shape[1]) // f.block_bytes * f.block_values
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -79,9 +88,10 @@ class BlockQuantizedWeight:
 
 def row_bytes(fmt: str, in_features: int) -> int:
     """Bytes of one output channel's blocks."""
-    if in_features % BLOCK:
-        raise ValueError(f"a {fmt} row holds a multiple of {BLOCK} values; got {in_features}")
-    return in_features // BLOCK * BLOCK_FORMATS[fmt].block_bytes
+    f = BLOCK_FORMATS[fmt]
+    if in_features % f.block_values:
+        raise ValueError(f"a {fmt} row holds a multiple of {f.block_values} values; got {in_features}")
+    return in_features // f.block_values * f.block_bytes
 
 
 def make_weight(blocks: np.ndarray, fmt: str, in_features: int) -> BlockQuantizedWeight:
@@ -97,6 +107,8 @@ def make_weight(blocks: np.ndarray, fmt: str, in_features: int) -> BlockQuantize
 
 def dequantize_host(blocks: np.ndarray, fmt: str, dtype=np.float64) -> np.ndarray:
     """numpy u8[rows, row bytes] -> [rows, in] in `dtype` (float64 for test references)."""
+    if fmt in K_FORMATS:
+        return gguf_kquants.dequantize_host(blocks, fmt, dtype)
     size = BLOCK_FORMATS[fmt].block_bytes
     rows = blocks.shape[0]
     b = np.ascontiguousarray(blocks).reshape(rows, -1, size)
@@ -111,6 +123,8 @@ def dequantize_host(blocks: np.ndarray, fmt: str, dtype=np.float64) -> np.ndarra
 
 def dequantize_blocks(blocks: jax.Array, fmt: str) -> jax.Array:
     """jnp version of `dequantize_host`: u8[rows, row bytes] -> f32[rows, in] (traceable)."""
+    if fmt in K_FORMATS:
+        return gguf_kquants.dequantize_blocks(blocks, fmt)
     size = BLOCK_FORMATS[fmt].block_bytes
     rows = blocks.shape[0]
     b = blocks.reshape(rows, -1, size)

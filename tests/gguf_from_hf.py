@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -44,7 +45,9 @@ GEMMA_TO_GGUF = {  # where Gemma's sandwich norms differ
 }
 
 
-def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
+def write_gguf(hf_dir: Path, out: Path, arch: str, quant: Callable[[str, np.ndarray], tuple] | None = None) -> Path:
+    """`quant(gguf name, f32 array)`: (raw block bytes, GGMLQuantizationType) to write a 2-D
+    tensor quantized, or None to keep it float32 (the default for every tensor)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(str(hf_dir / "model.safetensors"))
     w = gguf.GGUFWriter(str(out), arch)
@@ -96,6 +99,10 @@ def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
 
     def add(name: str, arr: np.ndarray, norm: bool = False):
         arr = np.asarray(arr, np.float32)
+        blocks = quant(name, arr) if quant is not None and arr.ndim == 2 else None
+        if blocks is not None:
+            w.add_tensor(name, blocks[0], raw_dtype=blocks[1])
+            return
         w.add_tensor(name, arr + 1.0 if (is_gemma and norm) else arr)
 
     add("token_embd.weight", tensors["model.embed_tokens.weight"])

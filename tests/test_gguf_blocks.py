@@ -1,4 +1,4 @@
-"""`--quantization gguf`: a GGUF's Q4_0 / Q4_1 / Q8_0 projections served as their blocks.
+"""`--quantization gguf`: a GGUF's Q4_0 / Q4_1 / Q8_0 / K-quant projections served as their blocks.
 
 The tiny GGUF of tests/test_gguf_loader.py mixes Q4_0, Q4_1, Q8_0, K-quant and float
 projections over 3 layers and writes llama's q/k rows permuted, so one file checks the
@@ -43,13 +43,15 @@ def float_logits(tiny_gguf):
 def test_block_formats_are_kept_and_the_rest_is_float(tiny_gguf):
     model = tiny_gguf.build(quantization="gguf")
     layer0 = model.layers[0]
-    # layer 0: attn_q Q4_0, attn_k Q4_1, ffn_gate Q8_0; attn_v F16 and ffn_down Q4_K stay float
-    for proj, fmt in ((layer0.q_proj, "q4_0"), (layer0.k_proj, "q4_1"), (layer0.gate_proj, "q8_0")):
+    # layer 0: attn_q Q4_0, attn_k Q4_1, ffn_gate Q8_0, ffn_down Q4_K (tests/test_gguf_kquants.py);
+    # attn_v F16 stays float
+    for proj, fmt in ((layer0.q_proj, "q4_0"), (layer0.k_proj, "q4_1"), (layer0.gate_proj, "q8_0"),
+                      (layer0.down_proj, "q4_k"), (model.layers[1].down_proj, "q5_k"),
+                      (model.layers[2].down_proj, "q6_k")):
         w = proj.get_value()
         assert isinstance(w, BlockQuantizedWeight) and w.fmt == fmt, f"{fmt} projection kept as blocks"
     assert layer0.q_proj.get_value().shape == (D, H * HD), "the projection's logical [in, out]"
     assert not isinstance(layer0.v_proj.get_value(), BlockQuantizedWeight), "F16 stays float"
-    assert not isinstance(layer0.down_proj.get_value(), BlockQuantizedWeight), "Q4_K stays float (for now)"
     head = model.tied_lm_head.get_value()
     assert isinstance(head, BlockQuantizedWeight) and head.fmt == "q8_0", "tied head from the Q8_0 embedding"
     assert head.shape == (model.cfg.hidden_size, model.cfg.vocab_size)
@@ -68,7 +70,7 @@ def test_xla_path_logits_equal_the_dequantized_float_model(tiny_gguf, float_logi
 def test_kernel_float_path_logits_equal_the_dequantized_float_model(tiny_gguf, float_logits):
     prompt, blocks, ref = float_logits
     model = tiny_gguf.build(quantization="gguf")
-    kept = sum(t in (Q.Q4_0, Q.Q4_1, Q.Q8_0) for layer in LAYER_TYPES for t in layer.values())
+    kept = sum(t in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K) for layer in LAYER_TYPES for t in layer.values())
     assert cpu_kernels.pack_blocks_for_kernel(model, int_rows=0) == kept + 1, "every block projection + the head"
     got = prompt_logits(model, prompt, blocks)
     assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), "float path: float32 rounding only"

@@ -1,7 +1,8 @@
 """Side-by-side timings of ferrox's x86 CPU kernels (models/cpu_kernels.py) against XLA.
 
-    python -m tools.bench_cpu_kernels                 # all three tables
+    python -m tools.bench_cpu_kernels                 # all the tables
     python -m tools.bench_cpu_kernels --only steps --rows 1 32
+    python -m tools.bench_cpu_kernels --only kquants   # the K-quant formats, 1 and 32 rows
 
 Tables (median of --repeats calls, one process, interleaved per line so that load on a
 shared machine hits both sides alike):
@@ -12,6 +13,10 @@ shared machine hits both sides alike):
   blocks     one projection on GGUF blocks (models/gguf_blocks.py; Q4_1, the LM head Q8_0):
              the w8a8 matmul kernel beside the block kernel's float path and integer path,
              in µs and GB/s of the bytes each reads
+  kquants    one projection on K-quant super-blocks (models/gguf_kquants.py; Q4_K, Q5_K,
+             Q6_K) beside Q4_1's block kernel on the same shape: XLA's dequantize + dot and
+             the K-quant kernel, in µs and GB/s of the bytes read, with the kernel's error
+             against float64 in float32 ulps of sum |x||w| (the accuracy beside the speed)
   steps      the default model's whole decode step (`ModelRunner.run`, greedy): float32,
              w8a8 on XLA and on the kernels, and gguf on the block kernel
 """
@@ -19,6 +24,7 @@ shared machine hits both sides alike):
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
@@ -76,6 +82,52 @@ def blocks(rows: list[int], repeats: int) -> None:
             fl = median_us(blocked, x, with_kernel(w, cpu_kernels.BLOCK_TARGET, 0), repeats=repeats)
             it = median_us(blocked, x, with_kernel(w, cpu_kernels.BLOCK_TARGET, 1), repeats=repeats)
             print(f"| {m} | [{k}, {n}] {fmt} | {w8:,.0f} | {fl:,.0f} | {it:,.0f} | {w.nbytes / fl / 1e3:.1f} |")
+
+
+K_PRODUCTS = ((1536, 576), (2048, 2048), (2048, 8192))  # SmolLM2's ffn_down; a 1B model's square / MLP
+
+
+def alternating_us(calls: list, repeats: int) -> list[float]:
+    """Median µs of each zero-argument call, timed in alternating rounds (one call of each per
+    round), so that load on a shared machine hits every variant alike."""
+    for call in calls:
+        jax.block_until_ready(call())
+    times = [[] for _ in calls]
+    for _ in range(repeats):
+        for i, call in enumerate(calls):
+            t = time.perf_counter()
+            jax.block_until_ready(call())
+            times[i].append(time.perf_counter() - t)
+    return [float(np.median(t) * 1e6) for t in times]
+
+
+def kquants(rows: list[int], repeats: int) -> None:
+    from models.gguf_blocks import block_matmul, dequantize_host, make_weight, with_kernel
+    from tests.kquant_blocks import random_k_blocks
+    from tests.test_block_matmul import random_blocks
+
+    print("| rows | [K, N] | fmt | XLA dequantize + dot (µs) | kernel (µs) | kernel GB/s "
+          "| kernel max error (f32 ulps of Σ|x||w|) |\n|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    blocked = jax.jit(block_matmul)
+    eps = float(np.finfo(np.float32).eps)
+    formats = ("q4_1", "q4_k", "q5_k", "q6_k")
+    for m in rows:
+        for k, n in K_PRODUCTS:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            xj = jnp.asarray(x)
+            raws = {f: random_blocks(f, n, k) if f == "q4_1" else random_k_blocks(f, n, k) for f in formats}
+            plain = {f: make_weight(raws[f], f, k) for f in formats}
+            kernels = {f: with_kernel(plain[f], cpu_kernels.block_target(f), 0) for f in formats}
+            calls = [functools.partial(blocked, xj, w) for f in formats for w in (plain[f], kernels[f])]
+            us = alternating_us(calls, repeats)
+            for i, f in enumerate(formats):
+                wd = dequantize_host(raws[f], f)
+                err = np.abs(np.asarray(blocked(xj, kernels[f])) - x.astype(np.float64) @ wd.T)
+                ulps = float((err / (eps * (np.abs(x).astype(np.float64) @ np.abs(wd).T))).max())
+                xla, ours = us[2 * i], us[2 * i + 1]
+                print(f"| {m} | [{k}, {n}] | {f} | {xla:,.0f} | {ours:,.0f} | {plain[f].nbytes / ours / 1e3:.1f} "
+                      f"| {ulps:.2f} |", flush=True)
 
 
 def attention(rows: list[int], contexts: list[int], repeats: int) -> None:
@@ -144,7 +196,7 @@ def steps(rows: list[int], contexts: list[int], repeats: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("products", "blocks", "attention", "steps"))
+    parser.add_argument("--only", choices=("products", "blocks", "kquants", "attention", "steps"))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8, 192, 500])
     parser.add_argument("--repeats", type=int, default=20)
@@ -155,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
         products(args.rows, args.repeats)
     if args.only in (None, "blocks"):
         blocks(args.rows, args.repeats)
+    if args.only in (None, "kquants"):
+        kquants(args.rows, args.repeats)
     if args.only in (None, "attention"):
         attention(args.rows, args.contexts, args.repeats)
     if args.only in (None, "steps"):

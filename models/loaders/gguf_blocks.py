@@ -1,4 +1,5 @@
-"""A GGUF file's Q4_0 / Q4_1 / Q8_0 projections as raw block rows, for `--quantization gguf`.
+"""A GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K projections as raw block rows,
+for `--quantization gguf`.
 
 `gguf_block_tensors(path, cfg)` gives `{our name: () -> (u8[out, row bytes], fmt)}` for
 every 2-D tensor in one of those formats that is a projection or the LM head
@@ -28,7 +29,8 @@ HostBlocks = tuple[np.ndarray, str]  # (u8[out, row bytes], block format name)
 BlockProducer = Callable[[], HostBlocks]
 
 GGML_BLOCK_FORMATS = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1",
-                      GGMLQuantizationType.Q8_0: "q8_0"}
+                      GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_K: "q4_k",
+                      GGMLQuantizationType.Q5_K: "q5_k", GGMLQuantizationType.Q6_K: "q6_k"}
 
 
 def _rows(tensor, cfg: ModelConfig, unpermute_qk: bool) -> np.ndarray:

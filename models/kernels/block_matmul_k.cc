@@ -1,0 +1,149 @@
+// Projections on GGUF's K-quant super-blocks, as shipped: out = x @ dequantize(w)^T.
+//
+// Operands (row-major; models/gguf_kquants.py lays them out):
+//   x    f32[M, K]           activations, K a multiple of 256
+//   w    u8[N, K/256 * B]    one output channel per row, its K inputs as K / 256 super-blocks
+//                            of B bytes, exactly the bytes of the file (ggml's structs):
+//     Q4_K (B 144): f16 d, f16 dmin, u8 scales[12], u8 qs[128]
+//     Q5_K (B 176): f16 d, f16 dmin, u8 scales[12], u8 qh[32], u8 qs[128]
+//     Q6_K (B 210): u8 ql[128], u8 qh[64], s8 scales[16], f16 d
+//   out  f32[M, N]
+// Q4_K / Q5_K: eight 32-wide sub-blocks s with 6-bit scale sc_s and min m_s packed in
+//   `scales` (get_scale_min_k4); w = d sc_s q - dmin m_s, q the 4-bit value (Q5_K: plus
+//   16 times bit s of qh[l]). Bytes 32c .. 32c + 31 of qs hold sub-block 2c in their low
+//   nibbles and 2c + 1 in their high nibbles.
+// Q6_K: sixteen 16-wide sub-blocks with int8 scales; w = d sc q, q in [-32, 31] from a
+//   nibble of ql and two bits of qh (each 128-weight half: weight 32k + l takes ql[l]
+//   (k 0, 2) or ql[32 + l] (k 1, 3), low nibble for k < 2, and bits 2k, 2k + 1 of qh[l]).
+// Attributes: fmt (3 Q4_K, 4 Q5_K, 5 Q6_K), int_rows (accepted for the shared call
+// signature of models/gguf_blocks.py and ignored: there is only the float path).
+//
+// The float path only: float32 activations times the super-blocks dequantized in
+// registers, 16 weights at a time (w = a q + b, one FMA from the group's integers),
+// accumulated in float32. That is the float32 product of the dequantized weights up to
+// float32 rounding (tests/test_block_matmul_k.py checks it against float64).
+// Which ISA: AVX-512F where cpuid has it, AVX2 + FMA + F16C elsewhere (block_matmul_k_body.inc,
+// compiled once per ISA); FerroxBlockMatmulKAvx2 forces the AVX2 build so tests on an AVX-512
+// host check both. Columns are shared over XLA's intra-op pool (parallel.h); one thread
+// computes each output element whole, so results do not depend on the sharing.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kQ4_K = 3, kQ5_K = 4, kQ6_K = 5;
+constexpr int64_t kSuper = 256;
+
+constexpr int SuperBytes(int fmt) { return fmt == kQ4_K ? 144 : fmt == kQ5_K ? 176 : 210; }
+
+struct Problem {
+  const float* x;    // [M, K]
+  const uint8_t* w;  // [N, row bytes]
+  float* out;        // [M, N]
+  int64_t m, n, k;
+};
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace ferrox_k_avx2 {
+#define FERROX_K_AVX512 0
+inline float HalfToFloat(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+#include "block_matmul_k_body.inc"
+#undef FERROX_K_AVX512
+}  // namespace ferrox_k_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f")
+namespace ferrox_k_avx512 {
+#define FERROX_K_AVX512 1
+inline float HalfToFloat(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+#include "block_matmul_k_body.inc"
+#undef FERROX_K_AVX512
+}  // namespace ferrox_k_avx512
+#pragma GCC pop_options
+
+namespace {
+
+// 2: AVX-512F, 1: AVX2 + FMA + F16C, 0: neither (the caller keeps XLA).
+int DetectIsa() {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (avx2 && __builtin_cpu_supports("avx512f")) return 2;
+  return avx2 ? 1 : 0;
+}
+
+const int kIsa = DetectIsa();
+
+// Below this many multiply-adds a product runs on the calling thread alone.
+constexpr int64_t kParallelMacs = 1 << 18;
+
+ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& w,
+                  ffi::ResultBuffer<ffi::F32>& out, int32_t fmt, int isa) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2)
+    return ffi::Error::InvalidArgument("ferrox_block_matmul_k: x must be [M, K] and w [N, row bytes]");
+  const int64_t m = xd[0], k = xd[1], n = wd[0];
+  if (fmt < kQ4_K || fmt > kQ6_K) return ffi::Error::InvalidArgument("ferrox_block_matmul_k: unknown fmt");
+  if (k % kSuper != 0 || wd[1] != k / kSuper * SuperBytes(fmt))
+    return ffi::Error::InvalidArgument("ferrox_block_matmul_k: w's row bytes do not match K / 256 super-blocks");
+  if (isa == 0) return ffi::Error::Internal("ferrox_block_matmul_k: this CPU has no AVX2 + FMA + F16C");
+  const Problem p{x.typed_data(), w.typed_data(), out->typed_data(), m, n, k};
+  const int64_t threads = m * n * k >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
+  // 4 chunks per thread balance uneven progress; chunks are whole 4-column tiles.
+  const int64_t target = threads * 4;
+  const int64_t chunk = std::max<int64_t>(4, ((n + target - 1) / target + 3) / 4 * 4);
+  ferrox::ParallelFor(pool, threads, (n + chunk - 1) / chunk, [&p, chunk, fmt, isa](int64_t c) {
+    const int64_t begin = c * chunk, end = std::min(p.n, (c + 1) * chunk);
+    if (isa == 2) ferrox_k_avx512::Run(fmt, p, begin, end);
+    else ferrox_k_avx2::Run(fmt, p, begin, end);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error BlockMatmulKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                            ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int32_t /*int_rows*/) {
+  return Matmul(pool, x, w, out, fmt, kIsa);
+}
+
+ffi::Error BlockMatmulKAvx2Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                                ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int32_t /*int_rows*/) {
+  return Matmul(pool, x, w, out, fmt, std::min(kIsa, 1));
+}
+
+}  // namespace
+
+#define FERROX_K_BINDING                       \
+  ffi::Ffi::Bind()                             \
+      .Ctx<ffi::ThreadPool>()                  \
+      .Arg<ffi::Buffer<ffi::F32>>()            \
+      .Arg<ffi::Buffer<ffi::U8>>()             \
+      .Ret<ffi::Buffer<ffi::F32>>()            \
+      .Attr<int32_t>("fmt")                    \
+      .Attr<int32_t>("int_rows")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxBlockMatmulK, BlockMatmulKImpl, FERROX_K_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxBlockMatmulKAvx2, BlockMatmulKAvx2Impl, FERROX_K_BINDING);
+
+// Which build of this kernel runs here: 2 AVX-512F, 1 AVX2, 0 none.
+extern "C" int ferrox_block_k_isa() { return kIsa; }
