@@ -7,27 +7,35 @@ import json
 from pathlib import Path
 
 import numpy as np
-import transformers
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 FUSED_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # Phi-3's modules
 
+
+
+def _hf_config(name: str, **fields):
+    """transformers.<name>(**fields), imported on use: the sharding probe's subprocess
+    imports this module and needs no transformers."""
+    import transformers
+
+    return getattr(transformers, name)(**fields)
+
+
 # Tiny configs (2 layers, hidden 64) the LoRA tests share.
 CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                              num_attention_heads=4, num_key_value_heads=2,
-                                              max_position_embeddings=512, tie_word_embeddings=False),
-    "qwen3": lambda: transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                              num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                              max_position_embeddings=512, tie_word_embeddings=False),
-    "gemma2": lambda: transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                                max_position_embeddings=512, query_pre_attn_scalar=24,
-                                                sliding_window=12, attn_logit_softcapping=3.0,
-                                                final_logit_softcapping=4.0),
-    "phi3": lambda: transformers.Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2,
-                                            max_position_embeddings=512, tie_word_embeddings=False),
+    "llama": lambda: _hf_config("LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                tie_word_embeddings=False),
+    "qwen3": lambda: _hf_config("Qwen3Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                max_position_embeddings=512, tie_word_embeddings=False),
+    "gemma2": lambda: _hf_config("Gemma2Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 max_position_embeddings=512, query_pre_attn_scalar=24, sliding_window=12,
+                                 attn_logit_softcapping=3.0, final_logit_softcapping=4.0),
+    "phi3": lambda: _hf_config("Phi3Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                               tie_word_embeddings=False),
 }
 
 
