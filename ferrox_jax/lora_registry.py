@@ -3,7 +3,8 @@
 The model's target projections carry `max_loras + 1` adapter slots (`models/lora.py`;
 slot 0 is the zero slot, the base model). The registry maps adapter names to slots 1..M:
 
-    load(name, path)    read the PEFT folder, pick a free slot, write its A/B there
+    load(name, path)    read the PEFT folder (or a llama.cpp GGUF LoRA file, `*.gguf`),
+                        pick a free slot, write its A/B there
     acquire(name)       a request starts with the adapter: (slot, key), and the slot is
                         held until `release` (the request's end)
     unload(name)        the name stops resolving at once; its slot is freed when the
@@ -86,11 +87,11 @@ class LoraRegistry:
         """Read and place an adapter.
 
         Raises:
-          LoraError: "adapter_exists", "slots_full", or what `read_peft_adapter` raises.
+          LoraError: "adapter_exists", "slots_full", or what `read_peft_adapter` / `read_gguf_adapter` raises.
         """
         path = Path(path)
-        adapter = read_peft_adapter(path, self._table, self._targets, self.slots.max_rank)
-        digest = hashlib.sha256((path / ADAPTER_WEIGHTS).read_bytes()).hexdigest()[:16]
+        adapter, weights_file = self._read(path)
+        digest = hashlib.sha256(weights_file.read_bytes()).hexdigest()[:16]
         with self._lock:
             if name in self._by_name:
                 raise LoraError("adapter_exists", f"a LoRA adapter named {name!r} is already loaded")
@@ -101,6 +102,18 @@ class LoraRegistry:
             self._write(loaded.slot, adapter.weights)
             self._by_name[name] = self._by_slot[loaded.slot] = loaded
         return loaded
+
+    def _read(self, path: Path):
+        """(the adapter, the file its weights are in): a `.gguf` file is a llama.cpp LoRA
+        adapter (`models/lora_gguf.py`), anything else a PEFT folder."""
+        if path.suffix == ".gguf" and path.is_file():
+            from models.lora_gguf import read_gguf_adapter
+            from models.registry import family_for
+
+            cfg = self.runner.cfg
+            return read_gguf_adapter(path, family_for(cfg.architecture), cfg, self._targets,
+                                     self.slots.max_rank), path
+        return read_peft_adapter(path, self._table, self._targets, self.slots.max_rank), path / ADAPTER_WEIGHTS
 
     def unload(self, name: str) -> None:
         """Raises LoraError("adapter_not_found") for a name not loaded."""

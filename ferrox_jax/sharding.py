@@ -34,9 +34,21 @@ M | H and M | K. Fused checkpoint tensors (Phi-3's qkv_proj, gate_up_proj) are s
 at load, so they shard like any other projection. Experts are split Megatron-style over
 their intermediate axis (every device holds a slice of every expert), so each tile of an
 expert's tokens is computed locally and its down projection all-reduced (one per tile in
-use: `models/moe.py`). RoPE tables are constants of the step, not parameters. LoRA adapter slots
-(`models/lora.py`: A [in, S*r], B [S*r, out] beside each adapted projection) are replicated;
-the base weight inside shards as above.
+use: `models/moe.py`). RoPE tables are constants of the step, not parameters.
+
+LoRA adapter slots (`models/lora.py`: A [in, S*r], B [S*r, out] beside each adapted
+projection, y = x W + (x A) B) shard like the weight they modify, so the adapter's
+product splits the way the base product does and needs no collective of its own:
+
+    base spec (projection)      A [in, S*r]          B [S*r, out]
+    P(None, "model")  column    P()  replicated      P(None, "model")  each device its outputs
+    P("model", None)  row       P("model", None)     P()  replicated
+    P()                          P()                  P()
+
+A row-parallel projection's input arrives split over `model` (each device holds its heads'
+or intermediate columns), so x A is a partial sum on each device like x W; XLA reduces
+the partial products with the base's (one all-reduce of [N, out], or of the small
+[N, S*r] before B: the partitioner picks), and nothing else moves.
 `replicate_attention=True` relaxes the head constraint: attention weights and the KV
 cache are replicated and only the MLP and vocab are split. The default SmolLM2-135M
 needs it (9 heads, 3 KV heads: no M > 1 in {2, 4, 8} divides both); its MLP is ~2/3 of
@@ -172,10 +184,24 @@ def _state_name(path) -> str:
     return ".".join(parts)
 
 
-def _is_lora_stack(path) -> bool:
-    """The A or B stack of a LoraWeight (its fields `a` / `b`), which keep no split axis."""
+def _lora_stack(path) -> str | None:
+    """"a" or "b" for the A or B stack of a LoraWeight (its fields `a` / `b`), else None."""
     last = path[-1] if path else None
-    return isinstance(last, jax.tree_util.GetAttrKey) and last.name in ("a", "b")
+    if isinstance(last, jax.tree_util.GetAttrKey) and last.name in ("a", "b"):
+        return last.name
+    return None
+
+
+def lora_partition_spec(stack: str, base_spec: P) -> P:
+    """PartitionSpec of a LoRA A (`stack` "a") or B ("b") stack whose base weight has
+    `base_spec` (the table in the module docstring): B splits the outputs of a
+    column-split base, A the inputs of a row-split one; the other side is replicated."""
+    column, row = P(None, MODEL_AXIS), P(MODEL_AXIS, None)
+    if base_spec == column:
+        return column if stack == "b" else P()
+    if base_spec == row:
+        return row if stack == "a" else P()
+    return P()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,8 +222,10 @@ def runner_shardings(mesh: Mesh, cfg: ModelConfig, state, replicate_attention: b
 
     def spec(path, leaf):
         name = _state_name(path)
-        if _is_lora_stack(path):  # LoRA slots (models/lora.py): replicated, small next to the weights
-            return NamedSharding(mesh, P())
+        stack = _lora_stack(path)
+        if stack is not None:  # LoRA slots (models/lora.py): A and B are 2-D like their base
+            base = param_partition_spec(name, leaf.shape, cfg, replicate_attention)
+            return NamedSharding(mesh, lora_partition_spec(stack, base))
         if isinstance(leaf, QuantizedWeight):
             specs = quantized_partition_specs(name, leaf, cfg, replicate_attention)
             return jax.tree_util.tree_map(lambda p: NamedSharding(mesh, p), specs,

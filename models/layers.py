@@ -34,7 +34,7 @@ from flax import nnx
 
 from models.attention import kv_slots, paged_attention, write_kv
 from models.gguf_blocks import BlockQuantizedWeight, block_matmul
-from models.lora import LoraWeight, lora_delta
+from models.lora import LoraWeight, project_lora
 from models.quant import QuantizedWeight, quantized_matmul
 from models.rope import apply_rope
 
@@ -57,7 +57,7 @@ def project(x: jax.Array, w: jax.Array | QuantizedWeight | BlockQuantizedWeight 
     if isinstance(w, LoraWeight) and w.token_slots is None:  # a forward without adapter slots
         return project(x, w.base, bias)
     if isinstance(w, LoraWeight):
-        y = project(x, w.base) + lora_delta(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
+        y = project_lora(x, w, project)
         return y if bias is None else y + bias
     if isinstance(w, BlockQuantizedWeight):
         y = block_matmul(x, w)

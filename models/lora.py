@@ -12,6 +12,8 @@ serve one batch through fixed slots, so every shape is static whatever is loaded
                                     s*r .. s*r + r - 1
       token_slots   i32[N] | None   the slot of each new token of this forward (set while
                                     tracing by `bind_token_slots`; None in the stored state)
+      has_adapter   bool[] | None   any token_slots != 0 (set with them): a step without
+                                    adapted rows skips the adapter term (`project_lora`)
 
 The slots are stacked along the inner axis of two plain matrices rather than as [S, in, r]
 and [S, r, out]: XLA CPU ran the stacked 3-D form far slower (likely a layout change of
@@ -34,7 +36,10 @@ Targets: q_proj, k_proj, v_proj, o_proj and the dense MLP's gate_proj, up_proj,
 down_proj, wherever a family's layer has them as 2-D parameters (MoE experts, routers
 and the LM head are never targets). PEFT names map to ours through each family's HF
 weight table (`self_attn.q_proj.weight` -> `q_proj`), so every family whose checkpoint
-names go through that table reads PEFT adapters the same way (`read_peft_adapter`).
+names go through that table reads PEFT adapters the same way (`read_peft_adapter`). A
+fused checkpoint module (Phi-3's qkv_proj, gate_up_proj; split into our q/k/v and gate/up
+at load) takes a fused adapter split the same way (`split_fused`); GGUF LoRA adapters
+(llama.cpp's format) are read by `models/lora_gguf.py` into the same layout.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class LoraWeight:
     a: jax.Array  # [in, S*r]
     b: jax.Array  # [S*r, out], scale folded in
     token_slots: jax.Array | None = None  # i32[N] while tracing a forward
+    has_adapter: jax.Array | None = None  # bool[]: some token of this forward is in a slot > 0
     num_slots: int = struct.field(pytree_node=False, default=1)  # S, the zero slot included
     rank: int = struct.field(pytree_node=False, default=1)  # r, columns per slot
 
@@ -150,11 +156,33 @@ def attach_lora(model, slots: LoraSlots) -> dict[tuple[int, str], tuple[int, int
 
 def bind_token_slots(model, token_slots: jax.Array) -> None:
     """Give every LoraWeight of a merged model (inside a traced forward) this forward's
-    per-token slots i32[N]. A model without adapters is left as it is."""
+    per-token slots i32[N], and whether any of them is not the zero slot (computed once
+    here, so each projection's no-adapter branch is one scalar test: `project_lora`).
+    A model without adapters is left as it is."""
+    has_adapter = jnp.any(token_slots != 0)
     for _, _, var in _targets(model):
         w = var.get_value()
         if isinstance(w, LoraWeight):
-            var.set_value(w.replace(token_slots=token_slots))
+            var.set_value(w.replace(token_slots=token_slots, has_adapter=has_adapter))
+
+
+def project_lora(x: jax.Array, w: LoraWeight, base_product) -> jax.Array:
+    """x [..., in] -> x W + each token's adapter product [..., out] (`base_product(x, W)`
+    is `models/layers.project` on the base weight).
+
+    The adapter term runs under a `lax.cond` on `has_adapter`: a step whose rows are all
+    in slot 0 skips it, so it reads none of the A/B stacks (at one row, f32 stacks of 5
+    slots of rank 16 are ~20 % of the default model's dense bytes per step). Both
+    branches live in the one compiled step, so this adds no shape to warm up and no
+    recompile; a step with any adapted row takes the adapter branch for every row, and a
+    slot-0 row there still adds exactly 0.0 (`lora_delta`), so a base row's output is the
+    same either way."""
+    y = base_product(x, w.base)
+    if w.has_adapter is None:  # slots bound without the flag (tools timing the product alone)
+        return y + lora_delta(x.reshape(-1, x.shape[-1]), w).reshape(y.shape)
+    return jax.lax.cond(w.has_adapter,
+                        lambda x, y: y + lora_delta(x.reshape(-1, x.shape[-1]), w).reshape(y.shape),
+                        lambda x, y: y, x, y)
 
 
 def lora_paths(state) -> list[tuple[int, str]]:
@@ -255,8 +283,9 @@ def read_peft_adapter(folder: str | Path, hf_layer_weights: dict[str, str],
       max_rank: `--max-lora-rank`.
     Raises:
       LoraError: code "invalid_adapter" (missing files, unsupported options),
-        "rank_too_large", "missing_target_module" (a module the model lacks or whose
-        shape differs) or "unsupported_architecture" (a fused projection).
+        "rank_too_large" or "missing_target_module" (a module the model lacks or whose
+        shape differs). A fused module (Phi-3's qkv_proj) is split into its parts
+        (`split_fused`).
     """
     from safetensors.numpy import load_file
 
@@ -266,23 +295,46 @@ def read_peft_adapter(folder: str | Path, hf_layer_weights: dict[str, str],
     config = json.loads((folder / ADAPTER_CONFIG).read_text())
     _check_config(config, max_rank)
     rank, scale = lora_scale(config)
-    pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    pairs: dict[tuple[int, str | tuple[str, ...]], dict[str, np.ndarray]] = {}
     for key, tensor in load_file(str(folder / ADAPTER_WEIGHTS)).items():
         m = _PEFT_KEY.match(key)
         ours = hf_layer_weights.get(f"{m.group(2)}.weight") if m else None
-        if isinstance(ours, tuple):  # a fused checkpoint tensor (Phi-3's qkv_proj) split at load
-            raise LoraError("unsupported_architecture", f"adapter tensor {key!r} adapts a fused projection "
-                                                        f"({m.group(2)}); LoRA on fused projections is not supported")
-        if ours is None or (int(m.group(1)), ours) not in targets:
+        parts = ours if isinstance(ours, tuple) else (ours,)
+        if ours is None or any((int(m.group(1)), name) not in targets for name in parts):
             raise LoraError("missing_target_module", f"adapter tensor {key!r} targets a module the model lacks "
                                                      f"(targets: {', '.join(LORA_TARGETS)})")
         pairs.setdefault((int(m.group(1)), ours), {})[m.group(3)] = tensor.astype(np.float32)
-    weights = {}
-    for where, ab in sorted(pairs.items()):
-        weights[where] = _to_our_layout(where, ab, targets[where], rank, scale)
+    weights = split_fused(pairs, targets, rank, scale)
     if not weights:
         raise LoraError("invalid_adapter", f"{folder.name}: {ADAPTER_WEIGHTS} holds no LoRA tensors")
     return PeftAdapter(rank=rank, scale=scale, weights=weights, base_model=config.get("base_model_name_or_path"))
+
+
+def split_fused(pairs: dict, targets: dict[tuple[int, str], tuple[int, int]], rank: int, scale: float):
+    """{(layer, ours): {"A": [r, in], "B": [out, r]}} in PEFT's layout -> our
+    {(layer, name): (A [in, r], s * B [r, out])}.
+
+    `ours` is one of our names, or a tuple of them for a fused checkpoint module (Phi-3's
+    qkv_proj -> q/k/v, gate_up_proj -> gate/up), which we split at load into separate
+    projections: x W_fused = [x W_q | x W_k | x W_v] by output rows, so the fused adapter's
+    s x A B_fused splits the same way, one shared A and each part's rows of B (in the
+    targets' order, each as wide as the target's output)."""
+    weights = {}
+    for (layer, ours), ab in sorted(pairs.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        if isinstance(ours, str):
+            weights[(layer, ours)] = _to_our_layout((layer, ours), ab, targets[(layer, ours)], rank, scale)
+            continue
+        widths = [targets[(layer, name)][1] for name in ours]
+        b = ab.get("B")
+        if b is not None and b.shape[0] != sum(widths):
+            raise LoraError("missing_target_module",
+                            f"layer {layer} {'+'.join(ours)}: fused lora_B has {b.shape[0]} rows, the model's "
+                            f"{'+'.join(ours)} outputs are {'+'.join(map(str, widths))}")
+        starts = np.cumsum([0] + widths)
+        for name, lo, hi in zip(ours, starts[:-1], starts[1:]):
+            part = {k: (v if k == "A" else v[lo:hi]) for k, v in ab.items()}
+            weights[(layer, name)] = _to_our_layout((layer, name), part, targets[(layer, name)], rank, scale)
+    return weights
 
 
 def _to_our_layout(where, ab: dict[str, np.ndarray], shape: tuple[int, int], rank: int, scale: float):

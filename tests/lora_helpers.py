@@ -1,10 +1,42 @@
-"""Tiny random PEFT LoRA adapters for tests, and a runner with adapter slots."""
+"""Tiny random PEFT LoRA adapters for tests, their llama.cpp GGUF form, and a runner with
+adapter slots."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
+
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FUSED_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # Phi-3's modules
+
+
+
+def _hf_config(name: str, **fields):
+    """transformers.<name>(**fields), imported on use: the sharding probe's subprocess
+    imports this module and needs no transformers."""
+    import transformers
+
+    return getattr(transformers, name)(**fields)
+
+
+# Tiny configs (2 layers, hidden 64) the LoRA tests share.
+CONFIGS = {
+    "llama": lambda: _hf_config("LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                tie_word_embeddings=False),
+    "qwen3": lambda: _hf_config("Qwen3Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                max_position_embeddings=512, tie_word_embeddings=False),
+    "gemma2": lambda: _hf_config("Gemma2Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 max_position_embeddings=512, query_pre_attn_scalar=24, sliding_window=12,
+                                 attn_logit_softcapping=3.0, final_logit_softcapping=4.0),
+    "phi3": lambda: _hf_config("Phi3Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                               tie_word_embeddings=False),
+}
 
 
 def make_peft_adapter(base: Path, out: Path, seed: int, r: int = 4, alpha: float = 8.0,
@@ -55,3 +87,49 @@ def lora_runner(path, max_loras: int = 2, max_rank: int = 8, **runner_kwargs):
     runner = ModelRunner(ckpt.model, **kwargs)
     registry = LoraRegistry(runner, slots, family_for(ckpt.config.architecture).hf_layer_weights, targets)
     return runner, registry, ckpt
+
+
+# PEFT module (after model.layers.{i}.) -> llama.cpp's GGUF base tensor (after blk.{i}.),
+# as convert_hf_to_gguf names them (gguf.constants' tensor tables).
+_PEFT_TO_GGUF = {
+    "self_attn.q_proj": "attn_q.weight", "self_attn.k_proj": "attn_k.weight", "self_attn.v_proj": "attn_v.weight",
+    "self_attn.qkv_proj": "attn_qkv.weight", "self_attn.o_proj": "attn_output.weight",
+    "mlp.gate_proj": "ffn_gate.weight", "mlp.up_proj": "ffn_up.weight", "mlp.gate_up_proj": "ffn_up.weight",
+    "mlp.down_proj": "ffn_down.weight",
+}
+
+
+def _llama_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute on [out, ...] rows: rotate-half -> interleaved."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def peft_to_gguf(adapter: Path, out: Path, arch: str, num_heads: int, num_kv_heads: int,
+                 permute_qk: bool = True) -> Path:
+    """Write a PEFT adapter as llama.cpp's convert_lora_to_gguf.py does (f32 outtype):
+    general.type "adapter", adapter.type "lora", adapter.lora.alpha = lora_alpha (use_rslora
+    is not carried), tensors blk.{i}.{base}.lora_a = lora_A [r, in] and .lora_b = lora_B
+    [out, r] as stored (ggml ne [in, r] and [r, out]); for `llama` the base model's q/k
+    permutation applies to the pair, which moves only lora_b's rows (`permute_qk=False`
+    skips it: a negative control)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(config["lora_alpha"]))
+    for key, tensor in sorted(load_file(str(adapter / "adapter_model.safetensors")).items()):
+        layer, rest = key.removeprefix("base_model.model.model.layers.").split(".", 1)
+        module, which = rest.rsplit(".lora_", 1)
+        base = _PEFT_TO_GGUF[module]
+        tensor = tensor.astype(np.float32)
+        if which.startswith("B") and permute_qk and arch == "llama" and base in ("attn_q.weight", "attn_k.weight"):
+            tensor = _llama_permute(tensor, num_heads if base == "attn_q.weight" else num_kv_heads)
+        writer.add_tensor(f"blk.{layer}.{base}.lora_{which[0].lower()}", np.ascontiguousarray(tensor))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -1,7 +1,7 @@
 """LoRA adapters through a real server and the official clients.
 
-One engine (tiny Llama, 2 adapter slots of rank <= 8, adapter `a1` loaded at start-up
-with --lora-modules) behind an API key, runtime loading on, `--model-dir` holding the
+One engine (tiny Llama, 3 adapter slots of rank <= 8, adapter `a1` loaded at start-up
+with --lora-modules, and `a1g`, the same adapter as llama.cpp's GGUF LoRA file) behind an API key, runtime loading on, `--model-dir` holding the
 base checkpoint and the adapters. Greedy outputs are checked against HF peft's greedy
 tokens for the same prompt ids; the runner's recompile counter must stay 0 through
 loading, mixing, unloading and reloading.
@@ -10,6 +10,7 @@ loading, mixing, unloading and reloading.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 
 import httpx
 import openai
@@ -17,7 +18,7 @@ import pytest
 
 from api.app import create_app
 from api.config import ServerConfig
-from tests.lora_helpers import make_peft_adapter, peft_models
+from tests.lora_helpers import make_peft_adapter, peft_models, peft_to_gguf
 from tests.server_harness import ServerThread
 
 KEY = "lora-test-key"
@@ -37,9 +38,13 @@ def server(tmp_path_factory):
              "a2": make_peft_adapter(base, root / "a2", seed=2, r=8, targets=("q_proj", "v_proj", "up_proj")),
              "big": make_peft_adapter(base, root / "big", seed=3, r=16),
              "head": make_peft_adapter(base, root / "head", seed=4, r=4, targets=("lm_head",))}
+    hf = json.loads((base / "config.json").read_text())
+    paths["a1.gguf"] = peft_to_gguf(paths["a1"], root / "a1.gguf", "llama", hf["num_attention_heads"],
+                                    hf["num_key_value_heads"])
     engine = Engine.load(EngineConfig(model=str(base), dtype="float32", block_size=16, kv_blocks=64, max_seqs=4,
-                                      max_queue=8, prefill_chunk=32, max_context=256, max_loras=2,
-                                      max_lora_rank=8, lora_modules=(("a1", str(paths["a1"])),)))
+                                      max_queue=8, prefill_chunk=32, max_context=256, max_loras=3,
+                                      max_lora_rank=8, lora_modules=(("a1", str(paths["a1"])),
+                                                                     ("a1g", str(paths["a1.gguf"])))))
     engine.warmup()
     engine.start()
     app = create_app(engine, ServerConfig(api_key=KEY, model_dir=str(root), enable_runtime_lora=True,
@@ -87,7 +92,7 @@ def test_the_response_cache_keeps_adapters_apart(server):
 def test_models_list_adapters_with_parent(server):
     url, engine, _, _ = server
     cards = {m.id: m for m in _client(url).models.list().data}
-    assert set(cards) == {engine.model_name, "a1"}
+    assert set(cards) == {engine.model_name, "a1", "a1g"}
     assert cards["a1"].parent == engine.model_name, "an adapter's card names the base model as parent"
 
 
@@ -118,6 +123,13 @@ def test_load_use_unload_reload_with_zero_recompiles(server):
     assert "a2" not in {m.id for m in client.models.list().data}
     assert _post(client, "/load_lora_adapter", {"lora_name": "a2", "lora_path": str(paths["a2"])}).status_code == 200
     assert _complete(client, "a2") == a2_text, "a reloaded adapter answers as before"
+
+    # The GGUF form of a1: from --lora-modules, then unloaded and loaded again by the route.
+    a1_text = _complete(client, "a1")
+    assert _complete(client, "a1g") == a1_text, "a1's GGUF LoRA file (--lora-modules) answers as a1"
+    assert _post(client, "/unload_lora_adapter", {"lora_name": "a1g"}).status_code == 200
+    assert _post(client, "/load_lora_adapter", {"lora_name": "a1g", "lora_path": "a1.gguf"}).status_code == 200
+    assert _complete(client, "a1g") == a1_text, "a1's GGUF LoRA file (loaded at run time) answers as a1"
     assert engine.runner.recompiles_after_warmup == 0, "loading, mixing and unloading must not compile"
 
 
@@ -205,7 +217,7 @@ def test_metrics_and_stats_count_adapters(server):
     stats = httpx.get(url + "/admin/stats", headers={"Authorization": f"Bearer {KEY}"}).json()
     after = {a["name"]: a for a in stats["lora_adapters"]}
     assert after["a1"]["requests"] == before["a1"] + 1 and after["a1"]["running"] == 0
-    assert stats["max_loras"] == 2
+    assert stats["max_loras"] == 3
     metrics = httpx.get(url + "/metrics").text
     line = next(m for m in metrics.splitlines() if m.startswith("vllm:lora_requests_info{"))
-    assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line, line
+    assert 'max_lora="3"' in line and 'running_lora_adapters=""' in line, line

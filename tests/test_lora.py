@@ -75,7 +75,6 @@ def test_peft_layout_is_transposed_with_the_scale_folded_into_b(tmp_path):
 @pytest.mark.parametrize("kwargs, code", [
     (dict(r=16), "rank_too_large"),
     (dict(module="self_attn.o_proj"), "missing_target_module"),
-    (dict(module="self_attn.qkv_proj"), "unsupported_architecture"),
     (dict(use_dora=True), "invalid_adapter"),
     (dict(bias="all"), "invalid_adapter"),
 ])
@@ -84,6 +83,25 @@ def test_refusals_are_named(tmp_path, kwargs, code):
     with pytest.raises(LoraError) as e:
         read_peft_adapter(path, TABLE, TARGETS, max_rank=8)
     assert e.value.code == code, str(e.value)
+
+
+def test_a_fused_adapter_splits_b_rows_into_its_parts_with_a_shared(tmp_path):
+    """Phi-3's qkv_proj: B [3 * D_OUT, r] rows q, then k, then v; one A for the three."""
+    path = _adapter(tmp_path / "a", r=4, alpha=8, module="self_attn.qkv_proj")
+    targets = {(0, name): (D_IN, D_OUT) for name in ("q_proj", "k_proj", "v_proj")}
+    adapter = read_peft_adapter(path, TABLE, targets, max_rank=8)
+    from safetensors.numpy import load_file
+
+    raw = load_file(str(path / "adapter_model.safetensors"))
+    a = raw["base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight"]
+    b = raw["base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"]
+    for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        ours_a, ours_b = adapter.weights[(0, name)]
+        np.testing.assert_array_equal(ours_a, a.T)
+        np.testing.assert_allclose(ours_b, 2.0 * b[i * D_OUT:(i + 1) * D_OUT].T)  # scale 8 / 4
+    with pytest.raises(LoraError) as e:  # a fused module whose parts the model lacks
+        read_peft_adapter(path, TABLE, TARGETS, max_rank=8)
+    assert e.value.code == "missing_target_module"
 
 
 def test_a_folder_without_the_files_is_invalid(tmp_path):
@@ -123,3 +141,41 @@ def test_registry_writes_slots_and_frees_them_only_when_released(tmp_path):
         registry.load("a2", paths[2])  # ... but its slot is still held by a running request
     registry.release(held.slot)
     assert registry.load("a2", paths[2]).slot == 1, "a released slot is reused"
+
+
+def _gguf_adapter(path, arch="llama", general_type="adapter", ranks=(4,)):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_type(general_type)
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", 8.0)
+    rng = np.random.RandomState(0)
+    for layer, r in enumerate(ranks):
+        writer.add_tensor(f"blk.{layer}.attn_v.weight.lora_a", rng.randn(r, D_IN).astype(np.float32))
+        writer.add_tensor(f"blk.{layer}.attn_v.weight.lora_b", rng.randn(D_OUT, r).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("kwargs, code", [
+    (dict(general_type="model"), "invalid_adapter"),
+    (dict(arch="gemma2"), "unsupported_architecture"),
+    (dict(ranks=(4, 2)), "invalid_adapter"),
+    (dict(ranks=(16,)), "rank_too_large"),
+])
+def test_gguf_adapter_refusals_are_named(tmp_path, kwargs, code):
+    from models.config import ModelConfig
+    from models.lora_gguf import read_gguf_adapter
+    from models.registry import family_for
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=D_IN, intermediate_size=16, num_layers=2, num_heads=2,
+                      num_kv_heads=2, head_dim=4, max_position_embeddings=64)
+    targets = {(layer, "v_proj"): (D_IN, D_OUT) for layer in range(2)}
+    path = _gguf_adapter(tmp_path / "a.gguf", **kwargs)
+    with pytest.raises(LoraError) as e:
+        read_gguf_adapter(path, family_for("LlamaForCausalLM"), cfg, targets, max_rank=8)
+    assert e.value.code == code, str(e.value)

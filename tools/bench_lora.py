@@ -11,8 +11,11 @@ steps of 1 and 32 rows at a fixed context run through the runner (`run_plan`, no
     lora-4     rows cycling through the four adapters
 
 Rounds alternate the four configurations so drift hits them alike; the median step time
-of each is reported. Accuracy beside the speed: the slot-0 rows' logits against the base
-engine's on one prompt (max |difference|), and whether their greedy tokens agree. The
+of each is reported. `lora-0` steps take the no-adapter branch (`models/lora.py`,
+`project_lora`: no row has an adapter, so the A/B products are skipped); `lora-1` at one
+row is what every step with slots cost before that branch. Accuracy beside the speed: a
+slot-0 row's logits against the base engine's on one prompt (max |difference|, greedy
+tokens agree?), alone and beside a row with an adapter (the adapter branch). The
 product itself (one-hot over slots, `lora_delta`, against a per-token gather,
 `lora_delta_gather`) is timed on one layer's seven projections.
 
@@ -22,6 +25,7 @@ product itself (one-hot over slots, `lora_delta`, against a per-token gather,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -86,13 +90,27 @@ def decode_step_s(engine, rows: int, slots: list[int], context: int, steps: int)
 
 
 def slot0_accuracy(base, lora, prompt: list[int]) -> dict:
+    """A slot-0 row of the LoRA engine against the engine without slots: alone (the step
+    takes the no-adapter branch) and beside a row with adapter 1 (the adapter branch)."""
     from ferrox_jax.plan import RowPlan
 
-    blocks = tuple(range(1, 1 + -(-len(prompt) // base.runner.block_size)))
-    row = RowPlan(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks, sample=False)
-    want, got = base.runner.run_logits([row])[0], lora.runner.run_logits([row])[0]
-    return {"max_abs_logit_diff": float(np.abs(want - got).max()),
-            "same_greedy_tokens": bool((want.argmax(-1) == got.argmax(-1)).all())}
+    per_row = -(-len(prompt) // base.runner.block_size)
+    row = RowPlan(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=tuple(range(1, 1 + per_row)),
+                  sample=False)
+    adapted = RowPlan(row_id=1, token_ids=tuple(prompt), start_pos=0, sample=False, adapter_slot=1,
+                      block_ids=tuple(range(1 + per_row, 1 + 2 * per_row)))
+    # Against the base engine at the same batch shape: XLA CPU may sum a matmul of 2 rows in
+    # another order than one of 1, so a 1-row reference would measure that, not the slots.
+    want = base.runner.run_logits([row])[0]
+    want_pair = base.runner.run_logits([row, dataclasses.replace(adapted, adapter_slot=0)])[0]
+    alone = lora.runner.run_logits([row])[0]
+    mixed, moved = lora.runner.run_logits([row, adapted])
+    out = {}
+    for name, ref, got in (("alone", want, alone), ("beside_adapted_row", want_pair, mixed)):
+        out[name] = {"max_abs_logit_diff": float(np.abs(ref - got).max()),
+                     "same_greedy_tokens": bool((ref.argmax(-1) == got.argmax(-1)).all())}
+    out["adapter_1_moves_logits_by"] = float(np.abs(moved - want).max())  # the adapted row is not the base
+    return out
 
 
 def product_ms(engine, tokens_list: list[int], repeats: int = 20) -> dict:

@@ -1,0 +1,112 @@
+"""GGUF LoRA adapters (llama.cpp's format) read into the slots' layout of `models/lora.py`.
+
+llama.cpp's `convert_lora_to_gguf.py` writes a PEFT adapter as a GGUF file whose
+metadata says what it is and whose tensors sit beside the base tensors they modify:
+
+    general.type          "adapter"
+    adapter.type          "lora"
+    general.architecture  the base model's GGUF architecture ("llama", "qwen3", ...)
+    adapter.lora.alpha    f32, PEFT's lora_alpha (0 or absent: no scaling)
+    blk.{i}.{base}.lora_a   ggml ne [in, r]   (numpy [r, in]: PEFT's lora_A as it was)
+    blk.{i}.{base}.lora_b   ggml ne [r, out]  (numpy [out, r]: PEFT's lora_B)
+
+`{base}` is the base tensor's GGUF name (`attn_q.weight`, `ffn_down.weight`, Phi-3's
+fused `attn_qkv.weight`), so the family's GGUF table maps it to our projection as it
+maps the base model's weights. Two of the converter's rules are undone here:
+
+- the converter runs the base model's own tensor edits on the (A, B) pair; for `llama`
+  files that is the q/k row permutation to interleaved RoPE order, which touches only
+  B's rows (the output axis), so B's attn_q / attn_k rows are unpermuted exactly as the
+  GGUF loader unpermutes the base weights (`unpermute_rope_rows`);
+- the scale is llama.cpp's (`llama_adapter_lora_weight::get_scale`):
+  alpha / r with r = B's ne[0] (the rank), or 1 when alpha is 0. The converter copies
+  lora_alpha and drops PEFT's use_rslora, so an rsLoRA adapter converted to GGUF is
+  served at alpha / r, as llama.cpp serves it.
+
+The per-request scale of llama.cpp's server (`/lora-adapters`) is not offered: an adapter
+is in a slot with its scale folded into B, as a PEFT one is.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from models.lora import LoraError, PeftAdapter, split_fused
+
+_LORA_NAME = re.compile(r"^blk\.(\d+)\.(.+)\.lora_([ab])$")
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _check_header(reader, name: str, family) -> str:
+    """The file's GGUF architecture, after checking it is a LoRA adapter for `family`."""
+    if _field(reader, "general.type") != "adapter" or _field(reader, "adapter.type") != "lora":
+        raise LoraError("invalid_adapter", f"{name}: not a GGUF LoRA adapter (general.type "
+                                           f"{_field(reader, 'general.type')!r}, adapter.type "
+                                           f"{_field(reader, 'adapter.type')!r}; want 'adapter' and 'lora')")
+    arch = _field(reader, "general.architecture")
+    if arch not in family.gguf_architectures:
+        raise LoraError("unsupported_architecture", f"{name}: an adapter for GGUF architecture {arch!r}; the model "
+                                                    f"is {family.name} ({', '.join(family.gguf_architectures)})")
+    return arch
+
+
+def read_gguf_adapter(path: str | Path, family, cfg, targets: dict[tuple[int, str], tuple[int, int]],
+                      max_rank: int) -> PeftAdapter:
+    """Read a GGUF LoRA adapter file (see the module docstring).
+
+    Args:
+      family: the served model's `Family` (its GGUF table and q/k permutation rule).
+      cfg: the served model's ModelConfig (head counts for the q/k unpermutation).
+      targets: {(layer, name): (in, out)} the model can adapt (`attach_lora`).
+      max_rank: `--max-lora-rank`.
+    Raises:
+      LoraError: "invalid_adapter" (not an adapter, a lone lora_a/b, mixed ranks, a
+        tensor type we cannot read), "unsupported_architecture" (another family's
+        adapter), "rank_too_large", "missing_target_module".
+    """
+    from gguf import GGUFReader
+
+    from models.config import UnsupportedModelError
+    from models.loaders.gguf import dequantize_tensor, unpermute_rope_rows
+
+    path = Path(path)
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise LoraError("invalid_adapter", f"{path.name}: not a readable GGUF file ({e})") from None
+    arch = _check_header(reader, path.name, family)
+    unpermute = arch in family.gguf_qk_permuted
+    pairs: dict[tuple[int, str | tuple[str, ...]], dict[str, np.ndarray]] = {}
+    for t in reader.tensors:
+        m = _LORA_NAME.match(t.name)
+        ours = family.gguf_layer_weights.get(m.group(2)) if m else None
+        parts = ours if isinstance(ours, tuple) else (ours,)
+        if ours is None or any((int(m.group(1)), name) not in targets for name in parts):
+            raise LoraError("missing_target_module", f"{path.name}: tensor {t.name!r} targets a module the model "
+                                                     f"lacks")
+        try:
+            w = dequantize_tensor(t)
+        except UnsupportedModelError as e:
+            raise LoraError("invalid_adapter", f"{path.name}: {e}") from None
+        if m.group(3) == "b" and unpermute and m.group(2) in ("attn_q.weight", "attn_k.weight"):
+            w = unpermute_rope_rows(w, cfg.num_heads if m.group(2) == "attn_q.weight" else cfg.num_kv_heads)
+        pairs.setdefault((int(m.group(1)), ours), {})[m.group(3).upper()] = w
+    if not pairs:
+        raise LoraError("invalid_adapter", f"{path.name}: holds no LoRA tensors")
+    ranks = {ab["B"].shape[1] for ab in pairs.values() if "B" in ab}
+    if len(ranks) > 1:
+        raise LoraError("invalid_adapter", f"{path.name}: tensors of different ranks {sorted(ranks)} are not supported")
+    rank = ranks.pop() if ranks else 0
+    if rank > max_rank:
+        raise LoraError("rank_too_large", f"adapter rank {rank} is larger than --max-lora-rank {max_rank}")
+    alpha = float(_field(reader, "adapter.lora.alpha", 0.0) or 0.0)
+    scale = alpha / rank if alpha else 1.0  # llama.cpp's get_scale at adapter_scale 1
+    return PeftAdapter(rank=rank, scale=scale, weights=split_fused(pairs, targets, rank, scale),
+                       base_model=_field(reader, "general.name"))
