@@ -39,17 +39,22 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(checkpoints):
-    """Two target runners: drafted by the small model, and by a copy of the target itself
-    (whose greedy drafts are all accepted)."""
+def target(checkpoints):
+    """One target runner (compiled once); `_with_draft` attaches the draft a test uses."""
     from tests.engine_helpers import make_runner
 
-    out = {}
-    for name, draft in (("small", checkpoints["small"]), ("self", checkpoints["target"])):
-        runner, ckpt = make_runner(checkpoints["target"], max_rows=STEP_ROWS)
-        runner.attach_draft(_draft_runner(draft, runner))
-        out[name] = (runner, ckpt)
-    return out
+    runner, ckpt = make_runner(checkpoints["target"], max_rows=STEP_ROWS)
+    drafts = {"small": _draft_runner(checkpoints["small"], runner),
+              "self": _draft_runner(checkpoints["target"], runner)}  # a copy of the target: all greedy drafts kept
+    return runner, ckpt, drafts
+
+
+def _with_draft(target, name):
+    """The target runner drafted by `name`. Swapping drafts between runs is sound because each
+    run starts a fresh scheduler (empty budget and prefix cache): every block is written anew."""
+    runner, ckpt, drafts = target
+    runner.attach_draft(drafts[name])
+    return runner, ckpt
 
 
 def test_config_takes_vllms_draft_model_form():
@@ -62,10 +67,10 @@ def test_config_takes_vllms_draft_model_form():
 
 
 @pytest.mark.parametrize("draft", ["self", "small"])
-def test_greedy_tokens_identical_alone_and_batched(engines, draft):
-    runner, ckpt = engines[draft]
+def test_greedy_tokens_identical_alone_and_batched(target, draft):
+    runner, ckpt = _with_draft(target, draft)
     jobs = greedy_jobs(ckpt.tokenizer)
-    for batch in ([jobs[0]], jobs):
+    for batch in ([jobs[0]], jobs) if draft == "small" else (jobs,):
         off = drive(runner, ckpt.tokenizer, batch, None)
         on = drive(runner, ckpt.tokenizer, batch, DRAFT)
         _assert_same(off, on, f"draft {draft}, {len(batch)} rows")
@@ -79,11 +84,11 @@ def test_greedy_tokens_identical_alone_and_batched(engines, draft):
     assert set(runner.draft.runner._compiled) <= set(runner.draft.runner.compile_keys()), "proposals add no shape"
 
 
-def test_stops_n_prefix_cache_and_cancel_keep_the_draft_consistent(engines):
+def test_stops_n_prefix_cache_and_cancel_keep_the_draft_consistent(target):
     """Prefix-cache hits, n = 2's shared prompt block and its copy-on-write carry the draft's
     K/V too: with the target drafting for itself, any stale draft K/V would show as a
     rejected draft. A cancel mid-run returns every block."""
-    runner, ckpt = engines["self"]
+    runner, ckpt = _with_draft(target, "self")
     tok = ckpt.tokenizer
     prompt = copy_prompt(tok)
     reference = drive(runner, tok, greedy_jobs(tok, 40)[:1], None).tokens["r0"][0]
@@ -111,11 +116,11 @@ def test_stops_n_prefix_cache_and_cancel_keep_the_draft_consistent(engines):
     assert run.scheduler.budget.num_held_blocks == 0 and run.scheduler.budget.num_owed_blocks == 0
 
 
-def test_seeded_sampling_unchanged_seed_for_seed_and_in_distribution(engines):
+def test_seeded_sampling_unchanged_seed_for_seed_and_in_distribution(target):
     """Seeded rows: the draft draws with the row's (seed, position) noise, so each seed gives
     the non-speculative tokens exactly; and over disjoint seeds the chi-square test of
-    tests/test_speculative.py (2nd-4th tokens, 160 rows each way) finds no shift."""
-    runner, ckpt = engines["small"]
+    tests/test_speculative.py (2nd-4th tokens, 96 rows each way) finds no shift."""
+    runner, ckpt = _with_draft(target, "small")
     jobs = _sampled_jobs(0, 4, 12)
     off = drive(runner, ckpt.tokenizer, jobs, None)
     on = drive(runner, ckpt.tokenizer, jobs, DRAFT)
@@ -123,13 +128,13 @@ def test_seeded_sampling_unchanged_seed_for_seed_and_in_distribution(engines):
     assert on.scheduler.speculator.counters.num_accepted_tokens > 0
 
     def outcomes(seed0, speculative):
-        run = drive(runner, ckpt.tokenizer, _sampled_jobs(seed0, 40, 4, n=4), speculative)
+        run = drive(runner, ckpt.tokenizer, _sampled_jobs(seed0, 24, 4, n=4), speculative)
         return [tuple(t[1:4]) for rows in run.tokens.values() for t in rows], run
 
     base, _ = outcomes(0, None)
     drafted, run = outcomes(100_000, DRAFT)
     assert run.scheduler.speculator.counters.num_accepted_tokens > 20, run.scheduler.speculator.counters
-    stat, dof = _chi_square(base, drafted, min_count=8)
+    stat, dof = _chi_square(base, drafted, min_count=6)
     assert dof >= 4, "too few distinct outcomes to test anything"
     assert stat < _CHI2_999[dof], f"chi-square {stat:.1f} with {dof} dof: the distribution moved"
     assert PEAKED  # the jobs' logit bias makes drafts likely to be accepted at all
