@@ -156,6 +156,8 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     """`--speculative ngram` with its flags, or `--speculative-config JSON`; None: off."""
     flags = dict(num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
                  ngram_max=args.ngram_max, max_rows=args.speculative_max_rows)
+    if args.draft_model:
+        flags["draft_model"] = args.draft_model
     if args.speculative_config:
         return SpeculativeConfig.from_json(args.speculative_config, **flags)
     if args.speculative in (None, "", "off"):

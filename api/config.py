@@ -270,7 +270,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prefix_caching", "FERROX_PREFIX_CACHING", _bool, True,
             "keep computed prompt blocks and reuse them for prompts sharing a prefix (--no-prefix-caching: off)"),
     Setting("speculative", "FERROX_SPECULATIVE", _str, None,
-            "speculative decoding: ngram (prompt lookup over the row's own prompt and output); default off"),
+            "speculative decoding: ngram (prompt lookup over the row's own prompt and output) or draft "
+            "(--draft-model's autoregressive drafts); default off"),
+    Setting("draft_model", "FERROX_DRAFT_MODEL", _str, None,
+            "--speculative draft: a smaller checkpoint with the target's tokenizer (its KV shares the block budget)"),
     Setting("num_speculative_tokens", "FERROX_NUM_SPECULATIVE_TOKENS", _positive_int, 3,
             "draft tokens a speculating row verifies per step"),
     Setting("ngram_min", "FERROX_NGRAM_MIN", _positive_int, 2, "shortest suffix prompt lookup matches"),

@@ -122,6 +122,9 @@ def check_limits(limits: SchedulerLimits, runner: Runner) -> None:
         raise ValueError(f"speculation needs {limits.speculative.step_rows(limits.max_rows)} rows per step "
                          f"(each speculating row's tokens are rows); the runner's largest row bucket is "
                          f"{runner.max_rows}")
+    if (limits.speculative is not None and limits.speculative.method == "draft"
+            and getattr(runner, "draft", None) is None):
+        raise ValueError("--speculative draft: the runner has no draft model attached")
     if limits.max_chunks > runner.max_chunks:
         raise ValueError(f"SchedulerLimits' {limits.max_chunks} chunks per step exceed the runner's "
                          f"{runner.max_chunks}")
@@ -144,6 +147,8 @@ class ContinuousBatcher:
         self._runner = runner
         self._max_queue = limits.max_queue
         self._scheduler = Scheduler(self.limits, tokenizer, new_matcher=new_matcher)
+        if limits.speculative is not None and limits.speculative.method == "draft":
+            self._scheduler.speculator.proposer = runner.propose_drafts  # the device proposes, on this thread
         self._has_grammar = new_matcher is not None and fill_bitmask is not None
         self._fill_bitmask = fill_bitmask
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()

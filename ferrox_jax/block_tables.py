@@ -140,6 +140,12 @@ class BlockTables:
         job.num_owed_blocks -= 1
         return self.budget.allocate()
 
+    @property
+    def pending_copies(self) -> tuple[tuple[int, int], ...]:
+        """The copies this step will run first, not yet taken (the draft model proposes
+        before the step and must see them)."""
+        return tuple(self._copies)
+
     def take_copies(self) -> tuple[tuple[int, int], ...]:
         copies, self._copies = tuple(self._copies), []
         return copies

@@ -176,20 +176,23 @@ class EngineConfig:
                              f"model={model} behind a load balancer (docs/deploy-tpu.md)")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")  # prompt lookup; a smaller model's autoregressive drafts
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """`--speculative ngram` and its settings (vLLM's `--speculative-config` names in brackets)."""
+    """`--speculative ngram|draft` and its settings (vLLM's `--speculative-config` names in brackets)."""
 
-    method: str = "ngram"
+    method: str = "ngram"  # [method: "ngram", or "draft_model" for "draft"]
     num_speculative_tokens: int = 3  # k: draft tokens per row and step [num_speculative_tokens]
     ngram_min: int = 2  # shortest suffix looked up [prompt_lookup_min]
     ngram_max: int = 4  # longest suffix looked up, tried first [prompt_lookup_max]
     max_rows: int = 4  # a step with more decoding rows does not speculate (measured: docs/benchmarks.md)
+    draft_model: str | None = None  # method "draft": the drafting checkpoint (same tokenizer) [model]
 
     def __post_init__(self) -> None:
+        if self.method == "draft_model":  # vLLM's name for the method
+            object.__setattr__(self, "method", "draft")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"SpeculativeConfig.method must be one of {', '.join(SPECULATIVE_METHODS)}; got {self.method!r}")
         for name in ("num_speculative_tokens", "ngram_min", "ngram_max", "max_rows"):
@@ -198,6 +201,9 @@ class SpeculativeConfig:
                 raise ValueError(f"SpeculativeConfig.{name} must be a positive int; got {value!r}")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"SpeculativeConfig.ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        if (self.method == "draft") != bool(self.draft_model):
+            raise ValueError("--speculative draft needs --draft-model PATH (and only it takes one); got "
+                             f"method {self.method!r}, draft_model {self.draft_model!r}")
 
     @property
     def verify_tokens(self) -> int:
@@ -220,7 +226,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative config is not JSON: {e}") from None
         if not isinstance(given, dict):
             raise ValueError(f"speculative config must be a JSON object; got {text!r}")
-        aliases = {"prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}
+        aliases = {"prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max", "model": "draft_model"}
         known = {f.name for f in dataclasses.fields(cls)}
         values = dict(defaults)
         for key, value in given.items():

@@ -131,11 +131,12 @@ def enable_compile_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def size_kv(config: EngineConfig, model_cfg: ModelConfig, kv_dtype) -> KVSizing:
+def size_kv(config: EngineConfig, model_cfg: ModelConfig, kv_dtype, draft_cfg: ModelConfig | None = None) -> KVSizing:
     """Blocks, context ceiling and the reason, from the config and the checkpoint.
-    `kv_dtype`: the cache's storage dtype, which sets the bytes per block."""
-    per_block = bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, config.block_size,
-                                model_cfg.head_dim, kv_dtype)
+    `kv_dtype`: the cache's storage dtype, which sets the bytes per block. `draft_cfg`: a
+    draft model's, whose cache has a block for every block id too (`ferrox_jax/draft.py`)."""
+    per_block = sum(bytes_per_block(c.num_layers, c.num_kv_heads, config.block_size, c.head_dim, kv_dtype)
+                    for c in (model_cfg, draft_cfg) if c is not None)
     kv_blocks = config.kv_blocks
     if kv_blocks:
         why = f"{kv_blocks} KV blocks as configured"
@@ -298,6 +299,41 @@ def _leader_runner(runner: ModelRunner, config: EngineConfig) -> ModelRunner | B
     return BroadcastRunner(runner, channel)
 
 
+def open_draft(config: EngineConfig, target: CheckpointSource, mesh: Any) -> CheckpointSource | None:
+    """`--speculative draft`: the draft checkpoint, checked against the target (the same
+    vocabulary, token for token, and logits width); None when speculation is not by draft."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft":
+        return None
+    if mesh is not None or jax.process_count() > 1:
+        raise ValueError("--speculative draft runs on one device for now (no tensor parallelism, no multi-host); "
+                         "--speculative ngram runs under both")
+    draft = open_checkpoint(spec.draft_model, load_format=config.load_format, seed=config.dummy_weights_seed)
+    ours, theirs = draft.tokenizer.backend.get_vocab(), target.tokenizer.backend.get_vocab()
+    if ours != theirs or draft.config.vocab_size != target.config.vocab_size:
+        differ = sorted(set(ours.items()) ^ set(theirs.items()))[:3]
+        raise ValueError(f"--draft-model {spec.draft_model}: its tokenizer differs from the target's "
+                         f"({len(ours)} vs {len(theirs)} tokens, logits {draft.config.vocab_size} vs "
+                         f"{target.config.vocab_size}; first differences {differ}); a draft must share the vocabulary")
+    return draft
+
+
+def _draft_runner(draft: CheckpointSource, config: EngineConfig, dtype, kv_dtype, sizing: KVSizing,
+                  target: ModelRunner) -> ModelRunner:
+    """The draft's runner, with the target runner's blocks, buckets and context."""
+    quantization, _ = resolve_quantization(config, draft, None)
+    attention, _ = select_decode_attention(
+        config.attention_impl, head_dim=draft.config.head_dim, block_size=config.block_size,
+        max_blocks_per_row=target.geometry.table_width, mesh=None, kv_sharded=False, kv_dtype=kv_dtype)
+    model = draft.build(dtype, decode_attention=attention, quantization=quantization)
+    note = _int8_matmul(model, dataclasses.replace(config, quantization=quantization), None) or _block_matmul(
+        model, dataclasses.replace(config, quantization=quantization), None)
+    log.info("draft model %s: %s", draft.name, note or quantization)
+    return ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=target.max_rows,
+                       max_chunk_tokens=target.max_chunk_tokens, max_context=sizing.max_context, kv_dtype=kv_dtype,
+                       max_chunks=target.max_chunks)
+
+
 def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = None) -> Engine:
     """Open, size, build and wire an engine (not yet warmed up or started).
 
@@ -321,7 +357,8 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
             raise ValueError("multi-host: LoRA adapters (--max-loras) are not supported across processes yet")
     check_divisibility(source.config, model_axis, config.replicate_attention)
     mesh = make_mesh(1, model_axis) if model_axis > 1 else None
-    sizing = size_kv(config, source.config, kv_dtype)
+    draft_source = open_draft(config, source, mesh)
+    sizing = size_kv(config, source.config, kv_dtype, draft_source.config if draft_source else None)
     quantization, quantization_note = resolve_quantization(config, source, mesh)
     if quantization_note:
         log.info("%s", quantization_note)
@@ -348,7 +385,8 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
         max_chunk_tokens=chunk, max_idle_chunk_tokens=idle_chunk,
         max_batched_tokens=batched_tokens(config, chunk, jax.default_backend()),
         max_context=sizing.max_context, max_queue=config.max_queue, kv_bytes_per_block=sizing.bytes_per_block,
-        prefix_caching=config.prefix_caching, prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size),
+        prefix_caching=config.prefix_caching, prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size)
+        + (f"|draft={draft_source.path}" if draft_source is not None else ""),
         speculative=config.speculative)
     grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size)
     # Speculating rows take a decode row per token: room for them in the row buckets.
@@ -356,6 +394,8 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
     runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=step_rows,
                          max_chunk_tokens=idle_chunk, max_context=sizing.max_context, kv_dtype=kv_dtype, mesh=mesh,
                          replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks)
+    if draft_source is not None:
+        runner.attach_draft(_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner))
     runner = _leader_runner(runner, config)
     batcher = ContinuousBatcher(runner, source.tokenizer, limits,
                                 new_matcher=grammar.new_matcher if grammar is not None else None,

@@ -31,7 +31,7 @@ import logging
 import math
 import os
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,8 @@ import numpy as np
 from flax import nnx
 
 from ferrox_jax.buckets import Buckets, StepShape
+if TYPE_CHECKING:
+    from ferrox_jax.draft import DraftModel
 from ferrox_jax.host_batch import ALL_TOKENS_ALLOWED, BatchGeometry, HostBatch, SamplingArrays, StepArrays
 from ferrox_jax.kv_cache import KVCache, copy_blocks, create_kv_cache
 from ferrox_jax.multihost import place_on_mesh
@@ -104,13 +106,30 @@ class ModelRunner:
             sharding=None if self.shardings is None else self.shardings.kv_array)
         self._compiled: dict[tuple, Callable] = {}
         self.is_warm = False
-        self.recompiles_after_warmup = 0
+        self._recompiles = 0
+        self.draft: DraftModel | None = None  # --speculative draft: mirrors every step (attach_draft)
         self.bitmask_words = -(-self.vocab_size // 32)  # int32 words per bitmask row
         self._all_ones: dict[int, jax.Array] = {}  # rows -> all-ones bitmask, on the device
 
     @property
     def max_blocks_per_row(self) -> int:
         return self.geometry.table_width
+
+    @property
+    def recompiles_after_warmup(self) -> int:
+        """Shapes compiled after warm-up, the draft model's included (should stay 0)."""
+        return self._recompiles + (self.draft.recompiles_after_warmup if self.draft is not None else 0)
+
+    def attach_draft(self, draft_runner: ModelRunner) -> None:
+        """`--speculative draft`: `draft_runner` (the draft checkpoint, built with this
+        runner's geometry) mirrors every step from now on (`ferrox_jax/draft.py`)."""
+        from ferrox_jax.draft import DraftModel
+
+        self.draft = DraftModel(draft_runner, self)
+
+    def propose_drafts(self, requests, pending_copies) -> list[tuple[int, ...]]:
+        """The scheduler's `Speculator.proposer` for the draft method."""
+        return self.draft.propose(requests, pending_copies)
 
     # ---- compilation -------------------------------------------------------------
     def compile_keys(self) -> list[tuple]:
@@ -136,8 +155,8 @@ class ModelRunner:
         exe = self._compiled.get(key)
         if exe is None:
             if self.is_warm:
-                self.recompiles_after_warmup += 1
-                log.warning("compiling shape %s after warm-up (recompile #%d)", key, self.recompiles_after_warmup)
+                self._recompiles += 1
+                log.warning("compiling shape %s after warm-up (recompile #%d)", key, self._recompiles)
             exe = self._compiled[key] = self._compile(key)
         return exe
 
@@ -154,6 +173,8 @@ class ModelRunner:
                 self._compiled[key] = exe
                 if progress:
                     progress(i + 1, len(keys), key)
+        if self.draft is not None:
+            self.draft.warmup()
         self.is_warm = True
         return time.perf_counter() - t0
 
@@ -239,6 +260,8 @@ class ModelRunner:
         if len(batch.block_copies):
             self._run_copies(batch.block_copies)
         forward = self._run_forward(shape, forward_inputs)
+        if self.draft is not None:  # the draft writes its K/V wherever the target does
+            self.draft.mirror(shape, forward_inputs, batch.block_copies)
         rows = shape.num_rows
         sampling = batch.sampling.gather(order, self.vocab_size)
         if batch.has_constrained_rows:

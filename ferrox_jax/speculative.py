@@ -48,7 +48,7 @@ admission-time block reservation covers: no lookahead blocks are needed.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -59,6 +59,19 @@ if TYPE_CHECKING:
     from ferrox_jax.block_tables import BlockTables
     from ferrox_jax.host_batch import StepArrays
     from ferrox_jax.plan import RowPlan
+
+@dataclasses.dataclass(frozen=True)
+class DraftRequest:
+    """One row's ask to the draft model: `plan` is its decode step (its last token at
+    `plan.start_pos`, its table already covering the drafts' positions); `num_drafts` tokens
+    are to be proposed, each sampled with the row's settings and its (seed, position) noise."""
+
+    plan: RowPlan
+    num_drafts: int
+
+
+# (requests, block copies still pending this step) -> each request's drafts, in order.
+Proposer = Callable[[tuple[DraftRequest, ...], tuple[tuple[int, int], ...]], list[tuple[int, ...]]]
 
 MAX_BACKOFF_STEPS = 16  # longest a row waits between drafts while none is accepted
 
@@ -145,6 +158,9 @@ class Speculator:
         # for its next `wait` steps, doubling up to MAX_BACKOFF_STEPS while none is kept
         # (a draft costs a row of the step; text with nothing to copy should not pay it).
         self._backoff: dict[int, list[int]] = {}  # row id -> [steps left to skip, next wait]
+        # Method "draft": the device side's proposer (`ModelRunner.propose_drafts`), wired
+        # by the owner; the scheduler itself never touches the device.
+        self.proposer: Proposer | None = None
 
     def max_drafts(self, row: Row) -> int:
         """Drafts the row may verify this step: 0 for a row that never speculates, else k
@@ -164,26 +180,40 @@ class Speculator:
         so they must fit its largest row bucket)."""
         if len(decode) > self.config.max_rows:
             return decode
-        cfg = self.config
         if len(self._backoff) > 4 * len(rows) + 64:  # rows that ended by a cancel: forget them
             self._backoff = {row_id: b for row_id, b in self._backoff.items() if row_id in rows}
         room = max_tokens - len(decode)
-        out = []
-        for plan in decode:
+        out = list(decode)
+        wanted: list[tuple[int, int]] = []  # (index in decode, drafts) for the draft model
+        for i, plan in enumerate(decode):
             row = rows[plan.row_id]
             backoff = self._backoff.get(plan.row_id)
             if backoff is not None and backoff[0] > 0:
                 backoff[0] -= 1
-                out.append(plan)
                 continue
-            drafts = propose_ngram(row.token_ids, min(room, self.max_drafts(row)), cfg.ngram_min, cfg.ngram_max)
-            room -= len(drafts)
-            if drafts:
-                blocks.prepare_decode(row, num_tokens=1 + len(drafts))
-                plan = dataclasses.replace(plan, token_ids=plan.token_ids + drafts, block_ids=tuple(row.block_ids),
-                                           num_draft_tokens=len(drafts))
-            out.append(plan)
+            num = min(room, self.max_drafts(row))
+            if self.config.method == "ngram":
+                drafts = propose_ngram(row.token_ids, num, self.config.ngram_min, self.config.ngram_max)
+                out[i] = self._with_drafts(plan, row, blocks, drafts)
+                room -= len(drafts)
+            elif num:
+                blocks.prepare_decode(row, num_tokens=1 + num)
+                out[i] = dataclasses.replace(plan, block_ids=tuple(row.block_ids))
+                wanted.append((i, num))
+                room -= num
+        if wanted:
+            proposed = self.proposer(tuple(DraftRequest(out[i], num) for i, num in wanted), blocks.pending_copies)
+            for (i, _), drafts in zip(wanted, proposed):
+                out[i] = self._with_drafts(out[i], rows[out[i].row_id], blocks, tuple(drafts))
         return tuple(out)
+
+    @staticmethod
+    def _with_drafts(plan: RowPlan, row: Row, blocks: BlockTables, drafts: tuple[int, ...]) -> RowPlan:
+        if not drafts:
+            return plan
+        blocks.prepare_decode(row, num_tokens=1 + len(drafts))
+        return dataclasses.replace(plan, token_ids=plan.token_ids + drafts, block_ids=tuple(row.block_ids),
+                                   num_draft_tokens=len(drafts))
 
     def record(self, plan: RowPlan, result: RowResult, is_finished: bool) -> None:
         """Counts a verification and updates the row's back-off (forgotten once it ends)."""

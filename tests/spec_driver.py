@@ -47,6 +47,8 @@ def drive(runner, tokenizer, jobs, speculative: SpeculativeConfig | None, max_ro
     """Submits `jobs` (GenerationRequests) and steps until all have finished.
     `on_step(scheduler, step_index)` runs before each step (to cancel, for instance)."""
     scheduler = Scheduler(limits_for(runner, speculative, max_rows), tokenizer)
+    if speculative is not None and speculative.method == "draft":
+        scheduler.speculator.proposer = runner.propose_drafts  # as the batcher wires it
     for job in jobs:
         scheduler.add_request(job)
     run = Run({j.request_id: [[] for _ in range(j.n)] for j in jobs},

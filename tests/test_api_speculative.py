@@ -52,3 +52,31 @@ def test_counters_in_metrics_and_admin_stats(client, model, http):
     per_pos = [values[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(j)),))]
                for j in range(SPEC.num_speculative_tokens)]
     assert per_pos == sorted(per_pos, reverse=True), "a later draft is accepted only after the earlier ones"
+
+
+def test_draft_flags_and_vllm_json_give_the_same_config():
+    flags = _parse(["--speculative", "draft", "--draft-model", "/m/small", "--num-speculative-tokens", "2"])
+    json_form = _parse(["--speculative-config", '{"method": "draft_model", "model": "/m/small", '
+                        '"num_speculative_tokens": 2}'])
+    assert flags == json_form == SpeculativeConfig(method="draft", draft_model="/m/small", num_speculative_tokens=2)
+
+
+def test_draft_model_served_end_to_end(client, model):
+    """`--speculative draft` built by the engine builder (the tiny checkpoint drafting for
+    itself, so every greedy draft is kept): the reply is the ngram server's (both are the
+    non-speculative one), the counters move, and proposals compiled nothing after warm-up."""
+    from openai import OpenAI
+
+    from tests.server_harness import api_checkpoint
+
+    spec = SpeculativeConfig(method="draft", draft_model=str(api_checkpoint()), num_speculative_tokens=3, max_rows=2)
+    engine = tiny_engine(block_size=16, kv_blocks=128, max_seqs=2, prefill_chunk=32, speculative=spec)
+    expected = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    with ServerThread(create_app(engine, ServerConfig())) as url:
+        drafted = OpenAI(base_url=f"{url}/v1", api_key="x")
+        reply = drafted.completions.create(model=drafted.models.list().data[0].id, prompt=PROMPT, max_tokens=24,
+                                           temperature=0)
+    assert reply.choices[0].text == expected
+    stats = engine.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert stats.recompiles_after_warmup == 0, "the draft's proposal shapes are compiled at warm-up"

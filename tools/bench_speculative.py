@@ -90,9 +90,44 @@ def _run(llm: Any, workload: str, concurrency: int, num_prompts: int, max_tokens
     return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
 
 
-def measure(llms: dict, args: argparse.Namespace) -> list[Sample]:
+class LlamaCppPeer:
+    """llama.cpp's server (llama-cpp-python) at `url`, driven over its OpenAI chat route at
+    concurrency 1, greedy: outputs are compared as texts (its token ids are not returned),
+    and its own draft counters are not exposed (acceptance: none)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    def run(self, workload: str, num_prompts: int, max_tokens: int) -> tuple[float, list, int]:
+        import httpx
+
+        outs, tokens = [], 0
+        start = time.perf_counter()
+        with httpx.Client(timeout=600) as client:
+            for i in range(num_prompts):
+                body = {"messages": [{"role": "user", "content": WORKLOADS[workload](i)}], "temperature": 0.0,
+                        "max_tokens": max_tokens, "seed": 0}
+                reply = client.post(f"{self.url}/v1/chat/completions", json=body).json()
+                outs.append(reply["choices"][0]["message"]["content"])
+                tokens += reply["usage"]["completion_tokens"]
+        return time.perf_counter() - start, outs, tokens
+
+
+def _measure_peer(peer: LlamaCppPeer, name: str, r: int, args: argparse.Namespace) -> list[Sample]:
+    samples = []
+    for workload in WORKLOADS:
+        wall_s, outputs, tokens = peer.run(workload, args.prompts_c1, args.max_tokens_c1)
+        samples.append(Sample(name, workload, 1, r, wall_s, tokens, 0, 0, outputs))
+        print(f"round {r} {name:5s} {workload:7s} c1   {tokens / wall_s:7.1f} tok/s ({tokens} tokens, {wall_s:.1f} s)",
+              file=sys.stderr, flush=True)
+    return samples
+
+
+def measure(llms: dict, args: argparse.Namespace, peers: dict | None = None) -> list[Sample]:
     samples = []
     for r in range(args.rounds):
+        for name, peer in (peers or {}).items():
+            samples += _measure_peer(peer, name, r, args)
         for name, llm in llms.items():
             for workload in WORKLOADS:
                 for c in args.concurrency:
@@ -111,7 +146,24 @@ def measure(llms: dict, args: argparse.Namespace) -> list[Sample]:
     return samples
 
 
+def summarize_peers(samples: list[Sample]) -> list[dict]:
+    """llama.cpp without and with its prompt lookup, beside ours (concurrency 1)."""
+    rows = []
+    for workload in WORKLOADS:
+        pick = {e: [s for s in samples if (s.engine, s.workload) == (e, workload)] for e in ("llama", "llama-lookup")}
+        if not all(pick.values()):
+            continue
+        rate = {e: sum(s.output_tokens for s in v) / sum(s.wall_s for s in v) for e, v in pick.items()}
+        same = sum(a == b for x, y in zip(pick["llama"], pick["llama-lookup"]) for a, b in zip(x.outputs, y.outputs))
+        rows.append(dict(workload=workload, concurrency=1, llama_tok_s=round(rate["llama"], 1),
+                         llama_lookup_tok_s=round(rate["llama-lookup"], 1),
+                         speedup=round(rate["llama-lookup"] / rate["llama"], 3),
+                         identical_outputs=f"{same}/{sum(len(x.outputs) for x in pick['llama'])}"))
+    return rows
+
+
 def summarize(samples: list[Sample]) -> list[dict]:
+    samples = [s for s in samples if s.engine in ("off", "ngram")]
     rows = []
     for workload in WORKLOADS:
         for c in sorted({s.concurrency for s in samples}):
@@ -143,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--speculative-max-rows", type=int, default=4)
     p.add_argument("--max-seqs", type=int, default=32, help="both engines (the serving default)")
+    p.add_argument("--llamacpp-url", help="llama.cpp's server without a draft (measured at c1 in the same rounds)")
+    p.add_argument("--llamacpp-lookup-url", help="llama.cpp's server with draft_model=prompt-lookup-decoding")
     p.add_argument("--result-json", type=Path)
     args = p.parse_args(argv)
 
@@ -155,12 +209,14 @@ def main(argv: list[str] | None = None) -> None:
     llms = {"off": LLM(args.model, max_seqs=args.max_seqs),
             "ngram": LLM(args.model, max_seqs=args.max_seqs, speculative=spec)}
     print(f"loaded and warmed both engines in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    peers = {name: LlamaCppPeer(url) for name, url in (("llama", args.llamacpp_url),
+                                                       ("llama-lookup", args.llamacpp_lookup_url)) if url}
     try:
-        samples = measure(llms, args)
+        samples = measure(llms, args, peers)
     finally:
         for llm in llms.values():
             llm.shutdown()
-    rows = summarize(samples)
+    rows = summarize(samples) + summarize_peers(samples)
     for row in rows:
         print(json.dumps(row))
     if args.result_json:
