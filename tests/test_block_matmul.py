@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from models import cpu_kernels
-from models.gguf_blocks import BLOCK, BLOCK_FORMATS, block_matmul, dequantize_blocks, dequantize_host, make_weight, \
-    with_kernel
+from models.gguf_blocks import BLOCK, BLOCK_FORMATS, K_FORMATS, block_matmul, dequantize_blocks, dequantize_host, \
+    make_weight, with_kernel
 
-FORMATS = tuple(BLOCK_FORMATS)
+FORMATS = tuple(f for f in BLOCK_FORMATS if f not in K_FORMATS)  # the K-quants: tests/test_block_matmul_k.py
 F32_EPS = float(np.finfo(np.float32).eps)
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None,
