@@ -256,6 +256,8 @@ def _block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
         rows = cpu_kernels.block_int_rows()
         paths = (f"float32 activations below {rows} rows, 32-wide int8 activation blocks from there" if rows
                  else "float32 activations at every row count")
+        if amx := cpu_kernels.block_amx_rows():
+            paths += f"; AMX-BF16 tiles (split bf16) from {amx} rows"
         return f"gguf projections: {packed} on the {cpu_kernels.block_isa()} block kernel ({paths})"
     note = "gguf projections: XLA dequantizes the blocks every step (slow): " + "; ".join(problems)
     log.warning("%s", note)
