@@ -65,7 +65,7 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default=defaults["dtype"])
-    gen.add_argument("--quantization", default=defaults["quantization"], help="none, int8, w8a8, gguf (a GGUF's own blocks) or auto")
+    gen.add_argument("--quantization", default=defaults["quantization"], help="none, int8, w8a8, w8a8-block32 (32-wide activation scales), gguf (a GGUF's own blocks) or auto")
     gen.add_argument("--kv-memory-gib", type=float, default=0.25, help="KV cache budget (one request needs little)")
     gen.add_argument("--log-level", default="warning")
     return parser

@@ -1,9 +1,10 @@
 # Helpers of the side-by-side serving scripts (bench/quant/*/run.sh); source it from the
 # repository root after setting OUT.
 bench() { # url label concurrency requests result-file: one tools/bench_serving.py run
+  # (BENCH_ARGS: more flags for it, e.g. --seed)
   .venv/bin/python -m tools.bench_serving --base-url $1 --label $2 --tokenizer-model default \
     --input-len 128 --output-len 128 --max-concurrency $3 --num-requests $4 --warmup-requests 2 \
-    --result-json $5 > $5.log 2>&1
+    --result-json $5 ${BENCH_ARGS:-} > $5.log 2>&1
 }
 wait_health() { # url: wait up to 300 s for it to answer 200
   for i in $(seq 1 300); do curl -sf $1 > /dev/null && return 0; sleep 1; done; return 1

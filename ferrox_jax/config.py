@@ -22,7 +22,7 @@ DEFAULT_COMPILE_CACHE = os.path.join("~", ".cache", "ferrox_jax", "jax")
 LOAD_FORMAT_NAMES = ("auto", "dummy")  # models/loader.py LOAD_FORMATS (that module imports jax)
 # Weight quantization modes; the same tuple as models/quant.py's QUANTIZATION_MODES (this
 # module imports no jax, a test keeps the two equal).
-QUANTIZATION_NAMES = ("none", "int8", "w8a8", "gguf", "auto")  # auto: resolved at load (engine_builder)
+QUANTIZATION_NAMES = ("none", "int8", "w8a8", "w8a8-block32", "gguf", "auto")  # auto: resolved at load (engine_builder)
 # Where w8a8 projections run on CPU: "auto" (the AVX2 kernel of models/cpu_kernels.py when it is
 # built and the model is on one device) or "xla" (XLA's int8 dot, for comparison).
 INT8_KERNEL_NAMES = ("auto", "xla")

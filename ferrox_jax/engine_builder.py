@@ -263,6 +263,8 @@ def _block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
         rows = cpu_kernels.block_int_rows()
         paths = (f"float32 activations below {rows} rows, 32-wide int8 activation blocks from there" if rows
                  else "float32 activations at every row count")
+        if amx := cpu_kernels.block_amx_rows():
+            paths += f"; AMX-BF16 tiles (split bf16) from {amx} rows"
         k_quants = cpu_kernels.k_quant_count(model)
         k_note = (f"; of them {k_quants} K-quants, on the {cpu_kernels.block_k_isa()} K-quant kernel "
                   f"(float32 activations)" if k_quants else "")

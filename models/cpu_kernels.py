@@ -102,6 +102,7 @@ def unavailable_reason() -> str | None:
     jax.ffi.register_ffi_target(BLOCK_K_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmulK), platform="cpu")
     jax.ffi.register_ffi_target(BLOCK_K_AVX2_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmulKAvx2), platform="cpu")
     _ISA["block_k"] = BLOCK_K_ISAS.get(lib.ferrox_block_k_isa(), "none")
+    _ISA["block_amx"] = "AMX-BF16" if lib.ferrox_block_amx() else "none"
     return None
 
 
@@ -171,6 +172,24 @@ def block_int_rows() -> int:
     return BLOCK_INT_ROWS.get(block_isa(), 0)
 
 
+# Rows from which a block product runs on AMX-BF16 tiles where the CPU has them (split bf16:
+# hi + lo halves of every operand, ~2^-15 relative per product; block_matmul_amx.inc).
+# Measured with `python -m tools.bench_cpu_kernels --only blocks` (docs/benchmarks.md, "GGUF
+# blocks on the CPU"): the tiles dequantize each block once for all rows, so they win where
+# there are rows to share it.
+BLOCK_AMX_ROWS = 16
+
+
+def block_amx_rows() -> int:
+    """BLOCK_AMX_ROWS where the block kernel can use AMX-BF16 here, else 0."""
+    return BLOCK_AMX_ROWS if block_amx() else 0
+
+
+def block_amx() -> bool:
+    """Whether the block kernel's AMX-BF16 path can run on this CPU (and OS)."""
+    return unavailable_reason() is None and _ISA.get("block_amx") == "AMX-BF16"
+
+
 def block_isa() -> str:
     """Which build of the block kernel this CPU runs ("AVX-512 VNNI", "AVX2"), or "none"."""
     return _ISA.get("block", "none") if unavailable_reason() is None else "none"
@@ -186,13 +205,15 @@ def block_target(fmt: str) -> str:
     return BLOCK_K_TARGET if fmt in K_FORMATS else BLOCK_TARGET
 
 
-def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None) -> int:
-    """Points every BlockQuantizedWeight of `model` at the block kernel, in place (the bytes
+def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None, amx_rows: int | None = None) -> int:
+    """Points every BlockQuantizedWeight of `model` at its block kernel, in place (the bytes
     stay as they are), with integer dots from `int_rows` rows (None: `block_int_rows()`; 0:
-    never; the K-quants' kernel has only the float path); returns how many. Raises
-    RuntimeError where the kernels cannot run."""
+    never) and AMX tiles from `amx_rows` (None: `block_amx_rows()`; 0: never); the K-quants'
+    kernel has only the float path. Returns how many. Raises RuntimeError where the kernels
+    cannot run."""
     _require()
     int_rows = block_int_rows() if int_rows is None else int_rows
+    amx_rows = block_amx_rows() if amx_rows is None else amx_rows
     state = nnx.state(model)
     packed = 0
 
@@ -200,7 +221,9 @@ def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None) -> in
         nonlocal packed
         if isinstance(leaf, BlockQuantizedWeight):
             packed += 1
-            return with_kernel(leaf, block_target(leaf.fmt), 0 if leaf.fmt in K_FORMATS else int_rows)
+            if leaf.fmt in K_FORMATS:
+                return with_kernel(leaf, block_target(leaf.fmt), 0, 0)
+            return with_kernel(leaf, BLOCK_TARGET, int_rows, amx_rows)
         return leaf
 
     nnx.update(model, jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, BlockQuantizedWeight)))

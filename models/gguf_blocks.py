@@ -23,7 +23,7 @@ The product (`block_matmul`): on one x86 CPU device the engine points `kernel` a
 ferrox's block kernel (`models/kernels/block_matmul.cc` via `models/cpu_kernels.py`):
 float32 activations times the blocks dequantized in registers for few rows, activations
 quantized in 32-wide int8 blocks (llama.cpp's scheme) with integer dots from `int_rows`
-rows on. Elsewhere (`kernel` None) XLA dequantizes the blocks (`dequantize_blocks`) and
+rows on, and on a CPU with AMX-BF16 tiles from `amx_rows` rows. Elsewhere (`kernel` None) XLA dequantizes the blocks (`dequantize_blocks`) and
 runs a float dot: correct everywhere, fast nowhere, as the start-up log says.
 """
 
@@ -67,6 +67,9 @@ class BlockQuantizedWeight:
     kernel: str | None = struct.field(pytree_node=False, default=None)
     # With `kernel`: products of at least this many rows quantize the activations (0: never).
     int_rows: int = struct.field(pytree_node=False, default=0)
+    # With `kernel`: products of at least this many rows run on AMX-BF16 tiles where the CPU
+    # has them (split bf16, models/kernels/block_matmul_amx.inc; 0: never).
+    amx_rows: int = struct.field(pytree_node=False, default=0)
 
     @property
     def out_features(self) -> int:
@@ -153,10 +156,11 @@ def block_matmul(x: jax.Array, w: BlockQuantizedWeight) -> jax.Array:
     else:
         out = jax.ShapeDtypeStruct((rows.shape[0], w.out_features), jnp.float32)
         y = jax.ffi.ffi_call(w.kernel, out)(rows, w.blocks, fmt=np.int32(BLOCK_FORMATS[w.fmt].code),
-                                            int_rows=np.int32(w.int_rows))
+                                            int_rows=np.int32(w.int_rows), amx_rows=np.int32(w.amx_rows))
     return y.reshape(*lead, -1).astype(x.dtype)
 
 
-def with_kernel(w: BlockQuantizedWeight, kernel: str | None, int_rows: int) -> BlockQuantizedWeight:
-    """The same blocks, multiplied by `kernel` (None: XLA), integer from `int_rows` rows."""
-    return BlockQuantizedWeight(w.blocks, w.fmt, kernel, int_rows)
+def with_kernel(w: BlockQuantizedWeight, kernel: str | None, int_rows: int, amx_rows: int = 0) -> BlockQuantizedWeight:
+    """The same blocks, multiplied by `kernel` (None: XLA), integer from `int_rows` rows,
+    on AMX tiles from `amx_rows` rows (where the CPU has them)."""
+    return BlockQuantizedWeight(w.blocks, w.fmt, kernel, int_rows, amx_rows)

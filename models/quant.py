@@ -15,6 +15,14 @@ Serving modes (`--quantization`):
            products to ferrox's AVX2 kernel (models/cpu_kernels.py; same integers, same
            result), elsewhere XLA's int8 dot, where a one-row product is padded to two
            rows because XLA CPU's one-row int8 path is several times slower.
+    w8a8-block32
+           the same int8 weights, with the activations quantized in blocks of 32 inputs
+           (one f32 scale per block of a row, as llama.cpp's Q8_0 activations): each
+           block's int8 x int8 -> int32 dot is rescaled by its own scale before the sum,
+           so a row's outlier features no longer set the step of all its other values.
+           XLA only (an int32 [blocks, rows, out] intermediate, then the scaled sum): an
+           accuracy option, not a fast path; docs/benchmarks.md has its accuracy beside
+           w8a8's.
 
 Which weights (`quantized_channel_axis`): every projection matrix of every family (q/k/v/o,
 the dense MLP's gate/up/down, each MoE expert's gate/up/down), the embedding and an
@@ -61,8 +69,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-QUANTIZATION_MODES = ("none", "int8", "w8a8", "gguf")  # gguf: models/gguf_blocks.py
-INT8_MODES = ("int8", "w8a8")  # the modes that place QuantizedWeight
+QUANTIZATION_MODES = ("none", "int8", "w8a8", "w8a8-block32", "gguf")  # gguf: models/gguf_blocks.py
+INT8_MODES = ("int8", "w8a8", "w8a8-block32")  # the modes that place QuantizedWeight
+ACTIVATION_BLOCK = 32  # w8a8-block32: inputs per activation scale
 INT8_MAX = 127
 GGUF_BLOCK = 32  # Q8_0 / Q4_0 values per block scale
 
@@ -73,7 +82,7 @@ class QuantizedWeight:
 
     values: jax.Array  # int8[in, out] (projection), int8[V, D] (embedding) or int8[E, in, out]
     scales: jax.Array  # f32: values' shape without the reduced axis (`reduce_axis`)
-    mode: str = struct.field(pytree_node=False, default="w8a8")  # "int8" or "w8a8"
+    mode: str = struct.field(pytree_node=False, default="w8a8")  # "int8", "w8a8" or "w8a8-block32"
     channel_axis: int = struct.field(pytree_node=False, default=1)
     # The XLA FFI target that multiplies this weight (a w8a8 projection laid out [out, in],
     # channel_axis 0, by models/cpu_kernels.py); None: XLA's dot.
@@ -190,6 +199,29 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
 
 
+def quantize_row_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 of activations f32[M, K] in blocks of 32 inputs -> (int8[M, K / 32, 32],
+    f32[M, K / 32]); an all-zero block gets scale 1. K must be a multiple of 32."""
+    m, k = x.shape
+    if k % ACTIVATION_BLOCK:
+        raise ValueError(f"w8a8-block32 needs inputs in multiples of {ACTIVATION_BLOCK}; got {k}")
+    blocks = x.reshape(m, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+    q = jnp.clip(jnp.round(blocks / scale[..., None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return q, scale
+
+
+def _block32_matmul(rows: jax.Array, qw: QuantizedWeight) -> jax.Array:
+    """f32[M, K] @ int8[K, N] with 32-wide activation scales: per block b an exact int32 dot
+    xq[:, b] . w[b] (i32[B, M, N]), times that block's row scale, summed over b in f32."""
+    xq, xs = quantize_row_blocks(rows)
+    nb = xq.shape[1]
+    w = qw.values.reshape(nb, ACTIVATION_BLOCK, -1)
+    acc = jax.lax.dot_general(xq, w, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.int32)
+    return jnp.einsum("bmn,mb->mn", acc.astype(jnp.float32), xs) * qw.scales
+
+
 def quantized_matmul(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
     """x [..., in] @ qw -> [..., out] in x's dtype, by qw.mode (module docstring): qw is a
     projection [in, out], or a w8a8 one packed [out, in] for the custom call `qw.kernel`
@@ -205,6 +237,8 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
     if qw.mode == "int8":
         return ((x @ qw.values.astype(x.dtype)) * qw.scales.astype(x.dtype)).astype(x.dtype)
     rows = x.reshape(-1, k).astype(jnp.float32)
+    if qw.mode == "w8a8-block32":
+        return _block32_matmul(rows, qw).reshape(*lead, -1).astype(x.dtype)
     m = rows.shape[0]
     if m == 1:  # XLA CPU's one-row int8 dot is several times slower than its two-row one
         rows = jnp.pad(rows, ((0, 1), (0, 0)))

@@ -2,7 +2,8 @@
 
 References are float64 numpy: the float path against x @ dequantize(w)^T, the integer
 path against the same 32-wide activation quantization done in numpy, its integer block
-dots exact and combined in float64. The kernel sums in float32, so the tolerance is a
+dots exact and combined in float64, the AMX-BF16 path (CPUs with AMX) against the same
+float64 product within its split-bf16 bound. The kernel sums in float32, so the tolerance is a
 few float32 ulps of sum |x_k w_k| over the K = 1536 (or 96) products of an element.
 """
 
@@ -150,6 +151,40 @@ def test_integer_path_is_chosen_by_row_count():
     assert np.all(np.abs(below - exact[:7]) <= bound(x[:7], w)), "7 rows < int_rows: float path"
     assert np.abs(at - exact).max() > 10 * bound(x, w).max(), "8 rows: integer path (activations rounded)"
     np.testing.assert_allclose(at, integer_reference(x, blocks, "q4_1"), rtol=1e-4, atol=1e-3)
+
+
+needs_amx = pytest.mark.skipif(not cpu_kernels.block_amx(), reason="no AMX-BF16 on this CPU / OS")
+SPLIT_BF16_EPS = 2.0 ** -14  # hi + lo keep ~16 bits of each operand; w_lo x_lo is dropped
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [16, 40, 70])
+def test_amx_path_within_split_bf16_bound_of_float64(fmt, rows):
+    # 16: one activation tile; 40: a pair of tiles + a partial one; 70: past 4 tiles. n = 48: 3 panels
+    k, n = 576, 48
+    blocks, x = random_blocks(fmt, n, k, seed=4), activations(rows, k, seed=5)
+    w = dequantize_host(blocks, fmt)
+    weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_TARGET, 0, amx_rows=16)
+    got = np.asarray(jax.jit(block_matmul)(jnp.asarray(x), weight))
+    err = np.abs(got - x.astype(np.float64) @ w.T)
+    limit = SPLIT_BF16_EPS * (np.abs(x).astype(np.float64) @ np.abs(w).T) + bound(x, w)
+    assert np.all(err <= limit), f"{fmt} AMX path: max error {err.max():.3g}, max relative {(err / limit).max():.3g}"
+
+
+@needs_amx
+def test_amx_path_is_chosen_by_row_count():
+    # x_0 = 1 + 2^-9 + 2^-20 needs 21 bits: the float path keeps it, the split keeps
+    # hi + lo = 1 + 2^-9 (the 2^-20 is below lo's 8 bits). A Q8_0 weight d = 1, q = 1 picks x_0.
+    k, n = 64, 16
+    block = np.zeros((n, k // BLOCK, 34), np.uint8)
+    block[..., 0:2] = np.float16(1.0).reshape(1).view(np.uint8)
+    block[:, 0, 2] = 1
+    weight = with_kernel(make_weight(block.reshape(n, -1), "q8_0", k), cpu_kernels.BLOCK_TARGET, 0, amx_rows=16)
+    x = np.zeros((16, k), np.float32)
+    x[:, 0] = np.float32(1 + 2.0 ** -9 + 2.0 ** -20)
+    np.testing.assert_array_equal(np.asarray(block_matmul(jnp.asarray(x), weight)), np.float32(1 + 2.0 ** -9))
+    np.testing.assert_array_equal(np.asarray(block_matmul(jnp.asarray(x[:15]), weight)), x[:15, :1].repeat(n, 1))
 
 
 @needs_kernels

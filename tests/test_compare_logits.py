@@ -128,3 +128,41 @@ def test_quantized_mode_against_our_float32_reports_its_error(saved, capsys):
     assert rc == 0 and out["quantization"] == "w8a8" and out["reference"] == "float32"
     assert all(0 < p["max_abs"] < 0.1 for p in out["prompts"])
     assert all(p["greedy_match"] is not None for p in out["prompts"])
+
+
+def test_ours_file_measures_another_engine_like_ferrox(saved, capsys):
+    """--ours-file: another engine's logits (tools/llamacpp_logits.py writes llama.cpp's in this
+    format) against the reference, without running ferrox: identical logits give KL 0 and all 8
+    greedy tokens; a greedy token changed at 3 and one logit row moved give exactly that."""
+    refs = lr.load_reference(saved["npz"])
+    common = ["--reference-file", str(saved["npz"]), "--json"]
+    same = saved["dir"] / "engine_same.npz"
+    lr.save_reference(same, refs)
+    assert cl.main([*common, "--ours-file", str(same), "--max-kl", "0", "--min-greedy-match", "8"]) == 0
+    capsys.readouterr()
+    refs[0].greedy_ids[3] = (refs[0].greedy_ids[3] + 1) % 300
+    refs[0].logits[1] = refs[0].logits[1][::-1].copy()  # one position's distribution reversed
+    other = saved["dir"] / "engine_other.npz"
+    lr.save_reference(other, refs)
+    rc = cl.main([*common, "--ours-file", str(other), "--min-greedy-match", "8"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 1 and out["ours_file"] == str(other)
+    first, second = out["prompts"]
+    assert first["greedy_match"] == 3 and second["greedy_match"] == 8
+    assert first["max_kl"] > 0.01 and second["max_kl"] == 0 and first["top1"] < 1
+
+
+def test_ours_file_with_other_token_ids_is_an_input_error(saved):
+    refs = lr.load_reference(saved["npz"])
+    refs[1].token_ids[0] += 1
+    bad = saved["dir"] / "engine_bad_ids.npz"
+    lr.save_reference(bad, refs)
+    assert cl.main(["--reference-file", str(saved["npz"]), "--ours-file", str(bad)]) == 2
+
+
+def test_float32_reference_can_be_saved_alone(saved):
+    out = saved["dir"] / "f32.npz"
+    assert cl.main(["--model", saved["path"], "--reference", "float32", "--save-reference", str(out),
+                    "--save-only", *PROMPTS, *GREEDY]) == 0
+    refs = lr.load_reference(out)
+    assert len(refs) == 2 and all(len(r.greedy_ids) == 8 and r.logits is not None for r in refs)

@@ -71,16 +71,28 @@ def test_kernel_float_path_logits_equal_the_dequantized_float_model(tiny_gguf, f
     prompt, blocks, ref = float_logits
     model = tiny_gguf.build(quantization="gguf")
     kept = sum(t in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K) for layer in LAYER_TYPES for t in layer.values())
-    assert cpu_kernels.pack_blocks_for_kernel(model, int_rows=0) == kept + 1, "every block projection + the head"
+    assert cpu_kernels.pack_blocks_for_kernel(model, int_rows=0, amx_rows=0) == kept + 1, \
+        "every block projection + the head"
     got = prompt_logits(model, prompt, blocks)
     assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), "float path: float32 rounding only"
+
+
+@pytest.mark.skipif(not cpu_kernels.block_amx(), reason="no AMX-BF16 on this CPU / OS")
+def test_kernel_amx_path_logits_stay_within_split_bf16_rounding(tiny_gguf, float_logits):
+    prompt, blocks, ref = float_logits
+    model = tiny_gguf.build(quantization="gguf")
+    cpu_kernels.pack_blocks_for_kernel(model, int_rows=0, amx_rows=1)
+    got = prompt_logits(model, prompt, blocks)
+    # hi + lo bf16 operands: ~2^-15 of each product, 13 products in series: ~1e-4 of the
+    # logits; far below the integer path's ~10 % and above float32's rounding
+    assert np.abs(got - ref).max() < 1e-3 * max(1.0, np.abs(ref).max()), "AMX path: split-bf16 rounding only"
 
 
 @needs_kernels
 def test_kernel_integer_path_stays_within_activation_rounding(tiny_gguf, float_logits):
     prompt, blocks, ref = float_logits
     model = tiny_gguf.build(quantization="gguf")
-    cpu_kernels.pack_blocks_for_kernel(model, int_rows=1)
+    cpu_kernels.pack_blocks_for_kernel(model, int_rows=1, amx_rows=0)
     got = prompt_logits(model, prompt, blocks)
     # 32-wide int8 activation blocks err by amax/440 rms per value, ~0.6 % of a product's
     # spread (amax/rms ~2.5 over 32 normal values); 13 products in series add in quadrature
@@ -96,7 +108,7 @@ def test_kernel_integer_path_stays_within_activation_rounding(tiny_gguf, float_l
 @needs_kernels
 def test_mixed_workload_after_warmup_causes_zero_recompiles(tiny_gguf):
     model = tiny_gguf.build(quantization="gguf")
-    cpu_kernels.pack_blocks_for_kernel(model, int_rows=2)  # both paths inside one workload
+    cpu_kernels.pack_blocks_for_kernel(model, int_rows=2, amx_rows=3)  # every path inside one workload
     runner = ModelRunner(model, num_blocks=64, block_size=8, max_rows=4, max_chunk_tokens=32, max_context=128)
     runner.warmup()
     mixed_workload(runner)

@@ -11,8 +11,8 @@ shared machine hits both sides alike):
   attention  one layer's decode attention (9 heads, 3 kv heads, head_dim 64, blocks of 16):
              the pure-JAX paged attention against the kernel, float32 and bfloat16 caches
   blocks     one projection on GGUF blocks (models/gguf_blocks.py; Q4_1, the LM head Q8_0):
-             the w8a8 matmul kernel beside the block kernel's float path and integer path,
-             in µs and GB/s of the bytes each reads
+             the w8a8 matmul kernel beside the block kernel's float path, integer path and
+             (where the CPU has AMX-BF16) AMX path, in µs and GB/s of the bytes each reads
   kquants    one projection on K-quant super-blocks (models/gguf_kquants.py; Q4_K, Q5_K,
              Q6_K) beside Q4_1's block kernel on the same shape: XLA's dequantize + dot and
              the K-quant kernel, in µs and GB/s of the bytes read, with the kernel's error
@@ -68,8 +68,10 @@ def blocks(rows: list[int], repeats: int) -> None:
     from models.gguf_blocks import block_matmul, make_weight, with_kernel
     from tests.test_block_matmul import random_blocks
 
+    amx = cpu_kernels.block_amx()
     print("| rows | [K, N] fmt | w8a8 kernel (µs) | blocks, float path (µs) | blocks, integer path (µs) "
-          "| float path GB/s |\n|---|---|---|---|---|---|")
+          + ("| blocks, AMX-BF16 path (µs) " if amx else "") + "| float path GB/s |\n|---|---|---|---|---|"
+          + ("---|" if amx else "") + "---|")
     rng = np.random.default_rng(0)
     matmul, blocked = jax.jit(quantized_matmul), jax.jit(block_matmul)
     for m in rows:
@@ -81,7 +83,9 @@ def blocks(rows: list[int], repeats: int) -> None:
             w8 = median_us(matmul, x, packed, repeats=repeats)
             fl = median_us(blocked, x, with_kernel(w, cpu_kernels.BLOCK_TARGET, 0), repeats=repeats)
             it = median_us(blocked, x, with_kernel(w, cpu_kernels.BLOCK_TARGET, 1), repeats=repeats)
-            print(f"| {m} | [{k}, {n}] {fmt} | {w8:,.0f} | {fl:,.0f} | {it:,.0f} | {w.nbytes / fl / 1e3:.1f} |")
+            am = (f"{median_us(blocked, x, with_kernel(w, cpu_kernels.BLOCK_TARGET, 0, 1), repeats=repeats):,.0f} | "
+                  if amx else "")
+            print(f"| {m} | [{k}, {n}] {fmt} | {w8:,.0f} | {fl:,.0f} | {it:,.0f} | {am}{w.nbytes / fl / 1e3:.1f} |")
 
 
 K_PRODUCTS = ((1536, 576), (2048, 2048), (2048, 8192))  # SmolLM2's ffn_down; a 1B model's square / MLP
@@ -164,13 +168,16 @@ def steps(rows: list[int], contexts: list[int], repeats: int) -> None:
     variants = {"float32 + attention kernel": ("none", False, True), "w8a8, XLA": ("w8a8", False, False),
                 "w8a8, matmul + attention kernels": ("w8a8", True, True),
                 "gguf blocks + attention kernels": ("gguf", True, True)}
+    if cpu_kernels.block_amx():  # the default above takes AMX tiles from BLOCK_AMX_ROWS rows
+        variants["gguf blocks, AMX off"] = ("gguf-no-amx", True, True)
     runners = {}
     for name, (mode, matmul, attend) in variants.items():
-        model = source.build(quantization=mode, decode_attention=cpu_kernels.decode_attention() if attend else None)
+        model = source.build(quantization=mode.removesuffix("-no-amx"),
+                             decode_attention=cpu_kernels.decode_attention() if attend else None)
         if matmul and mode == "w8a8":
             cpu_kernels.pack_for_kernel(model)
-        if matmul and mode == "gguf":
-            cpu_kernels.pack_blocks_for_kernel(model)
+        if matmul and mode.startswith("gguf"):
+            cpu_kernels.pack_blocks_for_kernel(model, amx_rows=0 if mode.endswith("-no-amx") else None)
         runners[name] = ModelRunner(model, num_blocks=40 * max(rows) + 1, block_size=16, max_rows=max(rows),
                                     max_chunk_tokens=16, max_context=640)
     print("| rows | context | " + " | ".join(f"{n} (ms)" for n in variants) + " |")

@@ -18,9 +18,14 @@ References:
                          same checkpoint in float32: an HF folder with `from_pretrained(dir)`,
                          a `.gguf` with `from_pretrained(parent_dir, gguf_file=name)`.
   --reference-file F     a file made anywhere (format below); its token ids are used as-is.
-  --save-reference F     write the HF reference to F (`.npz` or `.json`) so it can be made on
-                         another machine; `--save-only` skips loading ferrox's model
-                         (our tokenizer still makes the token ids).
+  --save-reference F     write the HF (or float32) reference to F (`.npz` or `.json`) so it can
+                         be made on another machine; `--save-only` skips the comparison
+                         (for hf: skips loading ferrox's model; our tokenizer still makes
+                         the token ids).
+
+Another engine measured the same way: `--ours-file F` takes "our" side from a file in the
+reference format (its token ids must be the reference's) instead of running ferrox_jax;
+tools/llamacpp_logits.py writes llama.cpp's logits so (bench/quant/blocks/accuracy.sh).
 
 Reference files: the format is in tools/logits_reference.py.
 
@@ -270,12 +275,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-top-k", type=int, default=0, metavar="K",
                    help="save only each position's top-K logprobs instead of full logits (0: full logits)")
     p.add_argument("--save-only", action="store_true", help="with --save-reference: save, do not run ferrox_jax")
+    p.add_argument("--ours-file", metavar="F",
+                   help="compare this file's logits and greedy tokens (reference format, e.g. llama.cpp's from "
+                        "tools/llamacpp_logits.py) instead of running ferrox_jax")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", metavar="F", help="prompts, one per line or a JSON list of strings")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
     p.add_argument("--greedy-tokens", type=int, default=32, help="greedy continuation length (default 32)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="ferrox_jax compute dtype")
-    p.add_argument("--quantization", choices=["none", "int8", "w8a8", "gguf"], default="none",
+    p.add_argument("--quantization", choices=["none", "int8", "w8a8", "w8a8-block32", "gguf"], default="none",
                    help="ferrox_jax weight quantization (models/quant.py; gguf: models/gguf_blocks.py)")
     p.add_argument("--block-int-rows", type=int, default=None, metavar="N",
                    help="gguf on the block kernel: quantize activations from N rows on (0: never; "
@@ -308,10 +316,10 @@ def _cpu_kernels(args: argparse.Namespace):
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.reference_file and (args.prompt or args.prompts_file or args.chat):
         p.error("--reference-file brings its own token ids; drop --prompt / --prompts-file / --chat")
-    if args.reference == "float32" and args.save_only:
-        p.error("--save-only needs --reference hf")
-    if args.save_reference and args.reference != "hf":
-        p.error("--save-reference needs --reference hf")
+    if args.save_reference and args.reference not in ("hf", "float32"):
+        p.error("--save-reference needs --reference hf or float32")
+    if args.ours_file and (args.save_only or args.quantization != "none"):
+        p.error("--ours-file replaces ferrox_jax's side; drop --save-only / --quantization")
     if args.save_only and not args.save_reference:
         p.error("--save-only needs --save-reference")
     if args.save_top_k < 0 or args.greedy_tokens < 0:
@@ -350,8 +358,25 @@ def _float32_references(args, tokenizer) -> list[PromptReference]:
     max_total = max(len(ids) for _, ids in encoded) + args.greedy_tokens
     side = FerroxSide(model, max_total, 1, args.block_size, args.max_chunk_tokens)
     logits = side.prompt_logits([ids for _, ids in encoded])
-    return [PromptReference(token_ids=list(ids), text=t, logits=lg, greedy_ids=side.greedy(ids, args.greedy_tokens))
+    refs = [PromptReference(token_ids=list(ids), text=t, logits=lg, greedy_ids=side.greedy(ids, args.greedy_tokens))
             for (t, ids), lg in zip(encoded, logits)]
+    if args.save_reference:
+        save_reference(args.save_reference, refs)
+        _log(f"wrote {len(refs)} prompts to {args.save_reference}")
+    return refs
+
+
+def file_comparison(refs: list[PromptReference], ours_path: str) -> list[PromptReport]:
+    """Compare another engine's logits and greedy tokens (a reference-format file) with refs."""
+    ours = load_reference(ours_path)
+    if len(ours) != len(refs):
+        raise ValueError(f"{ours_path} has {len(ours)} prompts, the reference {len(refs)}")
+    for i, (r, o) in enumerate(zip(refs, ours)):
+        if list(o.token_ids) != list(r.token_ids):
+            raise ValueError(f"prompt {i}: {ours_path}'s token ids differ from the reference's")
+        if o.logits is None:
+            raise ValueError(f"prompt {i}: {ours_path} needs full logits, not top-k")
+    return [compare_prompt(r, o.logits, o.greedy_ids) for r, o in zip(refs, ours)]
 
 
 LOGITS_CALL_BYTES = 1 << 30  # cap on one run_logits call's f32[rows, T, V] output
@@ -390,10 +415,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check_args(parser, args)
     t0 = time.perf_counter()
-    kernels = None if args.save_only else _cpu_kernels(args)
+    run_ours = not (args.save_only or args.ours_file)
+    kernels = _cpu_kernels(args) if run_ours else None
     try:
         ckpt = None
-        if not args.save_only:
+        if run_ours:
             import jax.numpy as jnp
 
             from models.loader import load_checkpoint
@@ -408,12 +434,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.reference == "hf":
             refs = _hf_references(args, ckpt.tokenizer if ckpt else load_tokenizer(args.model))
         elif args.reference == "float32":
-            refs = _float32_references(args, ckpt.tokenizer)
+            refs = _float32_references(args, ckpt.tokenizer if ckpt else load_tokenizer(args.model))
         else:
             refs = load_reference(args.reference_file)
         if args.save_only:
             return 0
-        reports = run_comparison(ckpt.model, refs, args.block_size, args.max_chunk_tokens)
+        if args.ours_file:
+            reports = file_comparison(refs, args.ours_file)
+        else:
+            reports = run_comparison(ckpt.model, refs, args.block_size, args.max_chunk_tokens)
     except (ValueError, FileNotFoundError) as e:
         _log(f"error: {e}")
         return 2
@@ -424,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({
             "model": args.model, "reference": args.reference or args.reference_file, "dtype": args.dtype,
-            "quantization": args.quantization,
+            "quantization": args.quantization, "ours_file": args.ours_file,
             "cpu_kernels": kernels is not None,
             "tolerances": tolerances, "passed": passed, "elapsed_s": round(time.perf_counter() - t0, 3),
             "prompts": [{**dataclasses.asdict(r), "failures": f} for r, f in zip(reports, failures)],

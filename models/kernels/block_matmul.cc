@@ -10,9 +10,12 @@
 //                           (Q4: value j in the low nibble of qs[j], j + 16 in the high one)
 //   out  f32[M, N]
 // Attributes: fmt (0 Q4_0, 1 Q4_1, 2 Q8_0), int_rows (M at or above which the integer
-// path runs; 0 never).
+// path runs; 0 never), amx_rows (M at or above which the AMX-BF16 path runs where the CPU
+// and the OS allow it, before int_rows is looked at; 0 never).
 //
-// Two paths, chosen by the row count M:
+// Three paths, chosen by the row count M:
+// - M >= amx_rows on a CPU with AMX-BF16: activations and dequantized blocks split into
+//   bf16 hi + lo pairs, three tile products (block_matmul_amx.inc has why and how exact).
 // - M < int_rows: float32 activations times the blocks dequantized in registers
 //   (d * q + m, one FMA per 8 weights), accumulated in float32: the float32 product of
 //   the dequantized weights up to float32 rounding; nothing but the weights is rounded.
@@ -29,6 +32,9 @@
 // thread computes each output element whole, so results do not depend on the sharing.
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cpuid.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -91,7 +97,28 @@ inline float HalfToFloat(const uint8_t* p) {
 }  // namespace ferrox_avx512
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,amx-tile,amx-bf16")
+namespace ferrox_amx {
+#include "block_matmul_amx.inc"
+}  // namespace ferrox_amx
+#pragma GCC pop_options
+
 namespace {
+
+// AMX-BF16 usable here: cpuid says AMX-TILE, AMX-BF16 and AVX512-BF16, the OS saves the
+// tile state (XCR0 bits 17 and 18), and Linux grants this process the tile data.
+bool DetectAmx() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;
+  if (!__get_cpuid_count(1, 0, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+}
 
 // 2: AVX-512 VL + VNNI, 1: AVX2 + FMA + F16C, 0: neither (the caller keeps XLA).
 int DetectIsa() {
@@ -104,12 +131,32 @@ int DetectIsa() {
 }
 
 const int kIsa = DetectIsa();
+const bool kAmx = kIsa == 2 && DetectAmx();
 
 // Below this many multiply-adds a product runs on the calling thread alone.
 constexpr int64_t kParallelMacs = 1 << 18;
 
+// The AMX path: rows packed into bf16 hi / lo tiles once, then whole 16-channel panels
+// shared over the pool (each panel dequantized once, for every row).
+ffi::Error RunAmxProduct(ffi::ThreadPool pool, const Problem& p, int fmt, int64_t threads) {
+  const int64_t tiles = (p.m + ferrox_amx::kTile - 1) / ferrox_amx::kTile;
+  const int64_t bytes = tiles * (p.k / kBlock) * ferrox_amx::kTileBytes;
+  std::vector<uint8_t> packed(2 * bytes, 0);
+  uint8_t *xh = packed.data(), *xl = packed.data() + bytes;
+  ferrox::ParallelFor(pool, std::min<int64_t>(threads, p.m), p.m,
+                      [&](int64_t r) { ferrox_amx::PackRow(p.x + r * p.k, p.k, r, xh, xl); });
+  const int64_t panels = p.n / ferrox_amx::kTile;
+  const int64_t per_task = std::max<int64_t>(1, panels / (threads * 4));
+  ferrox::ParallelFor(pool, threads, (panels + per_task - 1) / per_task, [&](int64_t c) {
+    const int64_t begin = c * per_task * ferrox_amx::kTile;
+    const int64_t end = std::min(p.n, (c + 1) * per_task * ferrox_amx::kTile);
+    ferrox_amx::RunAmx(fmt, p, xh, xl, begin, end);
+  });
+  return ffi::Error::Success();
+}
+
 ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                           ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int32_t int_rows) {
+                           ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int32_t int_rows, int32_t amx_rows) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2)
     return ffi::Error::InvalidArgument("ferrox_block_matmul: x must be [M, K] and w [N, row bytes]");
@@ -121,6 +168,7 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const Problem p{x.typed_data(), w.typed_data(), out->typed_data(), m, n, k};
   const int64_t threads = m * n * k >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
 
+  if (kAmx && amx_rows > 0 && m >= amx_rows && n % ferrox_amx::kTile == 0) return RunAmxProduct(pool, p, fmt, threads);
   std::vector<int8_t> values;
   std::vector<float> scales, sums;
   QuantizedRows xq{};
@@ -159,7 +207,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxBlockMatmul, BlockMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("fmt")
-                                  .Attr<int32_t>("int_rows"));
+                                  .Attr<int32_t>("int_rows")
+                                  .Attr<int32_t>("amx_rows"));
 
 // Which build of this kernel runs here: 2 AVX-512 VNNI, 1 AVX2, 0 none.
 extern "C" int ferrox_block_isa() { return kIsa; }
+
+// Whether the AMX-BF16 path can run here (1) or not (0).
+extern "C" int ferrox_block_amx() { return kAmx ? 1 : 0; }

@@ -1,13 +1,30 @@
 #!/bin/bash
-# Accuracy of every serving mode against ferrox float32 on 12 prompts (6 raw, 6 chat):
-# KL, top-1 and the greedy-match length of a 30-token continuation (tools/compare_logits.py).
+# Accuracy of every serving mode, and of llama.cpp, against ferrox float32 on 12 prompts (6
+# raw, 6 chat): KL, top-1 and the greedy-match length of a 30-token continuation
+# (tools/compare_logits.py). The float32 reference is made once per prompt set and saved
+# (float32-*.npz, not committed: 60 MB); llama.cpp (llama-cpp-python, logits_all) runs on its
+# token ids through tools/llamacpp_logits.py and is scored by the same code.
 # Run from the repository root: bash bench/quant/blocks/accuracy.sh
+# PEER_PY: llama-cpp-python's python (a venv of its own; docs/benchmarks.md); SKIP_PEER=1
+# leaves llama.cpp out, MODES="gguf" picks the ferrox modes.
 set -u
 OUT=bench/quant/blocks
-for mode in gguf w8a8; do
-  for kind in raw chat; do
-    chat=$([ $kind = chat ] && echo --chat)
-    .venv/bin/python -m tools.compare_logits --model default --reference float32 --quantization $mode \
-      --prompts-file $OUT/prompts-$kind.json $chat --greedy-tokens 30 --json > $OUT/compare-logits-$mode-$kind.json
+TMP=${TMP_REF:-/tmp/ferrox-accuracy}
+PEER_PY=${PEER_PY:-/work/llvenv/bin/python}
+MODES=${MODES:-gguf w8a8 w8a8-block32 int8}
+mkdir -p $TMP
+GGUF=$(.venv/bin/python -c "from models.loaders.gguf import default_model_path; print(default_model_path())")
+for kind in raw chat; do
+  chat=$([ $kind = chat ] && echo --chat)
+  ref=$TMP/float32-$kind.npz
+  [ -f $ref ] || .venv/bin/python -m tools.compare_logits --model default --reference float32 \
+    --prompts-file $OUT/prompts-$kind.json $chat --greedy-tokens 30 --save-reference $ref --save-only
+  for mode in $MODES; do
+    .venv/bin/python -m tools.compare_logits --model default --reference-file $ref --quantization $mode \
+      --json > $OUT/compare-logits-$mode-$kind.json
   done
+  [ -n "${SKIP_PEER:-}" ] && continue
+  $PEER_PY -m tools.llamacpp_logits --model "$GGUF" --token-ids-from $ref --out $TMP/llamacpp-$kind.npz
+  .venv/bin/python -m tools.compare_logits --reference-file $ref --ours-file $TMP/llamacpp-$kind.npz \
+    --json > $OUT/compare-logits-llamacpp-$kind.json
 done
