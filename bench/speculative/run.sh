@@ -7,9 +7,9 @@ LLAMA_PY=${LLAMA_PY:-/work/llvenv/bin/python}
 LOGS=${LOGS:-/tmp}
 GGUF=$(.venv/bin/python -c "from models.loaders.gguf import default_model_path; print(default_model_path())")
 COMMON="--model $GGUF --host 127.0.0.1 --n_threads 2 --n_threads_batch 2 --n_ctx 2048 --interrupt_requests False"
-"$LLAMA_PY" bench/speculative/peer_noamx.py $COMMON --port 8391 > "$LOGS/peer-plain.log" 2>&1 &
+"$LLAMA_PY" bench/quant/gguf/peer_noamx.py $COMMON --port 8391 > "$LOGS/peer-plain.log" 2>&1 &
 P1=$!
-"$LLAMA_PY" bench/speculative/peer_noamx.py $COMMON --port 8392 --draft_model prompt-lookup-decoding \
+"$LLAMA_PY" bench/quant/gguf/peer_noamx.py $COMMON --port 8392 --draft_model prompt-lookup-decoding \
     --draft_model_num_pred_tokens ${LOOKUP_K:-10} > "$LOGS/peer-lookup.log" 2>&1 &
 P2=$!
 trap "kill $P1 $P2 2>/dev/null" EXIT
