@@ -50,7 +50,7 @@ def test_small_run_measures_every_phase_and_writes_json_markdown_and_log(small_r
     assert report["phases"]["mixed"]["recompiles_after_warmup"] == 0
     assert engine["recompiles_after_warmup"] == 0 and engine["describe"]["synthetic_weights"]
     rewarm = report["phases"]["rewarm"]
-    assert rewarm["compile_cache_files_after"] == rewarm["compile_cache_files_before"], \
+    assert rewarm["compile_cache_writes"] == 0 and rewarm["compile_cache_hits"] >= len(rewarm["compiled_shapes"]), \
         "a second process must read every shape from the persistent cache"
     attention = report["phases"]["attention"]["measurements"]
     assert {m["candidate"] for m in attention} == {"jax", "gather-xla"}

@@ -258,10 +258,25 @@ def _load_and_warm(settings: Settings, result: PhaseResult, buckets=None):
                                             chunk_tokens=tuple(settings.prefill_tokens), chunk_rows=(1,))
     compiled_at: list = []
     before = count_cache_files(settings.cache_dir)
+    # Counted from this process's own cache writes (JAX's monitoring event), not from the
+    # folder's file count: another process sharing the folder (a parallel test worker)
+    # may write into it meanwhile.
+    events = {"/jax/compilation_cache/cache_misses": 0, "/jax/compilation_cache/cache_hits": 0}
+
+    def on_event(event: str, **_kwargs) -> None:
+        if event in events:
+            events[event] += 1
+
+    jax.monitoring.register_event_listener(on_event)
     t0 = time.perf_counter()
-    eng.warmup(lambda done, total, key: compiled_at.append([list(key), round(time.perf_counter() - t0, 2)]))
+    try:
+        eng.warmup(lambda done, total, key: compiled_at.append([list(key), round(time.perf_counter() - t0, 2)]))
+    finally:
+        jax.monitoring.unregister_event_listener(on_event)
     result.update(warmup_s=eng.warmup_s, compiled_shapes=compiled_at, compile_cache_files_before=before,
-                  compile_cache_files_after=count_cache_files(settings.cache_dir))
+                  compile_cache_files_after=count_cache_files(settings.cache_dir),
+                  compile_cache_writes=events["/jax/compilation_cache/cache_misses"],
+                  compile_cache_hits=events["/jax/compilation_cache/cache_hits"])
     result.save()
     return eng
 
