@@ -54,7 +54,7 @@ from ferrox_jax.request import AdmissionError, GenerationRequest, MatcherFactory
 from ferrox_jax.scheduler import Scheduler, check_admission
 from ferrox_jax.speculative import spec_decode_stats
 from ferrox_jax.stats import BatcherStats
-from ferrox_jax.step_faults import FaultLedger, FaultPolicy, StepWatchdog, Unrecoverable
+from ferrox_jax.step_faults import FatalSignal, FaultLedger, FaultPolicy, StepWatchdog, Unrecoverable
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +163,7 @@ class ContinuousBatcher:
         self._refusals: collections.Counter[str] = collections.Counter()
         self._faults = FaultLedger(faults or FaultPolicy())
         self._watchdog = StepWatchdog(self._faults.policy.step_timeout_s, self._on_step_timeout)
-        self._fatal_listeners: list[Callable[[str, str], None]] = []
-        self._fatal: tuple[str, str] | None = None  # (kind, reason) once the engine gave up
+        self._fatal = FatalSignal()
         self._snapshot = BatcherStats(kv_blocks_total=self.limits.num_blocks,
                                       kv_blocks_free=self.limits.num_blocks,
                                       kv_block_size=self.limits.block_size)
@@ -243,19 +242,13 @@ class ContinuousBatcher:
 
     def fatal(self) -> tuple[str, str] | None:
         """(kind, reason) of what made the engine give up, or None while it has not."""
-        with self._lock:
-            return self._fatal
+        return self._fatal.get()
 
     def add_fatal_listener(self, listener: Callable[[str, str], None]) -> None:
         """`listener(kind, reason)` is called once when the engine gives up (from the owner
         or the watchdog thread); at once when it already has. kind: "exception",
         "nonfinite" (repeated faulted steps), "timeout" (a hung step) or "loop" (a crash)."""
-        with self._lock:
-            fatal = self._fatal
-            if fatal is None:
-                self._fatal_listeners.append(listener)
-        if fatal is not None:
-            listener(*fatal)
+        self._fatal.add_listener(listener)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stops the loop; open requests end with an error event."""
@@ -291,15 +284,9 @@ class ContinuousBatcher:
 
     def _die(self, kind: str, reason: str) -> None:
         """Ends every open request with `reason`, turns health "dead", tells the listeners."""
-        with self._lock:
-            self._fatal = (kind, reason)
-            listeners, self._fatal_listeners = self._fatal_listeners, []
+        listeners = self._fatal.set(kind, reason)
         self._end_all("dead", reason)
-        for listener in listeners:
-            try:
-                listener(kind, reason)
-            except Exception:  # one broken listener must not silence the others
-                log.exception("a fatal listener failed")
+        FatalSignal.tell(listeners, kind, reason)
 
     def _on_step_timeout(self, elapsed_s: float) -> None:
         """The watchdog's thread: the owner is stuck in a step (and will touch nothing if it

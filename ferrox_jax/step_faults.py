@@ -154,3 +154,43 @@ class StepWatchdog:
                 self._on_timeout(elapsed_s)
             except Exception:  # the watchdog's one job is to be loud
                 log.exception("the step watchdog's handler failed")
+
+
+class FatalSignal:
+    """What made the engine give up, once, and the listeners told of it (any thread: the
+    owner on a crash or repeated faults, the watchdog's on a hung step)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fatal: tuple[str, str] | None = None  # (kind, reason) once the engine gave up
+        self._listeners: list[Callable[[str, str], None]] = []
+
+    def get(self) -> tuple[str, str] | None:
+        with self._lock:
+            return self._fatal
+
+    def add_listener(self, listener: Callable[[str, str], None]) -> None:
+        """`listener(kind, reason)` is called once when the engine gives up; at once when it
+        already has."""
+        with self._lock:
+            fatal = self._fatal
+            if fatal is None:
+                self._listeners.append(listener)
+        if fatal is not None:
+            listener(*fatal)
+
+    def set(self, kind: str, reason: str) -> list[Callable[[str, str], None]]:
+        """Records the fault; returns the listeners to `tell` (after the open work has ended)."""
+        with self._lock:
+            self._fatal = (kind, reason)
+            listeners, self._listeners = self._listeners, []
+        return listeners
+
+    @staticmethod
+    def tell(listeners: list[Callable[[str, str], None]], kind: str, reason: str) -> None:
+        for listener in listeners:
+            try:
+                listener(kind, reason)
+            except Exception:  # one broken listener must not silence the others
+                log.exception("a fatal listener failed")
+
