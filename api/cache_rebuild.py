@@ -30,6 +30,7 @@ from typing import Any
 from quart import Blueprint, Response, current_app, request
 
 from api.errors import APIError
+from api.protocol import json_or_none
 from api.state import AppState, json_response, state_of
 
 blueprint = Blueprint("cache_rebuild", __name__)
@@ -91,7 +92,7 @@ async def _rebuild(state: AppState, old: Any, overrides: dict[str, Any]) -> Any:
 @blueprint.post("/v1/cache/rebuild")
 async def rebuild() -> Response:
     state = state_of(current_app)
-    overrides = _overrides(await request.get_json(force=True, silent=True))
+    overrides = _overrides(json_or_none(await request.get_data()))
     old = state.require_engine()
     if state.tasks is not None and state.tasks.is_loading:
         raise APIError(409, "a model is loading; rebuild the cache after it (GET /admin/tasks)",

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from quart import Blueprint, Response, current_app, request
 
 from api.errors import APIError
+from api.protocol import json_or_none
 from api.state import state_of
 from models.lora import LoraError
 
@@ -111,7 +112,7 @@ def resolve_lora_path(model_dir: str | None, lora_path: str) -> Path:
 
 @blueprint.post("/v1/load_lora_adapter")
 async def load_lora_adapter() -> Response:
-    body = await request.get_json(force=True, silent=True)
+    body = json_or_none(await request.get_data())
     state, registry = _registry_and_body(body, ("lora_name", "lora_path"))
     name = body["lora_name"]
     path = resolve_lora_path(state.config.model_dir, body["lora_path"])
@@ -124,7 +125,7 @@ async def load_lora_adapter() -> Response:
 
 @blueprint.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter() -> Response:
-    body = await request.get_json(force=True, silent=True)
+    body = json_or_none(await request.get_data())
     _, registry = _registry_and_body(body, ("lora_name",))
     name = body["lora_name"]
     try:

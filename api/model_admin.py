@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import json
 import threading
 import time
 import uuid
@@ -39,6 +38,7 @@ from quart import Blueprint, Response, current_app, request
 
 from api import offload
 from api.errors import APIError
+from api.protocol import json_or_none
 from api.state import AppState, json_response, state_of
 
 if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
@@ -115,7 +115,7 @@ async def list_models() -> Response:
 @blueprint.post("/admin/models/load")
 async def load() -> Response:
     state = state_of(current_app)
-    body = _json_body(await request.get_data())
+    body = json_or_none(await request.get_data())
     name = body.get("model") if isinstance(body, dict) else None
     if not isinstance(name, str):
         raise APIError(400, 'the body must be {"model": "<id from GET /admin/models>"}', param="model")
@@ -131,14 +131,6 @@ async def load() -> Response:
     _start_load(state, task, DEFAULT_ID if name == DEFAULT_ID else found["path"], asyncio.get_running_loop())
     return json_response({"task_id": task.id, "status": task.status, "model": name}, 202,
                          {"Location": f"/admin/tasks/{task.id}"})
-
-
-def _json_body(raw: bytes) -> Any:
-    """The body as JSON, or None when it is not UTF-8 JSON (then the caller's 400 says what to send)."""
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return None
 
 
 def _start_load(state: AppState, task: Task, path: str, loop: asyncio.AbstractEventLoop) -> None:

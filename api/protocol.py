@@ -344,6 +344,15 @@ def _param_name(loc: tuple) -> str | None:
     return out or None
 
 
+def json_or_none(raw: bytes) -> Any:
+    """The body as JSON, or None when it is not UTF-8 JSON (the caller's 400 says what to
+    send). Quart's `get_json(silent=True)` lets a non-UTF-8 body's UnicodeDecodeError out."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """Validate a raw request body against `model`; raise a 400 APIError naming the param.
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from quart import Blueprint, Response, current_app, request
 
 from api.errors import APIError, unavailable
+from api.protocol import json_or_none
 from api.state import AppState, json_response, state_of
 
 if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
@@ -143,7 +144,7 @@ def _wait_settings(body: Any) -> tuple[bool, float]:
 async def prepare_stop() -> Response:
     state = _state()
     raw = await request.get_data()
-    body = await request.get_json(force=True, silent=True) if raw.strip() else None
+    body = json_or_none(raw) if raw.strip() else None
     if raw.strip() and body is None:
         raise APIError(400, "request body is not valid JSON", code="invalid_json")
     wait, timeout_s = _wait_settings(body)

@@ -15,8 +15,9 @@ are the raw model's (before grammar masks, penalties and temperature).
 
 Structured output arrives as one more per-row input, a packed allowed-token bitmask
 (`ferrox_jax/token_mask.py`; all ones for an unconstrained row): disallowed tokens get
--inf after the raw logprobs are taken and before everything else, so every filter and
-draw sees only allowed tokens.
+-inf after the raw logprobs are taken and after the penalties and logit_bias (so no
+penalty can bring a disallowed token back), before temperature, the filters and the draw,
+which see only allowed tokens.
 """
 
 from __future__ import annotations
@@ -43,8 +44,12 @@ def apply_penalties(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     rows = jnp.arange(b)[:, None]
     add = jnp.zeros_like(logits).at[rows, s.penalty_ids].add(s.penalty_add, mode="drop")
     rep = jnp.zeros(logits.shape, bool).at[rows, s.penalty_ids].set(s.penalty_rep, mode="drop")
-    rp = s.repetition_penalty[:, None]
-    logits = jnp.where(rep, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    # A penalty that rounds to 0 in float32 (the API takes any value > 0, e.g. 5e-324) would
+    # give inf / NaN logits: the smallest normal float32 and the clip keep every logit finite
+    # and ordered as the float64 penalty would.
+    rp = jnp.maximum(s.repetition_penalty[:, None], jnp.finfo(jnp.float32).tiny)
+    big = jnp.finfo(jnp.float32).max
+    logits = jnp.where(rep, jnp.clip(jnp.where(logits > 0, logits / rp, logits * rp), -big, big), logits)
     return logits + add
 
 
@@ -143,14 +148,16 @@ def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays, bitmask: 
     top_lp, top_ids = jax.lax.cond(
         jnp.any(s.want_logprobs), lambda: tuple(jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)),
         lambda: (jnp.zeros((b, MAX_LOGPROBS), jnp.float32), jnp.zeros((b, MAX_LOGPROBS), jnp.int32)))
-    if bitmask is not None:
-        # After the raw logprobs, so returned logprobs stay the model's. A batch with no
-        # constrained row (every word -1) skips unpacking the bits; a masked row's
-        # unconstrained neighbours pass through `where` bit for bit either way.
-        logits = jax.lax.cond(jnp.any(bitmask != -1), lambda: apply_token_bitmask(logits, bitmask),
-                              lambda: logits)
     has_penalties = jnp.any(s.penalty_ids < logits.shape[-1]) | jnp.any(s.repetition_penalty != 1.0)
     logits = jax.lax.cond(has_penalties, lambda: apply_penalties(logits, s), lambda: logits)
+    if bitmask is not None:
+        # After the raw logprobs, so returned logprobs stay the model's, and after the
+        # penalties, so a disallowed token is -inf whatever they did (a penalty times a
+        # masked -inf was NaN, which argmax picked). A batch with no constrained row (every
+        # word -1) skips unpacking the bits; a masked row's unconstrained neighbours pass
+        # through `where` bit for bit either way.
+        logits = jax.lax.cond(jnp.any(bitmask != -1), lambda: apply_token_bitmask(logits, bitmask),
+                              lambda: logits)
     greedy = fast_argmax(logits)
     # An all-greedy batch skips the noise and the filters entirely.
     drawn = jax.lax.cond(jnp.any(s.temperature > 0), lambda: _draw(logits, positions, s), lambda: greedy)

@@ -97,3 +97,22 @@ def test_sampler_only_picks_allowed_tokens_greedy_and_drawn():
             tokens = np.asarray(run(masked, jnp.full(rows, position, jnp.int32), batch)[0])
             for r, ids in enumerate(allowed):
                 assert tokens[r] in ids, f"{params}: row {r} sampled {tokens[r]}, allowed {ids[:8]}"
+
+
+def test_a_penalty_that_rounds_to_zero_never_brings_back_a_masked_token():
+    # Found by the 200-example fuzz run: repetition_penalty 5e-324 (> 0, so valid) is 0.0 in
+    # float32; the penalty times a masked -inf was NaN, argmax took it, and the grammar
+    # matcher rejected the token (a 500). The mask now comes after the penalties.
+    vocab_size, rows = 64, 2
+    logits = np.linspace(-3, 3, vocab_size, dtype=np.float32)[None].repeat(rows, 0)
+    allowed = [5, 6]
+    bitmask = np.zeros((rows, 2), np.int32)
+    for t in allowed:
+        bitmask.view(np.uint32)[:, 0] |= np.uint32(1 << t)
+    history = tuple(range(0, vocab_size, 3))  # penalised: masked tokens and allowed token 6
+    run = jax.jit(sample)
+    for params in (SamplingParams(temperature=0.0, repetition_penalty=5e-324),
+                   SamplingParams(temperature=1.0, repetition_penalty=5e-324, top_p=5e-324, seed=3)):
+        batch = jax.device_put(SamplingArrays.build([params] * rows, [history] * rows, [0] * rows, vocab_size))
+        tokens = np.asarray(run(jnp.asarray(logits), jnp.zeros(rows, jnp.int32), batch, jnp.asarray(bitmask))[0])
+        assert set(tokens.tolist()) <= set(allowed), f"{params}: sampled {tokens}"
