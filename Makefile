@@ -38,8 +38,9 @@ $(KERNEL): $(wildcard models/kernels/*.cc models/kernels/*.h models/kernels/*.in
 serve: $(STAMP) $(KERNEL)
 	$(VENV)/bin/ferrox serve --host $(HOST) --port $(PORT) --model default
 
+# The 25 slowest tests close the report: the suite's budget is 30 minutes on CI's 2 cores.
 test: $(STAMP) $(KERNEL) browser maps
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 browser:
 ifeq ($(CHROMIUM),)
