@@ -282,13 +282,14 @@ def bench_batcher(engine, rows: int, prompt_tokens: int, max_tokens: int) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ferrox_jax.config import EngineConfig
+    from ferrox_jax.config import QUANTIZATION_NAMES, EngineConfig
     from ferrox_jax.engine import Engine
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default=None)
-    p.add_argument("--quantization", default="none", choices=["none", "int8", "w8a8"])
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_NAMES,
+                   help="auto: what `ferrox serve` picks (gguf for the default model on CPU)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16"])
     p.add_argument("--greedy", action="store_true", help="decode greedily (default: temperature 0.8, top-p 0.95)")
     p.add_argument("--no-roofline", action="store_true", help="skip the f32 matmul chain per row count")
