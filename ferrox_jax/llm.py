@@ -14,7 +14,8 @@ methods), so a list of prompts gets continuous batching, chunked prefill, the pr
 cache and structured output exactly as concurrent HTTP requests do. Keyword settings are
 `EngineConfig`'s fields (`ferrox_jax/config.py`: `dtype`, `kv_memory_gib`, `max_seqs`,
 `quantization`, ...) or their vLLM names (`max_model_len`, `max_num_seqs`,
-`tensor_parallel_size`, `enable_prefix_caching`).
+`tensor_parallel_size`, `enable_prefix_caching`). `quantization` defaults to `auto`, as
+`ferrox serve`'s does (the default model runs on its GGUF blocks), not to EngineConfig's `none`.
 
 Same prompt, same tokens as the server: `generate` encodes a text prompt as
 `/v1/completions` does (with the tokenizer's special tokens) and `chat` renders messages
@@ -50,6 +51,9 @@ VLLM_ENGINE_ARGS = {"max_model_len": "max_context", "max_num_seqs": "max_seqs",
 HEALTH_POLL_S = 5.0  # waiting for events re-checks that the engine is alive this often
 
 
+SERVE_QUANTIZATION = "auto"  # api/config.py's FERROX_QUANTIZATION default
+
+
 def engine_config(model: str, **settings: Any) -> EngineConfig:
     """`EngineConfig` from `LLM`'s keyword settings (EngineConfig names or vLLM's).
 
@@ -64,6 +68,9 @@ def engine_config(model: str, **settings: Any) -> EngineConfig:
             raise TypeError(f"LLM got an unknown engine setting {name!r}; EngineConfig takes "
                             f"{', '.join(sorted(fields - {'model'}))} (or vLLM's {', '.join(VLLM_ENGINE_ARGS)})")
         resolved[key] = value
+    # `ferrox serve`'s default, not EngineConfig's "none": a quantized GGUF runs on its own
+    # blocks (float32 accuracy at a sixth of the weight bytes), everything else unquantized.
+    resolved.setdefault("quantization", SERVE_QUANTIZATION)
     return EngineConfig(model=model, **resolved)
 
 

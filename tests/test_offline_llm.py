@@ -163,3 +163,13 @@ def test_bad_settings_are_named():
         StructuredOutputsParams(json={"type": "object"}, regex="a+")
     with pytest.raises(TypeError, match="unknown engine setting 'gpu_memory_utilisation'"):
         LLM(str(api_checkpoint()), gpu_memory_utilisation=0.9)
+
+
+def test_the_offline_defaults_are_the_servers():
+    """`LLM(model)` runs what `ferrox serve --model` runs: on the default GGUF, `auto`
+    quantization (its own blocks), not EngineConfig's `none` (float32 weights, 3x the step)."""
+    from api.config import env_defaults
+    from ferrox_jax.llm import engine_config
+
+    assert engine_config("default").quantization == env_defaults({})["quantization"] == "auto"
+    assert engine_config("default", quantization="none").quantization == "none"

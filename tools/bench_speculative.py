@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-seqs", type=int, default=32, help="both engines (the serving default)")
     p.add_argument("--llamacpp-url", help="llama.cpp's server without a draft (measured at c1 in the same rounds)")
     p.add_argument("--llamacpp-lookup-url", help="llama.cpp's server with draft_model=prompt-lookup-decoding")
+    p.add_argument("--quantization", default="auto", help="both engines (auto: what ferrox serve runs)")
     p.add_argument("--result-json", type=Path)
     args = p.parse_args(argv)
 
@@ -206,9 +207,10 @@ def main(argv: list[str] | None = None) -> None:
     spec = SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
                              ngram_max=args.ngram_max, max_rows=args.speculative_max_rows)
     t0 = time.perf_counter()
-    llms = {"off": LLM(args.model, max_seqs=args.max_seqs),
-            "ngram": LLM(args.model, max_seqs=args.max_seqs, speculative=spec)}
-    print(f"loaded and warmed both engines in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    llms = {"off": LLM(args.model, max_seqs=args.max_seqs, quantization=args.quantization),
+            "ngram": LLM(args.model, max_seqs=args.max_seqs, quantization=args.quantization, speculative=spec)}
+    print(f"loaded and warmed both engines in {time.perf_counter() - t0:.1f} s "
+          f"(quantization {llms['off'].engine.model_card().quantization})", file=sys.stderr)
     peers = {name: LlamaCppPeer(url) for name, url in (("llama", args.llamacpp_url),
                                                        ("llama-lookup", args.llamacpp_lookup_url)) if url}
     try:
