@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     llms = {"off": LLM(args.model, max_seqs=args.max_seqs, quantization=args.quantization),
             "ngram": LLM(args.model, max_seqs=args.max_seqs, quantization=args.quantization, speculative=spec)}
     print(f"loaded and warmed both engines in {time.perf_counter() - t0:.1f} s "
-          f"(quantization {llms['off'].engine.model_card().quantization})", file=sys.stderr)
+          f"(quantization {llms['off'].engine.model_card.quantization})", file=sys.stderr)
     peers = {name: LlamaCppPeer(url) for name, url in (("llama", args.llamacpp_url),
                                                        ("llama-lookup", args.llamacpp_lookup_url)) if url}
     try:
