@@ -49,6 +49,11 @@ own `jax_share_binary_between_hosts` does not work on a CPU group: it keys by th
 persistent-cache key, which differs per process there, so followers wait on keys nobody
 sets. A follower waiting for a shape exits non-zero as soon as process 0 stops showing
 signs of life (a heartbeat key it bumps every second) for `timeout_s`.
+
+An executable that process 0 read from the persistent compilation cache is not shared: its
+serialization comes back incomplete (jax 0.10 on CPU: loaded elsewhere, it fails its first
+run with "Function ... not found"), so process 0 publishes an empty executable for it and
+the followers compile that shape themselves, from their own caches where they have it.
 """
 
 from __future__ import annotations
@@ -366,6 +371,15 @@ def leader_gone(message: str) -> None:
     os._exit(FOLLOWER_EXIT_CODE)
 
 
+_compile_thread = threading.local()  # is_cache_hit: this thread's last compile was a persistent-cache read
+_listening_for_cache_hits: list[bool] = []  # [True] once `_note_cache_hit` is registered
+
+
+def _note_cache_hit(event: str, **_kwargs: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":  # recorded in the compiling thread
+        _compile_thread.is_cache_hit = True
+
+
 class SharedCompiles:
     """One process compiles, every process runs (module docstring, "Compiles are shared").
 
@@ -387,6 +401,9 @@ class SharedCompiles:
         self._lock = threading.Lock()  # warm-up compiles from a thread pool
         self._counts: dict[str, int] = {}
         if self.is_leader:
+            if not _listening_for_cache_hits:  # once a process
+                jax.monitoring.register_event_listener(_note_cache_hit)
+                _listening_for_cache_hits.append(True)
             threading.Thread(target=self._beat, name="ferrox-compile-heartbeat", daemon=True).start()
 
     @classmethod
@@ -418,7 +435,12 @@ class SharedCompiles:
         digest = hashlib.sha256(lowered.as_text().encode()).digest()
         t0 = time.perf_counter()
         if self.is_leader:
+            _compile_thread.is_cache_hit = False
             compiled = lowered.compile()
+            if _compile_thread.is_cache_hit:  # module docstring: not shareable; each follower compiles it
+                self._client.key_value_set_bytes(key, digest)
+                log.info("read %s from the compilation cache: the other processes compile it themselves", key)
+                return compiled
             payload, _, _ = serialize_executable.serialize(compiled)
             self._client.key_value_set_bytes(key, digest + payload)
             log.info("compiled %s and shared it with the group (%.1f MB, %.1f s)", key, len(payload) / 2**20,
@@ -428,6 +450,9 @@ class SharedCompiles:
         if data[:len(digest)] != digest:
             leader_gone(f"follower {self.process_id}: process 0 compiled a different program for {name} "
                         "(the processes' configurations differ?); exiting")
+        if len(data) == len(digest):
+            log.info("compiling %s here: process 0 read it from its compilation cache", key)
+            return lowered.compile()
         compiled = serialize_executable.deserialize_and_load(data[len(digest):], lowered.in_tree, lowered.out_tree)
         log.info("loaded %s from process 0 (%.1f MB, %.1f s waiting and loading)", key,
                  (len(data) - len(digest)) / 2**20, time.perf_counter() - t0)
