@@ -41,7 +41,8 @@ nothing it could serve alone.
 Compiles are shared (`SharedCompiles`, on unless `--no-share-compiles`): every process
 must hold the same executables, and each compiling them itself costs the group its
 slowest process's warm-up (on one CPU host the processes also compete for the same
-cores: 2 processes of the default model took 172 s to ready, 79 s shared). Process 0
+cores: 4 processes of the default model took ~60 s a shape each on 2 cores; shared,
+the 4-process group was ready in 77 s, docs/deploy-tpu.md). Process 0
 compiles each shape, serializes the executable and puts the bytes into the
 `jax.distributed` key-value store under the shape's name; the others lower the same
 program (cheap: no XLA compile), check that its digest matches, and load the bytes. JAX's
