@@ -253,6 +253,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("multihost_timeout_s", "FERROX_MULTIHOST_TIMEOUT_S", _positive_float, 10.0,
             "multi-host: seconds without a step or heartbeat after which a peer is taken for hung "
             "(the group fails and exits)"),
+    Setting("share_compiles", "FERROX_SHARE_COMPILES", _bool, True,
+            "multi-host: process 0 compiles each step shape and the other processes load its executable "
+            "instead of compiling it themselves (--no-share-compiles: every process compiles)"),
     Setting("max_seqs", "FERROX_CB_MAX_SEQS", _positive_int, 32,
             "rows (prefilling + decoding) at once; also the largest decode row bucket"),
     Setting("prefill_chunk", "FERROX_CB_PREFILL_CHUNK", _positive_int, 128, "prompt tokens per chunk"),

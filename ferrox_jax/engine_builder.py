@@ -46,7 +46,7 @@ from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.engine import Engine, KVSizing
 from ferrox_jax.kv_cache import bytes_per_block
 from ferrox_jax.lora_registry import build_registry
-from ferrox_jax.multihost import BroadcastRunner, StepChannel, check_mesh, step_channel_address
+from ferrox_jax.multihost import BroadcastRunner, SharedCompiles, StepChannel, check_mesh, step_channel_address
 from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
 from models import cpu_kernels
@@ -103,7 +103,7 @@ def _host_device():
         return None
 
 
-_PROCESS: dict[str, Any] = {}  # what this process has set up once: "distributed", "compile_cache"
+_PROCESS: dict[str, Any] = {}  # set up once a process: "distributed", "compile_cache", "shared_compiles"
 
 
 def setup_process(config: EngineConfig) -> None:
@@ -112,6 +112,10 @@ def setup_process(config: EngineConfig) -> None:
     if "distributed" not in _PROCESS:
         _PROCESS["distributed"] = initialize_distributed(config.coordinator_address, config.num_processes,
                                                          config.process_id)
+        # Started at once: process 0's heartbeat is what a follower waiting for a shape
+        # watches, and a follower may reach its first shape before the leader has loaded.
+        if jax.process_count() > 1 and config.share_compiles:
+            _PROCESS["shared_compiles"] = SharedCompiles.for_this_process(config.multihost_timeout_s)
     path = config.compile_cache_dir
     if "compile_cache" not in _PROCESS:
         _PROCESS["compile_cache"] = path
@@ -396,6 +400,7 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
     runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=step_rows,
                          max_chunk_tokens=idle_chunk, max_context=sizing.max_context, kv_dtype=kv_dtype, mesh=mesh,
                          replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks)
+    runner.shared_compiles = _PROCESS.get("shared_compiles")
     if draft_source is not None:
         runner.attach_draft(_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner))
     runner = _leader_runner(runner, config)

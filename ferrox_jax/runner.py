@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from ferrox_jax.draft import DraftModel
 from ferrox_jax.host_batch import ALL_TOKENS_ALLOWED, BatchGeometry, HostBatch, SamplingArrays, StepArrays
 from ferrox_jax.kv_cache import KVCache, copy_blocks, create_kv_cache
-from ferrox_jax.multihost import place_on_mesh
+from ferrox_jax.multihost import SharedCompiles, place_on_mesh
 from ferrox_jax.plan import MaskFiller, RowPlan
 from ferrox_jax.sharding import runner_shardings
 from ferrox_jax.step import ForwardBatch, ForwardResult, jit_steps
@@ -105,6 +105,9 @@ class ModelRunner:
             cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim, self.kv_dtype,
             sharding=None if self.shardings is None else self.shardings.kv_array)
         self._compiled: dict[tuple, Callable] = {}
+        # Set by the engine builder in a multi-process group (`multihost.SharedCompiles`):
+        # process 0 compiles, the others load. None: this process compiles everything.
+        self.shared_compiles: SharedCompiles | None = None
         self.is_warm = False
         self._recompiles = 0
         self.draft: DraftModel | None = None  # --speculative draft: mirrors every step (attach_draft)
@@ -138,18 +141,26 @@ class ModelRunner:
         return ([("forward", *dataclasses.astuple(shape)) for shape in self.buckets.shapes()]
                 + [("sample", rows) for rows in self.buckets.sampler_rows()] + [COPY_KEY])
 
-    def _compile(self, key: tuple) -> Callable:
+    def _lower(self, key: tuple) -> jax.stages.Lowered:
         if key == COPY_KEY:
             pairs = jnp.zeros(COPY_BATCH, jnp.int32)
-            return copy_blocks.lower(self.kv_cache, pairs, pairs).compile()
+            return copy_blocks.lower(self.kv_cache, pairs, pairs)
         if key[0] == "sample":
             rows = key[1]
             logits = jnp.zeros((rows, self.vocab_size), jnp.float32)
             positions = jnp.zeros(rows, jnp.int32)
             sampling = jax.device_put(SamplingArrays.padding(rows, self.vocab_size))
-            return self._steps.sample.lower(logits, positions, sampling, self._all_ones_mask(rows)).compile()
+            return self._steps.sample.lower(logits, positions, sampling, self._all_ones_mask(rows))
         batch = jax.device_put(self._empty_forward(StepShape(*key[1:])))
-        return self._steps.forward.lower(self.graphdef, self.state, self.kv_cache, batch).compile()
+        return self._steps.forward.lower(self.graphdef, self.state, self.kv_cache, batch)
+
+    def _compile(self, key: tuple) -> Callable:
+        """Every executable, at warm-up or after it, comes from here: compiled by this
+        process, or in a multi-process group by process 0 and loaded (`shared_compiles`)."""
+        lowered = self._lower(key)
+        if self.shared_compiles is None:
+            return lowered.compile()
+        return self.shared_compiles.compile("/".join(map(str, key)), lowered)
 
     def _executable(self, key: tuple) -> Callable:
         exe = self._compiled.get(key)

@@ -50,6 +50,13 @@ def test_variables_fill_the_configs():
     assert (defaults.prefill_chunk, defaults.max_queue) == (128, 512), "the contract's defaults"
 
 
+def test_shared_compiles_are_on_unless_turned_off_by_flag_or_variable():
+    assert cli.engine_config(parse(["serve"])).share_compiles, "multi-host groups share compiles by default"
+    assert not cli.engine_config(parse(["serve", "--no-share-compiles"])).share_compiles
+    assert not cli.engine_config(parse(["serve"], {"FERROX_SHARE_COMPILES": "0"})).share_compiles
+    assert cli.engine_config(parse(["serve", "--share-compiles"], {"FERROX_SHARE_COMPILES": "0"})).share_compiles
+
+
 @pytest.mark.parametrize("name,value", [("FERROX_MAX_BODY_BYTES", "lots"), ("FERROX_MAX_N", "0"),
                                         ("FERROX_RATE_LIMIT_PER_MINUTE", "-1"),
                                         ("FERROX_ALLOW_UNAUTHENTICATED_REMOTE", "maybe")])

@@ -1,16 +1,21 @@
 """Multi-host serving on a local CPU cluster: `ferrox serve` as 2 and as 4 processes
 (jax.distributed, gloo collectives, tensor parallel across them; the followers configured
-by FERROX_* variables) answers the single-process greedy tokens through the HTTP API with
-no compile after warm-up: 2 processes on the default model (SmolLM2-135M Q4_1; under
-tensor parallelism `--quantization auto` resolves to float32 weights on every process,
-like the single-process reference), 4 on the tiny model. On the tiny model: an idle leader is not taken for a hung one; a
-follower killed or hung (SIGSTOP) mid-stream ends the stream with an error event, turns
-the leader's /health 503 with the reason and makes the leader exit non-zero; followers
-whose leader was killed or hung exit non-zero."""
+by FERROX_* variables) answers the single-process greedy tokens of the default model
+(SmolLM2-135M Q4_1; under tensor parallelism `--quantization auto` resolves to float32
+weights on every process, like the single-process reference) through the HTTP API with no
+compile after warm-up. Process 0 compiles every shape and the others load its executables
+(`multihost.SharedCompiles`, checked on the real key-value store in
+tests/shared_compiles_probe.py: a follower exits non-zero on a different program or a
+silent leader). On the tiny model: an idle leader is not taken for a hung one; a follower
+killed or hung (SIGSTOP) mid-stream ends the stream with an error event, turns the
+leader's /health 503 with the reason and makes the leader exit non-zero; followers whose
+leader was killed or hung exit non-zero; SIGTERM to the leader mid-stream stops the whole
+group, every process exiting 0."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -22,12 +27,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.app import create_app
+from api.app import DRAIN_ABORT_REASON, create_app
 from api.config import ServerConfig
 from tests.server_harness import ServerThread, api_checkpoint, free_port, parse_sse, tiny_engine, wait_for_serve_process
 
 REPO = Path(__file__).resolve().parent.parent
-# Few buckets (decode 1 and 2 rows, one 32-token chunk): every process compiles them all.
+# Few buckets (decode 1 and 2 rows, one 32-token chunk): quick to compile.
 TINY_LIMITS = dict(block_size=16, kv_blocks=128, max_context=512, max_seqs=2, prefill_chunk=32)
 # The default model: one decode row, one 64-token chunk, 64 blocks: the limits of
 # tests/test_api_default_model.py, whose engine is then the shared single-process reference.
@@ -83,7 +88,7 @@ def cluster(num_processes: int, log_dir: Path, model: str | None = None, limits:
             proc.wait(30)
 
 
-def complete_all(url: str, concurrent: bool = False) -> list[dict]:
+def complete_all(url: str, concurrent: bool = False, prompts: list[str] = PROMPTS) -> list[dict]:
     """The prompts, greedy, one after another (or two at a time: decode steps of 2 rows);
     (text, tokens) each."""
     def one(prompt: str) -> dict:
@@ -94,11 +99,11 @@ def complete_all(url: str, concurrent: bool = False) -> list[dict]:
         return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"]}
 
     if not concurrent:
-        return [one(p) for p in PROMPTS]
+        return [one(p) for p in prompts]
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(one, PROMPTS))
+        return list(pool.map(one, prompts))
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +114,29 @@ def reference() -> list[dict]:
         return complete_all(url)
 
 
-def check_parity(urls: list[str], reference: list[dict], num_processes: int) -> None:
+def check_shared_compiles(log_dir: Path, num_processes: int) -> None:
+    """Process 0 compiled every shape once for the group and every follower loaded each one;
+    except those process 0 read from its persistent cache (a warm tests/.jax_cache), which
+    the followers compile themselves (multihost.py: such executables cannot be shared)."""
+    leader = (log_dir / "process-0.log").read_text()
+    shared, cached = leader.count("and shared it with the group"), leader.count("from the compilation cache:")
+    assert shared + cached > 0, "process 0 compiles (or reads) the step shapes and shares them"
+    for i in range(1, num_processes):
+        log = (log_dir / f"process-{i}.log").read_text()
+        assert log.count("from process 0 (") == shared, f"follower {i} loads each of process 0's {shared} executables"
+        assert log.count("process 0 read it from its compilation cache") == cached
+        assert "Traceback" not in log, f"follower {i} ran every step it was sent"
+
+
+def check_parity(urls: list[str], reference: list[dict], num_processes: int, num_prompts: int = len(PROMPTS)) -> None:
     leader, followers = urls[0], urls[1:]
     for i, follower in enumerate(followers, 1):
         assert httpx.get(follower + "/health").json() == {"state": "ready", "role": "follower", "process_id": i}
     assert httpx.get(followers[0] + "/v1/models").status_code == 404, "a follower serves /health only"
     card = httpx.get(leader + "/v1/models").json()["data"][0]
     assert card["quantization"] == "none", "auto -> float weights: GGUF blocks have no sharding rule"
-    got = complete_all(leader)
-    assert got == reference, f"tp{num_processes} across {num_processes} processes: the greedy tokens of one process"
+    got = complete_all(leader, prompts=PROMPTS[:num_prompts])
+    assert got == reference[:num_prompts], f"tp{num_processes} across {num_processes} processes: one process's tokens"
     metrics = httpx.get(leader + "/metrics").text
     assert "ferrox_recompiles_after_warmup_total 0.0" in metrics, "no compile after warm-up"
 
@@ -127,26 +146,62 @@ def test_two_processes_give_the_single_process_greedy_tokens_of_the_default_mode
     # SmolLM2-135M has 3 KV heads: tensor parallelism splits the MLP and the vocabulary.
     with cluster(2, tmp_path, "default", DEFAULT_LIMITS, ("--replicate-attention",)) as (urls, _):
         check_parity(urls, reference, 2)
+    check_shared_compiles(tmp_path, 2)
+
+
+@pytest.mark.slow
+def test_four_processes_give_the_single_process_greedy_tokens_of_the_default_model(tmp_path, reference):
+    # 4-way: the MLP (1536 = 4 x 384) and the vocabulary (49152 = 4 x 12288) split, attention
+    # replicated. Affordable because only process 0 compiles: each process compiling the
+    # shapes itself took ~60 s a shape on 2 shared cores (measured). One prompt (24 tokens):
+    # a step of 4 processes on 2 cores takes ~1 s (~60 gloo all-reduces), 3 prompts ~100 s.
+    with cluster(4, tmp_path, "default", DEFAULT_LIMITS, ("--replicate-attention",)) as (urls, procs):
+        check_parity(urls, reference, 4, num_prompts=1)
+        procs[0].send_signal(signal.SIGKILL)  # the leader dies: every follower exits too, non-zero
+        for follower in procs[1:]:
+            assert follower.wait(30) != 0, "a follower without its leader exits non-zero"
+    check_shared_compiles(tmp_path, 4)
+
+
+def run_probe(case: str, cache_dir: Path) -> subprocess.CompletedProcess:
+    """tests/shared_compiles_probe.py's `case` in a process of its own (a group of one)."""
+    cmd = [sys.executable, str(REPO / "tests" / "shared_compiles_probe.py"), str(free_port()), case, str(cache_dir)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_a_follower_loads_what_a_slow_leader_compiled(tmp_path):
+    done = run_probe("roundtrip", tmp_path)  # a fresh persistent cache: the first compile is a real one
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    # v = 0..7: v.sum() + (2 v + 1).sum() + 4 * 8 * v[0] = 28 + (56 + 8) + 0 = 92
+    assert got["leader"] == got["follower"] == 92.0, "the loaded executable computes what the compiled one does"
+    assert got["waited_s"] >= 3.0, "the follower waited out the leader's 3 s (3 of its 1 s timeouts) without failing"
+    assert [k for k in got["keys"] if "step" in k] == ["ferrox/compiled/step#0", "ferrox/compiled/step#1"]
+    # The leader's second compile is a cache read, whose serialization would fail to run
+    # elsewhere: it publishes the digest alone (32 bytes) and the follower compiles.
+    assert got["second_bytes"] == 32 and got["second"] == [92.0, 92.0]
+    assert "process 0 read it from its compilation cache" in done.stderr
+
+
+def test_a_follower_refuses_a_different_program_under_the_same_name(tmp_path):
+    done = run_probe("mismatch", tmp_path)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "process 0 compiled a different program for step" in done.stderr
+
+
+def test_a_follower_waiting_for_a_silent_leader_exits_non_zero(tmp_path):
+    t0 = time.monotonic()
+    done = run_probe("hung", tmp_path)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "no compile heartbeat from process 0 for 1 s" in done.stderr
+    assert time.monotonic() - t0 < 60, "bounded by the 1 s timeout (plus the start-up), not a hang"
 
 
 @pytest.fixture(scope="module")
 def tiny_reference() -> list[dict]:
     with ServerThread(create_app(tiny_engine(**TINY_LIMITS), ServerConfig())) as url:
         return complete_all(url, concurrent=True)
-
-
-def test_four_processes_give_the_single_process_greedy_tokens(tmp_path, tiny_reference):
-    # On the tiny model: 4 processes of the default model compile ~60 s a shape each on
-    # 2 shared cores (measured), past the file's budget. The tiny model has 2 KV heads:
-    # 4-way tensor parallelism replicates attention and splits the MLP and the vocabulary.
-    with cluster(4, tmp_path, extra=("--replicate-attention",)) as (urls, procs):
-        for follower in urls[1:]:
-            assert httpx.get(follower + "/health").json()["state"] == "ready"
-        assert complete_all(urls[0], concurrent=True) == tiny_reference, "tp4 across 4 processes: one process's tokens"
-        assert "ferrox_recompiles_after_warmup_total 0.0" in httpx.get(urls[0] + "/metrics").text
-        procs[0].send_signal(signal.SIGKILL)  # the leader dies: every follower exits too, non-zero
-        for follower in procs[1:]:
-            assert follower.wait(30) != 0, "a follower without its leader exits non-zero"
 
 
 @pytest.fixture(scope="module")
@@ -156,12 +211,15 @@ def two_processes(tmp_path_factory):
         yield urls, procs, log_dir
 
 
-def test_an_idle_leader_is_not_taken_for_hung(two_processes):
-    (leader, follower), procs, _ = two_processes
+def test_an_idle_leader_is_not_taken_for_hung(two_processes, tiny_reference):
+    (leader, follower), procs, log_dir = two_processes
     time.sleep(TIMEOUT_S + 2)  # the condition under test: no request for longer than the timeout
     assert all(proc.poll() is None for proc in procs), "the leader's heartbeats keep its followers"
     assert httpx.get(follower + "/health").status_code == 200 and httpx.get(leader + "/health").status_code == 200
-    assert len(complete_all(leader, concurrent=True)) == len(PROMPTS)
+    # Two at a time: decode steps of 2 rows, on executables process 0 compiled for both.
+    assert complete_all(leader, concurrent=True) == tiny_reference, "tp2 across 2 processes: one process's tokens"
+    assert "ferrox_recompiles_after_warmup_total 0.0" in httpx.get(leader + "/metrics").text
+    check_shared_compiles(log_dir, 2)
 
 
 def stream_until(leader: str, act) -> tuple[list, float]:
@@ -196,9 +254,12 @@ def test_a_killed_follower_fails_the_stream_the_health_and_the_leader(two_proces
 
 
 def test_a_hung_follower_fails_the_stream_the_health_and_the_leader(tmp_path):
-    with cluster(2, tmp_path, extra=("--multihost-timeout-s", str(TIMEOUT_S))) as ((leader, _), procs):
+    # With --no-share-compiles (every process compiles its own shapes): the switch is covered here.
+    extra = ("--multihost-timeout-s", str(TIMEOUT_S), "--no-share-compiles")
+    with cluster(2, tmp_path, extra=extra) as ((leader, _), procs):
         events, stopped_at = stream_until(leader, lambda: procs[1].send_signal(signal.SIGSTOP))
         check_group_failed(leader, procs[0], tmp_path, events, stopped_at, f"no heartbeat for {TIMEOUT_S} s (hung)")
+    assert "from process 0 (" not in (tmp_path / "process-1.log").read_text(), "the follower compiled itself"
 
 
 def test_followers_of_a_hung_leader_exit_non_zero(tmp_path):
@@ -210,4 +271,16 @@ def test_followers_of_a_hung_leader_exit_non_zero(tmp_path):
             procs[0].send_signal(signal.SIGSTOP)  # mid-stream: the follower may wait in a collective
             assert procs[1].wait(TIMEOUT_S + 30) == 3, "a follower whose leader hung exits 3"
         assert time.monotonic() - stopped_at < TIMEOUT_S + 30
-        assert "no step and no heartbeat from the leader" in (tmp_path / "process-1.log").read_text()
+        follower_log = (tmp_path / "process-1.log").read_text()
+        assert "no step and no heartbeat from the leader" in follower_log
+        assert "Traceback" not in follower_log, "the follower ran its steps until the leader stopped"
+
+
+def test_sigterm_to_the_leader_stops_the_whole_group(tmp_path):
+    # A 2 s drain: the 1500-token stream either finishes in it or is ended with an error event.
+    with cluster(2, tmp_path, extra=("--shutdown-timeout", "2")) as ((leader, _), procs):
+        events, signalled_at = stream_until(leader, lambda: procs[0].send_signal(signal.SIGTERM))
+        assert events[-1] == "[DONE]" or DRAIN_ABORT_REASON in events[-1]["error"]["message"], events[-3:]
+        codes = [proc.wait(30) for proc in procs]
+        assert codes == [0, 0], f"the leader drains and stops its follower; both exit 0: {codes}"
+        assert time.monotonic() - signalled_at < 30
