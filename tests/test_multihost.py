@@ -166,8 +166,10 @@ def test_four_processes_give_the_single_process_greedy_tokens_of_the_default_mod
 def run_probe(case: str, cache_dir: Path) -> subprocess.CompletedProcess:
     """tests/shared_compiles_probe.py's `case` in a process of its own (a group of one)."""
     cmd = [sys.executable, str(REPO / "tests" / "shared_compiles_probe.py"), str(free_port()), case, str(cache_dir)]
+    # One CPU device, as `cluster` pins it: the suite's environment may carry another count.
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          env={**os.environ, "JAX_PLATFORMS": "cpu",
+                               "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
 
 
 def test_a_follower_loads_what_a_slow_leader_compiled(tmp_path):
