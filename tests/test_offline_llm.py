@@ -167,7 +167,8 @@ def test_bad_settings_are_named():
 
 def test_the_offline_defaults_are_the_servers():
     """`LLM(model)` runs what `ferrox serve --model` runs: on the default GGUF, `auto`
-    quantization (its own blocks), not EngineConfig's `none` (float32 weights, 3x the step)."""
+    quantization (its own blocks), not EngineConfig's `none` (float32 weights, about twice
+    the one-row step)."""
     from api.config import env_defaults
     from ferrox_jax.llm import engine_config
 
