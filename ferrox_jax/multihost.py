@@ -78,7 +78,7 @@ from ferrox_jax.host_batch import HostBatch
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 1.0  # the heartbeat period, both ways
+HEARTBEAT_S = 1.0  # the heartbeat period, both ways (shorter under a short timeout: heartbeat_period)
 DEFAULT_TIMEOUT_S = 10.0  # a peer silent this long is taken for hung (EngineConfig.multihost_timeout_s)
 CONNECT_TIMEOUT_S = 600.0  # followers build and compile before they connect
 FOLLOWER_EXIT_CODE = 3  # a follower that lost its leader
@@ -89,6 +89,13 @@ COMPILES_PREFIX = "ferrox/compiled/"  # key-value store names: a shape's executa
 
 _listeners: list[Callable[[str], None]] = []
 _channels: list["StepChannel"] = []  # this process's (the leader's), for `close_all`
+
+
+def heartbeat_period(timeout_s: float) -> float:
+    """HEARTBEAT_S, or a quarter of `timeout_s` when that is shorter: a watcher that gives
+    up after `timeout_s` of silence sees several beats in every window, so one late beat
+    (a busy machine's scheduling) is never taken for a hang."""
+    return min(HEARTBEAT_S, timeout_s / 4)
 
 
 class GroupFailure(RuntimeError):
@@ -230,9 +237,9 @@ class StepChannel:
                     raise GroupFailure(self.failure) from e
 
     def _heartbeat(self) -> None:
-        """Every HEARTBEAT_S, an `H` to every connected follower: an idle or busy leader is alive."""
+        """Every heartbeat period, an `H` to every connected follower: an idle or busy leader is alive."""
         while self.failure is None:
-            time.sleep(HEARTBEAT_S)
+            time.sleep(heartbeat_period(self.timeout_s))
             with contextlib.suppress(GroupFailure):
                 self.send(HEARTBEAT)
 
@@ -300,7 +307,8 @@ def follow(runner: Any, address: tuple[str, int], process_id: int,
     sock = _connect(address)
     _send_frame(sock, HELLO, str(process_id).encode())
     send_lock = threading.Lock()
-    threading.Thread(target=_heartbeat, args=(sock, send_lock), name="ferrox-heartbeat", daemon=True).start()
+    threading.Thread(target=_heartbeat, args=(sock, send_lock, heartbeat_period(timeout_s)), name="ferrox-heartbeat",
+                     daemon=True).start()
     frames: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read_leader, args=(sock, frames, process_id, timeout_s), name="ferrox-leader-reader",
                      daemon=True).start()
@@ -355,9 +363,9 @@ def _connect(address: tuple[str, int]) -> socket.socket:
             time.sleep(0.2)
 
 
-def _heartbeat(sock: socket.socket, lock: threading.Lock) -> None:
+def _heartbeat(sock: socket.socket, lock: threading.Lock, period_s: float) -> None:
     while True:
-        time.sleep(HEARTBEAT_S)
+        time.sleep(period_s)
         try:
             with lock:
                 _send_frame(sock, HEARTBEAT)
@@ -421,7 +429,7 @@ class SharedCompiles:
                 self._client.key_value_set(COMPILES_PREFIX + "heartbeat", str(count), allow_overwrite=True)
             except jax.errors.JaxRuntimeError:  # the service is shutting down with the process
                 return
-            time.sleep(HEARTBEAT_S)
+            time.sleep(heartbeat_period(self.timeout_s))
 
     def _key(self, name: str) -> str:
         with self._lock:
