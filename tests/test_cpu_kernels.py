@@ -238,6 +238,34 @@ def test_decode_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, 
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,lengths", [
+    (9, 3, 64, [1000]),  # one decoding row of the default model: 3 (row, kv head) pairs for the threads
+    (9, 3, 64, [65, 300]),
+    (4, 1, 128, [5, 700]),  # the short row's later pieces are empty
+])
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_attention_split_into_pieces_matches_the_pure_jax_paged_attention(heads, kv_heads, head_dim, lengths,
+                                                                                  kv_dtype):
+    # Fewer than 4 (row, kv head) pairs a thread: each pair's keys are cut into pieces of at
+    # least 64 whose softmax sums are merged (decode_attention.cc, MergePieces).
+    from models.attention import paged_attention
+
+    rng = np.random.default_rng(sum(lengths))
+    block_size, width, blocks = 16, 64, 80
+    k_cache, v_cache = _random_cache(rng, kv_heads, blocks, block_size, head_dim, kv_dtype)
+    tables = np.zeros((len(lengths), width), np.int32)
+    for i, n in enumerate(lengths):
+        used = -(-n // block_size)
+        tables[i, :used] = rng.permutation(np.arange(1, blocks))[:used]
+    q = jnp.asarray(rng.standard_normal((len(lengths), 1, heads, head_dim)).astype(np.float32) * 3)  # peaked
+    positions = jnp.asarray(np.array(lengths, np.int32)[:, None] - 1)
+    scale = head_dim ** -0.5
+    want = jax.jit(paged_attention, static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables), positions, scale)
+    got = jax.jit(cpu_kernels.decode_attention(), static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables),
+                                                                        positions, scale)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+
+
 def test_decode_attention_is_chosen_on_cpu_where_it_can_run():
     from models.pallas_attention import select_decode_attention
 

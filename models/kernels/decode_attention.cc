@@ -12,7 +12,10 @@
 //   lengths  s32[B]             keys each row sees (its position + 1), 1 <= length <= MB bs
 //   scale    f32 attribute      the scores' factor (1 / sqrt(hd) for most models)
 //   out      f32[B, H, hd]      softmax(q k^T scale) v, per row and head
-// hd must be a multiple of 8 (checked). Work is shared over (row, kv head) pairs.
+// hd must be a multiple of 8 (checked). Work is shared over (row, kv head) pairs; where
+// they are fewer than 4 per thread (one decoding row has K of them), each pair's keys are
+// cut into pieces of at least 64, and the pieces' softmax sums are merged as flash-decoding
+// does (each rescaled from its own maximum to the overall one).
 
 #include <immintrin.h>
 
@@ -73,69 +76,169 @@ struct Problem {
   float scale;
 };
 
-// One (row, kv head): its G = H / K query heads over the row's `length` keys.
-template <typename T>
-void RowHead(const Problem& p, const T* k_cache, const T* v_cache, int64_t row, int64_t kv_head,
-             std::vector<float>& scores) {
-  const int64_t groups = p.heads / p.kv_heads, hd = p.head_dim, length = p.lengths[row];
-  const float* q = p.q + (row * p.heads + kv_head * groups) * hd;
-  float* out = p.out + (row * p.heads + kv_head * groups) * hd;
-  const int32_t* table = p.tables + row * p.max_blocks;
-  const int64_t head_stride = p.blocks * p.block_size * hd;  // elements per kv head of the cache
-  auto key_row = [&](const T* cache, int64_t j) {
-    return cache + kv_head * head_stride + (int64_t{table[j / p.block_size]} * p.block_size + j % p.block_size) * hd;
-  };
-  const int64_t padded = (length + 7) / 8 * 8;
-  scores.assign(groups * padded, -INFINITY);
-  for (int64_t j = 0; j < length; ++j) {
-    const T* k = key_row(k_cache, j);
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < hd; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + d), Load8(k + d), acc);
-      scores[g * padded + j] = HorizontalSum(acc) * p.scale;
-    }
-  }
-  for (int64_t g = 0; g < groups; ++g) {
-    float* s = scores.data() + g * padded;
-    const float max = *std::max_element(s, s + length);
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t j = 0; j < padded; j += 8) {
-      const __m256 x = _mm256_loadu_ps(s + j);  // the tail past `length` is -inf: weight 0
-      const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-      const __m256 e = _mm256_and_ps(Exp(_mm256_sub_ps(x, _mm256_set1_ps(max))), live);
-      _mm256_storeu_ps(s + j, e);
-      total = _mm256_add_ps(total, e);
-    }
-    const float inv = 1.0f / HorizontalSum(total);
-    float* o = out + g * hd;
-    for (int64_t d0 = 0; d0 < hd; d0 += 32) {  // up to 4 registers of the output at a time
-      const int64_t width = std::min<int64_t>(32, hd - d0);
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int64_t j = 0; j < length; ++j) {
-        const T* v = key_row(v_cache, j) + d0;
-        const __m256 w = _mm256_set1_ps(s[j]);
-        for (int64_t r = 0; r < width / 8; ++r) acc[r] = _mm256_fmadd_ps(w, Load8(v + 8 * r), acc[r]);
-      }
-      for (int64_t r = 0; r < width / 8; ++r)
-        _mm256_storeu_ps(o + d0 + 8 * r, _mm256_mul_ps(acc[r], _mm256_set1_ps(inv)));
-    }
-  }
+// The 8 sums of 8 vectors, in order: lane i is the horizontal sum of v[i] (three rounds
+// of hadd and one cross-lane add: a few shuffles per 8 keys instead of 3 per key).
+inline __m256 Sum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
+
+// One (row, kv head, range of keys): for each of its G = H / K query heads, the scores of
+// keys [begin, end), their softmax numerators against the range's own maximum, and
+// partial[g] = (sum_j e_j v_j [hd], the maximum, sum_j e_j): a piece MergePieces combines.
+template <typename T>
+struct Piece {
+  const Problem& p;
+  const T* k_cache;
+  const T* v_cache;
+  int64_t row, kv_head;
+
+  const T* KeyRow(const T* cache, int64_t j) const {
+    const int32_t* table = p.tables + row * p.max_blocks;
+    const int64_t head_stride = p.blocks * p.block_size * p.head_dim;  // elements per kv head of the cache
+    return cache + kv_head * head_stride +
+           (int64_t{table[j / p.block_size]} * p.block_size + j % p.block_size) * p.head_dim;
+  }
+
+  // scores[g * padded + i] = q_g . k_(begin + i) * scale, 8 keys at a time.
+  void Scores(int64_t begin, int64_t n, int64_t padded, float* scores) const {
+    const int64_t groups = p.heads / p.kv_heads, hd = p.head_dim;
+    const float* q = p.q + (row * p.heads + kv_head * groups) * hd;
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+      const int64_t count = std::min<int64_t>(8, n - j0);
+      const T* keys[8];
+      for (int64_t i = 0; i < 8; ++i) keys[i] = KeyRow(k_cache, begin + j0 + std::min(i, count - 1));
+      for (int64_t g = 0; g < groups; ++g) {
+        __m256 acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < hd; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + g * hd + d);
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, Load8(keys[i] + d), acc[i]);
+        }
+        alignas(32) float sums[8];
+        _mm256_store_ps(sums, _mm256_mul_ps(Sum8(acc), _mm256_set1_ps(p.scale)));
+        std::copy(sums, sums + count, scores + g * padded + j0);  // past `count`: stays -inf
+      }
+    }
+  }
+
+  // acc[g] += e[g][j] v_j over the n keys, for NG query heads from g0, 32 columns from d0.
+  template <int NG>
+  void Values(int64_t begin, int64_t n, int64_t padded, const float* e, int64_t g0, int64_t d0, int64_t width,
+              float* partial) const {
+    const int64_t hd = p.head_dim, stride = hd + 2;
+    __m256 acc[NG][4];
+    for (int g = 0; g < NG; ++g)
+      for (int r = 0; r < 4; ++r) acc[g][r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = KeyRow(v_cache, begin + j) + d0;
+      __m256 vr[4];
+      for (int64_t r = 0; r < width / 8; ++r) vr[r] = Load8(v + 8 * r);
+      for (int g = 0; g < NG; ++g) {
+        const __m256 w = _mm256_broadcast_ss(e + (g0 + g) * padded + j);
+        for (int64_t r = 0; r < width / 8; ++r) acc[g][r] = _mm256_fmadd_ps(w, vr[r], acc[g][r]);
+      }
+    }
+    for (int g = 0; g < NG; ++g)
+      for (int64_t r = 0; r < width / 8; ++r) _mm256_storeu_ps(partial + (g0 + g) * stride + d0 + 8 * r, acc[g][r]);
+  }
+
+  void Run(int64_t begin, int64_t end, std::vector<float>& scores, float* partial) const {
+    const int64_t groups = p.heads / p.kv_heads, hd = p.head_dim, stride = hd + 2, n = end - begin;
+    if (n <= 0) {  // an empty range (a short row split as a long one is): weight 0 in the merge
+      for (int64_t g = 0; g < groups; ++g) {
+        std::fill(partial + g * stride, partial + g * stride + hd, 0.0f);
+        partial[g * stride + hd] = -INFINITY;
+        partial[g * stride + hd + 1] = 0.0f;
+      }
+      return;
+    }
+    const int64_t padded = (n + 7) / 8 * 8;
+    scores.assign(groups * padded, -INFINITY);
+    Scores(begin, n, padded, scores.data());
+    for (int64_t g = 0; g < groups; ++g) {
+      float* s = scores.data() + g * padded;
+      const float max = *std::max_element(s, s + n);
+      __m256 total = _mm256_setzero_ps();
+      for (int64_t j = 0; j < padded; j += 8) {
+        const __m256 x = _mm256_loadu_ps(s + j);  // the tail past n is -inf: weight 0
+        const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        const __m256 e = _mm256_and_ps(Exp(_mm256_sub_ps(x, _mm256_set1_ps(max))), live);
+        _mm256_storeu_ps(s + j, e);
+        total = _mm256_add_ps(total, e);
+      }
+      partial[g * stride + hd] = max;
+      partial[g * stride + hd + 1] = HorizontalSum(total);
+    }
+    // Each value row is read once per 32 columns for up to 3 query heads together (the
+    // 16 AVX2 registers hold 3 x 4 accumulators and the 4 value vectors).
+    for (int64_t d0 = 0; d0 < hd; d0 += 32) {
+      const int64_t width = std::min<int64_t>(32, hd - d0);
+      int64_t g = 0;
+      for (; g + 3 <= groups; g += 3) Values<3>(begin, n, padded, scores.data(), g, d0, width, partial);
+      if (groups - g == 2) Values<2>(begin, n, padded, scores.data(), g, d0, width, partial);
+      if (groups - g == 1) Values<1>(begin, n, padded, scores.data(), g, d0, width, partial);
+    }
+  }
+};
 
 #pragma GCC pop_options
 
 // Below this many multiply-adds (keys x heads x head_dim, twice) the caller works alone.
 constexpr int64_t kParallelMacs = 1 << 17;
+// Pieces per thread the work is cut into, and the fewest keys a piece of a split row holds.
+constexpr int64_t kPiecesPerThread = 4;
+constexpr int64_t kMinPieceKeys = 64;
+
+// out[row, h] from a (row, kv head)'s pieces: softmax over all its keys, each piece's sums
+// rescaled from its own maximum to the overall one (flash-decoding's merge).
+void MergePieces(const Problem& p, int64_t row, int64_t kv_head, int64_t pieces, const float* partials) {
+  const int64_t groups = p.heads / p.kv_heads, hd = p.head_dim, stride = hd + 2;
+  for (int64_t g = 0; g < groups; ++g) {
+    float max = -INFINITY;
+    for (int64_t c = 0; c < pieces; ++c) max = std::max(max, partials[(c * groups + g) * stride + hd]);
+    float* out = p.out + (row * p.heads + kv_head * groups + g) * hd;
+    std::fill(out, out + hd, 0.0f);
+    float total = 0.0f;
+    for (int64_t c = 0; c < pieces; ++c) {
+      const float* piece = partials + (c * groups + g) * stride;
+      if (piece[hd + 1] == 0.0f) continue;  // an empty piece
+      const float factor = pieces == 1 ? 1.0f : std::exp(piece[hd] - max);
+      total += factor * piece[hd + 1];
+      for (int64_t d = 0; d < hd; ++d) out[d] += factor * piece[d];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < hd; ++d) out[d] *= inv;
+  }
+}
 
 template <typename T>
 void Run(ffi::ThreadPool& pool, const Problem& p, const T* k_cache, const T* v_cache, int64_t rows) {
-  int64_t work = 0;
-  for (int64_t b = 0; b < rows; ++b) work += int64_t{p.lengths[b]} * p.heads * p.head_dim * 2;
+  int64_t work = 0, longest = 0;
+  for (int64_t b = 0; b < rows; ++b) {
+    work += int64_t{p.lengths[b]} * p.heads * p.head_dim * 2;
+    longest = std::max<int64_t>(longest, p.lengths[b]);
+  }
   const int64_t threads = work >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
-  ferrox::ParallelFor(pool, threads, rows * p.kv_heads, [&p, k_cache, v_cache](int64_t task) {
+  // Few (row, kv head) pairs for the threads (one decoding row has K of them): each
+  // pair's keys are cut into pieces, run in parallel, and merged.
+  const int64_t pairs = rows * p.kv_heads, want = threads * kPiecesPerThread;
+  const int64_t pieces = pairs >= want ? 1 : std::clamp<int64_t>((want + pairs - 1) / pairs, 1,
+                                                                  std::max<int64_t>(1, longest / kMinPieceKeys));
+  const int64_t groups = p.heads / p.kv_heads;
+  std::vector<float> partials(pairs * pieces * groups * (p.head_dim + 2));
+  ferrox::ParallelFor(pool, threads, pairs * pieces, [&](int64_t task) {
     thread_local std::vector<float> scores;
-    RowHead(p, k_cache, v_cache, task / p.kv_heads, task % p.kv_heads, scores);
+    const int64_t pair = task / pieces, c = task % pieces, row = pair / p.kv_heads;
+    const int64_t length = p.lengths[row], per = ((length + pieces - 1) / pieces + 7) / 8 * 8;
+    const Piece<T> piece{p, k_cache, v_cache, row, pair % p.kv_heads};
+    piece.Run(std::min(length, c * per), std::min(length, (c + 1) * per), scores,
+              partials.data() + task * groups * (p.head_dim + 2));
   });
+  for (int64_t pair = 0; pair < pairs; ++pair)
+    MergePieces(p, pair / p.kv_heads, pair % p.kv_heads, pieces,
+                partials.data() + pair * pieces * groups * (p.head_dim + 2));
 }
 
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
