@@ -204,7 +204,7 @@ void MergePieces(const Problem& p, int64_t row, int64_t kv_head, int64_t pieces,
     for (int64_t c = 0; c < pieces; ++c) {
       const float* piece = partials + (c * groups + g) * stride;
       if (piece[hd + 1] == 0.0f) continue;  // an empty piece
-      const float factor = pieces == 1 ? 1.0f : std::exp(piece[hd] - max);
+      const float factor = std::exp(piece[hd] - max);  // 1 for the piece holding the maximum
       total += factor * piece[hd + 1];
       for (int64_t d = 0; d < hd; ++d) out[d] += factor * piece[d];
     }
