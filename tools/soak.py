@@ -53,6 +53,9 @@ from tools import soak_mix
 from tools.soak_monitor import HealthSampler, percentile
 
 
+KEEPALIVE_EXPIRY_S = 2.0  # an idle pooled connection is dropped after this (the server's --keep-alive-timeout is 5 s)
+
+
 @dataclasses.dataclass(frozen=True)
 class SoakConfig:
     url: str
@@ -241,6 +244,7 @@ class _Run:
         self.next_index = 0
         self.started = time.monotonic()
         self.rss_before: int | None = None
+        self.transport_errors: list[str] = []  # the first few, named, for the report
 
     def _more(self) -> int | None:
         elapsed = time.monotonic() - self.started
@@ -272,6 +276,8 @@ class _Run:
                                  else _cancelled(self.client, call, rng))
         except httpx.HTTPError as e:
             outcome = f"transport-error:{type(e).__name__}"
+            if len(self.transport_errors) < 10:
+                self.transport_errors.append(f"request {index} ({kind}, {protocol}): {type(e).__name__}: {e!r}")
         self.outcomes[outcome] += 1
         self.by_kind[kind][outcome] += 1
         self.by_protocol[protocol][outcome] += 1
@@ -295,7 +301,12 @@ async def _models(client: httpx.AsyncClient) -> tuple[str, tuple[str, ...]]:
 
 async def _soak(config: SoakConfig) -> dict:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    limits = httpx.Limits(max_connections=config.concurrency + 4, max_keepalive_connections=config.concurrency)
+    # Pooled connections expire well before the server's keep-alive timeout (5 s): httpx's
+    # default expiry is also 5 s, and a request sent on a connection the server is closing
+    # that moment fails with "Server disconnected" (HTTP/1.1's keep-alive race, which
+    # clients like the OpenAI SDK retry), a client artifact the soak would count as ours.
+    limits = httpx.Limits(max_connections=config.concurrency + 4, max_keepalive_connections=config.concurrency,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
     async with httpx.AsyncClient(base_url=config.url, headers=headers, limits=limits,
                                  timeout=config.request_timeout_s) as client:
         model, adapters = await _models(client)
@@ -325,7 +336,9 @@ def _failures(config: SoakConfig, report: dict, run: _Run, idle: dict, health: i
     bad_other = sum(n for k, n in run.outcomes.items()
                     if k.startswith("transport-error") or k in ("200-no-done", "200-empty"))
     if bad_other:
-        failures.append(f"{bad_other} transport errors or incomplete responses")
+        named = sorted(k for k in run.outcomes if k.startswith("transport-error") or k in ("200-no-done", "200-empty"))
+        failures.append(f"{bad_other} transport errors or incomplete responses ({', '.join(named)}): "
+                        f"{run.transport_errors}")
     if run.outcomes["recheck-mismatch"]:
         failures.append(f"{run.outcomes['recheck-mismatch']} prefix-cached greedy outputs differ from cold ones")
     if report["leaked_blocks"]:
@@ -361,6 +374,7 @@ def _report(config: SoakConfig, run: _Run, idle: dict, health: int, rss_start: i
         "by_kind": {k: dict(sorted(v.items())) for k, v in sorted(run.by_kind.items())},
         "by_protocol": {k: dict(sorted(v.items())) for k, v in sorted(run.by_protocol.items())},
         "adapters": list(run.adapters),
+        "transport_errors": list(run.transport_errors),
         "num_5xx": sum(n for k, n in run.outcomes.items() if k.startswith("5")),
         "kv_blocks_total": idle["kv_blocks_total"], "kv_blocks_free": idle["kv_blocks_free"],
         "leaked_blocks": idle["kv_blocks_total"] - idle["kv_blocks_free"], "aborted": idle.get("aborted"),
