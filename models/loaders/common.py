@@ -19,6 +19,7 @@ tensors and stacking per-expert ones.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Callable, Mapping
 
@@ -52,7 +53,16 @@ def abstract_model(cfg: ModelConfig, dtype, decode_attention: Any = None) -> Cau
 
 
 def expected_params(cfg: ModelConfig, dtype=jnp.float32) -> dict[str, tuple[int, ...]]:
-    """Our parameter names and shapes for this config."""
+    """Our parameter names and shapes for this config (traced once per config: each of a
+    GGUF's tensor tables asks, and tracing a 30-layer model takes about 2 s)."""
+    try:
+        return dict(_expected_params(cfg, jnp.dtype(dtype)))
+    except TypeError:  # a config with an unhashable field: trace it each time
+        return dict(_expected_params.__wrapped__(cfg, jnp.dtype(dtype)))
+
+
+@functools.lru_cache(maxsize=8)
+def _expected_params(cfg: ModelConfig, dtype) -> dict[str, tuple[int, ...]]:
     state = nnx.state(abstract_model(cfg, dtype), nnx.Param)
     return {param_name(path): tuple(v.shape) for path, v in nnx.to_flat_state(state)}
 

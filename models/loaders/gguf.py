@@ -133,15 +133,16 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     return reader
 
 
-def open_gguf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict, Tokenizer, dict]:
+def open_gguf_checkpoint(path: str | os.PathLike | GGUFReader) -> tuple[ModelConfig, dict, Tokenizer, dict]:
     """Config, lazy tensors, tokenizer and lazy int8 tensors (`gguf_int8_tensors`) of a GGUF
-    file; no weight is read yet.
+    file (or of one `open_gguf` already opened: parsing the metadata of the default model
+    takes seconds); no weight is read yet.
 
     Raises:
       FileNotFoundError, ValueError (not a GGUF file), UnsupportedModelError (architecture,
       option or tensor type we cannot run).
     """
-    reader = open_gguf(path)
+    reader = path if isinstance(path, GGUFReader) else open_gguf(path)
     cfg = config_from_gguf(reader)
     return cfg, gguf_tensors(reader, cfg), Tokenizer.from_gguf(reader), gguf_int8_tensors(reader, cfg)
 

@@ -54,9 +54,10 @@ def _producer(tensor, cfg: ModelConfig, unpermute_qk: bool, start: int = 0, widt
     return read
 
 
-def gguf_block_tensors(path: str | os.PathLike, cfg: ModelConfig) -> dict[str, BlockProducer]:
-    """The block producers of `path` by our parameter name (module docstring)."""
-    reader = GGUFReader(path)
+def gguf_block_tensors(path: str | os.PathLike | GGUFReader, cfg: ModelConfig) -> dict[str, BlockProducer]:
+    """The block producers of `path` (a GGUF file, or its open reader) by our parameter name
+    (module docstring)."""
+    reader = path if isinstance(path, GGUFReader) else GGUFReader(path)
     family: Family = family_for(cfg.architecture)
     arch = reader.fields["general.architecture"].contents()
     unpermute_qk = arch in family.gguf_qk_permuted
