@@ -34,9 +34,10 @@ from tests.server_harness import ServerThread, api_checkpoint, free_port, parse_
 REPO = Path(__file__).resolve().parent.parent
 # Few buckets (decode 1 and 2 rows, one 32-token chunk): quick to compile.
 TINY_LIMITS = dict(block_size=16, kv_blocks=128, max_context=512, max_seqs=2, prefill_chunk=32)
-# The default model: one decode row, one 64-token chunk, 64 blocks: the limits of
-# tests/test_api_default_model.py, whose engine is then the shared single-process reference.
-DEFAULT_LIMITS = dict(block_size=16, kv_blocks=64, max_seqs=1, prefill_chunk=64, max_queue=4)
+# The default model: one decode row, one 16-token chunk (the prompts are shorter), 64
+# blocks: 6 compiled shapes (decode, chunk, mixed, 2 samplers, the block copy) where a
+# 64-token chunk makes 10; each costs 10-20 s per cluster on the shared 2 cores.
+DEFAULT_LIMITS = dict(block_size=16, kv_blocks=64, max_seqs=1, prefill_chunk=16, max_queue=4)
 PROMPTS = ["The quick brown fox", "Paged attention stores keys", "Numbers: 0 1 2 3"]
 TIMEOUT_S = 4  # --multihost-timeout-s of the fault clusters (10 s by default)
 
