@@ -40,7 +40,7 @@ serve: $(STAMP) $(KERNEL)
 
 # The 25 slowest tests close the report: the suite's budget is 30 minutes on CI's 2 cores.
 test: $(STAMP) $(KERNEL) browser maps
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 browser:
 ifeq ($(CHROMIUM),)

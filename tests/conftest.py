@@ -55,3 +55,27 @@ def client(server):
 @pytest.fixture(scope="module")
 def model(http):
     return http.get("/v1/models").json()["data"][0]["id"]
+
+
+# `make test` runs the files on two pytest-xdist workers, a file at a time each
+# (`--dist loadfile --no-loadscope-reorder`): a worker that finishes takes the next file
+# in collection order. Files go dearest first (their seconds in tests/durations.json,
+# written by `python -m tools.test_durations` from a run's JUnit XML), so the long ones
+# start at once and the short ones fill in at the end, instead of one worker running a
+# 10-minute file alone at the end. A file not in the table counts as the median.
+_DURATIONS = Path(__file__).resolve().parent / "durations.json"
+
+
+def pytest_collection_modifyitems(config, items):
+    import json
+    import statistics
+
+    if not _DURATIONS.exists():
+        return
+    seconds = json.loads(_DURATIONS.read_text())["seconds"]
+    default = statistics.median(seconds.values()) if seconds else 0.0
+    first_seen: dict[str, int] = {}
+    for item in items:
+        first_seen.setdefault(item.nodeid.split("::")[0], len(first_seen))
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], default),
+                                 first_seen[item.nodeid.split("::")[0]]))
