@@ -10,7 +10,7 @@
 #   bash bench/quant/gguf/run.sh stop            # admin stats, both servers down
 #   python bench/quant/gguf/summarize.py         # medians over the rounds
 # PEER_PY: llama-cpp-python[server]'s python; on an Intel host with AMX the peer runs
-# through peer_noamx.py (docs/benchmarks.md, "Start the peer").
+# through peer_noamx.py (docs/benchmarks.md, "Start the peer"); OUT=DIR keeps another host's results apart.
 set -u
 OUT=${OUT:-bench/quant/gguf}
 PEER_PY=${PEER_PY:-/work/llvenv/bin/python}
@@ -22,7 +22,9 @@ declare -A REQS=([1]=8 [8]=16 [32]=32)
 case $1 in
 start)
   GGUF=$(.venv/bin/python -c "from models.loaders.gguf import default_model_path; print(default_model_path())")
-  nohup $PEER_PY $OUT/peer_noamx.py --model "$GGUF" --host 127.0.0.1 --port 8384 \
+  # the AMX wrapper only where AMX is (elsewhere its repacked buffer types help the peer)
+  if grep -q -w amx_tile /proc/cpuinfo; then PEER_MAIN="bench/quant/gguf/peer_noamx.py"; else PEER_MAIN="-m llama_cpp.server"; fi
+  nohup $PEER_PY $PEER_MAIN --model "$GGUF" --host 127.0.0.1 --port 8384 \
     --n_threads 2 --n_threads_batch 2 --n_ctx 2048 --interrupt_requests False > $OUT/peer.log 2>&1 &
   echo $! > $OUT/.peer.pid
   nohup .venv/bin/ferrox serve --host 127.0.0.1 --port 8383 --model default > $OUT/ferrox.log 2>&1 &
