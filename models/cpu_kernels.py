@@ -159,12 +159,13 @@ def pack_for_kernel(model: nnx.Module) -> int:
 # Rows from which a block product quantizes its activations (32-wide int8 blocks, integer
 # dots) instead of multiplying float32 activations by the dequantized blocks, by the ISA
 # the kernel runs; 0: never. Measured with `python -m tools.bench_cpu_kernels --only blocks`
-# (docs/benchmarks.md, "GGUF blocks on the CPU"): on AVX-512 (Zen 4) the float path, whose
-# Q4 dequantization is one vpermps per 16 weights, is as fast as the integer one at every
-# row count from 1 to 512, so it runs everywhere there and the products keep float32's
-# accuracy; AVX2 dequantizes with two conversions per 8 weights, and integer dots take over
-# from 8 rows.
-BLOCK_INT_ROWS = {"AVX-512 VNNI": 0, "AVX2": 8}
+# and `tools/compare_logits.py` (docs/benchmarks.md, "GGUF blocks on the CPU"): on AVX-512
+# (Zen 4) the float path, whose Q4 dequantization is one vpermps per 16 weights, is as fast
+# as the integer one at every row count from 1 to 512. On AVX2 the integer path is 1.1-1.6x
+# faster from 8 rows, but with it the default mode's accuracy fell to llama.cpp's (KL 0.004-
+# 0.007 against float32, 20-22 of 30 greedy tokens, worse than the peer on 2 of 4 figures;
+# the float path: KL 2e-11, 30 of 30), so the default keeps float32's accuracy there too.
+BLOCK_INT_ROWS = {"AVX-512 VNNI": 0, "AVX2": 0}
 
 
 def block_int_rows() -> int:

@@ -6,9 +6,11 @@
 # token ids through tools/llamacpp_logits.py and is scored by the same code.
 # Run from the repository root: bash bench/quant/blocks/accuracy.sh
 # PEER_PY: llama-cpp-python's python (a venv of its own; docs/benchmarks.md); SKIP_PEER=1
-# leaves llama.cpp out, MODES="gguf" picks the ferrox modes.
+# leaves llama.cpp out, MODES="gguf" picks the ferrox modes, OUT=DIR writes the results there
+# (another host's; the prompts stay in bench/quant/blocks).
 set -u
-OUT=bench/quant/blocks
+OUT=${OUT:-bench/quant/blocks}
+PROMPTS=bench/quant/blocks
 TMP=${TMP_REF:-/tmp/ferrox-accuracy}
 PEER_PY=${PEER_PY:-/work/llvenv/bin/python}
 MODES=${MODES:-gguf w8a8 w8a8-block32 int8}
@@ -18,7 +20,7 @@ for kind in raw chat; do
   chat=$([ $kind = chat ] && echo --chat)
   ref=$TMP/float32-$kind.npz
   [ -f $ref ] || .venv/bin/python -m tools.compare_logits --model default --reference float32 \
-    --prompts-file $OUT/prompts-$kind.json $chat --greedy-tokens 30 --save-reference $ref --save-only
+    --prompts-file $PROMPTS/prompts-$kind.json $chat --greedy-tokens 30 --save-reference $ref --save-only
   for mode in $MODES; do
     .venv/bin/python -m tools.compare_logits --model default --reference-file $ref --quantization $mode \
       --json > $OUT/compare-logits-$mode-$kind.json
