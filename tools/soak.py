@@ -333,10 +333,9 @@ def _failures(config: SoakConfig, report: dict, run: _Run, idle: dict, health: i
     bad_malformed = sum(n for k, n in run.by_kind["malformed"].items() if not (k.startswith("4") and k[3:] == ""))
     if bad_malformed:
         failures.append(f"{bad_malformed} malformed requests not answered with a 4xx in their envelope")
-    bad_other = sum(n for k, n in run.outcomes.items()
-                    if k.startswith("transport-error") or k in ("200-no-done", "200-empty"))
+    named = sorted(k for k in run.outcomes if k.startswith("transport-error") or k in ("200-no-done", "200-empty"))
+    bad_other = sum(run.outcomes[k] for k in named)
     if bad_other:
-        named = sorted(k for k in run.outcomes if k.startswith("transport-error") or k in ("200-no-done", "200-empty"))
         failures.append(f"{bad_other} transport errors or incomplete responses ({', '.join(named)}): "
                         f"{run.transport_errors}")
     if run.outcomes["recheck-mismatch"]:

@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from models.config import ModelConfig
 from models.family import Family
 from models.loaders.common import expected_params
-from models.loaders.gguf import our_row_ranges, unpermute_rope_rows
+from models.loaders.gguf import open_gguf, our_row_ranges, unpermute_rope_rows
 from models.registry import family_for
 
 HostBlocks = tuple[np.ndarray, str]  # (u8[out, row bytes], block format name)
@@ -57,7 +57,7 @@ def _producer(tensor, cfg: ModelConfig, unpermute_qk: bool, start: int = 0, widt
 def gguf_block_tensors(path: str | os.PathLike | GGUFReader, cfg: ModelConfig) -> dict[str, BlockProducer]:
     """The block producers of `path` (a GGUF file, or its open reader) by our parameter name
     (module docstring)."""
-    reader = path if isinstance(path, GGUFReader) else GGUFReader(path)
+    reader = path if isinstance(path, GGUFReader) else open_gguf(path)
     family: Family = family_for(cfg.architecture)
     arch = reader.fields["general.architecture"].contents()
     unpermute_qk = arch in family.gguf_qk_permuted
