@@ -111,8 +111,9 @@ def test_xla_path_matches_float64_reference():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 6])
 def test_float_path_equals_float64_reference(fmt, rows):
-    # 1, 3, 6 rows: one row, a partial 4-row tile, a whole tile plus a remainder
-    k, n = 1536, 44  # n: 11 column tiles of 4 over the thread chunks
+    # 1, 3, 6 rows: one row, a partial row tile, whole tiles and a remainder (AVX-512's
+    # tiles are 4 rows, AVX2's 2)
+    k, n = 1536, 46  # n: 11 column tiles of 4 over the thread chunks and 2 single columns
     blocks, x = random_blocks(fmt, n, k), activations(rows, k)
     w = dequantize_host(blocks, fmt)
     weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_TARGET, 0)
