@@ -109,10 +109,11 @@ def test_xla_path_matches_float64_reference():
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("rows", [1, 3, 6, 9])
 def test_float_path_equals_float64_reference(fmt, rows):
-    # 1, 3, 6 rows: one row, a partial row tile, whole tiles and a remainder (AVX-512's
-    # tiles are 4 rows, AVX2's 2)
+    # 1, 3, 6, 9 rows: one row, a partial row tile, whole tiles and a remainder (AVX-512's
+    # tiles are 4 rows; AVX2's are 2 below 4 rows, and from 4 rows 4-row groups over a
+    # dequantized panel, k = 1536 in three 512-long pieces)
     k, n = 1536, 46  # n: 11 column tiles of 4 over the thread chunks and 2 single columns
     blocks, x = random_blocks(fmt, n, k), activations(rows, k)
     w = dequantize_host(blocks, fmt)
