@@ -12,7 +12,8 @@ counted in `recompiles_after_warmup` (it should stay 0: tests assert it).
      table, at consecutive positions. Every token's K/V is written before any row attends,
      so the row at position p + j reads the drafts before it: causal verification through
      the one-query kernels, with no shape of its own. The smallest `StepShape` holding both
-     is picked and the batch's arrays are laid out in it (`ForwardBatch`, numpy) with one `jax.device_put`.
+     is picked and the batch's arrays are laid out in it (`ForwardBatch`, numpy, handed to the
+     compiled step as they are).
   2. Dispatch: block copies, then the one forward over every row. Dispatch is
      asynchronous: the forward runs on the device while the host goes on.
   3. Meanwhile, if some row is constrained, `fill_masks(batch, forward_is_done)` fills its
@@ -94,10 +95,11 @@ class ModelRunner:
         self.geometry = BatchGeometry(block_size, block_table_width(max_context, block_size), cfg.vocab_size)
         self.buckets = Buckets.derive(max_rows, max_chunk_tokens, max_chunks)
         self.mesh = mesh
-        self.graphdef, self.state = nnx.split(model)
-        self.shardings = None if mesh is None else runner_shardings(mesh, cfg, self.state, replicate_attention)
-        if self.shardings is not None:
-            self.state = place_on_mesh(self.state, self.shardings.state)
+        self.graphdef, state = nnx.split(model)
+        self.shardings = None if mesh is None else runner_shardings(mesh, cfg, state, replicate_attention)
+        self.state = state if self.shardings is None else place_on_mesh(state, self.shardings.state)
+        # One process: batch inputs go to the compiled steps as numpy (`ferrox_jax/step.py`).
+        self._place_inputs = jax.process_count() > 1
         self._steps = jit_steps(self.shardings)
         self.max_loras = lora_slot_count(self.state)  # adapter slots the projections carry (0: no LoRA)
         self.has_lora = self.max_loras > 0
@@ -113,6 +115,27 @@ class ModelRunner:
         self.draft: DraftModel | None = None  # --speculative draft: mirrors every step (attach_draft)
         self.bitmask_words = -(-self.vocab_size // 32)  # int32 words per bitmask row
         self._all_ones: dict[int, jax.Array] = {}  # rows -> all-ones bitmask, on the device
+
+    @property
+    def state(self):
+        """The weights as an `nnx.State`; kept flat too (`_state_leaves`), which is what the
+        forward takes. Rebinding it (LoRA slots, sleep / wake) refreshes both."""
+        return self._state
+
+    @state.setter
+    def state(self, state) -> None:
+        self._state = state
+        if state is None:  # asleep (`ferrox_jax/sleep.py`)
+            self._state_leaves = None
+            return
+        leaves, tree = jax.tree.flatten(state)
+        if getattr(self, "_state_tree", tree) != tree:
+            raise ValueError(f"a new state must have the old one's structure; got {tree} for {self._state_tree}")
+        self._state_leaves, self._state_tree = leaves, tree
+
+    def _to_step(self, tree):
+        """Batch inputs as the compiled steps take them (module docstring of step.py)."""
+        return jax.device_put(tree) if self._place_inputs else tree
 
     @property
     def max_blocks_per_row(self) -> int:
@@ -151,8 +174,8 @@ class ModelRunner:
             positions = jnp.zeros(rows, jnp.int32)
             sampling = jax.device_put(SamplingArrays.padding(rows, self.vocab_size))
             return self._steps.sample.lower(logits, positions, sampling, self._all_ones_mask(rows))
-        batch = jax.device_put(self._empty_forward(StepShape(*key[1:])))
-        return self._steps.forward.lower(self.graphdef, self.state, self.kv_cache, batch)
+        batch = self._to_step(self._empty_forward(StepShape(*key[1:])))
+        return self._steps.forward.lower(self.graphdef, self._state_tree, self._state_leaves, self.kv_cache, batch)
 
     def _compile(self, key: tuple) -> Callable:
         """Every executable, at warm-up or after it, comes from here: compiled by this
@@ -280,9 +303,9 @@ class ModelRunner:
                 raise ValueError("a row is constrained but the runner was given no fill_masks")
             fill_masks(batch, forward.logits.is_ready)
             bitmask = np.where((order >= 0)[:, None], batch.bitmask[np.maximum(order, 0)], ALL_TOKENS_ALLOWED)
-            sampling, bitmask = jax.device_put((sampling, bitmask.astype(np.int32)))
+            sampling, bitmask = self._to_step((sampling, bitmask.astype(np.int32)))
         else:
-            sampling, bitmask = jax.device_put(sampling), self._all_ones_mask(rows)
+            sampling, bitmask = self._to_step(sampling), self._all_ones_mask(rows)
         samples = self._executable(("sample", rows))(forward.logits, forward.sample_pos, sampling, bitmask)
         wants_prompt, wants_pooled = bool(batch.prompt_logprobs.any()), bool(batch.pooling.any())
         fetch = [samples.tokens, samples.logprob, samples.top_ids, samples.top_logprobs, samples.finite]
@@ -312,7 +335,7 @@ class ModelRunner:
 
     def _run_forward(self, shape: StepShape, inputs: ForwardBatch) -> ForwardResult:
         exe = self._executable(("forward", *dataclasses.astuple(shape)))
-        self.kv_cache, result = exe(self.state, self.kv_cache, jax.device_put(inputs))
+        self.kv_cache, result = exe(self._state_leaves, self.kv_cache, self._to_step(inputs))
         return result
 
     def _run_copies(self, copies: np.ndarray) -> None:
