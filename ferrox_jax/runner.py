@@ -172,7 +172,7 @@ class ModelRunner:
             rows = key[1]
             logits = jnp.zeros((rows, self.vocab_size), jnp.float32)
             positions = jnp.zeros(rows, jnp.int32)
-            sampling = jax.device_put(SamplingArrays.padding(rows, self.vocab_size))
+            sampling = self._to_step(SamplingArrays.padding(rows, self.vocab_size))
             return self._steps.sample.lower(logits, positions, sampling, self._all_ones_mask(rows))
         batch = self._to_step(self._empty_forward(StepShape(*key[1:])))
         return self._steps.forward.lower(self.graphdef, self._state_tree, self._state_leaves, self.kv_cache, batch)
