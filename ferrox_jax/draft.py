@@ -43,6 +43,7 @@ from ferrox_jax.speculative import DraftRequest
 
 if TYPE_CHECKING:
     from ferrox_jax.buckets import StepShape
+    from ferrox_jax.multihost import DraftSender
     from ferrox_jax.runner import ModelRunner
     from ferrox_jax.step import ForwardBatch
 
@@ -57,6 +58,9 @@ class DraftModel:
         if runner.has_lora:
             raise ValueError("the draft model cannot carry LoRA adapter slots")
         self.runner = runner
+        # What runs the proposal steps: the draft's runner, or on a multi-host leader a
+        # sender that first sends each step to the followers (`multihost.DraftSender`).
+        self.proposals: ModelRunner | DraftSender = runner
 
     @property
     def recompiles_after_warmup(self) -> int:
@@ -74,15 +78,14 @@ class DraftModel:
 
     def propose(self, requests: tuple[DraftRequest, ...], pending_copies: tuple[tuple[int, int], ...]) -> list[tuple[int, ...]]:
         """Each request's `num_drafts` tokens, drawn autoregressively by the draft
-        (module docstring). `pending_copies` run first on the draft cache: a row's last
-        block may be a copy-on-write destination the target's step fills only later."""
-        if pending_copies:
-            self.runner._run_copies(np.asarray(pending_copies, np.int32).reshape(-1, 2))
+        (module docstring). `pending_copies` run first on the draft cache (the first
+        proposal step's block copies): a row's last block may be a copy-on-write
+        destination the target's step fills only later."""
         drafts: list[list[int]] = [[] for _ in requests]
         for j in range(max(r.num_drafts for r in requests)):
             active = [i for i, r in enumerate(requests) if r.num_drafts > j]
             plans = tuple(_proposal_row(i, requests[i].plan, j, drafts[i]) for i in active)
-            out = run_plan(self.runner, StepPlan(decode=plans))
+            out = run_plan(self.proposals, StepPlan(decode=plans, block_copies=pending_copies if j == 0 else ()))
             for i in active:
                 drafts[i].append(out.results[i].token_id)
         return [tuple(d) for d in drafts]

@@ -311,10 +311,12 @@ def open_draft(config: EngineConfig, target: CheckpointSource, mesh: Any) -> Che
     spec = config.speculative
     if spec is None or spec.method != "draft":
         return None
-    if mesh is not None or jax.process_count() > 1:
-        raise ValueError("--speculative draft runs on one device for now (no tensor parallelism, no multi-host); "
-                         "--speculative ngram runs under both")
     draft = open_checkpoint(spec.draft_model, load_format=config.load_format, seed=config.dummy_weights_seed)
+    if mesh is not None:
+        try:
+            check_divisibility(draft.config, config.mesh_shape[1], config.replicate_attention)
+        except ValueError as e:
+            raise ValueError(f"--draft-model {spec.draft_model}: {e}") from None
     ours, theirs = draft.tokenizer.backend.get_vocab(), target.tokenizer.backend.get_vocab()
     if ours != theirs or draft.config.vocab_size != target.config.vocab_size:
         differ = sorted(set(ours.items()) ^ set(theirs.items()))[:3]
@@ -324,20 +326,33 @@ def open_draft(config: EngineConfig, target: CheckpointSource, mesh: Any) -> Che
     return draft
 
 
+def _build_model(source: CheckpointSource, dtype, attention, quantization: str, mesh: Any,
+                 replicate_attention: bool, progress: Callable[[str], None] | None = None) -> Any:
+    """The model of `source`. Read weights go through host memory and are sharded by the
+    runner; synthetic ones are made on the devices, each parameter directly with its sharding."""
+    placement = None if mesh is None else param_placement(mesh, source.config, replicate_attention)
+    host = _host_device() if mesh is not None and not source.is_synthetic else None
+    with jax.default_device(host) if host is not None else contextlib.nullcontext():
+        return source.build(dtype, decode_attention=attention, progress=progress, placement=placement,
+                            quantization=quantization)
+
+
 def _draft_runner(draft: CheckpointSource, config: EngineConfig, dtype, kv_dtype, sizing: KVSizing,
-                  target: ModelRunner) -> ModelRunner:
-    """The draft's runner, with the target runner's blocks, buckets and context."""
-    quantization, _ = resolve_quantization(config, draft, None)
+                  target: ModelRunner, mesh: Any) -> ModelRunner:
+    """The draft's runner, with the target runner's blocks, buckets, context and mesh (its
+    weights and KV cache sharded as the target's are)."""
+    quantization, _ = resolve_quantization(config, draft, mesh)
     attention, _ = select_decode_attention(
         config.attention_impl, head_dim=draft.config.head_dim, block_size=config.block_size,
-        max_blocks_per_row=target.geometry.table_width, mesh=None, kv_sharded=False, kv_dtype=kv_dtype)
-    model = draft.build(dtype, decode_attention=attention, quantization=quantization)
-    note = _int8_matmul(model, dataclasses.replace(config, quantization=quantization), None) or _block_matmul(
-        model, dataclasses.replace(config, quantization=quantization), None)
+        max_blocks_per_row=target.geometry.table_width, mesh=mesh, kv_sharded=not config.replicate_attention,
+        kv_dtype=kv_dtype)
+    model = _build_model(draft, dtype, attention, quantization, mesh, config.replicate_attention)
+    note = _int8_matmul(model, dataclasses.replace(config, quantization=quantization), mesh) or _block_matmul(
+        model, dataclasses.replace(config, quantization=quantization), mesh)
     log.info("draft model %s: %s", draft.name, note or quantization)
     return ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=target.max_rows,
                        max_chunk_tokens=target.max_chunk_tokens, max_context=sizing.max_context, kv_dtype=kv_dtype,
-                       max_chunks=target.max_chunks)
+                       max_chunks=target.max_chunks, mesh=mesh, replicate_attention=config.replicate_attention)
 
 
 def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = None) -> Engine:
@@ -374,13 +389,7 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
         max_blocks_per_row=block_table_width(sizing.max_context, config.block_size), mesh=mesh,
         kv_sharded=not config.replicate_attention, kv_dtype=kv_dtype)
     log.info("%s", attention_note)
-    # Read weights go through host memory and are sharded by the runner; synthetic ones
-    # are made on the devices, each parameter directly with its sharding.
-    placement = None if mesh is None else param_placement(mesh, source.config, config.replicate_attention)
-    host = _host_device() if mesh is not None and not source.is_synthetic else None
-    with jax.default_device(host) if host is not None else contextlib.nullcontext():
-        model = source.build(dtype, decode_attention=attention, progress=progress, placement=placement,
-                             quantization=config.quantization)
+    model = _build_model(source, dtype, attention, config.quantization, mesh, config.replicate_attention, progress)
     matmul_note = _int8_matmul(model, config, mesh) or _block_matmul(model, config, mesh)
     lora_slots = LoraSlots(config.max_loras, config.max_lora_rank) if config.max_loras else None
     lora_targets = attach_lora(model, lora_slots) if lora_slots is not None else None
@@ -402,7 +411,7 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
                          replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks)
     runner.shared_compiles = _PROCESS.get("shared_compiles")
     if draft_source is not None:
-        runner.attach_draft(_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner))
+        runner.attach_draft(_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh))
     runner = _leader_runner(runner, config)
     batcher = ContinuousBatcher(runner, source.tokenizer, limits,
                                 new_matcher=grammar.new_matcher if grammar is not None else None,

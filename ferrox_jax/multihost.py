@@ -21,10 +21,10 @@ cross-process transfer.
 
 The channel is a plain TCP connection per follower, to the coordinator's host at its
 port + 1 (`step_channel_address`), carrying length-prefixed frames: `B` (a batch), `M`
-(a bitmask), `S` (stop), and `H` (heartbeat, both ways, every second, from a thread of
-its own: a heartbeat says the process is alive even while its step waits in a collective,
-and an idle leader, which sends no step for as long as no request comes, is not taken for
-a hung one). It is
+(a bitmask), `D` (a draft model's proposal step: `DraftSender`), `S` (stop), and `H`
+(heartbeat, both ways, every second, from a thread of its own: a heartbeat says the
+process is alive even while its step waits in a collective, and an idle leader, which
+sends no step for as long as no request comes, is not taken for a hung one). It is
 chosen over `jax.experimental.multihost_utils.broadcast_one_to_all` because a collective
 cannot fail cleanly: a dead peer leaves it waiting, while a socket says at once that the
 other end is gone (EOF), and a missing heartbeat says in bounded time that it hung.
@@ -84,7 +84,7 @@ CONNECT_TIMEOUT_S = 600.0  # followers build and compile before they connect
 FOLLOWER_EXIT_CODE = 3  # a follower that lost its leader
 FAILURE_NAMING_S = 2.0  # a failed step waits this long for the channel to say which process died
 _HEADER = struct.Struct("!cQ")  # frame kind, payload bytes
-BATCH, MASK, STOP, HEARTBEAT, HELLO = b"B", b"M", b"S", b"H", b"O"
+BATCH, MASK, STOP, HEARTBEAT, HELLO, DRAFT = b"B", b"M", b"S", b"H", b"O", b"D"
 COMPILES_PREFIX = "ferrox/compiled/"  # key-value store names: a shape's executable, the leader's heartbeat
 
 _listeners: list[Callable[[str], None]] = []
@@ -269,6 +269,8 @@ class BroadcastRunner:
     def __init__(self, runner: Any, channel: StepChannel) -> None:
         self._runner = runner
         self.channel = channel
+        if runner.draft is not None:  # --speculative draft: its proposal steps go to the followers too
+            runner.draft.proposals = DraftSender(runner.draft.runner, channel)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
@@ -297,6 +299,26 @@ class BroadcastRunner:
             raise
 
 
+class DraftSender:
+    """The leader's draft runner for proposal steps (`ferrox_jax/draft.py`): sends each to
+    the followers (a `D` frame: the batch, which carries its block copies), then runs it.
+    The draft's mirror of a target step needs no frame: each process's target runner
+    mirrors the `B` batch it runs. Proposal rows are never constrained (no bitmask)."""
+
+    def __init__(self, runner: Any, channel: StepChannel) -> None:
+        self._runner = runner
+        self.channel = channel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    def run(self, batch: HostBatch, fill_masks: Callable | None = None) -> Any:
+        if fill_masks is not None or batch.has_constrained_rows:
+            raise ValueError("a draft proposal step has no grammar-constrained rows")
+        self.channel.send(DRAFT, batch.to_bytes())
+        return self._runner.run(batch)
+
+
 def follow(runner: Any, address: tuple[str, int], process_id: int,
            on_connected: Callable[[], None] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """A follower's whole life after warm-up: connect, run every step the leader sends.
@@ -320,6 +342,9 @@ def follow(runner: Any, address: tuple[str, int], process_id: int,
         kind, payload = frames.get()
         if kind == STOP:
             return 0
+        if kind == DRAFT and runner.draft is not None:
+            runner.draft.runner.run(HostBatch.from_bytes(payload))
+            continue
         if kind != BATCH:
             leader_gone(f"follower {process_id}: unexpected frame {kind!r} from the leader; exiting")
         batch = HostBatch.from_bytes(payload)

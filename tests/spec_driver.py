@@ -3,6 +3,7 @@ speculation (the owner loop's steps without its thread): what the speculative-de
 tests compare. Also run as a script in a subprocess with 2 simulated CPU devices:
 
     python tests/spec_driver.py tp CHECKPOINT     # prints one JSON line: tokens off / on, tp=2
+    python tests/spec_driver.py tp-draft TARGET DRAFT...  # the same per draft, engines built for tp=2
 """
 
 from __future__ import annotations
@@ -100,6 +101,39 @@ def _tp_main(path: str) -> None:
                       "accepted": counters.num_accepted_tokens, "devices": len(runner.mesh.devices.flat)}))
 
 
+def _tp_draft_main(target: str, drafts: list[str]) -> None:
+    """Per draft checkpoint, an engine built by the engine builder for tensor parallelism 2
+    with `--speculative draft`: greedy tokens off / on, the counters, and on how many devices
+    the draft's weights and KV cache lie."""
+    import json
+
+    import jax
+
+    from ferrox_jax.config import EngineConfig
+    from ferrox_jax.engine import Engine
+
+    got = {}
+    for draft in drafts:
+        spec = SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=3, max_rows=4)
+        engine = Engine.load(EngineConfig(model=target, dtype="float32", tensor_parallel=2, speculative=spec,
+                                          kv_blocks=96, block_size=8, max_seqs=MAX_ROWS, prefill_chunk=64,
+                                          max_context=256))
+        runner = engine._runner
+        jobs = greedy_jobs(engine.tokenizer)
+        off = drive(runner, engine.tokenizer, jobs, None)
+        on = drive(runner, engine.tokenizer, jobs, spec)
+        counters = on.scheduler.speculator.counters
+        draft_runner = runner.draft.runner
+        got[draft] = {"off": off.tokens, "on": on.tokens, "drafted": counters.num_draft_tokens,
+                      "accepted": counters.num_accepted_tokens,
+                      "weight_devices": sorted({len(leaf.sharding.device_set) for leaf in jax.tree.leaves(draft_runner.state)}),
+                      "kv_devices": sorted({len(leaf.sharding.device_set) for leaf in jax.tree.leaves(draft_runner.kv_cache)}),
+                      "recompiles": draft_runner.recompiles_after_warmup}
+    print(json.dumps(got))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "tp":
         _tp_main(sys.argv[2])
+    elif sys.argv[1] == "tp-draft":
+        _tp_draft_main(sys.argv[2], sys.argv[3:])

@@ -287,3 +287,20 @@ def test_sigterm_to_the_leader_stops_the_whole_group(tmp_path):
         codes = [proc.wait(30) for proc in procs]
         assert codes == [0, 0], f"the leader drains and stops its follower; both exit 0: {codes}"
         assert time.monotonic() - signalled_at < 30
+
+
+def test_a_draft_model_speculates_across_two_processes(tmp_path, tiny_reference):
+    """`--speculative draft` on a 2-process group: the draft's weights and KV cache are
+    sharded over both processes as the target's are, the leader sends each proposal step to
+    the follower (`multihost.DraftSender`), and the replies are the single-process
+    non-speculative ones. The tiny checkpoint drafts for itself, so every greedy draft is
+    kept: a follower whose draft cache fell out of step would break that (or the step)."""
+    extra = ("--speculative", "draft", "--draft-model", str(api_checkpoint()), "--num-speculative-tokens", "3",
+             "--speculative-max-rows", "2")
+    with cluster(2, tmp_path, extra=extra) as ((leader, _), procs):
+        assert complete_all(leader, concurrent=True) == tiny_reference, "drafted tp2 across 2 processes"
+        stats = httpx.get(leader + "/admin/stats").json()
+        assert 0 < stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"], stats
+        assert "ferrox_recompiles_after_warmup_total 0.0" in httpx.get(leader + "/metrics").text
+        assert all(proc.poll() is None for proc in procs)
+    assert "Traceback" not in (tmp_path / "process-1.log").read_text(), "the follower ran every draft step it was sent"

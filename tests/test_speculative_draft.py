@@ -5,6 +5,10 @@ the draft's KV lives in the target's block ids, so every block returns to the on
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,7 +17,7 @@ from ferrox_jax.config import EngineConfig, SpeculativeConfig
 from ferrox_jax.request import GenerationRequest, SamplingParams
 from ferrox_jax.runner import ModelRunner
 from tests.spec_driver import GREEDY, STEP_ROWS, copy_prompt, drive, greedy_jobs
-from tests.test_speculative import _CHI2_999, PEAKED, _assert_same, _chi_square, _sampled_jobs
+from tests.test_speculative import _CHI2_999, PEAKED, ROOT, _assert_same, _chi_square, _sampled_jobs
 
 DRAFT = SpeculativeConfig(method="draft", draft_model="(attached in the test)", num_speculative_tokens=4, max_rows=4)
 
@@ -138,6 +142,24 @@ def test_seeded_sampling_unchanged_seed_for_seed_and_in_distribution(target):
     assert dof >= 4, "too few distinct outcomes to test anything"
     assert stat < _CHI2_999[dof], f"chi-square {stat:.1f} with {dof} dof: the distribution moved"
     assert PEAKED  # the jobs' logit bias makes drafts likely to be accepted at all
+
+
+def test_greedy_identical_with_a_draft_under_tensor_parallel_on_two_devices(checkpoints):
+    """Engines built for tensor parallelism 2 (2 simulated devices) with `--speculative
+    draft`: the draft's weights and KV cache are sharded as the target's, the tokens are the
+    non-speculative ones, and the target drafting for itself keeps every greedy draft (a
+    draft K/V cache out of step with the target's under sharding would show as rejections)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    small, same = str(checkpoints["small"]), str(checkpoints["target"])
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "spec_driver.py"), "tp-draft", same, small, same],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, run in got.items():
+        assert run["on"] == run["off"], f"draft {name} changed the tokens under tensor parallelism"
+        assert run["drafted"] > 0, f"draft {name} proposed nothing"
+        assert 2 in run["weight_devices"] and run["kv_devices"] == [2], f"draft {name} is not sharded: {run}"
+    assert got[same]["accepted"] == got[same]["drafted"], "the target drafting for itself lost drafts under sharding"
 
 
 def test_a_draft_with_another_vocabulary_is_refused(checkpoints, tmp_path):
