@@ -316,7 +316,12 @@ class DraftSender:
         if fill_masks is not None or batch.has_constrained_rows:
             raise ValueError("a draft proposal step has no grammar-constrained rows")
         self.channel.send(DRAFT, batch.to_bytes())
-        return self._runner.run(batch)
+        try:
+            return self._runner.run(batch)
+        except Exception as e:  # as `BroadcastRunner.run`: name a peer that died mid-step
+            if self.channel.wait_failure(FAILURE_NAMING_S):
+                raise GroupFailure(self.channel.failure) from e
+            raise
 
 
 def follow(runner: Any, address: tuple[str, int], process_id: int,
