@@ -91,7 +91,7 @@ class EngineConfig:
     num_processes: int | None = None  # multi-host: processes in the cluster
     process_id: int | None = None  # multi-host: this process's index
     multihost_timeout_s: float = 10.0  # multi-host: a peer silent this long (no step, no heartbeat) is hung
-    share_compiles: bool = True  # multi-host: process 0 compiles each step shape, the others load it (multihost.py)
+    share_compiles: bool = True  # multi-host: process 0 compiles each step shape, the others load it (shared_compiles.py)
     # LoRA (models/lora.py): adapter slots on the device (0: no LoRA, the projections stay
     # plain), the largest rank a slot holds, and (name, PEFT folder) pairs loaded at start-up.
     max_loras: int = 0

@@ -46,7 +46,8 @@ from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.engine import Engine, KVSizing
 from ferrox_jax.kv_cache import bytes_per_block
 from ferrox_jax.lora_registry import build_registry
-from ferrox_jax.multihost import BroadcastRunner, SharedCompiles, StepChannel, check_mesh, step_channel_address
+from ferrox_jax.multihost import BroadcastRunner, StepChannel, check_mesh, step_channel_address
+from ferrox_jax.shared_compiles import SharedCompiles
 from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
 from models import cpu_kernels

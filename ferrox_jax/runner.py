@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from ferrox_jax.draft import DraftModel
 from ferrox_jax.host_batch import ALL_TOKENS_ALLOWED, BatchGeometry, HostBatch, SamplingArrays, StepArrays
 from ferrox_jax.kv_cache import KVCache, copy_blocks, create_kv_cache
-from ferrox_jax.multihost import SharedCompiles, place_on_mesh
+from ferrox_jax.multihost import place_on_mesh
+from ferrox_jax.shared_compiles import SharedCompiles
 from ferrox_jax.plan import MaskFiller, RowPlan
 from ferrox_jax.sharding import runner_shardings
 from ferrox_jax.step import ForwardBatch, ForwardResult, jit_steps
@@ -107,7 +108,7 @@ class ModelRunner:
             cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim, self.kv_dtype,
             sharding=None if self.shardings is None else self.shardings.kv_array)
         self._compiled: dict[tuple, Callable] = {}
-        # Set by the engine builder in a multi-process group (`multihost.SharedCompiles`):
+        # Set by the engine builder in a multi-process group (`shared_compiles.SharedCompiles`):
         # process 0 compiles, the others load. None: this process compiles everything.
         self.shared_compiles: SharedCompiles | None = None
         self.is_warm = False

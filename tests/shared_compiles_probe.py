@@ -1,4 +1,4 @@
-"""`multihost.SharedCompiles` on the real `jax.distributed` key-value store, run by
+"""`shared_compiles.SharedCompiles` on the real `jax.distributed` key-value store, run by
 tests/test_multihost.py in a subprocess (`jax.distributed.initialize` must come before any
 other jax call, which the pytest process has long made).
 
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from ferrox_jax import multihost  # noqa: E402
+from ferrox_jax import shared_compiles  # noqa: E402
 
 TIMEOUT_S = 1.0  # the follower's --multihost-timeout-s
 LEADER_DELAY_S = 3.0  # the leader "compiles" for 3 timeouts: slow but alive is no failure
@@ -42,7 +42,7 @@ def main(port: str, case: str, cache_dir: str) -> None:
     from jax._src import distributed
 
     client = distributed.global_state.client
-    follower = multihost.SharedCompiles(client, process_id=1, timeout_s=TIMEOUT_S)
+    follower = shared_compiles.SharedCompiles(client, process_id=1, timeout_s=TIMEOUT_S)
     x = jnp.arange(8, dtype=jnp.float32)
 
     def step(v):  # fusions of their own (concatenate, broadcast): what a re-serialized cache read loses
@@ -53,7 +53,7 @@ def main(port: str, case: str, cache_dir: str) -> None:
     if case == "hung":  # no leader instance: nobody compiles, nothing beats; exits here
         follower.compile("step", lowered)
         return
-    leader = multihost.SharedCompiles(client, process_id=0, timeout_s=TIMEOUT_S)
+    leader = shared_compiles.SharedCompiles(client, process_id=0, timeout_s=TIMEOUT_S)
     if case == "mismatch":
         leader.compile("step", jax.jit(lambda v: (v * 3).sum()).lower(x))
         follower.compile("step", lowered)
@@ -72,8 +72,8 @@ def main(port: str, case: str, cache_dir: str) -> None:
     second = leader.compile("step", again), follower.compile("step", again)
     print(json.dumps({"waited_s": waited_s, "leader": float(published[0](x)), "follower": float(loaded(x)),
                       "second": [float(c(x)) for c in second],
-                      "second_bytes": len(client.key_value_try_get_bytes(multihost.COMPILES_PREFIX + "step#1")),
-                      "keys": sorted(k for k, _ in client.key_value_dir_get_bytes(multihost.COMPILES_PREFIX))}),
+                      "second_bytes": len(client.key_value_try_get_bytes(shared_compiles.COMPILES_PREFIX + "step#1")),
+                      "keys": sorted(k for k, _ in client.key_value_dir_get_bytes(shared_compiles.COMPILES_PREFIX))}),
           flush=True)
 
 

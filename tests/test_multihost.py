@@ -4,7 +4,7 @@ by FERROX_* variables) answers the single-process greedy tokens of the default m
 (SmolLM2-135M Q4_1; under tensor parallelism `--quantization auto` resolves to float32
 weights on every process, like the single-process reference) through the HTTP API with no
 compile after warm-up. Process 0 compiles every shape and the others load its executables
-(`multihost.SharedCompiles`, checked on the real key-value store in
+(`shared_compiles.SharedCompiles`, checked on the real key-value store in
 tests/shared_compiles_probe.py: a follower exits non-zero on a different program or a
 silent leader). On the tiny model: an idle leader is not taken for a hung one; a follower
 killed or hung (SIGSTOP) mid-stream ends the stream with an error event, turns the
