@@ -159,6 +159,7 @@ def test_greedy_identical_with_a_draft_under_tensor_parallel_on_two_devices(chec
         assert run["on"] == run["off"], f"draft {name} changed the tokens under tensor parallelism"
         assert run["drafted"] > 0, f"draft {name} proposed nothing"
         assert 2 in run["weight_devices"] and run["kv_devices"] == [2], f"draft {name} is not sharded: {run}"
+        assert run["recompiles"] == 0, f"draft {name} compiled after warm-up: {run}"
     assert got[same]["accepted"] == got[same]["drafted"], "the target drafting for itself lost drafts under sharding"
 
 
