@@ -109,11 +109,13 @@ def test_xla_path_matches_float64_reference():
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 3, 6, 9])
+@pytest.mark.parametrize("rows", [1, 3, 6, 9, 18])
 def test_float_path_equals_float64_reference(fmt, rows):
-    # 1, 3, 6, 9 rows: one row, a partial row tile, whole tiles and a remainder (AVX-512's
-    # tiles are 4 rows; AVX2's are 2 below 4 rows, and from 4 rows 4-row groups over a
-    # dequantized panel, k = 1536 in three 512-long pieces)
+    # 1, 3, 6, 9, 18 rows: one row, a partial row tile, whole tiles and a remainder. AVX2:
+    # 2-row tiles below 4 rows, and from 4 rows 4-row groups over a dequantized panel, k =
+    # 1536 in three 512-long pieces. AVX-512: 4-row tiles in registers, and from 5 rows (Q8_0:
+    # 16) 4 x 4 tiles over an 8-column panel, k in pieces of 576, 576 and 384, each tile's
+    # four column sums reduced together.
     k, n = 1536, 46  # n: 11 column tiles of 4 over the thread chunks and 2 single columns
     blocks, x = random_blocks(fmt, n, k), activations(rows, k)
     w = dequantize_host(blocks, fmt)

@@ -17,9 +17,10 @@
 // - M >= amx_rows on a CPU with AMX-BF16: activations and dequantized blocks split into
 //   bf16 hi + lo pairs, three tile products (block_matmul_amx.inc has why and how exact).
 // - M < int_rows: float32 activations times the blocks dequantized in registers
-//   (d * q + m, one FMA per 8 weights; on AVX2 from 4 rows into an L1 panel, once for
-//   all rows), accumulated in float32: the float32 product of the dequantized weights up
-//   to float32 rounding; nothing but the weights is rounded.
+//   (d * q + m, one FMA per 8 weights; from a few rows into an L1 panel, once for all
+//   rows: AVX2 from 4 rows, AVX-512 from 5, 16 for Q8_0), accumulated in float32: the
+//   float32 product of the dequantized weights up to float32 rounding; nothing but the
+//   weights is rounded.
 // - M >= int_rows: the activations are quantized in blocks of 32 as llama.cpp's Q8_0 /
 //   Q8_1 do (one float32 scale per 32 values, round half to even, and the block's sum for
 //   Q4's offset term), then each block pair is one integer dot: VNNI's vpdpbusd where the
