@@ -214,7 +214,8 @@ def _random_cache(rng, kv_heads, blocks, block_size, head_dim, dtype):
     return k, v
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (4, 4, 128)])
+# head_dim 56 and 40: value columns in pieces of 32 + 24 and 32 + 8 (each width its own tile)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (4, 4, 128), (6, 2, 56), (2, 2, 40)])
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, head_dim, kv_dtype):
     from models.attention import paged_attention

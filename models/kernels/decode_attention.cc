@@ -123,25 +123,46 @@ struct Piece {
     }
   }
 
-  // acc[g] += e[g][j] v_j over the n keys, for NG query heads from g0, 32 columns from d0.
-  template <int NG>
-  void Values(int64_t begin, int64_t n, int64_t padded, const float* e, int64_t g0, int64_t d0, int64_t width,
+  // acc[g] += e[g][j] v_j over the n keys, for NG query heads from g0, 8 R columns from d0.
+  // NG and R are template arguments so that the accumulators stay in registers (a
+  // run-time bound made GCC keep them in memory: a store per multiply-add).
+  template <int NG, int R>
+  void Values(int64_t begin, int64_t n, int64_t padded, const float* e, int64_t g0, int64_t d0,
               float* partial) const {
     const int64_t hd = p.head_dim, stride = hd + 2;
-    __m256 acc[NG][4];
+    __m256 acc[NG][R];
+#pragma GCC unroll 4
     for (int g = 0; g < NG; ++g)
-      for (int r = 0; r < 4; ++r) acc[g][r] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
       const T* v = KeyRow(v_cache, begin + j) + d0;
-      __m256 vr[4];
-      for (int64_t r = 0; r < width / 8; ++r) vr[r] = Load8(v + 8 * r);
+      __m256 vr[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) vr[r] = Load8(v + 8 * r);
+#pragma GCC unroll 4
       for (int g = 0; g < NG; ++g) {
         const __m256 w = _mm256_broadcast_ss(e + (g0 + g) * padded + j);
-        for (int64_t r = 0; r < width / 8; ++r) acc[g][r] = _mm256_fmadd_ps(w, vr[r], acc[g][r]);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[g][r] = _mm256_fmadd_ps(w, vr[r], acc[g][r]);
       }
     }
+#pragma GCC unroll 4
     for (int g = 0; g < NG; ++g)
-      for (int64_t r = 0; r < width / 8; ++r) _mm256_storeu_ps(partial + (g0 + g) * stride + d0 + 8 * r, acc[g][r]);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(partial + (g0 + g) * stride + d0 + 8 * r, acc[g][r]);
+  }
+
+  // Values for `width` (8 to 32) columns.
+  template <int NG>
+  void ValuesOfWidth(int64_t begin, int64_t n, int64_t padded, const float* e, int64_t g0, int64_t d0,
+                     int64_t width, float* partial) const {
+    switch (width / 8) {
+      case 4: return Values<NG, 4>(begin, n, padded, e, g0, d0, partial);
+      case 3: return Values<NG, 3>(begin, n, padded, e, g0, d0, partial);
+      case 2: return Values<NG, 2>(begin, n, padded, e, g0, d0, partial);
+      default: return Values<NG, 1>(begin, n, padded, e, g0, d0, partial);
+    }
   }
 
   void Run(int64_t begin, int64_t end, std::vector<float>& scores, float* partial) const {
@@ -176,9 +197,9 @@ struct Piece {
     for (int64_t d0 = 0; d0 < hd; d0 += 32) {
       const int64_t width = std::min<int64_t>(32, hd - d0);
       int64_t g = 0;
-      for (; g + 3 <= groups; g += 3) Values<3>(begin, n, padded, scores.data(), g, d0, width, partial);
-      if (groups - g == 2) Values<2>(begin, n, padded, scores.data(), g, d0, width, partial);
-      if (groups - g == 1) Values<1>(begin, n, padded, scores.data(), g, d0, width, partial);
+      for (; g + 3 <= groups; g += 3) ValuesOfWidth<3>(begin, n, padded, scores.data(), g, d0, width, partial);
+      if (groups - g == 2) ValuesOfWidth<2>(begin, n, padded, scores.data(), g, d0, width, partial);
+      if (groups - g == 1) ValuesOfWidth<1>(begin, n, padded, scores.data(), g, d0, width, partial);
     }
   }
 };
