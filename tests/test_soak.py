@@ -75,3 +75,19 @@ def test_stream_verdicts_follow_each_protocol_s_ending():
     assert soak_mix.stream_verdict("responses", [("response.failed", "{}")]) == "5xx-stream-error"
     assert soak_mix.stream_verdict("llamacpp", [(None, '{"stop": false}'), (None, '{"stop": true}')]) == "200"
     assert soak_mix.stream_verdict("llamacpp", [(None, '{"stop": false}')]) == "200-no-done"
+
+
+def test_whole_replies_are_told_from_cut_ones():
+    from tools.soak import _incomplete
+
+    # a turn that ends at once has no blocks: whole, as Anthropic's `content: []` with end_turn
+    assert _incomplete("messages", {"content": [], "stop_reason": "end_turn"}) is None
+    assert _incomplete("messages", {"content": [], "stop_reason": None}) == "content"
+    assert _incomplete("responses", {"output": [], "status": "completed"}) is None
+    assert _incomplete("responses", {"output": [], "status": "in_progress"}) == "output"
+    assert _incomplete("chat", {"choices": [{"finish_reason": "stop"}]}) is None
+    assert _incomplete("chat", {"choices": []}) == "choices"
+    assert _incomplete("completions", {"choices": [{"finish_reason": None}]}) == "choices"
+    assert _incomplete("embeddings", {"data": []}) == "data"
+    assert _incomplete("llamacpp", {"content": "", "stop": True}) is None
+    assert _incomplete("chat", "Internal Server Error") == "body"

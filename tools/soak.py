@@ -125,8 +125,8 @@ async def _full(client: httpx.AsyncClient, call: soak_mix.Call) -> str:
     """Serve one request in full; returns the outcome key ("200", "5xx-stream-error", ...)."""
     if not call.stream:
         r = await client.post(call.path, json=call.body)
-        if r.status_code == 200 and not _has_output(call.protocol, r.json()):
-            return "200-empty"
+        if r.status_code == 200 and (missing := _incomplete(call.protocol, r.json())):
+            return f"200-empty:{missing}"
         return str(r.status_code)
     async with client.stream("POST", call.path, json=call.body) as r:
         if r.status_code != 200:
@@ -136,10 +136,24 @@ async def _full(client: httpx.AsyncClient, call: soak_mix.Call) -> str:
     return soak_mix.stream_verdict(call.protocol, events)
 
 
-def _has_output(protocol: str, body: Any) -> bool:
-    key = {"completions": "choices", "chat": "choices", "responses": "output", "messages": "content",
-           "llamacpp": "content", "embeddings": "data"}[protocol]
-    return isinstance(body, dict) and key in body and (protocol == "llamacpp" or bool(body[key]))
+def _incomplete(protocol: str, body: Any) -> str | None:
+    """What a non-streamed 200 lacks to be a whole reply of its protocol (its end marker, as
+    `soak_mix.stream_verdict` asks of a stream), or None. An empty `content` / `output` list
+    is whole: a reply whose turn ends at once, or whose text all went to a parser that found
+    nothing, has no blocks (Anthropic documents `content: []` with `end_turn`)."""
+    if not isinstance(body, dict):
+        return "body"
+    if protocol in ("completions", "chat"):
+        choices = body.get("choices")
+        return None if choices and all(c.get("finish_reason") for c in choices) else "choices"
+    if protocol == "responses":
+        return None if isinstance(body.get("output"), list) and body.get("status") in ("completed", "incomplete") \
+            else "output"
+    if protocol == "messages":
+        return None if isinstance(body.get("content"), list) and body.get("stop_reason") else "content"
+    if protocol == "embeddings":
+        return None if body.get("data") else "data"
+    return None if "content" in body else "content"  # llama.cpp
 
 
 async def _cancelled(client: httpx.AsyncClient, call: soak_mix.Call, rng: random.Random) -> str:
@@ -333,7 +347,7 @@ def _failures(config: SoakConfig, report: dict, run: _Run, idle: dict, health: i
     bad_malformed = sum(n for k, n in run.by_kind["malformed"].items() if not (k.startswith("4") and k[3:] == ""))
     if bad_malformed:
         failures.append(f"{bad_malformed} malformed requests not answered with a 4xx in their envelope")
-    named = sorted(k for k in run.outcomes if k.startswith("transport-error") or k in ("200-no-done", "200-empty"))
+    named = sorted(k for k in run.outcomes if k.startswith(("transport-error", "200-empty")) or k == "200-no-done")
     bad_other = sum(run.outcomes[k] for k in named)
     if bad_other:
         failures.append(f"{bad_other} transport errors or incomplete responses ({', '.join(named)}): "
