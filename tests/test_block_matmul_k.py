@@ -72,8 +72,10 @@ def test_xla_path_matches_float64_reference():
 
 # 1, 4, 32 rows: one row, one whole 4-row tile, many tiles; 5: a tile and a remainder.
 # n = 37: nine 4-column tiles and a single column; k = 768: three super-blocks; n * k * rows
-# past 2^18 multiply-adds shares the columns over threads.
-SHAPES = [(1, 1536, 44), (4, 768, 37), (5, 256, 7), (32, 1024, 37)]
+# past 2^18 multiply-adds shares the columns over threads. On AVX-512, 16 rows and more run
+# over a dequantized panel of two super-blocks: 18 rows at k = 768 (pieces 512 + 256, 4-row
+# tiles and 2 single rows) and 32 at k = 1024 (512 + 512), 8-column panels of 4 x 4 tiles.
+SHAPES = [(1, 1536, 44), (4, 768, 37), (5, 256, 7), (18, 768, 37), (32, 1024, 37)]
 
 
 @needs_kernels

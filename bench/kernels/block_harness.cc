@@ -14,50 +14,7 @@
 #include <random>
 #include <vector>
 
-namespace {
-constexpr int kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2;
-constexpr int64_t kBlock = 32;
-constexpr int64_t BlockBytes(int fmt) { return fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : 34; }
-struct Problem {
-  const float* x;
-  const uint8_t* w;
-  float* out;
-  int64_t m, n, k;
-};
-struct QuantizedRows {
-  const int8_t* values;
-  const float* scales;
-  const float* sums;
-};
-}  // namespace
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace ferrox_avx2 {
-#define FERROX_VNNI 0
-inline float HalfToFloat(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-#include "block_matmul_body.inc"
-#undef FERROX_VNNI
-}  // namespace ferrox_avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
-namespace ferrox_avx512 {
-#define FERROX_VNNI 1
-inline float HalfToFloat(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-#include "block_matmul_body.inc"
-#undef FERROX_VNNI
-}  // namespace ferrox_avx512
-#pragma GCC pop_options
+#include "block_matmul_builds.h"
 
 static float Half(const uint8_t* p) {
   uint16_t h;
