@@ -84,6 +84,10 @@ inline __m256 Sum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
+// How far ahead of the keys and values being read their cache rows are fetched: the
+// hardware prefetcher alone left a decoding row waiting on memory.
+constexpr int64_t kAheadKeys = 16;
+
 // One (row, kv head, range of keys): for each of its G = H / K query heads, the scores of
 // keys [begin, end), their softmax numerators against the range's own maximum, and
 // partial[g] = (sum_j e_j v_j [hd], the maximum, sum_j e_j): a piece MergePieces combines.
@@ -93,6 +97,13 @@ struct Piece {
   const T* k_cache;
   const T* v_cache;
   int64_t row, kv_head;
+
+  // The cache rows of `count` consecutive positions from `at` (the rows of one block are
+  // contiguous; a run of 8 from a multiple of 8 never crosses a block of 8 or more).
+  void Prefetch(const T* at, int64_t count) const {
+    const char* bytes = reinterpret_cast<const char*>(at);
+    for (int64_t o = 0; o < count * p.head_dim * int64_t{sizeof(T)}; o += 64) _mm_prefetch(bytes + o, _MM_HINT_T0);
+  }
 
   const T* KeyRow(const T* cache, int64_t j) const {
     const int32_t* table = p.tables + row * p.max_blocks;
@@ -109,6 +120,7 @@ struct Piece {
       const int64_t count = std::min<int64_t>(8, n - j0);
       const T* keys[8];
       for (int64_t i = 0; i < 8; ++i) keys[i] = KeyRow(k_cache, begin + j0 + std::min(i, count - 1));
+      if (j0 + kAheadKeys < n) Prefetch(KeyRow(k_cache, begin + j0 + kAheadKeys), 8);
       for (int64_t g = 0; g < groups; ++g) {
         __m256 acc[8];
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
@@ -137,6 +149,7 @@ struct Piece {
       for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
       const T* v = KeyRow(v_cache, begin + j) + d0;
+      if (d0 == 0 && j + kAheadKeys < n) Prefetch(KeyRow(v_cache, begin + j + kAheadKeys), 1);
       __m256 vr[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) vr[r] = Load8(v + 8 * r);
