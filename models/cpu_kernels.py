@@ -276,6 +276,28 @@ class CpuDecodeAttention:
                                                     scale=np.float32(scale))
         return y.reshape(b, 1, num_heads, head_dim)
 
+    def chunks(self, q, k_cache, v_cache, block_tables, positions, valid, scale: float):
+        """`paged_attention`'s contract for T >= 1 (no window, no soft-cap): prompt chunks
+        and speculative verification rows on the same kernel. Each query token becomes a
+        one-query row of its own (its row's block table, length position + 1): the keys it
+        may see are exactly its causal prefix, read in place (a chunk's keys are re-read per
+        query from cache, where XLA's path gathered them and computed masked scores for a
+        whole chunk of blocks). Padding tokens (valid False) read one key and give zeros.
+
+        Args:
+          q: [B, T, H, hd]; k_cache, v_cache: as `__call__`; block_tables: i32[B, MB];
+          positions: i32[B, T]; valid: bool[B, T].
+        Returns:
+          f32[B, T, H, hd].
+        """
+        b, t, num_heads, head_dim = q.shape
+        if head_dim % 8 or k_cache.dtype not in (jnp.float32, jnp.uint16):
+            return paged_attention(q, k_cache, v_cache, block_tables, positions, scale, valid=valid)
+        rows = jnp.repeat(block_tables, t, axis=0)  # [B T, MB]: token i of row r reads row r's table
+        first = jnp.where(valid, positions, 0).reshape(b * t, 1)
+        out = self(q.reshape(b * t, 1, num_heads, head_dim), k_cache, v_cache, rows, first, scale)
+        return jnp.where(valid[:, :, None, None], out.reshape(b, t, num_heads, head_dim), 0.0)
+
 
 def decode_attention() -> CpuDecodeAttention:
     """The attention object (raises RuntimeError where the kernels cannot run)."""

@@ -235,10 +235,13 @@ class SelfAttention:
         for seg in fwd.segments:
             q_seg = q[seg.start:seg.stop].reshape(seg.rows, seg.tokens, spec.num_heads, spec.head_dim)
             # The one-query kernels know neither windows nor soft-capping: those layers
-            # always take the pure-JAX path (models/pallas_attention.py).
-            if (fwd.decode_attention is not None and seg.tokens == 1 and spec.window is None
-                    and spec.softcap is None):
-                out = fwd.decode_attention(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, spec.scale)
+            # always take the pure-JAX path (models/pallas_attention.py). A kernel with a
+            # `chunks` method (the CPU one) serves segments of several tokens a row too.
+            kernel = fwd.decode_attention if spec.window is None and spec.softcap is None else None
+            if kernel is not None and seg.tokens == 1:
+                out = kernel(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, spec.scale)
+            elif kernel is not None and hasattr(kernel, "chunks"):
+                out = kernel.chunks(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, seg.valid, spec.scale)
             else:
                 out = paged_attention(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, spec.scale,
                                       valid=seg.valid, window=spec.window, softcap=spec.softcap)

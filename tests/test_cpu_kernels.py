@@ -267,6 +267,36 @@ def test_decode_attention_split_into_pieces_matches_the_pure_jax_paged_attention
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16)])
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
+def test_chunk_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, head_dim, kv_dtype):
+    """Several query tokens a row (prompt chunks, verification rows): each token sees its
+    causal prefix; a row from 0, one resuming at 37 (a chunk after a cached prefix), one
+    with padding at its end, one all padding."""
+    from models.attention import paged_attention
+
+    rng = np.random.default_rng(head_dim)
+    block_size, width, blocks, t = 8, 16, 60, 11
+    k_cache, v_cache = _random_cache(rng, kv_heads, blocks, block_size, head_dim, kv_dtype)
+    starts, real = [0, 37, 5, 0], [11, 11, 6, 0]
+    tables = np.zeros((len(starts), width), np.int32)
+    for i, (s0, n) in enumerate(zip(starts, real)):
+        used = -(-(s0 + n) // block_size)
+        tables[i, :used] = rng.permutation(np.arange(1, blocks))[:used]
+    positions = np.array([[s0 + j for j in range(t)] for s0 in starts], np.int32)
+    valid = np.array([[j < n for j in range(t)] for n in real])
+    positions = np.where(valid, positions, 0)
+    q = jnp.asarray(rng.standard_normal((len(starts), t, heads, head_dim)).astype(np.float32) * 2)
+    scale = head_dim ** -0.5
+    args = (q, k_cache, v_cache, jnp.asarray(tables), jnp.asarray(positions))
+    want = jax.jit(lambda *a: paged_attention(*a, scale, valid=jnp.asarray(valid)))(*args)
+    got = jax.jit(lambda *a: cpu_kernels.decode_attention().chunks(*a, jnp.asarray(valid), scale))(*args)
+    assert got.shape == want.shape == (len(starts), t, heads, head_dim) and got.dtype == jnp.float32
+    # real tokens as the pure-JAX path; padding tokens (whose outputs nothing reads) zeros
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=1e-5, atol=2e-6)
+    assert not np.asarray(got)[~valid].any()
+
+
 def test_decode_attention_is_chosen_on_cpu_where_it_can_run():
     from models.pallas_attention import select_decode_attention
 
