@@ -1,4 +1,6 @@
 // Decode attention on x86 CPUs with AVX2: one query per row over its paged KV cache.
+// Prompt chunks use it too: models/cpu_kernels.py (`CpuDecodeAttention.chunks`) makes each
+// query token a row of its own, with its row's block table and its causal length.
 //
 // The pure-JAX path (models/attention.py:paged_attention) gathers each row's blocks into
 // a contiguous copy, transposes it for a batched dot and walks it in chunks; on XLA CPU
