@@ -30,8 +30,9 @@
 //   the per-block terms rounds (tests/test_block_matmul.py checks both paths against
 //   float64 references).
 // Which ISA: chosen at run time from cpuid (`ferrox_block_isa`); both builds come from
-// block_matmul_body.inc. Columns are shared over XLA's intra-op pool (parallel.h); one
-// thread computes each output element whole, so results do not depend on the sharing.
+// block_matmul_body.inc (its integer path in block_matmul_int.inc). Columns are shared
+// over XLA's intra-op pool (parallel.h); one thread computes each output element whole, so
+// results do not depend on the sharing.
 
 #include <immintrin.h>
 #include <sys/syscall.h>
