@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_common.h"
+
 namespace {
 
 constexpr int kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2;
@@ -39,11 +41,6 @@ struct QuantizedRows {
 #pragma GCC target("avx2,fma,f16c")
 namespace ferrox_avx2 {
 #define FERROX_VNNI 0
-inline float HalfToFloat(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 #include "block_matmul_body.inc"
 #undef FERROX_VNNI
 }  // namespace ferrox_avx2
@@ -53,11 +50,6 @@ inline float HalfToFloat(const uint8_t* p) {
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 namespace ferrox_avx512 {
 #define FERROX_VNNI 1
-inline float HalfToFloat(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 #include "block_matmul_body.inc"
 #undef FERROX_VNNI
 }  // namespace ferrox_avx512

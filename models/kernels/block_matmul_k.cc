@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_common.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -59,11 +60,6 @@ struct Problem {
 #pragma GCC target("avx2,fma,f16c")
 namespace ferrox_k_avx2 {
 #define FERROX_K_AVX512 0
-inline float HalfToFloat(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 #include "block_matmul_k_body.inc"
 #undef FERROX_K_AVX512
 }  // namespace ferrox_k_avx2
@@ -73,11 +69,6 @@ inline float HalfToFloat(const uint8_t* p) {
 #pragma GCC target("avx2,fma,f16c,avx512f")
 namespace ferrox_k_avx512 {
 #define FERROX_K_AVX512 1
-inline float HalfToFloat(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 #include "block_matmul_k_body.inc"
 #undef FERROX_K_AVX512
 }  // namespace ferrox_k_avx512

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_common.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -100,13 +101,6 @@ struct Piece {
   const T* v_cache;
   int64_t row, kv_head;
 
-  // The cache rows of `count` consecutive positions from `at` (the rows of one block are
-  // contiguous; a run of 8 from a multiple of 8 never crosses a block of 8 or more).
-  void Prefetch(const T* at, int64_t count) const {
-    const char* bytes = reinterpret_cast<const char*>(at);
-    for (int64_t o = 0; o < count * p.head_dim * int64_t{sizeof(T)}; o += 64) _mm_prefetch(bytes + o, _MM_HINT_T0);
-  }
-
   const T* KeyRow(const T* cache, int64_t j) const {
     const int32_t* table = p.tables + row * p.max_blocks;
     const int64_t head_stride = p.blocks * p.block_size * p.head_dim;  // elements per kv head of the cache
@@ -122,7 +116,9 @@ struct Piece {
       const int64_t count = std::min<int64_t>(8, n - j0);
       const T* keys[8];
       for (int64_t i = 0; i < 8; ++i) keys[i] = KeyRow(k_cache, begin + j0 + std::min(i, count - 1));
-      if (j0 + kAheadKeys < n) Prefetch(KeyRow(k_cache, begin + j0 + kAheadKeys), 8);
+      // the 8 cache rows kAheadKeys on: contiguous (a run of 8 from a multiple of 8 stays
+      // inside one block of 8 or more positions)
+      if (j0 + kAheadKeys < n) ferrox::PrefetchSpan(KeyRow(k_cache, begin + j0 + kAheadKeys), 8 * hd * int64_t{sizeof(T)});
       for (int64_t g = 0; g < groups; ++g) {
         __m256 acc[8];
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
@@ -151,7 +147,7 @@ struct Piece {
       for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
       const T* v = KeyRow(v_cache, begin + j) + d0;
-      if (d0 == 0 && j + kAheadKeys < n) Prefetch(KeyRow(v_cache, begin + j + kAheadKeys), 1);
+      if (d0 == 0 && j + kAheadKeys < n) ferrox::PrefetchSpan(KeyRow(v_cache, begin + j + kAheadKeys), hd * int64_t{sizeof(T)});
       __m256 vr[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) vr[r] = Load8(v + 8 * r);
