@@ -249,6 +249,12 @@ def attention_problems(head_dim: int, kv_dtype) -> list[str]:
     return problems
 
 
+def _kernel_reads(head_dim: int, k_cache) -> bool:
+    """Whether the kernel reads this head size and cache storage (float32, or uint16 words
+    of a bfloat16 cache); `attention_problems` says the same from the logical dtype."""
+    return head_dim % 8 == 0 and k_cache.dtype in (jnp.float32, jnp.uint16)
+
+
 @dataclasses.dataclass(frozen=True)
 class CpuDecodeAttention:
     """Decode attention (one query per row) via `decode_attention.cc`. Hashable: static.
@@ -267,7 +273,7 @@ class CpuDecodeAttention:
         """
         check_decode_inputs(q, k_cache, v_cache)
         b, _, num_heads, head_dim = q.shape
-        if head_dim % 8 or k_cache.dtype not in (jnp.float32, jnp.uint16):  # what the kernel cannot read
+        if not _kernel_reads(head_dim, k_cache):
             return paged_attention(q, k_cache, v_cache, block_tables, positions, scale)
         out = jax.ShapeDtypeStruct((b, num_heads, head_dim), jnp.float32)
         lengths = (positions[:, 0] + 1).astype(jnp.int32)
@@ -278,11 +284,11 @@ class CpuDecodeAttention:
 
     def chunks(self, q, k_cache, v_cache, block_tables, positions, valid, scale: float):
         """`paged_attention`'s contract for T >= 1 (no window, no soft-cap): prompt chunks
-        and speculative verification rows on the same kernel. Each query token becomes a
-        one-query row of its own (its row's block table, length position + 1): the keys it
-        may see are exactly its causal prefix, read in place (a chunk's keys are re-read per
-        query from cache, where XLA's path gathered them and computed masked scores for a
-        whole chunk of blocks). Padding tokens (valid False) read one key and give zeros.
+        on the same kernel. Each query token becomes a one-query row of its own (its row's
+        block table, length position + 1): the keys it may see are exactly its causal
+        prefix, read in place (a chunk's keys are re-read per query from cache, where XLA's
+        path gathered them and computed masked scores for a whole chunk of blocks).
+        Padding tokens (valid False) read one key and give zeros.
 
         Args:
           q: [B, T, H, hd]; k_cache, v_cache: as `__call__`; block_tables: i32[B, MB];
@@ -291,7 +297,7 @@ class CpuDecodeAttention:
           f32[B, T, H, hd].
         """
         b, t, num_heads, head_dim = q.shape
-        if head_dim % 8 or k_cache.dtype not in (jnp.float32, jnp.uint16):
+        if not _kernel_reads(head_dim, k_cache):
             return paged_attention(q, k_cache, v_cache, block_tables, positions, scale, valid=valid)
         rows = jnp.repeat(block_tables, t, axis=0)  # [B T, MB]: token i of row r reads row r's table
         first = jnp.where(valid, positions, 0).reshape(b * t, 1)

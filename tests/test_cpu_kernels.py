@@ -270,7 +270,7 @@ def test_decode_attention_split_into_pieces_matches_the_pure_jax_paged_attention
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16)])
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
 def test_chunk_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, head_dim, kv_dtype):
-    """Several query tokens a row (prompt chunks, verification rows): each token sees its
+    """Several query tokens a row (prompt chunks): each token sees its
     causal prefix; a row from 0, one resuming at 37 (a chunk after a cached prefix), one
     with padding at its end, one all padding."""
     from models.attention import paged_attention
