@@ -50,7 +50,7 @@ import numpy as np
 from flax import nnx
 
 from models.attention import check_decode_inputs, paged_attention
-from models.gguf_blocks import K_FORMATS, BlockQuantizedWeight, with_kernel
+from models.gguf_blocks import K_FORMATS, MULTI_TARGETS, BlockQuantizedWeight, with_kernel
 from models.quant import QuantizedWeight
 
 KERNELS = Path(__file__).parent / "kernels"
@@ -60,6 +60,7 @@ LIBRARY = KERNELS / "_ferrox_cpu.so"
 MATMUL_TARGET = "ferrox_int8_matmul"
 ATTENTION_TARGET = "ferrox_decode_attention"
 BLOCK_TARGET = "ferrox_block_matmul"
+BLOCK_MULTI_TARGET = MULTI_TARGETS[BLOCK_TARGET]  # 2-3 weights of the same x in one call
 BLOCK_K_TARGET = "ferrox_block_matmul_k"  # the K-quants (block_matmul_k.cc)
 BLOCK_K_AVX2_TARGET = "ferrox_block_matmul_k_avx2"  # the same, its AVX2 build forced (tests)
 LANE = 32  # the matmul's input sizes are multiples of one AVX2 register of int8
@@ -98,6 +99,7 @@ def unavailable_reason() -> str | None:
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.FerroxInt8Matmul), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.FerroxDecodeAttention), platform="cpu")
     jax.ffi.register_ffi_target(BLOCK_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(BLOCK_MULTI_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmulMulti), platform="cpu")
     _ISA["block"] = BLOCK_ISAS.get(lib.ferrox_block_isa(), "none")
     jax.ffi.register_ffi_target(BLOCK_K_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmulK), platform="cpu")
     jax.ffi.register_ffi_target(BLOCK_K_AVX2_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmulKAvx2), platform="cpu")

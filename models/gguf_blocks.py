@@ -25,6 +25,12 @@ float32 activations times the blocks dequantized in registers for few rows, acti
 quantized in 32-wide int8 blocks (llama.cpp's scheme) with integer dots from `int_rows`
 rows on, and on a CPU with AMX-BF16 tiles from `amx_rows` rows. Elsewhere (`kernel` None) XLA dequantizes the blocks (`dequantize_blocks`) and
 runs a float dot: correct everywhere, fast nowhere, as the start-up log says.
+
+Several products of the same activations (q/k/v, gate/up: `block_matmul_many`) are one
+call of the kernel's multi-weight target when every weight is on the same kernel: the
+columns of all of them are shared over the threads at once, so the small k/v products stop
+paying a call's start and end (the default model's one-row step 9.6 -> 9.0 ms, median of 3
+alternated runs, docs/benchmarks.md). Each output element is the one-weight call's, bit for bit.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ from flax import struct
 from models import gguf_kquants
 
 BLOCK = 32  # values per GGUF block
+# Kernel targets that also multiply 2 or 3 weights of the same activations in one call
+# (models/kernels/block_matmul.cc's multi-weight handler, registered by models/cpu_kernels.py).
+MULTI_TARGETS = {"ferrox_block_matmul": "ferrox_block_matmul_multi"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +167,34 @@ def block_matmul(x: jax.Array, w: BlockQuantizedWeight) -> jax.Array:
         y = jax.ffi.ffi_call(w.kernel, out)(rows, w.blocks, fmt=np.int32(BLOCK_FORMATS[w.fmt].code),
                                             int_rows=np.int32(w.int_rows), amx_rows=np.int32(w.amx_rows))
     return y.reshape(*lead, -1).astype(x.dtype)
+
+
+def fusable(weights) -> bool:
+    """Whether `block_matmul_many` makes one kernel call of `weights` (2 or 3 block weights of
+    the same inputs, on the same kernel with a multi-weight target, the same row thresholds)."""
+    if not 2 <= len(weights) <= 3 or not all(isinstance(w, BlockQuantizedWeight) for w in weights):
+        return False
+    first = weights[0]
+    return first.kernel in MULTI_TARGETS and all(
+        (w.kernel, w.int_rows, w.amx_rows, w.in_features) == (first.kernel, first.int_rows, first.amx_rows,
+                                                               first.in_features) for w in weights)
+
+
+def block_matmul_many(x: jax.Array, weights) -> list[jax.Array]:
+    """[block_matmul(x, w) for w in weights]: one kernel call where `fusable(weights)`."""
+    if not fusable(weights):
+        return [block_matmul(x, w) for w in weights]
+    lead, k = x.shape[:-1], x.shape[-1]
+    if k != weights[0].in_features:
+        raise ValueError(f"block_matmul_many: x has {k} inputs and the weights {weights[0].in_features}")
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    first = weights[0]
+    outs = [jax.ShapeDtypeStruct((rows.shape[0], w.out_features), jnp.float32) for w in weights]
+    fmts = np.asarray([BLOCK_FORMATS[w.fmt].code for w in weights], np.int32)
+    ys = jax.ffi.ffi_call(MULTI_TARGETS[first.kernel], outs)(
+        rows, *(w.blocks for w in weights), fmts=fmts, int_rows=np.int32(first.int_rows),
+        amx_rows=np.int32(first.amx_rows))
+    return [y.reshape(*lead, -1).astype(x.dtype) for y in ys]
 
 
 def with_kernel(w: BlockQuantizedWeight, kernel: str | None, int_rows: int, amx_rows: int = 0) -> BlockQuantizedWeight:

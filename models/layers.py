@@ -5,6 +5,9 @@
   values with per-channel scales, `--quantization`) the int8 matmul of `models/quant.py`,
   a `LoraWeight` its base's product plus each token's adapter (`models/lora.py`).
   Layers read weights with `.get_value()`, which returns either kind.
+- `project_many(x, ws, biases)`: several projections of the same x (q/k/v, gate/up): one
+  kernel call where every weight is GGUF blocks on the same CPU block kernel
+  (`models/gguf_blocks.py`, `block_matmul_many`), else `project` each; the same values.
 - Norms: `rms_norm` (Llama: normalise in f32, cast back, then times w) and
   `rms_norm_plus_one` (Gemma: times (1 + w) in f32, then cast).
 - MLPs: `gated_mlp(x, gate, up, down, act)` with `silu` (SwiGLU) or `gelu_tanh` (GeGLU);
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import kv_slots, paged_attention, write_kv
-from models.gguf_blocks import BlockQuantizedWeight, block_matmul
+from models.gguf_blocks import BlockQuantizedWeight, block_matmul, block_matmul_many, fusable
 from models.lora import LoraWeight, project_lora
 from models.quant import QuantizedWeight, quantized_matmul
 from models.rope import apply_rope
@@ -66,6 +69,17 @@ def project(x: jax.Array, w: jax.Array | QuantizedWeight | BlockQuantizedWeight 
     return y if bias is None else y + bias
 
 
+def project_many(x: jax.Array, weights, biases=None) -> list[jax.Array]:
+    """[project(x, w, b) for w, b in zip(weights, biases)], as one kernel call when the
+    weights are block weights the CPU kernel fuses (`models/gguf_blocks.py`: fusable). A
+    LoRA weight of a forward without adapter slots counts as its base."""
+    biases = biases or [None] * len(weights)
+    plain = [w.base if isinstance(w, LoraWeight) and w.token_slots is None else w for w in weights]
+    if not fusable(plain):
+        return [project(x, w, b) for w, b in zip(weights, biases)]
+    return [y if b is None else y + b for y, b in zip(block_matmul_many(x, plain), biases)]
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in f32, cast back before the weight (as transformers' Llama)."""
     xf = x.astype(jnp.float32)
@@ -92,7 +106,8 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
 def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
               act: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu_tanh. x [..., D] -> [..., D]."""
-    return project(act(project(x, gate)) * project(x, up), down)
+    g, u = project_many(x, [gate, up])
+    return project(act(g) * u, down)
 
 
 def softcap(x: jax.Array, cap: float | None) -> jax.Array:
@@ -221,9 +236,10 @@ class SelfAttention:
         other's tokens)."""
         spec = self.attn_spec
         n = h.shape[0]
-        q = project(h, self.q_proj.get_value(), self._bias("q_bias")).reshape(n, spec.num_heads, spec.head_dim)
-        k = project(h, self.k_proj.get_value(), self._bias("k_bias")).reshape(n, spec.num_kv_heads, spec.head_dim)
-        v = project(h, self.v_proj.get_value(), self._bias("v_bias")).reshape(n, spec.num_kv_heads, spec.head_dim)
+        q, k, v = project_many(h, [self.q_proj.get_value(), self.k_proj.get_value(), self.v_proj.get_value()],
+                               [self._bias("q_bias"), self._bias("k_bias"), self._bias("v_bias")])
+        q = q.reshape(n, spec.num_heads, spec.head_dim)
+        k, v = k.reshape(n, spec.num_kv_heads, spec.head_dim), v.reshape(n, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm is not None:
             norm = _QK_NORMS[spec.qk_norm]
             q = norm(q, self.q_norm[...], spec.norm_eps)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from models import cpu_kernels
-from models.gguf_blocks import BLOCK, BLOCK_FORMATS, K_FORMATS, block_matmul, dequantize_blocks, dequantize_host, \
-    make_weight, with_kernel
+from models.gguf_blocks import BLOCK, BLOCK_FORMATS, K_FORMATS, block_matmul, block_matmul_many, dequantize_blocks, \
+    dequantize_host, fusable, make_weight, with_kernel
 
 FORMATS = tuple(f for f in BLOCK_FORMATS if f not in K_FORMATS)  # the K-quants: tests/test_block_matmul_k.py
 F32_EPS = float(np.finfo(np.float32).eps)
@@ -155,6 +155,46 @@ def test_integer_path_is_chosen_by_row_count():
     assert np.all(np.abs(below - exact[:7]) <= bound(x[:7], w)), "7 rows < int_rows: float path"
     assert np.abs(at - exact).max() > 10 * bound(x, w).max(), "8 rows: integer path (activations rounded)"
     np.testing.assert_allclose(at, integer_reference(x, blocks, "q4_1"), rtol=1e-4, atol=1e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("int_rows", [0, 4])
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_fused_call_equals_one_call_per_weight_bit_for_bit(rows, int_rows):
+    # q/k/v-like weights of three formats and widths (46: 4-column tiles and 2 singles, so a
+    # weight's last thread chunk is short), then gate/up-like pairs; float path (int_rows 0)
+    # and integer path (rows >= 4). One call must give each weight's own call's bits.
+    k = 576
+    x = jnp.asarray(activations(rows, k, seed=7))
+    specs = [("q4_1", 64), ("q8_0", 46), ("q4_0", 24)]
+    weights = [with_kernel(make_weight(random_blocks(fmt, n, k, seed=10 + i), fmt, k), cpu_kernels.BLOCK_TARGET,
+                           int_rows) for i, (fmt, n) in enumerate(specs)]
+    for group in (weights, weights[:2]):
+        assert fusable(group)
+        fused = jax.jit(block_matmul_many)(x, group)
+        hlo = jax.jit(block_matmul_many).lower(x, group).as_text()
+        assert cpu_kernels.BLOCK_MULTI_TARGET in hlo and f'"{cpu_kernels.BLOCK_TARGET}"' not in hlo
+        for w, got in zip(group, fused):
+            want = jax.jit(block_matmul)(x, w)
+            assert got.shape == want.shape
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_only_weights_on_one_kernel_with_the_same_settings_fuse():
+    k = 64
+    plain = make_weight(random_blocks("q4_1", 8, k), "q4_1", k)  # no kernel: XLA dequantizes
+    on_kernel = with_kernel(plain, "ferrox_block_matmul", 0)
+    assert not fusable([plain, plain])
+    assert fusable([on_kernel, on_kernel]) and not fusable([on_kernel])
+    assert not fusable([on_kernel, with_kernel(plain, "ferrox_block_matmul", 8)])  # other int_rows
+    assert not fusable([on_kernel, with_kernel(plain, "ferrox_block_matmul_k", 0)])
+    wider = with_kernel(make_weight(random_blocks("q4_1", 8, 2 * k), "q4_1", 2 * k), "ferrox_block_matmul", 0)
+    assert not fusable([on_kernel, wider])
+    assert not fusable([on_kernel] * 4)
+    # not fusable: one plain product each, the XLA path's values
+    x = jnp.asarray(activations(2, k))
+    for got, w in zip(block_matmul_many(x, [plain, plain]), [plain, plain]):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(block_matmul(x, w)))
 
 
 needs_amx = pytest.mark.skipif(not cpu_kernels.block_amx(), reason="no AMX-BF16 on this CPU / OS")
