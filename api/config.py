@@ -230,7 +230,8 @@ SETTINGS: tuple[Setting, ...] = (
             "KV blocks (default: derived from the memory budget)"),
     Setting("kv_memory_gib", "FERROX_KV_MEMORY_GIB", _positive_float, 2.0, "KV cache memory budget in GiB"),
     Setting("kv_cache_dtype", "FERROX_KV_CACHE_DTYPE", _str, None,
-            "KV cache storage: float32 or bfloat16 (default: the compute dtype); the same budget holds "
+            "KV cache storage: float32, bfloat16 or float16 (default: float16 for a GGUF served as its "
+            "own blocks on CPU, as llama.cpp keeps it; else the compute dtype); the same budget holds "
             "proportionally more blocks"),
     Setting("max_context", "FERROX_CB_MAX_CONTEXT", _positive_int, None,
             "per-request context ceiling in tokens (default: the model's trained context, within budget)"),

@@ -199,8 +199,9 @@ def plan_memory(config: EngineConfig) -> MemoryPlan:
     nothing is allocated and no weight is read, so an 8B or 70B shape sizes on a laptop.
     Equal to what a loaded engine's `describe()` reports (tests/test_dummy_weights.py)."""
     dtype = DTYPES[config.dtype or default_dtype_name()]
-    kv_dtype = DTYPES[config.kv_cache_dtype] if config.kv_cache_dtype else dtype
     source = open_checkpoint(config.model, load_format=config.load_format, seed=config.dummy_weights_seed)
+    quantization = resolve_quantization(config, source, None)[0] if config.mesh_shape[1] == 1 else config.quantization
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, quantization, dtype)
     model = abstract_model(source.config, dtype)
     weights = 0
     for path, leaf in nnx.to_flat_state(nnx.state(model)):
@@ -255,6 +256,22 @@ def resolve_quantization(config: EngineConfig, source: CheckpointSource, mesh: A
         log.warning("%s", note)
         return "none", note
     return "gguf", ""
+
+
+def resolve_kv_dtype(kv_cache_dtype: str | None, quantization: str, dtype):
+    """The KV cache's dtype: `kv_cache_dtype` (a DTYPES name) when set; float16 for the "gguf" mode (already
+    resolved) on a CPU, as llama.cpp's server keeps its cache; else the compute dtype.
+
+    Why float16 there: a decode step's attention reads every cached key and value, and at
+    32 rows that is as many bytes as the weights; 16-bit words halve it (the default model:
+    32-row step 84 -> 77 ms). float16 keeps 11 significant bits to bfloat16's 8, and the
+    CPU kernel converts it exactly (F16C); its accuracy against float32 is measured beside
+    every other mode in docs/benchmarks.md. `--kv-cache-dtype float32` keeps float32."""
+    if kv_cache_dtype:
+        return DTYPES[kv_cache_dtype]
+    if quantization == "gguf" and jax.default_backend() == "cpu":
+        return jnp.float16
+    return dtype
 
 
 def _block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
@@ -366,7 +383,6 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
     t0 = time.perf_counter()
     setup_process(config)
     dtype = DTYPES[config.dtype or default_dtype_name()]
-    kv_dtype = DTYPES[config.kv_cache_dtype] if config.kv_cache_dtype else dtype
     source = open_checkpoint(config.model, load_format=config.load_format, seed=config.dummy_weights_seed)
     if source.is_synthetic:
         log.warning("synthetic weights (--load-format dummy, seed %d): %s is served with random weights; "
@@ -380,10 +396,11 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
     check_divisibility(source.config, model_axis, config.replicate_attention)
     mesh = make_mesh(1, model_axis) if model_axis > 1 else None
     draft_source = open_draft(config, source, mesh)
-    sizing = size_kv(config, source.config, kv_dtype, draft_source.config if draft_source else None)
     quantization, quantization_note = resolve_quantization(config, source, mesh)
     if quantization_note:
         log.info("%s", quantization_note)
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, quantization, dtype)
+    sizing = size_kv(config, source.config, kv_dtype, draft_source.config if draft_source else None)
     config = dataclasses.replace(config, quantization=quantization)
     attention, attention_note = select_decode_attention(
         config.attention_impl, head_dim=source.config.head_dim, block_size=config.block_size,

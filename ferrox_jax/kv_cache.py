@@ -17,13 +17,14 @@ hands it out; `num_blocks` counts it, so `num_blocks - 1` blocks are usable.
 The cache is created on device by a jitted zeros constructor (no host copy), and is the
 only argument the step functions donate.
 
-Storage dtype (`storage_dtype`): the cache's dtype, except a bfloat16 cache on the CPU
-backend, which holds the same 16 bits as uint16. XLA CPU computes bfloat16 scatters in
-float32 over the whole operand (its float normalization), so writing one token's K/V
-copied and converted every layer's whole array each step: a 32-row decode step of the
-default model went from 0.15 s to 0.6 s. A uint16 scatter is done in place; the attention
-bitcasts the words back to bfloat16 on write and on the gathered blocks only
-(`models/attention.py:store_kv` / `load_kv`).
+Storage dtype (`storage_dtype`): the cache's dtype, except a 16-bit float cache on the
+CPU backend, which holds the same 16 bits as integers: bfloat16 as uint16, float16 as
+int16 (the integer type says which words they are, to `load_kv` and to the CPU attention
+kernel). XLA CPU computes bfloat16 scatters in float32 over the whole operand (its float
+normalization), so writing one token's K/V copied and converted every layer's whole array
+each step: a 32-row decode step of the default model went from 0.15 s to 0.6 s. An integer
+scatter is done in place; the attention bitcasts the words back to their float type on
+write and on the gathered blocks only (`models/attention.py:store_kv` / `load_kv`).
 """
 
 from __future__ import annotations
@@ -36,12 +37,16 @@ from flax import struct
 
 NULL_BLOCK = 0
 BF16_BITS = jnp.uint16  # a CPU bfloat16 cache's storage dtype (module docstring)
+F16_BITS = jnp.int16  # a CPU float16 cache's storage dtype (models/attention.py: KV_WORD_FLOATS)
 
 
 def storage_dtype(dtype):
     """The dtype the cache arrays hold for a KV cache of `dtype` (module docstring)."""
-    if jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu":
-        return BF16_BITS
+    if jax.default_backend() == "cpu":
+        if jnp.dtype(dtype) == jnp.bfloat16:
+            return BF16_BITS
+        if jnp.dtype(dtype) == jnp.float16:
+            return F16_BITS
     return dtype
 
 

@@ -20,20 +20,25 @@ from jax.sharding import PartitionSpec as P
 
 _MASKED = -1e30  # large negative instead of -inf: a fully masked row stays finite
 ATTENTION_CHUNK_BLOCKS = 8  # blocks per attention loop iteration; table widths are multiples
+# A 16-bit float KV cache on the CPU holds its words as integers (ferrox_jax/kv_cache.py:
+# storage_dtype); the integer type says which float they are.
+KV_WORD_FLOATS = {jnp.dtype(jnp.uint16): jnp.bfloat16, jnp.dtype(jnp.int16): jnp.float16}
 
 
 def store_kv(x: jax.Array, cache: jax.Array) -> jax.Array:
     """New K or V values in the cache's storage dtype (write path); a uint16 cache holds
-    bfloat16 bits (`ferrox_jax/kv_cache.py:storage_dtype`)."""
-    if cache.dtype == jnp.uint16:
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    bfloat16 bits, an int16 one float16 bits (`ferrox_jax/kv_cache.py:storage_dtype`)."""
+    word_float = KV_WORD_FLOATS.get(jnp.dtype(cache.dtype))
+    if word_float is not None:
+        return jax.lax.bitcast_convert_type(x.astype(word_float), cache.dtype)
     return x.astype(cache.dtype)
 
 
 def load_kv(blocks: jax.Array, dtype) -> jax.Array:
     """Gathered K or V blocks in the compute dtype (read path)."""
-    if blocks.dtype == jnp.uint16:
-        blocks = jax.lax.bitcast_convert_type(blocks, jnp.bfloat16)
+    word_float = KV_WORD_FLOATS.get(jnp.dtype(blocks.dtype))
+    if word_float is not None:
+        blocks = jax.lax.bitcast_convert_type(blocks, word_float)
     return blocks.astype(dtype)
 
 

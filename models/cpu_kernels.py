@@ -246,15 +246,16 @@ def attention_problems(head_dim: int, kv_dtype) -> list[str]:
     problems = []
     if head_dim % 8:
         problems.append(f"head_dim {head_dim} is not a multiple of 8")
-    if jnp.dtype(kv_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        problems.append(f"KV cache dtype {jnp.dtype(kv_dtype).name} (the kernel reads float32 or bfloat16)")
+    if jnp.dtype(kv_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        problems.append(f"KV cache dtype {jnp.dtype(kv_dtype).name} (the kernel reads float32, bfloat16 or float16)")
     return problems
 
 
 def _kernel_reads(head_dim: int, k_cache) -> bool:
-    """Whether the kernel reads this head size and cache storage (float32, or uint16 words
-    of a bfloat16 cache); `attention_problems` says the same from the logical dtype."""
-    return head_dim % 8 == 0 and k_cache.dtype in (jnp.float32, jnp.uint16)
+    """Whether the kernel reads this head size and cache storage (float32, or the uint16 /
+    int16 words of a bfloat16 / float16 cache); `attention_problems` says the same from the
+    logical dtype."""
+    return head_dim % 8 == 0 and k_cache.dtype in (jnp.float32, jnp.uint16, jnp.int16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,8 +268,8 @@ class CpuDecodeAttention:
         """Same contract as `models.attention.paged_attention` for T == 1.
 
         Args:
-          q: [B, 1, H, hd] rotated queries; k_cache, v_cache: [K, N, bs, hd], float32 or
-            uint16 (bfloat16 words, the CPU storage of a bfloat16 cache).
+          q: [B, 1, H, hd] rotated queries; k_cache, v_cache: [K, N, bs, hd], float32,
+            uint16 or int16 (bfloat16 / float16 words, the CPU storage of a 16-bit cache).
           block_tables: i32[B, MB]; positions: i32[B, 1] (key s visible iff s <= position).
         Returns:
           f32[B, 1, H, hd].

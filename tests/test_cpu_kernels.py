@@ -211,12 +211,14 @@ def _random_cache(rng, kv_heads, blocks, block_size, head_dim, dtype):
     v = jnp.asarray(rng.standard_normal((kv_heads, blocks, block_size, head_dim)).astype(np.float32))
     if dtype == jnp.bfloat16:  # the CPU storage of a bfloat16 cache: its words as uint16
         return tuple(jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16) for x in (k, v))
+    if dtype == jnp.float16:  # and of a float16 cache: its words as int16
+        return tuple(jax.lax.bitcast_convert_type(x.astype(jnp.float16), jnp.int16) for x in (k, v))
     return k, v
 
 
 # head_dim 56 and 40: value columns in pieces of 32 + 24 and 32 + 8 (each width its own tile)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (4, 4, 128), (6, 2, 56), (2, 2, 40)])
-@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_decode_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, head_dim, kv_dtype):
     from models.attention import paged_attention
 
@@ -244,7 +246,7 @@ def test_decode_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, 
     (9, 3, 64, [65, 300]),
     (4, 1, 128, [5, 700]),  # the short row's later pieces are empty
 ])
-@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_decode_attention_split_into_pieces_matches_the_pure_jax_paged_attention(heads, kv_heads, head_dim, lengths,
                                                                                   kv_dtype):
     # Fewer than 4 (row, kv head) pairs a thread: each pair's keys are cut into pieces of at
@@ -268,7 +270,7 @@ def test_decode_attention_split_into_pieces_matches_the_pure_jax_paged_attention
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16)])
-@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_chunk_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, head_dim, kv_dtype):
     """Several query tokens a row (prompt chunks): each token sees its
     causal prefix; a row from 0, one resuming at 37 (a chunk after a cached prefix), one
@@ -313,7 +315,7 @@ def test_decode_attention_is_chosen_on_cpu_where_it_can_run():
                                 backend="tpu")
 
 
-@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_model_decode_steps_on_the_attention_kernel_match_pure_jax(tiny_llama, kv_dtype):
     """Two rows, a 17-token prompt each, then 6 one-token steps (T == 1: the kernel's path)."""
     rng = np.random.RandomState(3)

@@ -125,7 +125,20 @@ def test_engine_resolves_auto_and_reports_the_kernel(tiny_gguf):
         if cpu_kernels.unavailable_reason() is None:
             assert card.quantization == "gguf", "auto serves a quantized GGUF's own blocks on one CPU device"
             assert cpu_kernels.block_isa() in card.matmul, "the card names the block kernel's ISA"
+            assert card.kv_cache_dtype == "float16", "the gguf mode keeps a float16 KV cache, as llama.cpp does"
+            assert engine.runner.kv_cache.k[0].dtype == jnp.int16, "its words held as int16 on CPU"
         else:
-            assert card.quantization == "none"
+            assert (card.quantization, card.kv_cache_dtype) == ("none", "float32")
+    finally:
+        engine.shutdown()
+
+
+def test_an_explicit_kv_cache_dtype_overrides_the_gguf_default(tiny_gguf):
+    from ferrox_jax.engine import Engine
+
+    engine = Engine.load(EngineConfig(model=tiny_gguf.path, dtype="float32", quantization="gguf", kv_blocks=32,
+                                      max_context=128, max_seqs=2, prefill_chunk=16, kv_cache_dtype="float32"))
+    try:
+        assert engine.model_card.kv_cache_dtype == "float32"
     finally:
         engine.shutdown()

@@ -273,6 +273,27 @@ def test_bfloat16_kv_cache_logits_stay_close_to_float32(tiny_llama):
     assert np.abs(got - ref).max() < 0.03 * ref.std()
 
 
+def test_float16_kv_cache_logits_stay_closer_to_float32_than_bfloat16(tiny_llama):
+    model = load_checkpoint(str(tiny_llama)).model
+    prompt = np.random.RandomState(7).randint(3, 300, 17).tolist()
+    blocks = tuple(shuffled_blocks(3, 48, seed=8))
+    ref = prompt_logits(model, prompt, blocks)
+    errors = {}
+    for dtype, storage in ((jnp.bfloat16, jnp.uint16), (jnp.float16, jnp.int16)):
+        runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_chunk_tokens=32, max_context=128,
+                             kv_dtype=dtype)
+        # On CPU the 16-bit words are held as integers, the type naming the float (kv_cache.py)
+        assert runner.kv_cache.k[0].dtype == (storage if jax.default_backend() == "cpu" else dtype)
+        got = runner.run_logits([RowPlan(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks,
+                                         sample=False)])[0]
+        errors[dtype] = np.abs(got - ref).max()
+    # float16 keeps 11 significant bits to bfloat16's 8: each K/V element moves by <= 2^-12
+    # relative instead of 2^-9, so the logits' error shrinks about 8x (the values here are
+    # far inside float16's range). Read as bfloat16 words, the same bits would be garbage.
+    assert errors[jnp.float16] < 0.004 * ref.std()
+    assert errors[jnp.float16] < errors[jnp.bfloat16] / 3
+
+
 # ---- compilation ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode,kv_dtype", [("int8", jnp.float32), ("w8a8", jnp.bfloat16)])

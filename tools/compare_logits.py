@@ -167,13 +167,14 @@ class FerroxSide:
     """
 
     def __init__(self, model, max_total_tokens: int, num_tables: int = 1, block_size: int = 16,
-                 max_chunk_tokens: int = 128):
+                 max_chunk_tokens: int = 128, kv_dtype=None):
         from ferrox_jax.runner import ModelRunner
 
         needed = math.ceil(max_total_tokens / block_size)
         num_blocks = (num_tables + 1) * needed + 1  # one table's worth spare, so the shuffle spreads
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, max_rows=1,
-                                  max_chunk_tokens=max_chunk_tokens, max_context=needed * block_size)
+                                  max_chunk_tokens=max_chunk_tokens, max_context=needed * block_size,
+                                  kv_dtype=kv_dtype)
         # Block 0 is the null block; a fixed shuffle keeps runs reproducible.
         ids = np.random.RandomState(0).permutation(np.arange(1, num_blocks)).tolist()
         self.tables = [tuple(ids[i * needed:(i + 1) * needed]) for i in range(num_tables)]
@@ -291,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-kernels", choices=["auto", "off"], default="auto",
                    help="ferrox's x86 CPU kernels as the server runs them (models/cpu_kernels.py): the decode "
                         "attention, and the int8 matmul under w8a8; auto: where they can run")
+    p.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="ferrox_jax's KV cache (default: what `ferrox serve` picks for the mode: float16 "
+                        "for gguf on a CPU, else the compute dtype); the float32 reference keeps float32")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
     p.add_argument("--max-chunk-tokens", "--max-prefill-tokens", dest="max_chunk_tokens", type=int, default=128,
                    help="largest prompt chunk (default 128)")
@@ -383,8 +387,9 @@ LOGITS_CALL_BYTES = 1 << 30  # cap on one run_logits call's f32[rows, T, V] outp
 
 
 def run_comparison(model, refs: list[PromptReference], block_size: int = 16,
-                   max_chunk_tokens: int = 128) -> list[PromptReport]:
-    """Run every reference prompt through ferrox_jax (`model`: a LlamaModel) and compare."""
+                   max_chunk_tokens: int = 128, kv_dtype=None) -> list[PromptReport]:
+    """Run every reference prompt through ferrox_jax (`model`: a LlamaModel; its KV cache in
+    `kv_dtype`, default the model's) and compare."""
     vocab_size = model.cfg.vocab_size
     for i, r in enumerate(refs):
         bad = [t for t in [*r.token_ids, *(r.greedy_ids or ())] if not 0 <= t < vocab_size]
@@ -393,7 +398,7 @@ def run_comparison(model, refs: list[PromptReference], block_size: int = 16,
     max_prompt = max(len(r.token_ids) for r in refs)
     max_total = max(len(r.token_ids) + len(r.greedy_ids or ()) for r in refs)
     per_call = max(1, min(len(refs), 8, LOGITS_CALL_BYTES // (4 * max_prompt * vocab_size)))
-    side = FerroxSide(model, max_total, per_call, block_size, max_chunk_tokens)
+    side = FerroxSide(model, max_total, per_call, block_size, max_chunk_tokens, kv_dtype)
     logits = side.prompt_logits([r.token_ids for r in refs])
     reports = []
     for r, ours in zip(refs, logits):
@@ -442,7 +447,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.ours_file:
             reports = file_comparison(refs, args.ours_file)
         else:
-            reports = run_comparison(ckpt.model, refs, args.block_size, args.max_chunk_tokens)
+            from ferrox_jax.engine_builder import resolve_kv_dtype
+
+            kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, args.quantization, jnp.dtype(args.dtype))
+            args.kv_cache_dtype = jnp.dtype(kv_dtype).name
+            reports = run_comparison(ckpt.model, refs, args.block_size, args.max_chunk_tokens, kv_dtype)
     except (ValueError, FileNotFoundError) as e:
         _log(f"error: {e}")
         return 2
@@ -453,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({
             "model": args.model, "reference": args.reference or args.reference_file, "dtype": args.dtype,
-            "quantization": args.quantization, "ours_file": args.ours_file,
+            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "ours_file": args.ours_file,
             "cpu_kernels": kernels is not None,
             "tolerances": tolerances, "passed": passed, "elapsed_s": round(time.perf_counter() - t0, 3),
             "prompts": [{**dataclasses.asdict(r), "failures": f} for r, f in zip(reports, failures)],

@@ -9,7 +9,8 @@
 //
 // Operands (the cache layout is ferrox_jax/kv_cache.py's):
 //   q        f32[B, H, hd]      rotated queries; head h belongs to kv head h / (H / K)
-//   k, v     [K, N, bs, hd]     the layer's cache: f32, or u16 holding bfloat16 words
+//   k, v     [K, N, bs, hd]     the layer's cache: f32, u16 holding bfloat16 words, or s16
+//                               holding float16 words (ferrox_jax/kv_cache.py: storage_dtype)
 //   tables   s32[B, MB]         block ids of each row's positions, in order
 //   lengths  s32[B]             keys each row sees (its position + 1), 1 <= length <= MB bs
 //   scale    f32 attribute      the scores' factor (1 / sqrt(hd) for most models)
@@ -36,7 +37,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 
 inline float HorizontalSum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -63,12 +64,14 @@ inline __m256 Exp(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
-// 8 cache elements as f32: a float cache as is, a u16 one as bfloat16 words (<< 16).
+// 8 cache elements as f32: a float cache as is, a u16 one as bfloat16 words (<< 16), an
+// s16 one as float16 words (F16C's exact conversion).
 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 Load8(const uint16_t* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+inline __m256 Load8(const int16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 struct Problem {
   const float* q;
@@ -299,8 +302,13 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
       Run(pool, p, static_cast<const uint16_t*>(k.untyped_data()), static_cast<const uint16_t*>(v.untyped_data()),
           rows);
       break;
+    case ffi::DataType::S16:
+      Run(pool, p, static_cast<const int16_t*>(k.untyped_data()), static_cast<const int16_t*>(v.untyped_data()),
+          rows);
+      break;
     default:
-      return ffi::Error::InvalidArgument("ferrox_decode_attention: the cache must be f32 or u16 (bfloat16 words)");
+      return ffi::Error::InvalidArgument(
+          "ferrox_decode_attention: the cache must be f32, u16 (bfloat16 words) or s16 (float16 words)");
   }
   return ffi::Error::Success();
 }
