@@ -143,10 +143,15 @@ def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays, bitmask: 
       top_ids i32[B, 20], top_logprobs f32[B, 20] (raw, best first).
     """
     b = logits.shape[0]
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    raw_logits = logits
+    # The raw logprobs are log_softmax's (x - max) - log(sum(exp(x - max))), but only the
+    # chosen token's is always needed: two reductions over [B, V] instead of a whole
+    # [B, V] array written and read back (32 rows: ~2 ms of a ~7 ms sampler on a 2-core CPU).
+    row_max = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
+    log_sum = jnp.log(jnp.exp(logits - row_max).sum(axis=-1, keepdims=True))
     # The top-20 search over the vocabulary runs only when some row asked for logprobs.
     top_lp, top_ids = jax.lax.cond(
-        jnp.any(s.want_logprobs), lambda: tuple(jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)),
+        jnp.any(s.want_logprobs), lambda: tuple(jax.lax.top_k((logits - row_max) - log_sum, MAX_LOGPROBS)),
         lambda: (jnp.zeros((b, MAX_LOGPROBS), jnp.float32), jnp.zeros((b, MAX_LOGPROBS), jnp.int32)))
     has_penalties = jnp.any(s.penalty_ids < logits.shape[-1]) | jnp.any(s.repetition_penalty != 1.0)
     logits = jax.lax.cond(has_penalties, lambda: apply_penalties(logits, s), lambda: logits)
@@ -162,5 +167,5 @@ def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays, bitmask: 
     # An all-greedy batch skips the noise and the filters entirely.
     drawn = jax.lax.cond(jnp.any(s.temperature > 0), lambda: _draw(logits, positions, s), lambda: greedy)
     tokens = jnp.where(s.temperature > 0, drawn, greedy)
-    chosen_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    chosen_lp = ((jnp.take_along_axis(raw_logits, tokens[:, None], axis=-1) - row_max) - log_sum)[:, 0]
     return tokens, chosen_lp, top_ids.astype(jnp.int32), top_lp
