@@ -35,18 +35,17 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from models.attention import KV_WORD_FLOATS
+
 NULL_BLOCK = 0
-BF16_BITS = jnp.uint16  # a CPU bfloat16 cache's storage dtype (module docstring)
-F16_BITS = jnp.int16  # a CPU float16 cache's storage dtype (models/attention.py: KV_WORD_FLOATS)
+# a CPU 16-bit float cache's storage dtype, by its float (the inverse of KV_WORD_FLOATS)
+_WORDS_OF = {jnp.dtype(f): words for words, f in KV_WORD_FLOATS.items()}
 
 
 def storage_dtype(dtype):
     """The dtype the cache arrays hold for a KV cache of `dtype` (module docstring)."""
     if jax.default_backend() == "cpu":
-        if jnp.dtype(dtype) == jnp.bfloat16:
-            return BF16_BITS
-        if jnp.dtype(dtype) == jnp.float16:
-            return F16_BITS
+        return _WORDS_OF.get(jnp.dtype(dtype), dtype)
     return dtype
 
 

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.attention import check_decode_inputs, paged_attention
+from models.attention import KV_WORD_FLOATS, check_decode_inputs, paged_attention
 from models.gguf_blocks import K_FORMATS, MULTI_TARGETS, BlockQuantizedWeight, with_kernel
 from models.quant import QuantizedWeight
 
@@ -246,7 +246,7 @@ def attention_problems(head_dim: int, kv_dtype) -> list[str]:
     problems = []
     if head_dim % 8:
         problems.append(f"head_dim {head_dim} is not a multiple of 8")
-    if jnp.dtype(kv_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    if jnp.dtype(kv_dtype) not in (jnp.dtype(jnp.float32), *map(jnp.dtype, KV_WORD_FLOATS.values())):
         problems.append(f"KV cache dtype {jnp.dtype(kv_dtype).name} (the kernel reads float32, bfloat16 or float16)")
     return problems
 
@@ -255,7 +255,7 @@ def _kernel_reads(head_dim: int, k_cache) -> bool:
     """Whether the kernel reads this head size and cache storage (float32, or the uint16 /
     int16 words of a bfloat16 / float16 cache); `attention_problems` says the same from the
     logical dtype."""
-    return head_dim % 8 == 0 and k_cache.dtype in (jnp.float32, jnp.uint16, jnp.int16)
+    return head_dim % 8 == 0 and (k_cache.dtype == jnp.float32 or k_cache.dtype in KV_WORD_FLOATS)
 
 
 @dataclasses.dataclass(frozen=True)
