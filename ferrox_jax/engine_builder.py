@@ -282,9 +282,13 @@ def _block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
     problems = cpu_kernels.runtime_problems(jax.default_backend(), mesh)
     if not problems:
         packed = cpu_kernels.pack_blocks_for_kernel(model)
-        rows = cpu_kernels.block_int_rows()
-        paths = (f"float32 activations below {rows} rows, 32-wide int8 activation blocks from there" if rows
-                 else "float32 activations at every row count")
+        rows, wide = cpu_kernels.block_int_rows(), cpu_kernels.block_wide_rows()
+        if rows:
+            paths = f"float32 activations below {rows} rows, 32-wide int8 activation blocks from there"
+        elif wide:
+            paths = f"float32 activations below {wide} rows, 32-wide int16 activation blocks from there"
+        else:
+            paths = "float32 activations at every row count"
         if amx := cpu_kernels.block_amx_rows():
             paths += f"; AMX-BF16 tiles (split bf16) from {amx} rows"
         k_quants = cpu_kernels.k_quant_count(model)

@@ -175,6 +175,23 @@ def block_int_rows() -> int:
     return BLOCK_INT_ROWS.get(block_isa(), 0)
 
 
+# Rows from which a block product quantizes its activations to 32-wide int16 blocks and
+# multiplies them with vpdpwssd (block_matmul_i16.inc), by the ISA; 0: never (AVX2 has no
+# such path). Measured on Zen 4 with `python -m tools.bench_cpu_kernels --only blocks --rows
+# 8 10 16 32 160` (two threads, docs/benchmarks.md "16-bit activation blocks"): at 10 rows
+# level with the float path (the 49,152-column Q8_0 head 15 % slower), from 16 rows faster
+# on every product but the narrow [576, 192] (32 rows: [576, 1536] 297 -> 216 µs, the head
+# 9,901 -> 8,591; 160 rows 1.35-1.5x, the head 1.22x). The rounding is at most 1/65534 of a
+# block's largest activation; the default mode's KL against float32 stays ~2,500x below
+# llama.cpp's (tools/compare_logits.py).
+BLOCK_WIDE_ROWS = {"AVX-512 VNNI": 16, "AVX2": 0}
+
+
+def block_wide_rows() -> int:
+    """BLOCK_WIDE_ROWS for the ISA the block kernel runs here."""
+    return BLOCK_WIDE_ROWS.get(block_isa(), 0)
+
+
 # Rows from which a block product runs on AMX-BF16 tiles where the CPU has them (split bf16:
 # hi + lo halves of every operand, ~2^-15 relative per product; block_matmul_amx.inc).
 # Measured with `python -m tools.bench_cpu_kernels --only blocks` (docs/benchmarks.md, "GGUF
@@ -208,15 +225,18 @@ def block_target(fmt: str) -> str:
     return BLOCK_K_TARGET if fmt in K_FORMATS else BLOCK_TARGET
 
 
-def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None, amx_rows: int | None = None) -> int:
+def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None, amx_rows: int | None = None,
+                           wide_rows: int | None = None) -> int:
     """Points every BlockQuantizedWeight of `model` at its block kernel, in place (the bytes
-    stay as they are), with integer dots from `int_rows` rows (None: `block_int_rows()`; 0:
-    never) and AMX tiles from `amx_rows` (None: `block_amx_rows()`; 0: never); the K-quants'
-    kernel has only the float path. Returns how many. Raises RuntimeError where the kernels
-    cannot run."""
+    stay as they are), with int8 activation blocks from `int_rows` rows (None:
+    `block_int_rows()`; 0: never), AMX tiles from `amx_rows` (None: `block_amx_rows()`; 0:
+    never) and int16 activation blocks from `wide_rows` (None: `block_wide_rows()`; 0:
+    never); the K-quants' kernel has only the float path. Returns how many. Raises
+    RuntimeError where the kernels cannot run."""
     _require()
     int_rows = block_int_rows() if int_rows is None else int_rows
     amx_rows = block_amx_rows() if amx_rows is None else amx_rows
+    wide_rows = block_wide_rows() if wide_rows is None else wide_rows
     state = nnx.state(model)
     packed = 0
 
@@ -226,7 +246,7 @@ def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None, amx_r
             packed += 1
             if leaf.fmt in K_FORMATS:
                 return with_kernel(leaf, block_target(leaf.fmt), 0, 0)
-            return with_kernel(leaf, BLOCK_TARGET, int_rows, amx_rows)
+            return with_kernel(leaf, BLOCK_TARGET, int_rows, amx_rows, wide_rows)
         return leaf
 
     nnx.update(model, jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, BlockQuantizedWeight)))

@@ -1,8 +1,8 @@
 """GGUF block weights (models/gguf_blocks.py) and the block kernel (block_matmul.cc).
 
 References are float64 numpy: the float path against x @ dequantize(w)^T, the integer
-path against the same 32-wide activation quantization done in numpy, its integer block
-dots exact and combined in float64, the AMX-BF16 path (CPUs with AMX) against the same
+(int8) and 16-bit (int16) paths against the same 32-wide activation quantization done in
+numpy, their integer block dots exact and combined in float64, the AMX-BF16 path (CPUs with AMX) against the same
 float64 product within its split-bf16 bound. The kernel sums in float32, so the tolerance is a
 few float32 ulps of sum |x_k w_k| over the K = 1536 (or 96) products of an element.
 """
@@ -78,6 +78,31 @@ def integer_reference(x: np.ndarray, blocks: np.ndarray, fmt: str) -> np.ndarray
     dx = scales.astype(np.float64)
     sums = dx * values.sum(axis=2)
     return np.einsum("mnb,nb,mb->mn", dots.astype(np.float64), d, dx) + np.einsum("nb,mb->mn", off, sums)
+
+
+def wide_reference(x: np.ndarray, blocks: np.ndarray, fmt: str) -> np.ndarray:
+    """The 16-bit path's product: activations rounded to int16 per 32-wide block as the
+    kernel rounds them (float32 scale amax / 32767, values rint(x * (32767 / amax))), integer
+    block dots exact, d_w s_x dot + m_w sum(x) summed in float64."""
+    m, k = x.shape
+    xb = x.reshape(m, k // BLOCK, BLOCK)
+    amax = np.abs(xb).max(axis=2)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
+    values = np.rint(xb * inv[..., None]).astype(np.int64)
+    scales = (amax / np.float32(32767)).astype(np.float64)
+    n, nb = blocks.shape[0], k // BLOCK
+    b = blocks.reshape(n, nb, -1)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    if fmt == "q8_0":
+        q, off = b[..., 2:].view(np.int8).astype(np.int64), np.zeros_like(d)
+    else:
+        qs = b[..., 4:] if fmt == "q4_1" else b[..., 2:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64)
+        off = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if fmt == "q4_1" else -8.0 * d
+    dots = np.einsum("mbj,nbj->mnb", values, q)  # exact int64
+    sums = xb.astype(np.float64).sum(axis=2)
+    return np.einsum("mnb,nb,mb->mn", dots.astype(np.float64), d, scales) + np.einsum("nb,mb->mn", off, sums)
 
 
 def bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -157,18 +182,62 @@ def test_integer_path_is_chosen_by_row_count():
     np.testing.assert_allclose(at, integer_reference(x, blocks, "q4_1"), rtol=1e-4, atol=1e-3)
 
 
+needs_wide = pytest.mark.skipif(cpu_kernels.block_isa() != "AVX-512 VNNI",
+                                reason="the 16-bit activation path is in the AVX-512 VNNI build only")
+
+
+@needs_wide
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [10, 17, 40])
+def test_wide_path_equals_int16_reference(fmt, rows):
+    # 10: one partly filled row group; 17: a full group and one row; 40: a 2-group tile and
+    # a partial group alone. n = 46: 4-column panels and 2 single columns; k = 1536.
+    k, n = 1536, 46
+    blocks, x = random_blocks(fmt, n, k, seed=4), activations(rows, k, seed=6)
+    x[1, BLOCK:2 * BLOCK] = 0.0  # an all-zero block (scale 0) must contribute nothing
+    w = dequantize_host(blocks, fmt)
+    weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_TARGET, 0, wide_rows=1)
+    got = np.asarray(jax.jit(block_matmul)(jnp.asarray(x), weight))
+    err = np.abs(got - wide_reference(x, blocks, fmt))
+    assert np.all(err <= bound(x, w)), f"{fmt} 16-bit path: max error {err.max():.3g}"
+
+
+@needs_wide
+def test_wide_path_is_chosen_by_row_count_and_rounds_activations_finely():
+    # Below wide_rows the float path: float32 rounding only. From wide_rows: off the float
+    # product by the int16 activation rounding (well above float32's), yet ~250x closer than
+    # the int8 path's (amax / 65534 against amax / 254 a value).
+    k, n = 576, 16
+    blocks, x = random_blocks("q4_1", n, k), activations(12, k)
+    w = dequantize_host(blocks, "q4_1")
+    exact = x.astype(np.float64) @ w.T
+    weight = with_kernel(make_weight(blocks, "q4_1", k), cpu_kernels.BLOCK_TARGET, 0, wide_rows=12)
+    at = np.asarray(block_matmul(jnp.asarray(x), weight))
+    below = np.asarray(block_matmul(jnp.asarray(x[:11]), weight))
+    assert np.all(np.abs(below - exact[:11]) <= bound(x[:11], w)), "11 rows < wide_rows: float path"
+    wide_err = np.abs(at - exact).max()
+    float_err = np.abs(np.asarray(block_matmul(jnp.asarray(x), with_kernel(weight, weight.kernel, 0))) - exact).max()
+    int8_err = np.abs(integer_reference(x, blocks, "q4_1") - exact).max()
+    assert wide_err > 10 * float_err, f"12 rows: 16-bit path ({wide_err:.3g}), not float32's rounding ({float_err:.3g})"
+    assert wide_err < int8_err / 50, f"int16 blocks ({wide_err:.3g}) far finer than int8 blocks ({int8_err:.3g})"
+    int8_first = with_kernel(make_weight(blocks, "q4_1", k), cpu_kernels.BLOCK_TARGET, 12, wide_rows=12)
+    np.testing.assert_allclose(np.asarray(block_matmul(jnp.asarray(x), int8_first)),
+                               integer_reference(x, blocks, "q4_1"), rtol=1e-4, atol=1e-3)
+
+
 @needs_kernels
-@pytest.mark.parametrize("int_rows", [0, 4])
+@pytest.mark.parametrize("int_rows, wide_rows", [(0, 0), (4, 0), (0, 4)])
 @pytest.mark.parametrize("rows", [1, 5, 32])
-def test_fused_call_equals_one_call_per_weight_bit_for_bit(rows, int_rows):
+def test_fused_call_equals_one_call_per_weight_bit_for_bit(rows, int_rows, wide_rows):
     # q/k/v-like weights of three formats and widths (46: 4-column tiles and 2 singles, so a
-    # weight's last thread chunk is short), then gate/up-like pairs; float path (int_rows 0)
-    # and integer path (rows >= 4). One call must give each weight's own call's bits.
+    # weight's last thread chunk is short), then gate/up-like pairs; float path, integer path
+    # and 16-bit path (rows >= 4; AVX2 builds run the float path for it). One call must give
+    # each weight's own call's bits.
     k = 576
     x = jnp.asarray(activations(rows, k, seed=7))
     specs = [("q4_1", 64), ("q8_0", 46), ("q4_0", 24)]
     weights = [with_kernel(make_weight(random_blocks(fmt, n, k, seed=10 + i), fmt, k), cpu_kernels.BLOCK_TARGET,
-                           int_rows) for i, (fmt, n) in enumerate(specs)]
+                           int_rows, wide_rows=wide_rows) for i, (fmt, n) in enumerate(specs)]
     for group in (weights, weights[:2]):
         assert fusable(group)
         fused = jax.jit(block_matmul_many)(x, group)
@@ -187,6 +256,7 @@ def test_only_weights_on_one_kernel_with_the_same_settings_fuse():
     assert not fusable([plain, plain])
     assert fusable([on_kernel, on_kernel]) and not fusable([on_kernel])
     assert not fusable([on_kernel, with_kernel(plain, "ferrox_block_matmul", 8)])  # other int_rows
+    assert not fusable([on_kernel, with_kernel(plain, "ferrox_block_matmul", 0, wide_rows=8)])  # other wide_rows
     assert not fusable([on_kernel, with_kernel(plain, "ferrox_block_matmul_k", 0)])
     wider = with_kernel(make_weight(random_blocks("q4_1", 8, 2 * k), "q4_1", 2 * k), "ferrox_block_matmul", 0)
     assert not fusable([on_kernel, wider])

@@ -71,17 +71,33 @@ def test_kernel_float_path_logits_equal_the_dequantized_float_model(tiny_gguf, f
     prompt, blocks, ref = float_logits
     model = tiny_gguf.build(quantization="gguf")
     kept = sum(t in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K) for layer in LAYER_TYPES for t in layer.values())
-    assert cpu_kernels.pack_blocks_for_kernel(model, int_rows=0, amx_rows=0) == kept + 1, \
+    assert cpu_kernels.pack_blocks_for_kernel(model, int_rows=0, amx_rows=0, wide_rows=0) == kept + 1, \
         "every block projection + the head"
     got = prompt_logits(model, prompt, blocks)
     assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), "float path: float32 rounding only"
+
+
+@pytest.mark.skipif(cpu_kernels.block_isa() != "AVX-512 VNNI", reason="the 16-bit path is AVX-512 VNNI only")
+def test_kernel_wide_path_logits_stay_within_int16_activation_rounding(tiny_gguf, float_logits):
+    prompt, blocks, ref = float_logits
+    model = tiny_gguf.build(quantization="gguf")
+    cpu_kernels.pack_blocks_for_kernel(model, int_rows=0, amx_rows=0, wide_rows=1)
+    err = np.abs(prompt_logits(model, prompt, blocks) - ref).max()
+    cpu_kernels.pack_blocks_for_kernel(model, int_rows=0, amx_rows=0, wide_rows=0)
+    float_err = np.abs(prompt_logits(model, prompt, blocks) - ref).max()
+    # int16 activation blocks err by amax / 65534 a value at most, 1/258 of the int8 path's
+    # step (measured here: 0.14 % of the spread, the int8 path 10 %, the float path 6e-6);
+    # bound it by 0.4 % (the float16 KV cache's bound), and it must be well off float32's
+    # rounding (the path ran)
+    assert err < 4e-3 * ref.std(), f"16-bit path: max |Δlogit| {err:.3g} vs spread {ref.std():.3g}"
+    assert err > 3 * float_err, f"16-bit path ({err:.3g}) not off the float path ({float_err:.3g})"
 
 
 @pytest.mark.skipif(not cpu_kernels.block_amx(), reason="no AMX-BF16 on this CPU / OS")
 def test_kernel_amx_path_logits_stay_within_split_bf16_rounding(tiny_gguf, float_logits):
     prompt, blocks, ref = float_logits
     model = tiny_gguf.build(quantization="gguf")
-    cpu_kernels.pack_blocks_for_kernel(model, int_rows=0, amx_rows=1)
+    cpu_kernels.pack_blocks_for_kernel(model, int_rows=0, amx_rows=1, wide_rows=0)
     got = prompt_logits(model, prompt, blocks)
     # hi + lo bf16 operands: ~2^-15 of each product, 13 products in series: ~1e-4 of the
     # logits; far below the integer path's ~10 % and above float32's rounding
@@ -108,7 +124,7 @@ def test_kernel_integer_path_stays_within_activation_rounding(tiny_gguf, float_l
 @needs_kernels
 def test_mixed_workload_after_warmup_causes_zero_recompiles(tiny_gguf):
     model = tiny_gguf.build(quantization="gguf")
-    cpu_kernels.pack_blocks_for_kernel(model, int_rows=2, amx_rows=3)  # every path inside one workload
+    cpu_kernels.pack_blocks_for_kernel(model, int_rows=3, amx_rows=4, wide_rows=2)  # every path in one workload
     runner = ModelRunner(model, num_blocks=64, block_size=8, max_rows=4, max_chunk_tokens=32, max_context=128)
     runner.warmup()
     mixed_workload(runner)

@@ -68,10 +68,10 @@ def blocks(rows: list[int], repeats: int) -> None:
     from models.gguf_blocks import block_matmul, make_weight, with_kernel
     from tests.test_block_matmul import random_blocks
 
-    amx = cpu_kernels.block_amx()
+    amx, wide = cpu_kernels.block_amx(), cpu_kernels.block_isa() == "AVX-512 VNNI"
     print("| rows | [K, N] fmt | w8a8 kernel (µs) | blocks, float path (µs) | blocks, integer path (µs) "
-          + ("| blocks, AMX-BF16 path (µs) " if amx else "") + "| float path GB/s |\n|---|---|---|---|---|"
-          + ("---|" if amx else "") + "---|")
+          + ("| blocks, 16-bit path (µs) " if wide else "") + ("| blocks, AMX-BF16 path (µs) " if amx else "")
+          + "| float path GB/s |\n|---|---|---|---|---|" + ("---|" if wide else "") + ("---|" if amx else "") + "---|")
     rng = np.random.default_rng(0)
     matmul, blocked = jax.jit(quantized_matmul), jax.jit(block_matmul)
     for m in rows:
@@ -83,9 +83,11 @@ def blocks(rows: list[int], repeats: int) -> None:
             w8 = median_us(matmul, x, packed, repeats=repeats)
             fl = median_us(blocked, x, with_kernel(w, cpu_kernels.BLOCK_TARGET, 0), repeats=repeats)
             it = median_us(blocked, x, with_kernel(w, cpu_kernels.BLOCK_TARGET, 1), repeats=repeats)
+            on_wide = with_kernel(w, cpu_kernels.BLOCK_TARGET, 0, wide_rows=1)
+            wd = f"{median_us(blocked, x, on_wide, repeats=repeats):,.0f} | " if wide else ""
             am = (f"{median_us(blocked, x, with_kernel(w, cpu_kernels.BLOCK_TARGET, 0, 1), repeats=repeats):,.0f} | "
                   if amx else "")
-            print(f"| {m} | [{k}, {n}] {fmt} | {w8:,.0f} | {fl:,.0f} | {it:,.0f} | {am}{w.nbytes / fl / 1e3:.1f} |")
+            print(f"| {m} | [{k}, {n}] {fmt} | {w8:,.0f} | {fl:,.0f} | {it:,.0f} | {wd}{am}{w.nbytes / fl / 1e3:.1f} |")
 
 
 K_PRODUCTS = ((1536, 576), (2048, 2048), (2048, 8192))  # SmolLM2's ffn_down; a 1B model's square / MLP

@@ -287,8 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=["none", "int8", "w8a8", "w8a8-block32", "gguf"], default="none",
                    help="ferrox_jax weight quantization (models/quant.py; gguf: models/gguf_blocks.py)")
     p.add_argument("--block-int-rows", type=int, default=None, metavar="N",
-                   help="gguf on the block kernel: quantize activations from N rows on (0: never; "
-                        "default: the serving threshold)")
+                   help="gguf on the block kernel: quantize activations to 32-wide int8 blocks from N rows on "
+                        "(0: never; default: the serving threshold)")
+    p.add_argument("--block-wide-rows", type=int, default=None, metavar="N",
+                   help="gguf on the block kernel's AVX-512 VNNI build: 32-wide int16 activation blocks from N "
+                        "rows on (0: never; default: the serving threshold)")
     p.add_argument("--cpu-kernels", choices=["auto", "off"], default="auto",
                    help="ferrox's x86 CPU kernels as the server runs them (models/cpu_kernels.py): the decode "
                         "attention, and the int8 matmul under w8a8; auto: where they can run")
@@ -435,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             if kernels and args.quantization == "w8a8":
                 kernels.pack_for_kernel(ckpt.model)
             if kernels and args.quantization == "gguf":
-                kernels.pack_blocks_for_kernel(ckpt.model, args.block_int_rows)
+                kernels.pack_blocks_for_kernel(ckpt.model, args.block_int_rows, wide_rows=args.block_wide_rows)
         if args.reference == "hf":
             refs = _hf_references(args, ckpt.tokenizer if ckpt else load_tokenizer(args.model))
         elif args.reference == "float32":

@@ -10,17 +10,23 @@
 //                           (Q4: value j in the low nibble of qs[j], j + 16 in the high one)
 //   out  f32[M, N]
 // Attributes: fmt (0 Q4_0, 1 Q4_1, 2 Q8_0), int_rows (M at or above which the integer
-// path runs; 0 never), amx_rows (M at or above which the AMX-BF16 path runs where the CPU
-// and the OS allow it, before int_rows is looked at; 0 never).
+// path runs; 0 never), wide_rows (M at or above which the 16-bit activation path runs on
+// the AVX-512 VNNI build, where int_rows does not; 0 never; AVX2 ignores it), amx_rows (M
+// at or above which the AMX-BF16 path runs where the CPU and the OS allow it, before the
+// others are looked at; 0 never).
 // The multi-weight handler (ferrox_block_matmul_multi) takes x and 2 or 3 weights of the
 // same K, returns one output per weight and names their formats in `fmts`: the q/k/v and
 // gate/up products of a layer in one call, their columns shared over the pool together
 // (per layer of the default model at one row, the separate k and v calls cost ~8.5 µs each
 // for 69 KB of weights, mostly a call's start and end).
 //
-// Three paths, chosen by the row count M:
+// Four paths, chosen by the row count M:
 // - M >= amx_rows on a CPU with AMX-BF16: activations and dequantized blocks split into
 //   bf16 hi + lo pairs, three tile products (block_matmul_amx.inc has why and how exact).
+// - M >= wide_rows on the AVX-512 VNNI build (and below int_rows): activations in 32-wide
+//   int16 blocks, the weights' integers widened to int16, vpdpwssd block dots
+//   (block_matmul_i16.inc: ~1.5x the float panel's speed at 16-160 rows, activation
+//   rounding ~1.5e-5 of a block's largest value).
 // - M < int_rows: float32 activations times the blocks dequantized in registers
 //   (d * q + m, one FMA per 8 weights; from a few rows into an L1 panel, once for all
 //   rows: AVX2 from 4 rows, AVX-512 from 5, 16 for Q8_0), accumulated in float32: the
@@ -121,7 +127,7 @@ ffi::Error RunAmxProduct(ffi::ThreadPool pool, const Problem& p, int fmt, int64_
 // integer path quantizes x once. Each output element is computed exactly as a one-weight
 // call computes it (one thread, whole, the same order), so fusing changes no value.
 ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* fmts, int64_t count, int32_t int_rows,
-                       int32_t amx_rows) {
+                       int32_t wide_rows, int32_t amx_rows) {
   const int64_t m = ps[0].m, k = ps[0].k;
   int64_t macs = 0, n_total = 0;
   for (int64_t i = 0; i < count; ++i) macs += m * ps[i].n * k, n_total += ps[i].n;
@@ -153,6 +159,23 @@ ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* f
     });
     xq = QuantizedRows{values.data(), scales.data(), sums.data()};
   }
+  // the 16-bit path: rows in groups of 16 lanes, each group quantized by one task
+  std::vector<Lanes16> pairs;
+  std::vector<float> wide_scales, wide_sums;
+  ferrox_avx512::WideRows xw{};
+  const bool wide = !integer && kIsa == 2 && wide_rows > 0 && m >= wide_rows;
+  if (wide) {
+    const int64_t groups = (m + ferrox_avx512::kGroup - 1) / ferrox_avx512::kGroup, blocks = k / kBlock;
+    pairs.resize(groups * blocks * 16);
+    wide_scales.resize(groups * blocks * 16);
+    wide_sums.resize(groups * blocks * 16);
+    int32_t* pair_data = pairs.data()->v;
+    const float* x = ps[0].x;
+    ferrox::ParallelFor(pool, std::min<int64_t>(threads, groups), groups, [&](int64_t g) {
+      ferrox_avx512::QuantizeWideGroup(x, m, k, g, pair_data, wide_scales.data(), wide_sums.data());
+    });
+    xw = ferrox_avx512::WideRows{pair_data, wide_scales.data(), wide_sums.data()};
+  }
   // 4 chunks per thread balance uneven progress; chunks are whole 4-column tiles of one
   // weight (a weight's last chunk may be short).
   const int64_t target = threads * 4;
@@ -161,12 +184,14 @@ ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* f
   int64_t tasks = 0;
   for (int64_t i = 0; i < count; ++i) first[i] = tasks, tasks += (ps[i].n + chunk - 1) / chunk;
   const QuantizedRows* rows = integer ? &xq : nullptr;
-  ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, rows, chunk](int64_t t) {
+  const ferrox_avx512::WideRows* wide_rows_ptr = wide ? &xw : nullptr;
+  ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, rows, wide_rows_ptr, chunk](int64_t t) {
     int64_t i = count - 1;
     while (t < first[i]) --i;
     const Problem& p = ps[i];
     const int64_t begin = (t - first[i]) * chunk, end = std::min(p.n, begin + chunk);
-    if (kIsa == 2) ferrox_avx512::Run(fmts[i], p, rows, begin, end);
+    if (wide_rows_ptr != nullptr) ferrox_avx512::RunWide(fmts[i], p, *wide_rows_ptr, begin, end);
+    else if (kIsa == 2) ferrox_avx512::Run(fmts[i], p, rows, begin, end);
     else ferrox_avx2::Run(fmts[i], p, rows, begin, end);
   });
   return ffi::Error::Success();
@@ -188,16 +213,17 @@ ffi::Error CheckOperands(const char* what, const ffi::Buffer<ffi::F32>& x, ffi::
 }
 
 ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                           ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int32_t int_rows, int32_t amx_rows) {
+                           ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int32_t int_rows, int32_t wide_rows,
+                           int32_t amx_rows) {
   Problem p{};
   if (ffi::Error e = CheckOperands("ferrox_block_matmul", x, w, out->typed_data(), fmt, &p); e.failure()) return e;
-  return RunProducts(pool, &p, &fmt, 1, int_rows, amx_rows);
+  return RunProducts(pool, &p, &fmt, 1, int_rows, wide_rows, amx_rows);
 }
 
 // x, then 2 or 3 weights; as many outputs, outs[i] f32[M, N_i]; fmts[i] the format of ws[i].
 ffi::Error BlockMatmulMultiImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
                                 ffi::RemainingRets outs, ffi::Span<const int32_t> fmts, int32_t int_rows,
-                                int32_t amx_rows) {
+                                int32_t wide_rows, int32_t amx_rows) {
   constexpr const char* kWhat = "ferrox_block_matmul_multi";
   const int64_t count = static_cast<int64_t>(ws.size());
   if (count < 2 || count > 3 || outs.size() != ws.size() || fmts.size() != ws.size())
@@ -215,7 +241,7 @@ ffi::Error BlockMatmulMultiImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
     if (od.size() != 2 || od[0] != ps[i].m || od[1] != ps[i].n)
       return ffi::Error::InvalidArgument("ferrox_block_matmul_multi: an output is not [M, N] of its weight");
   }
-  return RunProducts(pool, ps, formats, count, int_rows, amx_rows);
+  return RunProducts(pool, ps, formats, count, int_rows, wide_rows, amx_rows);
 }
 
 }  // namespace
@@ -228,6 +254,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxBlockMatmul, BlockMatmulImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("fmt")
                                   .Attr<int32_t>("int_rows")
+                                  .Attr<int32_t>("wide_rows")
                                   .Attr<int32_t>("amx_rows"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxBlockMatmulMulti, BlockMatmulMultiImpl,
@@ -238,6 +265,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxBlockMatmulMulti, BlockMatmulMultiImpl,
                                   .RemainingRets()
                                   .Attr<ffi::Span<const int32_t>>("fmts")
                                   .Attr<int32_t>("int_rows")
+                                  .Attr<int32_t>("wide_rows")
                                   .Attr<int32_t>("amx_rows"));
 
 // Which build of this kernel runs here: 2 AVX-512 VNNI, 1 AVX2, 0 none.

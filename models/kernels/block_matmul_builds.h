@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu_common.h"
 
@@ -26,6 +27,12 @@ struct Problem {
   const uint8_t* w;  // [N, row bytes]
   float* out;        // [M, N]
   int64_t m, n, k;
+};
+
+// 16 int32 lanes on a 64-byte boundary (a std::vector of them is aligned storage for
+// aligned 512-bit loads).
+struct alignas(64) Lanes16 {
+  int32_t v[16];
 };
 
 // Activations quantized per 32-wide block (M * K / 32 blocks, row-major).

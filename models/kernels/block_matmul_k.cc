@@ -15,8 +15,9 @@
 // Q6_K: sixteen 16-wide sub-blocks with int8 scales; w = d sc q, q in [-32, 31] from a
 //   nibble of ql and two bits of qh (each 128-weight half: weight 32k + l takes ql[l]
 //   (k 0, 2) or ql[32 + l] (k 1, 3), low nibble for k < 2, and bits 2k, 2k + 1 of qh[l]).
-// Attributes: fmt (3 Q4_K, 4 Q5_K, 5 Q6_K), int_rows and amx_rows (accepted for the shared
-// call signature of models/gguf_blocks.py and ignored: there is only the float path).
+// Attributes: fmt (3 Q4_K, 4 Q5_K, 5 Q6_K), int_rows, wide_rows and amx_rows (accepted for
+// the shared call signature of models/gguf_blocks.py and ignored: there is only the float
+// path).
 //
 // The float path only: float32 activations times the super-blocks dequantized in
 // registers, 16 weights at a time (w = a q + b, one FMA from the group's integers; on
@@ -115,13 +116,13 @@ ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<f
 
 ffi::Error BlockMatmulKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                             ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int32_t /*int_rows*/,
-                            int32_t /*amx_rows*/) {
+                            int32_t /*wide_rows*/, int32_t /*amx_rows*/) {
   return Matmul(pool, x, w, out, fmt, kIsa);
 }
 
 ffi::Error BlockMatmulKAvx2Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                                 ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int32_t /*int_rows*/,
-                            int32_t /*amx_rows*/) {
+                            int32_t /*wide_rows*/, int32_t /*amx_rows*/) {
   return Matmul(pool, x, w, out, fmt, std::min(kIsa, 1));
 }
 
@@ -135,6 +136,7 @@ ffi::Error BlockMatmulKAvx2Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
       .Ret<ffi::Buffer<ffi::F32>>()            \
       .Attr<int32_t>("fmt")                    \
       .Attr<int32_t>("int_rows")               \
+      .Attr<int32_t>("wide_rows")              \
       .Attr<int32_t>("amx_rows")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxBlockMatmulK, BlockMatmulKImpl, FERROX_K_BINDING);
