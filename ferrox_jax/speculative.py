@@ -15,7 +15,11 @@ In the forward, the row's 1 + k tokens are 1 + k one-token decode rows sharing i
 table (`ferrox_jax/runner.py`): every token's K/V is written before any row attends, so the
 row at position p + j reads the drafts before it. Verification needs no compiled shape of
 its own (only more rows of the decode buckets) and runs through the same one-query
-attention kernels as plain decoding, so its logits are the non-speculative ones.
+attention kernels as plain decoding, so its logits are the non-speculative ones, up to the
+rounding of a bigger row bucket: from 5 rows the block kernel sums in other pieces, and on
+AVX-512 VNNI rounds activations to int16 blocks (~1e-5 of a logit; models/cpu_kernels.py),
+so a greedy token could differ only where two logits tie to that precision (the tests and
+tools/bench_speculative.py compare outputs token for token).
 
 Exactness. Each sampled token is what the row would have sampled without speculation: the
 target model's logits at that position given the same prefix, and the row's noise keyed by

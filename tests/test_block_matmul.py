@@ -188,10 +188,11 @@ needs_wide = pytest.mark.skipif(cpu_kernels.block_isa() != "AVX-512 VNNI",
 
 @needs_wide
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [10, 17, 40])
+@pytest.mark.parametrize("rows", [5, 10, 17, 40])
 def test_wide_path_equals_int16_reference(fmt, rows):
-    # 10: one partly filled row group; 17: a full group and one row; 40: a 2-group tile and
-    # a partial group alone. n = 46: 4-column panels and 2 single columns; k = 1536.
+    # Below 16 rows, groups of 8 lanes: 5, one partly filled group; 10, a 2-group tile of
+    # which one partial. From 16, groups of 16: 17, a full group and one row; 40, a 2-group
+    # tile and a partial group alone. n = 46: 8- and 4-column panels and 2 single columns.
     k, n = 1536, 46
     blocks, x = random_blocks(fmt, n, k, seed=4), activations(rows, k, seed=6)
     x[1, BLOCK:2 * BLOCK] = 0.0  # an all-zero block (scale 0) must contribute nothing

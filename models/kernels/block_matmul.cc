@@ -25,8 +25,8 @@
 //   bf16 hi + lo pairs, three tile products (block_matmul_amx.inc has why and how exact).
 // - M >= wide_rows on the AVX-512 VNNI build (and below int_rows): activations in 32-wide
 //   int16 blocks, the weights' integers widened to int16, vpdpwssd block dots
-//   (block_matmul_i16.inc: ~1.5x the float panel's speed at 16-160 rows, activation
-//   rounding ~1.5e-5 of a block's largest value).
+//   (block_matmul_i16.inc: one thread, 1.45x the float path at 8 rows, 1.5-1.7x at
+//   16-160; activation rounding at most 1/65534 of a block's largest value).
 // - M < int_rows: float32 activations times the blocks dequantized in registers
 //   (d * q + m, one FMA per 8 weights; from a few rows into an L1 panel, once for all
 //   rows: AVX2 from 4 rows, AVX-512 from 5, 16 for Q8_0), accumulated in float32: the
@@ -159,22 +159,22 @@ ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* f
     });
     xq = QuantizedRows{values.data(), scales.data(), sums.data()};
   }
-  // the 16-bit path: rows in groups of 16 lanes, each group quantized by one task
+  // the 16-bit path: rows in groups of 8 or 16 lanes, each group quantized by one task
   std::vector<Lanes16> pairs;
   std::vector<float> wide_scales, wide_sums;
   ferrox_avx512::WideRows xw{};
   const bool wide = !integer && kIsa == 2 && wide_rows > 0 && m >= wide_rows;
   if (wide) {
-    const int64_t groups = (m + ferrox_avx512::kGroup - 1) / ferrox_avx512::kGroup, blocks = k / kBlock;
-    pairs.resize(groups * blocks * 16);
-    wide_scales.resize(groups * blocks * 16);
-    wide_sums.resize(groups * blocks * 16);
+    const int64_t lanes = ferrox_avx512::WideLanes(m), groups = (m + lanes - 1) / lanes, blocks = k / kBlock;
+    pairs.resize(groups * blocks * lanes);  // 16 pairs of `lanes` int32 a block: lanes Lanes16
+    wide_scales.resize(groups * blocks * lanes);
+    wide_sums.resize(groups * blocks * lanes);
     int32_t* pair_data = pairs.data()->v;
     const float* x = ps[0].x;
     ferrox::ParallelFor(pool, std::min<int64_t>(threads, groups), groups, [&](int64_t g) {
-      ferrox_avx512::QuantizeWideGroup(x, m, k, g, pair_data, wide_scales.data(), wide_sums.data());
+      ferrox_avx512::QuantizeWideGroup(x, m, k, lanes, g, pair_data, wide_scales.data(), wide_sums.data());
     });
-    xw = ferrox_avx512::WideRows{pair_data, wide_scales.data(), wide_sums.data()};
+    xw = ferrox_avx512::WideRows{pair_data, wide_scales.data(), wide_sums.data(), lanes};
   }
   // 4 chunks per thread balance uneven progress; chunks are whole 4-column tiles of one
   // weight (a weight's last chunk may be short).
