@@ -155,7 +155,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     """`--speculative ngram` with its flags, or `--speculative-config JSON`; None: off."""
     flags = dict(num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
-                 ngram_max=args.ngram_max, max_rows=args.speculative_max_rows)
+                 ngram_max=args.ngram_max, max_rows=args.speculative_max_rows,
+                 max_speculative_tokens=args.max_speculative_tokens)
     if args.draft_model:
         flags["draft_model"] = args.draft_model
     if args.speculative_config:

@@ -280,6 +280,10 @@ SETTINGS: tuple[Setting, ...] = (
             "--speculative draft: a smaller checkpoint with the target's tokenizer (its KV shares the block budget)"),
     Setting("num_speculative_tokens", "FERROX_NUM_SPECULATIVE_TOKENS", _positive_int, 3,
             "draft tokens a speculating row verifies per step"),
+    Setting("max_speculative_tokens", "FERROX_MAX_SPECULATIVE_TOKENS", _nonneg_int, 0,
+            "adaptive draft length: a row whose drafts were all accepted verifies twice as many tokens next step "
+            "(k -> 2k + 1 drafts), up to this many drafts; a rejection sends it back to --num-speculative-tokens "
+            "(0: fixed length)"),
     Setting("ngram_min", "FERROX_NGRAM_MIN", _positive_int, 2, "shortest suffix prompt lookup matches"),
     Setting("ngram_max", "FERROX_NGRAM_MAX", _positive_int, 4, "longest suffix prompt lookup matches (tried first)"),
     Setting("speculative_max_rows", "FERROX_SPECULATIVE_MAX_ROWS", _positive_int, 4,

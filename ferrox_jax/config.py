@@ -190,6 +190,10 @@ class SpeculativeConfig:
     ngram_max: int = 4  # longest suffix looked up, tried first [prompt_lookup_max]
     max_rows: int = 4  # a step with more decoding rows does not speculate (measured: docs/benchmarks.md)
     draft_model: str | None = None  # method "draft": the drafting checkpoint (same tokenizer) [model]
+    # Adaptive draft length: a row whose every draft was accepted may verify twice as many
+    # tokens (k -> 2k + 1 drafts) the next step, up to this many drafts (within the step's
+    # rows); a rejected draft sends it back to num_speculative_tokens. 0: always k.
+    max_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.method == "draft_model":  # vLLM's name for the method
@@ -200,11 +204,20 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SpeculativeConfig.{name} must be a positive int; got {value!r}")
+        m = self.max_speculative_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or (m and m < self.num_speculative_tokens):
+            raise ValueError("SpeculativeConfig.max_speculative_tokens must be 0 (fixed length) or at least "
+                             f"num_speculative_tokens ({self.num_speculative_tokens}); got {m!r}")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"SpeculativeConfig.ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
         if (self.method == "draft") != bool(self.draft_model):
             raise ValueError("--speculative draft needs --draft-model PATH (and only it takes one); got "
                              f"method {self.method!r}, draft_model {self.draft_model!r}")
+
+    @property
+    def most_drafts(self) -> int:
+        """The most drafts a row verifies in one step."""
+        return max(self.num_speculative_tokens, self.max_speculative_tokens)
 
     @property
     def verify_tokens(self) -> int:

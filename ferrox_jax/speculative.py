@@ -157,11 +157,14 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.counters = SpecDecodeCounters(config.num_speculative_tokens)
+        self.counters = SpecDecodeCounters(config.most_drafts)
         # Back-off per row: a verification that kept no draft makes the row skip drafting
         # for its next `wait` steps, doubling up to MAX_BACKOFF_STEPS while none is kept
         # (a draft costs a row of the step; text with nothing to copy should not pay it).
         self._backoff: dict[int, list[int]] = {}  # row id -> [steps left to skip, next wait]
+        # Adaptive length (config.max_speculative_tokens): rows whose drafts were all kept
+        # draft more (1 + k doubling, up to the maximum) while the text keeps repeating; absent: k.
+        self._length: dict[int, int] = {}  # row id -> drafts it may verify next
         # Method "draft": the device side's proposer (`ModelRunner.propose_drafts`), wired
         # by the owner; the scheduler itself never touches the device.
         self.proposer: Proposer | None = None
@@ -174,7 +177,8 @@ class Speculator:
         if (row.matcher is not None or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                 or row.num_output_tokens < spec.min_tokens):
             return 0
-        return max(0, min(self.config.num_speculative_tokens, spec.max_tokens - row.num_generated_tokens - 1))
+        length = self._length.get(row.row_id, self.config.num_speculative_tokens)
+        return max(0, min(length, spec.max_tokens - row.num_generated_tokens - 1))
 
     def extend(self, decode: tuple[RowPlan, ...], rows: dict[int, Row], blocks: BlockTables,
                max_tokens: int) -> tuple[RowPlan, ...]:
@@ -184,8 +188,9 @@ class Speculator:
         so they must fit its largest row bucket)."""
         if len(decode) > self.config.max_rows:
             return decode
-        if len(self._backoff) > 4 * len(rows) + 64:  # rows that ended by a cancel: forget them
+        if len(self._backoff) + len(self._length) > 4 * len(rows) + 64:  # rows that ended by a cancel: forget them
             self._backoff = {row_id: b for row_id, b in self._backoff.items() if row_id in rows}
+            self._length = {row_id: n for row_id, n in self._length.items() if row_id in rows}
         room = max_tokens - len(decode)
         out = list(decode)
         wanted: list[tuple[int, int]] = []  # (index in decode, drafts) for the draft model
@@ -220,12 +225,22 @@ class Speculator:
                                    num_draft_tokens=len(drafts))
 
     def record(self, plan: RowPlan, result: RowResult, is_finished: bool) -> None:
-        """Counts a verification and updates the row's back-off (forgotten once it ends)."""
+        """Counts a verification and updates the row's back-off and draft length (both
+        forgotten once it ends)."""
         accepted = len(result.following)
         self.counters.record(plan.num_draft_tokens, accepted)
         if is_finished:
             self._backoff.pop(plan.row_id, None)
-        elif accepted:
+            self._length.pop(plan.row_id, None)
+            return
+        if self.config.max_speculative_tokens and plan.num_draft_tokens:
+            if accepted == plan.num_draft_tokens:
+                length = self._length.get(plan.row_id, self.config.num_speculative_tokens)
+                # 1 + k tokens fill a row bucket (1, 2, 4, 8, 16...): 3 -> 7 -> 15 doubles it
+                self._length[plan.row_id] = min(2 * length + 1, self.config.max_speculative_tokens)
+            else:
+                self._length.pop(plan.row_id, None)
+        if accepted:
             self._backoff.pop(plan.row_id, None)
         else:
             wait = self._backoff.get(plan.row_id, [0, 1])[1]

@@ -63,8 +63,8 @@ class _Tokenizer:
 
 
 def _row(matcher=None, **spec_fields):
-    spec = GenerationRequest(request_id="x", prompt_token_ids=(1, 2, 3), max_tokens=10,
-                             **{"sampling": GREEDY, **spec_fields})
+    spec = GenerationRequest(request_id="x", prompt_token_ids=(1, 2, 3),
+                             **{"sampling": GREEDY, "max_tokens": 10, **spec_fields})
     job = Request(spec, 1, _Tokenizer(), (lambda grammar: matcher) if matcher is not None else None)
     return job.rows[0]
 
@@ -111,6 +111,49 @@ def test_a_row_whose_drafts_are_rejected_backs_off_doubling():
     assert [step(0) for _ in range(10)] == [2, 0, 2, 0, 0, 2, 0, 0, 0, 0]
     assert [step(1) for _ in range(3)] == [2, 2, 2]
     assert speculator.counters.num_drafts == 3 + 3 and speculator.counters.num_accepted_tokens == 3
+
+
+def test_adaptive_length_doubles_while_every_draft_is_kept_and_resets_on_a_rejection():
+    from ferrox_jax.plan import RowPlan
+    from ferrox_jax.request import RowResult
+
+    class Blocks:
+        def prepare_decode(self, row, num_tokens=1):
+            pass
+
+    with pytest.raises(ValueError, match="max_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=4, max_speculative_tokens=2)
+    config = SpeculativeConfig(num_speculative_tokens=2, ngram_min=1, max_speculative_tokens=7)
+    assert config.most_drafts == 7 and SpeculativeConfig.from_json('{"max_speculative_tokens": 7}').most_drafts == 7
+    speculator = Speculator(config)
+    assert len(speculator.counters.accepted_per_pos) == 0 and speculator.counters.num_speculative_tokens == 7
+    row = _row(max_tokens=100)
+    row.token_ids[:] = list(range(10, 40)) + [10, 11, 12]  # copying: the lookup finds 27 tokens to follow
+    plan = RowPlan(row_id=row.row_id, token_ids=(12,), start_pos=32, block_ids=(), sample=True)
+
+    def step(rejected_at=None, room=32):
+        (planned,) = speculator.extend((plan,), {row.row_id: row}, Blocks(), max_tokens=room)
+        n = planned.num_draft_tokens
+        kept = n if rejected_at is None else rejected_at
+        speculator.record(planned, RowResult(row.row_id, 1, following=(RowResult(row.row_id, 2),) * kept),
+                          is_finished=False)
+        return n
+
+    # all kept: 2, 5 (1 + k doubles), 7 (the maximum), 7; one rejected: back to 2, then up again
+    assert [step() for _ in range(4)] == [2, 5, 7, 7]
+    assert step(rejected_at=3) == 7
+    assert [step() for _ in range(3)] == [2, 5, 7]
+    assert step(room=4) == 3, "a step's rows cap the drafts (1 + 3 of 4 rows)"
+    assert speculator.counters.accepted_per_pos[6] == 3, "per-position counts cover the longest drafts"
+    # a finished row is forgotten: a new row with the same id would start at k
+    (planned,) = speculator.extend((plan,), {row.row_id: row}, Blocks(), max_tokens=32)
+    speculator.record(planned, RowResult(row.row_id, 1), is_finished=True)
+    assert speculator.max_drafts(row) == 2
+    # fixed length (the default, 0): always k
+    fixed = Speculator(SpeculativeConfig(num_speculative_tokens=2, ngram_min=1))
+    (planned,) = fixed.extend((plan,), {row.row_id: row}, Blocks(), max_tokens=32)
+    fixed.record(planned, RowResult(row.row_id, 1, following=(RowResult(row.row_id, 2),) * 2), is_finished=False)
+    assert fixed.max_drafts(row) == 2
 
 
 # ---------------------------------------------------------------- the real runner
@@ -296,8 +339,16 @@ def test_default_model_greedy_identical_alone_and_batched():
                f"Here is a file:\n{code}\nThe same file:\n"]
     jobs = [GenerationRequest(request_id=f"d{i}", prompt_token_ids=tuple(tok.encode(p)), max_tokens=40,
                               sampling=GREEDY) for i, p in enumerate(prompts)]
+    # fixed k, and the adaptive length (up to 12 drafts a row while every draft is kept)
+    adaptive = dataclasses.replace(SPEC, max_speculative_tokens=12)
     for batch in ([jobs[0]], jobs):
         off = drive(runner, tok, batch, None)
-        on = drive(runner, tok, batch, SPEC)
-        _assert_same(off, on, f"default model, {len(batch)} rows")
-        assert on.scheduler.speculator.counters.num_accepted_tokens > 0
+        for spec in (SPEC, adaptive):
+            on = drive(runner, tok, batch, spec)
+            _assert_same(off, on, f"default model, {len(batch)} rows, max_speculative_tokens {spec.max_speculative_tokens}")
+            counters = on.scheduler.speculator.counters
+            assert counters.num_accepted_tokens > 0
+            assert on.scheduler.budget.num_held_blocks == 0
+    # the batch's "same file" row copies: its drafts grew past k and were kept
+    assert any(counters.accepted_per_pos[SPEC.num_speculative_tokens:]), "adaptive: no draft past k was kept"
+    assert set(runner._compiled) <= set(runner.compile_keys()), "longer drafts add no shape"

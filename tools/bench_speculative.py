@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens-c1", type=int, default=160)
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens at concurrency > 1")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--max-speculative-tokens", type=int, default=None,
+                   help="adaptive draft length up to this many (default: SpeculativeConfig's; 0: fixed)")
     p.add_argument("--ngram-min", type=int, default=2)
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--speculative-max-rows", type=int, default=4)
@@ -204,8 +206,9 @@ def main(argv: list[str] | None = None) -> None:
     from ferrox_jax import LLM
     from ferrox_jax.config import SpeculativeConfig
 
+    adaptive = {} if args.max_speculative_tokens is None else {"max_speculative_tokens": args.max_speculative_tokens}
     spec = SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
-                             ngram_max=args.ngram_max, max_rows=args.speculative_max_rows)
+                             ngram_max=args.ngram_max, max_rows=args.speculative_max_rows, **adaptive)
     t0 = time.perf_counter()
     llms = {"off": LLM(args.model, max_seqs=args.max_seqs, quantization=args.quantization),
             "ngram": LLM(args.model, max_seqs=args.max_seqs, quantization=args.quantization, speculative=spec)}
