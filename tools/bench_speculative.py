@@ -11,8 +11,11 @@ the count of identical outputs beside every speed, and the acceptance rate (acce
 tokens, from the engine's `spec_decode_*` counters over that run) beside the speculative
 engine's figures.
 
-Workloads (chat template, the default model's instruct turn):
-  copy     "here is a file, return it with one thing renamed" over small Python files
+Workloads (chat template, the default model's instruct turn; `--workloads` picks, copy and
+nothing by default):
+  copy     "here is a file, return it with one thing renamed" over small Python files (the
+           name occurs twice: the copy breaks twice)
+  edit     "here is a file, return it with one line changed" (issue 22's example: one break)
   nothing  short stories on given topics: no text to copy
 """
 
@@ -56,11 +59,17 @@ def copy_prompt(i: int) -> str:
             f"`area_{i}` renamed to `rect_area`, and nothing else.")
 
 
+def edit_prompt(i: int) -> str:
+    code = FILE.format(name=f"area_{i}", width=i + 2)
+    return (f"Here is a Python file:\n```python\n{code}```\nReturn the whole file with the line "
+            f"`return 2 * (width + height)` changed to `return 2.0 * (width + height)`, and nothing else.")
+
+
 def nothing_prompt(i: int) -> str:
     return f"Write a short story about {TOPICS[i % len(TOPICS)]} (variation {i})."
 
 
-WORKLOADS = {"copy": copy_prompt, "nothing": nothing_prompt}
+WORKLOADS = {"copy": copy_prompt, "edit": edit_prompt, "nothing": nothing_prompt}
 
 
 @dataclasses.dataclass
@@ -115,7 +124,7 @@ class LlamaCppPeer:
 
 def _measure_peer(peer: LlamaCppPeer, name: str, r: int, args: argparse.Namespace) -> list[Sample]:
     samples = []
-    for workload in WORKLOADS:
+    for workload in args.workloads:
         wall_s, outputs, tokens = peer.run(workload, args.prompts_c1, args.max_tokens_c1)
         samples.append(Sample(name, workload, 1, r, wall_s, tokens, 0, 0, outputs))
         print(f"round {r} {name:5s} {workload:7s} c1   {tokens / wall_s:7.1f} tok/s ({tokens} tokens, {wall_s:.1f} s)",
@@ -129,7 +138,7 @@ def measure(llms: dict, args: argparse.Namespace, peers: dict | None = None) -> 
         for name, peer in (peers or {}).items():
             samples += _measure_peer(peer, name, r, args)
         for name, llm in llms.items():
-            for workload in WORKLOADS:
+            for workload in args.workloads:
                 for c in args.concurrency:
                     before = llm.engine.stats()
                     n, max_tokens = (args.prompts_c1, args.max_tokens_c1) if c == 1 else (c, args.max_tokens)
@@ -169,6 +178,8 @@ def summarize(samples: list[Sample]) -> list[dict]:
         for c in sorted({s.concurrency for s in samples}):
             pick = {e: [s for s in samples if (s.engine, s.workload, s.concurrency) == (e, workload, c)]
                     for e in ("off", "ngram")}
+            if not all(pick.values()):
+                continue
             rate = {e: sum(s.output_tokens for s in v) / sum(s.wall_s for s in v) for e, v in pick.items()}
             same = sum(a == b for x, y in zip(pick["off"], pick["ngram"]) for a, b in zip(x.outputs, y.outputs))
             total = sum(len(x.outputs) for x in pick["off"])
@@ -187,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["copy", "nothing"],
+                   help="default: copy nothing (edit: measured apart, docs/benchmarks.md)")
     p.add_argument("--prompts-c1", type=int, default=4, help="prompts of each concurrency-1 run")
     p.add_argument("--max-tokens-c1", type=int, default=160)
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens at concurrency > 1")
