@@ -61,11 +61,12 @@ def quantize_blocks_ref(x: np.ndarray):
     return values, scales
 
 
-def integer_reference(x: np.ndarray, blocks: np.ndarray, fmt: str) -> np.ndarray:
-    """out[m, n] = sum_b d_w d_x (q . xq)_b + m_w d_x sum(xq_b), integers exact, float64 sums."""
-    values, scales = quantize_blocks_ref(x)
-    n = blocks.shape[0]
-    nb = values.shape[1]
+def block_dots_reference(values: np.ndarray, scales: np.ndarray, sums: np.ndarray, blocks: np.ndarray,
+                         fmt: str) -> np.ndarray:
+    """out[m, n] = sum_b d_w s_x (q . xq)_b + m_w sums_b for activations already rounded to
+    integer `values` [m, K / 32, 32] with `scales` and offset `sums` [m, K / 32]: the integer
+    block dots exact, the rest float64."""
+    n, nb = blocks.shape[0], values.shape[1]
     b = blocks.reshape(n, nb, -1)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
     if fmt == "q8_0":
@@ -75,34 +76,28 @@ def integer_reference(x: np.ndarray, blocks: np.ndarray, fmt: str) -> np.ndarray
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64)
         off = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if fmt == "q4_1" else -8.0 * d
     dots = np.einsum("mbj,nbj->mnb", values, q)  # exact int64
-    dx = scales.astype(np.float64)
-    sums = dx * values.sum(axis=2)
-    return np.einsum("mnb,nb,mb->mn", dots.astype(np.float64), d, dx) + np.einsum("nb,mb->mn", off, sums)
+    return (np.einsum("mnb,nb,mb->mn", dots.astype(np.float64), d, scales.astype(np.float64))
+            + np.einsum("nb,mb->mn", off, sums))
+
+
+def integer_reference(x: np.ndarray, blocks: np.ndarray, fmt: str) -> np.ndarray:
+    """The int8 path's product: sum_b d_w d_x (q . xq)_b + m_w d_x sum(xq_b)."""
+    values, scales = quantize_blocks_ref(x)
+    return block_dots_reference(values, scales, scales.astype(np.float64) * values.sum(axis=2), blocks, fmt)
 
 
 def wide_reference(x: np.ndarray, blocks: np.ndarray, fmt: str) -> np.ndarray:
     """The 16-bit path's product: activations rounded to int16 per 32-wide block as the
-    kernel rounds them (float32 scale amax / 32767, values rint(x * (32767 / amax))), integer
-    block dots exact, d_w s_x dot + m_w sum(x) summed in float64."""
+    kernel rounds them (float32 scale amax / 32767, values rint(x * (32767 / amax))), then
+    d_w s_x (q . xq)_b + m_w sum(x_b), the block's own float sum."""
     m, k = x.shape
     xb = x.reshape(m, k // BLOCK, BLOCK)
     amax = np.abs(xb).max(axis=2)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
     values = np.rint(xb * inv[..., None]).astype(np.int64)
-    scales = (amax / np.float32(32767)).astype(np.float64)
-    n, nb = blocks.shape[0], k // BLOCK
-    b = blocks.reshape(n, nb, -1)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
-    if fmt == "q8_0":
-        q, off = b[..., 2:].view(np.int8).astype(np.int64), np.zeros_like(d)
-    else:
-        qs = b[..., 4:] if fmt == "q4_1" else b[..., 2:]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64)
-        off = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if fmt == "q4_1" else -8.0 * d
-    dots = np.einsum("mbj,nbj->mnb", values, q)  # exact int64
-    sums = xb.astype(np.float64).sum(axis=2)
-    return np.einsum("mnb,nb,mb->mn", dots.astype(np.float64), d, scales) + np.einsum("nb,mb->mn", off, sums)
+    scales = amax / np.float32(32767)
+    return block_dots_reference(values, scales, xb.astype(np.float64).sum(axis=2), blocks, fmt)
 
 
 def bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
