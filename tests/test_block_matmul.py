@@ -199,6 +199,23 @@ def test_wide_path_equals_int16_reference(fmt, rows):
 
 
 @needs_wide
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_wide_path_carries_a_non_finite_activation_to_its_row(fmt, bad):
+    # As the float path does: the engine's fault check must see a NaN / inf hidden state,
+    # not a finite value rounded out of it. Other rows stay finite and exact.
+    k, n = 576, 12
+    blocks, x = random_blocks(fmt, n, k), activations(9, k)
+    x[3, 40] = bad
+    weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_TARGET, 0, wide_rows=1)
+    got = np.asarray(block_matmul(jnp.asarray(x), weight))
+    assert not np.isfinite(got[3]).any(), "row 3 holds a non-finite activation"
+    rest = np.delete(np.arange(9), 3)
+    assert np.isfinite(got[rest]).all()
+    np.testing.assert_array_equal(got[rest], np.asarray(block_matmul(jnp.asarray(x[rest]), weight)))
+
+
+@needs_wide
 def test_wide_path_is_chosen_by_row_count_and_rounds_activations_finely():
     # Below wide_rows the float path: float32 rounding only. From wide_rows: off the float
     # product by the int16 activation rounding (well above float32's), yet ~250x closer than
