@@ -177,14 +177,15 @@ def block_int_rows() -> int:
 
 # Rows from which a block product quantizes its activations to 32-wide int16 blocks and
 # multiplies them with vpdpwssd (block_matmul_i16.inc: rows in groups of 8 lanes below 16
-# rows, of 16 from there), by the ISA; 0: never (AVX2 has no such path). Measured on Zen 4,
-# one thread, weights in cache, against the float path: Q4_1 [576, 1536] 4 rows 0.63x (8
-# lanes half empty), 5 rows 1.13x, 8 rows 1.45x, 16-160 rows 1.5-1.7x; the Q8_0 head 1.14x
-# at 5 rows, 1.2-1.4x from 8. In the engine (default model, greedy decode steps at context
-# 256, 3 alternated rounds in one process): 4 rows 13.4 ms either way (float), 8 rows 22.9
-# -> 20.0, 16 rows 38.4 -> 31.1, 32 rows 67.4 -> 56.8 (docs/benchmarks.md "16-bit
-# activation blocks"). The rounding is at most 1/65534 of a block's largest activation; the
-# default mode's KL against float32 stays ~2,500x below llama.cpp's (tools/compare_logits.py).
+# rows, of 16 from there), by the ISA; 0: never (AVX2 has no vpdpwssd). Measured on Zen 4,
+# one thread, weights in cache (bench/kernels/wide_path_probe.cc), against the float path:
+# Q4_1 [576, 1536] 4 rows 0.74x (8 lanes half empty), 5 rows 1.13x, 8 rows 1.45x, 16-160
+# rows 1.5-1.7x; the Q8_0 head 1.14x at 5 rows, 1.2-1.4x from 8. In the engine (default
+# model, greedy decode steps at context 256, 3 alternated rounds in one process): 4 rows
+# 13.4 ms either way (float), 8 rows 22.9 -> 20.0, 16 rows 38.4 -> 31.1, 32 rows 67.4 ->
+# 56.8 (docs/benchmarks.md "16-bit activation blocks"). The rounding is at most 1/65534 of
+# a block's largest activation; the default mode's KL against float32 stays ~2,500x below
+# llama.cpp's (tools/compare_logits.py).
 BLOCK_WIDE_ROWS = {"AVX-512 VNNI": 5, "AVX2": 0}
 
 
