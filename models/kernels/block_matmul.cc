@@ -121,6 +121,47 @@ ffi::Error RunAmxProduct(ffi::ThreadPool pool, const Problem& p, int fmt, int64_
   return ffi::Error::Success();
 }
 
+// x [m, k] in 32-wide int8 blocks (the integer path), a row a task, on the build cpuid chose.
+struct Int8Activations {
+  std::vector<int8_t> values;
+  std::vector<float> scales, sums;
+  QuantizedRows rows{};
+
+  void Quantize(ffi::ThreadPool& pool, int64_t threads, const float* x, int64_t m, int64_t k) {
+    const int64_t blocks = k / kBlock;
+    values.resize(m * k);
+    scales.resize(m * blocks);
+    sums.resize(m * blocks);
+    ferrox::ParallelFor(pool, std::min<int64_t>(threads, m), m, [&](int64_t r) {
+      if (kIsa == 2)
+        ferrox_avx512::QuantizeRowBlocks(x + r * k, k, &values[r * k], &scales[r * blocks], &sums[r * blocks]);
+      else
+        ferrox_avx2::QuantizeRowBlocks(x + r * k, k, &values[r * k], &scales[r * blocks], &sums[r * blocks]);
+    });
+    rows = QuantizedRows{values.data(), scales.data(), sums.data()};
+  }
+};
+
+// x [m, k] in 32-wide int16 blocks (the 16-bit path, AVX-512 VNNI): rows in groups of 8 or
+// 16 lanes, a group a task.
+struct WideActivations {
+  std::vector<Lanes16> pairs;
+  std::vector<float> scales, sums;
+  ferrox_avx512::WideRows rows{};
+
+  void Quantize(ffi::ThreadPool& pool, int64_t threads, const float* x, int64_t m, int64_t k) {
+    const int64_t lanes = ferrox_avx512::WideLanes(m), groups = (m + lanes - 1) / lanes, blocks = k / kBlock;
+    pairs.resize(groups * blocks * lanes);  // 16 pairs of `lanes` int32 a block: lanes Lanes16
+    scales.resize(groups * blocks * lanes);
+    sums.resize(groups * blocks * lanes);
+    int32_t* pair_data = pairs.data()->v;
+    ferrox::ParallelFor(pool, std::min<int64_t>(threads, groups), groups, [&](int64_t g) {
+      ferrox_avx512::QuantizeWideGroup(x, m, k, lanes, g, pair_data, scales.data(), sums.data());
+    });
+    rows = ferrox_avx512::WideRows{pair_data, scales.data(), sums.data(), lanes};
+  }
+};
+
 // The products of one call: outs[i] = x @ dequantize(ws[i])^T for `count` weights of the
 // same x (the multi-weight handler fuses q/k/v and gate/up this way; one weight is the
 // plain call). The columns of all of them are shared over the pool as one problem; the
@@ -141,41 +182,13 @@ ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* f
       return ffi::Error::Success();
     }
   }
-  std::vector<int8_t> values;
-  std::vector<float> scales, sums;
-  QuantizedRows xq{};
+  // x quantized once for every weight of the call, for the integer or the 16-bit path
   const bool integer = int_rows > 0 && m >= int_rows;
-  if (integer) {
-    const int64_t blocks = k / kBlock;
-    values.resize(m * k);
-    scales.resize(m * blocks);
-    sums.resize(m * blocks);
-    const float* x = ps[0].x;
-    ferrox::ParallelFor(pool, std::min<int64_t>(threads, m), m, [&](int64_t r) {
-      if (kIsa == 2)
-        ferrox_avx512::QuantizeRowBlocks(x + r * k, k, &values[r * k], &scales[r * blocks], &sums[r * blocks]);
-      else
-        ferrox_avx2::QuantizeRowBlocks(x + r * k, k, &values[r * k], &scales[r * blocks], &sums[r * blocks]);
-    });
-    xq = QuantizedRows{values.data(), scales.data(), sums.data()};
-  }
-  // the 16-bit path: rows in groups of 8 or 16 lanes, each group quantized by one task
-  std::vector<Lanes16> pairs;
-  std::vector<float> wide_scales, wide_sums;
-  ferrox_avx512::WideRows xw{};
   const bool wide = !integer && kIsa == 2 && wide_rows > 0 && m >= wide_rows;
-  if (wide) {
-    const int64_t lanes = ferrox_avx512::WideLanes(m), groups = (m + lanes - 1) / lanes, blocks = k / kBlock;
-    pairs.resize(groups * blocks * lanes);  // 16 pairs of `lanes` int32 a block: lanes Lanes16
-    wide_scales.resize(groups * blocks * lanes);
-    wide_sums.resize(groups * blocks * lanes);
-    int32_t* pair_data = pairs.data()->v;
-    const float* x = ps[0].x;
-    ferrox::ParallelFor(pool, std::min<int64_t>(threads, groups), groups, [&](int64_t g) {
-      ferrox_avx512::QuantizeWideGroup(x, m, k, lanes, g, pair_data, wide_scales.data(), wide_sums.data());
-    });
-    xw = ferrox_avx512::WideRows{pair_data, wide_scales.data(), wide_sums.data(), lanes};
-  }
+  Int8Activations xq;
+  WideActivations xw;
+  if (integer) xq.Quantize(pool, threads, ps[0].x, m, k);
+  if (wide) xw.Quantize(pool, threads, ps[0].x, m, k);
   // 4 chunks per thread balance uneven progress; chunks are whole 4-column tiles of one
   // weight (a weight's last chunk may be short).
   const int64_t target = threads * 4;
@@ -183,8 +196,8 @@ ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* f
   int64_t first[4] = {0, 0, 0, 0};  // the first task of each weight (count <= 3)
   int64_t tasks = 0;
   for (int64_t i = 0; i < count; ++i) first[i] = tasks, tasks += (ps[i].n + chunk - 1) / chunk;
-  const QuantizedRows* rows = integer ? &xq : nullptr;
-  const ferrox_avx512::WideRows* wide_rows_ptr = wide ? &xw : nullptr;
+  const QuantizedRows* rows = integer ? &xq.rows : nullptr;
+  const ferrox_avx512::WideRows* wide_rows_ptr = wide ? &xw.rows : nullptr;
   ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, rows, wide_rows_ptr, chunk](int64_t t) {
     int64_t i = count - 1;
     while (t < first[i]) --i;
