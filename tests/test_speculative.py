@@ -43,6 +43,24 @@ def test_count_accepted_stops_at_the_first_mismatch():
     assert count_accepted((4, 5, 6), [4, 5, 6, 9]) == 3
 
 
+def test_bench_reports_the_free_verification_bound_and_the_verifying_step_cost():
+    from tools.bench_speculative import Sample, step_costs
+
+    def run(engine, c, steps, ticks, tick_s, verifying=0):
+        return Sample(engine, "copy", c, 0, tick_s, 0, 0, 0, [], decode_steps=steps, ticks=ticks, tick_s=tick_s,
+                      verifying_steps=verifying)
+
+    # 100 one-token ticks of 10 ms without; with: 60 ticks, 30 of them verifying at 15 ms
+    off = [run("off", 1, 96, 100, 1.0)]
+    ngram = [run("ngram", 1, 56, 60, 30 * 0.010 + 30 * 0.015, verifying=30)]
+    costs = step_costs(off, ngram)
+    assert costs["free_verification_bound"] == round(96 / 56, 3)
+    assert costs["verify_step_cost"] == 1.5
+    # above concurrency 1 a step holds many rows: no per-step cost, the bound still stands
+    many = step_costs([run("off", 32, 64, 70, 1.0)], [run("ngram", 32, 60, 66, 1.0, verifying=5)])
+    assert many["verify_step_cost"] is None and many["free_verification_bound"] == round(64 / 60, 3)
+
+
 def test_config_reads_vllm_json_and_checks_fields():
     cfg = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, '
                                       '"prompt_lookup_min": 2}')

@@ -11,11 +11,23 @@ the count of identical outputs beside every speed, and the acceptance rate (acce
 tokens, from the engine's `spec_decode_*` counters over that run) beside the speculative
 engine's figures.
 
+Why a ratio is what it is, from the same runs' counters (BatcherStats):
+  free_verification_bound  decode steps without speculation / decode steps with it: the
+                           ratio if a verifying step cost what a one-token step does (the
+                           drafts the proposer found and the model kept decide it, not the
+                           hardware)
+  verify_step_cost         concurrency 1: what a step that verifies drafts costs, in one-token
+                           steps (each engine's wall time per tick, device and host: 1.0 is
+                           free verification, the bandwidth-bound case the method assumes)
+  The ratio is about bound / (1 + verifying share of steps x (verify_step_cost - 1)).
+
 Workloads (chat template, the default model's instruct turn; `--workloads` picks, copy and
 nothing by default):
   copy     "here is a file, return it with one thing renamed" over small Python files (the
            name occurs twice: the copy breaks twice)
   edit     "here is a file, return it with one line changed" (issue 22's example: one break)
+  fix      "here is a file with a typo, return it corrected" (the same kind of task; the
+           default model copies this file more faithfully than the other two)
   nothing  short stories on given topics: no text to copy
 """
 
@@ -69,7 +81,13 @@ def nothing_prompt(i: int) -> str:
     return f"Write a short story about {TOPICS[i % len(TOPICS)]} (variation {i})."
 
 
-WORKLOADS = {"copy": copy_prompt, "edit": edit_prompt, "nothing": nothing_prompt}
+def fix_prompt(i: int) -> str:
+    code = FILE.format(name=f"area_{i}", width=i + 2).replace("perimeter", "perimetre", 1)
+    return (f"Here is a Python file with a typo:\n```python\n{code}```\nFix the typo and return the whole "
+            f"corrected file in a code block.")
+
+
+WORKLOADS = {"copy": copy_prompt, "edit": edit_prompt, "fix": fix_prompt, "nothing": nothing_prompt}
 
 
 @dataclasses.dataclass
@@ -83,6 +101,10 @@ class Sample:
     draft_tokens: int
     accepted_tokens: int
     outputs: list[list[int]]
+    decode_steps: int = 0  # the engine's counters over this run (BatcherStats deltas)
+    ticks: int = 0
+    tick_s: float = 0.0  # device + host seconds of those ticks
+    verifying_steps: int = 0  # row-steps that verified drafts (= steps at concurrency 1)
 
 
 def _run(llm: Any, workload: str, concurrency: int, num_prompts: int, max_tokens: int) -> tuple[float, list]:
@@ -132,6 +154,26 @@ def _measure_peer(peer: LlamaCppPeer, name: str, r: int, args: argparse.Namespac
     return samples
 
 
+_COUNTED = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_drafts",
+            "decode_steps", "ticks", "device_s", "host_s")
+
+
+def step_costs(off: list[Sample], ngram: list[Sample]) -> dict:
+    """The free-verification bound and, at concurrency 1, the cost of a verifying step in
+    one-token steps (module docstring), from the two engines' runs of one workload."""
+    steps = {e: sum(s.decode_steps for s in v) for e, v in (("off", off), ("ngram", ngram))}
+    out = {"off_steps": steps["off"], "ngram_steps": steps["ngram"],
+           "free_verification_bound": round(steps["off"] / steps["ngram"], 3) if steps["ngram"] else None,
+           "verify_step_cost": None}
+    ticks = sum(s.ticks for s in ngram)
+    verifying = sum(s.verifying_steps for s in ngram)
+    if off[0].concurrency == 1 and verifying and ticks and all(s.ticks for s in off):
+        per_tick = {e: sum(s.tick_s for s in v) / sum(s.ticks for s in v) for e, v in (("off", off), ("ngram", ngram))}
+        # ngram's mean tick = off's x (1 + share x (cost - 1)): a tick that verifies costs `cost` plain ones
+        out["verify_step_cost"] = round(1 + (per_tick["ngram"] / per_tick["off"] - 1) * ticks / verifying, 2)
+    return out
+
+
 def measure(llms: dict, args: argparse.Namespace, peers: dict | None = None) -> list[Sample]:
     samples = []
     for r in range(args.rounds):
@@ -144,10 +186,12 @@ def measure(llms: dict, args: argparse.Namespace, peers: dict | None = None) -> 
                     n, max_tokens = (args.prompts_c1, args.max_tokens_c1) if c == 1 else (c, args.max_tokens)
                     wall_s, outputs = _run(llm, workload, c, n, max_tokens)
                     after = llm.engine.stats()
+                    delta = {f: getattr(after, f) - getattr(before, f) for f in _COUNTED}
                     s = Sample(name, workload, c, r, wall_s, sum(map(len, outputs)),
-                               after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
-                               after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
-                               outputs)
+                               delta["spec_decode_num_draft_tokens"], delta["spec_decode_num_accepted_tokens"],
+                               outputs, decode_steps=delta["decode_steps"], ticks=delta["ticks"],
+                               tick_s=delta["device_s"] + delta["host_s"],
+                               verifying_steps=delta["spec_decode_num_drafts"])
                     samples.append(s)
                     print(f"round {r} {name:5s} {workload:7s} c{c:<3d} {s.output_tokens / wall_s:7.1f} tok/s "
                           f"({s.output_tokens} tokens, {wall_s:.1f} s) accepted {s.accepted_tokens}/{s.draft_tokens}",
@@ -189,7 +233,8 @@ def summarize(samples: list[Sample]) -> list[dict]:
                              ngram_tok_s=round(rate["ngram"], 1), speedup=round(rate["ngram"] / rate["off"], 3),
                              identical_outputs=f"{same}/{total}", draft_tokens=drafts, accepted_tokens=accepted,
                              acceptance=round(accepted / drafts, 3) if drafts else None,
-                             tokens_per_row=round(sum(s.output_tokens for s in pick["ngram"]) / total, 1)))
+                             tokens_per_row=round(sum(s.output_tokens for s in pick["ngram"]) / total, 1),
+                             **step_costs(pick["off"], pick["ngram"])))
     return rows
 
 
@@ -199,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["copy", "nothing"],
-                   help="default: copy nothing (edit: measured apart, docs/benchmarks.md)")
+                   help="default: copy nothing (edit, fix: measured apart, docs/benchmarks.md)")
     p.add_argument("--prompts-c1", type=int, default=4, help="prompts of each concurrency-1 run")
     p.add_argument("--max-tokens-c1", type=int, default=160)
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens at concurrency > 1")
