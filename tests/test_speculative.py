@@ -59,6 +59,9 @@ def test_bench_reports_the_free_verification_bound_and_the_verifying_step_cost()
     # above concurrency 1 a step holds many rows: no per-step cost, the bound still stands
     many = step_costs([run("off", 32, 64, 70, 1.0)], [run("ngram", 32, 60, 66, 1.0, verifying=5)])
     assert many["verify_step_cost"] is None and many["free_verification_bound"] == round(64 / 60, 3)
+    # too few verifying ticks to tell their cost from the noise in the mean tick
+    few = step_costs(off, [run("ngram", 1, 90, 94, 0.95, verifying=10)])
+    assert few["verify_step_cost"] is None and few["free_verification_bound"] == round(96 / 90, 3)
 
 
 def test_config_reads_vllm_json_and_checks_fields():

@@ -18,7 +18,9 @@ Why a ratio is what it is, from the same runs' counters (BatcherStats):
                            hardware)
   verify_step_cost         concurrency 1: what a step that verifies drafts costs, in one-token
                            steps (each engine's wall time per tick, device and host: 1.0 is
-                           free verification, the bandwidth-bound case the method assumes)
+                           free verification, the bandwidth-bound case the method assumes);
+                           not stated where under a fifth of the ticks verify (a 1 % noise in
+                           the mean tick would move it by 5 % or more)
   The ratio is about bound / (1 + verifying share of steps x (verify_step_cost - 1)).
 
 Workloads (chat template, the default model's instruct turn; `--workloads` picks, copy and
@@ -158,6 +160,9 @@ _COUNTED = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "
             "decode_steps", "ticks", "device_s", "host_s")
 
 
+MIN_VERIFYING_SHARE = 0.2
+
+
 def step_costs(off: list[Sample], ngram: list[Sample]) -> dict:
     """The free-verification bound and, at concurrency 1, the cost of a verifying step in
     one-token steps (module docstring), from the two engines' runs of one workload."""
@@ -167,7 +172,9 @@ def step_costs(off: list[Sample], ngram: list[Sample]) -> dict:
            "verify_step_cost": None}
     ticks = sum(s.ticks for s in ngram)
     verifying = sum(s.verifying_steps for s in ngram)
-    if off[0].concurrency == 1 and verifying and ticks and all(s.ticks for s in off):
+    # Derived from the mean tick, so noise in it is multiplied by ticks / verifying: only
+    # stated where at least MIN_VERIFYING_SHARE of the ticks verify.
+    if off[0].concurrency == 1 and ticks and verifying >= MIN_VERIFYING_SHARE * ticks and all(s.ticks for s in off):
         per_tick = {e: sum(s.tick_s for s in v) / sum(s.ticks for s in v) for e, v in (("off", off), ("ngram", ngram))}
         # ngram's mean tick = off's x (1 + share x (cost - 1)): a tick that verifies costs `cost` plain ones
         out["verify_step_cost"] = round(1 + (per_tick["ngram"] / per_tick["off"] - 1) * ticks / verifying, 2)
