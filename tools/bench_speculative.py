@@ -21,7 +21,7 @@ Why a ratio is what it is, from the same runs' counters (BatcherStats):
                            free verification, the bandwidth-bound case the method assumes);
                            not stated where under a fifth of the ticks verify (a 1 % noise in
                            the mean tick would move it by 5 % or more)
-  The ratio is about bound / (1 + verifying share of steps x (verify_step_cost - 1)).
+  The ratio is about bound / (1 + verifying share of ticks x (verify_step_cost - 1)).
 
 Workloads (chat template, the default model's instruct turn; `--workloads` picks, copy and
 nothing by default):
@@ -156,11 +156,10 @@ def _measure_peer(peer: LlamaCppPeer, name: str, r: int, args: argparse.Namespac
     return samples
 
 
+# BatcherStats fields a run's Sample takes as deltas
 _COUNTED = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_drafts",
             "decode_steps", "ticks", "device_s", "host_s")
-
-
-MIN_VERIFYING_SHARE = 0.2
+MIN_VERIFYING_SHARE = 0.2  # fewest verifying ticks, as a share of all, for verify_step_cost
 
 
 def step_costs(off: list[Sample], ngram: list[Sample]) -> dict:
