@@ -18,7 +18,9 @@ its own (only more rows of the decode buckets) and runs through the same one-que
 attention kernels as plain decoding, so its logits are the non-speculative ones, up to the
 rounding of a bigger row bucket: from 5 rows the block kernel sums in other pieces, and on
 AVX-512 VNNI rounds activations to int16 blocks (~1e-5 of a logit; models/cpu_kernels.py),
-so a greedy token could differ only where two logits tie to that precision (the tests and
+and the CPU attention kernel reads the keys once for the row's 1 + k tokens, summing them
+tile by tile (models/kernels/decode_attention_shared.inc, ~1e-6 of an output), so a greedy
+token could differ only where two logits tie to that precision (the tests and
 tools/bench_speculative.py compare outputs token for token).
 
 Exactness. Each sampled token is what the row would have sampled without speculation: the

@@ -311,8 +311,9 @@ class CpuDecodeAttention:
         """`paged_attention`'s contract for T >= 1 (no window, no soft-cap): prompt chunks
         on the same kernel. Each query token becomes a one-query row of its own (its row's
         block table, length position + 1): the keys it may see are exactly its causal
-        prefix, read in place (a chunk's keys are re-read per query from cache, where XLA's
-        path gathered them and computed masked scores for a whole chunk of blocks).
+        prefix, read in place. The chunk's rows share one table, so the kernel walks their
+        keys once, in tiles, for all of them (decode_attention_shared.inc), where XLA's path
+        gathered them and computed masked scores for a whole chunk of blocks.
         Padding tokens (valid False) read one key and give zeros.
 
         Args:

@@ -269,6 +269,40 @@ def test_decode_attention_split_into_pieces_matches_the_pure_jax_paged_attention
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
 
 
+# heads / kv heads 3 (the default model), 4 (a pack of 3 query heads and 1), 2 and 1;
+# head_dim 56: value columns 32 + 24
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 16), (4, 2, 56), (4, 4, 32)])
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_rows_sharing_a_block_table_match_the_pure_jax_paged_attention(heads, kv_heads, head_dim, kv_dtype):
+    """Consecutive rows with one table (a speculating row's 1 + d tokens, a prompt chunk's
+    tokens) walk their keys together in tiles with an online softmax (SharedRows in
+    decode_attention_shared.inc); lone rows between them keep the Piece path."""
+    from models.attention import paged_attention
+
+    rng = np.random.default_rng(heads * head_dim + 1)
+    block_size, width, blocks = 16, 16, 120
+    k_cache, v_cache = _random_cache(rng, kv_heads, blocks, block_size, head_dim, kv_dtype)
+    # (rows, first length): a lone long row, a verification of 1 + 3 tokens, a lone short
+    # row, a 40-token chunk resuming at 61 (tiles partly visible), two one-key rows
+    runs = [(1, 250), (4, 97), (1, 5), (40, 61), (2, 1)]
+    shuffled = iter(rng.permutation(np.arange(1, blocks)))
+    tables, lengths = [], []
+    for count, length in runs:
+        used = -(-(length + count - 1) // block_size)
+        table = np.zeros(width, np.int32)
+        table[:used] = [next(shuffled) for _ in range(used)]
+        tables += [table] * count
+        lengths += [length + i if length > 1 else 1 for i in range(count)]
+    tables, lengths = np.stack(tables), np.array(lengths, np.int32)
+    q = jnp.asarray(rng.standard_normal((len(lengths), 1, heads, head_dim)).astype(np.float32) * 2)
+    positions = jnp.asarray(lengths[:, None] - 1)
+    scale = head_dim ** -0.5
+    want = jax.jit(paged_attention, static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables), positions, scale)
+    got = jax.jit(cpu_kernels.decode_attention(), static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables),
+                                                                        positions, scale)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16)])
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_chunk_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, head_dim, kv_dtype):

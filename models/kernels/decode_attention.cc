@@ -15,10 +15,12 @@
 //   lengths  s32[B]             keys each row sees (its position + 1), 1 <= length <= MB bs
 //   scale    f32 attribute      the scores' factor (1 / sqrt(hd) for most models)
 //   out      f32[B, H, hd]      softmax(q k^T scale) v, per row and head
-// hd must be a multiple of 8 (checked). Work is shared over (row, kv head) pairs; where
-// they are fewer than 4 per thread (one decoding row has K of them), each pair's keys are
-// cut into pieces of at least 64, and the pieces' softmax sums are merged as flash-decoding
-// does (each rescaled from its own maximum to the overall one).
+// hd must be a multiple of 8 (checked). Consecutive rows with the same table (a prompt
+// chunk's tokens, a speculating row's 1 + d tokens) are run together, reading each key
+// once for all of them (decode_attention_shared.inc). Lone rows' work is shared over (row,
+// kv head) pairs; where they are fewer than 4 per thread (one decoding row has K of them),
+// each pair's keys are cut into pieces of at least 64, and the pieces' softmax sums are
+// merged as flash-decoding does (each rescaled from its own maximum to the overall one).
 
 #include <immintrin.h>
 
@@ -26,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu_common.h"
@@ -218,6 +221,8 @@ struct Piece {
   }
 };
 
+#include "decode_attention_shared.inc"
+
 #pragma GCC pop_options
 
 // Below this many multiply-adds (keys x heads x head_dim, twice) the caller works alone.
@@ -248,32 +253,73 @@ void MergePieces(const Problem& p, int64_t row, int64_t kv_head, int64_t pieces,
   }
 }
 
-template <typename T>
-void Run(ffi::ThreadPool& pool, const Problem& p, const T* k_cache, const T* v_cache, int64_t rows) {
-  int64_t work = 0, longest = 0;
+// Rows that share one block table (SharedRows) come in consecutive runs: [first, first + count).
+std::vector<std::pair<int64_t, int64_t>> SharedRuns(const Problem& p, int64_t rows) {
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  const size_t bytes = p.max_blocks * sizeof(int32_t);
   for (int64_t b = 0; b < rows; ++b) {
-    work += int64_t{p.lengths[b]} * p.heads * p.head_dim * 2;
-    longest = std::max<int64_t>(longest, p.lengths[b]);
+    if (!runs.empty() && std::memcmp(p.tables + b * p.max_blocks,
+                                     p.tables + runs.back().first * p.max_blocks, bytes) == 0)
+      ++runs.back().second;
+    else
+      runs.push_back({b, 1});
   }
-  const int64_t threads = work >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
+  return runs;
+}
+
+// The rows with a table of their own: one task per (row, kv head) pair, or per piece of it.
+template <typename T>
+void RunLone(ffi::ThreadPool& pool, const Problem& p, const T* k_cache, const T* v_cache, int64_t threads,
+             const std::vector<int64_t>& lone) {
+  int64_t longest = 0;
+  for (int64_t b : lone) longest = std::max<int64_t>(longest, p.lengths[b]);
   // Few (row, kv head) pairs for the threads (one decoding row has K of them): each
   // pair's keys are cut into pieces, run in parallel, and merged.
-  const int64_t pairs = rows * p.kv_heads, want = threads * kPiecesPerThread;
+  const int64_t pairs = static_cast<int64_t>(lone.size()) * p.kv_heads, want = threads * kPiecesPerThread;
   const int64_t pieces = pairs >= want ? 1 : std::clamp<int64_t>((want + pairs - 1) / pairs, 1,
                                                                   std::max<int64_t>(1, longest / kMinPieceKeys));
   const int64_t groups = p.heads / p.kv_heads;
   std::vector<float> partials(pairs * pieces * groups * (p.head_dim + 2));
   ferrox::ParallelFor(pool, threads, pairs * pieces, [&](int64_t task) {
     thread_local std::vector<float> scores;
-    const int64_t pair = task / pieces, c = task % pieces, row = pair / p.kv_heads;
+    const int64_t pair = task / pieces, c = task % pieces, row = lone[pair / p.kv_heads];
     const int64_t length = p.lengths[row], per = ((length + pieces - 1) / pieces + 7) / 8 * 8;
     const Piece<T> piece{p, k_cache, v_cache, row, pair % p.kv_heads};
     piece.Run(std::min(length, c * per), std::min(length, (c + 1) * per), scores,
               partials.data() + task * groups * (p.head_dim + 2));
   });
   for (int64_t pair = 0; pair < pairs; ++pair)
-    MergePieces(p, pair / p.kv_heads, pair % p.kv_heads, pieces,
+    MergePieces(p, lone[pair / p.kv_heads], pair % p.kv_heads, pieces,
                 partials.data() + pair * pieces * groups * (p.head_dim + 2));
+}
+
+// Most rows of a slice of shared rows (its queries' state stays in L1/L2).
+constexpr int64_t kSliceRows = 16;
+
+template <typename T>
+void Run(ffi::ThreadPool& pool, const Problem& p, const T* k_cache, const T* v_cache, int64_t rows) {
+  int64_t work = 0;
+  for (int64_t b = 0; b < rows; ++b) work += int64_t{p.lengths[b]} * p.heads * p.head_dim * 2;
+  const int64_t threads = work >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
+  // Lone rows take the Piece path; runs of rows sharing a table are cut into slices of
+  // rows, each a task per kv head, small enough that the threads get 2 tasks each.
+  std::vector<int64_t> lone;
+  std::vector<std::pair<int64_t, int64_t>> slices;
+  for (const auto& [first, count] : SharedRuns(p, rows)) {
+    if (count == 1) {
+      lone.push_back(first);
+      continue;
+    }
+    const int64_t per = std::clamp<int64_t>(count * p.kv_heads / (2 * threads), 1, kSliceRows);
+    for (int64_t r = 0; r < count; r += per) slices.push_back({first + r, std::min(per, count - r)});
+  }
+  if (!slices.empty())
+    ferrox::ParallelFor(pool, threads, static_cast<int64_t>(slices.size()) * p.kv_heads, [&](int64_t task) {
+      thread_local std::vector<float> scratch;
+      const auto& [first, count] = slices[task / p.kv_heads];
+      SharedRows<T>{p, k_cache, v_cache, first, count, task % p.kv_heads}.Run(scratch);
+    });
+  if (!lone.empty()) RunLone(pool, p, k_cache, v_cache, threads, lone);
 }
 
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
