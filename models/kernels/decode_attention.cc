@@ -97,6 +97,15 @@ inline __m256 Sum8(const __m256* v) {
 // hardware prefetcher alone left a decoding row waiting on memory.
 constexpr int64_t kAheadKeys = 16;
 
+// Key or value j of `row` for `kv_head`: its cache row, found through the row's block table.
+template <typename T>
+inline const T* CacheRow(const Problem& p, const T* cache, int64_t row, int64_t kv_head, int64_t j) {
+  const int32_t* table = p.tables + row * p.max_blocks;
+  const int64_t head_stride = p.blocks * p.block_size * p.head_dim;  // elements per kv head of the cache
+  return cache + kv_head * head_stride +
+         (int64_t{table[j / p.block_size]} * p.block_size + j % p.block_size) * p.head_dim;
+}
+
 // One (row, kv head, range of keys): for each of its G = H / K query heads, the scores of
 // keys [begin, end), their softmax numerators against the range's own maximum, and
 // partial[g] = (sum_j e_j v_j [hd], the maximum, sum_j e_j): a piece MergePieces combines.
@@ -107,12 +116,7 @@ struct Piece {
   const T* v_cache;
   int64_t row, kv_head;
 
-  const T* KeyRow(const T* cache, int64_t j) const {
-    const int32_t* table = p.tables + row * p.max_blocks;
-    const int64_t head_stride = p.blocks * p.block_size * p.head_dim;  // elements per kv head of the cache
-    return cache + kv_head * head_stride +
-           (int64_t{table[j / p.block_size]} * p.block_size + j % p.block_size) * p.head_dim;
-  }
+  const T* KeyRow(const T* cache, int64_t j) const { return CacheRow(p, cache, row, kv_head, j); }
 
   // scores[g * padded + i] = q_g . k_(begin + i) * scale, 8 keys at a time.
   void Scores(int64_t begin, int64_t n, int64_t padded, float* scores) const {
