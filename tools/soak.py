@@ -15,6 +15,12 @@ output (`json_schema`), tools, or a LoRA adapter (the adapters `/v1/models` list
 - `--recheck-frac` (5%) prefix-cache re-checks: one greedy llama.cpp `/completion` over a
   shared prefix sent with `cache_prompt: true` twice (the second reads the cache) and once
   with `cache_prompt: false` (computed cold); the cached text must equal the cold one;
+- `--hostile-frac` (0 unless given) hostile (tools/soak_hostile.py): cache rebuilds no
+  device holds, cross-origin "simple" posts to state-changing routes, a foreign `Host`,
+  text/plain bodies, broken or mis-named LoRA adapters (with `--runtime-lora`, and the
+  folders `--bad-adapters` names under the server's --model-dir), grammar and reply bombs,
+  bloated session turns: each must get a 4xx in its route's envelope, and none may change
+  whether the server sleeps, its KV cache's size or its adapters (checked at the end);
 - the rest served in full. A stream must end the way its protocol ends one (`[DONE]`,
   `response.completed`, `message_stop`, llama.cpp's `stop: true`) and carry no error event.
 
@@ -26,7 +32,7 @@ waiting), RSS growth from the baseline (taken `--rss-baseline` seconds in, or af
 `--warmup` requests) to the end, and speculative-decoding counters.
 
 Exit status: 0 when there was no 5xx, no stream error, no malformed request answered
-outside its envelope, no cached/cold mismatch, no leaked block, the server is still ready,
+outside its envelope, no hostile request served or changing the server, no cached/cold mismatch, no leaked block, the server is still ready,
 and (with `--max-rss-growth-pct` / `--max-health-p99-ms`) RSS growth and /health p99 are
 under those limits; 1 otherwise; 2 for a non-loopback URL. Traffic goes only to loopback
 addresses, and the run is bounded by `--requests` (or `--duration`) and `--max-seconds`.
@@ -49,7 +55,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from tools import soak_mix
+from tools import soak_hostile, soak_mix, soak_requests
 from tools.soak_monitor import HealthSampler, percentile
 
 
@@ -66,6 +72,9 @@ class SoakConfig:
     cancel_frac: float = 0.2
     malformed_frac: float = 0.1
     recheck_frac: float = 0.0
+    hostile_frac: float = 0.0
+    bad_adapters: tuple[str, ...] = ()  # broken adapter folders under the server's --model-dir
+    runtime_lora: bool = False  # the server answers /v1/load_lora_adapter
     warmup: int = 20  # requests before the RSS baseline (when rss_baseline_s is None)
     rss_baseline_s: float | None = None  # seconds into the run for the RSS baseline
     duration_s: float | None = None  # run for this long instead of num_requests
@@ -81,8 +90,8 @@ class SoakConfig:
     max_health_p99_ms: float | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.cancel_frac + self.malformed_frac + self.recheck_frac <= 1:
-            raise ValueError("SoakConfig.cancel_frac + malformed_frac + recheck_frac must be in [0, 1]")
+        if not 0 <= self.cancel_frac + self.malformed_frac + self.recheck_frac + self.hostile_frac <= 1:
+            raise ValueError("SoakConfig.cancel_frac + malformed_frac + recheck_frac + hostile_frac must be in [0, 1]")
         if not 1 <= self.max_tokens[0] <= self.max_tokens[1]:
             raise ValueError(f"SoakConfig.max_tokens must be 1 <= LO <= HI; got {self.max_tokens}")
         if self.concurrency < 1 or self.num_requests < 0:
@@ -101,105 +110,6 @@ def require_loopback(url: str) -> None:
     addresses = {info[4][0] for info in infos}
     if not addresses or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
         raise ValueError(f"soak traffic goes to loopback only; {parsed.hostname!r} resolves to {sorted(addresses)}")
-
-
-# ---------------------------------------------------------------- one request
-
-
-async def _events(response: httpx.Response, stop_after: int | None = None) -> tuple[list, bool]:
-    """(event name or None, data) pairs of an SSE body; True when we left after `stop_after` data events."""
-    events: list[tuple[str | None, str]] = []
-    name = None
-    async for line in response.aiter_lines():
-        if line.startswith("event: "):
-            name = line[7:].strip()
-        elif line.startswith("data: "):
-            events.append((name, line[6:]))
-            name = None
-            if stop_after is not None and len(events) >= stop_after:
-                return events, True
-    return events, False
-
-
-async def _full(client: httpx.AsyncClient, call: soak_mix.Call) -> str:
-    """Serve one request in full; returns the outcome key ("200", "5xx-stream-error", ...)."""
-    if not call.stream:
-        r = await client.post(call.path, json=call.body)
-        if r.status_code == 200 and (missing := _incomplete(call.protocol, r.json())):
-            return f"200-empty:{missing}"
-        return str(r.status_code)
-    async with client.stream("POST", call.path, json=call.body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return str(r.status_code)
-        events, _ = await _events(r)
-    return soak_mix.stream_verdict(call.protocol, events)
-
-
-def _incomplete(protocol: str, body: Any) -> str | None:
-    """What a non-streamed 200 lacks to be a whole reply of its protocol (its end marker, as
-    `soak_mix.stream_verdict` asks of a stream), or None. An empty `content` / `output` list
-    is whole: a reply whose turn ends at once, or whose text all went to a parser that found
-    nothing, has no blocks (Anthropic documents `content: []` with `end_turn`)."""
-    if not isinstance(body, dict):
-        return "body"
-    if protocol in ("completions", "chat"):
-        choices = body.get("choices")
-        return None if choices and all(c.get("finish_reason") for c in choices) else "choices"
-    if protocol == "responses":
-        return None if isinstance(body.get("output"), list) and body.get("status") in ("completed", "incomplete") \
-            else "output"
-    if protocol == "messages":
-        return None if isinstance(body.get("content"), list) and body.get("stop_reason") else "content"
-    if protocol == "embeddings":
-        return None if body.get("data") else "data"
-    return None if "content" in body else "content"  # llama.cpp
-
-
-async def _cancelled(client: httpx.AsyncClient, call: soak_mix.Call, rng: random.Random) -> str:
-    """Start a request and close the connection mid-flight."""
-    if call.stream:
-        async with client.stream("POST", call.path, json=call.body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                return str(r.status_code)
-            events, left = await _events(r, stop_after=rng.randint(1, 3))
-        if left:
-            return "cancelled"  # leaving the block closed the connection
-        return soak_mix.stream_verdict(call.protocol, events)  # finished before we could leave
-    try:
-        r = await asyncio.wait_for(client.post(call.path, json=call.body), rng.uniform(0.01, 0.3))
-    except TimeoutError:
-        return "cancelled"
-    return str(r.status_code)
-
-
-async def _malformed(client: httpx.AsyncClient, call: soak_mix.Call, raw: bytes) -> str:
-    r = await client.post(call.path, content=raw, headers={"Content-Type": "application/json"})
-    if 400 <= r.status_code < 500:
-        try:
-            body = r.json()
-        except ValueError:
-            body = None
-        if not soak_mix.in_envelope(call.envelope, body):
-            return f"{r.status_code}-no-envelope"
-    return str(r.status_code)
-
-
-async def _recheck(client: httpx.AsyncClient, rng: random.Random, model: str, prefixes: list[str]) -> str:
-    """Greedy text over a shared prefix: read from the prefix cache vs computed cold."""
-    text = f"{rng.choice(prefixes)} {' '.join(rng.choice(soak_mix.WORDS) for _ in range(rng.randint(1, 8)))}"
-    body = {"model": model, "prompt": text, "n_predict": 8, "temperature": 0.0, "ignore_eos": True}
-    replies = []
-    for cache in (True, True, False):
-        r = await client.post("/completion", json={**body, "cache_prompt": cache})
-        if r.status_code != 200:
-            return str(r.status_code)
-        replies.append(r.json())
-    cached, cold = replies[1], replies[2]
-    if cached["content"] != cold["content"]:
-        return "recheck-mismatch"
-    return "200-cached" if cached.get("tokens_cached") else "200"
 
 
 # ---------------------------------------------------------------- the run
@@ -237,7 +147,7 @@ async def _wait_idle(client: httpx.AsyncClient, timeout_s: float) -> dict:
 
 def _kind(u: float, config: SoakConfig) -> str:
     edges = (("malformed", config.malformed_frac), ("cancelled", config.cancel_frac),
-             ("recheck", config.recheck_frac))
+             ("recheck", config.recheck_frac), ("hostile", config.hostile_frac))
     total = 0.0
     for kind, frac in edges:
         total += frac
@@ -255,6 +165,9 @@ class _Run:
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.by_kind: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.by_protocol: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.by_hostile: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.state_before: dict[str, Any] = {}
+        self.state_after: dict[str, Any] = {}
         self.next_index = 0
         self.started = time.monotonic()
         self.rss_before: int | None = None
@@ -279,22 +192,25 @@ class _Run:
         try:
             if kind == "malformed":
                 call, raw = soak_mix.malformed_call(rng, self.model, config.protocols)
-                protocol, outcome = call.protocol, await _malformed(self.client, call, raw)
+                protocol, outcome = call.protocol, await soak_requests.malformed(self.client, call, raw)
+            elif kind == "hostile":
+                hostile = soak_hostile.hostile_call(rng, self.model, config.bad_adapters, config.runtime_lora)
+                protocol, outcome = hostile.kind, await soak_requests.hostile(self.client, hostile)
             elif kind == "recheck":
-                outcome = await _recheck(self.client, rng, self.model, self.prefixes)
+                outcome = await soak_requests.recheck(self.client, rng, self.model, self.prefixes)
             else:
                 call = soak_mix.valid_call(rng, self.model, config.max_tokens, config.max_prompt_words,
                                            self.prefixes, self.adapters, config.protocols)
                 protocol = call.protocol
-                outcome = await (_full(self.client, call) if kind == "full"
-                                 else _cancelled(self.client, call, rng))
+                outcome = await (soak_requests.full(self.client, call) if kind == "full"
+                                 else soak_requests.cancelled(self.client, call, rng))
         except httpx.HTTPError as e:
             outcome = f"transport-error:{type(e).__name__}"
             if len(self.transport_errors) < 10:
                 self.transport_errors.append(f"request {index} ({kind}, {protocol}): {type(e).__name__}: {e!r}")
         self.outcomes[outcome] += 1
         self.by_kind[kind][outcome] += 1
-        self.by_protocol[protocol][outcome] += 1
+        (self.by_hostile if kind == "hostile" else self.by_protocol)[protocol][outcome] += 1
 
     async def worker(self) -> None:
         config = self.config
@@ -325,6 +241,7 @@ async def _soak(config: SoakConfig) -> dict:
                                  timeout=config.request_timeout_s) as client:
         model, adapters = await _models(client)
         first = await _stats(client)
+        state_before = await soak_hostile.state_of(client)
         rss_start = read_rss(first, config.pid)
         run = _Run(config, client, model, adapters)
         if not config.warmup and config.rss_baseline_s is None:
@@ -334,6 +251,7 @@ async def _soak(config: SoakConfig) -> dict:
             elapsed_s = time.monotonic() - run.started
             idle = await _wait_idle(client, config.idle_timeout_s)
         health = (await client.get("/health")).status_code
+        run.state_before, run.state_after = state_before, await soak_hostile.state_of(client)
         rss_after = read_rss(idle, config.pid)
     if run.rss_before in (None, -1):
         run.rss_before = rss_start
@@ -347,6 +265,12 @@ def _failures(config: SoakConfig, report: dict, run: _Run, idle: dict, health: i
     bad_malformed = sum(n for k, n in run.by_kind["malformed"].items() if not (k.startswith("4") and k[3:] == ""))
     if bad_malformed:
         failures.append(f"{bad_malformed} malformed requests not answered with a 4xx in their envelope")
+    bad_hostile = {k: n for k, n in run.by_kind["hostile"].items() if k not in ("4xx", "2xx-allowed")}
+    if bad_hostile:
+        failures.append(f"hostile requests not refused with a 4xx in their envelope: {bad_hostile} "
+                        f"(by kind: {dict(run.by_hostile)})")
+    if run.state_after != run.state_before:
+        failures.append(f"the server changed under the soak: {run.state_before} -> {run.state_after}")
     named = sorted(k for k in run.outcomes if k.startswith(("transport-error", "200-empty")) or k == "200-no-done")
     bad_other = sum(run.outcomes[k] for k in named)
     if bad_other:
@@ -386,6 +310,8 @@ def _report(config: SoakConfig, run: _Run, idle: dict, health: int, rss_start: i
         "by_status": dict(sorted(run.outcomes.items())),
         "by_kind": {k: dict(sorted(v.items())) for k, v in sorted(run.by_kind.items())},
         "by_protocol": {k: dict(sorted(v.items())) for k, v in sorted(run.by_protocol.items())},
+        "by_hostile": {k: dict(sorted(v.items())) for k, v in sorted(run.by_hostile.items())},
+        "server_state_before": run.state_before, "server_state_after": run.state_after,
         "adapters": list(run.adapters),
         "transport_errors": list(run.transport_errors),
         "num_5xx": sum(n for k, n in run.outcomes.items() if k.startswith("5")),
@@ -433,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cancel-frac", type=float, default=0.2)
     p.add_argument("--malformed-frac", type=float, default=0.1)
     p.add_argument("--recheck-frac", type=float, default=0.05, help="prefix-cached vs cold greedy re-checks")
+    p.add_argument("--hostile-frac", type=float, default=0.0, help="hostile requests (tools/soak_hostile.py)")
+    p.add_argument("--runtime-lora", action="store_true", help="the server has --enable-runtime-lora: "
+                   "hostile adapter loads too")
+    p.add_argument("--bad-adapters", default="", help="comma-separated broken adapter folders under the server's "
+                   "--model-dir (python -m tools.soak_hostile GOOD_ADAPTER OUT_DIR writes them)")
     p.add_argument("--protocols", default=",".join(soak_mix.PROTOCOLS), help="comma-separated subset")
     p.add_argument("--warmup", type=int, default=20, help="requests before the RSS baseline")
     p.add_argument("--rss-baseline", type=float, default=None, help="seconds in for the RSS baseline")
@@ -451,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             url=args.url, num_requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens,
             max_prompt_words=args.max_prompt_words, cancel_frac=args.cancel_frac,
             malformed_frac=args.malformed_frac, recheck_frac=args.recheck_frac, warmup=args.warmup,
+            hostile_frac=args.hostile_frac, runtime_lora=args.runtime_lora,
+            bad_adapters=tuple(name for name in args.bad_adapters.split(",") if name),
             rss_baseline_s=args.rss_baseline, duration_s=args.duration,
             protocols=tuple(args.protocols.split(",")), seed=args.seed, api_key=args.api_key, pid=args.pid,
             idle_timeout_s=args.idle_timeout, max_seconds=args.max_seconds,
