@@ -7,9 +7,12 @@
   behind the API key. `lora_path` must lie inside `--model-dir` (relative to it, or an
   absolute path that resolves there, symlinks followed), the rule `/admin/models` keeps:
   a path from a request body never reaches the rest of the filesystem.
-- Refusals by name (`code`): `unsupported_architecture`, `rank_too_large`,
-  `missing_target_module`, `invalid_adapter` (400), `adapter_exists` (400), `slots_full`
-  (409), `adapter_not_found` (404), `lora_path_outside_model_dir` (403).
+- Refusals by name (`code`): `invalid_lora_name` (400: checked before anything is read
+  or registered, `ferrox_jax/lora_registry.py:check_adapter_name`), `invalid_lora_path`
+  (400: a NUL or a path the OS cannot take), `unsupported_architecture`, `rank_too_large`,
+  `missing_target_module`, `invalid_adapter` (400: malformed files and non-finite or
+  absurd weights, each named), `adapter_exists` (400), `slots_full` (409),
+  `adapter_not_found` (404), `lora_path_outside_model_dir` (403).
 - Every protocol's `model` may name a loaded adapter instead of the base model
   (`check_model` in `api/prompts.py` accepts it); `GenerationRun` then runs its jobs in
   the adapter's slot (`adapter_jobs`) and releases the slot when the run closes.
@@ -28,6 +31,7 @@ from quart import Blueprint, Response, current_app, request
 from api.errors import APIError
 from api.protocol import json_or_none
 from api.state import state_of
+from ferrox_jax.lora_registry import check_adapter_name
 from models.lora import LoraError
 
 if TYPE_CHECKING:
@@ -36,6 +40,7 @@ if TYPE_CHECKING:
 
 blueprint = Blueprint("lora", __name__)
 
+_NAME_CODES = ("adapter_exists", "slots_full", "invalid_lora_name")  # refusals about lora_name, not the files
 _STATUS = {"slots_full": 409, "adapter_not_found": 404}
 
 
@@ -102,8 +107,15 @@ def resolve_lora_path(model_dir: str | None, lora_path: str) -> Path:
     if not model_dir:
         raise APIError(403, "lora_path must lie inside --model-dir, and this server has none",
                        param="lora_path", code="lora_path_outside_model_dir")
+    if "\x00" in lora_path:
+        raise APIError(400, "lora_path contains a NUL character; give the adapter's folder or file under --model-dir",
+                       param="lora_path", code="invalid_lora_path")
     root = Path(model_dir).resolve()
-    path = (root / lora_path).resolve()
+    try:
+        path = (root / lora_path).resolve()
+    except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, a name the OS cannot encode
+        raise APIError(400, f"lora_path {lora_path!r} cannot be resolved ({e}); give the adapter's folder or file "
+                            "under --model-dir", param="lora_path", code="invalid_lora_path") from None
     if path != root and root not in path.parents:
         raise APIError(403, f"lora_path {lora_path!r} is outside --model-dir", param="lora_path",
                        code="lora_path_outside_model_dir")
@@ -115,11 +127,18 @@ async def load_lora_adapter() -> Response:
     body = json_or_none(await request.get_data())
     state, registry = _registry_and_body(body, ("lora_name", "lora_path"))
     name = body["lora_name"]
+    try:
+        check_adapter_name(name)  # before the path: a bad name is refused whatever it points at
+    except LoraError as e:
+        raise lora_error(e, "lora_name") from None
+    if name == state.require_engine().model_name:
+        raise APIError(400, f"lora_name {name!r} is the base model's id, which would never reach the adapter; "
+                            "choose another name", param="lora_name", code="invalid_lora_name")
     path = resolve_lora_path(state.config.model_dir, body["lora_path"])
     try:
         await asyncio.to_thread(registry.load, name, path)
     except LoraError as e:
-        raise lora_error(e, "lora_path" if e.code not in ("adapter_exists", "slots_full") else "lora_name") from None
+        raise lora_error(e, "lora_name" if e.code in _NAME_CODES else "lora_path") from None
     return Response(f"Success: LoRA adapter '{name}' added successfully.", 200, content_type="text/plain")
 
 

@@ -17,6 +17,11 @@ so a step runs wholly on the old or wholly on the new slots, and the compiled fo
 take the new state as they took the old (no recompile). Loads and unloads come from HTTP
 handlers, so the registry's own bookkeeping is under a lock; the owner thread never
 takes it.
+
+A name is checked before anything is read or registered (`check_adapter_name`): it is
+served as a model id, listed in JSON, written in plain-text replies and joined into a
+metrics label, so it must be printable UTF-8 of at most `MAX_ADAPTER_NAME_CHARS`
+characters, without whitespace, slashes or commas.
 """
 
 from __future__ import annotations
@@ -30,6 +35,26 @@ from pathlib import Path
 import jax
 
 from models.lora import ADAPTER_WEIGHTS, LoraError, LoraSlots, read_peft_adapter, write_slot
+
+MAX_ADAPTER_NAME_CHARS = 128
+_NAME_FORBIDDEN = "/\\,"  # path separators (names are not paths) and the metrics label's list separator
+
+
+def check_adapter_name(name: str) -> None:
+    """Raises LoraError("invalid_lora_name") naming what is wrong with an adapter name."""
+    if not 1 <= len(name) <= MAX_ADAPTER_NAME_CHARS:
+        raise LoraError("invalid_lora_name", f"a LoRA adapter name must be 1 to {MAX_ADAPTER_NAME_CHARS} characters; "
+                                             f"got {len(name)}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise LoraError("invalid_lora_name", f"LoRA adapter name {name!r} is not valid UTF-8 (a lone surrogate); "
+                                             "use letters, digits, '-', '_' or '.'") from None
+    bad = next((c for c in name if not c.isprintable() or c.isspace() or c in _NAME_FORBIDDEN), None)
+    if bad is not None:
+        raise LoraError("invalid_lora_name", f"LoRA adapter name {name!r} contains {bad!r}: control characters, "
+                                             "whitespace, slashes and commas are not allowed; use letters, digits, "
+                                             "'-', '_' or '.'")
 
 
 @dataclasses.dataclass
@@ -87,11 +112,19 @@ class LoraRegistry:
         """Read and place an adapter.
 
         Raises:
-          LoraError: "adapter_exists", "slots_full", or what `read_peft_adapter` / `read_gguf_adapter` raises.
+          LoraError: "invalid_lora_name" (checked first), "adapter_exists", "slots_full", or
+            what `read_peft_adapter` / `read_gguf_adapter` raises (prefixed with the name).
         """
+        check_adapter_name(name)
         path = Path(path)
-        adapter, weights_file = self._read(path)
-        digest = hashlib.sha256(weights_file.read_bytes()).hexdigest()[:16]
+        try:
+            adapter, weights_file = self._read(path)
+            digest = hashlib.sha256(weights_file.read_bytes()).hexdigest()[:16]
+        except LoraError as e:
+            raise LoraError(e.code, f"LoRA adapter {name!r}: {e}") from None
+        except OSError as e:
+            raise LoraError("invalid_adapter", f"LoRA adapter {name!r}: {path.name} cannot be read "
+                                               f"({e.strerror or e})") from None
         with self._lock:
             if name in self._by_name:
                 raise LoraError("adapter_exists", f"a LoRA adapter named {name!r} is already loaded")

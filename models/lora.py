@@ -40,6 +40,12 @@ names go through that table reads PEFT adapters the same way (`read_peft_adapter
 fused checkpoint module (Phi-3's qkv_proj, gate_up_proj; split into our q/k/v and gate/up
 at load) takes a fused adapter split the same way (`split_fused`); GGUF LoRA adapters
 (llama.cpp's format) are read by `models/lora_gguf.py` into the same layout.
+
+Nothing reaches a slot unchecked: a malformed adapter_config.json or safetensors file, an
+`r` or `lora_alpha` that is not a number, and any weight that is NaN, inf or beyond
+`MAX_ADAPTER_WEIGHT` (raw, and again with the scale folded in) are refused at load with a
+`LoraError` naming the file and the tensor, so one tenant's broken adapter is a 400 for
+whoever loads it, never a fault in the shared step.
 """
 
 from __future__ import annotations
@@ -251,10 +257,43 @@ class PeftAdapter:
     base_model: str | None = None
 
 
+# The largest |value| an adapter's A or scaled B may hold (checked at load, `_check_tensor`).
+# Trained LoRA weights are small: PEFT starts A kaiming-uniform (|a| <= 1 / sqrt(in), under
+# 0.1 for any real hidden size) and B at zero, training moves them by well under 1, and the
+# scale lora_alpha / r (or / sqrt(r)) is at most a few tens, so a trained adapter's scaled
+# entries stay under ~10^2; 10^4 leaves two orders of magnitude above that. It is far below
+# an overflow: one projection's adapter term is at most sum_i |x_i| * r * bound^2, for a
+# hidden size of 16k, |x_i| <= 10^3 and r = 256 about 1.6e7 * 256 * 1e8 = 4e17, against
+# 3.4e38 for float32 and bfloat16. The bound refuses garbage (1e30, uninitialised memory)
+# before it reaches a slot; what passes it can still blow up through products of products
+# (the MLP's gate times up, layer after layer, or float16's 65504), which the run-time
+# quarantine of a non-finite row's adapter catches (`ferrox_jax/batcher.py`).
+MAX_ADAPTER_WEIGHT = 1e4
+
+
+def _check_tensor(what: str, tensor: np.ndarray) -> None:
+    """Refuses (invalid_adapter) a tensor holding NaN, inf or |value| > MAX_ADAPTER_WEIGHT."""
+    if tensor.size == 0:
+        return
+    if not np.isfinite(tensor).all():
+        raise LoraError("invalid_adapter", f"{what} holds NaN or inf values; an adapter's weights must be finite")
+    peak = float(np.abs(tensor).max())
+    if peak > MAX_ADAPTER_WEIGHT:
+        raise LoraError("invalid_adapter", f"{what} holds |value| {peak:.3g}, above the {MAX_ADAPTER_WEIGHT:g} "
+                                           "any trained LoRA adapter stays far below")
+
+
 def lora_scale(config: dict) -> tuple[int, float]:
-    """(r, s) of an adapter_config: s = lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora."""
-    r = int(config.get("r", 8))
-    alpha = float(config.get("lora_alpha", r))
+    """(r, s) of an adapter_config: s = lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora.
+
+    Raises LoraError("invalid_adapter") for an `r` that is not a positive integer or a
+    `lora_alpha` that is not a finite number."""
+    r = config.get("r", 8)
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise LoraError("invalid_adapter", f"adapter_config r={r!r}: the rank must be a positive integer")
+    alpha = config.get("lora_alpha", r)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise LoraError("invalid_adapter", f"adapter_config lora_alpha={alpha!r}: must be a finite number")
     return r, alpha / (math.sqrt(r) if config.get("use_rslora") else r)
 
 
@@ -268,9 +307,42 @@ def _check_config(config: dict, max_rank: int) -> None:
         raise LoraError("invalid_adapter", f"adapter_config bias={config['bias']!r} is not supported (only 'none')")
     if config.get("fan_in_fan_out"):
         raise LoraError("invalid_adapter", "adapter_config fan_in_fan_out=true is not supported")
-    r = int(config.get("r", 8))
+    r, _ = lora_scale(config)
     if r > max_rank:
         raise LoraError("rank_too_large", f"adapter rank {r} is larger than --max-lora-rank {max_rank}")
+
+
+def _read_config(folder: Path) -> dict:
+    """adapter_config.json as a JSON object, or LoraError("invalid_adapter") naming the file
+    and what is wrong with it (unreadable, not UTF-8, not JSON, not an object)."""
+    where = f"{folder.name}/{ADAPTER_CONFIG}"
+    try:
+        config = json.loads((folder / ADAPTER_CONFIG).read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise LoraError("invalid_adapter", f"{where} cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise LoraError("invalid_adapter", f"{where} is not UTF-8 text (byte {e.start}); save it as UTF-8 JSON") \
+            from None
+    except json.JSONDecodeError as e:
+        raise LoraError("invalid_adapter", f"{where} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") \
+            from None
+    if not isinstance(config, dict):
+        raise LoraError("invalid_adapter", f"{where} must hold a JSON object; got a {type(config).__name__}")
+    return config
+
+
+def _read_tensors(folder: Path) -> dict[str, np.ndarray]:
+    """adapter_model.safetensors' tensors, or LoraError("invalid_adapter") naming the file
+    and what the reader found wrong (a garbage or oversized header, offsets past the end,
+    a data type numpy lacks)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        return load_file(str(folder / ADAPTER_WEIGHTS))
+    except (SafetensorError, OSError, TypeError, ValueError) as e:
+        raise LoraError("invalid_adapter", f"{folder.name}/{ADAPTER_WEIGHTS} is not a readable safetensors file "
+                                           f"({e})") from None
 
 
 def read_peft_adapter(folder: str | Path, hf_layer_weights: dict[str, str],
@@ -282,32 +354,37 @@ def read_peft_adapter(folder: str | Path, hf_layer_weights: dict[str, str],
       targets: {(layer, name): (in, out)} the served model can adapt (`attach_lora`).
       max_rank: `--max-lora-rank`.
     Raises:
-      LoraError: code "invalid_adapter" (missing files, unsupported options),
-        "rank_too_large" or "missing_target_module" (a module the model lacks or whose
-        shape differs). A fused module (Phi-3's qkv_proj) is split into its parts
-        (`split_fused`).
+      LoraError: code "invalid_adapter" (missing, unreadable or malformed files, an `r` or
+        `lora_alpha` that is not a number, unsupported options, a tensor holding NaN, inf or
+        values beyond MAX_ADAPTER_WEIGHT), "rank_too_large" or "missing_target_module" (a
+        module the model lacks or whose shape differs); each message names the file.
+        A fused module (Phi-3's qkv_proj) is split into its parts (`split_fused`).
     """
-    from safetensors.numpy import load_file
-
     folder = Path(folder)
     if not (folder / ADAPTER_CONFIG).is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
         raise LoraError("invalid_adapter", f"{folder.name}: needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
-    config = json.loads((folder / ADAPTER_CONFIG).read_text())
-    _check_config(config, max_rank)
-    rank, scale = lora_scale(config)
+    config = _read_config(folder)
+    try:
+        _check_config(config, max_rank)
+        rank, scale = lora_scale(config)
+    except LoraError as e:
+        raise LoraError(e.code, f"{folder.name}/{ADAPTER_CONFIG}: {e}") from None
     pairs: dict[tuple[int, str | tuple[str, ...]], dict[str, np.ndarray]] = {}
-    for key, tensor in load_file(str(folder / ADAPTER_WEIGHTS)).items():
+    for key, tensor in _read_tensors(folder).items():
         m = _PEFT_KEY.match(key)
         ours = hf_layer_weights.get(f"{m.group(2)}.weight") if m else None
         parts = ours if isinstance(ours, tuple) else (ours,)
         if ours is None or any((int(m.group(1)), name) not in targets for name in parts):
             raise LoraError("missing_target_module", f"adapter tensor {key!r} targets a module the model lacks "
                                                      f"(targets: {', '.join(LORA_TARGETS)})")
+        _check_tensor(f"{folder.name}/{ADAPTER_WEIGHTS}: tensor {key!r}", tensor)  # before a cast could overflow
         pairs.setdefault((int(m.group(1)), ours), {})[m.group(3)] = tensor.astype(np.float32)
     weights = split_fused(pairs, targets, rank, scale)
     if not weights:
         raise LoraError("invalid_adapter", f"{folder.name}: {ADAPTER_WEIGHTS} holds no LoRA tensors")
-    return PeftAdapter(rank=rank, scale=scale, weights=weights, base_model=config.get("base_model_name_or_path"))
+    base_model = config.get("base_model_name_or_path")
+    return PeftAdapter(rank=rank, scale=scale, weights=weights,
+                       base_model=base_model if isinstance(base_model, str) else None)
 
 
 def split_fused(pairs: dict, targets: dict[tuple[int, str], tuple[int, int]], rank: int, scale: float):
@@ -341,11 +418,16 @@ def _to_our_layout(where, ab: dict[str, np.ndarray], shape: tuple[int, int], ran
     """PEFT lora_A [r, in], lora_B [out, r] -> (A [in, r], s * B [r, out])."""
     if set(ab) != {"A", "B"}:
         raise LoraError("invalid_adapter", f"layer {where[0]} {where[1]}: needs both lora_A and lora_B")
-    a, b = ab["A"].T, ab["B"].T * np.float32(scale)
+    with np.errstate(over="ignore", invalid="ignore"):  # a huge scale overflows to inf: refused below
+        a, b = ab["A"].T, ab["B"].T * np.float32(scale)
     if a.shape != (shape[0], rank) or b.shape != (rank, shape[1]):
         raise LoraError("missing_target_module",
                         f"layer {where[0]} {where[1]}: adapter shapes A {a.shape}, B {b.shape} do not fit the "
                         f"model's [{shape[0]}, {shape[1]}] at rank {rank}")
+    # The scale folded into B can push a sane B past the bound (a huge lora_alpha), and a
+    # GGUF adapter's tensors are first seen here: what goes into the slot is checked.
+    _check_tensor(f"layer {where[0]} {where[1]} lora_A", a)
+    _check_tensor(f"layer {where[0]} {where[1]} lora_B scaled by {scale:g}", b)
     return a, b
 
 

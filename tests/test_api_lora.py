@@ -221,3 +221,109 @@ def test_metrics_and_stats_count_adapters(server):
     metrics = httpx.get(url + "/metrics").text
     line = next(m for m in metrics.splitlines() if m.startswith("vllm:lora_requests_info{"))
     assert 'max_lora="3"' in line and 'running_lora_adapters=""' in line, line
+
+
+# ---------------------------------------------------------------- broken adapters and names
+
+
+def _http(url):
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+
+def _free_a_slot(client):
+    """The module's tests may leave a2 in the third slot; these tests need it free."""
+    if "a2" in {m.id for m in client.models.list().data}:
+        assert _post(client, "/unload_lora_adapter", {"lora_name": "a2"}).status_code == 200
+
+
+def _copy_adapter(paths, name, **replace):
+    """A copy of a1's PEFT folder next to it (inside --model-dir), with files replaced:
+    `config`/`weights` bytes, or `tensors` {key: fn(array) -> array} applied to its weights."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder = paths["a1"].parent / name
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(paths["a1"], folder)
+    if "config" in replace:
+        (folder / "adapter_config.json").write_bytes(replace["config"])
+    if "weights" in replace:
+        (folder / "adapter_model.safetensors").write_bytes(replace["weights"])
+    if "tensors" in replace:
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+        for key, edit in replace["tensors"].items():
+            tensors[key] = edit(tensors[key])
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+A1_Q_A = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"
+
+
+def _with(value):
+    def edit(tensor):
+        tensor = tensor.copy()
+        tensor[0, 0] = value
+        return tensor
+    return edit
+
+
+def test_an_adapter_with_nan_or_huge_weights_is_refused_at_load_naming_it_and_the_tensor(server):
+    url, _, _, paths = server
+    client = _client(url)
+    for name, value in (("nanw", float("nan")), ("hugew", 1e30)):
+        _copy_adapter(paths, name, tensors={A1_Q_A: _with(value)})
+        with pytest.raises(openai.BadRequestError) as e:
+            _post(client, "/load_lora_adapter", {"lora_name": name, "lora_path": name})
+        message = e.value.body["message"]
+        assert e.value.body["code"] == "invalid_adapter", message
+        assert f"'{name}'" in message and A1_Q_A in message, f"the refusal names the adapter and the tensor: {message}"
+        assert name not in {m.id for m in client.models.list().data}, "a refused adapter is not registered"
+
+
+def test_a_lone_surrogate_or_control_character_name_is_refused_and_nothing_breaks(server):
+    url, engine, _, _ = server
+    _free_a_slot(_client(url))
+    with _http(url) as http:
+        for raw in ('"\\ud800"', '"a\\u0000b"', '"a/b"', json.dumps("x" * 200), json.dumps(engine.model_name)):
+            body = ('{"lora_name": %s, "lora_path": "a1"}' % raw).encode()
+            reply = http.post("/v1/load_lora_adapter", content=body, headers={"Content-Type": "application/json"})
+            assert reply.status_code == 400, f"name {raw}: {reply.status_code} {reply.text}"
+            assert reply.json()["error"]["code"] == "invalid_lora_name", reply.text
+            assert reply.json()["error"]["param"] == "lora_name", reply.text
+        assert http.get("/v1/models").status_code == 200, "/v1/models still answers"
+        stats = http.get("/admin/stats")
+        assert stats.status_code == 200, "/admin/stats still answers"
+        assert {a["name"] for a in stats.json()["lora_adapters"]} <= {"a1", "a1g", "a2"}, "no refused name registered"
+
+
+MALFORMED_FILES = {
+    "not JSON": (dict(config=b"{oops"), "adapter_config.json"),
+    "a JSON list": (dict(config=b"[]"), "adapter_config.json"),
+    "not UTF-8": (dict(config=b'{"r": 4, "lora_alpha": 8, "note": "\xff"}'), "adapter_config.json"),
+    "r 0": (dict(config=b'{"peft_type": "LORA", "r": 0, "lora_alpha": 8}'), "adapter_config.json"),
+    "string alpha": (dict(config=b'{"peft_type": "LORA", "r": 4, "lora_alpha": "8x"}'), "adapter_config.json"),
+    "garbage safetensors": (dict(weights=b"\x00" * 7 + b"garbage"), "adapter_model.safetensors"),
+    "huge header": (dict(weights=(2 ** 40).to_bytes(8, "little") + b"{}"), "adapter_model.safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED_FILES))
+def test_a_malformed_adapter_under_model_dir_is_a_400_naming_the_file(server, case):
+    url, _, _, paths = server
+    replace, file_name = MALFORMED_FILES[case]
+    _copy_adapter(paths, "broken", **replace)
+    with pytest.raises(openai.BadRequestError) as e:
+        _post(_client(url), "/load_lora_adapter", {"lora_name": "broken", "lora_path": "broken"})
+    assert e.value.body["code"] == "invalid_adapter", f"{case}: {e.value.body}"
+    assert f"broken/{file_name}" in e.value.body["message"], f"{case}: the file is named: {e.value.body['message']}"
+    internal = ("SafetensorError", "ValueError", "TypeError", "JSONDecodeError", "UnicodeDecodeError", "OSError")
+    assert not any(n in e.value.body["message"] for n in internal), f"no exception names: {e.value.body['message']}"
+
+
+def test_a_nul_in_lora_path_is_a_400(server):
+    url = server[0]
+    with pytest.raises(openai.BadRequestError) as e:
+        _post(_client(url), "/load_lora_adapter", {"lora_name": "nul", "lora_path": "a1\u0000/x"})
+    assert (e.value.body["code"], e.value.body["param"]) == ("invalid_lora_path", "lora_path")

@@ -179,3 +179,89 @@ def test_gguf_adapter_refusals_are_named(tmp_path, kwargs, code):
     with pytest.raises(LoraError) as e:
         read_gguf_adapter(path, family_for("LlamaForCausalLM"), cfg, targets, max_rank=8)
     assert e.value.code == code, str(e.value)
+
+
+# ---------------------------------------------------------------- what a broken adapter must not do
+
+
+def _save_adapter(folder, a, b, r=4, alpha=8, **config):
+    """A q_proj adapter of layer 0 with the given lora_A [r, in] and lora_B [out, r]."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha,
+                                                            **config}))
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{prefix}.lora_A.weight": a, f"{prefix}.lora_B.weight": b}, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("which, value", [("A", np.nan), ("B", np.inf), ("A", 1e30), ("B", -2e4)])
+def test_an_adapter_with_non_finite_or_absurd_weights_is_refused_naming_the_tensor(tmp_path, which, value):
+    a, b = np.full((4, D_IN), 0.01, np.float32), np.full((D_OUT, 4), 0.01, np.float32)
+    (a if which == "A" else b)[1, 2] = value
+    path = _save_adapter(tmp_path / "bad", a, b)
+    with pytest.raises(LoraError) as e:
+        read_peft_adapter(path, TABLE, TARGETS, max_rank=8)
+    assert e.value.code == "invalid_adapter", str(e.value)
+    assert f"q_proj.lora_{which}.weight" in str(e.value) and "adapter_model.safetensors" in str(e.value), \
+        f"the refusal names the file and the tensor: {e.value}"
+
+
+def test_weights_at_a_trained_adapters_scale_load_and_a_huge_lora_alpha_is_refused_once_folded():
+    import tempfile
+    from pathlib import Path
+
+    from models.lora import MAX_ADAPTER_WEIGHT
+
+    with tempfile.TemporaryDirectory() as tmp:
+        a, b = np.full((4, D_IN), 0.5, np.float32), np.full((D_OUT, 4), 0.5, np.float32)
+        # 0.5 * (alpha 64 / r 4 = 16) = 8 in the slot: a large but plausible trained adapter
+        assert read_peft_adapter(_save_adapter(Path(tmp) / "ok", a, b, alpha=64), TABLE, TARGETS, 8).weights
+        big = MAX_ADAPTER_WEIGHT * 4 / 0.5 * 10  # scale (big / 4) * 0.5 = 10 x the bound
+        with pytest.raises(LoraError) as e:
+            read_peft_adapter(_save_adapter(Path(tmp) / "alpha", a, b, alpha=big), TABLE, TARGETS, 8)
+    assert e.value.code == "invalid_adapter" and "lora_B scaled by" in str(e.value), str(e.value)
+
+
+def _write(folder, config_bytes=None, weights_bytes=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    good = _adapter(folder)  # then overwrite one of its files
+    if config_bytes is not None:
+        (good / "adapter_config.json").write_bytes(config_bytes)
+    if weights_bytes is not None:
+        (good / "adapter_model.safetensors").write_bytes(weights_bytes)
+    return good
+
+
+HUGE_HEADER = (2 ** 40).to_bytes(8, "little") + b"{}"  # a header length far past the file
+MALFORMED = {
+    "config not JSON": (dict(config_bytes=b"{not json"), "adapter_config.json", "not valid JSON"),
+    "config a list": (dict(config_bytes=b"[1, 2]"), "adapter_config.json", "JSON object"),
+    "config not UTF-8": (dict(config_bytes=b'{"r": 4, "x": "\xff\xfe"}'), "adapter_config.json", "UTF-8"),
+    "r zero": (dict(config_bytes=b'{"r": 0, "lora_alpha": 8}'), "adapter_config.json", "r=0"),
+    "r a string": (dict(config_bytes=b'{"r": "4", "lora_alpha": 8}'), "adapter_config.json", "r='4'"),
+    "alpha a string": (dict(config_bytes=b'{"r": 4, "lora_alpha": "eight"}'), "adapter_config.json", "lora_alpha"),
+    "alpha NaN": (dict(config_bytes=b'{"r": 4, "lora_alpha": NaN}'), "adapter_config.json", "lora_alpha"),
+    "garbage weights": (dict(weights_bytes=b"not a safetensors file at all"), "adapter_model.safetensors",
+                        "not a readable safetensors file"),
+    "huge header": (dict(weights_bytes=HUGE_HEADER), "adapter_model.safetensors", "not a readable safetensors file"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_adapter_file_is_refused_naming_the_file_and_the_fault(tmp_path, case):
+    files, file_name, what = MALFORMED[case]
+    path = _write(tmp_path / "m", **files)
+    with pytest.raises(LoraError) as e:
+        read_peft_adapter(path, TABLE, TARGETS, max_rank=8)
+    assert e.value.code == "invalid_adapter", f"{case}: {e.value}"
+    assert f"m/{file_name}" in str(e.value) and what in str(e.value), f"{case}: the message names the file: {e.value}"
+
+
+@pytest.mark.parametrize("name", ["\ud800", "", "a" * 129, "x/y", "x\\y", "a\x00b", "tab\tx", "a b", "a,b", "\x7f"])
+def test_an_unusable_adapter_name_is_refused_before_anything_is_registered(tmp_path, name):
+    registry, _ = _registry()
+    with pytest.raises(LoraError) as e:
+        registry.load(name, _adapter(tmp_path / "a"))
+    assert e.value.code == "invalid_lora_name", str(e.value)
+    assert registry.names() == [] and registry.adapters() == [], "a refused name registers nothing"
+    str(e.value).encode("utf-8")  # the message itself is servable (a lone surrogate is escaped by repr)
