@@ -10,7 +10,8 @@ them to a `GenerationRun`. The run:
  2. yields `RowOutput(choice, job, event)` for every `RowEvent` the engine's owner
     thread delivers (hopped onto the handler's loop with `call_soon_threadsafe`), and
     `KEEPALIVE` while a stream is idle, until every row has finished;
- 3. ends with an `APIError` instead when the request cannot finish: a row failed (500
+ 3. ends with an `APIError` instead when the request cannot finish: its LoRA adapter was
+    quarantined (409 `adapter_quarantined`, at its next event), a row failed (500
     `engine_error`), the engine stopped (500), the server is draining (503 `draining`),
     or a whole (non-streamed) request outlived `--request-timeout` (504);
  4. on `close()` — whatever ended the handler: the last event, a client disconnect, an
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Sequence
 from quart import g, has_request_context
 
 from api.errors import APIError, unavailable
-from api.lora_routes import adapter_jobs
+from api.lora_routes import adapter_fault, adapter_jobs
 from api.telemetry import RequestRecord
 from ferrox_jax.request import AdmissionError, GenerationRequest, RowEvent
 
@@ -230,6 +231,8 @@ class GenerationRun:
                     yield KEEPALIVE
                 continue
             event = output.event
+            if self._adapter_slot and (fault := adapter_fault(self.engine, self._adapter_slot)) is not None:
+                self._fail(fault)  # its adapter was quarantined: a 409 naming it, not an engine error
             if event.finish_reason == "error":
                 self._fail(APIError(500, f"generation failed: {event.error or 'engine error'}",
                                     type="server_error", code="engine_error"))

@@ -13,6 +13,11 @@
   `missing_target_module`, `invalid_adapter` (400: malformed files and non-finite or
   absurd weights, each named), `adapter_exists` (400), `slots_full` (409),
   `adapter_not_found` (404), `lora_path_outside_model_dir` (403).
+- Quarantine: a row whose logits went non-finite blames its adapter
+  (`ferrox_jax/batcher.py`), which the registry then quarantines. Requests naming it are
+  refused with 409 `adapter_quarantined`, and requests already running with it end with
+  that error at their next event (`adapter_fault`, called by `api/generation.py`); the
+  adapter lists with its `quarantined` reason until it is unloaded and loaded again.
 - Every protocol's `model` may name a loaded adapter instead of the base model
   (`check_model` in `api/prompts.py` accepts it); `GenerationRun` then runs its jobs in
   the adapter's slot (`adapter_jobs`) and releases the slot when the run closes.
@@ -41,7 +46,7 @@ if TYPE_CHECKING:
 blueprint = Blueprint("lora", __name__)
 
 _NAME_CODES = ("adapter_exists", "slots_full", "invalid_lora_name")  # refusals about lora_name, not the files
-_STATUS = {"slots_full": 409, "adapter_not_found": 404}
+_STATUS = {"slots_full": 409, "adapter_not_found": 404, "adapter_quarantined": 409}
 
 
 def lora_names(engine: Engine | None) -> list[str]:
@@ -64,28 +69,39 @@ def adapter_jobs(engine: Engine, model: str | None,
     try:
         loaded = registry.acquire(model)
     except LoraError as e:
+        if e.code == "adapter_quarantined":
+            raise lora_error(e, "model") from None
         raise APIError(404, str(e), param="model", code="model_not_found") from None
     return tuple(dataclasses.replace(job, adapter_slot=loaded.slot, adapter_name=loaded.name,
                                      adapter_key=loaded.key) for job in jobs), loaded.slot
 
 
+def adapter_fault(engine: Engine | None, slot: int) -> APIError | None:
+    """The 409 a request running in adapter `slot` ends with once that adapter is
+    quarantined (None while it is not, and for slot 0, the base model)."""
+    registry = getattr(engine, "lora", None)
+    message = registry.quarantined_in(slot) if registry is not None and slot else None
+    return None if message is None else APIError(409, message, param="model", code="adapter_quarantined")
+
+
 def lora_cards(engine: Engine, base: dict[str, Any]) -> list[dict[str, Any]]:
-    """One /v1/models card per loaded adapter, `parent` the base model (vLLM's fields)."""
+    """One /v1/models card per loaded adapter, `parent` the base model (vLLM's fields), and
+    `quarantined`: why its requests are refused, or null."""
     registry = getattr(engine, "lora", None)
     if registry is None:
         return []
-    return [{**base, "id": a.name, "created": int(a.loaded_at), "root": a.path, "parent": base["id"]}
-            for a in registry.adapters()]
+    return [{**base, "id": a.name, "created": int(a.loaded_at), "root": a.path, "parent": base["id"],
+             "quarantined": a.quarantined} for a in registry.adapters()]
 
 
 def lora_stats(engine: Engine | None) -> list[dict[str, Any]]:
     """Per adapter, for /admin/stats: its slot, rank and folder, requests served since it
-    was loaded and requests holding it now."""
+    was loaded, requests holding it now, and why it is quarantined (or null)."""
     registry = getattr(engine, "lora", None)
     if registry is None:
         return []
     return [{"name": a.name, "slot": a.slot, "rank": a.rank, "path": a.path, "requests": a.num_requests,
-             "running": a.num_running} for a in registry.adapters()]
+             "running": a.num_running, "quarantined": a.quarantined} for a in registry.adapters()]
 
 
 def _registry_and_body(body: Any, fields: tuple[str, ...]):

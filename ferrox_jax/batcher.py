@@ -24,8 +24,10 @@ A crash in the loop itself is loud: the traceback is logged, every open request 
 error event, `health()` turns "dead" and `submit` raises `AdmissionError("unavailable")`.
 Step faults (a raising runner, a row's non-finite logits, a step that hangs past the
 watchdog) are counted by kind and the engine gives up on repeated ones
-(`ferrox_jax/step_faults.py`); a dead batcher calls its fatal listeners once
-(`add_fatal_listener`), which is how `ferrox serve` knows to exit non-zero.
+(`ferrox_jax/step_faults.py`), except that a non-finite row with a LoRA adapter blames and
+quarantines its adapter (`adapters`, the registry) and never counts toward giving up; a
+dead batcher calls its fatal listeners once (`add_fatal_listener`), which is how
+`ferrox serve` knows to exit non-zero.
 
 Admission refusals happen in `submit`, on the caller's thread, before anything is queued:
 context length, then too large (pure checks against immutable limits), then the queue cap,
@@ -54,7 +56,8 @@ from ferrox_jax.request import AdmissionError, GenerationRequest, MatcherFactory
 from ferrox_jax.scheduler import Scheduler, check_admission
 from ferrox_jax.speculative import spec_decode_stats
 from ferrox_jax.stats import BatcherStats
-from ferrox_jax.step_faults import FatalSignal, FaultLedger, FaultPolicy, StepWatchdog, Unrecoverable
+from ferrox_jax.step_faults import (AdapterQuarantine, FatalSignal, FaultLedger, FaultPolicy, StepWatchdog,
+                                    Unrecoverable, blame_nonfinite)
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +141,11 @@ class ContinuousBatcher:
 
     def __init__(self, runner: Runner, tokenizer: Any, limits: SchedulerLimits,
                  new_matcher: MatcherFactory | None = None, fill_bitmask: BitmaskFiller | None = None,
-                 faults: FaultPolicy | None = None) -> None:
+                 faults: FaultPolicy | None = None, adapters: AdapterQuarantine | None = None) -> None:
         """`new_matcher` and `fill_bitmask` come from the engine's grammar compiler
         (`GrammarCompiler.new_matcher` / `.fill_bitmask`); without them constrained jobs
-        are refused at submit. `faults`: the step watchdog and the consecutive-fault limit."""
+        are refused at submit. `faults`: the step watchdog and the consecutive-fault limit.
+        `adapters`: the LoRA registry, which quarantines an adapter whose row went non-finite."""
         check_limits(limits, runner)
         self.limits = limits
         self._runner = runner
@@ -162,6 +166,7 @@ class ContinuousBatcher:
         self._open_request_ids: set[str] = set()
         self._refusals: collections.Counter[str] = collections.Counter()
         self._faults = FaultLedger(faults or FaultPolicy())
+        self._adapters = adapters
         self._watchdog = StepWatchdog(self._faults.policy.step_timeout_s, self._on_step_timeout)
         self._fatal = FatalSignal()
         self._snapshot = BatcherStats(kv_blocks_total=self.limits.num_blocks,
@@ -387,13 +392,14 @@ class ContinuousBatcher:
             return 0.0
         if not self._watchdog.disarm():
             raise _Abandoned()
-        bad = out.nonfinite_row_ids
-        if bad:
-            reason = f"non-finite logits (NaN or inf) in {len(bad)} of the step's {len(plan.rows)} rows"
-            log.error("%s; their requests end with an error", reason)
-            kept = self._scheduler.fail_rows(plan, bad, f"the model produced {reason}")
+        if out.nonfinite_row_ids:  # an adapter's rows blame it (quarantined), the others the engine
+            blame = blame_nonfinite(plan, out.nonfinite_row_ids, self._adapters)
+            log.error("%s; their requests end with an error", blame.reason)
+            kept = plan
+            for row_ids, error in blame.failures:
+                kept = self._scheduler.fail_rows(kept, row_ids, error)
             self._scheduler.update(kept, out)
-            self._faults.record("nonfinite", reason, step_faulted=not kept.rows)
+            self._faults.record("nonfinite", blame.reason, step_faulted=blame.step_faulted(kept))
         else:
             self._scheduler.update(plan, out)
             self._faults.ok_step()

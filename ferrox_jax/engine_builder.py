@@ -435,12 +435,14 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
     if draft_source is not None:
         runner.attach_draft(_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh))
     runner = _leader_runner(runner, config)
+    # Before the batcher, which quarantines an adapter whose row goes non-finite through it.
+    lora = (build_registry(runner, source.config.architecture, lora_slots, lora_targets, config.lora_modules)
+            if lora_slots is not None else None)
     batcher = ContinuousBatcher(runner, source.tokenizer, limits,
                                 new_matcher=grammar.new_matcher if grammar is not None else None,
                                 fill_bitmask=grammar.fill_bitmask if grammar is not None else None,
-                                faults=FaultPolicy(config.step_timeout_s, config.max_step_faults))
+                                faults=FaultPolicy(config.step_timeout_s, config.max_step_faults), adapters=lora)
     engine = Engine(source, runner, batcher, config, sizing, attention_note, grammar, grammar_note, matmul_note)
-    if lora_slots is not None:
-        engine.lora = build_registry(runner, source.config.architecture, lora_slots, lora_targets, config.lora_modules)
+    engine.lora = lora
     engine.load_s = time.perf_counter() - t0
     return engine

@@ -11,12 +11,17 @@ slot 0 is the zero slot, the base model). The registry maps adapter names to slo
                         last request holding it releases it, so a running request never
                         sees its slot refilled with another adapter mid-generation
 
+    quarantine(slot)    the owner thread found non-finite logits in a row of the adapter in
+                        `slot` (`ferrox_jax/batcher.py`): acquiring it is refused from
+                        then on ("adapter_quarantined"), until it is unloaded and loaded
+                        again (a new load starts clean)
+
 Loading writes new arrays of the same shapes into the runner's state (`write_slot`) and
 rebinds `runner.state` in one assignment: the owner thread reads the state once per step,
 so a step runs wholly on the old or wholly on the new slots, and the compiled forwards
 take the new state as they took the old (no recompile). Loads and unloads come from HTTP
-handlers, so the registry's own bookkeeping is under a lock; the owner thread never
-takes it.
+handlers, so the registry's own bookkeeping is under a lock; the owner thread takes it
+only to quarantine an adapter, after a faulted row.
 
 A name is checked before anything is read or registered (`check_adapter_name`): it is
 served as a model id, listed in JSON, written in plain-text replies and joined into a
@@ -70,6 +75,7 @@ class LoadedAdapter:
     num_running: int = 0  # requests holding the slot now
     num_requests: int = 0  # requests served since it was loaded
     is_unloaded: bool = False  # unloaded; the slot frees when num_running reaches 0
+    quarantined: str | None = None  # why its requests are refused (a faulted row), until unloaded
 
 
 class LoraRegistry:
@@ -159,11 +165,16 @@ class LoraRegistry:
                 del self._by_slot[loaded.slot]
 
     def acquire(self, name: str) -> LoadedAdapter:
-        """Hold the adapter's slot for one request. Raises LoraError("adapter_not_found")."""
+        """Hold the adapter's slot for one request.
+
+        Raises LoraError("adapter_not_found"), or ("adapter_quarantined") for an adapter a
+        faulted row quarantined (the message says how to clear it)."""
         with self._lock:
             loaded = self._by_name.get(name)
             if loaded is None:
                 raise LoraError("adapter_not_found", f"no LoRA adapter named {name!r} is loaded")
+            if loaded.quarantined is not None:
+                raise LoraError("adapter_quarantined", quarantine_message(loaded))
             loaded.num_running += 1
             loaded.num_requests += 1
             return dataclasses.replace(loaded)
@@ -179,12 +190,38 @@ class LoraRegistry:
             if loaded.is_unloaded and loaded.num_running == 0:
                 del self._by_slot[slot]
 
+    def quarantine(self, slot: int, reason: str) -> str | None:
+        """Quarantine the adapter in `slot` (the owner thread, after a row of it faulted);
+        returns its name, None when no adapter holds the slot. The first reason is kept."""
+        with self._lock:
+            loaded = self._by_slot.get(slot)
+            if loaded is None:
+                return None
+            if loaded.quarantined is None:
+                loaded.quarantined = reason
+            return loaded.name
+
+    def quarantined_in(self, slot: int) -> str | None:
+        """What a request holding `slot` is told when its adapter is quarantined; else None.
+
+        Read without the lock: it is asked on the event loop at every event of an adapter's
+        request, and `load` holds the lock through a slot write on the device. One dict
+        lookup and one attribute read are atomic, and the slot is the caller's (it holds it),
+        so the adapter found is its own."""
+        loaded = self._by_slot.get(slot)
+        return None if loaded is None or loaded.quarantined is None else quarantine_message(loaded)
+
     def _write(self, slot: int, weights) -> None:
         runner = self.runner
         state = write_slot(runner.state, slot, weights, self.slots.max_rank)
         if runner.shardings is not None:  # keep each leaf's sharding, so compiled steps take it
             state = jax.device_put(state, runner.shardings.state)
         runner.state = state
+
+
+def quarantine_message(loaded: LoadedAdapter) -> str:
+    return (f"LoRA adapter {loaded.name!r} is quarantined: {loaded.quarantined}. Its requests are refused until "
+            "it is unloaded (POST /v1/unload_lora_adapter) and loaded again with fixed weights")
 
 
 def build_registry(runner, architecture: str, slots: LoraSlots, targets: dict[tuple[int, str], tuple[int, int]],

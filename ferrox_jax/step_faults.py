@@ -7,16 +7,22 @@ Kinds (`FAULT_KINDS`, the `kind` label of `ferrox_step_faults_total`):
   nonfinite  a row's logits held NaN or inf (found on the device: one `isfinite`
              reduction per row, fetched with the sampled tokens, never the logits): that
              row's job ends with an error; the step's other rows keep their outputs.
+             A row with a LoRA adapter blames its adapter instead of the engine: the
+             adapter is quarantined (`AdapterQuarantine`), every row of it in the step
+             ends with an error naming it, and such rows never count toward the streak
+             below: a tenant's adapter is the adapter's fault, not the engine's.
   timeout    a step ran past `FaultPolicy.step_timeout_s` (`StepWatchdog`, armed only once
              the runner is warm, so start-up compiles never trip it). The owner thread is
              stuck inside the device call and cannot be got back: the engine is dead.
 
 The engine is *unrecoverable* after a timeout, after `max_consecutive_faults` faulted
-steps in a row (a step faults when it raised, or when every row in it was non-finite; a
-step with one good row resets the count, so one request whose rows keep going NaN cannot
-take the engine down), or when the owner loop itself crashed. Then every open request
-ends with an error, `health()` reads "dead", and the batcher's fatal listeners are called
-once with (kind, reason): `ferrox serve` exits non-zero there (docs/operations.md).
+steps in a row (a step faults when it raised, or when every row in it was non-finite and
+one of them had no adapter; a step with one good row resets the count, so one request
+whose rows keep going NaN cannot take the engine down, and a step whose only non-finite
+rows were adapters' leaves it as it was), or when the owner loop itself crashed. Then
+every open request ends with an error, `health()` reads "dead", and the batcher's fatal
+listeners are called once with (kind, reason): `ferrox serve` exits non-zero there
+(docs/operations.md).
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
+
+from ferrox_jax.plan import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +60,54 @@ class FaultPolicy:
                              f"{self.max_consecutive_faults!r}")
 
 
+class AdapterQuarantine(Protocol):
+    """Where a non-finite row's adapter is quarantined (`ferrox_jax/lora_registry.py`)."""
+
+    def quarantine(self, slot: int, reason: str) -> str | None:
+        """Quarantine the adapter in `slot`; its name, or None when no adapter holds it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NonfiniteBlame:
+    """Whom a step's non-finite rows are blamed on (`blame_nonfinite`)."""
+
+    failures: tuple[tuple[tuple[int, ...], str], ...]  # (row ids, the error their jobs end with)
+    has_base_rows: bool  # some non-finite row had no adapter: the engine's fault
+    reason: str  # for the log and `last_step_fault`
+
+    def step_faulted(self, kept: StepPlan) -> bool | None:
+        """`FaultLedger.record`'s `step_faulted` once the failures are taken out of the plan
+        (`kept`): a good row left resets the streak; else only a row without an adapter
+        counts toward it."""
+        if kept.rows:
+            return False
+        return True if self.has_base_rows else None
+
+
+def blame_nonfinite(plan: StepPlan, nonfinite_row_ids: tuple[int, ...],
+                    adapters: AdapterQuarantine | None) -> NonfiniteBlame:
+    """Blames each non-finite row on its LoRA adapter when it has one (the adapter is
+    quarantined, and every row of it in the step fails with an error naming it: its
+    results came from the same weights), else on the engine (the model's error, as for a
+    step without adapters)."""
+    slot_of = {row.row_id: row.adapter_slot for row in plan.rows}
+    what = "non-finite logits (NaN or inf)"
+    reason = f"{what} in {len(nonfinite_row_ids)} of the step's {len(plan.rows)} rows"
+    failures, blamed = [], []
+    for slot in sorted({slot_of[row_id] for row_id in nonfinite_row_ids if slot_of.get(row_id)}):
+        name = adapters.quarantine(slot, f"its weights produced {what}") if adapters is not None else None
+        blamed.append(repr(name) if name is not None else f"in slot {slot}")
+        failures.append((tuple(row.row_id for row in plan.rows if row.adapter_slot == slot),
+                         f"LoRA adapter {blamed[-1]} produced {what} and is quarantined; unload it and load it "
+                         "again with fixed weights"))
+    base_row_ids = tuple(row_id for row_id in nonfinite_row_ids if not slot_of.get(row_id))
+    if base_row_ids:
+        failures.append((base_row_ids, f"the model produced {reason}"))
+    if blamed:
+        reason += f"; quarantined LoRA adapter {', '.join(blamed)}"
+    return NonfiniteBlame(tuple(failures), bool(base_row_ids), reason)
+
+
 class Unrecoverable(Exception):
     """Raised inside the owner loop when the fault policy gives up; the loop ends all work."""
 
@@ -71,12 +128,16 @@ class FaultLedger:
         self._last: str | None = None
         self._consecutive = 0  # owner thread only
 
-    def record(self, kind: str, reason: str, *, step_faulted: bool = True) -> None:
+    def record(self, kind: str, reason: str, *, step_faulted: bool | None = True) -> None:
         """Counts one fault. Raises Unrecoverable once `step_faulted` steps reach the limit
-        in a row (call it on the owner thread, after the good rows were applied)."""
+        in a row (call it on the owner thread, after the good rows were applied).
+        `step_faulted` False: the step had good rows (the streak resets); None: its faults
+        were blamed on adapters (counted, the streak left as it was)."""
         with self._lock:
             self._counts[kind] += 1
             self._last = f"{kind}: {reason}"
+        if step_faulted is None:
+            return
         if not step_faulted:
             self._consecutive = 0
             return

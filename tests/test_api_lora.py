@@ -327,3 +327,65 @@ def test_a_nul_in_lora_path_is_a_400(server):
     with pytest.raises(openai.BadRequestError) as e:
         _post(_client(url), "/load_lora_adapter", {"lora_name": "nul", "lora_path": "a1\u0000/x"})
     assert (e.value.body["code"], e.value.body["param"]) == ("invalid_lora_path", "lora_path")
+
+
+class NanAdapterRows:
+    """While on, the logits of every row running with the adapter named `name` are NaN on
+    the device (between the forward and the sampler), as an adapter whose finite weights
+    blow up the activations would make them."""
+
+    def __init__(self, monkeypatch, engine, name):
+        import jax.numpy as jnp
+        import numpy as np
+
+        self.is_on = True
+        forward = engine.runner._run_forward
+
+        def nan_forward(shape, inputs):
+            result = forward(shape, inputs)
+            slots = {a.slot for a in engine.lora.adapters() if a.name == name}
+            hit = np.asarray(inputs.valid) & np.isin(np.asarray(inputs.adapter_slots), list(slots))
+            rows = np.unique(np.asarray(inputs.row_of_token)[hit])
+            if self.is_on and len(rows):
+                result = result.replace(logits=result.logits.at[rows].set(jnp.nan))
+            return result
+
+        monkeypatch.setattr(engine.runner, "_run_forward", nan_forward)
+
+
+def test_an_adapter_whose_rows_go_non_finite_is_quarantined_and_the_server_keeps_serving(server, monkeypatch):
+    """Five loads of an adapter whose every row goes NaN, each faulting a step of its own:
+    the engine gives up after 3 faulted steps in a row (max_step_faults), yet it serves on,
+    because an adapter's non-finite rows are the adapter's fault."""
+    url, engine, _, paths = server
+    client = _client(url)
+    _free_a_slot(client)
+    nan = NanAdapterRows(monkeypatch, engine, "q")
+    base_text, a1_text = _complete(client, engine.model_name), _complete(client, "a1")
+    with _http(url) as http:
+        faults_before = http.get("/admin/stats").json()["step_faults_nonfinite"]
+        for cycle in range(5):
+            assert _post(client, "/load_lora_adapter", {"lora_name": "q", "lora_path": "a1"}).status_code == 200
+            if cycle == 0:  # in flight when its row faults: a streamed request's error event names it
+                body = {"model": "q", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True}
+                text = http.post("/v1/completions", json=body).text
+                assert '"adapter_quarantined"' in text and "'q'" in text, text
+            else:
+                with pytest.raises(openai.ConflictError) as running:
+                    _complete(client, "q")
+                assert running.value.body["code"] == "adapter_quarantined", running.value.body
+            with pytest.raises(openai.ConflictError) as later:
+                _complete(client, "q")
+            assert later.value.body["code"] == "adapter_quarantined" and "unload" in later.value.body["message"]
+            card = http.get("/v1/models/q").json()
+            assert "non-finite" in (card.get("quarantined") or ""), f"the listing shows the quarantine: {card}"
+            assert _complete(client, engine.model_name) == base_text, "the base model keeps answering"
+            assert _complete(client, "a1") == a1_text, "another adapter keeps answering"
+            assert _post(client, "/unload_lora_adapter", {"lora_name": "q"}).status_code == 200
+        stats = http.get("/admin/stats").json()
+        assert engine.health() == "ready" and http.get("/health").status_code == 200, "the server survives"
+        assert stats["step_faults_nonfinite"] == faults_before + 5, "each faulted step is still counted"
+    nan.is_on = False  # "fixed": loaded again under the same name, it answers
+    assert _post(client, "/load_lora_adapter", {"lora_name": "q", "lora_path": "a1"}).status_code == 200
+    assert _complete(client, "q") == a1_text, "a fixed adapter loaded again under the name serves"
+    assert _post(client, "/unload_lora_adapter", {"lora_name": "q"}).status_code == 200

@@ -265,3 +265,70 @@ def test_an_unusable_adapter_name_is_refused_before_anything_is_registered(tmp_p
     assert e.value.code == "invalid_lora_name", str(e.value)
     assert registry.names() == [] and registry.adapters() == [], "a refused name registers nothing"
     str(e.value).encode("utf-8")  # the message itself is servable (a lone surrogate is escaped by repr)
+
+
+def test_a_quarantined_adapter_is_refused_and_listed_until_unloaded_and_loaded_again(tmp_path):
+    registry, _ = _registry()
+    path = _adapter(tmp_path / "a")
+    slot = registry.load("q", path).slot
+    held = registry.acquire("q")  # a request running with it when its row faults
+    assert registry.quarantine(slot, "its weights produced non-finite logits") == "q"
+    assert registry.quarantine(0, "nothing") is None, "slot 0 (the base model) is nobody's adapter"
+    with pytest.raises(LoraError) as e:
+        registry.acquire("q")
+    assert e.value.code == "adapter_quarantined" and "'q'" in str(e.value) and "unload" in str(e.value)
+    assert "non-finite" in registry.quarantined_in(held.slot), "the running request learns why"
+    assert [a.quarantined for a in registry.adapters()] == ["its weights produced non-finite logits"]
+    registry.unload("q")
+    registry.release(held.slot)
+    registry.load("q", path)
+    assert registry.acquire("q").quarantined is None, "unloading and loading again clears the quarantine"
+
+
+def _adapter_job(name, slot, max_tokens=6):
+    from tests.test_batcher import req
+
+    return req(name, 5, max_tokens, adapter_slot=slot, adapter_name=f"ad{slot}" if slot else None,
+               adapter_key=f"ad{slot}:k" if slot else None)
+
+
+def test_non_finite_rows_of_an_adapter_quarantine_it_and_never_take_the_engine_down():
+    """A scripted runner whose rows in slot 2 always come back non-finite; the engine gives
+    up after 2 faulted steps in a row, yet survives 6 such requests one after another
+    (each its own all-faulted step), and the base model and slot 1 keep answering."""
+    from ferrox_jax.batcher import ContinuousBatcher
+    from ferrox_jax.step_faults import FaultPolicy
+    from tests.scripted import ByteTokenizer, ScriptedRunner, letters_token_fn
+    from tests.test_batcher import Sink, limits_for
+
+    runner = ScriptedRunner(token_fn=letters_token_fn())
+    run = runner.run
+
+    def nan_in_slot_2(batch, fill_masks=None):
+        arrays = run(batch, fill_masks)
+        arrays.finite = np.asarray(batch.adapter_slots) != 2
+        return arrays
+
+    runner.run = nan_in_slot_2
+    quarantined = []
+    adapters = types.SimpleNamespace(quarantine=lambda slot, reason: quarantined.append((slot, reason)) or f"ad{slot}")
+    batcher = ContinuousBatcher(runner, ByteTokenizer(), limits_for(runner),
+                                faults=FaultPolicy(max_consecutive_faults=2), adapters=adapters)
+    batcher.start()
+    try:
+        sink = Sink()
+        for i in range(6):
+            sink.submit(batcher, _adapter_job(f"bad{i}", 2))
+            sink.wait(f"bad{i}")
+            error = sink.out(f"bad{i}").events[-1].error
+            assert "LoRA adapter 'ad2'" in error and "quarantined" in error, error
+        assert batcher.health() == "ready", "an adapter's non-finite rows must not count toward the fault streak"
+        for name, slot in (("base", 0), ("good", 1)):
+            sink.submit(batcher, _adapter_job(name, slot))
+            sink.wait(name)
+            assert sink.out(name).events[-1].finish_reason == "length", f"{name} keeps answering"
+        assert {slot for slot, _ in quarantined} == {2} and "non-finite" in quarantined[0][1]
+        stats = batcher.stats()
+        assert stats.step_faults_nonfinite == 6 and "quarantined LoRA adapter 'ad2'" in stats.last_step_fault
+    finally:
+        batcher.shutdown(5)
