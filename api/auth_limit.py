@@ -1,12 +1,16 @@
 """Wrong API keys are rate limited per client address, before the key is compared.
 
-Each failed key check is remembered for a minute per address; an address with
+Each wrong key presented is remembered for a minute per address; an address with
 `--auth-failures-per-minute` (20) failures in the last minute gets 429 (`Retry-After`
 until its oldest failure ages out) for every request that needs a key, right or wrong,
 until then. The check runs before the comparison, so a guesser learns nothing more once
 limited, and it holds whether or not the general `--rate-limit-per-minute` is on. At
 most `MAX_TRACKED` addresses are remembered (the oldest forgotten first), so a flood
 of addresses cannot grow it without bound.
+
+A request with no key at all (no `Authorization: Bearer`, no `x-api-key`) is a plain 401
+that says how to send one and is not counted: it guesses nothing, and counting it would
+lock out a client that forgot the header a few times, right key and all, for a minute.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ class FailedAuthLimiter:
 def check_key(state: Any, api_key: bytes, headers: Mapping[str, str], client: str) -> None:
     """Raise 429 when `client` is over the failed-key or the general rate limit, else 401
     unless the request carries `api_key` (`Authorization: Bearer KEY`, or Anthropic's
-    `x-api-key`). The limits come first: a limited client's guesses are not compared."""
+    `x-api-key`). The limits come first: a limited client's guesses are not compared.
+    Only a wrong key counts as a failure; a missing one is a 401 that says what to send."""
     limiter: FailedAuthLimiter = state.auth_limiter
     retry_after = limiter.retry_after_s(client)
     if retry_after:
@@ -72,7 +77,10 @@ def check_key(state: Any, api_key: bytes, headers: Mapping[str, str], client: st
     given = token.strip().encode("utf-8") if scheme.lower() == "bearer" else b""
     if not given:  # Anthropic's clients send the key as x-api-key
         given = headers.get("x-api-key", "").strip().encode("utf-8")
+    if not given:
+        raise APIError(401, "missing API key: send it as 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     if not hmac.compare_digest(given, api_key):
         limiter.record_failure(client)
-        raise APIError(401, "invalid or missing API key", code="invalid_api_key",
+        raise APIError(401, "invalid API key: it does not match the server's --api-key", code="invalid_api_key",
                        headers={"WWW-Authenticate": "Bearer"})

@@ -1,6 +1,7 @@
 """Abuse that must not lock others out: slow bodies get a 408 and free their slot, wrong
-keys are rate limited before the key check, a non-UTF-8 admin body is a 400, and a request
-with more items than the whole queue is a 400 (it could never be admitted), not a 503."""
+keys are rate limited before the key check (a missing key is not a wrong one), a non-UTF-8
+admin body is a 400, and a request with more items than the whole queue is a 400 (it could
+never be admitted), not a 503."""
 
 from __future__ import annotations
 
@@ -77,6 +78,19 @@ def test_wrong_keys_are_limited_before_the_key_is_checked(server):
         assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1
         assert limited.json()["error"]["code"] == "rate_limit_exceeded"
         assert client.get("/health").status_code == 200  # probes are never limited
+
+
+def test_missing_keys_are_plain_401s_that_never_lock_out_the_right_key():
+    config = ServerConfig(api_key=KEY, auth_failures_per_minute=3)
+    with ServerThread(create_app(tiny_engine(), config)) as url, httpx.Client(base_url=url) as client:
+        forgotten = [client.get("/v1/models", headers=headers) for headers in
+                     [{}] * 4 + [{"Authorization": "Bearer"}, {"Authorization": KEY}, {"x-api-key": ""}]]
+        assert [r.status_code for r in forgotten] == [401] * 7, \
+            f"a request without a key is a 401, never counted: {[r.status_code for r in forgotten]}"
+        assert "Authorization: Bearer" in forgotten[0].json()["error"]["message"], "the 401 says how to send the key"
+        assert client.get("/v1/models", headers=auth()).status_code == 200, "forgetting the key locks nobody out"
+        wrong = [client.get("/v1/models", headers=auth(f"guess-{i}")).status_code for i in range(4)]
+        assert wrong == [401, 401, 401, 429], f"wrong keys still count (3 a minute): {wrong}"
 
 
 def test_non_utf8_admin_load_body_is_400():

@@ -42,7 +42,9 @@ def test_health_and_metrics_need_no_key(server):
 def test_every_other_route_needs_the_key(server, method, path, headers):
     r = httpx.request(method, server + path, headers=headers, json={"prompt": "Hi"})
     assert r.status_code == 401
-    assert r.json()["error"]["message"] == "invalid or missing API key"
+    message = r.json()["error"]["message"]
+    expected = "invalid API key" if headers.get("Authorization", "").startswith("Bearer ") else "missing API key"
+    assert message.startswith(expected), f"a wrong key and a missing one are told apart: {message!r}"
     assert r.json()["error"]["code"] == "invalid_api_key"
 
 
