@@ -8,9 +8,11 @@ Below Quart, `api/guards.py` refuses oversized headers, caps concurrent requests
 cancels streams whose client stopped reading (the SSE orphan timeout); around everything,
 `api/unread_body.py` reads (or, past the body limit, closes on) a body still unread when
 an early error is answered, so a pooled keep-alive connection stays usable. Request hooks, in
-order: CORS preflight, API key (constant-time, as `Authorization: Bearer` or `x-api-key`;
-`/health`, `/metrics` and the browser pages' static files stay open: `api/web/`), per-client
-rate limit.
+order: the browser rules of `api/same_origin.py` for every request, pages and probes included
+(a `Host` this server does not answer to: 421; a state-changing request from another origin:
+403; a body that is not declared JSON: 415), CORS preflight, API key (constant-time, as
+`Authorization: Bearer` or `x-api-key`; `/health`, `/metrics` and the browser pages' static
+files stay open: `api/web/`), per-client rate limit.
 
 Every error — ours, Quart's 404/405/413, malformed JSON, the guards' refusals, an
 unexpected exception — is an `APIError` rendered in the envelope of the protocol its path
@@ -37,6 +39,7 @@ from api import (admin_routes, anthropic_routes, auth_limit, body_timeout, cache
                  unread_body, web)
 from api.config import ServerConfig
 from api.errors import APIError
+from api.same_origin import SameOrigin
 from api.state import AppState, json_response, state_of
 
 if TYPE_CHECKING:
@@ -181,14 +184,17 @@ def _install_hooks(app: Quart, state: AppState) -> None:
     api_key = config.api_key.encode("utf-8") if config.api_key else None
     # The pages load without the key (they ask for it; api/web/) and are not API requests.
     open_pages = web.is_page if config.web_ui else (lambda _path: False)
+    browser_rules = SameOrigin(config)
 
     @app.before_request
     async def _gate() -> Response | None:
         path = request.path
-        if open_pages(path):
-            return None
-        if path not in OBSERVABILITY_PATHS:
+        is_page = open_pages(path)
+        if not is_page and path not in OBSERVABILITY_PATHS:
             state.stats.on_request()
+        browser_rules.check(request.method, request.headers)  # Host, Origin, Content-Type: before the key
+        if is_page:
+            return None
         origin = request.headers.get("Origin")
         if request.method == "OPTIONS" and origin and origin in config.cors_origins:
             return Response("", status=204)  # CORS headers added in _after

@@ -112,7 +112,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             max_concurrent_requests=args.max_concurrent_requests, max_header_bytes=args.max_header_bytes,
             backlog=args.backlog, keep_alive_timeout_s=args.keep_alive_timeout,
             request_timeout_s=args.request_timeout, sse_orphan_timeout_ms=args.sse_orphan_timeout_ms,
-            cors_origins=tuple(args.cors_origins),
+            cors_origins=tuple(args.cors_origins), allowed_hosts=tuple(args.allowed_hosts),
             rate_limit_per_minute=args.rate_limit_per_minute,
             auth_failures_per_minute=args.auth_failures_per_minute, body_read_timeout_s=args.body_read_timeout,
             allow_unauthenticated_remote=args.allow_unauthenticated_remote, tls_cert=args.tls_cert,

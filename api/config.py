@@ -14,12 +14,14 @@ import dataclasses
 import ipaddress
 import json
 import os
+import re
 from typing import Any, Callable, Mapping
 
 from ferrox_jax.constraint import GrammarError, GrammarSpec, grammar_syntax
 from ferrox_jax.request import MAX_LOGPROBS
 
 DEFAULT_HOST = "127.0.0.1"
+_HOST_NAME = re.compile(r"^\.?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?$")  # an --allowed-hosts entry
 DEFAULT_PORT = 8383
 MIB = 1024 * 1024
 
@@ -46,6 +48,9 @@ class ServerConfig:
     sse_orphan_timeout_ms: int = 30_000  # a stream whose client reads nothing this long is cancelled
     sse_keepalive_s: float = 15.0  # idle streams get a ": keep-alive" comment this often
     cors_origins: tuple[str, ...] = ()  # exact origins; never "*"
+    # Host names the server answers to besides localhost, the bound address and IP literals
+    # (421 for others; api/same_origin.py). Empty: none on a loopback bind, any otherwise.
+    allowed_hosts: tuple[str, ...] = ()
     rate_limit_per_minute: int = 0  # per client address; 0 = off
     auth_failures_per_minute: int = 20  # wrong keys per client address; 429 above, before the key check (0 = off)
     body_read_timeout_s: float = 10.0  # a body must arrive within this plus 1 s per 64 KiB (408 above)
@@ -103,6 +108,11 @@ class ServerConfig:
             if origin == "*" or "://" not in origin:
                 raise ValueError("ServerConfig.cors_origins must be exact origins like "
                                  f"'https://app.example.com' (never '*'); got {origin!r}")
+        for name in self.allowed_hosts:
+            if not (name == "*" or _HOST_NAME.match(name)):
+                raise ValueError("ServerConfig.allowed_hosts must be host names without scheme or port, "
+                                 "'.example.com' for a domain and its subdomains, or '*' (IP addresses need "
+                                 f"no entry); got {name!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("ServerConfig.tls_cert and tls_key must be given together")
         if self.rerank_scheme not in ("auto", "yes-no", "embedding"):
@@ -176,6 +186,10 @@ def _bool(text: str) -> bool:
 
 def _origins(text: str) -> tuple[str, ...]:
     return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+def _host_names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip().lower() for n in text.split(",") if n.strip())
 
 
 def _str(text: str) -> str:
@@ -323,6 +337,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sse_orphan_timeout_ms", "FERROX_SSE_ORPHAN_TIMEOUT_MS", _positive_int, 30_000,
             "ms a stream may wait on a client that reads nothing before it is cancelled"),
     Setting("cors_origins", "FERROX_CORS_ORIGINS", _origins, (), "comma-separated exact CORS origins"),
+    Setting("allowed_hosts", "FERROX_ALLOWED_HOSTS", _host_names, (),
+            "comma-separated host names the server answers to besides localhost, the bound address and IP "
+            "addresses ('.example.com': a domain and its subdomains; '*': any); others get 421 (default: none "
+            "on a loopback bind, any name on another)"),
     Setting("rate_limit_per_minute", "FERROX_RATE_LIMIT_PER_MINUTE", _nonneg_int, 0,
             "requests per minute per client address (0 = off; 429 above)"),
     Setting("auth_failures_per_minute", "FERROX_AUTH_FAILURES_PER_MINUTE", _nonneg_int, 20,

@@ -24,12 +24,15 @@ LLAMACPP_ERROR = {"type": "object", "required": ["error"], "properties": {
               "properties": {"code": {"type": "integer"}, "message": {"type": "string"},
                              "type": {"type": "string"}}}}}
 
-_WHY = {"400": "invalid request", "401": "invalid or missing API key", "403": "forbidden by a server setting",
+_WHY = {"400": "invalid request", "401": "invalid or missing API key",
+        "403": "forbidden by a server setting, or sent by a page on another origin",
         "404": "unknown model, adapter, task or request", "409": "conflicts with work in progress",
-        "413": "body too large", "429": "rate limited", "501": "not supported by this server",
-        "503": "overloaded, loading, sleeping or draining"}
+        "413": "body too large", "415": "body not declared as JSON",
+        "421": "a Host name this server does not answer to", "429": "rate limited",
+        "501": "not supported by this server", "503": "overloaded, loading, sleeping or draining"}
 _BODY_ERRORS = ("400", "413")  # every route with a body
-_ALWAYS = ("401", "429", "503")
+_ALWAYS = ("401", "421", "429", "503")
+_WRITES = ("403", "415")  # every route but GET: the browser rules of api/same_origin.py
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 
 
@@ -179,6 +182,7 @@ def _operation(method: str, path: str, summary: str, req: Any, resp: Any, envelo
     error = {"$ref": "#/components/schemas/" + {"openai": "ErrorResponse", "anthropic": "AnthropicError",
                                                  "llamacpp": "LlamaCppError"}[envelope]}
     statuses = set(extra) | set(_ALWAYS) | (set(_BODY_ERRORS) if req is not None else set())
+    statuses |= set(_WRITES) if method != "get" else set()
     if options.get("open"):
         op["security"] = []  # never behind the API key
         statuses -= {"401", "429"}

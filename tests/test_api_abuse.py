@@ -36,7 +36,7 @@ def slow_uploader(url: str) -> socket.socket:
     """A connection that declares a 4 MB body and sends one byte of it."""
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
                  f"Content-Type: application/json\r\nContent-Length: 4000000\r\n\r\n{{".encode())
     return sock
 

@@ -192,7 +192,7 @@ def test_a_stream_whose_client_reads_nothing_is_cancelled_after_the_orphan_timeo
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fill the buffers fast
         sock.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
         try:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
             # ...and never read, never close
             wait_for(lambda: stats(http)["sse_orphaned"] == before["sse_orphaned"] + 1, timeout_s=30)
