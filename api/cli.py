@@ -144,7 +144,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             tensor_parallel=args.tensor_parallel, mesh=args.mesh, replicate_attention=args.replicate_attention,
             attention_impl=args.attention_impl, coordinator_address=args.coordinator_address,
             num_processes=args.num_processes, process_id=args.process_id,
-            multihost_timeout_s=args.multihost_timeout_s, share_compiles=args.share_compiles, max_loras=args.max_loras,
+            multihost_timeout_s=args.multihost_timeout_s, multihost_secret=args.multihost_secret,
+            share_compiles=args.share_compiles, max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank, lora_modules=_flat_pairs(args.lora_modules),
             speculative=speculative_config(args), step_timeout_s=args.step_timeout_s,
             max_step_faults=args.max_step_faults)

@@ -268,6 +268,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("multihost_timeout_s", "FERROX_MULTIHOST_TIMEOUT_S", _positive_float, 10.0,
             "multi-host: seconds without a step or heartbeat after which a peer is taken for hung "
             "(the group fails and exits)"),
+    Setting("multihost_secret", "FERROX_MULTIHOST_SECRET", _str, None,
+            "multi-host: the shared secret every process proves it knows before the step channel carries a step "
+            "(the same on every process, at least 16 characters; required unless the coordinator is on loopback, "
+            "where the leader generates one for its followers); prefer the variable to the flag, which other "
+            "users can read in the process list"),
     Setting("share_compiles", "FERROX_SHARE_COMPILES", _bool, True,
             "multi-host: process 0 compiles each step shape and the other processes load its executable "
             "instead of compiling it themselves (--no-share-compiles: every process compiles)"),

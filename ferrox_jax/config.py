@@ -3,7 +3,8 @@
 `EngineConfig` is everything a user sets about the engine: the checkpoint, the KV cache
 and batching sizes (the ferrox-server contract's `FERROX_CB_*` settings), compilation and
 scale-out. It is filled once (by `api/cli.py` from flags and `FERROX_*` variables, or by a
-test or tool directly) and validated here, each message naming its field.
+test or tool directly) and validated here, each message naming its field. The multi-host
+secret stays out of its repr and out of every message.
 
 `SchedulerLimits` are what the engine derives from it once the checkpoint is open and the
 KV cache sized (`ferrox_jax/engine.py`): plain numbers, never None, checked against the
@@ -15,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+
+from ferrox_jax.step_channel_auth import MIN_SECRET_CHARS, coordinator_host, is_loopback_host
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # JAX's persistent compilation cache when a user names none (`ferrox serve`, the offline `LLM`).
@@ -91,6 +94,10 @@ class EngineConfig:
     num_processes: int | None = None  # multi-host: processes in the cluster
     process_id: int | None = None  # multi-host: this process's index
     multihost_timeout_s: float = 10.0  # multi-host: a peer silent this long (no step, no heartbeat) is hung
+    # multi-host: what every process proves it knows before the step channel carries a step
+    # (ferrox_jax/step_channel_auth.py); None: on loopback, one the leader generates. Never
+    # in a repr, so never in a log line or an error message that prints the config.
+    multihost_secret: str | None = dataclasses.field(default=None, repr=False)
     share_compiles: bool = True  # multi-host: process 0 compiles each step shape, the others load it (shared_compiles.py)
     # LoRA (models/lora.py): adapter slots on the device (0: no LoRA, the projections stay
     # plain), the largest rank a slot holds, and (name, PEFT folder) pairs loaded at start-up.
@@ -150,6 +157,21 @@ class EngineConfig:
                              "(or coordinator_address='auto' on a TPU pod)")
         if not self.multihost_timeout_s > 0:
             raise ValueError(f"EngineConfig.multihost_timeout_s must be > 0; got {self.multihost_timeout_s!r}")
+        self._check_multihost_secret()
+
+    def _check_multihost_secret(self) -> None:
+        """A group whose coordinator is not on loopback has no private place to share a
+        generated secret: it must be given one. The messages never hold the secret."""
+        secret = self.multihost_secret
+        if secret is not None and len(secret) < MIN_SECRET_CHARS:
+            raise ValueError(f"EngineConfig.multihost_secret must be at least {MIN_SECRET_CHARS} characters "
+                             f"(e.g. `openssl rand -hex 32`); got {len(secret)}")
+        address = self.coordinator_address
+        if (not secret and address not in (None, "auto") and (self.num_processes or 0) > 1
+                and not is_loopback_host(coordinator_host(address))):
+            raise ValueError(f"EngineConfig.multihost_secret is required: the coordinator {coordinator_host(address)} "
+                             "is not on loopback, so the step channel would take any process that connects; set "
+                             "FERROX_MULTIHOST_SECRET (or --multihost-secret) to the same value on every process")
 
     def _check_lora(self) -> None:
         if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
