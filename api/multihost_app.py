@@ -10,8 +10,12 @@ stuck in a collective with a dead peer).
 
 A follower (`serve_follower`) answers only `GET /health` on its own port (503 `loading`
 until its engine is warm and connected to the leader, then 200), loads and compiles the
-same engine, and runs the steps the leader sends until the leader stops it (exit 0) or
-disappears or hangs (no step and no heartbeat for `--multihost-timeout-s`: exit 3).
+same engine, joins the leader's step channel (both prove the group's secret,
+`--multihost-secret`, or on loopback the one the leader generated:
+`ferrox_jax/step_channel_auth.py`), and runs the steps the leader sends until the leader
+stops it (exit 0) or disappears or hangs (no step and no heartbeat for
+`--multihost-timeout-s`: exit 3). A failed handshake (no or another secret, a slot already
+taken) exits 3 too, saying why.
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ def serve_follower(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     engine.warmup()
     code = multihost.follow(engine.runner, multihost.step_channel_address(engine_cfg.coordinator_address),
                             engine_cfg.process_id, on_connected=lambda: status.update(state="ready"),
-                            timeout_s=engine_cfg.multihost_timeout_s)
+                            timeout_s=engine_cfg.multihost_timeout_s, secret=engine_cfg.multihost_secret)
     log.info("follower %d: the leader stopped the group", engine_cfg.process_id)
     exit_now(code)
     return code

@@ -322,7 +322,7 @@ def _leader_runner(runner: ModelRunner, config: EngineConfig) -> ModelRunner | B
         raise ValueError("multi-host serving needs --coordinator-address HOST:PORT (the step channel "
                          "listens on the leader at PORT + 1)")
     channel = StepChannel(step_channel_address(config.coordinator_address), jax.process_count() - 1,
-                          config.multihost_timeout_s)
+                          config.multihost_timeout_s, secret=config.multihost_secret)
     atexit.register(channel.close)  # a clean exit stops the followers too
     return BroadcastRunner(runner, channel)
 

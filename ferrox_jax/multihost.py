@@ -20,14 +20,24 @@ mesh, so each process holds a whole copy locally and the leader's fetch needs no
 cross-process transfer.
 
 The channel is a plain TCP connection per follower, to the coordinator's host at its
-port + 1 (`step_channel_address`), carrying length-prefixed frames: `B` (a batch), `M`
-(a bitmask), `D` (a draft model's proposal step: `DraftSender`), `S` (stop), and `H`
+port + 1 (`step_channel_address`; the leader listens on that interface only, never on
+every one), carrying length-prefixed frames (`ferrox_jax/step_frames.py`): `B` (a batch),
+`M` (a bitmask), `D` (a draft model's proposal step: `DraftSender`), `S` (stop), and `H`
 (heartbeat, both ways, every second, from a thread of its own: a heartbeat says the
 process is alive even while its step waits in a collective, and an idle leader, which
-sends no step for as long as no request comes, is not taken for a hung one). It is
-chosen over `jax.experimental.multihost_utils.broadcast_one_to_all` because a collective
+sends no step for as long as no request comes, is not taken for a hung one). It is chosen
+over `jax.experimental.multihost_utils.broadcast_one_to_all` because a collective
 cannot fail cleanly: a dead peer leaves it waiting, while a socket says at once that the
 other end is gone (EOF), and a missing heartbeat says in bounded time that it hung.
+
+No step goes over a connection before both ends proved they know the group's secret
+(`ferrox_jax/step_channel_auth.py`: HMAC challenge-response both ways, on
+`--multihost-secret` or, on loopback, a secret the leader generates for its followers).
+The leader runs each handshake on a thread of its own, under a deadline, so a stranger
+that connects and idles never holds up the accept loop; each follower slot is taken once,
+by a connection that proved the secret, and every connection that fails (garbage, a
+malformed or oversized frame, a wrong proof, a taken slot) is refused with one log line.
+Once every follower has joined, the leader stops listening.
 
 Failure is loud and bounded (`timeout_s`, `--multihost-timeout-s`, 10 s by default): a
 follower that closed its channel (died) or sent nothing for `timeout_s` (hung: SIGSTOP, a
@@ -48,7 +58,6 @@ import logging
 import os
 import queue
 import socket
-import struct
 import threading
 import time
 from typing import Any, Callable
@@ -57,6 +66,9 @@ import jax
 import numpy as np
 
 from ferrox_jax.host_batch import HostBatch
+from ferrox_jax.step_channel_auth import HandshakeError, Refused, answer, follower_key, join, leader_key, refuse
+from ferrox_jax.step_frames import (BATCH, DRAFT, HEARTBEAT, MASK, STOP, WELCOME, FrameError, recv_frame,
+                                    send_frame)
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +77,10 @@ DEFAULT_TIMEOUT_S = 10.0  # a peer silent this long is taken for hung (EngineCon
 CONNECT_TIMEOUT_S = 600.0  # followers build and compile before they connect
 FOLLOWER_EXIT_CODE = 3  # a follower that lost its leader
 FAILURE_NAMING_S = 2.0  # a failed step waits this long for the channel to say which process died
-_HEADER = struct.Struct("!cQ")  # frame kind, payload bytes
-BATCH, MASK, STOP, HEARTBEAT, HELLO, DRAFT = b"B", b"M", b"S", b"H", b"O", b"D"
+# Handshakes in flight at once: enough for every follower of a large group connecting
+# together; a connection beyond it is refused at once rather than queued behind strangers.
+MAX_PENDING_HANDSHAKES = 64
+ACCEPT_POLL_S = 0.5  # the accept loop looks this often whether the group formed or the channel closed
 
 _listeners: list[Callable[[str], None]] = []
 _channels: list["StepChannel"] = []  # this process's (the leader's), for `close_all`
@@ -115,30 +129,29 @@ def place_on_mesh(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(one, tree, shardings)
 
 
-def _send_frame(sock: socket.socket, kind: bytes, payload: bytes = b"") -> None:
-    sock.sendall(_HEADER.pack(kind, len(payload)) + payload)
+def _listen(address: tuple[str, int]) -> socket.socket:
+    """A listening socket on the coordinator's interface alone (an IPv4 or IPv6 literal, or
+    a name resolved here), never on every interface of the host."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM)[0]
+    return socket.create_server(sockaddr, family=family)
 
 
-def _recv_exact(sock: socket.socket, num_bytes: int) -> bytes:
-    chunks, left = [], num_bytes
-    while left:
-        chunk = sock.recv(min(left, 1 << 20))
-        if not chunk:
-            raise EOFError("the connection closed")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def _recv_frame(sock: socket.socket) -> tuple[bytes, bytes]:
-    kind, size = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    return kind, _recv_exact(sock, size) if size else b""
+def _peer(address: Any) -> str:
+    return f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
 
 
 class StepChannel:
-    """The leader's side: accepts the followers, sends them every step, watches them."""
+    """The leader's side: admits the followers, sends them every step, watches them.
 
-    def __init__(self, address: tuple[str, int], num_followers: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    Args:
+      address: (the coordinator's host, its port + 1): `step_channel_address`.
+      timeout_s: a follower silent this long is hung; also each handshake's deadline.
+      secret: the group's shared secret (`--multihost-secret`); None: on loopback, one
+        generated for the followers on this machine (`ferrox_jax/step_channel_auth.py`).
+    """
+
+    def __init__(self, address: tuple[str, int], num_followers: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 secret: str | None = None) -> None:
         self.num_followers = num_followers
         self.timeout_s = timeout_s
         self.failure: str | None = None
@@ -147,31 +160,75 @@ class StepChannel:
         self._lock = threading.Lock()  # the owner thread sends; watchers may fail the group
         self._send_lock = threading.Lock()  # the owner's frames and the heartbeats never interleave
         self._all_connected = threading.Event()
-        self._server = socket.create_server(("", address[1]))
+        # The secret file (loopback, none given) is written before the channel listens: a
+        # follower reads it once connected, so it never reads a previous group's.
+        self._key, self._secret_file = leader_key(address, secret)
+        self._server = _listen(address)
+        self._server.settimeout(ACCEPT_POLL_S)
         _channels.append(self)
         threading.Thread(target=self._accept, name="ferrox-step-accept", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="ferrox-leader-heartbeat", daemon=True).start()
 
     def _accept(self) -> None:
-        while len(self._followers) < self.num_followers:
+        """Hands each connection to a handshake thread of its own and goes back to accepting
+        at once: a peer that connects and idles holds its own thread until its deadline,
+        never this loop. Stops listening once every follower has joined (or on close)."""
+        pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        while not self._all_connected.is_set() and self.failure is None:
             try:
-                conn, _ = self._server.accept()
-                conn.settimeout(self.timeout_s)
-                kind, payload = _recv_frame(conn)
-            except (OSError, EOFError, struct.error) as e:
-                log.warning("step channel: a connection failed its hello: %s", e)
+                conn, peer = self._server.accept()
+            except TimeoutError:
                 continue
-            if kind != HELLO:
+            except OSError as e:
+                if self.failure is None:  # else `close` closed the socket under this loop
+                    log.warning("step channel: accepting a connection failed: %s", e)
+                    time.sleep(ACCEPT_POLL_S)
+                continue
+            if not pending.acquire(blocking=False):
+                log.warning("step channel: refused a connection from %s: %d handshakes already in progress",
+                            _peer(peer), MAX_PENDING_HANDSHAKES)
                 conn.close()
                 continue
-            process_id = int(payload)
-            with self._send_lock:
-                self._followers[process_id] = conn
-            log.info("step channel: follower %d connected", process_id)
-            threading.Thread(target=self._watch, args=(process_id, conn), name=f"ferrox-watch-{process_id}",
+            threading.Thread(target=self._admit, args=(conn, peer, pending), name="ferrox-step-handshake",
                              daemon=True).start()
         self._server.close()
-        self._all_connected.set()
+        self._forget_secret_file()
+
+    def _admit(self, conn: socket.socket, peer: Any, pending: threading.BoundedSemaphore) -> None:
+        """One connection's handshake, then its slot: a refusal is one log line, never an
+        exception out of this thread, and leaves the slot free for the real follower."""
+        try:
+            process_id = answer(conn, self._key, self.num_followers, self._followers.__contains__, self.timeout_s)
+            self._take_slot(process_id, conn)
+        except Refused as e:
+            log.warning("step channel: refused a connection from %s: %s", _peer(peer), e)
+            conn.close()
+            return
+        finally:
+            pending.release()
+        log.info("step channel: follower %d joined from %s", process_id, _peer(peer))
+        threading.Thread(target=self._watch, args=(process_id, conn), name=f"ferrox-watch-{process_id}",
+                         daemon=True).start()
+
+    def _take_slot(self, process_id: int, conn: socket.socket) -> None:
+        """The slot, once: two connections that both proved the secret for one id race here,
+        under the lock the heartbeats take, so the welcome precedes every other frame."""
+        with self._send_lock:
+            if process_id in self._followers:
+                refuse(conn, f"follower slot {process_id} is already taken")
+            try:
+                conn.settimeout(self.timeout_s)
+                send_frame(conn, WELCOME)
+            except OSError as e:
+                raise Refused(f"the connection broke before its welcome: {e}") from None
+            self._followers[process_id] = conn
+            if len(self._followers) == self.num_followers:
+                self._all_connected.set()
+
+    def _forget_secret_file(self) -> None:
+        """The generated loopback secret leaves the disk once nobody needs to read it."""
+        if self._secret_file is not None:
+            self._secret_file.unlink(missing_ok=True)
 
     def _watch(self, process_id: int, conn: socket.socket) -> None:
         """Reads the follower's heartbeats; EOF or `timeout_s` of silence fails the group.
@@ -179,7 +236,9 @@ class StepChannel:
         for that long is a hung follower too)."""
         try:
             while self.failure is None:
-                _recv_frame(conn)
+                recv_frame(conn, max_bytes=0)  # a follower sends heartbeats only
+        except FrameError:
+            self.fail(f"follower process {process_id} sent a frame the leader does not take")
         except EOFError:
             self.fail(f"follower process {process_id} closed its step channel (it exited or crashed)")
         except TimeoutError:
@@ -224,7 +283,7 @@ class StepChannel:
         with self._send_lock:
             for process_id, conn in sorted(self._followers.items()):
                 try:
-                    _send_frame(conn, kind, payload)
+                    send_frame(conn, kind, payload)
                 except OSError as e:
                     self.fail(f"follower process {process_id}: sending a step failed: {e}")
                     raise GroupFailure(self.failure) from e
@@ -240,10 +299,12 @@ class StepChannel:
         """Tells the followers to stop (a clean shutdown) and closes the connections."""
         with self._lock:  # no heartbeat, no step, no failure report after the stop frame
             self.failure = self.failure or "closed"
+        self._server.close()
+        self._forget_secret_file()
         with self._send_lock:
             for conn in self._followers.values():
                 try:
-                    _send_frame(conn, STOP)
+                    send_frame(conn, STOP)
                     conn.close()
                 except OSError:
                     pass
@@ -308,14 +369,23 @@ class DraftSender:
 
 
 def follow(runner: Any, address: tuple[str, int], process_id: int,
-           on_connected: Callable[[], None] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
-    """A follower's whole life after warm-up: connect, run every step the leader sends.
+           on_connected: Callable[[], None] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+           secret: str | None = None) -> int:
+    """A follower's whole life after warm-up: connect, prove the secret (and check the
+    leader's proof), run every step the leader sends.
+
+    `secret` is the group's (`--multihost-secret`); None: on loopback, the one the leader
+    generated, read once the connection is accepted (the leader writes it before it listens).
 
     Returns 0 on the leader's stop frame; exits the process with FOLLOWER_EXIT_CODE when
-    the leader is gone or silent for `timeout_s` (its device calls may be stuck in a
-    collective: no clean return)."""
+    the handshake fails or the leader is gone or silent for `timeout_s` (its device calls
+    may be stuck in a collective: no clean return)."""
     sock = _connect(address)
-    _send_frame(sock, HELLO, str(process_id).encode())
+    try:
+        join(sock, follower_key(address, secret), process_id, timeout_s)
+    except HandshakeError as e:
+        leader_gone(f"follower {process_id}: cannot join the step channel at {_peer(address)}: {e}; exiting")
+    sock.settimeout(timeout_s)
     send_lock = threading.Lock()
     threading.Thread(target=_heartbeat, args=(sock, send_lock, heartbeat_period(timeout_s)), name="ferrox-heartbeat",
                      daemon=True).start()
@@ -353,7 +423,7 @@ def _read_leader(sock: socket.socket, frames: queue.SimpleQueue, process_id: int
     sock.settimeout(timeout_s)
     try:
         while True:
-            kind, payload = _recv_frame(sock)
+            kind, payload = recv_frame(sock)
             if kind != HEARTBEAT:
                 frames.put((kind, payload))
             if kind == STOP:
@@ -361,7 +431,7 @@ def _read_leader(sock: socket.socket, frames: queue.SimpleQueue, process_id: int
     except TimeoutError:
         leader_gone(f"follower {process_id}: no step and no heartbeat from the leader for {timeout_s:g} s "
                     "(hung); exiting")
-    except (EOFError, OSError, struct.error) as e:
+    except (EOFError, OSError) as e:
         leader_gone(f"follower {process_id}: the leader's step channel closed ({e}); exiting")
 
 
@@ -381,7 +451,7 @@ def _heartbeat(sock: socket.socket, lock: threading.Lock, period_s: float) -> No
         time.sleep(period_s)
         try:
             with lock:
-                _send_frame(sock, HEARTBEAT)
+                send_frame(sock, HEARTBEAT)
         except OSError as e:
             leader_gone(f"follower: the leader stopped taking heartbeats ({e}); exiting")
 
