@@ -26,7 +26,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
-from api.config import DEFAULT_HOST, DEFAULT_PORT, SETTINGS, ServerConfig, default_grammar, env_defaults, split_addr
+from api.config import (DEFAULT_HOST, DEFAULT_PORT, SETTINGS, ServerConfig, default_grammar, env_defaults,
+                        name_settings, split_addr)
 from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig, SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -125,7 +126,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             response_cache_max_bytes=args.response_cache_max_bytes, rerank_scheme=args.rerank_scheme,
             enable_runtime_lora=args.enable_runtime_lora)
     except ValueError as e:
-        raise SystemExit(f"ferrox serve: {e}") from None
+        raise SystemExit(f"ferrox serve: {name_settings(str(e))}") from None
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -150,7 +151,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             speculative=speculative_config(args), step_timeout_s=args.step_timeout_s,
             max_step_faults=args.max_step_faults)
     except ValueError as e:
-        raise SystemExit(f"ferrox serve: {e}") from None
+        raise SystemExit(f"ferrox serve: {name_settings(str(e))}") from None
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -184,9 +185,13 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
     from tqdm import tqdm
 
     from ferrox_jax.engine import Engine
+    from ferrox_jax.memory_bounds import MemoryBoundError
 
     with tqdm(desc="loading weights", unit="tensor", file=sys.stderr, leave=False) as bar:
-        engine = Engine.load(config, progress=lambda _name: bar.update(1))
+        try:
+            engine = Engine.load(config, progress=lambda _name: bar.update(1))
+        except MemoryBoundError as e:  # a setting the devices cannot hold: name its flag and variable
+            raise ValueError(name_settings(str(e), e.field)) from None
     if default_grammar is not None:
         from ferrox_jax.constraint import GrammarError
 

@@ -5,7 +5,10 @@ names where it has one: FERROX_MODEL_PATH, FERROX_ADDR, FERROX_API_KEY, FERROX_C
 Precedence: flag > variable > default. This module is the only place that reads the
 environment. `api/cli.py` turns the merged values into `ServerConfig` (HTTP concerns,
 below) and the engine's one `EngineConfig` (`ferrox_jax/config.py`).
-Invalid values stop start-up with a message naming the variable or the field.
+Invalid values stop start-up with a message naming the variable or the field; a message
+from the engine or a config check names the flag and variable (`name_settings`). Byte caps
+on what the server keeps (request bodies, resumable streams, the response cache) must fit
+in the host's memory (`ferrox_jax/memory_bounds.py`): a cap the host cannot hold caps nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import re
 from typing import Any, Callable, Mapping
 
 from ferrox_jax.constraint import GrammarError, GrammarSpec, grammar_syntax
+from ferrox_jax.memory_bounds import host_total_bytes
 from ferrox_jax.request import MAX_LOGPROBS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -119,11 +123,25 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.rerank_scheme must be auto, yes-no or embedding; got {self.rerank_scheme!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("ServerConfig.api_key must not be empty (leave it unset for no key)")
+        self._check_byte_caps()
         if not self.api_key and not self.allow_unauthenticated_remote and not is_loopback(self.host):
             raise ValueError(
                 f"refusing to serve on non-loopback address {self.host!r} without an API key; "
                 "set --api-key / FERROX_API_KEY, or --allow-unauthenticated-remote "
                 "(FERROX_ALLOW_UNAUTHENTICATED_REMOTE=1) to accept that risk")
+
+    def _check_byte_caps(self) -> None:
+        """Caps on bytes the server holds, against the host's memory."""
+        host = host_total_bytes()
+        if host is None:
+            return
+        for what, cap in (("max_body_bytes", self.max_body_bytes),
+                          ("resumable_max_bytes x ServerConfig.resumable_max_streams",
+                           self.resumable_max_bytes * self.resumable_max_streams),
+                          ("response_cache_max_bytes", self.response_cache_max_bytes)):
+            if cap > host:
+                raise ValueError(f"ServerConfig.{what} ({cap / 2**30:,.1f} GiB) must fit in this host's memory "
+                                 f"({host / 2**30:,.1f} GiB): a cap the host cannot hold caps nothing")
 
     @property
     def url(self) -> str:
@@ -395,6 +413,29 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("enable_runtime_lora", "FERROX_ENABLE_RUNTIME_LORA", _bool, False,
             "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (paths inside --model-dir only)"),
 )
+
+
+_SETTING_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def setting_label(name: str) -> str | None:
+    """"--kv-blocks (FERROX_CB_KV_BLOCKS)" for a setting's name (an EngineConfig or
+    ServerConfig field of the same name); None for a name the table does not have."""
+    found = _SETTING_BY_NAME.get(name)
+    return None if found is None else f"{found.cli_flag} ({found.env})"
+
+
+def name_settings(message: str, field: str | None = None) -> str:
+    """An engine or config message as a user of `ferrox serve` reads it: each
+    `EngineConfig.<name>` / `ServerConfig.<name>`, and `field` where it opens the message
+    or follows "at most" (a `MemoryBoundError`), named as its flag and variable."""
+    label = setting_label(field) if field else None
+    if label is not None and message.startswith(field + " "):
+        message = label + message[len(field):]
+    if label is not None:
+        message = message.replace(f"at most {field} ", f"at most {_SETTING_BY_NAME[field].cli_flag} ")
+    return re.sub(r"\b(?:EngineConfig|ServerConfig)\.(\w+)", lambda m: setting_label(m.group(1)) or m.group(0),
+                  message)
 
 
 def default_grammar(grammar: str | None, grammar_file: str | None, json_schema: str | None) -> GrammarSpec | None:

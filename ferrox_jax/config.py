@@ -6,6 +6,10 @@ scale-out. It is filled once (by `api/cli.py` from flags and `FERROX_*` variable
 test or tool directly) and validated here, each message naming its field. The multi-host
 secret stays out of its repr and out of every message.
 
+Ceilings the index types set (int32 block ids and positions) are checked here; whether
+the device can hold what the settings ask for is checked when the engine is built, against
+its memory (`ferrox_jax/memory_bounds.py`).
+
 `SchedulerLimits` are what the engine derives from it once the checkpoint is open and the
 KV cache sized (`ferrox_jax/engine.py`): plain numbers, never None, checked against the
 runner by the batcher. Nothing else sizes the engine.
@@ -15,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
+from ferrox_jax.memory_bounds import INT32_MAX, MAX_KV_BLOCKS, TABLE_ROUND_BLOCKS, max_positions
 from ferrox_jax.step_channel_auth import MIN_SECRET_CHARS, coordinator_host, is_loopback_host
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -125,12 +131,7 @@ class EngineConfig:
         if self.prefill_chunk_idle and self.prefill_chunk_idle < self.prefill_chunk:
             raise ValueError(f"EngineConfig.prefill_chunk_idle must be 0 (off) or >= prefill_chunk "
                              f"({self.prefill_chunk}); got {self.prefill_chunk_idle}")
-        if self.kv_blocks is not None and self.kv_blocks < 2:
-            raise ValueError(f"EngineConfig.kv_blocks must be >= 2 (block 0 is the null block); got {self.kv_blocks}")
-        if not self.kv_memory_gib > 0:
-            raise ValueError(f"EngineConfig.kv_memory_gib must be > 0; got {self.kv_memory_gib}")
-        if self.max_context is not None and self.max_context < 2:
-            raise ValueError(f"EngineConfig.max_context must be >= 2; got {self.max_context}")
+        self._check_ceilings()
         for name in ("dtype", "kv_cache_dtype"):
             value = getattr(self, name)
             if value is not None and value not in DTYPE_NAMES:
@@ -173,11 +174,36 @@ class EngineConfig:
                              "is not on loopback, so the step channel would take any process that connects; set "
                              "FERROX_MULTIHOST_SECRET (or --multihost-secret) to the same value on every process")
 
+    def _check_ceilings(self) -> None:
+        """What the index types can address (`ferrox_jax/memory_bounds.py`); whether the
+        device can hold it is checked when the engine is built, against its memory."""
+        if self.block_size > INT32_MAX // TABLE_ROUND_BLOCKS:
+            raise ValueError(f"EngineConfig.block_size must be at most {INT32_MAX // TABLE_ROUND_BLOCKS} (a block "
+                             f"table's positions are int32); got {self.block_size}")
+        blocks = self.kv_blocks
+        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 2):
+            raise ValueError(f"EngineConfig.kv_blocks must be an int >= 2 (block 0 is the null block); got {blocks!r}")
+        if blocks is not None and blocks > MAX_KV_BLOCKS:
+            raise ValueError(f"EngineConfig.kv_blocks must be at most {MAX_KV_BLOCKS} (block ids are int32); "
+                             f"got {blocks}")
+        gib = self.kv_memory_gib
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not (gib > 0 and math.isfinite(gib)):
+            raise ValueError(f"EngineConfig.kv_memory_gib must be a finite number > 0; got {gib!r}")
+        context = self.max_context
+        if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 2):
+            raise ValueError(f"EngineConfig.max_context must be an int >= 2; got {context!r}")
+        if context is not None and context > max_positions(self.block_size):
+            raise ValueError(f"EngineConfig.max_context must be at most {max_positions(self.block_size)} with "
+                             f"block_size {self.block_size} (positions are int32); got {context}")
+
     def _check_lora(self) -> None:
         if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise ValueError(f"EngineConfig.max_loras must be an int >= 0; got {self.max_loras!r}")
         if isinstance(self.max_lora_rank, bool) or not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1:
             raise ValueError(f"EngineConfig.max_lora_rank must be a positive int; got {self.max_lora_rank!r}")
+        if (self.max_loras + 1) * self.max_lora_rank > INT32_MAX:  # models/lora.py numbers the columns in int32
+            raise ValueError(f"EngineConfig.max_loras + 1 times max_lora_rank must be at most {INT32_MAX} (the "
+                             f"slots' columns are int32); got ({self.max_loras} + 1) x {self.max_lora_rank}")
         if len(self.lora_modules) > self.max_loras:
             raise ValueError(f"EngineConfig.lora_modules names {len(self.lora_modules)} adapters but max_loras is "
                              f"{self.max_loras}; raise --max-loras")

@@ -14,10 +14,13 @@ else the model's trained context capped by what the budget holds. The start-up l
 which applied. `quantization` ("int8", "w8a8") makes the loader place int8 weights
 (`models/quant.py`).
 
-The step's prompt-token budget (`max_batched_tokens`, 0 = the backend's default):
-`DEFAULT_BATCHED_CHUNKS` chunks per step by backend, measured on CPU (docs/benchmarks.md,
-"One step for every row"): on a CPU the chunk already keeps the cores busy, so more
-chunks per step only lengthen every decoding row's inter-token gap.
+Bounds (`ferrox_jax/memory_bounds.py`): the KV cache, the LoRA slots and the largest step
+(its shape: the chunk, the prompt-token budget `max_batched_tokens`, 0 = the backend's
+default, and the rows speculation adds, all from `Footprint.step`) are checked against the
+memory the devices can give and the index types' ceilings twice: before the weights are
+read, and once they are placed, right before the LoRA slots and the KV cache are
+allocated. A setting that does not fit raises `MemoryBoundError` naming it and saying what
+fits; nothing sized by it has been allocated.
 
 `load_format="dummy"` serves the checkpoint's shapes with random weights made on the
 device (`models/loaders/dummy.py`), to size and benchmark a deployment before downloading
@@ -45,6 +48,7 @@ from ferrox_jax.step_faults import FaultPolicy
 from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.engine import Engine, KVSizing
 from ferrox_jax.kv_cache import bytes_per_block
+from ferrox_jax.memory_bounds import Footprint, context_for, device_room, engine_devices, kv_blocks_for, kv_shards
 from ferrox_jax.lora_registry import build_registry
 from ferrox_jax.multihost import BroadcastRunner, StepChannel, check_mesh, step_channel_address
 from ferrox_jax.shared_compiles import SharedCompiles
@@ -142,20 +146,18 @@ def size_kv(config: EngineConfig, model_cfg: ModelConfig, kv_dtype, draft_cfg: M
     draft model's, whose cache has a block for every block id too (`ferrox_jax/draft.py`)."""
     per_block = sum(bytes_per_block(c.num_layers, c.num_kv_heads, config.block_size, c.head_dim, kv_dtype)
                     for c in (model_cfg, draft_cfg) if c is not None)
-    kv_blocks = config.kv_blocks
-    if kv_blocks:
+    kv_blocks = kv_blocks_for(config, per_block)
+    if config.kv_blocks:
         why = f"{kv_blocks} KV blocks as configured"
     else:
-        kv_blocks = max(2, int(config.kv_memory_gib * 2**30 // per_block))
         why = (f"{kv_blocks} KV blocks from the {config.kv_memory_gib:g} GiB KV memory budget "
                f"({per_block} B/block in {jnp.dtype(kv_dtype).name})")
     trained = model_cfg.max_position_embeddings
     usable_tokens = (kv_blocks - 1) * config.block_size
-    max_context = config.max_context
-    if max_context:
+    max_context = context_for(config, trained, kv_blocks)
+    if config.max_context:
         why += f"; context ceiling {max_context} as configured"
     else:
-        max_context = min(trained, usable_tokens)
         why += f"; context ceiling {max_context} = min(trained context {trained}, KV capacity {usable_tokens})"
     if max_context > trained:
         log.warning("max_context %d exceeds the model's trained context %d", max_context, trained)
@@ -300,18 +302,6 @@ def _block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
     return note
 
 
-# Prompt chunks per step when EngineConfig.max_batched_tokens is 0, by backend.
-DEFAULT_BATCHED_CHUNKS = {"cpu": 1}
-DEFAULT_ACCELERATOR_BATCHED_CHUNKS = 4  # not measured on a device yet (tools/device_check.py measures it)
-
-
-def batched_tokens(config: EngineConfig, chunk_tokens: int, backend: str) -> int:
-    """The step's prompt-token budget: the configured one, else the backend's default."""
-    if config.max_batched_tokens:
-        return max(config.max_batched_tokens, chunk_tokens)
-    return chunk_tokens * DEFAULT_BATCHED_CHUNKS.get(backend, DEFAULT_ACCELERATOR_BATCHED_CHUNKS)
-
-
 def _leader_runner(runner: ModelRunner, config: EngineConfig) -> ModelRunner | BroadcastRunner:
     """On process 0 of a multi-process cluster, the runner that sends every step to the
     other processes first (`ferrox_jax/multihost.py`); elsewhere `runner` itself (a
@@ -405,6 +395,10 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
         log.info("%s", quantization_note)
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, quantization, dtype)
     sizing = size_kv(config, source.config, kv_dtype, draft_source.config if draft_source else None)
+    footprint = Footprint(source.config, sizing.bytes_per_block, jnp.dtype(dtype).itemsize, jax.default_backend(),
+                          kv_shards(config))
+    devices = engine_devices(config)
+    footprint.check(config, device_room(devices))  # before the weights: what could never fit is refused at once
     config = dataclasses.replace(config, quantization=quantization)
     attention, attention_note = select_decode_attention(
         config.attention_impl, head_dim=source.config.head_dim, block_size=config.block_size,
@@ -413,24 +407,23 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
     log.info("%s", attention_note)
     model = _build_model(source, dtype, attention, config.quantization, mesh, config.replicate_attention, progress)
     matmul_note = _int8_matmul(model, config, mesh) or _block_matmul(model, config, mesh)
+    # The weights are placed: the free memory now counts them. Nothing the settings size is allocated yet.
+    step = footprint.check(config, device_room(devices), note=" after the weights").step
     lora_slots = LoraSlots(config.max_loras, config.max_lora_rank) if config.max_loras else None
     lora_targets = attach_lora(model, lora_slots) if lora_slots is not None else None
-    chunk = min(config.prefill_chunk, sizing.max_context)
-    idle_chunk = min(max(config.prefill_chunk_idle, chunk), sizing.max_context)
     limits = SchedulerLimits(
         block_size=config.block_size, num_blocks=sizing.num_blocks - 1, max_rows=config.max_seqs,
-        max_chunk_tokens=chunk, max_idle_chunk_tokens=idle_chunk,
-        max_batched_tokens=batched_tokens(config, chunk, jax.default_backend()),
-        max_context=sizing.max_context, max_queue=config.max_queue, kv_bytes_per_block=sizing.bytes_per_block,
+        max_chunk_tokens=step.chunk_tokens, max_idle_chunk_tokens=step.idle_chunk_tokens,
+        max_batched_tokens=step.batched_tokens, max_context=sizing.max_context, max_queue=config.max_queue,
+        kv_bytes_per_block=sizing.bytes_per_block,
         prefix_caching=config.prefix_caching, prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size)
         + (f"|draft={draft_source.path}" if draft_source is not None else ""),
         speculative=config.speculative)
     grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size)
-    # Speculating rows take a decode row per token: room for them in the row buckets.
-    step_rows = config.speculative.step_rows(limits.max_rows) if config.speculative else limits.max_rows
-    runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=step_rows,
-                         max_chunk_tokens=idle_chunk, max_context=sizing.max_context, kv_dtype=kv_dtype, mesh=mesh,
-                         replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks)
+    # Speculating rows take a decode row per token: room for them in the row buckets (step.rows).
+    runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=step.rows,
+                         max_chunk_tokens=step.idle_chunk_tokens, max_context=sizing.max_context, kv_dtype=kv_dtype,
+                         mesh=mesh, replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks)
     runner.shared_compiles = _PROCESS.get("shared_compiles")
     if draft_source is not None:
         runner.attach_draft(_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh))
