@@ -9,8 +9,13 @@
   submitted to (`GenerationRun.engine`), so requests in flight finish on the model they
   started on; an engine this app loaded is shut down once none is left on it. Both models
   are in memory during the swap. One load at a time (409 `load_in_progress`); a failed
-  load leaves the current model serving and says why in its task.
-- `POST /admin/models/unload`: generation answers 503 `model_not_loaded` until a load.
+  load leaves the current model serving and says why in its task. Not during a cache
+  rebuild (409 `cache_rebuilding`): the rebuild swaps in an engine of the model it
+  started from when it ends, which would silently replace the one a load swapped in; nor
+  while asleep (409 `sleeping`): an awake engine would serve under `sleeping`, and
+  `/is_sleeping` would contradict the sleep that was answered (`api/sleep_routes.py`).
+- `POST /admin/models/unload`: generation answers 503 `model_not_loaded` until a load;
+  409 during a cache rebuild or while asleep, for the same reasons.
 - `GET /admin/tasks` (and `/admin/tasks/{id}`): loads and unloads, newest last.
 - `POST /admin/tasks/{id}/cancel`: a pending or running load is cancelled: the loading
   thread cannot be interrupted, so it runs to its end in the background and the engine it
@@ -127,6 +132,7 @@ async def load() -> Response:
         raise APIError(501, "this server was started without a way to load models", code="not_supported")
     if state.tasks.is_loading:
         raise APIError(409, "a model is already loading; see GET /admin/tasks", code="load_in_progress")
+    _refuse_during_transition(state, "load")
     task = state.tasks.new("load", name)
     _start_load(state, task, DEFAULT_ID if name == DEFAULT_ID else found["path"], asyncio.get_running_loop())
     return json_response({"task_id": task.id, "status": task.status, "model": name}, 202,
@@ -163,11 +169,24 @@ def _start_load(state: AppState, task: Task, path: str, loop: asyncio.AbstractEv
     threading.Thread(target=run, name=f"ferrox-load-{task.id}", daemon=True).start()
 
 
+def _refuse_during_transition(state: AppState, what: str) -> None:
+    """A 409 while `POST /v1/cache/rebuild` runs (`api/cache_rebuild.py`; its end swaps its
+    own engine in) or while the server sleeps (`api/sleep_routes.py`). Checked and acted on
+    with no await between, on the event loop, so neither can start in between."""
+    if state.phase == "rebuilding":
+        raise APIError(409, f"the KV cache is being rebuilt (POST /v1/cache/rebuild); {what} the model once "
+                            "GET /health says ready", code="cache_rebuilding")
+    if state.phase == "sleeping":
+        raise APIError(409, f"the server is asleep (POST /sleep); POST /wake_up first, then {what} the model",
+                       code="sleeping")
+
+
 @blueprint.post("/admin/models/unload")
 async def unload() -> Response:
     state = state_of(current_app)
     if state.engine is None:
         raise APIError(409, "no model is loaded", code="model_not_loaded")
+    _refuse_during_transition(state, "unload")
     task = state.tasks.new("unload", state.engine.model_name)
     state.set_engine(None)
     task.status, task.finished_at = "succeeded", time.time()
