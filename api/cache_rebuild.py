@@ -15,15 +15,25 @@ rebuild:
     dropped) and serves again. An old engine the app did not load is woken instead of shut
     down (its owner decides).
 
-It answers 200 with the new `/v1/cache/status` geometry once serving. A value the engine
-refuses is a 400 naming the field (the old engine is woken and serves on); one rebuild at a
-time, and not during a model load (409).
+Steps 1-4 run to their end even if the client disconnects (`api/sleep_routes.run_to_end`):
+cut short, they would leave the phase `ready` over a sleeping engine.
+
+It answers 200 with the new `/v1/cache/status` geometry once serving. Before step 1 the
+new geometry is checked against what the device can give (`ferrox_jax/memory_bounds.py`:
+the new cache, a second copy of the weights and the largest step, against the free memory
+plus the old cache the rebuild frees) and against the int32 block ids: a value that does
+not fit is a 400 naming the field and the largest value that fits (`insufficient_memory`),
+and nothing is sealed, freed or allocated: the old engine serves on. A value the engine
+refuses later (a check once the weights are placed) is a 400 naming the field too, and the
+old engine is woken and serves on. One rebuild at a time, and not during a model load
+(409); a model load or unload during a rebuild is a 409 as well (`api/model_admin.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -31,14 +41,17 @@ from quart import Blueprint, Response, current_app, request
 
 from api.errors import APIError
 from api.protocol import json_or_none
+from api.sleep_routes import run_to_end
 from api.state import AppState, json_response, state_of
+from ferrox_jax.memory_bounds import MemoryBoundError, check_rebuild
 
 blueprint = Blueprint("cache_rebuild", __name__)
 
 POLL_S = 0.05
 
 
-def _overrides(body: Any) -> dict[str, Any]:
+def _overrides(body: Any) -> tuple[str, dict[str, Any]]:
+    """The field the body sets and the config fields it replaces (kv_memory_gib clears kv_blocks)."""
     if not isinstance(body, dict):
         raise APIError(400, 'the body must be {"kv_blocks": N} or {"kv_memory_gib": X}', code="invalid_body")
     given = [key for key in ("kv_blocks", "kv_memory_gib") if body.get(key) is not None]
@@ -46,11 +59,28 @@ def _overrides(body: Any) -> dict[str, Any]:
         raise APIError(400, "give exactly one of kv_blocks or kv_memory_gib", param="kv_blocks", code="invalid_value")
     key = given[0]
     value = body[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (key == "kv_blocks" and
-                                                                          not isinstance(value, int)):
-        raise APIError(400, f"{key} must be a {'whole ' if key == 'kv_blocks' else ''}number", param=key,
+    if key == "kv_blocks" and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
+        raise APIError(400, f"kv_blocks must be a whole number >= 2 (block 0 is the null block); got {value!r}",
+                       param=key, code="invalid_value")
+    # json.loads reads NaN and Infinity too: a budget must be a finite positive number.
+    if key == "kv_memory_gib" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                   or not (value > 0 and math.isfinite(value))):
+        raise APIError(400, f"kv_memory_gib must be a finite number of GiB > 0; got {value!r}", param=key,
                        code="invalid_value")
-    return {"kv_blocks": value} if key == "kv_blocks" else {"kv_blocks": None, "kv_memory_gib": float(value)}
+    return key, {"kv_blocks": value} if key == "kv_blocks" else {"kv_blocks": None, "kv_memory_gib": float(value)}
+
+
+def _check(old: Any, field: str, overrides: dict[str, Any]) -> Any:
+    """The new config, once it is valid and fits beside the old engine; a 400 naming
+    `field` otherwise. Runs before anything is sealed or freed."""
+    try:
+        check_rebuild(old, overrides)
+    except MemoryBoundError as e:
+        raise APIError(400, str(e), param=field, code=e.code) from None
+    try:
+        return dataclasses.replace(old.config, **overrides)
+    except ValueError as e:  # EngineConfig validates field by field
+        raise APIError(400, str(e).replace("EngineConfig.", ""), param=field, code="invalid_value") from None
 
 
 def _build(config: Any) -> Any:
@@ -67,20 +97,16 @@ def _build(config: Any) -> Any:
     return engine
 
 
-async def _rebuild(state: AppState, old: Any, overrides: dict[str, Any]) -> Any:
-    try:
-        config = dataclasses.replace(old.config, **overrides)
-    except ValueError as e:  # EngineConfig validates field by field
-        raise APIError(400, str(e), param=next(iter(overrides)), code="invalid_value") from None
+async def _rebuild(state: AppState, old: Any, config: Any, field: str) -> Any:
     while state.inflight:
         await asyncio.sleep(POLL_S)
     await asyncio.wrap_future(old.sleep(1))
     try:
         new = await asyncio.to_thread(_build, config)
-    except ValueError as e:
+    except ValueError as e:  # MemoryBoundError among them: the builder checks again once the weights are placed
         await asyncio.wrap_future(old.wake())
-        raise APIError(400, f"the engine refused the new geometry: {e}", param=next(iter(overrides)),
-                       code="invalid_value") from None
+        code = e.code if isinstance(e, MemoryBoundError) else "invalid_value"
+        raise APIError(400, f"the engine refused the new geometry: {e}", param=field, code=code) from None
     except BaseException:
         await asyncio.wrap_future(old.wake())
         raise
@@ -92,21 +118,27 @@ async def _rebuild(state: AppState, old: Any, overrides: dict[str, Any]) -> Any:
 @blueprint.post("/v1/cache/rebuild")
 async def rebuild() -> Response:
     state = state_of(current_app)
-    overrides = _overrides(json_or_none(await request.get_data()))
+    field, overrides = _overrides(json_or_none(await request.get_data()))
     old = state.require_engine()
     if state.tasks is not None and state.tasks.is_loading:
         raise APIError(409, "a model is loading; rebuild the cache after it (GET /admin/tasks)",
                        code="load_in_progress")
+    config = _check(old, field, overrides)
+    state.phase = "rebuilding"  # from here on a model load or unload is a 409 (api/model_admin.py)
+    return json_response(await run_to_end(_run(state, old, config, field)))
+
+
+async def _run(state: AppState, old: Any, config: Any, field: str) -> dict[str, Any]:
+    """Steps 2-4 (the handler sealed, step 1, right after its checks), to their end even if
+    the client leaves (`run_to_end`)."""
     started = time.monotonic()
-    state.phase = "rebuilding"
     try:
-        new = await _rebuild(state, old, overrides)
+        new = await _rebuild(state, old, config, field)
     finally:
         state.phase = "ready"
     state.set_engine(new, owned=True)
     stats = new.stats()
-    return json_response({"status": "rebuilt", "seconds": round(time.monotonic() - started, 3),
-                          "block_size": stats.kv_block_size, "blocks_total": stats.kv_blocks_total,
-                          "bytes_per_block": new.sizing.bytes_per_block, "bytes_total": new.model_card.kv_bytes,
-                          "max_context": new.max_context,
-                          "recompiles_after_warmup": stats.recompiles_after_warmup})
+    return {"status": "rebuilt", "seconds": round(time.monotonic() - started, 3),
+            "block_size": stats.kv_block_size, "blocks_total": stats.kv_blocks_total,
+            "bytes_per_block": new.sizing.bytes_per_block, "bytes_total": new.model_card.kv_bytes,
+            "max_context": new.max_context, "recompiles_after_warmup": stats.recompiles_after_warmup}
