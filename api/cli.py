@@ -40,6 +40,8 @@ EXIT_OK = 0  # SIGTERM/SIGINT drain, or stdin closed with --exit-on-stdin-close
 EXIT_LOAD_FAILED = 1  # the model did not load (a bad checkpoint or setting)
 EXIT_ENGINE_FAULTED = 3  # repeated failed steps or a crashed owner loop
 EXIT_ENGINE_HUNG = 4  # a step ran past --step-timeout-s (the device is hung or gone)
+# `ferrox run-batch`: -i / -o cannot be used (missing, the same file, unwritable); nothing was loaded.
+EXIT_BAD_FILES = 2
 
 
 def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
@@ -341,16 +343,18 @@ def _run_loop(coro: Any) -> int:
 def run_batch(args: argparse.Namespace) -> int:
     """Answer an OpenAI Batch file with the server's own routes, in-process (api/batch.py)."""
     from api.app import create_app
-    from api.batch import run_batch as answer_lines
+    from api.batch import check_files, run_batch as answer_lines
 
+    problem = check_files(args.input_file, args.output_file)  # before anything loads or is opened
+    if problem is not None:
+        print(f"ferrox run-batch: {problem}", file=sys.stderr)
+        return EXIT_BAD_FILES
     # Nothing listens: the lines reach the routes through an in-process client, so the HTTP
     # settings that guard a socket (address, key, rate limit, the pages) do not apply.
     args.addr = args.host = args.port = args.api_key = None
     args.rate_limit_per_minute, args.web_ui = 0, False
     config = server_config(args)
     engine_cfg = engine_config(args)
-    if args.input_file != "-" and not os.path.isfile(args.input_file):
-        raise SystemExit(f"ferrox run-batch: no input file {args.input_file!r}")
     concurrency = args.max_concurrency or 2 * engine_cfg.max_seqs
     if concurrency < 1:
         raise SystemExit("ferrox run-batch: --max-concurrency must be >= 1")

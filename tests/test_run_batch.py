@@ -135,6 +135,130 @@ def test_run_batch_answers_every_line_in_order(tmp_path, server, http, capsys):
     assert f"{NUM_LINES} lines answered, {len(BAD_LINES)} with an error" in err
 
 
-def test_a_missing_input_file_stops_with_one_line(tmp_path):
-    with pytest.raises(SystemExit, match="no input file"):
-        cli.main(["run-batch", "-i", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "out.jsonl")])
+# -- the files: checked before anything loads --------------------------------------------------
+
+
+@pytest.fixture
+def never_load(monkeypatch):
+    """`cli.load_engine` replaced by a recorder that refuses: a command that must stop before
+    loading the model leaves it empty."""
+    calls = []
+
+    def load(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("the model was loaded although the command should have stopped first")
+
+    monkeypatch.setattr(cli, "load_engine", load)
+    return calls
+
+
+def run_batch_cli(capsys, input_path, output_path) -> tuple[int, str]:
+    """`ferrox run-batch -i INPUT -o OUTPUT` on the tiny checkpoint: (exit status, stderr)."""
+    model = str(api_checkpoint())
+    capsys.readouterr()  # making the checkpoint (once) writes a progress bar
+    status = cli.main(["run-batch", "-i", str(input_path), "-o", str(output_path), "--model", model,
+                       "--log-level", "warning", "--no-progress"])
+    return status, capsys.readouterr().err
+
+
+def one_line(text: str) -> bool:
+    return text.count("\n") == 1 and text.endswith("\n")
+
+
+def test_a_missing_input_file_stops_with_one_line(tmp_path, capsys, never_load):
+    status, err = run_batch_cli(capsys, tmp_path / "nope.jsonl", tmp_path / "out.jsonl")
+    assert status == cli.EXIT_BAD_FILES == 2 and "no input file" in err and one_line(err), err
+    assert not never_load, "nothing loads for a command that cannot run"
+
+
+@pytest.mark.parametrize("spelling", ["the same path", "a symlink", "a hard link", "another spelling"])
+def test_an_output_naming_the_input_is_refused_before_anything_loads(tmp_path, capsys, never_load, spelling):
+    """`-i f -o f` used to truncate f to 0 bytes (the output was opened for writing before the
+    input was read) and exit 0."""
+    requests = tmp_path / "requests.jsonl"
+    text = json.dumps(completion_line(1)) + "\n"
+    requests.write_text(text)
+    (tmp_path / "sub").mkdir()
+    output = {"the same path": requests, "a symlink": tmp_path / "link.jsonl", "a hard link": tmp_path / "hard.jsonl",
+              "another spelling": tmp_path / "sub" / ".." / "." / "requests.jsonl"}[spelling]
+    if spelling == "a symlink":
+        output.symlink_to(requests)
+    elif spelling == "a hard link":
+        os.link(requests, output)
+    status, err = run_batch_cli(capsys, requests, output)
+    assert requests.read_text() == text, "the requests are untouched"
+    assert status == 2 and "same file" in err and one_line(err), f"one line and exit 2, got {status}: {err!r}"
+    assert not never_load, "refused before the model loads"
+
+
+@pytest.mark.parametrize("where", ["in a missing folder", "a folder"])
+def test_an_unwritable_output_is_refused_before_the_model_loads(tmp_path, capsys, never_load, where):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps(completion_line(1)) + "\n")
+    output = tmp_path / "missing" / "out.jsonl" if where == "in a missing folder" else tmp_path
+    status, err = run_batch_cli(capsys, requests, output)
+    assert status == 2 and str(output) in err and one_line(err), f"one line and exit 2, got {status}: {err!r}"
+    assert not never_load, "an output that cannot be written is found before the model loads, not after"
+    assert not (tmp_path / "missing").exists()
+
+
+def test_checking_a_new_output_leaves_no_file_behind(tmp_path):
+    from api.batch import check_files
+
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n")
+    assert check_files(str(requests), str(tmp_path / "new.jsonl")) is None
+    assert not (tmp_path / "new.jsonl").exists(), "a failed load must not leave an empty results file"
+
+
+# -- lines that cannot be read are answered in place ------------------------------------------
+
+GOOD = json.dumps(completion_line(7)).encode()
+LATIN1 = b'{"custom_id": "caf\xe9", "url": "/v1/completions", "body": {"prompt": "x"}}'  # é in Latin-1
+UNREADABLE = {  # the line's bytes, and what its error must say
+    "invalid UTF-8": (LATIN1, f"line 2 is not UTF-8 text (byte {LATIN1.index(0xE9) + 1} of the line)"),
+    "nested 100,000 deep": (b"[" * 100_000 + b"]" * 100_000, "line 2 is nested too deeply"),
+    "nested 100,000 deep in the body": (
+        b'{"custom_id": "deep", "url": "/v1/completions", "body": {"prompt": ' + b"[" * 100_000 + b"]" * 100_000
+        + b"}}", "line 2 is nested too deeply"),
+    "a 5,000-digit number": (b'{"custom_id": "n", "url": "/v1/completions", "body": {"max_tokens": 1' + b"0" * 5000
+                             + b"}}", "line 2 holds a number longer than"),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNREADABLE))
+def test_a_line_that_cannot_be_read_is_answered_and_the_run_goes_on(tmp_path, server, kind):
+    """One undecodable line used to abort the whole run with a traceback."""
+    import asyncio
+
+    from api import batch
+
+    raw, message = UNREADABLE[kind]
+    requests, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    last = json.dumps(completion_line(8)).encode()
+    requests.write_bytes(GOOD + b"\n" + raw + b"\n" + last + b"\n")
+    app = create_app(tiny_engine(), ServerConfig())
+    status = asyncio.run(batch.run_batch(app, str(requests), str(results), 2, progress=False))
+    answers = [json.loads(line) for line in results.read_text().splitlines()]
+    assert status == 0 and len(answers) == 3, "every line is answered"
+    assert [a["custom_id"] for a in answers] == ["cmpl-7", None, "cmpl-8"]
+    assert answers[1]["response"] is None and answers[1]["error"]["code"] == "invalid_batch_line"
+    assert message in answers[1]["error"]["message"], answers[1]["error"]
+    assert answers[0]["error"] is None and answers[2]["error"] is None, "the lines around it still run"
+
+
+def test_a_custom_id_json_escapes_as_a_lone_surrogate_is_written_back(tmp_path, server):
+    """JSON allows "\\ud800"; UTF-8 cannot encode it, which used to abort the run while
+    writing that line's answer."""
+    import asyncio
+
+    from api import batch
+
+    requests, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    line = {**completion_line(9), "custom_id": "half \ud800 pair"}
+    requests.write_text(json.dumps(line) + "\n" + json.dumps(completion_line(10)) + "\n")
+    app = create_app(tiny_engine(), ServerConfig())
+    assert asyncio.run(batch.run_batch(app, str(requests), str(results), 2, progress=False)) == 0
+    answers = [json.loads(text) for text in results.read_text(encoding="utf-8").splitlines()]
+    assert [a["custom_id"] for a in answers] == ["half \ud800 pair", "cmpl-10"]
+    assert answers[0]["response"]["status_code"] == 200
