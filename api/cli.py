@@ -4,7 +4,8 @@ Batch file answered offline: api/batch.py) and `ferrox generate` (one prompt).
 It sits on the top floor: it wires `api/` and the engine together. Every
 `serve` setting is a flag and a FERROX_* variable (api/config.py holds the table).
 
-`serve` starts Hypercorn first, so `/health` answers `loading` (503) while the weights
+`serve` binds its port before anything else (a port in use, or one this user may not
+have, stops it with one line), then starts Hypercorn, so `/health` answers `loading` (503) while the weights
 load and every bucket compiles (progress bars on stderr), then `ready`; one log block
 names the model, dtype, devices, KV blocks and bytes, buckets and URL. SIGTERM/SIGINT
 drain: /health and new work turn 503, in-flight requests get `--shutdown-timeout`
@@ -238,11 +239,13 @@ def serve(args: argparse.Namespace) -> int:
     if multihost_app.is_follower(engine_cfg):  # processes > 0 of a cluster: steps from process 0, /health only
         return multihost_app.serve_follower(engine_cfg, config)
     hc = hypercorn_config(config)
-    listener = process_knobs.bind_free_port(config, config.backlog) if config.port == 0 else None
-    port = listener.getsockname()[1] if listener is not None else config.port
+    try:  # before the app and the model load: a port in use is one line, not a traceback later
+        listener = process_knobs.bind_port(config, config.backlog)
+    except OSError as e:
+        raise SystemExit(f"ferrox serve: {process_knobs.listen_problem(config, e)}") from None
+    port = listener.getsockname()[1]
     url = process_knobs.url_of(config, port)
-    if listener is not None:  # Hypercorn serves the socket already bound (api/process_knobs.py)
-        hc.bind = [f"fd://{listener.fileno()}"]
+    hc.bind = [f"fd://{listener.fileno()}"]  # Hypercorn serves the socket already bound (api/process_knobs.py)
     app = create_app(lambda: load_engine(engine_cfg, url, config.default_grammar), config,
                      engine_factory=lambda model: load_engine(
                          dataclasses.replace(engine_cfg, model=model, served_model_name=None), url,

@@ -1,8 +1,11 @@
 """What `ferrox serve` offers a parent process that starts it: a free port, ready lines on
 stdout, and an exit when the parent goes away.
 
-- `--port 0` binds a free port before Hypercorn starts (the socket is handed to it as
-  `fd://N`), so the address is known at once.
+- The listening socket is bound before anything else starts (the app, the model load) and
+  handed to Hypercorn as `fd://N`: `--port 0` gets a free port whose address is known at
+  once, and a port that cannot be had (in use, privileged, not this machine's address)
+  stops start-up with one line (`listen_problem`) instead of a traceback after the model
+  began loading.
 - Two lines on stdout, one JSON object each, flushed: `{"event": "listening", "url",
   "host", "port"}` as serving starts (with `--port 0` the socket already listens; `/health`
   answers `loading` until the model is warm) and
@@ -17,6 +20,7 @@ stdout, and an exit when the parent goes away.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import socket
 import sys
@@ -28,15 +32,36 @@ from api.config import ServerConfig
 READY_POLL_S = 0.05
 
 
-def bind_free_port(config: ServerConfig, backlog: int) -> socket.socket:
-    """A listening TCP socket on `config.host` and a port the kernel picks."""
+def bind_port(config: ServerConfig, backlog: int) -> socket.socket:
+    """A listening TCP socket on `config.host`:`config.port` (0: a port the kernel picks).
+
+    Raises:
+      OSError: the address cannot be had (`listen_problem` says why in one line).
+    """
     family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, 0))
-    sock.listen(backlog)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as Hypercorn sets on sockets it binds
+        sock.bind((config.host, config.port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
     sock.set_inheritable(True)
     return sock
+
+
+def listen_problem(config: ServerConfig, e: OSError) -> str:
+    """What to do about an address `bind_port` could not have, in one line."""
+    where = f"port {config.port} on {config.host}"
+    if e.errno == errno.EADDRINUSE:
+        return f"{where} is in use; stop the other server or pass --port"
+    if e.errno == errno.EACCES:
+        return f"{where} needs privileges this user lacks; pass --port 1024 or above"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return f"{config.host} is not an address of this machine; pass --host"
+    return f"cannot listen on {where}: {e.strerror or e}; check --host and --port"
 
 
 def url_of(config: ServerConfig, port: int) -> str:

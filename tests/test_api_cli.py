@@ -122,6 +122,20 @@ def test_refused_configurations_exit_1_with_their_reason(argv, env, reason):
     assert reason in stderr and "terminate called" not in stderr and "Traceback" not in stderr, stderr[-2000:]
 
 
+def test_a_port_in_use_stops_start_up_with_one_line():
+    """It used to print a Python traceback (Hypercorn's bind, after the model began loading)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        status, stderr = _serve(["--model", str(api_checkpoint()), "--port", str(port)])
+    assert status == 1, f"exit status {status}, expected 1:\n{stderr[-2000:]}"
+    assert stderr == f"ferrox serve: port {port} on 127.0.0.1 is in use; stop the other server or pass --port\n", \
+        f"one line saying what to do, no traceback; got:\n{stderr[-2000:]}"
+
+
 def test_a_failure_after_the_weights_are_built_exits_1_not_abort():
     """The weights are on the device when the runner fails: the process still exits 1 (it
     used to die with SIGABRT as the half-built model was freed after the XLA client)."""
