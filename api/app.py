@@ -155,10 +155,13 @@ def _start_loader(state: AppState, loader: Callable[[], Engine], loop: asyncio.A
         try:
             engine = loader()
         except Exception as e:  # reported on /health and by the CLI, which then exits 1
-            message = f"{type(e).__name__}: {e}"
+            # No exception class names: /health carries this to clients, and the message
+            # (the file, the setting) is what a user acts on.
             if isinstance(e, (ValueError, OSError)):  # a checkpoint or setting this server cannot serve
+                message = str(e)
                 logger.error("loading the model failed: %s", message)
             else:
+                message = f"loading the model failed unexpectedly ({e}); the server log has the traceback"
                 logger.exception("loading the model failed")
         else:
             offload.freeze_heap()

@@ -379,7 +379,10 @@ def generate(args: argparse.Namespace) -> int:
                               kv_memory_gib=args.kv_memory_gib)
     except ValueError as e:
         raise SystemExit(f"ferrox generate: {e}") from None
-    engine = Engine.load(config)
+    try:
+        engine = Engine.load(config)
+    except (ValueError, OSError) as e:  # a checkpoint this engine cannot serve: its message names the file
+        raise SystemExit(f"ferrox generate: {e}") from None
     engine.start()
     try:
         tok = engine.tokenizer

@@ -8,6 +8,10 @@ through a sliding window); a family that needs more subclasses it in its own mod
 cannot compute faithfully (another architecture, an unknown rope type, a vision tower)
 fails at load with `UnsupportedModelError` naming it.
 
+A checkpoint's JSON files (config.json, tokenizer_config.json, the shard index...) are
+read through `read_json_file`, so a broken one is refused with its path and the line and
+column where it breaks, not a bare JSONDecodeError.
+
 The KV cache is sized from `num_layers`, `num_kv_heads` and `head_dim` alone
 (`ferrox_jax/kv_cache.py`), so every layer of a family must share one K/V head size.
 """
@@ -15,7 +19,9 @@ The KV cache is sized from `num_layers`, `num_kv_heads` and `head_dim` alone
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from typing import Any
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -26,6 +32,38 @@ LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 class UnsupportedModelError(ValueError):
     """The checkpoint asks for an architecture or option this engine does not implement."""
+
+
+class CheckpointFileError(ValueError):
+    """A checkpoint file that cannot be read as what it should be; the message names it."""
+
+
+def read_json_file(path: str | os.PathLike, *, want_object: bool = True) -> Any:
+    """A checkpoint's JSON file, parsed.
+
+    Raises:
+      CheckpointFileError naming `path`: not UTF-8 (with the byte offset), not JSON (with
+        the line and column), nested too deeply, or (`want_object`) not a JSON object.
+      OSError: it cannot be opened.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise CheckpointFileError(f"{os.fspath(path)} is not UTF-8 text (byte {e.start}); "
+                                  "copy the checkpoint again") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointFileError(f"{os.fspath(path)} is not valid JSON: {e.msg} at line {e.lineno}, column "
+                                  f"{e.colno}; fix the file or copy the checkpoint again") from None
+    except (ValueError, RecursionError):  # a number past int's digit limit, nesting past Python's stack
+        raise CheckpointFileError(f"{os.fspath(path)} cannot be read as JSON (a number too long or nesting "
+                                  "too deep); copy the checkpoint again") from None
+    if want_object and not isinstance(value, dict):
+        kind = {list: "an array", str: "a string", bool: "true or false", type(None): "null"}.get(type(value), "a number")
+        raise CheckpointFileError(f"{os.fspath(path)} must hold a JSON object; it holds {kind}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

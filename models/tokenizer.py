@@ -14,13 +14,13 @@ for SentencePiece vocabularies and the llama3 pre-tokenizer, off for other byte-
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Sequence
 
 from tokenizers import Tokenizer as BackendTokenizer
 
 from models.chat_template import FALLBACK_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError, hf_chat_template
+from models.config import CheckpointFileError, read_json_file
 from models.gguf_vocab import GGUFMetadata, gguf_backend, set_bos_eos_post_processor
 
 __all__ = ["END_OF_TURN_TOKENS", "FALLBACK_CHAT_TEMPLATE", "ChatTemplateError", "Tokenizer"]
@@ -138,7 +138,11 @@ class Tokenizer:
         tokenizer_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tokenizer_file):
             raise FileNotFoundError(f"no tokenizer.json in {path}")
-        backend = BackendTokenizer.from_file(tokenizer_file)
+        try:
+            backend = BackendTokenizer.from_file(tokenizer_file)
+        except Exception as e:  # the Rust library raises a bare Exception whose text names no file
+            raise CheckpointFileError(f"{tokenizer_file} cannot be read as a tokenizer ({e}); "
+                                      "copy the checkpoint again") from None
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         generation = _read_json(os.path.join(path, "generation_config.json"))
 
@@ -201,10 +205,9 @@ class Tokenizer:
 
 
 def _read_json(path: str) -> dict:
+    """An optional JSON file of the folder ({} when absent); a broken one is refused naming it."""
     if not os.path.isfile(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else {}
+    return read_json_file(path)
 
 

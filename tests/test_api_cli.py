@@ -145,8 +145,28 @@ def test_a_failure_after_the_weights_are_built_exits_1_not_abort():
                "engine.ModelRunner = boom")
     status, stderr = _serve(["--model", str(api_checkpoint()), "--compile-cache-dir", "off"], prelude=prelude)
     assert status == 1, f"exit status {status}, expected 1:\n{stderr[-2000:]}"
-    assert "loading the model failed: ValueError: injected runner failure" in stderr
+    assert "loading the model failed: injected runner failure" in stderr
     assert "terminate called" not in stderr
+
+
+BROKEN_JSON = '{\n  "hidden_size": 64,\n  "num_hidden_layers" 2\n}\n'  # no ':' on line 3
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json"])
+def test_a_broken_checkpoint_json_file_is_named_with_its_line_and_column(tmp_path, name):
+    """A broken config.json used to stop start-up with 'JSONDecodeError: Expecting ...', naming no file."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(api_checkpoint(), tmp_path / "broken")
+    (folder / name).write_text(BROKEN_JSON)
+    with pytest.raises(json.JSONDecodeError) as parsed:
+        json.loads(BROKEN_JSON)
+    where = f"line {parsed.value.lineno}, column {parsed.value.colno}"  # line 3, column 23
+    status, stderr = _serve(["--model", str(folder), "--compile-cache-dir", "off"])
+    assert status == 1, f"exit status {status}, expected 1:\n{stderr[-2000:]}"
+    assert f"{folder / name} is not valid JSON: Expecting ':' delimiter at {where}" in stderr, stderr[-2000:]
+    assert "JSONDecodeError" not in stderr and "Traceback" not in stderr, "no internal names, no traceback"
 
 
 # -- the server-wide output constraint ------------------------------------------------------

@@ -11,14 +11,13 @@ GGUF loader, by contrast, must undo llama.cpp's interleaving for `llama` files).
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Callable
 
 from safetensors import safe_open
 
-from models.config import ModelConfig
+from models.config import CheckpointFileError, ModelConfig, read_json_file
 from models.loaders.common import expected_params, map_layer_tensors, stack_experts
 from models.registry import config_from_hf, family_for
 
@@ -33,16 +32,29 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_config(folder: Path) -> ModelConfig:
+    """The folder's `config.json` through its family's parser.
+
+    Raises:
+      FileNotFoundError: no config.json. CheckpointFileError naming the file: it does not
+        parse (line and column), or lacks a field the family needs. UnsupportedModelError.
+    """
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {folder}")
-    return config_from_hf(json.loads(path.read_text()))
+    cfg = read_json_file(path)
+    try:
+        return config_from_hf(cfg)
+    except KeyError as e:  # the families index the fields every checkpoint of theirs has
+        raise CheckpointFileError(f"{path} has no {e.args[0]!r}, which its architecture needs; "
+                                  "copy the checkpoint's config.json again") from None
 
 
 def _shard_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json_file(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointFileError(f"{index} has no weight_map object; copy the checkpoint again")
         return [folder / name for name in sorted(set(weight_map.values()))]
     single = folder / "model.safetensors"
     if single.is_file():
