@@ -17,7 +17,9 @@ files stay open: `api/web/`), per-client rate limit.
 Every error — ours, Quart's 404/405/413, malformed JSON, the guards' refusals, an
 unexpected exception — is an `APIError` rendered in the envelope of the protocol its path
 belongs to (`ENVELOPES`: Anthropic's under /v1/messages, llama.cpp's on /completion; the
-OpenAI envelope everywhere else).
+OpenAI envelope everywhere else). An unexpected exception is a 500 `internal_error` whose
+message names no exception class, only a request id (`err-…`, also in `X-Request-Id`)
+under which the log holds its traceback.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import gc
 import logging
 import threading
 import time
+import uuid
 from typing import TYPE_CHECKING, Callable
 
 from quart import Quart, Response, g, request
@@ -248,9 +251,13 @@ def _install_error_handlers(app: Quart, state: AppState) -> None:
 
     @app.errorhandler(Exception)
     async def _unexpected(e: Exception) -> Response:
-        logger.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(request.path, APIError(500, f"internal error: {type(e).__name__}",
-                                                     type="server_error", code="internal_error"))
+        # A bug, not the client's doing: the body names no exception (an internal detail it
+        # cannot act on) but an id, which the log line with the traceback carries too.
+        request_id = f"err-{uuid.uuid4().hex}"
+        logger.exception("unhandled error on %s %s (request id %s)", request.method, request.path, request_id)
+        return error_response(request.path, APIError(
+            500, f"internal error; the server log has the details under request id {request_id}",
+            type="server_error", code="internal_error", headers={"X-Request-Id": request_id}))
 
 
 async def drain(app: Quart, timeout_s: float) -> None:

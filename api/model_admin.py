@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import logging
 import threading
 import time
 import uuid
@@ -50,6 +51,7 @@ if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed he
     from ferrox_jax.engine import Engine
 
 blueprint = Blueprint("model_admin", __name__)
+logger = logging.getLogger("ferrox.api")
 
 DEFAULT_ID = "default"
 MAX_TASKS = 100
@@ -161,7 +163,7 @@ def _start_load(state: AppState, task: Task, path: str, loop: asyncio.AbstractEv
         try:
             engine = state.engine_factory(path)
         except Exception as e:  # reported in the task; the current model keeps serving
-            loop.call_soon_threadsafe(finish, None, f"{type(e).__name__}: {e}")
+            loop.call_soon_threadsafe(finish, None, load_failure(task, e))
         else:
             offload.freeze_heap(collect=False)  # the new engine out of full collections' sight too
             loop.call_soon_threadsafe(finish, engine, None)
@@ -179,6 +181,17 @@ def _refuse_during_transition(state: AppState, what: str) -> None:
     if state.phase == "sleeping":
         raise APIError(409, f"the server is asleep (POST /sleep); POST /wake_up first, then {what} the model",
                        code="sleeping")
+
+
+def load_failure(task: Task, e: Exception) -> str:
+    """A failed load's `error`, for clients: never an exception class name. A checkpoint or
+    setting the engine refuses (ValueError, OSError) is its message; anything else is a bug,
+    logged with its traceback under the task id the message gives."""
+    if isinstance(e, (ValueError, OSError)):
+        logger.error("%s: loading %s failed: %s", task.id, task.model, e)
+        return str(e)
+    logger.error("%s: loading %s failed unexpectedly", task.id, task.model, exc_info=e)
+    return f"loading failed unexpectedly ({e}); the server log has the traceback under {task.id}"
 
 
 @blueprint.post("/admin/models/unload")

@@ -285,7 +285,7 @@ class ContinuousBatcher:
             self._die(fault.kind, f"the engine is unrecoverable: {fault.reason}")
         except Exception as exc:  # the one catch-all: a dead loop must be loud, not silent
             log.exception("batcher owner loop crashed")
-            self._die("loop", f"the batcher loop crashed: {exc!r}")
+            self._die("loop", f"the batcher loop crashed ({exc}); the server log has the traceback")
 
     def _die(self, kind: str, reason: str) -> None:
         """Ends every open request with `reason`, turns health "dead", tells the listeners."""
@@ -386,7 +386,8 @@ class ContinuousBatcher:
                 raise _Abandoned() from exc
             log.exception("runner failed on a step with %d chunks and %d decode rows",
                           len(plan.chunks), len(plan.decode))
-            reason = f"the model runner failed: {exc!r}"
+            # The reason reaches clients (their error event, /health): no exception class name.
+            reason = f"the model runner failed ({exc}); the server log has the traceback"
             self._scheduler.fail_step(plan, reason)
             self._faults.record("exception", reason)
             return 0.0

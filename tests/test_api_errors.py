@@ -219,3 +219,34 @@ def test_a_body_over_the_limit_is_refused_with_connection_close_and_the_pool_rec
     assert r.headers["connection"] == "close", "too large to read: the connection closes, and says so"
     for _ in range(3):
         assert_still_serving(http)
+
+
+class JaxRuntimeError(RuntimeError):
+    """Named as jax's own: a name the client must never see."""
+
+
+@pytest.mark.parametrize("method,path,body,exc", [
+    ("GET", "/v1/models", None, ZeroDivisionError("division by zero")),
+    ("POST", "/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
+     JaxRuntimeError("INTERNAL: device lost")),
+    ("POST", "/completion", {"prompt": "Hi", "n_predict": 2}, KeyError("row")),
+], ids=["openai", "anthropic", "llamacpp"])
+def test_an_unexpected_exception_is_a_500_naming_a_request_id_not_the_exception(http, monkeypatch, caplog, method,
+                                                                              path, body, exc):
+    """The catch-all used to answer 'internal error: ZeroDivisionError' (the class name, and
+    nothing to find the traceback by)."""
+    from api.state import AppState
+
+    def raise_it(self):
+        raise exc
+
+    monkeypatch.setattr(AppState, "require_engine", raise_it)  # every route asks for the engine first
+    r = http.request(method, path, json=body)
+    monkeypatch.undo()
+    assert r.status_code == 500, r.text
+    request_id = r.headers["x-request-id"]
+    assert type(exc).__name__ not in r.text and "Error" not in r.text, f"no exception class name in the body: {r.text}"
+    assert f"the server log has the details under request id {request_id}" in r.text, r.text
+    logged = [rec for rec in caplog.records if request_id in rec.getMessage()]
+    assert logged and logged[0].exc_info and logged[0].exc_info[1] is exc, "the log has the traceback under that id"
+    assert_still_serving(http)

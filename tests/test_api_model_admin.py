@@ -83,7 +83,8 @@ def test_load_swaps_while_the_request_in_flight_finishes_on_its_model(http, serv
 def test_a_failed_load_keeps_the_current_model(http):
     started = http.post("/admin/models/load", json={"model": "broken"})
     task = wait_for(lambda: task_done(http, started.json()["task_id"]), timeout_s=60)
-    assert task["status"] == "failed" and task["error"]
+    assert task["status"] == "failed" and "broken.gguf is not a valid GGUF file" in task["error"], task
+    assert "ValueError" not in task["error"], "the task's error names no exception class"
     assert http.get("/v1/models").json()["data"][0]["id"] == "tiny-b"
     r = http.post("/admin/models/load", json={"model": "../etc/passwd"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", "only listed ids load"

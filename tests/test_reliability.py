@@ -188,6 +188,7 @@ def test_a_failing_step_answers_a_whole_request_with_500(one_row, monkeypatch):
     assert r.status_code == 500, r.text
     error = r.json()["error"]
     assert (error["type"], error["code"]) == ("server_error", "engine_error") and "injected" in error["message"]
+    assert "RuntimeError" not in error["message"], "the body names no exception class"
     wait_for(lambda: idle(http))
     assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}).status_code == 200
 
@@ -208,6 +209,7 @@ def test_a_dead_loop_ends_open_requests_and_refuses_new_ones_without_hanging(mon
             events = data_events(lines)  # httpx's 10 s timeout: a hang fails here
         thread.join(10)
         assert events[-1]["error"]["code"] == "engine_error" and "crashed" in events[-1]["error"]["message"]
+        assert "RuntimeError" not in events[-1]["error"]["message"], "the event names no exception class"
         assert whole[0].status_code == 500 and whole[0].json()["error"]["code"] == "engine_error"
         health = http.get("/health")
         assert health.status_code == 503 and health.json()["state"] == "unavailable"
