@@ -2,7 +2,9 @@
 Batch file answered offline: api/batch.py) and `ferrox generate` (one prompt).
 
 It sits on the top floor: it wires `api/` and the engine together. Every
-`serve` setting is a flag and a FERROX_* variable (api/config.py holds the table).
+`serve` setting is a flag and a FERROX_* variable (api/config.py holds the table);
+`--help` shows the essential flags and the groups, `--help=all` / `--help=GROUP` /
+`--help=WORD` the rest (api/cli_help.py).
 
 `serve` binds its port before anything else (a port in use, or one this user may not
 have, stops it with one line), then starts Hypercorn, so `/health` answers `loading` (503) while the weights
@@ -27,6 +29,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
+from api import cli_help
 from api.config import (DEFAULT_HOST, DEFAULT_PORT, SETTINGS, ServerConfig, default_grammar, env_defaults,
                         name_settings, split_addr)
 from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig, SpeculativeConfig
@@ -49,17 +52,22 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     defaults = env_defaults(environ)
     parser = argparse.ArgumentParser(prog="ferrox", description="OpenAI-compatible LLM server on JAX")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the HTTP server",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    _add_settings(serve, defaults)
+    # serve and run-batch take every setting: their --help is grouped (api/cli_help.py).
+    serve = sub.add_parser("serve", help="run the HTTP server", description="Serve a model over HTTP.",
+                           usage="%(prog)s [--help[=all|GROUP|WORD]] [options]", add_help=False,
+                           formatter_class=cli_help.DefaultsFormatter)
+    _add_settings(serve, defaults, cli_help.ESSENTIAL)
     batch = sub.add_parser("run-batch", help="answer an OpenAI Batch file (JSONL) offline, in-process",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    batch.add_argument("-i", "--input-file", required=True, help="requests, one JSON line each ('-': stdin)")
-    batch.add_argument("-o", "--output-file", required=True, help="answers, one JSON line each ('-': stdout)")
-    batch.add_argument("--max-concurrency", type=int, default=None,
+                           description="Answer an OpenAI Batch file offline, in this process.",
+                           usage="%(prog)s -i INPUT -o OUTPUT [--help[=all|GROUP|WORD]] [options]", add_help=False,
+                           formatter_class=cli_help.DefaultsFormatter)
+    files = batch.add_argument_group("run-batch", "the batch itself")
+    files.add_argument("-i", "--input-file", required=True, help="requests, one JSON line each ('-': stdin)")
+    files.add_argument("-o", "--output-file", required=True, help="answers, one JSON line each ('-': stdout)")
+    files.add_argument("--max-concurrency", type=int, default=None,
                        help="lines in flight at once (default: twice --max-seqs)")
-    batch.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _add_settings(batch, defaults)
+    files.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_settings(batch, defaults, cli_help.ESSENTIAL_OFFLINE)
     gen = sub.add_parser("generate", help="generate from one prompt and print the text")
     gen.add_argument("prompt", help="prompt text (a user message with --chat)")
     gen.add_argument("--model", default=defaults["model"], help="HF folder, .gguf, or 'default'")
@@ -75,21 +83,24 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     return parser
 
 
-def _add_settings(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
-    """Every setting of the table as a flag (its FERROX_* variable the default)."""
+def _add_settings(parser: argparse.ArgumentParser, defaults: dict[str, Any], essential: Sequence[str]) -> None:
+    """Every setting of the table as a flag (its FERROX_* variable the default), in its
+    group, and the grouped -h / --help[=TOPIC] (`essential`: the flags its first page lists)."""
+    groups = cli_help.add_groups(parser, essential)
     for s in SETTINGS:
+        group = groups[cli_help.group_of(s.group)]
         if s.parse.__name__ == "_bool":
             # A setting on by default gets --no-<flag> too, to turn it off from the command line.
             action = argparse.BooleanOptionalAction if s.default else "store_true"
-            parser.add_argument(s.cli_flag, dest=s.name, action=action, default=defaults[s.name],
-                                help=f"{s.help} [{s.env}]")
+            group.add_argument(s.cli_flag, dest=s.name, action=action, default=defaults[s.name],
+                               help=f"{s.help} [{s.env}]")
             continue
         if s.parse.__name__ == "_lora_modules":  # vLLM's form: --lora-modules a=PATH b=PATH
-            parser.add_argument(s.cli_flag, dest=s.name, type=s.parse, nargs="+", default=defaults[s.name],
-                                help=f"{s.help} [{s.env}]", metavar="NAME=PATH")
+            group.add_argument(s.cli_flag, dest=s.name, type=s.parse, nargs="+", default=defaults[s.name],
+                               help=f"{s.help} [{s.env}]", metavar="NAME=PATH")
             continue
-        parser.add_argument(s.cli_flag, dest=s.name, type=s.parse, default=defaults[s.name],
-                            help=f"{s.help} [{s.env}]", metavar=s.name.upper())
+        group.add_argument(s.cli_flag, dest=s.name, type=s.parse, default=defaults[s.name],
+                           help=f"{s.help} [{s.env}]", metavar=s.name.upper())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

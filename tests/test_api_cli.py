@@ -3,6 +3,8 @@ stopping start-up with the variable's name, and `ferrox generate` on the tiny mo
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from api import cli
@@ -55,6 +57,56 @@ def test_shared_compiles_are_on_unless_turned_off_by_flag_or_variable():
     assert not cli.engine_config(parse(["serve", "--no-share-compiles"])).share_compiles
     assert not cli.engine_config(parse(["serve"], {"FERROX_SHARE_COMPILES": "0"})).share_compiles
     assert cli.engine_config(parse(["serve", "--share-compiles"], {"FERROX_SHARE_COMPILES": "0"})).share_compiles
+
+
+# -- --help: the essential flags and the groups; --help=all / GROUP / WORD for the rest ---------
+
+def help_page(capsys, argv) -> str:
+    """What `ferrox ARGV` prints on stdout; it must exit 0."""
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser({}).parse_args(argv)
+    assert e.value.code == 0, f"{argv} exits {e.value.code}: {capsys.readouterr().err}"
+    return capsys.readouterr().out
+
+
+def flags_on(page: str) -> set[str]:
+    return set(re.findall(r"(?m)^  (?:-\w \w+, )?(--[\w-]+)(?= |,|$)", page))  # "--help=GROUP" is no flag
+
+
+def test_every_setting_is_filed_under_a_described_group():
+    from api.cli_help import GROUPS
+
+    assert [s.name for s in SETTINGS if s.group not in GROUPS] == [], "settings with no --help=GROUP page"
+
+
+def test_serve_help_is_a_first_page_of_essential_flags_and_the_groups(capsys):
+    """`ferrox serve --help` used to be one flat list of every flag (356 lines)."""
+    from api.cli_help import ESSENTIAL, GROUPS
+
+    page = help_page(capsys, ["serve", "--help"])
+    essential = {s.cli_flag for s in SETTINGS if s.name in ESSENTIAL}
+    assert flags_on(page) == essential, "the first page lists the essential flags and no other"
+    assert len(page.splitlines()) < 60, f"a first page, not every flag: {len(page.splitlines())} lines"
+    for name in GROUPS:
+        assert f"--help={name} " in page, f"the first page names group {name}"
+    assert help_page(capsys, ["serve", "-h"]) == page
+
+
+def test_help_all_lists_every_setting_and_help_group_only_its_own(capsys):
+    every = {s.cli_flag for s in SETTINGS}
+    assert every <= flags_on(help_page(capsys, ["serve", "--help=all"])), "--help=all lists every setting"
+    cache = help_page(capsys, ["serve", "--help=cache"])
+    assert flags_on(cache) == {s.cli_flag for s in SETTINGS if s.group == "cache"} and "--kv-memory-gib" in cache
+    assert flags_on(help_page(capsys, ["serve", "--help=timeout"])) == {f for f in every if "timeout" in f}
+    batch = help_page(capsys, ["run-batch", "--help"])
+    assert {"--input-file", "--output-file", "--model"} <= flags_on(batch) and "--api-key" not in batch
+
+
+def test_help_for_an_unknown_topic_exits_2_naming_the_groups(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser({}).parse_args(["serve", "--help=nonsense"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no group or flag by that name" in err and "cache" in err, err
 
 
 @pytest.mark.parametrize("name,value", [("FERROX_MAX_BODY_BYTES", "lots"), ("FERROX_MAX_N", "0"),
