@@ -193,19 +193,22 @@ def _flat_pairs(value) -> tuple[tuple[str, str], ...]:
 
 
 def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = None) -> Engine:
-    """Load, warm up (progress bars on stderr) and start the engine; log the start-up block.
-    `default_grammar` (the server-wide constraint) is compiled first: one the engine cannot
-    enforce stops start-up with its reason."""
+    """Load, warm up and start the engine, one log line per phase (a progress bar on stderr
+    while it runs): loading the weights, compiling N step shapes, ready with the URL and
+    the start-up block. `default_grammar` (the server-wide constraint) is compiled first:
+    one the engine cannot enforce stops start-up with its reason."""
     from tqdm import tqdm
 
     from ferrox_jax.engine import Engine
     from ferrox_jax.memory_bounds import MemoryBoundError
 
+    logger.info("loading weights: %s", config.model)
     with tqdm(desc="loading weights", unit="tensor", file=sys.stderr, leave=False) as bar:
         try:
             engine = Engine.load(config, progress=lambda _name: bar.update(1))
         except MemoryBoundError as e:  # a setting the devices cannot hold: name its flag and variable
             raise ValueError(name_settings(str(e), e.field)) from None
+    logger.info("weights loaded: %d tensors in %.1f s", bar.n, engine.load_s)
     if default_grammar is not None:
         from ferrox_jax.constraint import GrammarError
 
@@ -215,7 +218,11 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
             engine.shutdown()
             raise ValueError(f"the default output constraint (--grammar, --grammar-file or --json-schema): {e}") \
                 from None
-    bar = tqdm(desc="compiling buckets", unit="shape", file=sys.stderr, leave=False)
+    shapes = engine.describe()["num_compiled_shapes"]
+    # The longest phase of a cold start (minutes on a small CPU box): say what it is and how to make it short.
+    logger.info("compiling %d step shapes (%s)", shapes, f"the compile cache {config.compile_cache_dir} makes the "
+                "next start fast" if config.compile_cache_dir else "no compile cache: every start compiles them all")
+    bar = tqdm(desc="compiling step shapes", total=shapes, unit="shape", file=sys.stderr, leave=False)
 
     def on_compile(done: int, total: int, _key: Any) -> None:
         bar.total = total
@@ -226,6 +233,7 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
         engine.warmup(on_compile)
     finally:
         bar.close()
+    logger.info("compiled %d step shapes in %.1f s", shapes, engine.warmup_s or 0)
     from ferrox_jax import fault_inject
 
     fault_inject.install_from_env(engine.runner)  # TEST-ONLY: FERROX_FAULT_INJECT (normally unset)
@@ -233,9 +241,8 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
     info = engine.describe()
     lines = [f"  {key}: {value}" for key, value in info.items()]
     lines.append(f"  load: {engine.load_s:.1f} s, warm-up: {engine.warmup_s or 0:.1f} s")
-    if url is not None:  # None: nothing listens (run-batch)
-        lines.append(f"  serving {info['model']!r} at {url}/v1 (health: {url}/health)")
-    logger.info("ferrox_jax ready\n%s", "\n".join(lines))
+    ready = "ready" if url is None else f"ready: serving {info['model']!r} at {url}/v1 (health: {url}/health)"
+    logger.info("%s\n%s", ready, "\n".join(lines))  # url None: nothing listens (run-batch)
     return engine
 
 

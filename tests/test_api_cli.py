@@ -142,6 +142,31 @@ def test_generate_prints_the_completion(capsys):
     assert capsys.readouterr().out.endswith("\n")
 
 
+def test_start_up_logs_a_line_per_phase(caplog):
+    """Loading the weights, compiling N shapes and ready with the URL each say so in a line
+    that stays in the log (the progress bars vanish when done); before, only the final
+    block did."""
+    import logging
+    import os
+
+    from ferrox_jax.config import EngineConfig
+    from tests.server_harness import DEFAULT_LIMITS
+
+    caplog.set_level(logging.INFO, logger="ferrox")
+    config = EngineConfig(model=str(api_checkpoint()), dtype="float32",
+                          compile_cache_dir=os.environ["JAX_COMPILATION_CACHE_DIR"], **DEFAULT_LIMITS)
+    engine = cli.load_engine(config, "http://127.0.0.1:8383")
+    try:
+        shapes = engine.describe()["num_compiled_shapes"]
+    finally:
+        engine.shutdown()
+    lines = [r.getMessage().splitlines()[0] for r in caplog.records if r.name == "ferrox"]
+    phases = ["loading weights: ", "weights loaded: ", f"compiling {shapes} step shapes (",
+              f"compiled {shapes} step shapes in ", "ready: serving 'tiny-chat' at http://127.0.0.1:8383/v1"]
+    found = [next((i for i, line in enumerate(lines) if line.startswith(p)), None) for p in phases]
+    assert None not in found and found == sorted(found), f"a line per phase, in order: {lines}"
+
+
 # -- start-up failures end with status 1 and one line, never an abort ------------------------
 
 def _serve(argv, extra_env=None, prelude=""):
