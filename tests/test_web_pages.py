@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 
@@ -46,6 +47,32 @@ def server():
 def keyed_server():
     with ServerThread(create_app(tiny_engine(), ServerConfig(api_key=KEY))) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory):
+    """A keyless server over a tiny base model with LoRA adapter `a1` loaded at start-up and
+    `a2` under --model-dir for loading at runtime (test_api_lora's engine limits: its
+    compiles are cached)."""
+    from ferrox_jax.config import EngineConfig
+    from ferrox_jax.engine import Engine
+    from tests.lora_helpers import make_peft_adapter
+    from tests.tiny_model import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("web-lora")
+    base = make_tiny_checkpoint(root / "tiny-base", max_position_embeddings=256)
+    adapter = make_peft_adapter(base, root / "a1", seed=1, r=4)
+    make_peft_adapter(base, root / "a2", seed=2, r=8)
+    engine = Engine.load(EngineConfig(model=str(base), dtype="float32", block_size=16, kv_blocks=64, max_seqs=4,
+                                      max_queue=8, prefill_chunk=32, max_context=256, max_loras=3, max_lora_rank=8,
+                                      lora_modules=(("a1", str(adapter)),)))
+    engine.warmup()
+    engine.start()
+    try:
+        with ServerThread(create_app(engine, ServerConfig(model_dir=str(root), enable_runtime_lora=True))) as url:
+            yield url
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +144,38 @@ def test_chat_page_loads_with_the_model_card(page, server):
     assert page.inner_text("#state") == "ready"
 
 
+def test_an_idle_dashboards_axes_read_as_plain_numbers(page, server):
+    """With nothing to draw, a chart's value axis was scaled to 1e-9 and its ticks read
+    "0.0000000015", clipped to "000015" by the margin."""
+    page.goto(server + "/dashboard")
+    page.wait_for_function("() => Number(document.querySelector('[data-chart=kv]')?.dataset.samples) >= 2")
+    charts = page.evaluate("""() => [...document.querySelectorAll('[data-chart]')].map((chart) => ({
+        id: chart.dataset.chart, max: Number(chart.dataset.max),
+        ticks: [...chart.querySelectorAll('.axis text')].filter((t) => t.getAttribute('x') === '40')
+                                                        .map((t) => t.textContent)}))""")  # x = PLOT.left - 6
+    for chart in charts:
+        assert chart["ticks"] and all(re.fullmatch(r"\d{1,4}(\.\d{1,2})?[kM%]?", t) for t in chart["ticks"]), \
+            f"plain, short tick labels: {chart}"
+    idle = [c for c in charts if c["max"] == 0 and c["id"] not in ("prefix", "scheduler")]  # neither has its own floor
+    assert idle, f"no chart is idle: {charts}"
+    for chart in idle:
+        assert chart["ticks"] == ["0", "0.5", "1"], f"an idle chart gets a 0..1 axis: {chart}"
+
+
+def test_a_keyless_server_offers_no_key_controls_unless_a_key_is_stored(page, server):
+    """A server without a key used to offer "Forget key" on both pages."""
+    for path in ("/", "/dashboard"):
+        page.goto(server + path)
+        page.wait_for_function("() => document.querySelector('#model-name').textContent === 'tiny-chat'")
+        assert not page.is_visible("#forget-key"), f"{path}: no key was asked for or stored"
+    page.evaluate("localStorage.setItem('ferrox.apiKey', 'left from another server')")
+    page.reload()
+    page.wait_for_function("() => document.querySelector('#model-name').textContent === 'tiny-chat'")
+    assert page.is_visible("#forget-key"), "a stored key can be forgotten"
+    page.click("#forget-key")
+    assert not page.is_visible("#forget-key") and page.evaluate("localStorage.getItem('ferrox.apiKey')") is None
+
+
 def test_a_message_streams_a_reply_equal_to_the_api_answer(page, server):
     page.goto(server + "/")
     page.wait_for_function("() => document.querySelector('#model-name').textContent === 'tiny-chat'")
@@ -180,9 +239,10 @@ def test_the_pages_ask_for_the_key_when_the_server_has_one(page, keyed_server):
     page.fill("#key-input", KEY)
     page.click("#key-save")
     page.wait_for_function("() => document.querySelector('#model-name').textContent === 'tiny-chat'")
+    assert page.is_visible("#forget-key"), "a server that asked for a key offers to forget it"
     page.goto(keyed_server + "/dashboard")  # the key is kept for this origin
     page.wait_for_function("() => document.querySelector('#model-name').textContent === 'tiny-chat'")
-    assert not page.is_visible("#key-dialog")
+    assert not page.is_visible("#key-dialog") and page.is_visible("#forget-key")
 
 
 def test_the_dashboard_charts_move_while_a_load_runs(page, server):
@@ -241,3 +301,31 @@ def test_no_web_ui_turns_the_pages_off():
         for path in ("/", "/dashboard", "/web/chat.js"):
             r = httpx.get(url + path)
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_the_chat_page_picks_a_lora_adapter_from_v1_models(page, lora_server):
+    """The chat page had no model picker: a loaded adapter could not be chosen there."""
+    page.goto(lora_server + "/")
+    page.wait_for_function("() => document.querySelectorAll('#model-picker option').length === 2")
+    options = page.eval_on_selector_all("#model-picker option", "(os) => os.map((o) => o.value)")
+    assert options == ["tiny-base", "a1"], "the base model first, then its adapters"
+    page.select_option("#model-picker", "a1")
+    page.wait_for_function("() => document.querySelector('#model-name').textContent === 'a1'")
+    assert "tiny-base" in page.inner_text("#card-list"), "the card names the adapter's base model"
+    set_field(page, "#temperature", "0")
+    set_field(page, "#max_tokens", "8")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        send(page, "Hello adapter")
+    assert json.loads(sent.value.post_data)["model"] == "a1", "the request asks for the chosen adapter"
+    page.wait_for_selector(".msg.assistant[data-state=done]", timeout=30_000)
+    api = httpx.post(lora_server + "/v1/chat/completions", timeout=60, json={
+        "model": "a1", "messages": [{"role": "user", "content": "Hello adapter"}], "temperature": 0, "top_p": 0.95,
+        "max_tokens": 8}).json()
+    assert page.locator(".msg.assistant .bubble").inner_text() == api["choices"][0]["message"]["content"]
+
+    r = httpx.post(lora_server + "/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": "a2"}, timeout=60)
+    assert r.status_code == 200, r.text
+    page.click("#model-picker")  # opening the picker reads /v1/models again
+    page.wait_for_function("() => [...document.querySelectorAll('#model-picker option')].some((o) => o.value === 'a2')")
+    page.keyboard.press("Escape")
+    assert page.input_value("#model-picker") == "a1", "the choice survives the refresh"

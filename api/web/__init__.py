@@ -3,7 +3,8 @@
 Plain static files (`api/web/static/`: HTML, CSS and our own JavaScript; no third-party
 code, no build step), shipped as package data so an installed wheel serves them. The pages
 hold no data of their own: the chat page streams through `/v1/chat/completions` and reads
-the model card from `/v1/models` and `/health`; the dashboard polls `/admin/stats` (the
+its model picker (the base model, then its LoRA adapters) and the model card from
+`/v1/models` and `/health`; the dashboard polls `/admin/stats` (the
 engine's counters and gauges) and `/metrics` (the latency histograms) once a second and
 draws the last minutes as SVG charts (`charts.js`).
 
@@ -11,7 +12,8 @@ The API key. Every route the pages read from is behind the key as usual; the pag
 themselves (`PAGE_PATHS` and the files under `/web/`) are not, as llama.cpp's server does
 with its UI, because a browser cannot send a Bearer header when it opens a URL: a page
 must load before it can ask for the key. When a read answers 401 the page asks for the
-key, keeps it in the browser's localStorage and sends it as `Authorization: Bearer`.
+key, keeps it in the browser's localStorage and sends it as `Authorization: Bearer`; the
+key controls ("Forget key") show only once a key was asked for or while one is stored.
 Page loads are not counted as API requests (`is_page`). `--no-web-ui`
 (`FERROX_WEB_UI=0`) removes all of it: `/` and `/dashboard` then answer 404.
 

@@ -3,7 +3,8 @@
 // (a gap where a value is null), a legend with each series' latest value.
 //
 // Each chart's root element carries data-samples (points drawn) and data-max (the largest
-// value drawn), so a test can tell that a chart moved without reading pixels.
+// value drawn), so a test can tell that a chart moved without reading pixels. A chart with
+// nothing above zero (an idle server) draws a 0..1 value axis.
 "use strict";
 
 const SVG_NS = "http://www.w3.org/2000/svg";
@@ -63,14 +64,18 @@ class LineChart {
         if (v !== null && v !== undefined && Number.isFinite(v)) { max = Math.max(max, v); drawn++; }
       }
     }
-    const top = this.spec.fixedMax || Math.max(max, this.spec.minMax || 1e-9) * 1.1;
+    // Nothing drawn yet, or only zeros (an idle server): a 0..1 axis. Scaled to the tiny
+    // floor a zero maximum used to get, the ticks were 5e-10 apart and read "0.0000000015".
+    const top = this.spec.fixedMax || Math.max(max, this.spec.minMax || 0) * 1.1 || 1;
     const step = niceStep(top, 4);
     const yMax = this.spec.fixedMax || Math.ceil(top / step) * step;
     const x = (t) => PLOT.left + plotW * (1 - (nowMs - t) / (spanS * 1000));
     const y = (v) => PLOT.top + plotH * (1 - v / yMax);
     const fmt = this.spec.format || ((v) => ferrox.num(v));
-    const decimals = step >= 1 ? 0 : Math.ceil(-Math.log10(step));
-    const tickText = this.spec.format || ((v) => (step >= 1000 ? ferrox.num(v) : v.toFixed(decimals)));
+    // step is 1, 2 or 5 times a power of ten: that many decimals and no more ("0.5", not "0.50").
+    const decimals = step >= 1 ? 0 : Math.min(Math.ceil(-Math.log10(step)), 6);
+    const tickText = this.spec.format
+      || ((v) => (step >= 1000 ? ferrox.num(v) : String(Number(v.toFixed(decimals)))));
 
     const grid = svgEl("g", { class: "grid" });
     const axis = svgEl("g", { class: "axis" });

@@ -1,5 +1,9 @@
 // The chat page: a conversation streamed through this server's /v1/chat/completions.
 //
+// The model picker lists what /v1/models lists, the base model first and then its LoRA
+// adapters (the cards with a "parent"); it is read again each time the picker is opened
+// (an adapter loaded since appears) and the choice is each request's "model".
+//
 // Each reply is one streamed request (stream_options.include_usage for the token counts).
 // Stop aborts the fetch; the server sees the connection close and cancels the request, so
 // its row and KV blocks return at once. A stopped reply keeps the text it had and stays in
@@ -10,41 +14,76 @@
 const $ = (id) => document.getElementById(id);
 
 const chat = {
-  model: null,
+  model: null, // the id the picker chose: each request's "model"
+  cards: [], // /v1/models' cards, the base model first
   history: [], // {role, content} of finished turns (a stopped reply included)
   controller: null, // the AbortController of the reply streaming now
 };
 
 // ---------------------------------------------------------------- the model card
 
+// Reads /v1/models into the picker (the base model first, adapters after it, in the
+// server's order) and keeps the current choice while it is still listed; returns the card
+// chosen now.
+async function loadModels() {
+  const models = await ferrox.json("/v1/models");
+  const cards = models.data.filter((c) => !c.parent).concat(models.data.filter((c) => c.parent));
+  const picker = $("model-picker");
+  const ids = cards.map((c) => c.id);
+  if (ids.join("\n") !== chat.cards.map((c) => c.id).join("\n")) { // unchanged: leave an open list alone
+    picker.replaceChildren(...cards.map((c) => {
+      const option = ferrox.el("option", "", c.parent ? c.id + " (adapter of " + c.parent + ")" : c.id);
+      option.value = c.id;
+      return option;
+    }));
+  }
+  chat.cards = cards;
+  const card = cards.find((c) => c.id === chat.model) || cards[0];
+  picker.value = card.id;
+  return card;
+}
+
 async function loadModel() {
   ferrox.showHealth($("state"));
   try {
-    const models = await ferrox.json("/v1/models");
-    const card = models.data[0];
-    chat.model = card.id;
-    $("model-name").textContent = card.id;
-    const health = await fetch("/health").then((r) => r.json()).catch(() => ({}));
-    const info = health.model_info || {};
-    const rows = [
-      ["model", card.id],
-      ["architecture", card.architecture],
-      ["context", card.max_model_len + " tokens"],
-      ["dtype", card.dtype],
-      ["quantization", card.quantization],
-      ["KV cache", card.kv_cache_dtype + (info.kv_bytes ? " · " + ferrox.bytes(info.kv_bytes) : "")],
-      ["weights", info.weights_bytes ? ferrox.bytes(info.weights_bytes) : "–"],
-      ["version", health.version || "–"],
-    ];
-    if (info.synthetic_weights) rows.push(["weights", "synthetic (random)"]);
-    const list = $("card-list");
-    list.replaceChildren();
-    for (const [name, value] of rows) {
-      list.append(ferrox.el("dt", "", name), ferrox.el("dd", "", value === undefined ? "–" : String(value)));
-    }
+    await showCard(await loadModels());
   } catch (e) {
     $("model-name").textContent = "unavailable";
     $("card-list").replaceChildren(ferrox.el("dt", "", "error"), ferrox.el("dd", "error-text", e.message));
+  }
+}
+
+async function showCard(card) {
+  chat.model = card.id;
+  $("model-name").textContent = card.id;
+  const health = await fetch("/health").then((r) => r.json()).catch(() => ({}));
+  const info = health.model_info || {};
+  const rows = [["model", card.id]];
+  if (card.parent) rows.push(["adapter of", card.parent]);
+  rows.push(
+    ["architecture", card.architecture],
+    ["context", card.max_model_len + " tokens"],
+    ["dtype", card.dtype],
+    ["quantization", card.quantization],
+    ["KV cache", card.kv_cache_dtype + (info.kv_bytes ? " · " + ferrox.bytes(info.kv_bytes) : "")],
+    ["weights", info.weights_bytes ? ferrox.bytes(info.weights_bytes) : "–"],
+    ["version", health.version || "–"],
+  );
+  if (info.synthetic_weights) rows.push(["weights", "synthetic (random)"]);
+  const list = $("card-list");
+  list.replaceChildren();
+  for (const [name, value] of rows) {
+    list.append(ferrox.el("dt", "", name), ferrox.el("dd", "", value === undefined ? "–" : String(value)));
+  }
+}
+
+// The picker opened (clicked, or reached with the keyboard): read the list again.
+async function refreshModels() {
+  try {
+    const card = await loadModels();
+    if (card.id !== chat.model) await showCard(card); // the chosen adapter was unloaded: back to the base model
+  } catch (e) {
+    // the list stays as it was; a send shows the server's error
   }
 }
 
@@ -255,6 +294,12 @@ function wire() {
     $("empty").classList.remove("hidden");
   });
   $("forget-key").addEventListener("click", () => { ferrox.forgetKey(); loadModel(); });
+  $("model-picker").addEventListener("focus", refreshModels);
+  $("model-picker").addEventListener("mousedown", refreshModels);
+  $("model-picker").addEventListener("change", () => {
+    const card = chat.cards.find((c) => c.id === $("model-picker").value);
+    if (card) showCard(card);
+  });
   setBusy(false);
   loadModel();
   setInterval(() => ferrox.showHealth($("state")), 5000);

@@ -2,14 +2,23 @@
 //
 // The pages load without the key; every API route they read is behind it when the server
 // has one. A 401 opens the key dialog (#key-dialog, in both pages), the key is kept in
-// localStorage and sent as "Authorization: Bearer <key>" from then on.
+// localStorage and sent as "Authorization: Bearer <key>" from then on. The key controls
+// (".key-control": "Forget key") show only where a key matters: the server asked for one
+// or one is stored; a server without a key never offers them.
 "use strict";
 
 const KEY_STORE = "ferrox.apiKey";
 
 const ferrox = {
+  keyAsked: false, // a read answered 401 on this page
+
   key() {
     return localStorage.getItem(KEY_STORE) || "";
+  },
+
+  showKeyControls() {
+    const show = ferrox.keyAsked || Boolean(ferrox.key());
+    for (const node of document.querySelectorAll(".key-control")) node.classList.toggle("hidden", !show);
   },
 
   headers(extra) {
@@ -26,6 +35,8 @@ const ferrox = {
       opts.headers = ferrox.headers((options || {}).headers);
       const response = await fetch(path, opts);
       if (response.status !== 401) return response;
+      ferrox.keyAsked = true;
+      ferrox.showKeyControls();
       await ferrox.askKey(ferrox.key() ? "That key was refused. " : "");
     }
   },
@@ -78,6 +89,7 @@ const ferrox = {
       const save = () => {
         if (!input.value.trim()) return;
         localStorage.setItem(KEY_STORE, input.value.trim());
+        ferrox.showKeyControls();
         cleanup();
         dialog.close();
         resolve();
@@ -96,6 +108,7 @@ const ferrox = {
 
   forgetKey() {
     localStorage.removeItem(KEY_STORE);
+    ferrox.showKeyControls();
   },
 
   // The server's state as /health says it, for the dot in the top bar.
@@ -142,3 +155,4 @@ const ferrox = {
 };
 
 window.ferrox = ferrox;
+document.addEventListener("DOMContentLoaded", () => ferrox.showKeyControls());
