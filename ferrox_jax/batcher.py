@@ -386,7 +386,6 @@ class ContinuousBatcher:
                 raise _Abandoned() from exc
             log.exception("runner failed on a step with %d chunks and %d decode rows",
                           len(plan.chunks), len(plan.decode))
-            # The reason reaches clients (their error event, /health): no exception class name.
             reason = f"the model runner failed ({exc}); the server log has the traceback"
             self._scheduler.fail_step(plan, reason)
             self._faults.record("exception", reason)
