@@ -105,7 +105,8 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
     state.resumable = resumable.ResumableStreams(config.resumable_max_streams, config.resumable_max_bytes,
                                                  config.resumable_ttl_s)
     state.tasks = model_admin.TaskTable()
-    state.sessions = sessions.SessionStore(config.session_max, config.session_ttl_s)
+    state.sessions = sessions.SessionStore(config.session_max, config.session_ttl_s, config.session_max_bytes,
+                                           config.session_max_total_bytes)
     state.on_engine_change.append(state.sessions.clear)
     if config.response_cache:
         state.response_cache = response_cache.ResponseCache(config.response_cache_max_entries,

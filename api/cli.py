@@ -136,6 +136,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             model_dir=args.model_dir, resumable_max_bytes=args.resumable_max_bytes,
             resumable_ttl_s=args.resumable_ttl, resumable_max_streams=args.resumable_max_streams,
             web_ui=args.web_ui, session_max=args.session_max, session_ttl_s=args.session_ttl,
+            session_max_bytes=args.session_max_bytes, session_max_total_bytes=args.session_max_total_bytes,
             response_cache=args.response_cache, response_cache_max_entries=args.response_cache_max_entries,
             response_cache_max_bytes=args.response_cache_max_bytes, rerank_scheme=args.rerank_scheme,
             enable_runtime_lora=args.enable_runtime_lora)

@@ -73,6 +73,8 @@ class ServerConfig:
     web_ui: bool = True  # the chat page at / and the dashboard at /dashboard (api/web/)
     session_max: int = 1024  # chat sessions (`session_id`) kept at once; the least recently used makes room
     session_ttl_s: float = 3600.0  # a session unused this long is forgotten
+    session_max_bytes: int = MIB  # one session's kept turns; its oldest exchanges make room (api/sessions.py)
+    session_max_total_bytes: int = 64 * MIB  # every session's turns together; the least recently used go
     response_cache: bool = False  # answer repeated deterministic requests from memory (api/response_cache.py)
     response_cache_max_entries: int = 1024
     response_cache_max_bytes: int = 64 * MIB
@@ -84,8 +86,8 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.port must be in 0..65535 (0: a free port); got {self.port}")
         for name in ("max_body_bytes", "max_n", "max_stop_strings", "max_stop_chars", "max_concurrent_requests",
                      "max_header_bytes", "backlog", "sse_orphan_timeout_ms", "resumable_max_bytes",
-                     "resumable_max_streams", "session_max", "response_cache_max_entries",
-                     "response_cache_max_bytes"):
+                     "resumable_max_streams", "session_max", "session_max_bytes", "session_max_total_bytes",
+                     "response_cache_max_entries", "response_cache_max_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1; got {getattr(self, name)}")
         for name in ("max_prompt_tokens", "max_output_tokens"):
@@ -119,6 +121,9 @@ class ServerConfig:
                                  f"no entry); got {name!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("ServerConfig.tls_cert and tls_key must be given together")
+        if self.session_max_bytes > self.session_max_total_bytes:
+            raise ValueError(f"ServerConfig.session_max_bytes ({self.session_max_bytes}) must not exceed "
+                             f"session_max_total_bytes ({self.session_max_total_bytes})")
         if self.rerank_scheme not in ("auto", "yes-no", "embedding"):
             raise ValueError(f"ServerConfig.rerank_scheme must be auto, yes-no or embedding; got {self.rerank_scheme!r}")
         if self.api_key is not None and not self.api_key:
@@ -414,6 +419,12 @@ SETTINGS: tuple[Setting, ...] = (
             "chat sessions (session_id) kept at once; the least recently used one makes room", group="sessions"),
     Setting("session_ttl", "FERROX_SESSION_TTL", _positive_float, 3600.0,
             "seconds an unused chat session is kept", group="sessions"),
+    Setting("session_max_bytes", "FERROX_SESSION_MAX_BYTES", _positive_int, MIB,
+            "bytes one chat session's turns may take (its oldest exchanges make room; a request whose "
+            "messages alone are larger gets 400)", group="sessions"),
+    Setting("session_max_total_bytes", "FERROX_SESSION_MAX_TOTAL_BYTES", _positive_int, 64 * MIB,
+            "bytes all chat sessions' turns may take together (the least recently used sessions make room)",
+            group="sessions"),
     Setting("response_cache", "FERROX_RESPONSE_CACHE", _bool, False,
             "answer a repeated greedy or seeded request from memory (header ferrox-cache: hit|miss|skip)",
             group="sessions"),

@@ -230,6 +230,8 @@ async def chat_completions() -> Response:
     kwargs = template_kwargs(body.chat_template_kwargs, body.reasoning_effort, engine.tokenizer.chat_template)
     session = _session(state, body.session_id)
     messages = [m.template_dict() for m in body.messages]
+    if session:  # rendered as the session will keep them, so the next turn renders the same history
+        messages = state.sessions.kept_turns(messages)
     history = state.sessions.history(*session) if session else []
 
     def plan_chat():  # in the CPU pool for a long conversation or tools (a forced call compiles)
