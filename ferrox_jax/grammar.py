@@ -52,7 +52,7 @@ import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
 from ferrox_jax.constraint import GrammarError, GrammarSpec
-from ferrox_jax.grammar_limits import check_limits
+from ferrox_jax.grammar_limits import PARSER_LIMITS, check_limits
 from ferrox_jax.grammar_sandbox import SandboxUnavailable, shared_sandbox
 from ferrox_jax.host_batch import ALL_TOKENS_ALLOWED, bitmask_words
 
@@ -160,7 +160,7 @@ def compile_template(lltokenizer: llguidance.LLTokenizer, spec: GrammarSpec) -> 
         raise GrammarError(_error_message(spec, str(e))) from e
     # The constructor never raises for grammar errors; it leaves the matcher in an
     # error state whose message is the validation error.
-    template = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
+    template = llguidance.LLMatcher(lltokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
     if template.is_error():
         raise GrammarError(_error_message(spec, template.get_error()))
     return template, tuple(template.get_grammar_warnings())

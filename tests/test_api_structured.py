@@ -117,6 +117,43 @@ def test_constraints_the_engine_cannot_enforce_are_400s(http, body, status_messa
     assert status_message in r.json()["error"]["message"]
 
 
+def optional_properties(n: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer", "minimum": 0, "maximum": 9}
+                                             for i in range(n)}}
+
+
+# One step past what llguidance's parser runs (its row limit, `LLParserLimits`): refused
+# when the request arrives, in words about what it sent, never the parser's state dump.
+@pytest.mark.parametrize("body, param, words", [
+    ({"guided_choice": [f"option {i}" for i in range(2001)]}, "guided_choice", "2,001 choices; at most 1,999"),
+    ({"response_format": schema_format(optional_properties(499), strict=False)},
+     "response_format.json_schema.schema", "499 optional properties before its first required one"),
+])
+def test_constraints_too_wide_to_run_are_400s_before_generating(http, body, param, words):
+    before = http.get("/admin/stats").json()["tokens_generated"]
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 5, **body})
+    assert r.status_code == 400, f"a constraint the parser cannot follow must be refused up front: {r.text[:300]}"
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_grammar") and words in error["message"], error
+    for internal in ("Parser Error", "<state>", "left-recursive", "Tokens:"):
+        assert internal not in error["message"], f"the refusal must not carry the parser's {internal!r}"
+    assert http.get("/admin/stats").json()["tokens_generated"] == before, "refused before generating"
+    assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("body, check_reply", [
+    ({"guided_choice": [f"option {i}" for i in range(1999)]}, lambda t: t.startswith("option ")),
+    ({"response_format": schema_format(optional_properties(498), strict=False)},
+     lambda t: t.startswith("{")),
+])
+def test_the_widest_accepted_constraints_run_to_a_reply(http, body, check_reply):
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 40, "seed": 3,
+                                                "temperature": 1.0, **body})
+    assert r.status_code == 200, r.text[:300]
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] in ("stop", "length") and check_reply(choice["message"]["content"]), choice
+
+
 def test_non_strict_schema_ignores_what_it_cannot_enforce(client, model):
     schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["a"], "additionalProperties": False, "dependentRequired": {"a": []}}
