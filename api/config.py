@@ -44,6 +44,8 @@ class ServerConfig:
     max_prompt_tokens: int = 0  # tokens per prompt; 0 = the context ceiling (400 above)
     max_output_tokens: int = 0  # max_tokens a request may ask; 0 = the room left in the context
     max_logprobs: int = MAX_LOGPROBS  # logprobs (completions) / top_logprobs (chat)
+    # Token entries one reply may hold: prompts x n x max_tokens x (1 + logprobs) (api/limits.py).
+    max_reply_entries: int = 1 << 20
     max_concurrent_requests: int = 1024  # open HTTP requests (probes excluded); 503 above
     max_header_bytes: int = 64 * 1024  # request line + headers (Hypercorn h11_max_incomplete_size)
     backlog: int = 128  # listen queue of not-yet-accepted connections
@@ -84,7 +86,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"ServerConfig.port must be in 0..65535 (0: a free port); got {self.port}")
-        for name in ("max_body_bytes", "max_n", "max_stop_strings", "max_stop_chars", "max_concurrent_requests",
+        for name in ("max_body_bytes", "max_n", "max_stop_strings", "max_stop_chars", "max_reply_entries",
+                     "max_concurrent_requests",
                      "max_header_bytes", "backlog", "sse_orphan_timeout_ms", "resumable_max_bytes",
                      "resumable_max_streams", "session_max", "session_max_bytes", "session_max_total_bytes",
                      "response_cache_max_entries", "response_cache_max_bytes"):
@@ -369,6 +372,9 @@ SETTINGS: tuple[Setting, ...] = (
             "largest max_tokens a request may ask (0 = the room left in the context; 400 above)", group="limits"),
     Setting("max_logprobs", "FERROX_MAX_LOGPROBS", _nonneg_int, MAX_LOGPROBS,
             f"largest logprobs / top_logprobs (at most {MAX_LOGPROBS})", group="limits"),
+    Setting("max_reply_entries", "FERROX_MAX_REPLY_ENTRIES", _positive_int, 1 << 20,
+            "token entries one reply may hold: prompts x n x max_tokens (plus the prompt with echo) x "
+            "(1 + logprobs) (400 above, before generating)", group="limits"),
     Setting("max_concurrent_requests", "FERROX_MAX_CONCURRENT_REQUESTS", _positive_int, 1024,
             "open HTTP requests at once, /health and /metrics excluded (503 above)", group="limits"),
     Setting("max_header_bytes", "FERROX_MAX_HEADER_BYTES", _positive_int, 64 * 1024,

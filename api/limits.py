@@ -10,6 +10,13 @@ Each check raises a 400 `APIError` naming its `param`. The limits and their flag
 | tokens per prompt | `--max-prompt-tokens` | the context ceiling |
 | `max_tokens` a request may ask | `--max-output-tokens` | the room left in the context |
 | `logprobs` / `top_logprobs` | `--max-logprobs` | 20 |
+| token entries a reply may hold | `--max-reply-entries` | 1,048,576 |
+
+A reply's size is bounded before anything is generated, from what the request asks at
+most: each token it may return (generated, or its prompt again with `echo`) is one entry,
+plus one per logprob alternative, for every prompt and every one of its `n` choices.
+A 4 KB completions body (500 prompts, `max_tokens` 400, `logprobs` 20) asks for 4.2
+million entries, a 75 MiB reply; at 1 Mi entries a reply stays within tens of MiB.
 
 The context rule is the ferrox-server contract's: a prompt alone at or over the context
 ceiling is a 400 `context_length_exceeded`; a prompt that fits but leaves less room than
@@ -18,13 +25,14 @@ ceiling is a 400 `context_length_exceeded`; a prompt that fits but leaves less r
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from api.config import ServerConfig
 from api.errors import APIError
 
 if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
     from ferrox_jax.engine import Engine
+    from ferrox_jax.request import GenerationRequest
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -104,3 +112,26 @@ def check_fits_queue(num_jobs: int, engine: Engine, param: str) -> None:
     if num_jobs > max_queue:
         raise APIError(400, f"{param}: {num_jobs} items in one request; this server queues at most {max_queue} "
                             "(--max-queue); split the request", param=param, code="too_many_inputs")
+
+
+def check_reply_entries(jobs: Sequence[GenerationRequest], logprobs: int | None, config: ServerConfig, *,
+                        echo: bool = False, param: str = "max_tokens") -> None:
+    """400 `reply_too_large` when the jobs' reply could hold more than --max-reply-entries
+    token entries: per job, n x (max_tokens + its prompt's tokens when echoed) x (1 + logprobs).
+
+    Args:
+      jobs: the request's engine jobs, their max_tokens already clamped to the context.
+      logprobs: alternatives per token (`logprobs` / `top_logprobs`), None for none.
+      echo: the reply repeats each prompt (completions `echo`).
+    """
+    per_token = 1 + (logprobs or 0)
+    tokens = sum(job.n * (job.max_tokens + (len(job.prompt_token_ids) if echo else 0)) for job in jobs)
+    entries = tokens * per_token
+    if entries > config.max_reply_entries:
+        n, most = (jobs[0].n, max(job.max_tokens for job in jobs)) if jobs else (1, 0)
+        asked = (f"{len(jobs):,} prompt(s) x n {n} x up to {most:,} tokens{' plus the prompt (echo)' if echo else ''}"
+                 f" x (1 + {logprobs or 0} logprobs)")
+        raise APIError(400, f"this request may return up to {entries:,} token entries ({asked}); this server "
+                            f"returns at most {config.max_reply_entries:,} per request (--max-reply-entries): lower "
+                            "max_tokens, n or logprobs, or split the prompts over several requests",
+                       param=param, code="reply_too_large")

@@ -24,14 +24,15 @@ from quart import Blueprint, Response, current_app, request
 
 from api import generation, resumable, sessions
 from api.lora_routes import lora_cards
-from api.choices import ChatShape, Choice, CompletionShape, prompt_entries
+from api.choices import INLINE_REPLY_ENTRIES, ChatShape, Choice, CompletionShape, prompt_entries, reply_entries
 from api.errors import APIError
 from api.generation import GenerationRun, RowOutput, job_ids
 from api.limits import (check_asked_tokens, check_common, check_fits_queue, check_logprobs, check_prompt_tokens,
-                        check_token_ids, max_tokens)
+                        check_reply_entries, check_token_ids, max_tokens)
 from api.offload import parse_body_off_loop, run_cpu_if
 from api.prompts import check_model, encode, heavy_chat
-from api.protocol import CancelRequest, ChatCompletionRequest, CompletionRequest, SamplingFields, parse_logit_bias
+from api.protocol import (CancelRequest, ChatCompletionRequest, CompletionRequest, SamplingFields, dumps,
+                          parse_logit_bias)
 from api.sse import DONE, KEEP_ALIVE_COMMENT, event, sse_response
 from api.state import AppState, json_response, state_of
 from api.structured import (PLAIN_TEXT, OutputPlan, choice_constraint, check_grammar, completion_plan,
@@ -206,6 +207,7 @@ async def completions() -> Response:
                          max(1, max_tokens(body.max_tokens, len(ids), engine.max_context, state.config, "prompt")),
                          body, sampling, echo_logprobs, grammar, plan)
             for job_id, ids in zip(job_ids(api_id, len(prompts)), prompts)]
+    check_reply_entries(reqs, body.logprobs, state.config, echo=bool(body.echo))
     echoes = [tok.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
     run = GenerationRun(state, "/v1/completions", api_id, reqs, stream=bool(body.stream), drop_output=zero_output,
                         engine=engine, model=body.model)
@@ -253,6 +255,7 @@ async def chat_completions() -> Response:
     api_id = f"chatcmpl-{uuid.uuid4().hex}"
     reqs = [_job_request(api_id, prompt_ids, limit, body, _sampling(body, engine, logprobs), False, grammar,
                          chat.plan)]
+    check_reply_entries(reqs, logprobs, state.config, param=asked_param)
     run = GenerationRun(state, "/v1/chat/completions", api_id, reqs, stream=bool(body.stream), engine=engine,
                         model=body.model)
     run.seeded = body.seed is not None
@@ -300,7 +303,7 @@ async def _serve(run: GenerationRun, body: SamplingFields, shape: Any, echoes: l
     await generation.collect(run, reply.fold)
     if after is not None:
         after(reply)
-    return json_response(reply.response([reply.shape.final(c) for c in reply.choices]))
+    return await reply.whole()
 
 
 class _Reply:
@@ -336,6 +339,16 @@ class _Reply:
     def _chunk(self, choices: list[dict]) -> dict:
         return {"id": self.run.api_id, "request_id": self.run.api_id, "object": self.shape.chunk_object,
                 "created": self.created, "model": self.model, "choices": choices}
+
+    async def whole(self) -> Response:
+        """The whole reply as JSON. A large one (logprobs: a dict per alternative) is built
+        and serialized in the CPU pool, not on the event loop, which a million entries
+        would hold for seconds (api/offload.py)."""
+        def body() -> str:
+            return dumps(self.response([self.shape.final(c) for c in self.choices]))
+
+        text = await run_cpu_if(reply_entries(self.choices, self.shape.top_k) > INLINE_REPLY_ENTRIES, body)
+        return Response(text, content_type="application/json")
 
     def without_engine(self) -> Response:
         for c in self.choices:

@@ -2,7 +2,8 @@
 (max_seqs 1), one waiting job (max_queue 1), 128 usable KV blocks of 16 positions
 (2048 tokens) under a 4096-token context ceiling, so "more blocks than the whole budget"
 is reachable. Also: keep-alive comments on a stream that waits in the queue, and
-cancelling a waiting job (by /v1/cancel and by disconnect)."""
+cancelling a waiting job (by /v1/cancel and by disconnect). The reply-size limit is
+checked on the shared tiny engine (64 prompts fit its queue) with the default settings."""
 
 from __future__ import annotations
 
@@ -115,3 +116,28 @@ def test_disconnect_while_waiting_cancels_the_job(http, server):
             http.post("/v1/cancel", json={"request_id": blocker_id})
     wait_for(lambda: stats(http)["aborted"] == before + 2)
     wait_for(lambda: idle(http))
+
+
+# ---------------------------------------------------------------- reply size
+
+
+@pytest.fixture(scope="module")
+def roomy_server():
+    with ServerThread(create_app(tiny_engine(), ServerConfig())) as url:
+        yield url
+
+
+def test_a_reply_over_the_entry_limit_is_a_400_before_generating(roomy_server):
+    # 64 prompts x n 1 x max_tokens 800 x (1 + 20 logprobs) = 1,075,200 token entries,
+    # over the default 1,048,576: a 2 KB body that would build a ~20 MiB reply.
+    body = {"prompt": ["Hi"] * 64, "max_tokens": 800, "logprobs": 20, "ignore_eos": True}
+    with httpx.Client(base_url=roomy_server, timeout=120) as http:
+        before = stats(http)["tokens_generated"]
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 400, f"a reply of a million logprob entries must be refused up front ({r.status_code})"
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == ("max_tokens", "reply_too_large"), error
+        assert "1,075,200 token entries" in error["message"] and "1,048,576" in error["message"], error["message"]
+        assert stats(http)["tokens_generated"] == before, "refused before generating"
+        small = http.post("/v1/completions", json={**body, "prompt": ["Hi"] * 2, "max_tokens": 3})
+        assert small.status_code == 200 and len(small.json()["choices"]) == 2, "the server keeps serving"
