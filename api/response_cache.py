@@ -14,8 +14,10 @@ by the engine, so the second is answered from the first's recorded row events.
   have; nothing reaches the engine (no blocks, no row, no step).
 - Only runs that finished normally are stored (every row `stop` or `length`): a cancelled,
   failed or timed-out run is not.
-- Bounded by entries and bytes (the rows' text and token ids, roughly), the least recently
-  used entry making room. A model swap or unload clears it (`AppState.on_engine_change`),
+- Bounded by entries and bytes, the least recently used entry making room. The bytes are
+  what the recorded objects take in memory, counted object by object (`_entry_bytes`:
+  every logprob alternative is a tuple, an int and a float, ~108 bytes), not their text:
+  an entry of logprobs, echo and n 4 holds ~20x its text and token ids. A model swap or unload clears it (`AppState.on_engine_change`),
   and the key names the engine's model besides, so one model's answer never serves another's.
 - Off unless `--response-cache`; `ferrox_cache` says what happened to each generation
   request: `hit`, `miss` (cacheable, computed, then stored), or `skip` (not cacheable, or
@@ -32,19 +34,78 @@ import collections
 import dataclasses
 import hashlib
 import json
+import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
 from quart.wrappers.response import DataBody
 
+from ferrox_jax.request import RowEvent, RowResult
 
 if TYPE_CHECKING:
     from api.generation import GenerationRun, RowOutput
 
+# What the objects of an entry take in this process, measured once from samples
+# (`sys.getsizeof`; an instance's attributes as the dict they become when it is copied or
+# pickled, a little above the inline values a fresh one holds). Token ids and logprobs
+# are Python ints and floats of their own (the engine converts its arrays with tolist()),
+# so every logprob alternative is a 2-tuple, an int and a float.
+_INT_BYTES = sys.getsizeof(1 << 20)  # a token id past the small-int cache
+_FLOAT_BYTES = sys.getsizeof(0.5)
+_PAIR_BYTES = sys.getsizeof((0, 0.5)) + _INT_BYTES + _FLOAT_BYTES  # (token id, logprob)
+
+
+def _instance_bytes(cls: type, **fields: Any) -> int:
+    sample = cls(**fields)
+    return sys.getsizeof(sample) + sys.getsizeof(vars(sample))
+
+
+_RESULT_BYTES = _instance_bytes(RowResult, row_id=0, token_id=0) + _INT_BYTES + _FLOAT_BYTES
+_EVENT_BYTES = _instance_bytes(RowEvent, request_id="", index=0, token_ids=(), text="", logprobs=None,
+                               finish_reason=None) + 2 * _INT_BYTES + _FLOAT_BYTES  # counts, queue_s
+# The entry's own record: its 64-character key, the (outputs, bytes) pair, its slot in the cache.
+_ENTRY_BYTES = sys.getsizeof("0" * 64) + sys.getsizeof((None, 0)) + _INT_BYTES + 100
+
+
+def _result_bytes(result: RowResult | None) -> int:
+    """One token's result: the object, its id and logprob, and its alternatives."""
+    if result is None:
+        return 0
+    size = _RESULT_BYTES + sys.getsizeof(result.top_logprobs) + _PAIR_BYTES * len(result.top_logprobs)
+    return size + sum(_result_bytes(r) for r in result.following)
+
 
 def _entry_bytes(outputs: Sequence[RowOutput]) -> int:
-    """What an entry costs, counted from its events: text bytes and 8 per token id, plus a
-    fixed 256 per event for the rest of its fields."""
-    return sum(256 + len(o.event.text.encode("utf-8")) + 8 * len(o.event.token_ids) for o in outputs)
+    """What an entry holds, counted object by object (the sizes above): each output and its
+    event, the event's text and token ids, its logprob results with their alternatives, and
+    its prompt logprobs, whose items a job's choices share (counted once). Checked against
+    what tracemalloc sees a copy of a logprob-heavy entry take (tests/test_api_response_cache.py);
+    counting the text and 8 bytes per token id alone under-counted such entries 15-24x."""
+    if not outputs:
+        return _ENTRY_BYTES
+    output_bytes = _instance_bytes(type(outputs[0]), choice=0, job=0, event=None)  # RowOutput, not imported
+    size = _ENTRY_BYTES + sys.getsizeof(()) + 8 * len(outputs)  # the tuple the entry keeps
+    seen_prompt_items: set[int] = set()
+    request_ids: set[int] = set()
+    for output in outputs:
+        event = output.event
+        size += output_bytes + _EVENT_BYTES
+        size += sys.getsizeof(event.text) + sys.getsizeof(event.token_ids) + _INT_BYTES * len(event.token_ids)
+        if id(event.request_id) not in request_ids:  # one string per job, shared by its events
+            request_ids.add(id(event.request_id))
+            size += sys.getsizeof(event.request_id)
+        for text in (event.error, event.stop_string):
+            size += sys.getsizeof(text) if text is not None else 0
+        if event.logprobs is not None:
+            size += sys.getsizeof(event.logprobs) + sum(_result_bytes(r) for r in event.logprobs)
+        size += _result_bytes(event.stop_token)
+        if event.prompt_logprobs is not None:
+            size += sys.getsizeof(event.prompt_logprobs)
+            for item in event.prompt_logprobs:  # (logprob, alternatives): the same objects in every choice
+                if id(item) not in seen_prompt_items:
+                    seen_prompt_items.add(id(item))
+                    top = item[1]
+                    size += sys.getsizeof(item) + _FLOAT_BYTES + sys.getsizeof(top) + _PAIR_BYTES * len(top)
+    return size
 
 
 def is_deterministic(run: GenerationRun) -> bool:

@@ -1,12 +1,15 @@
 """The whole-response cache (`--response-cache`) over a real server and the official
 clients: greedy and seeded repeats are hits that reach no engine, a hit streams the same
 events as its miss, sampled requests are skips, the bounds evict the least recently used,
-an unload clears it, and `/metrics` and `/cache/stats` count it. One server for the module,
-over the shared tiny engine (no engine of its own)."""
+an unload clears it, `/metrics` and `/cache/stats` count it, and its byte count is what
+its entries really take (tracemalloc). One server for the module, over the shared tiny
+engine (no engine of its own)."""
 
 from __future__ import annotations
 
+import gc
 import json
+import tracemalloc
 
 import anthropic
 import openai
@@ -147,3 +150,29 @@ def test_the_key_names_the_model_and_ignores_a_greedy_seed():
     assert run_key(run("m", 1, **lora)) != run_key(run("m", 1, **{**lora, "adapter_key": "sql#2"})), "reloaded"
     cache = ResponseCache(max_entries=8, max_bytes=1024)
     assert cache.lookup(run("m", 1, 1.0))[0] == "skip", "sampled without a seed the client named"
+
+
+def test_counted_bytes_match_what_a_logprob_heavy_entry_takes(http, app):
+    """The cache's byte count against tracemalloc: what the process still holds after a
+    miss with logprobs 20, echo and n 4 is (all but a few KiB) the entry the cache keeps."""
+    body = {"prompt": "count my bytes " * 20, "max_tokens": 160, "logprobs": 20, "echo": True, "n": 4,
+            "temperature": 0, "ignore_eos": True}
+    cache = state_of(app).response_cache
+    for _ in range(2):  # warm what a repeat allocates once: token texts, prefix blocks, the step shapes of a
+        cache.clear()   # prompt served from the prefix cache (a compile the first time)
+        assert http.post("/v1/completions", json=body).status_code == 200
+    cache.clear()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.headers["ferrox-cache"] == "miss", r.text[:200]
+        del r  # the reply's body is the client's, not the cache's
+        gc.collect()
+        real = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert len(cache) == 1
+    assert real / 1.5 <= cache.num_bytes <= real * 1.5, \
+        f"the cache counts {cache.num_bytes} bytes for an entry that holds {real}"
