@@ -1,6 +1,7 @@
 """Grammar constraints compiled into per-row token matchers that write packed
 allowed-token bitmasks on the host. What a request asks for is a `GrammarSpec`
-(`ferrox_jax/constraint.py`, plain data); this module is the only one that imports llguidance.
+(`ferrox_jax/constraint.py`, plain data); this module is the only one that compiles with
+llguidance (`ferrox_jax/grammar_limits.py` reads its parser limits, which every matcher here runs under).
 
 This is the host half of structured output (JSON schema, any JSON object, regex, choice,
 Lark/GBNF grammars). The device half is `ferrox_jax.token_mask.apply_token_bitmask`, which

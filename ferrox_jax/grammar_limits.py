@@ -5,8 +5,8 @@ llguidance compiles recursively: a JSON schema whose `$defs` form a long chain o
 overflows the compiling thread's native stack and the process dies with SIGSEGV. Nested
 counted repetitions (`(a{1000}){1000}`) and very long choice lists expand into automata
 that take seconds and hundreds of MB to build, and fail with a parser-state dump instead
-of a reason. `check_limits(spec)` measures a `GrammarSpec` in plain Python (no
-llguidance, iteratively, so it cannot overflow itself) and raises `GrammarError` naming
+of a reason. `check_limits(spec)` measures a `GrammarSpec` in plain Python (llguidance
+only gives its limits; iteratively, so it cannot overflow itself) and raises `GrammarError` naming
 the limit and the measured value; the API answers it with a 400. The limits sit far above
 what real schemas and grammars use (depth 10-40, a few hundred rules) and far below where
 the compiler breaks (a chain of 2,000 links compiles, 3,000 crashes).
