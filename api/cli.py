@@ -2,7 +2,7 @@
 Batch file answered offline: api/batch.py) and `ferrox generate` (one prompt).
 
 It sits on the top floor: it wires `api/` and the engine together. Every
-`serve` setting is a flag and a FERROX_* variable (api/config.py holds the table);
+`serve` setting is a flag and a FERROX_* variable (api/settings.py holds the table);
 `--help` shows the essential flags and the groups, `--help=all` / `--help=GROUP` /
 `--help=WORD` the rest (api/cli_help.py).
 
@@ -30,8 +30,8 @@ import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
 from api import cli_help
-from api.config import (DEFAULT_HOST, DEFAULT_PORT, SETTINGS, ServerConfig, default_grammar, env_defaults,
-                        name_settings, split_addr)
+from api.config import DEFAULT_HOST, DEFAULT_PORT, ServerConfig
+from api.settings import SETTINGS, default_grammar, env_defaults, name_settings, split_addr
 from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig, SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -99,8 +99,9 @@ def _add_settings(parser: argparse.ArgumentParser, defaults: dict[str, Any], ess
             group.add_argument(s.cli_flag, dest=s.name, type=s.parse, nargs="+", default=defaults[s.name],
                                help=f"{s.help} [{s.env}]", metavar="NAME=PATH")
             continue
-        group.add_argument(s.cli_flag, dest=s.name, type=s.parse, default=defaults[s.name],
-                           help=f"{s.help} [{s.env}]", metavar=s.name.upper())
+        action = group.add_argument(s.cli_flag, dest=s.name, type=s.parse, default=defaults[s.name],
+                                    help=f"{s.help} [{s.env}]", metavar=s.name.upper())
+        action.is_secret = s.is_secret  # cli_help.DefaultsFormatter prints no value for it
 
 
 def main(argv: Sequence[str] | None = None) -> int:

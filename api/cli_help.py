@@ -1,6 +1,6 @@
 """`ferrox serve --help[=TOPIC]`: the settings' help in groups, as vLLM's `--help=<group>`.
 
-`serve` and `run-batch` take every setting of `api/config.py`'s table (90-odd flags), so
+`serve` and `run-batch` take every setting of `api/settings.py`'s table (90-odd flags), so
 one flat `--help` is hundreds of lines. Each setting names its group there (the table's
 `group` column); `GROUPS` below describes them, in the order the pages list them.
 
@@ -70,11 +70,14 @@ class GroupedHelp(argparse.Action):
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Each flag's help with its default, except an unset one (None, False): "(default: None)"
-    on half the flags says nothing."""
+    on half the flags says nothing; and a secret's (an API key from FERROX_API_KEY would be
+    printed to whoever reads the terminal or the log the help went to): "(set)" instead."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         if action.default is None or action.default is False:
             return action.help or ""
+        if getattr(action, "is_secret", False):
+            return f"{action.help or ''} (set)"
         return super()._get_help_string(action)
 
 

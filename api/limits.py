@@ -1,7 +1,7 @@
 """Per-request limits from `ServerConfig`, checked before the engine sees a request.
 
 Each check raises a 400 `APIError` naming its `param`. The limits and their flags
-(api/config.py holds the table; docs/operations.md explains them):
+(api/settings.py holds the table; docs/operations.md explains them):
 
 | limit | flag | default |
 |---|---|---|

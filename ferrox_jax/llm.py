@@ -51,7 +51,7 @@ VLLM_ENGINE_ARGS = {"max_model_len": "max_context", "max_num_seqs": "max_seqs",
 HEALTH_POLL_S = 5.0  # waiting for events re-checks that the engine is alive this often
 
 
-SERVE_QUANTIZATION = "auto"  # api/config.py's FERROX_QUANTIZATION default
+SERVE_QUANTIZATION = "auto"  # api/settings.py's FERROX_QUANTIZATION default
 
 
 def engine_config(model: str, **settings: Any) -> EngineConfig:

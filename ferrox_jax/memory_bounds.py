@@ -20,7 +20,7 @@ A setting that does not fit is refused with `MemoryBoundError`, a ValueError who
 message starts with the field and says what it needs, what there is and the largest value
 that fits: "kv_blocks 1073741824 needs 8,192.0 GiB: KV cache 8,192.0 GiB (8192 bytes
 per block), ...; host memory has 21.9 GiB free; ask for at most kv_blocks 2867000".
-`ferrox serve` names the flag and variable instead of the field (`api/config.py`), and
+`ferrox serve` names the flag and variable instead of the field (`api/settings.py`), and
 `POST /v1/cache/rebuild` answers it as a 400 naming the field.
 
 Where the checks run: `engine_builder.build_engine` checks once before it reads the

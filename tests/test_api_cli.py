@@ -8,7 +8,8 @@ import re
 import pytest
 
 from api import cli
-from api.config import DEFAULT_HOST, DEFAULT_PORT, SETTINGS, env_defaults, split_addr
+from api.config import DEFAULT_HOST, DEFAULT_PORT
+from api.settings import SETTINGS, env_defaults, split_addr
 from tests.server_harness import api_checkpoint
 
 
@@ -100,6 +101,19 @@ def test_help_all_lists_every_setting_and_help_group_only_its_own(capsys):
     assert flags_on(help_page(capsys, ["serve", "--help=timeout"])) == {f for f in every if "timeout" in f}
     batch = help_page(capsys, ["run-batch", "--help"])
     assert {"--input-file", "--output-file", "--model"} <= flags_on(batch) and "--api-key" not in batch
+
+
+def test_help_never_prints_a_secret_taken_from_its_variable(capsys):
+    """`FERROX_API_KEY` and `FERROX_MULTIHOST_SECRET` were printed as the flags' defaults."""
+    secrets = {"FERROX_API_KEY": "sk-do-not-print-0123", "FERROX_MULTIHOST_SECRET": "mh-do-not-print-456789"}
+    pages = []
+    for argv in (["serve", "--help=all"], ["serve", "--help"], ["serve", "--help=secret"], ["serve", "--help=key"]):
+        with pytest.raises(SystemExit):
+            cli.build_parser(secrets).parse_args(argv)
+        pages.append(capsys.readouterr().out)
+    for value in secrets.values():
+        assert not any(value in page for page in pages), "a secret's value appears in --help"
+    assert "--api-key" in pages[0] and "(set)" in pages[3], "the flag is listed, its value only said to be set"
 
 
 def test_help_for_an_unknown_topic_exits_2_naming_the_groups(capsys):

@@ -18,7 +18,8 @@ import pytest
 
 from api import cli
 from api.app import create_app
-from api.config import ServerConfig, env_defaults
+from api.config import ServerConfig
+from api.settings import env_defaults
 from tests.server_harness import CONTEXT_TOKENS, ServerThread, parse_sse, tiny_engine, wait_for
 
 LIMITS = ServerConfig(max_prompt_tokens=32, max_output_tokens=64, max_logprobs=5, max_n=2, max_stop_strings=2,

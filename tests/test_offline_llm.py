@@ -169,7 +169,7 @@ def test_the_offline_defaults_are_the_servers():
     """`LLM(model)` runs what `ferrox serve --model` runs: on the default GGUF, `auto`
     quantization (its own blocks), not EngineConfig's `none` (float32 weights, about twice
     the one-row step)."""
-    from api.config import env_defaults
+    from api.settings import env_defaults
     from ferrox_jax.llm import engine_config
 
     assert engine_config("default").quantization == env_defaults({})["quantization"] == "auto"
