@@ -121,7 +121,7 @@ class _Worker:
             reply = _read_frame(self.proc.stdout.fileno(), time.monotonic() + STARTUP_TIMEOUT_S)
         except (OSError, TimeoutError) as e:
             self.kill()
-            raise SandboxUnavailable(f"grammar sandbox did not start: {type(e).__name__}") from e
+            raise SandboxUnavailable(f"grammar sandbox did not start: {e or 'no answer in time'}") from e
         if not reply or not reply.get("ready"):
             self.kill()
             raise SandboxUnavailable(f"grammar sandbox did not start: {_describe_exit(self.proc.wait())}")
@@ -253,7 +253,7 @@ def _child_main() -> int:
         except GrammarError as e:
             _write_frame(stdout, {"error": str(e)})
         except Exception as e:  # noqa: BLE001 - any Python-level failure is this spec's error
-            _write_frame(stdout, {"error": f"the grammar compiler failed: {type(e).__name__}: {e}"})
+            _write_frame(stdout, {"error": f"the grammar compiler could not compile this constraint: {e}"})
 
 
 if __name__ == "__main__":

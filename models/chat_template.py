@@ -48,7 +48,7 @@ class ChatTemplate:
         try:
             self._template = _chat_environment().from_string(source if source is not None else FALLBACK_CHAT_TEMPLATE)
         except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template does not compile: {type(e).__name__}: {e}") from e
+            raise ChatTemplateError(f"chat template does not compile: {e}") from e
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool, special_tokens: Mapping[str, str],
                tools: list[dict] | None = None, extra: Mapping[str, Any] | None = None) -> str:
@@ -69,14 +69,17 @@ class ChatTemplate:
                          "add_generation_prompt": add_generation_prompt, "tools": _plain_data(tools),
                          "documents": None}
             return render_guarded(self._template, self.max_output_chars, self.max_seconds, **variables)
+        except jinja2.exceptions.SecurityError as e:
+            raise ChatTemplateError(f"chat template failed: it tried an operation the template sandbox forbids "
+                                    f"({e})") from e
         except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+            raise ChatTemplateError(f"chat template failed: {e}") from e
         except RecursionError:
             raise ChatTemplateError("chat template failed: it recursed too deep") from None
         except MemoryError:
             raise ChatTemplateError("chat template failed: out of memory while rendering") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError) as e:
-            raise ChatTemplateError(f"chat template failed while rendering: {type(e).__name__}: {e}") from e
+            raise ChatTemplateError(f"chat template failed while rendering: {e}") from e
 
 
 def _raise_exception(message: str):

@@ -334,7 +334,7 @@ USER = [{"role": "user", "content": "hi"}]
     "{{ messages.append(1) }}",  # immutable sandbox: no mutating methods
 ])
 def test_sandbox_escapes_raise_chat_template_error(hf_tok, template):
-    with pytest.raises(ChatTemplateError, match="SecurityError"):
+    with pytest.raises(ChatTemplateError, match="the template sandbox forbids"):
         _with_template(hf_tok, template).apply_chat_template(USER)
 
 
@@ -346,12 +346,13 @@ def test_raise_exception_becomes_chat_template_error_with_its_message(hf_tok):
 
 @pytest.mark.parametrize("template,pattern", [
     ("{% for m in messages %}", "does not compile"),
-    ("{{ messages[0]['content'] + 1 }}", "TypeError"),
+    ("{{ messages[0]['content'] + 1 }}", "failed while rendering: can only concatenate"),
     ("{{ messages[5]['content'] + 'x' }}", "chat template failed"),
 ])
 def test_broken_templates_raise_chat_template_error(hf_tok, template, pattern):
-    with pytest.raises(ChatTemplateError, match=pattern):
+    with pytest.raises(ChatTemplateError, match=pattern) as e:
         _with_template(hf_tok, template).apply_chat_template(USER)
+    assert not re.search(r"[A-Z]\w*Error\b", str(e.value)), f"a class name reaches the client: {e.value}"
 
 
 def test_template_helpers_behave_like_transformers(hf_tok):
