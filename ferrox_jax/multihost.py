@@ -199,20 +199,20 @@ class StepChannel:
         exception out of this thread, and leaves the slot free for the real follower."""
         try:
             process_id = answer(conn, self._key, self.num_followers, self._followers.__contains__, self.timeout_s)
-            self._take_slot(process_id, conn)
+            self._take_slot(process_id, conn, peer)
         except Refused as e:
             log.warning("step channel: refused a connection from %s: %s", _peer(peer), e)
             conn.close()
             return
         finally:
             pending.release()
-        log.info("step channel: follower %d joined from %s", process_id, _peer(peer))
         threading.Thread(target=self._watch, args=(process_id, conn), name=f"ferrox-watch-{process_id}",
                          daemon=True).start()
 
-    def _take_slot(self, process_id: int, conn: socket.socket) -> None:
+    def _take_slot(self, process_id: int, conn: socket.socket, peer: Any) -> None:
         """The slot, once: two connections that both proved the secret for one id race here,
-        under the lock the heartbeats take, so the welcome precedes every other frame."""
+        under the lock the heartbeats take, so the welcome precedes every other frame. The
+        join is logged before `wait_followers` can return."""
         with self._send_lock:
             if process_id in self._followers:
                 refuse(conn, f"follower slot {process_id} is already taken")
@@ -222,6 +222,7 @@ class StepChannel:
             except OSError as e:
                 raise Refused(f"the connection broke before its welcome: {e}") from None
             self._followers[process_id] = conn
+            log.info("step channel: follower %d joined from %s", process_id, _peer(peer))
             if len(self._followers) == self.num_followers:
                 self._all_connected.set()
 

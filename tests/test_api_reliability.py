@@ -39,7 +39,7 @@ def model_of(client) -> str:
     ({"guided_regex": "((a{100}){100}){100}"}, "1,000,000 times"),
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "string", "pattern": "^(a{1000}){1000}$"}}}}, "JSON schema pattern"),
-    ({"guided_choice": [f"option {i}" for i in range(50_000)]}, "50000 entries; the limit is 4096"),
+    ({"guided_choice": [f"option {i}" for i in range(50_000)]}, "50,000 choices; at most 1,999 can be enforced"),
 ])
 def test_pathological_constraints_are_400_naming_the_limit(client, extra, words):
     with pytest.raises(openai.BadRequestError) as e:

@@ -110,6 +110,6 @@ def test_a_gguf_opens_as_dummy_from_its_metadata_alone():
 
 
 def test_serve_help_lists_the_load_format_settings():
-    out = subprocess.run([sys.executable, "-m", "api.cli", "serve", "--help"], cwd=REPO, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "api.cli", "serve", "--help=all"], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout
     assert "--load-format" in out and "FERROX_LOAD_FORMAT" in out and "FERROX_DUMMY_WEIGHTS_SEED" in out

@@ -117,7 +117,7 @@ def hostile_call(rng: random.Random, model: str, bad_adapters: tuple[str, ...] =
         return HostileCall(kind, "POST", "/v1/chat/completions", _json(body), JSON)
     if kind == "schema_bomb":
         properties = {f"p{i}": {"type": "string"} for i in range(rng.choice([499, 1_000]))}
-        schema = {"type": "object", "properties": properties, "additionalProperties": False}
+        schema = {"type": "object", "properties": properties}  # open: 498 optional properties is what runs
         body = {"model": model, "messages": [{"role": "user", "content": "fill"}], "max_tokens": 4,
                 "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}}
         return HostileCall(kind, "POST", "/v1/chat/completions", _json(body), JSON)

@@ -18,7 +18,7 @@ import httpx
 from tools import soak_hostile, soak_mix
 
 
-async def events(response: httpx.Response, stop_after: int | None = None) -> tuple[list, bool]:
+async def read_events(response: httpx.Response, stop_after: int | None = None) -> tuple[list, bool]:
     """(event name or None, data) pairs of an SSE body; True when we left after `stop_after` data events."""
     events: list[tuple[str | None, str]] = []
     name = None
@@ -44,7 +44,7 @@ async def full(client: httpx.AsyncClient, call: soak_mix.Call) -> str:
         if r.status_code != 200:
             await r.aread()
             return str(r.status_code)
-        events, _ = await events(r)
+        events, _ = await read_events(r)
     return soak_mix.stream_verdict(call.protocol, events)
 
 
@@ -75,7 +75,7 @@ async def cancelled(client: httpx.AsyncClient, call: soak_mix.Call, rng: random.
             if r.status_code != 200:
                 await r.aread()
                 return str(r.status_code)
-            events, left = await events(r, stop_after=rng.randint(1, 3))
+            events, left = await read_events(r, stop_after=rng.randint(1, 3))
         if left:
             return "cancelled"  # leaving the block closed the connection
         return soak_mix.stream_verdict(call.protocol, events)  # finished before we could leave
