@@ -3,8 +3,10 @@
 `ModelConfig` holds what every decoder has (shapes, norms, RoPE, which layers attend
 through a sliding window); a family that needs more subclasses it in its own module
 (`Gemma2Config`, `MoeConfig`, ...). Configs come from an HF `config.json` (each family's
-`config_from_hf`, dispatched by `models/registry.py`) or from GGUF metadata
-(`models/loaders/gguf.py`), never from a file or directory name. Anything this engine
+`config_from_hf`, dispatched by `models/registry.py:config_from_hf`) or from GGUF metadata
+(`models/loaders/gguf.py`), never from a file or directory name. This module knows no
+family: the families import it, and the registry imports the families, so a config is
+parsed through the registry, never through a method here. Anything this engine
 cannot compute faithfully (another architecture, an unknown rope type, a vision tower)
 fails at load with `UnsupportedModelError` naming it.
 
@@ -162,13 +164,6 @@ class ModelConfig:
     def sharded_sizes(self) -> dict[str, int]:
         """Sizes tensor parallelism splits besides the heads (`ferrox_jax/sharding.py`)."""
         return {"intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size}
-
-    @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from a transformers `config.json` dict through its family's parser."""
-        from models.registry import config_from_hf
-
-        return config_from_hf(cfg)
 
 
 # -- parsing helpers shared by the families' config_from_hf ---------------------------

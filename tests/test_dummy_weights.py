@@ -71,9 +71,9 @@ def test_weights_are_made_on_the_device_in_the_target_dtype(tmp_path):
 
 
 def test_init_scale_follows_fan_in_and_the_residual_depth():
-    from models.config import ModelConfig
+    from models.registry import config_from_hf
 
-    cfg = ModelConfig.from_hf_dict(SHAPES["llama-3.1-8b"])  # D 4096, H*hd 4096, KV 1024, F 14336, V 128256, L 32
+    cfg = config_from_hf(SHAPES["llama-3.1-8b"])  # D 4096, H*hd 4096, KV 1024, F 14336, V 128256, L 32
     assert init_std("layers.0.q_proj", (4096, 4096), cfg) == 4096**-0.5
     assert init_std("embed", (128256, 4096), cfg) == init_std("lm_head", (4096, 128256), cfg) == 4096**-0.5
     # residual branches: fan-in^-1/2 / sqrt(2 * 32 layers) = / 8

@@ -172,10 +172,10 @@ def attention(settings: Settings, result: PhaseResult) -> None:
     import numpy as np
 
     from ferrox_jax.runner import block_table_width
-    from models.config import ModelConfig
+    from models.registry import config_from_hf
     from tools.model_shapes import SHAPES
 
-    cfg = ModelConfig.from_hf_dict(SHAPES[settings.shape])
+    cfg = config_from_hf(SHAPES[settings.shape])
     dtype = jnp.dtype(settings.dtype)
     backend = jax.default_backend()
     bs, kv, heads, hd = settings.block_size, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
