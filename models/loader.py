@@ -10,65 +10,26 @@ implementation from the checkpoint's config before any weight is read:
 always come from the checkpoint itself; nothing is downloaded.
 
 `open_checkpoint(path, load_format="dummy")` reads only the config (and tokenizer) and
-builds random weights on the device instead (`models/loaders/dummy.py`).
+builds random weights on the device instead (`models/loaders/dummy.py`). What an opened
+checkpoint is, `CheckpointSource`, lives in `models/checkpoint.py`, which every loader
+(this one and the dummy one) builds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import jax.numpy as jnp
-import numpy as np
 
+from models.checkpoint import CheckpointSource
 from models.config import ModelConfig
 from models.decoder import CausalLM
-from models.loaders.common import build_model
 from models.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "default"
 LOAD_FORMATS = ("auto", "dummy")  # auto: read the checkpoint's weights; dummy: synthetic
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointSource:
-    """An opened checkpoint: everything but the weights, which `tensors` produces on demand."""
-
-    config: ModelConfig
-    tokenizer: Tokenizer
-    name: str  # served model id: the file or folder stem
-    path: str
-    tensors: Mapping[str, Callable[[], np.ndarray]]  # our name -> lazily read array, our layout
-    builder: Callable[..., CausalLM] | None = None  # makes the weights instead of reading tensors
-    is_synthetic: bool = False  # random weights (--load-format dummy): outputs are meaningless
-    # our name -> lazily read (int8 values, f32 scales), where the format stores integer blocks
-    int8_tensors: Mapping[str, Callable[[], tuple[np.ndarray, np.ndarray]]] = dataclasses.field(
-        default_factory=dict)
-    # our name -> lazily read GGUF block rows (u8[out, row bytes], format), for quantization "gguf"
-    block_tensors: Mapping[str, Callable[[], tuple[np.ndarray, str]]] = dataclasses.field(default_factory=dict)
-
-    def build(self, dtype=jnp.float32, *, decode_attention: Any = None,
-              progress: Callable[[str], None] | None = None, placement: Any = None,
-              quantization: str = "none") -> CausalLM:
-        """Read, check and place the weights (`models/loaders/common.py`), or make them.
-
-        Args:
-          dtype: compute dtype of the parameters.
-          quantization: "none", "int8", "w8a8" (`models/quant.py`) or "gguf"
-            (`models/gguf_blocks.py`).
-          decode_attention: the attention for one-query steps, fixed in the model's graph
-            (None: pure-JAX paged attention; see `models/pallas_attention.py`).
-          progress: called with each tensor's name once placed.
-          placement: `placement(name, shape)` -> sharding, for weights made on the device;
-            read weights ignore it (the runner places them).
-        """
-        if self.builder is not None:
-            return self.builder(dtype, decode_attention=decode_attention, progress=progress, placement=placement,
-                                quantization=quantization)
-        return build_model(self.config, self.tensors, dtype, progress, decode_attention=decode_attention,
-                           quantization=quantization, int8_tensors=self.int8_tensors,
-                           block_tensors=self.block_tensors)
 
 
 @dataclasses.dataclass

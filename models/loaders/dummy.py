@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.checkpoint import CheckpointSource
 from models.config import ModelConfig
 from models.decoder import CausalLM
 from models.loaders.common import abstract_model, param_name
@@ -192,10 +193,8 @@ def byte_fallback_tokenizer(cfg: ModelConfig) -> Tokenizer:
                      extra_stop_token_ids=stops)
 
 
-def open_dummy(path: Path, seed: int):
+def open_dummy(path: Path, seed: int) -> CheckpointSource:
     """A `CheckpointSource` over `path`'s config (HF folder or GGUF) that builds random weights."""
-    from models.loader import CheckpointSource
-
     if path.is_dir():
         from models.loaders.safetensors import read_config
 
