@@ -5,7 +5,8 @@ minutes, and in-process either kills the server (SIGSEGV) or holds a worker thre
 limits in `ferrox_jax/grammar_limits.py` refuse the known shapes; this is the net under
 them. `GrammarSandbox.check(spec)` sends the spec to one of a few long-lived child
 processes (`python -m ferrox_jax.grammar_sandbox`, started lazily, each holding its own
-llguidance tokenizer) which compiles it and answers "ok" or the GrammarError message. A
+llguidance tokenizer) which compiles it (`ferrox_jax/grammar_template.py`, the same
+translation the server runs) and answers "ok" or the GrammarError message. A
 child that dies (a signal) or runs past the timeout is killed and replaced, and the
 request gets a GrammarError naming what happened (HTTP 400). Only a spec the child
 compiled is compiled again in the server (`GrammarCompiler.compile`), where the result
@@ -233,7 +234,7 @@ def _close_all() -> None:
 def _child_main() -> int:
     import llguidance
 
-    from ferrox_jax.grammar import compile_template
+    from ferrox_jax.grammar_template import compile_template
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but frames on the pipe
