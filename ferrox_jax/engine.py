@@ -7,9 +7,10 @@ The API reaches the engine only through this class (`docs/architecture.md`): `su
 from `ferrox_jax/constraint.py` (`GrammarSpec`, `GrammarError`); the batcher, scheduler,
 block budget and runner stay behind this facade.
 
-`Engine.load(config)` builds one (`ferrox_jax/engine_builder.py`: process setup, sizing,
-the model, the runner and the batcher); `warmup` compiles every step shape, `start` starts
-the owner thread.
+`Engine.load(config)` builds one: `ferrox_jax/engine_builder.py:build_parts` does the process
+setup, sizing, the model, the runner and the batcher and hands back the parts, which this
+facade then holds (the builder never imports the facade); `warmup` compiles every step
+shape, `start` starts the owner thread.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import jax.numpy as jnp
 from ferrox_jax.batcher import ContinuousBatcher, EventCallback
 from ferrox_jax.config import EngineConfig
 from ferrox_jax.constraint import GrammarError, GrammarSpec
+from ferrox_jax.engine_builder import KVSizing, build_parts
 from ferrox_jax.request import GenerationRequest
 from ferrox_jax.runner import ModelRunner
 from ferrox_jax.stats import BatcherStats
+from models.checkpoint import CheckpointSource
 from models.config import ModelConfig
-from models.loader import CheckpointSource, resolve_path
+from models.loader import resolve_path
 from models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # llguidance is imported only when structured output is set up
@@ -50,16 +53,6 @@ class ModelCard:
     weights_bytes: int = 0  # model arrays' bytes (quantized values and scales; the tied LM-head copy included)
     kv_bytes: int = 0  # the KV cache's bytes (all blocks, the null block included)
     matmul: str = ""  # which kernel multiplies quantized weights, and on which ISA ("" for float)
-
-
-@dataclasses.dataclass(frozen=True)
-class KVSizing:
-    """How big the KV cache is and why (the start-up log prints `note`)."""
-
-    num_blocks: int  # including the null block 0
-    max_context: int
-    bytes_per_block: int
-    note: str
 
 
 class Engine:
@@ -92,16 +85,19 @@ class Engine:
 
     @classmethod
     def load(cls, config: EngineConfig, progress: Callable[[str], None] | None = None) -> "Engine":
-        """Open, size, build and wire an engine (not yet warmed up or started):
-        `ferrox_jax/engine_builder.py:build_engine`.
+        """Open, size, build and wire an engine (not yet warmed up or started): the parts
+        come from `ferrox_jax/engine_builder.py:build_parts`, which knows nothing of this class.
 
         Raises:
           ValueError (a configuration this checkpoint or these devices cannot serve, named),
           FileNotFoundError, UnsupportedModelError, CheckpointError (models/loader.py).
         """
-        from ferrox_jax.engine_builder import build_engine  # it imports this module
-
-        return build_engine(config, progress)
+        parts = build_parts(config, progress)
+        engine = cls(parts.source, parts.runner, parts.batcher, parts.config, parts.sizing, parts.attention_note,
+                     parts.grammar, parts.grammar_note, parts.matmul_note)
+        engine.lora = parts.lora
+        engine.load_s = parts.load_s
+        return engine
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -1,11 +1,12 @@
 """Building an engine: everything `Engine.load` does before the facade exists.
 
-`build_engine(config)`, in order: set up the process (`jax.distributed` and the persistent
-compilation cache, once per process), open the checkpoint (config, tokenizer, lazy
-tensors; `models/loader.py`), size the KV cache and the context ceiling (`size_kv`),
-choose the decode attention for that block-table width, build the model with it, lay
-w8a8 projections out for the CPU kernel, then the runner (device state, buckets) and the
-batcher with the resolved `SchedulerLimits`.
+`build_parts(config)` returns what the facade holds (`EngineParts`) and never imports the
+facade (`Engine.load` wraps the parts), so the dependency runs one way. In order: set up
+the process (`jax.distributed` and the persistent compilation cache, once per process),
+open the checkpoint (config, tokenizer, lazy tensors; `models/loader.py`), size the KV
+cache and the context ceiling (`size_kv`), choose the decode attention for that
+block-table width, build the model with it, lay w8a8 projections out for the CPU kernel,
+then the runner (device state, buckets) and the batcher with the resolved `SchedulerLimits`.
 
 Sizing: `kv_blocks` if given, else the KV memory budget divided by the bytes one block
 takes in the KV storage dtype (`kv_cache_dtype`: a bfloat16 cache holds twice the blocks
@@ -46,7 +47,6 @@ from flax import nnx
 from ferrox_jax.batcher import ContinuousBatcher
 from ferrox_jax.step_faults import FaultPolicy
 from ferrox_jax.config import EngineConfig, SchedulerLimits
-from ferrox_jax.engine import Engine, KVSizing
 from ferrox_jax.kv_cache import bytes_per_block
 from ferrox_jax.memory_bounds import Footprint, context_for, device_room, engine_devices, kv_blocks_for, kv_shards
 from ferrox_jax.lora_registry import build_registry
@@ -65,6 +65,17 @@ from models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # llguidance is imported only when structured output is set up
     from ferrox_jax.grammar import GrammarCompiler
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSizing:
+    """How big the KV cache is and why (the start-up log prints `note`)."""
+
+    num_blocks: int  # including the null block 0
+    max_context: int
+    bytes_per_block: int
+    note: str
+
 
 log = logging.getLogger(__name__)
 
@@ -367,8 +378,25 @@ def _draft_runner(draft: CheckpointSource, config: EngineConfig, dtype, kv_dtype
                        max_chunks=target.max_chunks, mesh=mesh, replicate_attention=config.replicate_attention)
 
 
-def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = None) -> Engine:
-    """Open, size, build and wire an engine (not yet warmed up or started).
+@dataclasses.dataclass(frozen=True)
+class EngineParts:
+    """What `build_parts` wires and the facade (`ferrox_jax/engine.py:Engine.load`) holds."""
+
+    source: CheckpointSource
+    runner: Any  # the ModelRunner, or the multi-host leader's BroadcastRunner around it
+    batcher: ContinuousBatcher
+    config: EngineConfig  # as served: `quantization` resolved
+    sizing: KVSizing
+    attention_note: str  # which decode attention runs, and why
+    grammar: GrammarCompiler | None  # None: no structured output, `grammar_note` says why
+    grammar_note: str
+    matmul_note: str  # which int8 matmul w8a8 runs on ("" when not quantized)
+    lora: Any  # the LoraRegistry when --max-loras > 0, else None
+    load_s: float  # seconds from the start of the build to the parts
+
+
+def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = None) -> EngineParts:
+    """Open, size, build and wire an engine's parts (not yet warmed up or started).
 
     Raises:
       ValueError (a configuration this checkpoint or these devices cannot serve, named),
@@ -435,7 +463,5 @@ def build_engine(config: EngineConfig, progress: Callable[[str], None] | None = 
                                 new_matcher=grammar.new_matcher if grammar is not None else None,
                                 fill_bitmask=grammar.fill_bitmask if grammar is not None else None,
                                 faults=FaultPolicy(config.step_timeout_s, config.max_step_faults), adapters=lora)
-    engine = Engine(source, runner, batcher, config, sizing, attention_note, grammar, grammar_note, matmul_note)
-    engine.lora = lora
-    engine.load_s = time.perf_counter() - t0
-    return engine
+    return EngineParts(source, runner, batcher, config, sizing, attention_note, grammar, grammar_note, matmul_note,
+                       lora, time.perf_counter() - t0)

@@ -23,7 +23,7 @@ per block), ...; host memory has 21.9 GiB free; ask for at most kv_blocks 286700
 `ferrox serve` names the flag and variable instead of the field (`api/settings.py`), and
 `POST /v1/cache/rebuild` answers it as a 400 naming the field.
 
-Where the checks run: `engine_builder.build_engine` checks once before it reads the
+Where the checks run: `engine_builder.build_parts` checks once before it reads the
 weights (nothing is placed yet: a value that could never fit is refused at once) and once
 the weights are placed, right before the LoRA slots and the KV cache are allocated (the
 free memory then counts the weights); `check_rebuild` runs before a cache rebuild puts the

@@ -39,11 +39,11 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
 
     from ferrox_jax.config import EngineConfig
-    from ferrox_jax.engine_builder import build_engine
+    from ferrox_jax.engine import Engine
     from ferrox_jax.host_batch import HostBatch, SamplingArrays
     from ferrox_jax.plan import RowPlan, StepPlan
 
-    engine = build_engine(EngineConfig(model=args.model, max_seqs=max(args.rows)))
+    engine = Engine.load(EngineConfig(model=args.model, max_seqs=max(args.rows)))
     runner = engine._runner
     bs = runner.block_size
     blocks = tuple(range(1, args.context // bs + 2))
