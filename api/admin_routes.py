@@ -30,7 +30,6 @@ from api.errors import APIError
 from api.lora_routes import lora_stats
 from api.state import VERSION, json_response, state_of
 from api.telemetry import RECENT_SIZE, stats_dict
-from ferrox_jax.step_faults import FAULT_KINDS
 
 blueprint = Blueprint("admin", __name__)
 
@@ -44,7 +43,7 @@ async def health() -> Response:
             "uptime_seconds": round(state.stats.uptime_s(), 3)}
     stats = state.engine_stats()
     if stats is not None:  # what went wrong in the engine's steps (ferrox_jax/step_faults.py)
-        body["step_faults"] = {kind: getattr(stats, f"step_faults_{kind}") for kind in FAULT_KINDS}
+        body["step_faults"] = stats.step_faults_by_kind()
         body["last_step_fault"] = stats.last_step_fault
     if phase == "unavailable":
         body["reason"] = state.load_error or state.fatal_reason() or "the engine loop is not running"

@@ -43,7 +43,7 @@ from api.errors import APIError
 from api.protocol import json_or_none
 from api.sleep_routes import run_to_end
 from api.state import AppState, json_response, state_of
-from ferrox_jax.memory_bounds import MemoryBoundError, check_rebuild
+from ferrox_jax.engine import MemoryBoundError
 
 blueprint = Blueprint("cache_rebuild", __name__)
 
@@ -74,7 +74,7 @@ def _check(old: Any, field: str, overrides: dict[str, Any]) -> Any:
     """The new config, once it is valid and fits beside the old engine; a 400 naming
     `field` otherwise. Runs before anything is sealed or freed."""
     try:
-        check_rebuild(old, overrides)
+        old.check_rebuild(overrides)
     except MemoryBoundError as e:
         raise APIError(400, str(e), param=field, code=e.code) from None
     try:

@@ -32,10 +32,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 from api import cli_help
 from api.config import DEFAULT_HOST, DEFAULT_PORT, ServerConfig
 from api.settings import SETTINGS, default_grammar, env_defaults, name_settings, split_addr
-from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig, SpeculativeConfig
 
-if TYPE_CHECKING:
-    from ferrox_jax.engine import Engine
+if TYPE_CHECKING:  # the facade's module imports jax: `ferrox --help` stays without it
+    from ferrox_jax.engine import Engine, EngineConfig, SpeculativeConfig
 
 logger = logging.getLogger("ferrox")
 
@@ -148,6 +147,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's one configuration from the merged flags and variables."""
+    from ferrox_jax.engine import DEFAULT_COMPILE_CACHE, EngineConfig
+
     cache = args.compile_cache_dir or os.path.expanduser(DEFAULT_COMPILE_CACHE)
     try:
         return EngineConfig(
@@ -173,6 +174,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     """`--speculative ngram` with its flags, or `--speculative-config JSON`; None: off."""
+    from ferrox_jax.engine import SpeculativeConfig
+
     flags = dict(num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
                  ngram_max=args.ngram_max, max_rows=args.speculative_max_rows,
                  max_speculative_tokens=args.max_speculative_tokens)
@@ -202,8 +205,7 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
     one the engine cannot enforce stops start-up with its reason."""
     from tqdm import tqdm
 
-    from ferrox_jax.engine import Engine
-    from ferrox_jax.memory_bounds import MemoryBoundError
+    from ferrox_jax.engine import Engine, MemoryBoundError
 
     logger.info("loading weights: %s", config.model)
     with tqdm(desc="loading weights", unit="tensor", file=sys.stderr, leave=False) as bar:
@@ -392,7 +394,7 @@ def run_batch(args: argparse.Namespace) -> int:
 
 def generate(args: argparse.Namespace) -> int:
     """Load the model, generate for one prompt and stream the text to stdout."""
-    from ferrox_jax.engine import Engine
+    from ferrox_jax.engine import Engine, EngineConfig
     from ferrox_jax.request import GenerationRequest, SamplingParams
 
     try:

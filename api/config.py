@@ -4,8 +4,8 @@
 the only module that reads the environment; `api/cli.py` fills this dataclass (and the
 engine's `EngineConfig`, `ferrox_jax/config.py`) from the merged values. Each check here
 names its field. Byte caps on what the server keeps (request bodies, resumable streams,
-the response cache) must fit in the host's memory (`ferrox_jax/memory_bounds.py`): a cap
-the host cannot hold caps nothing.
+the response cache) must fit in the host's memory (`host_total_bytes`, which the engine
+facade exports from `ferrox_jax/memory_bounds.py`): a cap the host cannot hold caps nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import ipaddress
 import re
 
 from ferrox_jax.constraint import GrammarSpec
-from ferrox_jax.memory_bounds import host_total_bytes
 from ferrox_jax.request import MAX_LOGPROBS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -134,6 +133,8 @@ class ServerConfig:
 
     def _check_byte_caps(self) -> None:
         """Caps on bytes the server holds, against the host's memory."""
+        from ferrox_jax.engine import host_total_bytes  # the facade's module imports jax: not at `--help`
+
         host = host_total_bytes()
         if host is None:
             return

@@ -36,8 +36,7 @@ from quart import Blueprint, Response, current_app, request
 from api.errors import APIError
 from api.protocol import json_or_none
 from api.state import state_of
-from ferrox_jax.lora_registry import check_adapter_name
-from models.lora import LoraError
+from ferrox_jax.engine import LoraError, check_adapter_name
 
 if TYPE_CHECKING:
     from ferrox_jax.engine import Engine

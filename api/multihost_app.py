@@ -26,11 +26,12 @@ import json
 import logging
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api.config import ServerConfig
-from ferrox_jax import multihost
-from ferrox_jax.config import EngineConfig
+
+if TYPE_CHECKING:  # the facade's module imports jax; this module names its types only
+    from ferrox_jax.engine import EngineConfig
 
 log = logging.getLogger("ferrox.multihost")
 
@@ -71,13 +72,17 @@ def watch_group(app: Any) -> None:
         if loop_box:
             loop_box[0].call_soon_threadsafe(fail_group, reason)
 
-    multihost.on_group_failure(listener)
+    from ferrox_jax.engine import Engine
+
+    Engine.on_group_failure(listener)
 
 
 def exit_now(code: int) -> None:
     """Leave without interpreter teardown: `jax.distributed`'s exit hook waits for peers
     that may be gone. A leader stops its followers first (no-op after a failure)."""
-    multihost.close_all()
+    from ferrox_jax.engine import Engine
+
+    Engine.stop_followers()
     logging.shutdown()
     os._exit(code)
 
@@ -111,9 +116,7 @@ def serve_follower(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     log.info("follower %d: health on %s:%d", engine_cfg.process_id, server_cfg.host, server_cfg.port)
     engine = Engine.load(engine_cfg)
     engine.warmup()
-    code = multihost.follow(engine.runner, multihost.step_channel_address(engine_cfg.coordinator_address),
-                            engine_cfg.process_id, on_connected=lambda: status.update(state="ready"),
-                            timeout_s=engine_cfg.multihost_timeout_s, secret=engine_cfg.multihost_secret)
+    code = engine.follow_leader(on_connected=lambda: status.update(state="ready"))
     log.info("follower %d: the leader stopped the group", engine_cfg.process_id)
     exit_now(code)
     return code

@@ -32,7 +32,7 @@ from quart import Blueprint, Response, current_app, request
 
 from api.errors import APIError, unavailable
 from api.state import json_response, state_of
-from ferrox_jax.memory_bounds import MemoryBoundError, check_host_room
+from ferrox_jax.engine import MemoryBoundError
 
 blueprint = Blueprint("sleep", __name__)
 
@@ -93,8 +93,7 @@ async def _sleep(level: int) -> dict[str, Any]:
             raise APIError(409, "a model is loading; put the server to sleep after it (GET /admin/tasks)",
                            code="load_in_progress")
         try:
-            if level == 2:
-                check_host_room(engine.weights_bytes, "moving the weights to host memory")
+            engine.check_sleep(level)
             state.phase = "sleeping"  # refuse new work first; the engine sleeps once what runs has finished
             await asyncio.wrap_future(engine.sleep(level))
         except MemoryBoundError as e:

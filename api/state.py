@@ -43,12 +43,11 @@ from api.config import ServerConfig
 from api.errors import unavailable
 from api.protocol import dumps
 from api.telemetry import Metrics, RateWindow, ServerStats
-from ferrox_jax.stats import BatcherStats
 
 SAMPLE_EVERY_S = 1.0  # RateWindow and the resumable streams' sweep
 
-if TYPE_CHECKING:  # the facade's module imports jax; handlers only need its type here
-    from ferrox_jax.engine import Engine
+if TYPE_CHECKING:  # the facade's module imports jax; handlers only need its types here
+    from ferrox_jax.engine import BatcherStats, Engine
 
 try:
     VERSION = metadata.version("ferrox-jax")

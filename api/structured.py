@@ -257,7 +257,7 @@ def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: ToolR
       APIError 400: a constraint next to a forced call; a template that fails (names
         `messages_param`).
     """
-    from models.tokenizer import ChatTemplateError  # the engine's tokenizer raises it
+    from ferrox_jax.engine import ChatTemplateError  # the engine's tokenizer raises it
 
     template = tokenizer.chat_template
     renders_tools = template_renders_tools(template)

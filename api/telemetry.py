@@ -20,13 +20,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ferrox_jax.stats import BatcherStats
-from ferrox_jax.step_faults import FAULT_KINDS
+if TYPE_CHECKING:  # the facade's module imports jax; a snapshot's type is all this needs of it
+    from ferrox_jax.engine import BatcherStats
 
 RECENT_SIZE = 200
 
@@ -76,10 +76,19 @@ _BATCHER_METRICS = (
 )
 
 
+def snapshot_or_zeros(stats: BatcherStats | None) -> BatcherStats:
+    """`stats`, or a snapshot of zeros before an engine is loaded."""
+    if stats is not None:
+        return stats
+    from ferrox_jax.engine import BatcherStats
+
+    return BatcherStats()
+
+
 def stats_dict(stats: BatcherStats | None) -> dict[str, Any]:
     """A BatcherStats snapshot as a dict (every field, the contract's twelve first); zeros
     before an engine is loaded."""
-    d = dataclasses.asdict(stats if stats is not None else BatcherStats())
+    d = dataclasses.asdict(snapshot_or_zeros(stats))
     ordered = {name: d.pop(name, 0) for name in BATCHER_STATS_FIELDS}
     ordered.update(d)
     return ordered
@@ -224,8 +233,8 @@ class _SnapshotCollector:
         faults = CounterMetricFamily("ferrox_step_faults", "engine steps that went wrong, by kind: the runner "
                                      "raised, a row's logits were non-finite, a step hung past the watchdog",
                                      labels=["kind"])
-        for kind in FAULT_KINDS:
-            faults.add_metric([kind], float(d.get(f"step_faults_{kind}") or 0))
+        for kind, count in snapshot_or_zeros(stats).step_faults_by_kind().items():
+            faults.add_metric([kind], float(count))
         yield faults
         yield from _spec_decode_metrics(d)
         yield CounterMetricFamily("ferrox_requests", "HTTP requests (observability routes excluded)",

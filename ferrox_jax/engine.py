@@ -1,11 +1,17 @@
 """Engine: the facade the API holds. Serves a loaded checkpoint through the batcher.
 
-The API reaches the engine only through this class (`docs/architecture.md`): `submit`,
-`cancel`, `stats`, `health`, `tokenizer`, `check_grammar`, `model_card`, `describe`,
-`memory_stats`, `checkpoint_path` (and `resolve_checkpoint` for paths not loaded yet),
-`shutdown`. Request and error types come from `ferrox_jax/request.py`, output constraints
-from `ferrox_jax/constraint.py` (`GrammarSpec`, `GrammarError`); the batcher, scheduler,
-block budget and runner stay behind this facade.
+The API reaches the engine only through this module (`docs/architecture.md`, "Rules";
+`tests/test_layering.py` enforces it): the `Engine` class (`submit`, `cancel`, `stats`,
+`health`, `tokenizer`, `check_grammar`, `model_card`, `describe`, `memory_stats`,
+`checkpoint_path` and `resolve_checkpoint` for paths not loaded yet, the checks before a
+state change, `check_rebuild` and `check_sleep`, the multi-host follower's `follow_leader`,
+`shutdown`) and the names in `__all__`: what the API builds an engine from (`EngineConfig`),
+reads from it (`BatcherStats`, `ModelCard`) and catches from it (`MemoryBoundError`,
+`LoraError`, `ChatTemplateError`). Only jobs and their events (`ferrox_jax/request.py`) and
+output constraints (`ferrox_jax/constraint.py`: `GrammarSpec`, `GrammarError`) are imported
+from their own modules, which import no jax, so the settings table and the routes can
+name them at import time. The batcher, scheduler, block budget, runner, step faults,
+memory bounds and multi-host channel stay behind this facade.
 
 `Engine.load(config)` builds one: `ferrox_jax/engine_builder.py:build_parts` does the process
 setup, sizing, the model, the runner and the batcher and hands back the parts, which this
@@ -21,22 +27,37 @@ from typing import TYPE_CHECKING, Callable
 import jax
 import jax.numpy as jnp
 
+from ferrox_jax import memory_bounds, multihost
 from ferrox_jax.batcher import ContinuousBatcher, EventCallback
-from ferrox_jax.config import EngineConfig
+from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig, SpeculativeConfig
 from ferrox_jax.constraint import GrammarError, GrammarSpec
 from ferrox_jax.engine_builder import KVSizing, build_parts
+from ferrox_jax.lora_registry import check_adapter_name
+from ferrox_jax.memory_bounds import MemoryBoundError, host_total_bytes
 from ferrox_jax.request import GenerationRequest
 from ferrox_jax.runner import ModelRunner
 from ferrox_jax.stats import BatcherStats
+from models.chat_template import ChatTemplateError
 from models.checkpoint import CheckpointSource
 from models.config import ModelConfig
 from models.loader import resolve_path
+from models.lora import LoraError
 from models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # llguidance is imported only when structured output is set up
     import concurrent.futures
 
     from ferrox_jax.grammar import GrammarCompiler
+
+# What the API may take from this module (tests/test_layering.py checks every import of it).
+__all__ = (
+    "Engine", "ModelCard",
+    "EngineConfig", "SpeculativeConfig", "DEFAULT_COMPILE_CACHE",  # what an engine is built from
+    "BatcherStats",  # what `Engine.stats` returns
+    "MemoryBoundError", "LoraError", "ChatTemplateError",  # what the facade's calls raise
+    "check_adapter_name",  # an adapter name's rule, before a path is looked at
+    "host_total_bytes",  # the host's memory, which also caps the server's own byte caps
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +190,22 @@ class Engine:
 
         return self._batcher.run_when_idle(lambda: sleep.wake(self._runner))
 
+    def check_sleep(self, level: int) -> None:
+        """Before `sleep(level)`, on any thread: level 2 copies the weights to host memory.
+
+        Raises:
+          MemoryBoundError (field "level"): the host has less memory available than that."""
+        if level == 2:
+            memory_bounds.check_host_room(self.weights_bytes, "moving the weights to host memory")
+
+    def check_rebuild(self, overrides: dict) -> None:
+        """Before a cache rebuild with `overrides` (kv_blocks or kv_memory_gib): refuses what
+        the new engine could not hold beside this one once this one's cache is freed.
+
+        Raises:
+          MemoryBoundError naming the given field."""
+        memory_bounds.check_rebuild(self, overrides)
+
     @property
     def sleep_level(self) -> int:
         """0 awake, else the level it sleeps at."""
@@ -186,6 +223,27 @@ class Engine:
     def add_fatal_listener(self, listener: Callable[[str, str], None]) -> None:
         """`listener(kind, reason)`, once, when the engine gives up (any thread)."""
         self._batcher.add_fatal_listener(listener)
+
+    # -- multi-host (`ferrox_jax/multihost.py`) ------------------------------------------
+
+    def follow_leader(self, on_connected: Callable[[], None] | None = None) -> int:
+        """A follower process's life after warm-up: join process 0's step channel (the
+        config's coordinator, secret and timeout) and run every step it sends. Returns 0 when
+        the leader stops the group; a lost or silent leader exits the process."""
+        cfg = self.config
+        return multihost.follow(self._runner, multihost.step_channel_address(cfg.coordinator_address),
+                                cfg.process_id, on_connected=on_connected, timeout_s=cfg.multihost_timeout_s,
+                                secret=cfg.multihost_secret)
+
+    @staticmethod
+    def on_group_failure(listener: Callable[[str], None]) -> None:
+        """`listener(reason)`, from the step channel's thread, when this process's group fails."""
+        multihost.on_group_failure(listener)
+
+    @staticmethod
+    def stop_followers() -> None:
+        """Stops this process's followers (a leader's clean exit; nothing on one process)."""
+        multihost.close_all()
 
     # -- descriptions -------------------------------------------------------------------
 

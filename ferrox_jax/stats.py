@@ -61,3 +61,12 @@ class BatcherStats:
     step_faults_nonfinite: int = 0
     step_faults_timeout: int = 0
     last_step_fault: str | None = None
+
+    def step_faults_by_kind(self) -> dict[str, int]:
+        """{kind: count} of the `step_faults_<kind>` fields above, in their order: what
+        `/health` and `/metrics` show, without their having to know the kinds."""
+        return {f.name.removeprefix(STEP_FAULTS_PREFIX): getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name.startswith(STEP_FAULTS_PREFIX)}
+
+
+STEP_FAULTS_PREFIX = "step_faults_"  # one field per kind of ferrox_jax/step_faults.py (a test keeps them equal)
