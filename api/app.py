@@ -97,6 +97,7 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
       the app, ready for Hypercorn.
     """
     config = server_config or ServerConfig()
+    offload.configure(cpu_workers=config.cpu_workers, gc_freeze=config.gc_freeze)
     loader = engine_or_loader if callable(engine_or_loader) else None  # an engine is not callable
     app = Quart("ferrox")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes

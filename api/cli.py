@@ -140,7 +140,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             session_max_bytes=args.session_max_bytes, session_max_total_bytes=args.session_max_total_bytes,
             response_cache=args.response_cache, response_cache_max_entries=args.response_cache_max_entries,
             response_cache_max_bytes=args.response_cache_max_bytes, rerank_scheme=args.rerank_scheme,
-            enable_runtime_lora=args.enable_runtime_lora)
+            enable_runtime_lora=args.enable_runtime_lora, cpu_workers=args.cpu_workers, gc_freeze=args.gc_freeze)
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {name_settings(str(e))}") from None
 
@@ -167,7 +167,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             share_compiles=args.share_compiles, max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank, lora_modules=_flat_pairs(args.lora_modules),
             speculative=speculative_config(args), step_timeout_s=args.step_timeout_s,
-            max_step_faults=args.max_step_faults)
+            max_step_faults=args.max_step_faults, grammar_sandbox=args.grammar_sandbox,
+            grammar_workers=args.grammar_workers, grammar_timeout_s=args.grammar_timeout_s)
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {name_settings(str(e))}") from None
 

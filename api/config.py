@@ -75,6 +75,8 @@ class ServerConfig:
     response_cache_max_bytes: int = 64 * MIB
     rerank_scheme: str = "auto"  # /v1/rerank, /v1/score: auto, yes-no or embedding (api/rerank_routes.py)
     enable_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer
+    cpu_workers: int = 2  # threads CPU-heavy request steps run on, off the event loop (api/offload.py)
+    gc_freeze: bool = True  # the loaded engine's objects out of full garbage collections (api/offload.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -83,7 +85,7 @@ class ServerConfig:
                      "max_concurrent_requests",
                      "max_header_bytes", "backlog", "sse_orphan_timeout_ms", "resumable_max_bytes",
                      "resumable_max_streams", "session_max", "session_max_bytes", "session_max_total_bytes",
-                     "response_cache_max_entries", "response_cache_max_bytes"):
+                     "response_cache_max_entries", "response_cache_max_bytes", "cpu_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1; got {getattr(self, name)}")
         for name in ("max_prompt_tokens", "max_output_tokens"):

@@ -4,10 +4,10 @@ Rendering a chat template over 60,000 messages, tokenizing a megabyte, compiling
 grammar or validating a large body each take from tens of milliseconds to seconds of
 CPU. On the event loop they stall every connection, `/health` included: eight such
 requests at once held it for 27 s, long enough for a liveness probe to restart the
-server. `run_cpu(fn, *args)` runs the step on one of `FERROX_CPU_WORKERS` threads
-(default 2): at most that many run at once, the rest queue in the pool, and the loop
-keeps answering. Python code in the pool still shares the GIL with the loop, so a small
-pool also bounds how much of it the loop loses (CPython hands the GIL over every 5 ms).
+server. `run_cpu(fn, *args)` runs the step on one of `--cpu-workers` threads
+(FERROX_CPU_WORKERS, default 2): at most that many run at once, the rest queue in the pool,
+and the loop keeps answering. Python code in the pool still shares the GIL with the loop, so
+a small pool also bounds how much of it the loop loses (CPython hands the GIL over every 5 ms).
 Small inputs are handled inline (`run_cpu_if`): a thread hop costs more than the work.
 
 Two things hold the GIL for seconds whatever the pool does, and so stop the loop too:
@@ -17,6 +17,9 @@ released instead), and CPython's full garbage collections, which a burst of allo
 object in the process (the model, jax, the app: ~0.5-0.9 s each here). `freeze_heap()`,
 called once the engine is up, moves the long-lived objects out of the collector's sight
 (`gc.freeze`), so a collection walks only what requests allocated since.
+
+The pool and the collector belong to the process, not to one app: `create_app` hands this
+module its two settings (`configure`: `ServerConfig.cpu_workers` and `gc_freeze`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
@@ -35,7 +37,22 @@ DEFAULT_WORKERS = 2
 INLINE_BODY_BYTES = 64 << 10  # bodies up to this are validated on the loop (well under 1 ms)
 
 _pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_pool_lock = threading.Lock()  # guards the pool and the two settings below
+_cpu_workers = DEFAULT_WORKERS
+_gc_freeze = True
+
+
+def configure(*, cpu_workers: int = DEFAULT_WORKERS, gc_freeze: bool = True) -> None:
+    """The process's settings (`ServerConfig.cpu_workers` and `gc_freeze`; `create_app`
+    calls this). A pool made with another size is replaced; what runs on it finishes."""
+    global _pool, _cpu_workers, _gc_freeze
+    with _pool_lock:
+        _gc_freeze = gc_freeze
+        if cpu_workers != _cpu_workers:
+            _cpu_workers = cpu_workers
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+                _pool = None
 
 
 def cpu_pool() -> ThreadPoolExecutor:
@@ -43,8 +60,7 @@ def cpu_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            workers = max(1, int(os.environ.get("FERROX_CPU_WORKERS", DEFAULT_WORKERS)))
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ferrox-cpu")
+            _pool = ThreadPoolExecutor(max_workers=_cpu_workers, thread_name_prefix="ferrox-cpu")
         return _pool
 
 
@@ -70,7 +86,7 @@ async def parse_body_off_loop(raw: bytes, model: Any) -> Any:
 
 def freeze_heap(collect: bool = True) -> int:
     """Freeze what is alive now (the loaded model, modules, the app) so later full collections
-    skip it; returns the number of objects frozen. Off with FERROX_GC_FREEZE=0.
+    skip it; returns the number of objects frozen. Off with `--no-gc-freeze` (FERROX_GC_FREEZE=0).
 
     The earlier freeze is undone first, so after a model swap (`/admin/models/load` calls
     this too) the old engine's objects are collectable again. `collect` runs a full
@@ -78,7 +94,7 @@ def freeze_heap(collect: bool = True) -> int:
     start-up loader thread does it once, before serving; a swap, which happens while
     serving, and a server started over an engine already built, skip it).
     """
-    if os.environ.get("FERROX_GC_FREEZE", "1") == "0":
+    if not _gc_freeze:
         return 0
     gc.unfreeze()
     if collect:

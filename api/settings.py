@@ -251,6 +251,12 @@ SETTINGS: tuple[Setting, ...] = (
             "wrong API keys per minute per client address before its requests get 429 (0 = off)", group="limits"),
     Setting("body_read_timeout", "FERROX_BODY_READ_TIMEOUT", _positive_float, 10.0,
             "seconds a request body may take to arrive, plus 1 s per 64 KiB received (408 above)", group="limits"),
+    Setting("cpu_workers", "FERROX_CPU_WORKERS", _positive_int, 2,
+            "threads that run CPU-heavy request steps (chat templates, long texts, big bodies) off the event "
+            "loop, so /health keeps answering", group="limits"),
+    Setting("gc_freeze", "FERROX_GC_FREEZE", _bool, True,
+            "once the engine is up, keep its objects out of full garbage collections, which would otherwise "
+            "stall every connection for ~1 s (--no-gc-freeze: off)", group="server"),
     Setting("tls_cert", "FERROX_TLS_CERT", _str, None, "TLS certificate file (with --tls-key)", group="server"),
     Setting("tls_key", "FERROX_TLS_KEY", _str, None, "TLS private key file (with --tls-cert)", group="server"),
     Setting("shutdown_timeout", "FERROX_SHUTDOWN_TIMEOUT", _nonneg_float, 30.0,
@@ -264,6 +270,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("json_schema", "FERROX_JSON_SCHEMA", _str, None,
             "default output JSON schema (JSON text, strict) for generation requests that give no constraint",
             group="output"),
+    Setting("grammar_sandbox", "FERROX_GRAMMAR_SANDBOX", _bool, True,
+            "compile each new output constraint in a child process first, so a crash in the compiler is that "
+            "request's 400, not the server's end (--no-grammar-sandbox: in-process only)", group="output"),
+    Setting("grammar_workers", "FERROX_GRAMMAR_WORKERS", _positive_int, 2,
+            "child processes that compile new output constraints", group="output"),
+    Setting("grammar_timeout_s", "FERROX_GRAMMAR_TIMEOUT_S", _positive_float, 15.0,
+            "seconds one output constraint may take to compile in a child process (400 above)", group="output"),
     Setting("model_dir", "FERROX_MODEL_DIR", _str, None,
             "folder of local checkpoints (HF folders, .gguf files) /admin/models lists and loads", group="server"),
     Setting("resumable_max_bytes", "FERROX_RESUMABLE_MAX_BYTES", _positive_int, MIB,

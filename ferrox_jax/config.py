@@ -22,6 +22,7 @@ import json
 import math
 import os
 
+from ferrox_jax.grammar_sandbox import DEFAULT_TIMEOUT_S as GRAMMAR_TIMEOUT_S, DEFAULT_WORKERS as GRAMMAR_WORKERS
 from ferrox_jax.memory_bounds import INT32_MAX, MAX_KV_BLOCKS, TABLE_ROUND_BLOCKS, max_positions
 from ferrox_jax.step_channel_auth import MIN_SECRET_CHARS, coordinator_host, is_loopback_host
 
@@ -89,6 +90,12 @@ class EngineConfig:
     max_queue: int = 512  # waiting jobs; one more is refused (503)
     prefix_caching: bool = True  # full prompt blocks stay cached and are shared by later prompts
     speculative: SpeculativeConfig | None = None  # prompt-lookup speculative decoding; None: off
+    # ---- structured output (ferrox_jax/grammar.py, grammar_sandbox.py) ----
+    # Each new constraint is compiled in a child process first, so a native crash in the
+    # compiler costs that request a 400 instead of the server; False: in-process only.
+    grammar_sandbox: bool = True
+    grammar_workers: int = GRAMMAR_WORKERS  # the sandbox's child processes (each holds a tokenizer)
+    grammar_timeout_s: float = GRAMMAR_TIMEOUT_S  # one compile in a child, at most (400 above)
     # ---- compilation ----
     compile_cache_dir: str | None = None  # JAX persistent compilation cache; None: off
     # ---- scale-out (ferrox_jax/sharding.py, docs/deploy-tpu.md) ----
@@ -159,6 +166,12 @@ class EngineConfig:
         if not self.multihost_timeout_s > 0:
             raise ValueError(f"EngineConfig.multihost_timeout_s must be > 0; got {self.multihost_timeout_s!r}")
         self._check_multihost_secret()
+        workers = self.grammar_workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"EngineConfig.grammar_workers must be a positive int; got {workers!r}")
+        if not (self.grammar_timeout_s > 0 and math.isfinite(self.grammar_timeout_s)):
+            raise ValueError(f"EngineConfig.grammar_timeout_s must be a finite number of seconds > 0; "
+                             f"got {self.grammar_timeout_s!r}")
 
     def _check_multihost_secret(self) -> None:
         """A group whose coordinator is not on loopback has no private place to share a

@@ -182,16 +182,19 @@ def prefix_cache_salt(source: CheckpointSource, dtype, block_size: int) -> str:
     return f"{source.path}|{cfg.architecture}|{jnp.dtype(dtype).name}|{block_size}"
 
 
-def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int) -> tuple[GrammarCompiler | None, str]:
+def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int,
+                      config: EngineConfig) -> tuple[GrammarCompiler | None, str]:
     """The grammar compiler for this tokenizer and logits width (building llguidance's view
-    of the vocabulary takes ~0.4 s for 49k tokens), or None and the reason it cannot be
-    built: a model without structured output still serves everything else."""
+    of the vocabulary takes ~0.4 s for 49k tokens), with the config's sandbox, or None and
+    the reason it cannot be built: a model without structured output still serves everything else."""
     try:
         # Imported here: llguidance is only needed for structured output (the accelerator
         # image of tools/device_check.py does not carry it).
         from ferrox_jax.grammar import GrammarCompiler
 
-        return GrammarCompiler(tokenizer, vocab_size), ""
+        return GrammarCompiler(tokenizer, vocab_size, sandbox=config.grammar_sandbox,
+                               sandbox_workers=config.grammar_workers,
+                               sandbox_timeout_s=config.grammar_timeout_s), ""
     except (ImportError, ValueError, RuntimeError) as e:  # not installed, no stop token, a vocabulary it cannot read
         log.warning("structured output disabled: %s", e)
         return None, str(e)
@@ -447,7 +450,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         prefix_caching=config.prefix_caching, prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size)
         + (f"|draft={draft_source.path}" if draft_source is not None else ""),
         speculative=config.speculative)
-    grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size)
+    grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size, config)
     # Speculating rows take a decode row per token: room for them in the row buckets (step.rows).
     runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=step.rows,
                          max_chunk_tokens=step.idle_chunk_tokens, max_context=sizing.max_context, kv_dtype=kv_dtype,

@@ -42,7 +42,6 @@ object; `fill_bitmask` computes rows on llguidance's thread pool with the GIL re
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -53,7 +52,7 @@ import numpy as np
 
 from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.grammar_limits import check_limits
-from ferrox_jax.grammar_sandbox import SandboxUnavailable, shared_sandbox
+from ferrox_jax.grammar_sandbox import DEFAULT_TIMEOUT_S, DEFAULT_WORKERS, SandboxUnavailable, shared_sandbox
 from ferrox_jax.grammar_template import compile_template
 from ferrox_jax.host_batch import ALL_TOKENS_ALLOWED, bitmask_words
 
@@ -143,7 +142,8 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, cache_size: int = DEFAULT_CACHE_SIZE,
-                 mask_threads: int | None = None, sandbox: bool | None = None):
+                 mask_threads: int | None = None, sandbox: bool = True, sandbox_workers: int = DEFAULT_WORKERS,
+                 sandbox_timeout_s: float = DEFAULT_TIMEOUT_S):
         """
         Args:
           tokenizer: a `models.tokenizer.Tokenizer` (its `.backend` HF tokenizer and its
@@ -154,8 +154,9 @@ class GrammarCompiler:
           mask_threads: threads `fill_bitmask` computes rows on (llguidance's default:
             80% of the CPUs, at least 1).
           sandbox: compile each new spec in a child process first (grammar_sandbox.py),
-            so a native crash is that request's GrammarError; None reads
-            FERROX_GRAMMAR_SANDBOX (on unless "0").
+            so a native crash is that request's GrammarError (`EngineConfig.grammar_sandbox`).
+          sandbox_workers, sandbox_timeout_s: its child processes, and the seconds one
+            compile may take in one (`EngineConfig.grammar_workers`, `grammar_timeout_s`).
         """
         if vocab_size < tokenizer.vocab_size:
             raise ValueError(f"vocab_size ({vocab_size}) must cover the tokenizer's vocabulary "
@@ -169,10 +170,8 @@ class GrammarCompiler:
         self._lltokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=list(self.stop_token_ids))
         self._executor = llguidance.LLExecutor(num_threads=mask_threads)
-        if sandbox is None:
-            sandbox = os.environ.get("FERROX_GRAMMAR_SANDBOX", "1") != "0"
-        self._sandbox = shared_sandbox(tokenizer_json, vocab_size, self.stop_token_ids) \
-            if sandbox else None
+        self._sandbox = shared_sandbox(tokenizer_json, vocab_size, self.stop_token_ids, workers=sandbox_workers,
+                                       timeout_s=sandbox_timeout_s) if sandbox else None
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()  # guards the cache and the counters only

@@ -208,14 +208,16 @@ _SANDBOXES: dict[tuple[str, int, tuple[int, ...]], GrammarSandbox] = {}
 _SANDBOXES_LOCK = threading.Lock()
 
 
-def shared_sandbox(tokenizer_json: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> GrammarSandbox:
-    """The process's sandbox for this tokenizer (engines of one model share its children)."""
-    key = (hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest(), vocab_size, tuple(stop_token_ids))
+def shared_sandbox(tokenizer_json: str, vocab_size: int, stop_token_ids: tuple[int, ...], *,
+                   workers: int = DEFAULT_WORKERS, timeout_s: float = DEFAULT_TIMEOUT_S) -> GrammarSandbox:
+    """The process's sandbox for this tokenizer and these settings (engines of one model
+    share its children; `workers` and `timeout_s` are `EngineConfig.grammar_workers` and
+    `grammar_timeout_s`)."""
+    key = (hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest(), vocab_size, tuple(stop_token_ids),
+           workers, timeout_s)
     with _SANDBOXES_LOCK:
         sandbox = _SANDBOXES.get(key)
         if sandbox is None:
-            workers = int(os.environ.get("FERROX_GRAMMAR_WORKERS", DEFAULT_WORKERS))
-            timeout_s = float(os.environ.get("FERROX_GRAMMAR_TIMEOUT_S", DEFAULT_TIMEOUT_S))
             sandbox = _SANDBOXES[key] = GrammarSandbox(tokenizer_json, vocab_size, stop_token_ids,
                                                        workers=max(1, workers), timeout_s=timeout_s)
         return sandbox

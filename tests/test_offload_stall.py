@@ -3,7 +3,7 @@
 Measured (tools/health_stall.py, docs/operations.md): the tokenizer backend's `encode`
 held the GIL for the whole of a 2.4 M-character text, and full garbage collections
 walked the whole model heap. Here: the GIL-free path gives the same ids, and
-`freeze_heap` freezes (or, with FERROX_GC_FREEZE=0, does not). Timings are the tool's job.
+`freeze_heap` freezes (or, with --no-gc-freeze, does not). Timings are the tool's job.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ def test_a_long_text_encodes_to_the_same_ids_on_the_gil_free_path():
     assert tokenizer.encode("short", add_special_tokens=True) == tokenizer.backend.encode("short").ids
 
 
-def test_freeze_heap_freezes_what_survives_and_can_be_turned_off(monkeypatch):
+def test_freeze_heap_freezes_what_survives_and_can_be_turned_off():
     try:
         assert offload.freeze_heap() > 0
         assert gc.get_freeze_count() > 0
         gc.unfreeze()
-        monkeypatch.setenv("FERROX_GC_FREEZE", "0")
+        offload.configure(gc_freeze=False)  # --no-gc-freeze
         assert offload.freeze_heap() == 0 and gc.get_freeze_count() == 0
     finally:
+        offload.configure()
         gc.unfreeze()
