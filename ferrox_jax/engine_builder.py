@@ -55,8 +55,9 @@ from ferrox_jax.shared_compiles import SharedCompiles
 from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
 from models import cpu_kernels
+from models.checkpoint import CheckpointSource
 from models.config import ModelConfig
-from models.loader import CheckpointSource, open_checkpoint
+from models.loader import open_checkpoint
 from models.loaders.common import abstract_model
 from models.lora import LoraSlots, attach_lora
 from models.pallas_attention import select_decode_attention
