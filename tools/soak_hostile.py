@@ -66,7 +66,7 @@ class HostileCall:
     def envelope(self) -> str:
         if self.path == "/v1/messages" or self.path.startswith("/v1/messages/"):
             return "anthropic"
-        if self.path in ("/completion", "/completions"):
+        if self.path in ("/completion", "/completions", "/slots"):
             return "llamacpp"
         return "openai"
 
