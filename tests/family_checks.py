@@ -106,7 +106,7 @@ def hf_chunked_logits(model, tokens: list[int], chunk: int) -> np.ndarray:
     """HF logits when `tokens` are fed `chunk` at a time into its KV cache."""
     import torch
 
-    from tools.logits_reference import hf_cache_kwarg
+    from models.reference import hf_cache_kwarg
 
     cache_kwarg, cache, out = hf_cache_kwarg(model), None, []
     with torch.no_grad():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tools import compare_logits as cl
-from tools import logits_reference as lr
+from models import reference as lr
 
 # Both sides float32 on the same weights: differences come only from summation order.
 TIGHT = ["--max-abs", "1e-4", "--max-kl", "1e-8", "--min-top1", "1", "--min-greedy-match", "8"]
@@ -112,7 +112,7 @@ def test_top_k_kl_is_computed_over_the_renormalised_top_k():
     # logits (0, 0, big negative) -> (1/2, 1/2) on those two ids after renormalising.
     ref = lr.PromptReference([5], top_ids=np.array([[0, 1]]), top_logprobs=np.log([[0.5, 0.25]]))
     ours = np.array([[0.0, 0.0, -30.0]])
-    report = cl.compare_prompt(ref, ours, None)
+    report = lr.compare_prompt(ref, ours, None)
     expected = 2 / 3 * np.log((2 / 3) / 0.5) + 1 / 3 * np.log((1 / 3) / 0.5)
     assert report.max_kl == pytest.approx(expected, rel=1e-9)
     assert report.top1 == 1.0

@@ -182,8 +182,8 @@ def test_engine_config_refuses_an_unknown_int8_kernel():
 
 @pytest.mark.slow
 def test_default_model_on_the_kernel_stays_within_the_w8a8_budget():
-    from tools.compare_logits import _kl
-    from tools.logits_reference import log_softmax
+    from models.reference import kl_divergence as _kl
+    from models.reference import log_softmax
 
     source, prompt, blocks, ref = default_model_case()
     xla = prompt_logits(source.build(quantization="w8a8"), prompt, blocks).astype(np.float64)

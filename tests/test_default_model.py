@@ -15,8 +15,8 @@ import pytest
 
 from models.loader import load_checkpoint
 from models.loaders.gguf import DEFAULT_MODEL_FILE
+from models import reference as lr
 from tools import compare_logits as cl
-from tools import logits_reference as lr
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def default_vs_hf():
     del hf_model
     reports = cl.run_comparison(ckpt.model, refs, block_size=16, max_chunk_tokens=MAX_PREFILL_TOKENS)
     for i, r in enumerate(reports):
-        print(cl.format_report(i, r, cl.tolerance_failures(r, max_abs=MAX_ABS, min_greedy_match=GREEDY_TOKENS)))
+        print(lr.format_report(i, r, lr.tolerance_failures(r, max_abs=MAX_ABS, min_greedy_match=GREEDY_TOKENS)))
     return ckpt, refs, reports
 
 

@@ -126,7 +126,7 @@ _CLOSURE = """
 import ast, importlib, json, sys
 from pathlib import Path
 repo = Path.cwd().resolve()
-import tools.device_check, tools.device_phases, tools.device_report, tools.bench_engine, tools.model_shapes
+import tools.device_check, tools.device_phases, tools.device_report, tools.bench_engine, models.known_shapes
 import ferrox_jax.engine, ferrox_jax.buckets, models.loaders.dummy, models.gpu_attention, models.pallas_attention
 import models.loaders.safetensors  # imported inside open_dummy: it reads config.json
 import torch, transformers, pytest

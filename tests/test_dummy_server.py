@@ -21,7 +21,7 @@ from ferrox_jax.engine import Engine
 from ferrox_jax.request import GenerationRequest, SamplingParams
 from models.loader import open_checkpoint
 from tests.server_harness import free_port, wait_for_serve_process
-from tools.model_shapes import write_config_folder
+from models.known_shapes import write_config_folder
 
 REPO = Path(__file__).resolve().parent.parent
 LIMITS = ["--block-size", "16", "--kv-blocks", "64", "--max-context", "256", "--max-seqs", "2",

@@ -25,13 +25,13 @@ from ferrox_jax.plan import RowPlan
 from ferrox_jax.runner import ModelRunner
 from models.loader import LOAD_FORMATS, open_checkpoint
 from models.loaders.dummy import byte_fallback_tokenizer, init_std
-from tools.model_shapes import SHAPES, write_config_folder
+from models.known_shapes import SHAPES, write_config_folder
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def config_folder(tmp_path: Path, **overrides) -> Path:
-    """A config-only HF folder: the tiny shape of tools/model_shapes.py with `overrides`."""
+    """A config-only HF folder: the tiny shape of models/known_shapes.py with `overrides`."""
     folder = tmp_path / "cfg-only"
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps({**SHAPES["tiny"], **overrides}))

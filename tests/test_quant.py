@@ -217,8 +217,8 @@ def test_tiny_model_logits_within_the_quantization_error_of_float32(tiny_logits,
 
 @pytest.mark.slow
 def test_default_model_modes_stay_within_their_error_budget():
-    from tools.compare_logits import _kl
-    from tools.logits_reference import log_softmax
+    from models.reference import kl_divergence as _kl
+    from models.reference import log_softmax
 
     source, prompt, blocks, ref = default_model_case()
     # Error budget. A per-channel int8 weight errs by step/sqrt(12) rms, step = max|w|/127:

@@ -27,21 +27,8 @@ Another engine measured the same way: `--ours-file F` takes "our" side from a fi
 reference format (its token ids must be the reference's) instead of running ferrox_jax;
 tools/llamacpp_logits.py writes llama.cpp's logits so (bench/quant/blocks/accuracy.sh).
 
-Reference files: the format is in tools/logits_reference.py.
-
-Metrics per prompt, over its n positions:
-  max_abs     full logits: max |ours - ref| over every logit. Top-k references: max
-              |Δ logprob| over the reference's top-k ids (logits have an arbitrary offset,
-              log-probabilities do not).
-  KL          KL(ref || ours) per position, in nats; reported as mean and max. Top-k
-              references: both distributions are restricted to the reference's top-k ids
-              and renormalised there, so it is the KL of the two next-token distributions
-              given that the token is one of the reference's top k. It neither bounds nor
-              estimates the full-vocabulary KL, which needs full logits.
-  top1        fraction of positions where our argmax over the vocabulary is the
-              reference's most likely token.
-  greedy      number of leading tokens of our greedy continuation equal to the
-              reference's, out of the reference's length (default `--greedy-tokens` 32).
+Reference files, their format and the metrics (max_abs, KL mean / max, top-1 agreement,
+greedy match) are defined in models/reference.py, which tests share with this tool.
 
 Exit status: 0 when every tolerance given (--max-abs, --max-kl on the max KL, --min-top1,
 --min-greedy-match) holds for every prompt, 1 when one does not (or a metric a tolerance
@@ -61,99 +48,14 @@ from pathlib import Path
 import numpy as np
 
 from ferrox_jax.host_batch import run_plan
-from tools.logits_reference import (PromptReference, hf_reference, load_hf_model, load_reference,
-                                    log_softmax, save_reference, to_top_k)
+from models.reference import (PromptReference, PromptReport, compare_prompt, format_report, hf_reference,
+                              load_hf_model, load_reference, save_reference, to_top_k, tolerance_failures)
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):",
     "Once upon a time, in a small village by the sea,",
 )
-
-
-@dataclasses.dataclass
-class PromptReport:
-    """The comparison of one prompt (metrics defined in the module docstring)."""
-
-    text: str | None
-    num_tokens: int
-    reference_kind: str  # "logits" or "top-k"
-    max_abs: float
-    mean_kl: float
-    max_kl: float
-    top1: float
-    greedy_match: int | None  # None when the reference has no greedy continuation
-    greedy_tokens: int
-
-
-# ---- metrics -----------------------------------------------------------------------------
-
-
-def _kl(ref_logp: np.ndarray, ours_logp: np.ndarray) -> np.ndarray:
-    """KL(ref || ours) per row; both are log-probabilities over the same support.
-    Tokens the reference gives probability 0 (logit -inf) contribute 0, not NaN."""
-    p = np.exp(ref_logp)
-    with np.errstate(invalid="ignore"):
-        return np.where(p > 0, p * (ref_logp - ours_logp), 0.0).sum(axis=-1)
-
-
-def common_prefix_len(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def compare_prompt(ref: PromptReference, ours_logits: np.ndarray, ours_greedy: list[int] | None) -> PromptReport:
-    """Metrics of our logits f32[n, V] (and greedy tokens) against one reference prompt."""
-    n = len(ref.token_ids)
-    if ours_logits.shape[0] != n:
-        raise ValueError(f"ours has logits for {ours_logits.shape[0]} positions, the reference for {n}")
-    ours_logp = log_softmax(ours_logits)
-    if ref.logits is not None:
-        if ref.logits.shape != ours_logits.shape:
-            raise ValueError(f"reference logits {ref.logits.shape} and ours {ours_logits.shape} differ in shape")
-        max_abs = float(np.abs(ours_logits.astype(np.float64) - ref.logits).max())
-        kl = _kl(log_softmax(ref.logits), ours_logp)
-        ref_top1 = ref.logits.argmax(axis=-1)
-    else:
-        ids = ref.top_ids.astype(np.int64)
-        if ids.max() >= ours_logits.shape[1] or ids.min() < 0:
-            raise ValueError(f"reference top_ids reach {ids.max()}, outside our vocabulary of {ours_logits.shape[1]}")
-        ref_lp = ref.top_logprobs.astype(np.float64)
-        ours_lp = np.take_along_axis(ours_logp, ids, axis=-1)
-        max_abs = float(np.abs(ours_lp - ref_lp).max())
-        kl = _kl(log_softmax(ref_lp), log_softmax(ours_lp))  # both renormalised over the top k
-        ref_top1 = np.take_along_axis(ids, ref_lp.argmax(axis=-1)[:, None], axis=-1)[:, 0]
-    greedy_match = None
-    if ref.greedy_ids is not None and ours_greedy is not None:
-        greedy_match = common_prefix_len(ours_greedy, ref.greedy_ids)
-    return PromptReport(
-        text=ref.text, num_tokens=n, reference_kind=ref.kind, max_abs=max_abs,
-        mean_kl=float(kl.mean()), max_kl=float(kl.max()),
-        top1=float((ours_logits.argmax(axis=-1) == ref_top1).mean()),
-        greedy_match=greedy_match, greedy_tokens=len(ref.greedy_ids or ()),
-    )
-
-
-def tolerance_failures(report: PromptReport, max_abs=None, max_kl=None, min_top1=None,
-                       min_greedy_match=None) -> list[str]:
-    """Why one prompt misses the given tolerances (None = not checked). NaN always fails."""
-    out = []
-    if max_abs is not None and not report.max_abs <= max_abs:
-        out.append(f"max |Δ| {report.max_abs:.3g} > {max_abs:g}")
-    if max_kl is not None and not report.max_kl <= max_kl:
-        out.append(f"max KL {report.max_kl:.3g} > {max_kl:g}")
-    if min_top1 is not None and not report.top1 >= min_top1:
-        out.append(f"top-1 agreement {report.top1:.3f} < {min_top1:g}")
-    if min_greedy_match is not None:
-        if report.greedy_match is None:
-            out.append("greedy match asked for but the reference has no greedy continuation")
-        elif report.greedy_match < min_greedy_match:
-            out.append(f"greedy match {report.greedy_match}/{report.greedy_tokens} < {min_greedy_match}")
-    return out
 
 
 # ---- ferrox_jax side ---------------------------------------------------------------------
@@ -408,14 +310,6 @@ def run_comparison(model, refs: list[PromptReference], block_size: int = 16,
         greedy = side.greedy(r.token_ids, len(r.greedy_ids)) if r.greedy_ids is not None else None
         reports.append(compare_prompt(r, ours, greedy))
     return reports
-
-
-def format_report(i: int, r: PromptReport, failures: list[str]) -> str:
-    greedy = "-" if r.greedy_match is None else f"{r.greedy_match}/{r.greedy_tokens}"
-    text = "" if r.text is None else f"  {r.text[:40]!r}"
-    status = "ok" if not failures else "FAIL: " + "; ".join(failures)
-    return (f"prompt {i} ({r.num_tokens} tokens, {r.reference_kind}): max|Δ| {r.max_abs:.3g}  "
-            f"KL mean {r.mean_kl:.3g} max {r.max_kl:.3g}  top-1 {r.top1:.3f}  greedy {greedy}  {status}{text}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ check `settings.deadline` (monotonic seconds) before each measurement and record
                elementwise pass (bytes read + written / s) and a bf16 matrix product (FLOP/s)
     attention  one layer's decode attention per candidate (models/gpu_attention.py) at each
                rows x context, against the pure-JAX loop: time, bytes/s, error
-    engine     the real engine on a dummy model of the shape (tools/model_shapes.py): load,
+    engine     the real engine on a dummy model of the shape (models/known_shapes.py): load,
                warm-up of exactly the measured buckets, prefill and decode (tools/bench_engine.py)
     torch      the same shapes through HF transformers on torch (random init from the same
                config; DynamicCache, its default), as the side-by-side peer
@@ -39,7 +39,7 @@ from typing import Any, Callable
 class Settings:
     """What one run measures (`tools/device_check.py` has the full and --small sets)."""
 
-    shape: str  # a tools/model_shapes.py SHAPES name
+    shape: str  # a models/known_shapes.py SHAPES name
     dtype: str
     rows: tuple[int, ...]  # decode rows measured (and the only decode buckets compiled)
     contexts: tuple[int, ...]  # context lengths the decode rows sit at
@@ -172,8 +172,8 @@ def attention(settings: Settings, result: PhaseResult) -> None:
     import numpy as np
 
     from ferrox_jax.runner import block_table_width
+    from models.known_shapes import SHAPES
     from models.registry import config_from_hf
-    from tools.model_shapes import SHAPES
 
     cfg = config_from_hf(SHAPES[settings.shape])
     dtype = jnp.dtype(settings.dtype)
@@ -237,7 +237,7 @@ def _load_and_warm(settings: Settings, result: PhaseResult, buckets=None):
     from ferrox_jax.buckets import Buckets
     from ferrox_jax.config import EngineConfig
     from ferrox_jax.engine import Engine
-    from tools.model_shapes import write_config_folder
+    from models.known_shapes import write_config_folder
 
     folder = write_config_folder(settings.shape, Path(tempfile.mkdtemp(prefix="ferrox_shape_")) / settings.shape)
     per_row = -(-(max(max(settings.contexts) + settings.decode_steps + 1, max(settings.prefill_tokens)))
@@ -329,7 +329,7 @@ def _hf_model(settings: Settings):
     import torch
     import transformers
 
-    from tools.model_shapes import SHAPES
+    from models.known_shapes import SHAPES
 
     hf_config = transformers.LlamaConfig(**{k: v for k, v in SHAPES[settings.shape].items() if k != "architectures"})
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,7 +11,7 @@ and its greedy continuation (as long as the reference's), and `compare_logits.py
 --reference-file F --ours-file llamacpp.npz` computes KL, top-1 and greedy match.
 
 It runs in llama-cpp-python's own virtual environment (not a project dependency): it
-imports only numpy, llama_cpp and tools.logits_reference (numpy only). The greedy
+imports only numpy, llama_cpp and models.reference (numpy only). The greedy
 continuation is llama.cpp's argmax over its own logits, one token per eval, ignoring EOS
 as compare_logits does.
 
@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from tools.logits_reference import PromptReference, load_reference, save_reference
+from models.reference import PromptReference, load_reference, save_reference
 
 
 def open_llama(model: str, n_ctx: int, threads: int, extra_bufts: bool):
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.llamacpp_logits", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="the .gguf file llama.cpp loads")
     p.add_argument("--token-ids-from", required=True, metavar="F",
-                   help="a reference file (tools/logits_reference.py format): its prompts' token ids, "
+                   help="a reference file (models/reference.py format): its prompts' token ids, "
                         "texts and greedy lengths are used")
     p.add_argument("--out", required=True, metavar="F", help="where llama.cpp's logits go (.npz or .json)")
     p.add_argument("--threads", type=int, default=2)

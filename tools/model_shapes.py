@@ -1,11 +1,10 @@
-"""Config-only model folders of well-known shapes, and their memory plan: size before downloading.
+"""The memory plan of a model of well-known shape: size before downloading.
 
-`SHAPES` holds the `config.json` of a few public checkpoints (shapes only: the numbers in
-their published configs). `write_config_folder(name, folder)` writes one as a config-only
-HF folder that `--load-format dummy` serves with random weights (no tokenizer.json: the
-byte-level fallback tokenizer is used). The CLI prints what an engine of that shape would
-hold, from abstract shapes (`ferrox_jax.engine_builder.plan_memory`): nothing is allocated, so a
-70B shape sizes on a laptop.
+The shapes are models/known_shapes.py's (`SHAPES`: the `config.json` of a few public
+checkpoints; `write_config_folder` writes one as a config-only HF folder that
+`--load-format dummy` serves with random weights). This CLI prints what an engine of that
+shape would hold, from abstract shapes (`ferrox_jax.engine_builder.plan_memory`): nothing
+is allocated, so a 70B shape sizes on a laptop.
 
     python -m tools.model_shapes llama-3.1-8b --dtype bfloat16 --kv-memory-gib 8 --tensor-parallel 4
     python -m tools.model_shapes llama-3.1-8b --write /tmp/llama8b   # then: ferrox serve --model /tmp/llama8b --load-format dummy
@@ -18,42 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
-
-SHAPES: dict[str, dict] = {
-    "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
-        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False,
-        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
-    },
-    "llama-3.1-70b": {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
-        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
-        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False,
-        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
-    },
-    # The device check's --small shape: every code path of the 8B, in seconds on a CPU.
-    "tiny": {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": False, "eos_token_id": 300, "hidden_act": "silu",
-    },
-}
-
-
-def write_config_folder(name: str, folder: str | Path) -> Path:
-    """Write SHAPES[name] as `folder/config.json` (a config-only HF folder); returns folder."""
-    if name not in SHAPES:
-        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(SHAPES[name], indent=2) + "\n")
-    return folder
+from models.known_shapes import SHAPES, write_config_folder
 
 
 def _dotted(path) -> str:

@@ -1,4 +1,10 @@
-"""Logits references for `tools/compare_logits.py`: what a reference says, from HF or a file.
+"""Reference logits and how a model's logits are judged against them.
+
+What `tools/parity/compare_logits.py`, llama.cpp's side (`tools/parity/llamacpp_logits.py`)
+and the tests share: a reference's shape and file format, HF transformers as a reference,
+and the metrics (log-softmax, KL, top-1, greedy match) with their tolerances. It imports
+numpy only; torch, transformers and our loader are imported inside the functions that need
+them, so tests and tools that only score logits stay light.
 
 A `PromptReference` is a prompt's token ids with either the reference's raw logits at
 every position or its top-k log-probabilities, and optionally its greedy continuation.
@@ -17,6 +23,20 @@ optionally `greedy_ids` (int[g]: the greedy continuation after the prompt) and `
   .npz   scalar "format" ("ferrox-logits-reference/1") and "num_prompts"; per prompt i the
          arrays "p{i}.token_ids", "p{i}.logits" or "p{i}.top_ids" + "p{i}.top_logprobs",
          optionally "p{i}.greedy_ids" and "p{i}.text" (a 0-d string array; no pickles).
+
+Metrics per prompt, over its n positions (`compare_prompt`):
+  max_abs     full logits: max |ours - ref| over every logit. Top-k references: max
+              |Δ logprob| over the reference's top-k ids (logits have an arbitrary offset,
+              log-probabilities do not).
+  KL          KL(ref || ours) per position, in nats; reported as mean and max. Top-k
+              references: both distributions are restricted to the reference's top-k ids
+              and renormalised there, so it is the KL of the two next-token distributions
+              given that the token is one of the reference's top k. It neither bounds nor
+              estimates the full-vocabulary KL, which needs full logits.
+  top1        fraction of positions where our argmax over the vocabulary is the
+              reference's most likely token.
+  greedy      number of leading tokens of our greedy continuation equal to the
+              reference's, out of the reference's length.
 """
 
 from __future__ import annotations
@@ -32,9 +52,18 @@ REFERENCE_VERSION = 1
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Log-probabilities over the last axis, in float64 (logits of any float dtype in)."""
     x = np.asarray(x, np.float64)
     m = x.max(axis=-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def kl_divergence(ref_logp: np.ndarray, ours_logp: np.ndarray) -> np.ndarray:
+    """KL(ref || ours) per row, in nats; both are log-probabilities over the same support.
+    Tokens the reference gives probability 0 (logit -inf) contribute 0, not NaN."""
+    p = np.exp(ref_logp)
+    with np.errstate(invalid="ignore"):
+        return np.where(p > 0, p * (ref_logp - ours_logp), 0.0).sum(axis=-1)
 
 
 @dataclasses.dataclass
@@ -209,3 +238,89 @@ def _reference_entries(path: Path) -> list[dict]:
     else:
         raise ValueError(f"reference file must end in .json or .npz; got {path.name}")
     return entries
+
+
+# ---- metrics -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class PromptReport:
+    """The comparison of one prompt (metrics defined in the module docstring)."""
+
+    text: str | None
+    num_tokens: int
+    reference_kind: str  # "logits" or "top-k"
+    max_abs: float
+    mean_kl: float
+    max_kl: float
+    top1: float
+    greedy_match: int | None  # None when the reference has no greedy continuation
+    greedy_tokens: int
+
+
+def common_prefix_len(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def compare_prompt(ref: PromptReference, ours_logits: np.ndarray, ours_greedy: list[int] | None) -> PromptReport:
+    """Metrics of our logits f32[n, V] (and greedy tokens) against one reference prompt."""
+    n = len(ref.token_ids)
+    if ours_logits.shape[0] != n:
+        raise ValueError(f"ours has logits for {ours_logits.shape[0]} positions, the reference for {n}")
+    ours_logp = log_softmax(ours_logits)
+    if ref.logits is not None:
+        if ref.logits.shape != ours_logits.shape:
+            raise ValueError(f"reference logits {ref.logits.shape} and ours {ours_logits.shape} differ in shape")
+        max_abs = float(np.abs(ours_logits.astype(np.float64) - ref.logits).max())
+        kl = kl_divergence(log_softmax(ref.logits), ours_logp)
+        ref_top1 = ref.logits.argmax(axis=-1)
+    else:
+        ids = ref.top_ids.astype(np.int64)
+        if ids.max() >= ours_logits.shape[1] or ids.min() < 0:
+            raise ValueError(f"reference top_ids reach {ids.max()}, outside our vocabulary of {ours_logits.shape[1]}")
+        ref_lp = ref.top_logprobs.astype(np.float64)
+        ours_lp = np.take_along_axis(ours_logp, ids, axis=-1)
+        max_abs = float(np.abs(ours_lp - ref_lp).max())
+        kl = kl_divergence(log_softmax(ref_lp), log_softmax(ours_lp))  # both renormalised over the top k
+        ref_top1 = np.take_along_axis(ids, ref_lp.argmax(axis=-1)[:, None], axis=-1)[:, 0]
+    greedy_match = None
+    if ref.greedy_ids is not None and ours_greedy is not None:
+        greedy_match = common_prefix_len(ours_greedy, ref.greedy_ids)
+    return PromptReport(
+        text=ref.text, num_tokens=n, reference_kind=ref.kind, max_abs=max_abs,
+        mean_kl=float(kl.mean()), max_kl=float(kl.max()),
+        top1=float((ours_logits.argmax(axis=-1) == ref_top1).mean()),
+        greedy_match=greedy_match, greedy_tokens=len(ref.greedy_ids or ()),
+    )
+
+
+def tolerance_failures(report: PromptReport, max_abs=None, max_kl=None, min_top1=None,
+                       min_greedy_match=None) -> list[str]:
+    """Why one prompt misses the given tolerances (None = not checked). NaN always fails."""
+    out = []
+    if max_abs is not None and not report.max_abs <= max_abs:
+        out.append(f"max |Δ| {report.max_abs:.3g} > {max_abs:g}")
+    if max_kl is not None and not report.max_kl <= max_kl:
+        out.append(f"max KL {report.max_kl:.3g} > {max_kl:g}")
+    if min_top1 is not None and not report.top1 >= min_top1:
+        out.append(f"top-1 agreement {report.top1:.3f} < {min_top1:g}")
+    if min_greedy_match is not None:
+        if report.greedy_match is None:
+            out.append("greedy match asked for but the reference has no greedy continuation")
+        elif report.greedy_match < min_greedy_match:
+            out.append(f"greedy match {report.greedy_match}/{report.greedy_tokens} < {min_greedy_match}")
+    return out
+
+
+def format_report(i: int, r: PromptReport, failures: list[str]) -> str:
+    """One line per prompt: its metrics and whether it met the tolerances."""
+    greedy = "-" if r.greedy_match is None else f"{r.greedy_match}/{r.greedy_tokens}"
+    text = "" if r.text is None else f"  {r.text[:40]!r}"
+    status = "ok" if not failures else "FAIL: " + "; ".join(failures)
+    return (f"prompt {i} ({r.num_tokens} tokens, {r.reference_kind}): max|Δ| {r.max_abs:.3g}  "
+            f"KL mean {r.mean_kl:.3g} max {r.max_kl:.3g}  top-1 {r.top1:.3f}  greedy {greedy}  {status}{text}")
