@@ -126,7 +126,7 @@ async def v1_requests() -> Response:
 
 
 def rss_bytes() -> int | None:
-    """The server process's resident set size now (not the peak), for leak checks (tools/soak.py)."""
+    """The server process's resident set size now (not the peak), for leak checks (tools/soak/soak.py)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

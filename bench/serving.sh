@@ -1,8 +1,8 @@
 # Helpers of the side-by-side serving scripts (bench/quant/*/run.sh); source it from the
 # repository root after setting OUT.
-bench() { # url label concurrency requests result-file: one tools/bench_serving.py run
+bench() { # url label concurrency requests result-file: one tools/bench/bench_serving.py run
   # (BENCH_ARGS: more flags for it, e.g. --seed)
-  .venv/bin/python -m tools.bench_serving --base-url $1 --label $2 --tokenizer-model default \
+  .venv/bin/python -m tools.bench.bench_serving --base-url $1 --label $2 --tokenizer-model default \
     --input-len 128 --output-len 128 --max-concurrency $3 --num-requests $4 --warmup-requests 2 \
     --result-json $5 ${BENCH_ARGS:-} > $5.log 2>&1
 }

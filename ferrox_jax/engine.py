@@ -249,7 +249,7 @@ class Engine:
 
     @property
     def runner(self) -> ModelRunner:
-        """The device side, for offline tools that time steps directly (tools/bench_engine.py)
+        """The device side, for offline tools that time steps directly (tools/bench/bench_engine.py)
         and fault-injection tests; the API never touches it."""
         return self._runner
 

@@ -190,7 +190,7 @@ def _grammar_compiler(tokenizer: Tokenizer, vocab_size: int,
     the reason it cannot be built: a model without structured output still serves everything else."""
     try:
         # Imported here: llguidance is only needed for structured output (the accelerator
-        # image of tools/device_check.py does not carry it).
+        # image of tools/device/device_check.py does not carry it).
         from ferrox_jax.grammar import GrammarCompiler
 
         return GrammarCompiler(tokenizer, vocab_size, sandbox=config.grammar_sandbox,

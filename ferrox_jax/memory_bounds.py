@@ -55,7 +55,7 @@ TABLE_ROUND_BLOCKS = 8
 # CPU (docs/benchmarks.md, "One step for every row"): there one chunk already keeps the
 # cores busy, so more chunks per step only lengthen every decoding row's inter-token gap.
 DEFAULT_BATCHED_CHUNKS = {"cpu": 1}
-DEFAULT_ACCELERATOR_BATCHED_CHUNKS = 4  # not measured on a device yet (tools/device_check.py measures it)
+DEFAULT_ACCELERATOR_BATCHED_CHUNKS = 4  # not measured on a device yet (tools/device/device_check.py measures it)
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 UNLIMITED = 1 << 60  # a cgroup limit at or above this is "no limit" (the kernel writes ~2**63)
 # A budget in blocks is computed in floats; anything above this is far past every ceiling

@@ -348,7 +348,7 @@ class ModelRunner:
             self.kv_cache = copy(self.kv_cache, jnp.asarray(part[:, 0]), jnp.asarray(part[:, 1]))
 
     def run_logits(self, rows: list[RowPlan]) -> list[np.ndarray]:
-        """Offline (tests, tools/compare_logits.py): write the rows' tokens into the cache
+        """Offline (tests, tools/parity/compare_logits.py): write the rows' tokens into the cache
         and return each row's logits f32[len(token_ids), V]. Shapes are not bucketed."""
         t = max(len(r.token_ids) for r in rows)
         mb = self.geometry.table_width

@@ -21,7 +21,7 @@ AVX-512 VNNI rounds activations to int16 blocks (~1e-5 of a logit; models/cpu_ke
 and the CPU attention kernel reads the keys once for the row's 1 + k tokens, summing them
 tile by tile (models/kernels/decode_attention_shared.inc, ~1e-6 of an output), so a greedy
 token could differ only where two logits tie to that precision (the tests and
-tools/bench_speculative.py compare outputs token for token).
+tools/bench/bench_speculative.py compare outputs token for token).
 
 Exactness. Each sampled token is what the row would have sampled without speculation: the
 target model's logits at that position given the same prefix, and the row's noise keyed by

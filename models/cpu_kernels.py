@@ -4,7 +4,7 @@ for the first, and the attention object the model calls for the second.
 
 Why: on an AVX2 machine without VNNI, XLA CPU's int8 x int8 -> int32 dot has no kernel
 of its own and its paged attention gathers and transposes every block it reads. Side by
-side on a 2-core AMD EPYC (`python -m tools.bench_cpu_kernels` prints these tables):
+side on a 2-core AMD EPYC (`python -m tools.bench.bench_cpu_kernels` prints these tables):
 
     w8a8 product, rows x [K, N]   XLA int8 dot   int8_matmul.cc
     1 x [576, 1536]                  ~230 us        ~53 us   (17 GB/s of weights)
@@ -160,8 +160,8 @@ def pack_for_kernel(model: nnx.Module) -> int:
 
 # Rows from which a block product quantizes its activations (32-wide int8 blocks, integer
 # dots) instead of multiplying float32 activations by the dequantized blocks, by the ISA
-# the kernel runs; 0: never. Measured with `python -m tools.bench_cpu_kernels --only blocks`
-# and `tools/compare_logits.py` (docs/benchmarks.md, "GGUF blocks on the CPU"): on AVX-512
+# the kernel runs; 0: never. Measured with `python -m tools.bench.bench_cpu_kernels --only blocks`
+# and `tools/parity/compare_logits.py` (docs/benchmarks.md, "GGUF blocks on the CPU"): on AVX-512
 # (Zen 4) the float path, whose Q4 dequantization is one vpermps per 16 weights, is as fast
 # as the integer one at every row count from 1 to 512. On AVX2 the integer path is 1.1-1.6x
 # faster from 8 rows, but with it the default mode's accuracy fell to llama.cpp's (KL 0.004-
@@ -185,7 +185,7 @@ def block_int_rows() -> int:
 # 13.4 ms either way (float), 8 rows 22.9 -> 20.0, 16 rows 38.4 -> 31.1, 32 rows 67.4 ->
 # 56.8 (docs/benchmarks.md "16-bit activation blocks"). The rounding is at most 1/65534 of
 # a block's largest activation; the default mode's KL against float32 stays ~2,500x below
-# llama.cpp's (tools/compare_logits.py).
+# llama.cpp's (tools/parity/compare_logits.py).
 BLOCK_WIDE_ROWS = {"AVX-512 VNNI": 5, "AVX2": 0}
 
 
@@ -196,7 +196,7 @@ def block_wide_rows() -> int:
 
 # Rows from which a block product runs on AMX-BF16 tiles where the CPU has them (split bf16:
 # hi + lo halves of every operand, ~2^-15 relative per product; block_matmul_amx.inc).
-# Measured with `python -m tools.bench_cpu_kernels --only blocks` (docs/benchmarks.md, "GGUF
+# Measured with `python -m tools.bench.bench_cpu_kernels --only blocks` (docs/benchmarks.md, "GGUF
 # blocks on the CPU"): the tiles dequantize each block once for all rows, so they win where
 # there are rows to share it.
 BLOCK_AMX_ROWS = 16

@@ -39,7 +39,7 @@ with the contract of `models.attention.paged_attention` for T == 1:
     (q [B, 1, H, hd], k_cache, v_cache [K, N, bs, hd], block_tables i32[B, MB],
      positions i32[B, 1], scale) -> f32[B, 1, H, hd]
 
-Which one `auto` picks on a GPU is decided by measurement (`tools/device_check.py` times
+Which one `auto` picks on a GPU is decided by measurement (`tools/device/device_check.py` times
 every candidate on an H200 and checks it against the pure-JAX loop); until that has run,
 `auto` stays on the pure-JAX loop (see `select_decode_attention`).
 """

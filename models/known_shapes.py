@@ -6,7 +6,7 @@ configs), plus `tiny`, every code path of the 8B at a size a CPU runs in seconds
 `write_config_folder(name, folder)` writes one as a config-only HF folder that
 `--load-format dummy` serves with random weights (no tokenizer.json: the byte-level
 fallback tokenizer is used). Tests of the dummy loader, the device check
-(tools/device_check.py) and the sizing CLI (tools/model_shapes.py) share them; the module
+(tools/device/device_check.py) and the sizing CLI (tools/device/model_shapes.py) share them; the module
 imports nothing beyond the standard library.
 """
 

@@ -8,7 +8,7 @@ Qwen3-MoE layers call in place of a dense MLP:
     w       = w / sum(w)        (norm_topk_prob; Mixtral always)
     y[n]    = sum_j w[n, j] * expert_{e[n, j]}(x[n])   expert: down(silu(gate(x)) * up(x))
 
-How the experts run (measured, `tools/bench_moe.py`): the N*k (token, expert) pairs are
+How the experts run (measured, `tools/bench/bench_moe.py`): the N*k (token, expert) pairs are
 sorted by expert, each expert's run is padded to whole tiles of `tile` rows, and a
 `fori_loop` with a traced trip count runs one tile per iteration against that tile's
 expert's weights, over the tiles in use only. Shapes depend only on N (fixed per step
@@ -16,7 +16,7 @@ bucket: nothing recompiles) while the work follows the routing: a decode step re
 weights of the experts its rows chose, not all of them.
 
 On this 2-core CPU, shared and loaded (float32, ms per MoE block, min of 5 runs;
-`python -m tools.bench_moe`), a Mixtral-like layer (D=1024, F=3584, E=8, top-2) and a
+`python -m tools.bench.bench_moe`), a Mixtral-like layer (D=1024, F=3584, E=8, top-2) and a
 Qwen3-MoE-like one (D=1024, F=384, E=64, top-8), at 1..32 decode rows and a 128-token
 prefill:
 

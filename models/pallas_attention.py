@@ -37,7 +37,7 @@ KV heads (KV sharded over "model") or all of them (replicate_attention).
 
 On a GPU `auto` keeps the pure-JAX loop: the GPU candidates (`models/gpu_attention.py`)
 are correct on CPU (interpret mode, the XLA path) but none has yet been timed on a GPU.
-`tools/device_check.py` times each against the loop on an H200 and checks it; the fastest
+`tools/device/device_check.py` times each against the loop on an H200 and checks it; the fastest
 correct one becomes `auto` on GPU here, with the measured figures beside the choice.
 """
 
@@ -163,7 +163,7 @@ def select_decode_attention(impl: str, *, head_dim: int, block_size: int, max_bl
                              f"(use auto or jax)")
         if backend in GPU_BACKENDS:
             return None, (f"decode attention: pure JAX (backend {backend}; the Pallas kernel is TPU-only, "
-                          f"and no GPU candidate has been measured faster yet: tools/device_check.py)")
+                          f"and no GPU candidate has been measured faster yet: tools/device/device_check.py)")
         return None, f"decode attention: pure JAX (backend {backend}; the Pallas kernel is TPU-only)"
     problems = kernel_problems(head_dim, block_size, max_blocks_per_row, ppcb)
     if problems:

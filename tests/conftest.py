@@ -60,7 +60,7 @@ def model(http):
 # `make test` runs the files on two pytest-xdist workers, a file at a time each
 # (`--dist loadfile --no-loadscope-reorder`): a worker that finishes takes the next file
 # in collection order. Files go dearest first (their seconds in tests/durations.json,
-# written by `python -m tools.test_durations` from a run's JUnit XML), so the long ones
+# written by `python -m tools.suite.test_durations` from a run's JUnit XML), so the long ones
 # start at once and the short ones fill in at the end, instead of one worker running a
 # 10-minute file alone at the end. A file not in the table counts as the median.
 _DURATIONS = Path(__file__).resolve().parent / "durations.json"

@@ -1,11 +1,11 @@
-"""tools/bench_masks.py runs on the tiny model and reports what it says it does (not timings)."""
+"""tools/bench/bench_masks.py runs on the tiny model and reports what it says it does (not timings)."""
 
 from __future__ import annotations
 
 from ferrox_jax.config import EngineConfig
 from ferrox_jax.engine import Engine
 from tests.server_harness import api_checkpoint
-from tools.bench_masks import bench_rows
+from tools.bench.bench_masks import bench_rows
 
 
 def test_bench_rows_walks_masked_documents_and_reports_every_field():

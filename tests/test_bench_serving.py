@@ -1,4 +1,4 @@
-"""tools/bench_serving.py and tools/plot_bench.py: what the benchmark parses and counts.
+"""tools/bench/bench_serving.py and tools/bench/plot_bench.py: what the benchmark parses and counts.
 
 The main tests drive a real Hypercorn server over the real engine on a tiny random Llama
 (tests/server_harness.py) with a handful of requests; the SSE edge cases (comments, a role
@@ -17,9 +17,9 @@ import pytest
 from api.app import create_app
 from api.config import ServerConfig
 from tests.server_harness import ServerThread, tiny_engine
-from tools import bench_prompts, bench_serving, plot_bench
-from tools.bench_prompts import BenchRequest
-from tools.bench_serving import BenchConfig
+from tools.bench import bench_prompts, bench_serving, plot_bench
+from tools.bench.bench_prompts import BenchRequest
+from tools.bench.bench_serving import BenchConfig
 
 # The contract with `vllm bench serve`'s result files, spelled out here rather than read
 # from RESULT_METRICS so a renamed metric fails this test.

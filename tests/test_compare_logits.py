@@ -1,4 +1,4 @@
-"""tools/compare_logits.py on a tiny random HF checkpoint: it passes against HF and
+"""tools/parity/compare_logits.py on a tiny random HF checkpoint: it passes against HF and
 against the reference files it writes, and fails on a corrupted file or an impossible
 tolerance (the negative controls that show the exit status means something).
 
@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from tools import compare_logits as cl
+from tools.parity import compare_logits as cl
 from models import reference as lr
 
 # Both sides float32 on the same weights: differences come only from summation order.
@@ -131,7 +131,7 @@ def test_quantized_mode_against_our_float32_reports_its_error(saved, capsys):
 
 
 def test_ours_file_measures_another_engine_like_ferrox(saved, capsys):
-    """--ours-file: another engine's logits (tools/llamacpp_logits.py writes llama.cpp's in this
+    """--ours-file: another engine's logits (tools/parity/llamacpp_logits.py writes llama.cpp's in this
     format) against the reference, without running ferrox: identical logits give KL 0 and all 8
     greedy tokens; a greedy token changed at 3 and one logit row moved give exactly that."""
     refs = lr.load_reference(saved["npz"])

@@ -373,7 +373,7 @@ def test_model_decode_steps_on_the_attention_kernel_match_pure_jax(tiny_llama, k
 
 
 def test_bench_tool_prints_both_sides_of_every_line(capsys):
-    from tools.bench_cpu_kernels import PRODUCTS, main
+    from tools.bench.bench_cpu_kernels import PRODUCTS, main
 
     main(["--only", "products", "--rows", "2", "--repeats", "1"])
     main(["--only", "attention", "--rows", "2", "--contexts", "8", "40", "--repeats", "1"])

@@ -5,7 +5,7 @@ Both sides dequantize the same Q4_1 blocks to float32, so logits may differ only
 float32 summation order through 30 layers: max |Δlogit| ≤ 1e-3 on every prompt position
 (measured ~1e-4), and 32-token greedy continuations must be identical. The greedy side
 runs through the real serving path (chunked, bucketed prefill, then decode steps; see
-`tools/compare_logits.FerroxSide`), with a prefill cap of 32 tokens so the chat prompts
+`tools/parity/compare_logits.FerroxSide`), with a prefill cap of 32 tokens so the chat prompts
 are chunked. HF and our model load once per module (tens of seconds each on CPU).
 """
 
@@ -16,7 +16,7 @@ import pytest
 from models.loader import load_checkpoint
 from models.loaders.gguf import DEFAULT_MODEL_FILE
 from models import reference as lr
-from tools import compare_logits as cl
+from tools.parity import compare_logits as cl
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""tools/device_check.py cannot rot: the --small run end to end on CPU, its report's
+"""tools/device/device_check.py cannot rot: the --small run end to end on CPU, its report's
 arithmetic on a hand-made report, its budget, and the import set docs/gpu.md lists."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.device_check import BUDGET_S, DEFAULT_BUDGET_S, DEVICE_TESTS, PHASES, SMALL
-from tools.device_report import render_markdown, target_rows
+from tools.device.device_check import BUDGET_S, DEFAULT_BUDGET_S, DEVICE_TESTS, PHASES, SMALL
+from tools.device.device_report import render_markdown, target_rows
 
 REPO = Path(__file__).resolve().parent.parent
 # Modules the device machine's image lacks (KINDS.md): nothing the check runs may import them.
@@ -24,7 +24,7 @@ NOT_ON_THE_DEVICE = ("api", "quart", "hypercorn", "pydantic", "gguf", "llguidanc
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("device_check")
-    proc = subprocess.run([sys.executable, "-m", "tools.device_check", "--out", str(out), "--small",
+    proc = subprocess.run([sys.executable, "-m", "tools.device.device_check", "--out", str(out), "--small",
                            "--cache-dir", os.environ["JAX_COMPILATION_CACHE_DIR"]],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -126,11 +126,12 @@ _CLOSURE = """
 import ast, importlib, json, sys
 from pathlib import Path
 repo = Path.cwd().resolve()
-import tools.device_check, tools.device_phases, tools.device_report, tools.bench_engine, models.known_shapes
+import tools.device.device_check, tools.device.device_phases, tools.device.device_report
+import tools.bench.bench_engine, models.known_shapes
 import ferrox_jax.engine, ferrox_jax.buckets, models.loaders.dummy, models.gpu_attention, models.pallas_attention
 import models.loaders.safetensors  # imported inside open_dummy: it reads config.json
 import torch, transformers, pytest
-for name in tools.device_check.DEVICE_TESTS:
+for name in tools.device.device_check.DEVICE_TESTS:
     importlib.import_module(name[:-3].replace("/", "."))
 ours = {"api", "ferrox_jax", "models", "tools", "tests"}
 direct = set()

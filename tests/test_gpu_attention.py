@@ -2,7 +2,7 @@
 
 On CPU: gather-xla runs as it would on a GPU; the Pallas GPU kernel runs in Pallas
 interpret mode (the same kernel body, simulated); gather-cudnn only through its dispatch
-(cuDNN needs a CUDA GPU). On a GPU (tools/device_check.py runs this file there) the real
+(cuDNN needs a CUDA GPU). On a GPU (tools/device/device_check.py runs this file there) the real
 kernel and cuDNN run too, in bf16.
 """
 

@@ -1,4 +1,4 @@
-"""docs/grafana-dashboard.json: generated from tools/grafana_dashboard.py, and every metric
+"""docs/grafana-dashboard.json: generated from tools/docs/grafana_dashboard.py, and every metric
 its queries name is one a running server exports at /metrics (Grafana itself is not
 installable here: Debian has no Grafana package and PyPI no Grafana server; so the queries
 are checked against what the server really exports, not rendered).
@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.app import create_app
 from api.config import ServerConfig
 from tests.server_harness import ServerThread, tiny_engine
-from tools import grafana_dashboard
+from tools.docs import grafana_dashboard
 
 # PromQL words that look like metric names in an expression.
 PROMQL_WORDS = {"sum", "rate", "by", "le", "histogram_quantile", "instance", "label_values", "irate", "avg", "max",
@@ -48,7 +48,7 @@ def dashboard() -> dict:
 
 
 def test_the_file_is_the_generators_output():
-    assert grafana_dashboard.main(["--check"]) == 0, "run python -m tools.grafana_dashboard"
+    assert grafana_dashboard.main(["--check"]) == 0, "run python -m tools.docs.grafana_dashboard"
 
 
 def test_every_queried_metric_is_exported(exported):

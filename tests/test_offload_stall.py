@@ -1,6 +1,6 @@
 """The two GIL holders behind the /health stall under big count_tokens bodies (issue 26).
 
-Measured (tools/health_stall.py, docs/operations.md): the tokenizer backend's `encode`
+Measured (tools/bench/health_stall.py, docs/operations.md): the tokenizer backend's `encode`
 held the GIL for the whole of a 2.4 M-character text, and full garbage collections
 walked the whole model heap. Here: the GIL-free path gives the same ids, and
 `freeze_heap` freezes (or, with --no-gc-freeze, does not). Timings are the tool's job.

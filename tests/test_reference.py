@@ -1,5 +1,5 @@
 """models/reference.py: the reference logits' file format and the metrics that judge a
-model's logits against them, which tests and tools/compare_logits.py share. Pure numpy:
+model's logits against them, which tests and tools/parity/compare_logits.py share. Pure numpy:
 every expectation here is computed by hand in the test."""
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ def test_a_dead_loop_ends_open_requests_and_refuses_new_ones_without_hanging(mon
 
 
 def test_small_soak_has_no_5xx_and_leaks_no_blocks():
-    from tools.soak import SoakConfig, run_soak
+    from tools.soak.soak import SoakConfig, run_soak
 
     with ServerThread(create_app(tiny_engine(), ServerConfig())) as url:
         report = run_soak(SoakConfig(url=url, num_requests=60, concurrency=8, max_tokens=(1, 24), warmup=0,
@@ -237,7 +237,7 @@ def test_small_soak_has_no_5xx_and_leaks_no_blocks():
 
 
 def test_soak_refuses_non_loopback_targets():
-    from tools.soak import require_loopback
+    from tools.soak.soak import require_loopback
 
     require_loopback("http://127.0.0.1:8383")
     require_loopback("http://localhost:8383")

@@ -3,7 +3,7 @@ dev dependency) on loopback: the gateway recognises them as vLLM-like workers, e
 request it routes is answered, and its cache-aware policy keeps the prefix-cache hit rate
 near what one replica alone reaches on the same kind of traffic, above round robin's.
 
-The runs and the traffic are `tools/bench_router.py`'s (its docstring says how the hit
+The runs and the traffic are `tools/bench/bench_router.py`'s (its docstring says how the hit
 rate is counted); docs/benchmarks.md has a larger run of the same tool."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.server_harness import api_checkpoint, free_port
-from tools.bench_router import compare, ferrox_replicas, smg_binary
+from tools.bench.bench_router import compare, ferrox_replicas, smg_binary
 
 pytestmark = pytest.mark.skipif(smg_binary() is None, reason="smg (a dev dependency) is not installed")
 

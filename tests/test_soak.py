@@ -1,10 +1,10 @@
-"""The soak (tools/soak.py) at CI size: every wire protocol at once against one real server.
+"""The soak (tools/soak/soak.py) at CI size: every wire protocol at once against one real server.
 
 One tiny engine with prompt-lookup speculative decoding and two LoRA adapters loaded at
 start (`lora_modules`), behind a real Hypercorn server. The soak mixes OpenAI completions /
 chat / responses, Anthropic messages, llama.cpp `/completion` and embeddings, shared
 prefixes, `json_schema` output, tools and the adapters, with 20% disconnects and 10%
-malformed bodies and 15% hostile requests (tools/soak_hostile.py: huge cache rebuilds,
+malformed bodies and 15% hostile requests (tools/soak/soak_hostile.py: huge cache rebuilds,
 cross-origin posts, a foreign Host, broken adapters, grammar and reply bombs, bloated
 sessions), and re-checks prefix-cached greedy text against cold. The issue's
 in-suite soak is 3 minutes; this one is sized to well under a minute for CI's 30-minute
@@ -19,7 +19,7 @@ from api.app import create_app
 from api.config import ServerConfig
 from ferrox_jax.config import SpeculativeConfig
 from tests.server_harness import ServerThread, api_checkpoint, tiny_engine
-from tools import soak_hostile, soak_mix
+from tools.soak import soak_hostile, soak_mix
 
 SPEC = SpeculativeConfig(num_speculative_tokens=3, ngram_min=1, ngram_max=3, max_rows=4)
 
@@ -40,7 +40,7 @@ def soak_url(tmp_path_factory):
 
 
 def test_soak_over_every_protocol_has_no_5xx_no_leaks_and_cached_equals_cold(soak_url):
-    from tools.soak import SoakConfig, run_soak
+    from tools.soak.soak import SoakConfig, run_soak
 
     url, bad_adapters = soak_url
     report = run_soak(SoakConfig(url=url, num_requests=240, concurrency=64, max_tokens=(1, 12),
@@ -88,7 +88,7 @@ def test_stream_verdicts_follow_each_protocol_s_ending():
 
 
 def test_whole_replies_are_told_from_cut_ones():
-    from tools.soak_requests import incomplete as _incomplete
+    from tools.soak.soak_requests import incomplete as _incomplete
 
     # a turn that ends at once has no blocks: whole, as Anthropic's `content: []` with end_turn
     assert _incomplete("messages", {"content": [], "stop_reason": "end_turn"}) is None

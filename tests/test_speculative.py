@@ -44,7 +44,7 @@ def test_count_accepted_stops_at_the_first_mismatch():
 
 
 def test_bench_reports_the_free_verification_bound_and_the_verifying_step_cost():
-    from tools.bench_speculative import Sample, step_costs
+    from tools.bench.bench_speculative import Sample, step_costs
 
     def run(engine, c, steps, ticks, tick_s, verifying=0):
         return Sample(engine, "copy", c, 0, tick_s, 0, 0, 0, [], decode_steps=steps, ticks=ticks, tick_s=tick_s,

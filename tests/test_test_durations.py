@@ -1,4 +1,4 @@
-"""tools/test_durations.py: a JUnit report's seconds per test file (tests/durations.json),
+"""tools/suite/test_durations.py: a JUnit report's seconds per test file (tests/durations.json),
 and the order tests/conftest.py gives the files from them."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tools.test_durations import file_seconds
+from tools.suite.test_durations import file_seconds
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" tests="4">

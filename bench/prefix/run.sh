@@ -13,7 +13,7 @@ PY=.venv/bin/python
 LOG=${LOG:-/tmp/bench_prefix.log}
 FPORT=8393; LPORT=8394
 GGUF=$($PY -c "from models.loaders.gguf import default_model_path; print(default_model_path())")
-B="$PY -m tools.bench_serving --tokenizer-model default --no-progress"
+B="$PY -m tools.bench.bench_serving --tokenizer-model default --no-progress"
 
 wait_up() {  # url
   for i in $(seq 1 600); do

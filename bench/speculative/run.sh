@@ -16,6 +16,6 @@ trap "kill $P1 $P2 2>/dev/null" EXIT
 for port in 8391 8392; do
   for i in $(seq 60); do curl -sf http://127.0.0.1:$port/v1/models > /dev/null && break; sleep 1; done
 done
-.venv/bin/python -m tools.bench_speculative --model default --rounds ${ROUNDS:-2} \
+.venv/bin/python -m tools.bench.bench_speculative --model default --rounds ${ROUNDS:-2} \
     --llamacpp-url http://127.0.0.1:8391 --llamacpp-lookup-url http://127.0.0.1:8392 \
     --result-json bench/speculative/default.json "$@"

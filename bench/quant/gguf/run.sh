@@ -49,7 +49,7 @@ cold)  # one cold 1,805-token prompt per server (random tokens: nothing cached),
   r=$2
   for s in "$PEER llama.cpp llamacpp" "$FERROX ferrox-gguf ferrox"; do
     set -- $s
-    .venv/bin/python -m tools.bench_serving --base-url $1 --label $2 --tokenizer-model default \
+    .venv/bin/python -m tools.bench.bench_serving --base-url $1 --label $2 --tokenizer-model default \
       --input-len 1805 --output-len 8 --max-concurrency 1 --num-requests 1 --warmup-requests 0 --seed $((100 + r)) \
       --result-json $OUT/$3-cold-r$r.json > $OUT/$3-cold-r$r.json.log 2>&1
   done

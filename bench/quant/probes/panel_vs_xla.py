@@ -6,7 +6,7 @@ import numpy as np, jax, jax.numpy as jnp
 from models import cpu_kernels
 from models.gguf_blocks import block_matmul, make_weight, with_kernel, dequantize_host
 from tests.test_block_matmul import random_blocks
-from tools.bench_cpu_kernels import alternating_us
+from tools.bench.bench_cpu_kernels import alternating_us
 rng = np.random.default_rng(0)
 blocked = jax.jit(block_matmul); dot = jax.jit(lambda x, w: x @ w)
 for m in (32, 128):

@@ -8,7 +8,7 @@ for chunk in 512; do
   SRV=$!
   for i in $(seq 1 300); do curl -sf http://127.0.0.1:8383/health > /dev/null && break; sleep 1; done
   date
-  .venv/bin/python -m tools.bench_serving --base-url http://127.0.0.1:8383 --label ferrox-w8a8-chunk$chunk --tokenizer-model default \
+  .venv/bin/python -m tools.bench.bench_serving --base-url http://127.0.0.1:8383 --label ferrox-w8a8-chunk$chunk --tokenizer-model default \
     --input-len 128 --output-len 128 --max-concurrency 32 --num-requests 128 --warmup-requests 2 \
     --result-json $OUT/ferrox-w8a8-chunk$chunk-c32.json > $OUT/ferrox-w8a8-chunk$chunk-c32.json.log 2>&1
   curl -s http://127.0.0.1:8383/admin/stats > $OUT/ferrox-w8a8-chunk$chunk-admin-stats.json
