@@ -1,6 +1,6 @@
 """No-sharing traffic with the prefix cache on and off, side by side in one process.
 
-    .venv/bin/python bench/prefix/engine_ab.py > bench/prefix/engine-ab-no-sharing.json
+    .venv/bin/python bench/prefix/engine_ab.py > results/prefix/engine-ab-no-sharing.json
 
 Two engines over the default model (one with the cache, one without) take turns running
 the same batch: 16 random 128-token prompts submitted at once, 64 greedy tokens each (no

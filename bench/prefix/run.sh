@@ -5,10 +5,12 @@
 #                                # --prefill-chunk-idle 512: the cold prompt
 #   bench/prefix/run.sh prefix   # shared prefix and multi-turn, cache on then off, then llama.cpp's
 #                                # server (default, then --cache True); LLAMA_VENV: its virtualenv
-# Results go to bench/prefix/*.json, tables and server timings to $LOG.
+# Results go to results/prefix/*.json (git-ignored; OUT=DIR for elsewhere), tables and server timings to
+# $LOG; `python bench/summarize.py` folds each table's files into its bench/prefix/*-summary.json.
 set -u
 cd "$(dirname "$0")/../.."
-OUT=bench/prefix
+OUT=${OUT:-results/prefix}
+mkdir -p $OUT
 PY=.venv/bin/python
 LOG=${LOG:-/tmp/bench_prefix.log}
 FPORT=8393; LPORT=8394

@@ -3,6 +3,7 @@
 # Run from the repository root under /work/bin/cpu-exclusive; LLAMA_PY: llama-cpp-python[server]'s python.
 #   bench/speculative/run.sh --prompts-c1 3 --max-tokens-c1 128
 cd "$(dirname "$0")/../.."
+mkdir -p results/speculative  # git-ignored; a table's run is copied to bench/speculative/
 LLAMA_PY=${LLAMA_PY:-/work/llvenv/bin/python}
 LOGS=${LOGS:-/tmp}
 GGUF=$(.venv/bin/python -c "from models.loaders.gguf import default_model_path; print(default_model_path())")
@@ -18,4 +19,4 @@ for port in 8391 8392; do
 done
 .venv/bin/python -m tools.bench.bench_speculative --model default --rounds ${ROUNDS:-2} \
     --llamacpp-url http://127.0.0.1:8391 --llamacpp-lookup-url http://127.0.0.1:8392 \
-    --result-json bench/speculative/default.json "$@"
+    --result-json results/speculative/default.json "$@"

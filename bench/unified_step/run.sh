@@ -4,7 +4,8 @@
 # .venv), both servers up, rounds alternating (tools/bench/bench_burst.py). Run from the
 # repository root on a quiet machine:  BASE=/path/to/base bash bench/unified_step/run.sh
 set -u
-OUT=${OUT:-bench/unified_step}
+OUT=${OUT:-results/unified_step}  # raw results, git-ignored; bench/summarize.py keeps one summary
+mkdir -p $OUT
 BASE=${BASE:?set BASE to a checkout of 9d499cb with its .venv built}
 ROUNDS=${ROUNDS:-3}
 source bench/serving.sh

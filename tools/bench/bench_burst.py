@@ -2,7 +2,7 @@
 and what does the burst do to the rows already decoding?
 
     python -m tools.bench.bench_burst --base-url http://127.0.0.1:8383 --label ferrox \\
-        --decode-rows 16 --burst 8 --prompt-len 512 --rounds 1 --result-json bench/burst.json
+        --decode-rows 16 --burst 8 --prompt-len 512 --rounds 1 --result-json results/burst.json
 
 One round, in order:
   1. `--decode-rows` streams start on short distinct prompts (greedy, `ignore_eos`, long

@@ -19,7 +19,7 @@ tokens agree?), alone and beside a row with an adapter (the adapter branch). The
 product itself (one-hot over slots, `lora_delta`, against a per-token gather,
 `lora_delta_gather`) is timed on one layer's seven projections.
 
-    python -m tools.bench.bench_lora --json bench/lora/lora.json
+    python -m tools.bench.bench_lora --json results/lora.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Replicas behind a real router: how often do prompts hit a prefix cache?
 
-    python -m tools.bench.bench_router --model PATH --users 5 --turns 4 --result-json bench/router.json
+    python -m tools.bench.bench_router --model PATH --users 5 --turns 4 --result-json results/router.json
 
 Starts two `ferrox serve` replicas of `--model` on loopback and SGLang's model gateway
 (`smg launch`, from PyPI) in front of them, then sends the same kind of traffic three
@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=5)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-dir", default="bench/router")
+    parser.add_argument("--log-dir", default="results/router")  # replica and gateway logs, git-ignored
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()
     log_dir = Path(args.log_dir)
@@ -200,6 +200,7 @@ def main() -> None:
     text = json.dumps(results, indent=2)
     print(text)
     if args.result_json:
+        Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result_json).write_text(text + "\n")
 
 

@@ -2,7 +2,7 @@
 
     python -m tools.bench.bench_serving --base-url http://127.0.0.1:8383 --label ferrox \\
         --input-len 128 --output-len 128 --num-requests 64 --max-concurrency 8 \\
-        --result-json bench/ferrox-c8.json
+        --result-json results/ferrox-c8.json
 
 Any server works (ours, llama.cpp's, vLLM's): the client speaks plain HTTP + SSE through
 httpx, streams every request and times it from the client side. It is a tool, not a test:

@@ -1,7 +1,7 @@
 """Speculative decoding side by side: one engine without, one with `--speculative ngram`, in
 one process, rounds alternating, on a copy-heavy workload and on one with nothing to copy.
 
-    python -m tools.bench.bench_speculative --model default --rounds 2 --result-json bench/speculative/default.json
+    python -m tools.bench.bench_speculative --model default --rounds 2 --result-json results/speculative.json
 
 Both engines are warmed up before the first round (the persistent compile cache makes a
 second run's warm-up a disk read). Each round runs, for each engine in turn, each workload

@@ -1,6 +1,6 @@
 """Plot several `tools.bench.bench_serving --result-json` files side by side.
 
-    python -m tools.bench.plot_bench bench/*.json --output docs/bench_serving.png
+    python -m tools.bench.plot_bench results/*.json --output docs/bench_serving.png
 
 One PNG, two panels against the concurrency cap (`max_concurrency`, log2 axis): output
 token throughput and median TTFT, one line per `label` (one line per server). Files run

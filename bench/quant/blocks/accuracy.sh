@@ -7,9 +7,11 @@
 # Run from the repository root: bash bench/quant/blocks/accuracy.sh
 # PEER_PY: llama-cpp-python's python (a venv of its own; docs/benchmarks.md); SKIP_PEER=1
 # leaves llama.cpp out, MODES="gguf" picks the ferrox modes, OUT=DIR writes the results there
-# (another host's; the prompts stay in bench/quant/blocks).
+# (default results/quant/blocks, git-ignored; the prompts stay in bench/quant/blocks), and
+# `python bench/quant/blocks/summarize.py DIR` prints the table kept beside the run's summary.
 set -u
-OUT=${OUT:-bench/quant/blocks}
+OUT=${OUT:-results/quant/blocks}
+mkdir -p $OUT
 PROMPTS=bench/quant/blocks
 TMP=${TMP_REF:-/tmp/ferrox-accuracy}
 PEER_PY=${PEER_PY:-/work/llvenv/bin/python}

@@ -1,13 +1,13 @@
-"""Markdown table of bench/quant/blocks/compare-logits-*.json: per mode, over the raw and the
+"""Markdown table of accuracy.sh's compare-logits-*.json: per mode, over the raw and the
 chat prompts, the mean KL(float32 || mode), the mean top-1 agreement and the mean greedy
 match of the 30-token continuation. Run: python bench/quant/blocks/summarize.py [DIR] (default:
-this folder)"""
+results/quant/blocks, where accuracy.sh writes)"""
 
 import json
 import sys
 from pathlib import Path
 
-HERE = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
+HERE = Path(sys.argv[1] if len(sys.argv) > 1 else "results/quant/blocks")
 
 
 def main() -> None:

@@ -8,11 +8,13 @@
 #   ... round 2, round 3 ...
 #   /work/bin/cpu-exclusive bash bench/quant/gguf/run.sh cold 1    # one cold 1,805-token prompt each
 #   bash bench/quant/gguf/run.sh stop            # admin stats, both servers down
-#   python bench/quant/gguf/summarize.py         # medians over the rounds
+#   python bench/quant/gguf/summarize.py > bench/quant/DIR/summary.md   # medians over the rounds
 # PEER_PY: llama-cpp-python[server]'s python; on an Intel host with AMX the peer runs
-# through peer_noamx.py (docs/benchmarks.md, "Start the peer"); OUT=DIR keeps another host's results apart.
+# through peer_noamx.py (docs/benchmarks.md, "Start the peer"); OUT=DIR keeps another host's results apart
+# (default results/quant/gguf, git-ignored: only the summary is kept in bench/).
 set -u
-OUT=${OUT:-bench/quant/gguf}
+OUT=${OUT:-results/quant/gguf}
+mkdir -p $OUT
 PEER_PY=${PEER_PY:-/work/llvenv/bin/python}
 . bench/serving.sh  # bench, wait_health
 PEER=http://127.0.0.1:8384 FERROX=http://127.0.0.1:8383

@@ -1,14 +1,14 @@
 """Medians over the rounds of bench/quant/gguf/run.sh: per server and concurrency, output
 tok/s (median and every round), TTFT and TPOT p50; ferrox's ratio to the peer per round
 and of the medians. Run: python bench/quant/gguf/summarize.py [DIR] (DIR: run.sh's OUT; default
-this folder)"""
+results/quant/gguf)"""
 
 import json
 import statistics
 import sys
 from pathlib import Path
 
-HERE = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
+HERE = Path(sys.argv[1] if len(sys.argv) > 1 else "results/quant/gguf")
 
 
 def load(server: str, what: str) -> list[dict]:

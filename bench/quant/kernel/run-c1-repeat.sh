@@ -3,7 +3,7 @@
 # peer's speed moves between runs on this VM, so each ferrox round sits next to a peer one.
 # Run from the repository root: bash bench/quant/kernel/run-c1-repeat.sh
 set -u
-OUT=bench/quant/kernel/c1-repeat
+OUT=${OUT:-results/quant/kernel/c1-repeat}  # raw results, git-ignored
 mkdir -p $OUT
 PEER_PY=${PEER_PY:-/tmp/llamacpp-venv/bin/python}
 . bench/serving.sh  # bench, wait_health

@@ -6,7 +6,7 @@
 # outputs.
 # Run from the repository root: bash bench/quant/kernel/run.sh
 set -u
-OUT=bench/quant/kernel
+OUT=${OUT:-results/quant/kernel}  # raw results, git-ignored
 mkdir -p $OUT
 PEER_PY=${PEER_PY:-/tmp/llamacpp-venv/bin/python}  # pip install 'llama-cpp-python[server]==0.3.36'
 . bench/serving.sh  # bench, wait_health, run_peer

@@ -1,7 +1,8 @@
 #!/bin/bash
 set -u
-cd /work/main
-OUT=bench/quant/sbs
+cd "$(dirname "$0")/../../.."
+OUT=${OUT:-results/quant/sbs}  # raw results, git-ignored
+mkdir -p $OUT
 date; uptime
 .venv/bin/ferrox serve --host 127.0.0.1 --port 8383 --model default --quantization w8a8 --kv-cache-dtype bfloat16 > $OUT/ferrox-w8a8-bf16kv.log 2>&1 &
 SRV=$!

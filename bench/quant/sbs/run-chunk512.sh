@@ -1,7 +1,8 @@
 #!/bin/bash
 set -u
-cd /work/main
-OUT=bench/quant/sbs
+cd "$(dirname "$0")/../../.."
+OUT=${OUT:-results/quant/sbs}  # raw results, git-ignored
+mkdir -p $OUT
 for chunk in 512; do
   date
   .venv/bin/ferrox serve --host 127.0.0.1 --port 8383 --model default --quantization w8a8 --prefill-chunk $chunk > $OUT/ferrox-w8a8-chunk$chunk.log 2>&1 &

@@ -1,8 +1,8 @@
 #!/bin/bash
 # Side-by-side: llama.cpp peer vs ferrox none / w8a8 / int8, concurrency 1 and 32, one run.
 set -u
-cd /work/main
-OUT=bench/quant/sbs  # result files; run from the repository root (the script cds to /work/main: edit)
+cd "$(dirname "$0")/../../.."
+OUT=${OUT:-results/quant/sbs}  # result files (git-ignored), under the repository root
 mkdir -p $OUT
 . bench/serving.sh  # bench, wait_health, run_peer
 date; uptime
