@@ -2,7 +2,7 @@
 // 32 (one float scale and the float sum per block) and VNNI `vpdpwssd` over a panel of 16
 // output columns, each lane one column's pair of weights, against the float panel
 // (ferrox_avx512::Run), one thread, weights in cache. It measures what docs/benchmarks.md
-// names as the next lever for many rows (issue 27): on Zen 4 `vpdpwssd` issues at a float
+// names as the next lever for many rows: on Zen 4 `vpdpwssd` issues at a float
 // FMA's rate with twice the products. The panel here is packed with gathers, once per 16
 // columns for all rows, which is what costs it the 16- and 32-row cases.
 //   c++ -O3 -std=c++17 -mf16c -I models/kernels bench/kernels/int16_panel_probe.cc -o /tmp/int16_probe
