@@ -4,16 +4,18 @@ API handlers call `submit`, `cancel`, `stats` and `health` from any thread; ever
 (requests, rows, the block budget, the runner and its device arrays) belongs to one owner
 thread, so none of it needs a lock. The owner loop, once per iteration:
 
- 1. Drain the inbox (`_AddRequest`, `_AbortRequest`, `_Stop`). When the scheduler has no
-    work it blocks on the inbox instead of spinning.
+ 1. Drain the inbox (`ferrox_jax/inbox.py`: jobs, cancels, owner calls, stop). When the
+    scheduler has no work it blocks on the inbox instead of spinning.
  2. Hand new jobs and cancels to the scheduler; cancels are applied first thing in the tick.
  3. `plan = scheduler.schedule()`: apply cancellations, flush finished rows, admit waiting
     jobs in strict FIFO while the row cap and the block ledger allow, plan one token for
     every decoding row and the prompt chunks the step's token budget allows (round robin;
     an unfinished prompt goes to the back), measure the block peak from the rows.
- 4. `out = run_plan(runner, plan, self._fill_masks)`: the plan as a host batch of numpy
-    arrays (`ferrox_jax/host_batch.py`), one forward for every row, the constrained rows'
-    grammar masks filled while it runs. If the runner raises, the jobs in that step end
+ 4. The step, through the runner's verbs (`ferrox_jax/runner_protocol.py`): the plan as a
+    host batch of numpy arrays (`HostBatch.build`), `pending = runner.forward(batch)` (one
+    forward for every row, dispatched: the device runs), the constrained rows' grammar
+    bitmask filled while it runs, `arrays = runner.sample(pending, bitmask)` (one fetch),
+    `step_output` (one `RowResult` per row). If the runner raises, the jobs in that step end
     with an error event and free their blocks, the traceback is logged, and the loop goes on.
  5. `scheduler.update(plan, out)`: advance progress, check stops, flush finished rows.
  6. Publish a `BatcherStats` snapshot; `stats()` only ever reads published snapshots.
@@ -41,7 +43,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,9 +51,11 @@ from typing import Any
 import numpy as np
 
 from ferrox_jax.config import SchedulerLimits
-from ferrox_jax.host_batch import HostBatch, bitmask_words, run_plan
-from ferrox_jax.plan import Runner, StepPlan
+from ferrox_jax.host_batch import HostBatch, bitmask_words, step_output
+from ferrox_jax.inbox import AbortRequest, AddRequest, EventCallback, Inbox, OwnerCall, Stop
+from ferrox_jax.plan import StepOutput, StepPlan
 from ferrox_jax.request import AdmissionError, GenerationRequest, MatcherFactory, RowEvent
+from ferrox_jax.runner_protocol import PendingStep, Runner, check_limits
 from ferrox_jax.scheduler import Scheduler, check_admission
 from ferrox_jax.speculative import spec_decode_stats
 from ferrox_jax.stats import BatcherStats
@@ -61,7 +64,6 @@ from ferrox_jax.step_faults import (AdapterQuarantine, FatalSignal, FaultLedger,
 
 log = logging.getLogger(__name__)
 
-EventCallback = Callable[[RowEvent], None]
 # fill_bitmask(bitmask i32[B, W], matchers): constrained rows from their matcher, the rest
 # all ones (`ferrox_jax.grammar.GrammarCompiler.fill_bitmask`).
 BitmaskFiller = Callable[[np.ndarray, Sequence[Any]], None]
@@ -74,31 +76,8 @@ _REFUSAL_FIELDS = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class _AddRequest:
-    spec: GenerationRequest
-    on_event: EventCallback
-
-
-@dataclasses.dataclass(frozen=True)
-class _AbortRequest:
-    request_id: str
-
-
-class _Stop:
-    pass
-
-
 class _Abandoned(Exception):
     """The watchdog took over while the owner was in a step: the owner touches nothing more."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _WhenIdle:
-    """Run `fn` on the owner thread once the scheduler has no work (sleep and wake)."""
-
-    fn: Callable[[], Any]
-    future: concurrent.futures.Future
 
 
 @dataclasses.dataclass
@@ -108,32 +87,6 @@ class _OpenRequest:
     spec: GenerationRequest
     on_event: EventCallback
     finished_indices: set[int] = dataclasses.field(default_factory=set)
-
-
-def check_limits(limits: SchedulerLimits, runner: Runner) -> None:
-    """Raises ValueError when the limits ask for more than the runner's cache and buckets hold."""
-    if limits.block_size != runner.block_size:
-        raise ValueError(f"SchedulerLimits.block_size ({limits.block_size}) must match the runner's "
-                         f"KV cache block size ({runner.block_size})")
-    if limits.num_blocks > runner.num_blocks - 1:
-        raise ValueError(f"SchedulerLimits.num_blocks ({limits.num_blocks}) exceeds the runner's KV "
-                         f"cache ({runner.num_blocks - 1} usable blocks)")
-    if limits.max_rows > runner.max_rows:
-        raise ValueError(f"SchedulerLimits.max_rows ({limits.max_rows}) exceeds the runner's largest "
-                         f"row bucket ({runner.max_rows})")
-    if limits.speculative is not None and limits.speculative.step_rows(limits.max_rows) > runner.max_rows:
-        raise ValueError(f"speculation needs {limits.speculative.step_rows(limits.max_rows)} rows per step "
-                         f"(each speculating row's tokens are rows); the runner's largest row bucket is "
-                         f"{runner.max_rows}")
-    if (limits.speculative is not None and limits.speculative.method == "draft"
-            and getattr(runner, "draft", None) is None):
-        raise ValueError("--speculative draft: the runner has no draft model attached")
-    if limits.max_chunks > runner.max_chunks:
-        raise ValueError(f"SchedulerLimits' {limits.max_chunks} chunks per step exceed the runner's "
-                         f"{runner.max_chunks}")
-    if limits.idle_chunk_tokens > runner.max_chunk_tokens:
-        raise ValueError(f"SchedulerLimits' prefill chunk ({limits.idle_chunk_tokens} tokens) exceeds the "
-                         f"runner's largest token bucket ({runner.max_chunk_tokens})")
 
 
 class ContinuousBatcher:
@@ -155,8 +108,8 @@ class ContinuousBatcher:
             self._scheduler.speculator.proposer = runner.propose_drafts  # the device proposes, on this thread
         self._has_grammar = new_matcher is not None and fill_bitmask is not None
         self._fill_bitmask = fill_bitmask
-        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._idle_calls: list[_WhenIdle] = []  # owner thread: run_when_idle calls still waiting
+        self._inbox = Inbox()
+        self._idle_calls: list[OwnerCall] = []  # owner thread: run_when_idle calls still waiting
         self._thread: threading.Thread | None = None
         # Guarded by _lock (shared with submitters):
         self._lock = threading.Lock()
@@ -219,7 +172,7 @@ class ContinuousBatcher:
                 raise ValueError(f"request id {request.request_id!r} is already open")
             self._num_in_inbox += 1
             self._open_request_ids.add(request.request_id)
-            self._inbox.put(_AddRequest(request, on_event))
+            self._inbox.put(AddRequest(request, on_event))
 
     def cancel(self, request_id: str) -> bool:
         """Cancels a request. Thread-safe; harmless twice or after it finished.
@@ -231,7 +184,7 @@ class ContinuousBatcher:
             is_open = request_id in self._open_request_ids
             if self._health == "ready":
                 # Sent even when unknown: its submit may still be on the way.
-                self._inbox.put(_AbortRequest(request_id))
+                self._inbox.put(AbortRequest(request_id))
         return is_open
 
     def stats(self) -> BatcherStats:
@@ -260,7 +213,7 @@ class ContinuousBatcher:
         with self._lock:
             if self._health == "ready":
                 self._health = "stopped"
-            self._inbox.put(_Stop())
+            self._inbox.put(Stop())
         self._watchdog.stop()
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -271,7 +224,7 @@ class ContinuousBatcher:
         try:
             is_idle = True
             while True:
-                messages = self._drain_inbox(block=is_idle)  # step 1
+                messages = self._inbox.drain(block=is_idle)  # step 1
                 if not self._take_messages(messages):  # step 2
                     self._end_all("stopped", "the batcher was shut down")
                     return
@@ -302,27 +255,21 @@ class ContinuousBatcher:
         self._faults.record_timeout(reason)
         self._die("timeout", f"the engine is unrecoverable: {reason}")
 
-    def _drain_inbox(self, *, block: bool) -> list[Any]:
-        messages = [self._inbox.get()] if block else []
-        while True:
-            try:
-                messages.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return messages
-
     def _take_messages(self, messages: list[Any]) -> bool:
         """Hands messages to the scheduler; False on a stop message."""
         keep_running = True
         num_added = 0
         for message in messages:
-            if isinstance(message, _AddRequest):
+            if isinstance(message, AddRequest):
                 self._open[message.spec.request_id] = _OpenRequest(message.spec, message.on_event)
                 self._scheduler.add_request(message.spec)
                 num_added += 1
-            elif isinstance(message, _AbortRequest):
+            elif isinstance(message, AbortRequest):
                 self._scheduler.cancel(message.request_id)
-            elif isinstance(message, _WhenIdle):
+            elif isinstance(message, OwnerCall) and message.when_idle:
                 self._idle_calls.append(message)
+            elif isinstance(message, OwnerCall):
+                message.run()
             else:
                 keep_running = False
         with self._lock:
@@ -333,23 +280,39 @@ class ContinuousBatcher:
     def run_when_idle(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Runs `fn` on the owner thread as soon as no job is waiting or running (the caller
         stops submitting first); the future carries its result or exception."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_WhenIdle(fn, future))
-        return future
+        return self._inbox.call(fn, when_idle=True)
 
-    def forget_cached_blocks(self) -> int:
-        """Owner thread, idle: the prefix cache forgets every block (the KV cache was freed)."""
-        return self._scheduler.budget.forget_cached_blocks()
+    def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> float:
+        """Before `start`: compiles every executable of the runner; returns seconds taken."""
+        return self._runner.warmup(progress)
+
+    def sleep(self, level: int) -> concurrent.futures.Future:
+        """Once idle, on the owner thread: the prefix cache forgets every block and the
+        runner releases its KV cache (level 2: its weights too); the future carries the
+        level it sleeps at (`ferrox_jax/sleep.py`)."""
+
+        def go() -> int:
+            if not self._runner.sleep_level:  # its contents are about to go
+                self._scheduler.budget.forget_cached_blocks()
+            return self._runner.release(level)
+
+        return self.run_when_idle(go)
+
+    def wake(self) -> concurrent.futures.Future:
+        """Once idle, on the owner thread: the runner takes back what `sleep` released."""
+        return self.run_when_idle(self._runner.restore)
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake, else the level the runner sleeps at (any thread: one read)."""
+        return self._runner.sleep_level
 
     def _run_idle_calls(self) -> None:
         if not self._idle_calls or self._scheduler.has_work:
             return
         calls, self._idle_calls = self._idle_calls, []
         for call in calls:
-            try:
-                call.future.set_result(call.fn())
-            except Exception as e:  # reported to the caller, who asked for this call
-                call.future.set_exception(e)
+            call.run()
 
     def _tick(self) -> bool:
         """Steps 3-7. Returns False when there was nothing to do (the loop may block)."""
@@ -376,10 +339,10 @@ class ContinuousBatcher:
           _Abandoned: the watchdog fired while the step ran (it ended everything).
           Unrecoverable: the fault policy gives up (too many faulted steps in a row).
         """
-        if getattr(self._runner, "is_warm", True):  # warm-up's compiles never trip the watchdog
+        if self._runner.is_warm:  # warm-up's compiles never trip the watchdog
             self._watchdog.arm()
         try:
-            out = run_plan(self._runner, plan, self._fill_masks)
+            out = self._step(plan)
             self._scheduler.check_output(plan, out)
         except Exception as exc:  # a failed step fails its jobs, not the server
             if not self._watchdog.disarm():
@@ -405,18 +368,28 @@ class ContinuousBatcher:
             self._faults.ok_step()
         return out.device_s
 
-    def _fill_masks(self, batch: HostBatch, forward_is_done: Callable[[], bool]) -> None:
-        """Fills the constrained rows' bitmask from their matchers (the runner calls it
-        while the forward runs); every other row is all ones."""
+    def _step(self, plan: StepPlan) -> StepOutput:
+        """The step's device work, in the order it happens (step 4)."""
+        batch = HostBatch.build(plan, self._runner.geometry)
         start_s = time.perf_counter()
+        pending = self._runner.forward(batch)  # dispatched: the device runs
+        bitmask = self._fill_masks(pending) if batch.has_constrained_rows else None  # host work meanwhile
+        arrays = self._runner.sample(pending, bitmask)  # one fetch
+        return step_output(plan, batch, arrays, device_s=time.perf_counter() - start_s)
+
+    def _fill_masks(self, pending: PendingStep) -> np.ndarray:
+        """The bitmask i32[R, W] of a batch with constrained rows, from their matchers (all
+        ones for every other row), filled while the forward runs."""
+        start_s = time.perf_counter()
+        batch = pending.batch
         matchers = [self._scheduler.matcher(int(row_id)) if constrained else None
                     for row_id, constrained in zip(batch.row_ids, batch.constrained)]
         bitmask = np.empty((batch.num_rows, bitmask_words(self._runner.geometry.vocab_size)), np.int32)
         self._fill_bitmask(bitmask, matchers)
-        batch.bitmask = bitmask
         self._masks.update(grammar_mask_s=time.perf_counter() - start_s,
                            grammar_mask_rows=sum(m is not None for m in matchers), grammar_mask_fills=1,
-                           grammar_mask_fills_hidden=int(not forward_is_done()))
+                           grammar_mask_fills_hidden=int(not pending.is_done()))
+        return bitmask
 
     def _deliver(self, events: list[RowEvent]) -> None:
         closed = []
@@ -462,7 +435,7 @@ class ContinuousBatcher:
             prefix_cache_hits=scheduler.blocks.num_hit_tokens,
             kv_blocks_cached=scheduler.blocks.num_cached_blocks,
             **spec_decode_stats(scheduler.speculator),
-            max_loras=getattr(self._runner, "max_loras", 0),  # scripted test runners have none
+            max_loras=self._runner.max_loras,
             running_lora_adapters=scheduler.lora_adapters[0], waiting_lora_adapters=scheduler.lora_adapters[1],
             **self._masks)
         with self._lock:
@@ -480,8 +453,8 @@ class ContinuousBatcher:
             self._num_in_inbox = 0
             self._num_waiting = 0
         # The health change above stops new submits, so this drain sees the last of them.
-        for message in self._drain_inbox(block=False):
-            if isinstance(message, _AddRequest):
+        for message in self._inbox.drain(block=False):
+            if isinstance(message, AddRequest):
                 self._open[message.spec.request_id] = _OpenRequest(message.spec, message.on_event)
         events = [
             RowEvent(request_id=request_id, index=index, token_ids=(), text="", logprobs=None,

@@ -42,10 +42,9 @@ from ferrox_jax.plan import RowPlan, StepPlan
 from ferrox_jax.speculative import DraftRequest
 
 if TYPE_CHECKING:
-    from ferrox_jax.buckets import StepShape
-    from ferrox_jax.multihost import DraftSender
+    from ferrox_jax.host_batch import HostBatch
+    from ferrox_jax.multihost_runner import DraftSender
     from ferrox_jax.runner import ModelRunner
-    from ferrox_jax.step import ForwardBatch
 
 
 class DraftModel:
@@ -59,7 +58,7 @@ class DraftModel:
             raise ValueError("the draft model cannot carry LoRA adapter slots")
         self.runner = runner
         # What runs the proposal steps: the draft's runner, or on a multi-host leader a
-        # sender that first sends each step to the followers (`multihost.DraftSender`).
+        # sender that first sends each step to the followers (`multihost_runner.DraftSender`).
         self.proposals: ModelRunner | DraftSender = runner
 
     @property
@@ -69,12 +68,10 @@ class DraftModel:
     def warmup(self) -> float:
         return self.runner.warmup()
 
-    def mirror(self, shape: StepShape, inputs: ForwardBatch, copies: np.ndarray) -> None:
-        """Run the target's step on the draft cache: the same block copies, the same forward
-        (its logits are not used; only the K/V it writes matter)."""
-        if len(copies):
-            self.runner._run_copies(copies)
-        self.runner._run_forward(shape, inputs.replace(adapter_slots=None))
+    def mirror(self, batch: HostBatch) -> None:
+        """Run the target's batch on the draft cache: the same block copies, the same forward
+        (its logits are not sampled; only the K/V it writes matter)."""
+        self.runner.forward(batch)
 
     def propose(self, requests: tuple[DraftRequest, ...], pending_copies: tuple[tuple[int, int], ...]) -> list[tuple[int, ...]]:
         """Each request's `num_drafts` tokens, drawn autoregressively by the draft

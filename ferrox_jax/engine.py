@@ -36,6 +36,7 @@ from ferrox_jax.lora_registry import check_adapter_name
 from ferrox_jax.memory_bounds import MemoryBoundError, host_total_bytes
 from ferrox_jax.request import GenerationRequest
 from ferrox_jax.runner import ModelRunner
+from ferrox_jax.runner_protocol import Runner
 from ferrox_jax.stats import BatcherStats
 from models.chat_template import ChatTemplateError
 from models.checkpoint import CheckpointSource
@@ -82,11 +83,16 @@ class Engine:
 
     lora = None  # the LoraRegistry when --max-loras > 0 (engine_builder sets it), else None
 
-    def __init__(self, source: CheckpointSource, runner: ModelRunner, batcher: ContinuousBatcher,
+    def __init__(self, source: CheckpointSource, device: ModelRunner, batcher: ContinuousBatcher,
                  config: EngineConfig, sizing: KVSizing, attention_note: str,
-                 grammar: GrammarCompiler | None = None, grammar_note: str = "", matmul_note: str = "") -> None:
+                 grammar: GrammarCompiler | None = None, grammar_note: str = "", matmul_note: str = "",
+                 runner: Runner | None = None) -> None:
+        """`device`: the model's runner (what the descriptions read); `runner`: the one the
+        batcher drives (on a multi-host leader, `device` wrapped to send every step to the
+        other processes; default `device`)."""
         self._source = source
-        self._runner = runner
+        self._device = device
+        self._runner = runner if runner is not None else device
         self._batcher = batcher
         self.config = config
         self.tokenizer: Tokenizer = source.tokenizer
@@ -95,14 +101,14 @@ class Engine:
         self.sizing = sizing
         self.attention_note = attention_note
         self.matmul_note = matmul_note  # which int8 matmul w8a8 runs on ("" when not quantized)
-        self.dtype_name = str(jnp.dtype(runner.compute_dtype))
+        self.dtype_name = str(jnp.dtype(device.compute_dtype))
         self.warmup_s: float | None = None
         self.load_s: float = 0.0
         self._grammar = grammar
         self.grammar_note = grammar_note  # why structured output is unavailable, when it is
         # Measured from the placed arrays, not from the config: logical bytes, a replicated
         # array counted once (on a mesh a device holds its shards of the split ones).
-        self.weights_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(runner.state))
+        self.weights_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(device.state))
 
     @classmethod
     def load(cls, config: EngineConfig, progress: Callable[[str], None] | None = None) -> "Engine":
@@ -114,8 +120,8 @@ class Engine:
           FileNotFoundError, UnsupportedModelError, CheckpointError (models/loader.py).
         """
         parts = build_parts(config, progress)
-        engine = cls(parts.source, parts.runner, parts.batcher, parts.config, parts.sizing, parts.attention_note,
-                     parts.grammar, parts.grammar_note, parts.matmul_note)
+        engine = cls(parts.source, parts.device, parts.batcher, parts.config, parts.sizing, parts.attention_note,
+                     parts.grammar, parts.grammar_note, parts.matmul_note, runner=parts.runner)
         engine.lora = parts.lora
         engine.load_s = parts.load_s
         return engine
@@ -124,7 +130,7 @@ class Engine:
 
     def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> float:
         """Compiles every bucket (progress(done, total, key) after each); returns seconds."""
-        self.warmup_s = self._runner.warmup(progress)
+        self.warmup_s = self._batcher.warmup(progress)
         return self.warmup_s
 
     def start(self) -> None:
@@ -175,20 +181,13 @@ class Engine:
 
     def sleep(self, level: int = 1) -> "concurrent.futures.Future":
         """Frees the KV cache (level 2: also moves the weights to host memory) once idle;
-        the caller stops submitting first (`ferrox_jax/sleep.py`)."""
-        from ferrox_jax import sleep
-
-        def go() -> None:
-            self._batcher.forget_cached_blocks()
-            sleep.put_to_sleep(self._runner, level)
-
-        return self._batcher.run_when_idle(go)
+        the caller stops submitting first (`ferrox_jax/sleep.py`). A message to the owner
+        thread, which runs it between ticks (`ContinuousBatcher.sleep`)."""
+        return self._batcher.sleep(level)
 
     def wake(self) -> "concurrent.futures.Future":
         """Reallocates what `sleep` freed, in the same shapes (no recompiles)."""
-        from ferrox_jax import sleep
-
-        return self._batcher.run_when_idle(lambda: sleep.wake(self._runner))
+        return self._batcher.wake()
 
     def check_sleep(self, level: int) -> None:
         """Before `sleep(level)`, on any thread: level 2 copies the weights to host memory.
@@ -209,8 +208,7 @@ class Engine:
     @property
     def sleep_level(self) -> int:
         """0 awake, else the level it sleeps at."""
-        asleep = getattr(self._runner, "asleep", None)
-        return 0 if asleep is None else asleep.level
+        return self._batcher.sleep_level
 
     def health(self) -> str:
         """"ready", "dead" (the owner loop crashed or the engine gave up on faults) or "stopped"."""
@@ -248,9 +246,10 @@ class Engine:
     # -- descriptions -------------------------------------------------------------------
 
     @property
-    def runner(self) -> ModelRunner:
-        """The device side, for offline tools that time steps directly (tools/bench/bench_engine.py)
-        and fault-injection tests; the API never touches it."""
+    def runner(self) -> Runner:
+        """The runner the batcher drives, for offline tools that time steps through its verbs
+        (tools/bench/bench_engine.py) while the batcher is not started, and for a multi-host
+        follower, which replays the leader's steps on it; the API never touches it."""
         return self._runner
 
     @property
@@ -279,14 +278,14 @@ class Engine:
         return ModelCard(id=self.model_name, architecture=self._source.config.architecture,
                          max_context=self.max_context, dtype=self.dtype_name,
                          quantization=self.config.quantization,
-                         kv_cache_dtype=str(jnp.dtype(self._runner.kv_dtype)),
+                         kv_cache_dtype=str(jnp.dtype(self._device.kv_dtype)),
                          synthetic_weights=self._source.is_synthetic, weights_bytes=self.weights_bytes,
                          kv_bytes=self.sizing.num_blocks * self.sizing.bytes_per_block, matmul=self.matmul_note)
 
     def describe(self) -> dict:
         """The start-up log block: model, devices, weights and KV sizing, buckets."""
         cfg = self._source.config
-        runner = self._runner
+        runner = self._device
         buckets = runner.buckets
         return {
             "model": self.model_name,

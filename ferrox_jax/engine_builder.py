@@ -50,7 +50,8 @@ from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.kv_cache import bytes_per_block
 from ferrox_jax.memory_bounds import Footprint, context_for, device_room, engine_devices, kv_blocks_for, kv_shards
 from ferrox_jax.lora_registry import build_registry
-from ferrox_jax.multihost import BroadcastRunner, StepChannel, check_mesh, step_channel_address
+from ferrox_jax.multihost import StepChannel, check_mesh, step_channel_address
+from ferrox_jax.multihost_runner import BroadcastRunner, DraftSender
 from ferrox_jax.shared_compiles import SharedCompiles
 from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
@@ -329,6 +330,8 @@ def _leader_runner(runner: ModelRunner, config: EngineConfig) -> ModelRunner | B
     channel = StepChannel(step_channel_address(config.coordinator_address), jax.process_count() - 1,
                           config.multihost_timeout_s, secret=config.multihost_secret)
     atexit.register(channel.close)  # a clean exit stops the followers too
+    if runner.draft is not None:  # --speculative draft: its proposal steps go to the followers too
+        runner.draft.proposals = DraftSender(runner.draft.runner, channel)
     return BroadcastRunner(runner, channel)
 
 
@@ -387,7 +390,8 @@ class EngineParts:
     """What `build_parts` wires and the facade (`ferrox_jax/engine.py:Engine.load`) holds."""
 
     source: CheckpointSource
-    runner: Any  # the ModelRunner, or the multi-host leader's BroadcastRunner around it
+    device: ModelRunner  # the model's runner (what the descriptions read)
+    runner: Any  # the one the batcher drives: `device`, or the multi-host leader's BroadcastRunner around it
     batcher: ContinuousBatcher
     config: EngineConfig  # as served: `quantization` resolved
     sizing: KVSizing
@@ -455,17 +459,17 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
     # Speculating rows take a decode row per token: room for them in the row buckets (step.rows).
     runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=step.rows,
                          max_chunk_tokens=step.idle_chunk_tokens, max_context=sizing.max_context, kv_dtype=kv_dtype,
-                         mesh=mesh, replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks)
-    runner.shared_compiles = _PROCESS.get("shared_compiles")
+                         mesh=mesh, replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks,
+                         shared_compiles=_PROCESS.get("shared_compiles"))
     if draft_source is not None:
         runner.attach_draft(_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh))
-    runner = _leader_runner(runner, config)
+    device, runner = runner, _leader_runner(runner, config)
     # Before the batcher, which quarantines an adapter whose row goes non-finite through it.
-    lora = (build_registry(runner, source.config.architecture, lora_slots, lora_targets, config.lora_modules)
+    lora = (build_registry(device, source.config, lora_slots, lora_targets, config.lora_modules)
             if lora_slots is not None else None)
     batcher = ContinuousBatcher(runner, source.tokenizer, limits,
                                 new_matcher=grammar.new_matcher if grammar is not None else None,
                                 fill_bitmask=grammar.fill_bitmask if grammar is not None else None,
                                 faults=FaultPolicy(config.step_timeout_s, config.max_step_faults), adapters=lora)
-    return EngineParts(source, runner, batcher, config, sizing, attention_note, grammar, grammar_note, matmul_note,
-                       lora, time.perf_counter() - t0)
+    return EngineParts(source, device, runner, batcher, config, sizing, attention_note, grammar, grammar_note,
+                       matmul_note, lora, time.perf_counter() - t0)

@@ -51,27 +51,26 @@ def install_from_env(runner: Any, environ: dict[str, str] | None = None) -> Faul
 
 
 def _wrap(runner: Any, spec: FaultSpec) -> None:
-    run, forward = runner.run, runner._run_forward
+    forward, sample = runner.forward, runner.sample
     steps = [0]
     never = threading.Event()
 
-    def faulty_run(batch, fill_masks=None):
+    def faulty_forward(batch):
         steps[0] += 1
         if steps[0] > spec.after:
             if spec.kind == "raise":
                 raise RuntimeError(f"{ENV}: injected step failure (step {steps[0]})")
             if spec.kind == "hang":
                 never.wait()
-        return run(batch, fill_masks)
+        return forward(batch)
 
-    def nan_forward(shape, inputs):
-        result = forward(shape, inputs)
-        if steps[0] <= spec.after:
-            return result
-        import jax.numpy as jnp
+    def nan_sample(pending, bitmask):
+        if steps[0] > spec.after:
+            import jax.numpy as jnp
 
-        return result.replace(logits=jnp.full_like(result.logits, jnp.nan))
+            pending.result = pending.result.replace(logits=jnp.full_like(pending.result.logits, jnp.nan))
+        return sample(pending, bitmask)
 
-    runner.run = faulty_run
+    runner.forward = faulty_forward
     if spec.kind == "nan":
-        runner._run_forward = nan_forward
+        runner.sample = nan_sample

@@ -5,7 +5,8 @@ compiled shape and runs it, and the arrays it fetches back become each row's `Ro
 
     plan = scheduler.schedule()                     StepPlan: rows, by id (ferrox_jax/plan.py)
     batch = HostBatch.build(plan, geometry)         numpy, exact sizes, nothing live
-    arrays = runner.run(batch, fill_masks)          pad -> dispatch forward -> fill masks -> sample -> fetch
+    pending = runner.forward(batch)                 pad -> block copies -> dispatch the forward
+    arrays = runner.sample(pending, bitmask)        the masks filled meanwhile -> sample -> fetch
     out = step_output(plan, batch, arrays)          RowResult per row -> scheduler.update(plan, out)
 
 Because a batch holds nothing but arrays, it can be logged, replayed in a test, or sent to
@@ -25,9 +26,10 @@ Layout: R rows in plan order (decode rows, then prompt chunks), N new tokens.
     pooling         bool[R]       also return the row's pooled final hidden states (embeddings)
     constrained     bool[R]       the row's output is constrained: its bitmask row is filled
     sampling        SamplingArrays, [R] leaves (penalties sparse: [R, P])
-    bitmask         i32[R, W] or None   allowed tokens per row, filled by `fill_masks` while
-                                  the forward runs (W = ceil(V / 32)); None when no row is
-                                  constrained (the runner uses all ones)
+    bitmask         i32[R, W] or None   allowed tokens per row (W = ceil(V / 32)): a recorded
+                                  step may carry it (the bytes keep it); the owner loop fills
+                                  the step's mask while the forward runs and hands it to
+                                  `Runner.sample` directly, leaving this None
     block_copies    i32[C, 2]     (src, dst) block copies that run before the forward
     adapter_slots   i32[R]        each row's LoRA slot (0: no adapter; models/lora.py)
 
@@ -41,13 +43,16 @@ import dataclasses
 import json
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ferrox_jax.plan import MaskFiller, RowPlan, Runner, StepOutput, StepPlan
+from ferrox_jax.plan import RowPlan, StepOutput, StepPlan
 from ferrox_jax.request import RowResult, SamplingParams
 from ferrox_jax.speculative import verified_result
+
+if TYPE_CHECKING:
+    from ferrox_jax.runner_protocol import Runner
 
 # Distinct tokens per row that penalties and logit_bias can touch (llama.cpp's default
 # window is 64 tokens; OpenAI caps logit_bias at 300 entries).
@@ -61,12 +66,13 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def run_plan(runner: Runner, plan: StepPlan, fill_masks: MaskFiller | None = None) -> StepOutput:
-    """One step of `plan` on `runner`: build the host batch, run it, read each row's result
-    (the owner loop's step; tests and tools drive a runner the same way)."""
+def run_plan(runner: Runner, plan: StepPlan) -> StepOutput:
+    """One step of `plan`, no row constrained, on `runner`'s verbs: build the host batch,
+    forward, sample, read each row's result (tests and tools drive a runner this way; the
+    owner loop's tick does the same in the open, grammar masks between forward and sample)."""
     batch = HostBatch.build(plan, runner.geometry)
     start_s = time.perf_counter()
-    arrays = runner.run(batch, fill_masks)
+    arrays = runner.sample(runner.forward(batch), None)
     return step_output(plan, batch, arrays, device_s=time.perf_counter() - start_s)
 
 

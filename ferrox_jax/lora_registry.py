@@ -16,10 +16,11 @@ slot 0 is the zero slot, the base model). The registry maps adapter names to slo
                         then on ("adapter_quarantined"), until it is unloaded and loaded
                         again (a new load starts clean)
 
-Loading writes new arrays of the same shapes into the runner's state (`write_slot`) and
-rebinds `runner.state` in one assignment: the owner thread reads the state once per step,
-so a step runs wholly on the old or wholly on the new slots, and the compiled forwards
-take the new state as they took the old (no recompile). Loads and unloads come from HTTP
+Loading writes new arrays of the same shapes into the runner's weights (`write_slot`,
+through the runner's `swap_state` verb, which swaps them in one assignment): the owner
+thread reads the weights once per step, so a step runs wholly on the old or wholly on the
+new slots, and the compiled forwards take the new weights as they took the old (no
+recompile). Loads and unloads come from HTTP
 handlers, so the registry's own bookkeeping is under a lock; the owner thread takes it
 only to quarantine an adapter, after a faulted row.
 
@@ -36,8 +37,6 @@ import hashlib
 import threading
 import time
 from pathlib import Path
-
-import jax
 
 from models.lora import ADAPTER_WEIGHTS, LoraError, LoraSlots, read_peft_adapter, write_slot
 
@@ -82,13 +81,16 @@ class LoraRegistry:
     """Adapter names <-> device slots of one runner (see the module docstring)."""
 
     def __init__(self, runner, slots: LoraSlots, hf_layer_weights: dict[str, str],
-                 targets: dict[tuple[int, str], tuple[int, int]]):
+                 targets: dict[tuple[int, str], tuple[int, int]], model_config=None):
         """Args:
-          runner: the ModelRunner whose state holds the LoraWeights (`attach_lora`).
+          runner: the runner whose weights hold the LoraWeights (`attach_lora`); written
+            only through its `swap_state` verb.
           hf_layer_weights: the family's HF -> ours layer table (PEFT names map through it).
           targets: {(layer, name): (in, out)} of the projections with slots.
+          model_config: the model's `ModelConfig` (a GGUF LoRA file's names map through its family).
         """
         self.runner = runner
+        self.model_config = model_config
         self.slots = slots
         self._table = hf_layer_weights
         self._targets = targets
@@ -149,7 +151,7 @@ class LoraRegistry:
             from models.lora_gguf import read_gguf_adapter
             from models.registry import family_for
 
-            cfg = self.runner.cfg
+            cfg = self.model_config
             return read_gguf_adapter(path, family_for(cfg.architecture), cfg, self._targets,
                                      self.slots.max_rank), path
         return read_peft_adapter(path, self._table, self._targets, self.slots.max_rank), path / ADAPTER_WEIGHTS
@@ -212,11 +214,10 @@ class LoraRegistry:
         return None if loaded is None or loaded.quarantined is None else quarantine_message(loaded)
 
     def _write(self, slot: int, weights) -> None:
-        runner = self.runner
-        state = write_slot(runner.state, slot, weights, self.slots.max_rank)
-        if runner.shardings is not None:  # keep each leaf's sharding, so compiled steps take it
-            state = jax.device_put(state, runner.shardings.state)
-        runner.state = state
+        """The runner's weights with `slot` holding `weights` (its `swap_state` verb places
+        them as the old ones were, so the compiled steps take them without a recompile)."""
+        self.runner.swap_state(lambda state: state._replace(
+            weights=write_slot(state.weights, slot, weights, self.slots.max_rank)))
 
 
 def quarantine_message(loaded: LoadedAdapter) -> str:
@@ -224,7 +225,7 @@ def quarantine_message(loaded: LoadedAdapter) -> str:
             "it is unloaded (POST /v1/unload_lora_adapter) and loaded again with fixed weights")
 
 
-def build_registry(runner, architecture: str, slots: LoraSlots, targets: dict[tuple[int, str], tuple[int, int]],
+def build_registry(runner, model_config, slots: LoraSlots, targets: dict[tuple[int, str], tuple[int, int]],
                    modules: tuple[tuple[str, str], ...] = ()) -> LoraRegistry:
     """The registry of a runner whose model `attach_lora` wrapped, with the start-up
     adapters (`--lora-modules`) loaded.
@@ -234,10 +235,11 @@ def build_registry(runner, architecture: str, slots: LoraSlots, targets: dict[tu
       target, or what `load` raises for a start-up adapter (named)."""
     from models.registry import family_for
 
+    architecture = model_config.architecture
     if not targets:
         raise LoraError("unsupported_architecture", f"{architecture} has no projection LoRA can target "
                                                     f"(--max-loras needs q/k/v/o or dense MLP projections)")
-    registry = LoraRegistry(runner, slots, family_for(architecture).hf_layer_weights, targets)
+    registry = LoraRegistry(runner, slots, family_for(architecture).hf_layer_weights, targets, model_config)
     for name, path in modules:
         try:
             registry.load(name, path)

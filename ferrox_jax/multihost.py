@@ -8,12 +8,16 @@ processes (the *followers*), which run nothing but the runner:
 
     leader (process 0)                              follower (process i > 0)
     scheduler.schedule() -> HostBatch
-    channel.send(B, batch.to_bytes())     ----->    batch = HostBatch.from_bytes(...)
-    runner.run(batch, fill_masks)                   runner.run(batch, fill_masks)
-      dispatch forward (collectives)      <---->      dispatch forward (collectives)
-      fill the grammar bitmask
-      channel.send(M, bitmask)            ----->      the bitmask it waits for
-      sample, fetch results                           sample (its results are dropped)
+    runner.forward(batch): send B         ----->    batch = HostBatch.from_bytes(...)
+      dispatch forward (collectives)      <---->    runner.forward(batch) (collectives)
+    fill the grammar bitmask
+    runner.sample(pending, bitmask):
+      send M (constrained rows only)      ----->    the bitmask it waits for
+      sample, fetch results                         runner.sample(...) (results dropped)
+
+The follower replays the leader's verbs in the leader's order (`follow`): the leader's
+runner (`ferrox_jax/multihost_runner.py:BroadcastRunner`) sends a frame where the
+follower needs one to know what comes next.
 
 Results are read on the leader only. Every array a step returns is replicated over the
 mesh, so each process holds a whole copy locally and the leader's fetch needs no
@@ -65,7 +69,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from ferrox_jax.host_batch import HostBatch
+from ferrox_jax.host_batch import HostBatch, bitmask_words
 from ferrox_jax.step_channel_auth import HandshakeError, Refused, answer, follower_key, join, leader_key, refuse
 from ferrox_jax.step_frames import (BATCH, DRAFT, HEARTBEAT, MASK, STOP, WELCOME, FrameError, recv_frame,
                                     send_frame)
@@ -317,58 +321,6 @@ def close_all() -> None:
         channel.close()
 
 
-class BroadcastRunner:
-    """The leader's runner: sends each step to the followers, then runs it itself.
-    Everything else is the wrapped `ModelRunner`'s."""
-
-    def __init__(self, runner: Any, channel: StepChannel) -> None:
-        self._runner = runner
-        self.channel = channel
-        if runner.draft is not None:  # --speculative draft: its proposal steps go to the followers too
-            runner.draft.proposals = DraftSender(runner.draft.runner, channel)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
-
-    def warmup(self, progress: Callable | None = None, num_threads: int | None = None) -> float:
-        """Compiles every shape, then waits until every follower (which compiled the same
-        shapes) is connected: no step is served before the whole group can run it."""
-        seconds = self._runner.warmup(progress, num_threads)
-        self.channel.wait_followers()
-        return seconds
-
-    def run(self, batch: HostBatch, fill_masks: Callable | None = None) -> Any:
-        self.channel.send(BATCH, batch.to_bytes())
-
-        def fill_and_send(b: HostBatch, forward_is_done: Callable[[], bool]) -> None:
-            fill_masks(b, forward_is_done)
-            self.channel.send(MASK, np.ascontiguousarray(b.bitmask, np.int32).tobytes())
-
-        with self.channel.naming_failures():
-            return self._runner.run(batch, fill_and_send if fill_masks is not None else None)
-
-
-class DraftSender:
-    """The leader's draft runner for proposal steps (`ferrox_jax/draft.py`): sends each to
-    the followers (a `D` frame: the batch, which carries its block copies), then runs it.
-    The draft's mirror of a target step needs no frame: each process's target runner
-    mirrors the `B` batch it runs. Proposal rows are never constrained (no bitmask)."""
-
-    def __init__(self, runner: Any, channel: StepChannel) -> None:
-        self._runner = runner
-        self.channel = channel
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
-
-    def run(self, batch: HostBatch, fill_masks: Callable | None = None) -> Any:
-        if fill_masks is not None or batch.has_constrained_rows:
-            raise ValueError("a draft proposal step has no grammar-constrained rows")
-        self.channel.send(DRAFT, batch.to_bytes())
-        with self.channel.naming_failures():
-            return self._runner.run(batch)
-
-
 def follow(runner: Any, address: tuple[str, int], process_id: int,
            on_connected: Callable[[], None] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
            secret: str | None = None) -> int:
@@ -396,25 +348,26 @@ def follow(runner: Any, address: tuple[str, int], process_id: int,
     if on_connected is not None:
         on_connected()
     log.info("follower %d: connected to the leader at %s:%d", process_id, *address)
-    words = runner.bitmask_words
+    words = bitmask_words(runner.geometry.vocab_size)
     while True:
         kind, payload = frames.get()
         if kind == STOP:
             return 0
         if kind == DRAFT and runner.draft is not None:
-            runner.draft.runner.run(HostBatch.from_bytes(payload))
+            draft = runner.draft.runner
+            draft.sample(draft.forward(HostBatch.from_bytes(payload)), None)
             continue
         if kind != BATCH:
             leader_gone(f"follower {process_id}: unexpected frame {kind!r} from the leader; exiting")
         batch = HostBatch.from_bytes(payload)
-
-        def fill(b: HostBatch, _is_done: Callable[[], bool]) -> None:
+        pending = runner.forward(batch)
+        bitmask = None
+        if batch.has_constrained_rows:
             mask_kind, mask = frames.get()
             if mask_kind != MASK:
                 leader_gone(f"follower {process_id}: expected the step's bitmask, got {mask_kind!r}; exiting")
-            b.bitmask = np.frombuffer(mask, np.int32).reshape(b.num_rows, words).copy()
-
-        runner.run(batch, fill if batch.has_constrained_rows else None)
+            bitmask = np.frombuffer(mask, np.int32).reshape(batch.num_rows, words).copy()
+        runner.sample(pending, bitmask)
 
 
 def _read_leader(sock: socket.socket, frames: queue.SimpleQueue, process_id: int, timeout_s: float) -> None:

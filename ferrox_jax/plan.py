@@ -1,7 +1,8 @@
 """Plain data passed between the scheduler and the device side. No jax here.
 
 The owner loop does: `plan = scheduler.schedule()` -> `ferrox_jax/host_batch.py` turns it
-into arrays -> the runner computes them -> `scheduler.update(plan, out)`. A `StepPlan` is
+into arrays -> the runner's verbs compute them (`ferrox_jax/runner_protocol.py`) ->
+`scheduler.update(plan, out)`. A `StepPlan` is
 the scheduler's decision for one step: per row, the tokens to compute, where they sit
 (positions and block table), whether to sample after the last one and with which
 settings. A `StepOutput` carries one `RowResult` per row that sampled, scored or pooled.
@@ -17,13 +18,8 @@ planned row (decode rows and prompt chunks together) and one sampling call.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
 
 from ferrox_jax.request import RowResult, SamplingParams
-
-if TYPE_CHECKING:
-    from ferrox_jax.host_batch import BatchGeometry, HostBatch, StepArrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,30 +83,6 @@ class StepPlan:
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     results: dict[int, RowResult]  # row_id -> result, for rows with sample, prompt_logprobs or pooling
-    device_s: float = 0.0  # wall time of the runner's call (grammar masks, filled meanwhile, included)
+    device_s: float = 0.0  # wall time from the forward's dispatch to the sample's fetch (grammar masks included)
     # Rows whose logits held NaN or inf (found on the device): their results are garbage.
     nonfinite_row_ids: tuple[int, ...] = ()
-
-
-# Called by the runner once the forward is dispatched: fills `batch.bitmask` for the
-# constrained rows and returns whether the forward was still running when it finished.
-MaskFiller = Callable[["HostBatch", Callable[[], bool]], None]
-
-
-class Runner(Protocol):
-    """What the owner loop needs from the device side (`ferrox_jax/runner.py`)."""
-
-    num_blocks: int  # total blocks in the cache, including the null block 0
-    max_rows: int  # decode rows one step holds, at most (the largest row bucket)
-    max_chunk_tokens: int  # tokens of one prompt chunk, at most (the largest token bucket)
-    max_chunks: int  # prompt chunks one step holds, at most
-    recompiles_after_warmup: int  # shapes compiled after warm-up (should stay 0)
-
-    @property
-    def geometry(self) -> BatchGeometry: ...
-
-    def run(self, batch: HostBatch, fill_masks: MaskFiller | None = None) -> StepArrays:
-        """Pads the batch to a compiled shape, dispatches the forward, calls
-        `fill_masks(batch, forward_is_done)` when the batch has constrained rows, samples,
-        and fetches everything in one transfer."""
-        ...

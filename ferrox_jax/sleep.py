@@ -1,7 +1,9 @@
 """Sleep and wake: give the device memory back while nothing runs, and take it again.
 
-Run on the owner thread while the scheduler is idle (`ContinuousBatcher.run_when_idle`),
-so no step holds the arrays being freed.
+The runner's state verbs (`ModelRunner.release` / `restore`, `ferrox_jax/runner_protocol.py`)
+are built on `put_to_sleep` / `wake` here. `Engine.sleep` / `wake` send them to the owner
+thread as messages run once the scheduler is idle (`ContinuousBatcher.run_when_idle`), so no
+step holds the arrays being freed and nobody else touches the runner.
 
 - Level 1 frees the KV cache: every layer's K and V arrays are deleted; their shapes,
   dtypes and shardings are kept. The prefix cache forgets every block (their contents are
@@ -31,7 +33,9 @@ from ferrox_jax.memory_bounds import check_host_room
 
 
 @dataclasses.dataclass
-class _Asleep:
+class Asleep:
+    """What a sleeping runner keeps to wake up in the same shapes."""
+
     level: int
     kv_treedef: Any
     kv_specs: list[tuple[tuple[int, ...], Any, Any]]  # (shape, dtype, sharding) per array
@@ -39,46 +43,41 @@ class _Asleep:
     state_shardings: Any = None
 
 
-def put_to_sleep(runner: Any, level: int) -> int:
-    """Frees the runner's KV cache (and, at level 2, its device weights); returns the level
-    it sleeps at (an asleep runner keeps its own).
+def put_to_sleep(kv_cache: Any, state: Any, level: int) -> Asleep:
+    """Frees `kv_cache` (and, at level 2, moves `state`, the weights, to host memory and
+    frees them on the device); returns what `wake` needs.
 
     Raises:
-      MemoryBoundError: level 2 and the host has less memory available than the weights.
+      ValueError: a level other than 1 or 2 (nothing freed).
+      MemoryBoundError: level 2 and the host has less memory available than the weights
+        (nothing freed).
     """
     if level not in (1, 2):
         raise ValueError(f"sleep level must be 1 or 2; got {level}")
-    if getattr(runner, "asleep", None) is not None:
-        return runner.asleep.level
-    leaves, treedef = jax.tree.flatten(runner.kv_cache)
-    asleep = _Asleep(level, treedef, [(a.shape, a.dtype, a.sharding) for a in leaves])
+    leaves, treedef = jax.tree.flatten(kv_cache)
+    asleep = Asleep(level, treedef, [(a.shape, a.dtype, a.sharding) for a in leaves])
     if level == 2:
         # Checked here, on the owner thread right before the copy, as well as by the route:
         # the host's memory may have gone while the requests in flight finished.
-        check_host_room(sum(leaf.nbytes for leaf in jax.tree.leaves(runner.state)),
-                        "moving the weights to host memory")
-        state_leaves = jax.tree.leaves(runner.state)
-        asleep.state_shardings = jax.tree.map(lambda a: a.sharding, runner.state)
+        check_host_room(sum(leaf.nbytes for leaf in jax.tree.leaves(state)), "moving the weights to host memory")
+        state_leaves = jax.tree.leaves(state)
+        asleep.state_shardings = jax.tree.map(lambda a: a.sharding, state)
         # Copied: on a CPU backend device_get may hand back views of the buffers deleted next.
-        asleep.host_state = jax.tree.map(lambda a: np.array(a, copy=True), jax.device_get(runner.state))
+        asleep.host_state = jax.tree.map(lambda a: np.array(a, copy=True), jax.device_get(state))
         for leaf in state_leaves:
             leaf.delete()
-        runner.state = None
     for leaf in leaves:
         leaf.delete()
-    runner.kv_cache = None
-    runner.asleep = asleep
-    return level
+    return asleep
 
 
-def wake(runner: Any) -> None:
-    """Reallocates what `put_to_sleep` freed, in the same shapes and shardings."""
-    asleep = getattr(runner, "asleep", None)
-    if asleep is None:
-        return
+def wake(asleep: Asleep) -> tuple[Any, Any]:
+    """(the KV cache, the weights or None at level 1), reallocated in the shapes and
+    shardings `put_to_sleep` freed."""
     arrays = [jax.jit(lambda shape=shape, dtype=dtype: jnp.zeros(shape, dtype), out_shardings=sharding)()
               for shape, dtype, sharding in asleep.kv_specs]
-    runner.kv_cache = jax.tree.unflatten(asleep.kv_treedef, arrays)
+    kv_cache = jax.tree.unflatten(asleep.kv_treedef, arrays)
+    state = None
     if asleep.host_state is not None:
-        runner.state = jax.device_put(asleep.host_state, asleep.state_shardings)
-    runner.asleep = None
+        state = jax.device_put(asleep.host_state, asleep.state_shardings)
+    return kv_cache, state

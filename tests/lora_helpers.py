@@ -85,7 +85,8 @@ def lora_runner(path, max_loras: int = 2, max_rank: int = 8, **runner_kwargs):
     kwargs = dict(num_blocks=96, block_size=4, max_rows=4, max_chunk_tokens=16, max_context=128)
     kwargs.update(runner_kwargs)
     runner = ModelRunner(ckpt.model, **kwargs)
-    registry = LoraRegistry(runner, slots, family_for(ckpt.config.architecture).hf_layer_weights, targets)
+    registry = LoraRegistry(runner, slots, family_for(ckpt.config.architecture).hf_layer_weights, targets,
+                            ckpt.config)
     return runner, registry, ckpt
 
 

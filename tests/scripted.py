@@ -1,11 +1,12 @@
 """Test fakes at the edges: a byte-level tokenizer and a scripted runner.
 
-`ScriptedRunner` implements the `Runner` protocol without a model, but keeps a fake paged
-KV cache: each step (read from its host batch, after a round trip through bytes) writes
-its tokens through its block table, and a sampled token is a function of (row seed, the
-row's whole history *read back through its block table*). So a wrong block table, a
-missed copy, an overwritten shared block or a skipped position changes the tokens, and
-comparing against the same job run alone exposes it.
+`ScriptedRunner` implements the whole `Runner` protocol (`ferrox_jax/runner_protocol.py`)
+without a model, but keeps a fake paged KV cache: each step's `forward` (read from its host
+batch, after a round trip through bytes) writes its tokens through its block table, and
+`sample` draws each token as a function of (row seed, the row's whole history *read back
+through its block table*). So a wrong block table, a missed copy, an overwritten shared
+block or a skipped position changes the tokens, and comparing against the same job run
+alone exposes it.
 """
 
 from __future__ import annotations
@@ -99,12 +100,22 @@ def script_token_fn(scripts: dict[tuple[int, ...], Sequence[int]]) -> TokenFn:
     return token_fn
 
 
+@dataclasses.dataclass
+class ScriptedPending:
+    """A scripted forward: its tokens are written; `sample` reads them back."""
+
+    batch: HostBatch  # the batch as the runner read it (after its round trip through bytes)
+
+    def is_done(self) -> bool:
+        return True
+
+
 class ScriptedRunner:
     """A `Runner` with a fake paged cache, reading every step from its host batch; records
     each batch it was given (`tick` below also records the plans it runs)."""
 
-    recompiles_after_warmup = 0
     vocab_size = 1024
+    max_loras = 0
 
     def __init__(self, *, block_size: int = 4, num_blocks: int = 65, max_rows: int = 8,
                  max_chunk_tokens: int = 512, max_chunks: int = 1, token_fn: TokenFn | None = None) -> None:
@@ -121,9 +132,24 @@ class ScriptedRunner:
         self.gate: threading.Event | None = None  # when set, run() waits for it
         self.entered = threading.Event()  # set when run() is first called
         self.delay_s = 0.0  # sleep per step, to keep long jobs open in threaded tests
+        self.bitmasks: list[np.ndarray | None] = []  # what each `sample` was given
+        self.is_warm = True
+        self.released: list[int] = []  # `release` levels, in order (state verbs are recorded, not run)
+        self.num_swaps = 0
+        self._sleep_level = 0
         self._cache: dict[int, list[tuple[int, int] | None]] = {}
 
-    def run(self, batch: HostBatch, fill_masks=None) -> StepArrays:
+    # -- the Runner protocol ---------------------------------------------------------------
+
+    @property
+    def recompiles_after_warmup(self) -> int:
+        return 0
+
+    @property
+    def sleep_level(self) -> int:
+        return self._sleep_level
+
+    def forward(self, batch: HostBatch) -> ScriptedPending:
         self.batches.append(batch)
         self.entered.set()
         time.sleep(self.delay_s)
@@ -133,10 +159,14 @@ class ScriptedRunner:
             raise RuntimeError("scripted runner failure")
         batch = HostBatch.from_bytes(batch.to_bytes())  # what another process would run
         self._check(batch)
-        if batch.has_constrained_rows and fill_masks is not None:
-            fill_masks(batch, lambda: True)
-        for src, dst in batch.block_copies.tolist():
-            self._cache[dst] = list(self._block(src))
+        self.copy_blocks(batch.block_copies)
+        for r in range(batch.num_rows):
+            self._write(batch, r)
+        return ScriptedPending(batch)
+
+    def sample(self, pending: ScriptedPending, bitmask: np.ndarray | None) -> StepArrays:
+        batch = pending.batch
+        self.bitmasks.append(bitmask)  # recorded, never applied: a script may play a token a grammar forbids
         rows = batch.num_rows
         arrays = StepArrays(tokens=np.full(rows, -1, np.int32), logprob=np.zeros(rows, np.float32),
                             top_ids=np.zeros((rows, 20), np.int32), top_logprobs=np.zeros((rows, 20), np.float32),
@@ -146,10 +176,34 @@ class ScriptedRunner:
         if batch.pooling.any():
             arrays.hidden_sum, arrays.last_hidden = np.zeros((rows, 2), np.float32), np.zeros((rows, 2), np.float32)
         for r in range(rows):
-            self._write(batch, r)
-        for r in range(rows):
             self._result(batch, r, arrays)
         return arrays
+
+    def copy_blocks(self, copies: np.ndarray) -> None:
+        for src, dst in np.asarray(copies).reshape(-1, 2).tolist():
+            self._cache[dst] = list(self._block(src))
+
+    def warmup(self, progress=None, num_threads=None) -> float:
+        self.is_warm = True
+        return 0.0
+
+    def compile_keys(self) -> list[tuple]:
+        return []  # nothing is compiled
+
+    def swap_state(self, update) -> None:
+        self.num_swaps += 1  # no weights to update
+
+    def release(self, level: int) -> int:
+        if not self._sleep_level:
+            self.released.append(level)
+            self._sleep_level = level
+            self._cache.clear()  # the KV cache is gone
+        return self._sleep_level
+
+    def restore(self) -> None:
+        self._sleep_level = 0
+
+    # -- the fake cache ----------------------------------------------------------------------
 
     def _positions(self, batch: HostBatch, r: int) -> range:
         lo, hi = batch.row_starts[r], batch.row_starts[r + 1]

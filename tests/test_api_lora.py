@@ -339,18 +339,18 @@ class NanAdapterRows:
         import numpy as np
 
         self.is_on = True
-        forward = engine.runner._run_forward
+        sample = engine.runner.sample
 
-        def nan_forward(shape, inputs):
-            result = forward(shape, inputs)
+        def nan_sample(pending, bitmask):
             slots = {a.slot for a in engine.lora.adapters() if a.name == name}
-            hit = np.asarray(inputs.valid) & np.isin(np.asarray(inputs.adapter_slots), list(slots))
-            rows = np.unique(np.asarray(inputs.row_of_token)[hit])
+            order = pending.order
+            hit = (order >= 0) & np.isin(pending.batch.adapter_slots[np.maximum(order, 0)], list(slots))
+            rows = np.flatnonzero(hit)
             if self.is_on and len(rows):
-                result = result.replace(logits=result.logits.at[rows].set(jnp.nan))
-            return result
+                pending.result = pending.result.replace(logits=pending.result.logits.at[rows].set(jnp.nan))
+            return sample(pending, bitmask)
 
-        monkeypatch.setattr(engine.runner, "_run_forward", nan_forward)
+        monkeypatch.setattr(engine.runner, "sample", nan_sample)
 
 
 def test_an_adapter_whose_rows_go_non_finite_is_quarantined_and_the_server_keeps_serving(server, monkeypatch):

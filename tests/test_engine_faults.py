@@ -43,31 +43,25 @@ def metric(http, name: str, kind: str) -> float:
 
 class NanRows:
     """Sets the logits of every row of the marked request to NaN on the device, between the
-    forward and the sampler (the runner's `_pad` tells which padded rows are its)."""
+    forward and the sampler (the pending step's `order` tells which padded rows are its)."""
 
     def __init__(self, monkeypatch, engine) -> None:
         self.runner = engine.runner
         self.scheduler = engine._batcher._scheduler
-        self.pad, self.forward = self.runner._pad, self.runner._run_forward
-        self.targets = np.zeros(0, np.int64)
+        self.sample = self.runner.sample
         self.mixed_steps = 0  # steps holding a marked row and another request's row
-        monkeypatch.setattr(self.runner, "_pad", self._pad)
-        monkeypatch.setattr(self.runner, "_run_forward", self._forward)
+        monkeypatch.setattr(self.runner, "sample", self._sample)
 
-    def _pad(self, batch):
-        shape, order, out = self.pad(batch)
+    def _sample(self, pending, bitmask):
+        batch, order = pending.batch, pending.order
         marked = [h >= 0 and self.scheduler._rows[int(batch.row_ids[h])].request.spec.max_tokens == NAN_MAX_TOKENS
                   for h in order]
-        self.targets = np.flatnonzero(marked)
-        if len(self.targets) and int((order >= 0).sum()) > len(self.targets):
+        targets = np.flatnonzero(marked)
+        if len(targets) and int((order >= 0).sum()) > len(targets):
             self.mixed_steps += 1
-        return shape, order, out
-
-    def _forward(self, shape, inputs):
-        result = self.forward(shape, inputs)
-        if len(self.targets):
-            result = result.replace(logits=result.logits.at[self.targets].set(jnp.nan))
-        return result
+        if len(targets):
+            pending.result = pending.result.replace(logits=pending.result.logits.at[targets].set(jnp.nan))
+        return self.sample(pending, bitmask)
 
 
 @pytest.fixture(scope="module")
@@ -121,18 +115,18 @@ def test_a_raising_step_is_counted_on_metrics_health_and_stats(monkeypatch):
 
 
 class HangingRuns:
-    """Patches `runner.run` so that, once `hang` is set, the next step blocks until `release`."""
+    """Patches `runner.forward` so that, once `hang` is set, the next step blocks until `release`."""
 
     def __init__(self, monkeypatch, runner) -> None:
-        self.original = runner.run
+        self.original = runner.forward
         self.hang = threading.Event()
         self.release = threading.Event()
-        monkeypatch.setattr(runner, "run", self)
+        monkeypatch.setattr(runner, "forward", self)
 
-    def __call__(self, batch, fill_masks=None):
+    def __call__(self, batch):
         if self.hang.is_set():
             self.release.wait(60)
-        return self.original(batch, fill_masks)
+        return self.original(batch)
 
 
 def test_a_step_past_the_watchdog_ends_every_request_and_the_engine_loudly(monkeypatch):

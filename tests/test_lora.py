@@ -13,6 +13,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from ferrox_jax.lora_registry import LoraRegistry
+from ferrox_jax.runner_protocol import DeviceState
 from models.lora import LoraError, LoraSlots, LoraWeight, lora_delta, lora_delta_gather, lora_scale, read_peft_adapter
 
 D_IN, D_OUT = 8, 6
@@ -114,7 +115,8 @@ def _registry(max_loras=2, rank=8):
     slots = LoraSlots(max_loras, rank)
     weight = LoraWeight(base=jnp.zeros((D_IN, D_OUT)), a=jnp.zeros((D_IN, slots.num_slots * rank)),
                         b=jnp.zeros((slots.num_slots * rank, D_OUT)), num_slots=slots.num_slots, rank=rank)
-    runner = types.SimpleNamespace(state={"layers": {0: {"q_proj": weight}}}, shardings=None)
+    runner = types.SimpleNamespace(state={"layers": {0: {"q_proj": weight}}})
+    runner.swap_state = lambda update: setattr(runner, "state", update(DeviceState(runner.state, None)).weights)
     return LoraRegistry(runner, slots, TABLE, TARGETS), runner
 
 
@@ -302,14 +304,14 @@ def test_non_finite_rows_of_an_adapter_quarantine_it_and_never_take_the_engine_d
     from tests.test_batcher import Sink, limits_for
 
     runner = ScriptedRunner(token_fn=letters_token_fn())
-    run = runner.run
+    sample = runner.sample
 
-    def nan_in_slot_2(batch, fill_masks=None):
-        arrays = run(batch, fill_masks)
-        arrays.finite = np.asarray(batch.adapter_slots) != 2
+    def nan_in_slot_2(pending, bitmask):
+        arrays = sample(pending, bitmask)
+        arrays.finite = np.asarray(pending.batch.adapter_slots) != 2
         return arrays
 
-    runner.run = nan_in_slot_2
+    runner.sample = nan_in_slot_2
     quarantined = []
     adapters = types.SimpleNamespace(quarantine=lambda slot, reason: quarantined.append((slot, reason)) or f"ad{slot}")
     batcher = ContinuousBatcher(runner, ByteTokenizer(), limits_for(runner),

@@ -138,18 +138,18 @@ def test_drain_timeout_ends_leftovers_with_an_error_and_exits_0(tmp_path):
 
 
 class FailingRuns:
-    """Patches `runner.run` to raise on the next `count` calls, then run normally."""
+    """Patches `runner.forward` to raise on the next `count` calls, then run normally."""
 
     def __init__(self, monkeypatch, runner) -> None:
-        self.original = runner.run
+        self.original = runner.forward
         self.left = 0
-        monkeypatch.setattr(runner, "run", self)
+        monkeypatch.setattr(runner, "forward", self)
 
-    def __call__(self, batch, fill_masks=None):
+    def __call__(self, batch):
         if self.left > 0:
             self.left -= 1
             raise RuntimeError("injected step failure")
-        return self.original(batch, fill_masks)
+        return self.original(batch)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ferrox_jax.plan import RowPlan, StepPlan
-from ferrox_jax.host_batch import bitmask_words, run_plan
+from ferrox_jax.host_batch import HostBatch, bitmask_words, run_plan, step_output
 from ferrox_jax.request import SamplingParams
 from tests.engine_helpers import generate_alone, make_runner, shuffled_blocks
 
@@ -146,13 +146,17 @@ def test_a_masked_row_leaves_its_neighbours_bit_identical(runner, tiny_llama):
     matcher = compiler.new_matcher(GrammarSpec.regex(r"[0-9]{3}"))
     fills = []
 
-    def fill_masks(batch, forward_is_done):
+    def fill_masks(batch):  # what the owner loop does while the forward runs
         fills.append(batch.constrained.tolist())
-        batch.bitmask = np.empty((batch.num_rows, bitmask_words(runner.vocab_size)), np.int32)
-        compiler.fill_bitmask(batch.bitmask, [matcher if c else None for c in batch.constrained])
+        bitmask = np.empty((batch.num_rows, bitmask_words(runner.vocab_size)), np.int32)
+        compiler.fill_bitmask(bitmask, [matcher if c else None for c in batch.constrained])
+        return bitmask
 
     masked_rows = (dataclasses.replace(rows[0], is_constrained=True),) + tuple(rows[1:])
-    masked = run_plan(runner, StepPlan(decode=masked_rows), fill_masks)
+    masked_plan = StepPlan(decode=masked_rows)
+    masked_batch = HostBatch.build(masked_plan, runner.geometry)
+    pending = runner.forward(masked_batch)
+    masked = step_output(masked_plan, masked_batch, runner.sample(pending, fill_masks(masked_batch)))
     for i in range(1, 4):
         assert masked.results[i] == plain.results[i], f"row {i} changed next to a masked row"
     assert fills == [[True, False, False, False]], "one fill, for the one constrained row"

@@ -106,11 +106,14 @@ def fill_kv_random(runner, seed: int = 0) -> None:
     def fill(array, key):
         return maker(array.shape, array.dtype, array.sharding)(array, key)
 
-    cache = runner.kv_cache
-    keys = jax.random.split(jax.random.key(seed), 2 * len(cache.k))
-    new_k = tuple(fill(a, keys[i]) for i, a in enumerate(cache.k))
-    new_v = tuple(fill(a, keys[len(cache.k) + i]) for i, a in enumerate(cache.v))
-    runner.kv_cache = KVCache(k=new_k, v=new_v)
+    def random_cache(state):
+        cache = state.kv_cache
+        keys = jax.random.split(jax.random.key(seed), 2 * len(cache.k))
+        new_k = tuple(fill(a, keys[i]) for i, a in enumerate(cache.k))
+        new_v = tuple(fill(a, keys[len(cache.k) + i]) for i, a in enumerate(cache.v))
+        return state._replace(kv_cache=KVCache(k=new_k, v=new_v))
+
+    runner.swap_state(random_cache)
 
 
 def _row_blocks(runner, tokens: int) -> int:
@@ -200,7 +203,7 @@ def bench_decode(engine, rows_list: list[int], contexts: list[int], steps: int,
     from ferrox_jax.request import SamplingParams
 
     runner, cfg = engine.runner, engine.model_config
-    dtype_bytes = jnp.dtype(runner.kv_dtype).itemsize
+    dtype_bytes = jnp.dtype(engine.model_card.kv_cache_dtype).itemsize
     per_row = _row_blocks(runner, max(contexts) + steps + 1)
     sampling = SamplingParams(temperature=0.0) if greedy else SamplingParams(temperature=0.8, top_p=0.95, seed=1)
     out: dict = {}

@@ -6,7 +6,7 @@ constraints, interleaved in one process so both sides see the same machine load.
 For each row count: R rows are prefilled, then decode steps alternate between plain rows
 and the same rows each carrying a JSON-schema matcher (a list of records that cannot end
 within the run, so every step is constrained). Reported per step, medians over the steps:
-wall time of `runner.run`, host time filling the masks, and the share of fills that ended
+wall time of the step (`forward`, the masks, `sample`), host time filling the masks, and the share of fills that ended
 before the model call did (`is_ready()` still false: the mask cost nothing but host time).
 Tokens are sampled with temperature 1 and each matcher accepts its row's token, so the
 masks walk real documents; the plain side replays the same positions (K/V rewritten).
@@ -26,7 +26,7 @@ from ferrox_jax.config import EngineConfig
 from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.grammar import GrammarCompiler
 from ferrox_jax.plan import RowPlan, StepPlan
-from ferrox_jax.host_batch import bitmask_words, run_plan
+from ferrox_jax.host_batch import HostBatch, bitmask_words, run_plan, step_output
 from ferrox_jax.request import SamplingParams
 
 # Records of a name, an age and a city; at least 64 of them, so no document ends mid-run.
@@ -60,13 +60,16 @@ def bench_rows(engine, rows: int, steps: int, prompt: list[int]) -> dict:
     fill_s: list[float] = []
     hidden_fills: list[bool] = []
 
-    def fill_masks(batch, forward_is_done) -> None:  # what the batcher does while the forward runs
+    def masked_step(step_plan: StepPlan):  # the batcher's tick: forward, the masks meanwhile, sample
+        batch = HostBatch.build(step_plan, runner.geometry)
+        pending = runner.forward(batch)
         start_s = time.perf_counter()
-        batch.bitmask = np.empty((batch.num_rows, bitmask_words(runner.vocab_size)), np.int32)
-        compiler.fill_bitmask(batch.bitmask, [matchers[int(r)] if c else None
-                                              for r, c in zip(batch.row_ids, batch.constrained)])
+        bitmask = np.empty((batch.num_rows, bitmask_words(runner.geometry.vocab_size)), np.int32)
+        compiler.fill_bitmask(bitmask, [matchers[int(r)] if c else None
+                                        for r, c in zip(batch.row_ids, batch.constrained)])
         fill_s.append(time.perf_counter() - start_s)
-        hidden_fills.append(not forward_is_done())
+        hidden_fills.append(not pending.is_done())
+        return step_output(step_plan, batch, runner.sample(pending, bitmask))
     # The prefill's token is context; each document starts with the first masked token.
     tokens = [[first] for _, first in state]
     plain_s, masked_s, mask_s, hidden, fills = [], [], [], 0, 0
@@ -83,7 +86,7 @@ def bench_rows(engine, rows: int, steps: int, prompt: list[int]) -> dict:
         run_plan(runner, plan(False))
         plain_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        out = run_plan(runner, plan(True), fill_masks)
+        out = masked_step(plan(True))
         masked_s.append(time.perf_counter() - t0)
         mask_s.append(fill_s[-1])
         hidden += hidden_fills[-1]

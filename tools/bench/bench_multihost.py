@@ -9,7 +9,7 @@ the others `multihost.follow`. Per decode step it reports, as medians over the t
   * `send_ms`       the leader's `sendall` of the frame to every follower;
   * `from_bytes_ms` a follower decoding it (magic and header checked, arrays copied);
   * `frame_bytes`   the frame's size;
-  * `forward_dispatch_ms` the leader's call of the forward executable until it returns
+  * `forward_dispatch_ms` the leader's `forward` verb (pad, block copies, dispatch) until it returns
                     (placing the inputs, any cross-process check of them, the enqueue);
   * `step_ms`       the whole step on the leader (broadcast, forward with its collectives,
                     sampling, fetch), and, with `--single`, the same step in one process
@@ -89,8 +89,8 @@ def run_process(args) -> int:
     encoded: list[tuple[int, float]] = []  # (frame bytes, ms)
     sent: list[tuple[bytes, float]] = []  # (frame kind, ms): the heartbeats' too
     dispatched: list[tuple[None, float]] = []
-    inner = engine.runner if single else engine.runner._runner
-    _timed(inner, "_run_forward", dispatched, key=lambda *_: None)
+    inner = engine.runner if single else engine.runner.runner  # the leader's own part of each step
+    _timed(inner, "forward", dispatched, key=lambda *_: None)
     if not single:
         _timed(HostBatch, "to_bytes", encoded, key=lambda _, data: len(data))
         _timed(engine.runner.channel, "send", sent, key=lambda args, _: args[0])  # the frame kind

@@ -40,11 +40,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from ferrox_jax.config import EngineConfig
     from ferrox_jax.engine import Engine
-    from ferrox_jax.host_batch import HostBatch, SamplingArrays
+    from ferrox_jax.host_batch import HostBatch
     from ferrox_jax.plan import RowPlan, StepPlan
 
     engine = Engine.load(EngineConfig(model=args.model, max_seqs=max(args.rows)))
-    runner = engine._runner
+    runner = engine.runner
     bs = runner.block_size
     blocks = tuple(range(1, args.context // bs + 2))
     from flax import nnx
@@ -55,15 +55,13 @@ def main(argv: list[str] | None = None) -> None:
         plans = tuple(RowPlan(row_id=i, token_ids=(100 + i,), start_pos=args.context + i, block_ids=blocks, sample=True)
                       for i in range(rows))
         batch = HostBatch.build(StepPlan(decode=plans), runner.geometry)
-        step_ms = _median_ms(lambda: runner.run(batch), args.reps)
-        shape, order, inputs = runner._pad(batch)
-        forward_ms = _median_ms(lambda: runner._run_forward(shape, inputs).logits.block_until_ready(), args.reps)
-        logits = runner._run_forward(shape, inputs)
-        sampling = jax.device_put(SamplingArrays.padding(shape.num_rows, runner.vocab_size))
-        sample = runner._executable(("sample", shape.num_rows))
-        mask = runner._all_ones_mask(shape.num_rows)
-        sample_ms = _median_ms(lambda: sample(logits.logits, logits.sample_pos, sampling, mask).tokens.block_until_ready(),
-                               args.reps)
+        step_ms = _median_ms(lambda: runner.sample(runner.forward(batch), None), args.reps)
+        forward_ms = _median_ms(lambda: runner.forward(batch).result.logits.block_until_ready(), args.reps)
+        pending = runner.forward(batch)
+        pending.result.logits.block_until_ready()
+        # The sampler with its one fetch (the rows' arrays and the step's other results).
+        sample_ms = _median_ms(lambda: runner.sample(pending, None), args.reps)
+        shape = pending.shape
         hidden = jnp.asarray(np.random.RandomState(0).randn(shape.num_rows, runner.cfg.hidden_size), runner.compute_dtype)
         head_ms = _median_ms(lambda: head(model, hidden).block_until_ready(), args.reps)
         print(json.dumps(dict(rows=rows, padded_rows=shape.num_rows, step_ms=step_ms, forward_ms=forward_ms,

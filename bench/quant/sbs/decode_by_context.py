@@ -1,6 +1,7 @@
 import sys, time
 import numpy as np
 from models.loader import load_checkpoint
+from ferrox_jax.host_batch import run_plan
 from ferrox_jax.runner import ModelRunner
 from ferrox_jax.plan import RowPlan, StepPlan
 from ferrox_jax.request import SamplingParams
@@ -15,10 +16,10 @@ for q, kvd in (("w8a8", None), ("w8a8", jnp.bfloat16), ("none", None)):
     def plan(pos):
         return StepPlan(decode=tuple(RowPlan(row_id=i, token_ids=(7,), start_pos=pos, block_ids=tables[i], sample=True,
                                              sampling=sp) for i in range(ROWS)))
-    r.run(plan(5))
+    run_plan(r, plan(5))
     for ctx in (8, 192, 400, 8, 192, 400):
-        r.run(plan(ctx))
+        run_plan(r, plan(ctx))
         ts = []
         for s in range(6):
-            t = time.perf_counter(); r.run(plan(ctx + 1 + s)); ts.append(time.perf_counter() - t)
+            t = time.perf_counter(); run_plan(r, plan(ctx + 1 + s)); ts.append(time.perf_counter() - t)
         print(f"{q} kv {kvd} ctx {ctx:4d}: median {np.median(ts)*1e3:6.1f} best {min(ts)*1e3:6.1f}", flush=True)

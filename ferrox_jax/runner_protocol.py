@@ -1,0 +1,136 @@
+"""The runner's declared surface: the verbs the owner thread drives the device side with. No jax here.
+
+A runner holds device state (weights and KV cache) and is reached only through these verbs,
+in the tick's order (`ferrox_jax/batcher.py`):
+
+    pending = runner.forward(batch)            pad, the batch's block copies, dispatch the
+                                               forward; the device runs, the host goes on
+    arrays  = runner.sample(pending, bitmask)  sample with the grammar bitmask filled
+                                               meanwhile (None: no row constrained), one fetch
+
+and between ticks, on the same owner thread: `warmup` / `compile_keys` (every executable,
+ahead of time), `copy_blocks` (what `forward` runs first), and the state verbs
+`swap_state` (LoRA slot writes; a benchmark's cache fill), `release` / `restore` (sleep and wake: the KV cache, and at
+level 2 the weights, given back to the device and taken again in the same shapes).
+
+`ferrox_jax/runner.py:ModelRunner` is the device's runner, `ferrox_jax/multihost_runner.py`'s
+`BroadcastRunner` and `DraftSender` wrap one for a multi-process group, and
+`tests/scripted.py:ScriptedRunner` is the test double; all of them implement this
+protocol, so nobody needs to write a runner's attributes, call its underscored methods,
+or ask whether it has something.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ferrox_jax.config import SchedulerLimits
+    from ferrox_jax.host_batch import BatchGeometry, HostBatch, StepArrays
+
+
+class DeviceState(NamedTuple):
+    """What `Runner.swap_state` hands its update and takes back."""
+
+    weights: Any  # the model's parameters (an `nnx.State`; LoRA slots live in them)
+    kv_cache: Any  # the paged KV cache (`ferrox_jax/kv_cache.py`)
+
+
+class PendingStep(Protocol):
+    """A dispatched forward that has not been sampled yet (what `Runner.forward` returns)."""
+
+    batch: HostBatch  # what was dispatched
+
+    def is_done(self) -> bool:
+        """Whether the device has finished the forward (host work done meanwhile was hidden by it)."""
+        ...
+
+
+class Runner(Protocol):
+    """What the owner thread needs from the device side (module docstring)."""
+
+    geometry: BatchGeometry  # block size, block-table width and logits width every batch is built for
+    block_size: int  # token positions per KV block
+    num_blocks: int  # total blocks in the cache, including the null block 0
+    max_rows: int  # decode rows one step holds, at most (the largest row bucket)
+    max_chunk_tokens: int  # tokens of one prompt chunk, at most (the largest token bucket)
+    max_chunks: int  # prompt chunks one step holds, at most
+    max_loras: int  # LoRA adapter slots the weights carry (0: none)
+    is_warm: bool  # every shape compiled (`warmup` ran): a step's time is the device's, not a compile's
+
+    @property
+    def recompiles_after_warmup(self) -> int:
+        """Shapes compiled after warm-up (should stay 0)."""
+        ...
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake; 1 the KV cache released; 2 the weights too (`release`)."""
+        ...
+
+    def forward(self, batch: HostBatch) -> PendingStep:
+        """Pads `batch` to a compiled shape, runs its block copies and dispatches the one
+        forward over every row; returns at once while the device runs."""
+        ...
+
+    def sample(self, pending: PendingStep, bitmask: np.ndarray | None) -> StepArrays:
+        """Samples the forward's logits (masked by `bitmask` i32[R, W], one row per host
+        row; None: every token allowed) and fetches everything in one transfer."""
+        ...
+
+    def copy_blocks(self, copies: np.ndarray) -> None:
+        """Copies KV blocks (i32[C, 2], (src, dst) pairs), in order."""
+        ...
+
+    def warmup(self, progress: Callable[[int, int, tuple], None] | None = None,
+               num_threads: int | None = None) -> float:
+        """Compiles every executable of `compile_keys` ahead of time; returns seconds taken."""
+        ...
+
+    def compile_keys(self) -> list[tuple]:
+        """Every executable warm-up compiles, as plain tuples (they go into logs and JSON)."""
+        ...
+
+    def swap_state(self, update: Callable[[DeviceState], DeviceState]) -> None:
+        """Replaces the device state with `update(state)` (the same structure and shapes, so
+        nothing recompiles; what the update leaves as it was stays untouched); the next
+        forward runs wholly on the new one."""
+        ...
+
+    def release(self, level: int) -> int:
+        """Gives the KV cache (level 1) and the weights (level 2: kept in host memory) back
+        to the device; returns the level it sleeps at (a sleeping runner keeps its own)."""
+        ...
+
+    def restore(self) -> None:
+        """Takes back what `release` gave, in the same shapes and shardings; awake: nothing."""
+        ...
+
+
+def check_limits(limits: SchedulerLimits, runner: Runner) -> None:
+    """Raises ValueError when the limits ask for more than the runner's cache and buckets hold."""
+    if limits.block_size != runner.block_size:
+        raise ValueError(f"SchedulerLimits.block_size ({limits.block_size}) must match the runner's "
+                         f"KV cache block size ({runner.block_size})")
+    if limits.num_blocks > runner.num_blocks - 1:
+        raise ValueError(f"SchedulerLimits.num_blocks ({limits.num_blocks}) exceeds the runner's KV "
+                         f"cache ({runner.num_blocks - 1} usable blocks)")
+    if limits.max_rows > runner.max_rows:
+        raise ValueError(f"SchedulerLimits.max_rows ({limits.max_rows}) exceeds the runner's largest "
+                         f"row bucket ({runner.max_rows})")
+    if limits.speculative is not None and limits.speculative.step_rows(limits.max_rows) > runner.max_rows:
+        raise ValueError(f"speculation needs {limits.speculative.step_rows(limits.max_rows)} rows per step "
+                         f"(each speculating row's tokens are rows); the runner's largest row bucket is "
+                         f"{runner.max_rows}")
+    if (limits.speculative is not None and limits.speculative.method == "draft"
+            and getattr(runner, "draft", None) is None):
+        raise ValueError("--speculative draft: the runner has no draft model attached")
+    if limits.max_chunks > runner.max_chunks:
+        raise ValueError(f"SchedulerLimits' {limits.max_chunks} chunks per step exceed the runner's "
+                         f"{runner.max_chunks}")
+    if limits.idle_chunk_tokens > runner.max_chunk_tokens:
+        raise ValueError(f"SchedulerLimits' prefill chunk ({limits.idle_chunk_tokens} tokens) exceeds the "
+                         f"runner's largest token bucket ({runner.max_chunk_tokens})")
