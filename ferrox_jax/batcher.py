@@ -10,13 +10,21 @@ thread, so none of it needs a lock. The owner loop, once per iteration:
  3. `plan = scheduler.schedule()`: apply cancellations, flush finished rows, admit waiting
     jobs in strict FIFO while the row cap and the block ledger allow, plan one token for
     every decoding row and the prompt chunks the step's token budget allows (round robin;
-    an unfinished prompt goes to the back), measure the block peak from the rows.
- 4. The step, through the runner's verbs (`ferrox_jax/runner_protocol.py`): the plan as a
-    host batch of numpy arrays (`HostBatch.build`), `pending = runner.forward(batch)` (one
-    forward for every row, dispatched: the device runs), the constrained rows' grammar
-    bitmask filled while it runs, `arrays = runner.sample(pending, bitmask)` (one fetch),
-    `step_output` (one `RowResult` per row). If the runner raises, the jobs in that step end
-    with an error event and free their blocks, the traceback is logged, and the loop goes on.
+    an unfinished prompt goes to the back), name the decoding rows that may verify drafts
+    (speculation), measure the block peak from the rows.
+ 4. The step, in the order it happens (`_step`), through the runner's verbs
+    (`ferrox_jax/runner_protocol.py`):
+      drafts   = proposer.propose(plan)           host n-gram lookup, or the draft model's
+                                                  proposal steps (`ferrox_jax/draft.py`)
+      plan     = scheduler.add_drafts(plan, drafts)
+      batch    = HostBatch.build(plan, geometry)  numpy arrays, nothing live
+      pending  = runner.forward(batch)            dispatched: the device runs
+      draft.mirror(batch)                         the draft's K/V goes where the target's does
+      bitmask  = the constrained rows' grammar masks, filled while the device runs
+      arrays   = runner.sample(pending, bitmask)  one fetch
+      out      = step_output(plan, batch, arrays) one RowResult per row, verification included
+    If the step raises, the jobs in it end with an error event and free their blocks, the
+    traceback is logged, and the loop goes on.
  5. `scheduler.update(plan, out)`: advance progress, check stops, flush finished rows.
  6. Publish a `BatcherStats` snapshot; `stats()` only ever reads published snapshots.
  7. Deliver this tick's `RowEvent`s through each request's `on_event` (on this thread);
@@ -51,14 +59,16 @@ from typing import Any
 import numpy as np
 
 from ferrox_jax.config import SchedulerLimits
-from ferrox_jax.host_batch import HostBatch, bitmask_words, step_output
+from ferrox_jax.draft import DraftModel, check_compatible
+from ferrox_jax.host_batch import HostBatch, bitmask_words
 from ferrox_jax.inbox import AbortRequest, AddRequest, EventCallback, Inbox, OwnerCall, Stop
 from ferrox_jax.plan import StepOutput, StepPlan
 from ferrox_jax.request import AdmissionError, GenerationRequest, MatcherFactory, RowEvent
 from ferrox_jax.runner_protocol import PendingStep, Runner, check_limits
 from ferrox_jax.scheduler import Scheduler, check_admission
-from ferrox_jax.speculative import spec_decode_stats
+from ferrox_jax.speculative import NgramProposer, spec_decode_stats
 from ferrox_jax.stats import BatcherStats
+from ferrox_jax.step_output import step_output
 from ferrox_jax.step_faults import (AdapterQuarantine, FatalSignal, FaultLedger, FaultPolicy, StepWatchdog,
                                     Unrecoverable, blame_nonfinite)
 
@@ -94,18 +104,24 @@ class ContinuousBatcher:
 
     def __init__(self, runner: Runner, tokenizer: Any, limits: SchedulerLimits,
                  new_matcher: MatcherFactory | None = None, fill_bitmask: BitmaskFiller | None = None,
-                 faults: FaultPolicy | None = None, adapters: AdapterQuarantine | None = None) -> None:
+                 faults: FaultPolicy | None = None, adapters: AdapterQuarantine | None = None,
+                 draft: DraftModel | None = None) -> None:
         """`new_matcher` and `fill_bitmask` come from the engine's grammar compiler
         (`GrammarCompiler.new_matcher` / `.fill_bitmask`); without them constrained jobs
         are refused at submit. `faults`: the step watchdog and the consecutive-fault limit.
-        `adapters`: the LoRA registry, which quarantines an adapter whose row went non-finite."""
-        check_limits(limits, runner)
+        `adapters`: the LoRA registry, which quarantines an adapter whose row went non-finite.
+        `draft`: `--speculative draft`'s model, which mirrors every step and proposes."""
+        check_limits(limits, runner, has_draft=draft is not None)
+        if draft is not None:
+            check_compatible(draft.runner, runner)
         self.limits = limits
         self._runner = runner
+        self._draft = draft
         self._max_queue = limits.max_queue
         self._scheduler = Scheduler(self.limits, tokenizer, new_matcher=new_matcher)
-        if limits.speculative is not None and limits.speculative.method == "draft":
-            self._scheduler.speculator.proposer = runner.propose_drafts  # the device proposes, on this thread
+        spec = limits.speculative
+        # Who answers a plan's draft requests: the draft model, or prompt lookup on the host.
+        self._proposer = None if spec is None else draft if spec.method == "draft" else NgramProposer(spec)
         self._has_grammar = new_matcher is not None and fill_bitmask is not None
         self._fill_bitmask = fill_bitmask
         self._inbox = Inbox()
@@ -283,8 +299,11 @@ class ContinuousBatcher:
         return self._inbox.call(fn, when_idle=True)
 
     def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> float:
-        """Before `start`: compiles every executable of the runner; returns seconds taken."""
-        return self._runner.warmup(progress)
+        """Before `start`: compiles every executable of the draft model's runner, then of the
+        runner (`progress` follows the latter; a multi-host leader's then waits for its
+        followers); returns seconds taken."""
+        draft_s = self._draft.warmup() if self._draft is not None else 0.0
+        return draft_s + self._runner.warmup(progress)
 
     def sleep(self, level: int) -> concurrent.futures.Future:
         """Once idle, on the owner thread: the prefix cache forgets every block and the
@@ -342,7 +361,7 @@ class ContinuousBatcher:
         if self._runner.is_warm:  # warm-up's compiles never trip the watchdog
             self._watchdog.arm()
         try:
-            out = self._step(plan)
+            plan, out = self._step(plan)
             self._scheduler.check_output(plan, out)
         except Exception as exc:  # a failed step fails its jobs, not the server
             if not self._watchdog.disarm():
@@ -368,14 +387,19 @@ class ContinuousBatcher:
             self._faults.ok_step()
         return out.device_s
 
-    def _step(self, plan: StepPlan) -> StepOutput:
-        """The step's device work, in the order it happens (step 4)."""
+    def _step(self, plan: StepPlan) -> tuple[StepPlan, StepOutput]:
+        """Step 4, in the order it happens; returns the plan as run (its drafts added) and
+        its output."""
+        if plan.draft_requests:  # host n-gram lookup, or the draft model's proposal steps
+            plan = self._scheduler.add_drafts(plan, self._proposer.propose(plan))
         batch = HostBatch.build(plan, self._runner.geometry)
         start_s = time.perf_counter()
         pending = self._runner.forward(batch)  # dispatched: the device runs
+        if self._draft is not None:
+            self._draft.mirror(batch)  # the draft's K/V goes where the target's does
         bitmask = self._fill_masks(pending) if batch.has_constrained_rows else None  # host work meanwhile
         arrays = self._runner.sample(pending, bitmask)  # one fetch
-        return step_output(plan, batch, arrays, device_s=time.perf_counter() - start_s)
+        return plan, step_output(plan, batch, arrays, device_s=time.perf_counter() - start_s)
 
     def _fill_masks(self, pending: PendingStep) -> np.ndarray:
         """The bitmask i32[R, W] of a batch with constrained rows, from their matchers (all
@@ -425,7 +449,8 @@ class ContinuousBatcher:
             running_rows=scheduler.num_running_rows,
             waiting_requests=scheduler.num_waiting,
             tokens_generated=scheduler.tokens_generated,
-            recompiles_after_warmup=self._runner.recompiles_after_warmup,
+            recompiles_after_warmup=self._runner.recompiles_after_warmup + (
+                self._draft.recompiles_after_warmup if self._draft is not None else 0),
             ticks=self._ticks,
             host_s=self._host_s,
             device_s=self._device_s,

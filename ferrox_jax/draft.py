@@ -6,19 +6,21 @@ b of the target cache holds. So the one BlockBudget counts both (admission reser
 id, which is memory in both caches; `ferrox_jax/engine_builder.py` sizes a block as the sum
 of the two), and everything the scheduler does to blocks holds for the draft unchanged:
 
-  * every target forward is mirrored (`mirror`): the draft runs the same padded batch (prompt
-    chunks, decode rows, verification rows) after the same block copies, so whatever the
-    target wrote, the draft wrote at the same positions: a prefix-cache hit, a copy-on-write
-    copy, a shared `n > 1` prompt block carry the draft's K/V along with the target's;
+  * every target forward is mirrored (`mirror`, in the owner's tick right after the
+    target's forward): the draft runs the same host batch (prompt chunks, decode rows,
+    verification rows) after the same block copies, so whatever the target wrote, the
+    draft wrote at the same positions: a prefix-cache hit, a copy-on-write copy, a shared
+    `n > 1` prompt block carry the draft's K/V along with the target's;
   * a cancelled or finished row frees block ids; nothing of the draft's needs freeing;
   * positions written for rejected drafts lie past the row's length in both caches and are
     written again (by both) before anything attends to them.
 
-Proposing (`propose`, called by the scheduler's Speculator through `ModelRunner.propose_drafts`
-before the step): k one-token decode steps of the draft over the speculating rows, step j
-computing the row's token at position p + j (its last token, then its drafts) and sampling
-the next with the row's own settings and its (seed, position) noise (`ferrox_jax/sampling.py`).
-Each proposal step is an ordinary runner step on the draft's compiled decode shapes.
+Proposing (`propose`, the tick's proposer for this method: after `schedule()` named the
+rows, before the target's host batch is built): k one-token decode steps of the draft over
+the speculating rows, step j computing the row's token at position p + j (its last token,
+then its drafts) and sampling the next with the row's own settings and its (seed, position)
+noise (`ferrox_jax/sampling.py`). Each proposal step is the runner's `forward` and `sample`
+on the draft's compiled decode shapes; nothing but those verbs reaches the draft's runner.
 
 Exactness. Verification is the one of prompt lookup (`ferrox_jax/speculative.py`): the target
 samples after every verified position with the noise keyed by (seed, position) and a draft is
@@ -35,31 +37,25 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from ferrox_jax.host_batch import run_plan
+from ferrox_jax.host_batch import HostBatch
 from ferrox_jax.plan import RowPlan, StepPlan
-from ferrox_jax.speculative import DraftRequest
 
 if TYPE_CHECKING:
-    from ferrox_jax.host_batch import HostBatch
-    from ferrox_jax.multihost_runner import DraftSender
-    from ferrox_jax.runner import ModelRunner
+    from ferrox_jax.runner_protocol import Runner
 
 
 class DraftModel:
-    """The draft side: a ModelRunner of the draft checkpoint, built with the target runner's
+    """The draft side: a runner of the draft checkpoint, built with the target runner's
     geometry (blocks, block size, row and token buckets, context) so that every target
-    batch is one of its shapes too."""
+    batch is one of its shapes too (`check_compatible`)."""
 
-    def __init__(self, runner: ModelRunner, target: ModelRunner) -> None:
-        check_compatible(runner, target)
-        if runner.has_lora:
+    def __init__(self, runner: Runner, proposals: Runner | None = None) -> None:
+        """`proposals`: what runs the proposal steps, on a multi-host leader a sender that
+        first sends each to the followers (`multihost_runner.DraftSender`); default `runner`."""
+        if runner.max_loras:
             raise ValueError("the draft model cannot carry LoRA adapter slots")
         self.runner = runner
-        # What runs the proposal steps: the draft's runner, or on a multi-host leader a
-        # sender that first sends each step to the followers (`multihost_runner.DraftSender`).
-        self.proposals: ModelRunner | DraftSender = runner
+        self.proposals = proposals if proposals is not None else runner
 
     @property
     def recompiles_after_warmup(self) -> int:
@@ -70,21 +66,24 @@ class DraftModel:
 
     def mirror(self, batch: HostBatch) -> None:
         """Run the target's batch on the draft cache: the same block copies, the same forward
-        (its logits are not sampled; only the K/V it writes matter)."""
+        (never sampled; only the K/V it writes matter)."""
         self.runner.forward(batch)
 
-    def propose(self, requests: tuple[DraftRequest, ...], pending_copies: tuple[tuple[int, int], ...]) -> list[tuple[int, ...]]:
-        """Each request's `num_drafts` tokens, drawn autoregressively by the draft
-        (module docstring). `pending_copies` run first on the draft cache (the first
-        proposal step's block copies): a row's last block may be a copy-on-write
-        destination the target's step fills only later."""
+    def propose(self, plan: StepPlan) -> list[tuple[int, ...]]:
+        """Each of `plan.draft_requests`' `num_drafts` tokens, drawn autoregressively by the
+        draft (module docstring). The plan's block copies run first on the draft cache (with
+        the first proposal step): a row's last block may be a copy-on-write destination the
+        target's step fills only later."""
+        requests = plan.draft_requests
         drafts: list[list[int]] = [[] for _ in requests]
         for j in range(max(r.num_drafts for r in requests)):
             active = [i for i, r in enumerate(requests) if r.num_drafts > j]
-            plans = tuple(_proposal_row(i, requests[i].plan, j, drafts[i]) for i in active)
-            out = run_plan(self.proposals, StepPlan(decode=plans, block_copies=pending_copies if j == 0 else ()))
-            for i in active:
-                drafts[i].append(out.results[i].token_id)
+            step = StepPlan(decode=tuple(_proposal_row(i, requests[i].row, j, drafts[i]) for i in active),
+                            block_copies=plan.block_copies if j == 0 else ())
+            batch = HostBatch.build(step, self.proposals.geometry)
+            sampled = self.proposals.sample(self.proposals.forward(batch), None).tokens[:, 0]
+            for i, token in zip(active, sampled.tolist()):
+                drafts[i].append(token)
         return [tuple(d) for d in drafts]
 
 
@@ -97,14 +96,14 @@ def _proposal_row(index: int, plan: RowPlan, step: int, drafts: list[int]) -> Ro
                    num_prompt_tokens=plan.num_prompt_tokens, history_token_ids=plan.history_token_ids)
 
 
-def check_compatible(draft: ModelRunner, target: ModelRunner) -> None:
+def check_compatible(draft: Runner, target: Runner) -> None:
     """Raises ValueError unless the draft runner can mirror every target batch: the same
     logits width (token ids mean the same thing: the tokenizers are compared at load),
-    blocks, block size, table width and buckets."""
-    pairs = {"vocab size": (draft.vocab_size, target.vocab_size),
+    blocks, block size, table width and compiled shapes."""
+    pairs = {"vocab size": (draft.geometry.vocab_size, target.geometry.vocab_size),
              "KV blocks": (draft.num_blocks, target.num_blocks),
              "block geometry": (draft.geometry, target.geometry),
-             "step buckets": (draft.buckets, target.buckets)}
+             "step buckets": (draft.compile_keys(), target.compile_keys())}
     for what, (ours, theirs) in pairs.items():
         if ours != theirs:
             raise ValueError(f"draft model: its {what} must equal the target's; got {ours} and {theirs}")

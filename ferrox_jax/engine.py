@@ -86,13 +86,14 @@ class Engine:
     def __init__(self, source: CheckpointSource, device: ModelRunner, batcher: ContinuousBatcher,
                  config: EngineConfig, sizing: KVSizing, attention_note: str,
                  grammar: GrammarCompiler | None = None, grammar_note: str = "", matmul_note: str = "",
-                 runner: Runner | None = None) -> None:
+                 runner: Runner | None = None, draft_runner: ModelRunner | None = None) -> None:
         """`device`: the model's runner (what the descriptions read); `runner`: the one the
         batcher drives (on a multi-host leader, `device` wrapped to send every step to the
-        other processes; default `device`)."""
+        other processes; default `device`); `draft_runner`: `--speculative draft`'s."""
         self._source = source
         self._device = device
         self._runner = runner if runner is not None else device
+        self.draft_runner = draft_runner  # a multi-host follower replays the draft's steps on it
         self._batcher = batcher
         self.config = config
         self.tokenizer: Tokenizer = source.tokenizer
@@ -121,7 +122,8 @@ class Engine:
         """
         parts = build_parts(config, progress)
         engine = cls(parts.source, parts.device, parts.batcher, parts.config, parts.sizing, parts.attention_note,
-                     parts.grammar, parts.grammar_note, parts.matmul_note, runner=parts.runner)
+                     parts.grammar, parts.grammar_note, parts.matmul_note, runner=parts.runner,
+                     draft_runner=parts.draft_runner)
         engine.lora = parts.lora
         engine.load_s = parts.load_s
         return engine
@@ -231,7 +233,7 @@ class Engine:
         cfg = self.config
         return multihost.follow(self._runner, multihost.step_channel_address(cfg.coordinator_address),
                                 cfg.process_id, on_connected=on_connected, timeout_s=cfg.multihost_timeout_s,
-                                secret=cfg.multihost_secret)
+                                secret=cfg.multihost_secret, draft=self.draft_runner)
 
     @staticmethod
     def on_group_failure(listener: Callable[[str], None]) -> None:

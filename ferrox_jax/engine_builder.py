@@ -47,6 +47,7 @@ from flax import nnx
 from ferrox_jax.batcher import ContinuousBatcher
 from ferrox_jax.step_faults import FaultPolicy
 from ferrox_jax.config import EngineConfig, SchedulerLimits
+from ferrox_jax.draft import DraftModel
 from ferrox_jax.kv_cache import bytes_per_block
 from ferrox_jax.memory_bounds import Footprint, context_for, device_room, engine_devices, kv_blocks_for, kv_shards
 from ferrox_jax.lora_registry import build_registry
@@ -54,6 +55,7 @@ from ferrox_jax.multihost import StepChannel, check_mesh, step_channel_address
 from ferrox_jax.multihost_runner import BroadcastRunner, DraftSender
 from ferrox_jax.shared_compiles import SharedCompiles
 from ferrox_jax.runner import ModelRunner, block_table_width
+from ferrox_jax.runner_protocol import Runner
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
 from models import cpu_kernels
 from models.checkpoint import CheckpointSource
@@ -318,21 +320,23 @@ def _block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
     return note
 
 
-def _leader_runner(runner: ModelRunner, config: EngineConfig) -> ModelRunner | BroadcastRunner:
-    """On process 0 of a multi-process cluster, the runner that sends every step to the
-    other processes first (`ferrox_jax/multihost.py`); elsewhere `runner` itself (a
-    follower runs its runner from `multihost.follow`, never from a batcher)."""
+def _leader_runners(runner: ModelRunner, draft_runner: ModelRunner | None,
+                    config: EngineConfig) -> tuple[Runner, DraftModel | None]:
+    """The runner the batcher drives and the draft model (`--speculative draft`, else None).
+    On process 0 of a multi-process cluster both send their steps to the other processes
+    first (`ferrox_jax/multihost_runner.py`); elsewhere they are the runners themselves (a
+    follower replays the leader's steps from `multihost.follow`, never from a batcher)."""
     if jax.process_count() == 1 or jax.process_index() != 0:
-        return runner
+        return runner, DraftModel(draft_runner) if draft_runner is not None else None
     if not config.coordinator_address or config.coordinator_address == "auto":
         raise ValueError("multi-host serving needs --coordinator-address HOST:PORT (the step channel "
                          "listens on the leader at PORT + 1)")
     channel = StepChannel(step_channel_address(config.coordinator_address), jax.process_count() - 1,
                           config.multihost_timeout_s, secret=config.multihost_secret)
     atexit.register(channel.close)  # a clean exit stops the followers too
-    if runner.draft is not None:  # --speculative draft: its proposal steps go to the followers too
-        runner.draft.proposals = DraftSender(runner.draft.runner, channel)
-    return BroadcastRunner(runner, channel)
+    # --speculative draft: the proposal steps go to the followers too (the mirror needs no frame)
+    draft = DraftModel(draft_runner, DraftSender(draft_runner, channel)) if draft_runner is not None else None
+    return BroadcastRunner(runner, channel), draft
 
 
 def open_draft(config: EngineConfig, target: CheckpointSource, mesh: Any) -> CheckpointSource | None:
@@ -401,6 +405,7 @@ class EngineParts:
     matmul_note: str  # which int8 matmul w8a8 runs on ("" when not quantized)
     lora: Any  # the LoraRegistry when --max-loras > 0, else None
     load_s: float  # seconds from the start of the build to the parts
+    draft_runner: ModelRunner | None = None  # `--speculative draft`'s; a multi-host follower replays its steps
 
 
 def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = None) -> EngineParts:
@@ -461,15 +466,16 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
                          max_chunk_tokens=step.idle_chunk_tokens, max_context=sizing.max_context, kv_dtype=kv_dtype,
                          mesh=mesh, replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks,
                          shared_compiles=_PROCESS.get("shared_compiles"))
-    if draft_source is not None:
-        runner.attach_draft(_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh))
-    device, runner = runner, _leader_runner(runner, config)
+    draft_runner = (_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh)
+                    if draft_source is not None else None)
+    device, (runner, draft) = runner, _leader_runners(runner, draft_runner, config)
     # Before the batcher, which quarantines an adapter whose row goes non-finite through it.
     lora = (build_registry(device, source.config, lora_slots, lora_targets, config.lora_modules)
             if lora_slots is not None else None)
     batcher = ContinuousBatcher(runner, source.tokenizer, limits,
                                 new_matcher=grammar.new_matcher if grammar is not None else None,
                                 fill_bitmask=grammar.fill_bitmask if grammar is not None else None,
-                                faults=FaultPolicy(config.step_timeout_s, config.max_step_faults), adapters=lora)
+                                faults=FaultPolicy(config.step_timeout_s, config.max_step_faults), adapters=lora,
+                                draft=draft)
     return EngineParts(source, device, runner, batcher, config, sizing, attention_note, grammar, grammar_note,
-                       matmul_note, lora, time.perf_counter() - t0)
+                       matmul_note, lora, time.perf_counter() - t0, draft_runner)

@@ -7,7 +7,7 @@ compiled shape and runs it, and the arrays it fetches back become each row's `Ro
     batch = HostBatch.build(plan, geometry)         numpy, exact sizes, nothing live
     pending = runner.forward(batch)                 pad -> block copies -> dispatch the forward
     arrays = runner.sample(pending, bitmask)        the masks filled meanwhile -> sample -> fetch
-    out = step_output(plan, batch, arrays)          RowResult per row -> scheduler.update(plan, out)
+    out = step_output(plan, batch, arrays)          RowResult per row (ferrox_jax/step_output.py)
 
 Because a batch holds nothing but arrays, it can be logged, replayed in a test, or sent to
 the other processes of a multi-host mesh as bytes (`to_bytes` / `from_bytes`, lossless).
@@ -41,18 +41,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ferrox_jax.plan import RowPlan, StepOutput, StepPlan
-from ferrox_jax.request import RowResult, SamplingParams
-from ferrox_jax.speculative import verified_result
-
-if TYPE_CHECKING:
-    from ferrox_jax.runner_protocol import Runner
+from ferrox_jax.plan import RowPlan, StepPlan
+from ferrox_jax.request import SamplingParams
 
 # Distinct tokens per row that penalties and logit_bias can touch (llama.cpp's default
 # window is 64 tokens; OpenAI caps logit_bias at 300 entries).
@@ -64,16 +59,6 @@ _MAGIC = b"FXHB1\n"
 def bitmask_words(vocab_size: int) -> int:
     """Words in one bitmask row for `vocab_size` logits: ceil(vocab_size / 32)."""
     return (vocab_size + 31) // 32
-
-
-def run_plan(runner: Runner, plan: StepPlan) -> StepOutput:
-    """One step of `plan`, no row constrained, on `runner`'s verbs: build the host batch,
-    forward, sample, read each row's result (tests and tools drive a runner this way; the
-    owner loop's tick does the same in the open, grammar masks between forward and sample)."""
-    batch = HostBatch.build(plan, runner.geometry)
-    start_s = time.perf_counter()
-    arrays = runner.sample(runner.forward(batch), None)
-    return step_output(plan, batch, arrays, device_s=time.perf_counter() - start_s)
 
 
 @dataclasses.dataclass
@@ -294,56 +279,20 @@ def _flat_arrays(batch: HostBatch) -> list[tuple[str, np.ndarray]]:
 @dataclasses.dataclass
 class StepArrays:
     """What one step's device work returns, fetched to the host, indexed by host-batch row
-    (`HostBatch.row_ids`) and token. The prompt and pooling arrays are None unless some row
-    of the batch asked for them."""
+    (`HostBatch.row_ids`) and token. K = the most positions a row sampled after (1, or
+    1 + d for a row verifying d drafts): column j is what was sampled after the row's j-th
+    new token, so a plain row reads column 0 and a speculating row its first 1 + d columns,
+    one reading for both (`ferrox_jax/step_output.py`). The prompt and pooling arrays are
+    None unless some row of the batch asked for them."""
 
-    tokens: np.ndarray  # i32[R] sampled token (rows with num_logits 0: meaningless)
-    logprob: np.ndarray  # f32[R] raw logprob of it
-    top_ids: np.ndarray  # i32[R, 20]
-    top_logprobs: np.ndarray  # f32[R, 20]
+    tokens: np.ndarray  # i32[R, K] sampled tokens (rows with num_logits 0, or columns past it: meaningless)
+    logprob: np.ndarray  # f32[R, K] raw logprob of each
+    top_ids: np.ndarray  # i32[R, K, 20]
+    top_logprobs: np.ndarray  # f32[R, K, 20]
     prompt_logprob: np.ndarray | None = None  # f32[N] logprob of next_token_ids[n] after token n
     prompt_top_ids: np.ndarray | None = None  # i32[N, 20]
     prompt_top_logprobs: np.ndarray | None = None  # f32[N, 20]
     hidden_sum: np.ndarray | None = None  # f32[R, D] final hidden states summed over the row's tokens
     last_hidden: np.ndarray | None = None  # f32[R, D] the state at the row's last token
-    # A speculating step (some num_logits > 1): what was sampled after each of a row's first
-    # K = 1 + k tokens (`tokens` etc. are column 0); None otherwise.
-    verify_tokens: np.ndarray | None = None  # i32[R, K]
-    verify_logprob: np.ndarray | None = None  # f32[R, K]
-    verify_top_ids: np.ndarray | None = None  # i32[R, K, 20]
-    verify_top_logprobs: np.ndarray | None = None  # f32[R, K, 20]
     # bool[R]: every logit of the row finite (all of a speculating row's); None: not checked.
     finite: np.ndarray | None = None
-
-
-def step_output(plan: StepPlan, batch: HostBatch, arrays: StepArrays, *, device_s: float = 0.0) -> StepOutput:
-    """One `RowResult` per row that samples, scores its prompt or pools."""
-    results: dict[int, RowResult] = {}
-    for i, row in enumerate(plan.decode + plan.chunks):
-        if row.sample or row.prompt_logprobs or row.pooling:
-            results[row.row_id] = _row_result(row, batch, arrays, i)
-    nonfinite = () if arrays.finite is None else tuple(int(batch.row_ids[i]) for i in np.flatnonzero(~arrays.finite))
-    return StepOutput(results=results, device_s=device_s, nonfinite_row_ids=nonfinite)
-
-
-def _row_result(row: RowPlan, batch: HostBatch, arrays: StepArrays, i: int) -> RowResult:
-    k = row.sampling.logprobs or 0
-    prompt = ()
-    if row.prompt_logprobs:
-        lo, hi = int(batch.row_starts[i]), int(batch.row_starts[i + 1])
-        if row.next_token_id < 0:  # the prompt's last token: what follows it is sampled, not scored
-            hi -= 1
-        prompt = tuple(
-            (float(arrays.prompt_logprob[n]),
-             tuple(zip(arrays.prompt_top_ids[n, :k].tolist(), arrays.prompt_top_logprobs[n, :k].tolist())))
-            for n in range(lo, hi))
-    hidden_sum = arrays.hidden_sum[i] if row.pooling else None
-    last_hidden = arrays.last_hidden[i] if row.pooling else None
-    if not row.sample:  # a prompt-logprobs chunk that is not the prompt's last, or pooling
-        return RowResult(row_id=row.row_id, token_id=-1, prompt_logprobs=prompt, hidden_sum=hidden_sum,
-                         last_hidden=last_hidden)
-    if row.num_draft_tokens:
-        return verified_result(row, arrays, i)
-    top = tuple(zip(arrays.top_ids[i, :k].tolist(), arrays.top_logprobs[i, :k].tolist()))
-    return RowResult(row_id=row.row_id, token_id=int(arrays.tokens[i]), logprob=float(arrays.logprob[i]),
-                     top_logprobs=top, prompt_logprobs=prompt)

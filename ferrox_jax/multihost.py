@@ -323,9 +323,12 @@ def close_all() -> None:
 
 def follow(runner: Any, address: tuple[str, int], process_id: int,
            on_connected: Callable[[], None] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-           secret: str | None = None) -> int:
+           secret: str | None = None, draft: Any = None) -> int:
     """A follower's whole life after warm-up: connect, prove the secret (and check the
-    leader's proof), run every step the leader sends.
+    leader's proof), replay every step the leader sends on `runner` (and `draft`, the draft
+    model's runner under `--speculative draft`), verb for verb in the leader's order: a `B`
+    batch is the target's forward, the draft's mirror of it, the `M` bitmask when a row is
+    constrained, the sample; a `D` batch a draft proposal step (forward, sample).
 
     `secret` is the group's (`--multihost-secret`); None: on loopback, the one the leader
     generated, read once the connection is accepted (the leader writes it before it listens).
@@ -353,14 +356,15 @@ def follow(runner: Any, address: tuple[str, int], process_id: int,
         kind, payload = frames.get()
         if kind == STOP:
             return 0
-        if kind == DRAFT and runner.draft is not None:
-            draft = runner.draft.runner
+        if kind == DRAFT and draft is not None:
             draft.sample(draft.forward(HostBatch.from_bytes(payload)), None)
             continue
         if kind != BATCH:
             leader_gone(f"follower {process_id}: unexpected frame {kind!r} from the leader; exiting")
         batch = HostBatch.from_bytes(payload)
         pending = runner.forward(batch)
+        if draft is not None:
+            draft.forward(batch)  # the draft's mirror, as the leader's tick runs it
         bitmask = None
         if batch.has_constrained_rows:
             mask_kind, mask = frames.get()

@@ -105,9 +105,8 @@ def unpad_results(batch: HostBatch, shape: StepShape, order: np.ndarray, fetched
     first = np.ones(len(real), bool)
     first[1:] = order[real][1:] != order[real][:-1]
     padded_row[order[real][first]] = real[first]
-    arrays = StepArrays(*(a[padded_row] for a in fetched[:4]), finite=_host_finite(fetched[4], order, batch.num_rows))
-    if batch.num_logits.max(initial=0) > 1:
-        _add_verify_arrays(arrays, batch, fetched[:4], padded_row)
+    arrays = StepArrays(*_sampled_columns(batch, fetched[:4], padded_row),
+                        finite=_host_finite(fetched[4], order, batch.num_rows))
     rest = fetched[5:]
     if wants_prompt:
         token_index = _host_token_index(batch, shape, padded_row)
@@ -118,15 +117,14 @@ def unpad_results(batch: HostBatch, shape: StepShape, order: np.ndarray, fetched
     return arrays
 
 
-def _add_verify_arrays(arrays: StepArrays, batch: HostBatch, samples: list[np.ndarray],
-                       padded_row: np.ndarray) -> None:
-    """A speculating step: what was sampled after each token of each row, [R, K] with K the
-    most tokens a row verified (a row's tokens sit in consecutive padded rows)."""
-    width = int(batch.num_logits.max())
+def _sampled_columns(batch: HostBatch, samples: list[np.ndarray], padded_row: np.ndarray) -> list[np.ndarray]:
+    """The sampler's arrays per host row and sampled position, [R, K, ...] with K the most
+    positions a row sampled after (1 unless a row speculates): a row's positions sit in
+    consecutive padded rows; columns past a row's own repeat its first."""
+    width = max(1, int(batch.num_logits.max(initial=0)))
     index = padded_row[:, None] + np.arange(width)[None, :]
-    index = np.where(np.arange(width)[None, :] < batch.num_logits[:, None], index, padded_row[:, None])
-    arrays.verify_tokens, arrays.verify_logprob, arrays.verify_top_ids, arrays.verify_top_logprobs = (
-        a[index] for a in samples)
+    index = np.where(np.arange(width)[None, :] < np.maximum(batch.num_logits, 1)[:, None], index, padded_row[:, None])
+    return [a[index] for a in samples]
 
 
 def _host_finite(finite: np.ndarray, order: np.ndarray, num_rows: int) -> np.ndarray:

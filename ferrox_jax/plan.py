@@ -6,7 +6,9 @@ into arrays -> the runner's verbs compute them (`ferrox_jax/runner_protocol.py`)
 the scheduler's decision for one step: per row, the tokens to compute, where they sit
 (positions and block table), whether to sample after the last one and with which
 settings. A `StepOutput` carries one `RowResult` per row that sampled, scored or pooled.
-Because both are plain data, the scheduler is tested against a scripted runner.
+Because both are plain data, the scheduler is tested against a scripted runner. A
+`DraftRequest` is a decoding row's ask for draft tokens (speculative decoding): the tick
+has its proposer answer it between `schedule()` and the host batch.
 
 Vocabulary: a *request* is one API job; a *row* is one sequence being generated (a
 request with `n > 1` has n rows; row ids are never reused); a *block* holds K/V for
@@ -58,17 +60,33 @@ class RowPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class DraftRequest:
+    """One decoding row's ask for draft tokens this step (`ferrox_jax/speculative.py`)."""
+
+    row: RowPlan  # its decode step: its last token at `row.start_pos`; for the draft model its
+    # table already covers the drafts' positions (the model writes their K/V while proposing)
+    num_drafts: int  # at most this many
+    token_ids: tuple[int, ...] = ()  # n-gram lookup: the row's prompt and output so far (() for the draft model)
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
     """One step's work: every decoding row (one token each) and the prompt chunks the
     token budget allows, all in one forward.
 
     `block_copies` (src, dst) run first: for `n > 1` the rows share a prompt's full
     blocks and each gets a copy of the partly filled last one.
+
+    With speculation, `draft_requests` name the decoding rows that may verify drafts this
+    step; the owner loop has a proposer find them and `Scheduler.add_drafts` adds them to
+    the rows before the host batch is built (`ferrox_jax/batcher.py`).
     """
 
     decode: tuple[RowPlan, ...] = ()
     chunks: tuple[RowPlan, ...] = ()
     block_copies: tuple[tuple[int, int], ...] = ()
+    draft_requests: tuple[DraftRequest, ...] = ()
+    max_draft_tokens: int = 0  # draft tokens the step's rows may take in all (a proposer stops there)
 
     @property
     def is_empty(self) -> bool:

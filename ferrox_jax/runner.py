@@ -7,21 +7,23 @@ comes from `Buckets`; `warmup()` compiles all of them ahead of time (AOT:
 `recompiles_after_warmup` (it should stay 0: tests assert it).
 
 `forward(batch)`, then `sample(pending, bitmask)`, in order:
-  1. Pad: rows of one new token go to the decode segment, longer rows (prompt chunks) to
-     the chunk segment; a speculating row (its last token and d drafts, sampled after each:
-     `num_logits` 1 + d) becomes 1 + d consecutive one-token decode rows sharing its block
-     table, at consecutive positions. Every token's K/V is written before any row attends,
-     so the row at position p + j reads the drafts before it: causal verification through
-     the one-query kernels, with no shape of its own. The smallest `StepShape` holding both
-     is picked and the batch's arrays are laid out in it (`ForwardBatch`, numpy, handed to the
-     compiled step as they are).
+  1. Pad (`ferrox_jax/padding.py`): rows of one new token go to the decode segment, longer
+     rows (prompt chunks) to the chunk segment; a speculating row (its last token and d
+     drafts, sampled after each: `num_logits` 1 + d) becomes 1 + d consecutive one-token
+     decode rows sharing its block table, so verification needs no shape of its own. The
+     smallest `StepShape` holding both is picked and the batch's arrays are laid out in it
+     (`ForwardBatch`, numpy, handed to the compiled step as they are).
   2. Dispatch: block copies, then the one forward over every row. Dispatch is
      asynchronous: `forward` returns a `DevicePending` while the device runs.
   3. Meanwhile the owner thread fills the grammar bitmask of constrained rows
      (`ferrox_jax/batcher.py`): the mask for a row depends on the token it sampled last
      step, so this is the earliest it can be computed, and the forward is what it hides behind.
   4. `sample` runs the sampler on the forward's logits; everything comes back in one
-     `jax.device_get`, un-padded to host-batch rows (`StepArrays`).
+     `jax.device_get`, un-padded to host-batch rows (`StepArrays`: per row, what was sampled
+     after each position it samples at).
+
+A draft model (`--speculative draft`) is a runner of its own; the owner loop mirrors every
+target batch on it and drives its proposal steps through the same verbs (`ferrox_jax/draft.py`).
 
 State verbs, between ticks: `swap_state` (LoRA slot writes: new arrays of the same shapes,
 placed with the same shardings), `release` / `restore` (sleep and wake, `ferrox_jax/sleep.py`).
@@ -35,7 +37,7 @@ import logging
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +46,6 @@ from flax import nnx
 
 from ferrox_jax import sleep
 from ferrox_jax.buckets import Buckets, StepShape
-if TYPE_CHECKING:
-    from ferrox_jax.draft import DraftModel
 from ferrox_jax.host_batch import ALL_TOKENS_ALLOWED, BatchGeometry, HostBatch, SamplingArrays, StepArrays
 from ferrox_jax.kv_cache import KVCache, copy_blocks, create_kv_cache
 from ferrox_jax.multihost import place_on_mesh
@@ -135,7 +135,6 @@ class ModelRunner:
         self.is_warm = False
         self._recompiles = 0
         self._asleep: sleep.Asleep | None = None  # what `release` freed, until `restore`
-        self.draft: DraftModel | None = None  # --speculative draft: mirrors every step (attach_draft)
         self.bitmask_words = -(-self.vocab_size // 32)  # int32 words per bitmask row
         self._all_ones: dict[int, jax.Array] = {}  # rows -> all-ones bitmask, on the device
 
@@ -208,19 +207,8 @@ class ModelRunner:
 
     @property
     def recompiles_after_warmup(self) -> int:
-        """Shapes compiled after warm-up, the draft model's included (should stay 0)."""
-        return self._recompiles + (self.draft.recompiles_after_warmup if self.draft is not None else 0)
-
-    def attach_draft(self, draft_runner: ModelRunner) -> None:
-        """`--speculative draft`: `draft_runner` (the draft checkpoint, built with this
-        runner's geometry) mirrors every step from now on (`ferrox_jax/draft.py`)."""
-        from ferrox_jax.draft import DraftModel
-
-        self.draft = DraftModel(draft_runner, self)
-
-    def propose_drafts(self, requests, pending_copies) -> list[tuple[int, ...]]:
-        """The scheduler's `Speculator.proposer` for the draft method."""
-        return self.draft.propose(requests, pending_copies)
+        """Shapes compiled after warm-up (should stay 0)."""
+        return self._recompiles
 
     # ---- compilation -------------------------------------------------------------
     def compile_keys(self) -> list[tuple]:
@@ -272,8 +260,6 @@ class ModelRunner:
                 self._compiled[key] = exe
                 if progress:
                     progress(i + 1, len(keys), key)
-        if self.draft is not None:
-            self.draft.warmup()
         self.is_warm = True
         return time.perf_counter() - t0
 
@@ -300,8 +286,6 @@ class ModelRunner:
         if len(batch.block_copies):
             self.copy_blocks(batch.block_copies)
         result = self._run_forward(shape, forward_inputs)
-        if self.draft is not None:  # the draft writes its K/V wherever the target does
-            self.draft.mirror(batch)
         return DevicePending(batch, shape, order, forward_inputs, result)
 
     def sample(self, pending: DevicePending, bitmask: np.ndarray | None) -> StepArrays:

@@ -16,8 +16,11 @@ level 2 the weights, given back to the device and taken again in the same shapes
 `ferrox_jax/runner.py:ModelRunner` is the device's runner, `ferrox_jax/multihost_runner.py`'s
 `BroadcastRunner` and `DraftSender` wrap one for a multi-process group, and
 `tests/scripted.py:ScriptedRunner` is the test double; all of them implement this
-protocol, so nobody needs to write a runner's attributes, call its underscored methods,
-or ask whether it has something.
+protocol and nothing else public (`tests/test_runner_protocol.py` compares their methods
+against this list), so nobody needs to write a runner's attributes, call its underscored
+methods, or ask whether it has something. A draft model (`--speculative draft`) is one more
+runner: the owner loop mirrors each target batch on it and proposes through its verbs
+(`ferrox_jax/draft.py`).
 """
 
 from __future__ import annotations
@@ -110,8 +113,9 @@ class Runner(Protocol):
         ...
 
 
-def check_limits(limits: SchedulerLimits, runner: Runner) -> None:
-    """Raises ValueError when the limits ask for more than the runner's cache and buckets hold."""
+def check_limits(limits: SchedulerLimits, runner: Runner, has_draft: bool = False) -> None:
+    """Raises ValueError when the limits ask for more than the runner's cache and buckets
+    hold, or `--speculative draft` without a draft model (`has_draft`)."""
     if limits.block_size != runner.block_size:
         raise ValueError(f"SchedulerLimits.block_size ({limits.block_size}) must match the runner's "
                          f"KV cache block size ({runner.block_size})")
@@ -125,9 +129,8 @@ def check_limits(limits: SchedulerLimits, runner: Runner) -> None:
         raise ValueError(f"speculation needs {limits.speculative.step_rows(limits.max_rows)} rows per step "
                          f"(each speculating row's tokens are rows); the runner's largest row bucket is "
                          f"{runner.max_rows}")
-    if (limits.speculative is not None and limits.speculative.method == "draft"
-            and getattr(runner, "draft", None) is None):
-        raise ValueError("--speculative draft: the runner has no draft model attached")
+    if limits.speculative is not None and limits.speculative.method == "draft" and not has_draft:
+        raise ValueError("--speculative draft: the batcher was given no draft model")
     if limits.max_chunks > runner.max_chunks:
         raise ValueError(f"SchedulerLimits' {limits.max_chunks} chunks per step exceed the runner's "
                          f"{runner.max_chunks}")

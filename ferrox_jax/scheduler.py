@@ -4,9 +4,10 @@ Owned by the batcher's owner thread (no locks). A tick, in the contract's order:
 
     schedule():  1 apply cancellations   2 flush finished rows   3 admit waiting jobs (FIFO)
                  4 plan the decode rows   5 plan prompt chunks within the token budget
-                 6 measure the peak
-    runner.run(host batch of the plan)   one forward for the decode rows and the chunks
-    update():    7 apply results (advance progress, stop checks)   8 flush finished rows
+                 6 name the rows that may verify drafts (speculation)   7 measure the peak
+    add_drafts(plan, proposer's drafts)  (speculation) the drafts join their rows
+    the runner's step over the plan's host batch: one forward for the decode rows and the chunks
+    update():    8 apply results (advance progress, stop checks)   9 flush finished rows
 
 Progress is `num_computed_tokens` catching up with `len(token_ids)`: a chunk is that
 catch-up capped by `max_chunk_tokens`, a decode row a catch-up of one. Every decoding row
@@ -34,7 +35,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ferrox_jax.block_tables import BlockTables, blocks_to_reserve
+from ferrox_jax.admission import check_admission  # noqa: F401 (the batcher's submit-side check)
+from ferrox_jax.block_tables import BlockTables, blocks_to_reserve  # noqa: F401
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.plan import RowPlan, StepOutput, StepPlan
 from ferrox_jax.speculative import Speculator
@@ -46,35 +48,6 @@ from ferrox_jax.request import (GenerationRequest, MatcherFactory, Request, Requ
 PENDING_CANCEL_TTL_S = 60.0
 MAX_PENDING_CANCELS = 1024
 _BANNED_LOGIT = float("-inf")  # logit bias masking stop tokens before min_tokens
-
-
-def check_admission(spec: GenerationRequest, limits: SchedulerLimits) -> tuple[str, str] | None:
-    """The "never" refusals, in the contract's order; None when the job can ever run.
-
-    Pure (reads immutable limits only), so submitters call it on their own threads.
-
-    Returns:
-        None, or (reason, message): reason "context_length" or "too_large".
-    """
-    num_prompt_tokens = len(spec.prompt_token_ids)
-    total_tokens = num_prompt_tokens + spec.max_tokens
-    if limits.max_context is not None and total_tokens > limits.max_context:
-        return ("context_length",
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({spec.max_tokens}) = "
-                f"{total_tokens} tokens exceeds the context limit of {limits.max_context} tokens")
-    num_blocks = blocks_to_reserve(num_prompt_tokens, spec.max_tokens, spec.n, limits.block_size)
-    if num_blocks > limits.num_blocks:
-        message = (f"request needs {num_blocks} KV blocks of {limits.block_size} positions "
-                   f"(prompt {num_prompt_tokens} + max_tokens {spec.max_tokens}, n={spec.n}); "
-                   f"the whole budget is {limits.num_blocks} blocks")
-        if limits.kv_bytes_per_block:
-            message += (f" ({num_blocks * limits.kv_bytes_per_block} bytes needed; the KV budget holds "
-                        f"{limits.num_blocks * limits.kv_bytes_per_block} bytes)")
-        return "too_large", message
-    if spec.n > limits.max_rows:
-        return ("too_large", f"request asks for n={spec.n} rows; at most {limits.max_rows} "
-                             "rows run at once (max_seqs)")
-    return None
 
 
 class Scheduler:
@@ -178,19 +151,29 @@ class Scheduler:
     # -- planning ----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """Plans this tick's device work (steps 1-6 of the module docstring)."""
+        """Plans this tick's device work (steps 1-7 of the module docstring)."""
         self._apply_cancellations()
         self._flush_finished()
         self._admit_waiting()
         decode = self._plan_decode_rows()
         chunks = self._plan_chunks(is_idle=not decode)
+        requests, max_draft_tokens = (), 0
         if self.speculator is not None:
-            decode = self.speculator.extend(decode, self._rows, self.blocks,
-                                            self.limits.speculative.step_rows(self.limits.max_rows))
+            decode, requests, max_draft_tokens = self.speculator.plan_drafts(
+                decode, self._rows, self.blocks, self.limits.speculative.step_rows(self.limits.max_rows))
         self._update_peak()
-        plan = StepPlan(decode=decode, chunks=chunks, block_copies=self.blocks.take_copies())
+        plan = StepPlan(decode=decode, chunks=chunks, block_copies=self.blocks.take_copies(),
+                        draft_requests=requests, max_draft_tokens=max_draft_tokens)
         self._planned_row_ids = tuple(row.row_id for row in plan.rows)
         return plan
+
+    def add_drafts(self, plan: StepPlan, drafts: list[tuple[int, ...]]) -> StepPlan:
+        """The plan with the proposer's `drafts` (one tuple per `plan.draft_requests`) added
+        to their rows, whose tables grow to cover them; the rows speculate this step."""
+        decode = self.speculator.add_drafts(plan.decode, plan.draft_requests, drafts, self._rows, self.blocks)
+        self._update_peak()
+        return dataclasses.replace(plan, decode=decode, block_copies=plan.block_copies + self.blocks.take_copies(),
+                                   draft_requests=(), max_draft_tokens=0)
 
     def matcher(self, row_id: int) -> Any:
         """The grammar state of a constrained row (`ferrox_jax.grammar.RowMatcher`), for
@@ -321,14 +304,14 @@ class Scheduler:
     # -- applying results --------------------------------------------------------------
 
     def check_output(self, plan: StepPlan, out: StepOutput) -> None:
-        """Raises ValueError if the runner left out a result the plan asked for."""
+        """Raises ValueError if the step left out a result the plan asked for."""
         wanted = [s.row_id for s in plan.rows if s.sample or s.prompt_logprobs or s.pooling]
         missing = [row_id for row_id in wanted if row_id not in out.results]
         if missing:
             raise ValueError(f"runner returned no result for rows {missing}")
 
     def update(self, plan: StepPlan, out: StepOutput) -> None:
-        """Applies a step's results (steps 7-8 of the module docstring)."""
+        """Applies a step's results (steps 8-9 of the module docstring)."""
         for step in plan.chunks:
             self._apply_chunk(step, out.results.get(step.row_id))
         for step in plan.decode:

@@ -11,6 +11,13 @@ those 1 + k positions at once:
     accepts    t0 == "sat"? t1 == "on"? ... the longest run of drafts equal to what was
                sampled at their position, then the next sample: 1 to k + 1 tokens a step
 
+In the tick (`ferrox_jax/batcher.py`): `schedule()` names the decoding rows that may verify
+drafts (`Speculator.plan_drafts`, `StepPlan.draft_requests`), a proposer answers them (here
+`NgramProposer`, on the host; or the draft model, `ferrox_jax/draft.py`), and
+`Scheduler.add_drafts` appends the drafts to their rows before the host batch is built.
+The step's output is read on one path for every row (`ferrox_jax/step_output.py`): what
+was sampled after each of a row's tokens, the drafts kept while they match.
+
 In the forward, the row's 1 + k tokens are 1 + k one-token decode rows sharing its block
 table (`ferrox_jax/runner.py`): every token's K/V is written before any row attends, so the
 row at position p + j reads the drafts before it. Verification needs no compiled shape of
@@ -54,30 +61,16 @@ admission-time block reservation covers: no lookahead blocks are needed.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ferrox_jax.config import SpeculativeConfig
+from ferrox_jax.plan import DraftRequest, RowPlan, StepPlan
 from ferrox_jax.request import Row, RowResult
 
 if TYPE_CHECKING:
     from ferrox_jax.block_tables import BlockTables
-    from ferrox_jax.host_batch import StepArrays
-    from ferrox_jax.plan import RowPlan
-
-@dataclasses.dataclass(frozen=True)
-class DraftRequest:
-    """One row's ask to the draft model: `plan` is its decode step (its last token at
-    `plan.start_pos`, its table already covering the drafts' positions); `num_drafts` tokens
-    are to be proposed, each sampled with the row's settings and its (seed, position) noise."""
-
-    plan: RowPlan
-    num_drafts: int
-
-
-# (requests, block copies still pending this step) -> each request's drafts, in order.
-Proposer = Callable[[tuple[DraftRequest, ...], tuple[tuple[int, int], ...]], list[tuple[int, ...]]]
 
 MAX_BACKOFF_STEPS = 16  # longest a row waits between drafts while none is accepted
 
@@ -137,25 +130,28 @@ class SpecDecodeCounters:
             self.accepted_per_pos[j] += 1
 
 
-def verified_result(row: RowPlan, arrays: StepArrays, i: int) -> RowResult:
-    """Host-batch row `i`'s result in a speculating step: the first sample, then in
-    `following` the samples after each accepted draft (the last one is the model's own
-    token after the accepted run)."""
-    drafts = row.token_ids[len(row.token_ids) - row.num_draft_tokens:]
-    sampled = arrays.verify_tokens[i]
-    accepted = count_accepted(drafts, sampled)
-    k = row.sampling.logprobs or 0
-    results = tuple(
-        RowResult(row_id=row.row_id, token_id=int(sampled[j]), logprob=float(arrays.verify_logprob[i, j]),
-                  top_logprobs=tuple(zip(arrays.verify_top_ids[i, j, :k].tolist(),
-                                         arrays.verify_top_logprobs[i, j, :k].tolist())))
-        for j in range(accepted + 1))
-    return dataclasses.replace(results[0], following=results[1:])
+class NgramProposer:
+    """Prompt lookup's proposer (`propose_ngram`), on the host: each request's drafts from
+    its own text, within the step's `max_draft_tokens` in request order."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def propose(self, plan: StepPlan) -> list[tuple[int, ...]]:
+        room = plan.max_draft_tokens
+        proposed = []
+        for request in plan.draft_requests:
+            drafts = propose_ngram(request.token_ids, min(room, request.num_drafts), self.config.ngram_min,
+                                   self.config.ngram_max)
+            room -= len(drafts)
+            proposed.append(drafts)
+        return proposed
 
 
 class Speculator:
-    """The scheduler's side: adds drafts to a step's decoding rows and counts what was
-    accepted (module docstring: which rows and steps speculate)."""
+    """The scheduler's side: names the decoding rows that may verify drafts, adds the
+    proposer's drafts to them, and counts what was accepted (module docstring: which rows
+    and steps speculate)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -167,9 +163,6 @@ class Speculator:
         # Adaptive length (config.max_speculative_tokens): rows whose drafts were all kept
         # draft more (1 + k doubling, up to the maximum) while the text keeps repeating; absent: k.
         self._length: dict[int, int] = {}  # row id -> drafts it may verify next
-        # Method "draft": the device side's proposer (`ModelRunner.propose_drafts`), wired
-        # by the owner; the scheduler itself never touches the device.
-        self.proposer: Proposer | None = None
 
     def max_drafts(self, row: Row) -> int:
         """Drafts the row may verify this step: 0 for a row that never speculates, else k
@@ -182,41 +175,47 @@ class Speculator:
         length = self._length.get(row.row_id, self.config.num_speculative_tokens)
         return max(0, min(length, spec.max_tokens - row.num_generated_tokens - 1))
 
-    def extend(self, decode: tuple[RowPlan, ...], rows: dict[int, Row], blocks: BlockTables,
-               max_tokens: int) -> tuple[RowPlan, ...]:
-        """The decoding rows with their drafts (and their tables grown to cover them);
-        unchanged when the batch is over `max_rows` or no row finds a draft. The rows'
-        tokens stay within `max_tokens` (each is a one-token row of the step's forward,
-        so they must fit its largest row bucket)."""
+    def plan_drafts(self, decode: tuple[RowPlan, ...], rows: dict[int, Row], blocks: BlockTables,
+                    max_tokens: int) -> tuple[tuple[RowPlan, ...], tuple[DraftRequest, ...], int]:
+        """(the decoding rows, their draft requests, the draft tokens the step may take in
+        all); no request when the batch is over `max_rows`. The rows' tokens stay within
+        `max_tokens` (each is a one-token row of the step's forward, so they must fit its
+        largest row bucket). For the draft model a requesting row's table grows here to
+        cover its drafts (the model writes their K/V while proposing), within the room;
+        n-gram drafts are found from the row's text, and its table grows in `add_drafts`
+        for those it gets."""
         if len(decode) > self.config.max_rows:
-            return decode
+            return decode, (), 0
         if len(self._backoff) + len(self._length) > 4 * len(rows) + 64:  # rows that ended by a cancel: forget them
             self._backoff = {row_id: b for row_id, b in self._backoff.items() if row_id in rows}
             self._length = {row_id: n for row_id, n in self._length.items() if row_id in rows}
         room = max_tokens - len(decode)
         out = list(decode)
-        wanted: list[tuple[int, int]] = []  # (index in decode, drafts) for the draft model
+        requests: list[DraftRequest] = []
         for i, plan in enumerate(decode):
             row = rows[plan.row_id]
             backoff = self._backoff.get(plan.row_id)
             if backoff is not None and backoff[0] > 0:
                 backoff[0] -= 1
                 continue
-            num = min(room, self.max_drafts(row))
             if self.config.method == "ngram":
-                drafts = propose_ngram(row.token_ids, num, self.config.ngram_min, self.config.ngram_max)
-                out[i] = self._with_drafts(plan, row, blocks, drafts)
-                room -= len(drafts)
-            elif num:
+                if num := self.max_drafts(row):
+                    requests.append(DraftRequest(plan, num, tuple(row.token_ids)))
+            elif num := min(room, self.max_drafts(row)):
                 blocks.prepare_decode(row, num_tokens=1 + num)
                 out[i] = dataclasses.replace(plan, block_ids=tuple(row.block_ids))
-                wanted.append((i, num))
+                requests.append(DraftRequest(out[i], num))
                 room -= num
-        if wanted:
-            proposed = self.proposer(tuple(DraftRequest(out[i], num) for i, num in wanted), blocks.pending_copies)
-            for (i, _), drafts in zip(wanted, proposed):
-                out[i] = self._with_drafts(out[i], rows[out[i].row_id], blocks, tuple(drafts))
-        return tuple(out)
+        max_draft_tokens = room if self.config.method == "ngram" else sum(r.num_drafts for r in requests)
+        return tuple(out), tuple(requests), max_draft_tokens
+
+    def add_drafts(self, decode: tuple[RowPlan, ...], requests: tuple[DraftRequest, ...],
+                   drafts: list[tuple[int, ...]], rows: dict[int, Row], blocks: BlockTables) -> tuple[RowPlan, ...]:
+        """The decoding rows with each request's proposed `drafts` appended (and their
+        tables grown to cover them)."""
+        proposed = {request.row.row_id: tuple(found) for request, found in zip(requests, drafts)}
+        return tuple(self._with_drafts(plan, rows[plan.row_id], blocks, proposed[plan.row_id])
+                     if proposed.get(plan.row_id) else plan for plan in decode)
 
     @staticmethod
     def _with_drafts(plan: RowPlan, row: Row, blocks: BlockTables, drafts: tuple[int, ...]) -> RowPlan:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ferrox_jax.plan import RowPlan, StepPlan
-from ferrox_jax.host_batch import run_plan
+from ferrox_jax.step_output import run_plan
 from ferrox_jax.request import SamplingParams
 from ferrox_jax.runner import ModelRunner
 from models.loader import load_checkpoint

@@ -18,10 +18,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ferrox_jax.host_batch import BatchGeometry, HostBatch, StepArrays, run_plan
+from ferrox_jax.host_batch import BatchGeometry, HostBatch, StepArrays
+from ferrox_jax.step_output import run_plan
 from ferrox_jax.plan import StepPlan
 from ferrox_jax.request import RowEvent
 from ferrox_jax.scheduler import Scheduler
+from ferrox_jax.speculative import NgramProposer
 
 EOS = 256
 
@@ -167,9 +169,10 @@ class ScriptedRunner:
     def sample(self, pending: ScriptedPending, bitmask: np.ndarray | None) -> StepArrays:
         batch = pending.batch
         self.bitmasks.append(bitmask)  # recorded, never applied: a script may play a token a grammar forbids
-        rows = batch.num_rows
-        arrays = StepArrays(tokens=np.full(rows, -1, np.int32), logprob=np.zeros(rows, np.float32),
-                            top_ids=np.zeros((rows, 20), np.int32), top_logprobs=np.zeros((rows, 20), np.float32),
+        rows, width = batch.num_rows, max(1, int(batch.num_logits.max(initial=0)))
+        arrays = StepArrays(tokens=np.full((rows, width), -1, np.int32), logprob=np.zeros((rows, width), np.float32),
+                            top_ids=np.zeros((rows, width, 20), np.int32),
+                            top_logprobs=np.zeros((rows, width, 20), np.float32),
                             prompt_logprob=np.zeros(len(batch.token_ids), np.float32),
                             prompt_top_ids=np.zeros((len(batch.token_ids), 20), np.int32),
                             prompt_top_logprobs=np.zeros((len(batch.token_ids), 20), np.float32))
@@ -258,16 +261,18 @@ class ScriptedRunner:
         if batch.prompt_logprobs[r]:
             # The logprob of the prompt token at position p is -p: easy to check in order.
             arrays.prompt_logprob[lo:hi] = [-float(p + 1) for p in self._positions(batch, r)]
-        if not batch.num_logits[r]:
-            return
-        history = self._read(batch, r, self._positions(batch, r).stop)
+        num_logits = int(batch.num_logits[r])
         s = batch.sampling
         seed = 0 if s.temperature[r] == 0 else int(s.seed[r])
-        token_id = self.token_fn(seed, history)
-        logprob = -float(len(history) % 7) / 8
-        arrays.tokens[r], arrays.logprob[r] = token_id, logprob
-        arrays.top_ids[r] = token_id + np.arange(20)
-        arrays.top_logprobs[r] = logprob - np.arange(20)
+        end = self._positions(batch, r).stop
+        # Sampled after each of the row's last `num_logits` tokens (a speculating row verifies several).
+        for j, stop in enumerate(range(end - num_logits + 1, end + 1)):
+            history = self._read(batch, r, stop)
+            token_id = self.token_fn(seed, history)
+            logprob = -float(len(history) % 7) / 8
+            arrays.tokens[r, j], arrays.logprob[r, j] = token_id, logprob
+            arrays.top_ids[r, j] = token_id + np.arange(20)
+            arrays.top_logprobs[r, j] = logprob - np.arange(20)
 
 
 @dataclasses.dataclass
@@ -297,6 +302,8 @@ def tick(scheduler: Scheduler, runner: ScriptedRunner,
          outputs: dict[tuple[str, int], RowOutput]) -> StepPlan:
     """One tick as the owner loop does it (a runner failure fails the step)."""
     plan = scheduler.schedule()
+    if plan.draft_requests:  # prompt lookup's drafts (the scripted runner has no draft model)
+        plan = scheduler.add_drafts(plan, NgramProposer(scheduler.limits.speculative).propose(plan))
     if not plan.is_empty:
         runner.plans.append(plan)
         try:

@@ -29,7 +29,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from ferrox_jax.host_batch import run_plan  # noqa: E402
+from ferrox_jax.step_output import run_plan  # noqa: E402
 
 SEED = 0
 BLOCK_SIZE = 8

@@ -17,7 +17,10 @@ if __name__ == "__main__" and "--xla_force_host_platform_device_count" not in os
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ferrox_jax.config import SchedulerLimits, SpeculativeConfig  # noqa: E402
-from ferrox_jax.host_batch import run_plan  # noqa: E402
+from ferrox_jax.draft import DraftModel  # noqa: E402
+from ferrox_jax.host_batch import HostBatch  # noqa: E402
+from ferrox_jax.speculative import NgramProposer  # noqa: E402
+from ferrox_jax.step_output import step_output  # noqa: E402
 from ferrox_jax.request import GenerationRequest, SamplingParams  # noqa: E402
 from ferrox_jax.scheduler import Scheduler  # noqa: E402
 
@@ -44,12 +47,15 @@ def limits_for(runner, speculative: SpeculativeConfig | None, max_rows: int = MA
 
 
 def drive(runner, tokenizer, jobs, speculative: SpeculativeConfig | None, max_rows: int = MAX_ROWS,
-          on_step=None) -> Run:
-    """Submits `jobs` (GenerationRequests) and steps until all have finished.
+          on_step=None, draft: DraftModel | None = None) -> Run:
+    """Submits `jobs` (GenerationRequests) and steps until all have finished, each step as
+    the owner loop's tick runs it (`ContinuousBatcher._step`, no grammar masks): drafts
+    proposed (`draft`, the draft model for `method="draft"`; else prompt lookup), the host
+    batch, the forward, the draft's mirror, the sample, the results.
     `on_step(scheduler, step_index)` runs before each step (to cancel, for instance)."""
     scheduler = Scheduler(limits_for(runner, speculative, max_rows), tokenizer)
-    if speculative is not None and speculative.method == "draft":
-        scheduler.speculator.proposer = runner.propose_drafts  # as the batcher wires it
+    proposer = draft if speculative is not None and speculative.method == "draft" else (
+        NgramProposer(speculative) if speculative is not None else None)
     for job in jobs:
         scheduler.add_request(job)
     run = Run({j.request_id: [[] for _ in range(j.n)] for j in jobs},
@@ -59,8 +65,14 @@ def drive(runner, tokenizer, jobs, speculative: SpeculativeConfig | None, max_ro
         if on_step is not None:
             on_step(scheduler, run.num_steps)
         plan = scheduler.schedule()
+        if plan.draft_requests:
+            plan = scheduler.add_drafts(plan, proposer.propose(plan))
         if not plan.is_empty:
-            scheduler.update(plan, run_plan(runner, plan))
+            batch = HostBatch.build(plan, runner.geometry)
+            pending = runner.forward(batch)
+            if draft is not None:
+                draft.mirror(batch)
+            scheduler.update(plan, step_output(plan, batch, runner.sample(pending, None)))
             run.num_steps += 1
         for event in scheduler.take_events():
             run.tokens[event.request_id][event.index] += event.token_ids
@@ -118,12 +130,11 @@ def _tp_draft_main(target: str, drafts: list[str]) -> None:
         engine = Engine.load(EngineConfig(model=target, dtype="float32", tensor_parallel=2, speculative=spec,
                                           kv_blocks=96, block_size=8, max_seqs=MAX_ROWS, prefill_chunk=64,
                                           max_context=256))
-        runner = engine._runner
+        runner, draft_runner = engine.runner, engine.draft_runner
         jobs = greedy_jobs(engine.tokenizer)
-        off = drive(runner, engine.tokenizer, jobs, None)
-        on = drive(runner, engine.tokenizer, jobs, spec)
+        off = drive(runner, engine.tokenizer, jobs, None, draft=DraftModel(draft_runner))
+        on = drive(runner, engine.tokenizer, jobs, spec, draft=DraftModel(draft_runner))
         counters = on.scheduler.speculator.counters
-        draft_runner = runner.draft.runner
         got[draft] = {"off": off.tokens, "on": on.tokens, "drafted": counters.num_draft_tokens,
                       "accepted": counters.num_accepted_tokens,
                       "weight_devices": sorted({len(leaf.sharding.device_set) for leaf in jax.tree.leaves(draft_runner.state)}),

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from ferrox_jax.plan import RowPlan, StepPlan
-from ferrox_jax.host_batch import HostBatch, bitmask_words, run_plan, step_output
+from ferrox_jax.host_batch import HostBatch, bitmask_words
+from ferrox_jax.step_output import run_plan, step_output
 from ferrox_jax.request import SamplingParams
 from tests.engine_helpers import generate_alone, make_runner, shuffled_blocks
 

@@ -14,7 +14,7 @@ from ferrox_jax.request import SamplingParams
 from ferrox_jax.request import GenerationRequest, derive_row_seed
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.scheduler import Scheduler, blocks_to_reserve, check_admission
-from ferrox_jax.host_batch import run_plan
+from ferrox_jax.step_output import run_plan
 from tests.scripted import (EOS, ByteTokenizer, ScriptedRunner, letters_token_fn, run_until_idle,
                             script_token_fn, tick)
 

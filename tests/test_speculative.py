@@ -108,6 +108,19 @@ def test_rows_whose_next_token_depends_on_more_than_the_step_do_not_speculate():
     assert speculator.max_drafts(row) == 1
 
 
+def _extend(speculator, decode, rows, blocks, max_tokens):
+    """The speculator's part of a tick: the rows' draft requests, prompt lookup's answer,
+    the drafts added to the rows (what `Scheduler.schedule` / `add_drafts` do around the
+    owner loop's proposer)."""
+    from ferrox_jax.plan import StepPlan
+    from ferrox_jax.speculative import NgramProposer
+
+    decode, requests, room = speculator.plan_drafts(decode, rows, blocks, max_tokens)
+    drafts = NgramProposer(speculator.config).propose(StepPlan(decode=decode, draft_requests=requests,
+                                                               max_draft_tokens=room))
+    return speculator.add_drafts(decode, requests, drafts, rows, blocks)
+
+
 def test_a_row_whose_drafts_are_rejected_backs_off_doubling():
     from ferrox_jax.plan import RowPlan
     from ferrox_jax.request import RowResult
@@ -122,7 +135,7 @@ def test_a_row_whose_drafts_are_rejected_backs_off_doubling():
     plan = RowPlan(row_id=row.row_id, token_ids=(2,), start_pos=3, block_ids=(), sample=True)
 
     def step(accepted):
-        (planned,) = speculator.extend((plan,), {row.row_id: row}, Blocks(), max_tokens=8)
+        (planned,) = _extend(speculator, (plan,), {row.row_id: row}, Blocks(), max_tokens=8)
         if planned.num_draft_tokens:
             speculator.record(planned, RowResult(row.row_id, 1, following=(RowResult(row.row_id, 2),) * accepted),
                               is_finished=False)
@@ -153,7 +166,7 @@ def test_adaptive_length_doubles_while_every_draft_is_kept_and_resets_on_a_rejec
     plan = RowPlan(row_id=row.row_id, token_ids=(12,), start_pos=32, block_ids=(), sample=True)
 
     def step(rejected_at=None, room=32):
-        (planned,) = speculator.extend((plan,), {row.row_id: row}, Blocks(), max_tokens=room)
+        (planned,) = _extend(speculator, (plan,), {row.row_id: row}, Blocks(), max_tokens=room)
         n = planned.num_draft_tokens
         kept = n if rejected_at is None else rejected_at
         speculator.record(planned, RowResult(row.row_id, 1, following=(RowResult(row.row_id, 2),) * kept),
@@ -167,12 +180,12 @@ def test_adaptive_length_doubles_while_every_draft_is_kept_and_resets_on_a_rejec
     assert step(room=4) == 3, "a step's rows cap the drafts (1 + 3 of 4 rows)"
     assert speculator.counters.accepted_per_pos[6] == 3, "per-position counts cover the longest drafts"
     # a finished row is forgotten: a new row with the same id would start at k
-    (planned,) = speculator.extend((plan,), {row.row_id: row}, Blocks(), max_tokens=32)
+    (planned,) = _extend(speculator, (plan,), {row.row_id: row}, Blocks(), max_tokens=32)
     speculator.record(planned, RowResult(row.row_id, 1), is_finished=True)
     assert speculator.max_drafts(row) == 2
     # fixed length (the default, 0): always k
     fixed = Speculator(SpeculativeConfig(num_speculative_tokens=2, ngram_min=1))
-    (planned,) = fixed.extend((plan,), {row.row_id: row}, Blocks(), max_tokens=32)
+    (planned,) = _extend(fixed, (plan,), {row.row_id: row}, Blocks(), max_tokens=32)
     fixed.record(planned, RowResult(row.row_id, 1, following=(RowResult(row.row_id, 2),) * 2), is_finished=False)
     assert fixed.max_drafts(row) == 2
 

@@ -5,6 +5,7 @@ the draft's KV lives in the target's block ids, so every block returns to the on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from ferrox_jax.config import EngineConfig, SpeculativeConfig
+from ferrox_jax.draft import DraftModel
 from ferrox_jax.request import GenerationRequest, SamplingParams
 from ferrox_jax.runner import ModelRunner
 from tests.spec_driver import GREEDY, STEP_ROWS, copy_prompt, drive, greedy_jobs
@@ -44,7 +46,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(checkpoints):
-    """One target runner (compiled once); `_with_draft` attaches the draft a test uses."""
+    """One target runner (compiled once); `_with_draft` picks the draft a test uses."""
     from tests.engine_helpers import make_runner
 
     runner, ckpt = make_runner(checkpoints["target"], max_rows=STEP_ROWS)
@@ -54,11 +56,11 @@ def target(checkpoints):
 
 
 def _with_draft(target, name):
-    """The target runner drafted by `name`. Swapping drafts between runs is sound because each
-    run starts a fresh scheduler (empty budget and prefix cache): every block is written anew."""
+    """(the target runner, its checkpoint, `drive` with the draft model `name`). Swapping
+    drafts between runs is sound because each run starts a fresh scheduler (empty budget
+    and prefix cache): every block is written anew."""
     runner, ckpt, drafts = target
-    runner.attach_draft(drafts[name])
-    return runner, ckpt
+    return runner, ckpt, functools.partial(drive, draft=DraftModel(drafts[name]))
 
 
 def test_config_takes_vllms_draft_model_form():
@@ -72,7 +74,7 @@ def test_config_takes_vllms_draft_model_form():
 
 @pytest.mark.parametrize("draft", ["self", "small"])
 def test_greedy_tokens_identical_alone_and_batched(target, draft):
-    runner, ckpt = _with_draft(target, draft)
+    runner, ckpt, drive = _with_draft(target, draft)
     jobs = greedy_jobs(ckpt.tokenizer)
     for batch in ([jobs[0]], jobs) if draft == "small" else (jobs,):
         off = drive(runner, ckpt.tokenizer, batch, None)
@@ -85,14 +87,15 @@ def test_greedy_tokens_identical_alone_and_batched(target, draft):
             assert on.num_steps < off.num_steps
         assert on.scheduler.budget.num_held_blocks == 0 and on.scheduler.budget.num_owed_blocks == 0
     assert set(runner._compiled) <= set(runner.compile_keys())
-    assert set(runner.draft.runner._compiled) <= set(runner.draft.runner.compile_keys()), "proposals add no shape"
+    draft_runner = target[2][draft]
+    assert set(draft_runner._compiled) <= set(draft_runner.compile_keys()), "proposals add no shape"
 
 
 def test_stops_n_prefix_cache_and_cancel_keep_the_draft_consistent(target):
     """Prefix-cache hits, n = 2's shared prompt block and its copy-on-write carry the draft's
     K/V too: with the target drafting for itself, any stale draft K/V would show as a
     rejected draft. A cancel mid-run returns every block."""
-    runner, ckpt = _with_draft(target, "self")
+    runner, ckpt, drive = _with_draft(target, "self")
     tok = ckpt.tokenizer
     prompt = copy_prompt(tok)
     reference = drive(runner, tok, greedy_jobs(tok, 40)[:1], None).tokens["r0"][0]
@@ -124,7 +127,7 @@ def test_seeded_sampling_unchanged_seed_for_seed_and_in_distribution(target):
     """Seeded rows: the draft draws with the row's (seed, position) noise, so each seed gives
     the non-speculative tokens exactly; and over disjoint seeds the chi-square test of
     tests/test_speculative.py (2nd-4th tokens, 96 rows each way) finds no shift."""
-    runner, ckpt = _with_draft(target, "small")
+    runner, ckpt, drive = _with_draft(target, "small")
     jobs = _sampled_jobs(0, 4, 12)
     off = drive(runner, ckpt.tokenizer, jobs, None)
     on = drive(runner, ckpt.tokenizer, jobs, DRAFT)

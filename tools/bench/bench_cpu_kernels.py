@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ferrox_jax.host_batch import run_plan
+from ferrox_jax.step_output import run_plan
 from models import cpu_kernels
 from models.attention import paged_attention
 from models.quant import quantize, quantized_matmul

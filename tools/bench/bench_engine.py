@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ferrox_jax.host_batch import run_plan
+from ferrox_jax.step_output import run_plan
 
 
 def _decode_flops_bytes(cfg, rows: int, context: int, dtype_bytes: int,

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ferrox_jax.host_batch import run_plan
+from ferrox_jax.step_output import run_plan
 
 RANK = 16
 NUM_ADAPTERS = 4

@@ -26,7 +26,8 @@ from ferrox_jax.config import EngineConfig
 from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.grammar import GrammarCompiler
 from ferrox_jax.plan import RowPlan, StepPlan
-from ferrox_jax.host_batch import HostBatch, bitmask_words, run_plan, step_output
+from ferrox_jax.host_batch import HostBatch, bitmask_words
+from ferrox_jax.step_output import run_plan, step_output
 from ferrox_jax.request import SamplingParams
 
 # Records of a name, an age and a city; at least 64 of them, so no document ends mid-run.

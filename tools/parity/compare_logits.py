@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ferrox_jax.host_batch import run_plan
+from ferrox_jax.step_output import run_plan
 from models.reference import (PromptReference, PromptReport, compare_prompt, format_report, hf_reference,
                               load_hf_model, load_reference, save_reference, to_top_k, tolerance_failures)
 

@@ -1,7 +1,7 @@
 import sys, time
 import numpy as np
 from models.loader import load_checkpoint
-from ferrox_jax.host_batch import run_plan
+from ferrox_jax.step_output import run_plan
 from ferrox_jax.runner import ModelRunner
 from ferrox_jax.plan import RowPlan, StepPlan
 from ferrox_jax.request import SamplingParams

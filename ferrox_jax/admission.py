@@ -1,0 +1,46 @@
+"""Admission: what a job needs before it runs, and what it can never get. No jax here.
+
+A submitted job meets two kinds of refusal (the ferrox-server contract):
+
+  * "never" (`check_admission`, pure: it reads immutable limits only, so submitters call it
+    on their own threads, before anything is queued): a prompt + max_tokens over the
+    context ceiling, more KV blocks than the whole budget, more rows than ever run at once;
+  * "not now": the scheduler admits the waiting queue's head in strict FIFO once the
+    running rows and the block ledger have room (`Scheduler._admit_waiting`); the head
+    that does not fit holds the line.
+"""
+
+from __future__ import annotations
+
+from ferrox_jax.block_tables import blocks_to_reserve
+from ferrox_jax.config import SchedulerLimits
+from ferrox_jax.request import GenerationRequest
+
+
+def check_admission(spec: GenerationRequest, limits: SchedulerLimits) -> tuple[str, str] | None:
+    """The "never" refusals, in the contract's order; None when the job can ever run.
+
+    Pure (reads immutable limits only), so submitters call it on their own threads.
+
+    Returns:
+        None, or (reason, message): reason "context_length" or "too_large".
+    """
+    num_prompt_tokens = len(spec.prompt_token_ids)
+    total_tokens = num_prompt_tokens + spec.max_tokens
+    if limits.max_context is not None and total_tokens > limits.max_context:
+        return ("context_length",
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({spec.max_tokens}) = "
+                f"{total_tokens} tokens exceeds the context limit of {limits.max_context} tokens")
+    num_blocks = blocks_to_reserve(num_prompt_tokens, spec.max_tokens, spec.n, limits.block_size)
+    if num_blocks > limits.num_blocks:
+        message = (f"request needs {num_blocks} KV blocks of {limits.block_size} positions "
+                   f"(prompt {num_prompt_tokens} + max_tokens {spec.max_tokens}, n={spec.n}); "
+                   f"the whole budget is {limits.num_blocks} blocks")
+        if limits.kv_bytes_per_block:
+            message += (f" ({num_blocks * limits.kv_bytes_per_block} bytes needed; the KV budget holds "
+                        f"{limits.num_blocks * limits.kv_bytes_per_block} bytes)")
+        return "too_large", message
+    if spec.n > limits.max_rows:
+        return ("too_large", f"request asks for n={spec.n} rows; at most {limits.max_rows} "
+                             "rows run at once (max_seqs)")
+    return None
