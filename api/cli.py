@@ -27,7 +27,7 @@ import os
 import queue
 import signal
 import sys
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from api import cli_help
 from api.config import DEFAULT_HOST, DEFAULT_PORT, ServerConfig
@@ -103,11 +103,13 @@ def _add_settings(parser: argparse.ArgumentParser, defaults: dict[str, Any], ess
         action.is_secret = s.is_secret  # cli_help.DefaultsFormatter prints no value for it
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, wrap_runner: Callable[[Any], Any] | None = None) -> int:
+    """`wrap_runner`: the engine builder's runner-wrapping hook for `serve`'s engines (test
+    fault injection, `tests/fault_serve.py`); None in every product use."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        return serve(args)
+        return serve(args, wrap_runner)
     if args.command == "run-batch":
         return run_batch(args)
     return generate(args)
@@ -199,7 +201,8 @@ def _flat_pairs(value) -> tuple[tuple[str, str], ...]:
 # ---------------------------------------------------------------- serve
 
 
-def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = None) -> Engine:
+def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = None,
+                wrap_runner: Callable[[Any], Any] | None = None) -> Engine:
     """Load, warm up and start the engine, one log line per phase (a progress bar on stderr
     while it runs): loading the weights, compiling N step shapes, ready with the URL and
     the start-up block. `default_grammar` (the server-wide constraint) is compiled first:
@@ -211,7 +214,7 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
     logger.info("loading weights: %s", config.model)
     with tqdm(desc="loading weights", unit="tensor", file=sys.stderr, leave=False) as bar:
         try:
-            engine = Engine.load(config, progress=lambda _name: bar.update(1))
+            engine = Engine.load(config, progress=lambda _name: bar.update(1), wrap_runner=wrap_runner)
         except MemoryBoundError as e:  # a setting the devices cannot hold: name its flag and variable
             raise ValueError(name_settings(str(e), e.field)) from None
     logger.info("weights loaded: %d tensors in %.1f s", bar.n, engine.load_s)
@@ -240,9 +243,6 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
     finally:
         bar.close()
     logger.info("compiled %d step shapes in %.1f s", shapes, engine.warmup_s or 0)
-    from ferrox_jax import fault_inject
-
-    fault_inject.install_from_env(engine.runner)  # TEST-ONLY: FERROX_FAULT_INJECT (normally unset)
     engine.start()
     info = engine.describe()
     lines = [f"  {key}: {value}" for key, value in info.items()]
@@ -252,7 +252,7 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
     return engine
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, wrap_runner: Callable[[Any], Any] | None = None) -> int:
     from hypercorn.asyncio import serve as hypercorn_serve
 
     from api import multihost_app, process_knobs
@@ -270,10 +270,10 @@ def serve(args: argparse.Namespace) -> int:
     port = listener.getsockname()[1]
     url = process_knobs.url_of(config, port)
     hc.bind = [f"fd://{listener.fileno()}"]  # Hypercorn serves the socket already bound (api/process_knobs.py)
-    app = create_app(lambda: load_engine(engine_cfg, url, config.default_grammar), config,
+    app = create_app(lambda: load_engine(engine_cfg, url, config.default_grammar, wrap_runner), config,
                      engine_factory=lambda model: load_engine(
                          dataclasses.replace(engine_cfg, model=model, served_model_name=None), url,
-                         config.default_grammar))
+                         config.default_grammar, wrap_runner))
     if multihost_app.is_multiprocess(engine_cfg):
         multihost_app.watch_group(app)
     logger.info("ferrox serve: listening on %s, loading %s", url, engine_cfg.model)

@@ -50,8 +50,7 @@ _STATUS = {"slots_full": 409, "adapter_not_found": 404, "adapter_quarantined": 4
 
 def lora_names(engine: Engine | None) -> list[str]:
     """The adapters loaded on `engine` (none without LoRA slots)."""
-    registry = getattr(engine, "lora", None)
-    return registry.names() if registry is not None else []
+    return [a.name for a in engine.adapters()] if engine is not None else []
 
 
 def lora_error(e: LoraError, param: str | None = None) -> APIError:
@@ -86,35 +85,31 @@ def adapter_fault(engine: Engine | None, slot: int) -> APIError | None:
 def lora_cards(engine: Engine, base: dict[str, Any]) -> list[dict[str, Any]]:
     """One /v1/models card per loaded adapter, `parent` the base model (vLLM's fields), and
     `quarantined`: why its requests are refused, or null."""
-    registry = getattr(engine, "lora", None)
-    if registry is None:
-        return []
     return [{**base, "id": a.name, "created": int(a.loaded_at), "root": a.path, "parent": base["id"],
-             "quarantined": a.quarantined} for a in registry.adapters()]
+             "quarantined": a.quarantined} for a in engine.adapters()]
 
 
 def lora_stats(engine: Engine | None) -> list[dict[str, Any]]:
     """Per adapter, for /admin/stats: its slot, rank and folder, requests served since it
     was loaded, requests holding it now, and why it is quarantined (or null)."""
-    registry = getattr(engine, "lora", None)
-    if registry is None:
+    if engine is None:
         return []
     return [{"name": a.name, "slot": a.slot, "rank": a.rank, "path": a.path, "requests": a.num_requests,
-             "running": a.num_running, "quarantined": a.quarantined} for a in registry.adapters()]
+             "running": a.num_running, "quarantined": a.quarantined} for a in engine.adapters()]
 
 
-def _registry_and_body(body: Any, fields: tuple[str, ...]):
+def _engine_and_body(body: Any, fields: tuple[str, ...]):
     state = state_of(current_app)
     if not state.config.enable_runtime_lora:
         raise APIError(403, "loading LoRA adapters at run time is off (start the server with --enable-runtime-lora)",
                        code="runtime_lora_disabled")
     engine = state.require_engine()
-    if engine.lora is None:
+    if not engine.max_loras:
         raise APIError(400, "this server has no LoRA slots (start it with --max-loras N)", code="lora_disabled")
     if not isinstance(body, dict) or not all(isinstance(body.get(f), str) and body.get(f) for f in fields):
         raise APIError(400, f"the body must be a JSON object with string fields {', '.join(fields)}",
                        param=fields[0])
-    return state, engine.lora
+    return state, engine
 
 
 def resolve_lora_path(model_dir: str | None, lora_path: str) -> Path:
@@ -140,18 +135,18 @@ def resolve_lora_path(model_dir: str | None, lora_path: str) -> Path:
 @blueprint.post("/v1/load_lora_adapter")
 async def load_lora_adapter() -> Response:
     body = json_or_none(await request.get_data())
-    state, registry = _registry_and_body(body, ("lora_name", "lora_path"))
+    state, engine = _engine_and_body(body, ("lora_name", "lora_path"))
     name = body["lora_name"]
     try:
         check_adapter_name(name)  # before the path: a bad name is refused whatever it points at
     except LoraError as e:
         raise lora_error(e, "lora_name") from None
-    if name == state.require_engine().model_name:
+    if name == engine.model_name:
         raise APIError(400, f"lora_name {name!r} is the base model's id, which would never reach the adapter; "
                             "choose another name", param="lora_name", code="invalid_lora_name")
     path = resolve_lora_path(state.config.model_dir, body["lora_path"])
-    try:
-        await asyncio.to_thread(registry.load, name, path)
+    try:  # the files are read on a worker thread; the slot is written by the engine's owner thread
+        await asyncio.to_thread(engine.load_adapter, name, str(path))
     except LoraError as e:
         raise lora_error(e, "lora_name" if e.code in _NAME_CODES else "lora_path") from None
     return Response(f"Success: LoRA adapter '{name}' added successfully.", 200, content_type="text/plain")
@@ -160,10 +155,10 @@ async def load_lora_adapter() -> Response:
 @blueprint.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter() -> Response:
     body = json_or_none(await request.get_data())
-    _, registry = _registry_and_body(body, ("lora_name",))
+    _, engine = _engine_and_body(body, ("lora_name",))
     name = body["lora_name"]
     try:
-        registry.unload(name)
+        await asyncio.to_thread(engine.unload_adapter, name)  # waits for the owner thread to take it
     except LoraError as e:
         raise lora_error(e, "lora_name") from None
     return Response(f"Success: LoRA adapter '{name}' removed successfully.", 200, content_type="text/plain")

@@ -66,8 +66,8 @@ from ferrox_jax.plan import StepOutput, StepPlan
 from ferrox_jax.request import AdmissionError, GenerationRequest, MatcherFactory, RowEvent
 from ferrox_jax.runner_protocol import PendingStep, Runner, check_limits
 from ferrox_jax.scheduler import Scheduler, check_admission
-from ferrox_jax.speculative import NgramProposer, spec_decode_stats
-from ferrox_jax.stats import BatcherStats
+from ferrox_jax.speculative import NgramProposer
+from ferrox_jax.stats import BatcherStats, scheduler_fields
 from ferrox_jax.step_output import step_output
 from ferrox_jax.step_faults import (AdapterQuarantine, FatalSignal, FaultLedger, FaultPolicy, StepWatchdog,
                                     Unrecoverable, blame_nonfinite)
@@ -296,7 +296,24 @@ class ContinuousBatcher:
     def run_when_idle(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Runs `fn` on the owner thread as soon as no job is waiting or running (the caller
         stops submitting first); the future carries its result or exception."""
-        return self._inbox.call(fn, when_idle=True)
+        return self._call(fn, when_idle=True)
+
+    def run_between_ticks(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Runs `fn` on the owner thread before its next tick (a device-state change: the
+        tick before it ran wholly on the old state, the one after runs wholly on the new);
+        the future carries its result or exception."""
+        return self._call(fn, when_idle=False)
+
+    def _call(self, fn: Callable[[], Any], *, when_idle: bool) -> concurrent.futures.Future:
+        with self._lock:  # under the health lock: a call the owner will never take fails at once
+            is_started, health = self._thread is not None, self._health
+            if is_started and health == "ready":
+                return self._inbox.call(fn, when_idle=when_idle)
+        if not is_started:  # no owner thread yet: the caller's thread is the only one here
+            return self._inbox.run_now(fn)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_exception(RuntimeError(f"the engine is {health}"))
+        return future
 
     def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> float:
         """Before `start`: compiles every executable of the draft model's runner, then of the
@@ -435,37 +452,14 @@ class ContinuousBatcher:
                 self._open_request_ids.difference_update(closed)
 
     def _publish(self) -> None:
-        scheduler = self._scheduler
-        snapshot = BatcherStats(
-            prefill_chunks=scheduler.prefill_chunks,
-            prefill_tokens=scheduler.prefill_tokens,
-            decode_steps=scheduler.decode_steps,
-            queue_depth=scheduler.num_waiting,
-            kv_blocks_total=scheduler.budget.num_blocks,
-            kv_blocks_free=scheduler.budget.num_free_blocks,
-            kv_block_size=self.limits.block_size,
-            kv_blocks_peak=scheduler.kv_blocks_peak,
-            aborted=scheduler.aborted,
-            running_rows=scheduler.num_running_rows,
-            waiting_requests=scheduler.num_waiting,
-            tokens_generated=scheduler.tokens_generated,
-            recompiles_after_warmup=self._runner.recompiles_after_warmup + (
-                self._draft.recompiles_after_warmup if self._draft is not None else 0),
-            ticks=self._ticks,
-            host_s=self._host_s,
-            device_s=self._device_s,
-            constrained_requests=scheduler.num_constrained_requests,
-            grammar_errors=scheduler.num_grammar_errors,
-            prefix_cache_queries=scheduler.blocks.num_queried_tokens,
-            prefix_cache_hits=scheduler.blocks.num_hit_tokens,
-            kv_blocks_cached=scheduler.blocks.num_cached_blocks,
-            **spec_decode_stats(scheduler.speculator),
-            max_loras=self._runner.max_loras,
-            running_lora_adapters=scheduler.lora_adapters[0], waiting_lora_adapters=scheduler.lora_adapters[1],
-            **self._masks)
+        recompiles = self._runner.recompiles_after_warmup + (
+            self._draft.recompiles_after_warmup if self._draft is not None else 0)
+        snapshot = BatcherStats(**scheduler_fields(self._scheduler), kv_block_size=self.limits.block_size,
+                                recompiles_after_warmup=recompiles, ticks=self._ticks, host_s=self._host_s,
+                                device_s=self._device_s, max_loras=self._runner.max_loras, **self._masks)
         with self._lock:
             self._snapshot = snapshot
-            self._num_waiting = scheduler.num_waiting
+            self._num_waiting = self._scheduler.num_waiting
 
     def _end_all(self, health: str, error: str) -> None:
         """Ends every open request with an error event; nothing is accepted afterwards.
@@ -477,10 +471,15 @@ class ContinuousBatcher:
                 self._health = health
             self._num_in_inbox = 0
             self._num_waiting = 0
-        # The health change above stops new submits, so this drain sees the last of them.
+        # The health change above stops new submits and calls, so this drain sees the last of them.
+        calls, self._idle_calls = self._idle_calls, []
         for message in self._inbox.drain(block=False):
             if isinstance(message, AddRequest):
                 self._open[message.spec.request_id] = _OpenRequest(message.spec, message.on_event)
+            elif isinstance(message, OwnerCall):
+                calls.append(message)
+        for call in calls:  # never to run: their callers learn why
+            call.future.set_exception(RuntimeError(error))
         events = [
             RowEvent(request_id=request_id, index=index, token_ids=(), text="", logprobs=None,
                      finish_reason="error", error=error,

@@ -3,15 +3,18 @@
 The API reaches the engine only through this module (`docs/architecture.md`, "Rules";
 `tests/test_layering.py` enforces it): the `Engine` class (`submit`, `cancel`, `stats`,
 `health`, `tokenizer`, `check_grammar`, `model_card`, `describe`, `memory_stats`,
-`checkpoint_path` and `resolve_checkpoint` for paths not loaded yet, the checks before a
-state change, `check_rebuild` and `check_sleep`, the multi-host follower's `follow_leader`,
+`checkpoint_path` and `resolve_checkpoint` for paths not loaded yet, `sleep` / `wake` and
+the checks before a state change (`check_rebuild`, `check_sleep`), the adapters (`adapters`,
+`load_adapter`, `unload_adapter`), the multi-host follower's `follow_leader`,
 `shutdown`) and the names in `__all__`: what the API builds an engine from (`EngineConfig`),
 reads from it (`BatcherStats`, `ModelCard`) and catches from it (`MemoryBoundError`,
 `LoraError`, `ChatTemplateError`). Only jobs and their events (`ferrox_jax/request.py`) and
 output constraints (`ferrox_jax/constraint.py`: `GrammarSpec`, `GrammarError`) are imported
 from their own modules, which import no jax, so the settings table and the routes can
 name them at import time. The batcher, scheduler, block budget, runner, step faults,
-memory bounds and multi-host channel stay behind this facade.
+memory bounds and multi-host channel stay behind this facade. Every change to device
+state (an adapter's slot, sleep and wake) is a message to the batcher's owner thread, run
+between ticks: no API thread touches the runner.
 
 `Engine.load(config)` builds one: `ferrox_jax/engine_builder.py:build_parts` does the process
 setup, sizing, the model, the runner and the batcher and hands back the parts, which this
@@ -32,7 +35,7 @@ from ferrox_jax.batcher import ContinuousBatcher, EventCallback
 from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig, SpeculativeConfig
 from ferrox_jax.constraint import GrammarError, GrammarSpec
 from ferrox_jax.engine_builder import KVSizing, build_parts
-from ferrox_jax.lora_registry import check_adapter_name
+from ferrox_jax.lora_registry import LoadedAdapter, LoraRegistry, check_adapter_name
 from ferrox_jax.memory_bounds import MemoryBoundError, host_total_bytes
 from ferrox_jax.request import GenerationRequest
 from ferrox_jax.runner import ModelRunner
@@ -81,19 +84,20 @@ class Engine:
     """The engine facade (see the module docstring). Thread-safe where the API needs it:
     `submit`, `cancel`, `stats` and `health` may be called from any thread."""
 
-    lora = None  # the LoraRegistry when --max-loras > 0 (engine_builder sets it), else None
-
     def __init__(self, source: CheckpointSource, device: ModelRunner, batcher: ContinuousBatcher,
                  config: EngineConfig, sizing: KVSizing, attention_note: str,
                  grammar: GrammarCompiler | None = None, grammar_note: str = "", matmul_note: str = "",
-                 runner: Runner | None = None, draft_runner: ModelRunner | None = None) -> None:
+                 runner: Runner | None = None, draft_runner: ModelRunner | None = None,
+                 lora: LoraRegistry | None = None) -> None:
         """`device`: the model's runner (what the descriptions read); `runner`: the one the
         batcher drives (on a multi-host leader, `device` wrapped to send every step to the
-        other processes; default `device`); `draft_runner`: `--speculative draft`'s."""
+        other processes; default `device`); `draft_runner`: `--speculative draft`'s; `lora`:
+        the adapter registry (`--max-loras` > 0)."""
         self._source = source
         self._device = device
         self._runner = runner if runner is not None else device
         self.draft_runner = draft_runner  # a multi-host follower replays the draft's steps on it
+        self.lora = lora  # the adapter registry, for the API's slot holds (None without --max-loras)
         self._batcher = batcher
         self.config = config
         self.tokenizer: Tokenizer = source.tokenizer
@@ -112,19 +116,21 @@ class Engine:
         self.weights_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(device.state))
 
     @classmethod
-    def load(cls, config: EngineConfig, progress: Callable[[str], None] | None = None) -> "Engine":
+    def load(cls, config: EngineConfig, progress: Callable[[str], None] | None = None,
+             wrap_runner: Callable[[Runner], Runner] | None = None) -> "Engine":
         """Open, size, build and wire an engine (not yet warmed up or started): the parts
         come from `ferrox_jax/engine_builder.py:build_parts`, which knows nothing of this class.
+        `wrap_runner`: the builder's one runner-wrapping hook (tests' fault injection,
+        `tests/faults.py`): the batcher drives `wrap_runner(runner)`.
 
         Raises:
           ValueError (a configuration this checkpoint or these devices cannot serve, named),
           FileNotFoundError, UnsupportedModelError, CheckpointError (models/loader.py).
         """
-        parts = build_parts(config, progress)
+        parts = build_parts(config, progress, wrap_runner)
         engine = cls(parts.source, parts.device, parts.batcher, parts.config, parts.sizing, parts.attention_note,
                      parts.grammar, parts.grammar_note, parts.matmul_note, runner=parts.runner,
-                     draft_runner=parts.draft_runner)
-        engine.lora = parts.lora
+                     draft_runner=parts.draft_runner, lora=parts.lora)
         engine.load_s = parts.load_s
         return engine
 
@@ -211,6 +217,44 @@ class Engine:
     def sleep_level(self) -> int:
         """0 awake, else the level it sleeps at."""
         return self._batcher.sleep_level
+
+    # -- LoRA adapters (the admin routes) ------------------------------------------------
+
+    @property
+    def max_loras(self) -> int:
+        """Adapter slots (`--max-loras`; 0: this engine serves no adapters)."""
+        return self.lora.max_loras if self.lora is not None else 0
+
+    @property
+    def adapter_targets(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """{(layer, projection): (in, out)} an adapter may target ({} without slots)."""
+        return self.lora.targets if self.lora is not None else {}
+
+    def adapters(self) -> list[LoadedAdapter]:
+        """The loaded adapters, in load order (copies; any thread)."""
+        return self.lora.adapters() if self.lora is not None else []
+
+    def load_adapter(self, name: str, path: str) -> LoadedAdapter:
+        """Reads and checks the adapter's files on the calling thread (call it off the event
+        loop), then writes its slot on the owner thread between two ticks.
+
+        Raises:
+          LoraError: the name, the files or the slots refuse it (`ferrox_jax/lora_registry.py`).
+        """
+        registry = self._require_lora()
+        read = registry.read(name, path)
+        return self._batcher.run_between_ticks(lambda: registry.place(read)).result()
+
+    def unload_adapter(self, name: str) -> None:
+        """The name stops resolving (on the owner thread, between two ticks); the slot frees
+        once no request holds it. Raises LoraError("adapter_not_found")."""
+        registry = self._require_lora()
+        self._batcher.run_between_ticks(lambda: registry.unload(name)).result()
+
+    def _require_lora(self) -> LoraRegistry:
+        if self.lora is None:
+            raise LoraError("lora_disabled", "this server has no LoRA slots (start it with --max-loras N)")
+        return self.lora
 
     def health(self) -> str:
         """"ready", "dead" (the owner loop crashed or the engine gave up on faults) or "stopped"."""

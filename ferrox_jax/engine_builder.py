@@ -408,8 +408,10 @@ class EngineParts:
     draft_runner: ModelRunner | None = None  # `--speculative draft`'s; a multi-host follower replays its steps
 
 
-def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = None) -> EngineParts:
-    """Open, size, build and wire an engine's parts (not yet warmed up or started).
+def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = None,
+                wrap_runner: Callable[[Runner], Runner] | None = None) -> EngineParts:
+    """Open, size, build and wire an engine's parts (not yet warmed up or started). `wrap_runner`,
+    when given, wraps the runner the batcher drives (the one hook for tests' fault injection).
 
     Raises:
       ValueError (a configuration this checkpoint or these devices cannot serve, named),
@@ -469,6 +471,8 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
     draft_runner = (_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh)
                     if draft_source is not None else None)
     device, (runner, draft) = runner, _leader_runners(runner, draft_runner, config)
+    if wrap_runner is not None:
+        runner = wrap_runner(runner)
     # Before the batcher, which quarantines an adapter whose row goes non-finite through it.
     lora = (build_registry(device, source.config, lora_slots, lora_targets, config.lora_modules)
             if lora_slots is not None else None)

@@ -71,6 +71,13 @@ class Inbox:
         self._queue.put(OwnerCall(fn, future, when_idle))
         return future
 
+    @staticmethod
+    def run_now(fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """`fn` on the calling thread (no owner thread runs yet), as a done future."""
+        call = OwnerCall(fn, concurrent.futures.Future())
+        call.run()
+        return call.future
+
     def drain(self, *, block: bool) -> list[Any]:
         """Every waiting message (`block`: waits for the first one)."""
         messages = [self._queue.get()] if block else []

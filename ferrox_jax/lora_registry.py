@@ -3,8 +3,10 @@
 The model's target projections carry `max_loras + 1` adapter slots (`models/lora.py`;
 slot 0 is the zero slot, the base model). The registry maps adapter names to slots 1..M:
 
-    load(name, path)    read the PEFT folder (or a llama.cpp GGUF LoRA file, `*.gguf`),
-                        pick a free slot, write its A/B there
+    read(name, path)    read and check the PEFT folder (or a llama.cpp GGUF LoRA file,
+                        `*.gguf`): any thread, no device state touched
+    place(read)         pick a free slot, write its A/B there: the owner thread, between
+                        ticks (`Engine.load_adapter` sends it there as a message)
     acquire(name)       a request starts with the adapter: (slot, key), and the slot is
                         held until `release` (the request's end)
     unload(name)        the name stops resolving at once; its slot is freed when the
@@ -16,13 +18,13 @@ slot 0 is the zero slot, the base model). The registry maps adapter names to slo
                         then on ("adapter_quarantined"), until it is unloaded and loaded
                         again (a new load starts clean)
 
-Loading writes new arrays of the same shapes into the runner's weights (`write_slot`,
-through the runner's `swap_state` verb, which swaps them in one assignment): the owner
-thread reads the weights once per step, so a step runs wholly on the old or wholly on the
-new slots, and the compiled forwards take the new weights as they took the old (no
-recompile). Loads and unloads come from HTTP
-handlers, so the registry's own bookkeeping is under a lock; the owner thread takes it
-only to quarantine an adapter, after a faulted row.
+Placing writes new arrays of the same shapes into the runner's weights (`write_slot`,
+through the runner's `swap_state` verb) on the owner thread between two ticks, so a step
+runs wholly on the old or wholly on the new slots, no HTTP thread touches device state,
+and the compiled forwards take the new weights as they took the old (no recompile). Loads
+and unloads run on the owner thread (`Engine.load_adapter` / `unload_adapter` are messages
+to it); requests acquire and release slots from the API's threads and the API lists
+adapters from them, so the bookkeeping is under a lock.
 
 A name is checked before anything is read or registered (`check_adapter_name`): it is
 served as a model id, listed in JSON, written in plain-text replies and joined into a
@@ -37,6 +39,7 @@ import hashlib
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from models.lora import ADAPTER_WEIGHTS, LoraError, LoraSlots, read_peft_adapter, write_slot
 
@@ -59,6 +62,16 @@ def check_adapter_name(name: str) -> None:
         raise LoraError("invalid_lora_name", f"LoRA adapter name {name!r} contains {bad!r}: control characters, "
                                              "whitespace, slashes and commas are not allowed; use letters, digits, "
                                              "'-', '_' or '.'")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadAdapter:
+    """An adapter's files, read and checked (`LoraRegistry.read`), not yet in a slot."""
+
+    name: str
+    path: Path
+    adapter: Any  # models/lora.py's PeftAdapter: rank and per-target (A, B)
+    digest: str  # of its weights file (part of the adapter's key)
 
 
 @dataclasses.dataclass
@@ -117,11 +130,17 @@ class LoraRegistry:
             return [dataclasses.replace(a) for a in self._by_name.values()]
 
     def load(self, name: str, path: str | Path) -> LoadedAdapter:
-        """Read and place an adapter.
+        """`place(read(name, path))`, on one thread: the builder's start-up adapters and the
+        tests' registries, which no owner thread runs beside (the engine's runtime loads
+        split the two: `Engine.load_adapter`)."""
+        return self.place(self.read(name, path))
+
+    def read(self, name: str, path: str | Path) -> ReadAdapter:
+        """Reads and checks an adapter's files (any thread: no device state is touched).
 
         Raises:
-          LoraError: "invalid_lora_name" (checked first), "adapter_exists", "slots_full", or
-            what `read_peft_adapter` / `read_gguf_adapter` raises (prefixed with the name).
+          LoraError: "invalid_lora_name" (checked first), or what `read_peft_adapter` /
+            `read_gguf_adapter` raises (prefixed with the name).
         """
         check_adapter_name(name)
         path = Path(path)
@@ -133,14 +152,25 @@ class LoraRegistry:
         except OSError as e:
             raise LoraError("invalid_adapter", f"LoRA adapter {name!r}: {path.name} cannot be read "
                                                f"({e.strerror or e})") from None
+        return ReadAdapter(name, path, adapter, digest)
+
+    def place(self, read: ReadAdapter) -> LoadedAdapter:
+        """Writes a read adapter into a free slot and registers its name (the owner thread,
+        between ticks: the slot write swaps the runner's weights).
+
+        Raises:
+          LoraError: "adapter_exists", "slots_full".
+        """
+        name = read.name
         with self._lock:
             if name in self._by_name:
                 raise LoraError("adapter_exists", f"a LoRA adapter named {name!r} is already loaded")
             free = [s for s in range(1, self.slots.num_slots) if s not in self._by_slot]
             if not free:
                 raise LoraError("slots_full", f"all {self.slots.max_loras} LoRA slots (--max-loras) are in use")
-            loaded = LoadedAdapter(name=name, path=str(path), slot=free[0], rank=adapter.rank, key=f"{name}:{digest}")
-            self._write(loaded.slot, adapter.weights)
+            loaded = LoadedAdapter(name=name, path=str(read.path), slot=free[0], rank=read.adapter.rank,
+                                   key=f"{name}:{read.digest}")
+            self._write(loaded.slot, read.adapter.weights)
             self._by_name[name] = self._by_slot[loaded.slot] = loaded
         return loaded
 

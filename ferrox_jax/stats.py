@@ -8,6 +8,9 @@ never touch live counters, so a snapshot is always consistent with itself.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+from ferrox_jax.speculative import spec_decode_stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,3 +73,20 @@ class BatcherStats:
 
 
 STEP_FAULTS_PREFIX = "step_faults_"  # one field per kind of ferrox_jax/step_faults.py (a test keeps them equal)
+
+
+def scheduler_fields(scheduler: Any) -> dict[str, Any]:
+    """The `BatcherStats` fields a `ferrox_jax/scheduler.py:Scheduler` counts (the owner
+    adds its own: ticks, times, recompiles, grammar masks)."""
+    running_adapters, waiting_adapters = scheduler.lora_adapters
+    return dict(
+        prefill_chunks=scheduler.prefill_chunks, prefill_tokens=scheduler.prefill_tokens,
+        decode_steps=scheduler.decode_steps, queue_depth=scheduler.num_waiting,
+        kv_blocks_total=scheduler.budget.num_blocks, kv_blocks_free=scheduler.budget.num_free_blocks,
+        kv_blocks_peak=scheduler.kv_blocks_peak, aborted=scheduler.aborted,
+        running_rows=scheduler.num_running_rows, waiting_requests=scheduler.num_waiting,
+        tokens_generated=scheduler.tokens_generated, constrained_requests=scheduler.num_constrained_requests,
+        grammar_errors=scheduler.num_grammar_errors, prefix_cache_queries=scheduler.blocks.num_queried_tokens,
+        prefix_cache_hits=scheduler.blocks.num_hit_tokens, kv_blocks_cached=scheduler.blocks.num_cached_blocks,
+        running_lora_adapters=running_adapters, waiting_lora_adapters=waiting_adapters,
+        **spec_decode_stats(scheduler.speculator))

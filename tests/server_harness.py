@@ -3,8 +3,9 @@
 `tiny_engine(checkpoint, **limits)` builds (once per process, checkpoint and set of
 limits) an `Engine` over a tiny random Llama checkpoint (`api_checkpoint()`, made by
 `tiny_model.make_tiny_checkpoint`; "default" gives the embedded SmolLM2), warmed up and
-started; engines are shared by every test module that asks for the same limits and shut
-down at exit. `ServerThread(app)` serves a Quart app on a free loopback port with its own
+started, its batcher driving a `tests/faults.py:FaultyRunner` (`engine.runner`: inert until
+a test cues a fault); engines are shared by every test module that asks for the same
+limits and shut down at exit. `ServerThread(app)` serves a Quart app on a free loopback port with its own
 event loop; `with ServerThread(app) as base_url:` stops it cleanly (Hypercorn's shutdown
 trigger, then the thread joins). Test modules start one server per module.
 """
@@ -60,7 +61,10 @@ def tiny_engine(checkpoint: Any = None, **limits: Any) -> Any:
     merged = {**DEFAULT_LIMITS, **limits}
     key = (str(checkpoint), *sorted(merged.items()))
     if key not in _engines:
-        engine = Engine.load(EngineConfig(model=str(checkpoint), dtype="float32", **merged))
+        from tests.faults import FaultyRunner
+
+        # The batcher drives a fault-injection wrapper, inert until a test cues it (engine.runner).
+        engine = Engine.load(EngineConfig(model=str(checkpoint), dtype="float32", **merged), wrap_runner=FaultyRunner)
         engine.warmup()
         engine.start()
         _engines[key] = engine

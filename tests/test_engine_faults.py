@@ -5,9 +5,11 @@ an error, turn /health 503 with the reason, and make `ferrox serve` exit non-zer
 model swap between a handler's engine pick and its submit neither answers a spurious 503
 nor mixes vocabularies.
 
-In-process faults monkeypatch the real runner of an engine; an engine a test kills has
-limits of its own, so no other test shares it. The `ferrox serve` tests fault through the
-test-only `FERROX_FAULT_INJECT` hook (`ferrox_jax/fault_inject.py`).
+In-process faults cue the runner wrapper of an engine; an engine a test kills has
+limits of its own, so no other test shares it. Faults come from the tests' runner wrapper
+(`tests/faults.py`), installed through the engine builder's runner-wrapping hook: the
+tiny engines carry it inert, and the `ferrox serve` tests run `tests/fault_serve.py` (the
+CLI with the hook set) with `FERROX_FAULT_INJECT` naming the fault.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import json
 import threading
 
 import httpx
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -43,25 +44,22 @@ def metric(http, name: str, kind: str) -> float:
 
 class NanRows:
     """Sets the logits of every row of the marked request to NaN on the device, between the
-    forward and the sampler (the pending step's `order` tells which padded rows are its)."""
+    forward and the sampler (the engine's fault-injection runner, `tests/faults.py`; the
+    pending step's `order` tells which padded rows are the request's)."""
 
     def __init__(self, monkeypatch, engine) -> None:
-        self.runner = engine.runner
         self.scheduler = engine._batcher._scheduler
-        self.sample = self.runner.sample
         self.mixed_steps = 0  # steps holding a marked row and another request's row
-        monkeypatch.setattr(self.runner, "sample", self._sample)
+        monkeypatch.setattr(engine.runner, "nan_rows", self._rows)
 
-    def _sample(self, pending, bitmask):
+    def _rows(self, pending):
         batch, order = pending.batch, pending.order
         marked = [h >= 0 and self.scheduler._rows[int(batch.row_ids[h])].request.spec.max_tokens == NAN_MAX_TOKENS
                   for h in order]
         targets = np.flatnonzero(marked)
         if len(targets) and int((order >= 0).sum()) > len(targets):
             self.mixed_steps += 1
-        if len(targets):
-            pending.result = pending.result.replace(logits=pending.result.logits.at[targets].set(jnp.nan))
-        return self.sample(pending, bitmask)
+        return targets
 
 
 @pytest.fixture(scope="module")
@@ -115,18 +113,17 @@ def test_a_raising_step_is_counted_on_metrics_health_and_stats(monkeypatch):
 
 
 class HangingRuns:
-    """Patches `runner.forward` so that, once `hang` is set, the next step blocks until `release`."""
+    """Cues the engine's fault-injection runner (`tests/faults.py`) so that, once `hang` is
+    set, the next step blocks until `release`."""
 
     def __init__(self, monkeypatch, runner) -> None:
-        self.original = runner.forward
         self.hang = threading.Event()
         self.release = threading.Event()
-        monkeypatch.setattr(runner, "forward", self)
+        monkeypatch.setattr(runner, "before_forward", self)
 
     def __call__(self, batch):
         if self.hang.is_set():
             self.release.wait(60)
-        return self.original(batch)
 
 
 def test_a_step_past_the_watchdog_ends_every_request_and_the_engine_loudly(monkeypatch):

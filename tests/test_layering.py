@@ -36,17 +36,6 @@ ALLOWED = {
     "models": ("models",),
 }
 FACADE = "ferrox_jax.engine"
-# Allowed only until the tick's restructuring lands (fault injection becomes a runner
-# wrapper that lives with the tests, installed through the engine builder's hook).
-ALLOWED_FOR_NOW = {"api.cli": ("ferrox_jax.fault_inject",)}
-
-# The only cycles left, both inside the tick (the draft runner attached to the runner; the
-# host batch, plan and speculator reading each other's types). The tick's restructuring
-# removes them; this list is then emptied.
-KNOWN_TICK_CYCLES = (
-    frozenset({"ferrox_jax.draft", "ferrox_jax.runner"}),
-    frozenset({"ferrox_jax.host_batch", "ferrox_jax.plan", "ferrox_jax.speculative"}),
-)
 
 JAX_FREE = ("ferrox_jax.scheduler", "ferrox_jax.block_budget", "ferrox_jax.block_tables", "ferrox_jax.prefix_cache",
             "ferrox_jax.batcher", "ferrox_jax.stats", "ferrox_jax.request", "ferrox_jax.constraint", "ferrox_jax.config",
@@ -62,8 +51,6 @@ ENV_READERS = {
     ("models.cpu_kernels", "build"):
         "the kernels' build step (`make`, `python -m models.cpu_kernels`) takes its compiler from CXX, as make "
         "does; the server never calls it",
-    # Until the tick's restructuring lands: the test-only fault hook leaves the package then.
-    ("ferrox_jax.fault_inject", "install_from_env"): "the test-only FERROX_FAULT_INJECT hook",
 }
 
 
@@ -247,14 +234,14 @@ def test_environment_reads_are_found_with_their_function():
 
 
 def test_no_import_cycle_in_api_ferrox_jax_or_models():
-    cycles = [sorted(c) for c in find_cycles(import_graph()) if c not in KNOWN_TICK_CYCLES]
+    cycles = [sorted(c) for c in find_cycles(import_graph())]
     assert not cycles, "import cycles (cut at the concept both sides share, not with a lazy import): " + "; ".join(
         " <-> ".join(c) for c in cycles)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_each_package_imports_only_what_its_allowlist_names(module):
-    allowed = ALLOWED[module.split(".")[0]] + ALLOWED_FOR_NOW.get(module, ())
+    allowed = ALLOWED[module.split(".")[0]]
     reached = {t for base, names in written_imports(module) for t in targets(base, names)}
     bad = sorted(t for t in reached if not any(t == a or t.startswith(a + ".") for a in allowed))
     assert not bad, (f"{module} imports {bad}; {module.split('.')[0]}/ may import only {', '.join(allowed)} "

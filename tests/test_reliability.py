@@ -40,6 +40,8 @@ def serve_process(tmp_path: Path, *flags: str, env: dict | None = None):
     port = free_port()
     script = Path(sys.executable).with_name("ferrox")
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "api.cli"]
+    if env and "FERROX_FAULT_INJECT" in env:  # the CLI with the tests' fault-injection runner
+        cmd = [sys.executable, "-m", "tests.fault_serve"]
     cmd += ["serve", "--model", str(api_checkpoint()), "--port", str(port), "--dtype", "float32",
             "--kv-blocks", "512", "--max-seqs", "32", "--prefill-chunk", "64", "--max-queue", "64",
             "--compile-cache-dir", os.environ["JAX_COMPILATION_CACHE_DIR"], *flags]
@@ -138,18 +140,20 @@ def test_drain_timeout_ends_leftovers_with_an_error_and_exits_0(tmp_path):
 
 
 class FailingRuns:
-    """Patches `runner.forward` to raise on the next `count` calls, then run normally."""
+    """Cues the engine's fault-injection runner (`tests/faults.py`): the next `left` steps
+    raise, then it runs normally (reset when the test ends)."""
 
     def __init__(self, monkeypatch, runner) -> None:
-        self.original = runner.forward
-        self.left = 0
-        monkeypatch.setattr(runner, "forward", self)
+        self.runner = runner
+        monkeypatch.setattr(runner, "fail_next", 0)
 
-    def __call__(self, batch):
-        if self.left > 0:
-            self.left -= 1
-            raise RuntimeError("injected step failure")
-        return self.original(batch)
+    @property
+    def left(self) -> int:
+        return self.runner.fail_next
+
+    @left.setter
+    def left(self, count: int) -> None:
+        self.runner.fail_next = count
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The runner's declared surface (`ferrox_jax/runner_protocol.py`): every runner implements the
 whole `Runner` protocol and offers nothing else public, so no caller needs to duck-type
-around one (the owner loop, the multi-host wrappers and the scripted test double alike)."""
+around one (the device's runner, the multi-host wrappers, and the tests' scripted double
+and fault-injection wrapper alike)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from ferrox_jax.multihost_runner import BroadcastRunner, DraftSender
 from ferrox_jax.runner import ModelRunner
 from ferrox_jax.runner_protocol import Runner
+from tests.faults import FaultyRunner
 from tests.scripted import ScriptedRunner
 
 # ModelRunner's one public method beside the protocol: offline scoring for parity checks
@@ -50,7 +52,8 @@ def test_the_protocol_declares_the_verbs_the_tick_and_the_state_changes_use():
 
 
 @pytest.mark.parametrize("cls, extra", [(ModelRunner, OFFLINE), (ScriptedRunner, set()), (BroadcastRunner, set()),
-                                        (DraftSender, set())], ids=lambda v: getattr(v, "__name__", ""))
+                                        (DraftSender, set()), (FaultyRunner, set())],
+                         ids=lambda v: getattr(v, "__name__", ""))
 def test_every_runner_implements_the_whole_protocol_and_nothing_else_public(cls, extra):
     methods = _methods(cls)
     assert set(methods) == set(VERBS) | extra, f"{cls.__name__}'s public methods are not the protocol's"
@@ -64,7 +67,8 @@ def test_runner_instances_answer_every_query_of_the_protocol(tiny_llama):
     model_runner, _ = make_runner(tiny_llama)
     scripted = ScriptedRunner()
     channel = object()  # the wrappers only hold it until a verb sends
-    for runner in (model_runner, scripted, BroadcastRunner(scripted, channel), DraftSender(model_runner, channel)):
+    for runner in (model_runner, scripted, BroadcastRunner(scripted, channel), DraftSender(model_runner, channel),
+                   FaultyRunner(scripted)):
         missing = [name for name in _queries() if not hasattr(runner, name)]
         assert not missing, f"{type(runner).__name__} lacks {missing}"
         assert runner.sleep_level == 0 and runner.recompiles_after_warmup == 0

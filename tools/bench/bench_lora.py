@@ -55,7 +55,7 @@ def write_adapters(engine, folder: Path, count: int, rank: int, seed: int = 0) -
     paths = []
     for i in range(count):
         tensors = {}
-        for (layer, name), (d_in, d_out) in engine.lora.targets.items():
+        for (layer, name), (d_in, d_out) in engine.adapter_targets.items():
             prefix = f"base_model.model.model.layers.{layer}.{ours_to_hf[name]}"
             tensors[f"{prefix}.lora_A.weight"] = (rng.randn(rank, d_in) / np.sqrt(d_in)).astype(np.float32)
             tensors[f"{prefix}.lora_B.weight"] = (rng.randn(d_out, rank) * 0.01).astype(np.float32)
@@ -117,7 +117,7 @@ def product_ms(engine, tokens_list: list[int], repeats: int = 20) -> dict:
     """One layer's seven LoRA products (4 adapter slots + the zero one, rank 16), one-hot vs gather."""
     from models.lora import LoraWeight, lora_delta, lora_delta_gather
 
-    shapes = [shape for (layer, _), shape in engine.lora.targets.items() if layer == 0]
+    shapes = [shape for (layer, _), shape in engine.adapter_targets.items() if layer == 0]
     slots = NUM_ADAPTERS + 1
     key = jax.random.key(0)
     weights = [LoraWeight(base=jnp.zeros((1, 1)), a=jax.random.normal(key, (i, slots * RANK)),
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     lora = Engine.load(EngineConfig(**common, max_loras=NUM_ADAPTERS, max_lora_rank=RANK))
     with tempfile.TemporaryDirectory() as tmp:
         for i, path in enumerate(write_adapters(lora, Path(tmp), NUM_ADAPTERS, RANK)):
-            lora.lora.load(f"adapter{i}", path)
+            lora.load_adapter(f"adapter{i}", str(path))
     configs = {"base": (base, [0]), "lora-0": (lora, [0]), "lora-1": (lora, [1]), "lora-4": (lora, [1, 2, 3, 4])}
     times: dict[str, list[float]] = {f"{c}_{r}": [] for c in configs for r in args.rows}
     for _ in range(args.rounds):
