@@ -41,7 +41,7 @@ logger = logging.getLogger("ferrox")
 # `ferrox serve` exit statuses (docs/operations.md has the table and what a supervisor does).
 EXIT_OK = 0  # SIGTERM/SIGINT drain, or stdin closed with --exit-on-stdin-close
 EXIT_LOAD_FAILED = 1  # the model did not load (a bad checkpoint or setting)
-EXIT_ENGINE_FAULTED = 3  # repeated failed steps or a crashed owner loop
+EXIT_ENGINE_FAULTED = 3  # repeated failed steps, a lost multi-host peer, or a crashed owner loop
 EXIT_ENGINE_HUNG = 4  # a step ran past --step-timeout-s (the device is hung or gone)
 # `ferrox run-batch`: -i / -o cannot be used (missing, the same file, unwritable); nothing was loaded.
 EXIT_BAD_FILES = 2

@@ -11,9 +11,10 @@ them to a `GenerationRun`. The run:
     thread delivers (hopped onto the handler's loop with `call_soon_threadsafe`), and
     `KEEPALIVE` while a stream is idle, until every row has finished;
  3. ends with an `APIError` instead when the request cannot finish: its LoRA adapter was
-    quarantined (409 `adapter_quarantined`, at its next event), a row failed (500
-    `engine_error`), the engine stopped (500), the server is draining (503 `draining`),
-    or a whole (non-streamed) request outlived `--request-timeout` (504);
+    quarantined or unloaded (409 `adapter_quarantined` / 404 `model_not_found`: the engine
+    ends the job with that error's code), a row failed (500 `engine_error`), the engine
+    stopped (500), the server is draining (503 `draining`), or a whole (non-streamed)
+    request outlived `--request-timeout` (504);
  4. on `close()` — whatever ended the handler: the last event, a client disconnect, an
     exception — cancels the jobs still open (their KV blocks return to the budget) and
     records the request: TTFT, inter-token and end-to-end latency, queue time, usage, and
@@ -43,7 +44,6 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Sequence
 from quart import g, has_request_context
 
 from api.errors import APIError, unavailable
-from api.lora_routes import adapter_fault, adapter_jobs
 from api.telemetry import RequestRecord
 from ferrox_jax.request import AdmissionError, GenerationRequest, RowEvent
 
@@ -74,7 +74,29 @@ def admission_error(e: AdmissionError) -> APIError:
         return APIError(400, e.message, param="max_tokens", code="device_memory_budget_exceeded")
     if e.reason == "queue_full":
         return unavailable(e.message, code="queue_full")
+    if e.reason in ADAPTER_ERRORS:
+        return adapter_error(e.reason, e.message)
     return unavailable(e.message, code="unavailable")
+
+
+# The engine's adapter refusals (at submit, or at admission as an error event's code) -> (status, code).
+ADAPTER_ERRORS = {"adapter_not_found": (404, "model_not_found"), "adapter_quarantined": (409, "adapter_quarantined")}
+
+
+def adapter_error(reason: str, message: str) -> APIError:
+    """The request's `model` named a LoRA adapter the engine refuses: not loaded (404, as an
+    unknown model) or quarantined (409, the message says how to clear it)."""
+    status, code = ADAPTER_ERRORS[reason]
+    return APIError(status, message, param="model", code=code)
+
+
+def event_error(event: RowEvent) -> APIError:
+    """The error a row's failed event ends its request with: its adapter's refusal, or an
+    engine error (500)."""
+    if event.error_code in ADAPTER_ERRORS:
+        return adapter_error(event.error_code, event.error or event.error_code)
+    return APIError(500, f"generation failed: {event.error or 'engine error'}", type="server_error",
+                    code="engine_error")
 
 
 class GenerationRun:
@@ -93,8 +115,8 @@ class GenerationRun:
             token, which is dropped, and its rows end with "length" and 0 tokens.
           engine: the engine whose tokenizer made the prompts (default: the app's current one);
             the run stays on it even if the app swaps models meanwhile.
-          model: the request's `model`; a LoRA adapter's name runs the jobs in its slot,
-            held from `submit` until `close` (`api/lora_routes.py`).
+          model: the request's `model`; a LoRA adapter's name runs the jobs with it (the
+            engine holds its slot while they run).
         """
         self.state = state
         self.engine = engine if engine is not None else state.engine
@@ -121,13 +143,12 @@ class GenerationRun:
         self.cache_status: str | None = None
         self._cache_key: str | None = None
         self._recorded: list[RowOutput] | None = None  # a miss's raw outputs, stored when it ends well
-        self._queue: asyncio.Queue[RowOutput | APIError] = asyncio.Queue()  # an APIError: `fail_now`
+        self._queue: asyncio.Queue[RowOutput] = asyncio.Queue()
         self._num_submitted = 0
         self._rows_open = [self.n] * len(self.jobs)
         self._jobs_seen: set[int] = set()
         self._closed = False
         self.model = model
-        self._adapter_slot = 0  # the LoRA slot this run holds (0: none)
 
     @property
     def num_choices(self) -> int:
@@ -146,7 +167,7 @@ class GenerationRun:
         if engine is None:
             raise unavailable("no model is loaded", code="model_not_loaded")
         loop = asyncio.get_running_loop()
-        self.jobs, self._adapter_slot = adapter_jobs(engine, self.model, self.jobs)
+        self.jobs = self._name_adapter(engine)
         if self._answer_from_cache():  # after the adapter is named in the jobs: it is part of the key
             return
         try:
@@ -155,15 +176,25 @@ class GenerationRun:
                 self._num_submitted += 1
         except AdmissionError as e:
             self._cancel_open()
-            self._release_adapter()
             raise admission_error(e) from None
         except BaseException:
             self._cancel_open()
-            self._release_adapter()
             raise
         self.submitted_at = time.monotonic()
         self.state.inflight[self.api_id] = self
         self.state.stats.generating_now += 1
+
+    def _name_adapter(self, engine: Engine) -> tuple[GenerationRequest, ...]:
+        """The jobs, naming the LoRA adapter the request's `model` names (and the version of
+        its weights: the response cache's key and the engine's check at admission); the
+        engine holds its slot from each job's admission to its end."""
+        if self.model is None or self.model == engine.model_name or not engine.max_loras:
+            return self.jobs
+        try:
+            key = engine.resolve_adapter(self.model)
+        except AdmissionError as e:
+            raise admission_error(e) from None
+        return tuple(dataclasses.replace(job, adapter_name=self.model, adapter_key=key) for job in self.jobs)
 
     def _answer_from_cache(self) -> bool:
         """Looks the run up in the response cache; a hit queues the recorded outputs as the
@@ -231,11 +262,8 @@ class GenerationRun:
                     yield KEEPALIVE
                 continue
             event = output.event
-            if self._adapter_slot and (fault := adapter_fault(self.engine, self._adapter_slot)) is not None:
-                self._fail(fault)  # its adapter was quarantined: a 409 naming it, not an engine error
             if event.finish_reason == "error":
-                self._fail(APIError(500, f"generation failed: {event.error or 'engine error'}",
-                                    type="server_error", code="engine_error"))
+                self._fail(event_error(event))
             if event.finish_reason == "cancelled" and self.abort_reason is not None:
                 self._fail(unavailable(self.abort_reason, code="draining"))
             yield output
@@ -255,8 +283,6 @@ class GenerationRun:
                 output = await self._queue.get()
         except TimeoutError:
             return None
-        if isinstance(output, APIError):
-            self._fail(output)
         if self._recorded is not None:
             self._recorded.append(output)
         return self._observe(output)
@@ -319,14 +345,6 @@ class GenerationRun:
             self.abort_reason = reason
         self._cancel_open()
 
-    def fail_now(self, message: str) -> None:
-        """End the run at once with a 500 naming `message` (a final SSE error event), without
-        waiting for the engine's last events: a multi-host group whose step waits in a
-        collective with a hung peer sends none (`api/multihost_app.py`). On the event loop."""
-        self._queue.put_nowait(APIError(500, f"generation failed: {message}", type="server_error",
-                                        code="engine_error"))
-        self._cancel_open()
-
     def cancel(self) -> None:
         """Cancel as the client (`/v1/cancel`): rows end with finish_reason "cancelled"."""
         self._cancel_open()
@@ -361,13 +379,7 @@ class GenerationRun:
                 self.state.stats.generating_now -= 1
         if self.status >= 500 and self.stream:
             self.state.stats.on_error()  # a stream's status line said 200; count its failure here
-        self._release_adapter()
         self._record()
-
-    def _release_adapter(self) -> None:
-        if self._adapter_slot:
-            self.engine.lora.release(self._adapter_slot)
-            self._adapter_slot = 0
 
     def _record(self) -> None:
         now = time.monotonic()

@@ -15,21 +15,25 @@
   `adapter_not_found` (404), `lora_path_outside_model_dir` (403).
 - Quarantine: a row whose logits went non-finite blames its adapter
   (`ferrox_jax/batcher.py`), which the registry then quarantines. Requests naming it are
-  refused with 409 `adapter_quarantined`, and requests already running with it end with
-  that error at their next event (`adapter_fault`, called by `api/generation.py`); the
-  adapter lists with its `quarantined` reason until it is unloaded and loaded again.
+  refused with 409 `adapter_quarantined`, and the engine ends the jobs already running
+  with it with that error (its code on the event, which `api/generation.py` answers with
+  the 409); the adapter lists with its `quarantined` reason until it is unloaded and loaded
+  again.
 - Every protocol's `model` may name a loaded adapter instead of the base model
-  (`check_model` in `api/prompts.py` accepts it); `GenerationRun` then runs its jobs in
-  the adapter's slot (`adapter_jobs`) and releases the slot when the run closes.
-  `/v1/models` lists each adapter with `parent` = the base model's id (`lora_cards`).
+  (`check_model` in `api/prompts.py` accepts it); `GenerationRun` then names it in its
+  jobs (`Engine.resolve_adapter`) and the engine's scheduler holds the adapter's slot from
+  each job's admission to its end. `/v1/models` lists each adapter with `parent` = the
+  base model's id (`lora_cards`).
+- Loading and unloading go through the engine facade (`Engine.load_adapter` /
+  `unload_adapter`): the files are read on a worker thread, and the slot is written (or
+  the name dropped) by the engine's owner thread between two steps.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response, current_app, request
 
@@ -40,7 +44,6 @@ from ferrox_jax.engine import LoraError, check_adapter_name
 
 if TYPE_CHECKING:
     from ferrox_jax.engine import Engine
-    from ferrox_jax.request import GenerationRequest
 
 blueprint = Blueprint("lora", __name__)
 
@@ -55,31 +58,6 @@ def lora_names(engine: Engine | None) -> list[str]:
 
 def lora_error(e: LoraError, param: str | None = None) -> APIError:
     return APIError(_STATUS.get(e.code, 400), str(e), param=param, code=e.code)
-
-
-def adapter_jobs(engine: Engine, model: str | None,
-                 jobs: Sequence[GenerationRequest]) -> tuple[tuple[GenerationRequest, ...], int]:
-    """The jobs to submit for a request's `model`, and the slot acquired (0: the base model).
-    A slot acquired here is the caller's to `engine.lora.release`."""
-    registry = getattr(engine, "lora", None)
-    if registry is None or model is None or model == engine.model_name:
-        return tuple(jobs), 0
-    try:
-        loaded = registry.acquire(model)
-    except LoraError as e:
-        if e.code == "adapter_quarantined":
-            raise lora_error(e, "model") from None
-        raise APIError(404, str(e), param="model", code="model_not_found") from None
-    return tuple(dataclasses.replace(job, adapter_slot=loaded.slot, adapter_name=loaded.name,
-                                     adapter_key=loaded.key) for job in jobs), loaded.slot
-
-
-def adapter_fault(engine: Engine | None, slot: int) -> APIError | None:
-    """The 409 a request running in adapter `slot` ends with once that adapter is
-    quarantined (None while it is not, and for slot 0, the base model)."""
-    registry = getattr(engine, "lora", None)
-    message = registry.quarantined_in(slot) if registry is not None and slot else None
-    return None if message is None else APIError(409, message, param="model", code="adapter_quarantined")
 
 
 def lora_cards(engine: Engine, base: dict[str, Any]) -> list[dict[str, Any]]:

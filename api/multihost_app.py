@@ -1,12 +1,13 @@
 """`ferrox serve` in a multi-process cluster: the leader's failure path and the followers' life.
 
 Process 0 (the leader) serves the whole API as usual; its engine sends every step to the
-followers (`ferrox_jax/multihost.py`). `watch_group(app)` makes a failed group visible and
-final: `/health` answers 503 with the reason, every in-flight request ends with an error
-event (a stream) or a 500 carrying it, and after `EXIT_GRACE_S` (time for those events to
-reach their clients) the server stops and the process exits 1, so a supervisor restarts
-the whole group. `EXIT_BACKSTOP_S` later it exits whatever is still running (a device call
-stuck in a collective with a dead peer).
+followers (`ferrox_jax/multihost.py`). A failed group is one of the engine's own faults
+(kind "peer", `ferrox_jax/step_faults.py`): the engine ends every in-flight request with
+an error event naming the lost process, `/health` answers 503 with the reason, and
+`ferrox serve` stops and exits non-zero as for any engine that gave up (`api/cli.py`), so a
+supervisor restarts the whole group. `watch_group(app)` adds the backstop: `EXIT_BACKSTOP_S`
+after the engine gave up, the process exits whatever is still running (a device call stuck
+in a collective with a dead peer).
 
 A follower (`serve_follower`) answers only `GET /health` on its own port (503 `loading`
 until its engine is warm and connected to the leader, then 200), loads and compiles the
@@ -35,8 +36,8 @@ if TYPE_CHECKING:  # the facade's module imports jax; this module names its type
 
 log = logging.getLogger("ferrox.multihost")
 
-EXIT_GRACE_S = 2.0  # between the failure and the shutdown: error events reach their clients
-EXIT_BACKSTOP_S = 30.0  # after the failure, the process exits even if shutting down hangs
+EXIT_BACKSTOP_S = 30.0  # after the engine gave up, the process exits even if shutting down hangs
+BACKSTOP_EXIT_CODE = 3  # api/cli.py's EXIT_ENGINE_FAULTED: the engine gave up
 
 
 def is_multiprocess(config: EngineConfig) -> bool:
@@ -48,33 +49,21 @@ def is_follower(config: EngineConfig) -> bool:
 
 
 def watch_group(app: Any) -> None:
-    """On the leader: turn a group failure into /health 503, error events and exit 1."""
+    """On the leader: once the engine gave up, exit within `EXIT_BACKSTOP_S` whatever still
+    runs (the normal exit, after the error events went out, comes first)."""
     from api.app import state_of
 
-    loop_box: list[asyncio.AbstractEventLoop] = []
-
     @app.before_serving
-    async def _grab_loop() -> None:
-        loop_box.append(asyncio.get_running_loop())
-
-    def fail_group(reason: str) -> None:  # on the event loop
+    async def _arm_backstop() -> None:
         state = state_of(app)
-        message = f"multi-host group failed: {reason}"
-        state.phase, state.load_error = "failed", message
-        for run in list(state.inflight.values()):
-            run.fail_now(message)  # not `abort`: a step stuck in a collective never ends the rows
-        asyncio.get_running_loop().call_later(EXIT_GRACE_S, state.load_failed.set)
 
-    def listener(reason: str) -> None:  # on the step channel's thread
-        timer = threading.Timer(EXIT_BACKSTOP_S, lambda: exit_now(1))
-        timer.daemon = True
-        timer.start()
-        if loop_box:
-            loop_box[0].call_soon_threadsafe(fail_group, reason)
+        async def backstop() -> None:
+            await state.engine_failed.wait()
+            timer = threading.Timer(EXIT_BACKSTOP_S, lambda: exit_now(BACKSTOP_EXIT_CODE))
+            timer.daemon = True
+            timer.start()
 
-    from ferrox_jax.engine import Engine
-
-    Engine.on_group_failure(listener)
+        app.extensions["ferrox_group_backstop"] = asyncio.get_running_loop().create_task(backstop())
 
 
 def exit_now(code: int) -> None:

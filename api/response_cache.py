@@ -120,9 +120,8 @@ def run_key(run: GenerationRun) -> str:
         sampling = job.sampling
         if sampling.temperature == 0.0:  # greedy: the seed (random unless given) changes nothing
             sampling = dataclasses.replace(sampling, seed=0)
-        # The adapter's name and key (its weights' version) stay in; its slot is placement only.
-        placement = {"adapter_slot": 0} if hasattr(job, "adapter_slot") else {}
-        parts.append(repr(dataclasses.replace(job, request_id="", sampling=sampling, **placement)))
+        # The adapter's name and key (its weights' version) stay in (the engine picks its slot).
+        parts.append(repr(dataclasses.replace(job, request_id="", sampling=sampling)))
     return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()
 
 

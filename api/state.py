@@ -64,8 +64,6 @@ class InFlight(Protocol):
 
     def abort(self, reason: str) -> None: ...
 
-    def fail_now(self, message: str) -> None: ...
-
 
 class AppState:
     """What the handlers share; event-loop only (see the module docstring)."""

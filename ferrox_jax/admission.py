@@ -8,9 +8,20 @@ A submitted job meets two kinds of refusal (the ferrox-server contract):
   * "not now": the scheduler admits the waiting queue's head in strict FIFO once the
     running rows and the block ledger have room (`Scheduler._admit_waiting`); the head
     that does not fit holds the line.
+
+A job that names a LoRA adapter (`GenerationRequest.adapter_name`) also needs the adapter's
+slot, a constraint beside rows and blocks (`AdapterSlots`, the engine's registry): at
+admission the scheduler asks `refusal` (not loaded any more, quarantined, or reloaded
+with other weights since the job named it: the job ends with that error, its code on
+the event) and, once rows and blocks are granted, `acquire`s the slot, which it holds
+until the job's last row ends (`release`). An adapter's slot is its own while it is
+loaded, so the constraint never makes a job wait, only refuses it; every call runs on the
+owner thread, as every change to the registry does.
 """
 
 from __future__ import annotations
+
+from typing import Any, Protocol
 
 from ferrox_jax.block_tables import blocks_to_reserve
 from ferrox_jax.config import SchedulerLimits
@@ -44,3 +55,20 @@ def check_admission(spec: GenerationRequest, limits: SchedulerLimits) -> tuple[s
         return ("too_large", f"request asks for n={spec.n} rows; at most {limits.max_rows} "
                              "rows run at once (max_seqs)")
     return None
+
+
+class AdapterSlots(Protocol):
+    """Where a job's adapter gets its slot (`ferrox_jax/lora_registry.py:LoraRegistry`)."""
+
+    def refusal(self, name: str, key: str | None) -> tuple[str, str] | None:
+        """(code, message) when a job naming adapter `name` at version `key` cannot run:
+        "adapter_not_found" or "adapter_quarantined"; None when it can."""
+
+    def acquire(self, name: str) -> Any:
+        """Holds the adapter's slot for one job; returns the adapter (its `slot`)."""
+
+    def release(self, slot: int) -> None:
+        """The job holding `slot` ended."""
+
+    def quarantine(self, slot: int, reason: str) -> str | None:
+        """Quarantines the adapter in `slot` (a faulted row); its name, or None."""

@@ -53,30 +53,25 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
-
-import numpy as np
 
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.draft import DraftModel, check_compatible
-from ferrox_jax.host_batch import HostBatch, bitmask_words
-from ferrox_jax.inbox import AbortRequest, AddRequest, EventCallback, Inbox, OwnerCall, Stop
+from ferrox_jax.admission import AdapterSlots
+from ferrox_jax.host_batch import HostBatch
+from ferrox_jax.inbox import AbortRequest, AddRequest, EventCallback, Fault, Inbox, OwnerCall, Stop
 from ferrox_jax.plan import StepOutput, StepPlan
 from ferrox_jax.request import AdmissionError, GenerationRequest, MatcherFactory, RowEvent
-from ferrox_jax.runner_protocol import PendingStep, Runner, check_limits
+from ferrox_jax.runner_protocol import Runner, check_limits
 from ferrox_jax.scheduler import Scheduler, check_admission
 from ferrox_jax.speculative import NgramProposer
 from ferrox_jax.stats import BatcherStats, scheduler_fields
+from ferrox_jax.step_masks import BitmaskFiller, StepMasks
 from ferrox_jax.step_output import step_output
-from ferrox_jax.step_faults import (AdapterQuarantine, FatalSignal, FaultLedger, FaultPolicy, StepWatchdog,
-                                    Unrecoverable, blame_nonfinite)
+from ferrox_jax.step_faults import FatalSignal, FaultLedger, FaultPolicy, StepWatchdog, Unrecoverable, blame_nonfinite
 
 log = logging.getLogger(__name__)
-
-# fill_bitmask(bitmask i32[B, W], matchers): constrained rows from their matcher, the rest
-# all ones (`ferrox_jax.grammar.GrammarCompiler.fill_bitmask`).
-BitmaskFiller = Callable[[np.ndarray, Sequence[Any]], None]
 
 # AdmissionError.reason -> the BatcherStats field that counts it.
 _REFUSAL_FIELDS = {
@@ -104,12 +99,13 @@ class ContinuousBatcher:
 
     def __init__(self, runner: Runner, tokenizer: Any, limits: SchedulerLimits,
                  new_matcher: MatcherFactory | None = None, fill_bitmask: BitmaskFiller | None = None,
-                 faults: FaultPolicy | None = None, adapters: AdapterQuarantine | None = None,
+                 faults: FaultPolicy | None = None, adapters: AdapterSlots | None = None,
                  draft: DraftModel | None = None) -> None:
         """`new_matcher` and `fill_bitmask` come from the engine's grammar compiler
         (`GrammarCompiler.new_matcher` / `.fill_bitmask`); without them constrained jobs
         are refused at submit. `faults`: the step watchdog and the consecutive-fault limit.
-        `adapters`: the LoRA registry, which quarantines an adapter whose row went non-finite.
+        `adapters`: the LoRA registry: the scheduler holds a job's adapter slot from its
+        admission to its end, and an adapter whose row went non-finite is quarantined.
         `draft`: `--speculative draft`'s model, which mirrors every step and proposes."""
         check_limits(limits, runner, has_draft=draft is not None)
         if draft is not None:
@@ -118,12 +114,12 @@ class ContinuousBatcher:
         self._runner = runner
         self._draft = draft
         self._max_queue = limits.max_queue
-        self._scheduler = Scheduler(self.limits, tokenizer, new_matcher=new_matcher)
+        self._scheduler = Scheduler(self.limits, tokenizer, new_matcher=new_matcher, adapters=adapters)
         spec = limits.speculative
         # Who answers a plan's draft requests: the draft model, or prompt lookup on the host.
         self._proposer = None if spec is None else draft if spec.method == "draft" else NgramProposer(spec)
         self._has_grammar = new_matcher is not None and fill_bitmask is not None
-        self._fill_bitmask = fill_bitmask
+        self._masks = StepMasks(fill_bitmask, runner.geometry.vocab_size) if self._has_grammar else None
         self._inbox = Inbox()
         self._idle_calls: list[OwnerCall] = []  # owner thread: run_when_idle calls still waiting
         self._thread: threading.Thread | None = None
@@ -137,6 +133,7 @@ class ContinuousBatcher:
         self._faults = FaultLedger(faults or FaultPolicy())
         self._adapters = adapters
         self._watchdog = StepWatchdog(self._faults.policy.step_timeout_s, self._on_step_timeout)
+        self._lost: tuple[str, str] | None = None  # (kind, reason) of a lost peer (`lose_peer`)
         self._fatal = FatalSignal()
         self._snapshot = BatcherStats(kv_blocks_total=self.limits.num_blocks,
                                       kv_blocks_free=self.limits.num_blocks,
@@ -146,7 +143,6 @@ class ContinuousBatcher:
         self._ticks = 0
         self._host_s = 0.0
         self._device_s = 0.0
-        self._masks = collections.Counter()  # grammar mask totals from each StepOutput
 
     # -- the public API (any thread) ---------------------------------------------------
 
@@ -163,8 +159,9 @@ class ContinuousBatcher:
         """Queues a job; `on_event` is then called from the owner thread for each RowEvent.
 
         Raises:
-            AdmissionError: refused ("context_length", "too_large", "queue_full",
-                "unavailable", checked in that order); nothing is held for it.
+            AdmissionError: refused ("context_length", "too_large", "adapter_not_found" /
+                "adapter_quarantined", "queue_full", "unavailable", checked in that order);
+                nothing is held for it.
             ValueError: the request id is already open, or it has an output constraint and
                 this batcher no grammar compiler.
         """
@@ -172,11 +169,14 @@ class ContinuousBatcher:
             raise ValueError(f"request {request.request_id!r} has an output constraint but this batcher "
                              "has no grammar compiler")
         refusal = check_admission(request, self.limits)
+        adapter_refusal = self._scheduler.adapter_refusal(request) if refusal is None else None
         with self._lock:
             if refusal is not None:
                 reason, message = refusal
                 self._refusals[_REFUSAL_FIELDS[reason]] += 1
                 raise AdmissionError(reason, message)
+            if adapter_refusal is not None:  # checked again at admission: it may change meanwhile
+                raise AdmissionError(*adapter_refusal)
             depth = self._num_in_inbox + self._num_waiting
             if depth >= self._max_queue:
                 self._refusals["queue_rejected"] += 1
@@ -241,7 +241,7 @@ class ContinuousBatcher:
             is_idle = True
             while True:
                 messages = self._inbox.drain(block=is_idle)  # step 1
-                if not self._take_messages(messages):  # step 2
+                if not self._take_messages(messages):  # step 2 (a Fault raises Unrecoverable)
                     self._end_all("stopped", "the batcher was shut down")
                     return
                 self._run_idle_calls()
@@ -268,8 +268,21 @@ class ContinuousBatcher:
         reason = (f"a step ran {elapsed_s:.1f} s, past the step timeout of {self._watchdog.timeout_s:g} s "
                   "(the device is hung or gone)")
         log.error("step watchdog: %s", reason)
-        self._faults.record_timeout(reason)
+        self._faults.record_fatal("timeout", reason)
         self._die("timeout", f"the engine is unrecoverable: {reason}")
+
+    def lose_peer(self, reason: str) -> None:
+        """A process of the multi-host group died or hung (the step channel's thread): one
+        more fault the engine cannot survive, on the watchdog's path. During a step (its
+        collective may wait forever on the lost peer) this thread ends the work and the
+        owner, if it ever comes back, touches nothing; otherwise the owner ends it."""
+        reason = f"multi-host group failed: {reason}"
+        self._faults.record_fatal("peer", reason)
+        self._lost = ("peer", reason)  # before the trip: an owner the trip refuses reads it
+        if self._watchdog.trip():
+            self._die("peer", f"the engine is unrecoverable: {reason}")
+        else:
+            self._inbox.put(Fault("peer", reason))  # wakes an idle owner; a busy one meets `arm`
 
     def _take_messages(self, messages: list[Any]) -> bool:
         """Hands messages to the scheduler; False on a stop message."""
@@ -286,6 +299,8 @@ class ContinuousBatcher:
                 self._idle_calls.append(message)
             elif isinstance(message, OwnerCall):
                 message.run()
+            elif isinstance(message, Fault):
+                raise Unrecoverable(message.kind, message.reason)
             else:
                 keep_running = False
         with self._lock:
@@ -375,8 +390,8 @@ class ContinuousBatcher:
           _Abandoned: the watchdog fired while the step ran (it ended everything).
           Unrecoverable: the fault policy gives up (too many faulted steps in a row).
         """
-        if self._runner.is_warm:  # warm-up's compiles never trip the watchdog
-            self._watchdog.arm()
+        if self._runner.is_warm and not self._watchdog.arm():  # warm-up's compiles never trip the watchdog
+            raise Unrecoverable(*self._lost)  # tripped between steps (`lose_peer`)
         try:
             plan, out = self._step(plan)
             self._scheduler.check_output(plan, out)
@@ -395,8 +410,10 @@ class ContinuousBatcher:
             blame = blame_nonfinite(plan, out.nonfinite_row_ids, self._adapters)
             log.error("%s; their requests end with an error", blame.reason)
             kept = plan
-            for row_ids, error in blame.failures:
-                kept = self._scheduler.fail_rows(kept, row_ids, error)
+            for row_ids, error, code in blame.failures:
+                kept = self._scheduler.fail_rows(kept, row_ids, error, code)
+            for slot, error in blame.quarantined:  # its jobs outside this step end too
+                self._scheduler.fail_adapter_jobs(slot, error, "adapter_quarantined")
             self._scheduler.update(kept, out)
             self._faults.record("nonfinite", blame.reason, step_faulted=blame.step_faulted(kept))
         else:
@@ -414,23 +431,9 @@ class ContinuousBatcher:
         pending = self._runner.forward(batch)  # dispatched: the device runs
         if self._draft is not None:
             self._draft.mirror(batch)  # the draft's K/V goes where the target's does
-        bitmask = self._fill_masks(pending) if batch.has_constrained_rows else None  # host work meanwhile
+        bitmask = self._masks.fill(pending, self._scheduler.matcher) if batch.has_constrained_rows else None
         arrays = self._runner.sample(pending, bitmask)  # one fetch
         return plan, step_output(plan, batch, arrays, device_s=time.perf_counter() - start_s)
-
-    def _fill_masks(self, pending: PendingStep) -> np.ndarray:
-        """The bitmask i32[R, W] of a batch with constrained rows, from their matchers (all
-        ones for every other row), filled while the forward runs."""
-        start_s = time.perf_counter()
-        batch = pending.batch
-        matchers = [self._scheduler.matcher(int(row_id)) if constrained else None
-                    for row_id, constrained in zip(batch.row_ids, batch.constrained)]
-        bitmask = np.empty((batch.num_rows, bitmask_words(self._runner.geometry.vocab_size)), np.int32)
-        self._fill_bitmask(bitmask, matchers)
-        self._masks.update(grammar_mask_s=time.perf_counter() - start_s,
-                           grammar_mask_rows=sum(m is not None for m in matchers), grammar_mask_fills=1,
-                           grammar_mask_fills_hidden=int(not pending.is_done()))
-        return bitmask
 
     def _deliver(self, events: list[RowEvent]) -> None:
         closed = []
@@ -456,7 +459,8 @@ class ContinuousBatcher:
             self._draft.recompiles_after_warmup if self._draft is not None else 0)
         snapshot = BatcherStats(**scheduler_fields(self._scheduler), kv_block_size=self.limits.block_size,
                                 recompiles_after_warmup=recompiles, ticks=self._ticks, host_s=self._host_s,
-                                device_s=self._device_s, max_loras=self._runner.max_loras, **self._masks)
+                                device_s=self._device_s, max_loras=self._runner.max_loras,
+                                **(self._masks.counters if self._masks is not None else {}))
         with self._lock:
             self._snapshot = snapshot
             self._num_waiting = self._scheduler.num_waiting

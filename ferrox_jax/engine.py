@@ -37,7 +37,7 @@ from ferrox_jax.constraint import GrammarError, GrammarSpec
 from ferrox_jax.engine_builder import KVSizing, build_parts
 from ferrox_jax.lora_registry import LoadedAdapter, LoraRegistry, check_adapter_name
 from ferrox_jax.memory_bounds import MemoryBoundError, host_total_bytes
-from ferrox_jax.request import GenerationRequest
+from ferrox_jax.request import AdmissionError, GenerationRequest
 from ferrox_jax.runner import ModelRunner
 from ferrox_jax.runner_protocol import Runner
 from ferrox_jax.stats import BatcherStats
@@ -97,7 +97,7 @@ class Engine:
         self._device = device
         self._runner = runner if runner is not None else device
         self.draft_runner = draft_runner  # a multi-host follower replays the draft's steps on it
-        self.lora = lora  # the adapter registry, for the API's slot holds (None without --max-loras)
+        self._lora = lora  # the adapter registry (None without --max-loras): reached through the methods below
         self._batcher = batcher
         self.config = config
         self.tokenizer: Tokenizer = source.tokenizer
@@ -223,16 +223,33 @@ class Engine:
     @property
     def max_loras(self) -> int:
         """Adapter slots (`--max-loras`; 0: this engine serves no adapters)."""
-        return self.lora.max_loras if self.lora is not None else 0
+        return self._lora.max_loras if self._lora is not None else 0
 
     @property
     def adapter_targets(self) -> dict[tuple[int, str], tuple[int, int]]:
         """{(layer, projection): (in, out)} an adapter may target ({} without slots)."""
-        return self.lora.targets if self.lora is not None else {}
+        return self._lora.targets if self._lora is not None else {}
 
     def adapters(self) -> list[LoadedAdapter]:
         """The loaded adapters, in load order (copies; any thread)."""
-        return self.lora.adapters() if self.lora is not None else []
+        return self._lora.adapters() if self._lora is not None else []
+
+    def resolve_adapter(self, name: str) -> str:
+        """The key (name + weights digest) of the loaded adapter `name`, for a request's jobs
+        to name it by (`GenerationRequest.adapter_name` / `adapter_key`); counts the request
+        in the adapter's `num_requests`. Any thread.
+
+        Raises:
+          AdmissionError: "adapter_not_found" (not loaded, or no LoRA slots) or
+            "adapter_quarantined" (its message says how to clear it).
+        """
+        if self._lora is None:
+            raise AdmissionError("adapter_not_found", f"no LoRA adapter named {name!r} is loaded (this server "
+                                                      "has no LoRA slots)")
+        try:
+            return self._lora.resolve(name)
+        except LoraError as e:
+            raise AdmissionError(e.code, str(e)) from None
 
     def load_adapter(self, name: str, path: str) -> LoadedAdapter:
         """Reads and checks the adapter's files on the calling thread (call it off the event
@@ -252,9 +269,9 @@ class Engine:
         self._batcher.run_between_ticks(lambda: registry.unload(name)).result()
 
     def _require_lora(self) -> LoraRegistry:
-        if self.lora is None:
+        if self._lora is None:
             raise LoraError("lora_disabled", "this server has no LoRA slots (start it with --max-loras N)")
-        return self.lora
+        return self._lora
 
     def health(self) -> str:
         """"ready", "dead" (the owner loop crashed or the engine gave up on faults) or "stopped"."""
@@ -278,11 +295,6 @@ class Engine:
         return multihost.follow(self._runner, multihost.step_channel_address(cfg.coordinator_address),
                                 cfg.process_id, on_connected=on_connected, timeout_s=cfg.multihost_timeout_s,
                                 secret=cfg.multihost_secret, draft=self.draft_runner)
-
-    @staticmethod
-    def on_group_failure(listener: Callable[[str], None]) -> None:
-        """`listener(reason)`, from the step channel's thread, when this process's group fails."""
-        multihost.on_group_failure(listener)
 
     @staticmethod
     def stop_followers() -> None:

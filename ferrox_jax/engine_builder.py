@@ -321,13 +321,14 @@ def _block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
 
 
 def _leader_runners(runner: ModelRunner, draft_runner: ModelRunner | None,
-                    config: EngineConfig) -> tuple[Runner, DraftModel | None]:
-    """The runner the batcher drives and the draft model (`--speculative draft`, else None).
-    On process 0 of a multi-process cluster both send their steps to the other processes
-    first (`ferrox_jax/multihost_runner.py`); elsewhere they are the runners themselves (a
-    follower replays the leader's steps from `multihost.follow`, never from a batcher)."""
+                    config: EngineConfig) -> tuple[Runner, DraftModel | None, StepChannel | None]:
+    """The runner the batcher drives, the draft model (`--speculative draft`, else None)
+    and the step channel (None but on a leader). On process 0 of a multi-process cluster
+    both send their steps to the other processes first (`ferrox_jax/multihost_runner.py`);
+    elsewhere they are the runners themselves (a follower replays the leader's steps from
+    `multihost.follow`, never from a batcher)."""
     if jax.process_count() == 1 or jax.process_index() != 0:
-        return runner, DraftModel(draft_runner) if draft_runner is not None else None
+        return runner, DraftModel(draft_runner) if draft_runner is not None else None, None
     if not config.coordinator_address or config.coordinator_address == "auto":
         raise ValueError("multi-host serving needs --coordinator-address HOST:PORT (the step channel "
                          "listens on the leader at PORT + 1)")
@@ -336,7 +337,7 @@ def _leader_runners(runner: ModelRunner, draft_runner: ModelRunner | None,
     atexit.register(channel.close)  # a clean exit stops the followers too
     # --speculative draft: the proposal steps go to the followers too (the mirror needs no frame)
     draft = DraftModel(draft_runner, DraftSender(draft_runner, channel)) if draft_runner is not None else None
-    return BroadcastRunner(runner, channel), draft
+    return BroadcastRunner(runner, channel), draft, channel
 
 
 def open_draft(config: EngineConfig, target: CheckpointSource, mesh: Any) -> CheckpointSource | None:
@@ -470,7 +471,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
                          shared_compiles=_PROCESS.get("shared_compiles"))
     draft_runner = (_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh)
                     if draft_source is not None else None)
-    device, (runner, draft) = runner, _leader_runners(runner, draft_runner, config)
+    device, (runner, draft, channel) = runner, _leader_runners(runner, draft_runner, config)
     if wrap_runner is not None:
         runner = wrap_runner(runner)
     # Before the batcher, which quarantines an adapter whose row goes non-finite through it.
@@ -481,5 +482,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
                                 fill_bitmask=grammar.fill_bitmask if grammar is not None else None,
                                 faults=FaultPolicy(config.step_timeout_s, config.max_step_faults), adapters=lora,
                                 draft=draft)
+    if channel is not None:  # a lost peer is a fault of the engine's, on the watchdog's path
+        channel.on_failure(batcher.lose_peer)
     return EngineParts(source, device, runner, batcher, config, sizing, attention_note, grammar, grammar_note,
                        matmul_note, lora, time.perf_counter() - t0, draft_runner)

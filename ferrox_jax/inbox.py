@@ -10,6 +10,8 @@ the owner takes every waiting message between two ticks (`ContinuousBatcher._tak
                                  (`when_idle` False: a LoRA slot write, an adapter's unload)
                                  or once no job is waiting or running (sleep, wake); the
                                  future carries its result or exception
+    Fault(kind, reason)          the engine is lost (a multi-host peer died or hung while no
+                                 step ran): the owner gives up (`ferrox_jax/step_faults.py`)
     Stop()                       end the loop
 """
 
@@ -39,6 +41,12 @@ class AbortRequest:
 
 class Stop:
     pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    kind: str  # a `ferrox_jax/step_faults.py` kind the engine cannot survive ("peer")
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,8 +7,9 @@ slot 0 is the zero slot, the base model). The registry maps adapter names to slo
                         `*.gguf`): any thread, no device state touched
     place(read)         pick a free slot, write its A/B there: the owner thread, between
                         ticks (`Engine.load_adapter` sends it there as a message)
-    acquire(name)       a request starts with the adapter: (slot, key), and the slot is
-                        held until `release` (the request's end)
+    acquire(name)       a job is admitted with the adapter (the scheduler, after `refusal`
+                        said it may be): its slot is held until `release` (the job's
+                        last row's end: `ferrox_jax/admission.py`)
     unload(name)        the name stops resolving at once; its slot is freed when the
                         last request holding it releases it, so a running request never
                         sees its slot refilled with another adapter mid-generation
@@ -21,10 +22,11 @@ slot 0 is the zero slot, the base model). The registry maps adapter names to slo
 Placing writes new arrays of the same shapes into the runner's weights (`write_slot`,
 through the runner's `swap_state` verb) on the owner thread between two ticks, so a step
 runs wholly on the old or wholly on the new slots, no HTTP thread touches device state,
-and the compiled forwards take the new weights as they took the old (no recompile). Loads
-and unloads run on the owner thread (`Engine.load_adapter` / `unload_adapter` are messages
-to it); requests acquire and release slots from the API's threads and the API lists
-adapters from them, so the bookkeeping is under a lock.
+and the compiled forwards take the new weights as they took the old (no recompile). Every
+change to the registry runs on the owner thread: loads and unloads are messages to it
+(`Engine.load_adapter` / `unload_adapter`), the scheduler acquires and releases slots,
+the batcher quarantines; the bookkeeping is under a lock because the API lists adapters
+and resolves names (`Engine.resolve_adapter`) from its own threads.
 
 A name is checked before anything is read or registered (`check_adapter_name`): it is
 served as a model id, listed in JSON, written in plain-text replies and joined into a
@@ -84,8 +86,8 @@ class LoadedAdapter:
     rank: int
     key: str  # name + a digest of its weights (the prefix cache's salt)
     loaded_at: float = dataclasses.field(default_factory=time.time)
-    num_running: int = 0  # requests holding the slot now
-    num_requests: int = 0  # requests served since it was loaded
+    num_running: int = 0  # jobs holding the slot now (admitted, not ended)
+    num_requests: int = 0  # requests that named it since it was loaded (`resolve`)
     is_unloaded: bool = False  # unloaded; the slot frees when num_running reaches 0
     quarantined: str | None = None  # why its requests are refused (a faulted row), until unloaded
 
@@ -196,6 +198,36 @@ class LoraRegistry:
             if loaded.num_running == 0:
                 del self._by_slot[loaded.slot]
 
+    def refusal(self, name: str, key: str | None) -> tuple[str, str] | None:
+        """Why a job naming adapter `name` at version `key` (None: any) cannot run now, as
+        (code, message): not loaded ("adapter_not_found", also when it was loaded again
+        with other weights since the job named it) or "adapter_quarantined"; None when it
+        can (`ferrox_jax/admission.py`)."""
+        with self._lock:
+            loaded = self._by_name.get(name)
+            if loaded is None:
+                return "adapter_not_found", f"no LoRA adapter named {name!r} is loaded"
+            if loaded.quarantined is not None:
+                return "adapter_quarantined", quarantine_message(loaded)
+            if key is not None and key != loaded.key:
+                return "adapter_not_found", (f"LoRA adapter {name!r} was loaded again with other weights after the "
+                                             "request named it; send the request again")
+            return None
+
+    def resolve(self, name: str) -> str:
+        """A request names the adapter (any thread): counted in `num_requests` (whether the
+        engine or the response cache answers it); returns its key (name + weights digest).
+
+        Raises LoraError("adapter_not_found"), or ("adapter_quarantined")."""
+        with self._lock:
+            loaded = self._by_name.get(name)
+            if loaded is None:
+                raise LoraError("adapter_not_found", f"no LoRA adapter named {name!r} is loaded")
+            if loaded.quarantined is not None:
+                raise LoraError("adapter_quarantined", quarantine_message(loaded))
+            loaded.num_requests += 1
+            return loaded.key
+
     def acquire(self, name: str) -> LoadedAdapter:
         """Hold the adapter's slot for one request.
 
@@ -208,7 +240,6 @@ class LoraRegistry:
             if loaded.quarantined is not None:
                 raise LoraError("adapter_quarantined", quarantine_message(loaded))
             loaded.num_running += 1
-            loaded.num_requests += 1
             return dataclasses.replace(loaded)
 
     def release(self, slot: int) -> None:

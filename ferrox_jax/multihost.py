@@ -45,9 +45,11 @@ Once every follower has joined, the leader stops listening.
 
 Failure is loud and bounded (`timeout_s`, `--multihost-timeout-s`, 10 s by default): a
 follower that closed its channel (died) or sent nothing for `timeout_s` (hung: SIGSTOP, a
-wedged host) makes the leader's channel call every `on_group_failure` listener with the
-reason (the API then answers `/health` 503 with it, ends in-flight requests with an error
-event and exits non-zero: `api/multihost_app.py`) and refuse every later step. A follower
+wedged host) makes the leader's channel tell its failure listener, the engine's batcher,
+for which a lost peer is one more fault kind on the watchdog's path
+(`ContinuousBatcher.lose_peer`, `ferrox_jax/step_faults.py`: every in-flight request ends
+with an error event naming the process, the engine is dead, `/health` answers 503 with the
+reason and `ferrox serve` exits non-zero), and refuse every later step. A follower
 whose leader is gone (EOF) or silent for `timeout_s` (no step, no heartbeat: hung) exits
 non-zero at once, from its reader thread, whatever its step is waiting for: there is
 nothing it could serve alone.
@@ -86,7 +88,6 @@ FAILURE_NAMING_S = 2.0  # a failed step waits this long for the channel to say w
 MAX_PENDING_HANDSHAKES = 64
 ACCEPT_POLL_S = 0.5  # the accept loop looks this often whether the group formed or the channel closed
 
-_listeners: list[Callable[[str], None]] = []
 _channels: list["StepChannel"] = []  # this process's (the leader's), for `close_all`
 
 
@@ -99,11 +100,6 @@ def heartbeat_period(timeout_s: float) -> float:
 
 class GroupFailure(RuntimeError):
     """A process of the group died or hung: no step can run any more."""
-
-
-def on_group_failure(listener: Callable[[str], None]) -> None:
-    """Call `listener(reason)` (from the channel's thread) when the group fails."""
-    _listeners.append(listener)
 
 
 def step_channel_address(coordinator_address: str) -> tuple[str, int]:
@@ -160,6 +156,7 @@ class StepChannel:
         self.timeout_s = timeout_s
         self.failure: str | None = None
         self._failed = threading.Event()
+        self._failure_listeners: list[Callable[[str], None]] = []
         self._followers: dict[int, socket.socket] = {}
         self._lock = threading.Lock()  # the owner thread sends; watchers may fail the group
         self._send_lock = threading.Lock()  # the owner's frames and the heartbeats never interleave
@@ -256,14 +253,26 @@ class StepChannel:
             missing = sorted(set(range(1, self.num_followers + 1)) - set(self._followers))
             raise TimeoutError(f"multi-host: follower processes {missing} did not connect within {timeout_s:g} s")
 
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        """`listener(reason)` once the group fails (from the thread that found out; at once
+        when it has): the engine's batcher, for which a lost peer is a fault kind
+        (`ContinuousBatcher.lose_peer`)."""
+        with self._lock:
+            failure = self.failure if self.failure != "closed" else None
+            if failure is None:
+                self._failure_listeners.append(listener)
+        if failure is not None:
+            listener(failure)
+
     def fail(self, reason: str) -> None:
         with self._lock:
             if self.failure is not None:
                 return
             self.failure = reason
+            listeners, self._failure_listeners = self._failure_listeners, []
         self._failed.set()
         log.error("multi-host group failed: %s", reason)
-        for listener in list(_listeners):
+        for listener in listeners:
             listener(reason)
 
     def wait_failure(self, timeout_s: float) -> bool:

@@ -136,10 +136,11 @@ class GenerationRequest:
     # False: the prompt is computed whole, nothing taken from the prefix cache (llama.cpp's
     # `cache_prompt: false`); its blocks are still cached for later prompts.
     reads_prefix_cache: bool = True
-    # The LoRA adapter the job runs with: its device slot (0: the base model), its name
-    # (the counters') and its key (name + a digest of its weights: the prefix cache's, so an
-    # adapter reloaded with other weights never meets its old blocks). None with slot 0.
-    adapter_slot: int = 0
+    # The LoRA adapter the job runs with, by name (None: the base model), and its key (name
+    # + a digest of its weights, `Engine.resolve_adapter`): the version of the weights the
+    # job asked for, and the prefix cache's salt, so an adapter reloaded with other weights
+    # never meets its old blocks. The scheduler holds the adapter's slot from the job's
+    # admission to its last row's end (`ferrox_jax/admission.py`).
     adapter_name: str | None = None
     adapter_key: str | None = None
 
@@ -184,6 +185,9 @@ class RowEvent:
     logprobs: tuple[RowResult, ...] | None  # one per token in token_ids, when asked
     finish_reason: str | None  # None | "stop" | "length" | "cancelled" | "error"
     error: str | None = None  # why, when finish_reason is "error"
+    # With `error`, what kind of failure, when the API answers it otherwise than an engine
+    # error: "adapter_quarantined", "adapter_not_found" (`ferrox_jax/admission.py`).
+    error_code: str | None = None
     prompt_logprobs: tuple[Any, ...] | None = None  # first event only, when asked
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0  # sampled so far, the stop token included
@@ -203,8 +207,10 @@ class AdmissionError(Exception):
 
     `reason`: "context_length" (prompt + max_tokens over the context ceiling: a request
     to fix), "too_large" (more KV blocks than the whole budget, or n above the row cap),
-    "queue_full" (momentary pressure: retry) or "unavailable" (the engine is not
-    running). `message` is complete and user-facing (token, block and byte counts).
+    "queue_full" (momentary pressure: retry), "unavailable" (the engine is not running),
+    "adapter_not_found" / "adapter_quarantined" (the named LoRA adapter is not loaded, or
+    refused until reloaded). `message` is complete and user-facing (token, block and byte
+    counts, the adapter's name).
     """
 
     def __init__(self, reason: str, message: str) -> None:
@@ -303,6 +309,7 @@ class Row:
                                  "has no grammar compiler")
             self.matcher = new_matcher(spec.grammar)
         self.error: str | None = None
+        self.error_code: str | None = None  # RowEvent.error_code
         self.has_sent_event = False
         # Output gathered during the current tick; becomes one RowEvent.
         self.new_token_ids: list[int] = []
@@ -313,6 +320,25 @@ class Row:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.request.spec.prompt_token_ids)
+
+    def take_event(self) -> RowEvent:
+        """The row's output gathered this tick as one event (the job's prompt logprobs and
+        queue time on its first; the finish on its last), and a fresh start for the next."""
+        spec = self.request.spec
+        is_first = not self.has_sent_event
+        event = RowEvent(
+            request_id=spec.request_id, index=self.index, token_ids=tuple(self.new_token_ids), text=self.new_text,
+            logprobs=tuple(self.new_logprobs) if spec.sampling.logprobs is not None else None,
+            finish_reason=self.state.finish_reason, error=self.error, error_code=self.error_code,
+            prompt_logprobs=tuple(self.request.prompt_logprobs) if spec.prompt_logprobs and is_first else None,
+            num_prompt_tokens=len(spec.prompt_token_ids), num_generated_tokens=self.num_generated_tokens,
+            queue_s=self.request.queue_s if is_first else None,
+            stop_string=self.text.matched_stop if self.state is RequestState.FINISHED_STOP else None,
+            embedding=self.request.pooled, num_cached_tokens=self.request.num_cached_tokens,
+            stop_token=self.stop_token)
+        self.has_sent_event = True
+        self.new_token_ids, self.new_text, self.new_logprobs = [], "", []
+        return event
 
 
 class Request:
@@ -338,6 +364,7 @@ class Request:
         self.queue_s: float | None = None  # waiting time, set at admission
         self.hidden_sum: Any = None  # pooling jobs: f32[D] summed over the chunks so far
         self.pooled: Any = None  # pooling jobs: the vector their last event carries
+        self.adapter_slot = 0  # its LoRA adapter's slot, held from admission to its last row's end (0: none)
 
     @property
     def is_prefilled(self) -> bool:

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ferrox_jax.admission import check_admission  # noqa: F401 (the batcher's submit-side check)
+from ferrox_jax.admission import AdapterSlots, check_admission  # noqa: F401 (check_admission: the batcher's)
 from ferrox_jax.block_tables import BlockTables, blocks_to_reserve  # noqa: F401
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.plan import RowPlan, StepOutput, StepPlan
@@ -54,11 +54,13 @@ class Scheduler:
     """Plans ticks over waiting, prefilling and decoding jobs; see the module docstring."""
 
     def __init__(self, limits: SchedulerLimits, tokenizer: Any, *, new_matcher: MatcherFactory | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, adapters: AdapterSlots | None = None) -> None:
         """`new_matcher` makes constrained rows' grammar state (the engine's grammar compiler);
-        without one, the batcher refuses constrained jobs at submit."""
+        without one, the batcher refuses constrained jobs at submit. `adapters`: the LoRA
+        adapters' slots (`ferrox_jax/admission.py`); without them a job naming one is refused."""
         self.limits = limits
         self._new_matcher = new_matcher
+        self._adapters = adapters
         self.blocks = BlockTables(limits)
         self.budget = self.blocks.budget
         self._tokenizer = tokenizer
@@ -205,9 +207,16 @@ class Scheduler:
             job = self._waiting[0]
             if self.num_running_rows + job.spec.n > self.limits.max_rows:
                 return
+            refusal = self.adapter_refusal(job.spec)
+            if refusal is not None:  # never: it ends, and the next job is the head
+                code, message = refusal
+                self._stop_job(job, RequestState.FINISHED_ERROR, message, code)
+                continue
             if not self.blocks.try_admit(job):
                 return
             self._waiting.popleft()
+            if job.spec.adapter_name is not None:  # held until its last row ends (_flush_finished)
+                job.adapter_slot = self._adapters.acquire(job.spec.adapter_name).slot
             self.num_admitted += 1
             job.queue_s = self._clock() - job.queued_at_s
             if job.is_prefilled:  # n > 1 and nothing before the last prompt token to compute
@@ -216,6 +225,16 @@ class Scheduler:
                 for row in job.rows:
                     _transition(row, RequestState.PREFILLING, self.state_counts)
                 self._prefilling.append(job)
+
+    def adapter_refusal(self, spec: GenerationRequest) -> tuple[str, str] | None:
+        """(code, message) when the job's named adapter refuses it now (`ferrox_jax/admission.py`);
+        None for the base model. Any thread (submit asks too): it only reads the registry."""
+        name = spec.adapter_name
+        if name is None:
+            return None
+        if self._adapters is None:
+            return "adapter_not_found", f"no LoRA adapter named {name!r} is loaded (this engine has no LoRA slots)"
+        return self._adapters.refusal(name, spec.adapter_key)
 
     def _plan_chunks(self, is_idle: bool) -> tuple[RowPlan, ...]:
         """Prompt chunks within the step's token budget, round robin: the front jobs get one
@@ -251,7 +270,7 @@ class Scheduler:
             num_prompt_tokens=len(prompt),
             history_token_ids=self._history(row) if sample else (),
             is_constrained=sample and row.matcher is not None, pooling=job.spec.pooling is not None,
-            adapter_slot=job.spec.adapter_slot)
+            adapter_slot=job.adapter_slot)
 
     def _plan_decode_rows(self) -> tuple[RowPlan, ...]:
         """One token for every decoding row."""
@@ -265,7 +284,7 @@ class Scheduler:
                 block_ids=tuple(row.block_ids), sample=True, sampling=self._step_sampling(row),
                 num_prompt_tokens=len(row.request.spec.prompt_token_ids),
                 history_token_ids=self._history(row), is_constrained=row.matcher is not None,
-                adapter_slot=row.request.spec.adapter_slot))
+                adapter_slot=row.request.adapter_slot))
         return tuple(steps)
 
     def _update_peak(self) -> None:
@@ -333,7 +352,7 @@ class Scheduler:
         for row_id in self._planned_row_ids:
             row = self._rows.get(row_id)
             if row is not None and not row.state.is_finished and row.new_token_ids:
-                self._emit(row)
+                self._events.append(row.take_event())
         self._planned_row_ids = ()
         self._flush_finished()
 
@@ -349,16 +368,17 @@ class Scheduler:
         self._planned_row_ids = ()
         self._flush_finished()
 
-    def fail_rows(self, plan: StepPlan, row_ids: Sequence[int], error: str) -> StepPlan:
+    def fail_rows(self, plan: StepPlan, row_ids: Sequence[int], error: str, code: str | None = None) -> StepPlan:
         """Ends the jobs owning `row_ids` (rows of the last scheduled step whose results are
-        unusable: non-finite logits) with an error and frees their blocks; returns the plan
-        without any row of those jobs, for `update` to apply to the step's other rows.
-        Their blocks written this step are never named in the prefix cache."""
+        unusable: non-finite logits) with an error (`code`: its kind, on the event) and
+        frees their blocks; returns the plan without any row of those jobs, for `update` to
+        apply to the step's other rows. Their blocks written this step are never named in
+        the prefix cache."""
         jobs = {self._rows[row_id].request.spec.request_id: self._rows[row_id].request
                 for row_id in row_ids if row_id in self._rows}
         failed = {row.row_id for job in jobs.values() for row in job.rows}
         for job in jobs.values():
-            self._stop_job(job, RequestState.FINISHED_ERROR, error)
+            self._stop_job(job, RequestState.FINISHED_ERROR, error, code)
             self.num_failed_jobs += 1
         self._planned_row_ids = tuple(row_id for row_id in self._planned_row_ids if row_id not in failed)
         return dataclasses.replace(plan, decode=tuple(r for r in plan.decode if r.row_id not in failed),
@@ -436,18 +456,26 @@ class Scheduler:
 
     # -- ending rows -------------------------------------------------------------------
 
-    def _stop_job(self, job: Request, state: RequestState, error: str | None = None) -> None:
+    def fail_adapter_jobs(self, slot: int, error: str, code: str) -> None:
+        """Ends every open job holding adapter `slot` (its adapter was quarantined) with an
+        error; rows of the last scheduled step must have gone through `fail_rows` first."""
+        for job in [job for job in self._jobs.values() if job.adapter_slot == slot]:
+            if any(not row.state.is_finished for row in job.rows):
+                self._stop_job(job, RequestState.FINISHED_ERROR, error, code)
+                self.num_failed_jobs += 1
+
+    def _stop_job(self, job: Request, state: RequestState, error: str | None = None, code: str | None = None) -> None:
         if job in self._waiting:
             self._waiting.remove(job)
         if job in self._prefilling:
             self._prefilling.remove(job)
         for row in job.rows:
             if not row.state.is_finished:
-                self._finish_row(row, state, error)
+                self._finish_row(row, state, error, code)
 
-    def _finish_row(self, row: Row, state: RequestState, error: str | None = None) -> None:
+    def _finish_row(self, row: Row, state: RequestState, error: str | None = None, code: str | None = None) -> None:
         _transition(row, state, self.state_counts)
-        row.error = error
+        row.error, row.error_code = error, code
         row.new_text += row.text.finish()
         self._to_flush.append(row)
 
@@ -461,23 +489,6 @@ class Scheduler:
             self.blocks.release_row(row)
             if row.request.num_open_rows == 0:
                 del self._jobs[row.request.spec.request_id]
-            self._emit(row)
-
-    def _emit(self, row: Row) -> None:
-        spec = row.request.spec
-        prompt_logprobs = None
-        if spec.prompt_logprobs and not row.has_sent_event:
-            prompt_logprobs = tuple(row.request.prompt_logprobs)
-        self._events.append(RowEvent(
-            request_id=spec.request_id, index=row.index, token_ids=tuple(row.new_token_ids),
-            text=row.new_text,
-            logprobs=tuple(row.new_logprobs) if spec.sampling.logprobs is not None else None,
-            finish_reason=row.state.finish_reason, error=row.error,
-            prompt_logprobs=prompt_logprobs, num_prompt_tokens=len(spec.prompt_token_ids),
-            num_generated_tokens=row.num_generated_tokens,
-            queue_s=None if row.has_sent_event else row.request.queue_s,
-            stop_string=row.text.matched_stop if row.state is RequestState.FINISHED_STOP else None,
-            embedding=row.request.pooled, num_cached_tokens=row.request.num_cached_tokens,
-            stop_token=row.stop_token))
-        row.has_sent_event = True
-        row.new_token_ids, row.new_text, row.new_logprobs = [], "", []
+                if row.request.adapter_slot:  # the job's last row: its adapter's slot is free of it
+                    self._adapters.release(row.request.adapter_slot)
+            self._events.append(row.take_event())

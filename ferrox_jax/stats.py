@@ -63,6 +63,7 @@ class BatcherStats:
     step_faults_exception: int = 0
     step_faults_nonfinite: int = 0
     step_faults_timeout: int = 0
+    step_faults_peer: int = 0  # a multi-host process died or hung (the group is lost)
     last_step_fault: str | None = None
 
     def step_faults_by_kind(self) -> dict[str, int]:

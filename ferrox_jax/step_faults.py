@@ -14,8 +14,13 @@ Kinds (`FAULT_KINDS`, the `kind` label of `ferrox_step_faults_total`):
   timeout    a step ran past `FaultPolicy.step_timeout_s` (`StepWatchdog`, armed only once
              the runner is warm, so start-up compiles never trip it). The owner thread is
              stuck inside the device call and cannot be got back: the engine is dead.
+  peer       a process of a multi-host group died or hung (its step channel said so:
+             `ferrox_jax/multihost.py`). No step can run any more: the engine is dead. It
+             takes the watchdog's path (`StepWatchdog.trip`): during a step, whose
+             collective may wait forever on the lost peer, the work ends from the
+             channel's thread and the owner is abandoned; between steps the owner ends it.
 
-The engine is *unrecoverable* after a timeout, after `max_consecutive_faults` faulted
+The engine is *unrecoverable* after a timeout or a lost peer, after `max_consecutive_faults` faulted
 steps in a row (a step faults when it raised, or when every row in it was non-finite and
 one of them had no adapter; a step with one good row resets the count, so one request
 whose rows keep going NaN cannot take the engine down, and a step whose only non-finite
@@ -39,7 +44,7 @@ from ferrox_jax.plan import StepPlan
 
 log = logging.getLogger(__name__)
 
-FAULT_KINDS = ("exception", "nonfinite", "timeout")
+FAULT_KINDS = ("exception", "nonfinite", "timeout", "peer")
 DEFAULT_STEP_TIMEOUT_S = 600.0  # a cold compile after warm-up (a new bucket) fits well inside
 DEFAULT_MAX_CONSECUTIVE_FAULTS = 3
 
@@ -71,9 +76,12 @@ class AdapterQuarantine(Protocol):
 class NonfiniteBlame:
     """Whom a step's non-finite rows are blamed on (`blame_nonfinite`)."""
 
-    failures: tuple[tuple[tuple[int, ...], str], ...]  # (row ids, the error their jobs end with)
+    # (row ids, the error their jobs end with, its code: "adapter_quarantined" for an
+    # adapter's rows, None for the engine's)
+    failures: tuple[tuple[tuple[int, ...], str, str | None], ...]
     has_base_rows: bool  # some non-finite row had no adapter: the engine's fault
     reason: str  # for the log and `last_step_fault`
+    quarantined: tuple[tuple[int, str], ...] = ()  # (slot, error) of each adapter quarantined
 
     def step_faulted(self, kept: StepPlan) -> bool | None:
         """`FaultLedger.record`'s `step_faulted` once the failures are taken out of the plan
@@ -88,24 +96,26 @@ def blame_nonfinite(plan: StepPlan, nonfinite_row_ids: tuple[int, ...],
                     adapters: AdapterQuarantine | None) -> NonfiniteBlame:
     """Blames each non-finite row on its LoRA adapter when it has one (the adapter is
     quarantined, and every row of it in the step fails with an error naming it: its
-    results came from the same weights), else on the engine (the model's error, as for a
-    step without adapters)."""
+    results came from the same weights; the owner then ends the adapter's other jobs
+    too), else on the engine (the model's error, as for a step without adapters)."""
     slot_of = {row.row_id: row.adapter_slot for row in plan.rows}
     what = "non-finite logits (NaN or inf)"
     reason = f"{what} in {len(nonfinite_row_ids)} of the step's {len(plan.rows)} rows"
-    failures, blamed = [], []
+    failures, blamed, quarantined = [], [], []
     for slot in sorted({slot_of[row_id] for row_id in nonfinite_row_ids if slot_of.get(row_id)}):
         name = adapters.quarantine(slot, f"its weights produced {what}") if adapters is not None else None
         blamed.append(repr(name) if name is not None else f"in slot {slot}")
-        failures.append((tuple(row.row_id for row in plan.rows if row.adapter_slot == slot),
-                         f"LoRA adapter {blamed[-1]} produced {what} and is quarantined; unload it and load it "
-                         "again with fixed weights"))
+        error = (f"LoRA adapter {blamed[-1]} produced {what} and is quarantined; unload it and load it "
+                 "again with fixed weights")
+        failures.append((tuple(row.row_id for row in plan.rows if row.adapter_slot == slot), error,
+                         "adapter_quarantined"))
+        quarantined.append((slot, error))
     base_row_ids = tuple(row_id for row_id in nonfinite_row_ids if not slot_of.get(row_id))
     if base_row_ids:
-        failures.append((base_row_ids, f"the model produced {reason}"))
+        failures.append((base_row_ids, f"the model produced {reason}", None))
     if blamed:
         reason += f"; quarantined LoRA adapter {', '.join(blamed)}"
-    return NonfiniteBlame(tuple(failures), bool(base_row_ids), reason)
+    return NonfiniteBlame(tuple(failures), bool(base_row_ids), reason, tuple(quarantined))
 
 
 class Unrecoverable(Exception):
@@ -145,10 +155,11 @@ class FaultLedger:
         if self._consecutive >= self.policy.max_consecutive_faults:
             raise Unrecoverable(kind, f"{self._consecutive} consecutive faulted steps; the last: {reason}")
 
-    def record_timeout(self, reason: str) -> None:
+    def record_fatal(self, kind: str, reason: str) -> None:
+        """Counts a fault that ends the engine whatever the streak ("timeout", "peer"); any thread."""
         with self._lock:
-            self._counts["timeout"] += 1
-            self._last = f"timeout: {reason}"
+            self._counts[kind] += 1
+            self._last = f"{kind}: {reason}"
 
     def ok_step(self) -> None:
         self._consecutive = 0
@@ -162,15 +173,18 @@ class FaultLedger:
 
 class StepWatchdog:
     """Calls `on_timeout(elapsed_s)` from its own thread when one armed step outlives
-    `timeout_s`. `arm()` before the runner's call, `disarm()` after: False means the
-    watchdog fired meanwhile and took over (the owner must then touch nothing)."""
+    `timeout_s`. `arm()` before the step, `disarm()` after: False means the watchdog took
+    over meanwhile (the owner must then touch nothing). `trip()` is the same path for a
+    fault from outside the step (a lost multi-host peer): during a step it takes over as a
+    timeout would; between steps the next `arm()` refuses."""
 
     def __init__(self, timeout_s: float, on_timeout: Callable[[float], None]) -> None:
         self.timeout_s = timeout_s
         self._on_timeout = on_timeout
         self._cond = threading.Condition()
-        self._armed_at: float | None = None
-        self._fired = False
+        self._armed_at: float | None = None  # tracked even when the timeout is off: `trip` reads it
+        self._fired = False  # the owner was abandoned in a step (timed out or tripped)
+        self._tripped = False
         self._stopped = False
         self._thread: threading.Thread | None = None
 
@@ -178,21 +192,35 @@ class StepWatchdog:
     def enabled(self) -> bool:
         return self.timeout_s > 0
 
-    def arm(self) -> None:
-        if not self.enabled:
-            return
+    def arm(self) -> bool:
+        """Before a step. False: tripped already, the step must not start."""
         with self._cond:
-            if self._thread is None:
+            if self._tripped:
+                return False
+            if self.enabled and self._thread is None:
                 self._thread = threading.Thread(target=self._watch, name="ferrox-step-watchdog", daemon=True)
                 self._thread.start()
             self._armed_at = time.monotonic()
             self._cond.notify()
+            return True
 
     def disarm(self) -> bool:
-        """True: the step came back in time (or the watchdog is off)."""
+        """True: the step came back in time and nothing tripped meanwhile."""
         with self._cond:
             self._armed_at = None
             return not self._fired
+
+    def trip(self) -> bool:
+        """A fault from outside any step (any thread). True: a step is running, and the
+        owner is abandoned in it (the caller ends the work); False: no step is, and the
+        next `arm()` refuses (the owner ends the work)."""
+        with self._cond:
+            self._tripped = True
+            if self._armed_at is None or self._fired:
+                return False
+            self._fired = True
+            self._cond.notify()
+            return True
 
     def stop(self) -> None:
         with self._cond:
@@ -200,6 +228,7 @@ class StepWatchdog:
             self._cond.notify()
 
     def _watch(self) -> None:
+        timed_out = False
         with self._cond:
             while not self._stopped and not self._fired:
                 if self._armed_at is None:
@@ -209,8 +238,8 @@ class StepWatchdog:
                 if elapsed_s < self.timeout_s:
                     self._cond.wait(self.timeout_s - elapsed_s)
                     continue
-                self._fired = True
-        if self._fired:
+                self._fired = timed_out = True
+        if timed_out:
             try:
                 self._on_timeout(elapsed_s)
             except Exception:  # the watchdog's one job is to be loud

@@ -131,8 +131,9 @@ class ScriptedRunner:
         self.plans: list[StepPlan] = []  # filled by `tick` (scheduler-level tests)
         self.batches: list[HostBatch] = []
         self.fail_when: Callable[[HostBatch], bool] | None = None
-        self.gate: threading.Event | None = None  # when set, run() waits for it
-        self.entered = threading.Event()  # set when run() is first called
+        self.gate: threading.Event | None = None  # when set, forward() waits for it
+        self.entered = threading.Event()  # set when forward() is first called
+        self.at_gate = threading.Event()  # set once a forward() waits for the gate
         self.delay_s = 0.0  # sleep per step, to keep long jobs open in threaded tests
         self.bitmasks: list[np.ndarray | None] = []  # what each `sample` was given
         self.is_warm = True
@@ -156,6 +157,7 @@ class ScriptedRunner:
         self.entered.set()
         time.sleep(self.delay_s)
         if self.gate is not None:
+            self.at_gate.set()
             assert self.gate.wait(timeout=30), "scripted runner gate never opened"
         if self.fail_when is not None and self.fail_when(batch):
             raise RuntimeError("scripted runner failure")

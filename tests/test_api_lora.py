@@ -342,7 +342,7 @@ class NanAdapterRows:
         self.is_on = True
 
         def nan_rows(pending):  # the engine's fault-injection runner asks (tests/faults.py)
-            slots = {a.slot for a in engine.lora.adapters() if a.name == name}
+            slots = {a.slot for a in engine.adapters() if a.name == name}
             order = pending.order
             hit = (order >= 0) & np.isin(pending.batch.adapter_slots[np.maximum(order, 0)], list(slots))
             return np.flatnonzero(hit) if self.is_on else ()

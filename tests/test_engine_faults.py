@@ -295,3 +295,50 @@ def test_a_swap_between_the_engine_pick_and_submit_keeps_the_request_on_its_engi
         assert "".join(logprobs["tokens"]) == r.json()["choices"][0]["text"]
         wait_for(lambda: old.health() == "stopped")  # retired once its request ended
         assert state.engine is new and not state.engine_pins
+
+
+def test_a_lost_peer_during_a_step_ends_every_request_from_the_channels_thread_and_the_owner_stays_out():
+    """A multi-host peer lost while the owner waits in a step (its collective would wait
+    forever): the fault takes the watchdog's path, the requests end at once with an error
+    naming the process, and the step that comes back delivers nothing more."""
+    from ferrox_jax.step_faults import FaultPolicy
+    from tests.test_batcher import Sink, req
+
+    batcher, runner, fatal = scripted_batcher(FaultPolicy(step_timeout_s=0))  # no timeout: only the peer
+    events = []
+    try:
+        sink = Sink()
+        spec = req("stuck", 3, 200)
+        callback = sink.callback(spec)
+        batcher.submit(spec, lambda event: (events.append(event), callback(event)))
+        wait_for(lambda: events)
+        runner.gate = threading.Event()  # the next step waits, as in a collective with a dead peer
+        wait_for(runner.at_gate.is_set)
+        batcher.lose_peer("follower process 1 closed its step channel (it exited or crashed)")
+        sink.wait("stuck")
+        assert events[-1].finish_reason == "error" and "follower process 1" in events[-1].error
+        assert batcher.health() == "dead" and [kind for kind, _ in fatal] == ["peer"]
+        assert batcher.stats().step_faults_peer == 1
+        finals = len([e for e in events if e.finish_reason])
+        runner.gate.set()  # the step comes back: the owner touches nothing
+        batcher._thread.join(5)
+        assert not batcher._thread.is_alive()
+        assert len([e for e in events if e.finish_reason]) == finals == 1
+    finally:
+        batcher.shutdown(5)
+
+
+def test_a_lost_peer_between_steps_is_ended_by_the_owner():
+    from ferrox_jax.request import AdmissionError
+    from ferrox_jax.step_faults import FaultPolicy
+    from tests.test_batcher import Sink, req
+
+    batcher, runner, fatal = scripted_batcher(FaultPolicy())
+    try:
+        batcher.lose_peer("follower process 2 sent no heartbeat for 10 s (hung)")  # idle: no step runs
+        wait_for(lambda: batcher.health() == "dead")
+        assert fatal and fatal[0][0] == "peer" and "follower process 2" in fatal[0][1]
+        with pytest.raises(AdmissionError, match="dead"):
+            Sink().submit(batcher, req("late", 3, 5))
+    finally:
+        batcher.shutdown(5)

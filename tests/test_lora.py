@@ -4,6 +4,7 @@ one LoraWeight)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import types
 
@@ -290,8 +291,30 @@ def test_a_quarantined_adapter_is_refused_and_listed_until_unloaded_and_loaded_a
 def _adapter_job(name, slot, max_tokens=6):
     from tests.test_batcher import req
 
-    return req(name, 5, max_tokens, adapter_slot=slot, adapter_name=f"ad{slot}" if slot else None,
+    return req(name, 5, max_tokens, adapter_name=f"ad{slot}" if slot else None,
                adapter_key=f"ad{slot}:k" if slot else None)
+
+
+class _Slots:
+    """Adapter "adN" in slot N, never refused (a quarantine is only recorded)."""
+
+    def __init__(self) -> None:
+        self.quarantined: list[tuple[int, str]] = []
+        self.held: collections.Counter[int] = collections.Counter()
+
+    def refusal(self, name, key):
+        return None
+
+    def acquire(self, name):
+        self.held[int(name[2:])] += 1
+        return types.SimpleNamespace(slot=int(name[2:]))
+
+    def release(self, slot):
+        self.held[slot] -= 1
+
+    def quarantine(self, slot, reason):
+        self.quarantined.append((slot, reason))
+        return f"ad{slot}"
 
 
 def test_non_finite_rows_of_an_adapter_quarantine_it_and_never_take_the_engine_down():
@@ -312,8 +335,8 @@ def test_non_finite_rows_of_an_adapter_quarantine_it_and_never_take_the_engine_d
         return arrays
 
     runner.sample = nan_in_slot_2
-    quarantined = []
-    adapters = types.SimpleNamespace(quarantine=lambda slot, reason: quarantined.append((slot, reason)) or f"ad{slot}")
+    adapters = _Slots()
+    quarantined = adapters.quarantined
     batcher = ContinuousBatcher(runner, ByteTokenizer(), limits_for(runner),
                                 faults=FaultPolicy(max_consecutive_faults=2), adapters=adapters)
     batcher.start()
@@ -334,3 +357,34 @@ def test_non_finite_rows_of_an_adapter_quarantine_it_and_never_take_the_engine_d
         assert stats.step_faults_nonfinite == 6 and "quarantined LoRA adapter 'ad2'" in stats.last_step_fault
     finally:
         batcher.shutdown(5)
+
+
+def test_the_scheduler_holds_a_jobs_adapter_slot_from_admission_to_its_last_row():
+    """The engine owns adapters: a job names its adapter, the scheduler acquires the slot
+    when it admits the job (a job waiting for a row holds none), its rows run in that slot,
+    and the slot is released with its last row; a job whose adapter is refused at admission
+    ends with the refusal's code."""
+    from ferrox_jax.config import SchedulerLimits
+    from ferrox_jax.scheduler import Scheduler
+    from tests.scripted import ByteTokenizer, ScriptedRunner, letters_token_fn, run_until_idle, tick
+
+    slots = _Slots()
+    runner = ScriptedRunner(token_fn=letters_token_fn())
+    scheduler = Scheduler(SchedulerLimits(block_size=4, num_blocks=64, max_rows=1, max_chunk_tokens=64),
+                          ByteTokenizer(), adapters=slots)
+    scheduler.add_request(_adapter_job("first", 2, max_tokens=3))
+    scheduler.add_request(_adapter_job("second", 3, max_tokens=3))  # waits: one row at a time
+    outputs = {}
+    tick(scheduler, runner, outputs)
+    assert dict(slots.held) == {2: 1}, "admitted: the first job holds slot 2; the waiting one holds nothing"
+    assert {int(s) for s in runner.batches[-1].adapter_slots} == {2}, "its rows run in its adapter's slot"
+    run_until_idle(scheduler, runner, outputs)
+    assert all(n == 0 for n in slots.held.values()) and set(slots.held) == {2, 3}, "released with the last row"
+    assert 3 in {int(s) for b in runner.batches for s in b.adapter_slots}
+
+    slots.refusal = lambda name, key: ("adapter_quarantined", f"LoRA adapter {name!r} is quarantined")
+    scheduler.add_request(_adapter_job("refused", 2))
+    out = run_until_idle(scheduler, runner)[("refused", 0)]
+    event = out.events[-1]
+    assert (event.finish_reason, event.error_code) == ("error", "adapter_quarantined") and "'ad2'" in event.error
+    assert all(n == 0 for n in slots.held.values()), "a refused job never held a slot"
