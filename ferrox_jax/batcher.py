@@ -331,11 +331,14 @@ class ContinuousBatcher:
         return future
 
     def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> float:
-        """Before `start`: compiles every executable of the draft model's runner, then of the
-        runner (`progress` follows the latter; a multi-host leader's then waits for its
-        followers); returns seconds taken."""
-        draft_s = self._draft.warmup() if self._draft is not None else 0.0
-        return draft_s + self._runner.warmup(progress)
+        """Before `start`: compiles every executable of the runner (`progress` follows it; a
+        multi-host leader's then waits for its followers), then of the draft model's runner;
+        returns seconds taken. The target's first: in a multi-host group its executables
+        are shared (compiled by the leader, loaded by the followers), and XLA's CPU client
+        cannot load one once it compiled the same functions itself (the draft may be the
+        same model)."""
+        seconds = self._runner.warmup(progress)
+        return seconds + (self._draft.warmup() if self._draft is not None else 0.0)
 
     def sleep(self, level: int) -> concurrent.futures.Future:
         """Once idle, on the owner thread: the prefix cache forgets every block and the

@@ -120,6 +120,7 @@ class ModelRunner:
         self.buckets = Buckets.derive(max_rows, max_chunk_tokens, max_chunks)
         self.mesh = mesh
         self.graphdef, state = nnx.split(model)
+        self._state_tree = None  # the weights' tree structure, fixed by the first `_set_state`
         self.shardings = None if mesh is None else runner_shardings(mesh, cfg, state, replicate_attention)
         self._set_state(state if self.shardings is None else place_on_mesh(state, self.shardings.state))
         # One process: batch inputs go to the compiled steps as numpy (`ferrox_jax/step.py`).
@@ -150,7 +151,7 @@ class ModelRunner:
             self._state_leaves = None
             return
         leaves, tree = jax.tree.flatten(state)
-        if getattr(self, "_state_tree", tree) != tree:
+        if self._state_tree is not None and self._state_tree != tree:
             raise ValueError(f"a new state must have the old one's structure; got {tree} for {self._state_tree}")
         self._state_leaves, self._state_tree = leaves, tree
 
