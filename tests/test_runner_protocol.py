@@ -16,7 +16,7 @@ from tests.faults import FaultyRunner
 from tests.scripted import ScriptedRunner
 
 # ModelRunner's one public method beside the protocol: offline scoring for parity checks
-# (tests, tools/compare_logits.py), never called by the owner loop.
+# (tests, tools/parity/compare_logits.py), never called by the owner loop.
 OFFLINE = {"run_logits"}
 
 
