@@ -39,9 +39,10 @@ with the contract of `models.attention.paged_attention` for T == 1:
     (q [B, 1, H, hd], k_cache, v_cache [K, N, bs, hd], block_tables i32[B, MB],
      positions i32[B, 1], scale) -> f32[B, 1, H, hd]
 
-Which one `auto` picks on a GPU is decided by measurement (`tools/device/device_check.py` times
-every candidate on an H200 and checks it against the pure-JAX loop); until that has run,
-`auto` stays on the pure-JAX loop (see `select_decode_attention`).
+On a CUDA GPU `auto` takes the ragged GPU kernel (`models/ragged_gpu.py`), which serves
+every row of a step, prompt chunks and windowed layers included; these decode-only
+candidates stay as fallbacks a deployment can name, and `tools/device/device_check.py` times each
+of them, and the ragged kernel, against the pure-JAX loop on an H200.
 """
 
 from __future__ import annotations

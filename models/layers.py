@@ -15,7 +15,10 @@
 - Attention: `SelfAttention`, a mix-in that gives a decoder layer the flat parameters
   q_proj/k_proj/v_proj/o_proj (+ q/k/v biases, + per-head q_norm/k_norm) and the whole
   block: project, norm heads, rotate, write the new K/V into the paged cache, attend
-  (optionally through a sliding window, with soft-capped logits), project out.
+  (optionally through a sliding window, with soft-capped logits), project out. With a
+  ragged kernel (`models/ragged_attention.py`, `auto` on TPUs and CUDA GPUs) a layer
+  attends every row of the forward in one call over the forward's spans; otherwise each
+  segment on its own (a one-query kernel for decode rows where it applies, else pure JAX).
 
 Layouts are `x @ W` (`[in, out]`, HF's `[out, in]` transposed); parameter names are flat
 per layer (`layers.{i}.q_proj`) so loaders, sharding rules and tests name them one way.
@@ -36,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import kv_slots, paged_attention, write_kv
+from models.ragged_attention import RaggedAttention, RaggedSpans, ragged_spans
 from models.gguf_blocks import BlockQuantizedWeight, block_matmul, block_matmul_many, fusable
 from models.lora import LoraWeight, project_lora
 from models.quant import QuantizedWeight, quantized_matmul
@@ -141,8 +145,10 @@ class ForwardContext:
       segments: the forward's rows, by shape (decode rows of one token, prompt chunks).
       kv_blocks, kv_offsets: i32[N] where each new token's K/V goes (`kv_slots`).
       rope: kind -> (cos, sin) f32[N, rotary_dim]; each layer names the kind it uses.
-      decode_attention: the model's one-query attention (a kernel) or None; it serves
-        segments of one token per row.
+      decode_attention: the model's attention kernel or None (pure JAX). A one-query
+        kernel serves segments of one token per row; a ragged one
+        (`models/ragged_attention.py`) every segment of every layer, in one call.
+      spans: the forward's rows as ragged spans, when the kernel is a ragged one.
     """
 
     segments: tuple[Segment, ...]
@@ -150,6 +156,7 @@ class ForwardContext:
     kv_offsets: jax.Array
     rope: Mapping[str, tuple[jax.Array, jax.Array]]
     decode_attention: Any = None
+    spans: RaggedSpans | None = None
 
     @classmethod
     def build(cls, positions, valid, block_tables, segment_tokens, block_size: int, rope, decode_attention):
@@ -170,8 +177,10 @@ class ForwardContext:
         flat_rope = {kind: tuple(jnp.concatenate([t[kind][i].reshape(s.rows * s.tokens, -1)
                                                   for s, t in zip(segments, tables)]) for i in (0, 1))
                      for kind in tables[0]}
+        # The spans are built once per forward: every layer's ragged call shares them.
+        spans = ragged_spans(segments) if isinstance(decode_attention, RaggedAttention) else None
         return cls(tuple(segments), jnp.concatenate([b.reshape(-1) for b, _ in slots]),
-                   jnp.concatenate([o.reshape(-1) for _, o in slots]), flat_rope, decode_attention)
+                   jnp.concatenate([o.reshape(-1) for _, o in slots]), flat_rope, decode_attention, spans)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +256,10 @@ class SelfAttention:
         cos, sin = fwd.rope[spec.rope]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, fwd.kv_blocks, fwd.kv_offsets)
+        if fwd.spans is not None:  # one ragged call for every row of every segment
+            out = fwd.decode_attention(q, k_cache, v_cache, fwd.spans, scale=spec.scale, window=spec.window,
+                                       softcap=spec.softcap)
+            return project(out.reshape(n, -1).astype(h.dtype), self.o_proj.get_value()), k_cache, v_cache
         outs = []
         for seg in fwd.segments:
             q_seg = q[seg.start:seg.stop].reshape(seg.rows, seg.tokens, spec.num_heads, spec.head_dim)

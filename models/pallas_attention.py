@@ -1,4 +1,4 @@
-"""Decode attention through JAX's Pallas TPU paged-attention kernel, and the choice of it.
+"""Decode attention through JAX's Pallas TPU paged-attention kernel, and the choice of every attention kernel.
 
 `jax.experimental.pallas.ops.tpu.paged_attention.paged_attention` reads the KV layout
 we already keep (`[K kv_heads, N num_blocks, bs block_size, hd]`, `ferrox_jax/kv_cache.py`;
@@ -10,35 +10,44 @@ layers that need them (Mistral, Gemma 2's every layer, Gemma 3's sliding ones, P
 with a window) decode with pure JAX whatever was chosen here (`models/layers.py`), while
 the model's other layers use the kernel.
 
-`select_decode_attention` decides per engine (the result is a static field of the model,
-so it is part of the compiled step's graphdef):
+`select_decode_attention` decides the model's attention per engine (the result is a static
+field of the model, so it is part of the compiled step's graphdef):
 
-    attention_impl   backend   constraints met   decode uses
-    "jax"            any       -                 pure JAX
-    "auto"           tpu       yes               Pallas kernel
-    "auto"           tpu       no                pure JAX (reason logged)
-    "auto"           cpu/gpu   -                 pure JAX (the kernel is Mosaic TPU code)
-    "pallas"         tpu       yes               Pallas kernel
-    "pallas"         tpu/other no / -            ValueError naming the unmet constraint
-    "pallas-interpret" any     -                 the kernel in Pallas TPU interpret mode
-                                                 (simulated on CPU; slow; tests only)
-    "auto"             gpu       -                 pure JAX (not yet measured against the
-                                                 GPU candidates; see below)
+    attention_impl     backend    constraints met   attention uses
+    "jax"              any        -                 pure JAX (models/attention.py)
+    "auto"             tpu        yes               the ragged TPU kernel (every row, every layer)
+    "auto"             cuda/gpu   yes               the ragged GPU kernel (every row, every layer)
+    "auto"             tpu / gpu  no                pure JAX (reason logged: a block size the
+                                                    kernel's tiles refuse)
+    "auto"             cpu        -                 ferrox's AVX2 decode kernel where it can
+                                                    run (models/cpu_kernels.py), else pure JAX
+    "auto"             other      -                 pure JAX
+    "ragged-tpu", "ragged-gpu", and their "-interpret" variants
+                                                    the ragged kernels of models/ragged_tpu.py
+                                                    and models/ragged_gpu.py; a named one off
+                                                    its backend or with unmet constraints is a
+                                                    ValueError; interpret mode runs anywhere
+    "pallas"           tpu        yes               this module's one-query decode kernel
+    "pallas"           tpu/other  no / -            ValueError naming the unmet constraint
+    "pallas-interpret" any        -                 the decode kernel in Pallas TPU interpret
+                                                    mode (simulated on CPU; slow; tests only)
     "pallas-gpu", "pallas-gpu-interpret", "gather-xla", "gather-cudnn"
-                                                 the GPU candidates of `models/gpu_attention.py`
+                                                    the GPU decode candidates of
+                                                    models/gpu_attention.py
 
-Kernel constraints on real TPUs (Mosaic tiling; the upstream kernel test covers
+The ragged kernels (`models/ragged_attention.py`) serve the whole unified step in one call
+per layer: decode rows, prompt chunks and verification spans, with sliding windows,
+soft-capping and any head_dim; so `auto` takes them on TPUs and CUDA GPUs for every family.
+This module's decode kernel and the GPU decode candidates stay for `tools/device_check.py`
+to time against them (and for a deployment that measures one faster): with one of them,
+prompt chunks, windowed and soft-capped layers run on the pure-JAX loop.
+
+Decode-kernel constraints on real TPUs (Mosaic tiling; the upstream kernel test covers
 head_dim 128/256 and page sizes 16/32/64): head_dim a multiple of 128, block_size a
-multiple of 16, and `pages_per_compute_block` dividing the block-table width. The
-default SmolLM2-135M has head_dim 64, so it decodes with pure JAX even on TPU.
+multiple of 16, and `pages_per_compute_block` dividing the block-table width.
 
-On a mesh the kernel runs per device under `shard_map`: each device attends its own
+On a mesh every kernel runs per device under `shard_map`: each device attends its own
 KV heads (KV sharded over "model") or all of them (replicate_attention).
-
-On a GPU `auto` keeps the pure-JAX loop: the GPU candidates (`models/gpu_attention.py`)
-are correct on CPU (interpret mode, the XLA path) but none has yet been timed on a GPU.
-`tools/device/device_check.py` times each against the loop on an H200 and checks it; the fastest
-correct one becomes `auto` on GPU here, with the measured figures beside the choice.
 """
 
 from __future__ import annotations
@@ -51,8 +60,9 @@ from jax.sharding import Mesh
 
 from models.attention import check_decode_inputs, shard_over_kv_heads
 from models.gpu_attention import GPU_ATTENTION_IMPLS, GPU_BACKENDS, select_gpu_decode_attention
+from models.ragged_attention import RAGGED_IMPLS, select_ragged_attention
 
-ATTENTION_IMPLS = ("auto", "jax", "pallas", "pallas-interpret", "cpu") + GPU_ATTENTION_IMPLS
+ATTENTION_IMPLS = ("auto", "jax", "pallas", "pallas-interpret", "cpu") + GPU_ATTENTION_IMPLS + RAGGED_IMPLS
 KERNEL_HEAD_DIM_MULTIPLE = 128
 KERNEL_BLOCK_SIZE_MULTIPLE = 16
 KERNEL_KEYS_PER_COMPUTE_BLOCK = 512  # keys one kernel iteration loads (the upstream test's choice)
@@ -145,6 +155,12 @@ def select_decode_attention(impl: str, *, head_dim: int, block_size: int, max_bl
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}; got {impl!r}")
     backend = backend or jax.default_backend()
+    if impl in RAGGED_IMPLS or (impl == "auto" and (backend == "tpu" or backend in GPU_BACKENDS)):
+        kernel, why = select_ragged_attention(impl, backend=backend, block_size=block_size, kv_dtype=kv_dtype,
+                                              mesh=mesh, kv_sharded=kv_sharded)
+        # auto whose ragged kernel cannot run: the decode kernels' constraints are no weaker
+        # (block sizes), so the loop serves it
+        return (kernel, why) if kernel is not None else (None, f"attention: pure JAX ({why})")
     if impl in GPU_ATTENTION_IMPLS:
         return select_gpu_decode_attention(impl, head_dim=head_dim, block_size=block_size,
                                            max_blocks_per_row=max_blocks_per_row, backend=backend,
@@ -157,20 +173,13 @@ def select_decode_attention(impl: str, *, head_dim: int, block_size: int, max_bl
         return kernel, f"decode attention: Pallas TPU kernel in interpret mode (pages_per_compute_block={ppcb})"
     if impl == "cpu" or (impl == "auto" and backend == "cpu"):
         return _cpu_decode_attention(impl, head_dim=head_dim, backend=backend, mesh=mesh, kv_dtype=kv_dtype)
+    if impl == "auto":  # a backend with no kernel of ours (TPUs and CUDA GPUs took the ragged branch)
+        return None, f"decode attention: pure JAX (backend {backend}; the Pallas kernels are TPU-only or CUDA-only)"
     if backend != "tpu":
-        if impl == "pallas":
-            raise ValueError(f"attention_impl=pallas needs a TPU backend; this one is {backend!r} "
-                             f"(use auto or jax)")
-        if backend in GPU_BACKENDS:
-            return None, (f"decode attention: pure JAX (backend {backend}; the Pallas kernel is TPU-only, "
-                          f"and no GPU candidate has been measured faster yet: tools/device/device_check.py)")
-        return None, f"decode attention: pure JAX (backend {backend}; the Pallas kernel is TPU-only)"
+        raise ValueError(f"attention_impl=pallas needs a TPU backend; this one is {backend!r} (use auto or jax)")
     problems = kernel_problems(head_dim, block_size, max_blocks_per_row, ppcb)
     if problems:
-        if impl == "pallas":
-            raise ValueError("attention_impl=pallas: the Pallas TPU kernel cannot run this model: "
-                             + "; ".join(problems))
-        return None, "decode attention: pure JAX (Pallas kernel constraints unmet: " + "; ".join(problems) + ")"
+        raise ValueError("attention_impl=pallas: the Pallas TPU kernel cannot run this model: " + "; ".join(problems))
     return (PallasDecodeAttention(ppcb, mesh, kv_sharded),
             f"decode attention: Pallas TPU kernel (pages_per_compute_block={ppcb}, "
             f"{ppcb * block_size} keys per iteration)")
