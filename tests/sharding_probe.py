@@ -100,6 +100,15 @@ def pallas_interpret_model(cfg, tp):
     return tiny_model(cfg, decode_attention=kernel)
 
 
+def ragged_interpret_model(cfg, tp, impl, kv_sharded=True):
+    """The tiny model attending through a ragged kernel (interpret mode) on a tp mesh."""
+    from models.pallas_attention import select_decode_attention
+
+    kernel, _ = select_decode_attention(impl, head_dim=cfg.head_dim, block_size=BLOCK_SIZE, max_blocks_per_row=16,
+                                        mesh=_mesh(tp), kv_sharded=kv_sharded)
+    return tiny_model(cfg, decode_attention=kernel)
+
+
 def parity(model, prompt, num_decode, sizes, replicate_attention=False, sharded_model=None):
     """{tp: {"prefill_err", "decode_err"}} against the unsharded runner; `sharded_model(tp)`
     builds the model the tp runner serves (default: `model` itself)."""
@@ -168,6 +177,14 @@ def case_tiny():
     # The Pallas TPU kernel (interpret mode) inside shard_map over 2 devices.
     out["pallas_parity"] = parity(model, prompt, 2, (2,),
                                   sharded_model=lambda tp: pallas_interpret_model(tiny_config(), tp))
+    # The ragged kernels (interpret mode) inside shard_map over 2 devices: KV heads split,
+    # and (the GPU one) replicated.
+    out["ragged_parity"] = {impl: parity(model, prompt, 2, (2,), sharded_model=lambda tp, impl=impl:
+                                         ragged_interpret_model(tiny_config(), tp, impl))
+                            for impl in ("ragged-tpu-interpret", "ragged-gpu-interpret")}
+    out["ragged_replicated_parity"] = parity(
+        model, prompt, 2, (2,), replicate_attention=True,
+        sharded_model=lambda tp: ragged_interpret_model(tiny_config(), tp, "ragged-gpu-interpret", kv_sharded=False))
     runner = _runner(model, 4)
     out["placement_tp4"] = placement(runner)
     runner.warmup()
