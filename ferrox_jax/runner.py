@@ -63,6 +63,14 @@ COPY_BATCH = 8  # block copies are padded to this many pairs (0 -> 0 is a no-op 
 COPY_KEY = ("copy",)  # the block-copy executable's key among the compiled shapes
 
 
+def compile_keys(buckets: Buckets) -> list[tuple]:
+    """Every executable a runner with `buckets` compiles at warm-up, as plain tuples (they
+    go into logs and JSON): ("forward", Bd, Pc, Tc) per step shape, ("sample", rows) per
+    sampler, ("copy",)."""
+    return ([("forward", *dataclasses.astuple(shape)) for shape in buckets.shapes()]
+            + [("sample", rows) for rows in buckets.sampler_rows()] + [COPY_KEY])
+
+
 def block_table_width(max_context: int, block_size: int) -> int:
     """Blocks per row in every step's block table: enough for `max_context` positions,
     rounded up to a multiple of the attention loop's chunk (`models/attention.py`)."""
@@ -213,10 +221,8 @@ class ModelRunner:
 
     # ---- compilation -------------------------------------------------------------
     def compile_keys(self) -> list[tuple]:
-        """Every executable warm-up compiles, as plain tuples (they go into logs and JSON):
-        ("forward", Bd, Pc, Tc) per step shape, ("sample", rows) per sampler, ("copy",)."""
-        return ([("forward", *dataclasses.astuple(shape)) for shape in self.buckets.shapes()]
-                + [("sample", rows) for rows in self.buckets.sampler_rows()] + [COPY_KEY])
+        """Every executable warm-up compiles (`compile_keys`)."""
+        return compile_keys(self.buckets)
 
     def _lower(self, key: tuple) -> jax.stages.Lowered:
         if key == COPY_KEY:

@@ -35,8 +35,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
+from ferrox_jax.buckets import StepShape
 from ferrox_jax.host_batch import SamplingArrays
 from ferrox_jax.kv_cache import KVCache
 from ferrox_jax.request import MAX_LOGPROBS
@@ -60,6 +62,20 @@ class ForwardBatch:
     want_prompt_logprobs: jax.Array  # bool[]: compute prompt logprobs
     segment_tokens: tuple[int, ...] = struct.field(pytree_node=False, default=())  # tokens per row, per segment
     adapter_slots: jax.Array | None = None  # i32[N]: each token's LoRA slot (0 = none); None: no LoRA
+
+    @classmethod
+    def padding(cls, shape: StepShape, table_width: int, has_lora: bool = False) -> "ForwardBatch":
+        """A batch of `shape` with numpy leaves, every token padding (what warm-up compiles
+        against, and what `tools/export_steps.py` lowers)."""
+        n, r = shape.num_tokens, shape.num_rows
+        segments = [(rows, tokens) for rows, tokens in ((shape.decode_rows, 1), (shape.chunk_rows, shape.chunk_tokens))
+                    if rows]
+        return cls(tokens=np.zeros(n, np.int32), positions=np.zeros(n, np.int32), valid=np.zeros(n, bool),
+                   block_tables=tuple(np.zeros((rows, table_width), np.int32) for rows, _ in segments),
+                   last_index=np.zeros(r, np.int32), next_tokens=np.full(n, -1, np.int32),
+                   row_of_token=np.full(n, r, np.int32), want_prompt_logprobs=np.asarray(False),
+                   segment_tokens=tuple(tokens for _, tokens in segments),
+                   adapter_slots=np.zeros(n, np.int32) if has_lora else None)
 
 
 @struct.dataclass

@@ -33,12 +33,38 @@ SHAPES: dict[str, dict] = {
         "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False,
         "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
     },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "attention_bias": False,
+        "use_sliding_window": False, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+    },
+    # The text decoder of google/gemma-3-27b-it (its config's text_config), as a text-only checkpoint.
+    "gemma-3-27b": {
+        "architectures": ["Gemma3ForCausalLM"], "vocab_size": 262208, "hidden_size": 5376,
+        "intermediate_size": 21504, "num_hidden_layers": 62, "num_attention_heads": 32,
+        "num_key_value_heads": 16, "head_dim": 128, "query_pre_attn_scalar": 168, "sliding_window": 1024,
+        "sliding_window_pattern": 6, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rope_local_base_freq": 10000.0, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 106],
+        "hidden_activation": "gelu_pytorch_tanh",
+    },
     # The device check's --small shape: every code path of the 8B, in seconds on a CPU.
     "tiny": {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "tie_word_embeddings": False, "eos_token_id": 300, "hidden_act": "silu",
+    },
+    # tools/device/export_steps.py's test shape for a family with two layer kinds (window, soft-cap).
+    "tiny-gemma2": {
+        "architectures": ["Gemma2ForCausalLM"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "query_pre_attn_scalar": 16, "sliding_window": 64, "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": True, "eos_token_id": 1, "hidden_activation": "gelu_pytorch_tanh",
     },
 }
 
