@@ -146,7 +146,10 @@ def attend_tile(carry, q, k, v, key_start, masks: TileMasks, *, scale: float, wi
     position; carry (m f32[rows, 1], l f32[rows, 1], acc f32[rows, hd]).
     """
     m, l, acc = carry
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+    # float32 inputs multiply as float32 (Triton would take TF32, Mosaic bf16 passes, by default)
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     key_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
@@ -164,7 +167,8 @@ def attend_tile(carry, q, k, v, key_start, masks: TileMasks, *, scale: float, wi
     # so that 0 * value cannot poison the sum.
     key_real = jax.lax.broadcasted_iota(jnp.int32, (v.shape[0], 1), 0) + key_start < masks.kv_len
     v = jnp.where(key_real, v, jnp.zeros_like(v))
-    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
     return m_new, l, acc * correction + pv
 
 

@@ -48,6 +48,9 @@ def test_small_run_measures_every_phase_and_writes_json_markdown_and_log(small_r
     mixed = report["phases"]["mixed"]["mixed"]
     assert mixed["chunks_1"]["mixed_prompt_tokens_per_s"] > 0 and mixed["chunks_4"]["mixed_ms"] > 0
     assert report["phases"]["mixed"]["recompiles_after_warmup"] == 0
+    before = report["phases"]["mixed_segments"]
+    assert before["attention_impl"] == "jax" and before["mixed"]["chunks_1"]["mixed_ms"] > 0, \
+        "the mixed step through the previous attention path sits beside the kernel's"
     assert engine["recompiles_after_warmup"] == 0 and engine["describe"]["synthetic_weights"]
     rewarm = report["phases"]["rewarm"]
     assert rewarm["compile_cache_writes"] == 0 and rewarm["compile_cache_hits"] >= len(rewarm["compiled_shapes"]), \
@@ -58,7 +61,7 @@ def test_small_run_measures_every_phase_and_writes_json_markdown_and_log(small_r
     table = (out / "device_check.md").read_text()
     assert table in stdout, "the table is printed last"
     for line in ("| decode 1 row @ 32 |", "| prefill 16 tokens |", "## Targets", "| rows | context | jax |",
-                 "## One step for decode rows and prompt chunks"):
+                 "## One step for decode rows and prompt chunks", "| one forward ms, before | before / now |"):
         assert line in table
 
 

@@ -9,17 +9,22 @@ what it had saved):
 
     phase      budget  what
     platform     30 s  versions, devices, measured copy bandwidth and bf16 matmul rate
-    parity      100 s  pytest on DEVICE_TESTS (f32 and bf16 parity vs HF, GPU attention
-                       candidates, dummy weights, greedy batched == alone in bf16)
+    parity       90 s  pytest on DEVICE_TESTS (f32 and bf16 parity vs HF, GPU attention
+                       candidates, the ragged kernel on a mixed step, dummy weights,
+                       greedy batched == alone in bf16)
     attention    40 s  each decode-attention candidate, one layer, rows x contexts
-    engine      150 s  the engine on a dummy Llama-3.1-8B: load, warm-up (compile) of exactly
+    engine      135 s  the engine on a dummy Llama-3.1-8B: load, warm-up (compile) of exactly
                        the measured buckets, prefill 512 / 2,048, decode 1/8/64/256 rows at
                        contexts 512 / 2,048
     mixed        50 s  the unified step: 64 decode rows with 1 and 4 prompt chunks of 512 in one
                        forward, against the same work as separate forwards (the prefill
-                       rate that --max-batched-tokens buys, and what it costs decoding rows)
-    torch        55 s  the same shapes through HF transformers on torch (the peer)
-    rewarm       45 s  the engine loaded again in a fresh process: warm-up from the cache
+                       rate that --max-batched-tokens buys, and what it costs decoding rows),
+                       with the engine's attention (auto: the ragged kernel)
+    mixed_segments
+                 40 s  the same through the attention auto took before the ragged kernels
+                       (the loop, or the TPU decode kernel, one call per segment)
+    torch        45 s  the same shapes through HF transformers on torch (the peer)
+    rewarm       40 s  the engine loaded again in a fresh process: warm-up from the cache
                 ----
                 470 s  of the 480 s default --budget-s (each phase gets its share of
                        --budget-s among the phases selected with --phases)
@@ -51,8 +56,9 @@ from pathlib import Path
 from tools.device.device_phases import PHASE_FUNCTIONS, PhaseResult, Settings
 from tools.device.device_report import render_markdown
 
-PHASES = ("platform", "parity", "attention", "engine", "mixed", "torch", "rewarm")
-BUDGET_S = {"platform": 30, "parity": 100, "attention": 40, "engine": 150, "mixed": 50, "torch": 55, "rewarm": 45}
+PHASES = ("platform", "parity", "attention", "engine", "mixed", "mixed_segments", "torch", "rewarm")
+BUDGET_S = {"platform": 30, "parity": 90, "attention": 40, "engine": 135, "mixed": 50, "mixed_segments": 40,
+            "torch": 45, "rewarm": 40}
 DEFAULT_BUDGET_S = 480.0
 SMALL_BUDGET_S = 900.0  # --small checks that every phase runs, not how fast: a loaded CI box is slow
 MIN_PHASE_S = 10.0  # a phase is not started with less than this left
@@ -62,7 +68,7 @@ BF16_FLOPS = 790e12  # H200, bf16 8192^3 matmul on random data, measured here (d
 # The test files whose tests apply on an accelerator; none imports api/ (no Quart, Hypercorn
 # or pydantic on the device machine).
 DEVICE_TESTS = ("tests/test_parity_hf.py", "tests/test_bf16.py", "tests/test_gpu_attention.py",
-                "tests/test_dummy_weights.py", "tests/test_paged_attention.py")
+                "tests/test_ragged_attention.py", "tests/test_dummy_weights.py", "tests/test_paged_attention.py")
 REPO = Path(__file__).resolve().parents[2]
 
 FULL = Settings(shape="llama-3.1-8b", dtype="bfloat16", rows=(1, 8, 64, 256), contexts=(512, 2048),

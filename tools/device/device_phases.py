@@ -11,6 +11,9 @@ check `settings.deadline` (monotonic seconds) before each measurement and record
                rows x context, against the pure-JAX loop: time, bytes/s, error
     engine     the real engine on a dummy model of the shape (models/known_shapes.py): load,
                warm-up of exactly the measured buckets, prefill and decode (tools/bench/bench_engine.py)
+    mixed      decode rows and prompt chunks in one forward, with the engine's attention
+               (`auto`: the ragged kernel on a GPU or TPU)
+    mixed_segments  the same through the attention auto took before (one call per segment)
     torch      the same shapes through HF transformers on torch (random init from the same
                config; DynamicCache, its default), as the side-by-side peer
     rewarm     the engine loaded again in a fresh process: warm-up from the persistent cache
@@ -139,13 +142,37 @@ def platform(settings: Settings, result: PhaseResult) -> None:
 
 def attention_candidates(backend: str) -> tuple[str, ...]:
     """The candidates timed on this backend ("jax" is the reference). Off a GPU only the
-    XLA path runs: the interpreted Pallas kernel times a simulation (its correctness is
-    tests/test_gpu_attention.py's)."""
+    XLA path runs: the interpreted Pallas kernels time a simulation (their correctness is
+    tests/test_gpu_attention.py's and tests/test_ragged_attention.py's)."""
     from models.gpu_attention import GPU_BACKENDS
 
     if backend in GPU_BACKENDS:
-        return ("jax", "pallas-gpu", "gather-xla", "gather-cudnn")
+        return ("jax", "ragged-gpu", "pallas-gpu", "gather-xla", "gather-cudnn")
+    if backend == "tpu":
+        return ("jax", "ragged-tpu", "pallas", "gather-xla")
     return ("jax", "gather-xla")
+
+
+def previous_attention(backend: str) -> str:
+    """What `auto` ran before the ragged kernels: the TPU decode kernel (with the loop for
+    chunks), the pure-JAX loop elsewhere; the mixed_segments phase measures it."""
+    return "pallas" if backend == "tpu" else "jax"
+
+
+def _ragged_as_decode(kernel):
+    """A ragged kernel behind the one-query contract the attention phase times: each row a
+    span of one query (`models/ragged_attention.py`)."""
+    import jax.numpy as jnp
+
+    from models.layers import Segment
+    from models.ragged_attention import ragged_spans
+
+    def attend(q, k_cache, v_cache, tables, positions, scale):
+        rows = q.shape[0]
+        spans = ragged_spans((Segment(0, rows, 1, positions, jnp.ones(positions.shape, bool), tables),))
+        return kernel(q[:, 0], k_cache, v_cache, spans, scale=scale)[:, None]
+
+    return attend
 
 
 def _build_candidates(backend: str, head_dim: int, block_size: int, width: int, dtype) -> tuple[dict, dict]:
@@ -160,6 +187,8 @@ def _build_candidates(backend: str, head_dim: int, block_size: int, width: int, 
             impls[impl], notes[impl] = select_decode_attention(impl, head_dim=head_dim, block_size=block_size,
                                                                max_blocks_per_row=width, backend=backend,
                                                                kv_dtype=dtype)
+            if impl.startswith("ragged"):
+                impls[impl] = _ragged_as_decode(impls[impl])
         except ValueError as e:
             impls.pop(impl, None)
             notes[impl] = f"unavailable: {e}"
@@ -316,6 +345,17 @@ def mixed(settings: Settings, result: PhaseResult) -> None:
     result.save()
 
 
+def mixed_segments(settings: Settings, result: PhaseResult) -> None:
+    """The mixed phase again through the attention `auto` took before the ragged kernels
+    (`previous_attention`: one attention call per segment), so the two sit side by side."""
+    import jax
+
+    impl = previous_attention(jax.default_backend())
+    mixed(dataclasses.replace(settings, engine_attention=impl), result)
+    result["attention_impl"] = impl
+    result.save()
+
+
 def rewarm(settings: Settings, result: PhaseResult) -> None:
     """A fresh process loads the same engine again: its warm-up reads the persistent compile
     cache the engine phase filled (the serving restart case)."""
@@ -401,6 +441,6 @@ def hf_torch(settings: Settings, result: PhaseResult) -> None:
 
 
 PHASE_FUNCTIONS: dict[str, Callable[[Settings, PhaseResult], None]] = {
-    "platform": platform, "attention": attention, "engine": engine, "mixed": mixed, "torch": hf_torch,
-    "rewarm": rewarm,
+    "platform": platform, "attention": attention, "engine": engine, "mixed": mixed,
+    "mixed_segments": mixed_segments, "torch": hf_torch, "rewarm": rewarm,
 }

@@ -125,14 +125,23 @@ def _mixed(report: dict) -> list[str]:
     m = (phase or {}).get("mixed")
     if m is None:
         return ["- not run"]
+    # The same step through the attention auto took before the ragged kernels, when measured.
+    before = report["phases"].get("mixed_segments") or {}
+    b = before.get("mixed") or {}
+    attention = phase.get("describe", {}).get("attention", "—")
     lines = [f"- {m['decode_rows']} decode rows at context {m['context']} ({_fmt(m['decode_ms'], 2)} ms alone) "
              f"and k prompt chunks of {m['chunk_tokens']} tokens; recompiles after warm-up: "
-             f"{phase.get('recompiles_after_warmup', '—')}", "",
-             "| chunks k | one forward ms | separate forwards ms | prompt tok/s, one forward | prompt tok/s, separate |",
-             "|---|---|---|---|---|"]
+             f"{phase.get('recompiles_after_warmup', '—')}; attention: {attention}",
+             f"- before: attention_impl={before.get('attention_impl', '—')} "
+             f"({before.get('describe', {}).get('attention', 'not run')})", "",
+             "| chunks k | one forward ms | separate forwards ms | prompt tok/s, one forward | prompt tok/s, separate "
+             "| one forward ms, before | before / now |", "|---|---|---|---|---|---|---|"]
     for key, r in sorted((k, v) for k, v in m.items() if k.startswith("chunks_")):
+        old = (b.get(key) or {}).get("mixed_ms")
+        ratio = old / r["mixed_ms"] if old and r.get("mixed_ms") else None
         lines.append(f"| {key.split('_')[1]} | {_fmt(r['mixed_ms'], 2)} | {_fmt(r['apart_ms'], 2)} | "
-                     f"{_fmt(r['mixed_prompt_tokens_per_s'])} | {_fmt(r['apart_prompt_tokens_per_s'])} |")
+                     f"{_fmt(r['mixed_prompt_tokens_per_s'])} | {_fmt(r['apart_prompt_tokens_per_s'])} | "
+                     f"{_fmt(old, 2)} | {_fmt(ratio, 2, ' x')} |")
     return lines
 
 
