@@ -30,6 +30,7 @@ compile on the device (layouts, VMEM / SMEM limits, PTX), nor any timing.
 
     python -m tools.export_steps --out docs/export-report.md     # the four shapes, tpu + cuda, TP 1 / 4 / 8
     python -m tools.export_steps --shapes tiny --tp 1,2 --max-seqs 2 --prefill-chunk 16 --max-context 128
+    python -m tools.export_steps --from-json docs/export-report.json --out docs/export-report.md   # re-render
 """
 
 from __future__ import annotations
@@ -221,7 +222,8 @@ def _export_one(key, steps, graphdef, tree, leaves, kv, cfg, width: int, shardin
 
     # The Triton kernel is a custom call without export's compatibility guarantee: what is
     # checked here is that it lowers, not that a serialized module outlives a jaxlib.
-    lower = dict(platforms=(platform,), disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    lower = dict(platforms=(platform,), disabled_checks=[triton])
     if key[0] == "forward":
         batch = ForwardBatch.padding(StepShape(*key[1:]), width)
         exported = export.export(steps.forward, **lower)(graphdef, tree, leaves, kv, batch)
@@ -267,7 +269,14 @@ def _size(n: int) -> str:
 
 
 def render_markdown(results: list[TargetResult], settings: Settings) -> str:
-    lines = [f"Engine: {settings.dtype}, block size {settings.block_size}, {settings.max_seqs} rows, chunks of "
+    import jax
+
+    lines = ["# Every compiled step, lowered for TPU and GPU", "",
+             "Produced on a CPU-only machine by `python -m tools.export_steps --out docs/export-report.md` "
+             f"(jax {jax.__version__}); the tool's docstring says what is checked and what is not (Mosaic's and "
+             "Triton's compile on the device, and any timing). Bytes are per device under the exported shardings, "
+             "each equal to what `tools/model_shapes.py` sizes.", "",
+             f"Engine: {settings.dtype}, block size {settings.block_size}, {settings.max_seqs} rows, chunks of "
              f"{settings.prefill_chunk} tokens, context {settings.max_context}, KV budget "
              f"{settings.kv_memory_gib:g} GiB over the mesh, attention_impl={settings.attention_impl}.", "",
              "| shape | platform | TP | executables lowered | kernel per layer kind | weights / device | "
@@ -295,11 +304,16 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--" + field.name.replace("_", "-"), type=type(getattr(defaults, field.name)),
                        default=getattr(defaults, field.name))
     p.add_argument("--out", help="write the markdown report here (and the JSON beside it)")
+    p.add_argument("--from-json", help="render a report from an earlier run's JSON instead of exporting")
     args = p.parse_args(argv)
     logging.getLogger("models").setLevel(logging.ERROR)  # the config-only folders' tokenizer fallback notes
     settings = Settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)})
     results = []
-    for shape in args.shapes.split(","):
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        settings = Settings(**saved["settings"])
+        results = [TargetResult(**r) for r in saved["targets"]]
+    for shape in [] if args.from_json else args.shapes.split(","):
         for platform in args.platforms.split(","):
             for tp in (int(x) for x in args.tp.split(",")):
                 result = export_target(shape, platform, tp, settings)
@@ -309,8 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     report = render_markdown(results, settings)
     if args.out:
         Path(args.out).write_text(report)
-        Path(args.out).with_suffix(".json").write_text(
-            json.dumps([dataclasses.asdict(r) for r in results], indent=1) + "\n")
+        Path(args.out).with_suffix(".json").write_text(json.dumps(
+            {"settings": dataclasses.asdict(settings), "targets": [dataclasses.asdict(r) for r in results]},
+            indent=1) + "\n")
     print(report)
     return 1 if any(r.failures for r in results) else 0
 
