@@ -238,14 +238,16 @@ def sink_rows(sinks, num_kv: int, layout: RaggedLayout):
     return jnp.tile(per_kv, (1, layout.q_tile_tokens))[..., None]
 
 
-def shard_ragged(kernel, mesh: Mesh | None, kv_sharded: bool, num_inputs: int):
-    """`kernel(q, k_cache, v_cache, *rest)` per device under `mesh`: q, the caches and any
-    sinks split over "model" by KV head when the cache is, the rest replicated."""
+def shard_ragged(kernel, mesh: Mesh | None, kv_sharded: bool, num_inputs: int, has_sinks: bool):
+    """`kernel(q, k_cache, v_cache, [sinks,] *metadata)` per device under `mesh`: q, the
+    caches and the sinks (all KV-head-major) split over "model" when the cache is, the
+    metadata replicated."""
     if mesh is None:
         return kernel
     heads = "model" if kv_sharded else None
     specs = (P(heads, None, None), P(heads, None, None, None), P(heads, None, None, None))
-    specs += (P(),) * (num_inputs - 3)
+    specs += (P(heads, None, None),) * has_sinks
+    specs += (P(),) * (num_inputs - len(specs))
     return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=P(heads, None, None), check_vma=False)
 
 
@@ -319,8 +321,13 @@ def select_ragged_attention(impl: str, *, backend: str, block_size: int, kv_dtyp
             return None, "ragged kernel constraints unmet: " + "; ".join(problems)
         if problems:
             raise ValueError(f"attention_impl={impl}: the ragged kernel cannot run this model: " + "; ".join(problems))
-    kernel = (TpuRaggedAttention(mesh=mesh, kv_sharded=kv_sharded, interpret=interpret) if on_tpu
-              else GpuRaggedAttention(mesh=mesh, kv_sharded=kv_sharded, interpret=interpret))
+    if on_tpu:  # interpret mode: the TPU simulator (DMAs and VMEM simulated, out-of-bounds reads raise)
+        from jax.experimental.pallas import tpu as pltpu
+
+        kernel = TpuRaggedAttention(mesh=mesh, kv_sharded=kv_sharded,
+                                    interpret=pltpu.InterpretParams() if interpret else False)
+    else:
+        kernel = GpuRaggedAttention(mesh=mesh, kv_sharded=kv_sharded, interpret=interpret)
     what = "Pallas TPU (Mosaic)" if on_tpu else "Pallas GPU (Triton)"
     return kernel, (f"attention: ragged paged attention, {what} kernel{' in interpret mode' if interpret else ''}, "
                     f"one call per layer for every row of a step")

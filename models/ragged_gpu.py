@@ -94,7 +94,7 @@ class GpuRaggedAttention(RaggedAttention):
         if sinks is not None:
             args.append(sink_rows(sinks, num_kv, layout))
         args += [first, end, spans.q_starts, spans.q_lens, spans.kv_lens, tables.reshape(-1)]
-        out = shard_ragged(kernel, self.mesh, self.kv_sharded, len(args))(*args)
+        out = shard_ragged(kernel, self.mesh, self.kv_sharded, len(args), sinks is not None)(*args)
         return from_kernel_layout(out, n, num_heads, head_dim, layout)
 
     def _call(self, q, k_cache, v_cache, *rest, layout: RaggedLayout, q_tiles: int, scale, window, softcap,

@@ -81,14 +81,16 @@ class TpuRaggedAttention(RaggedAttention):
       keys_per_tile: keys per K/V step (rounded down to whole blocks, at least one).
       mesh: run under shard_map on this mesh (None: single device).
       kv_sharded: KV heads split over the mesh's "model" axis (False: replicated).
-      interpret: run in Pallas's TPU interpret mode (any backend; slow; tests).
+      interpret: run in Pallas interpret mode (any backend; slow; tests): True for the
+        discharge interpreter, or a `pltpu.InterpretParams` for the TPU simulator (DMAs,
+        semaphores and VMEM simulated; out-of-bounds reads raise, unwritten VMEM is NaN).
     """
 
     q_tile_tokens: int = TPU_Q_TILE_TOKENS
     keys_per_tile: int = TPU_KEYS_PER_TILE
     mesh: Mesh | None = None
     kv_sharded: bool = False
-    interpret: bool = False
+    interpret: bool | pltpu.InterpretParams = False
 
     def __call__(self, q, k_cache, v_cache, spans: RaggedSpans, *, scale: float, window: int | None = None,
                  softcap: float | None = None, sinks=None):
@@ -104,7 +106,7 @@ class TpuRaggedAttention(RaggedAttention):
         if sinks is not None:
             args.append(sink_rows(sinks, num_kv, layout))
         args += [first, end, spans.q_starts, spans.q_lens, spans.kv_lens, tables.reshape(-1)]
-        out = shard_ragged(kernel, self.mesh, self.kv_sharded, len(args))(*args)
+        out = shard_ragged(kernel, self.mesh, self.kv_sharded, len(args), sinks is not None)(*args)
         return from_kernel_layout(out, n, num_heads, head_dim, layout)
 
     def _call(self, q, k_cache, v_cache, *rest, layout: RaggedLayout, q_tiles: int, scale, window, softcap,

@@ -109,6 +109,30 @@ def ragged_interpret_model(cfg, tp, impl, kv_sharded=True):
     return tiny_model(cfg, decode_attention=kernel)
 
 
+def ragged_sinks_error(tp):
+    """Max |delta| of the GPU ragged kernel (interpret mode) with attention sinks on a tp
+    mesh (KV heads split, each device its heads' sinks) against one device."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.layers import Segment
+    from models.ragged_attention import ragged_spans
+    from models.ragged_gpu import GpuRaggedAttention
+
+    rng = np.random.RandomState(5)
+    heads, kv, hd, rows = 8, 4, 16, 3
+    k, v = (jnp.asarray(rng.randn(kv, NUM_BLOCKS, BLOCK_SIZE, hd), jnp.float32) for _ in range(2))
+    tables = jnp.asarray(rng.permutation(np.arange(1, NUM_BLOCKS))[:rows * 2].reshape(rows, 2), jnp.int32)
+    positions = jnp.asarray([[3], [9], [15]], jnp.int32)
+    spans = ragged_spans((Segment(0, rows, 1, positions, jnp.ones((rows, 1), bool), tables),))
+    q = jnp.asarray(rng.randn(rows, heads, hd), jnp.float32)
+    sinks = jnp.asarray(rng.randn(heads), jnp.float32)
+    one = GpuRaggedAttention(interpret=True)(q, k, v, spans, scale=0.25, sinks=sinks)
+    split = jax.jit(lambda *a: GpuRaggedAttention(mesh=_mesh(tp), kv_sharded=True, interpret=True)(
+        *a, scale=0.25, sinks=sinks))(q, k, v, spans)
+    return float(jnp.abs(one - split).max())
+
+
 def parity(model, prompt, num_decode, sizes, replicate_attention=False, sharded_model=None):
     """{tp: {"prefill_err", "decode_err"}} against the unsharded runner; `sharded_model(tp)`
     builds the model the tp runner serves (default: `model` itself)."""
@@ -182,6 +206,7 @@ def case_tiny():
     out["ragged_parity"] = {impl: parity(model, prompt, 2, (2,), sharded_model=lambda tp, impl=impl:
                                          ragged_interpret_model(tiny_config(), tp, impl))
                             for impl in ("ragged-tpu-interpret", "ragged-gpu-interpret")}
+    out["ragged_sinks_err"] = ragged_sinks_error(2)
     out["ragged_replicated_parity"] = parity(
         model, prompt, 2, (2,), replicate_attention=True,
         sharded_model=lambda tp: ragged_interpret_model(tiny_config(), tp, "ragged-gpu-interpret", kv_sharded=False))

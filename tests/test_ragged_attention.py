@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from models import ragged_gpu, ragged_tpu
 from models.attention import paged_attention
@@ -52,11 +53,13 @@ BF16_TOL = 2e-2
 
 
 def _kernels() -> dict:
-    """Both kernels in interpret mode on a CPU; on a GPU (the device check's parity phase)
-    the compiled Triton kernel. 16 keys per K/V step: several steps per row here."""
+    """Both kernels in interpret mode on a CPU (the TPU one in the TPU simulator: DMAs,
+    semaphores and VMEM simulated, an out-of-bounds read raises, unwritten VMEM reads NaN);
+    on a GPU (the device check's parity phase) the compiled Triton kernel. 16 keys per K/V
+    step: several steps per row here."""
     backend = jax.default_backend()
     if backend == "cpu":
-        return {"tpu": TpuRaggedAttention(q_tile_tokens=16, keys_per_tile=16, interpret=True),
+        return {"tpu": TpuRaggedAttention(q_tile_tokens=16, keys_per_tile=16, interpret=pltpu.InterpretParams()),
                 "gpu": GpuRaggedAttention(keys_per_tile=16, interpret=True)}
     return {"gpu": GpuRaggedAttention(keys_per_tile=16)} if backend in ("gpu", "cuda") else {}
 
@@ -282,5 +285,6 @@ def test_a_named_ragged_kernel_off_its_backend_is_an_error():
 
 
 def test_interpret_mode_runs_anywhere():
-    assert _select("ragged-tpu-interpret", "cpu", block_size=12)[0] == TpuRaggedAttention(interpret=True)
+    assert _select("ragged-tpu-interpret", "cpu", block_size=12)[0] == TpuRaggedAttention(
+        interpret=pltpu.InterpretParams())
     assert _select("ragged-gpu-interpret", "cpu")[0] == GpuRaggedAttention(interpret=True)

@@ -193,6 +193,11 @@ def test_ragged_kernel_under_shard_map_matches_one_device(tiny, impl):
     assert got["same_greedy"]
 
 
+def test_ragged_kernel_splits_the_sinks_with_their_kv_heads(tiny):
+    """Each device's KV heads take their own query heads' sinks (not device 0's)."""
+    assert tiny["ragged_sinks_err"] < ATOL, f"sinks under shard_map differ by {tiny['ragged_sinks_err']}"
+
+
 def test_ragged_kernel_with_replicated_attention_matches_one_device(tiny):
     got = tiny["ragged_replicated_parity"]["2"]
     assert got["prefill_err"] < ATOL and got["decode_err"] < ATOL, f"replicated KV under shard_map: {got}"
