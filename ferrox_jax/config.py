@@ -102,7 +102,7 @@ class EngineConfig:
     tensor_parallel: int = 1  # devices on the mesh's "model" axis; 1 = no mesh
     mesh: str | None = None  # "data=1,model=4" (overrides tensor_parallel; data must be 1)
     replicate_attention: bool = False  # shard only MLP + vocab (heads need not divide)
-    attention_impl: str = "auto"  # decode attention (models/pallas_attention.py checks the name)
+    attention_impl: str = "auto"  # the attention kernel (models/pallas_attention.py checks the name)
     coordinator_address: str | None = None  # multi-host: "host:port", or "auto" on TPU pods
     num_processes: int | None = None  # multi-host: processes in the cluster
     process_id: int | None = None  # multi-host: this process's index

@@ -10,7 +10,10 @@ comes from `Buckets`; `warmup()` compiles all of them ahead of time (AOT:
   1. Pad (`ferrox_jax/padding.py`): rows of one new token go to the decode segment, longer
      rows (prompt chunks) to the chunk segment; a speculating row (its last token and d
      drafts, sampled after each: `num_logits` 1 + d) becomes 1 + d consecutive one-token
-     decode rows sharing its block table, so verification needs no shape of its own. The
+     decode rows sharing its block table, at consecutive positions. Every token's K/V is
+     written before any row attends, so the row at position p + j reads the drafts before
+     it: causal verification through the one-query kernels, with no shape of its own (a
+     ragged kernel sees the 1 + d rows as one span: `models/ragged_attention.py`). The
      smallest `StepShape` holding both is picked and the batch's arrays are laid out in it
      (`ForwardBatch`, numpy, handed to the compiled step as they are).
   2. Dispatch: block copies, then the one forward over every row. Dispatch is
