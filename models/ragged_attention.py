@@ -58,9 +58,10 @@ class RaggedAttention:
 class RaggedSpans:
     """One forward's spans (module docstring), S = the forward's rows (static).
 
-    Spans are in flat-token order; unused ones (padding rows, rows merged into a
-    verification span) have q_lens 0 and sit after the used ones' tokens, so
-    q_starts + q_lens never decreases (the kernels find a q tile's spans by bisection).
+    Spans are in flat-token order. Unused ones have q_lens 0: a padding row's at its own
+    place, and the slots freed by merging a verification span at the end, starting at the
+    end of the flat tokens; so q_starts + q_lens never decreases (the kernels find a q
+    tile's spans by bisection).
     """
 
     q_starts: jax.Array  # i32[S] flat index of the span's first query
