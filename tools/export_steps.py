@@ -294,7 +294,18 @@ def render_markdown(results: list[TargetResult], settings: Settings) -> str:
     return "\n".join(lines + failures) + "\n"
 
 
+def _save(out: str, results: list[TargetResult], settings: Settings) -> None:
+    Path(out).write_text(render_markdown(results, settings))
+    Path(out).with_suffix(".json").write_text(json.dumps(
+        {"settings": dataclasses.asdict(settings), "targets": [dataclasses.asdict(r) for r in results]},
+        indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
+    import gc
+
+    import jax
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="tools/model_shapes.py SHAPES names")
     p.add_argument("--platforms", default="tpu,cuda")
@@ -303,30 +314,41 @@ def main(argv: list[str] | None = None) -> int:
     for field in dataclasses.fields(Settings):
         p.add_argument("--" + field.name.replace("_", "-"), type=type(getattr(defaults, field.name)),
                        default=getattr(defaults, field.name))
-    p.add_argument("--out", help="write the markdown report here (and the JSON beside it)")
+    p.add_argument("--out", help="write the markdown report here (and the JSON beside it), after every target")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the targets --out's JSON already holds without failures (same settings)")
     p.add_argument("--from-json", help="render a report from an earlier run's JSON instead of exporting")
     args = p.parse_args(argv)
     logging.getLogger("models").setLevel(logging.ERROR)  # the config-only folders' tokenizer fallback notes
     settings = Settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)})
-    results = []
-    if args.from_json:
-        saved = json.loads(Path(args.from_json).read_text())
-        settings = Settings(**saved["settings"])
-        results = [TargetResult(**r) for r in saved["targets"]]
-    for shape in [] if args.from_json else args.shapes.split(","):
-        for platform in args.platforms.split(","):
-            for tp in (int(x) for x in args.tp.split(",")):
-                result = export_target(shape, platform, tp, settings)
-                print(f"[export_steps] {result.name}: {result.exported}/{result.executables} lowered in "
-                      f"{result.seconds} s" + "".join(f"\n  FAILED {f}" for f in result.failures), flush=True)
-                results.append(result)
-    report = render_markdown(results, settings)
+    results: list[TargetResult] = []
+    saved_json = args.from_json or (Path(args.out).with_suffix(".json") if args.resume and args.out else None)
+    if saved_json and Path(saved_json).is_file():
+        saved = json.loads(Path(saved_json).read_text())
+        if args.from_json:
+            settings = Settings(**saved["settings"])
+        elif Settings(**saved["settings"]) != settings:
+            p.error(f"--resume: {saved_json} was made with other settings: {saved['settings']}")
+        results = [TargetResult(**r) for r in saved["targets"] if args.from_json or not r["failures"]]
+    done = {(r.shape, r.platform, r.tp) for r in results}
+    targets = [] if args.from_json else [(shape, platform, int(tp)) for shape in args.shapes.split(",")
+                                         for platform in args.platforms.split(",") for tp in args.tp.split(",")]
+    for target in targets:
+        if target in done:
+            continue
+        result = export_target(*target, settings)
+        print(f"[export_steps] {result.name}: {result.exported}/{result.executables} lowered in "
+              f"{result.seconds} s" + "".join(f"\n  FAILED {f}" for f in result.failures), flush=True)
+        results.append(result)
+        if args.out:  # a run cut short keeps what it did (--resume goes on from there)
+            _save(args.out, results, settings)
+        # Each target traces a model of tens of layers dozens of times; the traces cached
+        # for reuse would otherwise pile up (19 GB by the 22nd of the 24 real targets).
+        jax.clear_caches()
+        gc.collect()
     if args.out:
-        Path(args.out).write_text(report)
-        Path(args.out).with_suffix(".json").write_text(json.dumps(
-            {"settings": dataclasses.asdict(settings), "targets": [dataclasses.asdict(r) for r in results]},
-            indent=1) + "\n")
-    print(report)
+        _save(args.out, results, settings)
+    print(render_markdown(results, settings))
     return 1 if any(r.failures for r in results) else 0
 
 
