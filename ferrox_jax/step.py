@@ -66,7 +66,7 @@ class ForwardBatch:
     @classmethod
     def padding(cls, shape: StepShape, table_width: int, has_lora: bool = False) -> "ForwardBatch":
         """A batch of `shape` with numpy leaves, every token padding (what warm-up compiles
-        against, and what `tools/export_steps.py` lowers)."""
+        against, and what `tools/device/export_steps.py` lowers)."""
         n, r = shape.num_tokens, shape.num_rows
         segments = [(rows, tokens) for rows, tokens in ((shape.decode_rows, 1), (shape.chunk_rows, shape.chunk_tokens))
                     if rows]

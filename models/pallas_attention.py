@@ -38,7 +38,7 @@ field of the model, so it is part of the compiled step's graphdef):
 The ragged kernels (`models/ragged_attention.py`) serve the whole unified step in one call
 per layer: decode rows, prompt chunks and verification spans, with sliding windows,
 soft-capping and any head_dim; so `auto` takes them on TPUs and CUDA GPUs for every family.
-This module's decode kernel and the GPU decode candidates stay for `tools/device_check.py`
+This module's decode kernel and the GPU decode candidates stay for `tools/device/device_check.py`
 to time against them (and for a deployment that measures one faster): with one of them,
 prompt chunks, windowed and soft-capped layers run on the pure-JAX loop.
 

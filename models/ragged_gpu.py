@@ -19,8 +19,8 @@ windows, soft-capping and sinks.
 
 Verified without a GPU: the kernel in Pallas interpret mode against the dense reference
 (tests/test_ragged_attention.py), and its lowering to Triton through
-`jax.export(platforms=("cuda",))` in every compiled step (tools/export_steps.py). Triton's
-compile to PTX and every timing need a GPU (`tools/device_check.py`).
+`jax.export(platforms=("cuda",))` in every compiled step (tools/device/export_steps.py). Triton's
+compile to PTX and every timing need a GPU (`tools/device/device_check.py`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""tools/export_steps.py on small shapes: every compiled step lowers for TPU and CUDA.
+"""tools/device/export_steps.py on small shapes: every compiled step lowers for TPU and CUDA.
 
 The real shapes (Llama-3.1-8B / 70B, Qwen3-30B-A3B, Gemma-3-27B at TP 1 / 4 / 8) take the
 tool about an hour on two cores; their report is docs/export-report.md. Here a tiny
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools import export_steps as es
+from tools.device import export_steps as es
 
 SMALL = es.Settings(max_seqs=2, prefill_chunk=16, max_context=128, kv_memory_gib=0.01)
 ARGS = ["--max-seqs", "2", "--prefill-chunk", "16", "--max-context", "128", "--kv-memory-gib", "0.01"]

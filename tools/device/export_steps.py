@@ -1,6 +1,6 @@
 """Every compiled step of an engine, lowered for TPUs and CUDA GPUs on a CPU-only machine.
 
-For each model shape (`tools/model_shapes.py`), platform and tensor-parallel size, this
+For each model shape (`models/known_shapes.py`), platform and tensor-parallel size, this
 builds what an engine on that device would compile at warm-up, from abstract shapes
 (`nnx.eval_shape` weights, `ShapeDtypeStruct` KV cache: nothing is allocated, so a 70B
 shape runs on a laptop), and `jax.export`s each executable for the platform:
@@ -28,9 +28,9 @@ divide, a kernel `auto` did not pick) makes the exit status 1 and is named with 
 platform, TP size and executable. What this does not check: Mosaic's and Triton's own
 compile on the device (layouts, VMEM / SMEM limits, PTX), nor any timing.
 
-    python -m tools.export_steps --out docs/export-report.md     # the four shapes, tpu + cuda, TP 1 / 4 / 8
-    python -m tools.export_steps --shapes tiny --tp 1,2 --max-seqs 2 --prefill-chunk 16 --max-context 128
-    python -m tools.export_steps --from-json docs/export-report.json --out docs/export-report.md   # re-render
+    python -m tools.device.export_steps --out docs/export-report.md     # the four shapes, tpu + cuda, TP 1 / 4 / 8
+    python -m tools.device.export_steps --shapes tiny --tp 1,2 --max-seqs 2 --prefill-chunk 16 --max-context 128
+    python -m tools.device.export_steps --from-json docs/export-report.json --out docs/export-report.md   # re-render
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def layer_kinds(cfg) -> dict[str, int]:
 
 def export_target(shape: str, platform: str, tp: int, settings: Settings) -> TargetResult:
     """Lower every executable of one target (module docstring); failures are recorded, not raised."""
-    from tools.model_shapes import write_config_folder
+    from models.known_shapes import write_config_folder
 
     result = TargetResult(shape, platform, tp)
     t0 = time.perf_counter()
@@ -140,7 +140,7 @@ def _export(folder: Path, result: TargetResult, settings: Settings) -> None:
     from models.loaders.common import abstract_model
     from models.pallas_attention import select_decode_attention
     from models.ragged_attention import RaggedAttention
-    from tools.model_shapes import per_device_bytes
+    from tools.device.model_shapes import per_device_bytes
 
     cfg = open_checkpoint(str(folder), load_format="dummy").config
     tp = result.tp
@@ -272,10 +272,10 @@ def render_markdown(results: list[TargetResult], settings: Settings) -> str:
     import jax
 
     lines = ["# Every compiled step, lowered for TPU and GPU", "",
-             "Produced on a CPU-only machine by `python -m tools.export_steps --out docs/export-report.md` "
+             "Produced on a CPU-only machine by `python -m tools.device.export_steps --out docs/export-report.md` "
              f"(jax {jax.__version__}); the tool's docstring says what is checked and what is not (Mosaic's and "
              "Triton's compile on the device, and any timing). Bytes are per device under the exported shardings, "
-             "each equal to what `tools/model_shapes.py` sizes.", "",
+             "each equal to what `tools/device/model_shapes.py` sizes.", "",
              f"Engine: {settings.dtype}, block size {settings.block_size}, {settings.max_seqs} rows, chunks of "
              f"{settings.prefill_chunk} tokens, context {settings.max_context}, KV budget "
              f"{settings.kv_memory_gib:g} GiB over the mesh, attention_impl={settings.attention_impl}.", "",
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="tools/model_shapes.py SHAPES names")
+    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="models/known_shapes.py SHAPES names")
     p.add_argument("--platforms", default="tpu,cuda")
     p.add_argument("--tp", default="1,4,8", help="tensor-parallel sizes")
     defaults = Settings()
