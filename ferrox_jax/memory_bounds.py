@@ -150,6 +150,14 @@ def step_bytes(model: Any, step: StepSize, lora_columns: int) -> int:
                 + 2 * step.num_rows * step.table_width)
 
 
+def batched_tokens(settings: Any, chunk: int, backend: str) -> int:
+    """A step's prompt-token budget: the configured one (at least a chunk), else the
+    backend's default number of chunks."""
+    if settings.max_batched_tokens:
+        return max(settings.max_batched_tokens, chunk)
+    return chunk * DEFAULT_BATCHED_CHUNKS.get(backend, DEFAULT_ACCELERATOR_BATCHED_CHUNKS)
+
+
 @dataclasses.dataclass(frozen=True)
 class Demand:
     """What one device holds for an engine, in bytes."""
@@ -215,10 +223,7 @@ class Footprint:
         token a speculating row verifies."""
         chunk = min(settings.prefill_chunk, max_context)
         idle = min(max(settings.prefill_chunk_idle, chunk), max_context)
-        if settings.max_batched_tokens:
-            batched = max(settings.max_batched_tokens, chunk)
-        else:
-            batched = chunk * DEFAULT_BATCHED_CHUNKS.get(self.backend, DEFAULT_ACCELERATOR_BATCHED_CHUNKS)
+        batched = batched_tokens(settings, chunk, self.backend)
         spec = settings.speculative
         rows = spec.step_rows(settings.max_seqs) if spec is not None else settings.max_seqs
         return StepSize(rows, chunk, idle, batched, table_width(max_context, settings.block_size),

@@ -60,8 +60,10 @@ from jax.sharding import Mesh
 
 from models.attention import check_decode_inputs, shard_over_kv_heads
 from models.gpu_attention import GPU_ATTENTION_IMPLS, GPU_BACKENDS, select_gpu_decode_attention
-from models.ragged_attention import RAGGED_IMPLS, select_ragged_attention
+from models.ragged_gpu import GpuRaggedAttention, gpu_problems
+from models.ragged_tpu import TpuRaggedAttention, tpu_problems
 
+RAGGED_IMPLS = ("ragged-tpu", "ragged-tpu-interpret", "ragged-gpu", "ragged-gpu-interpret")
 ATTENTION_IMPLS = ("auto", "jax", "pallas", "pallas-interpret", "cpu") + GPU_ATTENTION_IMPLS + RAGGED_IMPLS
 KERNEL_HEAD_DIM_MULTIPLE = 128
 KERNEL_BLOCK_SIZE_MULTIPLE = 16
@@ -183,3 +185,43 @@ def select_decode_attention(impl: str, *, head_dim: int, block_size: int, max_bl
     return (PallasDecodeAttention(ppcb, mesh, kv_sharded),
             f"decode attention: Pallas TPU kernel (pages_per_compute_block={ppcb}, "
             f"{ppcb * block_size} keys per iteration)")
+
+
+def select_ragged_attention(impl: str, *, backend: str, block_size: int, kv_dtype, mesh: Mesh | None = None,
+                            kv_sharded: bool = False):
+    """Build the ragged kernel `impl` names (one of RAGGED_IMPLS, or "auto" for the one of
+    `backend`); returns (kernel or None, why). An interpret-mode kernel runs anywhere.
+
+    Raises:
+      ValueError naming the unmet constraint, for an explicitly named kernel that cannot
+      run here (auto returns None with the reason instead).
+    """
+    if impl == "auto":
+        impl = "ragged-tpu" if backend == "tpu" else "ragged-gpu" if backend in GPU_BACKENDS else None
+        if impl is None:
+            return None, f"no ragged kernel for backend {backend}"
+        auto = True
+    else:
+        auto = False
+    interpret = impl.endswith("-interpret")
+    on_tpu = impl.startswith("ragged-tpu")
+    if not interpret:
+        needed = ("tpu",) if on_tpu else GPU_BACKENDS
+        if backend not in needed:
+            raise ValueError(f"attention_impl={impl} needs a {'TPU' if on_tpu else 'CUDA GPU'} backend; this one "
+                             f"is {backend!r} (use auto, jax or {impl}-interpret)")
+        problems = tpu_problems(block_size, kv_dtype) if on_tpu else gpu_problems(block_size)
+        if problems and auto:
+            return None, "ragged kernel constraints unmet: " + "; ".join(problems)
+        if problems:
+            raise ValueError(f"attention_impl={impl}: the ragged kernel cannot run this model: " + "; ".join(problems))
+    if on_tpu:  # interpret mode: the TPU simulator (DMAs and VMEM simulated, out-of-bounds reads raise)
+        from jax.experimental.pallas import tpu as pltpu
+
+        kernel = TpuRaggedAttention(mesh=mesh, kv_sharded=kv_sharded,
+                                    interpret=pltpu.InterpretParams() if interpret else False)
+    else:
+        kernel = GpuRaggedAttention(mesh=mesh, kv_sharded=kv_sharded, interpret=interpret)
+    what = "Pallas TPU (Mosaic)" if on_tpu else "Pallas GPU (Triton)"
+    return kernel, (f"attention: ragged paged attention, {what} kernel{' in interpret mode' if interpret else ''}, "
+                    f"one call per layer for every row of a step")

@@ -43,8 +43,6 @@ from jax.sharding import PartitionSpec as P
 from models.attention import KV_WORD_FLOATS
 
 MASKED = -1e30  # as models/attention.py: finite, so a fully masked tile stays finite
-RAGGED_IMPLS = ("ragged-tpu", "ragged-tpu-interpret", "ragged-gpu", "ragged-gpu-interpret")
-_GPU_BACKENDS = ("gpu", "cuda")  # as models/gpu_attention.py:GPU_BACKENDS
 
 
 class RaggedAttention:
@@ -289,46 +287,3 @@ def ragged_reference(q, k_cache, v_cache, spans: RaggedSpans, *, scale: float, w
     p = jnp.where(real[:, None, None, None], p, 0.0)[..., :keys.shape[1]]
     out = jnp.einsum("nkgs,nskd->nkgd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
     return out.reshape(n, num_heads, head_dim)
-
-
-def select_ragged_attention(impl: str, *, backend: str, block_size: int, kv_dtype, mesh: Mesh | None = None,
-                            kv_sharded: bool = False):
-    """Build the ragged kernel `impl` names (one of RAGGED_IMPLS, or "auto" for the one of
-    `backend`); returns (kernel or None, why). An interpret-mode kernel runs anywhere.
-
-    Raises:
-      ValueError naming the unmet constraint, for an explicitly named kernel that cannot
-      run here (auto returns None with the reason instead).
-    """
-    from models.ragged_gpu import GpuRaggedAttention, gpu_problems
-    from models.ragged_tpu import TpuRaggedAttention, tpu_problems
-
-    if impl == "auto":
-        impl = "ragged-tpu" if backend == "tpu" else "ragged-gpu" if backend in _GPU_BACKENDS else None
-        if impl is None:
-            return None, f"no ragged kernel for backend {backend}"
-        auto = True
-    else:
-        auto = False
-    interpret = impl.endswith("-interpret")
-    on_tpu = impl.startswith("ragged-tpu")
-    if not interpret:
-        needed = ("tpu",) if on_tpu else _GPU_BACKENDS
-        if backend not in needed:
-            raise ValueError(f"attention_impl={impl} needs a {'TPU' if on_tpu else 'CUDA GPU'} backend; this one "
-                             f"is {backend!r} (use auto, jax or {impl}-interpret)")
-        problems = tpu_problems(block_size, kv_dtype) if on_tpu else gpu_problems(block_size)
-        if problems and auto:
-            return None, "ragged kernel constraints unmet: " + "; ".join(problems)
-        if problems:
-            raise ValueError(f"attention_impl={impl}: the ragged kernel cannot run this model: " + "; ".join(problems))
-    if on_tpu:  # interpret mode: the TPU simulator (DMAs and VMEM simulated, out-of-bounds reads raise)
-        from jax.experimental.pallas import tpu as pltpu
-
-        kernel = TpuRaggedAttention(mesh=mesh, kv_sharded=kv_sharded,
-                                    interpret=pltpu.InterpretParams() if interpret else False)
-    else:
-        kernel = GpuRaggedAttention(mesh=mesh, kv_sharded=kv_sharded, interpret=interpret)
-    what = "Pallas TPU (Mosaic)" if on_tpu else "Pallas GPU (Triton)"
-    return kernel, (f"attention: ragged paged attention, {what} kernel{' in interpret mode' if interpret else ''}, "
-                    f"one call per layer for every row of a step")
