@@ -68,7 +68,7 @@ from api.prompts import chat_prompt, check_model, heavy_chat
 from api.sse import named_event as event, sse_response
 from api.state import AppState, json_response, state_of
 from api.structured import OutputPlan, ToolRequest, check_grammar, tool_request
-from ferrox_jax.request import GenerationRequest, RowEvent, SamplingParams
+from ferrox_jax.request import Job, RowEvent, SamplingParams
 
 if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
     from ferrox_jax.engine import Engine
@@ -321,11 +321,11 @@ async def create_message() -> Response:
     sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
                               seed=random.getrandbits(31))
-    job = GenerationRequest(request_id=api_id, prompt_token_ids=tuple(prompt), sampling=sampling,
-                            max_tokens=max_tokens(body.max_tokens, len(prompt), engine.max_context,
-                                                  state.config, "messages"),
-                            stop=tuple(body.stop_sequences or ()), grammar=grammar,
-                            skip_special_tokens=plan.skip_special_tokens)
+    job = Job(request_id=api_id, prompt_token_ids=tuple(prompt), sampling=sampling,
+              max_tokens=max_tokens(body.max_tokens, len(prompt), engine.max_context,
+                                    state.config, "messages"),
+              stop=tuple(body.stop_sequences or ()), grammar=grammar,
+              skip_special_tokens=plan.skip_special_tokens)
     run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine, model=body.model)
     reply = _Message(run, engine.model_name, plan)
     generation.start(run)

@@ -1,7 +1,7 @@
 """The OpenAI embeddings adapter: `POST /v1/embeddings`.
 
 OpenAI's wire format only. Each input (a string, a list of strings, token ids or lists of
-token ids) becomes one prefill-only engine job (`GenerationRequest.pooling`): the
+token ids) becomes one prefill-only engine job (`Job.pooling`): the
 scheduler runs its prompt through the same prefill chunks and buckets as any prompt,
 reserving only the prompt's blocks, and ends it after the last chunk with the pooled
 hidden state (the decoder's final-norm output; `RowEvent.embedding`). Pooling is `mean`
@@ -29,7 +29,7 @@ from api.limits import check_fits_queue, check_prompt_tokens, check_token_ids
 from api.offload import parse_body_off_loop
 from api.prompts import check_model, encode
 from api.state import json_response, state_of
-from ferrox_jax.request import GenerationRequest
+from ferrox_jax.request import Job
 
 blueprint = Blueprint("embeddings", __name__)
 
@@ -89,7 +89,7 @@ async def create_embeddings() -> Response:
                            param="input", code="context_length_exceeded")
         prompts.append(ids)
     api_id = f"embd-{uuid.uuid4().hex}"
-    jobs = [GenerationRequest(request_id=job_id, prompt_token_ids=tuple(ids), max_tokens=0, pooling=body.pooling)
+    jobs = [Job(request_id=job_id, prompt_token_ids=tuple(ids), max_tokens=0, pooling=body.pooling)
             for job_id, ids in zip(job_ids(api_id, len(prompts)), prompts)]
     run = GenerationRun(state, ROUTE, api_id, jobs, stream=False, engine=engine, model=body.model)
     vectors: list[np.ndarray | None] = [None] * len(jobs)

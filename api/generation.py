@@ -1,7 +1,7 @@
 """The generation core every wire protocol shares: one API request in, a stream of row events out.
 
 An adapter (`api/openai_routes.py`, and one module per other protocol) parses its own
-request shape, builds one `GenerationRequest` per prompt (each with `n` rows) and hands
+request shape, builds one `Job` per prompt (each with `n` rows) and hands
 them to a `GenerationRun`. The run:
 
  1. submits them through the engine facade (`submit`); an `AdmissionError` becomes an
@@ -45,7 +45,7 @@ from quart import g, has_request_context
 
 from api.errors import APIError, unavailable
 from api.telemetry import RequestRecord
-from ferrox_jax.request import AdmissionError, GenerationRequest, RowEvent
+from ferrox_jax.request import AdmissionError, Job, RowEvent
 
 if TYPE_CHECKING:
     from api.state import AppState
@@ -59,7 +59,7 @@ class RowOutput:
     """One RowEvent, with the choice it belongs to."""
 
     choice: int  # job * n + event.index
-    job: int  # index of the GenerationRequest in the run
+    job: int  # index of the Job in the run
     event: RowEvent
 
 
@@ -102,7 +102,7 @@ def event_error(event: RowEvent) -> APIError:
 class GenerationRun:
     """One API generation request in flight (see the module docstring)."""
 
-    def __init__(self, state: AppState, route: str, api_id: str, jobs: Sequence[GenerationRequest], *,
+    def __init__(self, state: AppState, route: str, api_id: str, jobs: Sequence[Job], *,
                  stream: bool, drop_output: bool = False, engine: Engine | None = None,
                  model: str | None = None) -> None:
         """Args:
@@ -184,7 +184,7 @@ class GenerationRun:
         self.state.inflight[self.api_id] = self
         self.state.stats.generating_now += 1
 
-    def _name_adapter(self, engine: Engine) -> tuple[GenerationRequest, ...]:
+    def _name_adapter(self, engine: Engine) -> tuple[Job, ...]:
         """The jobs, naming the LoRA adapter the request's `model` names (and the version of
         its weights: the response cache's key and the engine's check at admission); the
         engine holds its slot from each job's admission to its end."""

@@ -32,7 +32,7 @@ from api.errors import APIError
 
 if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
     from ferrox_jax.engine import Engine
-    from ferrox_jax.request import GenerationRequest
+    from ferrox_jax.request import Job
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -114,7 +114,7 @@ def check_fits_queue(num_jobs: int, engine: Engine, param: str) -> None:
                             "(--max-queue); split the request", param=param, code="too_many_inputs")
 
 
-def check_reply_entries(jobs: Sequence[GenerationRequest], logprobs: int | None, config: ServerConfig, *,
+def check_reply_entries(jobs: Sequence[Job], logprobs: int | None, config: ServerConfig, *,
                         echo: bool = False, param: str = "max_tokens") -> None:
     """400 `reply_too_large` when the jobs' reply could hold more than --max-reply-entries
     token entries: per job, n x (max_tokens + its prompt's tokens when echoed) x (1 + logprobs).

@@ -44,7 +44,7 @@ from api.prompts import check_model, encode
 from api.protocol import dumps
 from api.sse import KEEP_ALIVE_COMMENT, sse_response
 from api.state import json_response, state_of
-from ferrox_jax.request import GenerationRequest, RowEvent, SamplingParams
+from ferrox_jax.request import Job, RowEvent, SamplingParams
 
 blueprint = Blueprint("llamacpp", __name__)
 
@@ -111,9 +111,9 @@ async def completion() -> Response:
                               seed=seed & 0x7FFFFFFF, repetition_penalty=body.repeat_penalty,
                               presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
     api_id = f"cmpl-{uuid.uuid4().hex}"
-    job = GenerationRequest(request_id=api_id, prompt_token_ids=tuple(ids), max_tokens=limit, sampling=sampling,
-                            stop=tuple(body.stop), ignore_eos=body.ignore_eos,
-                            reads_prefix_cache=body.cache_prompt)
+    job = Job(request_id=api_id, prompt_token_ids=tuple(ids), max_tokens=limit, sampling=sampling,
+              stop=tuple(body.stop), ignore_eos=body.ignore_eos,
+              reads_prefix_cache=body.cache_prompt)
     run = GenerationRun(state, "/completion", api_id, [job], stream=body.stream, drop_output=asked == 0,
                         engine=engine, model=body.model)
     run.seeded = body.seed >= 0

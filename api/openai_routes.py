@@ -5,7 +5,7 @@ constraint and tools (`response_format` / `guided_*`, `tools` / `tool_choice`, p
 api/structured.py) -> tokenize (chat: render the checkpoint's template first, with the
 tools) -> check the context (prompt alone at or over the ceiling is a 400; prompt +
 max_tokens over it is clamped to the room left, the ferrox-server contract) -> compile the
-constraint (a 400 names what the engine cannot enforce) -> one `GenerationRequest` per
+constraint (a 400 names what the engine cannot enforce) -> one `Job` per
 prompt, run by the generation core (`api/generation.py`: submission, events,
 cancellation, accounting) -> its row events folded into OpenAI choices (api/choices.py:
 content, reasoning_content, tool_calls), returned whole or streamed as SSE chunks. This
@@ -40,7 +40,7 @@ from api.structured import (PLAIN_TEXT, OutputPlan, choice_constraint, check_gra
                             regex_constraint, tool_request)
 from api.template_kwargs import template_kwargs
 from ferrox_jax.constraint import GrammarSpec
-from ferrox_jax.request import GenerationRequest, SamplingParams
+from ferrox_jax.request import Job, SamplingParams
 
 if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
     from ferrox_jax.engine import Engine
@@ -119,8 +119,8 @@ def _sampling(body: SamplingFields, engine: Engine, logprobs: int | None) -> Sam
 
 def _job_request(job_id: str, prompt_ids: list[int], max_tokens: int, body: SamplingFields,
                  sampling: SamplingParams, prompt_logprobs: bool, grammar: GrammarSpec | None = None,
-                 plan: OutputPlan = OutputPlan()) -> GenerationRequest:
-    return GenerationRequest(
+                 plan: OutputPlan = OutputPlan()) -> Job:
+    return Job(
         request_id=job_id, prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
         n=body.n or 1, stop=tuple(body.stop_list()), stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos), min_tokens=min(body.min_tokens or 0, max_tokens),

@@ -3,7 +3,7 @@
 Adapters turn their own message shapes into the chat template's `{"role", "content", ...}`
 dicts (OpenAI's roles; `tool_calls` / `tool_call_id` for tool turns), their tools into a
 `ToolRequest` and their output format into a constraint (`api/structured.py`), and call
-`chat_prompt` (or `encode` for raw text); the token ids go into `GenerationRequest`s and
+`chat_prompt` (or `encode` for raw text); the token ids go into `Job`s and
 the output plan says how to constrain and parse what comes back.
 """
 

@@ -49,7 +49,7 @@ from api.limits import check_prompt_tokens
 from api.prompts import check_model, encode
 from api.protocol import parse_body
 from api.state import AppState, json_response, state_of
-from ferrox_jax.request import GenerationRequest, SamplingParams
+from ferrox_jax.request import Job, SamplingParams
 
 if TYPE_CHECKING:
     from ferrox_jax.engine import Engine
@@ -147,7 +147,7 @@ async def _tokens(engine: Engine, state: AppState, text: str, param: str, add_sp
     return ids
 
 
-async def _run(state: AppState, engine: Engine, route: str, api_id: str, jobs: list[GenerationRequest],
+async def _run(state: AppState, engine: Engine, route: str, api_id: str, jobs: list[Job],
                model: str | None = None) -> tuple[list[RowOutput], int]:
     """Every job's last output (in job order) and the prompt tokens computed or cached;
     `model` may name a LoRA adapter, which then scores (api/lora_routes.py)."""
@@ -176,8 +176,8 @@ async def yes_no_scores(state: AppState, engine: Engine, route: str, api_id: str
         for k, token_id in enumerate((yes_id, no_id)):
             sampling = SamplingParams(temperature=0.0, seed=random.getrandbits(31), logprobs=0,
                                       logit_bias=((token_id, BIAS),))
-            jobs.append(GenerationRequest(request_id=names[2 * i + k], prompt_token_ids=tuple(ids), max_tokens=1,
-                                          sampling=sampling, ignore_eos=True))
+            jobs.append(Job(request_id=names[2 * i + k], prompt_token_ids=tuple(ids), max_tokens=1,
+                            sampling=sampling, ignore_eos=True))
     outputs, _ = await _run(state, engine, route, api_id, jobs, model)
     logprobs = []
     for job, output in zip(jobs, outputs):
@@ -196,7 +196,7 @@ async def embedding_scores(state: AppState, engine: Engine, route: str, api_id: 
     """Cosine similarity of each pair's mean-pooled embeddings (each distinct text embedded once)."""
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     prompts = [await _tokens(engine, state, text, "documents", True) for text in texts]
-    jobs = [GenerationRequest(request_id=name, prompt_token_ids=tuple(ids), max_tokens=0, pooling="mean")
+    jobs = [Job(request_id=name, prompt_token_ids=tuple(ids), max_tokens=0, pooling="mean")
             for name, ids in zip(job_ids(api_id, len(prompts)), prompts)]
     outputs, num_tokens = await _run(state, engine, route, api_id, jobs, model)
     vectors = {text: normalize(o.event.embedding) for text, o in zip(texts, outputs)}

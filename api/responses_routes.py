@@ -67,7 +67,7 @@ from api.state import json_response, state_of
 from api.structured import (PLAIN_TEXT, OutputPlan, ToolRequest, check_grammar, json_object_constraint,
                             json_schema_constraint, tool_request)
 from ferrox_jax.constraint import GrammarSpec
-from ferrox_jax.request import GenerationRequest, SamplingParams
+from ferrox_jax.request import Job, SamplingParams
 
 if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
     from ferrox_jax.engine import Engine
@@ -244,8 +244,8 @@ async def create_response() -> Response:
     sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, seed=random.getrandbits(31))
     limit = max_tokens(body.max_output_tokens, len(prompt), engine.max_context, state.config, "input")
-    job = GenerationRequest(request_id=api_id, prompt_token_ids=tuple(prompt), max_tokens=limit, sampling=sampling,
-                            grammar=grammar, skip_special_tokens=plan.skip_special_tokens)
+    job = Job(request_id=api_id, prompt_token_ids=tuple(prompt), max_tokens=limit, sampling=sampling,
+              grammar=grammar, skip_special_tokens=plan.skip_special_tokens)
     run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine, model=body.model)
     reply = _Response(run, engine.model_name, body, sampling, plan)
     generation.start(run)

@@ -5,7 +5,7 @@ adapters render the same pieces in their own shapes). An adapter parses its requ
 an optional constraint (`json_schema_constraint`, `regex_constraint`, ...) and an optional
 `ToolRequest` (`tool_request`), then `prepare_chat` renders the prompt and says what the
 output needs (`OutputPlan`); `check_grammar` has the engine compile the plan's constraint
-(off the event loop) before it becomes the job's `GenerationRequest.grammar`. Each choice's text then goes through the plan's
+(off the event loop) before it becomes the job's `Job.grammar`. Each choice's text then goes through the plan's
 `OutputParser`:
 
     RowEvent.text ──▶ thinking split (api/reasoning.py) ──▶ tool-call parser (api/tool_call_parser.py)
@@ -110,7 +110,7 @@ def _spec(build, param: str) -> GrammarSpec:
 
 async def check_grammar(engine: Engine, spec: GrammarSpec | None, param: str) -> GrammarSpec | None:
     """`spec` once the engine has compiled it (None for None), off the event loop (about a
-    millisecond cold; cached by spec), ready for `GenerationRequest.grammar`. A constraint
+    millisecond cold; cached by spec), ready for `Job.grammar`. A constraint
     the engine cannot compile or enforce is a 400 naming `param` and the problem (e.g. the
     unsupported keyword)."""
     if spec is None:

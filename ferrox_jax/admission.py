@@ -9,7 +9,7 @@ A submitted job meets two kinds of refusal (the ferrox-server contract):
     running rows and the block ledger have room (`Scheduler._admit_waiting`); the head
     that does not fit holds the line.
 
-A job that names a LoRA adapter (`GenerationRequest.adapter_name`) also needs the adapter's
+A job that names a LoRA adapter (`Job.adapter_name`) also needs the adapter's
 slot, a constraint beside rows and blocks (`AdapterSlots`, the engine's registry): at
 admission the scheduler asks `refusal` (not loaded any more, quarantined, or reloaded
 with other weights since the job named it: the job ends with that error, its code on
@@ -25,10 +25,10 @@ from typing import Any, Protocol
 
 from ferrox_jax.block_tables import blocks_to_reserve
 from ferrox_jax.config import SchedulerLimits
-from ferrox_jax.request import GenerationRequest
+from ferrox_jax.request import Job
 
 
-def check_admission(spec: GenerationRequest, limits: SchedulerLimits) -> tuple[str, str] | None:
+def check_admission(job: Job, limits: SchedulerLimits) -> tuple[str, str] | None:
     """The "never" refusals, in the contract's order; None when the job can ever run.
 
     Pure (reads immutable limits only), so submitters call it on their own threads.
@@ -36,23 +36,23 @@ def check_admission(spec: GenerationRequest, limits: SchedulerLimits) -> tuple[s
     Returns:
         None, or (reason, message): reason "context_length" or "too_large".
     """
-    num_prompt_tokens = len(spec.prompt_token_ids)
-    total_tokens = num_prompt_tokens + spec.max_tokens
+    num_prompt_tokens = len(job.prompt_token_ids)
+    total_tokens = num_prompt_tokens + job.max_tokens
     if limits.max_context is not None and total_tokens > limits.max_context:
         return ("context_length",
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({spec.max_tokens}) = "
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({job.max_tokens}) = "
                 f"{total_tokens} tokens exceeds the context limit of {limits.max_context} tokens")
-    num_blocks = blocks_to_reserve(num_prompt_tokens, spec.max_tokens, spec.n, limits.block_size)
+    num_blocks = blocks_to_reserve(num_prompt_tokens, job.max_tokens, job.n, limits.block_size)
     if num_blocks > limits.num_blocks:
         message = (f"request needs {num_blocks} KV blocks of {limits.block_size} positions "
-                   f"(prompt {num_prompt_tokens} + max_tokens {spec.max_tokens}, n={spec.n}); "
+                   f"(prompt {num_prompt_tokens} + max_tokens {job.max_tokens}, n={job.n}); "
                    f"the whole budget is {limits.num_blocks} blocks")
         if limits.kv_bytes_per_block:
             message += (f" ({num_blocks * limits.kv_bytes_per_block} bytes needed; the KV budget holds "
                         f"{limits.num_blocks * limits.kv_bytes_per_block} bytes)")
         return "too_large", message
-    if spec.n > limits.max_rows:
-        return ("too_large", f"request asks for n={spec.n} rows; at most {limits.max_rows} "
+    if job.n > limits.max_rows:
+        return ("too_large", f"request asks for n={job.n} rows; at most {limits.max_rows} "
                              "rows run at once (max_seqs)")
     return None
 

@@ -1,7 +1,7 @@
 """ContinuousBatcher: the owner thread that drives the scheduler and the runner. No jax here.
 
 API handlers call `submit`, `cancel`, `stats` and `health` from any thread; everything else
-(requests, rows, the block budget, the runner and its device arrays) belongs to one owner
+(jobs, rows, the block budget, the runner and its device arrays) belongs to one owner
 thread, so none of it needs a lock. The owner loop, once per iteration:
 
  1. Drain the inbox (`ferrox_jax/inbox.py`: jobs, cancels, owner calls, stop). When the
@@ -27,10 +27,10 @@ thread, so none of it needs a lock. The owner loop, once per iteration:
     traceback is logged, and the loop goes on.
  5. `scheduler.update(plan, out)`: advance progress, check stops, flush finished rows.
  6. Publish a `BatcherStats` snapshot; `stats()` only ever reads published snapshots.
- 7. Deliver this tick's `RowEvent`s through each request's `on_event` (on this thread);
+ 7. Deliver this tick's `RowEvent`s through each job's `on_event` (on this thread);
     publishing first means a client that saw its last event also sees it counted.
 
-A crash in the loop itself is loud: the traceback is logged, every open request gets an
+A crash in the loop itself is loud: the traceback is logged, every open job gets an
 error event, `health()` turns "dead" and `submit` raises `AdmissionError("unavailable")`.
 Step faults (a raising runner, a row's non-finite logits, a step that hangs past the
 watchdog) are counted by kind and the engine gives up on repeated ones
@@ -60,9 +60,9 @@ from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.draft import DraftModel, check_compatible
 from ferrox_jax.admission import AdapterSlots
 from ferrox_jax.host_batch import HostBatch
-from ferrox_jax.inbox import AbortRequest, AddRequest, EventCallback, Fault, Inbox, OwnerCall, Stop
+from ferrox_jax.inbox import AbortJob, AddJob, EventCallback, Fault, Inbox, OwnerCall, Stop
 from ferrox_jax.plan import StepOutput, StepPlan
-from ferrox_jax.request import AdmissionError, GenerationRequest, MatcherFactory, RowEvent
+from ferrox_jax.request import AdmissionError, Job, MatcherFactory, RowEvent
 from ferrox_jax.runner_protocol import Runner, check_limits
 from ferrox_jax.scheduler import Scheduler, check_admission
 from ferrox_jax.speculative import NgramProposer
@@ -86,10 +86,10 @@ class _Abandoned(Exception):
 
 
 @dataclasses.dataclass
-class _OpenRequest:
-    """Owner-thread record of a request whose rows have not all finished."""
+class _OpenJob:
+    """Owner-thread record of a job whose rows have not all finished."""
 
-    spec: GenerationRequest
+    job: Job
     on_event: EventCallback
     finished_indices: set[int] = dataclasses.field(default_factory=set)
 
@@ -128,7 +128,7 @@ class ContinuousBatcher:
         self._health = "stopped"
         self._num_in_inbox = 0  # submitted jobs the owner has not taken yet
         self._num_waiting = 0  # the scheduler's waiting queue, as last published
-        self._open_request_ids: set[str] = set()
+        self._open_job_ids: set[str] = set()
         self._refusals: collections.Counter[str] = collections.Counter()
         self._faults = FaultLedger(faults or FaultPolicy())
         self._adapters = adapters
@@ -139,7 +139,7 @@ class ContinuousBatcher:
                                       kv_blocks_free=self.limits.num_blocks,
                                       kv_block_size=self.limits.block_size)
         # Owner thread only:
-        self._open: dict[str, _OpenRequest] = {}
+        self._open: dict[str, _OpenJob] = {}
         self._ticks = 0
         self._host_s = 0.0
         self._device_s = 0.0
@@ -155,7 +155,7 @@ class ContinuousBatcher:
             self._thread = threading.Thread(target=self._run, name="ferrox-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, request: GenerationRequest, on_event: EventCallback) -> None:
+    def submit(self, job: Job, on_event: EventCallback) -> None:
         """Queues a job; `on_event` is then called from the owner thread for each RowEvent.
 
         Raises:
@@ -165,11 +165,11 @@ class ContinuousBatcher:
             ValueError: the request id is already open, or it has an output constraint and
                 this batcher no grammar compiler.
         """
-        if request.grammar is not None and not self._has_grammar:
-            raise ValueError(f"request {request.request_id!r} has an output constraint but this batcher "
+        if job.grammar is not None and not self._has_grammar:
+            raise ValueError(f"job {job.request_id!r} has an output constraint but this batcher "
                              "has no grammar compiler")
-        refusal = check_admission(request, self.limits)
-        adapter_refusal = self._scheduler.adapter_refusal(request) if refusal is None else None
+        refusal = check_admission(job, self.limits)
+        adapter_refusal = self._scheduler.adapter_refusal(job) if refusal is None else None
         with self._lock:
             if refusal is not None:
                 reason, message = refusal
@@ -184,23 +184,23 @@ class ContinuousBatcher:
                                                    f"cap {self._max_queue}")
             if self._health != "ready":
                 raise AdmissionError("unavailable", f"the batcher is {self._health}")
-            if request.request_id in self._open_request_ids:
-                raise ValueError(f"request id {request.request_id!r} is already open")
+            if job.request_id in self._open_job_ids:
+                raise ValueError(f"request id {job.request_id!r} is already open")
             self._num_in_inbox += 1
-            self._open_request_ids.add(request.request_id)
-            self._inbox.put(AddRequest(request, on_event))
+            self._open_job_ids.add(job.request_id)
+            self._inbox.put(AddJob(job, on_event))
 
     def cancel(self, request_id: str) -> bool:
-        """Cancels a request. Thread-safe; harmless twice or after it finished.
+        """Cancels a job. Thread-safe; harmless twice or after it finished.
 
         Returns:
-            True if the request was open (submitted and not yet finished).
+            True if the job was open (submitted and not yet finished).
         """
         with self._lock:
-            is_open = request_id in self._open_request_ids
+            is_open = request_id in self._open_job_ids
             if self._health == "ready":
                 # Sent even when unknown: its submit may still be on the way.
-                self._inbox.put(AbortRequest(request_id))
+                self._inbox.put(AbortJob(request_id))
         return is_open
 
     def stats(self) -> BatcherStats:
@@ -257,7 +257,7 @@ class ContinuousBatcher:
             self._die("loop", f"the batcher loop crashed ({exc}); the server log has the traceback")
 
     def _die(self, kind: str, reason: str) -> None:
-        """Ends every open request with `reason`, turns health "dead", tells the listeners."""
+        """Ends every open job with `reason`, turns health "dead", tells the listeners."""
         listeners = self._fatal.set(kind, reason)
         self._end_all("dead", reason)
         FatalSignal.tell(listeners, kind, reason)
@@ -289,11 +289,11 @@ class ContinuousBatcher:
         keep_running = True
         num_added = 0
         for message in messages:
-            if isinstance(message, AddRequest):
-                self._open[message.spec.request_id] = _OpenRequest(message.spec, message.on_event)
-                self._scheduler.add_request(message.spec)
+            if isinstance(message, AddJob):
+                self._open[message.job.request_id] = _OpenJob(message.job, message.on_event)
+                self._scheduler.add_job(message.job)
                 num_added += 1
-            elif isinstance(message, AbortRequest):
+            elif isinstance(message, AbortJob):
                 self._scheduler.cancel(message.request_id)
             elif isinstance(message, OwnerCall) and message.when_idle:
                 self._idle_calls.append(message)
@@ -441,21 +441,21 @@ class ContinuousBatcher:
     def _deliver(self, events: list[RowEvent]) -> None:
         closed = []
         for event in events:
-            open_request = self._open[event.request_id]
+            open_job = self._open[event.request_id]
             try:
-                open_request.on_event(event)
-            except Exception:  # a broken reply channel cancels its request, not the loop
+                open_job.on_event(event)
+            except Exception:  # a broken reply channel cancels its job, not the loop
                 log.exception("on_event failed for request %s; cancelling it", event.request_id)
                 if event.finish_reason is None:
                     self._scheduler.cancel(event.request_id)
             if event.finish_reason is not None:
-                open_request.finished_indices.add(event.index)
-                if len(open_request.finished_indices) == open_request.spec.n:
+                open_job.finished_indices.add(event.index)
+                if len(open_job.finished_indices) == open_job.job.n:
                     del self._open[event.request_id]
                     closed.append(event.request_id)
         if closed:
             with self._lock:
-                self._open_request_ids.difference_update(closed)
+                self._open_job_ids.difference_update(closed)
 
     def _publish(self) -> None:
         recompiles = self._runner.recompiles_after_warmup + (
@@ -469,7 +469,7 @@ class ContinuousBatcher:
             self._num_waiting = self._scheduler.num_waiting
 
     def _end_all(self, health: str, error: str) -> None:
-        """Ends every open request with an error event; nothing is accepted afterwards.
+        """Ends every open job with an error event; nothing is accepted afterwards.
 
         Works from the owner's own records, not the scheduler's, which may be what broke.
         """
@@ -481,8 +481,8 @@ class ContinuousBatcher:
         # The health change above stops new submits and calls, so this drain sees the last of them.
         calls, self._idle_calls = self._idle_calls, []
         for message in self._inbox.drain(block=False):
-            if isinstance(message, AddRequest):
-                self._open[message.spec.request_id] = _OpenRequest(message.spec, message.on_event)
+            if isinstance(message, AddJob):
+                self._open[message.job.request_id] = _OpenJob(message.job, message.on_event)
             elif isinstance(message, OwnerCall):
                 calls.append(message)
         for call in calls:  # never to run: their callers learn why
@@ -490,10 +490,10 @@ class ContinuousBatcher:
         events = [
             RowEvent(request_id=request_id, index=index, token_ids=(), text="", logprobs=None,
                      finish_reason="error", error=error,
-                     num_prompt_tokens=len(open_request.spec.prompt_token_ids))
-            for request_id, open_request in self._open.items()
-            for index in range(open_request.spec.n)
-            if index not in open_request.finished_indices]
+                     num_prompt_tokens=len(open_job.job.prompt_token_ids))
+            for request_id, open_job in self._open.items()
+            for index in range(open_job.job.n)
+            if index not in open_job.finished_indices]
         self._deliver(events)
         with self._lock:
-            self._open_request_ids.clear()
+            self._open_job_ids.clear()

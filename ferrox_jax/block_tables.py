@@ -53,7 +53,7 @@ from collections.abc import Iterable
 from ferrox_jax.block_budget import BlockBudget
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.prefix_cache import PrefixCache, adapter_root, chain_hashes
-from ferrox_jax.request import Request, Row
+from ferrox_jax.request import JobState, Row
 
 
 def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, n: int, block_size: int,
@@ -83,30 +83,31 @@ class BlockTables:
 
     # -- admission ----------------------------------------------------------------------
 
-    def try_admit(self, job: Request) -> bool:
+    def try_admit(self, job: JobState) -> bool:
         """Looks the prompt up, promises the job its blocks; False means "not now"."""
-        prompt = job.spec.prompt_token_ids
+        submitted = job.submitted
+        prompt = submitted.prompt_token_ids
         if self.cache is not None and not job.block_names:
-            job.block_names = chain_hashes(prompt, self.block_size, adapter_root(self.cache.root, job.spec.adapter_key))
+            job.block_names = chain_hashes(prompt, self.block_size, adapter_root(self.cache.root, submitted.adapter_key))
         hits: list[int] = []
-        if self.cache is not None and not job.spec.computes_every_position:
+        if self.cache is not None and not submitted.computes_every_position:
             hits = self.cache.lookup(job.block_names[:(len(prompt) - 1) // self.block_size])
         num_cached = len(hits) * self.block_size
-        num_new = blocks_to_reserve(len(prompt), job.spec.max_tokens, job.spec.n, self.block_size, num_cached)
+        num_new = blocks_to_reserve(len(prompt), submitted.max_tokens, submitted.n, self.block_size, num_cached)
         if not self.budget.try_admit(num_new, hits):
             return False
         job.prefill_block_ids = hits
         job.num_named_blocks = len(hits)
         job.num_cached_tokens = job.num_computed_tokens = num_cached
         job.num_owed_blocks = num_new
-        if self.cache is not None and not job.spec.computes_every_position:
+        if self.cache is not None and not submitted.computes_every_position:
             self.num_queried_tokens += len(prompt)
             self.num_hit_tokens += num_cached
         return True
 
     # -- planning: make the positions a step writes writable ------------------------------
 
-    def prepare_prefill(self, job: Request, start: int, end: int) -> None:
+    def prepare_prefill(self, job: JobState, start: int, end: int) -> None:
         """Makes the job's table cover positions start..end-1, every block writable."""
         self._prepare(job, job.prefill_block_ids, start, end)
 
@@ -115,16 +116,16 @@ class BlockTables:
         last token and drafts), the first in a block it alone holds; later ones fall in
         blocks it allocated itself."""
         pos = row.num_computed_tokens
-        self._prepare(row.request, row.block_ids, pos, pos + num_tokens)
+        self._prepare(row.job, row.block_ids, pos, pos + num_tokens)
 
-    def _prepare(self, job: Request, block_ids: list[int], start: int, end: int) -> None:
+    def _prepare(self, job: JobState, block_ids: list[int], start: int, end: int) -> None:
         index = start // self.block_size
         if index < len(block_ids) and not self.budget.is_writable(block_ids[index]):
             self._copy_on_write(job, block_ids, index)
         while len(block_ids) * self.block_size < end:
             block_ids.append(self._allocate(job))
 
-    def _copy_on_write(self, job: Request, block_ids: list[int], index: int) -> None:
+    def _copy_on_write(self, job: JobState, block_ids: list[int], index: int) -> None:
         """Replaces a shared or cached block by a private copy. The source reference is
         dropped now: it stays held by the others or idle in the cache, and idle blocks are
         only evicted at admission, so it is intact when the copy runs first in this step."""
@@ -134,9 +135,9 @@ class BlockTables:
         block_ids[index] = dst
         self.budget.free(src)
 
-    def _allocate(self, job: Request) -> int:
+    def _allocate(self, job: JobState) -> int:
         assert job.num_owed_blocks > 0, (
-            f"job {job.spec.request_id} allocated beyond the {blocks_to_reserve.__name__}() promise")
+            f"job {job.submitted.request_id} allocated beyond the {blocks_to_reserve.__name__}() promise")
         job.num_owed_blocks -= 1
         return self.budget.allocate()
 
@@ -152,7 +153,7 @@ class BlockTables:
 
     # -- after a step: name the blocks it filled ------------------------------------------
 
-    def name_prefill_blocks(self, job: Request) -> None:
+    def name_prefill_blocks(self, job: JobState) -> None:
         """Enters the prompt blocks the prefill has completed into the cache."""
         if self.cache is None:
             return
@@ -170,7 +171,7 @@ class BlockTables:
             return
         names = row.block_names
         if len(names) < num_full:
-            parent = names[-1] if names else adapter_root(self.cache.root, row.request.spec.adapter_key)
+            parent = names[-1] if names else adapter_root(self.cache.root, row.job.submitted.adapter_key)
             names += chain_hashes(row.token_ids, self.block_size, parent, start_block=len(names),
                                   num_blocks=num_full - len(names))
         for i in range(row.num_named_blocks, num_full):
@@ -179,7 +180,7 @@ class BlockTables:
 
     # -- the prefill's blocks become the rows' -------------------------------------------
 
-    def fork(self, job: Request) -> None:
+    def fork(self, job: JobState) -> None:
         """Gives every row a table over the job's blocks (row 0 takes over the job's
         references, the others add their own); see step 3 of the module docstring."""
         blocks, job.prefill_block_ids = job.prefill_block_ids, []
@@ -196,7 +197,7 @@ class BlockTables:
     def release_row(self, row: Row) -> None:
         """Frees a finished row's blocks; gives back what it could still have allocated
         while other rows of its job run on (the job's remainder goes at its end)."""
-        job = row.request
+        job = row.job
         if row.block_ids and job.num_open_rows > 1:
             unused = self._row_need(row)
             assert unused <= job.num_owed_blocks, f"row {row.row_id} gives back more than its job was promised"
@@ -216,8 +217,8 @@ class BlockTables:
     def _row_need(self, row: Row) -> int:
         """Blocks a decoding row could still allocate: its growth up to `per_row`, plus a
         copy of the block it writes next if that one is shared or cached."""
-        spec = row.request.spec
-        per_row = max(1, math.ceil((len(spec.prompt_token_ids) + spec.max_tokens) / self.block_size))
+        submitted = row.job.submitted
+        per_row = max(1, math.ceil((len(submitted.prompt_token_ids) + submitted.max_tokens) / self.block_size))
         index = row.num_computed_tokens // self.block_size
         must_copy = index < len(row.block_ids) and not self.budget.is_writable(row.block_ids[index])
         return per_row - len(row.block_ids) + must_copy
@@ -225,7 +226,7 @@ class BlockTables:
     # -- measured from the tables ---------------------------------------------------------
 
     @staticmethod
-    def held_block_ids(jobs: Iterable[Request], rows: Iterable[Row]) -> set[int]:
+    def held_block_ids(jobs: Iterable[JobState], rows: Iterable[Row]) -> set[int]:
         """Distinct blocks in prefilling jobs' and rows' tables (cheaper than `references`)."""
         held: set[int] = set()
         for job in jobs:
@@ -235,7 +236,7 @@ class BlockTables:
         return held
 
     @staticmethod
-    def references(jobs: Iterable[Request], rows: Iterable[Row]) -> collections.Counter[int]:
+    def references(jobs: Iterable[JobState], rows: Iterable[Row]) -> collections.Counter[int]:
         """Block id -> references, counted from prefilling jobs' and rows' tables. O(blocks)."""
         counts: collections.Counter[int] = collections.Counter()
         for job in jobs:

@@ -2,7 +2,7 @@
 
 `GrammarSpec` is what the API builds from a request (JSON schema, any JSON object, regex,
 choice, Lark/GBNF grammar), validated at construction, hashable (the compile cache's key)
-and cheap to copy: it travels in `GenerationRequest.grammar`. Compiling it into token
+and cheap to copy: it travels in `Job.grammar`. Compiling it into token
 matchers is `ferrox_jax/grammar.py`'s job (llguidance), on the engine's side of the seam;
 nothing here imports llguidance, numpy or jax, so the API and the scheduler's plain data
 never pull the compiler in.

@@ -37,7 +37,7 @@ from ferrox_jax.constraint import GrammarError, GrammarSpec
 from ferrox_jax.engine_builder import KVSizing, build_parts
 from ferrox_jax.lora_registry import LoadedAdapter, LoraRegistry, check_adapter_name
 from ferrox_jax.memory_bounds import MemoryBoundError, host_total_bytes
-from ferrox_jax.request import AdmissionError, GenerationRequest
+from ferrox_jax.request import AdmissionError, Job
 from ferrox_jax.runner import ModelRunner
 from ferrox_jax.runner_protocol import Runner
 from ferrox_jax.stats import BatcherStats
@@ -150,7 +150,7 @@ class Engine:
 
     # -- serving (any thread) -----------------------------------------------------------
 
-    def submit(self, request: GenerationRequest, on_event: EventCallback) -> None:
+    def submit(self, job: Job, on_event: EventCallback) -> None:
         """Queues a job; `on_event(RowEvent)` is then called from the engine's owner thread.
 
         A constrained request's grammar should have passed `check_grammar` first (on a
@@ -161,9 +161,9 @@ class Engine:
           GrammarError: the request's output constraint cannot be compiled.
           ValueError: the request id is already open.
         """
-        if request.grammar is not None:
-            self.check_grammar(request.grammar)
-        self._batcher.submit(request, on_event)
+        if job.grammar is not None:
+            self.check_grammar(job.grammar)
+        self._batcher.submit(job, on_event)
 
     def cancel(self, request_id: str) -> bool:
         """Cancels a request; True if it was open. Idempotent."""
@@ -174,7 +174,7 @@ class Engine:
         return self._batcher.stats()
 
     def check_grammar(self, spec: GrammarSpec) -> None:
-        """Validate and compile an output constraint for `GenerationRequest.grammar` into
+        """Validate and compile an output constraint for `Job.grammar` into
         the engine's compile cache (keyed by spec; about a millisecond cold, with the GIL
         released), so that `submit` finds it there. Call it off the event loop.
 
@@ -236,7 +236,7 @@ class Engine:
 
     def resolve_adapter(self, name: str) -> str:
         """The key (name + weights digest) of the loaded adapter `name`, for a request's jobs
-        to name it by (`GenerationRequest.adapter_name` / `adapter_key`); counts the request
+        to name it by (`Job.adapter_name` / `adapter_key`); counts the request
         in the adapter's `num_requests`. Any thread.
 
         Raises:

@@ -4,8 +4,8 @@ API handlers, the engine facade and the step channel never touch the owner's obj
 scheduler, the rows, the runner and its device state); they put a message on the inbox, and
 the owner takes every waiting message between two ticks (`ContinuousBatcher._take_messages`):
 
-    AddRequest(spec, on_event)   a job that passed `submit`'s checks
-    AbortRequest(request_id)     a cancel (applied first thing in the next tick)
+    AddJob(job, on_event)        a job that passed `submit`'s checks
+    AbortJob(request_id)         a cancel (applied first thing in the next tick)
     OwnerCall(fn, future, ...)   a device-state change run on the owner thread: right away
                                  (`when_idle` False: a LoRA slot write, an adapter's unload)
                                  or once no job is waiting or running (sleep, wake); the
@@ -23,19 +23,19 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
-from ferrox_jax.request import GenerationRequest, RowEvent
+from ferrox_jax.request import Job, RowEvent
 
 EventCallback = Callable[[RowEvent], None]
 
 
 @dataclasses.dataclass(frozen=True)
-class AddRequest:
-    spec: GenerationRequest
+class AddJob:
+    job: Job
     on_event: EventCallback
 
 
 @dataclasses.dataclass(frozen=True)
-class AbortRequest:
+class AbortJob:
     request_id: str
 
 

@@ -42,8 +42,8 @@ from typing import Any, Iterable, Sequence
 
 from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig
 from ferrox_jax.offline import (CompletionOutput, RequestOutput, SamplingParams, logprob_dict,
-                                to_generation_request)
-from ferrox_jax.request import AdmissionError, GenerationRequest, RowEvent
+                                to_job)
+from ferrox_jax.request import AdmissionError, Job, RowEvent
 
 # vLLM's engine-argument names -> EngineConfig's.
 VLLM_ENGINE_ARGS = {"max_model_len": "max_context", "max_num_seqs": "max_seqs",
@@ -180,7 +180,7 @@ class LLM:
         for (_, ids), p in zip(prompts, params):
             if not ids:
                 raise ValueError("a prompt must contain at least one token")
-            jobs.append(to_generation_request(p, f"offline-{next(self._ids)}", ids, engine.max_context,
+            jobs.append(to_job(p, f"offline-{next(self._ids)}", ids, engine.max_context,
                                               self._grammar(p)))
         results = [_Result(text, job, p, engine.tokenizer) for (text, _), job, p in zip(prompts, jobs, params)]
         events: queue.Queue[tuple[int, RowEvent]] = queue.Queue()
@@ -201,7 +201,7 @@ class LLM:
             progress.close()
         return [r.output() for r in results]
 
-    def _submit(self, job: GenerationRequest, index: int, events: queue.Queue, others_open: bool) -> bool:
+    def _submit(self, job: Job, index: int, events: queue.Queue, others_open: bool) -> bool:
         """Submit one job; False when the waiting queue is full and others are open (retry
         after their next event)."""
         try:
@@ -229,9 +229,9 @@ class LLM:
         constraint = params.constraint
         if constraint is None:
             return None
-        spec = constraint.spec()
-        self._engine.check_grammar(spec)  # compiled into the engine's cache before submit
-        return spec
+        grammar = constraint.grammar_spec()
+        self._engine.check_grammar(grammar)  # compiled into the engine's cache before submit
+        return grammar
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -296,7 +296,7 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count:
 class _Result:
     """One prompt's output so far: its rows' tokens, text and logprobs."""
 
-    def __init__(self, prompt: str | None, job: GenerationRequest, params: SamplingParams, tokenizer: Any) -> None:
+    def __init__(self, prompt: str | None, job: Job, params: SamplingParams, tokenizer: Any) -> None:
         self.prompt, self.job, self.params = prompt, job, params
         self._decode = lambda t: tokenizer.decode([t], skip_special_tokens=False)
         self.token_ids: list[list[int]] = [[] for _ in range(job.n)]

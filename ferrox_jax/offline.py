@@ -11,10 +11,10 @@ logprobs): the per-row arrays of a step. vLLM's `SamplingParams` is *what to gen
 one prompt*: that, plus how many choices (`n`), how long (`max_tokens`, `min_tokens`),
 when to stop (`stop`, `stop_token_ids`, `ignore_eos`), which logprobs to return for the
 prompt (`prompt_logprobs`) and what the output must match (`structured_outputs`). In
-ferrox those request-level settings live on `GenerationRequest`, beside the per-row ones.
+ferrox those request-level settings live on `Job`, beside the per-row ones.
 So the public class is vLLM's concept under vLLM's name, with vLLM's field names, defaults
 and meanings (`max_tokens` 16, `seed` None = a fresh random seed, `top_k` 0 or -1 = off,
-`logprobs` / `prompt_logprobs` = how many top alternatives), and `to_generation_request`
+`logprobs` / `prompt_logprobs` = how many top alternatives), and `to_job`
 splits it onto the engine's two types. The fields the two share keep one name and one
 meaning (vLLM's); the engine's class is never exported from the package.
 
@@ -34,7 +34,7 @@ import random
 from typing import Any
 
 from ferrox_jax.constraint import GrammarSpec, grammar_syntax
-from ferrox_jax.request import MAX_LOGPROBS, GenerationRequest
+from ferrox_jax.request import MAX_LOGPROBS, Job
 from ferrox_jax.request import SamplingParams as RowSampling
 
 SEED_MASK = 0x7FFFFFFF  # seeds live in int32 range on the device; the server masks them the same way
@@ -63,7 +63,7 @@ class StructuredOutputsParams:
             raise ValueError(f"StructuredOutputsParams needs exactly one of json, regex, choice, grammar, "
                              f"json_object; got {given or 'none'}")
 
-    def spec(self) -> GrammarSpec:
+    def grammar_spec(self) -> GrammarSpec:
         """The engine's `GrammarSpec` for this constraint (raises `GrammarError` naming the problem)."""
         if self.json is not None:
             schema = json.loads(self.json) if isinstance(self.json, str) else self.json
@@ -168,8 +168,8 @@ class SamplingParams:
             logit_bias=tuple(sorted((int(t), float(b)) for t, b in (self.logit_bias or {}).items())))
 
 
-def to_generation_request(params: SamplingParams, request_id: str, prompt_ids: list[int], max_context: int,
-                          grammar: Any = None) -> GenerationRequest:
+def to_job(params: SamplingParams, request_id: str, prompt_ids: list[int], max_context: int,
+                          grammar: Any = None) -> Job:
     """One engine job for a prompt (its `n` choices are its rows).
 
     Raises:
@@ -180,7 +180,7 @@ def to_generation_request(params: SamplingParams, request_id: str, prompt_ids: l
                          f"{max_context} (no room left to generate)")
     room = max_context - len(prompt_ids)
     max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-    return GenerationRequest(
+    return Job(
         request_id=request_id, prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens,
         sampling=params.row_sampling(params.resolved_seed()), n=params.n, stop=tuple(params.stop_list),
         stop_token_ids=tuple(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,

@@ -1,14 +1,17 @@
-"""The engine's request types, and the one state machine of its rows. No jax here.
+"""The engine's job types, and the one state machine of its rows. No jax here.
 
 What the API hands the engine and gets back (the engine facade's side of the seam):
-`SamplingParams` and `GenerationRequest` in, `RowEvent`s out (one or more per row per
-tick, each carrying `RowResult` logprobs when asked), `AdmissionError` when a submit is
-refused. The API imports these and `ferrox_jax/engine.py`'s facade, nothing deeper.
+`SamplingParams` and `Job` in, `RowEvent`s out (one or more per row per tick, each
+carrying `RowResult` logprobs when asked), `AdmissionError` when a submit is refused. The
+API imports these and `ferrox_jax/engine.py`'s facade, nothing deeper. "Request" is the
+HTTP request's word; a job keeps its request's id (`request_id`) so events find their way
+back to it.
 
-Inside the engine the scheduler turns a `GenerationRequest` into a `Request` (the job:
-prompt, prefill progress, block reservation) holding n `Row`s (one sequence being
-generated each; `n > 1` gives n rows). Every row carries a `RequestState`; the rows of a
-job move together until they decode, then end one by one:
+Inside the engine the scheduler turns a `Job` (what was submitted: immutable) into a
+`JobState` (the engine's state of it: `submitted`, prefill progress, block reservation)
+holding n `Row`s (one sequence being generated each; `n > 1` gives n rows). Every row
+carries a `RowState`; the rows of a job move together until they decode, then end one by
+one:
 
     WAITING ──admit──> PREFILLING ──last chunk──> DECODING ──> FINISHED_STOP | _LENGTH
        │                   │                         │
@@ -39,7 +42,7 @@ MatcherFactory = Callable[[GrammarSpec], Any]
 # ---------------------------------------------------------------- the public types
 
 MAX_LOGPROBS = 20  # top-k logprobs returned per sampled token, at most (OpenAI's limit)
-POOLINGS = ("mean", "last")  # GenerationRequest.pooling
+POOLINGS = ("mean", "last")  # Job.pooling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +114,9 @@ class RowResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerationRequest:
-    """One API job, already tokenized and validated against the model by the API layer."""
+class Job:
+    """What the API submits: one prompt and what to generate from it, already tokenized and
+    validated against the model by the API layer. Immutable; the engine tracks it in a `JobState`."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -153,19 +157,19 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
-            raise ValueError(f"GenerationRequest {self.request_id!r}: prompt_token_ids is empty")
+            raise ValueError(f"Job {self.request_id!r}: prompt_token_ids is empty")
         if self.pooling is not None:
             if self.pooling not in POOLINGS or self.max_tokens != 0 or self.n != 1:
-                raise ValueError(f"GenerationRequest.pooling must be one of {POOLINGS}, with max_tokens 0 and "
+                raise ValueError(f"Job.pooling must be one of {POOLINGS}, with max_tokens 0 and "
                                  f"n 1; got {self.pooling!r}, {self.max_tokens}, {self.n}")
         elif self.max_tokens < 1:
-            raise ValueError(f"GenerationRequest.max_tokens must be >= 1; got {self.max_tokens}")
+            raise ValueError(f"Job.max_tokens must be >= 1; got {self.max_tokens}")
         if self.n < 1:
-            raise ValueError(f"GenerationRequest.n must be >= 1; got {self.n}")
+            raise ValueError(f"Job.n must be >= 1; got {self.n}")
         if self.min_tokens < 0:
-            raise ValueError(f"GenerationRequest.min_tokens must be >= 0; got {self.min_tokens}")
+            raise ValueError(f"Job.min_tokens must be >= 0; got {self.min_tokens}")
         if any(not s for s in self.stop):
-            raise ValueError("GenerationRequest.stop must not contain an empty string")
+            raise ValueError("Job.stop must not contain an empty string")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +231,7 @@ _SEED_MIX = 0x9E3779B1
 _SEED_MASK = 0x7FFFFFFF  # keep derived seeds in int32 range for the device arrays
 
 
-class RequestState(enum.Enum):
+class RowState(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
     DECODING = "decoding"
@@ -246,27 +250,27 @@ class RequestState(enum.Enum):
         return self.value if self.is_finished else None
 
 
-_FINISHED = frozenset({RequestState.FINISHED_STOP, RequestState.FINISHED_LENGTH,
-                       RequestState.FINISHED_CANCELLED, RequestState.FINISHED_ERROR})
-_ENDED_EARLY = frozenset({RequestState.FINISHED_CANCELLED, RequestState.FINISHED_ERROR})
+_FINISHED = frozenset({RowState.FINISHED_STOP, RowState.FINISHED_LENGTH,
+                       RowState.FINISHED_CANCELLED, RowState.FINISHED_ERROR})
+_ENDED_EARLY = frozenset({RowState.FINISHED_CANCELLED, RowState.FINISHED_ERROR})
 
-_ALLOWED_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
-    RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.DECODING} | _ENDED_EARLY),
-    RequestState.PREFILLING: frozenset({RequestState.DECODING, RequestState.FINISHED_STOP} | _ENDED_EARLY),
-    RequestState.DECODING: _FINISHED,
-    RequestState.FINISHED_STOP: frozenset(),
-    RequestState.FINISHED_LENGTH: frozenset(),
-    RequestState.FINISHED_CANCELLED: frozenset(),
-    RequestState.FINISHED_ERROR: frozenset(),
+_ALLOWED_TRANSITIONS: dict[RowState, frozenset[RowState]] = {
+    RowState.WAITING: frozenset({RowState.PREFILLING, RowState.DECODING} | _ENDED_EARLY),
+    RowState.PREFILLING: frozenset({RowState.DECODING, RowState.FINISHED_STOP} | _ENDED_EARLY),
+    RowState.DECODING: _FINISHED,
+    RowState.FINISHED_STOP: frozenset(),
+    RowState.FINISHED_LENGTH: frozenset(),
+    RowState.FINISHED_CANCELLED: frozenset(),
+    RowState.FINISHED_ERROR: frozenset(),
 }
 
 
-def _transition(row: Row, new_state: RequestState,
-                counts: collections.Counter[RequestState]) -> None:
+def _transition(row: Row, new_state: RowState,
+                counts: collections.Counter[RowState]) -> None:
     """Moves a row to `new_state` if the table allows it, and counts the entry."""
     allowed = _ALLOWED_TRANSITIONS[row.state]
     assert new_state in allowed, (
-        f"row {row.row_id} of {row.request.spec.request_id}: "
+        f"row {row.row_id} of {row.job.submitted.request_id}: "
         f"{row.state.name} -> {new_state.name} is not an allowed transition")
     row.state = new_state
     counts[new_state] += 1
@@ -284,30 +288,30 @@ def derive_row_seed(seed: int, index: int) -> int:
 class Row:
     """One sequence being generated. Mutable; touched only by the owner thread."""
 
-    def __init__(self, row_id: int, request: Request, index: int, tokenizer: Any,
+    def __init__(self, row_id: int, job: JobState, index: int, tokenizer: Any,
                  new_matcher: MatcherFactory | None = None) -> None:
-        spec = request.spec
+        submitted = job.submitted
         self.row_id = row_id  # never reused
-        self.request = request
+        self.job = job
         self.index = index
-        self.state = RequestState.WAITING
+        self.state = RowState.WAITING
         self.sampling = dataclasses.replace(
-            spec.sampling, seed=derive_row_seed(spec.sampling.seed, index))
-        self.token_ids: list[int] = list(spec.prompt_token_ids)  # prompt + output so far
+            submitted.sampling, seed=derive_row_seed(submitted.sampling.seed, index))
+        self.token_ids: list[int] = list(submitted.prompt_token_ids)  # prompt + output so far
         self.num_computed_tokens = 0  # positions whose K/V is in the cache
         self.num_generated_tokens = 0  # sampled tokens, a final stop token included
         self.block_ids: list[int] = []  # block table, in position order
         self.block_names: list[bytes] = []  # prefix-cache names of its full blocks, as far as known
         self.num_named_blocks = 0  # leading blocks already entered in the prefix cache
-        decoder = tokenizer if spec.skip_special_tokens else SpecialTokensKept(tokenizer)
-        self.text = TextStream(decoder, spec.prompt_token_ids, spec.stop)
+        decoder = tokenizer if submitted.skip_special_tokens else SpecialTokensKept(tokenizer)
+        self.text = TextStream(decoder, submitted.prompt_token_ids, submitted.stop)
         # Grammar state, advanced only by the scheduler's _accept_token; the runner reads it.
         self.matcher = None
-        if spec.grammar is not None:
+        if submitted.grammar is not None:
             if new_matcher is None:
-                raise ValueError(f"request {spec.request_id!r} has an output constraint but the engine "
+                raise ValueError(f"request {submitted.request_id!r} has an output constraint but the engine "
                                  "has no grammar compiler")
-            self.matcher = new_matcher(spec.grammar)
+            self.matcher = new_matcher(submitted.grammar)
         self.error: str | None = None
         self.error_code: str | None = None  # RowEvent.error_code
         self.has_sent_event = False
@@ -319,46 +323,46 @@ class Row:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.request.spec.prompt_token_ids)
+        return len(self.token_ids) - len(self.job.submitted.prompt_token_ids)
 
     def take_event(self) -> RowEvent:
         """The row's output gathered this tick as one event (the job's prompt logprobs and
         queue time on its first; the finish on its last), and a fresh start for the next."""
-        spec = self.request.spec
+        submitted = self.job.submitted
         is_first = not self.has_sent_event
         event = RowEvent(
-            request_id=spec.request_id, index=self.index, token_ids=tuple(self.new_token_ids), text=self.new_text,
-            logprobs=tuple(self.new_logprobs) if spec.sampling.logprobs is not None else None,
+            request_id=submitted.request_id, index=self.index, token_ids=tuple(self.new_token_ids), text=self.new_text,
+            logprobs=tuple(self.new_logprobs) if submitted.sampling.logprobs is not None else None,
             finish_reason=self.state.finish_reason, error=self.error, error_code=self.error_code,
-            prompt_logprobs=tuple(self.request.prompt_logprobs) if spec.prompt_logprobs and is_first else None,
-            num_prompt_tokens=len(spec.prompt_token_ids), num_generated_tokens=self.num_generated_tokens,
-            queue_s=self.request.queue_s if is_first else None,
-            stop_string=self.text.matched_stop if self.state is RequestState.FINISHED_STOP else None,
-            embedding=self.request.pooled, num_cached_tokens=self.request.num_cached_tokens,
+            prompt_logprobs=tuple(self.job.prompt_logprobs) if submitted.prompt_logprobs and is_first else None,
+            num_prompt_tokens=len(submitted.prompt_token_ids), num_generated_tokens=self.num_generated_tokens,
+            queue_s=self.job.queue_s if is_first else None,
+            stop_string=self.text.matched_stop if self.state is RowState.FINISHED_STOP else None,
+            embedding=self.job.pooled, num_cached_tokens=self.job.num_cached_tokens,
             stop_token=self.stop_token)
         self.has_sent_event = True
         self.new_token_ids, self.new_text, self.new_logprobs = [], "", []
         return event
 
 
-class Request:
-    """One job: its rows, its shared prefill and its block reservation."""
+class JobState:
+    """The engine's state of one `Job`: its rows, its shared prefill and its block reservation."""
 
-    def __init__(self, spec: GenerationRequest, first_row_id: int, tokenizer: Any,
+    def __init__(self, submitted: Job, first_row_id: int, tokenizer: Any,
                  new_matcher: MatcherFactory | None = None) -> None:
-        self.spec = spec
-        self.rows = [Row(first_row_id + i, self, i, tokenizer, new_matcher) for i in range(spec.n)]
+        self.submitted = submitted  # what the API asked for, unchanged
+        self.rows = [Row(first_row_id + i, self, i, tokenizer, new_matcher) for i in range(submitted.n)]
         # n == 1: the prefill is the row's own and samples its first token. n > 1: every
         # prompt token but the last is prefilled once for all rows; each row then computes
         # the last prompt token itself and samples with its own seed.
-        self.num_prefill_tokens = len(spec.prompt_token_ids) - (0 if spec.n == 1 else 1)
+        self.num_prefill_tokens = len(submitted.prompt_token_ids) - (0 if submitted.n == 1 else 1)
         self.num_computed_tokens = 0  # prefill progress (starts after a prefix-cache hit)
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at admission
         self.prefill_block_ids: list[int] = []  # the prefill's block table: cache hits, then its own
         self.block_names: list[bytes] = []  # prefix-cache names of the prompt's full blocks
         self.num_named_blocks = 0  # leading prefill blocks in the prefix cache (hits included)
         self.num_owed_blocks = 0  # blocks admission promised this job that it has not allocated
-        self.num_open_rows = spec.n
+        self.num_open_rows = submitted.n
         self.prompt_logprobs: list[Any] = []
         self.queued_at_s = 0.0  # scheduler clock when the job joined the waiting queue
         self.queue_s: float | None = None  # waiting time, set at admission

@@ -40,8 +40,8 @@ from ferrox_jax.block_tables import BlockTables, blocks_to_reserve  # noqa: F401
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.plan import RowPlan, StepOutput, StepPlan
 from ferrox_jax.speculative import Speculator
-from ferrox_jax.request import (GenerationRequest, MatcherFactory, Request, RequestState, Row, RowEvent, RowResult,
-                                SamplingParams, _transition)
+from ferrox_jax.request import (Job, JobState, MatcherFactory, Row, RowEvent, RowResult, RowState, SamplingParams,
+                                _transition)
 
 # A cancel for a request id not seen yet is kept this long (the job's submit may still be on
 # its way), and at most this many are kept (ids that never arrive must not pile up).
@@ -67,10 +67,10 @@ class Scheduler:
         self._eos_token_ids = frozenset(getattr(tokenizer, "stop_token_ids", ()) or ())
         self._clock = clock
         self._next_row_id = 1
-        self._jobs: dict[str, Request] = {}  # open jobs by request id
+        self._jobs: dict[str, JobState] = {}  # open jobs by request id
         self._rows: dict[int, Row] = {}  # open rows by row id
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._prefilling: collections.deque[Request] = collections.deque()  # front is next
+        self._waiting: collections.deque[JobState] = collections.deque()
+        self._prefilling: collections.deque[JobState] = collections.deque()  # front is next
         self._decoding: dict[int, Row] = {}  # insertion order is decode priority
         self._cancel_inbox: list[str] = []
         self._pending_cancels: collections.OrderedDict[str, float] = collections.OrderedDict()
@@ -90,21 +90,21 @@ class Scheduler:
         self.num_grammar_errors = 0  # rows whose grammar rejected a sampled token (should stay 0)
         self.tokens_generated = 0
         self.kv_blocks_peak = 0
-        self.state_counts: collections.Counter[RequestState] = collections.Counter()
+        self.state_counts: collections.Counter[RowState] = collections.Counter()
 
     # -- inputs from the owner loop ----------------------------------------------------
 
-    def add_request(self, spec: GenerationRequest) -> None:
+    def add_job(self, submitted: Job) -> None:
         """Queues a job (FIFO); one whose cancel arrived first ends at once, cancelled."""
-        assert spec.request_id not in self._jobs, f"duplicate request id {spec.request_id!r}"
-        job = Request(spec, self._next_row_id, self._tokenizer, self._new_matcher)
-        self._next_row_id += spec.n
-        self.num_constrained_requests += spec.grammar is not None
-        self._jobs[spec.request_id] = job
+        assert submitted.request_id not in self._jobs, f"duplicate request id {submitted.request_id!r}"
+        job = JobState(submitted, self._next_row_id, self._tokenizer, self._new_matcher)
+        self._next_row_id += submitted.n
+        self.num_constrained_requests += submitted.grammar is not None
+        self._jobs[submitted.request_id] = job
         self._rows.update((row.row_id, row) for row in job.rows)
         self._expire_pending_cancels()
-        if self._pending_cancels.pop(spec.request_id, None) is not None:
-            self._stop_job(job, RequestState.FINISHED_CANCELLED)
+        if self._pending_cancels.pop(submitted.request_id, None) is not None:
+            self._stop_job(job, RowState.FINISHED_CANCELLED)
             self.aborted += 1
             self._flush_finished()
         else:
@@ -128,7 +128,7 @@ class Scheduler:
     @property
     def num_running_rows(self) -> int:
         """Rows holding a slot: decoding rows plus the rows of prefilling jobs."""
-        return len(self._decoding) + sum(job.spec.n for job in self._prefilling)
+        return len(self._decoding) + sum(job.submitted.n for job in self._prefilling)
 
     @property
     def has_work(self) -> bool:
@@ -137,14 +137,14 @@ class Scheduler:
     @property
     def lora_adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(adapters of jobs holding rows, adapters of waiting jobs), each sorted, unique."""
-        running = {job.spec.adapter_name for job in self._prefilling}
-        running |= {row.request.spec.adapter_name for row in self._decoding.values()}
-        waiting = {job.spec.adapter_name for job in self._waiting}
+        running = {job.submitted.adapter_name for job in self._prefilling}
+        running |= {row.job.submitted.adapter_name for row in self._decoding.values()}
+        waiting = {job.submitted.adapter_name for job in self._waiting}
         return tuple(sorted(running - {None})), tuple(sorted(waiting - {None}))
 
     @property
     def waiting_request_ids(self) -> tuple[str, ...]:
-        return tuple(job.spec.request_id for job in self._waiting)
+        return tuple(job.submitted.request_id for job in self._waiting)
 
     def block_references(self) -> collections.Counter[int]:
         """Block id -> references, counted from the tables of prefilling jobs and rows."""
@@ -191,7 +191,7 @@ class Scheduler:
                 while len(self._pending_cancels) > MAX_PENDING_CANCELS:
                     self._pending_cancels.popitem(last=False)
             elif any(not row.state.is_finished for row in job.rows):
-                self._stop_job(job, RequestState.FINISHED_CANCELLED)
+                self._stop_job(job, RowState.FINISHED_CANCELLED)
                 self.aborted += 1
         self._cancel_inbox.clear()
 
@@ -205,36 +205,36 @@ class Scheduler:
         and holds the line (no skip-ahead, so no starvation)."""
         while self._waiting:
             job = self._waiting[0]
-            if self.num_running_rows + job.spec.n > self.limits.max_rows:
+            if self.num_running_rows + job.submitted.n > self.limits.max_rows:
                 return
-            refusal = self.adapter_refusal(job.spec)
+            refusal = self.adapter_refusal(job.submitted)
             if refusal is not None:  # never: it ends, and the next job is the head
                 code, message = refusal
-                self._stop_job(job, RequestState.FINISHED_ERROR, message, code)
+                self._stop_job(job, RowState.FINISHED_ERROR, message, code)
                 continue
             if not self.blocks.try_admit(job):
                 return
             self._waiting.popleft()
-            if job.spec.adapter_name is not None:  # held until its last row ends (_flush_finished)
-                job.adapter_slot = self._adapters.acquire(job.spec.adapter_name).slot
+            if job.submitted.adapter_name is not None:  # held until its last row ends (_flush_finished)
+                job.adapter_slot = self._adapters.acquire(job.submitted.adapter_name).slot
             self.num_admitted += 1
             job.queue_s = self._clock() - job.queued_at_s
             if job.is_prefilled:  # n > 1 and nothing before the last prompt token to compute
                 self._start_decoding(job)
             else:
                 for row in job.rows:
-                    _transition(row, RequestState.PREFILLING, self.state_counts)
+                    _transition(row, RowState.PREFILLING, self.state_counts)
                 self._prefilling.append(job)
 
-    def adapter_refusal(self, spec: GenerationRequest) -> tuple[str, str] | None:
+    def adapter_refusal(self, submitted: Job) -> tuple[str, str] | None:
         """(code, message) when the job's named adapter refuses it now (`ferrox_jax/admission.py`);
         None for the base model. Any thread (submit asks too): it only reads the registry."""
-        name = spec.adapter_name
+        name = submitted.adapter_name
         if name is None:
             return None
         if self._adapters is None:
             return "adapter_not_found", f"no LoRA adapter named {name!r} is loaded (this engine has no LoRA slots)"
-        return self._adapters.refusal(name, spec.adapter_key)
+        return self._adapters.refusal(name, submitted.adapter_key)
 
     def _plan_chunks(self, is_idle: bool) -> tuple[RowPlan, ...]:
         """Prompt chunks within the step's token budget, round robin: the front jobs get one
@@ -255,21 +255,21 @@ class Scheduler:
                 self._prefilling.append(job)
         return tuple(chunks)
 
-    def _plan_chunk(self, job: Request, start: int, end: int) -> RowPlan:
-        prompt = job.spec.prompt_token_ids
+    def _plan_chunk(self, job: JobState, start: int, end: int) -> RowPlan:
+        prompt = job.submitted.prompt_token_ids
         self.blocks.prepare_prefill(job, start, end)
         is_last = end == job.num_prefill_tokens
         row = job.rows[0]
         # n > 1: each row samples on its own; a pooling job samples nothing
-        sample = is_last and job.spec.n == 1 and job.spec.pooling is None
+        sample = is_last and job.submitted.n == 1 and job.submitted.pooling is None
         return RowPlan(
             row_id=row.row_id, token_ids=prompt[start:end], start_pos=start,
             block_ids=tuple(job.prefill_block_ids), sample=sample,
-            sampling=self._step_sampling(row), prompt_logprobs=job.spec.prompt_logprobs,
+            sampling=self._step_sampling(row), prompt_logprobs=job.submitted.prompt_logprobs,
             next_token_id=prompt[end] if end < len(prompt) else -1,
             num_prompt_tokens=len(prompt),
             history_token_ids=self._history(row) if sample else (),
-            is_constrained=sample and row.matcher is not None, pooling=job.spec.pooling is not None,
+            is_constrained=sample and row.matcher is not None, pooling=job.submitted.pooling is not None,
             adapter_slot=job.adapter_slot)
 
     def _plan_decode_rows(self) -> tuple[RowPlan, ...]:
@@ -282,9 +282,9 @@ class Scheduler:
             steps.append(RowPlan(
                 row_id=row.row_id, token_ids=(row.token_ids[pos],), start_pos=pos,
                 block_ids=tuple(row.block_ids), sample=True, sampling=self._step_sampling(row),
-                num_prompt_tokens=len(row.request.spec.prompt_token_ids),
+                num_prompt_tokens=len(row.job.submitted.prompt_token_ids),
                 history_token_ids=self._history(row), is_constrained=row.matcher is not None,
-                adapter_slot=row.request.adapter_slot))
+                adapter_slot=row.job.adapter_slot))
         return tuple(steps)
 
     def _update_peak(self) -> None:
@@ -305,11 +305,11 @@ class Scheduler:
         they are banned for as long as it samples, so it goes on while the grammar can.
         Banning them never leaves such a row without an allowed token: a row whose grammar
         allows only a stop token has already finished (`_accept_token`)."""
-        spec = row.request.spec
+        submitted = row.job.submitted
         banned: set[int] = set()
-        if row.num_output_tokens < spec.min_tokens:
-            banned = set(spec.stop_token_ids) | (set() if spec.ignore_eos else self._eos_token_ids)
-        if row.matcher is not None and spec.ignore_eos:
+        if row.num_output_tokens < submitted.min_tokens:
+            banned = set(submitted.stop_token_ids) | (set() if submitted.ignore_eos else self._eos_token_ids)
+        if row.matcher is not None and submitted.ignore_eos:
             banned |= self._eos_token_ids
         if not banned:
             return row.sampling
@@ -360,10 +360,10 @@ class Scheduler:
         """Ends every job with a row in the failed step with an error; frees their blocks."""
         assert {s.row_id for s in plan.rows} <= set(self._planned_row_ids), (
             "fail_step() got a plan other than the last one scheduled")
-        jobs = {self._rows[row_id].request.spec.request_id: self._rows[row_id].request
+        jobs = {self._rows[row_id].job.submitted.request_id: self._rows[row_id].job
                 for row_id in self._planned_row_ids if row_id in self._rows}
         for job in jobs.values():
-            self._stop_job(job, RequestState.FINISHED_ERROR, error)
+            self._stop_job(job, RowState.FINISHED_ERROR, error)
             self.num_failed_jobs += 1
         self._planned_row_ids = ()
         self._flush_finished()
@@ -374,23 +374,23 @@ class Scheduler:
         frees their blocks; returns the plan without any row of those jobs, for `update` to
         apply to the step's other rows. Their blocks written this step are never named in
         the prefix cache."""
-        jobs = {self._rows[row_id].request.spec.request_id: self._rows[row_id].request
+        jobs = {self._rows[row_id].job.submitted.request_id: self._rows[row_id].job
                 for row_id in row_ids if row_id in self._rows}
         failed = {row.row_id for job in jobs.values() for row in job.rows}
         for job in jobs.values():
-            self._stop_job(job, RequestState.FINISHED_ERROR, error, code)
+            self._stop_job(job, RowState.FINISHED_ERROR, error, code)
             self.num_failed_jobs += 1
         self._planned_row_ids = tuple(row_id for row_id in self._planned_row_ids if row_id not in failed)
         return dataclasses.replace(plan, decode=tuple(r for r in plan.decode if r.row_id not in failed),
                                    chunks=tuple(r for r in plan.chunks if r.row_id not in failed))
 
     def _apply_chunk(self, step: RowPlan, result: RowResult | None) -> None:
-        job = self._rows[step.row_id].request
+        job = self._rows[step.row_id].job
         job.num_computed_tokens += len(step.token_ids)
         self.blocks.name_prefill_blocks(job)
-        if job.spec.prompt_logprobs and result is not None:
+        if job.submitted.prompt_logprobs and result is not None:
             job.prompt_logprobs.extend(result.prompt_logprobs)
-        if job.spec.pooling is not None:
+        if job.submitted.pooling is not None:
             self._pool_chunk(job, result)
             return
         if not job.is_prefilled:
@@ -400,7 +400,7 @@ class Scheduler:
         if step.sample:
             self._accept_token(job.rows[0], result)
 
-    def _pool_chunk(self, job: Request, result: RowResult) -> None:
+    def _pool_chunk(self, job: JobState, result: RowResult) -> None:
         """A pooling job (embeddings): add the chunk's hidden states; after its last chunk it
         ends with the pooled vector (mean over the prompt, or its last token's state), having
         sampled nothing; its prompt blocks are freed like any finished job's."""
@@ -408,15 +408,15 @@ class Scheduler:
         if not job.is_prefilled:
             return
         self._prefilling.remove(job)
-        job.pooled = job.hidden_sum / job.num_prefill_tokens if job.spec.pooling == "mean" else result.last_hidden
-        self._finish_row(job.rows[0], RequestState.FINISHED_STOP)
+        job.pooled = job.hidden_sum / job.num_prefill_tokens if job.submitted.pooling == "mean" else result.last_hidden
+        self._finish_row(job.rows[0], RowState.FINISHED_STOP)
 
-    def _start_decoding(self, job: Request) -> None:
+    def _start_decoding(self, job: JobState) -> None:
         """Hands the prefill's blocks to the rows (`BlockTables.fork`) and starts them."""
         self.blocks.fork(job)
         for row in job.rows:
             row.num_computed_tokens = job.num_prefill_tokens
-            _transition(row, RequestState.DECODING, self.state_counts)
+            _transition(row, RowState.DECODING, self.state_counts)
             self._decoding[row.row_id] = row
 
     def _accept_token(self, row: Row, result: RowResult) -> None:
@@ -426,33 +426,33 @@ class Scheduler:
         mask was not applied (an engine bug): the row ends with an error. A stop token the
         grammar accepted is its end; and once the grammar allows nothing but a stop token
         the row ends at once, "stop", without spending a step on sampling it."""
-        spec = row.request.spec
+        submitted = row.job.submitted
         token_id = result.token_id
         row.num_generated_tokens += 1
         self.tokens_generated += 1
         matcher = row.matcher
         if matcher is not None and not matcher.accept(token_id):
             self.num_grammar_errors += 1
-            self._finish_row(row, RequestState.FINISHED_ERROR,
+            self._finish_row(row, RowState.FINISHED_ERROR,
                              f"the output grammar rejected sampled token {token_id} ({matcher.error}); "
                              "its token mask was not applied")
             return
         is_eos = token_id in self._eos_token_ids
         is_grammar_end = matcher is not None and is_eos
-        is_stop_token = token_id in spec.stop_token_ids or (not spec.ignore_eos and is_eos)
-        if is_grammar_end or (is_stop_token and row.num_output_tokens >= spec.min_tokens):
+        is_stop_token = token_id in submitted.stop_token_ids or (not submitted.ignore_eos and is_eos)
+        if is_grammar_end or (is_stop_token and row.num_output_tokens >= submitted.min_tokens):
             row.stop_token = result
-            self._finish_row(row, RequestState.FINISHED_STOP)
+            self._finish_row(row, RowState.FINISHED_STOP)
             return
         row.token_ids.append(token_id)
         row.new_token_ids.append(token_id)
-        if spec.sampling.logprobs is not None:
+        if submitted.sampling.logprobs is not None:
             row.new_logprobs.append(result)
         row.new_text += row.text.add_token(token_id)
         if row.text.is_stopped or (matcher is not None and matcher.is_finished):
-            self._finish_row(row, RequestState.FINISHED_STOP)
-        elif row.num_generated_tokens >= spec.max_tokens:
-            self._finish_row(row, RequestState.FINISHED_LENGTH)
+            self._finish_row(row, RowState.FINISHED_STOP)
+        elif row.num_generated_tokens >= submitted.max_tokens:
+            self._finish_row(row, RowState.FINISHED_LENGTH)
 
     # -- ending rows -------------------------------------------------------------------
 
@@ -461,10 +461,10 @@ class Scheduler:
         error; rows of the last scheduled step must have gone through `fail_rows` first."""
         for job in [job for job in self._jobs.values() if job.adapter_slot == slot]:
             if any(not row.state.is_finished for row in job.rows):
-                self._stop_job(job, RequestState.FINISHED_ERROR, error, code)
+                self._stop_job(job, RowState.FINISHED_ERROR, error, code)
                 self.num_failed_jobs += 1
 
-    def _stop_job(self, job: Request, state: RequestState, error: str | None = None, code: str | None = None) -> None:
+    def _stop_job(self, job: JobState, state: RowState, error: str | None = None, code: str | None = None) -> None:
         if job in self._waiting:
             self._waiting.remove(job)
         if job in self._prefilling:
@@ -473,7 +473,7 @@ class Scheduler:
             if not row.state.is_finished:
                 self._finish_row(row, state, error, code)
 
-    def _finish_row(self, row: Row, state: RequestState, error: str | None = None, code: str | None = None) -> None:
+    def _finish_row(self, row: Row, state: RowState, error: str | None = None, code: str | None = None) -> None:
         _transition(row, state, self.state_counts)
         row.error, row.error_code = error, code
         row.new_text += row.text.finish()
@@ -487,8 +487,8 @@ class Scheduler:
             self._decoding.pop(row.row_id, None)
             del self._rows[row.row_id]
             self.blocks.release_row(row)
-            if row.request.num_open_rows == 0:
-                del self._jobs[row.request.spec.request_id]
-                if row.request.adapter_slot:  # the job's last row: its adapter's slot is free of it
-                    self._adapters.release(row.request.adapter_slot)
+            if row.job.num_open_rows == 0:
+                del self._jobs[row.job.submitted.request_id]
+                if row.job.adapter_slot:  # the job's last row: its adapter's slot is free of it
+                    self._adapters.release(row.job.adapter_slot)
             self._events.append(row.take_event())

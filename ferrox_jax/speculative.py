@@ -167,13 +167,13 @@ class Speculator:
     def max_drafts(self, row: Row) -> int:
         """Drafts the row may verify this step: 0 for a row that never speculates, else k
         capped so that it samples no more than its remaining max_tokens."""
-        spec = row.request.spec
+        submitted = row.job.submitted
         p = row.sampling
         if (row.matcher is not None or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                or row.num_output_tokens < spec.min_tokens):
+                or row.num_output_tokens < submitted.min_tokens):
             return 0
         length = self._length.get(row.row_id, self.config.num_speculative_tokens)
-        return max(0, min(length, spec.max_tokens - row.num_generated_tokens - 1))
+        return max(0, min(length, submitted.max_tokens - row.num_generated_tokens - 1))
 
     def plan_drafts(self, decode: tuple[RowPlan, ...], rows: dict[int, Row], blocks: BlockTables,
                     max_tokens: int) -> tuple[tuple[RowPlan, ...], tuple[DraftRequest, ...], int]:

@@ -21,7 +21,7 @@ from ferrox_jax.draft import DraftModel  # noqa: E402
 from ferrox_jax.host_batch import HostBatch  # noqa: E402
 from ferrox_jax.speculative import NgramProposer  # noqa: E402
 from ferrox_jax.step_output import step_output  # noqa: E402
-from ferrox_jax.request import GenerationRequest, SamplingParams  # noqa: E402
+from ferrox_jax.request import Job, SamplingParams  # noqa: E402
 from ferrox_jax.scheduler import Scheduler  # noqa: E402
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, ngram_min=1, ngram_max=3, max_rows=4)
@@ -48,7 +48,7 @@ def limits_for(runner, speculative: SpeculativeConfig | None, max_rows: int = MA
 
 def drive(runner, tokenizer, jobs, speculative: SpeculativeConfig | None, max_rows: int = MAX_ROWS,
           on_step=None, draft: DraftModel | None = None) -> Run:
-    """Submits `jobs` (GenerationRequests) and steps until all have finished, each step as
+    """Submits `jobs` (Jobs) and steps until all have finished, each step as
     the owner loop's tick runs it (`ContinuousBatcher._step`, no grammar masks): drafts
     proposed (`draft`, the draft model for `method="draft"`; else prompt lookup), the host
     batch, the forward, the draft's mirror, the sample, the results.
@@ -57,7 +57,7 @@ def drive(runner, tokenizer, jobs, speculative: SpeculativeConfig | None, max_ro
     proposer = draft if speculative is not None and speculative.method == "draft" else (
         NgramProposer(speculative) if speculative is not None else None)
     for job in jobs:
-        scheduler.add_request(job)
+        scheduler.add_job(job)
     run = Run({j.request_id: [[] for _ in range(j.n)] for j in jobs},
               {j.request_id: [""] * j.n for j in jobs}, {j.request_id: [[] for _ in range(j.n)] for j in jobs},
               0, scheduler)
@@ -89,10 +89,10 @@ def copy_prompt(tokenizer) -> tuple[int, ...]:
     return tuple(tokenizer.encode(line * 3))
 
 
-def greedy_jobs(tokenizer, max_tokens: int = 24) -> list[GenerationRequest]:
+def greedy_jobs(tokenizer, max_tokens: int = 24) -> list[Job]:
     prompt = copy_prompt(tokenizer)
-    return [GenerationRequest(request_id=f"r{i}", prompt_token_ids=prompt[i:], max_tokens=max_tokens - i,
-                              sampling=GREEDY) for i in range(3)]
+    return [Job(request_id=f"r{i}", prompt_token_ids=prompt[i:], max_tokens=max_tokens - i,
+                sampling=GREEDY) for i in range(3)]
 
 
 def _tp_main(path: str) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from ferrox_jax.batcher import ContinuousBatcher
 from ferrox_jax.config import SchedulerLimits
-from ferrox_jax.request import AdmissionError, GenerationRequest, SamplingParams
+from ferrox_jax.request import AdmissionError, Job, SamplingParams
 from ferrox_jax.scheduler import Scheduler
 from tests.scripted import (ByteTokenizer, ScriptedRunner, collect, letters_token_fn, run_until_idle,
                             script_token_fn)
@@ -53,7 +53,7 @@ class Sink:
 
 def req(request_id, prompt_len=5, max_tokens=6, **kw):
     prompt = tuple(100 + (i * 3 + len(request_id)) % 20 for i in range(prompt_len))
-    return GenerationRequest(request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens, **kw)
+    return Job(request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens, **kw)
 
 
 def limits_for(runner, **overrides):
@@ -101,7 +101,7 @@ def test_concurrent_jobs_stream_the_same_tokens_as_the_scheduler_alone(cleanup):
     sink.wait(*(spec.request_id for spec in specs))
     for spec in specs:
         scheduler = Scheduler(batcher.limits, ByteTokenizer())
-        scheduler.add_request(spec)
+        scheduler.add_job(spec)
         alone = run_until_idle(scheduler, ScriptedRunner(token_fn=letters_token_fn()))
         for index in range(spec.n):
             assert sink.out(spec.request_id, index).token_ids == alone[(spec.request_id, index)].token_ids, (
@@ -263,8 +263,8 @@ class ExplodingTokenizer(ByteTokenizer):
 
 def test_loop_crash_errors_every_open_stream_and_refuses_new_work(cleanup):
     tok = ExplodingTokenizer()
-    calm = GenerationRequest(request_id="calm", prompt_token_ids=(120, 121), max_tokens=200)
-    boom = GenerationRequest(request_id="boom", prompt_token_ids=(122, 123), max_tokens=5)
+    calm = Job(request_id="calm", prompt_token_ids=(120, 121), max_tokens=200)
+    boom = Job(request_id="boom", prompt_token_ids=(122, 123), max_tokens=5)
     token_fn = script_token_fn({calm.prompt_token_ids: [ord("a")] * 200,
                                 boom.prompt_token_ids: [ord("b"), ord("!")]})
     batcher, _ = make(tokenizer=tok, token_fn=token_fn)

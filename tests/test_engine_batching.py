@@ -7,7 +7,7 @@ import pytest
 
 from ferrox_jax.config import EngineConfig
 from ferrox_jax.engine import Engine
-from ferrox_jax.request import GenerationRequest, SamplingParams
+from ferrox_jax.request import Job, SamplingParams
 
 TIMEOUT_S = 120
 
@@ -66,8 +66,8 @@ def _run(engine, jobs, sampling_for, prefix):
     for i, (prompt, max_tokens) in enumerate(jobs):
         col.expect(f"{prefix}{i}")
     for i, (prompt, max_tokens) in enumerate(jobs):
-        engine.submit(GenerationRequest(f"{prefix}{i}", tuple(prompt), max_tokens, sampling_for(i),
-                                                ignore_eos=True), col)
+        engine.submit(Job(f"{prefix}{i}", tuple(prompt), max_tokens, sampling_for(i),
+                                  ignore_eos=True), col)
     return [col.tokens(f"{prefix}{i}") for i in range(len(jobs))]
 
 
@@ -110,7 +110,7 @@ def test_cancelled_neighbour_leaves_other_rows_bit_identical(engine):
     for i in range(4):
         col.expect(f"x{i}")
     for i, (prompt, max_tokens) in enumerate(jobs):
-        engine.submit(GenerationRequest(f"x{i}", tuple(prompt), max_tokens, greedy(i), ignore_eos=True), col)
+        engine.submit(Job(f"x{i}", tuple(prompt), max_tokens, greedy(i), ignore_eos=True), col)
     engine.cancel("x1")
     assert col.finish_reason("x1") == "cancelled"
     for i in (0, 2, 3):
@@ -138,8 +138,8 @@ def _run_logprobs(engine, prompts, prefix, max_tokens=12, n=1):
     for i, prompt in enumerate(prompts):
         col.expect(f"{prefix}{i}", n)
     for i, prompt in enumerate(prompts):
-        engine.submit(GenerationRequest(f"{prefix}{i}", tuple(prompt), max_tokens, sampling, n=n,
-                                        ignore_eos=True), col)
+        engine.submit(Job(f"{prefix}{i}", tuple(prompt), max_tokens, sampling, n=n,
+                          ignore_eos=True), col)
     out = []
     for i in range(len(prompts)):
         col.tokens(f"{prefix}{i}")  # waits

@@ -54,7 +54,7 @@ class NanRows:
 
     def _rows(self, pending):
         batch, order = pending.batch, pending.order
-        marked = [h >= 0 and self.scheduler._rows[int(batch.row_ids[h])].request.spec.max_tokens == NAN_MAX_TOKENS
+        marked = [h >= 0 and self.scheduler._rows[int(batch.row_ids[h])].job.submitted.max_tokens == NAN_MAX_TOKENS
                   for h in order]
         targets = np.flatnonzero(marked)
         if len(targets) and int((order >= 0).sum()) > len(targets):

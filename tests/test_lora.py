@@ -372,8 +372,8 @@ def test_the_scheduler_holds_a_jobs_adapter_slot_from_admission_to_its_last_row(
     runner = ScriptedRunner(token_fn=letters_token_fn())
     scheduler = Scheduler(SchedulerLimits(block_size=4, num_blocks=64, max_rows=1, max_chunk_tokens=64),
                           ByteTokenizer(), adapters=slots)
-    scheduler.add_request(_adapter_job("first", 2, max_tokens=3))
-    scheduler.add_request(_adapter_job("second", 3, max_tokens=3))  # waits: one row at a time
+    scheduler.add_job(_adapter_job("first", 2, max_tokens=3))
+    scheduler.add_job(_adapter_job("second", 3, max_tokens=3))  # waits: one row at a time
     outputs = {}
     tick(scheduler, runner, outputs)
     assert dict(slots.held) == {2: 1}, "admitted: the first job holds slot 2; the waiting one holds nothing"
@@ -383,7 +383,7 @@ def test_the_scheduler_holds_a_jobs_adapter_slot_from_admission_to_its_last_row(
     assert 3 in {int(s) for b in runner.batches for s in b.adapter_slots}
 
     slots.refusal = lambda name, key: ("adapter_quarantined", f"LoRA adapter {name!r} is quarantined")
-    scheduler.add_request(_adapter_job("refused", 2))
+    scheduler.add_job(_adapter_job("refused", 2))
     out = run_until_idle(scheduler, runner)[("refused", 0)]
     event = out.events[-1]
     assert (event.finish_reason, event.error_code) == ("error", "adapter_quarantined") and "'ad2'" in event.error

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ferrox_jax.config import SchedulerLimits
-from ferrox_jax.request import GenerationRequest
+from ferrox_jax.request import Job
 from ferrox_jax.scheduler import Scheduler
 from tests.scripted import ByteTokenizer, ScriptedRunner, run_until_idle, tick
 
@@ -34,14 +34,14 @@ def make(num_blocks=64):
 
 
 def pooling(request_id, prompt, kind="mean"):
-    return GenerationRequest(request_id=request_id, prompt_token_ids=tuple(prompt), max_tokens=0, pooling=kind)
+    return Job(request_id=request_id, prompt_token_ids=tuple(prompt), max_tokens=0, pooling=kind)
 
 
 @pytest.mark.parametrize("kind", ["mean", "last"])
 def test_pooled_vector_over_a_chunked_prompt(kind):
     scheduler, runner = make()
     prompt = list(range(30, 50))  # 20 tokens: chunks of 8, 8, 4
-    scheduler.add_request(pooling("e", prompt, kind))
+    scheduler.add_job(pooling("e", prompt, kind))
     out = run_until_idle(scheduler, runner)[("e", 0)]
     event = out.events[-1]
     assert out.num_events == 1 and event.finish_reason == "stop" and event.token_ids == ()
@@ -54,18 +54,18 @@ def test_pooled_vector_over_a_chunked_prompt(kind):
 
 def test_a_pooling_job_reserves_only_its_prompt_blocks():
     scheduler, runner = make()
-    scheduler.add_request(pooling("e", range(30, 50)))
+    scheduler.add_job(pooling("e", range(30, 50)))
     tick(scheduler, runner, {})
     assert scheduler.budget.num_free_blocks == 64 - 20 // BLOCK_SIZE, "ceil(20 / 4) = 5 blocks, no room to generate"
 
 
 def test_generation_keeps_decoding_while_embeddings_prefill():
     scheduler, runner = make()
-    scheduler.add_request(GenerationRequest(request_id="g", prompt_token_ids=(1, 2, 3), max_tokens=12))
+    scheduler.add_job(Job(request_id="g", prompt_token_ids=(1, 2, 3), max_tokens=12))
     outputs = {}
     tick(scheduler, runner, outputs)  # g prefilled and sampled its first token
     for i in range(3):
-        scheduler.add_request(pooling(f"e{i}", range(40, 64)))  # 3 chunks each
+        scheduler.add_job(pooling(f"e{i}", range(40, 64)))  # 3 chunks each
     run_until_idle(scheduler, runner, outputs)
     busy = [p for p in runner.plans[1:] if p.chunks]
     assert len(busy) == 9 and all(len(p.decode) == 1 for p in busy[:5]), "one chunk per tick, g decodes every tick"
@@ -75,7 +75,7 @@ def test_generation_keeps_decoding_while_embeddings_prefill():
 
 def test_a_cancelled_pooling_job_frees_its_blocks_without_a_vector():
     scheduler, runner = make()
-    scheduler.add_request(pooling("e", range(30, 50)))
+    scheduler.add_job(pooling("e", range(30, 50)))
     outputs = {}
     tick(scheduler, runner, outputs)
     scheduler.cancel("e")
@@ -87,9 +87,9 @@ def test_a_cancelled_pooling_job_frees_its_blocks_without_a_vector():
 
 def test_pooling_needs_max_tokens_0_and_n_1():
     with pytest.raises(ValueError, match="pooling"):
-        GenerationRequest(request_id="x", prompt_token_ids=(1,), max_tokens=1, pooling="mean")
+        Job(request_id="x", prompt_token_ids=(1,), max_tokens=1, pooling="mean")
     with pytest.raises(ValueError, match="pooling"):
-        GenerationRequest(request_id="x", prompt_token_ids=(1,), max_tokens=0, pooling="max")
+        Job(request_id="x", prompt_token_ids=(1,), max_tokens=0, pooling="max")
 
 
 @pytest.mark.parametrize("kind,cached", [("mean", 0), ("last", 16)])
@@ -98,9 +98,9 @@ def test_mean_pooling_never_takes_a_prompt_from_the_prefix_cache(kind, cached):
     last pooling only needs the last token, which is always computed."""
     scheduler, runner = make()
     prompt = list(range(30, 50))  # 20 tokens: 4 full blocks before the last token, 16 positions
-    scheduler.add_request(pooling("first", prompt, kind))
+    scheduler.add_job(pooling("first", prompt, kind))
     first = run_until_idle(scheduler, runner)[("first", 0)].events[-1]
-    scheduler.add_request(pooling("again", prompt, kind))
+    scheduler.add_job(pooling("again", prompt, kind))
     again = run_until_idle(scheduler, runner)[("again", 0)].events[-1]
     assert again.num_cached_tokens == cached
     np.testing.assert_allclose(again.embedding, first.embedding)

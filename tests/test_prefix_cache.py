@@ -10,7 +10,7 @@ import pytest
 
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.prefix_cache import chain_hashes
-from ferrox_jax.request import GenerationRequest, SamplingParams
+from ferrox_jax.request import Job, SamplingParams
 from ferrox_jax.scheduler import Scheduler
 from tests.scripted import ByteTokenizer, ScriptedRunner, letters_token_fn, run_until_idle, tick
 
@@ -31,12 +31,12 @@ def tokens(n, start=0):
 
 
 def spec(request_id, prompt, max_tokens=5, **kw):
-    return GenerationRequest(request_id, tuple(prompt), max_tokens, **kw)
+    return Job(request_id, tuple(prompt), max_tokens, **kw)
 
 
 def run(scheduler, runner, *specs, outputs=None):
     for s in specs:
-        scheduler.add_request(s)
+        scheduler.add_job(s)
     return run_until_idle(scheduler, runner, outputs)
 
 
@@ -158,7 +158,7 @@ def test_idle_cached_blocks_count_as_free_and_admission_evicts_the_chain_tail_fi
     assert scheduler.blocks.num_cached_blocks == 4 and stats_free == 8, "idle: every block counts as free"
     names = chain_hashes(tokens(16), BS, scheduler.blocks.cache.root)
     # "b" needs ceil((20 + 8) / 4) = 7 blocks: 4 plainly free, so 3 cached ones are evicted.
-    scheduler.add_request(spec("b", tokens(20, 50), max_tokens=8))
+    scheduler.add_job(spec("b", tokens(20, 50), max_tokens=8))
     tick(scheduler, runner, {})
     assert scheduler.waiting_request_ids == (), "cached blocks never keep a job waiting"
     assert len(scheduler.blocks.cache.lookup(names)) == 1, "the chain's tail went first, its head stayed"
@@ -171,10 +171,10 @@ def test_a_cached_block_in_use_is_never_evicted_and_a_job_waits_instead():
     run(scheduler, runner, spec("a", tokens(8), max_tokens=1))  # 2 cached blocks
     hit = spec("hit", tokens(8) + tokens(2, 50), max_tokens=10)
     outputs = {}
-    scheduler.add_request(hit)  # shares both cached blocks; promised ceil(20 / 4) - 2 = 3 new
+    scheduler.add_job(hit)  # shares both cached blocks; promised ceil(20 / 4) - 2 = 3 new
     tick(scheduler, runner, outputs)
     # 8 - 2 held - 3 promised = 3 free; "bigger" needs ceil((14 + 2) / 4) = 4.
-    scheduler.add_request(spec("bigger", tokens(14, 80), max_tokens=2))
+    scheduler.add_job(spec("bigger", tokens(14, 80), max_tokens=2))
     tick(scheduler, runner, outputs)
     assert scheduler.waiting_request_ids == ("bigger",), "held cached blocks are not evictable"
     run_until_idle(scheduler, runner, outputs)
@@ -200,10 +200,10 @@ def test_cancelling_one_of_two_requests_sharing_blocks_leaves_the_other_intact(v
     owner = spec("owner", tokens(12) + tokens(2, 50), max_tokens=20)
     sharer = spec("sharer", tokens(12) + tokens(3, 70), max_tokens=20)
     outputs = {}
-    scheduler.add_request(owner)
+    scheduler.add_job(owner)
     for _ in range(3):  # prefill (14 tokens, one chunk) and two decode steps
         tick(scheduler, runner, outputs)
-    scheduler.add_request(sharer)
+    scheduler.add_job(sharer)
     tick(scheduler, runner, outputs)
     assert first_event(outputs, "sharer").num_cached_tokens == 12, "the sharer hit the owner's blocks"
     refs = scheduler.block_references()

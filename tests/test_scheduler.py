@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ferrox_jax.request import SamplingParams
-from ferrox_jax.request import GenerationRequest, derive_row_seed
+from ferrox_jax.request import Job, derive_row_seed
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.scheduler import Scheduler, blocks_to_reserve, check_admission
 from ferrox_jax.step_output import run_plan
@@ -31,12 +31,12 @@ def make(*, block_size=4, num_blocks=64, max_rows=8, chunk=16, max_context=None,
 
 def req(request_id, prompt_len=5, max_tokens=6, **kw):
     prompt = tuple(100 + (i * 7 + len(request_id)) % 20 for i in range(prompt_len))
-    return GenerationRequest(request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens, **kw)
+    return Job(request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens, **kw)
 
 
 def outputs_alone(spec, **make_kw):
     scheduler, runner = make(**make_kw)
-    scheduler.add_request(spec)
+    scheduler.add_job(spec)
     return run_until_idle(scheduler, runner)
 
 
@@ -56,11 +56,11 @@ SPECS = [req("p1", 1), req("p3", 3), req("p4", 4), req("p5", 5), req("p17", 17, 
 def test_chunk_size_never_changes_tokens_and_plans_cover_each_uncached_prompt_position_once(chunk):
     reference, _ = make(chunk=128)
     for spec in SPECS:
-        reference.add_request(spec)
+        reference.add_job(spec)
     expected = run_until_idle(reference, make(chunk=128)[1])
     scheduler, runner = make(chunk=chunk)
     for spec in SPECS:
-        scheduler.add_request(spec)
+        scheduler.add_job(spec)
     got = run_until_idle(scheduler, runner)
     assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in expected.items()}, (
         f"chunk size {chunk} changed the sampled tokens")
@@ -82,12 +82,12 @@ def test_long_prompt_interleaves_with_decoding_rows_without_changing_them():
     scheduler, runner = make(**kw)
     outputs = {}
     for spec in decoders:
-        scheduler.add_request(spec)
+        scheduler.add_job(spec)
     for _ in range(6):  # 4 prefill ticks, then every row has decoded at least once
         tick(scheduler, runner, outputs)
     assert all(outputs[(s.request_id, 0)].token_ids for s in decoders), "all 4 rows decode"
     long_prompt = req("long", 2000, 4)
-    scheduler.add_request(long_prompt)
+    scheduler.add_job(long_prompt)
     decode_steps_before = scheduler.decode_steps
     long_row_id = 5
     chunk_ticks = []
@@ -109,11 +109,11 @@ def _chunk_schedule(batched_tokens):
     scheduler, runner = make(chunk=8, batched_tokens=batched_tokens, token_fn=letters_token_fn())
     outputs = {}
     for spec in (req("d0", 3, 30), req("d1", 4, 30)):
-        scheduler.add_request(spec)
+        scheduler.add_job(spec)
     for _ in range(2):
         tick(scheduler, runner, outputs)
     for spec in (req("a", 20, 2), req("b", 12, 2), req("c", 3, 2)):
-        scheduler.add_request(spec)
+        scheduler.add_job(spec)
     names = {3: "a", 4: "b", 5: "c"}  # row ids in submit order
     ticks = []
     while any(scheduler.waiting_request_ids) or scheduler._prefilling:
@@ -146,10 +146,10 @@ def test_a_prompt_alone_takes_idle_chunks_and_decoding_rows_keep_the_small_ones(
                              max_idle_chunk_tokens=16)
     scheduler = Scheduler(limits, ByteTokenizer())
     outputs = {}
-    scheduler.add_request(req("alone", 40, 20))
+    scheduler.add_job(req("alone", 40, 20))
     sizes = [len(tick(scheduler, runner, outputs).chunks[0].token_ids) for _ in range(3)]
     assert sizes == [16, 16, 8], "no row decodes: 40 prompt tokens in chunks of up to 16"
-    scheduler.add_request(req("late", 10, 3))
+    scheduler.add_job(req("late", 10, 3))
     late = [len(plan.chunks[0].token_ids) for plan in (tick(scheduler, runner, outputs) for _ in range(3))]
     assert late == [4, 4, 2], "a row decodes: chunks of 4, so its tokens keep coming"
     run_until_idle(scheduler, runner, outputs)
@@ -159,10 +159,10 @@ def test_a_prompt_alone_takes_idle_chunks_and_decoding_rows_keep_the_small_ones(
 def test_head_job_that_does_not_fit_holds_the_line():
     # 10 blocks of 4: "big" reserves ceil((4+28)/4) = 8; "next" needs 6 > 2 left; "small" needs 1.
     scheduler, runner = make(num_blocks=10, token_fn=letters_token_fn())
-    scheduler.add_request(req("big", 4, 28))
+    scheduler.add_job(req("big", 4, 28))
     tick(scheduler, runner, {})
-    scheduler.add_request(req("next", 4, 20))
-    scheduler.add_request(req("small", 1, 2))
+    scheduler.add_job(req("next", 4, 20))
+    scheduler.add_job(req("small", 1, 2))
     tick(scheduler, runner, {})
     assert scheduler.waiting_request_ids == ("next", "small"), (
         "a job that would fit must not skip ahead of a head that does not")
@@ -173,8 +173,8 @@ def test_head_job_that_does_not_fit_holds_the_line():
 def test_first_event_reports_the_wait_for_admission_then_none():
     now = [100.0]
     scheduler, runner = make(max_rows=1, token_fn=letters_token_fn(), clock=lambda: now[0])
-    scheduler.add_request(req("first", 2, 3))
-    scheduler.add_request(req("second", 2, 3))  # waits: one row at a time
+    scheduler.add_job(req("first", 2, 3))
+    scheduler.add_job(req("second", 2, 3))  # waits: one row at a time
     events = []
     while scheduler.has_work:
         now[0] += 0.5  # each tick takes half a second on the fake clock
@@ -192,8 +192,8 @@ def test_first_event_reports_the_wait_for_admission_then_none():
 
 def test_max_seqs_counts_prefilling_prompts_and_all_n_rows():
     scheduler, runner = make(max_rows=4)
-    scheduler.add_request(req("three", 30, 5, n=3))
-    scheduler.add_request(req("two", 30, 5, n=2))
+    scheduler.add_job(req("three", 30, 5, n=3))
+    scheduler.add_job(req("two", 30, 5, n=2))
     tick(scheduler, runner, {})
     assert scheduler.num_running_rows == 3 and scheduler.waiting_request_ids == ("two",), (
         "3 rows of a prefilling job + 2 more would exceed max_seqs=4")
@@ -205,7 +205,7 @@ def test_max_seqs_counts_prefilling_prompts_and_all_n_rows():
 def test_n_rows_share_prompt_blocks_and_sample_like_single_rows_with_derived_seeds(prompt_len):
     spec = req("multi", prompt_len, 6, n=3, sampling=SamplingParams(seed=7))
     scheduler, runner = make()
-    scheduler.add_request(spec)
+    scheduler.add_job(spec)
     outputs = {}
     tick(scheduler, runner, outputs)
     total = blocks_to_reserve(prompt_len, 6, 3, 4)
@@ -224,7 +224,7 @@ def test_n_rows_share_prompt_blocks_and_sample_like_single_rows_with_derived_see
 def test_n_rows_hold_fewer_blocks_than_n_separate_requests():
     # prompt 12 (11 prefilled = 2 full blocks + 3 positions), max_tokens 3 -> 4 blocks per row.
     scheduler, runner = make(token_fn=letters_token_fn())
-    scheduler.add_request(req("multi", 12, 3, n=3, sampling=SamplingParams(seed=1)))
+    scheduler.add_job(req("multi", 12, 3, n=3, sampling=SamplingParams(seed=1)))
     run_until_idle(scheduler, runner)
     # 2 shared + 3 rows x 2 private (partial copy + one for the new tokens) = 8, not 3 x 4 = 12.
     assert scheduler.kv_blocks_peak == 8, f"peak {scheduler.kv_blocks_peak}: shared blocks count once"
@@ -239,7 +239,7 @@ def scripted(tokens_by_prompt, **kw):
 def test_eos_ends_the_row_without_appearing_in_its_output():
     spec = req("e", 3, 10)
     scheduler, runner = scripted({spec.prompt_token_ids: [ord("h"), ord("i"), EOS]})
-    scheduler.add_request(spec)
+    scheduler.add_job(spec)
     out = run_until_idle(scheduler, runner)[("e", 0)]
     assert (out.token_ids, out.text, out.finish_reason) == ([104, 105], "hi", "stop")
     assert out.events[-1].num_generated_tokens == 3, "the eos token is counted as generated"
@@ -248,7 +248,7 @@ def test_eos_ends_the_row_without_appearing_in_its_output():
 def test_ignore_eos_and_stop_token_ids():
     spec = req("e", 3, 4, ignore_eos=True, stop_token_ids=(ord("x"),))
     scheduler, runner = scripted({spec.prompt_token_ids: [ord("a"), EOS, ord("b"), ord("x")]})
-    scheduler.add_request(spec)
+    scheduler.add_job(spec)
     out = run_until_idle(scheduler, runner)[("e", 0)]
     assert out.token_ids == [ord("a"), EOS, ord("b")] and out.finish_reason == "stop", (
         "ignore_eos keeps going through eos; a stop token id ends the row, not in the output")
@@ -257,7 +257,7 @@ def test_ignore_eos_and_stop_token_ids():
 def test_min_tokens_bans_and_ignores_eos_until_reached():
     spec = req("m", 3, 6, min_tokens=2)
     scheduler, runner = scripted({spec.prompt_token_ids: [EOS, ord("a"), EOS]})
-    scheduler.add_request(spec)
+    scheduler.add_job(spec)
     out = run_until_idle(scheduler, runner)[("m", 0)]
     assert out.token_ids == [EOS, ord("a")] and out.finish_reason == "stop", (
         "an eos before min_tokens output tokens does not stop the row")
@@ -269,7 +269,7 @@ def test_min_tokens_bans_and_ignores_eos_until_reached():
 
 def test_max_tokens_finishes_with_length():
     scheduler, runner = make(token_fn=letters_token_fn())
-    scheduler.add_request(req("l", 3, 5))
+    scheduler.add_job(req("l", 3, 5))
     out = run_until_idle(scheduler, runner)[("l", 0)]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
@@ -279,7 +279,7 @@ def test_stop_string_across_tokens_ends_row_and_frees_blocks_in_the_same_tick():
     spec = req("s", 3, 20, stop=("END",))
     script = tok.ids("ok E", "N", "D", "more", "more")
     scheduler, runner = scripted({spec.prompt_token_ids: script}, tokenizer=tok)
-    scheduler.add_request(spec)
+    scheduler.add_job(spec)
     outputs = {}
     for _ in range(3):  # prefill samples "ok E", then two decode steps: "N", "D"
         tick(scheduler, runner, outputs)
@@ -292,7 +292,7 @@ def test_stop_string_across_tokens_ends_row_and_frees_blocks_in_the_same_tick():
 def test_logprobs_and_prompt_logprobs_are_reported_per_token():
     spec = req("lp", 9, 3, sampling=SamplingParams(logprobs=2), prompt_logprobs=True)
     scheduler, runner = make(chunk=4, token_fn=letters_token_fn())
-    scheduler.add_request(spec)
+    scheduler.add_job(spec)
     out = run_until_idle(scheduler, runner)[("lp", 0)]
     logprobs = [lp for event in out.events for lp in (event.logprobs or ())]
     assert [lp.token_id for lp in logprobs] == out.token_ids, "one logprob entry per output token"
@@ -307,8 +307,8 @@ def test_logprobs_and_prompt_logprobs_are_reported_per_token():
 def test_cancel_frees_blocks_within_one_tick_and_counts_one_abort(state):
     scheduler, runner = make(max_rows=1, chunk=4, token_fn=letters_token_fn())
     outputs = {}
-    scheduler.add_request(req("other", 3, 30))
-    scheduler.add_request(req("victim", 20, 30))
+    scheduler.add_job(req("other", 3, 30))
+    scheduler.add_job(req("victim", 20, 30))
     if state != "waiting":
         scheduler.cancel("other")
         tick(scheduler, runner, outputs)  # "other" cancelled from waiting; "victim" admitted
@@ -337,7 +337,7 @@ def test_cancel_arriving_before_its_job_is_not_lost():
     scheduler, runner = make()
     scheduler.cancel("early")
     tick(scheduler, runner, {})
-    scheduler.add_request(req("early"))
+    scheduler.add_job(req("early"))
     outputs = run_until_idle(scheduler, runner)
     assert outputs[("early", 0)].finish_reason == "cancelled" and outputs[("early", 0)].token_ids == []
     assert scheduler.aborted == 1 and not runner.plans, "the early-cancelled job never runs"
@@ -349,7 +349,7 @@ def test_pending_cancel_expires_so_unknown_ids_do_not_pile_up():
     scheduler.cancel("late")
     tick(scheduler, runner, {})
     now[0] += 61.0  # past PENDING_CANCEL_TTL_S
-    scheduler.add_request(req("late", 3, 2))
+    scheduler.add_job(req("late", 3, 2))
     assert run_until_idle(scheduler, runner)[("late", 0)].finish_reason == "length", (
         "a cancel older than the TTL no longer applies")
 
@@ -358,14 +358,14 @@ def test_runner_failure_fails_the_steps_jobs_frees_blocks_and_later_jobs_run():
     scheduler, runner = make(token_fn=letters_token_fn())
     runner.fail_when = lambda plan: len(runner.plans) == 2
     outputs = {}
-    scheduler.add_request(req("a", 3, 5))
-    scheduler.add_request(req("b", 3, 5))
+    scheduler.add_job(req("a", 3, 5))
+    scheduler.add_job(req("b", 3, 5))
     tick(scheduler, runner, outputs)  # prefill a
     tick(scheduler, runner, outputs)  # prefill b + decode a: fails
     assert outputs[("a", 0)].finish_reason == "error" and outputs[("b", 0)].finish_reason == "error"
     assert outputs[("a", 0)].events[-1].error == "scripted runner failure"
     assert scheduler.budget.num_held_blocks == 0 and scheduler.budget.num_reserved_blocks == 0
-    scheduler.add_request(req("c", 3, 5))
+    scheduler.add_job(req("c", 3, 5))
     assert run_until_idle(scheduler, runner, outputs)[("c", 0)].finish_reason == "length"
 
 
@@ -422,9 +422,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def submit(self, prompt_len, max_tokens, n, min_tokens, stop, seed, family, prompt_logprobs):
         request_id = f"r{self.num_ids}"
         self.num_ids += 1
-        spec = GenerationRequest(request_id, FAMILIES[family][:prompt_len], max_tokens, n=n,
-                                 min_tokens=min(min_tokens, max_tokens), stop=stop,
-                                 sampling=SamplingParams(seed=seed), prompt_logprobs=prompt_logprobs)
+        spec = Job(request_id, FAMILIES[family][:prompt_len], max_tokens, n=n,
+                   min_tokens=min(min_tokens, max_tokens), stop=stop,
+                   sampling=SamplingParams(seed=seed), prompt_logprobs=prompt_logprobs)
         refusal = check_admission(spec, self.limits)
         if refusal is None and self.scheduler.num_waiting >= QUEUE_CAP:
             refusal = ("queue_full", "")
@@ -432,7 +432,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.refused[request_id] = refusal[0]
             return
         self.specs[request_id] = spec
-        self.scheduler.add_request(spec)
+        self.scheduler.add_job(spec)
         if request_id in self.model_pending:
             self.model_pending.discard(request_id)
         else:
@@ -516,7 +516,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue
             self.checked.add(request_id)
             alone = Scheduler(dataclasses.replace(LIMITS, prefix_caching=False), ByteTokenizer())
-            alone.add_request(spec)
+            alone.add_job(spec)
             expected = run_until_idle(alone, ScriptedRunner(block_size=4, num_blocks=17,
                                                             token_fn=letters_token_fn(eos_period=7)))
             for index in range(spec.n):

@@ -10,7 +10,7 @@ from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.plan import RowPlan
 from ferrox_jax.grammar import GrammarCompiler
-from ferrox_jax.request import GenerationRequest, SamplingParams
+from ferrox_jax.request import Job, SamplingParams
 from ferrox_jax.scheduler import Scheduler
 from models.tokenizer import Tokenizer
 from tests.scripted import ScriptedRunner, run_until_idle, script_token_fn
@@ -33,7 +33,7 @@ def run(tokenizer, script: list[int], compiler=None, **request):
     runner = ScriptedRunner(block_size=4, num_blocks=33, token_fn=script_token_fn({PROMPT: script}))
     limits = SchedulerLimits(block_size=4, num_blocks=32, max_rows=4, max_chunk_tokens=16)
     scheduler = Scheduler(limits, tokenizer, new_matcher=compiler.new_matcher if compiler else None)
-    scheduler.add_request(GenerationRequest("r", PROMPT, request.pop("max_tokens", 20), **request))
+    scheduler.add_job(Job("r", PROMPT, request.pop("max_tokens", 20), **request))
     outputs = run_until_idle(scheduler, runner)
     return outputs["r", 0], scheduler, runner
 

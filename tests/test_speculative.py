@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ferrox_jax.config import SpeculativeConfig
-from ferrox_jax.request import GenerationRequest, Request, SamplingParams
+from ferrox_jax.request import Job, JobState, SamplingParams
 from ferrox_jax.speculative import Speculator, count_accepted, propose_ngram
 from tests.engine_helpers import make_runner
 from tests.spec_driver import GREEDY, SPEC, STEP_ROWS, copy_prompt, drive, greedy_jobs
@@ -84,9 +84,9 @@ class _Tokenizer:
 
 
 def _row(matcher=None, **spec_fields):
-    spec = GenerationRequest(request_id="x", prompt_token_ids=(1, 2, 3),
-                             **{"sampling": GREEDY, "max_tokens": 10, **spec_fields})
-    job = Request(spec, 1, _Tokenizer(), (lambda grammar: matcher) if matcher is not None else None)
+    spec = Job(request_id="x", prompt_token_ids=(1, 2, 3),
+               **{"sampling": GREEDY, "max_tokens": 10, **spec_fields})
+    job = JobState(spec, 1, _Tokenizer(), (lambda grammar: matcher) if matcher is not None else None)
     return job.rows[0]
 
 
@@ -262,12 +262,12 @@ def test_stops_max_tokens_logprobs_n_and_prefix_cache_stay_exact(runners):
     stop_id = reference[9]
     stop_text = tok.decode(reference[12:14])
     logprobs = SamplingParams(temperature=0.0, logprobs=2)
-    jobs = [GenerationRequest(request_id="stop_id", prompt_token_ids=prompt, max_tokens=40, sampling=GREEDY,
-                              stop_token_ids=(stop_id,)),
-            GenerationRequest(request_id="stop_str", prompt_token_ids=prompt, max_tokens=40, sampling=GREEDY,
-                              stop=(stop_text,)),
-            GenerationRequest(request_id="len", prompt_token_ids=prompt, max_tokens=7, sampling=logprobs),
-            GenerationRequest(request_id="n2", prompt_token_ids=prompt, max_tokens=20, sampling=GREEDY, n=2)]
+    jobs = [Job(request_id="stop_id", prompt_token_ids=prompt, max_tokens=40, sampling=GREEDY,
+                stop_token_ids=(stop_id,)),
+            Job(request_id="stop_str", prompt_token_ids=prompt, max_tokens=40, sampling=GREEDY,
+                stop=(stop_text,)),
+            Job(request_id="len", prompt_token_ids=prompt, max_tokens=7, sampling=logprobs),
+            Job(request_id="n2", prompt_token_ids=prompt, max_tokens=20, sampling=GREEDY, n=2)]
     # the same prompt four times; with 4 rows at once n=2 waits, then starts from the prefix cache
     off = drive(runner, tok, jobs, None, max_rows=4)
     on = drive(runner, tok, jobs, SPEC, max_rows=4)
@@ -299,8 +299,8 @@ PEAKED = ((A, 8.0), (B, 8.0))
 
 
 def _sampled_jobs(seed0, count, max_tokens, n=1):
-    return [GenerationRequest(request_id=f"j{i}", prompt_token_ids=(A, B) * 12, max_tokens=max_tokens, n=n,
-                              sampling=SamplingParams(temperature=1.0, seed=seed0 + i, logit_bias=PEAKED))
+    return [Job(request_id=f"j{i}", prompt_token_ids=(A, B) * 12, max_tokens=max_tokens, n=n,
+                sampling=SamplingParams(temperature=1.0, seed=seed0 + i, logit_bias=PEAKED))
             for i in range(count)]
 
 
@@ -371,8 +371,8 @@ def test_default_model_greedy_identical_alone_and_batched():
     code = "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
     prompts = [f"Copy this code exactly, renaming w to width:\n{code}\nCopy:\n", "The capital of France is",
                f"Here is a file:\n{code}\nThe same file:\n"]
-    jobs = [GenerationRequest(request_id=f"d{i}", prompt_token_ids=tuple(tok.encode(p)), max_tokens=40,
-                              sampling=GREEDY) for i, p in enumerate(prompts)]
+    jobs = [Job(request_id=f"d{i}", prompt_token_ids=tuple(tok.encode(p)), max_tokens=40,
+                sampling=GREEDY) for i, p in enumerate(prompts)]
     # fixed k, and the adaptive length (up to 12 drafts a row while every draft is kept)
     adaptive = dataclasses.replace(SPEC, max_speculative_tokens=12)
     for batch in ([jobs[0]], jobs):

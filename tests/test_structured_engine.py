@@ -14,7 +14,7 @@ import time
 import pytest
 
 from ferrox_jax.constraint import GrammarSpec
-from ferrox_jax.request import AdmissionError, GenerationRequest, SamplingParams
+from ferrox_jax.request import AdmissionError, Job, SamplingParams
 from tests.schema_check import check
 from tests.server_harness import tiny_engine
 
@@ -77,7 +77,7 @@ def prompt(engine) -> tuple[int, ...]:
     return tuple(engine.tokenizer.encode("Describe a person as JSON:"))
 
 
-def submit_all(engine, requests: list[GenerationRequest], collector: Collector) -> list[str]:
+def submit_all(engine, requests: list[Job], collector: Collector) -> list[str]:
     """Submit every request, waiting out a full queue (more are sent than it holds)."""
     for request in requests:
         while True:
@@ -96,8 +96,8 @@ def test_sampled_schema_requests_all_parse_and_validate_over_100_seeds(engine, p
     before = engine.stats()
     grammar = GrammarSpec.json_schema(SCHEMA)
     collector = Collector()
-    requests = [GenerationRequest(f"schema-{seed}", prompt, MAX_TOKENS, SamplingParams(temperature=1.0, seed=seed),
-                                  grammar=grammar) for seed in range(100)]
+    requests = [Job(f"schema-{seed}", prompt, MAX_TOKENS, SamplingParams(temperature=1.0, seed=seed),
+                    grammar=grammar) for seed in range(100)]
     ids = submit_all(engine, requests, collector)
     for request_id in ids:
         text = collector.text(request_id)
@@ -114,7 +114,7 @@ def test_sampled_schema_requests_all_parse_and_validate_over_100_seeds(engine, p
 def test_the_same_seeds_unconstrained_are_not_json(engine, prompt):
     """Negative control: without the mask the tiny model does not write JSON by chance."""
     collector = Collector()
-    requests = [GenerationRequest(f"free-{seed}", prompt, 40, SamplingParams(temperature=1.0, seed=seed))
+    requests = [Job(f"free-{seed}", prompt, 40, SamplingParams(temperature=1.0, seed=seed))
                 for seed in range(10)]
     for request_id in submit_all(engine, requests, collector):
         with pytest.raises(ValueError):
@@ -126,8 +126,8 @@ def test_json_object_output_parses(engine, prompt):
     one; every object it closes parses."""
     grammar = GrammarSpec.json_object()
     collector = Collector()
-    requests = [GenerationRequest(f"object-{seed}", prompt, 400, SamplingParams(temperature=0.7, seed=seed),
-                                  grammar=grammar) for seed in range(8)]
+    requests = [Job(f"object-{seed}", prompt, 400, SamplingParams(temperature=0.7, seed=seed),
+                    grammar=grammar) for seed in range(8)]
     closed = []
     for request_id in submit_all(engine, requests, collector):
         assert collector.finish(request_id) in ("stop", "length")
@@ -141,8 +141,8 @@ def test_choice_stops_on_its_last_character_without_sampling_a_stop_token(engine
     choices = ["apple", "banana split", "cherry"]
     grammar = GrammarSpec.choice(choices)
     collector = Collector()
-    requests = [GenerationRequest(f"choice-{seed}", prompt, 50, SamplingParams(temperature=1.0, seed=seed),
-                                  grammar=grammar) for seed in range(6)]
+    requests = [Job(f"choice-{seed}", prompt, 50, SamplingParams(temperature=1.0, seed=seed),
+                    grammar=grammar) for seed in range(6)]
     for request_id in submit_all(engine, requests, collector):
         assert collector.text(request_id) in choices
         assert collector.finish(request_id) == "stop"
@@ -154,8 +154,8 @@ def test_ignore_eos_and_min_tokens_never_leave_a_row_without_an_allowed_token(en
     """Both ban the stop tokens with a -inf bias; the grammar's end must still end the row."""
     grammar = GrammarSpec.regex(r"[0-9]{1,6}")
     collector = Collector()
-    requests = [GenerationRequest(f"bans-{i}", prompt, 30, SamplingParams(temperature=1.0, seed=i), grammar=grammar,
-                                  ignore_eos=i % 2 == 0, min_tokens=30 if i % 3 == 0 else 0) for i in range(6)]
+    requests = [Job(f"bans-{i}", prompt, 30, SamplingParams(temperature=1.0, seed=i), grammar=grammar,
+                    ignore_eos=i % 2 == 0, min_tokens=30 if i % 3 == 0 else 0) for i in range(6)]
     for request_id in submit_all(engine, requests, collector):
         text = collector.text(request_id)
         assert collector.finish(request_id) == "stop" and text.isdigit() and 1 <= len(text) <= 6, text
@@ -168,15 +168,15 @@ def test_constrained_neighbour_leaves_unconstrained_rows_bit_identical(engine, p
     settings = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=1.0, seed=7, logprobs=3),
                 SamplingParams(temperature=0.8, top_p=0.9, seed=8, logprobs=3)]
 
-    def free(i: int, tag: str) -> GenerationRequest:
-        return GenerationRequest(f"{tag}-{i}", prompt + (i + 5,), 40, settings[i], ignore_eos=True)
+    def free(i: int, tag: str) -> Job:
+        return Job(f"{tag}-{i}", prompt + (i + 5,), 40, settings[i], ignore_eos=True)
 
     alone = Collector()
     for i in range(3):
         submit_all(engine, [free(i, "alone")], alone)
     mixed = Collector()
-    constrained = [GenerationRequest(f"masked-{i}", prompt, MAX_TOKENS, SamplingParams(temperature=1.0, seed=i),
-                                     grammar=grammar) for i in range(3)]
+    constrained = [Job(f"masked-{i}", prompt, MAX_TOKENS, SamplingParams(temperature=1.0, seed=i),
+                       grammar=grammar) for i in range(3)]
     submit_all(engine, [x for i in range(3) for x in (constrained[i], free(i, "mixed"))], mixed)
     for i in range(3):
         assert mixed.tokens(f"mixed-{i}") == alone.tokens(f"alone-{i}"), f"row {i}: tokens changed"

@@ -255,7 +255,7 @@ def bench_runner(engine, rows_list: list[int], context: int, steps: int, greedy:
 
 def bench_batcher(engine, rows: int, prompt_tokens: int, max_tokens: int) -> dict:
     """Ticks/s and host overhead with `rows` jobs decoding through the real batcher."""
-    from ferrox_jax.request import GenerationRequest, SamplingParams
+    from ferrox_jax.request import Job, SamplingParams
 
     done = threading.Semaphore(0)
 
@@ -267,8 +267,8 @@ def bench_batcher(engine, rows: int, prompt_tokens: int, max_tokens: int) -> dic
     t0 = time.perf_counter()
     for i in range(rows):
         prompt = tuple(int(t) for t in np.random.RandomState(i).randint(10, 1000, prompt_tokens))
-        engine.submit(GenerationRequest(f"bench-{i}", prompt, max_tokens, SamplingParams(temperature=0.8, seed=i),
-                                        ignore_eos=True), on_event)
+        engine.submit(Job(f"bench-{i}", prompt, max_tokens, SamplingParams(temperature=0.8, seed=i),
+                          ignore_eos=True), on_event)
     for _ in range(rows):
         done.acquire(timeout=600)
     wall = time.perf_counter() - t0
