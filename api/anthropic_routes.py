@@ -68,7 +68,7 @@ from api.prompts import chat_prompt, check_model, heavy_chat
 from api.sse import named_event as event, sse_response
 from api.state import AppState, json_response, state_of
 from api.structured import OutputPlan, ToolRequest, check_grammar, tool_request
-from ferrox_jax.request import Job, RowEvent, SamplingParams
+from ferrox_jax.request import Job, RowEvent, RowSampling
 
 if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
     from ferrox_jax.engine import Engine
@@ -318,9 +318,9 @@ async def create_message() -> Response:
     check_prompt_tokens(len(prompt), state.config, "messages")
     grammar = await check_grammar(engine, plan.grammar, plan.grammar_param)
     api_id = f"msg_{uuid.uuid4().hex}"
-    sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
-                              top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-                              seed=random.getrandbits(31))
+    sampling = RowSampling(temperature=1.0 if body.temperature is None else body.temperature,
+                           top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+                           seed=random.getrandbits(31))
     job = Job(request_id=api_id, prompt_token_ids=tuple(prompt), sampling=sampling,
               max_tokens=max_tokens(body.max_tokens, len(prompt), engine.max_context,
                                     state.config, "messages"),

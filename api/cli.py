@@ -396,7 +396,7 @@ def run_batch(args: argparse.Namespace) -> int:
 def generate(args: argparse.Namespace) -> int:
     """Load the model, generate for one prompt and stream the text to stdout."""
     from ferrox_jax.engine import Engine, EngineConfig
-    from ferrox_jax.request import Job, SamplingParams
+    from ferrox_jax.request import Job, RowSampling
 
     try:
         config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
@@ -418,8 +418,8 @@ def generate(args: argparse.Namespace) -> int:
         max_tokens = max(1, min(args.max_tokens, engine.max_context - len(ids)))
         events: queue.Queue = queue.Queue()
         req = Job(request_id="generate-0", prompt_token_ids=tuple(ids), max_tokens=max_tokens,
-                  sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                                          seed=args.seed))
+                  sampling=RowSampling(temperature=args.temperature, top_p=args.top_p,
+                                       seed=args.seed))
         engine.submit(req, events.put)
         while True:
             ev = events.get()

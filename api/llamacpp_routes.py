@@ -44,7 +44,7 @@ from api.prompts import check_model, encode
 from api.protocol import dumps
 from api.sse import KEEP_ALIVE_COMMENT, sse_response
 from api.state import json_response, state_of
-from ferrox_jax.request import Job, RowEvent, SamplingParams
+from ferrox_jax.request import Job, RowEvent, RowSampling
 
 blueprint = Blueprint("llamacpp", __name__)
 
@@ -107,9 +107,9 @@ async def completion() -> Response:
     check_asked_tokens(asked, state.config, "n_predict")
     limit = max(1, max_tokens(asked, len(ids), engine.max_context, state.config, "prompt"))
     seed = body.seed if body.seed >= 0 else random.getrandbits(31)
-    sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                              seed=seed & 0x7FFFFFFF, repetition_penalty=body.repeat_penalty,
-                              presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
+    sampling = RowSampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                           seed=seed & 0x7FFFFFFF, repetition_penalty=body.repeat_penalty,
+                           presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
     api_id = f"cmpl-{uuid.uuid4().hex}"
     job = Job(request_id=api_id, prompt_token_ids=tuple(ids), max_tokens=limit, sampling=sampling,
               stop=tuple(body.stop), ignore_eos=body.ignore_eos,

@@ -40,7 +40,7 @@ from api.structured import (PLAIN_TEXT, OutputPlan, choice_constraint, check_gra
                             regex_constraint, tool_request)
 from api.template_kwargs import template_kwargs
 from ferrox_jax.constraint import GrammarSpec
-from ferrox_jax.request import Job, SamplingParams
+from ferrox_jax.request import Job, RowSampling
 
 if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
     from ferrox_jax.engine import Engine
@@ -99,11 +99,11 @@ async def cancel() -> Response:
 # ---------------------------------------------------------------- validation helpers
 
 
-def _sampling(body: SamplingFields, engine: Engine, logprobs: int | None) -> SamplingParams:
+def _sampling(body: SamplingFields, engine: Engine, logprobs: int | None) -> RowSampling:
     # The engine derives choice seeds in int32 range; keep the request's seed there too.
     seed = body.seed if body.seed is not None else random.getrandbits(31)
     top_k = body.top_k or 0
-    return SamplingParams(
+    return RowSampling(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=0 if top_k < 0 else top_k,
@@ -118,7 +118,7 @@ def _sampling(body: SamplingFields, engine: Engine, logprobs: int | None) -> Sam
 
 
 def _job_request(job_id: str, prompt_ids: list[int], max_tokens: int, body: SamplingFields,
-                 sampling: SamplingParams, prompt_logprobs: bool, grammar: GrammarSpec | None = None,
+                 sampling: RowSampling, prompt_logprobs: bool, grammar: GrammarSpec | None = None,
                  plan: OutputPlan = OutputPlan()) -> Job:
     return Job(
         request_id=job_id, prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,

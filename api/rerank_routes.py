@@ -49,7 +49,7 @@ from api.limits import check_prompt_tokens
 from api.prompts import check_model, encode
 from api.protocol import parse_body
 from api.state import AppState, json_response, state_of
-from ferrox_jax.request import Job, SamplingParams
+from ferrox_jax.request import Job, RowSampling
 
 if TYPE_CHECKING:
     from ferrox_jax.engine import Engine
@@ -174,8 +174,8 @@ async def yes_no_scores(state: AppState, engine: Engine, route: str, api_id: str
     names = job_ids(api_id, 2 * len(prompts))
     for i, ids in enumerate(prompts):
         for k, token_id in enumerate((yes_id, no_id)):
-            sampling = SamplingParams(temperature=0.0, seed=random.getrandbits(31), logprobs=0,
-                                      logit_bias=((token_id, BIAS),))
+            sampling = RowSampling(temperature=0.0, seed=random.getrandbits(31), logprobs=0,
+                                   logit_bias=((token_id, BIAS),))
             jobs.append(Job(request_id=names[2 * i + k], prompt_token_ids=tuple(ids), max_tokens=1,
                             sampling=sampling, ignore_eos=True))
     outputs, _ = await _run(state, engine, route, api_id, jobs, model)

@@ -67,7 +67,7 @@ from api.state import json_response, state_of
 from api.structured import (PLAIN_TEXT, OutputPlan, ToolRequest, check_grammar, json_object_constraint,
                             json_schema_constraint, tool_request)
 from ferrox_jax.constraint import GrammarSpec
-from ferrox_jax.request import Job, SamplingParams
+from ferrox_jax.request import Job, RowSampling
 
 if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
     from ferrox_jax.engine import Engine
@@ -241,8 +241,8 @@ async def create_response() -> Response:
     check_prompt_tokens(len(prompt), state.config, "input")
     grammar = await check_grammar(engine, plan.grammar, plan.grammar_param)
     api_id = f"resp_{uuid.uuid4().hex}"
-    sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
-                              top_p=1.0 if body.top_p is None else body.top_p, seed=random.getrandbits(31))
+    sampling = RowSampling(temperature=1.0 if body.temperature is None else body.temperature,
+                           top_p=1.0 if body.top_p is None else body.top_p, seed=random.getrandbits(31))
     limit = max_tokens(body.max_output_tokens, len(prompt), engine.max_context, state.config, "input")
     job = Job(request_id=api_id, prompt_token_ids=tuple(prompt), max_tokens=limit, sampling=sampling,
               grammar=grammar, skip_special_tokens=plan.skip_special_tokens)
@@ -258,7 +258,7 @@ async def create_response() -> Response:
 class _Response:
     """One run's events as a Responses `response`, whole or as its event stream."""
 
-    def __init__(self, run: GenerationRun, model: str, body: ResponsesRequest, sampling: SamplingParams,
+    def __init__(self, run: GenerationRun, model: str, body: ResponsesRequest, sampling: RowSampling,
                  plan: OutputPlan = OutputPlan()) -> None:
         self.run, self.model, self.body, self.sampling = run, model, body, sampling
         self.created_at = int(time.time())

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from ferrox_jax.plan import RowPlan, StepPlan
-from ferrox_jax.request import SamplingParams
+from ferrox_jax.request import RowSampling
 
 # Distinct tokens per row that penalties and logit_bias can touch (llama.cpp's default
 # window is 64 tokens; OpenAI caps logit_bias at 300 entries).
@@ -79,7 +79,7 @@ class SamplingArrays:
     want_logprobs: Any  # bool[B]; top-20 logprobs are computed only if some row asks
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams | None], histories: Sequence[tuple[int, ...]],
+    def build(cls, params: Sequence[RowSampling | None], histories: Sequence[tuple[int, ...]],
               num_prompt_tokens: Sequence[int], vocab_size: int) -> "SamplingArrays":
         """One row per entry of `params` (None: a row that samples nothing, greedy defaults).
         `histories[r]` (prompt + output so far) is read only for rows with penalties."""
@@ -118,7 +118,7 @@ class SamplingArrays:
             getattr(out, field.name)[real] = getattr(self, field.name)[order[real]]
         return out
 
-    def _fill_penalties(self, i: int, p: SamplingParams, history: tuple[int, ...], num_prompt: int,
+    def _fill_penalties(self, i: int, p: RowSampling, history: tuple[int, ...], num_prompt: int,
                         vocab_size: int) -> None:
         add: dict[int, float] = {}
         rep: set[int] = set()

@@ -5,18 +5,19 @@ API (`vllm.LLM`, `vllm.SamplingParams`): evaluation pipelines, batch scoring, da
 generation. `LLM` (`ferrox_jax/llm.py`) runs the engine in-process; this module holds the
 plain data it takes and returns, and imports no jax.
 
-Why a second class named `SamplingParams`. The engine's `ferrox_jax.request.SamplingParams`
-is *how one row draws a token* (temperature, top-p/k, min-p, seed, penalties, logit bias,
+This is the only `SamplingParams`. The engine's `ferrox_jax.request.RowSampling` is *how
+one row draws a token* (temperature, top-p/k, min-p, seed, penalties, logit bias,
 logprobs): the per-row arrays of a step. vLLM's `SamplingParams` is *what to generate for
 one prompt*: that, plus how many choices (`n`), how long (`max_tokens`, `min_tokens`),
 when to stop (`stop`, `stop_token_ids`, `ignore_eos`), which logprobs to return for the
 prompt (`prompt_logprobs`) and what the output must match (`structured_outputs`). In
-ferrox those request-level settings live on `Job`, beside the per-row ones.
+ferrox those job-level settings live on `Job`, beside the row's `RowSampling`.
 So the public class is vLLM's concept under vLLM's name, with vLLM's field names, defaults
 and meanings (`max_tokens` 16, `seed` None = a fresh random seed, `top_k` 0 or -1 = off,
-`logprobs` / `prompt_logprobs` = how many top alternatives), and `to_job`
-splits it onto the engine's two types. The fields the two share keep one name and one
-meaning (vLLM's); the engine's class is never exported from the package.
+`logprobs` / `prompt_logprobs` = how many top alternatives). It converts to the engine's
+types in one place: `SamplingParams.row_sampling` makes the `RowSampling` and `to_job` the
+`Job` around it. The fields the two share keep one name and one meaning (vLLM's); the
+engine's class is never exported from the package.
 
 Outputs: `RequestOutput` (one per prompt, in prompt order) holds `CompletionOutput`s (one
 per choice). Logprobs are vLLM's shape: per token a dict token id -> `Logprob(logprob,
@@ -34,8 +35,7 @@ import random
 from typing import Any
 
 from ferrox_jax.constraint import GrammarSpec, grammar_syntax
-from ferrox_jax.request import MAX_LOGPROBS, Job
-from ferrox_jax.request import SamplingParams as RowSampling
+from ferrox_jax.request import MAX_LOGPROBS, Job, RowSampling, check_draw_ranges
 
 SEED_MASK = 0x7FFFFFFF  # seeds live in int32 range on the device; the server masks them the same way
 
@@ -140,7 +140,8 @@ class SamplingParams:
         for name, is_set in unsupported.items():
             if is_set:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is not supported")
-        self.row_sampling(seed=0)  # the engine's own checks (temperature, top_p, min_p, penalties)
+        check_draw_ranges("SamplingParams", self)  # the ranges the engine's RowSampling checks too
+        self.row_sampling(seed=0)  # and every valid SamplingParams converts
 
     @property
     def stop_list(self) -> list[str]:
@@ -169,7 +170,7 @@ class SamplingParams:
 
 
 def to_job(params: SamplingParams, request_id: str, prompt_ids: list[int], max_context: int,
-                          grammar: Any = None) -> Job:
+           grammar: Any = None) -> Job:
     """One engine job for a prompt (its `n` choices are its rows).
 
     Raises:

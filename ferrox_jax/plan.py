@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ferrox_jax.request import RowResult, SamplingParams
+from ferrox_jax.request import RowResult, RowSampling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class RowPlan:
     start_pos: int
     block_ids: tuple[int, ...]
     sample: bool
-    sampling: SamplingParams = SamplingParams()
+    sampling: RowSampling = RowSampling()
     prompt_logprobs: bool = False
     next_token_id: int = -1
     num_prompt_tokens: int = 0

@@ -1,7 +1,7 @@
 """The engine's job types, and the one state machine of its rows. No jax here.
 
 What the API hands the engine and gets back (the engine facade's side of the seam):
-`SamplingParams` and `Job` in, `RowEvent`s out (one or more per row per tick, each
+`RowSampling` and `Job` in, `RowEvent`s out (one or more per row per tick, each
 carrying `RowResult` logprobs when asked), `AdmissionError` when a submit is refused. The
 API imports these and `ferrox_jax/engine.py`'s facade, nothing deeper. "Request" is the
 HTTP request's word; a job keeps its request's id (`request_id`) so events find their way
@@ -45,9 +45,26 @@ MAX_LOGPROBS = 20  # top-k logprobs returned per sampled token, at most (OpenAI'
 POOLINGS = ("mean", "last")  # Job.pooling
 
 
+def check_draw_ranges(owner: str, settings: Any) -> None:
+    """Raises ValueError naming `owner.<field>` for the first of `settings`' temperature,
+    top_p, min_p and repetition_penalty out of range. Both sampling types share these
+    ranges (the engine's `RowSampling` and the offline API's `SamplingParams`), and each
+    names itself, so a message names the class its caller built."""
+    if not 0.0 <= settings.temperature:
+        raise ValueError(f"{owner}.temperature must be >= 0; got {settings.temperature}")
+    if not 0.0 < settings.top_p <= 1.0:
+        raise ValueError(f"{owner}.top_p must be in (0, 1]; got {settings.top_p}")
+    if not 0.0 <= settings.min_p <= 1.0:
+        raise ValueError(f"{owner}.min_p must be in [0, 1]; got {settings.min_p}")
+    if settings.repetition_penalty <= 0:
+        raise ValueError(f"{owner}.repetition_penalty must be > 0; got {settings.repetition_penalty}")
+
+
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Per-row sampling settings; they travel to the device as [rows] arrays, never static.
+class RowSampling:
+    """How one row draws its tokens: the engine's per-row settings, which travel to the
+    device as [rows] arrays, never static. (The offline API's vLLM-shaped `SamplingParams`,
+    `ferrox_jax/offline.py`, is what to generate for one prompt; it converts to this.)
 
     temperature 0 means greedy. top_k 0 means off (as does a top_k of the vocabulary size or
     more, however large); top_p 1 and min_p 0 are off.
@@ -70,18 +87,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.temperature:
-            raise ValueError(f"SamplingParams.temperature must be >= 0; got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1]; got {self.top_p}")
+        check_draw_ranges("RowSampling", self)
         if self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be >= 0; got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"SamplingParams.min_p must be in [0, 1]; got {self.min_p}")
+            raise ValueError(f"RowSampling.top_k must be >= 0; got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"SamplingParams.logprobs must be in [0, {MAX_LOGPROBS}]; got {self.logprobs}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"SamplingParams.repetition_penalty must be > 0; got {self.repetition_penalty}")
+            raise ValueError(f"RowSampling.logprobs must be in [0, {MAX_LOGPROBS}]; got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:
@@ -121,7 +131,7 @@ class Job:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
-    sampling: SamplingParams = SamplingParams()
+    sampling: RowSampling = RowSampling()
     n: int = 1  # choices; each is its own row, with its own derived seed
     stop: tuple[str, ...] = ()  # stop strings; the text is cut where one starts
     stop_token_ids: tuple[int, ...] = ()  # extra single-token stops (not in the output)

@@ -40,7 +40,7 @@ from ferrox_jax.block_tables import BlockTables, blocks_to_reserve  # noqa: F401
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.plan import RowPlan, StepOutput, StepPlan
 from ferrox_jax.speculative import Speculator
-from ferrox_jax.request import (Job, JobState, MatcherFactory, Row, RowEvent, RowResult, RowState, SamplingParams,
+from ferrox_jax.request import (Job, JobState, MatcherFactory, Row, RowEvent, RowResult, RowSampling, RowState,
                                 _transition)
 
 # A cancel for a request id not seen yet is kept this long (the job's submit may still be on
@@ -298,7 +298,7 @@ class Scheduler:
             f"jobs are owed {num_owed} blocks but the ledger promised {self.budget.num_owed_blocks}")
         self.kv_blocks_peak = max(self.kv_blocks_peak, num_held)
 
-    def _step_sampling(self, row: Row) -> SamplingParams:
+    def _step_sampling(self, row: Row) -> RowSampling:
         """The row's settings, with its stop tokens banned while output < min_tokens.
 
         A constrained row's grammar ends on the tokenizer's stop tokens; with `ignore_eos`

@@ -11,7 +11,7 @@ import pytest
 
 from ferrox_jax.plan import RowPlan, StepPlan
 from ferrox_jax.step_output import run_plan
-from ferrox_jax.request import SamplingParams
+from ferrox_jax.request import RowSampling
 from ferrox_jax.runner import ModelRunner
 from models.loader import load_checkpoint
 
@@ -56,7 +56,7 @@ def shuffled_blocks(n: int, num_blocks: int, seed: int) -> list[int]:
     return np.random.RandomState(seed).permutation(np.arange(1, num_blocks))[:n].tolist()
 
 
-def generate_alone(runner, prompt, max_new, blocks, sampling=SamplingParams(temperature=0.0), chunk=None):
+def generate_alone(runner, prompt, max_new, blocks, sampling=RowSampling(temperature=0.0), chunk=None):
     """Prefill (chunked by `chunk`) then decode one row by itself; returns the tokens."""
     chunk = chunk or runner.max_chunk_tokens
     pos = 0

@@ -167,9 +167,9 @@ def placement(runner):
 def mixed_workload(runner):
     """Prefills of several lengths, decode batches of 1..4 rows, and block copies."""
     from ferrox_jax.plan import RowPlan, StepPlan
-    from ferrox_jax.request import SamplingParams
+    from ferrox_jax.request import RowSampling
 
-    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+    greedy, sampled = RowSampling(temperature=0.0), RowSampling(temperature=0.8, top_p=0.9, seed=3)
     rng = np.random.RandomState(2)
     ids = rng.permutation(np.arange(1, NUM_BLOCKS)).tolist()
     rows = {}

@@ -21,11 +21,11 @@ from ferrox_jax.draft import DraftModel  # noqa: E402
 from ferrox_jax.host_batch import HostBatch  # noqa: E402
 from ferrox_jax.speculative import NgramProposer  # noqa: E402
 from ferrox_jax.step_output import step_output  # noqa: E402
-from ferrox_jax.request import Job, SamplingParams  # noqa: E402
+from ferrox_jax.request import Job, RowSampling  # noqa: E402
 from ferrox_jax.scheduler import Scheduler  # noqa: E402
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, ngram_min=1, ngram_max=3, max_rows=4)
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = RowSampling(temperature=0.0)
 MAX_ROWS = 8  # rows at once in the tests' schedulers
 STEP_ROWS = SPEC.step_rows(MAX_ROWS)  # the runner's largest row bucket: 4 speculating rows of 1 + 4 tokens
 

@@ -133,11 +133,11 @@ def test_the_key_names_the_model_and_ignores_a_greedy_seed():
     from types import SimpleNamespace
 
     from api.response_cache import ResponseCache, run_key
-    from ferrox_jax.request import Job, SamplingParams
+    from ferrox_jax.request import Job, RowSampling
 
     def run(model: str, seed: int, temperature: float = 0.0, request_id: str = "a", **adapter):
         job = Job(request_id=request_id, prompt_token_ids=(1, 2, 3), max_tokens=4,
-                  sampling=SamplingParams(temperature=temperature, seed=seed), **adapter)
+                  sampling=RowSampling(temperature=temperature, seed=seed), **adapter)
         return SimpleNamespace(engine=SimpleNamespace(model_name=model, checkpoint_path="/ckpt"), jobs=(job,),
                                drop_output=False, seeded=False)
 

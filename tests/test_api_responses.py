@@ -85,12 +85,12 @@ def test_stream_events_sequence_numbers_and_text(client, model):
 def test_a_row_that_ends_by_itself_is_completed():
     from api.generation import RowOutput
     from api.responses_routes import ResponsesRequest, _Response
-    from ferrox_jax.request import RowEvent, SamplingParams
+    from ferrox_jax.request import RowEvent, RowSampling
 
     class Run:
         api_id, num_prompt_tokens, num_completion_tokens, num_cached_tokens = "resp_x", 3, 1, 0
 
-    reply = _Response(Run(), "m", ResponsesRequest(input="hi"), SamplingParams())
+    reply = _Response(Run(), "m", ResponsesRequest(input="hi"), RowSampling())
     reply.fold(RowOutput(0, 0, RowEvent("resp_x", 0, (5,), "Hi", None, "stop")))
     body = reply.response()
     assert body["status"] == "completed" and body["incomplete_details"] is None

@@ -9,7 +9,7 @@ import pytest
 
 from ferrox_jax.batcher import ContinuousBatcher
 from ferrox_jax.config import SchedulerLimits
-from ferrox_jax.request import AdmissionError, Job, SamplingParams
+from ferrox_jax.request import AdmissionError, Job, RowSampling
 from ferrox_jax.scheduler import Scheduler
 from tests.scripted import (ByteTokenizer, ScriptedRunner, collect, letters_token_fn, run_until_idle,
                             script_token_fn)
@@ -91,7 +91,7 @@ def wait_for(predicate, what):
 # -- generation ------------------------------------------------------------------------
 
 def test_concurrent_jobs_stream_the_same_tokens_as_the_scheduler_alone(cleanup):
-    specs = [req(f"j{i}", 3 + 2 * i, 4 + i, n=1 + i % 2, sampling=SamplingParams(seed=i))
+    specs = [req(f"j{i}", 3 + 2 * i, 4 + i, n=1 + i % 2, sampling=RowSampling(seed=i))
              for i in range(6)]
     batcher, runner = make(dict(max_chunk_tokens=4))
     cleanup(batcher)

@@ -14,7 +14,7 @@ import transformers
 from ferrox_jax.config import EngineConfig
 from ferrox_jax.engine import Engine
 from ferrox_jax.plan import RowPlan
-from ferrox_jax.request import Job, SamplingParams
+from ferrox_jax.request import Job, RowSampling
 from ferrox_jax.runner import ModelRunner
 from models.loader import load_checkpoint
 from tests.engine_helpers import shuffled_blocks
@@ -85,7 +85,7 @@ def _generate(engine, jobs, prefix):
     ids = [f"{prefix}{i}" for i in range(len(jobs))]
     col = _Collector(ids)
     for request_id, (prompt, max_tokens) in zip(ids, jobs):
-        engine.submit(Job(request_id, tuple(prompt), max_tokens, SamplingParams(temperature=0.0),
+        engine.submit(Job(request_id, tuple(prompt), max_tokens, RowSampling(temperature=0.0),
                           ignore_eos=True), col)
     return [col.wait(i) for i in ids]
 

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ferrox_jax.config import EngineConfig
 from ferrox_jax.engine import Engine
-from ferrox_jax.request import Job, SamplingParams
+from ferrox_jax.request import Job, RowSampling
 from models.loader import open_checkpoint
 from tests.server_harness import free_port, wait_for_serve_process
 from models.known_shapes import write_config_folder
@@ -64,7 +64,7 @@ def _greedy_text_in_process(folder: Path, prompt: str, max_tokens: int) -> tuple
                 done.set()
 
         ids = tuple(engine.tokenizer.encode(prompt))
-        engine.submit(Job("again", ids, max_tokens, SamplingParams(temperature=0.0), ignore_eos=True),
+        engine.submit(Job("again", ids, max_tokens, RowSampling(temperature=0.0), ignore_eos=True),
                       on_event)
         assert done.wait(120), "the second load did not finish"
         return "".join(e.text for e in events), sum(len(e.token_ids) for e in events)

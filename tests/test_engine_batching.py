@@ -7,7 +7,7 @@ import pytest
 
 from ferrox_jax.config import EngineConfig
 from ferrox_jax.engine import Engine
-from ferrox_jax.request import Job, SamplingParams
+from ferrox_jax.request import Job, RowSampling
 
 TIMEOUT_S = 120
 
@@ -73,7 +73,7 @@ def _run(engine, jobs, sampling_for, prefix):
 
 def test_16_concurrent_greedy_jobs_equal_each_alone(engine):
     jobs = _jobs(16, seed=0)
-    greedy = lambda i: SamplingParams(temperature=0.0)
+    greedy = lambda i: RowSampling(temperature=0.0)
     together = _run(engine, jobs, greedy, "g")
     alone = [_run(engine, [job], greedy, f"a{i}-")[0] for i, job in enumerate(jobs)]
     assert [len(t) for t in together] == [m for _, m in jobs], "each job produced max_tokens tokens"
@@ -83,7 +83,7 @@ def test_16_concurrent_greedy_jobs_equal_each_alone(engine):
 
 def test_8_seeded_sampled_jobs_equal_each_alone(engine):
     jobs = _jobs(8, seed=1)
-    sampled = lambda i: SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1000 + i)
+    sampled = lambda i: RowSampling(temperature=0.9, top_p=0.95, top_k=40, seed=1000 + i)
     together = _run(engine, jobs, sampled, "s")
     alone = [_run(engine, [job], lambda _, i=i: sampled(i), f"sa{i}-")[0] for i, job in enumerate(jobs)]
     assert together == alone, "batching changed seeded samples"
@@ -91,7 +91,7 @@ def test_8_seeded_sampled_jobs_equal_each_alone(engine):
 
 def test_prefill_chunk_size_never_changes_tokens(tiny_llama, engine):
     jobs = _jobs(4, seed=2) + [(list(range(5, 205)), 8)]  # one 200-token prompt: many chunks
-    greedy = lambda i: SamplingParams(temperature=0.0)
+    greedy = lambda i: RowSampling(temperature=0.0)
     reference = _run(engine, jobs, greedy, "c32-")
     for chunk in (1, 7, 128):
         e = _engine(tiny_llama, prefill_chunk=chunk)
@@ -104,7 +104,7 @@ def test_prefill_chunk_size_never_changes_tokens(tiny_llama, engine):
 def test_cancelled_neighbour_leaves_other_rows_bit_identical(engine):
     jobs = _jobs(4, seed=3)
     jobs = [(p, 30) for p, _ in jobs]
-    greedy = lambda i: SamplingParams(temperature=0.0)
+    greedy = lambda i: RowSampling(temperature=0.0)
     reference = _run(engine, jobs, greedy, "r")
     col = Collector()
     for i in range(4):
@@ -134,7 +134,7 @@ def uncached(tiny_llama):
 def _run_logprobs(engine, prompts, prefix, max_tokens=12, n=1):
     """Greedy (n = 1) or seeded (n > 1) tokens and chosen-token logprobs of each prompt, run together."""
     col = Collector()
-    sampling = SamplingParams(temperature=0.0 if n == 1 else 0.8, seed=5, logprobs=1)
+    sampling = RowSampling(temperature=0.0 if n == 1 else 0.8, seed=5, logprobs=1)
     for i, prompt in enumerate(prompts):
         col.expect(f"{prefix}{i}", n)
     for i, prompt in enumerate(prompts):

@@ -9,7 +9,7 @@ import pytest
 
 from ferrox_jax.host_batch import BatchGeometry, HostBatch, SamplingArrays
 from ferrox_jax.plan import RowPlan, StepPlan
-from ferrox_jax.request import SamplingParams
+from ferrox_jax.request import RowSampling
 
 GEOMETRY = BatchGeometry(block_size=4, table_width=8, vocab_size=300)
 
@@ -17,8 +17,8 @@ GEOMETRY = BatchGeometry(block_size=4, table_width=8, vocab_size=300)
 def plan() -> StepPlan:
     """Two decode rows (one with penalties and a constraint), a middle chunk scoring its
     prompt, a pooling chunk, and a block copy."""
-    penalised = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=7, logprobs=3, presence_penalty=0.5,
-                               repetition_penalty=1.2, logit_bias=((5, 2.0),))
+    penalised = RowSampling(temperature=0.7, top_p=0.9, top_k=40, seed=7, logprobs=3, presence_penalty=0.5,
+                            repetition_penalty=1.2, logit_bias=((5, 2.0),))
     decode = (RowPlan(row_id=3, token_ids=(11,), start_pos=9, block_ids=(4, 5, 6), sample=True, sampling=penalised,
                       num_prompt_tokens=6, history_token_ids=tuple(range(20, 30)), is_constrained=True),
               RowPlan(row_id=8, token_ids=(12,), start_pos=2, block_ids=(7,), sample=True))

@@ -10,7 +10,7 @@ import pytest
 
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.prefix_cache import chain_hashes
-from ferrox_jax.request import Job, SamplingParams
+from ferrox_jax.request import Job, RowSampling
 from ferrox_jax.scheduler import Scheduler
 from tests.scripted import ByteTokenizer, ScriptedRunner, letters_token_fn, run_until_idle, tick
 
@@ -139,7 +139,7 @@ def test_n_rows_share_the_prompt_through_the_same_copy_on_write(prompt_len, cach
     if cached_first:
         run(scheduler, runner, spec("warm", prompt, max_tokens=1))
     num_plans = len(runner.plans)
-    multi = spec("multi", prompt, 6, n=3, sampling=SamplingParams(seed=3))
+    multi = spec("multi", prompt, 6, n=3, sampling=RowSampling(seed=3))
     outputs = run(scheduler, runner, multi)
     copies = [c for plan in runner.plans[num_plans:] for c in plan.block_copies]
     assert len(copies) == num_copies

@@ -8,7 +8,7 @@ import pytest
 from ferrox_jax.plan import RowPlan, StepPlan
 from ferrox_jax.host_batch import HostBatch, bitmask_words
 from ferrox_jax.step_output import run_plan, step_output
-from ferrox_jax.request import SamplingParams
+from ferrox_jax.request import RowSampling
 from tests.engine_helpers import generate_alone, make_runner, shuffled_blocks
 
 NUM_BLOCKS = 160
@@ -57,7 +57,7 @@ def test_batched_decode_equals_each_row_alone(runner):
     prompts = [_prompt(n, 10 + i) for i, n in enumerate(lengths)]
     ids = shuffled_blocks(8 * 10, NUM_BLOCKS, seed=3)
     blocks = [ids[i * 10:(i + 1) * 10] for i in range(8)]
-    greedy = SamplingParams(temperature=0.0, logprobs=20)
+    greedy = RowSampling(temperature=0.0, logprobs=20)
     firsts = []
     for i, p in enumerate(prompts):
         res = run_plan(runner, StepPlan(chunks=(RowPlan(row_id=i, token_ids=tuple(p), start_pos=0, block_ids=tuple(blocks[i]),
@@ -74,14 +74,14 @@ def test_batched_decode_equals_each_row_alone(runner):
 
 
 def test_seeded_row_samples_the_same_alone_and_in_a_batch_of_8(runner):
-    sampled = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    sampled = RowSampling(temperature=1.0, top_p=0.9, top_k=50, seed=1234)
     prompt = _prompt(12, 99)
     own = shuffled_blocks(6, NUM_BLOCKS, seed=5)
     alone = generate_alone(runner, prompt, 12, own, sampling=sampled)
     # Now the same row decodes inside a batch of 8 with different neighbours.
     others = [(_prompt(5 + 3 * i, 200 + i), shuffled_blocks(6, NUM_BLOCKS, seed=50 + i)) for i in range(7)]
     others = [(p, [b for b in bl if b not in own]) for p, bl in others]
-    greedy = SamplingParams(temperature=0.7, seed=7)
+    greedy = RowSampling(temperature=0.7, seed=7)
     rows = [(prompt, own, sampled)] + [(p, bl, greedy) for p, bl in others]
     outs = []
     for i, (p, bl, s) in enumerate(rows):
@@ -106,7 +106,7 @@ def test_mixed_workload_after_warmup_causes_zero_recompiles(runner):
         for r, p in enumerate(prompts):
             generate_alone(runner, p, 2, ids[r * per_row:(r + 1) * per_row], chunk=64)
         steps = tuple(RowPlan(row_id=r, token_ids=(5,), start_pos=len(p), block_ids=tuple(ids[r * per_row:(r + 1) * per_row]),
-                              sample=True, sampling=SamplingParams(temperature=0.8, top_p=0.5, seed=r))
+                              sample=True, sampling=RowSampling(temperature=0.8, top_p=0.5, seed=r))
                       for r, p in enumerate(prompts))
         run_plan(runner, StepPlan(decode=steps, block_copies=((ids[0], ids[-1]),)))
     assert runner.recompiles_after_warmup == before == 0, "a step shape escaped the warm-up buckets"
@@ -118,7 +118,7 @@ def test_prompt_logprobs_match_the_logits(runner):
     logits = runner.run_logits([RowPlan(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks, sample=False)])[0]
     logprobs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
     res = run_plan(runner, StepPlan(chunks=(RowPlan(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks,
-                                               sample=True, sampling=SamplingParams(temperature=0.0, logprobs=2),
+                                               sample=True, sampling=RowSampling(temperature=0.0, logprobs=2),
                                                prompt_logprobs=True),))).results[0]
     assert len(res.prompt_logprobs) == len(prompt) - 1
     want = [logprobs[i, prompt[i + 1]] for i in range(len(prompt) - 1)]
@@ -138,8 +138,8 @@ def test_a_masked_row_leaves_its_neighbours_bit_identical(runner, tiny_llama):
     prompts = [_prompt(n, 400 + n) for n in (3, 9, 17, 30)]
     ids = shuffled_blocks(4 * 6, NUM_BLOCKS, seed=11)
     blocks = [ids[i * 6:(i + 1) * 6] for i in range(4)]
-    settings = [SamplingParams(temperature=1.0, seed=3, logprobs=5), SamplingParams(temperature=0.0, logprobs=5),
-                SamplingParams(temperature=1.0, seed=4, logprobs=5), SamplingParams(temperature=0.9, top_k=20, seed=5)]
+    settings = [RowSampling(temperature=1.0, seed=3, logprobs=5), RowSampling(temperature=0.0, logprobs=5),
+                RowSampling(temperature=1.0, seed=4, logprobs=5), RowSampling(temperature=0.9, top_k=20, seed=5)]
     firsts = [generate_alone(runner, p, 1, blocks[i], sampling=settings[i])[0] for i, p in enumerate(prompts)]
     rows = [RowPlan(row_id=i, token_ids=(firsts[i],), start_pos=len(p), block_ids=tuple(blocks[i]), sample=True,
                     sampling=settings[i]) for i, p in enumerate(prompts)]
@@ -178,7 +178,7 @@ def test_a_mixed_step_equals_its_rows_run_apart(tiny_llama):
     prompts = [_prompt(n, 500 + n) for n in (5, 12, 30)]
     ids = shuffled_blocks(12 * 7, NUM_BLOCKS, seed=21)
     blocks = [tuple(ids[i * 12:(i + 1) * 12]) for i in range(7)]
-    greedy = SamplingParams(temperature=0.0, logprobs=5)
+    greedy = RowSampling(temperature=0.0, logprobs=5)
     firsts = [generate_alone(mixed, p, 1, blocks[i], sampling=greedy)[0] for i, p in enumerate(prompts)]
     decode = tuple(RowPlan(row_id=i, token_ids=(firsts[i],), start_pos=len(p), block_ids=blocks[i], sample=True,
                            sampling=greedy) for i, p in enumerate(prompts))

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from ferrox_jax.request import SamplingParams
+from ferrox_jax.request import RowSampling
 from ferrox_jax.request import Job, derive_row_seed
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.scheduler import Scheduler, blocks_to_reserve, check_admission
@@ -48,8 +48,8 @@ def prefill_positions(runner, row_id):
 # -- chunking, interleaving, FIFO ------------------------------------------------------
 
 SPECS = [req("p1", 1), req("p3", 3), req("p4", 4), req("p5", 5), req("p17", 17, 9),
-         req("p40", 40, 3), req("n3", 9, 7, n=3, sampling=SamplingParams(seed=11)),
-         req("n2", 8, 5, n=2, sampling=SamplingParams(seed=5))]
+         req("p40", 40, 3), req("n3", 9, 7, n=3, sampling=RowSampling(seed=11)),
+         req("n2", 8, 5, n=2, sampling=RowSampling(seed=5))]
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 128])
@@ -203,7 +203,7 @@ def test_max_seqs_counts_prefilling_prompts_and_all_n_rows():
 
 @pytest.mark.parametrize("prompt_len", [1, 4, 5, 9])  # (P - 1) % 4: 0 (one token), 3, 0, 0 and partial
 def test_n_rows_share_prompt_blocks_and_sample_like_single_rows_with_derived_seeds(prompt_len):
-    spec = req("multi", prompt_len, 6, n=3, sampling=SamplingParams(seed=7))
+    spec = req("multi", prompt_len, 6, n=3, sampling=RowSampling(seed=7))
     scheduler, runner = make()
     scheduler.add_job(spec)
     outputs = {}
@@ -212,7 +212,7 @@ def test_n_rows_share_prompt_blocks_and_sample_like_single_rows_with_derived_see
     assert scheduler.budget.num_reserved_blocks == total, "the job reserves blocks_to_reserve()"
     run_until_idle(scheduler, runner, outputs)
     for index in range(3):
-        single = req("multi", prompt_len, 6, sampling=SamplingParams(seed=derive_row_seed(7, index)))
+        single = req("multi", prompt_len, 6, sampling=RowSampling(seed=derive_row_seed(7, index)))
         assert outputs[("multi", index)].token_ids == outputs_alone(single)[("multi", 0)].token_ids, (
             f"row {index} must sample as a lone request with its derived seed")
     copies = [copy for plan in runner.plans for copy in plan.block_copies]
@@ -224,7 +224,7 @@ def test_n_rows_share_prompt_blocks_and_sample_like_single_rows_with_derived_see
 def test_n_rows_hold_fewer_blocks_than_n_separate_requests():
     # prompt 12 (11 prefilled = 2 full blocks + 3 positions), max_tokens 3 -> 4 blocks per row.
     scheduler, runner = make(token_fn=letters_token_fn())
-    scheduler.add_job(req("multi", 12, 3, n=3, sampling=SamplingParams(seed=1)))
+    scheduler.add_job(req("multi", 12, 3, n=3, sampling=RowSampling(seed=1)))
     run_until_idle(scheduler, runner)
     # 2 shared + 3 rows x 2 private (partial copy + one for the new tokens) = 8, not 3 x 4 = 12.
     assert scheduler.kv_blocks_peak == 8, f"peak {scheduler.kv_blocks_peak}: shared blocks count once"
@@ -290,7 +290,7 @@ def test_stop_string_across_tokens_ends_row_and_frees_blocks_in_the_same_tick():
 
 
 def test_logprobs_and_prompt_logprobs_are_reported_per_token():
-    spec = req("lp", 9, 3, sampling=SamplingParams(logprobs=2), prompt_logprobs=True)
+    spec = req("lp", 9, 3, sampling=RowSampling(logprobs=2), prompt_logprobs=True)
     scheduler, runner = make(chunk=4, token_fn=letters_token_fn())
     scheduler.add_job(spec)
     out = run_until_idle(scheduler, runner)[("lp", 0)]
@@ -424,7 +424,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.num_ids += 1
         spec = Job(request_id, FAMILIES[family][:prompt_len], max_tokens, n=n,
                    min_tokens=min(min_tokens, max_tokens), stop=stop,
-                   sampling=SamplingParams(seed=seed), prompt_logprobs=prompt_logprobs)
+                   sampling=RowSampling(seed=seed), prompt_logprobs=prompt_logprobs)
         refusal = check_admission(spec, self.limits)
         if refusal is None and self.scheduler.num_waiting >= QUEUE_CAP:
             refusal = ("queue_full", "")

@@ -10,7 +10,7 @@ from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.plan import RowPlan
 from ferrox_jax.grammar import GrammarCompiler
-from ferrox_jax.request import Job, SamplingParams
+from ferrox_jax.request import Job, RowSampling
 from ferrox_jax.scheduler import Scheduler
 from models.tokenizer import Tokenizer
 from tests.scripted import ScriptedRunner, run_until_idle, script_token_fn
@@ -75,7 +75,7 @@ def test_unconstrained_ignore_eos_still_writes_the_stop_token(tokenizer):
 def test_constrained_rows_carry_their_matcher_and_ignore_eos_bans_stop_tokens(tokenizer, compiler):
     grammar = GrammarSpec.regex(r"[0-9]{1,4}")
     out, _, runner = run(tokenizer, tokenizer.encode("1234"), compiler=compiler, grammar=grammar, ignore_eos=True,
-                         sampling=SamplingParams(logit_bias=((9, 1.5),)))
+                         sampling=RowSampling(logit_bias=((9, 1.5),)))
     assert out.text == "1234" and out.finish_reason == "stop", "four digits: nothing but a stop token can follow"
     sampled = [s for p in runner.plans for s in p.chunks + p.decode if s.sample]
     assert sampled and all(s.is_constrained for s in sampled), "every sampling step of the row is constrained"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ferrox_jax.config import SpeculativeConfig
-from ferrox_jax.request import Job, JobState, SamplingParams
+from ferrox_jax.request import Job, JobState, RowSampling
 from ferrox_jax.speculative import Speculator, count_accepted, propose_ngram
 from tests.engine_helpers import make_runner
 from tests.spec_driver import GREEDY, SPEC, STEP_ROWS, copy_prompt, drive, greedy_jobs
@@ -97,11 +97,11 @@ def test_rows_whose_next_token_depends_on_more_than_the_step_do_not_speculate():
     row = _row()
     row.matcher = object()
     assert speculator.max_drafts(row) == 0
-    assert speculator.max_drafts(_row(sampling=SamplingParams(temperature=0.0, presence_penalty=0.5))) == 0
-    assert speculator.max_drafts(_row(sampling=SamplingParams(temperature=0.0, repetition_penalty=1.1))) == 0
+    assert speculator.max_drafts(_row(sampling=RowSampling(temperature=0.0, presence_penalty=0.5))) == 0
+    assert speculator.max_drafts(_row(sampling=RowSampling(temperature=0.0, repetition_penalty=1.1))) == 0
     assert speculator.max_drafts(_row(min_tokens=3)) == 0
     # logit_bias is the same at every position
-    assert speculator.max_drafts(_row(sampling=SamplingParams(temperature=0.0, logit_bias=((5, 1.0),)))) == 4
+    assert speculator.max_drafts(_row(sampling=RowSampling(temperature=0.0, logit_bias=((5, 1.0),)))) == 4
     # 10 max_tokens, 8 generated: 1 more draft at most (2 tokens this step)
     row = _row()
     row.num_generated_tokens = 8
@@ -261,7 +261,7 @@ def test_stops_max_tokens_logprobs_n_and_prefix_cache_stay_exact(runners):
     reference = drive(runner, tok, greedy_jobs(tok, 40)[:1], None).tokens["r0"][0]
     stop_id = reference[9]
     stop_text = tok.decode(reference[12:14])
-    logprobs = SamplingParams(temperature=0.0, logprobs=2)
+    logprobs = RowSampling(temperature=0.0, logprobs=2)
     jobs = [Job(request_id="stop_id", prompt_token_ids=prompt, max_tokens=40, sampling=GREEDY,
                 stop_token_ids=(stop_id,)),
             Job(request_id="stop_str", prompt_token_ids=prompt, max_tokens=40, sampling=GREEDY,
@@ -300,7 +300,7 @@ PEAKED = ((A, 8.0), (B, 8.0))
 
 def _sampled_jobs(seed0, count, max_tokens, n=1):
     return [Job(request_id=f"j{i}", prompt_token_ids=(A, B) * 12, max_tokens=max_tokens, n=n,
-                sampling=SamplingParams(temperature=1.0, seed=seed0 + i, logit_bias=PEAKED))
+                sampling=RowSampling(temperature=1.0, seed=seed0 + i, logit_bias=PEAKED))
             for i in range(count)]
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from ferrox_jax.config import EngineConfig, SpeculativeConfig
 from ferrox_jax.draft import DraftModel
-from ferrox_jax.request import Job, SamplingParams
+from ferrox_jax.request import Job, RowSampling
 from ferrox_jax.runner import ModelRunner
 from tests.spec_driver import GREEDY, STEP_ROWS, copy_prompt, drive, greedy_jobs
 from tests.test_speculative import _CHI2_999, PEAKED, ROOT, _assert_same, _chi_square, _sampled_jobs
@@ -104,7 +104,7 @@ def test_stops_n_prefix_cache_and_cancel_keep_the_draft_consistent(target):
             Job(request_id="stop_str", prompt_token_ids=prompt, max_tokens=40, sampling=GREEDY,
                 stop=(tok.decode(reference[12:14]),)),
             Job(request_id="len", prompt_token_ids=prompt, max_tokens=7,
-                sampling=SamplingParams(temperature=0.0, logprobs=2)),
+                sampling=RowSampling(temperature=0.0, logprobs=2)),
             Job(request_id="n2", prompt_token_ids=prompt, max_tokens=20, sampling=GREEDY, n=2)]
     off = drive(runner, tok, jobs, None, max_rows=4)
     on = drive(runner, tok, jobs, DRAFT, max_rows=4)

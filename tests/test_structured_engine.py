@@ -14,7 +14,7 @@ import time
 import pytest
 
 from ferrox_jax.constraint import GrammarSpec
-from ferrox_jax.request import AdmissionError, Job, SamplingParams
+from ferrox_jax.request import AdmissionError, Job, RowSampling
 from tests.schema_check import check
 from tests.server_harness import tiny_engine
 
@@ -96,7 +96,7 @@ def test_sampled_schema_requests_all_parse_and_validate_over_100_seeds(engine, p
     before = engine.stats()
     grammar = GrammarSpec.json_schema(SCHEMA)
     collector = Collector()
-    requests = [Job(f"schema-{seed}", prompt, MAX_TOKENS, SamplingParams(temperature=1.0, seed=seed),
+    requests = [Job(f"schema-{seed}", prompt, MAX_TOKENS, RowSampling(temperature=1.0, seed=seed),
                     grammar=grammar) for seed in range(100)]
     ids = submit_all(engine, requests, collector)
     for request_id in ids:
@@ -114,7 +114,7 @@ def test_sampled_schema_requests_all_parse_and_validate_over_100_seeds(engine, p
 def test_the_same_seeds_unconstrained_are_not_json(engine, prompt):
     """Negative control: without the mask the tiny model does not write JSON by chance."""
     collector = Collector()
-    requests = [Job(f"free-{seed}", prompt, 40, SamplingParams(temperature=1.0, seed=seed))
+    requests = [Job(f"free-{seed}", prompt, 40, RowSampling(temperature=1.0, seed=seed))
                 for seed in range(10)]
     for request_id in submit_all(engine, requests, collector):
         with pytest.raises(ValueError):
@@ -126,7 +126,7 @@ def test_json_object_output_parses(engine, prompt):
     one; every object it closes parses."""
     grammar = GrammarSpec.json_object()
     collector = Collector()
-    requests = [Job(f"object-{seed}", prompt, 400, SamplingParams(temperature=0.7, seed=seed),
+    requests = [Job(f"object-{seed}", prompt, 400, RowSampling(temperature=0.7, seed=seed),
                     grammar=grammar) for seed in range(8)]
     closed = []
     for request_id in submit_all(engine, requests, collector):
@@ -141,7 +141,7 @@ def test_choice_stops_on_its_last_character_without_sampling_a_stop_token(engine
     choices = ["apple", "banana split", "cherry"]
     grammar = GrammarSpec.choice(choices)
     collector = Collector()
-    requests = [Job(f"choice-{seed}", prompt, 50, SamplingParams(temperature=1.0, seed=seed),
+    requests = [Job(f"choice-{seed}", prompt, 50, RowSampling(temperature=1.0, seed=seed),
                     grammar=grammar) for seed in range(6)]
     for request_id in submit_all(engine, requests, collector):
         assert collector.text(request_id) in choices
@@ -154,7 +154,7 @@ def test_ignore_eos_and_min_tokens_never_leave_a_row_without_an_allowed_token(en
     """Both ban the stop tokens with a -inf bias; the grammar's end must still end the row."""
     grammar = GrammarSpec.regex(r"[0-9]{1,6}")
     collector = Collector()
-    requests = [Job(f"bans-{i}", prompt, 30, SamplingParams(temperature=1.0, seed=i), grammar=grammar,
+    requests = [Job(f"bans-{i}", prompt, 30, RowSampling(temperature=1.0, seed=i), grammar=grammar,
                     ignore_eos=i % 2 == 0, min_tokens=30 if i % 3 == 0 else 0) for i in range(6)]
     for request_id in submit_all(engine, requests, collector):
         text = collector.text(request_id)
@@ -165,8 +165,8 @@ def test_ignore_eos_and_min_tokens_never_leave_a_row_without_an_allowed_token(en
 def test_constrained_neighbour_leaves_unconstrained_rows_bit_identical(engine, prompt):
     """Unconstrained rows alone, then batched with constrained rows: the same tokens."""
     grammar = GrammarSpec.json_schema(SCHEMA)
-    settings = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=1.0, seed=7, logprobs=3),
-                SamplingParams(temperature=0.8, top_p=0.9, seed=8, logprobs=3)]
+    settings = [RowSampling(temperature=0.0, logprobs=3), RowSampling(temperature=1.0, seed=7, logprobs=3),
+                RowSampling(temperature=0.8, top_p=0.9, seed=8, logprobs=3)]
 
     def free(i: int, tag: str) -> Job:
         return Job(f"{tag}-{i}", prompt + (i + 5,), 40, settings[i], ignore_eos=True)
@@ -175,7 +175,7 @@ def test_constrained_neighbour_leaves_unconstrained_rows_bit_identical(engine, p
     for i in range(3):
         submit_all(engine, [free(i, "alone")], alone)
     mixed = Collector()
-    constrained = [Job(f"masked-{i}", prompt, MAX_TOKENS, SamplingParams(temperature=1.0, seed=i),
+    constrained = [Job(f"masked-{i}", prompt, MAX_TOKENS, RowSampling(temperature=1.0, seed=i),
                        grammar=grammar) for i in range(3)]
     submit_all(engine, [x for i in range(3) for x in (constrained[i], free(i, "mixed"))], mixed)
     for i in range(3):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ferrox_jax.request import SamplingParams
+from ferrox_jax.request import RowSampling
 from ferrox_jax.host_batch import SamplingArrays
 from ferrox_jax.sampling import sample
 from ferrox_jax.token_mask import apply_token_bitmask
@@ -88,8 +88,8 @@ def test_sampler_only_picks_allowed_tokens_greedy_and_drawn():
         for t in ids:
             bitmask.view(np.uint32)[r, t // 32] |= np.uint32(1 << (t % 32))
     masked = jax.jit(apply_token_bitmask)(logits, bitmask)
-    settings = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=11),
-                SamplingParams(temperature=2.5, top_p=0.9, seed=5), SamplingParams(temperature=0.7, top_k=3, min_p=0.05, seed=9)]
+    settings = [RowSampling(temperature=0.0), RowSampling(temperature=1.0, seed=11),
+                RowSampling(temperature=2.5, top_p=0.9, seed=5), RowSampling(temperature=0.7, top_k=3, min_p=0.05, seed=9)]
     run = jax.jit(sample)
     for params in settings:
         for position in range(8):
@@ -111,8 +111,8 @@ def test_a_penalty_that_rounds_to_zero_never_brings_back_a_masked_token():
         bitmask.view(np.uint32)[:, 0] |= np.uint32(1 << t)
     history = tuple(range(0, vocab_size, 3))  # penalised: masked tokens and allowed token 6
     run = jax.jit(sample)
-    for params in (SamplingParams(temperature=0.0, repetition_penalty=5e-324),
-                   SamplingParams(temperature=1.0, repetition_penalty=5e-324, top_p=5e-324, seed=3)):
+    for params in (RowSampling(temperature=0.0, repetition_penalty=5e-324),
+                   RowSampling(temperature=1.0, repetition_penalty=5e-324, top_p=5e-324, seed=3)):
         batch = jax.device_put(SamplingArrays.build([params] * rows, [history] * rows, [0] * rows, vocab_size))
         tokens = np.asarray(run(jnp.asarray(logits), jnp.zeros(rows, jnp.int32), batch, jnp.asarray(bitmask))[0])
         assert set(tokens.tolist()) <= set(allowed), f"{params}: sampled {tokens}"

@@ -19,7 +19,7 @@ import numpy as np
 
 from ferrox_jax.config import EngineConfig
 from ferrox_jax.engine import Engine
-from ferrox_jax.request import Job, SamplingParams
+from ferrox_jax.request import Job, RowSampling
 
 NUM_JOBS, PROMPT_TOKENS, MAX_TOKENS = 16, 128, 64
 
@@ -47,7 +47,7 @@ def batch(engine: Engine, tag: str, seed: int) -> float:
     start = time.perf_counter()
     for i in range(NUM_JOBS):
         prompt = tuple(int(t) for t in rng.randint(100, 40000, PROMPT_TOKENS))
-        engine.submit(Job(f"{tag}-{i}", prompt, MAX_TOKENS, SamplingParams(temperature=0.0),
+        engine.submit(Job(f"{tag}-{i}", prompt, MAX_TOKENS, RowSampling(temperature=0.0),
                           ignore_eos=True), on_event)
     assert done.wait(3600), "batch did not finish"
     return time.perf_counter() - start

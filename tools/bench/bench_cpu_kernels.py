@@ -162,7 +162,7 @@ def attention(rows: list[int], contexts: list[int], repeats: int) -> None:
 
 def steps(rows: list[int], contexts: list[int], repeats: int) -> None:
     from ferrox_jax.plan import RowPlan, StepPlan
-    from ferrox_jax.request import SamplingParams
+    from ferrox_jax.request import RowSampling
     from ferrox_jax.runner import ModelRunner
     from models.loader import open_checkpoint
 
@@ -184,7 +184,7 @@ def steps(rows: list[int], contexts: list[int], repeats: int) -> None:
                                     max_chunk_tokens=16, max_context=640)
     print("| rows | context | " + " | ".join(f"{n} (ms)" for n in variants) + " |")
     print("|---|---|" + "---|" * len(variants))
-    greedy = SamplingParams(temperature=0.0)
+    greedy = RowSampling(temperature=0.0)
     for b in rows:
         tables = [tuple(range(1 + i * 40, 1 + (i + 1) * 40)) for i in range(b)]
         for ctx in contexts:

@@ -123,7 +123,7 @@ def _row_blocks(runner, tokens: int) -> int:
 def bench_prefill(engine, tokens_list: list[int], repeats: int = 3, deadline: float | None = None) -> dict:
     """Tokens/s of one prefill chunk of each size (one warm-up run, then `repeats` timed)."""
     from ferrox_jax.plan import RowPlan, StepPlan
-    from ferrox_jax.request import SamplingParams
+    from ferrox_jax.request import RowSampling
 
     runner, cfg = engine.runner, engine.model_config
     out: dict = {}
@@ -134,7 +134,7 @@ def bench_prefill(engine, tokens_list: list[int], repeats: int = 3, deadline: fl
         prompt = tuple(int(t) for t in np.random.RandomState(tokens).randint(10, cfg.vocab_size - 10, tokens))
         blocks = tuple(range(1, 1 + _row_blocks(runner, tokens)))
         plan = StepPlan(chunks=(RowPlan(row_id=0, token_ids=prompt, start_pos=0, block_ids=blocks, sample=True,
-                                         sampling=SamplingParams(temperature=0.0)),))
+                                         sampling=RowSampling(temperature=0.0)),))
         run_plan(runner, plan)
         t0 = time.perf_counter()
         for _ in range(repeats):
@@ -152,10 +152,10 @@ def bench_mixed(engine, decode_rows: int, context: int, chunk_tokens: int, chunk
     step and the chunk step apart. Reports the mixed step's time, its prompt tokens/s and
     what the same work costs as separate forwards (median of `steps` steps after one warm-up)."""
     from ferrox_jax.plan import RowPlan, StepPlan
-    from ferrox_jax.request import SamplingParams
+    from ferrox_jax.request import RowSampling
 
     runner, cfg = engine.runner, engine.model_config
-    greedy = SamplingParams(temperature=0.0)
+    greedy = RowSampling(temperature=0.0)
     per_row = _row_blocks(runner, context + steps + 2)
     chunk_blocks = _row_blocks(runner, chunk_tokens)
     need = decode_rows * per_row + max(chunks_list) * chunk_blocks
@@ -200,12 +200,12 @@ def bench_decode(engine, rows_list: list[int], contexts: list[int], steps: int,
     temperature 0.8 / top-p 0.95 (or greedily), `steps` timed steps after one warm-up step. Blocks are
     laid out row after row; the cache must hold max(rows) x (max(contexts) + steps + 1)."""
     from ferrox_jax.plan import RowPlan, StepPlan
-    from ferrox_jax.request import SamplingParams
+    from ferrox_jax.request import RowSampling
 
     runner, cfg = engine.runner, engine.model_config
     dtype_bytes = jnp.dtype(engine.model_card.kv_cache_dtype).itemsize
     per_row = _row_blocks(runner, max(contexts) + steps + 1)
-    sampling = SamplingParams(temperature=0.0) if greedy else SamplingParams(temperature=0.8, top_p=0.95, seed=1)
+    sampling = RowSampling(temperature=0.0) if greedy else RowSampling(temperature=0.8, top_p=0.95, seed=1)
     out: dict = {}
     for rows in rows_list:
         if rows * per_row >= runner.num_blocks:
@@ -255,7 +255,7 @@ def bench_runner(engine, rows_list: list[int], context: int, steps: int, greedy:
 
 def bench_batcher(engine, rows: int, prompt_tokens: int, max_tokens: int) -> dict:
     """Ticks/s and host overhead with `rows` jobs decoding through the real batcher."""
-    from ferrox_jax.request import Job, SamplingParams
+    from ferrox_jax.request import Job, RowSampling
 
     done = threading.Semaphore(0)
 
@@ -267,7 +267,7 @@ def bench_batcher(engine, rows: int, prompt_tokens: int, max_tokens: int) -> dic
     t0 = time.perf_counter()
     for i in range(rows):
         prompt = tuple(int(t) for t in np.random.RandomState(i).randint(10, 1000, prompt_tokens))
-        engine.submit(Job(f"bench-{i}", prompt, max_tokens, SamplingParams(temperature=0.8, seed=i),
+        engine.submit(Job(f"bench-{i}", prompt, max_tokens, RowSampling(temperature=0.8, seed=i),
                           ignore_eos=True), on_event)
     for _ in range(rows):
         done.acquire(timeout=600)

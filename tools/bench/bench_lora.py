@@ -70,12 +70,12 @@ def write_adapters(engine, folder: Path, count: int, rank: int, seed: int = 0) -
 def decode_step_s(engine, rows: int, slots: list[int], context: int, steps: int) -> float:
     """Seconds per decode step of `rows` rows at `context`, row r in slot slots[r % len]."""
     from ferrox_jax.plan import RowPlan, StepPlan
-    from ferrox_jax.request import SamplingParams
+    from ferrox_jax.request import RowSampling
 
     runner = engine.runner
     per_row = -(-(context + steps + 2) // runner.block_size)
     tables = [tuple(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(rows)]
-    greedy = SamplingParams(temperature=0.0)
+    greedy = RowSampling(temperature=0.0)
 
     def plan_at(pos):
         return StepPlan(decode=tuple(RowPlan(row_id=r, token_ids=(7,), start_pos=pos, block_ids=tables[r],

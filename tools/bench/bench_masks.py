@@ -28,7 +28,7 @@ from ferrox_jax.grammar import GrammarCompiler
 from ferrox_jax.plan import RowPlan, StepPlan
 from ferrox_jax.host_batch import HostBatch, bitmask_words
 from ferrox_jax.step_output import run_plan, step_output
-from ferrox_jax.request import SamplingParams
+from ferrox_jax.request import RowSampling
 
 # Records of a name, an age and a city; at least 64 of them, so no document ends mid-run.
 SCHEMA = {"type": "array", "minItems": 64, "items": {
@@ -44,7 +44,7 @@ def _prefill(runner, rows: int, prompt: list[int], blocks_per_row: int) -> list[
     for r in range(rows):
         blocks = list(range(1 + r * blocks_per_row, 1 + (r + 1) * blocks_per_row))
         step = RowPlan(row_id=r, token_ids=tuple(prompt), start_pos=0, block_ids=tuple(blocks), sample=True,
-                       sampling=SamplingParams(temperature=1.0, seed=r))
+                       sampling=RowSampling(temperature=1.0, seed=r))
         out.append((blocks, run_plan(runner, StepPlan(chunks=(step,))).results[r].token_id))
     return out
 
@@ -79,7 +79,7 @@ def bench_rows(engine, rows: int, steps: int, prompt: list[int]) -> dict:
     def plan(with_matchers: bool) -> StepPlan:
         return StepPlan(decode=tuple(
             RowPlan(row_id=r, token_ids=(tokens[r][-1],), start_pos=pos, block_ids=tuple(state[r][0]), sample=True,
-                    sampling=SamplingParams(temperature=1.0, seed=r), is_constrained=with_matchers)
+                    sampling=RowSampling(temperature=1.0, seed=r), is_constrained=with_matchers)
             for r in range(rows)))
 
     for _ in range(steps):

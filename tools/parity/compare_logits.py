@@ -95,11 +95,11 @@ class FerroxSide:
     def greedy(self, token_ids: list[int], num_tokens: int) -> list[int]:
         """Greedy continuation through the serving path: chunked prefill, then decode steps."""
         from ferrox_jax.plan import RowPlan, StepPlan
-        from ferrox_jax.request import SamplingParams
+        from ferrox_jax.request import RowSampling
 
         if num_tokens <= 0:
             return []
-        greedy = SamplingParams(temperature=0.0)
+        greedy = RowSampling(temperature=0.0)
         chunk = self.runner.max_chunk_tokens
         out: list[int] = []
         for pos in range(0, len(token_ids), chunk):

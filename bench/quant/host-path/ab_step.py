@@ -11,7 +11,7 @@ from ferrox_jax.host_batch import HostBatch
 from ferrox_jax.kv_cache import KVCache
 from ferrox_jax.padding import pad_batch
 from ferrox_jax.plan import RowPlan, StepPlan
-from ferrox_jax.request import SamplingParams
+from ferrox_jax.request import RowSampling
 from ferrox_jax.runner import ModelRunner
 from models.loader import open_checkpoint
 rows = [int(r) for r in sys.argv[1].split(",")]
@@ -20,7 +20,7 @@ model = source.build(quantization="gguf", decode_attention=cpu_kernels.decode_at
 cpu_kernels.pack_blocks_for_kernel(model)
 R = max(rows)
 runner = ModelRunner(model, num_blocks=40 * R + 1, block_size=16, max_rows=R, max_chunk_tokens=16, max_context=640)
-greedy = SamplingParams(temperature=0.0)
+greedy = RowSampling(temperature=0.0)
 old_kv = [jax.tree.map(jnp.zeros_like, runner.kv_cache)]
 old_exes = {}
 def old_model(state, kv, b):
