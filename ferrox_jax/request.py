@@ -22,6 +22,12 @@ prompt, whose only token every row computes itself. PREFILLING -> FINISHED_STOP 
 pooling job, which ends after its last prefill chunk with the pooled hidden state.)
 `_transition()` is the only code that changes a state; it checks `_ALLOWED_TRANSITIONS`
 and counts entries per state. Nothing is preempted, so no state leads back.
+
+A row's output life is on the row: the settings of its next draw (`Row.step_sampling`),
+each sampled token with its stop checks (`accept_token`: stop tokens, min_tokens, stop
+strings, its grammar, max_tokens), its end (`finish`) and the events its client gets
+(`take_event`). The scheduler (`ferrox_jax/scheduler.py`) decides when rows compute and
+owns their blocks; it calls these and counts what they report.
 """
 
 from __future__ import annotations
@@ -235,6 +241,8 @@ class AdmissionError(Exception):
 
 # ---------------------------------------------------------------- inside the engine
 
+_BANNED_LOGIT = float("-inf")  # logit bias masking a row's stop tokens before its min_tokens
+
 # Multiplier mixing a choice index into the request seed (2^32 / golden ratio): choices of
 # one request, and neighbouring seeds, get well-separated streams.
 _SEED_MIX = 0x9E3779B1
@@ -296,7 +304,8 @@ def derive_row_seed(seed: int, index: int) -> int:
 
 
 class Row:
-    """One sequence being generated. Mutable; touched only by the owner thread."""
+    """One sequence being generated, and its output life (module docstring). Mutable;
+    touched only by the owner thread."""
 
     def __init__(self, row_id: int, job: JobState, index: int, tokenizer: Any,
                  new_matcher: MatcherFactory | None = None) -> None:
@@ -315,7 +324,7 @@ class Row:
         self.num_named_blocks = 0  # leading blocks already entered in the prefix cache
         decoder = tokenizer if submitted.skip_special_tokens else SpecialTokensKept(tokenizer)
         self.text = TextStream(decoder, submitted.prompt_token_ids, submitted.stop)
-        # Grammar state, advanced only by the scheduler's _accept_token; the runner reads it.
+        # Grammar state, advanced only by `accept_token`; the owner thread's mask filling reads it.
         self.matcher = None
         if submitted.grammar is not None:
             if new_matcher is None:
@@ -334,6 +343,81 @@ class Row:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.job.submitted.prompt_token_ids)
+
+    # -- the row's output life: its next draw, each sampled token, its end, its events ----
+    # The scheduler decides when a row computes and owns its blocks; what a sampled token
+    # does to the row (stop checks, grammar, text, logprobs) and what the client hears of
+    # it are the row's own. `eos_token_ids` is the tokenizer's stop tokens, `counts` the
+    # scheduler's entries per state (`_transition`).
+
+    def step_sampling(self, eos_token_ids: frozenset[int]) -> RowSampling:
+        """The row's settings for its next draw, with its stop tokens banned while output <
+        min_tokens.
+
+        A constrained row's grammar ends on the tokenizer's stop tokens; with `ignore_eos`
+        they are banned for as long as it samples, so it goes on while the grammar can.
+        Banning them never leaves such a row without an allowed token: a row whose grammar
+        allows only a stop token has already finished (`accept_token`)."""
+        submitted = self.job.submitted
+        banned: set[int] = set()
+        if self.num_output_tokens < submitted.min_tokens:
+            banned = set(submitted.stop_token_ids) | (set() if submitted.ignore_eos else eos_token_ids)
+        if self.matcher is not None and submitted.ignore_eos:
+            banned |= eos_token_ids
+        if not banned:
+            return self.sampling
+        bias = dict(self.sampling.logit_bias)
+        bias.update((token_id, _BANNED_LOGIT) for token_id in sorted(banned))
+        return dataclasses.replace(self.sampling, logit_bias=tuple(bias.items()))
+
+    def penalty_history(self, eos_token_ids: frozenset[int]) -> tuple[int, ...]:
+        """The tokens the next draw's penalties and logit bias look at (prompt and output);
+        () when it has none, so an unpenalized row sends no history."""
+        return tuple(self.token_ids) if self.step_sampling(eos_token_ids).has_penalties else ()
+
+    def accept_token(self, result: RowResult, eos_token_ids: frozenset[int],
+                     counts: collections.Counter[RowState]) -> RowState | None:
+        """Records a sampled token and ends the row if it is a stop; returns the finished
+        state the row entered, or None while it goes on.
+
+        A constrained row first advances its grammar. A token the grammar rejects means its
+        mask was not applied (an engine bug): the row ends with an error. A stop token the
+        grammar accepted is its end; and once the grammar allows nothing but a stop token
+        the row ends at once, "stop", without spending a step on sampling it."""
+        submitted = self.job.submitted
+        token_id = result.token_id
+        self.num_generated_tokens += 1
+        matcher = self.matcher
+        if matcher is not None and not matcher.accept(token_id):
+            return self.finish(RowState.FINISHED_ERROR, counts,
+                               f"the output grammar rejected sampled token {token_id} ({matcher.error}); "
+                               "its token mask was not applied")
+        is_eos = token_id in eos_token_ids
+        is_grammar_end = matcher is not None and is_eos
+        is_stop_token = token_id in submitted.stop_token_ids or (not submitted.ignore_eos and is_eos)
+        if is_grammar_end or (is_stop_token and self.num_output_tokens >= submitted.min_tokens):
+            self.stop_token = result
+            return self.finish(RowState.FINISHED_STOP, counts)
+        self.token_ids.append(token_id)
+        self.new_token_ids.append(token_id)
+        if submitted.sampling.logprobs is not None:
+            self.new_logprobs.append(result)
+        self.new_text += self.text.add_token(token_id)
+        if self.text.is_stopped or (matcher is not None and matcher.is_finished):
+            return self.finish(RowState.FINISHED_STOP, counts)
+        if self.num_generated_tokens >= submitted.max_tokens:
+            return self.finish(RowState.FINISHED_LENGTH, counts)
+        return None
+
+    def finish(self, state: RowState, counts: collections.Counter[RowState], error: str | None = None,
+               code: str | None = None) -> RowState:
+        """Ends the row in `state` (with `error` and its kind `code` when it failed) and
+        releases the text the stop-string check held back; returns `state`. Its blocks are
+        the scheduler's to free."""
+        _transition(self, state, counts)
+        self.error, self.error_code = error, code
+        self.new_text += self.text.finish()
+        return state
 
     def take_event(self) -> RowEvent:
         """The row's output gathered this tick as one event (the job's prompt logprobs and

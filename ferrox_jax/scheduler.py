@@ -7,7 +7,7 @@ Owned by the batcher's owner thread (no locks). A tick, in the contract's order:
                  6 name the rows that may verify drafts (speculation)   7 measure the peak
     add_drafts(plan, proposer's drafts)  (speculation) the drafts join their rows
     the runner's step over the plan's host batch: one forward for the decode rows and the chunks
-    update():    8 apply results (advance progress, stop checks)   9 flush finished rows
+    update():    8 apply results (advance progress; each row takes its tokens)   9 flush finished rows
 
 Progress is `num_computed_tokens` catching up with `len(token_ids)`: a chunk is that
 catch-up capped by `max_chunk_tokens`, a decode row a catch-up of one. Every decoding row
@@ -25,6 +25,13 @@ tables and copies a shared block before a row writes into it; `update` names the
 step completed; finished rows release theirs. For `n > 1` the prompt (all but its last
 token) is prefilled once and each row then starts as a prefix hit on it, computing the
 last prompt token itself and sampling with its own seed.
+
+The scheduler does the scheduling: admission, blocks, chunking, budgets, and when each row
+computes. What a sampled token does to a row is the row's own (`ferrox_jax/request.py:Row`):
+its next draw's settings (`step_sampling`: stop tokens banned before min_tokens), taking a
+token with its stop checks, grammar and text (`accept_token`), its end (`finish`) and its
+events (`take_event`). The scheduler counts what they report and frees a finished row's
+blocks.
 """
 
 from __future__ import annotations
@@ -40,14 +47,12 @@ from ferrox_jax.block_tables import BlockTables, blocks_to_reserve  # noqa: F401
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.plan import RowPlan, StepOutput, StepPlan
 from ferrox_jax.speculative import Speculator
-from ferrox_jax.request import (Job, JobState, MatcherFactory, Row, RowEvent, RowResult, RowSampling, RowState,
-                                _transition)
+from ferrox_jax.request import Job, JobState, MatcherFactory, Row, RowEvent, RowResult, RowState, _transition
 
 # A cancel for a request id not seen yet is kept this long (the job's submit may still be on
 # its way), and at most this many are kept (ids that never arrive must not pile up).
 PENDING_CANCEL_TTL_S = 60.0
 MAX_PENDING_CANCELS = 1024
-_BANNED_LOGIT = float("-inf")  # logit bias masking stop tokens before min_tokens
 
 
 class Scheduler:
@@ -265,10 +270,10 @@ class Scheduler:
         return RowPlan(
             row_id=row.row_id, token_ids=prompt[start:end], start_pos=start,
             block_ids=tuple(job.prefill_block_ids), sample=sample,
-            sampling=self._step_sampling(row), prompt_logprobs=job.submitted.prompt_logprobs,
+            sampling=row.step_sampling(self._eos_token_ids), prompt_logprobs=job.submitted.prompt_logprobs,
             next_token_id=prompt[end] if end < len(prompt) else -1,
             num_prompt_tokens=len(prompt),
-            history_token_ids=self._history(row) if sample else (),
+            history_token_ids=row.penalty_history(self._eos_token_ids) if sample else (),
             is_constrained=sample and row.matcher is not None, pooling=job.submitted.pooling is not None,
             adapter_slot=job.adapter_slot)
 
@@ -281,9 +286,9 @@ class Scheduler:
             self.blocks.prepare_decode(row)
             steps.append(RowPlan(
                 row_id=row.row_id, token_ids=(row.token_ids[pos],), start_pos=pos,
-                block_ids=tuple(row.block_ids), sample=True, sampling=self._step_sampling(row),
+                block_ids=tuple(row.block_ids), sample=True, sampling=row.step_sampling(self._eos_token_ids),
                 num_prompt_tokens=len(row.job.submitted.prompt_token_ids),
-                history_token_ids=self._history(row), is_constrained=row.matcher is not None,
+                history_token_ids=row.penalty_history(self._eos_token_ids), is_constrained=row.matcher is not None,
                 adapter_slot=row.job.adapter_slot))
         return tuple(steps)
 
@@ -297,28 +302,6 @@ class Scheduler:
         assert num_owed == self.budget.num_owed_blocks, (
             f"jobs are owed {num_owed} blocks but the ledger promised {self.budget.num_owed_blocks}")
         self.kv_blocks_peak = max(self.kv_blocks_peak, num_held)
-
-    def _step_sampling(self, row: Row) -> RowSampling:
-        """The row's settings, with its stop tokens banned while output < min_tokens.
-
-        A constrained row's grammar ends on the tokenizer's stop tokens; with `ignore_eos`
-        they are banned for as long as it samples, so it goes on while the grammar can.
-        Banning them never leaves such a row without an allowed token: a row whose grammar
-        allows only a stop token has already finished (`_accept_token`)."""
-        submitted = row.job.submitted
-        banned: set[int] = set()
-        if row.num_output_tokens < submitted.min_tokens:
-            banned = set(submitted.stop_token_ids) | (set() if submitted.ignore_eos else self._eos_token_ids)
-        if row.matcher is not None and submitted.ignore_eos:
-            banned |= self._eos_token_ids
-        if not banned:
-            return row.sampling
-        bias = dict(row.sampling.logit_bias)
-        bias.update((token_id, _BANNED_LOGIT) for token_id in sorted(banned))
-        return dataclasses.replace(row.sampling, logit_bias=tuple(bias.items()))
-
-    def _history(self, row: Row) -> tuple[int, ...]:
-        return tuple(row.token_ids) if self._step_sampling(row).has_penalties else ()
 
     # -- applying results --------------------------------------------------------------
 
@@ -420,39 +403,14 @@ class Scheduler:
             self._decoding[row.row_id] = row
 
     def _accept_token(self, row: Row, result: RowResult) -> None:
-        """Records a sampled token and ends the row if it is a stop.
-
-        A constrained row first advances its grammar. A token the grammar rejects means its
-        mask was not applied (an engine bug): the row ends with an error. A stop token the
-        grammar accepted is its end; and once the grammar allows nothing but a stop token
-        the row ends at once, "stop", without spending a step on sampling it."""
-        submitted = row.job.submitted
-        token_id = result.token_id
-        row.num_generated_tokens += 1
+        """The row takes a sampled token (`Row.accept_token`: its stop checks, grammar and
+        text); the scheduler counts it, and queues the row's release if it ended."""
         self.tokens_generated += 1
-        matcher = row.matcher
-        if matcher is not None and not matcher.accept(token_id):
-            self.num_grammar_errors += 1
-            self._finish_row(row, RowState.FINISHED_ERROR,
-                             f"the output grammar rejected sampled token {token_id} ({matcher.error}); "
-                             "its token mask was not applied")
+        ended = row.accept_token(result, self._eos_token_ids, self.state_counts)
+        if ended is None:
             return
-        is_eos = token_id in self._eos_token_ids
-        is_grammar_end = matcher is not None and is_eos
-        is_stop_token = token_id in submitted.stop_token_ids or (not submitted.ignore_eos and is_eos)
-        if is_grammar_end or (is_stop_token and row.num_output_tokens >= submitted.min_tokens):
-            row.stop_token = result
-            self._finish_row(row, RowState.FINISHED_STOP)
-            return
-        row.token_ids.append(token_id)
-        row.new_token_ids.append(token_id)
-        if submitted.sampling.logprobs is not None:
-            row.new_logprobs.append(result)
-        row.new_text += row.text.add_token(token_id)
-        if row.text.is_stopped or (matcher is not None and matcher.is_finished):
-            self._finish_row(row, RowState.FINISHED_STOP)
-        elif row.num_generated_tokens >= submitted.max_tokens:
-            self._finish_row(row, RowState.FINISHED_LENGTH)
+        self.num_grammar_errors += ended is RowState.FINISHED_ERROR  # only the grammar's rejection ends it so
+        self._to_flush.append(row)
 
     # -- ending rows -------------------------------------------------------------------
 
@@ -474,9 +432,7 @@ class Scheduler:
                 self._finish_row(row, state, error, code)
 
     def _finish_row(self, row: Row, state: RowState, error: str | None = None, code: str | None = None) -> None:
-        _transition(row, state, self.state_counts)
-        row.error, row.error_code = error, code
-        row.new_text += row.text.finish()
+        row.finish(state, self.state_counts, error, code)
         self._to_flush.append(row)
 
     def _flush_finished(self) -> None:
