@@ -41,8 +41,7 @@ import time
 from typing import Any, Iterable, Sequence
 
 from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig
-from ferrox_jax.offline import (CompletionOutput, RequestOutput, SamplingParams, logprob_dict,
-                                to_job)
+from ferrox_jax.offline import CompletionOutput, RequestOutput, SamplingParams, logprob_dict, to_job
 from ferrox_jax.request import AdmissionError, Job, RowEvent
 
 # vLLM's engine-argument names -> EngineConfig's.
@@ -180,8 +179,7 @@ class LLM:
         for (_, ids), p in zip(prompts, params):
             if not ids:
                 raise ValueError("a prompt must contain at least one token")
-            jobs.append(to_job(p, f"offline-{next(self._ids)}", ids, engine.max_context,
-                                              self._grammar(p)))
+            jobs.append(to_job(p, f"offline-{next(self._ids)}", ids, engine.max_context, self._grammar(p)))
         results = [_Result(text, job, p, engine.tokenizer) for (text, _), job, p in zip(prompts, jobs, params)]
         events: queue.Queue[tuple[int, RowEvent]] = queue.Queue()
         progress = _Progress(len(jobs), use_tqdm)
