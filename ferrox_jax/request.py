@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -75,7 +76,8 @@ class RowSampling:
     temperature 0 means greedy. top_k 0 means off (as does a top_k of the vocabulary size or
     more, however large); top_p 1 and min_p 0 are off.
     `seed` makes the draw a function of (seed, position) only, so a row samples the same
-    tokens alone or in any batch. `logprobs` is None (not asked), or k in [0, 20]: the
+    tokens alone or in any batch; None asks the engine for a fresh one (`with_seed`, applied
+    once when the job is submitted). `logprobs` is None (not asked), or k in [0, 20]: the
     chosen token's logprob plus the top k (raw model logprobs, before temperature).
     Penalties follow vLLM: presence/frequency over generated tokens, repetition over
     prompt and generated tokens; `logit_bias` adds to the raw logits by token id.
@@ -85,7 +87,7 @@ class RowSampling:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    seed: int = 0
+    seed: int | None = 0
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -301,6 +303,15 @@ def derive_row_seed(seed: int, index: int) -> int:
     if index == 0:
         return seed
     return (seed + index * _SEED_MIX) & _SEED_MASK
+
+
+def with_seed(sampling: SamplingParams) -> SamplingParams:
+    """The seed rule, applied once where a job is submitted (`Engine.submit`): the seed the
+    client named, kept in int32 range where the choices' derived seeds live (so s and
+    s + 2^31 sample alike, as the offline API's do), or a fresh random one when it named
+    none, so unseeded jobs sample independently and their n choices differ."""
+    seed = random.getrandbits(31) if sampling.seed is None else sampling.seed & _SEED_MASK
+    return dataclasses.replace(sampling, seed=seed)
 
 
 class Row:
