@@ -51,7 +51,6 @@ Defaults are Anthropic's: temperature 1.0 (range [0, 1]), top_p and top_k off. R
 from __future__ import annotations
 
 import json
-import random
 import uuid
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -320,7 +319,7 @@ async def create_message() -> Response:
     api_id = f"msg_{uuid.uuid4().hex}"
     sampling = RowSampling(temperature=1.0 if body.temperature is None else body.temperature,
                            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-                           seed=random.getrandbits(31))
+                           seed=None)  # Messages has no seed: the engine draws one
     job = Job(request_id=api_id, prompt_token_ids=tuple(prompt), sampling=sampling,
               max_tokens=max_tokens(body.max_tokens, len(prompt), engine.max_context,
                                     state.config, "messages"),

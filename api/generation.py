@@ -137,9 +137,10 @@ class GenerationRun:
         self.inter_token_s: list[float] = []
         self.queue_s = 0.0  # the longest admission wait among its jobs
         self.abort_reason: str | None = None  # set by `abort` (drain): the run ends with a 503
-        # The whole-response cache (api/response_cache.py): `seeded` is set by an adapter
-        # whose request named its seed; `cache_status` is hit, miss or skip once submitted.
-        self.seeded = False
+        # The whole-response cache (api/response_cache.py): `seeded` when every job names its
+        # seed (an adapter passes the client's, or None for the engine to draw one at submit);
+        # `cache_status` is hit, miss or skip once submitted.
+        self.seeded = all(job.sampling.seed is not None for job in self.jobs)
         self.cache_status: str | None = None
         self._cache_key: str | None = None
         self._recorded: list[RowOutput] | None = None  # a miss's raw outputs, stored when it ends well
@@ -170,9 +171,10 @@ class GenerationRun:
         self.jobs = self._name_adapter(engine)
         if self._answer_from_cache():  # after the adapter is named in the jobs: it is part of the key
             return
+        queued = []
         try:
-            for job, request in enumerate(self.jobs):
-                engine.submit(request, self._callback(loop, job))
+            for index, job in enumerate(self.jobs):
+                queued.append(engine.submit(job, self._callback(loop, index)))
                 self._num_submitted += 1
         except AdmissionError as e:
             self._cancel_open()
@@ -180,6 +182,7 @@ class GenerationRun:
         except BaseException:
             self._cancel_open()
             raise
+        self.jobs = tuple(queued)  # as the engine runs them: each with the seed it samples with
         self.submitted_at = time.monotonic()
         self.state.inflight[self.api_id] = self
         self.state.stats.generating_now += 1
@@ -222,12 +225,13 @@ class GenerationRun:
         if all(o.event.finish_reason in (None, "stop", "length") for o in recorded):
             self.state.response_cache.store(self._cache_key, recorded)
 
-    def _callback(self, loop: asyncio.AbstractEventLoop, job: int):
+    def _callback(self, loop: asyncio.AbstractEventLoop, index: int):
+        """The event callback of job `index` of this run."""
         queue, n = self._queue, self.n
 
         def on_event(event: RowEvent) -> None:  # the engine's owner thread
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, RowOutput(job * n + event.index, job, event))
+                loop.call_soon_threadsafe(queue.put_nowait, RowOutput(index * n + event.index, index, event))
             except RuntimeError:  # the loop is closed: the server is gone, nobody reads
                 pass
 

@@ -5,9 +5,10 @@ Request (llama.cpp's names and defaults): `prompt` (a string, tokenized with the
 tokenizer's special tokens, or token ids as given), `n_predict` (-1 or absent: the room
 left in the context; 0: evaluate the prompt only), `temperature` 0.8, `top_k` 40, `top_p`
 0.95, `min_p` 0.05, `repeat_penalty` 1.0 (over prompt and output, vLLM's rule: there is no
-`repeat_last_n` window), `presence_penalty`, `frequency_penalty`, `seed` (-1: random),
-`stop`, `ignore_eos`, `stream`, `cache_prompt` (default true: the prefix cache serves what
-it can of the prompt and `tokens_cached` says how many tokens; false: the prompt is computed
+`repeat_last_n` window), `presence_penalty`, `frequency_penalty`, `seed` (-1: random; the
+engine draws it, and `generation_settings.seed` reports the one drawn), `stop`,
+`ignore_eos`, `stream`, `cache_prompt` (default true: the prefix cache serves what it can
+of the prompt and `tokens_cached` says how many tokens; false: the prompt is computed
 whole, `tokens_cached` 0, its blocks still cached for later requests), `return_tokens`
 (false: `tokens` is empty, as llama.cpp sends it; true: the generated token ids).
 
@@ -28,7 +29,6 @@ Errors, on these paths (`api/app.py` picks the envelope by route): llama.cpp's
 
 from __future__ import annotations
 
-import random
 import uuid
 from typing import Any
 
@@ -106,9 +106,8 @@ async def completion() -> Response:
     asked = None if body.n_predict == -1 else body.n_predict
     check_asked_tokens(asked, state.config, "n_predict")
     limit = max(1, max_tokens(asked, len(ids), engine.max_context, state.config, "prompt"))
-    seed = body.seed if body.seed >= 0 else random.getrandbits(31)
     sampling = RowSampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                           seed=seed & 0x7FFFFFFF, repetition_penalty=body.repeat_penalty,
+                           seed=body.seed if body.seed >= 0 else None, repetition_penalty=body.repeat_penalty,
                            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
     api_id = f"cmpl-{uuid.uuid4().hex}"
     job = Job(request_id=api_id, prompt_token_ids=tuple(ids), max_tokens=limit, sampling=sampling,
@@ -116,11 +115,10 @@ async def completion() -> Response:
               reads_prefix_cache=body.cache_prompt)
     run = GenerationRun(state, "/completion", api_id, [job], stream=body.stream, drop_output=asked == 0,
                         engine=engine, model=body.model)
-    run.seeded = body.seed >= 0
     settings = {"n_predict": body.n_predict, "n_ctx": engine.max_context, "temperature": body.temperature,
                 "top_k": body.top_k, "top_p": body.top_p, "min_p": body.min_p, "repeat_penalty": body.repeat_penalty,
                 "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
-                "seed": seed, "stop": body.stop, "ignore_eos": body.ignore_eos, "stream": body.stream,
+                "seed": body.seed, "stop": body.stop, "ignore_eos": body.ignore_eos, "stream": body.stream,
                 "cache_prompt": body.cache_prompt}
     reply = _Completion(run, engine.model_name, settings, body.return_tokens)
     generation.start(run)
@@ -177,11 +175,15 @@ class _Completion:
         """The whole reply; `content=""` for a stream's last event (its text went already)."""
         text = "".join(self.text) if content is None else content
         tokens = self.token_ids if self.return_tokens and content is None else []
+        settings = self.settings
+        drawn = self.run.jobs[0].sampling.seed  # what the engine drew for `seed: -1` (None: answered from cache)
+        if settings["seed"] < 0 and drawn is not None:
+            settings = {**settings, "seed": drawn}
         return {"index": 0, "content": text, "tokens": tokens, "id_slot": 0, "stop": True, "model": self.model,
                 "tokens_predicted": self.run.num_completion_tokens, "tokens_evaluated": self.run.num_prompt_tokens,
                 "tokens_cached": self.run.num_cached_tokens, "truncated": False, "has_new_line": "\n" in text,
                 "stop_type": self.stop_type, "stopping_word": self.stopping_word,
-                "generation_settings": self.settings, "timings": self._timings()}
+                "generation_settings": settings, "timings": self._timings()}
 
     def frames(self, output: RowOutput) -> list[bytes]:
         self.fold(output)

@@ -15,7 +15,6 @@ module is OpenAI's wire format only.
 from __future__ import annotations
 
 import json
-import random
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
@@ -100,15 +99,13 @@ async def cancel() -> Response:
 
 
 def _sampling(body: SamplingFields, engine: Engine, logprobs: int | None) -> RowSampling:
-    # The engine derives choice seeds in int32 range; keep the request's seed there too.
-    seed = body.seed if body.seed is not None else random.getrandbits(31)
     top_k = body.top_k or 0
     return RowSampling(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=0 if top_k < 0 else top_k,
         min_p=body.min_p or 0.0,
-        seed=seed & 0x7FFFFFFF,
+        seed=body.seed,  # None: the engine draws one (Engine.submit)
         logprobs=logprobs,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
@@ -211,7 +208,6 @@ async def completions() -> Response:
     echoes = [tok.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
     run = GenerationRun(state, "/v1/completions", api_id, reqs, stream=bool(body.stream), drop_output=zero_output,
                         engine=engine, model=body.model)
-    run.seeded = body.seed is not None
     return await _serve(run, body, CompletionShape(state.tokens_for(engine), body.logprobs), echoes)
 
 
@@ -258,7 +254,6 @@ async def chat_completions() -> Response:
     check_reply_entries(reqs, logprobs, state.config, param=asked_param)
     run = GenerationRun(state, "/v1/chat/completions", api_id, reqs, stream=bool(body.stream), engine=engine,
                         model=body.model)
-    run.seeded = body.seed is not None
     after = (lambda reply: _remember(state, session, messages, reply)) if session else None
     return await _serve(run, body, ChatShape(state.tokens_for(engine), logprobs), [""], chat.plan, after)
 

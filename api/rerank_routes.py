@@ -33,7 +33,6 @@ Errors use the OpenAI envelope.
 from __future__ import annotations
 
 import math
-import random
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -174,7 +173,7 @@ async def yes_no_scores(state: AppState, engine: Engine, route: str, api_id: str
     names = job_ids(api_id, 2 * len(prompts))
     for i, ids in enumerate(prompts):
         for k, token_id in enumerate((yes_id, no_id)):
-            sampling = RowSampling(temperature=0.0, seed=random.getrandbits(31), logprobs=0,
+            sampling = RowSampling(temperature=0.0, seed=None, logprobs=0,
                                    logit_bias=((token_id, BIAS),))
             jobs.append(Job(request_id=names[2 * i + k], prompt_token_ids=tuple(ids), max_tokens=1,
                             sampling=sampling, ignore_eos=True))

@@ -46,7 +46,6 @@ OpenAI envelope.
 
 from __future__ import annotations
 
-import random
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Literal
@@ -242,7 +241,8 @@ async def create_response() -> Response:
     grammar = await check_grammar(engine, plan.grammar, plan.grammar_param)
     api_id = f"resp_{uuid.uuid4().hex}"
     sampling = RowSampling(temperature=1.0 if body.temperature is None else body.temperature,
-                           top_p=1.0 if body.top_p is None else body.top_p, seed=random.getrandbits(31))
+                           top_p=1.0 if body.top_p is None else body.top_p,
+                           seed=None)  # Responses has no seed: the engine draws one
     limit = max_tokens(body.max_output_tokens, len(prompt), engine.max_context, state.config, "input")
     job = Job(request_id=api_id, prompt_token_ids=tuple(prompt), max_tokens=limit, sampling=sampling,
               grammar=grammar, skip_special_tokens=plan.skip_special_tokens)

@@ -37,7 +37,7 @@ from ferrox_jax.constraint import GrammarError, GrammarSpec
 from ferrox_jax.engine_builder import KVSizing, build_parts
 from ferrox_jax.lora_registry import LoadedAdapter, LoraRegistry, check_adapter_name
 from ferrox_jax.memory_bounds import MemoryBoundError, host_total_bytes
-from ferrox_jax.request import AdmissionError, Job
+from ferrox_jax.request import AdmissionError, Job, with_seed
 from ferrox_jax.runner import ModelRunner
 from ferrox_jax.runner_protocol import Runner
 from ferrox_jax.stats import BatcherStats
@@ -150,11 +150,15 @@ class Engine:
 
     # -- serving (any thread) -----------------------------------------------------------
 
-    def submit(self, job: Job, on_event: EventCallback) -> None:
+    def submit(self, job: Job, on_event: EventCallback) -> Job:
         """Queues a job; `on_event(RowEvent)` is then called from the engine's owner thread.
 
         A constrained request's grammar should have passed `check_grammar` first (on a
-        worker thread): here it is only looked up in the compile cache.
+        worker thread): here it is only looked up in the compile cache. The job's seed is
+        settled here and nowhere else (`with_seed`): the one it names, or a fresh one.
+
+        Returns:
+          The job as queued, with the seed it samples with.
 
         Raises:
           AdmissionError: refused, with a complete message; nothing is held for it.
@@ -163,7 +167,9 @@ class Engine:
         """
         if job.grammar is not None:
             self.check_grammar(job.grammar)
+        job = dataclasses.replace(job, sampling=with_seed(job.sampling))
         self._batcher.submit(job, on_event)
+        return job
 
     def cancel(self, request_id: str) -> bool:
         """Cancels a request; True if it was open. Idempotent."""

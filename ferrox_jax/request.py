@@ -305,7 +305,7 @@ def derive_row_seed(seed: int, index: int) -> int:
     return (seed + index * _SEED_MIX) & _SEED_MASK
 
 
-def with_seed(sampling: SamplingParams) -> SamplingParams:
+def with_seed(sampling: RowSampling) -> RowSampling:
     """The seed rule, applied once where a job is submitted (`Engine.submit`): the seed the
     client named, kept in int32 range where the choices' derived seeds live (so s and
     s + 2^31 sample alike, as the offline API's do), or a fresh random one when it named

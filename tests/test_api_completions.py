@@ -91,6 +91,15 @@ def test_seed_makes_sampling_reproducible(http):
     assert len(others | {first}) > 1, "different seeds sample different text"
 
 
+def test_the_engine_seeds_an_unseeded_request_and_masks_a_named_one(http):
+    body = dict(prompt="Numbers: 0 1 2", max_tokens=12, temperature=1.0, ignore_eos=True)
+    texts = [c["text"] for c in complete(http, **body, n=4)["choices"]]
+    assert len(set(texts)) > 1, "the n choices of an unseeded request sample apart"
+    # A seed is kept in int32 range: 2^40 + 7 and 7 share their low 31 bits.
+    assert complete(http, **body, seed=2**40 + 7)["choices"][0]["text"] == \
+        complete(http, **body, seed=7)["choices"][0]["text"], "a seed samples as its int32 part"
+
+
 def test_filters_that_leave_one_token_equal_greedy(http):
     body = dict(prompt="Continuous batching admits", max_tokens=8, ignore_eos=True)
     greedy = complete(http, **body, temperature=0)["choices"][0]["text"]

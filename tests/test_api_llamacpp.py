@@ -76,6 +76,16 @@ def test_sampling_fields_are_accepted(http):
     assert out["content"] == again["content"], "a seed makes the draw reproducible"
 
 
+def test_seed_minus_one_reports_the_seed_the_engine_drew(http):
+    sampled = dict(n_predict=8, temperature=1.0, ignore_eos=True)
+    drawn = complete(http, **sampled)  # seed -1
+    seed = drawn["generation_settings"]["seed"]
+    assert 0 <= seed < 2**31, "seed -1 reports the drawn seed, in int32 range"
+    again = complete(http, **sampled, seed=seed)
+    assert again["content"] == drawn["content"], "the reported seed reproduces the reply"
+    assert again["generation_settings"]["seed"] == seed, "a named seed is reported as sent"
+
+
 def test_stream_frames_end_with_one_stop_frame(http):
     whole = complete(http, n_predict=10)
     r = http.post("/completion", json={"prompt": PROMPT, "temperature": 0, "n_predict": 10, "stream": True})
