@@ -30,7 +30,7 @@ class Family:
     config_from_hf: Callable[[dict], ModelConfig]
     hf_layer_weights: WeightTable
     gguf_architectures: Mapping[str, str] = dataclasses.field(default_factory=dict)  # GGUF arch -> HF name
-    # (metadata, common fields) -> config; metadata: models.loaders.gguf.GGUFMetadata
+    # (metadata, common fields) -> config; metadata: models.gguf_metadata.GGUFMetadata
     config_from_gguf: Callable[[Any, dict], ModelConfig] | None = None
     gguf_layer_weights: WeightTable = dataclasses.field(default_factory=dict)
     gguf_non_parameters: tuple[str, ...] = ()  # GGUF tensors read as config, not weights

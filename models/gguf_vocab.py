@@ -10,18 +10,20 @@ Two kinds (`tokenizer.ggml.model`):
 Token types (llama.cpp's enum): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused,
 6 byte. Control and unknown tokens become special tokens (one id each, dropped by
 `decode(skip_special_tokens=True)`); user-defined ones become plain added tokens (one id
-each, kept on decode), as transformers does. `models/tokenizer.py` wraps the result.
+each, kept on decode), as transformers does. `models/tokenizer.py` wraps the result; the
+keys are read through `models/gguf_metadata.py`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
 from models.config import UnsupportedModelError
+from models.gguf_metadata import GGUFMetadata
 
 # GGUF token types (llama.cpp `llama_token_type`).
 TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 2, 3, 4
@@ -59,7 +61,7 @@ def gguf_backend(meta: GGUFMetadata) -> tuple[BackendTokenizer, bool]:
       UnsupportedModelError: a vocabulary kind or pre-tokenizer we cannot reproduce faithfully.
     """
     kind = meta.get("tokenizer.ggml.model")
-    tokens: list[str] = list(meta.require("tokenizer.ggml.tokens"))
+    tokens: list[str] = list(meta.require("tokenizer.ggml.tokens", "cannot build the tokenizer"))
     token_types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     if kind == "gpt2":
         pre = meta.get("tokenizer.ggml.pre") or "default"
@@ -77,26 +79,6 @@ def gguf_backend(meta: GGUFMetadata) -> tuple[BackendTokenizer, bool]:
         f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
         "'llama' (SentencePiece BPE)"
     )
-
-
-class GGUFMetadata:
-    """Uniform access to GGUF metadata from a GGUFReader or from a plain dict."""
-
-    def __init__(self, source: Any):
-        self._fields = getattr(source, "fields", None)
-        self._dict = None if self._fields is not None else dict(source)
-
-    def get(self, key: str) -> Any:
-        if self._dict is not None:
-            return self._dict.get(key)
-        field = self._fields.get(key)
-        return None if field is None else field.contents()
-
-    def require(self, key: str) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise ValueError(f"GGUF metadata has no {key!r}; cannot build the tokenizer")
-        return value
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -34,23 +34,19 @@ from pathlib import Path
 
 import numpy as np
 
+from models.gguf_metadata import GGUFMetadata
 from models.lora import LoraError, PeftAdapter, split_fused
 
 _LORA_NAME = re.compile(r"^blk\.(\d+)\.(.+)\.lora_([ab])$")
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _check_header(reader, name: str, family) -> str:
+def _check_header(meta: GGUFMetadata, name: str, family) -> str:
     """The file's GGUF architecture, after checking it is a LoRA adapter for `family`."""
-    if _field(reader, "general.type") != "adapter" or _field(reader, "adapter.type") != "lora":
+    if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
         raise LoraError("invalid_adapter", f"{name}: not a GGUF LoRA adapter (general.type "
-                                           f"{_field(reader, 'general.type')!r}, adapter.type "
-                                           f"{_field(reader, 'adapter.type')!r}; want 'adapter' and 'lora')")
-    arch = _field(reader, "general.architecture")
+                                           f"{meta.get('general.type')!r}, adapter.type "
+                                           f"{meta.get('adapter.type')!r}; want 'adapter' and 'lora')")
+    arch = meta.arch
     if arch not in family.gguf_architectures:
         raise LoraError("unsupported_architecture", f"{name}: an adapter for GGUF architecture {arch!r}; the model "
                                                     f"is {family.name} ({', '.join(family.gguf_architectures)})")
@@ -81,7 +77,8 @@ def read_gguf_adapter(path: str | Path, family, cfg, targets: dict[tuple[int, st
         reader = GGUFReader(str(path))
     except (ValueError, OSError) as e:
         raise LoraError("invalid_adapter", f"{path.name}: not a readable GGUF file ({e})") from None
-    arch = _check_header(reader, path.name, family)
+    meta = GGUFMetadata(reader)
+    arch = _check_header(meta, path.name, family)
     unpermute = arch in family.gguf_qk_permuted
     pairs: dict[tuple[int, str | tuple[str, ...]], dict[str, np.ndarray]] = {}
     for t in reader.tensors:
@@ -106,7 +103,7 @@ def read_gguf_adapter(path: str | Path, family, cfg, targets: dict[tuple[int, st
     rank = ranks.pop() if ranks else 0
     if rank > max_rank:
         raise LoraError("rank_too_large", f"adapter rank {rank} is larger than --max-lora-rank {max_rank}")
-    alpha = float(_field(reader, "adapter.lora.alpha", 0.0) or 0.0)
+    alpha = float(meta.get("adapter.lora.alpha", 0.0) or 0.0)
     scale = alpha / rank if alpha else 1.0  # llama.cpp's get_scale at adapter_scale 1
     return PeftAdapter(rank=rank, scale=scale, weights=split_fused(pairs, targets, rank, scale),
-                       base_model=_field(reader, "general.name"))
+                       base_model=meta.get("general.name"))

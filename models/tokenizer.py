@@ -21,7 +21,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from models.chat_template import FALLBACK_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError, hf_chat_template
 from models.config import CheckpointFileError, read_json_file
-from models.gguf_vocab import GGUFMetadata, gguf_backend, set_bos_eos_post_processor
+from models.gguf_metadata import GGUFMetadata
+from models.gguf_vocab import gguf_backend, set_bos_eos_post_processor
 
 __all__ = ["END_OF_TURN_TOKENS", "FALLBACK_CHAT_TEMPLATE", "ChatTemplateError", "Tokenizer"]
 
@@ -181,7 +182,7 @@ class Tokenizer:
         we cannot reproduce faithfully.
         """
         meta = GGUFMetadata(reader_or_metadata)
-        tokens: list[str] = list(meta.require("tokenizer.ggml.tokens"))
+        tokens: list[str] = list(meta.require("tokenizer.ggml.tokens", "cannot build the tokenizer"))
         backend, default_add_bos = gguf_backend(meta)
         bos = meta.get("tokenizer.ggml.bos_token_id")
         eos = meta.get("tokenizer.ggml.eos_token_id")

@@ -4,8 +4,9 @@ A GGUF file carries everything: the config as `{arch}.*` metadata keys, the toke
 `tokenizer.*` keys (rebuilt by `models.tokenizer.Tokenizer.from_gguf`), and the tensors,
 possibly block-quantized. `general.architecture` picks the family (`models/registry.py`:
 llama, qwen2, qwen3, gemma2, gemma3, phi3); the keys every family shares are read here,
-the family's own ones by its `config_from_gguf`, and its per-layer tensor names come
-from its `GGUF_LAYER_WEIGHTS` table. We dequantize each tensor to f32 with
+the family's own ones by its `config_from_gguf`, both through one `GGUFMetadata`
+(`models/gguf_metadata.py`, which the tokenizer reads too), and its per-layer tensor
+names come from its `GGUF_LAYER_WEIGHTS` table. We dequantize each tensor to f32 with
 `gguf.quants.dequantize` (only when `build_model` asks for it, so at most one
 dequantized tensor is alive at a time), bring it to our layout and let `build_model`
 check and place it.
@@ -46,6 +47,7 @@ from gguf.quants import dequantize
 from models.config import ModelConfig, RopeScaling, UnsupportedModelError
 from models.decoder import CausalLM
 from models.family import Family
+from models.gguf_metadata import GGUFMetadata
 from models.loaders.common import HostInt8, build_model, expected_params, map_layer_tensors
 from models.quant import GGUF_BLOCK, requantize_blocks
 from models.registry import SUPPORTED_GGUF_ARCHITECTURES, family_for, family_for_gguf
@@ -166,18 +168,6 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.bfloat16, progress=None) -> GGU
 # -- config ----------------------------------------------------------------------------
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _required(reader: GGUFReader, key: str):
-    value = _field(reader, key)
-    if value is None:
-        raise ValueError(f"GGUF metadata has no {key!r}")
-    return value
-
-
 def _scalar_per_model(value, key: str) -> int:
     """Some GGUFs store per-layer arrays; we need one value for every layer."""
     if isinstance(value, list):
@@ -187,41 +177,22 @@ def _scalar_per_model(value, key: str) -> int:
     return int(value)
 
 
-class GGUFMetadata:
-    """What a family's `config_from_gguf` reads: metadata keys and non-parameter tensors."""
-
-    def __init__(self, reader: GGUFReader, arch: str):
-        self.reader = reader
-        self.arch = arch
-        self._names = {t.name for t in reader.tensors}
-
-    def get(self, key: str, default=None):
-        return _field(self.reader, key, default)
-
-    def has_tensor(self, name: str) -> bool:
-        return name in self._names
-
-    def tensor(self, name: str) -> np.ndarray | None:
-        """A tensor dequantized to f32 (numpy order), or None when the file has none."""
-        found = next((t for t in self.reader.tensors if t.name == name), None)
-        return None if found is None else dequantize_tensor(found)
-
-
 def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     """The family's config from `general.architecture` and the `{arch}.*` keys, refusing
     what we can't run."""
-    arch = _field(reader, "general.architecture")
+    meta = GGUFMetadata(reader, dequantize=dequantize_tensor)  # what the family reads too
+    arch = meta.arch
     family = family_for_gguf(arch)
-    if _field(reader, f"{arch}.expert_count", 0):
+    if meta.get(f"{arch}.expert_count", 0):
         raise UnsupportedModelError(f"mixture-of-experts GGUF ({arch}.expert_count > 0) is not supported")
-    hidden = int(_required(reader, f"{arch}.embedding_length"))
-    num_heads = _scalar_per_model(_required(reader, f"{arch}.attention.head_count"), "attention.head_count")
+    hidden = int(meta.require(f"{arch}.embedding_length"))
+    num_heads = _scalar_per_model(meta.require(f"{arch}.attention.head_count"), "attention.head_count")
     num_kv_heads = _scalar_per_model(
-        _field(reader, f"{arch}.attention.head_count_kv", num_heads), "attention.head_count_kv"
+        meta.get(f"{arch}.attention.head_count_kv", num_heads), "attention.head_count_kv"
     )
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
-    value_dim = int(_field(reader, f"{arch}.attention.value_length", head_dim))
-    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
+    value_dim = int(meta.get(f"{arch}.attention.value_length", head_dim))
+    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     if value_dim != head_dim:
         raise UnsupportedModelError(f"key_length {head_dim} != value_length {value_dim} is not supported")
     if rope_dim > head_dim:
@@ -229,39 +200,39 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     tokens_field = reader.fields.get("tokenizer.ggml.tokens")
     if tokens_field is None:
         raise ValueError("GGUF metadata has no 'tokenizer.ggml.tokens'; cannot size the vocabulary")
-    names = {t.name for t in reader.tensors}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    rope_theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     fields = dict(
         vocab_size=len(tokens_field.data),
         hidden_size=hidden,
-        intermediate_size=_scalar_per_model(_required(reader, f"{arch}.feed_forward_length"), "feed_forward_length"),
-        num_layers=int(_required(reader, f"{arch}.block_count")),
+        intermediate_size=_scalar_per_model(meta.require(f"{arch}.feed_forward_length"), "feed_forward_length"),
+        num_layers=int(meta.require(f"{arch}.block_count")),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=rope_theta,
-        rope_scaling=_rope_scaling(reader, arch, rope_dim, rope_theta),
+        rope_scaling=_rope_scaling(meta, rope_dim, rope_theta),
         rotary_dim=rope_dim if rope_dim < head_dim else None,
-        tie_word_embeddings="output.weight" not in names,
+        tie_word_embeddings=not meta.has_tensor("output.weight"),
         architecture=GGUF_ARCHITECTURES[arch],
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
-    return family.config_from_gguf(GGUFMetadata(reader, arch), fields)
+    return family.config_from_gguf(meta, fields)
 
 
-def _rope_scaling(reader: GGUFReader, arch: str, head_dim: int, rope_theta: float) -> RopeScaling:
-    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
-    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+def _rope_scaling(meta: GGUFMetadata, head_dim: int, rope_theta: float) -> RopeScaling:
+    arch = meta.arch
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    freqs = meta.tensor("rope_freqs.weight")
     if freqs is not None:
-        return _llama3_scaling_from_freqs(np.asarray(dequantize_tensor(freqs)).reshape(-1), head_dim, rope_theta)
+        return _llama3_scaling_from_freqs(np.asarray(freqs).reshape(-1), head_dim, rope_theta)
     if kind in ("none", "") or (kind == "linear" and factor == 1.0):
         return RopeScaling()
-    if kind == "longrope" and any(t.name == "rope_factors_long.weight" for t in reader.tensors):
+    if kind == "longrope" and meta.has_tensor("rope_factors_long.weight"):
         return RopeScaling()  # its family reads the factor tensors (phi3)
     if kind == "linear":
         return RopeScaling("linear", factor=factor)
@@ -351,7 +322,7 @@ def gguf_tensors(reader: GGUFReader, cfg: ModelConfig) -> dict[str, Callable[[],
     tensor whose quantization type we cannot dequantize, before any work is done.
     """
     family: Family = family_for(cfg.architecture)
-    arch = _field(reader, "general.architecture")
+    arch = GGUFMetadata(reader).arch
     skip = GGUF_NON_PARAMETERS + family.gguf_non_parameters
     params = [t for t in reader.tensors if t.name not in skip]
     unsupported = [t for t in params if t.tensor_type not in SUPPORTED_TENSOR_TYPES]
@@ -446,7 +417,7 @@ def gguf_int8_tensors(reader: GGUFReader, cfg: ModelConfig) -> dict[str, Callabl
     `gguf_tensors`). Fused tensors (Phi-3's attn_qkv, ffn_up) split by rows, as the float
     path does; per-expert tensors are not read this way (the experts stay float)."""
     family: Family = family_for(cfg.architecture)
-    unpermute_qk = _field(reader, "general.architecture") in family.gguf_qk_permuted
+    unpermute_qk = GGUFMetadata(reader).arch in family.gguf_qk_permuted
     expected = expected_params(cfg)
     out: dict[str, Callable[[], HostInt8]] = {}
     for t in reader.tensors:
