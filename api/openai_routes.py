@@ -61,7 +61,7 @@ async def _body(model: type) -> Any:
 @blueprint.get("/v1/models")
 async def list_models() -> Response:
     engine = _state().require_engine()
-    card = _model_card(engine)
+    card = _model_object(engine)
     return json_response({"object": "list", "data": [card, *lora_cards(engine, card)]})
 
 
@@ -69,11 +69,12 @@ async def list_models() -> Response:
 async def get_model(name: str) -> Response:
     engine = _state().require_engine()
     check_model(name, engine)
-    card = _model_card(engine)
+    card = _model_object(engine)
     return json_response(next((c for c in lora_cards(engine, card) if c["id"] == name), card))
 
 
-def _model_card(engine: Engine) -> dict:
+def _model_object(engine: Engine) -> dict:
+    """The served model's `/v1/models` entry (`api/protocol.py:ModelObject`), from the engine's card."""
     created = int(time.time() - _state().stats.uptime_s())
     card = engine.model_card
     return {"id": card.id, "object": "model", "created": created, "owned_by": "ferrox",

@@ -284,7 +284,11 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class ModelCard(BaseModel):
+class ModelObject(BaseModel):
+    """One `/v1/models` entry on the wire (OpenAI's model object, with vLLM's `max_model_len`,
+    `root` and `parent`): the engine's `ModelCard` as `openai_routes._model_object` renders
+    it, and an adapter's entry (`api/lora_routes.py:lora_cards`) built from that."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -300,7 +304,7 @@ class ModelCard(BaseModel):
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
-    data: list[ModelCard]
+    data: list[ModelObject]
 
 
 class TokenizeResponse(BaseModel):

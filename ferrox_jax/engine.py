@@ -66,7 +66,9 @@ __all__ = (
 
 @dataclasses.dataclass(frozen=True)
 class ModelCard:
-    """What `/v1/models` and `/health` say about the served model."""
+    """What the engine says of the model it serves; the API renders it as `/v1/models`'
+    entry (its wire shape is `api/protocol.py:ModelObject`), in `/health`, `/admin/stats`
+    and `/metrics`."""
 
     id: str  # the name clients send as `model`
     architecture: str  # the checkpoint's (HF) architecture name
