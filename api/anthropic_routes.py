@@ -54,7 +54,7 @@ import json
 import uuid
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 from quart import Blueprint, Response, current_app, request
 
 from api import generation
@@ -64,6 +64,7 @@ from api.limits import check_asked_tokens, check_prompt_tokens, check_stop_strin
 from api.output_blocks import Block, BlockEvent, OutputBlocks
 from api.offload import parse_body_off_loop, run_cpu_if
 from api.prompts import chat_prompt, check_model, heavy_chat
+from api.protocol import StrictBody
 from api.sse import named_event as event, sse_response
 from api.state import AppState, json_response, state_of
 from api.structured import OutputPlan, ToolRequest, check_grammar, tool_request
@@ -91,17 +92,13 @@ def error_response(e: APIError) -> tuple[int, dict]:
 # ---------------------------------------------------------------- request shape
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
 def _text_or_blocks(v: Any, optional: bool = False) -> Any:
     if (v is None and optional) or isinstance(v, str) or (isinstance(v, list) and all(isinstance(b, dict) for b in v)):
         return v
     raise ValueError("must be a string or a list of content blocks")
 
 
-class MessageParam(_Strict):
+class MessageParam(StrictBody):
     # "system" is not Anthropic's (its system prompt is the top-level field), but recent
     # clients (Claude Code) send one inside `messages`: it is folded into the system prompt.
     role: Literal["user", "assistant", "system"]
@@ -113,7 +110,7 @@ class MessageParam(_Strict):
         return _text_or_blocks(v)
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(StrictBody):
     model: str
     messages: list[MessageParam] = Field(..., min_length=1)
     system: Any = None

@@ -19,7 +19,7 @@ import uuid
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import field_validator
 from quart import Blueprint, Response, current_app, request
 
 from api import generation
@@ -28,6 +28,7 @@ from api.generation import GenerationRun, RowOutput, job_ids
 from api.limits import check_fits_queue, check_prompt_tokens, check_token_ids
 from api.offload import parse_body_off_loop
 from api.prompts import check_model, encode
+from api.protocol import StrictBody
 from api.state import json_response, state_of
 from ferrox_jax.request import Job
 
@@ -41,9 +42,7 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
+class EmbeddingRequest(StrictBody):
     model: str | None = None
     input: Any
     encoding_format: Literal["float", "base64"] = "float"

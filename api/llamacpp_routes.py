@@ -32,7 +32,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 from quart import Blueprint, Response, current_app, request
 
 from api import generation
@@ -41,7 +41,7 @@ from api.generation import GenerationRun, RowOutput
 from api.limits import check_asked_tokens, check_prompt_tokens, check_stop_strings, check_token_ids, max_tokens
 from api.offload import parse_body_off_loop
 from api.prompts import check_model, encode
-from api.protocol import dumps
+from api.protocol import StrictBody, dumps
 from api.sse import KEEP_ALIVE_COMMENT, sse_response
 from api.state import json_response, state_of
 from ferrox_jax.request import Job, RowEvent, RowSampling
@@ -61,9 +61,7 @@ def error_response(e: APIError) -> tuple[int, dict]:
     return e.status, {"error": error}
 
 
-class LlamaCompletionRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
+class LlamaCompletionRequest(StrictBody):
     prompt: Any = Field(..., description="a string or a list of token ids")
     n_predict: int = Field(-1, ge=-1)
     temperature: float = Field(0.8, ge=0.0, le=2.0)

@@ -3,7 +3,8 @@
 Requests are validated here, before the engine sees them: bodies are parsed
 with pydantic in strict mode from the raw JSON, so `"temperature": "0.5"` or
 `"n": 1.0` is a 400 naming its `param` instead of a silent coercion. Unknown fields
-are ignored (tools built for vLLM send extras of their own).
+are ignored (tools built for vLLM send extras of their own). `StrictBody` says so once;
+every protocol's request models (here and in each adapter module) derive from it.
 
 Every refusal is an `APIError` (`api/errors.py`), rendered in the envelope of the route's
 protocol by `api/app.py`. Response *models* below exist for `/openapi.json`; handlers
@@ -24,15 +25,19 @@ from ferrox_jax.request import MAX_LOGPROBS
 # ---------------------------------------------------------------- request models
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
+    """The base of every request body the API parses, in every protocol: strict types (no
+    "0.5" for a float, no 1.0 for an int), unknown fields ignored (clients built for other
+    servers send extras of their own), no NaN or infinity."""
+
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictBody):
     include_usage: bool | None = False
 
 
-class JSONSchemaFormat(_Strict):
+class JSONSchemaFormat(StrictBody):
     """`response_format.json_schema`: OpenAI's structured-output schema."""
 
     name: str | None = None
@@ -43,12 +48,12 @@ class JSONSchemaFormat(_Strict):
     strict: bool | None = False
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class SamplingFields(_Strict):
+class SamplingFields(StrictBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -130,7 +135,7 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None  # str | list of {"type": "text", "text"} | None (assistant tool calls)
     name: str | None = None
@@ -183,7 +188,7 @@ class ChatCompletionRequest(SamplingFields):
     session_id: Any = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -193,12 +198,12 @@ class TokenizeRequest(_Strict):
     reasoning_effort: Any = None
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictBody):
     model: str | None = None
     tokens: list[int]
 
 
-class CancelRequest(_Strict):
+class CancelRequest(StrictBody):
     request_id: str
 
 

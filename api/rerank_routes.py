@@ -37,7 +37,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 from quart import Blueprint, Response, current_app, request
 
 from api import generation
@@ -46,7 +46,7 @@ from api.errors import APIError
 from api.generation import GenerationRun, RowOutput, job_ids
 from api.limits import check_prompt_tokens
 from api.prompts import check_model, encode
-from api.protocol import parse_body
+from api.protocol import StrictBody, parse_body
 from api.state import AppState, json_response, state_of
 from ferrox_jax.request import Job, RowSampling
 
@@ -86,10 +86,6 @@ def scheme_for(configured: str, engine: Engine) -> str:
     return "yes-no" if "rerank" in engine.model_name.lower() and has_answers else "embedding"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
 def _texts(v: Any, name: str) -> list[str]:
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not items:
@@ -104,7 +100,7 @@ def _texts(v: Any, name: str) -> list[str]:
     return out
 
 
-class RerankRequest(_Strict):
+class RerankRequest(StrictBody):
     model: str | None = None
     query: str
     documents: Any
@@ -120,7 +116,7 @@ class RerankRequest(_Strict):
         return _texts(v, "documents")
 
 
-class ScoreRequest(_Strict):
+class ScoreRequest(StrictBody):
     model: str | None = None
     text_1: Any
     text_2: Any

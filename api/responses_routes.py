@@ -50,7 +50,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 from quart import Blueprint, Response, current_app, request
 
 from api import generation
@@ -60,6 +60,7 @@ from api.limits import check_asked_tokens, check_prompt_tokens, max_tokens
 from api.output_blocks import Block, BlockEvent, OutputBlocks
 from api.offload import parse_body_off_loop, run_cpu_if
 from api.prompts import chat_prompt, check_model, heavy_chat
+from api.protocol import StrictBody
 from api.template_kwargs import template_kwargs
 from api.sse import named_event as event, sse_response
 from api.state import json_response, state_of
@@ -78,11 +79,7 @@ ROLES = ("user", "assistant", "system", "developer")
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-class ResponsesRequest(_Strict):
+class ResponsesRequest(StrictBody):
     model: str | None = None
     input: Any = Field(..., description="a string or a list of input items")
     instructions: str | None = None
