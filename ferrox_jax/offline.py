@@ -31,13 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 from typing import Any
 
 from ferrox_jax.constraint import GrammarSpec, grammar_syntax
 from ferrox_jax.request import MAX_LOGPROBS, Job, RowSampling, check_draw_ranges
 
-SEED_MASK = 0x7FFFFFFF  # seeds live in int32 range on the device; the server masks them the same way
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +139,7 @@ class SamplingParams:
             if is_set:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is not supported")
         check_draw_ranges("SamplingParams", self)  # the ranges the engine's RowSampling checks too
-        self.row_sampling(seed=0)  # and every valid SamplingParams converts
+        self.row_sampling()  # and every valid SamplingParams converts
 
     @property
     def stop_list(self) -> list[str]:
@@ -153,18 +151,15 @@ class SamplingParams:
     def constraint(self) -> StructuredOutputsParams | None:
         return self.structured_outputs if self.structured_outputs is not None else self.guided_decoding
 
-    def resolved_seed(self) -> int:
-        """The seed a prompt samples with: this one (masked to int32 as the server does) or a fresh one."""
-        return (self.seed if self.seed is not None else random.getrandbits(31)) & SEED_MASK
-
-    def row_sampling(self, seed: int) -> RowSampling:
-        """The engine's per-row settings. Logprobs: the larger of the two counts asked, since
-        the engine's `logprobs` sets the top-k of output and prompt tokens alike; each output
-        is cut back to its own count."""
+    def row_sampling(self) -> RowSampling:
+        """The engine's per-row settings. The seed is passed as given: None has the engine draw
+        one when the job is submitted (`ferrox_jax/request.py:with_seed`, the one seed rule).
+        Logprobs: the larger of the two counts asked, since the engine's `logprobs` sets the
+        top-k of output and prompt tokens alike; each output is cut back to its own count."""
         asked = [k for k in (self.logprobs, self.prompt_logprobs) if k is not None]
         return RowSampling(
             temperature=self.temperature, top_p=self.top_p, top_k=max(0, self.top_k), min_p=self.min_p,
-            seed=seed, logprobs=max(asked) if asked else None, presence_penalty=self.presence_penalty,
+            seed=self.seed, logprobs=max(asked) if asked else None, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logit_bias=tuple(sorted((int(t), float(b)) for t, b in (self.logit_bias or {}).items())))
 
@@ -183,7 +178,7 @@ def to_job(params: SamplingParams, request_id: str, prompt_ids: list[int], max_c
     max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
     return Job(
         request_id=request_id, prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens,
-        sampling=params.row_sampling(params.resolved_seed()), n=params.n, stop=tuple(params.stop_list),
+        sampling=params.row_sampling(), n=params.n, stop=tuple(params.stop_list),
         stop_token_ids=tuple(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
         min_tokens=min(params.min_tokens, max_tokens), prompt_logprobs=params.prompt_logprobs is not None,
         grammar=grammar, skip_special_tokens=params.skip_special_tokens)
