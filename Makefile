@@ -15,7 +15,7 @@ PYTEST_WORKERS ?= 2
 # ferrox's x86 CPU kernels (models/cpu_kernels.py); without a C++ compiler XLA runs everything.
 KERNEL := models/kernels/_ferrox_cpu.so
 
-# Headless Chromium for the browser tests (tests/test_web_*.py): Debian's package, installed
+# Headless Chromium for the browser tests (tests/system/test_web_*.py): Debian's package, installed
 # when it is missing and apt can run (root, or sudo without a password); the browser tests
 # skip without it, except under CI (CI=true), where they fail.
 CHROMIUM := $(shell command -v chromium 2>/dev/null)

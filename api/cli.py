@@ -105,7 +105,7 @@ def _add_settings(parser: argparse.ArgumentParser, defaults: dict[str, Any], ess
 
 def main(argv: Sequence[str] | None = None, wrap_runner: Callable[[Any], Any] | None = None) -> int:
     """`wrap_runner`: the engine builder's runner-wrapping hook for `serve`'s engines (test
-    fault injection, `tests/fault_serve.py`); None in every product use."""
+    fault injection, `tests/support/fault_serve.py`); None in every product use."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":

@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 document `/openapi.json` serves: every route, its body, its errors' envelope.
 
-Complete enough that a schema-driven fuzzer (schemathesis, tests/test_fuzz_schemathesis.py)
+Complete enough that a schema-driven fuzzer (schemathesis, tests/server/test_fuzz_schemathesis.py)
 drives every route with real bodies: each POST names its request schema (the pydantic
 model the handler parses, or a small JSON schema for the handlers that read a dict), each
 operation lists the statuses it answers and, for each error status, the envelope of its

@@ -78,7 +78,7 @@ def _entry_bytes(outputs: Sequence[RowOutput]) -> int:
     """What an entry holds, counted object by object (the sizes above): each output and its
     event, the event's text and token ids, its logprob results with their alternatives, and
     its prompt logprobs, whose items a job's choices share (counted once). Checked against
-    what tracemalloc sees a copy of a logprob-heavy entry take (tests/test_api_response_cache.py);
+    what tracemalloc sees a copy of a logprob-heavy entry take (tests/server/test_api_response_cache.py);
     counting the text and 8 bytes per token id alone under-counted such entries 15-24x."""
     if not outputs:
         return _ENTRY_BYTES

@@ -3,7 +3,7 @@
 `from ferrox_jax import LLM, SamplingParams` is the offline API (`ferrox_jax/llm.py`,
 `ferrox_jax/offline.py`: vLLM's names). They are imported on first use (module
 `__getattr__`), so importing the package, or a scheduler-side module under it, stays free
-of jax (tests/test_layering.py).
+of jax (tests/tools/test_layering.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Engine: the facade the API holds. Serves a loaded checkpoint through the batcher.
 
 The API reaches the engine only through this module (`docs/architecture.md`, "Rules";
-`tests/test_layering.py` enforces it): the `Engine` class (`submit`, `cancel`, `stats`,
+`tests/tools/test_layering.py` enforces it): the `Engine` class (`submit`, `cancel`, `stats`,
 `health`, `tokenizer`, `check_grammar`, `model_card`, `describe`, `memory_stats`,
 `checkpoint_path` and `resolve_checkpoint` for paths not loaded yet, `sleep` / `wake` and
 the checks before a state change (`check_rebuild`, `check_sleep`), the adapters (`adapters`,
@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # llguidance is imported only when structured output is set u
 
     from ferrox_jax.grammar import GrammarCompiler
 
-# What the API may take from this module (tests/test_layering.py checks every import of it).
+# What the API may take from this module (tests/tools/test_layering.py checks every import of it).
 __all__ = (
     "Engine", "ModelCard",
     "EngineConfig", "SpeculativeConfig", "DEFAULT_COMPILE_CACHE",  # what an engine is built from
@@ -123,7 +123,7 @@ class Engine:
         """Open, size, build and wire an engine (not yet warmed up or started): the parts
         come from `ferrox_jax/engine_builder.py:build_parts`, which knows nothing of this class.
         `wrap_runner`: the builder's one runner-wrapping hook (tests' fault injection,
-        `tests/faults.py`): the batcher drives `wrap_runner(runner)`.
+        `tests/support/faults.py`): the batcher drives `wrap_runner(runner)`.
 
         Raises:
           ValueError (a configuration this checkpoint or these devices cannot serve, named),

@@ -217,7 +217,7 @@ class MemoryPlan:
 def plan_memory(config: EngineConfig) -> MemoryPlan:
     """Weights and KV bytes of `config`'s engine, from abstract shapes (`nnx.eval_shape`):
     nothing is allocated and no weight is read, so an 8B or 70B shape sizes on a laptop.
-    Equal to what a loaded engine's `describe()` reports (tests/test_dummy_weights.py)."""
+    Equal to what a loaded engine's `describe()` reports (tests/models/test_dummy_weights.py)."""
     dtype = DTYPES[config.dtype or default_dtype_name()]
     source = open_checkpoint(config.model, load_format=config.load_format, seed=config.dummy_weights_seed)
     quantization = resolve_quantization(config, source, None)[0] if config.mesh_shape[1] == 1 else config.quantization

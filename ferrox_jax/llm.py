@@ -22,7 +22,7 @@ Same prompt, same tokens as the server: `generate` encodes a text prompt as
 with the checkpoint's chat template and encodes them as `/v1/chat/completions` does; the
 sampling settings map onto the engine's as the server maps a request's
 (`ferrox_jax/offline.py`). With the same seed (or greedy) the outputs equal the server's
-for the same settings (tests/test_offline_llm.py checks both).
+for the same settings (tests/server/test_offline_llm.py checks both).
 
 Prompts are submitted as fast as the engine's waiting queue takes them; a progress bar
 (`use_tqdm`) counts finished prompts with the prompt and output tokens/s so far. Results

@@ -49,7 +49,7 @@ MIB = 1 << 20
 INT32_MAX = 2**31 - 1
 MAX_KV_BLOCKS = INT32_MAX + 1  # block ids are int32: ids 0 .. INT32_MAX
 # models/attention.py ATTENTION_CHUNK_BLOCKS: block tables are a multiple of this wide (that
-# module imports jax; tests/test_memory_bounds.py keeps the two equal).
+# module imports jax; tests/engine/test_memory_bounds.py keeps the two equal).
 TABLE_ROUND_BLOCKS = 8
 # Prompt chunks per step when EngineConfig.max_batched_tokens is 0, by backend, measured on
 # CPU (docs/benchmarks.md, "One step for every row"): there one chunk already keeps the

@@ -15,8 +15,8 @@ level 2 the weights, given back to the device and taken again in the same shapes
 
 `ferrox_jax/runner.py:ModelRunner` is the device's runner, `ferrox_jax/multihost_runner.py`'s
 `BroadcastRunner` and `DraftSender` wrap one for a multi-process group, and
-`tests/scripted.py:ScriptedRunner` is the test double; all of them implement this
-protocol and nothing else public (`tests/test_runner_protocol.py` compares their methods
+`tests/support/scripted.py:ScriptedRunner` is the test double; all of them implement this
+protocol and nothing else public (`tests/engine/test_runner_protocol.py` compares their methods
 against this list), so nobody needs to write a runner's attributes, call its underscored
 methods, or ask whether it has something. A draft model (`--speculative draft`) is one more
 runner: the owner loop mirrors each target batch on it and proposes through its verbs

@@ -20,7 +20,7 @@ model as usual and then, on one CPU device with `--quantization w8a8`, runs
 bytes, transposed once at load), and `quantized_matmul` calls the custom call it names.
 The kernel quantizes the activations per row exactly as `quantize_rows` does and
 multiplies the int32 sums back in the same order: its products equal XLA's bit for bit
-(tests/test_cpu_kernels.py).
+(tests/models/test_cpu_kernels.py).
 
 The decode attention (`CpuDecodeAttention`, chosen by `--attention-impl auto|cpu` on a
 CPU backend) reads each key and value once through the block table, f32 or bfloat16

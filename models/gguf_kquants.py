@@ -5,7 +5,7 @@ these formats; `--quantization gguf` serves them as their bytes, as it does Q4_0
 Q8_0 (`models/gguf_blocks.py`, whose `BlockQuantizedWeight` holds them too: `fmt` names
 the format, and a row's inputs are in / 256 super-blocks of B bytes instead of in / 32
 blocks). The layouts are ggml's `block_q4_K` / `block_q5_K` / `block_q6_K`, checked
-against the `gguf` package's dequantizers (tests/test_block_matmul_k.py):
+against the `gguf` package's dequantizers (tests/models/test_block_matmul_k.py):
 
     Q4_K  B = 144  f16 d, f16 dmin, u8 scales[12], u8 qs[128]
     Q5_K  B = 176  f16 d, f16 dmin, u8 scales[12], u8 qh[32], u8 qs[128]

@@ -18,7 +18,7 @@ windows, soft-capping and sinks.
     output    f32 [tq * Gp, hdp] per program, zero where no span has the token
 
 Verified without a GPU: the kernel in Pallas interpret mode against the dense reference
-(tests/test_ragged_attention.py), and its lowering to Triton through
+(tests/models/test_ragged_attention.py), and its lowering to Triton through
 `jax.export(platforms=("cuda",))` in every compiled step (tools/device/export_steps.py). Triton's
 compile to PTX and every timing need a GPU (`tools/device/device_check.py`).
 """

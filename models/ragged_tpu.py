@@ -27,7 +27,7 @@ multiple of 8 (a sublane tile), and the block size a multiple of 8 (16 for a 16-
 cache) so that `tile_blocks` blocks fold into one [keys, hd] tile.
 
 What is verified without a TPU: the kernel in Pallas's TPU interpret mode against the
-dense reference (tests/test_ragged_attention.py), and its lowering to Mosaic through
+dense reference (tests/models/test_ragged_attention.py), and its lowering to Mosaic through
 `jax.export(platforms=("tpu",))` inside every compiled step (tools/device/export_steps.py). Mosaic's
 own compile (layouts, VMEM and SMEM limits) runs only on a TPU: not yet run.
 """

@@ -1,4 +1,23 @@
-"""Shared fixtures: tiny random checkpoints on disk, the persistent compile cache."""
+"""Fixtures every tier shares: tiny random checkpoints on disk, the persistent compile cache.
+
+The suite mirrors the tree, one folder per tier (a package each, so a test module is
+`tests.<tier>.<module>` under pytest and its xdist workers alike):
+
+    engine/   ferrox_jax/ without HTTP: scheduler, batcher, block budget, buckets, host batch,
+              runner, speculation, grammar, sampling (the scripted runner or a tiny model)
+    models/   models/: layers, attention, kernels, families against transformers, loaders,
+              quantization, tokenizer (tiny shapes, plus the default model's checks)
+    server/   api/: routes driven in-process (`support.server_harness.ServerThread` over a
+              shared tiny engine) and the API's own modules without a server
+    system/   whole processes: `ferrox serve` and the CLI as subprocesses, several devices or
+              processes, the browser, the router, the soak, lm-eval
+    tools/    tools/ and the tree's own rules (layering, product tree, the suite's timings)
+    support/  what the tiers share (no tests): tiny checkpoints, the scripted runner, the
+              server harness, fault injection, and the probes run as subprocesses
+
+`make test-fast` runs the engine, models and server tiers less their dearest files (the
+Makefile lists them and says why); `make test` runs everything.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +37,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """Lazily built tiny HF folders by variant ("llama", "qwen2", "llama3_rope")."""
-    from tests.tiny_model import make_tiny_checkpoint
+    from tests.support.tiny_model import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny")
     made: dict[str, Path] = {}

@@ -1,7 +1,7 @@
 """The lab beside the product: benchmarks, the device check, the soak, and the helpers that
 regenerate files the repository keeps. Nothing here ships in the wheel (pyproject.toml
 packages ferrox_jax, api and models only) and no module of those packages imports it
-(tests/test_product_tree.py). What tools and tests share lives in the product:
+(tests/tools/test_product_tree.py). What tools and tests share lives in the product:
 models/reference.py (reference logits and their metrics), models/known_shapes.py.
 
 Each group is a package; run a tool from the repository root as

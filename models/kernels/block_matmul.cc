@@ -38,7 +38,7 @@
 //   CPU has AVX-512 VNNI, AVX2's maddubs + madd elsewhere. Per block,
 //     d_w * d_x * sum_j q_j x_j  +  m_w * d_x * sum_j x_j      (Q4_0: m_w = -8 d_w)
 //   summed over blocks in float32. The integer sums are exact; only the float32 sum of
-//   the per-block terms rounds (tests/test_block_matmul.py checks both paths against
+//   the per-block terms rounds (tests/models/test_block_matmul.py checks both paths against
 //   float64 references).
 // Which ISA: chosen at run time from cpuid (`ferrox_block_isa`); both builds come from
 // block_matmul_body.inc (its integer path in block_matmul_int.inc). Columns are shared

@@ -23,7 +23,7 @@
 // registers, 16 weights at a time (w = a q + b, one FMA from the group's integers; on
 // AVX-512 from 16 rows into an L1 panel once for all rows), accumulated in float32. That
 // is the float32 product of the dequantized weights up to float32 rounding
-// (tests/test_block_matmul_k.py checks it against float64).
+// (tests/models/test_block_matmul_k.py checks it against float64).
 // Which ISA: AVX-512F where cpuid has it, AVX2 + FMA + F16C elsewhere (block_matmul_k_body.inc,
 // compiled once per ISA); FerroxBlockMatmulKAvx2 forces the AVX2 build so tests on an AVX-512
 // host check both. Columns are shared over XLA's intra-op pool (parallel.h); one thread

@@ -66,7 +66,7 @@ def products(rows: list[int], repeats: int) -> None:
 
 def blocks(rows: list[int], repeats: int) -> None:
     from models.gguf_blocks import block_matmul, make_weight, with_kernel
-    from tests.test_block_matmul import random_blocks
+    from tests.models.test_block_matmul import random_blocks
 
     amx, wide = cpu_kernels.block_amx(), cpu_kernels.block_isa() == "AVX-512 VNNI"
     print("| rows | [K, N] fmt | w8a8 kernel (µs) | blocks, float path (µs) | blocks, integer path (µs) "
@@ -109,8 +109,8 @@ def alternating_us(calls: list, repeats: int) -> list[float]:
 
 def kquants(rows: list[int], repeats: int) -> None:
     from models.gguf_blocks import block_matmul, dequantize_host, make_weight, with_kernel
-    from tests.kquant_blocks import random_k_blocks
-    from tests.test_block_matmul import random_blocks
+    from tests.support.kquant_blocks import random_k_blocks
+    from tests.models.test_block_matmul import random_blocks
 
     print("| rows | [K, N] | fmt | XLA dequantize + dot (µs) | kernel (µs) | kernel GB/s "
           "| kernel max error (f32 ulps of Σ|x||w|) |\n|---|---|---|---|---|---|---|")

@@ -183,7 +183,7 @@ def compare(replicas: list[str], gateway_port: int, log_dir: Path, users: int, t
 
 
 def main() -> None:
-    from tests.server_harness import free_port
+    from tests.support.server_harness import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="checkpoint the two replicas serve")

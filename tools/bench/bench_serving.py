@@ -6,7 +6,7 @@
 
 Any server works (ours, llama.cpp's, vLLM's): the client speaks plain HTTP + SSE through
 httpx, streams every request and times it from the client side. It is a tool, not a test:
-tests/test_bench_serving.py checks what it parses and counts, never its timings.
+tests/tools/test_bench_serving.py checks what it parses and counts, never its timings.
 
 One run, in order:
   1. Prompts (tools/bench/bench_prompts.py): synthetic prompts of exact token counts, counted

@@ -67,8 +67,9 @@ HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e
 BF16_FLOPS = 790e12  # H200, bf16 8192^3 matmul on random data, measured here (docs/gpu.md)
 # The test files whose tests apply on an accelerator; none imports api/ (no Quart, Hypercorn
 # or pydantic on the device machine).
-DEVICE_TESTS = ("tests/test_parity_hf.py", "tests/test_bf16.py", "tests/test_gpu_attention.py",
-                "tests/test_ragged_attention.py", "tests/test_dummy_weights.py", "tests/test_paged_attention.py")
+DEVICE_TESTS = ("tests/models/test_parity_hf.py", "tests/models/test_bf16.py", "tests/models/test_gpu_attention.py",
+                "tests/models/test_ragged_attention.py", "tests/models/test_dummy_weights.py",
+                "tests/models/test_paged_attention.py")
 REPO = Path(__file__).resolve().parents[2]
 
 FULL = Settings(shape="llama-3.1-8b", dtype="bfloat16", rows=(1, 8, 64, 256), contexts=(512, 2048),

@@ -143,7 +143,7 @@ def platform(settings: Settings, result: PhaseResult) -> None:
 def attention_candidates(backend: str) -> tuple[str, ...]:
     """The candidates timed on this backend ("jax" is the reference). Off a GPU only the
     XLA path runs: the interpreted Pallas kernels time a simulation (their correctness is
-    tests/test_gpu_attention.py's and tests/test_ragged_attention.py's)."""
+    tests/models/test_gpu_attention.py's and tests/models/test_ragged_attention.py's)."""
     from models.gpu_attention import GPU_BACKENDS
 
     if backend in GPU_BACKENDS:

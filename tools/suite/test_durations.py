@@ -21,11 +21,12 @@ import xml.etree.ElementTree as ET
 
 
 def file_seconds(junit_xml: str) -> dict[str, float]:
-    """{"tests/test_x.py": seconds} from a JUnit XML file written by pytest."""
+    """{"tests/engine/test_x.py": seconds} from a JUnit XML file written by pytest."""
     totals: collections.Counter[str] = collections.Counter()
     for case in ET.parse(junit_xml).getroot().iter("testcase"):
         module = case.get("classname", "").split(".")
-        # pytest writes classname "tests.test_x" (or "tests.test_x.TestClass").
+        # pytest writes classname "tests.engine.test_x" (or "tests.engine.test_x.TestClass"): the
+        # package path up to the module is the file's path under the repository.
         parts = [p for p in module if p]
         while parts and not parts[-1].startswith("test_"):
             parts.pop()

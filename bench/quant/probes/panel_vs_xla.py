@@ -5,7 +5,7 @@ import sys, pathlib; sys.path.insert(0, str(pathlib.Path(__file__).resolve().par
 import numpy as np, jax, jax.numpy as jnp
 from models import cpu_kernels
 from models.gguf_blocks import block_matmul, make_weight, with_kernel, dequantize_host
-from tests.test_block_matmul import random_blocks
+from tests.models.test_block_matmul import random_blocks
 from tools.bench.bench_cpu_kernels import alternating_us
 rng = np.random.default_rng(0)
 blocked = jax.jit(block_matmul); dot = jax.jit(lambda x, w: x @ w)

@@ -1,0 +1,100 @@
+"""K-quant super-blocks (models/gguf_kquants.py) and their kernel (block_matmul_k.cc).
+
+The layouts are checked against the `gguf` package's dequantizers on random bytes (every
+bit pattern), the products against float64 numpy, x @ dequantize(w)^T: the kernel sums in
+float32, so the tolerance is a few float32 ulps of sum |x_k w_k| per output element. Both
+builds run where the CPU has AVX-512 (the AVX2 one through its forced target).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from models import cpu_kernels
+from models.gguf_blocks import K_FORMATS, block_matmul, dequantize_blocks, dequantize_host, make_weight, with_kernel
+from tests.support.kquant_blocks import quantize_k, random_k_blocks
+from tests.models.test_block_matmul import activations, bound
+
+GGML = {"q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None,
+                                   reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_dequantize_equals_the_gguf_package(fmt):
+    blocks = random_k_blocks(fmt, 6, 512)
+    want = dequantize(blocks, GGML[fmt]).reshape(6, 512).astype(np.float64)
+    got = dequantize_host(blocks, fmt)
+    # gguf computes in float32: equal up to its one rounding of d * sc * q - dmin * m
+    np.testing.assert_allclose(got, want, rtol=2e-7, atol=1e-9)
+    jnp_got = np.asarray(dequantize_blocks(jnp.asarray(blocks), fmt))
+    np.testing.assert_allclose(jnp_got, got, rtol=2e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_test_quantizer_round_trips(fmt):
+    # tests/support/kquant_blocks.quantize_k: what the gguf package dequantizes is close to the input
+    w = np.random.default_rng(4).standard_normal((8, 512)).astype(np.float32) * 0.08
+    back = dequantize(quantize_k(w, fmt), GGML[fmt]).reshape(w.shape)
+    rel = np.sqrt(np.mean((back - w) ** 2) / np.mean(w ** 2))
+    assert rel < {"q4_k": 0.12, "q5_k": 0.06, "q6_k": 0.03}[fmt], f"{fmt}: relative rms error {rel:.3f}"
+
+
+def test_rows_must_hold_whole_super_blocks():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        make_weight(np.zeros((4, 144), np.uint8), "q4_k", 128)
+    with pytest.raises(ValueError, match=r"uint8\[out, 288\]"):
+        make_weight(np.zeros((4, 144), np.uint8), "q4_k", 512)
+    assert make_weight(random_k_blocks("q6_k", 3, 768), "q6_k", 768).shape == (768, 3)
+
+
+def check_product(fmt: str, rows: int, k: int, n: int, kernel: str | None, seed: int = 0) -> None:
+    blocks, x = random_k_blocks(fmt, n, k, seed=seed), activations(rows, k, seed=seed + 1)
+    w = dequantize_host(blocks, fmt)
+    weight = make_weight(blocks, fmt, k)
+    if kernel is not None:
+        weight = with_kernel(weight, kernel, 0)
+    got = np.asarray(jax.jit(block_matmul)(jnp.asarray(x), weight))
+    err = np.abs(got - x.astype(np.float64) @ w.T)
+    assert np.all(err <= bound(x, w)), f"{fmt} {rows}x[{k}, {n}] on {kernel}: max error {err.max():.3g}"
+
+
+def test_xla_path_matches_float64_reference():
+    for fmt in K_FORMATS:
+        check_product(fmt, 3, 512, 9, None)
+
+
+# 1, 4, 32 rows: one row, one whole 4-row tile, many tiles; 5: a tile and a remainder.
+# n = 37: nine 4-column tiles and a single column; k = 768: three super-blocks; n * k * rows
+# past 2^18 multiply-adds shares the columns over threads. On AVX-512, 16 rows and more run
+# over a dequantized panel of two super-blocks: 18 rows at k = 768 (pieces 512 + 256, 4-row
+# tiles and 2 single rows) and 32 at k = 1024 (512 + 512), 8-column panels of 4 x 4 tiles.
+SHAPES = [(1, 1536, 44), (4, 768, 37), (5, 256, 7), (18, 768, 37), (32, 1024, 37)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", K_FORMATS)
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_kernel_equals_float64_reference(fmt, rows, k, n):
+    check_product(fmt, rows, k, n, cpu_kernels.BLOCK_K_TARGET)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_avx2_build_equals_float64_reference(fmt):
+    # where the CPU has AVX-512 the auto target runs that build; this one forces AVX2's
+    for rows, k, n in ((1, 768, 37), (6, 512, 9)):
+        check_product(fmt, rows, k, n, cpu_kernels.BLOCK_K_AVX2_TARGET, seed=3)
+
+
+@needs_kernels
+def test_pack_points_k_quants_at_their_kernel():
+    assert cpu_kernels.block_target("q6_k") == cpu_kernels.BLOCK_K_TARGET
+    assert cpu_kernels.block_target("q4_1") == cpu_kernels.BLOCK_TARGET
+    assert cpu_kernels.block_k_isa() in ("AVX-512", "AVX2")
