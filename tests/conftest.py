@@ -33,6 +33,19 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# Property tests (the scheduler's state machines, the request fuzzers) draw the same
+# examples on every run, seeded from each test's own hash: a red run is the code's doing
+# and repeats, never a draw nobody can reproduce. A test's own settings inherit this
+# profile; `pytest --hypothesis-profile=default` draws fresh examples when hunting.
+# Guarded: the accelerator image runs the device tests without hypothesis.
+try:
+    from hypothesis import settings as _hypothesis_settings
+except ImportError:
+    pass
+else:
+    _hypothesis_settings.register_profile("derandomized", derandomize=True, database=None)
+    _hypothesis_settings.load_profile("derandomized")
+
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
