@@ -20,7 +20,7 @@ KERNEL := models/kernels/_ferrox_cpu.so
 # skip without it, except under CI (CI=true), where they fail.
 CHROMIUM := $(shell command -v chromium 2>/dev/null)
 
-.PHONY: venv serve test bench clean browser maps
+.PHONY: venv serve test test-fast bench clean browser maps
 
 venv: $(STAMP) $(KERNEL)
 
@@ -41,6 +41,45 @@ serve: $(STAMP) $(KERNEL)
 # The 25 slowest tests close the report: the suite's budget is 30 minutes on CI's 2 cores.
 test: $(STAMP) $(KERNEL) browser maps
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
+
+# `make test-fast`, the loop while editing: under 5 minutes on 2 cores from a clean clone.
+# The tiers that run in this process (tests/engine, tests/models, tests/server: servers in
+# process, one device, no browser), less the tests marked `slow` (they load the default 135M
+# model) and the files below, each dearer than what it adds to a quick check (seconds from
+# tests/durations.json; what is left there sums to about 430 s, split over the two workers):
+# - the engine's files over a real tiny model rather than the scripted runner: speculation's
+#   token-identity runs (218 s and 40 s: three families, a chi-square over sampled rows, a
+#   tensor-parallel subprocess), batching and chunking against lone runs (44 s) and the
+#   runner's bucketed steps (32 s); the scheduler, batcher and block budget against the
+#   scripted runner, and served speculation (tests/server/test_api_speculative.py), run here;
+# - the schema-driven fuzzer (25 s, a fresh server per route that changes what is served);
+#   the request-body fuzzer (tests/server/test_fuzz.py) runs here;
+# - whole engines per quantization (139 s), LoRA against peft (37 s), block and K-quant
+#   GGUFs against transformers (24 s, 20 s), and each family against transformers (12-31 s
+#   a file); the tiny Llama and Qwen2 against transformers (test_parity_hf.py) and the GGUF
+#   loader run here;
+# - the kernels: ferrox's CPU kernels (70 s) and the Pallas kernels in interpret mode (TPU
+#   paged attention 22 s, the GPU candidates 13 s, the ragged kernels); paged and windowed
+#   attention against their dense references run here;
+# - bfloat16 against float32 (19 s) and synthetic weights (29 s, with a sharded subprocess).
+# `make test` runs all of them; the system and tools tiers run only there.
+FAST_TIERS := tests/engine tests/models tests/server
+FAST_SKIP := \
+	tests/engine/test_speculative.py tests/engine/test_speculative_draft.py \
+	tests/engine/test_engine_batching.py tests/engine/test_runner.py \
+	tests/server/test_fuzz_schemathesis.py \
+	tests/models/test_quant.py tests/models/test_lora_peft.py \
+	tests/models/test_gguf_blocks.py tests/models/test_gguf_kquants.py \
+	tests/models/test_family_gemma2.py tests/models/test_family_gemma3.py tests/models/test_family_llama.py \
+	tests/models/test_family_mixtral.py tests/models/test_family_phi3.py tests/models/test_family_qwen3.py \
+	tests/models/test_family_qwen3_moe.py \
+	tests/models/test_cpu_kernels.py tests/models/test_pallas_attention.py \
+	tests/models/test_ragged_attention.py tests/models/test_gpu_attention.py \
+	tests/models/test_bf16.py tests/models/test_dummy_weights.py
+
+test-fast: $(STAMP) $(KERNEL)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10 -m "not slow" \
+	  $(addprefix --ignore=,$(FAST_SKIP)) $(PYTEST_ARGS) $(FAST_TIERS)
 
 browser:
 ifeq ($(CHROMIUM),)

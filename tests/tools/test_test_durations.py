@@ -31,3 +31,11 @@ def test_the_table_names_files_that_exist():
     root = Path(__file__).resolve().parents[2]
     missing = [name for name in table if not (root / name).exists()]
     assert table and not missing, f"tests/durations.json names files that are gone: {missing}"
+
+
+def test_a_file_in_a_tier_folder_keeps_its_folder(tmp_path):
+    report = tmp_path / "junit.xml"
+    report.write_text(JUNIT.replace('"tests.test_fast', '"tests.engine.test_fast')
+                      .replace('"tests.test_slow', '"tests.server.test_slow'))
+    seconds = file_seconds(str(report))
+    assert seconds == {"tests/server/test_slow.py": 12.3, "tests/engine/test_fast.py": 1.5}
