@@ -1,6 +1,6 @@
 """A row's output life on the row (`ferrox_jax/request.py:Row`), driven by hand with no
 scheduler and no device: what each sampled token does to it, when it ends, what its event
-carries. (tests/test_scheduler.py runs the same rules through whole ticks.)"""
+carries. (tests/engine/test_scheduler.py runs the same rules through whole ticks.)"""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import collections
 import math
 
 from ferrox_jax.request import Job, JobState, RowResult, RowState, _transition
-from tests.scripted import EOS, ByteTokenizer
+from tests.support.scripted import EOS, ByteTokenizer
 
 STOPS = frozenset({EOS})  # the tokenizer's stop tokens, as the scheduler passes them
 

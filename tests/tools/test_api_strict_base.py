@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-API = Path(__file__).resolve().parent.parent / "api"
+API = Path(__file__).resolve().parents[2] / "api"
 BASE_MODULE = "protocol.py"  # where StrictBody and the response models (plain BaseModel) live
 
 
