@@ -86,6 +86,15 @@ def test_sampling_defaults_and_extra_body_fields(claude, model, http):
     body = {"model": model, "max_tokens": 4, "messages": MESSAGES}
     for extra in ({"temperature": 0.7, "top_p": 0.9, "top_k": 5}, {"metadata": {"user_id": "u1"}}):
         assert http.post("/v1/messages", json={**body, **extra}).status_code == 200
+
+    def text(**extra) -> str:
+        r = http.post("/v1/messages", json={**body, "max_tokens": 12, "ignore_eos": True, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["content"][0]["text"]
+
+    greedy = text(temperature=0)
+    assert text(temperature=1.0, top_k=1) == greedy, "top_k 1 keeps only the greedy token"
+    assert text(temperature=1.0, top_p=1e-6) == greedy, "a tiny top_p keeps only the greedy token"
     r = http.post("/v1/messages", json={**body, "temperature": 1.5})
     assert r.status_code == 400 and "temperature" in r.json()["error"]["message"], "Anthropic's range is [0, 1]"
 

@@ -25,8 +25,13 @@ def chat(http, **body):
     return r.json()
 
 
+def prompt_ids(http, messages) -> list[int]:
+    """The prompt's token ids as the chat route renders and tokenizes `messages`."""
+    return http.post("/v1/tokenize", json={"messages": messages}).json()["tokens"]
+
+
 def prompt_count(http, messages) -> int:
-    return http.post("/v1/tokenize", json={"messages": messages}).json()["count"]
+    return len(prompt_ids(http, messages))
 
 
 def test_chat_with_the_openai_client(client, http, model):
@@ -44,8 +49,8 @@ def test_chat_with_the_openai_client(client, http, model):
 def test_the_prompt_is_the_chat_template(http):
     rendered = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHello world!<|im_end|>\n" \
                "<|im_start|>assistant\n"  # tests/support/tiny_model.py's CHATML_TEMPLATE by hand
-    assert prompt_count(http, MESSAGES) == http.post(
-        "/v1/tokenize", json={"prompt": rendered, "add_special_tokens": False}).json()["count"]
+    assert prompt_ids(http, MESSAGES) == http.post(
+        "/v1/tokenize", json={"prompt": rendered, "add_special_tokens": False}).json()["tokens"]
 
 
 def test_all_roles_and_text_parts(http):
@@ -60,7 +65,7 @@ def test_all_roles_and_text_parts(http):
     out = chat(http, messages=messages, max_tokens=3, temperature=0)
     assert out["usage"]["prompt_tokens"] == prompt_count(http, messages)
     same = [{**messages[0], "content": "Be\nbrief."}] + messages[1:]
-    assert prompt_count(http, same) == out["usage"]["prompt_tokens"], "text parts join with newlines"
+    assert prompt_ids(http, same) == prompt_ids(http, messages), "text parts join with newlines"
 
 
 def test_default_max_tokens_is_the_room_left(http):

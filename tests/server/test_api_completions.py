@@ -108,7 +108,19 @@ def test_filters_that_leave_one_token_equal_greedy(http):
     assert complete(http, **body, temperature=1.0, min_p=1.0, seed=5)["choices"][0]["text"] == greedy
 
 
-def test_penalties_and_user_are_accepted(http):
+def test_penalties_act_on_repeated_tokens_and_user_is_accepted(http):
+    body = dict(prompt="Hello", max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
+
+    def distinct(**extra) -> int:
+        tokens = complete(http, **body, **extra)["choices"][0]["logprobs"]["tokens"]
+        assert len(tokens) == 24
+        return len(set(tokens))
+
+    plain = distinct()
+    assert plain < 24, "the tiny model repeats itself under greedy decoding (what the penalties act on)"
+    for penalty in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"repetition_penalty": 3.0}):
+        assert distinct(**penalty) > plain, f"{penalty} makes a repeated token less likely"
+    assert distinct(frequency_penalty=-2.0) <= plain, "a negative penalty makes repeats more likely"
     out = complete(http, prompt="Hello", max_tokens=5, temperature=0.7, seed=1, presence_penalty=1.5,
                    frequency_penalty=-0.5, repetition_penalty=1.3, user="tester-1", top_k=-1)
     assert out["usage"]["completion_tokens"] >= 1

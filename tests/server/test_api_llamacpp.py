@@ -74,6 +74,11 @@ def test_sampling_fields_are_accepted(http):
     again = complete(http, n_predict=4, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1,
                      presence_penalty=0.5, frequency_penalty=0.5, seed=42, cache_prompt=True)
     assert out["content"] == again["content"], "a seed makes the draw reproducible"
+    greedy = complete(http, n_predict=12, ignore_eos=True)["content"]
+    hot = dict(n_predict=12, ignore_eos=True, temperature=1.5, seed=7)
+    assert complete(http, **hot, top_k=1)["content"] == greedy, "top_k 1 keeps only the greedy token"
+    assert complete(http, **hot, min_p=1.0)["content"] == greedy, "min_p 1 keeps only the greedy token"
+    assert complete(http, **hot, top_p=1e-6)["content"] == greedy, "a tiny top_p keeps only the greedy token"
 
 
 def test_seed_minus_one_reports_the_seed_the_engine_drew(http):
