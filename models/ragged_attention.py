@@ -34,6 +34,7 @@ both with.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,32 @@ MASKED = -1e30  # as models/attention.py: finite, so a fully masked tile stays f
 class RaggedAttention:
     """What the ragged kernels are (the model's layers call one once per layer when its
     attention is one): `kernel(q [N, H, hd], k_cache, v_cache [K, NB, bs, hd], spans, *,
-    scale, window=None, softcap=None, sinks=None) -> f32[N, H, hd]`."""
+    scale, window=None, softcap=None, sinks=None) -> f32[N, H, hd]`.
+
+    The call is the same for both kernels: lay the queries out in tiles, find each tile's
+    K/V range, run the kernel (per device under shard_map) and undo the layout. A kernel
+    gives its tile shape (`layout`) and its Pallas call (`_call`), and has the fields
+    `mesh` and `kv_sharded`."""
+
+    def layout(self, num_heads: int, num_kv: int, head_dim: int, block_size: int) -> "RaggedLayout":
+        raise NotImplementedError
+
+    def __call__(self, q, k_cache, v_cache, spans: "RaggedSpans", *, scale: float, window: int | None = None,
+                 softcap: float | None = None, sinks=None):
+        """q [N, H, hd]; k_cache, v_cache [K, NB, bs, hd]; sinks f32[H] or None -> f32[N, H, hd]."""
+        n, num_heads, head_dim = q.shape
+        num_kv, _, block_size, _ = k_cache.shape
+        layout = self.layout(num_heads, num_kv, head_dim, block_size)
+        q_tiles = layout.q_tiles(n)
+        first, end, tables = tile_metadata(spans, q_tiles, layout)
+        kernel = functools.partial(self._call, layout=layout, q_tiles=q_tiles, scale=scale, window=window,
+                                   softcap=softcap, has_sinks=sinks is not None)
+        args = [to_kernel_layout(q, num_kv, layout), k_cache, v_cache]
+        if sinks is not None:
+            args.append(sink_rows(sinks, num_kv, layout))
+        args += [first, end, spans.q_starts, spans.q_lens, spans.kv_lens, tables.reshape(-1)]
+        out = shard_ragged(kernel, self.mesh, self.kv_sharded, len(args), sinks is not None)(*args)
+        return from_kernel_layout(out, n, num_heads, head_dim, layout)
 
 
 @jax.tree_util.register_dataclass

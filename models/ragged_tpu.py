@@ -43,9 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh
 
-from models.ragged_attention import (RaggedAttention, RaggedLayout, RaggedSpans, attend_tile, from_kernel_layout,
-                                     initial_carry, kv_tile_range, load_tile, shard_ragged, sink_rows, span_rows,
-                                     tile_metadata, to_kernel_layout)
+from models.ragged_attention import (RaggedAttention, RaggedLayout, attend_tile, initial_carry, kv_tile_range,
+                                     load_tile, span_rows)
 
 TPU_Q_TILE_TOKENS = 16  # tokens per q tile (x G query heads = the tile's rows)
 TPU_KEYS_PER_TILE = 128  # keys per K/V step: fewer blocks than this per DMA are not worth a step
@@ -92,22 +91,8 @@ class TpuRaggedAttention(RaggedAttention):
     kv_sharded: bool = False
     interpret: bool | pltpu.InterpretParams = False
 
-    def __call__(self, q, k_cache, v_cache, spans: RaggedSpans, *, scale: float, window: int | None = None,
-                 softcap: float | None = None, sinks=None):
-        """q [N, H, hd]; k_cache, v_cache [K, NB, bs, hd]; sinks f32[H] or None -> f32[N, H, hd]."""
-        n, num_heads, head_dim = q.shape
-        num_kv, _, block_size, _ = k_cache.shape
-        layout = tpu_layout(num_heads, num_kv, head_dim, block_size, self.q_tile_tokens, self.keys_per_tile)
-        q_tiles = layout.q_tiles(n)
-        first, end, tables = tile_metadata(spans, q_tiles, layout)
-        kernel = functools.partial(self._call, layout=layout, q_tiles=q_tiles, scale=scale, window=window,
-                                   softcap=softcap, has_sinks=sinks is not None)
-        args = [to_kernel_layout(q, num_kv, layout), k_cache, v_cache]
-        if sinks is not None:
-            args.append(sink_rows(sinks, num_kv, layout))
-        args += [first, end, spans.q_starts, spans.q_lens, spans.kv_lens, tables.reshape(-1)]
-        out = shard_ragged(kernel, self.mesh, self.kv_sharded, len(args), sinks is not None)(*args)
-        return from_kernel_layout(out, n, num_heads, head_dim, layout)
+    def layout(self, num_heads: int, num_kv: int, head_dim: int, block_size: int) -> RaggedLayout:
+        return tpu_layout(num_heads, num_kv, head_dim, block_size, self.q_tile_tokens, self.keys_per_tile)
 
     def _call(self, q, k_cache, v_cache, *rest, layout: RaggedLayout, q_tiles: int, scale, window, softcap,
               has_sinks: bool):
