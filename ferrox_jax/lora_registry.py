@@ -220,11 +220,7 @@ class LoraRegistry:
 
         Raises LoraError("adapter_not_found"), or ("adapter_quarantined")."""
         with self._lock:
-            loaded = self._by_name.get(name)
-            if loaded is None:
-                raise LoraError("adapter_not_found", f"no LoRA adapter named {name!r} is loaded")
-            if loaded.quarantined is not None:
-                raise LoraError("adapter_quarantined", quarantine_message(loaded))
+            loaded = self._servable(name)
             loaded.num_requests += 1
             return loaded.key
 
@@ -234,13 +230,20 @@ class LoraRegistry:
         Raises LoraError("adapter_not_found"), or ("adapter_quarantined") for an adapter a
         faulted row quarantined (the message says how to clear it)."""
         with self._lock:
-            loaded = self._by_name.get(name)
-            if loaded is None:
-                raise LoraError("adapter_not_found", f"no LoRA adapter named {name!r} is loaded")
-            if loaded.quarantined is not None:
-                raise LoraError("adapter_quarantined", quarantine_message(loaded))
+            loaded = self._servable(name)
             loaded.num_running += 1
             return dataclasses.replace(loaded)
+
+    def _servable(self, name: str) -> LoadedAdapter:
+        """The adapter `name`, loaded and not quarantined (under the lock).
+
+        Raises LoraError("adapter_not_found"), or ("adapter_quarantined")."""
+        loaded = self._by_name.get(name)
+        if loaded is None:
+            raise LoraError("adapter_not_found", f"no LoRA adapter named {name!r} is loaded")
+        if loaded.quarantined is not None:
+            raise LoraError("adapter_quarantined", quarantine_message(loaded))
+        return loaded
 
     def release(self, slot: int) -> None:
         """The request holding `slot` ended (finished, failed or cancelled)."""
