@@ -21,47 +21,24 @@ import numpy as np
 
 from ferrox_jax.host_batch import HostBatch
 from ferrox_jax.multihost import StepChannel
+from ferrox_jax.runner_protocol import RunnerWrapper
 from ferrox_jax.step_frames import BATCH, DRAFT, MASK
 
 if TYPE_CHECKING:
     from ferrox_jax.runner_protocol import Runner
 
 
-class _Forwarding:
+class _Forwarding(RunnerWrapper):
     """The Runner protocol's queries and between-tick verbs, answered by the wrapped runner;
-    what a wrapper adds is in its own `forward` / `sample` (`ferrox_jax/runner_protocol.py`)."""
+    what a wrapper adds is in its own `forward` / `sample` (`ferrox_jax/runner_protocol.py`).
+    What a group cannot do across processes is refused."""
 
     def __init__(self, runner: Runner, channel: StepChannel) -> None:
-        self.runner = runner  # the wrapped runner (this process's part of every step)
+        super().__init__(runner)  # this process's part of every step
         self.channel = channel
-        self.geometry = runner.geometry
-        self.block_size = runner.block_size
-        self.num_blocks = runner.num_blocks
-        self.max_rows = runner.max_rows
-        self.max_chunk_tokens = runner.max_chunk_tokens
-        self.max_chunks = runner.max_chunks
-        self.max_loras = runner.max_loras
-
-    @property
-    def is_warm(self) -> bool:
-        return self.runner.is_warm
-
-    @property
-    def recompiles_after_warmup(self) -> int:
-        return self.runner.recompiles_after_warmup
-
-    @property
-    def sleep_level(self) -> int:
-        return self.runner.sleep_level
 
     def copy_blocks(self, copies: np.ndarray) -> None:
         raise NotImplementedError("multi-host: block copies travel in a step's batch (`forward`)")
-
-    def warmup(self, progress: Callable | None = None, num_threads: int | None = None) -> float:
-        return self.runner.warmup(progress, num_threads)
-
-    def compile_keys(self) -> list[tuple]:
-        return self.runner.compile_keys()
 
     def swap_state(self, update: Callable[[Any], Any]) -> None:
         raise NotImplementedError("multi-host: the weights are not swapped across processes (no LoRA slots)")

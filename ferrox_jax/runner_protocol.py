@@ -14,7 +14,8 @@ ahead of time), `copy_blocks` (what `forward` runs first), and the state verbs
 level 2 the weights, given back to the device and taken again in the same shapes).
 
 `ferrox_jax/runner.py:ModelRunner` is the device's runner, `ferrox_jax/multihost_runner.py`'s
-`BroadcastRunner` and `DraftSender` wrap one for a multi-process group, and
+`BroadcastRunner` and `DraftSender` wrap one for a multi-process group (`RunnerWrapper`
+below answers what a wrapper does not change), and
 `tests/support/scripted.py:ScriptedRunner` is the test double; all of them implement this
 protocol and nothing else public (`tests/engine/test_runner_protocol.py` compares their methods
 against this list), so nobody needs to write a runner's attributes, call its underscored
@@ -111,6 +112,59 @@ class Runner(Protocol):
     def restore(self) -> None:
         """Takes back what `release` gave, in the same shapes and shardings; awake: nothing."""
         ...
+
+
+class RunnerWrapper:
+    """A runner around another (`self.runner`) that answers every query and verb with the
+    wrapped runner's; a wrapper overrides what it adds (the multi-host leader's sends in
+    `forward` / `sample`, a test's injected faults). The sizes are read once: a runner's
+    shape never changes."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.geometry = runner.geometry
+        self.block_size = runner.block_size
+        self.num_blocks = runner.num_blocks
+        self.max_rows = runner.max_rows
+        self.max_chunk_tokens = runner.max_chunk_tokens
+        self.max_chunks = runner.max_chunks
+        self.max_loras = runner.max_loras
+
+    @property
+    def is_warm(self) -> bool:
+        return self.runner.is_warm
+
+    @property
+    def recompiles_after_warmup(self) -> int:
+        return self.runner.recompiles_after_warmup
+
+    @property
+    def sleep_level(self) -> int:
+        return self.runner.sleep_level
+
+    def forward(self, batch: HostBatch) -> Any:
+        return self.runner.forward(batch)
+
+    def sample(self, pending: Any, bitmask: np.ndarray | None) -> StepArrays:
+        return self.runner.sample(pending, bitmask)
+
+    def copy_blocks(self, copies: np.ndarray) -> None:
+        self.runner.copy_blocks(copies)
+
+    def warmup(self, progress: Callable | None = None, num_threads: int | None = None) -> float:
+        return self.runner.warmup(progress, num_threads)
+
+    def compile_keys(self) -> list[tuple]:
+        return self.runner.compile_keys()
+
+    def swap_state(self, update: Callable[[DeviceState], DeviceState]) -> None:
+        self.runner.swap_state(update)
+
+    def release(self, level: int) -> int:
+        return self.runner.release(level)
+
+    def restore(self) -> None:
+        self.runner.restore()
 
 
 def check_limits(limits: SchedulerLimits, runner: Runner, has_draft: bool = False) -> None:

@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ferrox_jax.runner_protocol import RunnerWrapper
+
 log = logging.getLogger(__name__)
 
 ENV = "FERROX_FAULT_INJECT"
@@ -48,34 +50,19 @@ class FaultSpec:
         return cls(kind, int(value))
 
 
-class FaultyRunner:
+class FaultyRunner(RunnerWrapper):
     """A `Runner` that forwards every verb to `runner`, faulting on cue (module docstring)."""
 
     def __init__(self, runner: Any, spec: FaultSpec | None = None) -> None:
-        self.runner = runner
+        super().__init__(runner)
         self.spec = spec
         self.steps = 0  # forwards so far
         self.fail_next = 0
         self.before_forward: Callable[[Any], None] | None = None
         self.nan_rows: Callable[[Any], np.ndarray] | None = None
         self._never = threading.Event()
-        for name in ("geometry", "block_size", "num_blocks", "max_rows", "max_chunk_tokens", "max_chunks",
-                     "max_loras"):
-            setattr(self, name, getattr(runner, name))
         if spec is not None:
             log.warning("%s=%s:after=%d: TEST-ONLY fault injection is active", ENV, spec.kind, spec.after)
-
-    @property
-    def is_warm(self) -> bool:
-        return self.runner.is_warm
-
-    @property
-    def recompiles_after_warmup(self) -> int:
-        return self.runner.recompiles_after_warmup
-
-    @property
-    def sleep_level(self) -> int:
-        return self.runner.sleep_level
 
     def forward(self, batch: Any) -> Any:
         self.steps += 1
@@ -103,20 +90,3 @@ class FaultyRunner:
             pending.result = pending.result.replace(logits=pending.result.logits.at[rows].set(jnp.nan))
         return self.runner.sample(pending, bitmask)
 
-    def copy_blocks(self, copies: np.ndarray) -> None:
-        self.runner.copy_blocks(copies)
-
-    def warmup(self, progress: Callable | None = None, num_threads: int | None = None) -> float:
-        return self.runner.warmup(progress, num_threads)
-
-    def compile_keys(self) -> list[tuple]:
-        return self.runner.compile_keys()
-
-    def swap_state(self, update: Callable) -> None:
-        self.runner.swap_state(update)
-
-    def release(self, level: int) -> int:
-        return self.runner.release(level)
-
-    def restore(self) -> None:
-        self.runner.restore()
