@@ -32,7 +32,7 @@ from quart import Blueprint, Response, current_app, request
 
 from api.errors import APIError, unavailable
 from api.state import json_response, state_of
-from ferrox_jax.engine import MemoryBoundError
+from ferrox_jax.engine import Engine, MemoryBoundError
 
 blueprint = Blueprint("sleep", __name__)
 
@@ -70,7 +70,7 @@ async def run_to_end(transition: Awaitable[Any]) -> Any:
     return await asyncio.shield(task)
 
 
-def _answer(engine: Any, with_level: bool = True) -> dict[str, Any]:
+def _answer(engine: Engine, with_level: bool = True) -> dict[str, Any]:
     level = engine.sleep_level
     return {"is_sleeping": bool(level), "level": level} if with_level else {"is_sleeping": bool(level)}
 
