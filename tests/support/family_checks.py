@@ -39,10 +39,7 @@ SERVE_LIMITS = dict(block_size=BLOCK_SIZE, kv_blocks=NUM_BLOCKS, max_seqs=2, max
 def make_checkpoint(folder: Path, config, seed: int = 0, chat_template: str | None = None) -> Path:
     """Save a tiny random HF model for `config` (its vocab_size set to the tokenizer's) plus
     the tests' byte-level BPE tokenizer; `chat_template` replaces the ChatML one."""
-    import torch
-    import transformers
-
-    from tests.support.tiny_model import make_tokenizer_files
+    from tests.support.tiny_model import make_tokenizer_files, save_random_weights
 
     folder.mkdir(parents=True, exist_ok=True)
     config.vocab_size = make_tokenizer_files(folder, vocab_size=384)
@@ -54,16 +51,7 @@ def make_checkpoint(folder: Path, config, seed: int = 0, chat_template: str | No
         tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
         tok_cfg["chat_template"] = chat_template
         (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # default init is tiny; widen it so logits are not all ~0
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+    return save_random_weights(config, folder, seed)
 
 
 def hf_model(path: Path):

@@ -55,7 +55,6 @@ def make_tokenizer_files(folder: Path, vocab_size: int) -> int:
 def make_tiny_checkpoint(folder, variant: str = "llama", seed: int = 0, num_layers: int = 2,
                          max_position_embeddings: int = 512) -> Path:
     """Save a tiny random model of `variant` ("llama", "qwen2", "llama3_rope") under folder."""
-    import torch
     import transformers
 
     folder = Path(folder)
@@ -82,13 +81,22 @@ def make_tiny_checkpoint(folder, variant: str = "llama", seed: int = 0, num_laye
         config = transformers.Qwen2Config(rope_theta=1000000.0, **{**common, "tie_word_embeddings": True})
     else:
         raise ValueError(f"unknown tiny variant {variant!r}")
+    return save_random_weights(config, folder, seed)
+
+
+def save_random_weights(config, folder: Path, seed: int = 0) -> Path:
+    """An HF model of `config` with seeded random weights, saved as safetensors in `folder`.
+    The default init is tiny; it is widened so the logits are not all ~0."""
+    import torch
+    import transformers
+
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # default init is tiny; widen it so logits are not all ~0
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.08)
     model.save_pretrained(folder, safe_serialization=True)
-    return folder
+    return Path(folder)
