@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Build llama.cpp's own C++ server, llama-bench and llama-quantize from the sources vendored in
+# the llama-cpp-python sdist (the only llama.cpp source the package registry carries), with the
+# host's native flags and no web UI. Nothing is downloaded beyond PyPI.
+#
+#   bench/llama_cpp/build_peer.sh [DEST]      # DEST defaults to results/llama-cpp
+#
+# Prints the three binaries' paths at the end. About 10-15 minutes on 2 cores.
+set -euo pipefail
+VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+DEST=${1:-results/llama-cpp}
+PY=${PYTHON:-.venv/bin/python}
+mkdir -p "$DEST"
+DEST=$(cd "$DEST" && pwd)
+if [ ! -f "$DEST/llama_cpp_python-$VERSION.tar.gz" ]; then
+  "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DEST"
+fi
+if [ ! -d "$DEST/src" ]; then
+  mkdir -p "$DEST/src"
+  tar -xzf "$DEST/llama_cpp_python-$VERSION.tar.gz" -C "$DEST/src" --strip-components=1
+fi
+cmake -S "$DEST/src/vendor/llama.cpp" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release \
+  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_WEBUI=OFF >"$DEST/cmake.log"
+cmake --build "$DEST/build" -j "$(nproc)" --target llama-server llama-bench llama-quantize >"$DEST/build.log"
+for b in llama-server llama-bench llama-quantize; do
+  ls "$DEST/build/bin/$b"
+done
