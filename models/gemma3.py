@@ -13,9 +13,12 @@ Per-layer parameters: Gemma 2's plus
     q_norm  [hd]   self_attn.q_norm.weight   (GGUF attn_q_norm.weight)
     k_norm  [hd]   self_attn.k_norm.weight   (GGUF attn_k_norm.weight)
 
-The vision-language `Gemma3ForConditionalGeneration` is refused (its vision tower is not
-implemented). In GGUF files the local base is `rope.freq_base_swa` when present, else
-10000 as llama.cpp assumes; the 27B (62 layers) scales queries by hidden / heads.
+The vision-language `Gemma3ForConditionalGeneration` checkpoints (4B and up) load as this text
+model: `config_from_hf` reads their `text_config`, the loader reads the language model's tensors
+(`model.language_model.*` or the Hub's `language_model.model.*`) and leaves the vision tower's,
+and `Gemma3Config.vision` keeps the encoder's shape and the image token ids
+(`models/siglip.py`, which reads the encoder's own tensors). In GGUF files the local base is
+`rope.freq_base_swa` when present, else 10000 as llama.cpp assumes; the 27B (62 layers) scales queries by hidden / heads.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ from models.config import (RopeScaling, SLIDING_ATTENTION, rope_parameters, rope
                            rope_theta)
 from models.family import Family
 from models.rope import rope_cos_sin
+from models.siglip import VisionConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class Gemma3Config(gemma2.Gemma2Config):
     rope_local_theta: float = 10000.0  # RoPE base of the sliding layers
     rope_local_scaling: RopeScaling = RopeScaling()
+    vision: VisionConfig | None = None  # a vision-language checkpoint's encoder and image tokens
 
 
 class Gemma3Model(gemma2.Gemma2Model):
@@ -52,6 +57,8 @@ class Gemma3Model(gemma2.Gemma2Model):
 
 
 def config_from_hf(cfg: dict[str, Any]) -> Gemma3Config:
+    if cfg.get("text_config") is not None or cfg.get("vision_config") is not None:
+        return _vision_language_config(cfg)
     fields = gemma2.gemma_common_fields(cfg)
     params = rope_parameters(cfg)
     if "full_attention" in params or "sliding_attention" in params:  # transformers 5: one dict per layer type
@@ -71,6 +78,21 @@ def config_from_hf(cfg: dict[str, Any]) -> Gemma3Config:
                         rope_local_scaling=rope_scaling_from_dict(local, cfg))
 
 
+def _vision_language_config(cfg: dict[str, Any]) -> Gemma3Config:
+    """A `Gemma3ForConditionalGeneration` config: its text model, plus the vision encoder's shape."""
+    arch = (cfg.get("architectures") or ["Gemma3ForConditionalGeneration"])[0]
+    text = dict(cfg.get("text_config") or {})
+    text["architectures"] = [arch]
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):  # the wrapper states them for both
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    if "tie_word_embeddings" in cfg:
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    text_cfg = config_from_hf(text)
+    vision = VisionConfig.from_gemma3(cfg) if cfg.get("vision_config") is not None else None
+    return dataclasses.replace(text_cfg, vision=vision)
+
+
 def config_from_gguf(meta, fields: dict) -> Gemma3Config:
     return Gemma3Config(**fields, sliding_window=int(meta.get("gemma3.attention.sliding_window", 4096)),
                         layer_types=gemma2.gguf_sliding_layers(meta, fields["num_layers"], 6),
@@ -86,7 +108,7 @@ QK_NORM_GGUF = {"attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm"}
 FAMILY = Family(
     name="gemma3",
     model=Gemma3Model,
-    architectures=("Gemma3ForCausalLM",),
+    architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
     config_from_hf=config_from_hf,
     hf_layer_weights={**gemma2.HF_LAYER_WEIGHTS, **QK_NORM_HF},
     gguf_architectures={"gemma3": "Gemma3ForCausalLM"},

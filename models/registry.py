@@ -20,7 +20,7 @@ _BY_GGUF_ARCHITECTURE = {arch: f for f in FAMILIES for arch in f.gguf_architectu
 SUPPORTED_ARCHITECTURES = tuple(_BY_ARCHITECTURE)
 SUPPORTED_GGUF_ARCHITECTURES = tuple(_BY_GGUF_ARCHITECTURE)
 # Multimodal wrappers of supported text models: named so the refusal says what is missing.
-_VISION_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
+_VISION_ARCHITECTURES = ("Mistral3ForConditionalGeneration",
                          "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
 

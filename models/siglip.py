@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.config import CheckpointFileError, UnsupportedModelError
+
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
@@ -54,16 +56,21 @@ class VisionConfig:
     channels: int = 3
     tokens_per_image: int = 256  # Gemma 3's mm_tokens_per_image
     text_hidden: int = 0  # the projector's output width
+    image_token_id: int = -1  # the soft token an image's features replace (Gemma 3: <image_soft_token>)
+    boi_token_id: int = -1  # <start_of_image>, which the processor expands into the image's tokens
+    eoi_token_id: int = -1  # <end_of_image>
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads:
-            raise ValueError(f"vision hidden_size {self.hidden} is not a multiple of num_attention_heads {self.heads}")
+            raise UnsupportedModelError(f"vision hidden_size {self.hidden} is not a multiple of "
+                                        f"num_attention_heads {self.heads}")
         if self.image_size % self.patch_size:
-            raise ValueError(f"vision image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+            raise UnsupportedModelError(f"vision image_size {self.image_size} is not a multiple of "
+                                        f"patch_size {self.patch_size}")
         side = math.isqrt(self.tokens_per_image)
         if side * side != self.tokens_per_image or self.patches_per_side % max(side, 1):
-            raise ValueError(f"mm_tokens_per_image {self.tokens_per_image} must be a square whose side divides "
-                             f"the {self.patches_per_side} patches per side")
+            raise UnsupportedModelError(f"mm_tokens_per_image {self.tokens_per_image} must be a square whose "
+                                        f"side divides the {self.patches_per_side} patches per side")
 
     @property
     def patches_per_side(self) -> int:
@@ -79,16 +86,20 @@ class VisionConfig:
         v = config.get("vision_config") or {}
         act = v.get("hidden_act", "gelu_pytorch_tanh")
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ValueError(f"vision hidden_act {act!r} is not supported (SigLIP uses gelu_pytorch_tanh)")
-        if v.get("vision_use_head"):
-            raise ValueError("a SigLIP pooling head (vision_use_head) is not supported: Gemma 3 uses none")
+            raise UnsupportedModelError(f"vision hidden_act {act!r} is not supported "
+                                        "(SigLIP uses gelu_pytorch_tanh)")
+        # A SigLIP pooling head (vision_use_head) may be in the checkpoint; Gemma 3 reads the last
+        # hidden state, never the head, so its weights are left unread.
         text = config.get("text_config") or {}
         return cls(hidden=int(v.get("hidden_size", 1152)), layers=int(v.get("num_hidden_layers", 27)),
                    heads=int(v.get("num_attention_heads", 16)), intermediate=int(v.get("intermediate_size", 4304)),
                    image_size=int(v.get("image_size", 896)), patch_size=int(v.get("patch_size", 14)),
                    eps=float(v.get("layer_norm_eps", 1e-6)), channels=int(v.get("num_channels", 3)),
                    tokens_per_image=int(config.get("mm_tokens_per_image", 256)),
-                   text_hidden=int(text.get("hidden_size", 2560)))
+                   text_hidden=int(text.get("hidden_size", 2560)),
+                   image_token_id=int(config.get("image_token_id", config.get("image_token_index", 262144))),
+                   boi_token_id=int(config.get("boi_token_id", config.get("boi_token_index", 255999))),
+                   eoi_token_id=int(config.get("eoi_token_id", config.get("eoi_token_index", 256000))))
 
 
 def _layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float) -> jax.Array:
@@ -224,7 +235,7 @@ def _to_ours(name: str, raw: np.ndarray) -> np.ndarray:
 def read_gemma3_vision(folder: str | Path) -> tuple[VisionConfig, dict[str, jax.Array]]:
     """The encoder and projector of a `Gemma3ForConditionalGeneration` folder, as float32 arrays.
 
-    Raises ValueError naming the first missing tensor or wrong shape."""
+    Raises CheckpointFileError naming the first missing tensor or wrong shape."""
     from safetensors import safe_open  # the checkpoint readers' own dependency
 
     folder = Path(folder)
@@ -241,9 +252,10 @@ def read_gemma3_vision(folder: str | Path) -> tuple[VisionConfig, dict[str, jax.
     params = {}
     for ours, hf in wanted.items():
         if ours not in found:
-            raise ValueError(f"the checkpoint has no vision tensor {hf}")
+            raise CheckpointFileError(f"the checkpoint has no vision tensor {hf}")
         value = _to_ours(ours, np.asarray(found[ours], np.float32))
         if value.shape != shapes[ours]:
-            raise ValueError(f"vision tensor {hf} has shape {found[ours].shape}; the config implies {shapes[ours]}")
+            raise CheckpointFileError(f"vision tensor {hf} has shape {found[ours].shape}; "
+                                      f"the config implies {shapes[ours]}")
         params[ours] = jnp.asarray(value)
     return cfg, params

@@ -27,6 +27,11 @@ GLOBAL_TABLE: dict[str, tuple[str, bool]] = {
     "lm_head.weight": ("lm_head", True),
 }
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# A vision-language checkpoint's language model, under the text model's names: transformers 5
+# saves `model.language_model.*`, the Hub's checkpoints `language_model.model.*`.
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
+_VISION_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+                    "model.multi_modal_projector.")
 # Buffers some checkpoints carry that are not parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -72,6 +77,7 @@ def read_tensors(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
     reports them as unexpected together with anything missing.
     """
     table = family_for(cfg.architecture).hf_layer_weights
+    vision_language = getattr(cfg, "vision", None) is not None
     expected = expected_params(cfg)
     tensors: dict[str, Callable] = {}
     experts: dict = {}
@@ -81,6 +87,10 @@ def read_tensors(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
                 if hf_name.endswith(_IGNORED_SUFFIXES):
                     continue
                 load = _lazy(shard, hf_name)
+                if vision_language:
+                    hf_name = _text_model_name(hf_name)
+                    if hf_name is None:
+                        continue  # the vision encoder's (models/siglip.py reads them)
                 if hf_name in GLOBAL_TABLE:
                     name, transpose = GLOBAL_TABLE[hf_name]
                     if name == "lm_head" and cfg.tie_word_embeddings:
@@ -92,6 +102,16 @@ def read_tensors(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
                 tensors.update({hf_name: load} if mapped is None else mapped)
     tensors.update(stack_experts(experts, getattr(cfg, "num_experts", None)))
     return tensors
+
+
+def _text_model_name(hf_name: str) -> str | None:
+    """A vision-language checkpoint's tensor under the text model's name; None for the vision side."""
+    for prefix in _TEXT_PREFIXES:
+        if hf_name.startswith(prefix):
+            return "model." + hf_name[len(prefix):]
+    if hf_name == "language_model.lm_head.weight":
+        return "lm_head.weight"
+    return None if hf_name.startswith(_VISION_PREFIXES) else hf_name
 
 
 def _lazy(shard: Path, hf_name: str) -> Callable:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from models.config import UnsupportedModelError
 from models.registry import config_from_hf
 from tests.support import family_checks as fc
 
@@ -62,10 +61,18 @@ def test_hub_style_config_uses_the_sliding_window_pattern():
     assert cfg.rope_local_scaling.rope_type == "default"
 
 
-def test_vision_checkpoint_is_refused_naming_the_vision_tower():
-    with pytest.raises(UnsupportedModelError, match="vision tower"):
-        config_from_hf({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {},
-                        "vision_config": {}})
+def test_vision_checkpoint_reads_its_text_model():
+    """A `Gemma3ForConditionalGeneration` config is its text_config plus the vision encoder's shape
+    (tests/models/test_family_gemma3_vlm.py serves one against HF)."""
+    cfg = config_from_hf({"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
+                          "text_config": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                                          "num_hidden_layers": 2, "num_attention_heads": 4,
+                                          "num_key_value_heads": 2, "head_dim": 16},
+                          "vision_config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                            "intermediate_size": 64, "image_size": 32, "patch_size": 4},
+                          "mm_tokens_per_image": 16})
+    assert (cfg.architecture, cfg.hidden_size, cfg.eos_token_ids) == ("Gemma3ForConditionalGeneration", 64, (1, 106))
+    assert (cfg.vision.num_patches, cfg.vision.tokens_per_image) == (64, 16)
 
 
 def test_served_end_to_end(gemma3):
