@@ -17,7 +17,7 @@ thread, so none of it needs a lock. The owner loop, once per iteration:
       drafts   = proposer.propose(plan)           host n-gram lookup, or the draft model's
                                                   proposal steps (`ferrox_jax/draft.py`)
       plan     = scheduler.add_drafts(plan, drafts)
-      batch    = HostBatch.build(plan, geometry)  numpy arrays, nothing live
+      batch    = HostBatch.build(plan, geometry)  numpy arrays, nothing live (images encoded first)
       pending  = runner.forward(batch)            dispatched: the device runs
       draft.mirror(batch)                         the draft's K/V goes where the target's does
       bitmask  = the constrained rows' grammar masks, filled while the device runs
@@ -60,6 +60,7 @@ from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.draft import DraftModel, check_compatible
 from ferrox_jax.admission import AdapterSlots
 from ferrox_jax.host_batch import HostBatch
+from ferrox_jax.images import ImageStage
 from ferrox_jax.inbox import AbortJob, AddJob, EventCallback, Fault, Inbox, OwnerCall, Stop
 from ferrox_jax.plan import StepOutput, StepPlan
 from ferrox_jax.request import AdmissionError, Job, MatcherFactory, RowEvent
@@ -74,11 +75,8 @@ from ferrox_jax.step_faults import FatalSignal, FaultLedger, FaultPolicy, StepWa
 log = logging.getLogger(__name__)
 
 # AdmissionError.reason -> the BatcherStats field that counts it.
-_REFUSAL_FIELDS = {
-    "context_length": "kv_rejected_context_length",
-    "too_large": "kv_rejected_too_large",
-    "queue_full": "queue_rejected",
-}
+_REFUSAL_FIELDS = {"context_length": "kv_rejected_context_length", "too_large": "kv_rejected_too_large",
+                   "queue_full": "queue_rejected"}
 
 
 class _Abandoned(Exception):
@@ -120,6 +118,7 @@ class ContinuousBatcher:
         self._proposer = None if spec is None else draft if spec.method == "draft" else NgramProposer(spec)
         self._has_grammar = new_matcher is not None and fill_bitmask is not None
         self._masks = StepMasks(fill_bitmask, runner.geometry.vocab_size) if self._has_grammar else None
+        self._images = ImageStage(runner.encode_images)  # the encoder cache (a model taking images)
         self._inbox = Inbox()
         self._idle_calls: list[OwnerCall] = []  # owner thread: run_when_idle calls still waiting
         self._thread: threading.Thread | None = None
@@ -429,6 +428,7 @@ class ContinuousBatcher:
         its output."""
         if plan.draft_requests:  # host n-gram lookup, or the draft model's proposal steps
             plan = self._scheduler.add_drafts(plan, self._proposer.propose(plan))
+        plan = self._images.attach(plan)  # the chunks' new images encoded (or found in the encoder cache)
         batch = HostBatch.build(plan, self._runner.geometry)
         start_s = time.perf_counter()
         pending = self._runner.forward(batch)  # dispatched: the device runs
@@ -462,7 +462,7 @@ class ContinuousBatcher:
             self._draft.recompiles_after_warmup if self._draft is not None else 0)
         snapshot = BatcherStats(**scheduler_fields(self._scheduler), kv_block_size=self.limits.block_size,
                                 recompiles_after_warmup=recompiles, ticks=self._ticks, host_s=self._host_s,
-                                device_s=self._device_s, max_loras=self._runner.max_loras,
+                                device_s=self._device_s, max_loras=self._runner.max_loras, **self._images.counters,
                                 **(self._masks.counters if self._masks is not None else {}))
         with self._lock:
             self._snapshot = snapshot

@@ -52,6 +52,7 @@ from collections.abc import Iterable
 
 from ferrox_jax.block_budget import BlockBudget
 from ferrox_jax.config import SchedulerLimits
+from ferrox_jax.images import hash_ids
 from ferrox_jax.prefix_cache import PrefixCache, adapter_root, chain_hashes
 from ferrox_jax.request import JobState, Row
 
@@ -88,7 +89,8 @@ class BlockTables:
         submitted = job.submitted
         prompt = submitted.prompt_token_ids
         if self.cache is not None and not job.block_names:
-            job.block_names = chain_hashes(prompt, self.block_size, adapter_root(self.cache.root, submitted.adapter_key))
+            job.block_names = chain_hashes(hash_ids(prompt, submitted.images), self.block_size,
+                                           adapter_root(self.cache.root, submitted.adapter_key))
         hits: list[int] = []
         if self.cache is not None and not submitted.computes_every_position:
             hits = self.cache.lookup(job.block_names[:(len(prompt) - 1) // self.block_size])
@@ -172,7 +174,8 @@ class BlockTables:
         names = row.block_names
         if len(names) < num_full:
             parent = names[-1] if names else adapter_root(self.cache.root, row.job.submitted.adapter_key)
-            names += chain_hashes(row.token_ids, self.block_size, parent, start_block=len(names),
+            names += chain_hashes(hash_ids(row.token_ids, row.job.submitted.images), self.block_size, parent,
+                                  start_block=len(names),
                                   num_blocks=num_full - len(names))
         for i in range(row.num_named_blocks, num_full):
             self.budget.name(row.block_ids[i], names[i])

@@ -169,6 +169,9 @@ class Engine:
         """
         if job.grammar is not None:
             self.check_grammar(job.grammar)
+        if job.images and not self.takes_images:
+            raise AdmissionError("images_unsupported", f"the model {self.model_name!r} takes no images; "
+                                 "send text only, or serve a vision-language model")
         job = dataclasses.replace(job, sampling=with_seed(job.sampling))
         self._batcher.submit(job, on_event)
         return job
@@ -321,6 +324,11 @@ class Engine:
     @property
     def model_config(self) -> ModelConfig:
         return self._source.config
+
+    @property
+    def takes_images(self) -> bool:
+        """The model has a vision encoder: a job may carry images (`Job.images`)."""
+        return getattr(self._source.config, "vision", None) is not None
 
     @property
     def checkpoint_path(self) -> str:

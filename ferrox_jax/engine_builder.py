@@ -53,6 +53,7 @@ from ferrox_jax.memory_bounds import Footprint, context_for, device_room, engine
 from ferrox_jax.lora_registry import build_registry
 from ferrox_jax.multihost import StepChannel, check_mesh, step_channel_address
 from ferrox_jax.multihost_runner import BroadcastRunner, DraftSender
+from ferrox_jax.vision import open_vision
 from ferrox_jax.shared_compiles import SharedCompiles
 from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.runner_protocol import Runner
@@ -426,6 +427,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         log.warning("synthetic weights (--load-format dummy, seed %d): %s is served with random weights; "
                     "its outputs are meaningless (for sizing and benchmarks only)",
                     config.dummy_weights_seed, source.name)
+    vision, config = open_vision(source, config)  # a model taking images: its encoder
     _, model_axis = config.mesh_shape
     if jax.process_count() > 1:
         check_mesh(model_axis, jax.device_count())
@@ -468,7 +470,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
     runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=step.rows,
                          max_chunk_tokens=step.idle_chunk_tokens, max_context=sizing.max_context, kv_dtype=kv_dtype,
                          mesh=mesh, replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks,
-                         shared_compiles=_PROCESS.get("shared_compiles"))
+                         shared_compiles=_PROCESS.get("shared_compiles"), vision=vision)
     draft_runner = (_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh)
                     if draft_source is not None else None)
     device, (runner, draft, channel) = runner, _leader_runners(runner, draft_runner, config)

@@ -32,6 +32,10 @@ Layout: R rows in plan order (decode rows, then prompt chunks), N new tokens.
                                   `Runner.sample` directly, leaving this None
     block_copies    i32[C, 2]     (src, dst) block copies that run before the forward
     adapter_slots   i32[R]        each row's LoRA slot (0: no adapter; models/lora.py)
+    image_embeds    f32[N, D] or None   an image's soft-token embedding where image_mask is set
+    image_mask      bool[N] or None     (None: no row of the step holds an image)
+    attend_until    i32[N] or None      the furthest key each token sees (its position, or its
+                                  image's last: `ferrox_jax/images.py`)
 
 A new capability adds a column here (an adapter index per row, 1 + k logits per row), not a
 branch in the runner.
@@ -46,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from ferrox_jax.images import image_columns
 from ferrox_jax.plan import RowPlan, StepPlan
 from ferrox_jax.request import RowSampling
 
@@ -148,6 +153,7 @@ class BatchGeometry:
     block_size: int  # token positions per KV block
     table_width: int  # blocks per row in every block table (the context ceiling, rounded up)
     vocab_size: int  # the model's logits width V
+    image_width: int = 0  # hidden size of a model taking images (its soft tokens' width); 0: none
 
     def blocks_needed(self, row: RowPlan) -> int:
         """Blocks the row's positions reach. Raises ValueError when its table is too short
@@ -181,6 +187,9 @@ class HostBatch:
     block_copies: np.ndarray
     bitmask: np.ndarray | None = None
     adapter_slots: np.ndarray | None = None  # None reads as all zeros
+    image_embeds: np.ndarray | None = None
+    image_mask: np.ndarray | None = None
+    attend_until: np.ndarray | None = None
 
     @classmethod
     def build(cls, plan: StepPlan, geometry: BatchGeometry) -> "HostBatch":
@@ -212,6 +221,7 @@ class HostBatch:
                                         [row.history_token_ids for row in rows],
                                         [row.num_prompt_tokens for row in rows], geometry.vocab_size)
         copies = np.asarray(plan.block_copies, np.int32).reshape(-1, 2)
+        images = image_columns(rows, row_starts, num_tokens, geometry.image_width)
         return cls(row_ids=np.asarray([row.row_id for row in rows], np.int64), token_ids=token_ids,
                    positions=positions, row_starts=row_starts, block_tables=tables,
                    num_logits=np.asarray([int(row.sample) + row.num_draft_tokens for row in rows], np.int32),
@@ -219,7 +229,8 @@ class HostBatch:
                    next_token_ids=next_token_ids, pooling=np.asarray([row.pooling for row in rows], bool),
                    constrained=np.asarray([row.is_constrained and row.sample for row in rows], bool),
                    sampling=sampling, block_copies=copies,
-                   adapter_slots=np.asarray([row.adapter_slot for row in rows], np.int32))
+                   adapter_slots=np.asarray([row.adapter_slot for row in rows], np.int32),
+                   **dict(zip(("image_embeds", "image_mask", "attend_until"), images or ())))
 
     @property
     def num_rows(self) -> int:

@@ -41,6 +41,7 @@ from typing import Any
 
 from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.detokenize import SpecialTokensKept, TextStream
+from ferrox_jax.images import check_spans
 
 # Makes a row's grammar state (a `ferrox_jax.grammar.RowMatcher`) for its constraint: the
 # engine passes `GrammarCompiler.new_matcher`. Opaque here, so this module needs no llguidance.
@@ -165,6 +166,9 @@ class Job:
     # admission to its last row's end (`ferrox_jax/admission.py`).
     adapter_name: str | None = None
     adapter_key: str | None = None
+    # The prompt's images (`ferrox_jax/images.py`): where each one's soft tokens sit, its
+    # digest and pixels; the engine encodes them and names their blocks by the digests.
+    images: tuple = ()
 
     @property
     def computes_every_position(self) -> bool:
@@ -188,6 +192,8 @@ class Job:
             raise ValueError(f"Job.min_tokens must be >= 0; got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("Job.stop must not contain an empty string")
+        if self.images:
+            check_spans(self.images, len(self.prompt_token_ids))
 
 
 @dataclasses.dataclass(frozen=True)

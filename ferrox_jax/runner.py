@@ -58,6 +58,7 @@ from ferrox_jax.shared_compiles import SharedCompiles
 from ferrox_jax.plan import RowPlan
 from ferrox_jax.sharding import runner_shardings
 from ferrox_jax.step import ForwardBatch, ForwardResult, jit_steps
+from ferrox_jax.vision import VisionEncoder
 from models.attention import ATTENTION_CHUNK_BLOCKS
 from models.lora import lora_slot_count
 
@@ -100,7 +101,8 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, max_rows: int, max_chunk_tokens: int,
                  max_context: int, kv_dtype=None, mesh=None, replicate_attention: bool = False,
-                 max_chunks: int = 1, shared_compiles: SharedCompiles | None = None):
+                 max_chunks: int = 1, shared_compiles: SharedCompiles | None = None,
+                 vision: VisionEncoder | None = None):
         """Args:
           model: the built model, its decode attention already chosen (`models/loader.py`).
           num_blocks: KV cache blocks, the null block 0 included.
@@ -115,6 +117,8 @@ class ModelRunner:
           shared_compiles: in a multi-process group, where process 0's compiles are shared
             (`ferrox_jax/shared_compiles.py`): it compiles, the others load. None: this
             process compiles everything.
+          vision: a model taking images: its encoder (`ferrox_jax/vision.py`); every step
+            then carries the image columns of `ferrox_jax/step.py`.
         """
         cfg = model.cfg
         self.cfg = cfg
@@ -127,7 +131,9 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.compute_dtype = model.dtype
         self.kv_dtype = kv_dtype or model.dtype
-        self.geometry = BatchGeometry(block_size, block_table_width(max_context, block_size), cfg.vocab_size)
+        self.vision = vision
+        self.geometry = BatchGeometry(block_size, block_table_width(max_context, block_size), cfg.vocab_size,
+                                      cfg.hidden_size if vision is not None else 0)
         self.buckets = Buckets.derive(max_rows, max_chunk_tokens, max_chunks)
         self.mesh = mesh
         self.graphdef, state = nnx.split(model)
@@ -225,19 +231,22 @@ class ModelRunner:
     # ---- compilation -------------------------------------------------------------
     def compile_keys(self) -> list[tuple]:
         """Every executable warm-up compiles (`compile_keys`)."""
-        return compile_keys(self.buckets)
+        return compile_keys(self.buckets) + (self.vision.compile_keys() if self.vision is not None else [])
 
     def _lower(self, key: tuple) -> jax.stages.Lowered:
         if key == COPY_KEY:
             pairs = jnp.zeros(COPY_BATCH, jnp.int32)
             return copy_blocks.lower(self.kv_cache, pairs, pairs)
+        if key[0] == "vision":
+            return self.vision.lower(key)
         if key[0] == "sample":
             rows = key[1]
             logits = jnp.zeros((rows, self.vocab_size), jnp.float32)
             positions = jnp.zeros(rows, jnp.int32)
             sampling = self._to_step(SamplingArrays.padding(rows, self.vocab_size))
             return self._steps.sample.lower(logits, positions, sampling, self._all_ones_mask(rows))
-        batch = self._to_step(empty_forward(StepShape(*key[1:]), self.geometry.table_width, self.has_lora))
+        batch = self._to_step(empty_forward(StepShape(*key[1:]), self.geometry.table_width, self.has_lora,
+                                            self.geometry.image_width))
         return self._steps.forward.lower(self.graphdef, self._state_tree, self._state_leaves, self.kv_cache, batch)
 
     def _compile(self, key: tuple) -> Callable:
@@ -276,7 +285,7 @@ class ModelRunner:
     # ---- pad ---------------------------------------------------------------------------
     def _pad(self, batch: HostBatch) -> tuple[StepShape, np.ndarray, ForwardBatch]:
         """`ferrox_jax/padding.py:pad_batch` for this runner's shapes."""
-        return pad_batch(batch, self.buckets, self.geometry.table_width, self.has_lora)
+        return pad_batch(batch, self.buckets, self.geometry.table_width, self.has_lora, self.geometry.image_width)
 
     def _all_ones_mask(self, rows: int) -> jax.Array:
         """The bitmask of `rows` unconstrained rows, kept on the device (no transfer per step)."""
@@ -325,6 +334,14 @@ class ModelRunner:
         exe = self._executable(("forward", *dataclasses.astuple(shape)))
         self.kv_cache, result = exe(self._state_leaves, self.kv_cache, self._to_step(inputs))
         return result
+
+    def encode_images(self, pixels: np.ndarray) -> np.ndarray:
+        """The vision encoder over B images, f32[B, C, S, S] -> f32[B, T, D], in bucketed calls."""
+        if self.vision is None:
+            raise ValueError("this model takes no images")
+        parts = [self.vision.run(self._executable(("vision", bucket)), pixels[start:start + count], bucket)
+                 for start, count, bucket in self.vision.calls(len(pixels))]
+        return np.concatenate(parts)
 
     def copy_blocks(self, copies: np.ndarray) -> None:
         """(src, dst) block copies, `COPY_BATCH` pairs per call (padded with 0 -> 0 no-ops)."""

@@ -9,7 +9,8 @@ in the tick's order (`ferrox_jax/batcher.py`):
                                                meanwhile (None: no row constrained), one fetch
 
 and between ticks, on the same owner thread: `warmup` / `compile_keys` (every executable,
-ahead of time), `copy_blocks` (what `forward` runs first), and the state verbs
+ahead of time), `copy_blocks` (what `forward` runs first), `encode_images` (a model taking
+images: the vision encoder over a step's new images, before its batch is built), and the state verbs
 `swap_state` (LoRA slot writes; a benchmark's cache fill), `release` / `restore` (sleep and wake: the KV cache, and at
 level 2 the weights, given back to the device and taken again in the same shapes).
 
@@ -89,6 +90,11 @@ class Runner(Protocol):
         """Copies KV blocks (i32[C, 2], (src, dst) pairs), in order."""
         ...
 
+    def encode_images(self, pixels: np.ndarray) -> np.ndarray:
+        """The soft-token embeddings of B images: f32[B, C, S, S] -> f32[B, T, D]. Raises
+        ValueError on a runner whose model takes no images (`geometry.image_width` 0)."""
+        ...
+
     def warmup(self, progress: Callable[[int, int, tuple], None] | None = None,
                num_threads: int | None = None) -> float:
         """Compiles every executable of `compile_keys` ahead of time; returns seconds taken."""
@@ -150,6 +156,9 @@ class RunnerWrapper:
 
     def copy_blocks(self, copies: np.ndarray) -> None:
         self.runner.copy_blocks(copies)
+
+    def encode_images(self, pixels: np.ndarray) -> np.ndarray:
+        return self.runner.encode_images(pixels)
 
     def warmup(self, progress: Callable | None = None, num_threads: int | None = None) -> float:
         return self.runner.warmup(progress, num_threads)

@@ -45,6 +45,7 @@ from typing import Any
 from ferrox_jax.admission import AdapterSlots, check_admission  # noqa: F401 (check_admission: the batcher's)
 from ferrox_jax.block_tables import BlockTables, blocks_to_reserve  # noqa: F401
 from ferrox_jax.config import SchedulerLimits
+from ferrox_jax.images import chunk_end, overlapping
 from ferrox_jax.plan import RowPlan, StepOutput, StepPlan
 from ferrox_jax.speculative import Speculator
 from ferrox_jax.request import Job, JobState, MatcherFactory, Row, RowEvent, RowResult, RowState, _transition
@@ -253,6 +254,8 @@ class Scheduler:
                 break
             start = job.num_computed_tokens
             end = min(job.num_prefill_tokens, start + cap, start + budget)
+            if job.submitted.images:  # an image's tokens attend to each other: never cut one
+                end = chunk_end(job.submitted.images, start, end, cap)
             budget -= end - start
             chunks.append(self._plan_chunk(job, start, end))
             if end < job.num_prefill_tokens:  # a finished prompt leaves when its result is applied
@@ -275,7 +278,7 @@ class Scheduler:
             num_prompt_tokens=len(prompt),
             history_token_ids=row.penalty_history(self._eos_token_ids) if sample else (),
             is_constrained=sample and row.matcher is not None, pooling=job.submitted.pooling is not None,
-            adapter_slot=job.adapter_slot)
+            adapter_slot=job.adapter_slot, images=overlapping(job.submitted.images, start, end))
 
     def _plan_decode_rows(self) -> tuple[RowPlan, ...]:
         """One token for every decoding row."""

@@ -53,6 +53,10 @@ class BatcherStats:
     spec_decode_num_draft_tokens: int = 0  # draft tokens verified
     spec_decode_num_accepted_tokens: int = 0  # of those, accepted (each saved a step of its row)
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # accepted at draft position 0, 1, ... k-1
+    # -- images (a model taking them: ferrox_jax/images.py) ---------------------------------
+    encoder_runs: int = 0  # images the vision encoder computed
+    encoder_cache_hits: int = 0  # images whose soft tokens came from the encoder cache instead
+    image_tokens: int = 0  # image soft tokens forwards computed (prefix-cache hits not included)
     # LoRA (vLLM's lora_requests_info): adapter slots, and the adapters of the jobs holding
     # rows now / waiting for admission (names, sorted; the base model is not listed).
     max_loras: int = 0

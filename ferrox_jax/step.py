@@ -62,11 +62,17 @@ class ForwardBatch:
     want_prompt_logprobs: jax.Array  # bool[]: compute prompt logprobs
     segment_tokens: tuple[int, ...] = struct.field(pytree_node=False, default=())  # tokens per row, per segment
     adapter_slots: jax.Array | None = None  # i32[N]: each token's LoRA slot (0 = none); None: no LoRA
+    # A model taking images (None otherwise, so a text model's pytree is unchanged):
+    image_embeds: jax.Array | None = None  # f32[N, D]: an image's soft token where image_mask is set
+    image_mask: jax.Array | None = None  # bool[N]
+    attend_until: jax.Array | None = None  # i32[N]: furthest key position each token sees
 
     @classmethod
-    def padding(cls, shape: StepShape, table_width: int, has_lora: bool = False) -> "ForwardBatch":
+    def padding(cls, shape: StepShape, table_width: int, has_lora: bool = False,
+                image_width: int = 0) -> "ForwardBatch":
         """A batch of `shape` with numpy leaves, every token padding (what warm-up compiles
-        against, and what `tools/device/export_steps.py` lowers)."""
+        against, and what `tools/device/export_steps.py` lowers). `image_width`: the hidden
+        size of a model taking images (0: none)."""
         n, r = shape.num_tokens, shape.num_rows
         segments = [(rows, tokens) for rows, tokens in ((shape.decode_rows, 1), (shape.chunk_rows, shape.chunk_tokens))
                     if rows]
@@ -75,7 +81,16 @@ class ForwardBatch:
                    last_index=np.zeros(r, np.int32), next_tokens=np.full(n, -1, np.int32),
                    row_of_token=np.full(n, r, np.int32), want_prompt_logprobs=np.asarray(False),
                    segment_tokens=tuple(tokens for _, tokens in segments),
-                   adapter_slots=np.zeros(n, np.int32) if has_lora else None)
+                   adapter_slots=np.zeros(n, np.int32) if has_lora else None,
+                   **image_padding(n, image_width))
+
+
+def image_padding(num_tokens: int, image_width: int) -> dict:
+    """The image fields of a batch of `num_tokens` padding tokens (none when `image_width` is 0)."""
+    if not image_width:
+        return {}
+    return dict(image_embeds=np.zeros((num_tokens, image_width), np.float32),
+                image_mask=np.zeros(num_tokens, bool), attend_until=np.zeros(num_tokens, np.int32))
 
 
 @struct.dataclass
@@ -113,8 +128,9 @@ def _run_model(graphdef, state, kv_cache: KVCache, batch: ForwardBatch):
     model = nnx.merge(graphdef, state)
     if batch.adapter_slots is not None:
         bind_token_slots(model, batch.adapter_slots)
+    images = None if batch.image_embeds is None else (batch.image_embeds, batch.image_mask, batch.attend_until)
     hidden, k, v = model(batch.tokens, batch.positions, batch.valid, kv_cache.k, kv_cache.v,
-                         batch.block_tables, batch.segment_tokens)
+                         batch.block_tables, batch.segment_tokens, images)
     return model, hidden, KVCache(k=k, v=v)
 
 

@@ -72,7 +72,7 @@ def write_kv(k_cache, v_cache, k, v, blocks, offsets):
 
 def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
                     chunk_blocks: int = ATTENTION_CHUNK_BLOCKS, *, valid=None, window: int | None = None,
-                    softcap: float | None = None):
+                    softcap: float | None = None, limits=None):
     """Causal attention of new queries over each row's blocks (already holding the new K/V).
 
     Flash-decoding style: a `fori_loop` walks the block tables `chunk_blocks` blocks at a
@@ -95,6 +95,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
         first chunk back to 0).
       window: sliding window in keys (the query's own included), or None.
       softcap: logit soft-cap, or None.
+      limits: i32[B, T] the furthest key position each query sees (None: its own position).
+        An image's tokens see the whole image (Gemma 3 attends bidirectionally within one),
+        so their limit is the image's last position; the window still counts back from the
+        query's own position.
     Returns:
       f32[B, T, H, hd].
     """
@@ -108,11 +112,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
         raise ValueError("paged_attention with a window needs valid (which query tokens are real)")
     chunk_keys = chunk_blocks * block_size
     qg = q.reshape(b, t, num_kv, groups, head_dim)
+    limits = positions if limits is None else limits
     if window is None:
         first_chunk = jnp.zeros((b,), jnp.int32)
-        num_chunks = jnp.max(positions) // chunk_keys + 1
+        num_chunks = jnp.max(limits) // chunk_keys + 1
     else:
-        first_chunk, num_chunks = _window_chunks(positions, valid, window, chunk_keys)
+        first_chunk, num_chunks = _window_chunks(positions, limits, valid, window, chunk_keys)
 
     def chunk_blocks_of(i):
         """i32[B, chunk_blocks] block ids of each row's i-th chunk in its walk, and the
@@ -136,7 +141,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         key_pos = start[:, None] + jnp.arange(chunk_keys, dtype=jnp.int32)  # [B, S]
-        visible = key_pos[:, None, None, None, :] <= positions[:, None, None, :, None]
+        visible = key_pos[:, None, None, None, :] <= limits[:, None, None, :, None]
         if window is not None:
             visible &= key_pos[:, None, None, None, :] > positions[:, None, None, :, None] - window
         s = jnp.where(visible, s, _MASKED)
@@ -160,12 +165,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, num_heads, head_dim)
 
 
-def _window_chunks(positions, valid, window: int, chunk_keys: int):
+def _window_chunks(positions, limits, valid, window: int, chunk_keys: int):
     """Per row, the chunk holding its first visible key, and the batch's trip count (the
-    most chunks any row walks from there to its furthest query)."""
+    most chunks any row walks from there to the furthest key a query sees)."""
     real = valid.any(axis=1)
     lo = jnp.min(jnp.where(valid, positions, jnp.iinfo(jnp.int32).max), axis=1)
-    hi = jnp.max(jnp.where(valid, positions, 0), axis=1)
+    hi = jnp.max(jnp.where(valid, limits, 0), axis=1)
     first = jnp.where(real, jnp.maximum(lo - window + 1, 0) // chunk_keys, 0).astype(jnp.int32)
     last = hi // chunk_keys
     return first, jnp.max(last - first) + 1

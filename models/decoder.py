@@ -83,7 +83,8 @@ class CausalLM(nnx.Module):
 
     # -- the shared forward --------------------------------------------------------------
 
-    def __call__(self, tokens, positions, valid, k_caches, v_caches, block_tables, segment_tokens):
+    def __call__(self, tokens, positions, valid, k_caches, v_caches, block_tables, segment_tokens,
+                 images=None):
         """Run the decoder over one forward's new tokens, writing their K/V into the paged cache.
 
         The tokens are flat: segment after segment, each segment's rows row-major
@@ -97,6 +98,10 @@ class CausalLM(nnx.Module):
           k_caches, v_caches: tuples of L arrays [K, num_blocks, block_size, hd].
           block_tables: one i32[B_s, MB] per segment, block ids per row (0 = null block).
           segment_tokens: tokens per row of each segment (static ints).
+          images: None, or (embeds f32[N, D], mask bool[N], limits i32[N]) for a model taking
+            images: where `mask` is set the token's embedding is `embeds` (an image's soft
+            token from the vision encoder, not scaled as text embeddings are), and each token
+            sees keys up to `limits` (an image's tokens see the whole image).
         Returns:
           (hidden f32/dtype[N, D] after the final norm, k_caches, v_caches).
         """
@@ -104,9 +109,12 @@ class CausalLM(nnx.Module):
             raise ValueError(f"expected {self.cfg.num_layers} K and V cache arrays; got {len(k_caches)} "
                              f"and {len(v_caches)}")
         block_size = k_caches[0].shape[2]
+        embeds, mask, limits = images if images is not None else (None, None, None)
         fwd = ForwardContext.build(positions, valid, block_tables, segment_tokens, block_size, self.rope,
-                                   self.decode_attention)
+                                   self.decode_attention, limits)
         x = self.embed_tokens(tokens)
+        if embeds is not None:
+            x = jnp.where(mask[:, None], embeds.astype(x.dtype), x)
         new_k, new_v = [], []
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             x, k_cache, v_cache = layer(x, fwd, k_cache, v_cache)

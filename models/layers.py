@@ -131,6 +131,7 @@ class Segment:
     positions: jax.Array
     valid: jax.Array
     block_tables: jax.Array
+    limits: jax.Array | None = None  # i32[B, T] furthest key each query sees (images); None: its position
 
     @property
     def stop(self) -> int:
@@ -159,16 +160,24 @@ class ForwardContext:
     spans: RaggedSpans | None = None
 
     @classmethod
-    def build(cls, positions, valid, block_tables, segment_tokens, block_size: int, rope, decode_attention):
+    def build(cls, positions, valid, block_tables, segment_tokens, block_size: int, rope, decode_attention,
+              limits=None):
         """From the flat positions i32[N] / valid bool[N], one block table i32[B_s, MB] per
         segment and each segment's tokens per row (static); `rope(positions, valid)` gives
-        a segment's cos/sin tables ([B, T, r] per kind), flattened here to [N, r]."""
+        a segment's cos/sin tables ([B, T, r] per kind), flattened here to [N, r].
+        `limits` i32[N]: the furthest key each token sees (a model taking images; None: its
+        own position). The ragged kernels do not take limits: such a forward attends in
+        pure JAX segment by segment (the one-query kernels still serve decode rows, whose
+        limit is their position)."""
+        if limits is not None and isinstance(decode_attention, RaggedAttention):
+            decode_attention = None
         segments, start = [], 0
         for tables, tokens in zip(block_tables, segment_tokens):
             rows = tables.shape[0]
             stop = start + rows * tokens
+            seg_limits = None if limits is None or tokens == 1 else limits[start:stop].reshape(rows, tokens)
             segments.append(Segment(start, rows, tokens, positions[start:stop].reshape(rows, tokens),
-                                    valid[start:stop].reshape(rows, tokens), tables))
+                                    valid[start:stop].reshape(rows, tokens), tables, seg_limits))
             start = stop
         if start != positions.shape[0]:
             raise ValueError(f"segments hold {start} tokens but the forward has {positions.shape[0]}")
@@ -269,11 +278,11 @@ class SelfAttention:
             kernel = fwd.decode_attention if spec.window is None and spec.softcap is None else None
             if kernel is not None and seg.tokens == 1:
                 out = kernel(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, spec.scale)
-            elif kernel is not None and hasattr(kernel, "chunks"):
+            elif kernel is not None and hasattr(kernel, "chunks") and seg.limits is None:
                 out = kernel.chunks(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, seg.valid, spec.scale)
             else:
                 out = paged_attention(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, spec.scale,
-                                      valid=seg.valid, window=spec.window, softcap=spec.softcap)
+                                      valid=seg.valid, window=spec.window, softcap=spec.softcap, limits=seg.limits)
             outs.append(out.reshape(seg.rows * seg.tokens, -1))
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
         return project(out.astype(h.dtype), self.o_proj.get_value()), k_cache, v_cache

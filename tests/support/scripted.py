@@ -188,6 +188,9 @@ class ScriptedRunner:
         for src, dst in np.asarray(copies).reshape(-1, 2).tolist():
             self._cache[dst] = list(self._block(src))
 
+    def encode_images(self, pixels: np.ndarray) -> np.ndarray:
+        raise ValueError("the scripted runner's model takes no images")
+
     def warmup(self, progress=None, num_threads=None) -> float:
         self.is_warm = True
         return 0.0

@@ -1,0 +1,205 @@
+"""Images in a prompt, on the engine's side: where they sit, how they are named, when they are
+encoded, and what the step receives. No jax here.
+
+The API lays an image into the prompt as its placeholder tokens (Gemma 3: `<start_of_image>`,
+then `tokens_per_image` soft tokens, then `<end_of_image>`) and hands the job one `ImageSpan`
+per image: where its soft tokens start in the prompt, how many there are, the digest of its
+preprocessed pixels, and the pixels. From there:
+
+- **Naming (the prefix cache).** A block's name hashes its token ids, and every image's soft
+  tokens are the same id, so two images behind the same text would share blocks. `hash_ids`
+  gives the ids the names are computed from: each soft token replaced by a negative number
+  drawn from its image's digest (real ids are never negative), so the same image and text hit
+  and another image behind the same text misses.
+- **Chunking.** An image's tokens attend to each other both ways, so all of an image's tokens
+  that are still to compute go in one forward: `chunk_end` moves a chunk's end off the inside
+  of an image (back to its start, or on to its end; the engine keeps the chunk size at least
+  one image).
+- **Encoding.** Before a step's host batch is built, `attach_embeddings` gives each chunk's
+  images their soft-token embeddings: from the `EncoderCache` (by digest) or from one call
+  of the encoder over the step's missing images; counted as encoder runs and cache hits.
+- **The step's columns** (`image_columns`): per new token, the embedding that replaces it
+  (bool mask + f32 rows), and `attend_until`, the furthest key position it may see: an
+  image's last position for its tokens, the token's own position otherwise.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSpan:
+    """One image of a prompt: its soft tokens are prompt positions `start .. start + length - 1`."""
+
+    start: int
+    length: int
+    digest: bytes  # sha256 of the preprocessed pixels (the encoder cache's and the block names' key)
+    pixels: Any = dataclasses.field(default=None, compare=False, repr=False)  # f32[C, S, S]
+    embeds: Any = dataclasses.field(default=None, compare=False, repr=False)  # f32[length, D] once encoded
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.length
+
+
+def check_spans(images: Sequence[ImageSpan], prompt_len: int) -> None:
+    """Raises ValueError unless the spans are in order, apart, and inside the prompt."""
+    end = 0
+    for image in images:
+        if image.length < 1 or image.start < end or image.stop > prompt_len:
+            raise ValueError(f"image spans must be in order, apart and inside the {prompt_len}-token prompt; "
+                             f"got start {image.start}, length {image.length}")
+        if len(image.digest) != 32:
+            raise ValueError("an image's digest must be 32 bytes (sha256)")
+        end = image.stop
+
+
+def hash_ids(token_ids: Sequence[int], images: Sequence[ImageSpan]) -> Sequence[int]:
+    """The ids block names are computed from: `token_ids` with each image's soft tokens
+    replaced by negative numbers from its digest (eight 31-bit words, cycled)."""
+    if not images:
+        return token_ids
+    ids = list(token_ids)
+    for image in images:
+        words = [-1 - (int.from_bytes(image.digest[4 * i:4 * i + 4], "little") & 0x7FFFFFFF) for i in range(8)]
+        for k in range(image.start, min(image.stop, len(ids))):
+            ids[k] = words[(k - image.start) % 8] ^ ((k - image.start) // 8 << 3)
+    return ids
+
+
+def chunk_end(images: Sequence[ImageSpan], start: int, end: int, cap: int) -> int:
+    """A chunk over [start, end) moved so no image is cut: an end inside an image goes back
+    to the image's start, or (when the chunk starts inside or at it) on to its end, at most
+    `start + cap`."""
+    for image in images:
+        if image.start < end < image.stop:
+            return image.start if image.start > start else min(image.stop, start + cap)
+    return end
+
+
+def overlapping(images: Sequence[ImageSpan], start: int, end: int) -> tuple[ImageSpan, ...]:
+    """The images with a soft token in positions [start, end)."""
+    return tuple(image for image in images if image.start < end and image.stop > start)
+
+
+class EncoderCache:
+    """Soft-token embeddings by image digest, least recently used dropped past `max_bytes`."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._entries: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, digest: bytes) -> np.ndarray | None:
+        embeds = self._entries.get(digest)
+        if embeds is not None:
+            self._entries.move_to_end(digest)
+        return embeds
+
+    def put(self, digest: bytes, embeds: np.ndarray) -> None:
+        if digest in self._entries or embeds.nbytes > self.max_bytes:
+            return
+        self._entries[digest] = embeds
+        self.num_bytes += embeds.nbytes
+        while self.num_bytes > self.max_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self.num_bytes -= dropped.nbytes
+
+
+@dataclasses.dataclass
+class EncoderCounters:
+    """Image counters the stats report (ours, beside the contract's)."""
+
+    encoder_runs: int = 0  # images the vision encoder computed
+    encoder_cache_hits: int = 0  # images whose embeddings came from the encoder cache
+    image_tokens: int = 0  # image soft tokens computed by forwards (prompt-cache hits excluded)
+
+
+def attach_embeddings(rows: Sequence, encode: Callable[[np.ndarray], np.ndarray], cache: EncoderCache,
+                      counters: EncoderCounters) -> list:
+    """The chunk rows (`RowPlan`s) with every image they hold given its embeddings: from the
+    cache, or from one `encode(pixels f32[B, C, S, S]) -> f32[B, T, D]` call over the rest."""
+    missing: dict[bytes, ImageSpan] = {}
+    for row in rows:
+        for image in row.images:
+            if image.embeds is None and cache.get(image.digest) is None:
+                missing.setdefault(image.digest, image)
+    if missing:
+        encoded = encode(np.stack([image.pixels for image in missing.values()]))
+        for image, embeds in zip(missing.values(), encoded):
+            if embeds.shape[0] != image.length:
+                raise ValueError(f"the encoder gave {embeds.shape[0]} soft tokens for an image of {image.length}")
+            cache.put(image.digest, np.asarray(embeds, np.float32))
+        counters.encoder_runs += len(missing)
+    out = []
+    for row in rows:
+        if not row.images:
+            out.append(row)
+            continue
+        images = []
+        for image in row.images:
+            embeds = image.embeds if image.embeds is not None else cache.get(image.digest)
+            if embeds is None:  # the cache dropped it between put and here (smaller than one step's images)
+                embeds = np.asarray(encode(image.pixels[None])[0], np.float32)
+                counters.encoder_runs += 1
+            elif image.digest not in missing:
+                counters.encoder_cache_hits += 1
+            images.append(dataclasses.replace(image, embeds=embeds))
+            lo, hi = max(image.start, row.start_pos), min(image.stop, row.start_pos + len(row.token_ids))
+            counters.image_tokens += max(0, hi - lo)
+        out.append(dataclasses.replace(row, images=tuple(images)))
+    return out
+
+
+class ImageStage:
+    """The owner thread's image work: the encoder cache and its counters. `attach(plan)` gives
+    the plan's chunks their images' embeddings before the host batch is built (a plan without
+    images passes through)."""
+
+    def __init__(self, encode: Callable[[np.ndarray], np.ndarray], cache_bytes: int = 512 * 2**20) -> None:
+        self._encode = encode
+        self.cache = EncoderCache(cache_bytes)
+        self._counters = EncoderCounters()
+
+    def attach(self, plan):
+        if not any(row.images for row in plan.chunks):
+            return plan
+        return dataclasses.replace(plan, chunks=tuple(attach_embeddings(plan.chunks, self._encode, self.cache,
+                                                                        self._counters)))
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The `BatcherStats` fields this stage counts."""
+        return dataclasses.asdict(self._counters)
+
+
+def image_columns(rows: Sequence, row_starts: np.ndarray, num_tokens: int, width: int):
+    """(embeds f32[N, D], mask bool[N], attend_until i32[N]) of a step's rows, or None when no
+    row holds an image. `attend_until` is each token's own position except an image's."""
+    if not any(row.images for row in rows):
+        return None
+    embeds = np.zeros((num_tokens, width), np.float32)
+    mask = np.zeros(num_tokens, bool)
+    until = np.zeros(num_tokens, np.int32)
+    for i, row in enumerate(rows):
+        lo = int(row_starts[i])
+        count = len(row.token_ids)
+        until[lo:lo + count] = np.arange(row.start_pos, row.start_pos + count)
+        for image in row.images:
+            first, last = max(image.start, row.start_pos), min(image.stop, row.start_pos + count)
+            if first >= last:
+                continue
+            at = lo + first - row.start_pos
+            embeds[at:at + last - first] = image.embeds[first - image.start:last - image.start]
+            mask[at:at + last - first] = True
+            until[at:at + last - first] = image.stop - 1
+    return embeds, mask, until

@@ -1,0 +1,90 @@
+"""The vision encoder on the runner's device: a model's image encoder and projector
+(`models/siglip.py`), compiled per image-count bucket at warm-up like every step shape.
+
+`ModelRunner.encode_images(pixels)` splits a step's new images into calls of 1, 2, 4 or 8
+images (the last call padded with blank images, whose outputs are dropped), so four
+executables serve every count with 0 compiles after warm-up; each call's soft tokens come
+back to the host (the owner thread puts them in the encoder cache and the step's host batch,
+`ferrox_jax/images.py`). The encoder's weights are float32 and replicated: it is small beside
+the language model (SigLIP-So400m: 0.4B parameters against Gemma 3's 4B-27B).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.siglip import VisionConfig, gemma3_image_tokens
+
+log = logging.getLogger(__name__)
+
+IMAGE_BUCKETS = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass
+class VisionEncoder:
+    """A model's vision encoder: its shape, its weights on the device."""
+
+    cfg: VisionConfig
+    params: dict[str, Any]
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.cfg.tokens_per_image
+
+    def compile_keys(self) -> list[tuple]:
+        return [("vision", b) for b in IMAGE_BUCKETS]
+
+    def lower(self, key: tuple) -> jax.stages.Lowered:
+        c, s = self.cfg.channels, self.cfg.image_size
+        pixels = jnp.zeros((key[1], c, s, s), jnp.float32)
+        return gemma3_image_tokens.lower(self.params, pixels, self.cfg)
+
+    def calls(self, count: int) -> list[tuple[int, int, int]]:
+        """(start, images, bucket) of the calls over `count` images, largest buckets first."""
+        out, start = [], 0
+        while start < count:
+            left = count - start
+            bucket = next((b for b in IMAGE_BUCKETS if b >= left), IMAGE_BUCKETS[-1])
+            take = min(left, bucket)
+            out.append((start, take, bucket))
+            start += take
+        return out
+
+    def run(self, executable, pixels: np.ndarray, bucket: int) -> np.ndarray:
+        """One call of `executable` (the bucket's) over `pixels` f32[b, C, S, S], b <= bucket."""
+        padded = np.zeros((bucket, *pixels.shape[1:]), np.float32)
+        padded[:len(pixels)] = pixels
+        return np.asarray(jax.device_get(executable(self.params, padded)))[:len(pixels)]
+
+
+def place_vision(cfg: VisionConfig, params: dict[str, Any]) -> VisionEncoder:
+    """The encoder with its weights on the default device."""
+    return VisionEncoder(cfg, {name: jax.device_put(jnp.asarray(v, jnp.float32)) for name, v in params.items()})
+
+
+def open_vision(source: Any, config: Any) -> tuple[VisionEncoder | None, Any]:
+    """A checkpoint's vision encoder (None for a text model) and the engine config it needs:
+    prompt chunks of at least one image's tokens (an image is computed in one forward), raised
+    from the configured size when smaller. Raises ValueError for what a model taking images
+    cannot do yet: a multi-process mesh, or synthetic weights."""
+    vision_cfg = getattr(source.config, "vision", None)
+    if vision_cfg is None:
+        return None, config
+    if jax.process_count() > 1:
+        raise ValueError("multi-host serving of a model taking images is not supported yet; serve it on one host")
+    if source.is_synthetic:
+        raise ValueError("--load-format dummy does not make a vision encoder's weights; serve the checkpoint's own")
+    from models.siglip import read_gemma3_vision  # reads the encoder's tensors of the checkpoint folder
+
+    cfg, params = read_gemma3_vision(source.path)
+    if config.prefill_chunk < cfg.tokens_per_image:
+        log.info("prompt chunks of %d tokens (was %d): an image's %d tokens are computed in one forward",
+                 cfg.tokens_per_image, config.prefill_chunk, cfg.tokens_per_image)
+        config = dataclasses.replace(config, prefill_chunk=cfg.tokens_per_image)
+    return place_vision(cfg, params), config
