@@ -57,13 +57,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, field_validator
 from quart import Blueprint, Response, current_app, request
 
-from api import generation
+from api import generation, images
 from api.errors import APIError
 from api.generation import GenerationRun, RowOutput
 from api.limits import check_asked_tokens, check_prompt_tokens, check_stop_strings, max_tokens
 from api.output_blocks import Block, BlockEvent, OutputBlocks
 from api.offload import parse_body_off_loop, run_cpu_if
-from api.prompts import chat_prompt, check_model, heavy_chat
+from api.prompts import chat_prompt_images, check_model, heavy_chat
 from api.protocol import StrictBody
 from api.sse import named_event as event, sse_response
 from api.state import AppState, json_response, state_of
@@ -172,12 +172,15 @@ def _turns(message: MessageParam, i: int) -> list[dict]:
     """One Anthropic message as chat-template turns (tool results become `tool` turns)."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
-    turns, texts, calls = [], [], []
+    turns, texts, calls, items = [], [], [], []
     for j, block in enumerate(message.content):
         param = f"messages[{i}].content[{j}]"
         kind = block.get("type")
         if kind == "text":
             texts.append(_text(block, param))
+            items.append({"type": "text", "text": texts[-1]})
+        elif kind == "image" and message.role == "user":
+            items.append({"type": "image"})  # its bytes: `_image_blocks`, in the same order
         elif kind == "tool_use" and message.role == "assistant":
             if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
                 raise APIError(400, f"{param}: tool_use needs a name and an input object", param=param)
@@ -190,9 +193,10 @@ def _turns(message: MessageParam, i: int) -> list[dict]:
                           "content": _tool_result_text(block, param)})
         else:
             raise APIError(400, f"{param}: content blocks of type {kind!r} are not supported in a "
-                                f"{message.role} message (text, thinking, tool_use, tool_result)", param=param)
-    if texts or calls:
-        turn: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
+                                f"{message.role} message (text, image, thinking, tool_use, tool_result)", param=param)
+    if texts or calls or items:
+        content = items if any(item["type"] == "image" for item in items) else "\n".join(texts)
+        turn: dict[str, Any] = {"role": message.role, "content": content}
         if calls:
             turn["tool_calls"] = calls
         turns.append(turn)
@@ -277,12 +281,23 @@ def _conversation(body: CountTokensRequest) -> list[dict]:
     return turns
 
 
-async def _prompt(body: CountTokensRequest, engine: Engine, state: AppState) -> tuple[list[int], OutputPlan]:
+def _image_blocks(body: CountTokensRequest) -> list[tuple[dict, str]]:
+    """The user messages' image blocks in prompt order, with their params."""
+    return [(block, f"messages[{i}].content[{j}]") for i, message in enumerate(body.messages)
+            if message.role == "user" and not isinstance(message.content, str)
+            for j, block in enumerate(message.content) if block.get("type") == "image"]
+
+
+async def _prompt(body: CountTokensRequest, engine: Engine, state: AppState) -> tuple[list[int], OutputPlan, tuple]:
+    blocks = _image_blocks(body)
+    images.check_count(engine, len(blocks), state.config, blocks[0][1] if blocks else "messages")
+    pictures = await images.prepare(engine, [images.part_bytes(b, param) for b, param in blocks], state.config,
+                                    "messages")
     turns = await run_cpu_if(heavy_chat(body.messages), _conversation, body)
     tools = await run_cpu_if(bool(body.tools), _tools, body, engine)  # a forced call compiles schemas
-    return await chat_prompt(engine, turns, tools=tools,
-                             default_constraint=state.config.default_grammar,
-                             split_reasoning=_splits_thinking(body.thinking))
+    return await chat_prompt_images(engine, turns, pictures=pictures, tools=tools,
+                                    default_constraint=state.config.default_grammar,
+                                    split_reasoning=_splits_thinking(body.thinking))
 
 
 # ---------------------------------------------------------------- routes
@@ -298,7 +313,7 @@ async def count_tokens() -> Response:
     body: CountTokensRequest = await parse_body_off_loop(await request.get_data(), CountTokensRequest)
     engine = state.require_engine()
     check_model(body.model, engine)
-    prompt, _plan = await _prompt(body, engine, state)
+    prompt, _plan, _images = await _prompt(body, engine, state)
     return json_response({"input_tokens": len(prompt)})
 
 
@@ -310,7 +325,7 @@ async def create_message() -> Response:
     check_model(body.model, engine)
     check_stop_strings(body.stop_sequences or [], state.config, "stop_sequences")
     check_asked_tokens(body.max_tokens, state.config)
-    prompt, plan = await _prompt(body, engine, state)
+    prompt, plan, spans = await _prompt(body, engine, state)
     check_prompt_tokens(len(prompt), state.config, "messages")
     grammar = await check_grammar(engine, plan.grammar, plan.grammar_param)
     api_id = f"msg_{uuid.uuid4().hex}"
@@ -321,7 +336,7 @@ async def create_message() -> Response:
               max_tokens=max_tokens(body.max_tokens, len(prompt), engine.max_context,
                                     state.config, "messages"),
               stop=tuple(body.stop_sequences or ()), grammar=grammar,
-              skip_special_tokens=plan.skip_special_tokens)
+              skip_special_tokens=plan.skip_special_tokens, images=spans)
     run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine, model=body.model)
     reply = _Message(run, engine.model_name, plan)
     generation.start(run)

@@ -34,6 +34,9 @@ class ServerConfig:
     max_n: int = 16  # choices per request (each is a row holding its own blocks)
     max_stop_strings: int = 16
     max_stop_chars: int = 256  # per stop string
+    max_images: int = 8  # images per request
+    max_image_bytes: int = 20 * MIB  # one image file
+    max_image_pixels: int = 40_000_000  # one image's width x height (checked from its header)
     max_prompt_tokens: int = 0  # tokens per prompt; 0 = the context ceiling (400 above)
     max_output_tokens: int = 0  # max_tokens a request may ask; 0 = the room left in the context
     max_logprobs: int = MAX_LOGPROBS  # logprobs (completions) / top_logprobs (chat)
@@ -82,6 +85,7 @@ class ServerConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"ServerConfig.port must be in 0..65535 (0: a free port); got {self.port}")
         for name in ("max_body_bytes", "max_n", "max_stop_strings", "max_stop_chars", "max_reply_entries",
+                     "max_images", "max_image_bytes", "max_image_pixels",
                      "max_concurrent_requests",
                      "max_header_bytes", "backlog", "sse_orphan_timeout_ms", "resumable_max_bytes",
                      "resumable_max_streams", "session_max", "session_max_bytes", "session_max_total_bytes",

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from quart import Blueprint, Response, current_app, request
 
-from api import generation, resumable, sessions
+from api import generation, images, resumable, sessions
 from api.lora_routes import lora_cards
 from api.choices import INLINE_REPLY_ENTRIES, ChatShape, Choice, CompletionShape, prompt_entries, reply_entries
 from api.errors import APIError
@@ -117,12 +117,13 @@ def _sampling(body: SamplingFields, engine: Engine, logprobs: int | None) -> Row
 
 def _job_request(job_id: str, prompt_ids: list[int], max_tokens: int, body: SamplingFields,
                  sampling: RowSampling, prompt_logprobs: bool, grammar: GrammarSpec | None = None,
-                 plan: OutputPlan = OutputPlan()) -> Job:
+                 plan: OutputPlan = OutputPlan(), images: tuple = ()) -> Job:
     return Job(
         request_id=job_id, prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
         n=body.n or 1, stop=tuple(body.stop_list()), stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos), min_tokens=min(body.min_tokens or 0, max_tokens),
-        prompt_logprobs=prompt_logprobs, grammar=grammar, skip_special_tokens=plan.skip_special_tokens)
+        prompt_logprobs=prompt_logprobs, grammar=grammar, skip_special_tokens=plan.skip_special_tokens,
+        images=images)
 
 
 _CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -228,6 +229,10 @@ async def chat_completions() -> Response:
     constraint, constraint_param = _constraint(body)
     kwargs = template_kwargs(body.chat_template_kwargs, body.reasoning_effort, engine.tokenizer.chat_template)
     session = _session(state, body.session_id)
+    parts = [(part, f"messages[{i}].content") for i, m in enumerate(body.messages) for part in m.image_parts()]
+    images.check_count(engine, len(parts), state.config, parts[0][1] if parts else "messages")
+    pictures = await images.prepare(engine, [images.part_bytes(p, param) for p, param in parts], state.config,
+                                    "messages")
     messages = [m.template_dict() for m in body.messages]
     if session:  # rendered as the session will keep them, so the next turn renders the same history
         messages = state.sessions.kept_turns(messages)
@@ -240,7 +245,8 @@ async def chat_completions() -> Response:
                             add_generation_prompt=body.add_generation_prompt is not False, template_kwargs=kwargs)
 
     chat = await run_cpu_if(heavy_chat(body.messages, body.tools), plan_chat)
-    prompt_ids = await encode(engine.tokenizer, chat.text, add_special_tokens=False)
+    text = images.expand(chat.text, engine, len(pictures), "messages")
+    prompt_ids = await encode(engine.tokenizer, text, add_special_tokens=False)
     if not prompt_ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
     check_prompt_tokens(len(prompt_ids), state.config, "messages")
@@ -251,7 +257,7 @@ async def chat_completions() -> Response:
     grammar = await check_grammar(engine, chat.plan.grammar, chat.plan.grammar_param)
     api_id = f"chatcmpl-{uuid.uuid4().hex}"
     reqs = [_job_request(api_id, prompt_ids, limit, body, _sampling(body, engine, logprobs), False, grammar,
-                         chat.plan)]
+                         chat.plan, images.spans(prompt_ids, engine, pictures, "messages"))]
     check_reply_entries(reqs, logprobs, state.config, param=asked_param)
     run = GenerationRun(state, "/v1/chat/completions", api_id, reqs, stream=bool(body.stream), engine=engine,
                         model=body.model)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from api import images
 from api.errors import APIError
 from api.lora_routes import lora_names
 from api.offload import run_cpu, run_cpu_if
@@ -48,22 +49,31 @@ def heavy_chat(messages: list[Any], tools: Any = None) -> bool:
     return sum(len(c) if isinstance(c, str) else len(str(c or "")) for c in contents) > ENCODE_INLINE_CHARS
 
 
-async def chat_prompt(engine: Engine, messages: list[dict], param: str = "messages", *,
-                      tools: ToolRequest | None = None, constraint: GrammarSpec | str | None = None,
-                      constraint_param: str = "response_format",
-                      default_constraint: GrammarSpec | None = None,
-                      split_reasoning: bool = True,
-                      template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], OutputPlan]:
+async def chat_prompt(engine: Engine, messages: list[dict], param: str = "messages",
+                      **kwargs: Any) -> tuple[list[int], OutputPlan]:
+    """`chat_prompt_images` of a conversation without images: its token ids and output plan."""
+    ids, plan, _ = await chat_prompt_images(engine, messages, param, **kwargs)
+    return ids, plan
+
+
+async def chat_prompt_images(engine: Engine, messages: list[dict], param: str = "messages", *,
+                             pictures: list[tuple[Any, bytes]] = (), tools: ToolRequest | None = None,
+                             constraint: GrammarSpec | str | None = None, constraint_param: str = "response_format",
+                             default_constraint: GrammarSpec | None = None, split_reasoning: bool = True,
+                             template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], OutputPlan, tuple]:
     """Rendered (as the OpenAI chat route renders it: `api/structured.py:prepare_chat`, so a
-    history's tool turns and the tools come out the same) and tokenized conversation, and
-    its output plan. Thinking sections are split as on chat (the Anthropic and Responses
-    adapters render them as thinking blocks / reasoning items) unless `split_reasoning` is
-    False, which keeps them in the text. A template error or an empty result is a 400 naming `param`."""
+    history's tool turns and the tools come out the same) and tokenized conversation, its
+    output plan, and its images' spans (`pictures`: `api/images.py:prepare`'s, in the order the
+    messages' `{"type": "image"}` items stand). Thinking sections are split as on chat (the
+    Anthropic and Responses adapters render them as thinking blocks / reasoning items) unless
+    `split_reasoning` is False, which keeps them in the text. A template error or an empty
+    result is a 400 naming `param`."""
     chat = await run_cpu_if(heavy_chat(messages, tools), prepare_chat, engine.tokenizer, messages, tools=tools,
                             constraint=constraint, constraint_param=constraint_param,
                             default_constraint=default_constraint, messages_param=param,
                             split_reasoning=split_reasoning, template_kwargs=template_kwargs)
-    ids = await encode(engine.tokenizer, chat.text, add_special_tokens=False)
+    text = images.expand(chat.text, engine, len(pictures), param)
+    ids = await encode(engine.tokenizer, text, add_special_tokens=False)
     if not ids:
         raise APIError(400, f"{param} render to an empty prompt", param=param)
-    return ids, chat.plan
+    return ids, chat.plan, images.spans(ids, engine, list(pictures), param)

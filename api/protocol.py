@@ -137,7 +137,7 @@ class CompletionRequest(SamplingFields):
 
 class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = None  # str | list of {"type": "text", "text"} | None (assistant tool calls)
+    content: Any = None  # str | list of text and image parts (api/images.py) | None (assistant tool calls)
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -149,22 +149,30 @@ class ChatMessage(StrictBody):
             return v
         if isinstance(v, list):
             for part in v:
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise ValueError('content parts must be {"type": "text", "text": str}; '
-                                     "only text is supported")
+                if not (isinstance(part, dict) and (part.get("type") == "text" and isinstance(part.get("text"), str)
+                                                    or part.get("type") == "image_url")):
+                    raise ValueError('content parts must be {"type": "text", "text": str} or '
+                                     '{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}')
             return v
-        raise ValueError("content must be a string or a list of text parts")
+        raise ValueError("content must be a string or a list of text and image parts")
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part["text"] for part in self.content)
+        return "\n".join(part["text"] for part in self.content if part.get("type") == "text")
+
+    def image_parts(self) -> list[dict[str, Any]]:
+        """The message's image parts, in order (api/images.py reads them)."""
+        return [p for p in self.content if p.get("type") == "image_url"] if isinstance(self.content, list) else []
 
     def template_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        content: Any = self.text()
+        if self.image_parts():  # the vision templates place an image where its item is
+            content = [{"type": "image"} if p.get("type") == "image_url" else {"type": "text", "text": p["text"]}
+                       for p in self.content]
+        d: dict[str, Any] = {"role": self.role, "content": content}
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)

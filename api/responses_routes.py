@@ -53,13 +53,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, field_validator
 from quart import Blueprint, Response, current_app, request
 
-from api import generation
+from api import generation, images
 from api.errors import APIError
 from api.generation import GenerationRun, RowOutput
 from api.limits import check_asked_tokens, check_prompt_tokens, max_tokens
 from api.output_blocks import Block, BlockEvent, OutputBlocks
 from api.offload import parse_body_off_loop, run_cpu_if
-from api.prompts import chat_prompt, check_model, heavy_chat
+from api.prompts import chat_prompt_images, check_model, heavy_chat
 from api.protocol import StrictBody
 from api.template_kwargs import template_kwargs
 from api.sse import named_event as event, sse_response
@@ -117,19 +117,34 @@ def _effort_kwargs(body: ResponsesRequest, engine: Engine) -> dict[str, Any] | N
         raise APIError(400, e.message, param="reasoning.effort", code="invalid_value") from None
 
 
-def _text_parts(content: Any, param: str) -> str:
-    """A string, or input_text / output_text parts joined by newlines."""
+def _text_parts(content: Any, param: str, images_ok: bool = False) -> Any:
+    """A string, or input_text / output_text parts joined by newlines; with `images_ok` (a user
+    message), input_image parts too, and then the template's item list (api/images.py)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(400, f"{param} must be a string or a list of text parts", param=param)
-    texts = []
+    texts, items = [], []
     for j, part in enumerate(content):
+        if images_ok and isinstance(part, dict) and part.get("type") == "input_image":
+            items.append({"type": "image"})  # its bytes: `_image_parts`, in the same order
+            continue
         if not (isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES and isinstance(part.get("text"), str)):
-            raise APIError(400, f"{param}[{j}]: only input_text / output_text parts are supported",
-                           param=f"{param}[{j}]")
+            raise APIError(400, f"{param}[{j}]: only input_text / output_text (and input_image in a user "
+                                "message) parts are supported", param=f"{param}[{j}]")
         texts.append(part["text"])
-    return "\n".join(texts)
+        items.append({"type": "text", "text": part["text"]})
+    return items if len(items) > len(texts) else "\n".join(texts)
+
+
+def _image_parts(body: ResponsesRequest) -> list[tuple[dict, str]]:
+    """The user messages' input_image parts in prompt order, with their params."""
+    if isinstance(body.input, str):
+        return []
+    return [(part, f"input[{i}].content[{j}]") for i, item in enumerate(body.input)
+            if item.get("type", "message") == "message" and item.get("role") == "user"
+            and isinstance(item.get("content"), list)
+            for j, part in enumerate(item["content"]) if isinstance(part, dict) and part.get("type") == "input_image"]
 
 
 def _call(item: dict, i: int) -> dict:
@@ -165,7 +180,8 @@ def _turns(body: ResponsesRequest) -> list[dict]:
         elif kind == "reasoning":
             continue  # a reply's reasoning item sent back: earlier turns' thinking is not rendered
         elif kind == "message" and item.get("role") in ROLES:
-            turns.append({"role": item["role"], "content": _text_parts(item.get("content"), f"input[{i}].content")})
+            turns.append({"role": item["role"], "content": _text_parts(item.get("content"), f"input[{i}].content",
+                                                                       images_ok=item["role"] == "user")})
         else:
             raise APIError(400, f"input[{i}]: only message items with a role in {ROLES}, function_call and "
                                 f"function_call_output items are supported (got type {kind!r})", param=f"input[{i}]")
@@ -229,11 +245,16 @@ async def create_response() -> Response:
                        param="previous_response_id")
     check_asked_tokens(body.max_output_tokens, state.config, "max_output_tokens")
     constraint, constraint_param = _constraint(body)
+    parts = _image_parts(body)
+    images.check_count(engine, len(parts), state.config, parts[0][1] if parts else "input")
+    pictures = await images.prepare(engine, [images.part_bytes(p, param) for p, param in parts], state.config,
+                                    "input")
     turns = await run_cpu_if(isinstance(body.input, list) and heavy_chat(body.input), _turns, body)
     tools = await run_cpu_if(bool(body.tools), _tools, body, engine)  # a forced call compiles schemas
-    prompt, plan = await chat_prompt(engine, turns, "input", tools=tools, constraint=constraint,
-                                     constraint_param=constraint_param, default_constraint=state.config.default_grammar,
-                                     template_kwargs=_effort_kwargs(body, engine))
+    prompt, plan, spans = await chat_prompt_images(
+        engine, turns, "input", pictures=pictures, tools=tools, constraint=constraint,
+        constraint_param=constraint_param, default_constraint=state.config.default_grammar,
+        template_kwargs=_effort_kwargs(body, engine))
     check_prompt_tokens(len(prompt), state.config, "input")
     grammar = await check_grammar(engine, plan.grammar, plan.grammar_param)
     api_id = f"resp_{uuid.uuid4().hex}"
@@ -242,7 +263,7 @@ async def create_response() -> Response:
                            seed=None)  # Responses has no seed: the engine draws one
     limit = max_tokens(body.max_output_tokens, len(prompt), engine.max_context, state.config, "input")
     job = Job(request_id=api_id, prompt_token_ids=tuple(prompt), max_tokens=limit, sampling=sampling,
-              grammar=grammar, skip_special_tokens=plan.skip_special_tokens)
+              grammar=grammar, skip_special_tokens=plan.skip_special_tokens, images=spans)
     run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine, model=body.model)
     reply = _Response(run, engine.model_name, body, sampling, plan)
     generation.start(run)

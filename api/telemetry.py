@@ -73,6 +73,10 @@ _BATCHER_METRICS = (
     ("grammar_mask_fills_hidden", "ferrox_grammar_mask_fills_hidden", "counter",
      "mask computations that finished while the model call was still running"),
     ("grammar_errors", "ferrox_grammar_errors", "counter", "rows ended because their grammar rejected a sampled token"),
+    ("encoder_runs", "ferrox_encoder_runs", "counter", "images the vision encoder computed"),
+    ("encoder_cache_hits", "ferrox_encoder_cache_hits", "counter",
+     "images whose soft tokens came from the encoder cache instead of the encoder"),
+    ("image_tokens", "ferrox_image_tokens", "counter", "image soft tokens computed by forwards"),
 )
 
 

@@ -25,7 +25,7 @@ shape, `start` starts the owner thread.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ from ferrox_jax.batcher import ContinuousBatcher, EventCallback
 from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig, SpeculativeConfig
 from ferrox_jax.constraint import GrammarError, GrammarSpec
 from ferrox_jax.engine_builder import KVSizing, build_parts
+from ferrox_jax.images import ImageError, ImageLimits, preprocess
 from ferrox_jax.lora_registry import LoadedAdapter, LoraRegistry, check_adapter_name
 from ferrox_jax.memory_bounds import MemoryBoundError, host_total_bytes
 from ferrox_jax.request import AdmissionError, Job, with_seed
@@ -61,6 +62,7 @@ __all__ = (
     "MemoryBoundError", "LoraError", "ChatTemplateError",  # what the facade's calls raise
     "check_adapter_name",  # an adapter name's rule, before a path is looked at
     "host_total_bytes",  # the host's memory, which also caps the server's own byte caps
+    "ImageError", "ImageLimits",  # `Engine.prepare_images`' refusal and limits
 )
 
 
@@ -329,6 +331,11 @@ class Engine:
     def takes_images(self) -> bool:
         """The model has a vision encoder: a job may carry images (`Job.images`)."""
         return getattr(self._source.config, "vision", None) is not None
+
+    def prepare_images(self, blobs: list[bytes], limits: ImageLimits) -> list[tuple[Any, bytes]]:
+        """(pixels, digest) per image file, as this model's encoder takes them (any thread; CPU
+        work: the API runs it in its pool). Raises ImageError naming the image and the limit."""
+        return preprocess(blobs, self._source.config.vision.image_size, limits)
 
     @property
     def checkpoint_path(self) -> str:

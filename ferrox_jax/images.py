@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+from models.image_input import ImageError, ImageLimits, decode_image, resize_normalize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,20 @@ class ImageSpan:
     @property
     def stop(self) -> int:
         return self.start + self.length
+
+
+def preprocess(blobs: Sequence[bytes], size: int, limits: ImageLimits) -> list[tuple[np.ndarray, bytes]]:
+    """(pixels f32[3, size, size], digest) per image file: checked and decoded
+    (`models/image_input.py`), resized and normalised; the digest is the sha256 of the size and
+    the pixels. Raises ImageError naming the image (1-based) and what is wrong."""
+    out = []
+    for i, data in enumerate(blobs):
+        try:
+            pixels = resize_normalize(decode_image(data, limits), size)
+        except ImageError as e:
+            raise ImageError(f"image {i + 1}: {e}") from None
+        out.append((pixels, hashlib.sha256(b"%d|" % size + pixels.tobytes()).digest()))
+    return out
 
 
 def check_spans(images: Sequence[ImageSpan], prompt_len: int) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 
 from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.detokenize import SpecialTokensKept, TextStream
-from ferrox_jax.images import check_spans
+from ferrox_jax.images import ImageSpan, check_spans  # noqa: F401 (ImageSpan: what the routes build)
 
 # Makes a row's grammar state (a `ferrox_jax.grammar.RowMatcher`) for its constraint: the
 # engine passes `GrammarCompiler.new_matcher`. Opaque here, so this module needs no llguidance.

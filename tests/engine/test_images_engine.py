@@ -13,7 +13,6 @@ served by the real engine, against HF's whole model given the same pixels.
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 
 import numpy as np
@@ -35,25 +34,9 @@ TIMEOUT_S = 180
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    from tests.support.tiny_model import make_tokenizer_files, save_random_weights
+    from tests.support.tiny_vlm import make_tiny_vlm
 
-    folder = tmp_path_factory.mktemp("vlm") / "tiny-gemma3-vlm"
-    folder.mkdir(parents=True)
-    vocab_size = make_tokenizer_files(folder, vocab_size=384)
-    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
-    text = transformers.Gemma3TextConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, query_pre_attn_scalar=32,
-        sliding_window=24, layer_types=["sliding_attention", "full_attention"], eos_token_id=vocab["<|im_end|>"],
-        pad_token_id=vocab["<|endoftext|>"], bos_token_id=None)
-    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                             num_attention_heads=4, image_size=SIZE, patch_size=4)
-    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                       mm_tokens_per_image=TOKENS, image_token_index=vocab_size - 1,
-                                       boi_token_index=vocab_size - 3, eoi_token_index=vocab_size - 2,
-                                       eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"])
-    config.architectures = ["Gemma3ForConditionalGeneration"]
-    save_random_weights(config, folder)
+    folder, vocab_size = make_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-gemma3-vlm")
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = Engine.load(EngineConfig(model=str(folder), block_size=4, kv_blocks=300, max_context=256,
                                       prefill_chunk=32, max_seqs=8))

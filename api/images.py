@@ -1,0 +1,130 @@
+"""Images in a request, on every wire: image parts to checked pixels, and the prompt's placeholders to
+the engine's `ImageSpan`s.
+
+Each wire names an image its own way; all of them become one `{"type": "image"}` item in the chat
+template's message content (what the vision-language templates expect) and one file's bytes:
+
+    OpenAI chat      {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}
+    Responses        {"type": "input_image", "image_url": "data:image/png;base64,..."}
+    Anthropic        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "..."}}
+
+Only inline images (data: URLs, base64) are taken: fetching an `http(s)` URL from the server is not
+done (a request must not make the server reach other hosts), so such a part is a 400 that says to
+send the bytes inline. A part's bytes are checked and decoded in the CPU pool
+(`models/image_input.py`: limits from the header first, so a decompression bomb costs nothing),
+resized and normalised as the model's HF image processor does, and named by the sha256 of the
+pixels (the encoder cache's and the prefix cache's key). Every refusal is a 400 naming the part
+and the limit: too many images, too many bytes or pixels, not an image, truncated, an image for a
+model that takes none.
+
+The rendered prompt holds one begin-of-image marker per image (Gemma 3: `<start_of_image>`);
+`expand` replaces each with what HF's processor puts there ("\\n\\n", the marker, the image's soft
+tokens, the end marker, "\\n\\n"), and after tokenizing `spans` finds each image's run of soft
+tokens, so `Job.images` says where every image's embeddings go.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from typing import TYPE_CHECKING, Any
+
+from api.errors import APIError
+from api.offload import run_cpu
+from ferrox_jax.engine import ImageError, ImageLimits
+from ferrox_jax.request import ImageSpan
+
+if TYPE_CHECKING:
+    from api.config import ServerConfig
+    from ferrox_jax.engine import Engine
+
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+_DATA_URL = re.compile(r"^data:(image/[\w.+-]+)?(;[\w-]+=[\w.-]+)*;base64,", re.IGNORECASE)
+
+
+def is_image_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+
+
+def part_bytes(part: dict, param: str) -> bytes:
+    """The file bytes of one image part of any wire (module docstring). Raises APIError 400."""
+    kind = part.get("type")
+    if kind == "image":  # Anthropic
+        source = part.get("source")
+        if not isinstance(source, dict) or source.get("type") != "base64" or not isinstance(source.get("data"), str):
+            if isinstance(source, dict) and source.get("type") == "url":
+                raise APIError(400, "image URLs are not fetched by this server; send the image inline as "
+                                    '{"type": "base64", "media_type": ..., "data": ...}', param=param)
+            raise APIError(400, 'an image block needs "source": {"type": "base64", "media_type": ..., "data": ...}',
+                           param=param)
+        return _base64(source["data"], param)
+    url = part.get("image_url")
+    if isinstance(url, dict):  # OpenAI chat: {"url": ..., "detail": ...}
+        url = url.get("url")
+    if not isinstance(url, str):
+        raise APIError(400, f'an {kind} part needs an image URL (a "data:image/...;base64," URL)', param=param)
+    match = _DATA_URL.match(url)
+    if match is None:
+        if url.startswith(("http://", "https://")):
+            raise APIError(400, "image URLs are not fetched by this server; send the image inline as a "
+                                '"data:image/png;base64,..." URL', param=param)
+        raise APIError(400, 'an image URL must be a "data:image/...;base64," URL', param=param)
+    return _base64(url[match.end():], param)
+
+
+def _base64(text: str, param: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, "the image's base64 data does not decode; send the file's bytes base64-encoded",
+                       param=param) from None
+
+
+def check_count(engine: Engine, count: int, config: ServerConfig, param: str) -> None:
+    if count and not engine.takes_images:
+        raise APIError(400, f"the model {engine.model_name!r} takes no images; send text only",
+                       param=param, code="images_unsupported")
+    if count > config.max_images:
+        raise APIError(400, f"{count} images in one request; the limit is {config.max_images} (--max-images)",
+                       param=param)
+
+
+async def prepare(engine: Engine, blobs: list[bytes], config: ServerConfig, param: str) -> list[tuple[Any, bytes]]:
+    """(pixels f32[3, S, S], sha256 digest) per image, decoded and resized in the CPU pool."""
+    if not blobs:
+        return []
+    limits = ImageLimits(max_bytes=config.max_image_bytes, max_pixels=config.max_image_pixels)
+    try:
+        return await run_cpu(engine.prepare_images, blobs, limits)
+    except ImageError as e:
+        raise APIError(400, str(e), param=param, code="invalid_image") from None
+
+
+def expand(text: str, engine: Engine, count: int, param: str) -> str:
+    """The rendered prompt with each begin-of-image marker expanded into the image's tokens."""
+    if not count:
+        return text
+    vision, tokenizer = engine.model_config.vision, engine.tokenizer
+    boi, eoi, soft = (tokenizer.id_to_token(i) for i in (vision.boi_token_id, vision.eoi_token_id,
+                                                           vision.image_token_id))
+    if not (boi and eoi and soft):
+        raise APIError(400, "this model's tokenizer lacks its image marker tokens; it cannot take images", param=param)
+    if text.count(boi) != count:
+        raise APIError(400, f"the chat template placed {text.count(boi)} image markers for {count} images; "
+                            "check the messages' image parts", param=param)
+    return text.replace(boi, f"\n\n{boi}{soft * vision.tokens_per_image}{eoi}\n\n")
+
+
+def spans(ids: list[int], engine: Engine, images: list[tuple[Any, bytes]], param: str) -> tuple[ImageSpan, ...]:
+    """Each image's run of soft tokens in the tokenized prompt, in order."""
+    if not images:
+        return ()
+    vision = engine.model_config.vision
+    soft, length = vision.image_token_id, vision.tokens_per_image
+    starts = [i for i, t in enumerate(ids) if t == soft and (i == 0 or ids[i - 1] != soft)]
+    runs = [(s, next((j for j in range(s, len(ids)) if ids[j] != soft), len(ids)) - s) for s in starts]
+    if len(runs) != len(images) or any(n != length for _, n in runs):
+        raise APIError(400, "the prompt's image placeholders do not match its images (an image token in the "
+                            "text?); send images as image parts only", param=param)
+    return tuple(ImageSpan(start, length, digest, pixels) for (start, _), (pixels, digest) in zip(runs, images))
