@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 from api.errors import APIError
 from api.offload import run_cpu
 from ferrox_jax.engine import ImageError, ImageLimits
-from ferrox_jax.request import ImageSpan
 
 if TYPE_CHECKING:
     from api.config import ServerConfig
     from ferrox_jax.engine import Engine
+    from ferrox_jax.request import ImageSpan
 
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 _DATA_URL = re.compile(r"^data:(image/[\w.+-]+)?(;[\w-]+=[\w.-]+)*;base64,", re.IGNORECASE)
@@ -103,28 +103,15 @@ async def prepare(engine: Engine, blobs: list[bytes], config: ServerConfig, para
 
 def expand(text: str, engine: Engine, count: int, param: str) -> str:
     """The rendered prompt with each begin-of-image marker expanded into the image's tokens."""
-    if not count:
-        return text
-    vision, tokenizer = engine.model_config.vision, engine.tokenizer
-    boi, eoi, soft = (tokenizer.id_to_token(i) for i in (vision.boi_token_id, vision.eoi_token_id,
-                                                           vision.image_token_id))
-    if not (boi and eoi and soft):
-        raise APIError(400, "this model's tokenizer lacks its image marker tokens; it cannot take images", param=param)
-    if text.count(boi) != count:
-        raise APIError(400, f"the chat template placed {text.count(boi)} image markers for {count} images; "
-                            "check the messages' image parts", param=param)
-    return text.replace(boi, f"\n\n{boi}{soft * vision.tokens_per_image}{eoi}\n\n")
+    try:
+        return engine.expand_images(text, count)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from None
 
 
-def spans(ids: list[int], engine: Engine, images: list[tuple[Any, bytes]], param: str) -> tuple[ImageSpan, ...]:
+def spans(ids: list[int], engine: Engine, pictures: list[tuple[Any, bytes]], param: str) -> tuple[ImageSpan, ...]:
     """Each image's run of soft tokens in the tokenized prompt, in order."""
-    if not images:
-        return ()
-    vision = engine.model_config.vision
-    soft, length = vision.image_token_id, vision.tokens_per_image
-    starts = [i for i, t in enumerate(ids) if t == soft and (i == 0 or ids[i - 1] != soft)]
-    runs = [(s, next((j for j in range(s, len(ids)) if ids[j] != soft), len(ids)) - s) for s in starts]
-    if len(runs) != len(images) or any(n != length for _, n in runs):
-        raise APIError(400, "the prompt's image placeholders do not match its images (an image token in the "
-                            "text?); send images as image parts only", param=param)
-    return tuple(ImageSpan(start, length, digest, pixels) for (start, _), (pixels, digest) in zip(runs, images))
+    try:
+        return engine.image_spans(ids, pictures)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from None

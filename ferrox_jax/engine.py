@@ -35,7 +35,7 @@ from ferrox_jax.batcher import ContinuousBatcher, EventCallback
 from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig, SpeculativeConfig
 from ferrox_jax.constraint import GrammarError, GrammarSpec
 from ferrox_jax.engine_builder import KVSizing, build_parts
-from ferrox_jax.images import ImageError, ImageLimits, preprocess
+from ferrox_jax.images import ImageError, ImageLimits, expand_markers, find_spans, preprocess
 from ferrox_jax.lora_registry import LoadedAdapter, LoraRegistry, check_adapter_name
 from ferrox_jax.memory_bounds import MemoryBoundError, host_total_bytes
 from ferrox_jax.request import AdmissionError, Job, with_seed
@@ -336,6 +336,15 @@ class Engine:
         """(pixels, digest) per image file, as this model's encoder takes them (any thread; CPU
         work: the API runs it in its pool). Raises ImageError naming the image and the limit."""
         return preprocess(blobs, self._source.config.vision.image_size, limits)
+
+    def expand_images(self, text: str, count: int) -> str:
+        """A rendered prompt with its `count` image markers laid out as the model's processor
+        lays them (`ferrox_jax/images.py:expand_markers`). Raises ValueError."""
+        return expand_markers(text, self._source.config.vision, self.tokenizer, count) if count else text
+
+    def image_spans(self, ids: list[int], pictures: list[tuple[Any, bytes]]) -> tuple:
+        """`Job.images` for a tokenized prompt and its `prepare_images` pictures. Raises ValueError."""
+        return find_spans(ids, self._source.config.vision, pictures) if pictures else ()
 
     @property
     def checkpoint_path(self) -> str:

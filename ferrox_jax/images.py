@@ -65,6 +65,53 @@ def preprocess(blobs: Sequence[bytes], size: int, limits: ImageLimits) -> list[t
     return out
 
 
+def expand_markers(text: str, vision: Any, tokenizer: Any, count: int) -> str:
+    """A rendered prompt with each of its `count` begin-of-image markers expanded as HF's Gemma 3
+    processor does: "\n\n", the marker, the image's soft tokens, the end marker, "\n\n".
+    Raises ValueError when the markers are not one per image or the tokenizer lacks them."""
+    if not count:
+        return text
+    boi, eoi, soft = (tokenizer.id_to_token(i) for i in (vision.boi_token_id, vision.eoi_token_id,
+                                                           vision.image_token_id))
+    if not (boi and eoi and soft):
+        raise ValueError("this model's tokenizer lacks its image marker tokens; it cannot take images")
+    if text.count(boi) != count:
+        raise ValueError(f"the prompt has {text.count(boi)} image markers ({boi}) for {count} images; "
+                         "put one where each image goes")
+    return text.replace(boi, f"\n\n{boi}{soft * vision.tokens_per_image}{eoi}\n\n")
+
+
+def find_spans(ids: Sequence[int], vision: Any, pictures: Sequence[tuple[Any, bytes]]) -> tuple[ImageSpan, ...]:
+    """Each picture's (pixels, digest) at its run of soft tokens in the tokenized prompt, in order.
+    Raises ValueError when the runs are not one whole run per picture."""
+    if not pictures:
+        return ()
+    soft, length = vision.image_token_id, vision.tokens_per_image
+    starts = [i for i, t in enumerate(ids) if t == soft and (i == 0 or ids[i - 1] != soft)]
+    runs = [(s, next((j for j in range(s, len(ids)) if ids[j] != soft), len(ids)) - s) for s in starts]
+    if len(runs) != len(pictures) or any(n != length for _, n in runs):
+        raise ValueError("the prompt's image placeholders do not match its images (an image token in the "
+                         "text?); give images as image inputs only")
+    return tuple(ImageSpan(start, length, digest, pixels) for (start, _), (pixels, digest) in zip(runs, pictures))
+
+
+def image_file_bytes(image: Any) -> bytes:
+    """File bytes of an image given as bytes, a PIL image or a uint8 [H, W, 3] array (as PNG: lossless)."""
+    if isinstance(image, (bytes, bytearray)):
+        return bytes(image)
+    import io
+
+    from PIL import Image
+
+    if isinstance(image, np.ndarray):
+        image = Image.fromarray(np.asarray(image, np.uint8))
+    if not isinstance(image, Image.Image):
+        raise ValueError(f"an image is file bytes, a PIL image or a uint8 array; got {type(image).__name__}")
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def check_spans(images: Sequence[ImageSpan], prompt_len: int) -> None:
     """Raises ValueError unless the spans are in order, apart, and inside the prompt."""
     end = 0

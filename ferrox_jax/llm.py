@@ -41,6 +41,7 @@ import time
 from typing import Any, Iterable, Sequence
 
 from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig
+from ferrox_jax.images import ImageLimits, image_file_bytes
 from ferrox_jax.offline import CompletionOutput, RequestOutput, SamplingParams, logprob_dict, to_job
 from ferrox_jax.request import AdmissionError, Job, RowEvent
 
@@ -133,7 +134,10 @@ class LLM:
 
         Args:
           prompts: a text, or `{"prompt": text}` / `{"prompt_token_ids": [ids]}` (vLLM's
-            TextPrompt / TokensPrompt), or a list of them.
+            TextPrompt / TokensPrompt), or a list of them. For a model taking images,
+            `{"prompt": text, "multi_modal_data": {"image": image or [images]}}` (PIL images,
+            uint8 HxWx3 arrays or file bytes), the text holding the model's image marker
+            (Gemma 3: `<start_of_image>`) where each image goes, as vLLM takes them.
           sampling_params: one for every prompt, or one per prompt (default: SamplingParams()).
           use_tqdm: show a progress bar on stderr.
         Returns:
@@ -143,8 +147,14 @@ class LLM:
         tok = self._engine.tokenizer
         encoded = []
         for item in items:
-            text, ids = _prompt_text_and_ids(item, tok)
-            encoded.append((text, ids))
+            images = _multi_modal_images(item)
+            if images:
+                text = self._engine.expand_images(item["prompt"], len(images))
+                pictures = self._engine.prepare_images(images, ImageLimits())
+                ids = tok.encode(text)
+                encoded.append((item["prompt"], ids, self._engine.image_spans(ids, pictures)))
+            else:
+                encoded.append((*_prompt_text_and_ids(item, tok), ()))
         return self._run(encoded, _per_prompt(sampling_params, len(encoded)), use_tqdm)
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
@@ -166,21 +176,21 @@ class LLM:
         for conversation in conversations:
             text = tok.apply_chat_template([_template_message(m) for m in conversation],
                                            add_generation_prompt=add_generation_prompt)
-            encoded.append((text, tok.encode(text, add_special_tokens=False)))
+            encoded.append((text, tok.encode(text, add_special_tokens=False), ()))
         return self._run(encoded, _per_prompt(sampling_params, len(encoded)), use_tqdm)
 
     # -- the run ---------------------------------------------------------------------------
 
-    def _run(self, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+    def _run(self, prompts: list[tuple[str | None, list[int], tuple]], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
-        """Submit every prompt's job, gather their events, return the outputs in order."""
+        """Submit every prompt's job (text, ids, image spans), gather their events, return the outputs in order."""
         engine = self._engine
         jobs = []
-        for (_, ids), p in zip(prompts, params):
+        for (_, ids, images), p in zip(prompts, params):
             if not ids:
                 raise ValueError("a prompt must contain at least one token")
-            jobs.append(to_job(p, f"offline-{next(self._ids)}", ids, engine.max_context, self._grammar(p)))
-        results = [_Result(text, job, p, engine.tokenizer) for (text, _), job, p in zip(prompts, jobs, params)]
+            jobs.append(to_job(p, f"offline-{next(self._ids)}", ids, engine.max_context, self._grammar(p), images))
+        results = [_Result(text, job, p, engine.tokenizer) for (text, _, _), job, p in zip(prompts, jobs, params)]
         events: queue.Queue[tuple[int, RowEvent]] = queue.Queue()
         progress = _Progress(len(jobs), use_tqdm)
         submitted, open_jobs = 0, set()
@@ -270,6 +280,19 @@ def _prompt_text_and_ids(item: str | dict, tok: Any) -> tuple[str | None, list[i
     if isinstance(item, dict) and isinstance(item.get("prompt"), str):
         return item["prompt"], tok.encode(item["prompt"])
     raise TypeError(f"a prompt is a string, {{'prompt': str}} or {{'prompt_token_ids': [int]}}; got {item!r:.80}")
+
+
+def _multi_modal_images(item: str | dict) -> list[bytes]:
+    """The file bytes of a prompt's `multi_modal_data` images (PIL images and arrays as PNG)."""
+    data = item.get("multi_modal_data") if isinstance(item, dict) else None
+    if not data:
+        return []
+    if set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data takes images only; got {sorted(data)}")
+    if not isinstance(item.get("prompt"), str):
+        raise ValueError("a prompt with multi_modal_data needs its text as 'prompt' (with the image markers)")
+    images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+    return [image_file_bytes(image) for image in images]
 
 
 def _template_message(message: dict) -> dict:

@@ -165,7 +165,7 @@ class SamplingParams:
 
 
 def to_job(params: SamplingParams, request_id: str, prompt_ids: list[int], max_context: int,
-           grammar: Any = None) -> Job:
+           grammar: Any = None, images: tuple = ()) -> Job:
     """One engine job for a prompt (its `n` choices are its rows).
 
     Raises:
@@ -181,7 +181,7 @@ def to_job(params: SamplingParams, request_id: str, prompt_ids: list[int], max_c
         sampling=params.row_sampling(), n=params.n, stop=tuple(params.stop_list),
         stop_token_ids=tuple(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
         min_tokens=min(params.min_tokens, max_tokens), prompt_logprobs=params.prompt_logprobs is not None,
-        grammar=grammar, skip_special_tokens=params.skip_special_tokens)
+        grammar=grammar, skip_special_tokens=params.skip_special_tokens, images=images)
 
 
 # ---------------------------------------------------------------- outputs

@@ -181,3 +181,40 @@ def test_text_model_refuses_images(tiny_llama):
     engine = Engine.load(EngineConfig(model=str(tiny_llama), block_size=8, kv_blocks=64, max_context=128))
     with pytest.raises(AdmissionError, match="takes no images"):
         engine.submit(_job("x", list(range(40)), _spans([5], [1])), lambda e: None)
+
+
+def test_offline_llm_multi_modal_data_equals_the_engine_job(vlm):
+    """`LLM.generate({"prompt": ..., "multi_modal_data": {"image": ...}})` (vLLM's shape): the marker in
+    the text expanded as the processor does; the same greedy tokens as HF given the same pixels."""
+    from PIL import Image
+
+    from ferrox_jax.llm import LLM, SamplingParams
+    from ferrox_jax.images import preprocess
+    from models.image_input import ImageLimits
+
+    folder, hf, engine, vocab = vlm
+    rng = np.random.default_rng(11)
+    picture = Image.fromarray(rng.integers(0, 256, (30, 44, 3)).astype(np.uint8), "RGB")
+    prompt = "Look:<start_of_image>What is it?"
+    with LLM(str(folder), block_size=4, kv_blocks=200, max_context=256, prefill_chunk=32, max_seqs=4) as llm:
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": picture}},
+                           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+        ids = out.prompt_token_ids
+    assert ids.count(vocab - 1) == TOKENS and ids.count(vocab - 3) == 1
+    (pixels, _), = preprocess([_png_bytes(picture)], SIZE, ImageLimits())
+    want = []
+    with torch.no_grad():
+        for _ in range(6):
+            input_ids = torch.tensor([ids + want])
+            logits = hf(input_ids=input_ids, pixel_values=torch.from_numpy(pixels[None]),
+                        token_type_ids=(input_ids == vocab - 1).long()).logits
+            want.append(int(logits[0, -1].argmax()))
+    assert out.outputs[0].token_ids == want
+
+
+def _png_bytes(image) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
