@@ -79,7 +79,8 @@ def _model_object(engine: Engine) -> dict:
     card = engine.model_card
     return {"id": card.id, "object": "model", "created": created, "owned_by": "ferrox",
             "max_model_len": card.max_context, "architecture": card.architecture, "dtype": card.dtype,
-            "quantization": card.quantization, "kv_cache_dtype": card.kv_cache_dtype}
+            "quantization": card.quantization, "kv_cache_dtype": card.kv_cache_dtype,
+            "image_input": engine.takes_images}
 
 
 @blueprint.post("/v1/cancel")

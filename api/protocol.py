@@ -311,6 +311,7 @@ class ModelObject(BaseModel):
     dtype: str | None = None  # compute dtype
     quantization: str | None = None  # none, int8 or w8a8
     kv_cache_dtype: str | None = None
+    image_input: bool = False  # the model takes image parts (docs/api.md, "Images")
     root: str | None = None  # a LoRA adapter: its folder
     parent: str | None = None  # a LoRA adapter: the base model's id
 

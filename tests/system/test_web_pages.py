@@ -15,6 +15,7 @@ import shutil
 import threading
 
 import httpx
+import numpy as np
 import pytest
 
 from api.app import create_app
@@ -73,6 +74,17 @@ def lora_server(tmp_path_factory):
             yield url
     finally:
         engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vision_server(tmp_path_factory):
+    """A keyless server over the tiny Gemma 3 vision-language checkpoint (tests/support/tiny_vlm.py)."""
+    from tests.support.tiny_vlm import make_tiny_vlm
+
+    folder, _ = make_tiny_vlm(tmp_path_factory.mktemp("web-vlm") / "tiny-gemma3-vlm")
+    engine = tiny_engine(folder, block_size=4, kv_blocks=400, max_seqs=8, prefill_chunk=32, max_context=256)
+    with ServerThread(create_app(engine, ServerConfig())) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -329,3 +341,38 @@ def test_the_chat_page_picks_a_lora_adapter_from_v1_models(page, lora_server):
     page.wait_for_function("() => [...document.querySelectorAll('#model-picker option')].some((o) => o.value === 'a2')")
     page.keyboard.press("Escape")
     assert page.input_value("#model-picker") == "a1", "the choice survives the refresh"
+
+
+def test_an_attached_image_goes_with_the_message(page, vision_server, tmp_path):
+    """The Image button (shown for a model taking images) attaches a file; the message goes as an
+    image_url part plus the text, and the reply is what the API answers for the same request."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(5).integers(0, 256, (36, 48, 3)).astype(np.uint8), "RGB").save(buf, "PNG")
+    (tmp_path / "picture.png").write_bytes(buf.getvalue())
+    page.goto(vision_server + "/")
+    page.wait_for_selector("#attach:not(.hidden)")
+    page.set_input_files("#image-file", str(tmp_path / "picture.png"))
+    page.wait_for_selector("#attachments .thumb")
+    set_field(page, "#seed", "3")
+    set_field(page, "#max_tokens", "12")
+    send(page, "What is in it?")
+    page.wait_for_selector(".msg.assistant[data-state=done]", timeout=60_000)
+    shown = page.locator(".msg.assistant").last.locator(".bubble").inner_text()
+    assert page.locator(".msg.user .thumb").count() == 1 and page.locator("#attachments .thumb").count() == 0
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    api = httpx.post(vision_server + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                  {"type": "text", "text": "What is in it?"}]}],
+        "temperature": 0.7, "top_p": 0.95, "max_tokens": 12, "seed": 3}).json()
+    assert shown == api["choices"][0]["message"]["content"]
+
+
+def test_a_text_model_shows_no_image_button(page, server):
+    page.goto(server + "/")
+    page.wait_for_function("() => document.querySelector('#model-name').textContent === 'tiny-chat'")
+    assert page.locator("#attach").is_hidden()

@@ -9,6 +9,10 @@
 // its row and KV blocks return at once. A stopped reply keeps the text it had and stays in
 // the conversation. Text is always set with textContent: nothing a model writes is parsed
 // as HTML.
+//
+// A model taking images (its card's "image_input") gets an Image button: chosen or pasted
+// images wait as thumbnails above the message box and go with the next message as
+// "image_url" parts (data: URLs, read in the browser; nothing is fetched from elsewhere).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -18,6 +22,7 @@ const chat = {
   cards: [], // /v1/models' cards, the base model first
   history: [], // {role, content} of finished turns (a stopped reply included)
   controller: null, // the AbortController of the reply streaming now
+  images: [], // data: URLs of the images waiting to go with the next message
 };
 
 // ---------------------------------------------------------------- the model card
@@ -56,6 +61,7 @@ async function loadModel() {
 async function showCard(card) {
   chat.model = card.id;
   $("model-name").textContent = card.id;
+  $("attach").classList.toggle("hidden", !card.image_input);
   const health = await fetch("/health").then((r) => r.json()).catch(() => ({}));
   const info = health.model_info || {};
   const rows = [["model", card.id]];
@@ -188,12 +194,43 @@ function describe(stats) {
   return parts.join(" · ");
 }
 
+// ---------------------------------------------------------------- images waiting to be sent
+
+function addImageFiles(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    const reader = new FileReader();
+    reader.onload = () => { chat.images.push(reader.result); showAttachments(); };
+    reader.readAsDataURL(file);
+  }
+}
+
+function showAttachments() {
+  const box = $("attachments");
+  box.replaceChildren(...chat.images.map((url, i) => {
+    const img = ferrox.el("img", "thumb");
+    img.src = url;
+    img.title = "click to remove";
+    img.addEventListener("click", () => { chat.images.splice(i, 1); showAttachments(); });
+    return img;
+  }));
+  box.classList.toggle("hidden", chat.images.length === 0);
+}
+
+function thumbnails(urls) {
+  return urls.map((url) => { const img = ferrox.el("img", "thumb"); img.src = url; return img; });
+}
+
 async function send() {
   const text = $("input").value.trim();
-  if (!text || chat.controller) return;
+  const images = chat.images;
+  if ((!text && !images.length) || chat.controller) return;
   let body;
   try {
-    chat.history.push({ role: "user", content: text });
+    const content = images.length
+      ? [...images.map((url) => ({ type: "image_url", image_url: { url } })), { type: "text", text }]
+      : text;
+    chat.history.push({ role: "user", content });
     body = requestBody();
   } catch (e) {
     chat.history.pop();
@@ -202,7 +239,10 @@ async function send() {
   }
   $("schema-error").textContent = "";
   $("input").value = "";
-  addMessage("user", text);
+  chat.images = [];
+  showAttachments();
+  const sent = addMessage("user", text);
+  if (images.length) sent.bubble.prepend(...thumbnails(images));
   const reply = addMessage("assistant", "");
   reply.node.classList.add("streaming");
   if (body.response_format) reply.node.classList.add("json");
@@ -283,6 +323,12 @@ function wire() {
   }
   $("json-mode").addEventListener("change", () => $("schema").classList.toggle("hidden", !$("json-mode").checked));
   $("send").addEventListener("click", send);
+  $("attach").addEventListener("click", () => $("image-file").click());
+  $("image-file").addEventListener("change", () => { addImageFiles($("image-file").files); $("image-file").value = ""; });
+  $("input").addEventListener("paste", (e) => {
+    const files = [...(e.clipboardData || {}).items || []].filter((i) => i.kind === "file").map((i) => i.getAsFile());
+    if (files.some((f) => f && f.type.startsWith("image/"))) { e.preventDefault(); addImageFiles(files.filter(Boolean)); }
+  });
   $("stop").addEventListener("click", stop);
   $("input").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); }
@@ -290,6 +336,8 @@ function wire() {
   $("new-chat").addEventListener("click", () => {
     stop();
     chat.history = [];
+    chat.images = [];
+    showAttachments();
     $("messages").replaceChildren($("empty"));
     $("empty").classList.remove("hidden");
   });
