@@ -1,7 +1,7 @@
 """`POST /v1/cache/rebuild`: resize the KV cache at run time.
 
-Body: exactly one of `{"kv_blocks": N}` (blocks, the null block included, as
-`--kv-blocks`) or `{"kv_memory_gib": X}` (a memory budget, as `--kv-memory-gib`). The
+Body: exactly one of `{"kv_blocks": N}` (the blocks requests can use, as `--kv-blocks`:
+`/admin/stats` then shows `kv_blocks_total` N, and the cache holds N + 1 with the null block) or `{"kv_memory_gib": X}` (a memory budget, as `--kv-memory-gib`). The
 rebuild:
 
  1. seals admission: new generation requests get 503 `cache_rebuilding` with
@@ -59,8 +59,8 @@ def _overrides(body: Any) -> tuple[str, dict[str, Any]]:
         raise APIError(400, "give exactly one of kv_blocks or kv_memory_gib", param="kv_blocks", code="invalid_value")
     key = given[0]
     value = body[key]
-    if key == "kv_blocks" and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
-        raise APIError(400, f"kv_blocks must be a whole number >= 2 (block 0 is the null block); got {value!r}",
+    if key == "kv_blocks" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise APIError(400, f"kv_blocks must be a whole number of usable blocks >= 1; got {value!r}",
                        param=key, code="invalid_value")
     # json.loads reads NaN and Infinity too: a budget must be a finite positive number.
     if key == "kv_memory_gib" and (isinstance(value, bool) or not isinstance(value, (int, float))

@@ -121,7 +121,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(XLA's int8 dot)", group="model"),
     Setting("block_size", "FERROX_CB_KV_BLOCK_SIZE", _positive_int, 16, "KV positions per block", group="cache"),
     Setting("kv_blocks", "FERROX_CB_KV_BLOCKS", _positive_int, None,
-            "KV blocks (default: derived from the memory budget)", group="cache"),
+            "KV blocks requests can use, the stats' kv_blocks_total (the null block is added; default: "
+            "derived from the memory budget)", group="cache"),
     Setting("kv_memory_gib", "FERROX_KV_MEMORY_GIB", _positive_float, 2.0, "KV cache memory budget in GiB",
             group="cache"),
     Setting("kv_cache_dtype", "FERROX_KV_CACHE_DTYPE", _str, None,

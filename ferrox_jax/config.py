@@ -23,7 +23,7 @@ import math
 import os
 
 from ferrox_jax.grammar_sandbox import DEFAULT_TIMEOUT_S as GRAMMAR_TIMEOUT_S, DEFAULT_WORKERS as GRAMMAR_WORKERS
-from ferrox_jax.memory_bounds import INT32_MAX, MAX_KV_BLOCKS, TABLE_ROUND_BLOCKS, max_positions
+from ferrox_jax.memory_bounds import INT32_MAX, MAX_USABLE_KV_BLOCKS, TABLE_ROUND_BLOCKS, max_positions
 from ferrox_jax.step_channel_auth import MIN_SECRET_CHARS, coordinator_host, is_loopback_host
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -194,11 +194,14 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.block_size must be at most {INT32_MAX // TABLE_ROUND_BLOCKS} (a block "
                              f"table's positions are int32); got {self.block_size}")
         blocks = self.kv_blocks
-        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 2):
-            raise ValueError(f"EngineConfig.kv_blocks must be an int >= 2 (block 0 is the null block); got {blocks!r}")
-        if blocks is not None and blocks > MAX_KV_BLOCKS:
-            raise ValueError(f"EngineConfig.kv_blocks must be at most {MAX_KV_BLOCKS} (block ids are int32); "
-                             f"got {blocks}")
+        # kv_blocks counts the blocks requests can use; the engine adds the null block, so the
+        # cache holds kv_blocks + 1 and the largest id, kv_blocks, must still be an int32.
+        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1):
+            raise ValueError(f"EngineConfig.kv_blocks must be an int >= 1 (the usable blocks; the null block is "
+                             f"added); got {blocks!r}")
+        if blocks is not None and blocks > MAX_USABLE_KV_BLOCKS:
+            raise ValueError(f"EngineConfig.kv_blocks must be at most {MAX_USABLE_KV_BLOCKS} (block ids are int32 "
+                             f"and the null block is added); got {blocks}")
         gib = self.kv_memory_gib
         if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not (gib > 0 and math.isfinite(gib)):
             raise ValueError(f"EngineConfig.kv_memory_gib must be a finite number > 0; got {gib!r}")

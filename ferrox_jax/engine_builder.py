@@ -164,7 +164,7 @@ def size_kv(config: EngineConfig, model_cfg: ModelConfig, kv_dtype, draft_cfg: M
                     for c in (model_cfg, draft_cfg) if c is not None)
     kv_blocks = kv_blocks_for(config, per_block)
     if config.kv_blocks:
-        why = f"{kv_blocks} KV blocks as configured"
+        why = f"{kv_blocks} KV blocks ({config.kv_blocks} as configured + the null block)"
     else:
         why = (f"{kv_blocks} KV blocks from the {config.kv_memory_gib:g} GiB KV memory budget "
                f"({per_block} B/block in {jnp.dtype(kv_dtype).name})")

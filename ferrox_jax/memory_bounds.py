@@ -48,6 +48,7 @@ GIB = 1 << 30
 MIB = 1 << 20
 INT32_MAX = 2**31 - 1
 MAX_KV_BLOCKS = INT32_MAX + 1  # block ids are int32: ids 0 .. INT32_MAX
+MAX_USABLE_KV_BLOCKS = MAX_KV_BLOCKS - 1  # the most `kv_blocks` can ask for: block 0 is the null block
 # models/attention.py ATTENTION_CHUNK_BLOCKS: block tables are a multiple of this wide (that
 # module imports jax; tests/engine/test_memory_bounds.py keeps the two equal).
 TABLE_ROUND_BLOCKS = 8
@@ -86,10 +87,12 @@ def table_width(max_context: int, block_size: int) -> int:
 
 
 def kv_blocks_for(settings: Any, bytes_per_block: int) -> int:
-    """The cache's blocks, the null block included: `kv_blocks`, else the memory budget over
-    the bytes of one block (at least 2). Not bounded here: `Footprint.check` is."""
+    """The cache's blocks, the null block included: `kv_blocks` + 1 (`kv_blocks` counts the
+    blocks requests can use, the contract's `kv_blocks_total`; the null block is ours to
+    add), else the memory budget over the bytes of one block (at least 2). Not bounded here:
+    `Footprint.check` is."""
     if settings.kv_blocks:
-        return int(settings.kv_blocks)
+        return int(settings.kv_blocks) + 1
     blocks = settings.kv_memory_gib * GIB // bytes_per_block
     return max(2, int(min(blocks, _BLOCKS_CLAMP)))
 
@@ -293,17 +296,17 @@ class Footprint:
     def _advice(self, settings: Any, field: str, room_bytes: int) -> str:
         """"ask for at most ..." the largest value of `field` that fits in `room_bytes`."""
         if field == "kv_memory_gib":
-            others = self.demand(_Settings(settings, {"kv_blocks": 2}))
+            others = self.demand(_Settings(settings, {"kv_blocks": 1}))
             budget = (room_bytes - others.lora_bytes - others.step_bytes) * self.kv_shards
             budget = min(budget, MAX_KV_BLOCKS * self.bytes_per_block)
             if budget < 2 * self.bytes_per_block:
                 return f"even 2 blocks do not fit beside the rest ({_size(others.lora_bytes + others.step_bytes)})"
             return f"ask for at most kv_memory_gib {math.floor(budget / GIB * 100) / 100:g}"
-        low = {"kv_blocks": 2, "max_loras": max(1, len(settings.lora_modules)), "max_context": 2,
+        low = {"kv_blocks": 1, "max_loras": max(1, len(settings.lora_modules)), "max_context": 2,
                "max_batched_tokens": settings.prefill_chunk, "prefill_chunk_idle": settings.prefill_chunk}.get(field, 1)
         high = int(getattr(settings, field))
         if field == "kv_blocks":
-            high = min(high, MAX_KV_BLOCKS)
+            high = min(high, MAX_USABLE_KV_BLOCKS)
 
         def fits(value: int) -> bool:
             return self.demand(_Settings(settings, {field: value})).total <= room_bytes
@@ -320,7 +323,7 @@ class Footprint:
         """The index types' limits, for what only the checkpoint and backend decide."""
         if demand.num_blocks > MAX_KV_BLOCKS:
             field = "kv_blocks" if settings.kv_blocks else "kv_memory_gib"
-            most = (f"kv_blocks {MAX_KV_BLOCKS}" if settings.kv_blocks
+            most = (f"kv_blocks {MAX_USABLE_KV_BLOCKS}" if settings.kv_blocks
                     else f"kv_memory_gib {math.floor(MAX_KV_BLOCKS * self.bytes_per_block / GIB * 100) / 100:g}")
             raise MemoryBoundError(field, f"{field} {_value(getattr(settings, field))} makes {demand.num_blocks} "
                                           f"blocks, more than the {MAX_KV_BLOCKS} int32 block ids address; "

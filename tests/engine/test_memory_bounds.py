@@ -18,7 +18,7 @@ import pytest
 from api.config import ServerConfig
 from ferrox_jax import memory_bounds
 from ferrox_jax.config import EngineConfig
-from ferrox_jax.memory_bounds import GIB, INT32_MAX, MAX_KV_BLOCKS, Footprint, MemoryBoundError, Room
+from ferrox_jax.memory_bounds import GIB, INT32_MAX, MAX_USABLE_KV_BLOCKS, Footprint, MemoryBoundError, Room
 from models.config import ModelConfig
 
 # The API tests' tiny Llama (tests/support/tiny_model.py): 2 layers, 2 KV heads of 16, vocab 384.
@@ -33,8 +33,9 @@ SMALL = EngineConfig(kv_blocks=64, max_seqs=2, prefill_chunk=32, max_context=102
 # -- the ceilings the index types set, whatever the device ----------------------------------
 
 @pytest.mark.parametrize("fields, says", [
-    (dict(kv_blocks=2**62), f"kv_blocks must be at most {MAX_KV_BLOCKS}"),
-    (dict(kv_blocks=MAX_KV_BLOCKS + 1), f"kv_blocks must be at most {MAX_KV_BLOCKS}"),
+    (dict(kv_blocks=2**62), f"kv_blocks must be at most {MAX_USABLE_KV_BLOCKS}"),
+    (dict(kv_blocks=MAX_USABLE_KV_BLOCKS + 1), f"kv_blocks must be at most {MAX_USABLE_KV_BLOCKS}"),
+    (dict(kv_blocks=0), "kv_blocks must be an int >= 1"),
     (dict(kv_blocks=48.0), "kv_blocks must be an int"),
     (dict(kv_memory_gib=math.inf), "kv_memory_gib must be a finite number"),
     (dict(kv_memory_gib=math.nan), "kv_memory_gib must be a finite number"),
@@ -48,9 +49,10 @@ def test_engine_config_refuses_values_the_int32_indices_cannot_address(fields, s
 
 
 def test_the_largest_addressable_values_are_accepted():
-    # 2**31 blocks: ids 0 .. 2**31 - 1, the largest int32; a block table of 16-position blocks
-    # rounded to 8 blocks must end at or below the largest int32 position.
-    assert EngineConfig(kv_blocks=MAX_KV_BLOCKS).kv_blocks == MAX_KV_BLOCKS
+    # 2**31 - 1 usable blocks and the null block: ids 0 .. 2**31 - 1, the largest int32; a block
+    # table of 16-position blocks rounded to 8 blocks must end at or below the largest int32 position.
+    assert EngineConfig(kv_blocks=MAX_USABLE_KV_BLOCKS).kv_blocks == MAX_USABLE_KV_BLOCKS == 2**31 - 1
+    assert EngineConfig(kv_blocks=1).kv_blocks == 1, "one usable block (the cache holds two)"
     most = memory_bounds.max_positions(16)
     assert memory_bounds.table_width(most, 16) * 16 <= INT32_MAX < memory_bounds.table_width(most + 1, 16) * 16
     assert EngineConfig(max_context=most).max_context == most
@@ -75,7 +77,7 @@ def test_a_cache_larger_than_the_room_names_the_field_and_the_most_blocks_that_f
     assert message.startswith("kv_blocks 1099511627776 needs 8,388,608.0 GiB"), message  # 2**40 x 8 KiB
     assert "host memory has 1.0 GiB free" in message, message
     step = FOOTPRINT.demand(SMALL).step_bytes  # max_context given: the step does not change with the blocks
-    most = (GIB - step) // BYTES_PER_BLOCK  # what is left of 1 GiB beside the step, in 8 KiB blocks
+    most = (GIB - step) // BYTES_PER_BLOCK - 1  # what is left of 1 GiB beside the step, in 8 KiB blocks, less the null block
     assert message.endswith(f"ask for at most kv_blocks {most}"), message
 
 
@@ -184,7 +186,7 @@ def _serve(argv, extra_env=None):
 @pytest.mark.parametrize("argv, env, says", [
     (["--kv-blocks", str(2**30)], {}, "--kv-blocks (FERROX_CB_KV_BLOCKS) 1073741824 needs"),
     (["--kv-memory-gib", "1e12"], {}, "--kv-memory-gib (FERROX_KV_MEMORY_GIB) 1e+12 needs"),
-    ([], {"FERROX_CB_KV_BLOCKS": str(2**62)}, "--kv-blocks (FERROX_CB_KV_BLOCKS) must be at most 2147483648"),
+    ([], {"FERROX_CB_KV_BLOCKS": str(2**62)}, "--kv-blocks (FERROX_CB_KV_BLOCKS) must be at most 2147483647"),
 ])
 def test_serve_refuses_a_cache_the_device_cannot_hold_in_one_line_naming_the_flag(checkpoint, argv, env, says):
     status, stderr = _serve(["--model", checkpoint, "--compile-cache-dir", "off", *argv], env)

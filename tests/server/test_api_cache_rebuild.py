@@ -45,8 +45,17 @@ def greedy(http) -> str:
     return r.json()["choices"][0]["text"]
 
 
+def test_the_kv_blocks_asked_for_are_the_contracts_kv_blocks_total(http):
+    # kv_blocks=64 at load: the contract's total is the budget requests can use, so 64; the
+    # null block padded rows write into is the engine's own (65 blocks of bytes).
+    stats = http.get("/admin/stats").json()
+    assert stats["kv_blocks_total"] == SMALL["kv_blocks"], f"asked {SMALL['kv_blocks']} blocks: {stats}"
+    status = http.get("/v1/cache/status").json()
+    assert status["bytes_total"] == (SMALL["kv_blocks"] + 1) * status["bytes_per_block"], status
+
+
 @pytest.mark.parametrize("body, param", [({"kv_blocks": 48, "kv_memory_gib": 1.0}, "kv_blocks"),
-                                         ({"kv_blocks": 1}, "kv_blocks"), ({"kv_blocks": "many"}, "kv_blocks"),
+                                         ({"kv_blocks": 0}, "kv_blocks"), ({"kv_blocks": "many"}, "kv_blocks"),
                                          ({}, "kv_blocks")])
 def test_bad_bodies_are_400s_and_the_old_cache_serves_on(http, body, param):
     r = http.post("/v1/cache/rebuild", json=body)
@@ -72,10 +81,13 @@ def test_a_rebuild_lets_work_finish_refuses_new_work_then_serves_the_new_geometr
     assert rest[-1] == "[DONE]" and json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
     rebuilder.join(300)
     done = answers[0].json()
-    assert answers[0].status_code == 200 and done["blocks_total"] == 47, done  # 48 less the null block
+    assert answers[0].status_code == 200 and done["blocks_total"] == 48, done  # asked 48 usable blocks
     assert done["recompiles_after_warmup"] == 0
     status = http.get("/v1/cache/status").json()
-    assert (status["blocks_total"], status["blocks_free"]) == (47, 47)
+    assert (status["blocks_total"], status["blocks_free"]) == (48, 48)
+    assert status["bytes_total"] == 49 * status["bytes_per_block"], "the cache holds the 48 and the null block"
+    stats = http.get("/admin/stats").json()
+    assert (stats["kv_blocks_total"], stats["kv_blocks_free"]) == (48, 48), "the contract's total is what was asked"
     assert greedy(http) == text, "the same weights on the new cache"
     assert http.get("/admin/stats").json()["recompiles_after_warmup"] == 0, "warmed before it served"
 
@@ -107,7 +119,7 @@ def test_a_cache_the_device_cannot_hold_is_a_400_naming_what_fits_and_the_old_ca
 
 
 def test_a_model_load_or_unload_during_a_rebuild_is_a_409_and_the_rebuilt_engine_serves(server, http):
-    blocks = http.get("/v1/cache/status").json()["blocks_total"] + 1  # + the null block: the same size again
+    blocks = http.get("/v1/cache/status").json()["blocks_total"]  # the same size again
     answers: list[httpx.Response] = []
     rebuilder = threading.Thread(target=lambda: answers.append(
         httpx.post(server + "/v1/cache/rebuild", json={"kv_blocks": blocks}, timeout=300)))

@@ -15,7 +15,7 @@ from api.config import ServerConfig
 from tests.support.server_harness import ServerThread, parse_sse, tiny_engine, wait_for
 
 BLOCK_SIZE = 16
-KV_BLOCKS = 129  # 128 usable (2048 tokens): the 2000-token blocker fits, 3000 tokens do not
+KV_BLOCKS = 128  # usable (2048 tokens): the 2000-token blocker fits, 3000 tokens do not
 KEEPALIVE_S = 0.2
 BLOCKER = {"prompt": "Hello world", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
 

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     per_row = -(-(args.context + args.steps + 2) // 16)
-    common = dict(model=args.model, max_seqs=max(args.rows), max_context=1024, kv_blocks=1 + max(args.rows) * per_row,
+    common = dict(model=args.model, max_seqs=max(args.rows), max_context=1024, kv_blocks=max(args.rows) * per_row,
                   block_size=16, prefix_caching=False)
     base = Engine.load(EngineConfig(**common))
     lora = Engine.load(EngineConfig(**common, max_loras=NUM_ADAPTERS, max_lora_rank=RANK))

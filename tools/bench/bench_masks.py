@@ -117,7 +117,7 @@ def main(argv=None) -> int:
 
     blocks_per_row = -(-(args.prompt_len + args.steps + 1) // 16)
     engine = Engine.load(EngineConfig(model=args.model, max_seqs=max(args.rows), block_size=16,
-                                      kv_blocks=max(args.rows) * blocks_per_row + 1, max_context=256,
+                                      kv_blocks=max(args.rows) * blocks_per_row, max_context=256,
                                       compile_cache_dir=args.compile_cache_dir))
     engine.warmup()
     prompt = engine.tokenizer.encode("List people as JSON records with a name, an age and a city. " * 8)
