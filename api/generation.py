@@ -152,6 +152,11 @@ class GenerationRun:
         self.model = model
 
     @property
+    def model_label(self) -> str:
+        """The served model's name, the `model_name` label of the vLLM-named histograms."""
+        return self.engine.model_name if self.engine is not None else ""
+
+    @property
     def num_choices(self) -> int:
         return len(self.num_output_tokens)
 
@@ -316,7 +321,7 @@ class GenerationRun:
             self._jobs_seen.add(output.job)
             self.num_cached_tokens += event.num_cached_tokens
             if event.queue_s is not None:
-                self.state.metrics.queue.observe(event.queue_s)
+                self.state.metrics.observe("queue", event.queue_s, self.model_label)
                 self.queue_s = max(self.queue_s, event.queue_s)
         if event.finish_reason is not None:
             self._rows_open[output.job] -= 1
@@ -391,11 +396,11 @@ class GenerationRun:
         ttft = None
         if self.first_token_at is not None:
             ttft = self.first_token_at - self.submitted_at
-            metrics.ttft.observe(ttft)
+            metrics.observe("ttft", ttft, self.model_label)
         for gap in self.inter_token_s:
-            metrics.itl.observe(gap)
+            metrics.observe("itl", gap, self.model_label)
         if self.status == 200 and self._num_submitted:
-            metrics.e2e.observe(now - self.submitted_at)
+            metrics.observe("e2e", now - self.submitted_at, self.model_label)
         self.state.stats.record(RequestRecord(
             id=self.api_id, route=self.route, status=self.status, prompt_tokens=self.num_prompt_tokens,
             completion_tokens=self.num_completion_tokens, cached_tokens=self.num_cached_tokens,

@@ -9,7 +9,14 @@ Everything here is touched only from the server's event loop, so it needs no loc
 `/metrics` is rendered from two sources at scrape time: the latest `BatcherStats`
 snapshot the owner thread published (the contract's `ferrox_*` counters and gauges,
 re-exported as they are, never re-counted here), and histograms the handlers observe
-(time to first token, inter-token latency, end-to-end latency, queue time); plus three
+(time to first token, inter-token latency, end-to-end latency, queue time), each twice:
+as `ferrox_*` and under vLLM's name and buckets (`vllm:time_to_first_token_seconds`,
+`vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds`,
+`vllm:request_queue_time_seconds`, labelled `model_name` and `engine` as vLLM labels them),
+so dashboards, KEDA triggers and routers written against vLLM read a ferrox replica
+unchanged (`Metrics.observe` feeds both from one measurement); `ferrox_kv_free_tokens` is the
+free KV budget in token positions (free blocks x block size), the number an autoscaler or
+a router compares with a prompt's length; plus three
 gauges from the engine's model card: `ferrox_synthetic_weights` (1 when the weights are
 random, `--load-format dummy`), `ferrox_weights_bytes` and `ferrox_kv_cache_bytes`. Each app
 has its own `CollectorRegistry`, so several servers in one test process do not collide.
@@ -29,6 +36,15 @@ if TYPE_CHECKING:  # the facade's module imports jax; a snapshot's type is all t
     from ferrox_jax.engine import BatcherStats
 
 RECENT_SIZE = 200
+
+# vLLM's histogram buckets (vllm/v1/metrics/loggers.py), kept equal so quantiles and
+# `le=` thresholds mean the same on a ferrox replica as on a vLLM one.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0)
+VLLM_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                        240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 # The twelve BatcherStats fields of the ferrox-server stats contract, in its order.
 BATCHER_STATS_FIELDS = (
@@ -227,6 +243,9 @@ class _SnapshotCollector:
         total, free = d.get("kv_blocks_total") or 0, d.get("kv_blocks_free") or 0
         yield GaugeMetricFamily("ferrox_kv_usage_fraction", "reserved KV blocks / total (0 when unbudgeted)",
                                 value=(total - free) / total if total else 0.0)
+        yield GaugeMetricFamily("ferrox_kv_free_tokens", "token positions in free KV blocks (kv_blocks_free x "
+                                "block size): what a new request's prompt + max_tokens may still take",
+                                value=float(free * (d.get("kv_block_size") or 0)))
         yield GaugeMetricFamily("ferrox_requests_waiting", "jobs waiting for admission",
                                 value=float(d.get("queue_depth") or 0))
         yield GaugeMetricFamily("ferrox_requests_running", "rows holding a slot (prefilling or decoding)",
@@ -283,3 +302,25 @@ class Metrics:
         # measure of the wait (submit to admission).
         self.queue = Histogram("ferrox_queue_time_seconds", "time a job waited in the queue before admission",
                                buckets=latency, registry=self.registry)
+        # The same four measurements under vLLM's names and buckets (vllm/v1/metrics/loggers.py:
+        # the inter-token histogram shares the per-output-token buckets, queue time the request
+        # latency buckets), so a PromQL query or a KEDA trigger written for vLLM reads these.
+        labels = ("model_name", "engine")
+        self._vllm = {
+            "ttft": Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=VLLM_TTFT_BUCKETS, registry=self.registry),
+            "itl": Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             labels, buckets=VLLM_ITL_BUCKETS, registry=self.registry),
+            "e2e": Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             labels, buckets=VLLM_REQUEST_BUCKETS, registry=self.registry),
+            "queue": Histogram("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", labels,
+                               buckets=VLLM_REQUEST_BUCKETS, registry=self.registry),
+        }
+        self._ours = {"ttft": self.ttft, "itl": self.itl, "e2e": self.e2e, "queue": self.queue}
+
+    def observe(self, kind: str, seconds: float, model_name: str) -> None:
+        """One measurement (`kind`: ttft, itl, e2e or queue) into its `ferrox_*` histogram and
+        its `vllm:*` twin, labelled with the model that served it (engine 0: one engine per replica)."""
+        self._ours[kind].observe(seconds)
+        self._vllm[kind].labels(model_name, "0").observe(seconds)
