@@ -76,7 +76,7 @@ class EngineConfig:
     int8_kernel: str = "auto"  # w8a8 on CPU: "auto" (the AVX2 kernel where it applies) or "xla"
     # ---- KV cache and batching (the contract's FERROX_CB_* settings) ----
     block_size: int = 16  # token positions per KV block
-    kv_blocks: int | None = None  # cache blocks, the null block 0 included; None: from kv_memory_gib
+    kv_blocks: int | None = None  # usable blocks (kv_blocks_total; the null block is added); None: from kv_memory_gib
     kv_memory_gib: float = 2.0  # KV cache budget when kv_blocks is not given
     kv_cache_dtype: str | None = None  # KV storage dtype; None: the compute dtype
     max_context: int | None = None  # prompt + max_tokens ceiling; None: trained context within the budget
