@@ -17,8 +17,9 @@ Thinking: with a template that has thinking sections (`<think>`), the section be
 `{"type": "thinking", "thinking", "signature": ""}` block before the text (the signature
 is empty: nothing signs it). The request's `thinking` (`{"type": "enabled",
 "budget_tokens": N >= 1024}`, `{"type": "adaptive"}`, `{"type": "disabled"}`) is
-validated (otherwise a 400) but does not change generation: `disabled` only keeps the
-section in the text, as before thinking blocks; absent splits as enabled does.
+validated (otherwise a 400); `enabled` caps the section at N tokens (`</think>` is forced
+there: `api/reasoning.py:thinking_budget`), `disabled` keeps the section in the text, as
+before thinking blocks; absent splits as enabled does.
 
 Reply: `{"type": "message", "content": [blocks], "stop_reason", "stop_sequence", "usage":
 {"input_tokens", "output_tokens", "cache_creation_input_tokens": 0, "cache_read_input_tokens"}}`
@@ -65,6 +66,7 @@ from api.output_blocks import Block, BlockEvent, OutputBlocks
 from api.offload import parse_body_off_loop, run_cpu_if
 from api.prompts import chat_prompt_images, check_model, heavy_chat
 from api.protocol import StrictBody
+from api.reasoning import thinking_budget
 from api.sse import named_event as event, sse_response
 from api.state import AppState, json_response, state_of
 from api.structured import OutputPlan, ToolRequest, check_grammar, tool_request
@@ -241,9 +243,8 @@ MIN_THINKING_BUDGET_TOKENS = 1024  # Anthropic's lower bound for budget_tokens
 
 def _splits_thinking(thinking: Any) -> bool:
     """Whether a request's `thinking` lets the template's thinking sections become thinking
-    blocks: absent, `enabled` or `adaptive` do; `disabled` keeps them in the text. The
-    setting does not change generation (a template with thinking sections always has the
-    model think; `budget_tokens` is validated, not enforced: `max_tokens` bounds the reply)."""
+    blocks: absent, `enabled` or `adaptive` do; `disabled` keeps them in the text. Only
+    `budget_tokens` changes generation: the section is cut there (`_budget_tokens`)."""
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if thinking is None or kind == "adaptive":
         return True
@@ -257,6 +258,12 @@ def _splits_thinking(thinking: Any) -> bool:
         raise APIError(400, f"thinking.budget_tokens: an integer >= {MIN_THINKING_BUDGET_TOKENS} is required; "
                             f"got {budget!r}", param="thinking.budget_tokens")
     return True
+
+
+def _budget_tokens(thinking: Any) -> int | None:
+    """`thinking.budget_tokens` of an `enabled` request (validated by `_splits_thinking`),
+    the thinking tokens after which `</think>` is forced; None otherwise."""
+    return thinking.get("budget_tokens") if isinstance(thinking, dict) and thinking.get("type") == "enabled" else None
 
 
 def _folded_system(body: CountTokensRequest) -> str:
@@ -336,7 +343,9 @@ async def create_message() -> Response:
               max_tokens=max_tokens(body.max_tokens, len(prompt), engine.max_context,
                                     state.config, "messages"),
               stop=tuple(body.stop_sequences or ()), grammar=grammar,
-              skip_special_tokens=plan.skip_special_tokens, images=spans)
+              skip_special_tokens=plan.skip_special_tokens, images=spans,
+              thinking_budget=thinking_budget(engine.tokenizer, _budget_tokens(body.thinking),
+                                              has_sections=plan.reasoning, starts_inside=plan.starts_in_reasoning))
     run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine, model=body.model)
     reply = _Message(run, engine.model_name, plan)
     generation.start(run)

@@ -178,8 +178,8 @@ class ChatShape:
             parsed = parse_output(choice.parser, message["content"])
             # OpenAI sends null content for a reply that is only calls.
             message["content"] = parsed.content if parsed.content or not parsed.calls else None
-            if parsed.reasoning is not None:
-                message["reasoning_content"] = parsed.reasoning or None
+            if parsed.reasoning is not None:  # under both names, for clients of either vintage
+                message["reasoning_content"] = message["reasoning"] = parsed.reasoning or None
             if parsed.calls:
                 message["tool_calls"] = [call.to_openai() for call in parsed.calls]
             finish_reason = choice.parser.finish_reason(finish_reason)
@@ -201,6 +201,8 @@ class ChatShape:
         if entries and not pieces:
             pieces = [{"content": ""}]  # the logprobs of tokens whose text is held back
         for i, piece in enumerate(pieces):
+            if "reasoning_content" in piece:  # under both names, as the whole reply
+                piece = {**piece, "reasoning": piece["reasoning_content"]}
             out.append({"index": choice.index, "delta": piece,
                         "logprobs": self._logprobs(entries if i == 0 else []), "finish_reason": None})
         if finish_reason:

@@ -8,7 +8,8 @@ max_tokens over it is clamped to the room left, the ferrox-server contract) -> c
 constraint (a 400 names what the engine cannot enforce) -> one `Job` per
 prompt, run by the generation core (`api/generation.py`: submission, events,
 cancellation, accounting) -> its row events folded into OpenAI choices (api/choices.py:
-content, reasoning_content, tool_calls), returned whole or streamed as SSE chunks. This
+content, reasoning_content and reasoning, tool_calls), returned whole or streamed as SSE
+chunks. `thinking_token_budget` becomes the job's thinking budget (`api/reasoning.py`). This
 module is OpenAI's wire format only.
 """
 
@@ -32,6 +33,7 @@ from api.offload import parse_body_off_loop, run_cpu_if
 from api.prompts import check_model, encode, heavy_chat
 from api.protocol import (CancelRequest, ChatCompletionRequest, CompletionRequest, SamplingFields, dumps,
                           parse_logit_bias)
+from api.reasoning import THINK_START, prompt_opens_reasoning, thinking_budget
 from api.sse import DONE, KEEP_ALIVE_COMMENT, event, sse_response
 from api.state import AppState, json_response, state_of
 from api.structured import (PLAIN_TEXT, OutputPlan, choice_constraint, check_grammar, completion_plan,
@@ -39,7 +41,7 @@ from api.structured import (PLAIN_TEXT, OutputPlan, choice_constraint, check_gra
                             regex_constraint, tool_request)
 from api.template_kwargs import template_kwargs
 from ferrox_jax.constraint import GrammarSpec
-from ferrox_jax.request import Job, RowSampling
+from ferrox_jax.request import Job, RowSampling, ThinkingBudget
 
 if TYPE_CHECKING:  # the facade's module imports jax; only its type is needed here
     from ferrox_jax.engine import Engine
@@ -118,13 +120,14 @@ def _sampling(body: SamplingFields, engine: Engine, logprobs: int | None) -> Row
 
 def _job_request(job_id: str, prompt_ids: list[int], max_tokens: int, body: SamplingFields,
                  sampling: RowSampling, prompt_logprobs: bool, grammar: GrammarSpec | None = None,
-                 plan: OutputPlan = OutputPlan(), images: tuple = ()) -> Job:
+                 plan: OutputPlan = OutputPlan(), images: tuple = (),
+                 thinking: ThinkingBudget | None = None) -> Job:
     return Job(
         request_id=job_id, prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
         n=body.n or 1, stop=tuple(body.stop_list()), stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos), min_tokens=min(body.min_tokens or 0, max_tokens),
         prompt_logprobs=prompt_logprobs, grammar=grammar, skip_special_tokens=plan.skip_special_tokens,
-        images=images)
+        images=images, thinking_budget=thinking)
 
 
 _CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -203,9 +206,14 @@ async def completions() -> Response:
     # max_tokens 0 (lm-eval's echo + logprobs scoring): a job must sample at least one
     # token, so ask for one and drop it; with nothing to score, no job is submitted at all.
     zero_output = body.max_tokens == 0
+    # A raw prompt has no output plan for thinking sections: the template's markers and the
+    # prompt's own text say whether the output starts inside one.
+    sections = grammar is None and THINK_START in (tok.chat_template or "")
     reqs = [_job_request(job_id, ids,
                          max(1, max_tokens(body.max_tokens, len(ids), engine.max_context, state.config, "prompt")),
-                         body, sampling, echo_logprobs, grammar, plan)
+                         body, sampling, echo_logprobs, grammar, plan,
+                         thinking=thinking_budget(tok, body.thinking_token_budget, has_sections=sections,
+                                                  starts_inside=prompt_opens_reasoning(tok.decode(ids))))
             for job_id, ids in zip(job_ids(api_id, len(prompts)), prompts)]
     check_reply_entries(reqs, body.logprobs, state.config, echo=bool(body.echo))
     echoes = [tok.decode(ids, skip_special_tokens=False) if body.echo else "" for ids in prompts]
@@ -257,8 +265,10 @@ async def chat_completions() -> Response:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     grammar = await check_grammar(engine, chat.plan.grammar, chat.plan.grammar_param)
     api_id = f"chatcmpl-{uuid.uuid4().hex}"
+    thinking = thinking_budget(engine.tokenizer, body.thinking_token_budget, has_sections=chat.plan.reasoning,
+                               starts_inside=chat.plan.starts_in_reasoning)
     reqs = [_job_request(api_id, prompt_ids, limit, body, _sampling(body, engine, logprobs), False, grammar,
-                         chat.plan, images.spans(prompt_ids, engine, pictures, "messages"))]
+                         chat.plan, images.spans(prompt_ids, engine, pictures, "messages"), thinking=thinking)]
     check_reply_entries(reqs, logprobs, state.config, param=asked_param)
     run = GenerationRun(state, "/v1/chat/completions", api_id, reqs, stream=bool(body.stream), engine=engine,
                         model=body.model)

@@ -71,6 +71,7 @@ class SamplingFields(StrictBody):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(0, ge=0)
+    thinking_token_budget: int | None = Field(None, ge=0)  # vLLM's: </think> forced after N thinking tokens
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stream_resumable: bool | None = False  # ferrox: replayable stream, not cancelled by a disconnect
@@ -277,6 +278,7 @@ class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None when the reply is only tool calls
     reasoning_content: str | None = None  # templates with thinking sections only
+    reasoning: str | None = None  # the same text under the field's newer name
     tool_calls: list[ToolCallOut] | None = None
 
 

@@ -18,11 +18,21 @@ the same by construction, whatever the delta boundaries:
 The streaming parser never emits a partial tag: a suffix that could still grow into
 `<think>` or `</think>` is held back, the way stop strings are.
 Tool-call parsing (api/tool_calls.py) then runs on the content part only.
+
+Thinking budgets: a request may cap its thinking section (`thinking_token_budget` on chat,
+completions and Responses, as vLLM takes it; `reasoning.max_tokens` on Responses;
+Anthropic's `thinking.budget_tokens`). `thinking_budget` turns the cap into the engine's
+`ThinkingBudget` with the markers as this tokenizer encodes them; the engine then forces
+`</think>` once the section holds that many tokens (`ferrox_jax/thinking.py`), and the
+split above sees a closed section. A cap on an output with no section to cut (a template
+without thinking sections, a constrained output) changes nothing.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
+
+from ferrox_jax.request import ThinkingBudget
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -42,6 +52,25 @@ def held_prefix_len(text: str, markers: Sequence[str]) -> int:
 def prompt_opens_reasoning(prompt: str, start: str = THINK_START) -> bool:
     """True if the rendered prompt ends inside an open thinking section."""
     return prompt.rstrip().endswith(start)
+
+
+def thinking_budget(tokenizer: Any, max_tokens: int | None, *, has_sections: bool,
+                    starts_inside: bool) -> ThinkingBudget | None:
+    """The engine's budget for a request's cap of `max_tokens` thinking tokens.
+
+    Args:
+      tokenizer: the engine's (`encode(text, add_special_tokens=False)`).
+      max_tokens: the cap the request asked for; None: none.
+      has_sections: the output is split into reasoning and content (`OutputPlan.reasoning`).
+      starts_inside: the prompt opened the section (`OutputPlan.starts_in_reasoning`).
+    Returns:
+      None without a cap or a section to cut; else the budget, with `</think>`'s tokens (and
+      `<think>`'s when the output must open the section itself)."""
+    if max_tokens is None or not has_sections:
+        return None
+    end = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
+    start = () if starts_inside else tuple(tokenizer.encode(THINK_START, add_special_tokens=False))
+    return ThinkingBudget(max_tokens, end, start, starts_inside)
 
 
 def split_reasoning(text: str, *, starts_in_reasoning: bool = False, start: str = THINK_START,

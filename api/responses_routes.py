@@ -8,7 +8,8 @@ which become an assistant's `tool_calls` and `tool` turns as on chat; `reasoning
 are accepted and dropped), `instructions` (a
 system turn before them), `max_output_tokens` (default: the room left in the context),
 `temperature`, `top_p`, `stream`, `reasoning.effort` (as chat's `reasoning_effort`:
-`api/template_kwargs.py`). Stateless: `store` is accepted and nothing is kept, so
+`api/template_kwargs.py`), `reasoning.max_tokens` or `thinking_token_budget` (the thinking
+section is cut there: `api/reasoning.py:thinking_budget`). Stateless: `store` is accepted and nothing is kept, so
 `previous_response_id` is a 400 (send the whole conversation as `input`).
 
 Tools: `tools` of type `function` (`{name, description, parameters, strict}`; other
@@ -61,6 +62,7 @@ from api.output_blocks import Block, BlockEvent, OutputBlocks
 from api.offload import parse_body_off_loop, run_cpu_if
 from api.prompts import chat_prompt_images, check_model, heavy_chat
 from api.protocol import StrictBody
+from api.reasoning import thinking_budget
 from api.template_kwargs import template_kwargs
 from api.sse import named_event as event, sse_response
 from api.state import json_response, state_of
@@ -96,6 +98,7 @@ class ResponsesRequest(StrictBody):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     reasoning: Any = None  # {"effort"}: mapped onto the template's thinking switch (api/template_kwargs.py)
+    thinking_token_budget: int | None = Field(None, ge=0)  # as on chat; or reasoning.max_tokens
 
     @field_validator("input", mode="plain")
     @classmethod
@@ -115,6 +118,19 @@ def _effort_kwargs(body: ResponsesRequest, engine: Engine) -> dict[str, Any] | N
         return template_kwargs(None, body.reasoning.get("effort"), engine.tokenizer.chat_template)
     except APIError as e:
         raise APIError(400, e.message, param="reasoning.effort", code="invalid_value") from None
+
+
+def _thinking_cap(body: ResponsesRequest) -> int | None:
+    """The thinking tokens after which `</think>` is forced: `reasoning.max_tokens` (as
+    OpenRouter spells it) or `thinking_token_budget` (vLLM's), not both; None: no cap."""
+    cap = body.reasoning.get("max_tokens") if isinstance(body.reasoning, dict) else None
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+        raise APIError(400, f"reasoning.max_tokens must be a whole number >= 0; got {cap!r}",
+                       param="reasoning.max_tokens", code="invalid_value")
+    if cap is not None and body.thinking_token_budget is not None:
+        raise APIError(400, "give one of reasoning.max_tokens or thinking_token_budget",
+                       param="thinking_token_budget", code="invalid_value")
+    return cap if cap is not None else body.thinking_token_budget
 
 
 def _text_parts(content: Any, param: str, images_ok: bool = False) -> Any:
@@ -244,6 +260,7 @@ async def create_response() -> Response:
                             "(store is ignored); send the whole conversation as input",
                        param="previous_response_id")
     check_asked_tokens(body.max_output_tokens, state.config, "max_output_tokens")
+    cap = _thinking_cap(body)
     constraint, constraint_param = _constraint(body)
     parts = _image_parts(body)
     images.check_count(engine, len(parts), state.config, parts[0][1] if parts else "input")
@@ -263,7 +280,9 @@ async def create_response() -> Response:
                            seed=None)  # Responses has no seed: the engine draws one
     limit = max_tokens(body.max_output_tokens, len(prompt), engine.max_context, state.config, "input")
     job = Job(request_id=api_id, prompt_token_ids=tuple(prompt), max_tokens=limit, sampling=sampling,
-              grammar=grammar, skip_special_tokens=plan.skip_special_tokens, images=spans)
+              grammar=grammar, skip_special_tokens=plan.skip_special_tokens, images=spans,
+              thinking_budget=thinking_budget(engine.tokenizer, cap, has_sections=plan.reasoning,
+                                              starts_inside=plan.starts_in_reasoning))
     run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine, model=body.model)
     reply = _Response(run, engine.model_name, body, sampling, plan)
     generation.start(run)

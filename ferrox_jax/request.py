@@ -24,8 +24,8 @@ pooling job, which ends after its last prefill chunk with the pooled hidden stat
 and counts entries per state. Nothing is preempted, so no state leads back.
 
 A row's output life is on the row: the settings of its next draw (`Row.step_sampling`),
-each sampled token with its stop checks (`accept_token`: stop tokens, min_tokens, stop
-strings, its grammar, max_tokens), its end (`finish`) and the events its client gets
+each sampled token with its stop checks (`accept_token`: its thinking budget, stop
+tokens, min_tokens, stop strings, its grammar, max_tokens), its end (`finish`) and the events its client gets
 (`take_event`). The scheduler (`ferrox_jax/scheduler.py`) decides when rows compute and
 owns their blocks; it calls these and counts what they report.
 """
@@ -42,6 +42,7 @@ from typing import Any
 from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.detokenize import SpecialTokensKept, TextStream
 from ferrox_jax.images import ImageSpan, check_spans  # noqa: F401 (ImageSpan: what the routes build)
+from ferrox_jax.thinking import FORCED_UNKNOWN_LOGPROB, ThinkingBudget, ThinkingCounter
 
 # Makes a row's grammar state (a `ferrox_jax.grammar.RowMatcher`) for its constraint: the
 # engine passes `GrammarCompiler.new_matcher`. Opaque here, so this module needs no llguidance.
@@ -150,6 +151,9 @@ class Job:
     # What the output must match (checked by `Engine.check_grammar`), enforced by a token
     # mask in the sampler; the tokenizer's stop tokens are its end. None: unconstrained.
     grammar: GrammarSpec | None = None
+    # Caps the thinking section (`ferrox_jax/thinking.py`): its end marker is forced after
+    # `max_tokens` tokens inside it. None: the section is as long as the model makes it.
+    thinking_budget: ThinkingBudget | None = None
     # False: special tokens stay in the text (tool-call markers such as [TOOL_CALLS]).
     skip_special_tokens: bool = True
     # A prefill-only job (embeddings): "mean" or "last" pools the prompt's final hidden
@@ -348,6 +352,8 @@ class Row:
                 raise ValueError(f"request {submitted.request_id!r} has an output constraint but the engine "
                                  "has no grammar compiler")
             self.matcher = new_matcher(submitted.grammar)
+        self.thinking = ThinkingCounter(submitted.thinking_budget) if submitted.thinking_budget else None
+        self.took_forced_token = False  # its last token replaced the sampled one (the budget's marker)
         self.error: str | None = None
         self.error_code: str | None = None  # RowEvent.error_code
         self.has_sent_event = False
@@ -400,8 +406,14 @@ class Row:
         A constrained row first advances its grammar. A token the grammar rejects means its
         mask was not applied (an engine bug): the row ends with an error. A stop token the
         grammar accepted is its end; and once the grammar allows nothing but a stop token
-        the row ends at once, "stop", without spending a step on sampling it."""
+        the row ends at once, "stop", without spending a step on sampling it. A row whose
+        thinking budget is spent takes its end marker's next token instead of the sampled one."""
         submitted = self.job.submitted
+        forced = self.thinking.forced_token() if self.thinking is not None else None
+        self.took_forced_token = forced is not None
+        if forced is not None:
+            result = RowResult(result.row_id, forced, dict(result.top_logprobs).get(forced, FORCED_UNKNOWN_LOGPROB),
+                               result.top_logprobs)
         token_id = result.token_id
         self.num_generated_tokens += 1
         matcher = self.matcher
@@ -416,6 +428,8 @@ class Row:
             self.stop_token = result
             return self.finish(RowState.FINISHED_STOP, counts)
         self.token_ids.append(token_id)
+        if self.thinking is not None:
+            self.thinking.observe(token_id)
         self.new_token_ids.append(token_id)
         if submitted.sampling.logprobs is not None:
             self.new_logprobs.append(result)

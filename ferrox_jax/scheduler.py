@@ -324,11 +324,13 @@ class Scheduler:
             result = out.results[step.row_id]
             # A speculating row's accepted tokens follow its first, each applied as if
             # sampled in a step of its own (stops, max_tokens, stop strings stay exact).
+            # A token the row replaced (its thinking budget's marker) ends the run: the
+            # tokens verified after it followed the token it replaced.
             for token in (result, *result.following):
                 row.num_computed_tokens += 1
                 self.blocks.name_row_blocks(row)
                 self._accept_token(row, token)
-                if row.state.is_finished:
+                if row.state.is_finished or row.took_forced_token:
                     break
             if step.num_draft_tokens:
                 self.speculator.record(step, result, row.state.is_finished)
