@@ -115,6 +115,10 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
         state.on_engine_change.append(state.response_cache.clear)
         state.metrics.registry.register(response_cache.ResponseCacheCollector(state.response_cache))
     state.auth_limiter = auth_limit.FailedAuthLimiter(config.auth_failures_per_minute)
+    if config.otlp_traces_endpoint is not None:  # only then is OpenTelemetry imported (api/tracing.py)
+        from api.tracing import Tracing
+
+        state.tracing = Tracing(config.otlp_traces_endpoint, config.otlp_traces_protocol)
     app.extensions["ferrox"] = state
     for module in (openai_routes, anthropic_routes, responses_routes, llamacpp_routes, embeddings_routes,
                    tokenizer_routes, resumable, admin_routes, model_admin, surface_routes, rerank_routes,
@@ -149,6 +153,8 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], server_config: S
         for run in list(state.inflight.values()):
             run.abort(DRAIN_ABORT_REASON)
         state.stop_background()
+        if state.tracing is not None:  # export the last requests' spans before the process ends
+            await asyncio.to_thread(state.tracing.shutdown)
         if state.fatal is None:  # a dead engine's owner thread may be stuck in the device: leave it
             await asyncio.to_thread(state.shutdown_owned_engines)
 

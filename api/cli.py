@@ -143,7 +143,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             session_max_bytes=args.session_max_bytes, session_max_total_bytes=args.session_max_total_bytes,
             response_cache=args.response_cache, response_cache_max_entries=args.response_cache_max_entries,
             response_cache_max_bytes=args.response_cache_max_bytes, rerank_scheme=args.rerank_scheme,
-            enable_runtime_lora=args.enable_runtime_lora, cpu_workers=args.cpu_workers, gc_freeze=args.gc_freeze)
+            enable_runtime_lora=args.enable_runtime_lora, cpu_workers=args.cpu_workers, gc_freeze=args.gc_freeze,
+            otlp_traces_endpoint=args.otlp_traces_endpoint, otlp_traces_protocol=args.otlp_traces_protocol)
     except ValueError as e:
         raise SystemExit(f"ferrox serve: {name_settings(str(e))}") from None
 

@@ -80,6 +80,9 @@ class ServerConfig:
     enable_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer
     cpu_workers: int = 2  # threads CPU-heavy request steps run on, off the event loop (api/offload.py)
     gc_freeze: bool = True  # the loaded engine's objects out of full garbage collections (api/offload.py)
+    # OpenTelemetry traces (api/tracing.py): the OTLP collector; None: tracing off, no SDK imported.
+    otlp_traces_endpoint: str | None = None
+    otlp_traces_protocol: str = "http/protobuf"  # or "grpc"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -131,11 +134,29 @@ class ServerConfig:
         if self.api_key is not None and not self.api_key:
             raise ValueError("ServerConfig.api_key must not be empty (leave it unset for no key)")
         self._check_byte_caps()
+        self._check_tracing()
         if not self.api_key and not self.allow_unauthenticated_remote and not is_loopback(self.host):
             raise ValueError(
                 f"refusing to serve on non-loopback address {self.host!r} without an API key; "
                 "set --api-key / FERROX_API_KEY, or --allow-unauthenticated-remote "
                 "(FERROX_ALLOW_UNAUTHENTICATED_REMOTE=1) to accept that risk")
+
+    def _check_tracing(self) -> None:
+        """The OTLP settings; with an endpoint, the SDK must be importable now, not at the first request."""
+        from api.tracing import PROTOCOLS, check_available  # imports nothing of OpenTelemetry itself
+
+        if self.otlp_traces_protocol not in PROTOCOLS:
+            raise ValueError(f"ServerConfig.otlp_traces_protocol must be one of {', '.join(PROTOCOLS)}; "
+                             f"got {self.otlp_traces_protocol!r}")
+        endpoint = self.otlp_traces_endpoint
+        if endpoint is None:
+            return
+        if self.otlp_traces_protocol == "http/protobuf" and not endpoint.startswith(("http://", "https://")):
+            raise ValueError("ServerConfig.otlp_traces_endpoint must be an http:// or https:// URL with "
+                             f"otlp_traces_protocol http/protobuf; got {endpoint!r}")
+        if not endpoint.strip():
+            raise ValueError("ServerConfig.otlp_traces_endpoint must not be empty (leave it unset for no tracing)")
+        check_available(self.otlp_traces_protocol)
 
     def _check_byte_caps(self) -> None:
         """Caps on bytes the server holds, against the host's memory."""

@@ -17,8 +17,9 @@ them to a `GenerationRun`. The run:
     request outlived `--request-timeout` (504);
  4. on `close()` — whatever ended the handler: the last event, a client disconnect, an
     exception — cancels the jobs still open (their KV blocks return to the budget) and
-    records the request: TTFT, inter-token and end-to-end latency, queue time, usage, and
-    a line in `/admin/stats`'s `recent` ring.
+    records the request: TTFT, inter-token and end-to-end latency, queue time, usage, a
+    line in `/admin/stats`'s `recent` ring, and with tracing on its spans (`api/tracing.py`,
+    built from these same timestamps).
 
 Choice indices are `job * n + row index`, as OpenAI numbers the choices of a list prompt.
 Usage counts every sampled token, a final stop token included (the engine's count), and
@@ -41,7 +42,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Sequence
 
-from quart import g, has_request_context
+from quart import g, has_request_context, request
 
 from api.errors import APIError, unavailable
 from api.telemetry import RequestRecord
@@ -150,6 +151,18 @@ class GenerationRun:
         self._jobs_seen: set[int] = set()
         self._closed = False
         self.model = model
+        self.finish_reasons: list[str | None] = [None] * self.num_choices  # per choice, as its last event said
+        # Tracing (api/tracing.py), only when it is on: the caller's trace context and the
+        # output constraint's compile (`check_grammar` notes it on the request).
+        self.trace_parent = self.grammar_compile_s = None
+        if state.tracing is not None and has_request_context():
+            self.trace_parent = state.tracing.parent(request.headers)
+            self.grammar_compile_s = g.get("ferrox_grammar_compile")
+
+    @property
+    def num_submitted(self) -> int:
+        """Jobs handed to the engine so far."""
+        return self._num_submitted
 
     @property
     def model_label(self) -> str:
@@ -325,6 +338,7 @@ class GenerationRun:
                 self.queue_s = max(self.queue_s, event.queue_s)
         if event.finish_reason is not None:
             self._rows_open[output.job] -= 1
+            self.finish_reasons[output.choice] = event.finish_reason
         return output
 
     @property
@@ -406,6 +420,8 @@ class GenerationRun:
             completion_tokens=self.num_completion_tokens, cached_tokens=self.num_cached_tokens,
             ttft_ms=None if ttft is None else round(ttft * 1e3, 3),
             duration_ms=round((now - self.started_at) * 1e3, 3), stream=self.stream))
+        if self.state.tracing is not None:
+            self.state.tracing.record(self, now)
 
 
 def job_ids(api_id: str, num_jobs: int) -> list[str]:

@@ -269,6 +269,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("shutdown_timeout", "FERROX_SHUTDOWN_TIMEOUT", _nonneg_float, 30.0,
             "seconds in-flight requests get to finish on SIGTERM", group="server"),
     Setting("log_level", "FERROX_LOG_LEVEL", _str, "info", "debug, info, warning, error", group="server"),
+    Setting("otlp_traces_endpoint", "FERROX_OTLP_TRACES_ENDPOINT", _str, None,
+            "send a trace of every generation request to this OTLP collector (http/protobuf: a URL, "
+            "/v1/traces when it has no path; grpc: host:port); needs the otel extra; default: off",
+            group="server"),
+    Setting("otlp_traces_protocol", "FERROX_OTLP_TRACES_PROTOCOL", _str, "http/protobuf",
+            "the OTLP transport for --otlp-traces-endpoint: http/protobuf or grpc", group="server"),
     # structured output: a constraint for requests that give none (at most one of the three)
     Setting("grammar", "FERROX_GRAMMAR", _str, None,
             "default output grammar, Lark or GBNF, for generation requests that give no constraint", group="output"),

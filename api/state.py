@@ -81,6 +81,7 @@ class AppState:
         self.tasks: Any = None  # api.model_admin.TaskTable, installed by create_app
         self.sessions: Any = None  # api.sessions.SessionStore, installed by create_app
         self.response_cache: Any = None  # api.response_cache.ResponseCache with --response-cache, else None
+        self.tracing: Any = None  # api.tracing.Tracing with --otlp-traces-endpoint, else None (no SDK imported)
         # Called with no arguments when the served engine changes (a swap, an unload): what
         # was kept for the previous model (sessions, cached responses) is dropped there.
         self.on_engine_change: list[Any] = []

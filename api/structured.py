@@ -43,7 +43,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from typing import TYPE_CHECKING, Any, Sequence
+
+from quart import g, has_request_context
 
 from api.errors import APIError
 from api.offload import run_cpu
@@ -115,11 +118,14 @@ async def check_grammar(engine: Engine, spec: GrammarSpec | None, param: str) ->
     unsupported keyword)."""
     if spec is None:
         return None
+    started = time.monotonic()
     try:
         await run_cpu(engine.check_grammar, spec)
-        return spec
     except GrammarError as e:
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_grammar") from None
+    if has_request_context():  # the request's trace shows the compile (api/tracing.py)
+        g.ferrox_grammar_compile = (started, time.monotonic())
+    return spec
 
 
 # ---------------------------------------------------------------- tools

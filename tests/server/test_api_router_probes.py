@@ -1,7 +1,7 @@
 """What routers and autoscalers read of a replica: vLLM's gauges and latency histograms (vLLM's
 names and buckets, counting what the ferrox_* twins count) and the free KV tokens on /metrics
-(parsed with prometheus_client's own parser), /version, SGLang's /server_info, /model_info, /v1/loads and /get_load. Real
-Hypercorn server, real engine on the tiny Llama (16-position blocks)."""
+(parsed with prometheus_client's own parser), /version, SGLang's /server_info, /model_info,
+/v1/loads and /get_load. Real Hypercorn server, real engine on the tiny Llama (16-position blocks)."""
 
 from __future__ import annotations
 
