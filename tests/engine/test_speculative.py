@@ -1,5 +1,6 @@
 """Speculative decoding by prompt lookup: the tokens are the non-speculative ones, greedy and
-sampled, alone and batched, with every stop condition; drafts were really accepted."""
+sampled, alone and batched, with every stop condition and a thinking budget's forced marker;
+drafts were really accepted."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from ferrox_jax.config import SpeculativeConfig
-from ferrox_jax.request import Job, JobState, RowSampling
+from ferrox_jax.request import Job, JobState, RowSampling, ThinkingBudget
 from ferrox_jax.speculative import Speculator, count_accepted, propose_ngram
 from tests.support.engine_helpers import make_runner
 from tests.support.spec_driver import GREEDY, SPEC, STEP_ROWS, copy_prompt, drive, greedy_jobs
@@ -277,6 +278,25 @@ def test_stops_max_tokens_logprobs_n_and_prefix_cache_stay_exact(runners):
     np.testing.assert_allclose(on.logprobs["len"][0], off.logprobs["len"][0], atol=1e-4,
                                err_msg="verify logprobs (tolerance: another attention path, float32)")
     assert on.scheduler.speculator.counters.num_accepted_tokens > 0
+
+
+def test_a_thinking_budgets_forced_marker_stays_exact(runners):
+    runner, ckpt = runners["llama"]
+    tok = ckpt.tokenizer
+    prompt = copy_prompt(tok)
+    marker = tuple(tok.encode("</think>", add_special_tokens=False))  # several tokens here, forced one per step
+    # 15: the row is then in a loop whose drafts are accepted, so the step that forces the
+    # marker's first token has verified drafts after it (dropping them is what keeps it exact)
+    budget = ThinkingBudget(max_tokens=15, end_token_ids=marker, starts_inside=True)
+    jobs = [Job(request_id="cut", prompt_token_ids=prompt, max_tokens=30, sampling=GREEDY, thinking_budget=budget),
+            Job(request_id="free", prompt_token_ids=prompt[1:], max_tokens=30, sampling=GREEDY)]
+    off = drive(runner, tok, jobs, None)
+    on = drive(runner, tok, jobs, SPEC)
+    _assert_same(off, on, "a thinking budget")
+    cut = on.tokens["cut"][0]
+    assert tuple(cut[15:15 + len(marker)]) == marker, "the marker after 15 tokens, whole"
+    assert marker not in {tuple(off.tokens["free"][0][i:i + len(marker)]) for i in range(30)}, "only where forced"
+    assert on.scheduler.speculator.counters.num_accepted_tokens > 0, "drafts were accepted around the marker"
 
 
 def test_cancel_mid_run_frees_every_block(runners):
