@@ -1,6 +1,6 @@
 """Speculative decoding with a draft model (`--speculative draft`): the tokens are the target's
-own, greedy and seeded, alone and batched, with stops, n > 1, the prefix cache and a cancel;
-the draft's KV lives in the target's block ids, so every block returns to the one budget."""
+own, greedy and seeded, alone and batched, with stops, n > 1, the prefix cache, a cancel and a
+thinking budget's forced marker; the draft's KV lives in the target's block ids, so every block returns to the one budget."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from ferrox_jax.config import EngineConfig, SpeculativeConfig
 from ferrox_jax.draft import DraftModel
-from ferrox_jax.request import Job, RowSampling
+from ferrox_jax.request import Job, RowSampling, ThinkingBudget
 from ferrox_jax.runner import ModelRunner
 from tests.support.spec_driver import GREEDY, STEP_ROWS, copy_prompt, drive, greedy_jobs
 from tests.engine.test_speculative import _CHI2_999, PEAKED, ROOT, _assert_same, _chi_square, _sampled_jobs
@@ -89,6 +89,25 @@ def test_greedy_tokens_identical_alone_and_batched(target, draft):
     assert set(runner._compiled) <= set(runner.compile_keys())
     draft_runner = target[2][draft]
     assert set(draft_runner._compiled) <= set(draft_runner.compile_keys()), "proposals add no shape"
+
+
+def test_a_thinking_budgets_forced_marker_keeps_the_draft_consistent(target):
+    """The target drafting for itself has every greedy draft accepted, so each step that
+    forces a marker token had drafts verified after the token it replaced (dropped), and the
+    draft's K/V at that position is its own guess: were it not rewritten with the marker's,
+    the next drafts would be rejected."""
+    runner, ckpt, drive = _with_draft(target, "self")
+    tok = ckpt.tokenizer
+    marker = tuple(tok.encode("</think>", add_special_tokens=False))
+    budget = ThinkingBudget(max_tokens=6, end_token_ids=marker, starts_inside=True)
+    jobs = [Job(request_id="cut", prompt_token_ids=copy_prompt(tok), max_tokens=30, sampling=GREEDY,
+                thinking_budget=budget), *greedy_jobs(tok)[1:]]
+    off = drive(runner, tok, jobs, None)
+    on = drive(runner, tok, jobs, DRAFT)
+    _assert_same(off, on, "a thinking budget with a draft model")
+    assert tuple(on.tokens["cut"][0][6:6 + len(marker)]) == marker
+    c = on.scheduler.speculator.counters
+    assert c.num_draft_tokens > 0 and c.num_accepted_tokens == c.num_draft_tokens, c
 
 
 def test_stops_n_prefix_cache_and_cancel_keep_the_draft_consistent(target):
