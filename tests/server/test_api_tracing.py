@@ -157,6 +157,38 @@ def test_every_wire_is_traced(app, collector, http, path, body, key):
     assert attrs(root)["gen_ai.usage.output_tokens"] >= 1 and "prefill" in [c.name for c in children]
 
 
+def test_the_grpc_exporter_reaches_a_grpc_collector():
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    spans: list[Span] = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 (the service's name)
+            spans.extend(span for rs in request.resource_spans for ss in rs.scope_spans for span in ss.spans)
+            return ExportTraceServiceResponse()
+
+    receiver = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), receiver)
+    port = receiver.add_insecure_port("127.0.0.1:0")
+    receiver.start()
+    try:
+        app = create_app(tiny_engine(), ServerConfig(otlp_traces_endpoint=f"127.0.0.1:{port}",
+                                                     otlp_traces_protocol="grpc"))
+        with ServerThread(app) as url:
+            r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                           headers={"traceparent": TRACEPARENT}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert state_of(app).tracing.flush()
+        wait_for(lambda: any(attrs(s).get("gen_ai.response.id") == r.json()["id"] for s in spans))
+        root = next(s for s in spans if attrs(s).get("gen_ai.response.id") == r.json()["id"])
+        assert root.name == "POST /v1/completions" and root.parent_span_id.hex() == PARENT_ID
+    finally:
+        receiver.stop(0)
+
+
 def test_tracing_off_imports_no_opentelemetry():
     code = ("import sys\nfrom api.app import create_app\nfrom api.config import ServerConfig\n"
             "import api.generation, api.tracing\nServerConfig()\n"
