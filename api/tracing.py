@@ -14,6 +14,8 @@ request started and was submitted, the scheduler's own queue time (the job's fir
       decode                    INTERNAL  first token -> last token
       grammar compile           INTERNAL  the output constraint's compile, when the request has one
 
+Embeddings, rerank and score requests run through the same core and are traced alike.
+
 The root span's parent is the incoming request's W3C `traceparent` (and `tracestate`) when it
 has one, so a gateway's trace continues through this server; without one the span starts a
 trace. Attributes follow the GenAI semantic conventions (`gen_ai.operation.name`,
@@ -42,7 +44,10 @@ from urllib.parse import urlsplit, urlunsplit
 GenerationRun = Any
 PROTOCOLS = ("http/protobuf", "grpc")
 SERVICE_NAME = "ferrox"
-_OPERATIONS = {"/v1/completions": "text_completion", "/completion": "text_completion"}  # the rest: chat
+# gen_ai.operation.name by route: the chat wires, embeddings, and for the rest (completions,
+# llama.cpp's /completion, rerank and score, which score prompts) text_completion.
+_OPERATIONS = {"/v1/chat/completions": "chat", "/v1/messages": "chat", "/v1/responses": "chat",
+               "/v1/embeddings": "embeddings"}
 
 
 class TracingUnavailable(ValueError):
@@ -152,7 +157,7 @@ def attributes(run: GenerationRun, ended_at: float) -> dict[str, Any]:
     sampling = job.sampling
     engine = run.engine
     attrs: dict[str, Any] = {
-        "gen_ai.operation.name": _OPERATIONS.get(run.route, "chat"),
+        "gen_ai.operation.name": _OPERATIONS.get(run.route, "text_completion"),
         "gen_ai.provider.name": SERVICE_NAME,
         "gen_ai.request.model": run.model or (engine.model_name if engine is not None else ""),
         "gen_ai.request.max_tokens": job.max_tokens,

@@ -157,6 +157,17 @@ def test_every_wire_is_traced(app, collector, http, path, body, key):
     assert attrs(root)["gen_ai.usage.output_tokens"] >= 1 and "prefill" in [c.name for c in children]
 
 
+def test_embeddings_are_traced_as_embeddings(app, collector, http):
+    r = http.post("/v1/embeddings", json={"input": "Hi"})
+    assert r.status_code == 200, r.text
+    assert state_of(app).tracing.flush()
+    wait_for(lambda: any(attrs(s).get("http.route") == "/v1/embeddings" for s in collector.spans))
+    root = next(s for s in collector.spans if attrs(s).get("http.route") == "/v1/embeddings")
+    children = [s for s in collector.spans if s.parent_span_id == root.span_id]
+    assert attrs(root)["gen_ai.operation.name"] == "embeddings" and root.name == "POST /v1/embeddings"
+    assert [c.name for c in children] == ["queue"], "a pooling job samples nothing: no prefill-to-token phases"
+
+
 def test_the_grpc_exporter_reaches_a_grpc_collector():
     from concurrent import futures
 
