@@ -72,8 +72,9 @@ def _load_sdk(protocol: str) -> dict[str, Any]:
             "opentelemetry-exporter-otlp-proto-http"
         raise TracingUnavailable(
             f"ServerConfig.otlp_traces_endpoint needs the OpenTelemetry SDK and its OTLP exporter "
-            f"({e.name or 'a module'} is missing): install the server's otel extra (pip install 'ferrox-jax[otel]', or opentelemetry-sdk and "
-            f"{package}), or leave the endpoint unset") from None
+            f"({e.name or 'a module'} is missing): install the server's otel extra "
+            f"(pip install 'ferrox-jax[otel]', or opentelemetry-sdk and {package}), or leave the endpoint unset"
+        ) from None
     return dict(trace=trace, Resource=Resource, TracerProvider=TracerProvider, BatchSpanProcessor=BatchSpanProcessor,
                 Propagator=TraceContextTextMapPropagator, Exporter=OTLPSpanExporter)
 

@@ -1,10 +1,10 @@
 """OpenTelemetry tracing against an in-process OTLP/HTTP collector: a tiny HTTP server that
 decodes each `ExportTraceServiceRequest` (opentelemetry-proto) the real server's exporter
-posts (and an OTLP/gRPC one for the grpc exporter). One span per request with its queue / prefill / decode (and grammar compile)
-children inside it, the caller's W3C `traceparent` as the parent, the GenAI attributes equal
-to the reply's own numbers; off by default with no OpenTelemetry module imported; a clear
-start-up error when it is asked for and the SDK is missing. Real Hypercorn server, the
-tiny engine."""
+posts (and an OTLP/gRPC one for the grpc exporter). One span per request with its queue /
+prefill / decode (and grammar compile) children inside it, the caller's W3C `traceparent`
+as the parent, the GenAI attributes equal to the reply's own numbers; off by default with
+no OpenTelemetry module imported; a clear start-up error when it is asked for and the SDK
+is missing. Real Hypercorn server, the tiny engine."""
 
 from __future__ import annotations
 
