@@ -18,7 +18,10 @@ the results once).
     lm_head                     [D, V]       P(None, "model")     same
     experts_gate / experts_up   [E, D, F]    P(None, None, "model")  same
     experts_down                [E, F, D]    P(None, "model", None)  same
-    norms, q_norm / k_norm, router  [D], [hd], [D, E]  P()        same
+    experts_gate_bias / _up_bias  [E, F]     P(None, "model")     same
+    sinks                       [H]          P("model")           P()
+    norms, q_norm / k_norm, router, router_bias, o_bias, experts_down_bias
+                                [D], [hd], [D, E], [E], [D], [E, D]  P()  same
     KV cache, per layer         [K, N, bs, hd]  P("model", ...)   P()
 
 A quantized weight (`models/quant.py`: int8 values + one f32 scale per channel) shards
@@ -34,7 +37,9 @@ M | H and M | K. Fused checkpoint tensors (Phi-3's qkv_proj, gate_up_proj) are s
 at load, so they shard like any other projection. Experts are split Megatron-style over
 their intermediate axis (every device holds a slice of every expert), so each tile of an
 expert's tokens is computed locally and its down projection all-reduced (one per tile in
-use: `models/moe.py`). RoPE tables are constants of the step, not parameters.
+use: `models/moe.py`); their gate/up biases split with those columns, the down bias
+(added after the sum) is replicated. Attention sinks (one logit per query head) split by
+head with q. RoPE tables are constants of the step, not parameters.
 
 LoRA adapter slots (`models/lora.py`: A [in, S*r], B [S*r, out] beside each adapted
 projection, y = x W + (x A) B) shard like the weight they modify, so the adapter's
@@ -78,7 +83,8 @@ _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "tie
 _ROW = ("o_proj", "down_proj", "embed")  # split the first axis
 _EXPERT_COLUMN = ("experts_gate", "experts_up")  # [E, D, F]: split F
 _EXPERT_ROW = ("experts_down",)  # [E, F, D]: split F
-_BIAS = ("q_bias", "k_bias", "v_bias")
+_EXPERT_BIAS = ("experts_gate_bias", "experts_up_bias")  # [E, F]: split F with gate/up's columns
+_BIAS = ("q_bias", "k_bias", "v_bias", "sinks")  # [H*hd] or [H]: split by head with q (sinks are per head)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj") + _BIAS
 
 
@@ -145,6 +151,8 @@ def param_partition_spec(name: str, shape: tuple[int, ...], cfg: ModelConfig,
         return P(None, None, MODEL_AXIS)
     if leaf in _EXPERT_ROW and len(shape) == 3:
         return P(None, MODEL_AXIS, None)
+    if leaf in _EXPERT_BIAS and len(shape) == 2:
+        return P(None, MODEL_AXIS)
     return P()  # norms (q_norm, k_norm too), the router, anything unknown: replicated
 
 

@@ -72,7 +72,7 @@ def write_kv(k_cache, v_cache, k, v, blocks, offsets):
 
 def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
                     chunk_blocks: int = ATTENTION_CHUNK_BLOCKS, *, valid=None, window: int | None = None,
-                    softcap: float | None = None, limits=None):
+                    softcap: float | None = None, sinks=None, limits=None):
     """Causal attention of new queries over each row's blocks (already holding the new K/V).
 
     Flash-decoding style: a `fori_loop` walks the block tables `chunk_blocks` blocks at a
@@ -85,6 +85,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
     first visible key, so a long context pays only for the keys it can see; the blocks
     before it stay allocated and accounted (nothing is evicted). With `softcap`, scores
     become softcap * tanh(score / softcap) before masking (Gemma 2's logit soft-capping).
+    With `sinks` (gpt-oss), each query head's learned logit joins the softmax's denominator
+    as a key with no value: the online softmax starts from it (m = sink, l = 1) instead of
+    from nothing, so a head can attend "nowhere" and its weights sum to less than 1.
 
     Args:
       q: [B, T, H, hd] rotated queries.
@@ -95,6 +98,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
         first chunk back to 0).
       window: sliding window in keys (the query's own included), or None.
       softcap: logit soft-cap, or None.
+      sinks: f32[H] per-head sink logits, or None.
       limits: i32[B, T] the furthest key position each query sees (None: its own position).
         An image's tokens see the whole image (Gemma 3 attends bidirectionally within one),
         so their limit is the image's last position; the window still counts back from the
@@ -157,9 +161,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
         acc = acc * correction[..., None] + pv
         return m_new, l, acc
 
-    init = (jnp.full((b, num_kv, groups, t), _MASKED, jnp.float32),
-            jnp.zeros((b, num_kv, groups, t), jnp.float32),
-            jnp.zeros((b, num_kv, groups, t, head_dim), jnp.float32))
+    if sinks is None:
+        m0, l0 = jnp.full((b, num_kv, groups, t), _MASKED, jnp.float32), jnp.zeros((b, num_kv, groups, t), jnp.float32)
+    else:  # the sink is a key every query sees, of logit sinks[h] and value 0
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, num_kv, groups, 1), (b, num_kv, groups, t))
+        l0 = jnp.ones((b, num_kv, groups, t), jnp.float32)
+    init = (m0, l0, jnp.zeros((b, num_kv, groups, t, head_dim), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # [B, K, G, T, hd]; padded queries see nothing
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, num_heads, head_dim)
@@ -176,8 +183,10 @@ def _window_chunks(positions, limits, valid, window: int, chunk_keys: int):
     return first, jnp.max(last - first) + 1
 
 
-def dense_causal_attention(q, k, v, scale: float, window: int | None = None, softcap: float | None = None):
-    """Reference: plain causal attention over contiguous K/V. q [T, H, hd], k/v [T, K, hd]."""
+def dense_causal_attention(q, k, v, scale: float, window: int | None = None, softcap: float | None = None,
+                           sinks=None):
+    """Reference: plain causal attention over contiguous K/V. q [T, H, hd], k/v [T, K, hd];
+    sinks f32[H] (a softmax column per head that is dropped after the softmax, as HF's gpt-oss)."""
     t, num_heads, head_dim = q.shape
     groups = num_heads // k.shape[1]
     k = jnp.repeat(k, groups, axis=1)
@@ -189,7 +198,12 @@ def dense_causal_attention(q, k, v, scale: float, window: int | None = None, sof
     if window is not None:
         mask &= ~jnp.tril(jnp.ones((t, t), bool), -window)
     scores = jnp.where(mask[None], scores, _MASKED)
-    return jnp.einsum("hts,shd->thd", jax.nn.softmax(scores, -1), v.astype(jnp.float32))
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None], (num_heads, t, 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), -1)[..., :t]
+    else:
+        probs = jax.nn.softmax(scores, -1)
+    return jnp.einsum("hts,shd->thd", probs, v.astype(jnp.float32))
 
 
 # -- shared by the one-query decode kernels (models/pallas_attention.py, models/gpu_attention.py)

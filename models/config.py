@@ -26,7 +26,7 @@ import math
 import os
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -73,13 +73,16 @@ class RopeScaling:
     """RoPE frequency scaling. `rope_type` is one of SUPPORTED_ROPE_TYPES."""
 
     rope_type: str = "default"
-    factor: float = 1.0  # linear, llama3 and longrope (longrope: only sets attention_factor)
+    factor: float = 1.0  # linear, llama3, yarn and longrope (longrope: only sets attention_factor)
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int = 8192  # llama3, longrope (the pretraining context)
+    original_max_position_embeddings: int = 8192  # llama3, longrope, yarn (the pretraining context)
     short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors within the pretraining context
     long_factor: tuple[float, ...] = ()  # longrope: the divisors once a sequence grows past it
-    attention_factor: float = 1.0  # longrope: cos and sin are multiplied by this
+    attention_factor: float = 1.0  # longrope, yarn (its mscale): cos and sin are multiplied by this
+    beta_fast: float = 32.0  # yarn: a frequency turning more often over the pretraining context is kept,
+    beta_slow: float = 1.0  # ... one turning fewer times than this interpolated; a linear ramp between
+    truncate: bool = True  # yarn: round the ramp's ends to whole dims (gpt-oss: false)
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -236,6 +239,8 @@ def rope_scaling_from_dict(d: dict[str, Any] | None, cfg: dict[str, Any] | None 
         return RopeScaling()
     if rope_type == "longrope":
         return _longrope(d, cfg)
+    if rope_type == "yarn":
+        return _yarn(d, cfg)
     return RopeScaling(
         rope_type=rope_type,
         factor=float(d.get("factor", 1.0)),
@@ -259,6 +264,27 @@ def _longrope(d: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
                        short_factor=tuple(float(x) for x in d["short_factor"]),
                        long_factor=tuple(float(x) for x in d["long_factor"]),
                        attention_factor=float(attention_factor))
+
+
+def _yarn(d: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
+    """As transformers' `_compute_yarn_parameters`: a missing factor is the context extension
+    (max / original); a missing attention factor is YaRN's mscale, 0.1 * ln(factor) + 1, or
+    the ratio mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are given."""
+    original = int(d.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+                   or cfg.get("max_position_embeddings", 4096))
+    factor = d.get("factor")
+    factor = float(factor) if factor else cfg.get("max_position_embeddings", original) / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = d.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = d.get("mscale"), d.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling("yarn", factor=factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention_factor), beta_fast=float(d.get("beta_fast") or 32),
+                       beta_slow=float(d.get("beta_slow") or 1), truncate=bool(d.get("truncate", True)))
 
 
 def hf_layer_types(cfg: dict[str, Any], num_layers: int, *, window_applies: bool) -> tuple[int | None, tuple[str, ...]]:

@@ -8,7 +8,9 @@ GGUF: the suffix after `blk.{i}.`) to ours (`layers.{i}.<name>`):
 - a tuple of names: a fused tensor split by rows into these parameters, each taking as
   many rows as its expected output width (Phi-3's qkv_proj into q/k/v, gate_up_proj
   into gate/up);
-- a key containing `{e}`: one tensor per expert, stacked into one `[E, ...]` parameter.
+- a key containing `{e}`: one tensor per expert, stacked into one `[E, ...]` parameter;
+- an `ExpertStack`: one tensor holding every expert already stacked (gpt-oss's HF
+  experts, llama.cpp's `*_exps`), possibly two parameters interleaved along its last axis.
 Projection weights are transposed from `[out, in]` to our `[in, out]` on the way.
 """
 
@@ -19,7 +21,22 @@ from typing import Any, Callable, Mapping
 
 from models.config import ModelConfig
 
-WeightTable = Mapping[str, "str | tuple[str, ...]"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertStack:
+    """A checkpoint tensor `[E, ...]` holding every expert of one (or more) of our stacks.
+
+    `transpose`: it is `[E, out, in]` (llama.cpp), each expert transposed to our `[in, out]`;
+    else it is already ours (`[E, in, out]`, or a bias `[E, n]`). With several `names` its
+    last axis interleaves them: column j belongs to names[j % len(names)] (gpt-oss's
+    gate_up_proj: even columns gate, odd columns up)."""
+
+    names: tuple[str, ...]
+    transpose: bool = False
+
+
+WeightTable = Mapping[str, "str | tuple[str, ...] | ExpertStack"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,9 +13,10 @@
 - MLPs: `gated_mlp(x, gate, up, down, act)` with `silu` (SwiGLU) or `gelu_tanh` (GeGLU);
   the mixture of experts lives in `models/moe.py`.
 - Attention: `SelfAttention`, a mix-in that gives a decoder layer the flat parameters
-  q_proj/k_proj/v_proj/o_proj (+ q/k/v biases, + per-head q_norm/k_norm) and the whole
-  block: project, norm heads, rotate, write the new K/V into the paged cache, attend
-  (optionally through a sliding window, with soft-capped logits), project out. With a
+  q_proj/k_proj/v_proj/o_proj (+ q/k/v biases, + an o_proj bias, + per-head q_norm/k_norm,
+  + per-head sink logits) and the whole block: project, norm heads, rotate, write the new
+  K/V into the paged cache, attend (optionally through a sliding window, with soft-capped
+  logits, with attention sinks), project out. With a
   ragged kernel (`models/ragged_attention.py`, `auto` on TPUs and CUDA GPUs) a layer
   attends every row of the forward in one call over the forward's spans; otherwise each
   segment on its own (a one-query kernel for decode rows where it applies, else pure JAX).
@@ -206,6 +207,8 @@ class AttentionSpec:
     bias: bool = False  # q/k/v projections carry a bias
     qk_norm: str | None = None  # per-head norm of q and k before RoPE: None, "rms" or "rms_plus_one"
     norm_eps: float = 1e-6
+    o_bias: bool = False  # o_proj carries a bias (gpt-oss)
+    sinks: bool = False  # one learned logit per query head joins the softmax's denominator (gpt-oss)
 
     @classmethod
     def from_config(cls, cfg, layer: int, **overrides) -> "AttentionSpec":
@@ -226,6 +229,8 @@ class SelfAttention:
         q_proj [D, H*hd]  k_proj [D, K*hd]  v_proj [D, K*hd]  o_proj [H*hd, D]
         q_bias [H*hd]  k_bias / v_bias [K*hd]      when spec.bias
         q_norm [hd]  k_norm [hd]                   when spec.qk_norm
+        o_bias [D]                                 when spec.o_bias
+        sinks [H]                                  when spec.sinks
     """
 
     def init_attention(self, spec: AttentionSpec, hidden: int, dtype, rngs: nnx.Rngs) -> None:
@@ -239,12 +244,20 @@ class SelfAttention:
             self.q_bias = param(rngs, (q_dim,), dtype)
             self.k_bias = param(rngs, (kv_dim,), dtype)
             self.v_bias = param(rngs, (kv_dim,), dtype)
+        if spec.o_bias:
+            self.o_bias = param(rngs, (hidden,), dtype)
+        if spec.sinks:
+            self.sinks = param(rngs, (spec.num_heads,), dtype)
         if spec.qk_norm is not None:
             self.q_norm = norm_param(spec.head_dim, dtype, 1.0 if spec.qk_norm == "rms" else 0.0)
             self.k_norm = norm_param(spec.head_dim, dtype, 1.0 if spec.qk_norm == "rms" else 0.0)
 
     def _bias(self, name: str) -> jax.Array | None:
         return getattr(self, name)[...] if self.attn_spec.bias else None
+
+    def _out(self, out: jax.Array, dtype) -> jax.Array:
+        """The heads' outputs [N, H*hd] through o_proj (and its bias)."""
+        return project(out.astype(dtype), self.o_proj.get_value(), self.o_bias[...] if self.attn_spec.o_bias else None)
 
     def attention(self, h: jax.Array, fwd: ForwardContext, k_cache: jax.Array, v_cache: jax.Array):
         """h [N, D] (already normed) -> (o_proj output [N, D], k_cache, v_cache).
@@ -265,24 +278,27 @@ class SelfAttention:
         cos, sin = fwd.rope[spec.rope]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, fwd.kv_blocks, fwd.kv_offsets)
+        sinks = self.sinks[...] if spec.sinks else None
         if fwd.spans is not None:  # one ragged call for every row of every segment
             out = fwd.decode_attention(q, k_cache, v_cache, fwd.spans, scale=spec.scale, window=spec.window,
-                                       softcap=spec.softcap)
-            return project(out.reshape(n, -1).astype(h.dtype), self.o_proj.get_value()), k_cache, v_cache
+                                       softcap=spec.softcap, sinks=sinks)
+            return self._out(out.reshape(n, -1), h.dtype), k_cache, v_cache
         outs = []
         for seg in fwd.segments:
             q_seg = q[seg.start:seg.stop].reshape(seg.rows, seg.tokens, spec.num_heads, spec.head_dim)
-            # The one-query kernels know neither windows nor soft-capping: those layers
-            # always take the pure-JAX path (models/pallas_attention.py). A kernel with a
-            # `chunks` method (the CPU one) serves segments of several tokens a row too.
-            kernel = fwd.decode_attention if spec.window is None and spec.softcap is None else None
+            # The one-query kernels know neither windows, soft-capping nor sinks: those
+            # layers always take the pure-JAX path (models/pallas_attention.py). A kernel
+            # with a `chunks` method (the CPU one) serves segments of several tokens a row too.
+            plain = spec.window is None and spec.softcap is None and not spec.sinks
+            kernel = fwd.decode_attention if plain else None
             if kernel is not None and seg.tokens == 1:
                 out = kernel(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, spec.scale)
             elif kernel is not None and hasattr(kernel, "chunks") and seg.limits is None:
                 out = kernel.chunks(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, seg.valid, spec.scale)
             else:
                 out = paged_attention(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, spec.scale,
-                                      valid=seg.valid, window=spec.window, softcap=spec.softcap, limits=seg.limits)
+                                      valid=seg.valid, window=spec.window, softcap=spec.softcap, sinks=sinks,
+                                      limits=seg.limits)
             outs.append(out.reshape(seg.rows * seg.tokens, -1))
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
-        return project(out.astype(h.dtype), self.o_proj.get_value()), k_cache, v_cache
+        return self._out(out, h.dtype), k_cache, v_cache

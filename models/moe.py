@@ -8,6 +8,10 @@ Qwen3-MoE layers call in place of a dense MLP:
     w       = w / sum(w)        (norm_topk_prob; Mixtral always)
     y[n]    = sum_j w[n, j] * expert_{e[n, j]}(x[n])   expert: down(silu(gate(x)) * up(x))
 
+Options a family may add (defaults keep the block above): a router bias, per-expert
+biases on gate/up/down (`ExpertBiases`) and another gating of the two projections
+(`glu`: gpt-oss's clamped SwiGLU).
+
 How the experts run (measured, `tools/bench/bench_moe.py`): the N*k (token, expert) pairs are
 sorted by expert, each expert's run is padded to whole tiles of `tile` rows, and a
 `fori_loop` with a traced trip count runs one tile per iteration against that tile's
@@ -87,9 +91,15 @@ class MoeConfig(ModelConfig):
         return sizes
 
 
-def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
-    """Top-k softmax routing. x [N, D], router [D, E] -> (weights f32[N, k], experts i32[N, k])."""
-    probs = jax.nn.softmax(project(x, router).astype(jnp.float32), axis=-1)
+def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool,
+          router_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Top-k softmax routing. x [N, D], router [D, E], router_bias [E] or None ->
+    (weights f32[N, k], experts i32[N, k]).
+
+    Normalised, this is also gpt-oss's "softmax over the top-k logits": softmax is monotonic,
+    so the top-k probabilities are those of the top-k logits, and renormalising them is
+    exactly the softmax over the selected logits."""
+    probs = jax.nn.softmax(project(x, router, router_bias).astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if normalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
@@ -102,20 +112,35 @@ def tile_rows(num_pairs: int, num_experts: int) -> int:
     return min(64, max(8, 1 << (per_expert - 1).bit_length()))
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertBiases:
+    """Per-expert biases of the three expert projections (gpt-oss): gate, up f32[E, F], down [E, D]."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+
 def moe_mlp(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, *,
-            top_k: int, normalize: bool, act: Callable[[jax.Array], jax.Array], tile: int | None = None) -> jax.Array:
+            top_k: int, normalize: bool, act: Callable[[jax.Array], jax.Array], tile: int | None = None,
+            router_bias: jax.Array | None = None, biases: ExpertBiases | None = None,
+            glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> jax.Array:
     """The mixture-of-experts MLP over N tokens.
 
     Args:
       x: [N, D]; router: [D, E]; gate, up: [E, D, F]; down: [E, F, D], float or quantized
         (`models/quant.py`: int8 with per-expert, per-output-column scales).
       tile: rows per tile (default `tile_rows`; static).
+      router_bias: [E] added to the router logits, or None.
+      biases: the experts' projection biases, or None.
+      glu: `glu(gate_out, up_out)` in place of `act(gate_out) * up_out` (gpt-oss's clamped
+        SwiGLU), or None.
     Returns:
       [N, D] in x's dtype.
     """
     n, d = x.shape
     num_experts = gate.shape[0]
-    weights, experts = route(x, router, top_k, normalize)
+    weights, experts = route(x, router, top_k, normalize, router_bias)
     pairs = n * top_k
     tile = tile or tile_rows(pairs, num_experts)
     # Sort the (token, expert) pairs by expert; stable, so each expert sees its tokens in order.
@@ -137,8 +162,10 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, dow
     def run_tile(i, out):
         xt = jax.lax.dynamic_slice_in_dim(rows, i * tile, tile)
         e = tile_expert[i]
-        yt = project(act(project(xt, select_expert(gate, e))) * project(xt, select_expert(up, e)),
-                     select_expert(down, e))
+        g = project(xt, select_expert(gate, e), None if biases is None else biases.gate[e])
+        u = project(xt, select_expert(up, e), None if biases is None else biases.up[e])
+        yt = project(act(g) * u if glu is None else glu(g, u), select_expert(down, e),
+                     None if biases is None else biases.down[e])
         return jax.lax.dynamic_update_slice_in_dim(out, yt.astype(out.dtype), i * tile, 0)
 
     out = jax.lax.fori_loop(0, padded_end[-1] // tile, run_tile, jnp.zeros_like(rows))

@@ -15,6 +15,11 @@ Scalings, as transformers computes them (`modeling_rope_utils.py`):
   here each row picks it from its own largest valid position in the step: identical for
   decode and one-shot prefill; a prompt prefilled in chunks across the boundary sees
   the short table for its earlier chunks, as HF does with a KV cache.
+- yarn (gpt-oss): per frequency a blend of the interpolated (inv_freq / factor) and the
+  original one, by a linear ramp over the dims between the ones that turn beta_fast and
+  beta_slow times over the pretraining context; cos and sin times `attention_factor`
+  (YaRN's mscale, 0.1 ln(factor) + 1 unless the checkpoint states it). Computed in
+  float32 as transformers does.
 Rotation is rotate-half (GPT-NeoX) over the first `rotary_dim` dims of each head; the
 rest pass through (Phi-3's `partial_rotary_factor`).
 """
@@ -55,7 +60,29 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling, *, long: 
         # transformers: 1 / (factor * theta^(2i/d)), the power taken in float32
         powers = theta ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim))
         inv_freq = 1.0 / (factors.astype(np.float32) * powers.astype(np.float32))
+    elif scaling.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(rotary_dim, theta, scaling)
     return inv_freq.astype(np.float32)
+
+
+def _yarn_inv_freq(dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """transformers' `_compute_yarn_parameters` inverse frequencies, in its float32."""
+    original = scaling.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:  # the dim that turns `rotations` times over `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (np.float32(scaling.factor) * pos_freqs)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (1 - ramp).astype(np.float32)  # 1: the original frequency (extrapolated), 0: interpolated
+    return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
 
 
 def rope_cos_sin(positions: jax.Array, valid: jax.Array, rotary_dim: int, theta: float,

@@ -14,7 +14,7 @@ tensor at a time. The abstract model stays float: a quantized weight has its sha
 
 `map_layer_tensors` is the name mapping both loaders share: a family's weight table
 (`models/family.py`) applied to one checkpoint's per-layer tensors, splitting fused
-tensors and stacking per-expert ones.
+tensors, stacking per-expert ones and cutting all-experts ones (`ExpertStack`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.decoder import CausalLM
-from models.family import WeightTable
+from models.family import ExpertStack, WeightTable
 from models.gguf_blocks import BlockQuantizedWeight, make_weight
 from models.quant import INT8_MODES, QuantizedWeight, check_mode, quantize_host, quantized_channel_axis, reduce_axis, tied_head
 
@@ -209,6 +209,8 @@ def map_layer_tensors(layer: int, suffix: str, load: Lazy, table: WeightTable,
         return None
     if isinstance(target, str):
         return {prefix + target: _transposed(load)}
+    if isinstance(target, ExpertStack):
+        return {prefix + name: _expert_stack(load, target, i) for i, name in enumerate(target.names)}
     names = [prefix + t for t in target]
     missing = [n for n in names if n not in expected]
     if missing:
@@ -228,6 +230,19 @@ def stack_experts(experts: dict, num_experts: int | None) -> dict[str, Lazy]:
         loads = [by_index[i] for i in range(num_experts)]
         out[name] = lambda loads=loads: np.stack([np.asarray(f()).T for f in loads])
     return out
+
+
+def _expert_stack(load: Lazy, stack: ExpertStack, index: int) -> Lazy:
+    """Our `stack.names[index]` from an all-experts tensor (`ExpertStack`): every
+    len(names)-th column of its last axis from `index` on, each expert transposed when the
+    tensor is [E, out, in]."""
+    def read():
+        arr = np.asarray(load())
+        if stack.transpose:
+            arr = arr.swapaxes(-1, -2)
+        step = len(stack.names)
+        return np.ascontiguousarray(arr[..., index::step]) if step > 1 else arr
+    return read
 
 
 def _expert_pattern(key: str) -> re.Pattern:

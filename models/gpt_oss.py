@@ -1,0 +1,139 @@
+"""gpt-oss: attention with sinks on alternating sliding / full layers, and biased experts.
+
+    x = x + attention(rms_norm(x))       q/k/v/o all biased; YaRN RoPE; every head has a learned
+                                         sink logit joining its softmax's denominator (no value);
+                                         `layer_types` alternate a 128-key sliding window and
+                                         full attention
+    x = x + moe_mlp(rms_norm(x))         router with a bias; softmax over the top-k logits;
+                                         experts: down(clamped_swiglu(gate(x), up(x))) with
+                                         biases on all three projections (models/moe.py)
+
+    clamped_swiglu(g, u) = (clip(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'),
+                           g' = min(g, limit)          alpha 1.702, limit 7.0
+
+Per-layer parameters (HF names after `model.layers.{i}.`):
+
+    q/k/v/o_proj, q/k/v_bias           self_attn.{q,k,v,o}_proj.weight / .bias
+    o_bias       [D]                   self_attn.o_proj.bias
+    sinks        [H]                   self_attn.sinks
+    router       [D, E]                mlp.router.weight
+    router_bias  [E]                   mlp.router.bias
+    experts_gate [E, D, F]             mlp.experts.gate_up_proj [E, D, 2F], even columns
+    experts_up   [E, D, F]             ... odd columns (HF stores [in, out] here: no transpose)
+    experts_gate_bias, experts_up_bias [E, F]   mlp.experts.gate_up_proj_bias [E, 2F], likewise
+    experts_down [E, F, D]             mlp.experts.down_proj
+    experts_down_bias [E, D]           mlp.experts.down_proj_bias
+
+The fused gate/up is split at load into the two stacks Mixtral has (and llama.cpp writes),
+so sharding, int8 quantization and the expert tiles treat them as every other family's.
+
+Sliding layers keep today's full-length KV and mask by position (models/attention.py);
+window-sized KV for them is later work. Released checkpoints store the experts in MXFP4
+(`quantization_config.quant_method: mxfp4`); those are refused at load with a message
+naming the format, as the engine reads float experts only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import llama
+from models.config import UnsupportedModelError, hf_common_fields, hf_layer_types
+from models.decoder import CausalLM
+from models.family import ExpertStack, Family
+from models.layers import AttentionSpec, SelfAttention, norm_param, param, rms_norm, silu
+from models.moe import ExpertBiases, MoeConfig, moe_mlp
+
+
+@dataclasses.dataclass(frozen=True)
+class GptOssConfig(MoeConfig):
+    """MoeConfig plus the experts' clamped SwiGLU."""
+
+    swiglu_alpha: float = 1.702  # sigmoid gain
+    swiglu_limit: float = 7.0  # gate clamped above, up clamped both sides
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """gpt-oss's expert gating: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    g = jnp.minimum(gate, limit)
+    return (jnp.clip(up, -limit, limit) + 1) * (g * jax.nn.sigmoid(g * alpha))
+
+
+class GptOssDecoderLayer(nnx.Module, SelfAttention):
+    def __init__(self, cfg: GptOssConfig, attention: AttentionSpec, dtype, rngs: nnx.Rngs):
+        d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.eps, self.top_k = cfg.rms_norm_eps, cfg.num_experts_per_tok
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        self.input_norm = norm_param(d, dtype)
+        self.init_attention(attention, d, dtype, rngs)
+        self.post_attn_norm = norm_param(d, dtype)
+        self.router = param(rngs, (d, e), dtype)
+        self.router_bias = param(rngs, (e,), dtype)
+        self.experts_gate = param(rngs, (e, d, f), dtype)
+        self.experts_up = param(rngs, (e, d, f), dtype)
+        self.experts_down = param(rngs, (e, f, d), dtype)
+        self.experts_gate_bias = param(rngs, (e, f), dtype)
+        self.experts_up_bias = param(rngs, (e, f), dtype)
+        self.experts_down_bias = param(rngs, (e, d), dtype)
+
+    def glu(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        return clamped_swiglu(gate, up, self.alpha, self.limit)
+
+    def __call__(self, x, fwd, k_cache, v_cache):
+        """x: [N, D] -> ([N, D], k_cache, v_cache)."""
+        attn, k_cache, v_cache = self.attention(rms_norm(x, self.input_norm[...], self.eps), fwd, k_cache, v_cache)
+        x = x + attn
+        h = rms_norm(x, self.post_attn_norm[...], self.eps)
+        biases = ExpertBiases(self.experts_gate_bias[...], self.experts_up_bias[...], self.experts_down_bias[...])
+        y = moe_mlp(h, self.router[...], self.experts_gate.get_value(), self.experts_up.get_value(),
+                    self.experts_down.get_value(), top_k=self.top_k, normalize=True, act=silu,
+                    router_bias=self.router_bias[...], biases=biases, glu=self.glu)
+        return x + y, k_cache, v_cache
+
+
+class GptOssModel(CausalLM):
+    def make_layer(self, index, rngs):
+        spec = AttentionSpec.from_config(self.cfg, index, o_bias=True, sinks=True)
+        return GptOssDecoderLayer(self.cfg, spec, self.dtype, rngs)
+
+
+def config_from_hf(cfg: dict[str, Any]) -> GptOssConfig:
+    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quant is not None:
+        raise UnsupportedModelError(f"GptOssForCausalLM: quantization_config.quant_method {quant!r} (the released "
+                                    "checkpoints' MXFP4 experts) is not supported; serve a checkpoint saved with "
+                                    "float (bf16/f32) weights, e.g. dequantized by transformers")
+    fields = hf_common_fields(cfg)
+    window, types = hf_layer_types(cfg, fields["num_layers"], window_applies=True)
+    return GptOssConfig(**fields, attention_bias=bool(cfg.get("attention_bias", True)), sliding_window=window,
+                        layer_types=types, num_experts=cfg["num_local_experts"],
+                        num_experts_per_tok=cfg["num_experts_per_tok"],
+                        moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+
+
+HF_LAYER_WEIGHTS = {
+    **{k: v for k, v in llama.HF_LAYER_WEIGHTS.items() if k.startswith(("self_attn.", "input_", "post_"))},
+    "self_attn.o_proj.bias": "o_bias",
+    "self_attn.sinks": "sinks",
+    "mlp.router.weight": "router",
+    "mlp.router.bias": "router_bias",
+    "mlp.experts.gate_up_proj": ExpertStack(("experts_gate", "experts_up")),
+    "mlp.experts.gate_up_proj_bias": ExpertStack(("experts_gate_bias", "experts_up_bias")),
+    "mlp.experts.down_proj": ExpertStack(("experts_down",)),
+    "mlp.experts.down_proj_bias": ExpertStack(("experts_down_bias",)),
+}
+
+FAMILY = Family(
+    name="gpt_oss",
+    model=GptOssModel,
+    architectures=("GptOssForCausalLM",),
+    config_from_hf=config_from_hf,
+    hf_layer_weights=HF_LAYER_WEIGHTS,
+)

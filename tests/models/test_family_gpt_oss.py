@@ -1,0 +1,171 @@
+"""gpt-oss against HF transformers: attention sinks, a 12-key window on alternating layers,
+YaRN RoPE (factor 8 over a 64-token pretraining context, so the ramp and its mscale both
+act within the test's 80 positions), biases on q/k/v/o, a biased router with softmax over
+the top-2 of 4 experts, the fused interleaved gate_up_proj and the clamped SwiGLU (limit
+lowered to 0.5 here so the clamps bite at these tiny activations).
+
+Each new mechanism has a negative control: the same weights with it switched off or
+wrong must miss HF by far more than the parity tolerance."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+
+from models.config import UnsupportedModelError
+from tests.support import family_checks as fc
+
+NUM_EXPERTS = 4
+WINDOW = 12
+LIMIT = 0.5
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 64}
+WRONG = 20 * fc.ATOL  # a control must miss HF by at least this
+
+
+def gpt_oss_config(**overrides):
+    fields = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, num_local_experts=NUM_EXPERTS,
+                  num_experts_per_tok=2, sliding_window=WINDOW, rope_parameters=dict(YARN), swiglu_limit=LIMIT,
+                  tie_word_embeddings=False)
+    fields.update(overrides)
+    return transformers.GptOssConfig(**fields)
+
+
+def make_gpt_oss(folder):
+    """The tiny checkpoint, its biases re-drawn: the shared helper sets every 1-D parameter to
+    1 + 0.1 * randn (a norm's shape), which would give every router the same favourite
+    experts and every head the same sink. Biases ~ N(0, 0.1), sinks ~ N(0, 1)."""
+    import torch
+
+    path = fc.make_checkpoint(folder, gpt_oss_config())
+    hf = fc.hf_model(path)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1 and not name.endswith("norm.weight"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    hf.save_pretrained(path, safe_serialization=True)
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    path, hf = make_gpt_oss(tmp_path_factory.mktemp("gptoss") / "tiny-gpt-oss")
+    return path, hf, fc.check_family(path, hf)
+
+
+def test_config_reads_windows_yarn_and_the_experts(gpt_oss):
+    cfg = gpt_oss[2].config
+    assert cfg.layer_types == ("sliding_attention", "full_attention") and cfg.sliding_window == WINDOW
+    assert cfg.rope_scaling.rope_type == "yarn" and not cfg.rope_scaling.truncate
+    # YaRN's mscale: 0.1 * ln(8) + 1
+    assert cfg.rope_scaling.attention_factor == pytest.approx(0.1 * np.log(8.0) + 1)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (NUM_EXPERTS, 2, 32)
+    assert (cfg.swiglu_alpha, cfg.swiglu_limit) == (pytest.approx(1.702), LIMIT) and cfg.attention_bias
+
+
+def test_yarn_frequencies_are_transformers(gpt_oss):
+    import torch  # noqa: F401  (transformers' rope functions return torch tensors)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from models.rope import rope_inv_freq
+
+    cfg = gpt_oss[2].config
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](fc.hf_model(gpt_oss[0]).config)
+    got = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+    assert cfg.rope_scaling.attention_factor == pytest.approx(factor)
+    default = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, dataclasses.replace(cfg.rope_scaling, rope_type="default"))
+    assert np.abs(got - default).max() > 1e-3, "the ramp must change some frequencies in this config"
+
+
+def test_every_expert_gets_traffic(gpt_oss):
+    _, hf, report = gpt_oss
+    routers = [layer.mlp.router for layer in hf.model.layers]
+    seen = [set() for _ in routers]
+    hooks = [r.register_forward_hook(lambda mod, args, out, i=i: seen[i].update(out[2].flatten().tolist()))
+             for i, r in enumerate(routers)]
+    try:
+        fc.hf_logits(hf, report.tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen == [set(range(NUM_EXPERTS))] * 2
+
+
+def test_matches_transformers(gpt_oss):
+    fc.assert_report(gpt_oss[2], "gpt_oss")
+
+
+def test_gate_up_is_split_even_odd(gpt_oss):
+    """HF's fused gate_up_proj [E, D, 2F] (already [in, out]) interleaves gate and up."""
+    from models.loader import load_checkpoint
+
+    path, hf, _ = gpt_oss
+    layer = load_checkpoint(str(path)).model.layers[0]
+    fused = hf.model.layers[0].mlp.experts.gate_up_proj.detach().numpy()
+    fused_bias = hf.model.layers[0].mlp.experts.gate_up_proj_bias.detach().numpy()
+    np.testing.assert_array_equal(np.asarray(layer.experts_gate[...]), fused[..., ::2])
+    np.testing.assert_array_equal(np.asarray(layer.experts_up[...]), fused[..., 1::2])
+    np.testing.assert_array_equal(np.asarray(layer.experts_up_bias[...]), fused_bias[..., 1::2])
+    assert not np.array_equal(fused[..., ::2], fused[..., :32]), "halves would be a different split"
+
+
+def _prefill_err(path, hf, prompt, cfg_change=None, layer_change=None) -> float:
+    """Max |ours - HF| over the prompt's logits, our model built from the checkpoint with its
+    config changed (`cfg_change(cfg)`) or each layer changed in place (`layer_change(layer)`)."""
+    from models.loaders.common import build_model
+    from models.loaders.safetensors import read_config, read_tensors
+    from tests.support.engine_helpers import shuffled_blocks
+
+    cfg = read_config(path)
+    model = build_model(cfg_change(cfg) if cfg_change else cfg, read_tensors(path, cfg))
+    for layer in model.layers if layer_change else ():
+        layer_change(layer)
+    from ferrox_jax.runner import ModelRunner
+
+    runner = ModelRunner(model, num_blocks=fc.NUM_BLOCKS, block_size=fc.BLOCK_SIZE, max_rows=1,
+                         max_chunk_tokens=len(prompt), max_context=fc.MAX_CONTEXT)
+    ours = runner.run_logits([fc._row(prompt, 0, shuffled_blocks(20, fc.NUM_BLOCKS, seed=3))])[0]
+    return float(np.abs(ours - fc.hf_logits(hf, prompt)).max())
+
+
+def test_negative_controls_miss_transformers(gpt_oss):
+    """Sinks off (a -1e9 logit takes no share of the softmax), YaRN without its mscale,
+    the SwiGLU unclamped: each misses HF's logits by far more than the parity tolerance."""
+    path, hf, report = gpt_oss
+
+    def no_sinks(layer):
+        layer.sinks.set_value(jnp.full_like(layer.sinks[...], -1e9))
+
+    errs = {
+        "sinks off": _prefill_err(path, hf, report.prompt, layer_change=no_sinks),
+        "mscale 1": _prefill_err(path, hf, report.prompt, cfg_change=lambda c: dataclasses.replace(
+            c, rope_scaling=dataclasses.replace(c.rope_scaling, attention_factor=1.0))),
+        "unclamped": _prefill_err(path, hf, report.prompt,
+                                  cfg_change=lambda c: dataclasses.replace(c, swiglu_limit=1e9)),
+    }
+    print("gpt_oss negative controls, max |Δlogit| vs HF:", {k: f"{v:.2e}" for k, v in errs.items()})
+    assert all(err > WRONG for err in errs.values()), errs
+
+
+def test_mxfp4_checkpoints_are_refused_by_name():
+    from models.registry import config_from_hf
+
+    cfg = gpt_oss_config().to_dict()
+    cfg["architectures"] = ["GptOssForCausalLM"]
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    with pytest.raises(UnsupportedModelError, match="mxfp4"):
+        config_from_hf(cfg)
+
+
+def test_served_end_to_end(gpt_oss):
+    path, hf, _ = gpt_oss
+    fc.assert_served(fc.serve(path), hf, "GptOssForCausalLM")
