@@ -118,15 +118,16 @@ def test_gate_up_is_split_even_odd(gpt_oss):
     assert not np.array_equal(fused[..., ::2], fused[..., :32]), "halves would be a different split"
 
 
-def _prefill_err(path, hf, prompt, cfg_change=None, layer_change=None) -> float:
+def _prefill_err(path, hf, prompt, cfg_change=None, layer_change=None, attention=None) -> float:
     """Max |ours - HF| over the prompt's logits, our model built from the checkpoint with its
-    config changed (`cfg_change(cfg)`) or each layer changed in place (`layer_change(layer)`)."""
+    config changed (`cfg_change(cfg)`) or each layer changed in place (`layer_change(layer)`),
+    attending through `attention` (a kernel; None: pure JAX)."""
     from models.loaders.common import build_model
     from models.loaders.safetensors import read_config, read_tensors
     from tests.support.engine_helpers import shuffled_blocks
 
     cfg = read_config(path)
-    model = build_model(cfg_change(cfg) if cfg_change else cfg, read_tensors(path, cfg))
+    model = build_model(cfg_change(cfg) if cfg_change else cfg, read_tensors(path, cfg), decode_attention=attention)
     for layer in model.layers if layer_change else ():
         layer_change(layer)
     from ferrox_jax.runner import ModelRunner
@@ -154,6 +155,48 @@ def test_negative_controls_miss_transformers(gpt_oss):
     }
     print("gpt_oss negative controls, max |Δlogit| vs HF:", {k: f"{v:.2e}" for k, v in errs.items()})
     assert all(err > WRONG for err in errs.values()), errs
+
+
+def test_ragged_kernel_serves_sinks(gpt_oss):
+    """The ragged GPU kernel (Pallas interpret mode on the CPU) attends every layer of the
+    prompt in one call, sinks and window included: HF's logits; without the sinks it misses."""
+    from models.ragged_gpu import GpuRaggedAttention
+
+    path, hf, report = gpt_oss
+    kernel = GpuRaggedAttention(interpret=True)
+    err = _prefill_err(path, hf, report.prompt, attention=kernel)
+    off = _prefill_err(path, hf, report.prompt, attention=kernel,
+                       layer_change=lambda layer: layer.sinks.set_value(jnp.full_like(layer.sinks[...], -1e9)))
+    print(f"gpt_oss ragged kernel: max |Δlogit| vs HF {err:.2e}; sinks off {off:.2e}")
+    assert err < fc.ATOL and off > WRONG, (err, off)
+
+
+def test_tensor_parallel_2_matches_one_device(gpt_oss):
+    """tp=2 on two simulated CPU devices (a subprocess, as tests/system/test_sharding.py):
+    the same logits as one device, heads split with their sinks, experts and their gate/up
+    biases split over the intermediate axis, the router and down bias replicated."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(root / ".jax_cache"))
+    proc = subprocess.run([sys.executable, str(root / "tests" / "support" / "sharding_probe.py"), "family_tp", "2",
+                           str(gpt_oss[0])], cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    parity, place = got["parity"], got["placement"]
+    assert parity["prefill_err"] < fc.ATOL and parity["decode_err"] < fc.ATOL and parity["same_greedy"], parity
+    # 4 heads x 16 and 2 KV heads over 2 devices; F 32 -> 16 per device; E 4, D 64.
+    shards = {name: place[name]["shard_shapes"] for name in place}
+    assert shards["sinks"] == [[2]] and shards["q_proj"] == [[64, 32]] and shards["o_bias"] == [[64]]
+    assert shards["experts_gate"] == [[4, 64, 16]] and shards["experts_down"] == [[4, 16, 64]]
+    assert shards["experts_gate_bias"] == [[4, 16]] and shards["experts_up_bias"] == [[4, 16]]
+    assert shards["experts_down_bias"] == [[4, 64]] and shards["router"] == [[64, 4]]
+    assert shards["router_bias"] == [[4]]
 
 
 def test_mxfp4_checkpoints_are_refused_by_name():

@@ -9,6 +9,7 @@ prints one JSON object on the last stdout line with what it measured; the test a
     python tests/support/sharding_probe.py default   # SmolLM2-135M, replicate_attention, tp 2/4/8
     python tests/support/sharding_probe.py server    # HTTP end to end, tensor_parallel=2 vs 1
     python tests/support/sharding_probe.py families DIR...   # HF checkpoints of other families, tp 4 vs 1
+    python tests/support/sharding_probe.py family_tp TP DIR  # one HF checkpoint, tp TP vs 1, every placement
     python tests/support/sharding_probe.py quant     # int8 / w8a8 weights and a bf16 KV cache, tp 2/4
     python tests/support/sharding_probe.py multihost COORD NPROC PID   # one process of a CPU cluster
 """
@@ -334,6 +335,19 @@ def case_families(*paths):
     return out
 
 
+def case_family_tp(tp, path):
+    """One checkpoint folder at tensor parallelism `tp` against one device, and where the
+    weights of its first layer landed (every parameter, by name)."""
+    from ferrox_jax.sharding import describe_sharding
+    from models.loader import load_checkpoint
+
+    ckpt = load_checkpoint(path)
+    prompt = np.random.RandomState(3).randint(3, ckpt.config.vocab_size, 19).tolist()
+    layer = _runner(ckpt.model, tp).state["layers"][0]
+    placed = {name: describe_sharding(layer[name][...]) for name in layer}
+    return {"parity": parity(ckpt.model, prompt, 4, (tp,))[tp], "placement": placed}
+
+
 def case_multihost(coordinator, num_processes, process_id):
     """One process of a local CPU cluster: initialize, build a global mesh, psum across it."""
     import jax
@@ -375,6 +389,8 @@ def main(argv):
         result = case_multihost(*argv[2:5])
     elif case == "families":
         result = case_families(*argv[2:])
+    elif case == "family_tp":
+        result = case_family_tp(int(argv[2]), argv[3])
     else:
         result = {"tiny": case_tiny, "default": case_default, "server": case_server, "quant": case_quant}[case]()
     print(json.dumps(result, default=str), flush=True)
