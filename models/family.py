@@ -53,3 +53,6 @@ class Family:
     gguf_non_parameters: tuple[str, ...] = ()  # GGUF tensors read as config, not weights
     gguf_norm_offset: float = 0.0  # GGUF stores norm weights as ours + this (llama.cpp's Gemma: 1)
     gguf_qk_permuted: tuple[str, ...] = ()  # GGUF archs whose q/k rows llama.cpp interleaved (llama)
+    # Its GGUF architectures are the files with experts (`{arch}.expert_count` > 0): llama.cpp
+    # writes Mixtral as `llama`, told apart from a dense Llama only by that key.
+    gguf_experts: bool = False

@@ -11,6 +11,10 @@ Per-layer parameters: Llama's attention and norms (models/llama.py), and
     experts_gate  [E, D, F]   block_sparse_moe.experts.{e}.w1.weight   (stacked)
     experts_up    [E, D, F]   block_sparse_moe.experts.{e}.w3.weight
     experts_down  [E, F, D]   block_sparse_moe.experts.{e}.w2.weight
+
+llama.cpp writes Mixtral GGUFs as architecture `llama` (q/k rows permuted, as for Llama)
+with `llama.expert_count` / `expert_used_count`, the router as `ffn_gate_inp` and each
+layer's experts stacked (`ffn_{gate,up,down}_exps`: models/moe.py GGUF_EXPERT_WEIGHTS).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from models.config import hf_common_fields
 from models.decoder import CausalLM
 from models.family import Family
 from models.layers import AttentionSpec, SelfAttention, norm_param, param, rms_norm, silu
-from models.moe import MoeConfig, moe_mlp
+from models.moe import GGUF_EXPERT_WEIGHTS, MoeConfig, moe_mlp
 
 
 class MoeDecoderLayer(nnx.Module, SelfAttention):
@@ -58,6 +62,17 @@ class MixtralModel(CausalLM):
         return MoeDecoderLayer(self.cfg, AttentionSpec.from_config(self.cfg, index), self.dtype, rngs)
 
 
+def config_from_gguf(meta, fields: dict) -> MoeConfig:
+    """A `llama` GGUF with experts (llama.cpp writes Mixtral so): the experts are
+    feed_forward_length wide, the top-k weights always renormalised (as llama.cpp does)."""
+    window = meta.get(f"{meta.arch}.attention.sliding_window") or None
+    return MoeConfig(**fields, sliding_window=window,
+                     layer_types=("sliding_attention",) * fields["num_layers"] if window else (),
+                     num_experts=int(meta.require(f"{meta.arch}.expert_count")),
+                     num_experts_per_tok=int(meta.require(f"{meta.arch}.expert_used_count")),
+                     moe_intermediate_size=fields["intermediate_size"], norm_topk_prob=True)
+
+
 def config_from_hf(cfg: dict[str, Any]) -> MoeConfig:
     fields = hf_common_fields(cfg)
     window = cfg.get("sliding_window") or None
@@ -81,4 +96,11 @@ FAMILY = Family(
     architectures=("MixtralForCausalLM",),
     config_from_hf=config_from_hf,
     hf_layer_weights=HF_LAYER_WEIGHTS,
+    gguf_architectures={"llama": "MixtralForCausalLM"},
+    config_from_gguf=config_from_gguf,
+    gguf_layer_weights={**{k: v for k, v in llama.GGUF_LAYER_WEIGHTS.items() if k.startswith(("attn_", "ffn_norm"))},
+                        **GGUF_EXPERT_WEIGHTS},
+    gguf_non_parameters=("rope_freqs.weight",),
+    gguf_qk_permuted=("llama",),
+    gguf_experts=True,
 )

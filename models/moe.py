@@ -56,8 +56,19 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.family import ExpertStack
 from models.layers import project
 from models.quant import select_expert
+
+
+# llama.cpp's per-layer expert tensors (Mixtral and Qwen3-MoE files alike): the router
+# [E, D] in the reader's order (transposed like any projection) and the stacks [E, out, in].
+GGUF_EXPERT_WEIGHTS = {
+    "ffn_gate_inp.weight": "router",
+    "ffn_gate_exps.weight": ExpertStack(("experts_gate",), transpose=True),
+    "ffn_up_exps.weight": ExpertStack(("experts_up",), transpose=True),
+    "ffn_down_exps.weight": ExpertStack(("experts_down",), transpose=True),
+}
 
 
 @dataclasses.dataclass(frozen=True)

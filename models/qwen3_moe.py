@@ -13,6 +13,9 @@ Per-layer parameters: Qwen3's attention and norms, and on expert layers
     experts_up    [E, D, F]   mlp.experts.{e}.up_proj.weight
     experts_down  [E, F, D]   mlp.experts.{e}.down_proj.weight
 on dense layers Llama's gate_proj / up_proj / down_proj.
+
+GGUF (`qwen3moe`): Qwen3's names plus the stacked experts of models/moe.py's
+GGUF_EXPERT_WEIGHTS.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from models.decoder import CausalLM
 from models.family import Family
 from models.layers import AttentionSpec
 from models.mixtral import MoeDecoderLayer
-from models.moe import MoeConfig
+from models.moe import GGUF_EXPERT_WEIGHTS, MoeConfig
 
 
 class Qwen3MoeModel(CausalLM):
@@ -52,6 +55,19 @@ def config_from_hf(cfg: dict[str, Any]) -> MoeConfig:
                      norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
 
 
+def config_from_gguf(meta, fields: dict) -> MoeConfig:
+    """`qwen3moe` GGUFs: experts `expert_feed_forward_length` wide; the top-k weights always
+    renormalised (llama.cpp's qwen3moe graph does, whatever norm_topk_prob was: the file
+    does not record it); a layer without `ffn_gate_inp` is a dense one."""
+    arch, n = meta.arch, fields["num_layers"]
+    return MoeConfig(**fields, attention_bias=meta.has_tensor("blk.0.attn_q.bias"),
+                     num_experts=int(meta.require(f"{arch}.expert_count")),
+                     num_experts_per_tok=int(meta.require(f"{arch}.expert_used_count")),
+                     moe_intermediate_size=int(meta.require(f"{arch}.expert_feed_forward_length")),
+                     norm_topk_prob=True,
+                     dense_layers=tuple(i for i in range(n) if not meta.has_tensor(f"blk.{i}.ffn_gate_inp.weight")))
+
+
 HF_LAYER_WEIGHTS = {
     **llama.HF_LAYER_WEIGHTS,
     **qwen3.QK_NORM_HF,
@@ -67,4 +83,8 @@ FAMILY = Family(
     architectures=("Qwen3MoeForCausalLM",),
     config_from_hf=config_from_hf,
     hf_layer_weights=HF_LAYER_WEIGHTS,
+    gguf_architectures={"qwen3moe": "Qwen3MoeForCausalLM"},
+    config_from_gguf=config_from_gguf,
+    gguf_layer_weights={**llama.GGUF_LAYER_WEIGHTS, **qwen3.QK_NORM_GGUF, **GGUF_EXPERT_WEIGHTS},
+    gguf_experts=True,
 )

@@ -1,7 +1,7 @@
 """Architecture name -> model family: the one place that lists what the engine can serve.
 
 HF checkpoints are matched by `config.json` `architectures[0]`, GGUF files by
-`general.architecture`. Anything else is refused with `UnsupportedModelError` naming the
+`general.architecture` and whether they have experts (llama.cpp writes Mixtral as `llama`). Anything else is refused with `UnsupportedModelError` naming the
 architecture and listing the supported ones.
 """
 
@@ -16,9 +16,10 @@ from models.family import Family
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY,
                                 mixtral.FAMILY, qwen3_moe.FAMILY, gpt_oss.FAMILY)
 _BY_ARCHITECTURE = {arch: f for f in FAMILIES for arch in f.architectures}
-_BY_GGUF_ARCHITECTURE = {arch: f for f in FAMILIES for arch in f.gguf_architectures}
+# (general.architecture, has experts) -> family: a `llama` file with experts is Mixtral.
+_BY_GGUF_ARCHITECTURE = {(arch, f.gguf_experts): f for f in FAMILIES for arch in f.gguf_architectures}
 SUPPORTED_ARCHITECTURES = tuple(_BY_ARCHITECTURE)
-SUPPORTED_GGUF_ARCHITECTURES = tuple(_BY_GGUF_ARCHITECTURE)
+SUPPORTED_GGUF_ARCHITECTURES = tuple(dict.fromkeys(arch for arch, _ in _BY_GGUF_ARCHITECTURE))
 # Multimodal wrappers of supported text models: named so the refusal says what is missing.
 _VISION_ARCHITECTURES = ("Mistral3ForConditionalGeneration",
                          "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
@@ -35,10 +36,14 @@ def family_for(architecture: str) -> Family:
     return family
 
 
-def family_for_gguf(arch: str) -> Family:
-    family = _BY_GGUF_ARCHITECTURE.get(arch)
+def family_for_gguf(arch: str, experts: bool = False) -> Family:
+    """The family of a GGUF file's `general.architecture`; `experts`: the file has experts
+    (`{arch}.expert_count` > 0)."""
+    family = _BY_GGUF_ARCHITECTURE.get((arch, experts))
     if family is None:
-        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; supported: "
+        kinds = [("with" if moe else "without") + " experts" for a, moe in _BY_GGUF_ARCHITECTURE if a == arch]
+        detail = f" {'with' if experts else 'without'} experts (only {', '.join(kinds)})" if kinds else ""
+        raise UnsupportedModelError(f"GGUF architecture {arch!r}{detail} is not supported; supported: "
                                     f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
     return family
 

@@ -2,8 +2,9 @@
 
 A GGUF file carries everything: the config as `{arch}.*` metadata keys, the tokenizer as
 `tokenizer.*` keys (rebuilt by `models.tokenizer.Tokenizer.from_gguf`), and the tensors,
-possibly block-quantized. `general.architecture` picks the family (`models/registry.py`:
-llama, qwen2, qwen3, gemma2, gemma3, phi3); the keys every family shares are read here,
+possibly block-quantized. `general.architecture` (and whether the file has experts) picks the family
+(`models/registry.py`: llama, qwen2, qwen3, gemma2, gemma3, phi3; with experts llama
+(Mixtral) and qwen3moe); the keys every family shares are read here,
 the family's own ones by its `config_from_gguf`, both through one `GGUFMetadata`
 (`models/gguf_metadata.py`, which the tokenizer reads too), and its per-layer tensor
 names come from its `GGUF_LAYER_WEIGHTS` table. We dequantize each tensor to f32 with
@@ -28,8 +29,12 @@ Format quirks handled here:
 - Llama 3.1/3.2 GGUFs carry the llama3 RoPE scaling as a `rope_freqs.weight` tensor of
   per-frequency divisors instead of metadata; we recognise the known parameter sets.
   Phi-3's longrope factors are tensors too (`rope_factors_short/long.weight`).
-- Mixture-of-experts GGUFs are refused (the safetensors loader serves Mixtral and
-  Qwen3-MoE).
+- Mixture-of-experts files (`{arch}.expert_count` > 0: Mixtral, written as `llama`, and
+  `qwen3moe`) store each layer's experts stacked, `ffn_{gate,up}_exps` [E, F, D] and
+  `ffn_down_exps` [E, D, F] in the reader's order, each expert transposed to our
+  [in, out] (`ExpertStack`), and the router as `ffn_gate_inp`. A block-quantized stack is
+  dequantized to the compute dtype at load in every mode (the block kernels multiply
+  2-D weights only); the int8 modes then quantize it per expert like a float stack.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from models.family import Family
 from models.gguf_metadata import GGUFMetadata
 from models.loaders.common import HostInt8, build_model, expected_params, map_layer_tensors
 from models.quant import GGUF_BLOCK, requantize_blocks
-from models.registry import SUPPORTED_GGUF_ARCHITECTURES, family_for, family_for_gguf
+from models.registry import family_for, family_for_gguf
 from models.rope import rope_inv_freq
 from models.tokenizer import Tokenizer
 
@@ -62,9 +67,6 @@ GGUF_TO_OURS_GLOBAL = {
 }
 # Tensors that are not parameters in any family: the llama3 RoPE divisors (turned into config here).
 GGUF_NON_PARAMETERS = ("rope_freqs.weight",)
-# general.architecture -> the HF architecture name ModelConfig uses (registry order).
-GGUF_ARCHITECTURES = {arch: hf for arch in SUPPORTED_GGUF_ARCHITECTURES
-                      for hf in [family_for_gguf(arch).gguf_architectures[arch]]}
 
 _T = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = (_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q5_K, _T.Q6_K)
@@ -182,9 +184,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     what we can't run."""
     meta = GGUFMetadata(reader, dequantize=dequantize_tensor)  # what the family reads too
     arch = meta.arch
-    family = family_for_gguf(arch)
-    if meta.get(f"{arch}.expert_count", 0):
-        raise UnsupportedModelError(f"mixture-of-experts GGUF ({arch}.expert_count > 0) is not supported")
+    family = family_for_gguf(arch, experts=int(meta.get(f"{arch}.expert_count", 0) or 0) > 0)
     hidden = int(meta.require(f"{arch}.embedding_length"))
     num_heads = _scalar_per_model(meta.require(f"{arch}.attention.head_count"), "attention.head_count")
     num_kv_heads = _scalar_per_model(
@@ -216,7 +216,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         rope_scaling=_rope_scaling(meta, rope_dim, rope_theta),
         rotary_dim=rope_dim if rope_dim < head_dim else None,
         tie_word_embeddings=not meta.has_tensor("output.weight"),
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=family.gguf_architectures[arch],
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )

@@ -71,3 +71,17 @@ def test_tile_rows_follow_rows_per_expert():
     assert tile_rows(64, 8) == 8  # 32 rows x top-2 over 8 experts: 8 per expert
     assert tile_rows(256, 8) == 32  # a 128-token prefill: 32 per expert
     assert tile_rows(128 * 8, 128) == 8 and tile_rows(10_000, 8) == 64
+
+
+def test_gguf_loads_the_same_model(mixtral, tmp_path):
+    """Written as llama.cpp writes Mixtral (architecture `llama` with expert_count, q/k rows
+    permuted, the experts stacked into ffn_*_exps): HF's logits. The experts are square
+    (D = F = 64), so a stack read untransposed would load and miss HF by far: parity is the
+    control for the per-expert transpose."""
+    path, hf, report = mixtral
+    got = fc.check_gguf(path, tmp_path / "tiny-mixtral.gguf", "llama", hf, report.prompt)
+    assert got["err"] < fc.ATOL, f"mixtral GGUF prompt logits differ from HF by {got['err']:.3g}"
+    cfg = got["config"]
+    assert cfg.architecture == "MixtralForCausalLM"
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (NUM_EXPERTS, 2, 64)
+    assert got["same_tokens"]

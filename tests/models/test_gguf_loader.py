@@ -360,10 +360,23 @@ def test_unsupported_architecture_is_named(tmp_path):
         load_gguf(path)
 
 
-def test_mixture_of_experts_llama_is_refused(tmp_path):
+def test_llama_with_experts_is_read_as_mixtral_and_needs_its_expert_keys(tmp_path):
+    """A `llama` file with expert_count is Mixtral (llama.cpp writes it so); without
+    expert_used_count it cannot be routed, and the refusal names the key."""
     path = tmp_path / "moe.gguf"
     write_tiny_gguf(path, extra_keys={"llama.expert_count": 8})
-    with pytest.raises(UnsupportedModelError, match="expert"):
+    with pytest.raises(ValueError, match="llama.expert_used_count"):
+        config_from_gguf(open_gguf(path))
+    path = tmp_path / "moe2.gguf"
+    write_tiny_gguf(path, extra_keys={"llama.expert_count": 8, "llama.expert_used_count": 2})
+    cfg = config_from_gguf(open_gguf(path))
+    assert cfg.architecture == "MixtralForCausalLM" and (cfg.num_experts, cfg.num_experts_per_tok) == (8, 2)
+
+
+def test_experts_in_an_architecture_without_a_moe_family_are_refused(tmp_path):
+    path = tmp_path / "qwen2moe.gguf"
+    write_tiny_gguf(path, arch="qwen2", extra_keys={"qwen2.expert_count": 8})
+    with pytest.raises(UnsupportedModelError, match="'qwen2' with experts"):
         config_from_gguf(open_gguf(path))
 
 

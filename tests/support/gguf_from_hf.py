@@ -9,6 +9,12 @@ What the converter does, per architecture (and what the loader must undo):
 - phi3: `qkv_proj` and `gate_up_proj` stay fused as `attn_qkv` / `ffn_up`; longrope
   factors become the tensors `rope_factors_short/long.weight` with the attention factor
   and the original context as metadata.
+- llama (Mixtral too: llama.cpp writes it as `llama`): q/k rows permuted from rotate-half
+  into interleaved order (`LlamaModel.permute`);
+- experts (Mixtral, written `llama`; Qwen3-MoE, `qwen3moe`): `expert_count`,
+  `expert_used_count` (+ `expert_feed_forward_length` for qwen3moe) as metadata, the router
+  as `ffn_gate_inp`, and each layer's per-expert tensors stacked along a new first axis
+  into `ffn_{gate,up,down}_exps` ([E, F, D], [E, F, D], [E, D, F] in HF's [out, in] order).
 The tokenizer is the checkpoint's byte-level BPE as `gpt2` tokens and merges.
 """
 
@@ -38,6 +44,15 @@ HF_TO_GGUF = {  # HF suffix after model.layers.{i}. -> GGUF suffix after blk.{i}
     "mlp.gate_up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+EXPERTS_TO_GGUF = {  # HF per-expert suffix (expert index as {e}) -> the stacked GGUF tensor
+    "block_sparse_moe.experts.{e}.w1.weight": "ffn_gate_exps.weight",
+    "block_sparse_moe.experts.{e}.w3.weight": "ffn_up_exps.weight",
+    "block_sparse_moe.experts.{e}.w2.weight": "ffn_down_exps.weight",
+    "mlp.experts.{e}.gate_proj.weight": "ffn_gate_exps.weight",
+    "mlp.experts.{e}.up_proj.weight": "ffn_up_exps.weight",
+    "mlp.experts.{e}.down_proj.weight": "ffn_down_exps.weight",
+}
+ROUTER_TO_GGUF = {"block_sparse_moe.gate.weight": "ffn_gate_inp.weight", "mlp.gate.weight": "ffn_gate_inp.weight"}
 GEMMA_TO_GGUF = {  # where Gemma's sandwich norms differ
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
@@ -46,8 +61,8 @@ GEMMA_TO_GGUF = {  # where Gemma's sandwich norms differ
 
 
 def write_gguf(hf_dir: Path, out: Path, arch: str, quant: Callable[[str, np.ndarray], tuple] | None = None) -> Path:
-    """`quant(gguf name, f32 array)`: (raw block bytes, GGMLQuantizationType) to write a 2-D
-    tensor quantized, or None to keep it float32 (the default for every tensor)."""
+    """`quant(gguf name, f32 array)`: (raw block bytes, GGMLQuantizationType) to write a 2-D or
+    stacked 3-D (experts) tensor quantized, or None to keep it float32 (the default for every tensor)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(str(hf_dir / "model.safetensors"))
     w = gguf.GGUFWriter(str(out), arch)
@@ -63,6 +78,12 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: Callable[[str, np.ndar
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    num_experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if num_experts:
+        w.add_expert_count(num_experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     rope = cfg.get("rope_parameters") or {}
     is_gemma = arch in ("gemma2", "gemma3")
     if arch == "gemma3":
@@ -99,7 +120,7 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: Callable[[str, np.ndar
 
     def add(name: str, arr: np.ndarray, norm: bool = False):
         arr = np.asarray(arr, np.float32)
-        blocks = quant(name, arr) if quant is not None and arr.ndim == 2 else None
+        blocks = quant(name, arr) if quant is not None and arr.ndim >= 2 else None
         if blocks is not None:
             w.add_tensor(name, blocks[0], raw_dtype=blocks[1])
             return
@@ -109,18 +130,43 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: Callable[[str, np.ndar
     add("output_norm.weight", tensors["model.norm.weight"], norm=True)
     if "lm_head.weight" in tensors and not cfg.get("tie_word_embeddings"):
         add("output.weight", tensors["lm_head.weight"])
-    table = {**HF_TO_GGUF, **(GEMMA_TO_GGUF if is_gemma else {})}
+    table = {**HF_TO_GGUF, **ROUTER_TO_GGUF, **(GEMMA_TO_GGUF if is_gemma else {})}
     for i in range(n_layers):
         prefix = f"model.layers.{i}."
+        stacks: dict[str, dict[int, np.ndarray]] = {}
         for name, arr in tensors.items():
-            if name.startswith(prefix):
-                suffix = name[len(prefix):]
-                add(f"blk.{i}.{table[suffix]}", arr, norm=suffix.endswith("norm.weight"))
+            if not name.startswith(prefix):
+                continue
+            suffix = name[len(prefix):]
+            expert = _expert_suffix(suffix)
+            if expert is not None:
+                stacks.setdefault(EXPERTS_TO_GGUF[expert[0]], {})[expert[1]] = arr
+                continue
+            if arch == "llama" and suffix in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+                arr = _permute(arr, heads if suffix.startswith("self_attn.q") else cfg["num_key_value_heads"])
+            add(f"blk.{i}.{table[suffix]}", arr, norm=suffix.endswith("norm.weight"))
+        for gguf_name, by_expert in stacks.items():
+            add(f"blk.{i}.{gguf_name}", np.stack([by_expert[e] for e in range(num_experts)]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _expert_suffix(suffix: str) -> tuple[str, int] | None:
+    """(EXPERTS_TO_GGUF key, expert index) of a per-expert HF suffix, else None."""
+    parts = suffix.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit() and i > 0 and parts[i - 1] == "experts":
+            key = ".".join(parts[:i] + ["{e}"] + parts[i + 1:])
+            return (key, int(part)) if key in EXPERTS_TO_GGUF else None
+    return None
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's `LlamaModel.permute`: each head's rows from rotate-half into interleaved order."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path) -> None:
