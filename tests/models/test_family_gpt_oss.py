@@ -118,10 +118,11 @@ def test_gate_up_is_split_even_odd(gpt_oss):
     assert not np.array_equal(fused[..., ::2], fused[..., :32]), "halves would be a different split"
 
 
-def _prefill_err(path, hf, prompt, cfg_change=None, layer_change=None, attention=None) -> float:
+def _prefill_err(path, hf, prompt, cfg_change=None, layer_change=None, attention=None, decode=0) -> float:
     """Max |ours - HF| over the prompt's logits, our model built from the checkpoint with its
     config changed (`cfg_change(cfg)`) or each layer changed in place (`layer_change(layer)`),
-    attending through `attention` (a kernel; None: pure JAX)."""
+    attending through `attention` (a kernel; None: pure JAX); the last `decode` tokens go
+    in as one-token decode rows after the prefill of the others."""
     from models.loaders.common import build_model
     from models.loaders.safetensors import read_config, read_tensors
     from tests.support.engine_helpers import shuffled_blocks
@@ -134,8 +135,10 @@ def _prefill_err(path, hf, prompt, cfg_change=None, layer_change=None, attention
 
     runner = ModelRunner(model, num_blocks=fc.NUM_BLOCKS, block_size=fc.BLOCK_SIZE, max_rows=1,
                          max_chunk_tokens=len(prompt), max_context=fc.MAX_CONTEXT)
-    ours = runner.run_logits([fc._row(prompt, 0, shuffled_blocks(20, fc.NUM_BLOCKS, seed=3))])[0]
-    return float(np.abs(ours - fc.hf_logits(hf, prompt)).max())
+    blocks, n = shuffled_blocks(20, fc.NUM_BLOCKS, seed=3), len(prompt) - decode
+    ours = [runner.run_logits([fc._row(prompt[:n], 0, blocks)])[0]]
+    ours += [runner.run_logits([fc._row(prompt[i:i + 1], i, blocks)])[0] for i in range(n, len(prompt))]
+    return float(np.abs(np.concatenate(ours) - fc.hf_logits(hf, prompt)).max())
 
 
 def test_negative_controls_miss_transformers(gpt_oss):
@@ -164,11 +167,24 @@ def test_ragged_kernel_serves_sinks(gpt_oss):
 
     path, hf, report = gpt_oss
     kernel = GpuRaggedAttention(interpret=True)
-    err = _prefill_err(path, hf, report.prompt, attention=kernel)
-    off = _prefill_err(path, hf, report.prompt, attention=kernel,
+    err = _prefill_err(path, hf, report.prompt, attention=kernel, decode=2)
+    off = _prefill_err(path, hf, report.prompt, attention=kernel, decode=2,
                        layer_change=lambda layer: layer.sinks.set_value(jnp.full_like(layer.sinks[...], -1e9)))
     print(f"gpt_oss ragged kernel: max |Δlogit| vs HF {err:.2e}; sinks off {off:.2e}")
     assert err < fc.ATOL and off > WRONG, (err, off)
+
+
+def test_cpu_decode_kernel_leaves_sink_layers_to_pure_jax(gpt_oss):
+    """With the CPU decode kernel chosen (as `auto` does on a CPU), every gpt-oss layer has
+    sinks, which the kernel does not know: they attend through pure JAX, prefill and
+    decode, and match HF (models/layers.py picks the path per layer)."""
+    from models import cpu_kernels
+
+    if cpu_kernels.unavailable_reason():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    path, hf, report = gpt_oss
+    err = _prefill_err(path, hf, report.prompt, attention=cpu_kernels.decode_attention(), decode=2)
+    assert err < fc.ATOL, f"gpt_oss with the CPU kernel chosen differs from HF by {err:.3g}"
 
 
 def test_tensor_parallel_2_matches_one_device(gpt_oss):

@@ -67,3 +67,38 @@ def test_attention_without_causal_mask_would_differ():
     kk, vv = jnp.repeat(k, 2, 1), jnp.repeat(v, 2, 1)
     full = jnp.einsum("hts,shd->thd", jax.nn.softmax(jnp.einsum("thd,shd->hts", q, kk) * 0.25, -1), vv)
     assert not np.allclose(np.asarray(dense), np.asarray(full), atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("length", [1, BLOCK_SIZE - 1, BLOCK_SIZE + 1, MAX_LEN])
+def test_sinks_match_dense_softmax_with_a_sink_column(length, window):
+    """Attention sinks (gpt-oss): a per-head logit in the softmax's denominator with no value.
+    Paged (online softmax started from the sink) against the dense reference, which appends
+    the sink as a softmax column and drops it; the two reference forms agree with a hand
+    computation, and without the sinks the output differs (the control)."""
+    rng = np.random.RandomState(length)
+    table = jnp.asarray(rng.permutation(np.arange(1, NUM_BLOCKS))[None, : MAX_LEN // BLOCK_SIZE], jnp.int32)
+    q, k, v = _random((length, HEADS, HEAD_DIM), 1), _random((length, KV_HEADS, HEAD_DIM), 2), \
+        _random((length, KV_HEADS, HEAD_DIM), 3)
+    sinks = _random((HEADS,), 6) * 2
+    k_cache = _random((KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM), 4) * 100
+    v_cache = _random((KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM), 5) * 100
+    positions, valid = jnp.arange(length)[None], jnp.ones((1, length), bool)
+    blocks, offsets = kv_slots(positions, valid, table, BLOCK_SIZE)
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, blocks.reshape(-1), offsets.reshape(-1))
+    scale = 1 / math.sqrt(HEAD_DIM)
+    paged = paged_attention(q[None], k_cache, v_cache, table, positions, scale, valid=valid, window=window,
+                            sinks=sinks)[0]
+    dense = dense_causal_attention(q, k, v, scale, window=window, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(paged), np.asarray(dense), atol=1e-5, rtol=1e-5)
+    # By hand for the last query: weights exp(s) / (exp(sink) + sum exp(s)) over its visible keys.
+    t = length - 1
+    first = 0 if window is None else max(0, t - window + 1)
+    kk = np.repeat(np.asarray(k), HEADS // KV_HEADS, 1)[first:t + 1]
+    vv = np.repeat(np.asarray(v), HEADS // KV_HEADS, 1)[first:t + 1]
+    s = np.einsum("hd,shd->hs", np.asarray(q[t]), kk) * scale
+    e = np.exp(s)
+    w = e / (np.exp(np.asarray(sinks))[:, None] + e.sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(dense[t]), np.einsum("hs,shd->hd", w, vv), atol=1e-5, rtol=1e-5)
+    plain = paged_attention(q[None], k_cache, v_cache, table, positions, scale, valid=valid, window=window)[0]
+    assert not np.allclose(np.asarray(plain), np.asarray(paged), atol=1e-3), "sinks must change the output"
