@@ -27,6 +27,11 @@ Per-layer parameters (HF names after `model.layers.{i}.`):
 The fused gate/up is split at load into the two stacks Mixtral has (and llama.cpp writes),
 so sharding, int8 quantization and the expert tiles treat them as every other family's.
 
+GGUF (`gpt-oss`, as llama.cpp's converter writes it): gate and up already split and each
+expert transposed (`ffn_{gate,up,down}_exps`, usually MXFP4, dequantized at load), their
+biases `ffn_*_exps.bias` [E, n], the router `ffn_gate_inp` (+ bias), `attn_sinks`, and
+the second norm named `post_attention_norm`.
+
 Sliding layers keep today's full-length KV and mask by position (models/attention.py);
 window-sized KV for them is later work. Released checkpoints store the experts in MXFP4
 (`quantization_config.quant_method: mxfp4`); those are refused at load with a message
@@ -43,11 +48,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import llama
-from models.config import UnsupportedModelError, hf_common_fields, hf_layer_types
+from models.config import FULL_ATTENTION, SLIDING_ATTENTION, UnsupportedModelError, hf_common_fields, hf_layer_types
 from models.decoder import CausalLM
 from models.family import ExpertStack, Family
 from models.layers import AttentionSpec, SelfAttention, norm_param, param, rms_norm, silu
-from models.moe import ExpertBiases, MoeConfig, moe_mlp
+from models.moe import GGUF_EXPERT_WEIGHTS, ExpertBiases, MoeConfig, moe_mlp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +123,23 @@ def config_from_hf(cfg: dict[str, Any]) -> GptOssConfig:
                         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
 
 
+def config_from_gguf(meta, fields: dict) -> GptOssConfig:
+    """`gpt-oss` GGUFs: experts `expert_feed_forward_length` wide, the window on even layers
+    (llama.cpp's pattern 2: layer 0 sliding, as `layer_types` in HF configs), YaRN with
+    `truncate: false` as every gpt-oss config sets it (the file does not record it). The
+    file records neither SwiGLU constant: llama.cpp uses gpt-oss's 1.702 and 7.0, so do we."""
+    arch, n = meta.arch, fields["num_layers"]
+    scaling = fields["rope_scaling"]
+    if scaling.rope_type == "yarn":
+        fields = {**fields, "rope_scaling": dataclasses.replace(scaling, truncate=False)}
+    return GptOssConfig(**fields, attention_bias=True, sliding_window=int(meta.require(f"{arch}.attention.sliding_window")),
+                        layer_types=tuple(SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(n)),
+                        num_experts=int(meta.require(f"{arch}.expert_count")),
+                        num_experts_per_tok=int(meta.require(f"{arch}.expert_used_count")),
+                        moe_intermediate_size=int(meta.require(f"{arch}.expert_feed_forward_length")),
+                        norm_topk_prob=True)
+
+
 HF_LAYER_WEIGHTS = {
     **{k: v for k, v in llama.HF_LAYER_WEIGHTS.items() if k.startswith(("self_attn.", "input_", "post_"))},
     "self_attn.o_proj.bias": "o_bias",
@@ -130,10 +152,26 @@ HF_LAYER_WEIGHTS = {
     "mlp.experts.down_proj_bias": ExpertStack(("experts_down_bias",)),
 }
 
+GGUF_LAYER_WEIGHTS = {
+    **{k: v for k, v in llama.GGUF_LAYER_WEIGHTS.items() if k.startswith("attn_")},
+    "attn_output.bias": "o_bias",
+    "attn_sinks.weight": "sinks",
+    "post_attention_norm.weight": "post_attn_norm",
+    **GGUF_EXPERT_WEIGHTS,
+    "ffn_gate_inp.bias": "router_bias",
+    "ffn_gate_exps.bias": ExpertStack(("experts_gate_bias",)),  # [E, F]: already ours
+    "ffn_up_exps.bias": ExpertStack(("experts_up_bias",)),
+    "ffn_down_exps.bias": ExpertStack(("experts_down_bias",)),
+}
+
 FAMILY = Family(
     name="gpt_oss",
     model=GptOssModel,
     architectures=("GptOssForCausalLM",),
     config_from_hf=config_from_hf,
     hf_layer_weights=HF_LAYER_WEIGHTS,
+    gguf_architectures={"gpt-oss": "GptOssForCausalLM"},
+    config_from_gguf=config_from_gguf,
+    gguf_layer_weights=GGUF_LAYER_WEIGHTS,
+    gguf_experts=True,
 )

@@ -35,6 +35,9 @@ Format quirks handled here:
   [in, out] (`ExpertStack`), and the router as `ffn_gate_inp`. A block-quantized stack is
   dequantized to the compute dtype at load in every mode (the block kernels multiply
   2-D weights only); the int8 modes then quantize it per expert like a float stack.
+  gpt-oss files (`gpt-oss`) add biases to the stacks (`ffn_*_exps.bias`, [E, n]), the
+  router bias and per-head `attn_sinks`; their experts are usually MXFP4, read the same way.
+- YaRN RoPE comes from `rope.scaling.*` (factor, original context, betas).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from models.config import ModelConfig, RopeScaling, UnsupportedModelError
+from models.config import ModelConfig, RopeScaling, UnsupportedModelError, rope_scaling_from_dict
 from models.decoder import CausalLM
 from models.family import Family
 from models.gguf_metadata import GGUFMetadata
@@ -69,7 +72,8 @@ GGUF_TO_OURS_GLOBAL = {
 GGUF_NON_PARAMETERS = ("rope_freqs.weight",)
 
 _T = GGMLQuantizationType
-SUPPORTED_TENSOR_TYPES = (_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q5_K, _T.Q6_K)
+SUPPORTED_TENSOR_TYPES = (_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q5_K, _T.Q6_K,
+                          _T.MXFP4)  # MXFP4: gpt-oss's expert stacks, dequantized at load
 # Types whose blocks are integers times one scale, read straight into int8 (bytes per block).
 INT8_BLOCK_TYPES = {_T.Q8_0: 2 + GGUF_BLOCK, _T.Q4_0: 2 + GGUF_BLOCK // 2}
 
@@ -236,8 +240,25 @@ def _rope_scaling(meta: GGUFMetadata, head_dim: int, rope_theta: float) -> RopeS
         return RopeScaling()  # its family reads the factor tensors (phi3)
     if kind == "linear":
         return RopeScaling("linear", factor=factor)
+    if kind == "yarn":
+        return _yarn_scaling(meta, factor)
     raise UnsupportedModelError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported "
-                                "(only none, linear, and longrope with its factor tensors)")
+                                "(only none, linear, yarn, and longrope with its factor tensors)")
+
+
+def _yarn_scaling(meta: GGUFMetadata, factor: float) -> RopeScaling:
+    """YaRN from `rope.scaling.*` as transformers computes it from the same numbers (the
+    attention factor YaRN's mscale). llama.cpp's `yarn_attn_factor` multiplies its own
+    mscale; a file that sets it to anything but 1 is refused rather than guessed at."""
+    arch = meta.arch
+    extra = meta.get(f"{arch}.rope.scaling.yarn_attn_factor")
+    if extra is not None and float(extra) != 1.0:
+        raise UnsupportedModelError(f"GGUF {arch}.rope.scaling.yarn_attn_factor {extra} is not supported (only 1)")
+    params = {"rope_type": "yarn", "factor": factor,
+              "original_max_position_embeddings": meta.require(f"{arch}.rope.scaling.original_context_length", "YaRN"),
+              "beta_fast": meta.get(f"{arch}.rope.scaling.yarn_beta_fast"),
+              "beta_slow": meta.get(f"{arch}.rope.scaling.yarn_beta_slow")}
+    return rope_scaling_from_dict({k: v for k, v in params.items() if v is not None})
 
 
 def _llama3_scaling_from_freqs(divisors: np.ndarray, head_dim: int, rope_theta: float) -> RopeScaling:

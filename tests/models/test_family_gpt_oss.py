@@ -36,13 +36,13 @@ def gpt_oss_config(**overrides):
     return transformers.GptOssConfig(**fields)
 
 
-def make_gpt_oss(folder):
+def make_gpt_oss(folder, **overrides):
     """The tiny checkpoint, its biases re-drawn: the shared helper sets every 1-D parameter to
     1 + 0.1 * randn (a norm's shape), which would give every router the same favourite
     experts and every head the same sink. Biases ~ N(0, 0.1), sinks ~ N(0, 1)."""
     import torch
 
-    path = fc.make_checkpoint(folder, gpt_oss_config())
+    path = fc.make_checkpoint(folder, gpt_oss_config(**overrides))
     hf = fc.hf_model(path)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -228,3 +228,62 @@ def test_mxfp4_checkpoints_are_refused_by_name():
 def test_served_end_to_end(gpt_oss):
     path, hf, _ = gpt_oss
     fc.assert_served(fc.serve(path), hf, "GptOssForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_for_gguf(tmp_path_factory):
+    """A GGUF does not record the SwiGLU constants (llama.cpp uses gpt-oss's 1.702 and 7.0):
+    this checkpoint keeps the default limit, everything else as above."""
+    path, hf = make_gpt_oss(tmp_path_factory.mktemp("gptoss-gguf") / "tiny-gpt-oss", swiglu_limit=7.0)
+    return path, hf
+
+
+def test_gguf_loads_the_same_model(gpt_oss_for_gguf, tmp_path):
+    """Written as llama.cpp's converter writes gpt-oss (gate/up de-interleaved and every
+    expert transposed, sinks, biases, YaRN and the window as metadata): HF's logits."""
+    path, hf = gpt_oss_for_gguf
+    prompt = np.random.RandomState(0).randint(0, hf.config.vocab_size, fc.PROMPT_TOKENS).tolist()
+    got = fc.check_gguf(path, tmp_path / "tiny-gpt-oss.gguf", "gpt-oss", hf, prompt)
+    assert got["err"] < fc.ATOL, f"gpt-oss GGUF prompt logits differ from HF by {got['err']:.3g}"
+    cfg, ref = got["config"], got["reference_config"]
+    assert cfg.architecture == "GptOssForCausalLM" and cfg.layer_types == ref.layer_types
+    assert cfg.rope_scaling == ref.rope_scaling and cfg.sliding_window == WINDOW
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.swiglu_limit) == (NUM_EXPERTS, 32, 7.0)
+    assert got["same_tokens"]
+
+
+def test_mxfp4_expert_stacks_load_as_their_blocks(gpt_oss_for_gguf, tmp_path):
+    """Expert stacks in MXFP4 (as released gpt-oss GGUFs have them), dequantized at load:
+    HF's logits for the checkpoint with its experts put through the same MXFP4 round trip
+    (blocks of 32 along each expert's input axis); against the float experts they miss."""
+    import shutil
+
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    from safetensors.numpy import load_file, save_file
+
+    from tests.support.gguf_from_hf import write_gguf
+
+    path, hf = gpt_oss_for_gguf
+    mx = GGMLQuantizationType.MXFP4
+
+    def roundtrip_rows(arr):  # [E, in, out] -> each output's row of inputs through MXFP4
+        rows = np.ascontiguousarray(arr.swapaxes(-1, -2))
+        return np.ascontiguousarray(dequantize(quantize(rows, mx), mx).reshape(rows.shape).swapaxes(-1, -2))
+
+    ref_dir = tmp_path / "mxfp4-reference"
+    shutil.copytree(path, ref_dir)
+    tensors = load_file(str(path / "model.safetensors"))
+    save_file({k: roundtrip_rows(v) if k.endswith(("gate_up_proj", "down_proj")) else v for k, v in tensors.items()},
+              str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    gguf_path = write_gguf(path, tmp_path / "mxfp4.gguf", "gpt-oss",
+                           quant=lambda name, arr: (quantize(arr, mx), mx) if name.endswith("_exps.weight") else None)
+    prompt = np.random.RandomState(0).randint(0, hf.config.vocab_size, fc.PROMPT_TOKENS).tolist()
+    from tests.support.engine_helpers import make_runner, shuffled_blocks
+
+    runner, _ = make_runner(gguf_path, num_blocks=fc.NUM_BLOCKS, block_size=fc.BLOCK_SIZE, max_context=fc.MAX_CONTEXT)
+    ours = runner.run_logits([fc._row(prompt, 0, shuffled_blocks(20, fc.NUM_BLOCKS, seed=2))])[0]
+    err = float(np.abs(ours - fc.hf_logits(fc.hf_model(ref_dir), prompt)).max())
+    control = float(np.abs(ours - fc.hf_logits(hf, prompt)).max())
+    print(f"gpt-oss MXFP4 experts GGUF: max |Δlogit| vs HF (same MXFP4 experts) {err:.2e}; vs float {control:.2e}")
+    assert err < fc.ATOL and control > WRONG, (err, control)

@@ -256,14 +256,25 @@ def test_unrecognised_rope_freqs_are_refused(tmp_path):
         config_from_gguf(open_gguf(path))
 
 
-def test_linear_rope_scaling_from_metadata_and_yarn_refused(tmp_path):
+def test_linear_and_yarn_rope_scaling_from_metadata(tmp_path):
     linear = tmp_path / "linear.gguf"
     write_tiny_gguf(linear, extra_keys={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0})
     scaling = config_from_gguf(open_gguf(linear)).rope_scaling
     assert (scaling.rope_type, scaling.factor) == ("linear", 4.0)
     yarn = tmp_path / "yarn.gguf"
     write_tiny_gguf(yarn, extra_keys={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0})
-    with pytest.raises(UnsupportedModelError, match="'yarn'"):
+    with pytest.raises(ValueError, match="original_context_length"):  # YaRN needs the pretraining context
+        config_from_gguf(open_gguf(yarn))
+    write_tiny_gguf(yarn, extra_keys={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                                      "llama.rope.scaling.original_context_length": 64})
+    scaling = config_from_gguf(open_gguf(yarn)).rope_scaling
+    # YaRN's attention factor: 0.1 * ln(4) + 1
+    assert (scaling.rope_type, scaling.factor, scaling.original_max_position_embeddings) == ("yarn", 4.0, 64)
+    assert scaling.attention_factor == pytest.approx(0.1 * np.log(4.0) + 1)
+    write_tiny_gguf(yarn, extra_keys={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                                      "llama.rope.scaling.original_context_length": 64,
+                                      "llama.rope.scaling.yarn_attn_factor": 0.5})
+    with pytest.raises(UnsupportedModelError, match="yarn_attn_factor"):
         config_from_gguf(open_gguf(yarn))
 
 

@@ -15,6 +15,12 @@ What the converter does, per architecture (and what the loader must undo):
   `expert_used_count` (+ `expert_feed_forward_length` for qwen3moe) as metadata, the router
   as `ffn_gate_inp`, and each layer's per-expert tensors stacked along a new first axis
   into `ffn_{gate,up,down}_exps` ([E, F, D], [E, F, D], [E, D, F] in HF's [out, in] order).
+- gpt-oss (`gpt-oss`, `conversion/gpt_oss.py` for float experts): the fused, interleaved
+  `gate_up_proj` [E, D, 2F] transposed and split into `ffn_gate_exps` (even columns) and
+  `ffn_up_exps` (odd), `down_proj` [E, F, D] transposed to `ffn_down_exps`, their biases
+  split likewise into `ffn_*_exps.bias`, sinks as `attn_sinks.weight`, the second norm as
+  `post_attention_norm.weight`, the router (and its bias) as `ffn_gate_inp`; metadata
+  adds the sliding window, `expert_feed_forward_length` and YaRN's `rope.scaling.*`.
 The tokenizer is the checkpoint's byte-level BPE as `gpt2` tokens and merges.
 """
 
@@ -53,6 +59,12 @@ EXPERTS_TO_GGUF = {  # HF per-expert suffix (expert index as {e}) -> the stacked
     "mlp.experts.{e}.down_proj.weight": "ffn_down_exps.weight",
 }
 ROUTER_TO_GGUF = {"block_sparse_moe.gate.weight": "ffn_gate_inp.weight", "mlp.gate.weight": "ffn_gate_inp.weight"}
+GPT_OSS_TO_GGUF = {
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.sinks": "attn_sinks.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+}
 GEMMA_TO_GGUF = {  # where Gemma's sandwich norms differ
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
@@ -82,8 +94,17 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: Callable[[str, np.ndar
     if num_experts:
         w.add_expert_count(num_experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
-        if cfg.get("moe_intermediate_size"):
-            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("moe_intermediate_size") or arch == "gpt-oss":
+            w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    if arch == "gpt-oss":
+        w.add_sliding_window(cfg["sliding_window"])
+        rope = cfg.get("rope_parameters") or {}
+        if rope.get("rope_type") == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rope["factor"])
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     rope = cfg.get("rope_parameters") or {}
     is_gemma = arch in ("gemma2", "gemma3")
     if arch == "gemma3":
@@ -119,7 +140,7 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: Callable[[str, np.ndar
     _add_tokenizer(w, hf_dir)
 
     def add(name: str, arr: np.ndarray, norm: bool = False):
-        arr = np.asarray(arr, np.float32)
+        arr = np.ascontiguousarray(arr, np.float32)
         blocks = quant(name, arr) if quant is not None and arr.ndim >= 2 else None
         if blocks is not None:
             w.add_tensor(name, blocks[0], raw_dtype=blocks[1])
@@ -130,7 +151,8 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: Callable[[str, np.ndar
     add("output_norm.weight", tensors["model.norm.weight"], norm=True)
     if "lm_head.weight" in tensors and not cfg.get("tie_word_embeddings"):
         add("output.weight", tensors["lm_head.weight"])
-    table = {**HF_TO_GGUF, **ROUTER_TO_GGUF, **(GEMMA_TO_GGUF if is_gemma else {})}
+    table = {**HF_TO_GGUF, **ROUTER_TO_GGUF, **(GEMMA_TO_GGUF if is_gemma else {}),
+             **(GPT_OSS_TO_GGUF if arch == "gpt-oss" else {})}
     for i in range(n_layers):
         prefix = f"model.layers.{i}."
         stacks: dict[str, dict[int, np.ndarray]] = {}
@@ -138,6 +160,10 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: Callable[[str, np.ndar
             if not name.startswith(prefix):
                 continue
             suffix = name[len(prefix):]
+            if suffix.startswith("mlp.experts.") and arch == "gpt-oss":
+                for gguf_suffix, part in _gpt_oss_experts(suffix, arr):
+                    add(f"blk.{i}.{gguf_suffix}", part)
+                continue
             expert = _expert_suffix(suffix)
             if expert is not None:
                 stacks.setdefault(EXPERTS_TO_GGUF[expert[0]], {})[expert[1]] = arr
@@ -152,6 +178,19 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: Callable[[str, np.ndar
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _gpt_oss_experts(suffix: str, arr: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """gpt-oss's stacked expert tensors as llama.cpp's converter splits and transposes them."""
+    if suffix == "mlp.experts.gate_up_proj":  # [E, D, 2F] -> [E, 2F, D], rows interleave gate/up
+        rows = arr.swapaxes(-1, -2)
+        return [("ffn_gate_exps.weight", rows[:, ::2]), ("ffn_up_exps.weight", rows[:, 1::2])]
+    if suffix == "mlp.experts.gate_up_proj_bias":
+        return [("ffn_gate_exps.bias", arr[..., ::2]), ("ffn_up_exps.bias", arr[..., 1::2])]
+    if suffix == "mlp.experts.down_proj":
+        return [("ffn_down_exps.weight", arr.swapaxes(-1, -2))]
+    assert suffix == "mlp.experts.down_proj_bias", suffix
+    return [("ffn_down_exps.bias", arr)]
 
 
 def _expert_suffix(suffix: str) -> tuple[str, int] | None:
