@@ -33,7 +33,10 @@ Rules, in the order they apply:
   * thinking sections are split when the template has `<think>`, unless a grammar
     constrains the output (the constrained text is the answer, not reasoning) or the
     request asks for them in the text (`split_reasoning=False`: Anthropic's
-    `thinking: {"type": "disabled"}`).
+    `thinking: {"type": "disabled"}`);
+  * a harmony template (gpt-oss: `api/harmony.py`) is parsed by channel instead, under
+    the same conditions: analysis is reasoning, final content, `to=functions.NAME`
+    bodies tool calls (when the request has tools).
 
 Adapters whose replies are lists of blocks (Anthropic content blocks, Responses output
 items) fold the parser's deltas into ordered blocks with `api/output_blocks.py`.
@@ -49,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from quart import g, has_request_context
 
 from api.errors import APIError
+from api.harmony import HarmonyStreamParser, is_harmony_template
 from api.offload import run_cpu
 from api.reasoning import THINK_START, ReasoningStreamParser, prompt_opens_reasoning
 from api.tool_call_parser import ToolCall, ToolCallStreamParser, detect_tool_call_format
@@ -220,16 +224,17 @@ class OutputPlan:
     parallel_tool_calls: bool = True
     reasoning: bool = False  # split <think> sections into reasoning_content
     starts_in_reasoning: bool = False  # the prompt opened the section
+    harmony: bool = False  # parse harmony channels (api/harmony.py) instead of tags and call formats
 
     @property
     def skip_special_tokens(self) -> bool:
-        """Parsed output keeps special tokens: call markers ([TOOL_CALLS], <|python_tag|>)
-        and thinking tags may be special tokens."""
-        return self.tool_format is None and not self.reasoning
+        """Parsed output keeps special tokens: call markers ([TOOL_CALLS], <|python_tag|>),
+        thinking tags and harmony's channel markers may be special tokens."""
+        return self.tool_format is None and not self.reasoning and not self.harmony
 
     def new_parser(self) -> OutputParser | None:
         """A parser for one choice, or None when the text is plain content."""
-        if self.tool_format is None and not self.reasoning:
+        if self.tool_format is None and not self.reasoning and not self.harmony:
             return None
         return OutputParser(self)
 
@@ -283,10 +288,11 @@ def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: ToolR
     tool_format = None
     if active:
         tool_format = "json" if tools.forces_call else detect_tool_call_format(template)
-    reasoning = split_reasoning and THINK_START in (template or "") and grammar is None
+    harmony = split_reasoning and is_harmony_template(template) and grammar is None
+    reasoning = harmony or (split_reasoning and THINK_START in (template or "") and grammar is None)
     plan = OutputPlan(grammar=grammar, grammar_param=param, tool_format=tool_format,
                       parallel_tool_calls=tools.parallel if tools is not None else True, reasoning=reasoning,
-                      starts_in_reasoning=reasoning and prompt_opens_reasoning(text))
+                      starts_in_reasoning=reasoning and not harmony and prompt_opens_reasoning(text), harmony=harmony)
     return ChatPrompt(text, plan)
 
 
@@ -362,13 +368,17 @@ class OutputParser:
 
     def __init__(self, plan: OutputPlan) -> None:
         self.plan = plan
+        self._harmony = HarmonyStreamParser(tools=plan.tool_format is not None) if plan.harmony else None
         self._reasoning = (ReasoningStreamParser(starts_in_reasoning=plan.starts_in_reasoning)
-                           if plan.reasoning else None)
-        self._tools = ToolCallStreamParser(plan.tool_format) if plan.tool_format is not None else None
+                           if plan.reasoning and not plan.harmony else None)
+        self._tools = (ToolCallStreamParser(plan.tool_format)
+                       if plan.tool_format is not None and not plan.harmony else None)
         self._is_finished = False
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """A text delta in; the deltas now safe to send out."""
+        if self._harmony is not None:
+            return [d for d in self._harmony.feed(text) if self._keeps(d)]
         return self._split(*(self._reasoning.feed(text) if self._reasoning else ("", text)), final=False)
 
     def finish(self) -> list[dict[str, Any]]:
@@ -376,6 +386,8 @@ class OutputParser:
         if self._is_finished:
             return []
         self._is_finished = True
+        if self._harmony is not None:
+            return [d for d in self._harmony.finish() if self._keeps(d)]
         return self._split(*(self._reasoning.finish() if self._reasoning else ("", "")), final=True)
 
     def _split(self, reasoning: str, content: str, final: bool) -> list[dict[str, Any]]:
@@ -395,7 +407,8 @@ class OutputParser:
 
     @property
     def calls(self) -> list[ToolCall]:
-        calls = self._tools.calls if self._tools is not None else []
+        source = self._harmony if self._harmony is not None else self._tools
+        calls = source.calls if source is not None else []
         return calls if self.plan.parallel_tool_calls else calls[:1]
 
     def finish_reason(self, reason: str | None) -> str | None:
