@@ -6,6 +6,8 @@ once positions pass 43); Qwen2's window only with use_sliding_window; what stays
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import transformers
 
@@ -50,8 +52,17 @@ def test_qwen2_window_needs_use_sliding_window(use, windows):
     assert [cfg.window(i) for i in range(4)] == windows
 
 
+def test_yarn_rope_scaling_is_read_as_transformers_does():
+    """YaRN (served since gpt-oss brought it) in any family's config: the context extension
+    from the dict, its attention factor YaRN's mscale 0.1 * ln(4) + 1."""
+    cfg = config_from_hf({**QWEN2, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 32768}})
+    assert (cfg.rope_scaling.rope_type, cfg.rope_scaling.factor) == ("yarn", 4.0)
+    assert cfg.rope_scaling.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1) and cfg.rope_scaling.truncate
+
+
 @pytest.mark.parametrize("change,named", [({"architectures": ["FalconForCausalLM"]}, "FalconForCausalLM"),
-                                          ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+                                          ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "dynamic"),
                                           ({"hidden_act": "gelu"}, "gelu")])
 def test_what_stays_refused_is_named(change, named):
     with pytest.raises(UnsupportedModelError, match=named):
