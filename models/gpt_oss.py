@@ -132,7 +132,8 @@ def config_from_gguf(meta, fields: dict) -> GptOssConfig:
     scaling = fields["rope_scaling"]
     if scaling.rope_type == "yarn":
         fields = {**fields, "rope_scaling": dataclasses.replace(scaling, truncate=False)}
-    return GptOssConfig(**fields, attention_bias=True, sliding_window=int(meta.require(f"{arch}.attention.sliding_window")),
+    window = int(meta.require(f"{arch}.attention.sliding_window"))
+    return GptOssConfig(**fields, attention_bias=True, sliding_window=window,
                         layer_types=tuple(SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(n)),
                         num_experts=int(meta.require(f"{arch}.expert_count")),
                         num_experts_per_tok=int(meta.require(f"{arch}.expert_used_count")),
