@@ -34,8 +34,8 @@ the second norm named `post_attention_norm`.
 
 Sliding layers keep today's full-length KV and mask by position (models/attention.py);
 window-sized KV for them is later work. Released checkpoints store the experts in MXFP4
-(`quantization_config.quant_method: mxfp4`); those are refused at load with a message
-naming the format, as the engine reads float experts only.
+(`quantization_config.quant_method: mxfp4`, `*_blocks` + `*_scales`): they are dequantized
+to float at load (`models/loaders/mxfp4.py`); any other quantization method is refused.
 """
 
 from __future__ import annotations
@@ -109,10 +109,9 @@ class GptOssModel(CausalLM):
 
 def config_from_hf(cfg: dict[str, Any]) -> GptOssConfig:
     quant = (cfg.get("quantization_config") or {}).get("quant_method")
-    if quant is not None:
-        raise UnsupportedModelError(f"GptOssForCausalLM: quantization_config.quant_method {quant!r} (the released "
-                                    "checkpoints' MXFP4 experts) is not supported; serve a checkpoint saved with "
-                                    "float (bf16/f32) weights, e.g. dequantized by transformers")
+    if quant not in (None, "mxfp4"):
+        raise UnsupportedModelError(f"GptOssForCausalLM: quantization_config.quant_method {quant!r} is not "
+                                    "supported (only mxfp4, whose experts are dequantized at load, or float weights)")
     fields = hf_common_fields(cfg)
     window, types = hf_layer_types(cfg, fields["num_layers"], window_applies=True)
     return GptOssConfig(**fields, attention_bias=bool(cfg.get("attention_bias", True)), sliding_window=window,

@@ -4,7 +4,9 @@ The family (`models/registry.py`, from config.json `architectures[0]`) names its
 per-layer tensors in its module (`HF_LAYER_WEIGHTS`); the global ones are the same for
 every family (table below). Projection weights are stored by HF as `[out, in]` and
 transposed to our `[in, out]` (x @ W); fused tensors (Phi-3) are split and per-expert
-tensors (Mixtral, Qwen3-MoE) stacked by `models/loaders/common.py`. HF q/k rows are
+tensors (Mixtral, Qwen3-MoE) stacked by `models/loaders/common.py`; MXFP4 tensors
+(gpt-oss's experts, stored as `NAME_blocks` + `NAME_scales`) dequantized to float at load
+by `models/loaders/mxfp4.py`. HF q/k rows are
 already in the rotate-half RoPE order our model uses, so nothing is permuted here (the
 GGUF loader, by contrast, must undo llama.cpp's interleaving for `llama` files).
 """
@@ -19,6 +21,7 @@ from safetensors import safe_open
 
 from models.config import CheckpointFileError, ModelConfig, read_json_file
 from models.loaders.common import expected_params, map_layer_tensors, stack_experts
+from models.loaders.mxfp4 import pair_mxfp4
 from models.registry import config_from_hf, family_for
 
 GLOBAL_TABLE: dict[str, tuple[str, bool]] = {
@@ -79,27 +82,27 @@ def read_tensors(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
     table = family_for(cfg.architecture).hf_layer_weights
     vision_language = getattr(cfg, "vision", None) is not None
     expected = expected_params(cfg)
-    tensors: dict[str, Callable] = {}
-    experts: dict = {}
+    loads: dict[str, Callable] = {}
     for shard in _shard_files(folder):
         with safe_open(str(shard), framework="flax") as f:
             for hf_name in f.keys():
                 if hf_name.endswith(_IGNORED_SUFFIXES):
                     continue
-                load = _lazy(shard, hf_name)
-                if vision_language:
-                    hf_name = _text_model_name(hf_name)
-                    if hf_name is None:
-                        continue  # the vision encoder's (models/siglip.py reads them)
-                if hf_name in GLOBAL_TABLE:
-                    name, transpose = GLOBAL_TABLE[hf_name]
-                    if name == "lm_head" and cfg.tie_word_embeddings:
-                        continue  # tied checkpoints sometimes save the shared matrix twice
-                    tensors[name] = (lambda load=load: load().T) if transpose else load
-                    continue
-                m = _LAYER_RE.match(hf_name)
-                mapped = map_layer_tensors(int(m.group(1)), m.group(2), load, table, expected, experts) if m else None
-                tensors.update({hf_name: load} if mapped is None else mapped)
+                name = _text_model_name(hf_name) if vision_language else hf_name
+                if name is not None:  # None: the vision encoder's (models/siglip.py reads them)
+                    loads[name] = _lazy(shard, hf_name)
+    tensors: dict[str, Callable] = {}
+    experts: dict = {}
+    for hf_name, load in pair_mxfp4(loads).items():  # MXFP4 blocks + scales -> one float tensor
+        if hf_name in GLOBAL_TABLE:
+            name, transpose = GLOBAL_TABLE[hf_name]
+            if name == "lm_head" and cfg.tie_word_embeddings:
+                continue  # tied checkpoints sometimes save the shared matrix twice
+            tensors[name] = (lambda load=load: load().T) if transpose else load
+            continue
+        m = _LAYER_RE.match(hf_name)
+        mapped = map_layer_tensors(int(m.group(1)), m.group(2), load, table, expected, experts) if m else None
+        tensors.update({hf_name: load} if mapped is None else mapped)
     tensors.update(stack_experts(experts, getattr(cfg, "num_experts", None)))
     return tensors
 
