@@ -25,7 +25,8 @@ multiplies the int32 sums back in the same order: its products equal XLA's bit f
 The decode attention (`CpuDecodeAttention`, chosen by `--attention-impl auto|cpu` on a
 CPU backend) reads each key and value once through the block table, f32 or bfloat16
 (u16) caches alike, with an AVX2 exp; it serves one-query steps of layers without a
-sliding window or soft-capping, as the Pallas TPU kernel does.
+sliding window, soft-capping or attention sinks, as the Pallas TPU kernel does (the
+others fall back to pure JAX: `models/layers.py` chooses per layer).
 
 A sharded model (the custom calls have no partitioning rule), any other backend, and a
 weight or head size the kernels cannot take keep XLA. Build: `make` does it (`python -m

@@ -22,7 +22,6 @@ from typing import Any, Callable, Mapping
 from models.config import ModelConfig
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ExpertStack:
     """A checkpoint tensor `[E, ...]` holding every expert of one (or more) of our stacks.

@@ -5,10 +5,10 @@ we already keep (`[K kv_heads, N num_blocks, bs block_size, hd]`, `ferrox_jax/kv
 the kernel calls blocks "pages"), so decode steps can use it without copying: one query
 per row, `lengths = position + 1`, `page_indices = block_tables`. Prefill (T > 1 queries
 per row) stays on the pure-JAX `models.attention.paged_attention`; the kernel has no
-causal mask between new tokens. Nor does it know sliding windows or logit soft-capping:
-layers that need them (Mistral, Gemma 2's every layer, Gemma 3's sliding ones, Phi-3
-with a window) decode with pure JAX whatever was chosen here (`models/layers.py`), while
-the model's other layers use the kernel.
+causal mask between new tokens. Nor does it know sliding windows, logit soft-capping or
+attention sinks: layers that need them (Mistral, Gemma 2's every layer, Gemma 3's sliding
+ones, Phi-3 with a window, every gpt-oss layer) decode with pure JAX whatever was chosen
+here (`models/layers.py`), while the model's other layers use the kernel.
 
 `select_decode_attention` decides the model's attention per engine (the result is a static
 field of the model, so it is part of the compiled step's graphdef):
@@ -37,7 +37,7 @@ field of the model, so it is part of the compiled step's graphdef):
 
 The ragged kernels (`models/ragged_attention.py`) serve the whole unified step in one call
 per layer: decode rows, prompt chunks and verification spans, with sliding windows,
-soft-capping and any head_dim; so `auto` takes them on TPUs and CUDA GPUs for every family.
+soft-capping, attention sinks and any head_dim; so `auto` takes them on TPUs and CUDA GPUs for every family.
 This module's decode kernel and the GPU decode candidates stay for `tools/device/device_check.py`
 to time against them (and for a deployment that measures one faster): with one of them,
 prompt chunks, windowed and soft-capped layers run on the pure-JAX loop.
