@@ -29,6 +29,13 @@ size):
    next turn of a chat resends this turn's prompt and reply).
 5. Release: a finished row frees its references; blocks the cache names go idle (kept,
    evictable), the rest free.
+6. Preemption (the priority policy, `ferrox_jax/priority.py`): `preempt` releases a running
+   job's every table and promise as if it had ended, keeping the names of its full blocks;
+   those stay in the cache, idle. Re-admitted, a job whose rows had decoded comes back
+   through `try_resume`: each open row looks its own tokens (prompt and output, all but its
+   last, which its next decode step computes) up in the cache and promises the rest of its
+   lifetime worst case, `per_row - hits` new blocks; it recomputes what was evicted. A job
+   preempted while its prompt prefilled comes back through `try_admit`, as it first came.
 
 What admission reserves (`blocks_to_reserve`). Each row's table reaches at most
 `per_row = ceil((P + M) / bs)` blocks (the ferrox-server contract's lifetime worst case).
@@ -106,6 +113,51 @@ class BlockTables:
             self.num_queried_tokens += len(prompt)
             self.num_hit_tokens += num_cached
         return True
+
+    def preempt(self, job: JobState, rows: Iterable[Row]) -> None:
+        """Frees every block the job's tables (its prefill's and its open `rows`') hold and
+        what it was still owed; its rows will recompute from position 0 (step 6 above)."""
+        for row in rows:
+            for block_id in reversed(row.block_ids):  # tail first: evicted before the head
+                self.budget.free(block_id)
+            row.block_ids, row.num_computed_tokens, row.num_named_blocks = [], 0, 0
+        for block_id in reversed(job.prefill_block_ids):
+            self.budget.free(block_id)
+        job.prefill_block_ids, job.num_computed_tokens, job.num_named_blocks = [], 0, 0
+        self.budget.release(job.num_owed_blocks)
+        job.num_owed_blocks = 0
+
+    def try_resume(self, job: JobState, rows: list[Row]) -> bool:
+        """Re-admits a preempted job whose rows had decoded: each of its open `rows` takes
+        its cached blocks of `token_ids[:-1]` and is promised the rest; False: "not now"."""
+        bs, submitted = self.block_size, job.submitted
+        per_row = max(1, math.ceil((len(submitted.prompt_token_ids) + submitted.max_tokens) / bs))
+        hits_by_row = []
+        for row in rows:
+            num_full = (len(row.token_ids) - 1) // bs  # blocks wholly before its last token
+            hits: list[int] = []
+            if self.cache is not None and not submitted.computes_every_position:
+                names = row.block_names
+                if len(names) < num_full:
+                    parent = names[-1] if names else adapter_root(self.cache.root, submitted.adapter_key)
+                    names += chain_hashes(row.token_ids, bs, parent, start_block=len(names),
+                                          num_blocks=num_full - len(names))
+                hits = self.cache.lookup(names[:num_full])
+            hits_by_row.append(hits)
+        num_new = sum(per_row - len(hits) for hits in hits_by_row)
+        if not self.budget.try_admit(num_new, [block_id for hits in hits_by_row for block_id in hits]):
+            return False
+        for row, hits in zip(rows, hits_by_row):
+            row.block_ids, row.num_named_blocks, row.num_computed_tokens = list(hits), len(hits), len(hits) * bs
+        job.num_owed_blocks = num_new
+        return True
+
+    def num_releasable(self, job: JobState, rows: Iterable[Row]) -> int:
+        """Blocks preempting the job would give back to admission: what it is owed, and the
+        blocks only its tables hold (those go free or idle; shared ones stay held)."""
+        references = self.references([job], rows)
+        return job.num_owed_blocks + sum(1 for block_id, count in references.items()
+                                         if self.budget.ref_count(block_id) == count)
 
     # -- planning: make the positions a step writes writable ------------------------------
 

@@ -36,6 +36,9 @@ QUANTIZATION_NAMES = ("none", "int8", "w8a8", "w8a8-block32", "gguf", "auto")  #
 # Where w8a8 projections run on CPU: "auto" (the AVX2 kernel of models/cpu_kernels.py when it is
 # built and the model is on one device) or "xla" (XLA's int8 dot, for comparison).
 INT8_KERNEL_NAMES = ("auto", "xla")
+# The order jobs are admitted in (ferrox_jax/priority.py): "fcfs", the contract's arrival
+# order (the default), or "priority" (Job.priority, lower first, with preemption).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -88,6 +91,7 @@ class EngineConfig:
     # 0: the backend's default (ferrox_jax/engine_builder.py: one chunk on CPU).
     max_batched_tokens: int = 0
     max_queue: int = 512  # waiting jobs; one more is refused (503)
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (SCHEDULING_POLICIES)
     prefix_caching: bool = True  # full prompt blocks stay cached and are shared by later prompts
     speculative: SpeculativeConfig | None = None  # prompt-lookup speculative decoding; None: off
     # ---- structured output (ferrox_jax/grammar.py, grammar_sandbox.py) ----
@@ -149,6 +153,9 @@ class EngineConfig:
         if self.int8_kernel not in INT8_KERNEL_NAMES:
             raise ValueError(f"EngineConfig.int8_kernel must be one of {', '.join(INT8_KERNEL_NAMES)}; "
                              f"got {self.int8_kernel!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"EngineConfig.scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
+                             f"got {self.scheduling_policy!r}")
         if self.load_format not in LOAD_FORMAT_NAMES:
             raise ValueError(f"EngineConfig.load_format must be one of {', '.join(LOAD_FORMAT_NAMES)}; "
                              f"got {self.load_format!r}")
@@ -331,8 +338,12 @@ class SchedulerLimits:
     prefix_caching: bool = True  # keep and share full prompt blocks across requests
     prefix_cache_salt: str = ""  # what else the K/V depend on (model, dtype), in every block name
     speculative: SpeculativeConfig | None = None  # prompt-lookup drafts (ferrox_jax/speculative.py); None: off
+    scheduling_policy: str = "fcfs"  # admission order, and preemption under "priority" (ferrox_jax/priority.py)
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"SchedulerLimits.scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
+                             f"got {self.scheduling_policy!r}")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or field.name == "kv_bytes_per_block":

@@ -39,6 +39,7 @@ from ferrox_jax.images import ImageError, ImageLimits, expand_markers, find_span
 from ferrox_jax.lora_registry import LoadedAdapter, LoraRegistry, check_adapter_name
 from ferrox_jax.memory_bounds import MemoryBoundError, host_total_bytes
 from ferrox_jax.request import AdmissionError, Job, with_seed
+from ferrox_jax.priority import check_priority
 from ferrox_jax.runner import ModelRunner
 from ferrox_jax.runner_protocol import Runner
 from ferrox_jax.stats import BatcherStats
@@ -61,6 +62,7 @@ __all__ = (
     "BatcherStats",  # what `Engine.stats` returns
     "MemoryBoundError", "LoraError", "ChatTemplateError",  # what the facade's calls raise
     "check_adapter_name",  # an adapter name's rule, before a path is looked at
+    "check_priority",  # a request's priority under the scheduling policy, before it is submitted
     "host_total_bytes",  # the host's memory, which also caps the server's own byte caps
     "ImageError", "ImageLimits",  # `Engine.prepare_images`' refusal and limits
 )
@@ -167,8 +169,12 @@ class Engine:
         Raises:
           AdmissionError: refused, with a complete message; nothing is held for it.
           GrammarError: the request's output constraint cannot be compiled.
-          ValueError: the request id is already open.
+          ValueError: the request id is already open, or its priority is out of range or
+            not 0 under the fcfs policy (`check_priority`; the API answers 400 first).
         """
+        refusal = check_priority(job.priority, self.config.scheduling_policy, "Job.priority")
+        if refusal is not None:
+            raise ValueError(refusal)
         if job.grammar is not None:
             self.check_grammar(job.grammar)
         if job.images and not self.takes_images:

@@ -464,7 +464,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         kv_bytes_per_block=sizing.bytes_per_block,
         prefix_caching=config.prefix_caching, prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size)
         + (f"|draft={draft_source.path}" if draft_source is not None else ""),
-        speculative=config.speculative)
+        speculative=config.speculative, scheduling_policy=config.scheduling_policy)
     grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size, config)
     # Speculating rows take a decode row per token: room for them in the row buckets (step.rows).
     runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=step.rows,

@@ -20,8 +20,10 @@ one:
 (WAITING -> DECODING directly when there is nothing to prefill: n > 1 with a one-token
 prompt, whose only token every row computes itself. PREFILLING -> FINISHED_STOP for a
 pooling job, which ends after its last prefill chunk with the pooled hidden state.)
-`_transition()` is the only code that changes a state; it checks `_ALLOWED_TRANSITIONS`
-and counts entries per state. Nothing is preempted, so no state leads back.
+Under the priority policy a running job can be preempted (`ferrox_jax/priority.py`): its
+open rows go back to WAITING with their output so far, recomputed when re-admitted (a row
+that had decoded re-enters PREFILLING for that, then DECODING). `_transition()` is the only code that changes a state;
+it checks `_ALLOWED_TRANSITIONS` and counts entries per state (WAITING's: preempted rows).
 
 A row's output life is on the row: the settings of its next draw (`Row.step_sampling`),
 each sampled token with its stop checks (`accept_token`: its thinking budget, stop
@@ -52,6 +54,7 @@ MatcherFactory = Callable[[GrammarSpec], Any]
 
 MAX_LOGPROBS = 20  # top-k logprobs returned per sampled token, at most (OpenAI's limit)
 POOLINGS = ("mean", "last")  # Job.pooling
+PRIORITY_MIN, PRIORITY_MAX = -(2 ** 31), 2 ** 31 - 1  # Job.priority's range: a 32-bit signed int
 
 
 def check_draw_ranges(owner: str, settings: Any) -> None:
@@ -170,6 +173,7 @@ class Job:
     # admission to its last row's end (`ferrox_jax/admission.py`).
     adapter_name: str | None = None
     adapter_key: str | None = None
+    priority: int = 0  # lower is more urgent (the priority policy, ferrox_jax/priority.py); fcfs: 0 only
     # The prompt's images (`ferrox_jax/images.py`): where each one's soft tokens sit, its
     # digest and pixels; the engine encodes them and names their blocks by the digests.
     images: tuple = ()
@@ -196,6 +200,9 @@ class Job:
             raise ValueError(f"Job.min_tokens must be >= 0; got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("Job.stop must not contain an empty string")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or not (
+                PRIORITY_MIN <= self.priority <= PRIORITY_MAX):
+            raise ValueError(f"Job.priority must be an int in [{PRIORITY_MIN}, {PRIORITY_MAX}]; got {self.priority!r}")
         if self.images:
             check_spans(self.images, len(self.prompt_token_ids))
 
@@ -286,8 +293,8 @@ _ENDED_EARLY = frozenset({RowState.FINISHED_CANCELLED, RowState.FINISHED_ERROR})
 
 _ALLOWED_TRANSITIONS: dict[RowState, frozenset[RowState]] = {
     RowState.WAITING: frozenset({RowState.PREFILLING, RowState.DECODING} | _ENDED_EARLY),
-    RowState.PREFILLING: frozenset({RowState.DECODING, RowState.FINISHED_STOP} | _ENDED_EARLY),
-    RowState.DECODING: _FINISHED,
+    RowState.PREFILLING: frozenset({RowState.DECODING, RowState.FINISHED_STOP, RowState.WAITING} | _ENDED_EARLY),
+    RowState.DECODING: _FINISHED | {RowState.WAITING},  # -> WAITING: preempted (the priority policy)
     RowState.FINISHED_STOP: frozenset(),
     RowState.FINISHED_LENGTH: frozenset(),
     RowState.FINISHED_CANCELLED: frozenset(),
@@ -494,7 +501,18 @@ class JobState:
         self.hidden_sum: Any = None  # pooling jobs: f32[D] summed over the chunks so far
         self.pooled: Any = None  # pooling jobs: the vector their last event carries
         self.adapter_slot = 0  # its LoRA adapter's slot, held from admission to its last row's end (0: none)
+        # Preemption (ferrox_jax/priority.py): arrival number (its place within its priority), times
+        # preempted, whether its rows had decoded (each then recomputes its own tokens), rows recomputing.
+        self.arrival = 0
+        self.num_preemptions = 0
+        self.has_forked = False
+        self.resume_rows: list[Row] = []
 
     @property
     def is_prefilled(self) -> bool:
         return self.num_computed_tokens == self.num_prefill_tokens
+
+    @property
+    def num_prefilling_rows(self) -> int:
+        """Rows it holds in the prefilling queue: n, or those recomputing after a preemption."""
+        return len(self.resume_rows) if self.resume_rows else self.submitted.n

@@ -2,7 +2,8 @@
 
 Owned by the batcher's owner thread (no locks). A tick, in the contract's order:
 
-    schedule():  1 apply cancellations   2 flush finished rows   3 admit waiting jobs (FIFO)
+    schedule():  1 apply cancellations   2 flush finished rows   3 admit waiting jobs (FIFO, or by
+                 priority with preemption: ferrox_jax/priority.py)
                  4 plan the decode rows   5 plan prompt chunks within the token budget
                  6 name the rows that may verify drafts (speculation)   7 measure the peak
     add_drafts(plan, proposer's drafts)  (speculation) the drafts join their rows
@@ -32,6 +33,12 @@ its next draw's settings (`step_sampling`: stop tokens banned before min_tokens)
 token with its stop checks, grammar and text (`accept_token`), its end (`finish`) and its
 events (`take_event`). The scheduler counts what they report and frees a finished row's
 blocks.
+
+Preemption (the priority policy only): when the most urgent waiting job does not fit, the
+least urgent running job gives way (`_make_room`, `_preempt`): its blocks are freed, its
+rows go back to WAITING keeping their output, and on re-admission a row that had decoded
+recomputes its prompt and output (`_plan_history_chunk`, sampling nothing) before it decodes
+again: its next draw is the one it would have made, keyed by (seed, position).
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ from ferrox_jax.block_tables import BlockTables, blocks_to_reserve  # noqa: F401
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.images import chunk_end, overlapping
 from ferrox_jax.plan import RowPlan, StepOutput, StepPlan
+from ferrox_jax.preemption import Preemption
+from ferrox_jax.priority import WaitingQueue
 from ferrox_jax.speculative import Speculator
 from ferrox_jax.request import Job, JobState, MatcherFactory, Row, RowEvent, RowResult, RowState, _transition
 
@@ -56,7 +65,7 @@ PENDING_CANCEL_TTL_S = 60.0
 MAX_PENDING_CANCELS = 1024
 
 
-class Scheduler:
+class Scheduler(Preemption):
     """Plans ticks over waiting, prefilling and decoding jobs; see the module docstring."""
 
     def __init__(self, limits: SchedulerLimits, tokenizer: Any, *, new_matcher: MatcherFactory | None = None,
@@ -75,7 +84,9 @@ class Scheduler:
         self._next_row_id = 1
         self._jobs: dict[str, JobState] = {}  # open jobs by request id
         self._rows: dict[int, Row] = {}  # open rows by row id
-        self._waiting: collections.deque[JobState] = collections.deque()
+        self._waiting = WaitingQueue(limits.scheduling_policy)
+        self._preempts = limits.scheduling_policy == "priority"
+        self._next_arrival = 0
         self._prefilling: collections.deque[JobState] = collections.deque()  # front is next
         self._decoding: dict[int, Row] = {}  # insertion order is decode priority
         self._cancel_inbox: list[str] = []
@@ -96,6 +107,7 @@ class Scheduler:
         self.num_grammar_errors = 0  # rows whose grammar rejected a sampled token (should stay 0)
         self.tokens_generated = 0
         self.kv_blocks_peak = 0
+        self.num_preemptions = 0  # jobs preempted for a more urgent one (a job preempted twice counts twice)
         self.state_counts: collections.Counter[RowState] = collections.Counter()
 
     # -- inputs from the owner loop ----------------------------------------------------
@@ -115,6 +127,7 @@ class Scheduler:
             self._flush_finished()
         else:
             job.queued_at_s = self._clock()
+            job.arrival, self._next_arrival = self._next_arrival, self._next_arrival + 1
             self._waiting.append(job)
 
     def cancel(self, request_id: str) -> None:
@@ -134,7 +147,7 @@ class Scheduler:
     @property
     def num_running_rows(self) -> int:
         """Rows holding a slot: decoding rows plus the rows of prefilling jobs."""
-        return len(self._decoding) + sum(job.submitted.n for job in self._prefilling)
+        return len(self._decoding) + sum(job.num_prefilling_rows for job in self._prefilling)
 
     @property
     def has_work(self) -> bool:
@@ -154,7 +167,11 @@ class Scheduler:
 
     def block_references(self) -> collections.Counter[int]:
         """Block id -> references, counted from the tables of prefilling jobs and rows."""
-        return self.blocks.references(self._prefilling, self._decoding.values())
+        return self.blocks.references(self._prefilling, self._rows_with_tables())
+
+    def _rows_with_tables(self) -> list[Row]:
+        """Rows holding a block table: decoding rows and rows recomputing after a preemption."""
+        return [*self._decoding.values(), *(row for job in self._prefilling for row in job.resume_rows)]
 
     # -- planning ----------------------------------------------------------------------
 
@@ -208,24 +225,33 @@ class Scheduler:
 
     def _admit_waiting(self) -> None:
         """Admits from the head while rows and ledger allow; a head that does not fit waits
-        and holds the line (no skip-ahead, so no starvation)."""
+        and holds the line (no skip-ahead, so no starvation), unless the priority policy
+        preempts a less urgent running job for it (`_make_room`)."""
         while self._waiting:
             job = self._waiting[0]
-            if self.num_running_rows + job.submitted.n > self.limits.max_rows:
+            if self.num_running_rows + job.num_open_rows > self.limits.max_rows:
+                if self._make_room(job):
+                    continue
                 return
             refusal = self.adapter_refusal(job.submitted)
             if refusal is not None:  # never: it ends, and the next job is the head
                 code, message = refusal
                 self._stop_job(job, RowState.FINISHED_ERROR, message, code)
                 continue
-            if not self.blocks.try_admit(job):
+            if not (self.blocks.try_resume(job, self._open_rows(job)) if job.has_forked
+                    else self.blocks.try_admit(job)):
+                if self._make_room(job):
+                    continue
                 return
             self._waiting.popleft()
-            if job.submitted.adapter_name is not None:  # held until its last row ends (_flush_finished)
+            # held until its last row ends (_flush_finished), a preemption included
+            if job.submitted.adapter_name is not None and not job.adapter_slot:
                 job.adapter_slot = self._adapters.acquire(job.submitted.adapter_name).slot
-            self.num_admitted += 1
-            job.queue_s = self._clock() - job.queued_at_s
-            if job.is_prefilled:  # n > 1 and nothing before the last prompt token to compute
+            self.num_admitted += not job.num_preemptions  # a job, not its re-admissions
+            job.queue_s = (job.queue_s or 0.0) + self._clock() - job.queued_at_s
+            if job.has_forked:
+                self._resume(job)
+            elif job.is_prefilled:  # n > 1 and nothing before the last prompt token to compute
                 self._start_decoding(job)
             else:
                 for row in job.rows:
@@ -252,13 +278,15 @@ class Scheduler:
         for job in list(self._prefilling)[:limits.max_chunks]:
             if budget <= 0:
                 break
-            start = job.num_computed_tokens
-            end = min(job.num_prefill_tokens, start + cap, start + budget)
+            row = job.resume_rows[0] if job.resume_rows else None  # a preempted row recomputing, one at a time
+            start, target = ((job.num_computed_tokens, job.num_prefill_tokens) if row is None
+                             else (row.num_computed_tokens, len(row.token_ids) - 1))
+            end = min(target, start + cap, start + budget)
             if job.submitted.images:  # an image's tokens attend to each other: never cut one
                 end = chunk_end(job.submitted.images, start, end, cap)
             budget -= end - start
-            chunks.append(self._plan_chunk(job, start, end))
-            if end < job.num_prefill_tokens:  # a finished prompt leaves when its result is applied
+            chunks.append(self._plan_chunk(job, start, end) if row is None else self._plan_history_chunk(row, end))
+            if end < target:  # a finished prompt leaves when its result is applied
                 self._prefilling.remove(job)
                 self._prefilling.append(job)
         return tuple(chunks)
@@ -298,7 +326,7 @@ class Scheduler:
     def _update_peak(self) -> None:
         # Deliberately measured from the rows themselves rather than derived from the
         # budget: a ledger-derived peak cannot exceed the budget however broken admission is.
-        num_held = len(self.blocks.held_block_ids(self._prefilling, self._decoding.values()))
+        num_held = len(self.blocks.held_block_ids(self._prefilling, self._rows_with_tables()))
         assert num_held == self.budget.num_held_blocks, (
             f"tables hold {num_held} blocks but the pool handed out {self.budget.num_held_blocks}")
         num_owed = sum(job.num_owed_blocks for job in self._jobs.values())
@@ -374,6 +402,9 @@ class Scheduler:
 
     def _apply_chunk(self, step: RowPlan, result: RowResult | None) -> None:
         job = self._rows[step.row_id].job
+        if job.resume_rows:
+            self._apply_history_chunk(self._rows[step.row_id], step)
+            return
         job.num_computed_tokens += len(step.token_ids)
         self.blocks.name_prefill_blocks(job)
         if job.submitted.prompt_logprobs and result is not None:

@@ -39,6 +39,9 @@ class BatcherStats:
     prefix_cache_queries: int = 0  # prompt tokens of admitted jobs looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens served from cached blocks instead of computed
     kv_blocks_cached: int = 0  # blocks resident in the prefix cache, held by rows or idle (a gauge)
+    # Running jobs preempted for a more urgent one (the priority policy, ferrox_jax/priority.py;
+    # vLLM's vllm:num_preemptions): each preemption counts, a job preempted twice twice. 0 under fcfs.
+    num_preemptions: int = 0
     # -- structured output (docs/structured-output.md) -----------------------------------
     constrained_requests: int = 0  # jobs taken whose output a grammar constrains
     grammar_errors: int = 0  # rows ended because their grammar rejected a sampled token (a bug: stays 0)
@@ -93,5 +96,6 @@ def scheduler_fields(scheduler: Any) -> dict[str, Any]:
         tokens_generated=scheduler.tokens_generated, constrained_requests=scheduler.num_constrained_requests,
         grammar_errors=scheduler.num_grammar_errors, prefix_cache_queries=scheduler.blocks.num_queried_tokens,
         prefix_cache_hits=scheduler.blocks.num_hit_tokens, kv_blocks_cached=scheduler.blocks.num_cached_blocks,
+        num_preemptions=scheduler.num_preemptions,
         running_lora_adapters=running_adapters, waiting_lora_adapters=waiting_adapters,
         **spec_decode_stats(scheduler.speculator))

@@ -1,0 +1,128 @@
+"""Preemption: how the scheduler gives a running job's place to a more urgent one. No jax here.
+
+The scheduler's half that the priority policy (`ferrox_jax/priority.py`: queue order, which
+job gives way, the starvation guard) drives; `Scheduler` inherits it and only it calls it,
+on the owner thread. Under "fcfs" `_make_room` answers False at once and nothing here runs.
+
+    _make_room(head)   the waiting head does not fit: preempt the least urgent running job
+                       that may give way, if preempting all of those would make room
+    _preempt(job)      free its blocks and promises (`BlockTables.preempt`), its open rows
+                       -> WAITING with their output, back in the waiting queue
+    _resume(job)       re-admitted (`BlockTables.try_resume` took its cached blocks): rows
+                       with tokens to recompute -> PREFILLING, the others -> DECODING
+    _plan_history_chunk / _apply_history_chunk
+                       a recomputing row's prompt and output, chunk by chunk into its own
+                       blocks, sampling nothing; then it decodes again
+
+Why the reply is unchanged: a row keeps its output life (text stream, stop strings, grammar
+state, seed, speculation counters); it recomputes every position it had computed, and its
+next token is drawn by an ordinary decode step at the same position, with noise keyed by
+(seed, position) (`ferrox_jax/sampling.py`), so greedy and seeded rows sample what they
+would have. Nothing it already streamed is sent again: preemption happens in `schedule()`,
+after the previous tick's events were taken, and recomputing adds no token.
+"""
+
+from __future__ import annotations
+
+from ferrox_jax.block_tables import blocks_to_reserve
+from ferrox_jax.images import overlapping
+from ferrox_jax.plan import RowPlan
+from ferrox_jax.priority import pick_victim
+from ferrox_jax.request import JobState, Row, RowState, _transition
+
+
+class Preemption:
+    """The scheduler's preemption methods (module docstring); mixed into `Scheduler`."""
+
+    @staticmethod
+    def _open_rows(job: JobState) -> list[Row]:
+        return [row for row in job.rows if not row.state.is_finished]
+
+    def _make_room(self, head: JobState) -> bool:
+        """Under the priority policy, preempts the least urgent running job that may give way
+        to `head` (`ferrox_jax/priority.py:pick_victim`) if preempting every such job would
+        free the rows and blocks `head` needs; True when it preempted one (admission retries)."""
+        if not self._preempts:
+            return False
+        running = {id(job): job for job in self._prefilling}
+        running.update((id(row.job), row.job) for row in self._decoding.values())
+        victims = [job for job in running.values() if pick_victim(head, [job]) is job]
+        num_rows = self.num_running_rows - sum(self._num_rows_held(job) for job in victims) + head.num_open_rows
+        num_blocks = self.budget.num_free_blocks + sum(
+            self.blocks.num_releasable(job, self._held_rows(job)) for job in victims)
+        if not victims or num_rows > self.limits.max_rows or num_blocks < self._num_blocks_wanted(head):
+            return False  # head waits, holding the line, as under fcfs
+        self._preempt(pick_victim(head, victims))
+        return True
+
+    def _num_rows_held(self, job: JobState) -> int:
+        return job.num_prefilling_rows if job in self._prefilling else len(self._held_rows(job))
+
+    def _held_rows(self, job: JobState) -> list[Row]:
+        """A running job's rows holding a table: decoding, or recomputing after a preemption."""
+        return [row for row in job.rows if row.row_id in self._decoding or row in job.resume_rows]
+
+    def _num_blocks_wanted(self, job: JobState) -> int:
+        """A lower bound of the new blocks `job`'s admission promises (its prompt's blocks
+        in the prefix cache now are not counted, whoever holds them)."""
+        submitted, bs = job.submitted, self.limits.block_size
+        if job.has_forked:
+            per_row = blocks_to_reserve(len(submitted.prompt_token_ids), submitted.max_tokens, 1, bs)
+            return sum(per_row - (len(row.token_ids) - 1) // bs for row in self._open_rows(job))
+        return blocks_to_reserve(len(submitted.prompt_token_ids), submitted.max_tokens, submitted.n, bs,
+                                 (len(submitted.prompt_token_ids) - 1) // bs * bs)
+
+    def _preempt(self, job: JobState) -> None:
+        """Frees a running job's blocks and puts it back in the waiting queue under its
+        original urgency; its rows keep their output and recompute it when re-admitted."""
+        self.num_preemptions += 1
+        job.num_preemptions += 1
+        if job in self._prefilling:
+            self._prefilling.remove(job)
+        rows = self._open_rows(job)
+        job.has_forked = job.has_forked or any(row.state is RowState.DECODING for row in rows)
+        for row in rows:
+            self._decoding.pop(row.row_id, None)
+            _transition(row, RowState.WAITING, self.state_counts)
+        self.blocks.preempt(job, rows)
+        job.resume_rows, job.prompt_logprobs, job.hidden_sum = [], [], None  # recomputed whole
+        job.queued_at_s = self._clock()
+        self._waiting.append(job)
+
+    def _resume(self, job: JobState) -> None:
+        """A re-admitted job whose rows had decoded: rows with output to recompute prefill it
+        (`_plan_history_chunk`); a row the prefix cache gave all of it decodes at once."""
+        job.resume_rows = [row for row in self._open_rows(job) if row.num_computed_tokens < len(row.token_ids) - 1]
+        for row in self._open_rows(job):
+            if row in job.resume_rows:
+                _transition(row, RowState.PREFILLING, self.state_counts)
+            else:
+                _transition(row, RowState.DECODING, self.state_counts)
+                self._decoding[row.row_id] = row
+        if job.resume_rows:
+            self._prefilling.append(job)
+
+    def _plan_history_chunk(self, row: Row, end: int) -> RowPlan:
+        """A preempted row recomputing its tokens (prompt and output) up to `end`, into its
+        own blocks; it samples nothing: its next token is drawn by its next decode step."""
+        start = row.num_computed_tokens
+        self.blocks.prepare_decode(row, end - start)
+        return RowPlan(row_id=row.row_id, token_ids=tuple(row.token_ids[start:end]), start_pos=start,
+                       block_ids=tuple(row.block_ids), sample=False, sampling=row.sampling,
+                       num_prompt_tokens=len(row.job.submitted.prompt_token_ids), adapter_slot=row.job.adapter_slot,
+                       images=overlapping(row.job.submitted.images, start, end))
+
+    def _apply_history_chunk(self, row: Row, step: RowPlan) -> None:
+        """A recomputing row's chunk ran; once all but its last token are back in its
+        blocks it decodes again (and its job leaves the prefilling queue with its last)."""
+        job = row.job
+        row.num_computed_tokens += len(step.token_ids)
+        self.blocks.name_row_blocks(row)
+        if row.num_computed_tokens < len(row.token_ids) - 1:
+            return
+        job.resume_rows.remove(row)
+        _transition(row, RowState.DECODING, self.state_counts)
+        self._decoding[row.row_id] = row
+        if not job.resume_rows:
+            self._prefilling.remove(job)
+
