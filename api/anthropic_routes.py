@@ -64,6 +64,7 @@ from api.generation import GenerationRun, RowOutput
 from api.limits import check_asked_tokens, check_prompt_tokens, check_stop_strings, max_tokens
 from api.output_blocks import Block, BlockEvent, OutputBlocks
 from api.offload import parse_body_off_loop, run_cpu_if
+from api.priority import request_priority
 from api.prompts import chat_prompt_images, check_model, heavy_chat
 from api.protocol import StrictBody
 from api.reasoning import thinking_budget
@@ -134,6 +135,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=0)
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
+    priority: int | None = None  # ours (vLLM's field): lower first under --scheduling-policy priority
 
     @field_validator("metadata", mode="plain")
     @classmethod
@@ -329,6 +331,7 @@ async def create_message() -> Response:
     state = _state()
     body: MessagesRequest = await parse_body_off_loop(await request.get_data(), MessagesRequest)
     engine = state.require_engine()
+    priority = request_priority(body.priority, engine)
     check_model(body.model, engine)
     check_stop_strings(body.stop_sequences or [], state.config, "stop_sequences")
     check_asked_tokens(body.max_tokens, state.config)
@@ -343,7 +346,7 @@ async def create_message() -> Response:
               max_tokens=max_tokens(body.max_tokens, len(prompt), engine.max_context,
                                     state.config, "messages"),
               stop=tuple(body.stop_sequences or ()), grammar=grammar,
-              skip_special_tokens=plan.skip_special_tokens, images=spans,
+              skip_special_tokens=plan.skip_special_tokens, images=spans, priority=priority,
               thinking_budget=thinking_budget(engine.tokenizer, _budget_tokens(body.thinking),
                                               has_sections=plan.reasoning, starts_inside=plan.starts_in_reasoning))
     run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine, model=body.model)

@@ -162,7 +162,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             block_size=args.block_size, kv_blocks=args.kv_blocks, kv_memory_gib=args.kv_memory_gib,
             max_context=args.max_context, max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
             prefill_chunk_idle=args.prefill_chunk_idle, max_batched_tokens=args.max_batched_tokens,
-            max_queue=args.max_queue, prefix_caching=args.prefix_caching,
+            max_queue=args.max_queue, scheduling_policy=args.scheduling_policy, prefix_caching=args.prefix_caching,
             compile_cache_dir=None if cache == "off" else cache,
             tensor_parallel=args.tensor_parallel, mesh=args.mesh, replicate_attention=args.replicate_attention,
             attention_impl=args.attention_impl, coordinator_address=args.coordinator_address,

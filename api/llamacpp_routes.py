@@ -40,6 +40,7 @@ from api.errors import APIError
 from api.generation import GenerationRun, RowOutput
 from api.limits import check_asked_tokens, check_prompt_tokens, check_stop_strings, check_token_ids, max_tokens
 from api.offload import parse_body_off_loop
+from api.priority import request_priority
 from api.prompts import check_model, encode
 from api.protocol import StrictBody, dumps
 from api.sse import KEEP_ALIVE_COMMENT, sse_response
@@ -78,6 +79,7 @@ class LlamaCompletionRequest(StrictBody):
     cache_prompt: bool = True
     return_tokens: bool = False
     model: str | None = None  # a LoRA adapter's name runs the request with it (api/lora_routes.py)
+    priority: int | None = None  # lower first under --scheduling-policy priority (api/priority.py)
 
     @field_validator("prompt", mode="plain")
     @classmethod
@@ -95,6 +97,7 @@ async def completion() -> Response:
     state = state_of(current_app)
     body: LlamaCompletionRequest = await parse_body_off_loop(await request.get_data(), LlamaCompletionRequest)
     engine = state.require_engine()
+    priority = request_priority(body.priority, engine)
     check_model(body.model, engine)
     check_stop_strings(body.stop, state.config)
     tok = engine.tokenizer
@@ -110,7 +113,7 @@ async def completion() -> Response:
     api_id = f"cmpl-{uuid.uuid4().hex}"
     job = Job(request_id=api_id, prompt_token_ids=tuple(ids), max_tokens=limit, sampling=sampling,
               stop=tuple(body.stop), ignore_eos=body.ignore_eos,
-              reads_prefix_cache=body.cache_prompt)
+              reads_prefix_cache=body.cache_prompt, priority=priority)
     run = GenerationRun(state, "/completion", api_id, [job], stream=body.stream, drop_output=asked == 0,
                         engine=engine, model=body.model)
     settings = {"n_predict": body.n_predict, "n_ctx": engine.max_context, "temperature": body.temperature,

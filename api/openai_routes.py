@@ -30,6 +30,7 @@ from api.generation import GenerationRun, RowOutput, job_ids
 from api.limits import (check_asked_tokens, check_common, check_fits_queue, check_logprobs, check_prompt_tokens,
                         check_reply_entries, check_token_ids, max_tokens)
 from api.offload import parse_body_off_loop, run_cpu_if
+from api.priority import request_priority
 from api.prompts import check_model, encode, heavy_chat
 from api.protocol import (CancelRequest, ChatCompletionRequest, CompletionRequest, SamplingFields, dumps,
                           parse_logit_bias)
@@ -121,13 +122,13 @@ def _sampling(body: SamplingFields, engine: Engine, logprobs: int | None) -> Row
 def _job_request(job_id: str, prompt_ids: list[int], max_tokens: int, body: SamplingFields,
                  sampling: RowSampling, prompt_logprobs: bool, grammar: GrammarSpec | None = None,
                  plan: OutputPlan = OutputPlan(), images: tuple = (),
-                 thinking: ThinkingBudget | None = None) -> Job:
+                 thinking: ThinkingBudget | None = None, priority: int = 0) -> Job:
     return Job(
         request_id=job_id, prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
         n=body.n or 1, stop=tuple(body.stop_list()), stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos), min_tokens=min(body.min_tokens or 0, max_tokens),
         prompt_logprobs=prompt_logprobs, grammar=grammar, skip_special_tokens=plan.skip_special_tokens,
-        images=images, thinking_budget=thinking)
+        images=images, thinking_budget=thinking, priority=priority)
 
 
 _CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -178,6 +179,7 @@ async def completions() -> Response:
     state = _state()
     body: CompletionRequest = await _body(CompletionRequest)
     engine = state.require_engine()
+    priority = request_priority(body.priority, engine)
     check_model(body.model, engine)
     check_common(body, engine, state.config)
     if body.best_of is not None and body.best_of != (body.n or 1):
@@ -211,7 +213,7 @@ async def completions() -> Response:
     sections = grammar is None and THINK_START in (tok.chat_template or "")
     reqs = [_job_request(job_id, ids,
                          max(1, max_tokens(body.max_tokens, len(ids), engine.max_context, state.config, "prompt")),
-                         body, sampling, echo_logprobs, grammar, plan,
+                         body, sampling, echo_logprobs, grammar, plan, priority=priority,
                          thinking=thinking_budget(tok, body.thinking_token_budget, has_sections=sections,
                                                   starts_inside=prompt_opens_reasoning(tok.decode(ids))))
             for job_id, ids in zip(job_ids(api_id, len(prompts)), prompts)]
@@ -227,6 +229,7 @@ async def chat_completions() -> Response:
     state = _state()
     body: ChatCompletionRequest = await _body(ChatCompletionRequest)
     engine = state.require_engine()
+    priority = request_priority(body.priority, engine)
     check_model(body.model, engine)
     check_common(body, engine, state.config)
     if body.top_logprobs is not None and not body.logprobs:
@@ -268,7 +271,8 @@ async def chat_completions() -> Response:
     thinking = thinking_budget(engine.tokenizer, body.thinking_token_budget, has_sections=chat.plan.reasoning,
                                starts_inside=chat.plan.starts_in_reasoning)
     reqs = [_job_request(api_id, prompt_ids, limit, body, _sampling(body, engine, logprobs), False, grammar,
-                         chat.plan, images.spans(prompt_ids, engine, pictures, "messages"), thinking=thinking)]
+                         chat.plan, images.spans(prompt_ids, engine, pictures, "messages"), thinking=thinking,
+                         priority=priority)]
     check_reply_entries(reqs, logprobs, state.config, param=asked_param)
     run = GenerationRun(state, "/v1/chat/completions", api_id, reqs, stream=bool(body.stream), engine=engine,
                         model=body.model)

@@ -75,6 +75,7 @@ class SamplingFields(StrictBody):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stream_resumable: bool | None = False  # ferrox: replayable stream, not cancelled by a disconnect
+    priority: int | None = None  # vLLM's: lower first under --scheduling-policy priority (api/priority.py)
     user: str | None = None
     # Output constraints (docs/structured-output.md), at most one: OpenAI's response_format,
     # or vLLM's guided_* extensions.

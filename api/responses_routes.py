@@ -60,6 +60,7 @@ from api.generation import GenerationRun, RowOutput
 from api.limits import check_asked_tokens, check_prompt_tokens, max_tokens
 from api.output_blocks import Block, BlockEvent, OutputBlocks
 from api.offload import parse_body_off_loop, run_cpu_if
+from api.priority import request_priority
 from api.prompts import chat_prompt_images, check_model, heavy_chat
 from api.protocol import StrictBody
 from api.reasoning import thinking_budget
@@ -99,6 +100,7 @@ class ResponsesRequest(StrictBody):
     user: str | None = None
     reasoning: Any = None  # {"effort"}: mapped onto the template's thinking switch (api/template_kwargs.py)
     thinking_token_budget: int | None = Field(None, ge=0)  # as on chat; or reasoning.max_tokens
+    priority: int | None = None  # ours (vLLM's field): lower first under --scheduling-policy priority
 
     @field_validator("input", mode="plain")
     @classmethod
@@ -254,6 +256,7 @@ async def create_response() -> Response:
     state = state_of(current_app)
     body: ResponsesRequest = await parse_body_off_loop(await request.get_data(), ResponsesRequest)
     engine = state.require_engine()
+    priority = request_priority(body.priority, engine)
     check_model(body.model, engine)
     if body.previous_response_id is not None:
         raise APIError(400, "previous_response_id is not supported: this server keeps no responses "
@@ -280,7 +283,7 @@ async def create_response() -> Response:
                            seed=None)  # Responses has no seed: the engine draws one
     limit = max_tokens(body.max_output_tokens, len(prompt), engine.max_context, state.config, "input")
     job = Job(request_id=api_id, prompt_token_ids=tuple(prompt), max_tokens=limit, sampling=sampling,
-              grammar=grammar, skip_special_tokens=plan.skip_special_tokens, images=spans,
+              grammar=grammar, skip_special_tokens=plan.skip_special_tokens, images=spans, priority=priority,
               thinking_budget=thinking_budget(engine.tokenizer, cap, has_sections=plan.reasoning,
                                               starts_inside=plan.starts_in_reasoning))
     run = GenerationRun(state, ROUTE, api_id, [job], stream=bool(body.stream), engine=engine, model=body.model)

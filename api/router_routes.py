@@ -88,6 +88,9 @@ class VllmGauges:
                       load["prefix_queries"])
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                       load["prefix_hits"])
+        # vllm:num_preemptions_total: running requests preempted for more urgent ones (priority policy)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                      stats_dict(state.engine_stats()).get("num_preemptions") or 0)
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"])
         engine = state.engine

@@ -172,6 +172,10 @@ SETTINGS: tuple[Setting, ...] = (
             "prompt tokens per tick while no row decodes (0 = --prefill-chunk; larger buckets compile at start-up)",
             group="scheduler"),
     Setting("max_queue", "FERROX_CB_MAX_QUEUE", _positive_int, 512, "waiting jobs before 503", group="scheduler"),
+    Setting("scheduling_policy", "FERROX_SCHEDULING_POLICY", _str, "fcfs",
+            "fcfs (first come first served: every request has priority 0) or priority (a request's integer "
+            "`priority` or x-priority header, lower first; a more urgent request preempts less urgent running "
+            "ones, which recompute and reply exactly as if never preempted)", group="scheduler"),
     Setting("step_timeout_s", "FERROX_STEP_TIMEOUT_S", _nonneg_float, 600.0,
             "seconds one engine step may run after warm-up before the engine is declared hung: in-flight "
             "requests end with an error and the process exits 4 (0 = no watchdog)", group="scheduler"),

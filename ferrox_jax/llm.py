@@ -43,6 +43,7 @@ from typing import Any, Iterable, Sequence
 from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig
 from ferrox_jax.images import ImageLimits, image_file_bytes
 from ferrox_jax.offline import CompletionOutput, RequestOutput, SamplingParams, logprob_dict, to_job
+from ferrox_jax.priority import check_priority
 from ferrox_jax.request import AdmissionError, Job, RowEvent
 
 # vLLM's engine-argument names -> EngineConfig's.
@@ -129,7 +130,7 @@ class LLM:
 
     def generate(self, prompts: str | dict | Sequence[str | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Complete each prompt, as `/v1/completions` would.
 
         Args:
@@ -140,6 +141,8 @@ class LLM:
             (Gemma 3: `<start_of_image>`) where each image goes, as vLLM takes them.
           sampling_params: one for every prompt, or one per prompt (default: SamplingParams()).
           use_tqdm: show a progress bar on stderr.
+          priority: one per prompt, lower first (vLLM's; needs `scheduling_policy="priority"`,
+            else only zeros); default all 0.
         Returns:
           one RequestOutput per prompt, in order.
         """
@@ -155,11 +158,12 @@ class LLM:
                 encoded.append((item["prompt"], ids, self._engine.image_spans(ids, pictures)))
             else:
                 encoded.append((*_prompt_text_and_ids(item, tok), ()))
-        return self._run(encoded, _per_prompt(sampling_params, len(encoded)), use_tqdm)
+        return self._run(encoded, _per_prompt(sampling_params, len(encoded)), use_tqdm, priority)
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Reply to one conversation or a list of them, as `/v1/chat/completions` would.
 
         Args:
@@ -167,6 +171,7 @@ class LLM:
             or a list of such conversations.
           sampling_params: one for every conversation, or one each.
           add_generation_prompt: end the prompt with the assistant turn's opening.
+          priority: one per conversation, as `generate`'s.
         Returns:
           one RequestOutput per conversation; `prompt` is the rendered template text.
         """
@@ -177,19 +182,21 @@ class LLM:
             text = tok.apply_chat_template([_template_message(m) for m in conversation],
                                            add_generation_prompt=add_generation_prompt)
             encoded.append((text, tok.encode(text, add_special_tokens=False), ()))
-        return self._run(encoded, _per_prompt(sampling_params, len(encoded)), use_tqdm)
+        return self._run(encoded, _per_prompt(sampling_params, len(encoded)), use_tqdm, priority)
 
     # -- the run ---------------------------------------------------------------------------
 
     def _run(self, prompts: list[tuple[str | None, list[int], tuple]], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Submit every prompt's job (text, ids, image spans), gather their events, return the outputs in order."""
         engine = self._engine
+        priorities = _priorities(priority, len(prompts), engine.config.scheduling_policy)
         jobs = []
-        for (_, ids, images), p in zip(prompts, params):
+        for (_, ids, images), p, level in zip(prompts, params, priorities):
             if not ids:
                 raise ValueError("a prompt must contain at least one token")
-            jobs.append(to_job(p, f"offline-{next(self._ids)}", ids, engine.max_context, self._grammar(p), images))
+            job = to_job(p, f"offline-{next(self._ids)}", ids, engine.max_context, self._grammar(p), images)
+            jobs.append(dataclasses.replace(job, priority=level))
         results = [_Result(text, job, p, engine.tokenizer) for (text, _, _), job, p in zip(prompts, jobs, params)]
         events: queue.Queue[tuple[int, RowEvent]] = queue.Queue()
         progress = _Progress(len(jobs), use_tqdm)
@@ -402,3 +409,21 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _priorities(priority: Sequence[int] | None, num_prompts: int, policy: str) -> list[int]:
+    """One priority per prompt (all 0 when None), each checked before anything is submitted.
+
+    Raises:
+      ValueError: not one per prompt, out of range, or non-zero under the fcfs policy.
+    """
+    if priority is None:
+        return [0] * num_prompts
+    levels = list(priority)
+    if len(levels) != num_prompts:
+        raise ValueError(f"priority has {len(levels)} entries for {num_prompts} prompts; give one per prompt")
+    for i, level in enumerate(levels):
+        refusal = check_priority(level, policy, f"priority[{i}]")
+        if refusal is not None:
+            raise ValueError(refusal)
+    return levels

@@ -282,3 +282,14 @@ def test_a_constrained_row_keeps_its_grammar_state_across_a_preemption(tiny_llam
     assert scheduler.num_preemptions == 1 and scheduler.num_grammar_errors == 0
     for name in ("bg0", "bg1"):
         assert outputs[name, 0].text == unpreempted[name, 0].text == "12345678901234567890"
+
+
+def test_offline_llm_takes_one_priority_per_prompt_checked_before_anything_is_submitted():
+    from ferrox_jax.llm import _priorities
+
+    assert _priorities(None, 3, "fcfs") == [0, 0, 0]
+    assert _priorities([2, -1], 2, "priority") == [2, -1]
+    with pytest.raises(ValueError, match="one per prompt"):
+        _priorities([1], 2, "priority")
+    with pytest.raises(ValueError, match=r"priority\[1\] 3 needs priority scheduling"):
+        _priorities([0, 3], 2, "fcfs")
