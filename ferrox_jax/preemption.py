@@ -10,6 +10,10 @@ on the owner thread. Under "fcfs" `_make_room` answers False at once and nothing
                        -> WAITING with their output, back in the waiting queue
     _resume(job)       re-admitted (`BlockTables.try_resume` took its cached blocks): rows
                        with tokens to recompute -> PREFILLING, the others -> DECODING
+    _yields_to_prefill(row)
+                       while a job prefills (an urgent arrival), decoding rows of a less
+                       urgent level skip their step: the prompt's chunks run alone (the
+                       larger idle chunk), so its first token is not behind theirs
     _plan_history_chunk / _apply_history_chunk
                        a recomputing row's prompt and output, chunk by chunk into its own
                        blocks, sampling nothing; then it decodes again
@@ -101,6 +105,14 @@ class Preemption:
                 self._decoding[row.row_id] = row
         if job.resume_rows:
             self._prefilling.append(job)
+
+    def _yields_to_prefill(self, row: Row) -> bool:
+        """Under the priority policy, True for a decoding row less urgent (a strictly higher
+        priority value) than a job in the prefilling queue: it skips this step, which changes
+        when its tokens come, never which (its draws are keyed by seed and position)."""
+        if not self._preempts or not self._prefilling:
+            return False
+        return row.job.submitted.priority > min(job.submitted.priority for job in self._prefilling)
 
     def _plan_history_chunk(self, row: Row, end: int) -> RowPlan:
         """A preempted row recomputing its tokens (prompt and output) up to `end`, into its

@@ -309,9 +309,12 @@ class Scheduler(Preemption):
             adapter_slot=job.adapter_slot, images=overlapping(job.submitted.images, start, end))
 
     def _plan_decode_rows(self) -> tuple[RowPlan, ...]:
-        """One token for every decoding row."""
+        """One token for every decoding row (under the priority policy, every row not less
+        urgent than a prompt being prefilled: `_yields_to_prefill`)."""
         steps = []
         for row in self._decoding.values():
+            if self._yields_to_prefill(row):
+                continue
             pos = row.num_computed_tokens
             assert pos == len(row.token_ids) - 1, f"row {row.row_id} has no token to compute"
             self.blocks.prepare_decode(row)

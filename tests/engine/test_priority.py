@@ -78,6 +78,7 @@ def test_urgent_job_preempts_the_least_urgent_at_once_and_every_reply_matches_it
     outputs, plan = busy_then_urgent(scheduler, runner, background, urgent)
     urgent_row = 3  # row ids in submit order: bg0 1, bg1 2, fg 3
     assert any(step.row_id == urgent_row for step in plan.chunks), "the urgent job prefills in the very next tick"
+    assert not plan.decode, "less urgent decoding rows yield that step to the urgent prompt's chunk"
     assert scheduler.num_preemptions == 1
     assert scheduler.waiting_request_ids == ("bg1",), "the latest arrival of the least urgent level gave way"
     run_until_idle(scheduler, runner, outputs)
@@ -227,7 +228,8 @@ def test_cancelling_a_preempted_job_frees_everything():
 
 def test_negative_control_a_resume_that_skips_the_recompute_is_caught(monkeypatch):
     """A wrong implementation (the row decodes at once, as if its tokens were still in its
-    blocks) reads positions nobody wrote: the scripted runner's read-back fails."""
+    blocks) reads what another job wrote there: its reply differs from its run alone (or
+    the scripted runner's read-back fails outright)."""
     def resume_without_recompute(self, job):
         for row in self._open_rows(job):
             row.num_computed_tokens = len(row.token_ids) - 1
@@ -236,9 +238,16 @@ def test_negative_control_a_resume_that_skips_the_recompute_is_caught(monkeypatc
 
     monkeypatch.setattr(preemption.Preemption, "_resume", resume_without_recompute)
     scheduler, runner = make(prefix_caching=False)
-    outputs, _ = busy_then_urgent(scheduler, runner, [job("bg0", priority=2), job("bg1", priority=2)], job("fg", 6, 2))
-    with pytest.raises(AssertionError, match="does not cover|reads"):
+    background = [job("bg0", priority=2), job("bg1", priority=2)]
+    # The urgent prompt (40 tokens, 10 blocks) takes and overwrites the blocks bg1 freed.
+    outputs, _ = busy_then_urgent(scheduler, runner, background, job("fg", 40, 2))
+    try:
         run_until_idle(scheduler, runner, outputs)
+    except AssertionError as e:  # the read-back found a position nobody wrote for it
+        assert "reads" in str(e) or "does not cover" in str(e)
+        return
+    with pytest.raises(AssertionError, match="must equal its unpreempted run"):
+        assert_same_replies(outputs, background)
 
 
 def test_check_priority_range_and_policy():
