@@ -302,3 +302,34 @@ def test_offline_llm_takes_one_priority_per_prompt_checked_before_anything_is_su
         _priorities([1], 2, "priority")
     with pytest.raises(ValueError, match=r"priority\[1\] 3 needs priority scheduling"):
         _priorities([0, 3], 2, "fcfs")
+
+
+class _Slots:
+    """AdapterSlots at the edge: one adapter "a" in slot 1; counts acquires and releases."""
+
+    def __init__(self):
+        self.acquired, self.released = 0, 0
+
+    def refusal(self, name, key):
+        return None
+
+    def acquire(self, name):
+        self.acquired += 1
+        return type("Adapter", (), {"slot": 1})
+
+    def release(self, slot):
+        self.released += 1
+
+
+def test_a_preempted_lora_job_keeps_its_adapter_slot_and_recomputes_with_it():
+    limits = SchedulerLimits(block_size=4, num_blocks=64, max_rows=2, max_chunk_tokens=16, scheduling_policy="priority")
+    runner = ScriptedRunner(block_size=4, num_blocks=65, max_rows=16, max_chunk_tokens=16, token_fn=letters_token_fn())
+    slots = _Slots()
+    scheduler = Scheduler(limits, ByteTokenizer(), adapters=slots)
+    background = [job("bg0", priority=2, adapter_name="a"), job("bg1", priority=2, adapter_name="a")]
+    outputs, _ = busy_then_urgent(scheduler, runner, background, job("fg", 6, 2))
+    assert scheduler.num_preemptions == 1 and slots.acquired == 2, "the preempted job holds its slot while it waits"
+    run_until_idle(scheduler, runner, outputs)
+    history = [step for plan in runner.plans for step in plan.chunks if step.row_id == 2 and step.start_pos > 0]
+    assert history and all(step.adapter_slot == 1 for step in history), "the recompute runs with the adapter"
+    assert slots.acquired == slots.released == 2, "one acquire and one release per job, preemption or not"
