@@ -60,7 +60,8 @@ class Preemption:
         return True
 
     def _num_rows_held(self, job: JobState) -> int:
-        return job.num_prefilling_rows if job in self._prefilling else len(self._held_rows(job))
+        """Rows a running job holds: all n while its prompt prefills, else its rows with tables."""
+        return job.submitted.n if job in self._prefilling and not job.resume_rows else len(self._held_rows(job))
 
     def _held_rows(self, job: JobState) -> list[Row]:
         """A running job's rows holding a table: decoding, or recomputing after a preemption."""
