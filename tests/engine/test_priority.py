@@ -333,3 +333,22 @@ def test_a_preempted_lora_job_keeps_its_adapter_slot_and_recomputes_with_it():
     history = [step for plan in runner.plans for step in plan.chunks if step.row_id == 2 and step.start_pos > 0]
     assert history and all(step.adapter_slot == 1 for step in history), "the recompute runs with the adapter"
     assert slots.acquired == slots.released == 2, "one acquire and one release per job, preemption or not"
+
+
+def test_a_job_preempted_again_while_it_recomputes_still_replies_as_alone():
+    scheduler, runner = make(chunk=4, prefix_caching=False)  # the recompute takes several ticks
+    background = [job("bg0", 9, 30, priority=5, sampling=SEEDED), job("bg1", 9, 30, priority=5, sampling=SEEDED)]
+    outputs, _ = busy_then_urgent(scheduler, runner, background, job("fg0", 4, 1), ticks=12)
+    bg1 = scheduler._jobs["bg1"]
+    for _ in range(40):  # until bg1 is back and recomputing its tokens
+        tick(scheduler, runner, outputs)
+        if bg1.resume_rows:
+            break
+    assert bg1.resume_rows, "bg1 was re-admitted and recomputes"
+    scheduler.add_job(job("fg1", 4, 1))
+    tick(scheduler, runner, outputs)
+    assert bg1.num_preemptions == 2 and scheduler.num_preemptions == 2, "preempted again mid-recompute"
+    assert scheduler.num_running_rows <= 2
+    run_until_idle(scheduler, runner, outputs)
+    assert_same_replies(outputs, background, chunk=4, prefix_caching=False)
+    scheduler.budget.check()
