@@ -352,3 +352,36 @@ def test_a_job_preempted_again_while_it_recomputes_still_replies_as_alone():
     run_until_idle(scheduler, runner, outputs)
     assert_same_replies(outputs, background, chunk=4, prefix_caching=False)
     scheduler.budget.check()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_arrivals_priorities_and_cancels_keep_the_ledger_and_every_reply(seed):
+    """Jobs of random priority, length, n and sampling arrive over time on a tight budget
+    (3 rows, 40 blocks), some cancelled; after every tick the pool's invariants hold, and
+    every job that finished replies as it does alone. Prefix cache on for even seeds,
+    prompt-lookup speculation for seeds 4-7."""
+    import random
+
+    rng = random.Random(seed)
+    caching = seed % 2 == 0
+    spec_cfg = SpeculativeConfig(num_speculative_tokens=2, ngram_min=1, ngram_max=2) if seed >= 4 else None
+    scheduler, runner = make(max_rows=3, num_blocks=40, chunk=8, prefix_caching=caching, speculative=spec_cfg)
+    specs, outputs, cancelled = [], {}, set()
+    for t in range(400):
+        if t < 120 and rng.random() < 0.3:
+            spec = job(f"j{len(specs)}", rng.randint(1, 20), rng.randint(1, 25), priority=rng.randint(0, 3),
+                       n=rng.choice([1, 1, 2]), sampling=rng.choice([GREEDY, SEEDED]))
+            specs.append(spec)
+            scheduler.add_job(spec)
+        if specs and rng.random() < 0.02:
+            victim = rng.choice(specs).request_id
+            cancelled.add(victim)
+            scheduler.cancel(victim)
+        tick(scheduler, runner, outputs)
+        scheduler.budget.check()
+        assert scheduler.num_running_rows <= 3
+    run_until_idle(scheduler, runner, outputs)
+    assert scheduler.num_preemptions > 0, "the workload preempted"
+    assert scheduler.budget.num_held_blocks == 0 and scheduler.budget.num_owed_blocks == 0
+    done = [s for s in specs if s.request_id not in cancelled]
+    assert_same_replies(outputs, done, max_rows=3, num_blocks=40, chunk=8, prefix_caching=caching, speculative=spec_cfg)
