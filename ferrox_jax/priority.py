@@ -13,6 +13,12 @@ Two policies (`SchedulerLimits.scheduling_policy`, the server's `--scheduling-po
     then latest arrival), but only jobs of a strictly less urgent level: two jobs of one
     level never preempt each other, so they cannot take turns undoing each other's work.
 
+Against vLLM's v1 scheduler: the victim is chosen alike (`max(running, key=(priority,
+arrival))`), but vLLM preempts when a *running* request cannot allocate its next blocks, its
+KV growing on demand; ferrox reserves each job's lifetime worst case at admission (the
+contract's rule), so a running row never runs short and the decision moves to admission,
+for the waiting head. And vLLM may preempt within a level; ferrox does not.
+
 Preemption (`Scheduler._preempt`) frees every block the job holds and owes, puts it back
 in the waiting queue under its original urgency, and it later recomputes from its prompt
 plus the tokens it produced so far (`BlockTables.try_resume`: the prefix cache usually
@@ -20,6 +26,12 @@ still holds most of them, so the recompute is mostly lookups). Its rows keep the
 life (text, stop strings, grammar state, seeds); the row's next draw is keyed by (seed,
 position) as before, so its reply is token for token the unpreempted one, and nothing it
 already streamed is sent again.
+
+While a job is in the prefilling queue, decoding rows of a strictly less urgent level skip
+their steps (`Scheduler._yields_to_prefill`): an urgent prompt's chunks run alone, so its
+first token comes about as soon as on an idle server instead of after a step of every
+background row (docs/benchmarks.md, "Priority scheduling"). Skipping a step changes when a
+row's tokens come, never which.
 
 The starvation guard: a job preempted `MAX_PREEMPTIONS` times is never preempted again;
 once re-admitted it runs to its end. So a low-priority job loses its work at most that
@@ -35,6 +47,7 @@ from collections.abc import Iterable, Iterator
 
 from ferrox_jax.config import SCHEDULING_POLICIES  # noqa: F401 (named here for readers of the policy)
 from ferrox_jax.request import PRIORITY_MAX, PRIORITY_MIN, JobState
+
 # The starvation guard (module docstring): preemptions a job suffers at most.
 MAX_PREEMPTIONS = 3
 
