@@ -106,6 +106,7 @@ def test_an_urgent_request_gets_in_at_once_and_every_preempted_reply_equals_its_
         t.join(180)
     stats = http.get("/admin/stats").json()
     assert stats["num_preemptions"] - before == 2, "one stream gave way for each urgent request"
+    assert stats["recompiles_after_warmup"] == 0, "recomputing and pausing rows use the warmed shapes"
     metrics = http.get("/metrics").text
     line = next(x for x in metrics.splitlines() if x.startswith("vllm:num_preemptions_total{"))
     assert float(line.rsplit(" ", 1)[1]) >= stats["num_preemptions"]
