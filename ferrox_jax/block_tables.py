@@ -130,8 +130,22 @@ class BlockTables:
     def try_resume(self, job: JobState, rows: list[Row]) -> bool:
         """Re-admits a preempted job whose rows had decoded: each of its open `rows` takes
         its cached blocks of `token_ids[:-1]` and is promised the rest; False: "not now"."""
+        hits_by_row = self._resume_hits(job, rows)
+        num_new = sum(self._per_row(job) - len(hits) for hits in hits_by_row)
+        if not self.budget.try_admit(num_new, [block_id for hits in hits_by_row for block_id in hits]):
+            return False
+        for row, hits in zip(rows, hits_by_row):
+            row.block_ids, row.num_named_blocks, row.num_computed_tokens = list(hits), len(hits), len(hits) * self.block_size
+        job.num_owed_blocks = num_new
+        return True
+
+    def _per_row(self, job: JobState) -> int:
+        submitted = job.submitted
+        return max(1, math.ceil((len(submitted.prompt_token_ids) + submitted.max_tokens) / self.block_size))
+
+    def _resume_hits(self, job: JobState, rows: list[Row]) -> list[list[int]]:
+        """Per row, its cached blocks of the tokens before its last (names computed as needed)."""
         bs, submitted = self.block_size, job.submitted
-        per_row = max(1, math.ceil((len(submitted.prompt_token_ids) + submitted.max_tokens) / bs))
         hits_by_row = []
         for row in rows:
             num_full = (len(row.token_ids) - 1) // bs  # blocks wholly before its last token
@@ -144,13 +158,24 @@ class BlockTables:
                                           num_blocks=num_full - len(names))
                 hits = self.cache.lookup(names[:num_full])
             hits_by_row.append(hits)
-        num_new = sum(per_row - len(hits) for hits in hits_by_row)
-        if not self.budget.try_admit(num_new, [block_id for hits in hits_by_row for block_id in hits]):
-            return False
-        for row, hits in zip(rows, hits_by_row):
-            row.block_ids, row.num_named_blocks, row.num_computed_tokens = list(hits), len(hits), len(hits) * bs
-        job.num_owed_blocks = num_new
-        return True
+        return hits_by_row
+
+    def admission_cost(self, job: JobState, rows: list[Row]) -> int:
+        """What admitting `job` now would take from `budget.num_free_blocks`: the new blocks
+        it would be promised plus the idle cached blocks its hits would reference (what
+        `try_admit` / `try_resume` charge; lookups only, nothing is taken)."""
+        submitted, bs = job.submitted, self.block_size
+        if job.has_forked:
+            hits_by_row = self._resume_hits(job, rows)
+            hits = [block_id for row_hits in hits_by_row for block_id in row_hits]
+            num_new = sum(self._per_row(job) - len(row_hits) for row_hits in hits_by_row)
+        else:
+            prompt, hits = submitted.prompt_token_ids, []
+            if self.cache is not None and not submitted.computes_every_position:
+                names = job.block_names or chain_hashes(prompt, bs, adapter_root(self.cache.root, submitted.adapter_key))
+                hits = self.cache.lookup(names[:(len(prompt) - 1) // bs])
+            num_new = blocks_to_reserve(len(prompt), submitted.max_tokens, submitted.n, bs, len(hits) * bs)
+        return num_new + sum(1 for block_id in set(hits) if not self.budget.ref_count(block_id))
 
     def num_releasable(self, job: JobState, rows: Iterable[Row]) -> int:
         """Blocks preempting the job would give back to admission: what it is owed, and the

@@ -28,7 +28,6 @@ after the previous tick's events were taken, and recomputing adds no token.
 
 from __future__ import annotations
 
-from ferrox_jax.block_tables import blocks_to_reserve
 from ferrox_jax.images import overlapping
 from ferrox_jax.plan import RowPlan
 from ferrox_jax.priority import pick_victim
@@ -59,6 +58,12 @@ class Preemption:
         self._preempt(pick_victim(head, victims))
         return True
 
+    def _num_blocks_wanted(self, job: JobState) -> int:
+        """What `job`'s admission would charge now (`BlockTables.admission_cost`). Its hits
+        on a victim's blocks count as free (they go idle) though they would cost one each
+        once idle: an estimate that errs towards preempting, which only costs a recompute."""
+        return self.blocks.admission_cost(job, self._open_rows(job))
+
     def _num_rows_held(self, job: JobState) -> int:
         """Rows a running job holds: all n while its prompt prefills, else its rows with tables."""
         return job.submitted.n if job in self._prefilling and not job.resume_rows else len(self._held_rows(job))
@@ -66,16 +71,6 @@ class Preemption:
     def _held_rows(self, job: JobState) -> list[Row]:
         """A running job's rows holding a table: decoding, or recomputing after a preemption."""
         return [row for row in job.rows if row.row_id in self._decoding or row in job.resume_rows]
-
-    def _num_blocks_wanted(self, job: JobState) -> int:
-        """A lower bound of the new blocks `job`'s admission promises (its prompt's blocks
-        in the prefix cache now are not counted, whoever holds them)."""
-        submitted, bs = job.submitted, self.limits.block_size
-        if job.has_forked:
-            per_row = blocks_to_reserve(len(submitted.prompt_token_ids), submitted.max_tokens, 1, bs)
-            return sum(per_row - (len(row.token_ids) - 1) // bs for row in self._open_rows(job))
-        return blocks_to_reserve(len(submitted.prompt_token_ids), submitted.max_tokens, submitted.n, bs,
-                                 (len(submitted.prompt_token_ids) - 1) // bs * bs)
 
     def _preempt(self, job: JobState) -> None:
         """Frees a running job's blocks and puts it back in the waiting queue under its

@@ -385,3 +385,23 @@ def test_random_arrivals_priorities_and_cancels_keep_the_ledger_and_every_reply(
     assert scheduler.budget.num_held_blocks == 0 and scheduler.budget.num_owed_blocks == 0
     done = [s for s in specs if s.request_id not in cancelled]
     assert_same_replies(outputs, done, max_rows=3, num_blocks=40, chunk=8, prefix_caching=caching, speculative=spec_cfg)
+
+
+def test_nothing_is_preempted_when_preempting_every_less_urgent_job_would_not_make_room(monkeypatch):
+    # 20 blocks: bg0 (priority 5) and bg1 (priority 0) hold 8 each (8 + 24 tokens), 4 free.
+    # fg (priority 1) needs 15 (30 + 30 tokens): bg0's 8 and the 4 free are not enough, and
+    # bg1 is more urgent than fg, so fg waits and bg0 keeps its work.
+    def run():
+        scheduler, runner = make(num_blocks=20, max_rows=4)
+        outputs, _ = busy_then_urgent(scheduler, runner, [job("bg0", 8, 24, priority=5), job("bg1", 8, 24, priority=0)],
+                                      job("fg", 30, 30, priority=1))
+        return scheduler, runner, outputs
+
+    scheduler, runner, outputs = run()
+    assert scheduler.num_preemptions == 0 and scheduler.waiting_request_ids == ("fg",)
+    run_until_idle(scheduler, runner, outputs)
+    assert outputs["fg", 0].finish_reason == "length", "fg runs once the others end"
+    # Negative control: without the estimate, bg0 is preempted for nothing.
+    monkeypatch.setattr(preemption.Preemption, "_num_blocks_wanted", lambda self, job: 0)
+    scheduler, _, _ = run()
+    assert scheduler.num_preemptions == 1
