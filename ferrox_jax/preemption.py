@@ -31,7 +31,8 @@ from __future__ import annotations
 from ferrox_jax.images import overlapping
 from ferrox_jax.plan import RowPlan
 from ferrox_jax.priority import pick_victim
-from ferrox_jax.request import JobState, Row, RowState, _transition
+from ferrox_jax.request import JobState, Row
+from ferrox_jax.row_state import RowState, transition
 
 
 class Preemption:
@@ -83,7 +84,7 @@ class Preemption:
         job.has_forked = job.has_forked or any(row.state is RowState.DECODING for row in rows)
         for row in rows:
             self._decoding.pop(row.row_id, None)
-            _transition(row, RowState.WAITING, self.state_counts)
+            transition(row, RowState.WAITING, self.state_counts)
         self.blocks.preempt(job, rows)
         job.resume_rows, job.prompt_logprobs, job.hidden_sum = [], [], None  # recomputed whole
         job.queued_at_s = self._clock()
@@ -95,9 +96,9 @@ class Preemption:
         job.resume_rows = [row for row in self._open_rows(job) if row.num_computed_tokens < len(row.token_ids) - 1]
         for row in self._open_rows(job):
             if row in job.resume_rows:
-                _transition(row, RowState.PREFILLING, self.state_counts)
+                transition(row, RowState.PREFILLING, self.state_counts)
             else:
-                _transition(row, RowState.DECODING, self.state_counts)
+                transition(row, RowState.DECODING, self.state_counts)
                 self._decoding[row.row_id] = row
         if job.resume_rows:
             self._prefilling.append(job)
@@ -129,7 +130,7 @@ class Preemption:
         if row.num_computed_tokens < len(row.token_ids) - 1:
             return
         job.resume_rows.remove(row)
-        _transition(row, RowState.DECODING, self.state_counts)
+        transition(row, RowState.DECODING, self.state_counts)
         self._decoding[row.row_id] = row
         if not job.resume_rows:
             self._prefilling.remove(job)

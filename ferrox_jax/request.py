@@ -22,7 +22,7 @@ prompt, whose only token every row computes itself. PREFILLING -> FINISHED_STOP 
 pooling job, which ends after its last prefill chunk with the pooled hidden state.)
 Under the priority policy a running job can be preempted (`ferrox_jax/priority.py`): its
 open rows go back to WAITING with their output so far, recomputed when re-admitted (a row
-that had decoded re-enters PREFILLING for that, then DECODING). `_transition()` is the only code that changes a state;
+that had decoded re-enters PREFILLING for that, then DECODING). `row_state.transition()` is the only code that changes a state;
 it checks `_ALLOWED_TRANSITIONS` and counts entries per state (WAITING's: preempted rows).
 
 A row's output life is on the row: the settings of its next draw (`Row.step_sampling`),
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import random
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +43,7 @@ from typing import Any
 from ferrox_jax.constraint import GrammarSpec
 from ferrox_jax.detokenize import SpecialTokensKept, TextStream
 from ferrox_jax.images import ImageSpan, check_spans  # noqa: F401 (ImageSpan: what the routes build)
+from ferrox_jax.row_state import RowState, transition
 from ferrox_jax.thinking import FORCED_UNKNOWN_LOGPROB, ThinkingBudget, ThinkingCounter
 
 # Makes a row's grammar state (a `ferrox_jax.grammar.RowMatcher`) for its constraint: the
@@ -268,51 +268,6 @@ _SEED_MIX = 0x9E3779B1
 _SEED_MASK = 0x7FFFFFFF  # keep derived seeds in int32 range for the device arrays
 
 
-class RowState(enum.Enum):
-    WAITING = "waiting"
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    FINISHED_STOP = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_CANCELLED = "cancelled"
-    FINISHED_ERROR = "error"
-
-    @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED
-
-    @property
-    def finish_reason(self) -> str | None:
-        """The OpenAI finish_reason for a finished state ("stop", "length", ...), else None."""
-        return self.value if self.is_finished else None
-
-
-_FINISHED = frozenset({RowState.FINISHED_STOP, RowState.FINISHED_LENGTH,
-                       RowState.FINISHED_CANCELLED, RowState.FINISHED_ERROR})
-_ENDED_EARLY = frozenset({RowState.FINISHED_CANCELLED, RowState.FINISHED_ERROR})
-
-_ALLOWED_TRANSITIONS: dict[RowState, frozenset[RowState]] = {
-    RowState.WAITING: frozenset({RowState.PREFILLING, RowState.DECODING} | _ENDED_EARLY),
-    RowState.PREFILLING: frozenset({RowState.DECODING, RowState.FINISHED_STOP, RowState.WAITING} | _ENDED_EARLY),
-    RowState.DECODING: _FINISHED | {RowState.WAITING},  # -> WAITING: preempted (the priority policy)
-    RowState.FINISHED_STOP: frozenset(),
-    RowState.FINISHED_LENGTH: frozenset(),
-    RowState.FINISHED_CANCELLED: frozenset(),
-    RowState.FINISHED_ERROR: frozenset(),
-}
-
-
-def _transition(row: Row, new_state: RowState,
-                counts: collections.Counter[RowState]) -> None:
-    """Moves a row to `new_state` if the table allows it, and counts the entry."""
-    allowed = _ALLOWED_TRANSITIONS[row.state]
-    assert new_state in allowed, (
-        f"row {row.row_id} of {row.job.submitted.request_id}: "
-        f"{row.state.name} -> {new_state.name} is not an allowed transition")
-    row.state = new_state
-    counts[new_state] += 1
-
-
 def derive_row_seed(seed: int, index: int) -> int:
     """Seed of choice `index`. Choice 0 keeps the request's seed, so n=1 and the first of
     n choices sample alike; others mix the index in (seed + index would make choice 1 of
@@ -378,7 +333,7 @@ class Row:
     # The scheduler decides when a row computes and owns its blocks; what a sampled token
     # does to the row (stop checks, grammar, text, logprobs) and what the client hears of
     # it are the row's own. `eos_token_ids` is the tokenizer's stop tokens, `counts` the
-    # scheduler's entries per state (`_transition`).
+    # scheduler's entries per state (`transition`).
 
     def step_sampling(self, eos_token_ids: frozenset[int]) -> RowSampling:
         """The row's settings for its next draw, with its stop tokens banned while output <
@@ -452,7 +407,7 @@ class Row:
         """Ends the row in `state` (with `error` and its kind `code` when it failed) and
         releases the text the stop-string check held back; returns `state`. Its blocks are
         the scheduler's to free."""
-        _transition(self, state, counts)
+        transition(self, state, counts)
         self.error, self.error_code = error, code
         self.new_text += self.text.finish()
         return state

@@ -57,7 +57,8 @@ from ferrox_jax.plan import RowPlan, StepOutput, StepPlan
 from ferrox_jax.preemption import Preemption
 from ferrox_jax.priority import WaitingQueue
 from ferrox_jax.speculative import Speculator
-from ferrox_jax.request import Job, JobState, MatcherFactory, Row, RowEvent, RowResult, RowState, _transition
+from ferrox_jax.request import Job, JobState, MatcherFactory, Row, RowEvent, RowResult
+from ferrox_jax.row_state import RowState, transition
 
 # A cancel for a request id not seen yet is kept this long (the job's submit may still be on
 # its way), and at most this many are kept (ids that never arrive must not pile up).
@@ -255,7 +256,7 @@ class Scheduler(Preemption):
                 self._start_decoding(job)
             else:
                 for row in job.rows:
-                    _transition(row, RowState.PREFILLING, self.state_counts)
+                    transition(row, RowState.PREFILLING, self.state_counts)
                 self._prefilling.append(job)
 
     def adapter_refusal(self, submitted: Job) -> tuple[str, str] | None:
@@ -438,7 +439,7 @@ class Scheduler(Preemption):
         self.blocks.fork(job)
         for row in job.rows:
             row.num_computed_tokens = job.num_prefill_tokens
-            _transition(row, RowState.DECODING, self.state_counts)
+            transition(row, RowState.DECODING, self.state_counts)
             self._decoding[row.row_id] = row
 
     def _accept_token(self, row: Row, result: RowResult) -> None:

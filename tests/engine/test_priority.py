@@ -233,7 +233,7 @@ def test_negative_control_a_resume_that_skips_the_recompute_is_caught(monkeypatc
     def resume_without_recompute(self, job):
         for row in self._open_rows(job):
             row.num_computed_tokens = len(row.token_ids) - 1
-            preemption._transition(row, preemption.RowState.DECODING, self.state_counts)
+            preemption.transition(row, preemption.RowState.DECODING, self.state_counts)
             self._decoding[row.row_id] = row
 
     monkeypatch.setattr(preemption.Preemption, "_resume", resume_without_recompute)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import collections
 import math
 
-from ferrox_jax.request import Job, JobState, RowResult, RowState, _transition
+from ferrox_jax.request import Job, JobState, RowResult
+from ferrox_jax.row_state import RowState, transition
 from tests.support.scripted import EOS, ByteTokenizer
 
 STOPS = frozenset({EOS})  # the tokenizer's stop tokens, as the scheduler passes them
@@ -18,7 +19,7 @@ def decoding_row(**job_fields):
     fields = {"max_tokens": 8, **job_fields}
     job = JobState(Job(request_id="r", prompt_token_ids=(ord("h"), ord("i")), **fields), 1, ByteTokenizer())
     row, counts = job.rows[0], collections.Counter()
-    _transition(row, RowState.DECODING, counts)
+    transition(row, RowState.DECODING, counts)
     return row, counts
 
 
@@ -90,7 +91,7 @@ def test_a_grammar_rejecting_its_sampled_token_ends_the_row_with_an_error():
     job = JobState(Job(request_id="g", prompt_token_ids=(1, 2), max_tokens=4, grammar=object()), 1,
                    ByteTokenizer(), new_matcher=lambda grammar: Rejecting())
     row, counts = job.rows[0], collections.Counter()
-    _transition(row, RowState.DECODING, counts)
+    transition(row, RowState.DECODING, counts)
     assert accept_all(row, counts, [ord("a")]) == [RowState.FINISHED_ERROR]
     event = row.take_event()
     assert event.finish_reason == "error" and "rejected sampled token" in event.error
