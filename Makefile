@@ -66,7 +66,7 @@ test: $(STAMP) $(KERNEL) browser maps
 FAST_TIERS := tests/engine tests/models tests/server
 FAST_SKIP := \
 	tests/engine/test_speculative.py tests/engine/test_speculative_draft.py \
-	tests/engine/test_engine_batching.py tests/engine/test_runner.py \
+	tests/engine/test_engine_batching.py tests/engine/test_runner.py tests/engine/test_images_mmproj.py \
 	tests/server/test_fuzz_schemathesis.py \
 	tests/models/test_quant.py tests/models/test_lora_peft.py \
 	tests/models/test_gguf_blocks.py tests/models/test_gguf_kquants.py \

@@ -157,7 +157,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     try:
         return EngineConfig(
             model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
-            load_format=args.load_format, dummy_weights_seed=args.dummy_weights_seed,
+            load_format=args.load_format, dummy_weights_seed=args.dummy_weights_seed, mmproj=args.mmproj,
             quantization=args.quantization, int8_kernel=args.int8_kernel, kv_cache_dtype=args.kv_cache_dtype,
             block_size=args.block_size, kv_blocks=args.kv_blocks, kv_memory_gib=args.kv_memory_gib,
             max_context=args.max_context, max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,

@@ -75,6 +75,7 @@ class EngineConfig:
     dtype: str | None = None  # compute dtype; None: float32 on CPU, bfloat16 elsewhere
     load_format: str = "auto"  # "auto": read the weights; "dummy": random weights from the config (sizing)
     dummy_weights_seed: int = 0  # the seed of load_format="dummy" (same seed, same weights)
+    mmproj: str | None = None  # llama.cpp's projector GGUF for a Gemma 3 GGUF (images in: ferrox_jax/vision.py)
     quantization: str = "none"  # "int8" (weight-only) or "w8a8" (int8 weights and activations)
     int8_kernel: str = "auto"  # w8a8 on CPU: "auto" (the AVX2 kernel where it applies) or "xla"
     # ---- KV cache and batching (the contract's FERROX_CB_* settings) ----

@@ -427,7 +427,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         log.warning("synthetic weights (--load-format dummy, seed %d): %s is served with random weights; "
                     "its outputs are meaningless (for sizing and benchmarks only)",
                     config.dummy_weights_seed, source.name)
-    vision, config = open_vision(source, config)  # a model taking images: its encoder
+    vision, config, source = open_vision(source, config)  # a model taking images: its encoder
     _, model_axis = config.mesh_shape
     if jax.process_count() > 1:
         check_mesh(model_axis, jax.device_count())

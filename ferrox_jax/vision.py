@@ -68,23 +68,32 @@ def place_vision(cfg: VisionConfig, params: dict[str, Any]) -> VisionEncoder:
     return VisionEncoder(cfg, {name: jax.device_put(jnp.asarray(v, jnp.float32)) for name, v in params.items()})
 
 
-def open_vision(source: Any, config: Any) -> tuple[VisionEncoder | None, Any]:
-    """A checkpoint's vision encoder (None for a text model) and the engine config it needs:
-    prompt chunks of at least one image's tokens (an image is computed in one forward), raised
-    from the configured size when smaller. Raises ValueError for what a model taking images
-    cannot do yet: a multi-process mesh, or synthetic weights."""
-    vision_cfg = getattr(source.config, "vision", None)
-    if vision_cfg is None:
-        return None, config
+def open_vision(source: Any, config: Any) -> tuple[VisionEncoder | None, Any, Any]:
+    """A checkpoint's vision encoder (None for a text model), the engine config it needs (prompt
+    chunks of at least one image's tokens: an image is computed in one forward, so a smaller
+    configured size is raised), and the source (with `--mmproj`, its config now naming the
+    encoder). The encoder comes from a vision-language folder's own tensors, or from llama.cpp's
+    projector GGUF (`config.mmproj`) beside a Gemma 3 GGUF. Raises ValueError for what a model
+    taking images cannot do yet: a multi-process mesh, synthetic weights, `--mmproj` on
+    another family."""
+    from models import siglip  # the encoder's readers (jax arrays)
+
+    if config.mmproj is not None:
+        if not hasattr(source.config, "vision"):
+            raise ValueError(f"--mmproj is supported for Gemma 3 models; {source.config.architecture} takes no "
+                             "projector")
+        cfg, params = siglip.read_gemma3_mmproj(config.mmproj, source.tokenizer)
+        source = dataclasses.replace(source, config=dataclasses.replace(source.config, vision=cfg))
+    elif getattr(source.config, "vision", None) is None:
+        return None, config, source
+    elif source.is_synthetic:
+        raise ValueError("--load-format dummy does not make a vision encoder's weights; serve the checkpoint's own")
+    else:
+        cfg, params = siglip.read_gemma3_vision(source.path)
     if jax.process_count() > 1:
         raise ValueError("multi-host serving of a model taking images is not supported yet; serve it on one host")
-    if source.is_synthetic:
-        raise ValueError("--load-format dummy does not make a vision encoder's weights; serve the checkpoint's own")
-    from models.siglip import read_gemma3_vision  # reads the encoder's tensors of the checkpoint folder
-
-    cfg, params = read_gemma3_vision(source.path)
     if config.prefill_chunk < cfg.tokens_per_image:
         log.info("prompt chunks of %d tokens (was %d): an image's %d tokens are computed in one forward",
                  cfg.tokens_per_image, config.prefill_chunk, cfg.tokens_per_image)
         config = dataclasses.replace(config, prefill_chunk=cfg.tokens_per_image)
-    return place_vision(cfg, params), config
+    return place_vision(cfg, params), config, source

@@ -33,7 +33,7 @@ import functools
 import json
 import math
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -257,5 +257,83 @@ def read_gemma3_vision(folder: str | Path) -> tuple[VisionConfig, dict[str, jax.
         if value.shape != shapes[ours]:
             raise CheckpointFileError(f"vision tensor {hf} has shape {found[ours].shape}; "
                                       f"the config implies {shapes[ours]}")
+        params[ours] = jnp.asarray(value)
+    return cfg, params
+
+
+# -- llama.cpp's projector files (`--mmproj`) ------------------------------------------------------
+
+_MMPROJ_GLOBAL = {  # ours -> the tensor's name in llama.cpp's mmproj GGUF (its converter's names)
+    "patch_embedding": "v.patch_embd.weight", "patch_bias": "v.patch_embd.bias",
+    "position_embedding": "v.position_embd.weight", "post_ln_w": "v.post_ln.weight", "post_ln_b": "v.post_ln.bias",
+    "mm_norm": "mm.soft_emb_norm.weight", "mm_projection": "mm.input_projection.weight",
+}
+_MMPROJ_LAYER = {  # ours -> the suffix after v.blk.{i}.
+    "ln1_w": "ln1.weight", "ln1_b": "ln1.bias", "ln2_w": "ln2.weight", "ln2_b": "ln2.bias",
+    "q_w": "attn_q.weight", "q_b": "attn_q.bias", "k_w": "attn_k.weight", "k_b": "attn_k.bias",
+    "v_w": "attn_v.weight", "v_b": "attn_v.bias", "o_w": "attn_out.weight", "o_b": "attn_out.bias",
+    "fc1_w": "ffn_up.weight", "fc1_b": "ffn_up.bias", "fc2_w": "ffn_down.weight", "fc2_b": "ffn_down.bias",
+}
+IMAGE_TOKENS = ("<image_soft_token>", "<start_of_image>", "<end_of_image>")  # Gemma 3's, by text
+
+
+def _f32_value(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07)."""
+    return float(str(np.float32(value)))
+
+
+def read_gemma3_mmproj(path: str | Path, tokenizer: Any) -> tuple[VisionConfig, dict[str, jax.Array]]:
+    """The encoder and projector of a llama.cpp `mmproj` GGUF of Gemma 3 (`clip.projector_type`
+    gemma3), as float32 arrays; the image token ids from the text model's `tokenizer`.
+
+    llama.cpp's converter keeps HF's tensors (its own names, F16/F32 or a block format: dequantized
+    here) and stores the projector's norm as 1 + w (undone here). Raises CheckpointFileError naming
+    the file and what is missing; UnsupportedModelError for another projector."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    try:
+        reader = GGUFReader(str(path))
+    except (OSError, ValueError) as e:
+        raise CheckpointFileError(f"--mmproj {path} is not a readable GGUF file ({e})") from None
+    meta = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("tokenizer.")}
+    kind = meta.get("clip.projector_type", meta.get("clip.vision.projector_type"))
+    if kind != "gemma3":
+        raise UnsupportedModelError(f"--mmproj {path.name}: projector type {kind!r} is not supported (gemma3 only)")
+    for key in ("clip.vision.image_mean", "clip.vision.image_std"):
+        if key in meta and [round(float(v), 6) for v in meta[key]] != [0.5, 0.5, 0.5]:
+            raise UnsupportedModelError(f"--mmproj {path.name}: {key} {meta[key]} is not Gemma 3's 0.5")
+    ids = [tokenizer.token_to_id(t) for t in IMAGE_TOKENS]
+    if any(i is None for i in ids):
+        raise CheckpointFileError(f"the text model's vocabulary lacks Gemma 3's image tokens {IMAGE_TOKENS}; "
+                                  f"--mmproj {path.name} needs a Gemma 3 model")
+    image_size, patch = int(meta["clip.vision.image_size"]), int(meta["clip.vision.patch_size"])
+    scale = int(meta.get("clip.vision.projector.scale_factor", 4))
+    side = image_size // patch // scale
+    cfg = VisionConfig(hidden=int(meta["clip.vision.embedding_length"]), layers=int(meta["clip.vision.block_count"]),
+                       heads=int(meta["clip.vision.attention.head_count"]),
+                       intermediate=int(meta["clip.vision.feed_forward_length"]), image_size=image_size,
+                       patch_size=patch, eps=_f32_value(meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6)),
+                       tokens_per_image=side * side, text_hidden=int(meta["clip.vision.projection_dim"]),
+                       image_token_id=ids[0], boi_token_id=ids[1], eoi_token_id=ids[2])
+    names = dict(_MMPROJ_GLOBAL)
+    for i in range(cfg.layers):
+        names.update({f"layers.{i}.{ours}": f"v.blk.{i}.{suffix}" for ours, suffix in _MMPROJ_LAYER.items()})
+    tensors = {t.name: t for t in reader.tensors}
+    shapes = expected_shapes(cfg)
+    params = {}
+    for ours, name in names.items():
+        t = tensors.get(name)
+        if t is None:
+            raise CheckpointFileError(f"--mmproj {path.name} has no tensor {name}")
+        raw = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(
+            tuple(int(d) for d in reversed(t.shape)))
+        if ours == "mm_norm":
+            raw = raw - 1.0  # the converter wrote 1 + w
+        value = _to_ours(ours, raw)
+        if value.shape != shapes[ours]:
+            raise CheckpointFileError(f"--mmproj {path.name}: {name} has shape {raw.shape}; "
+                                      f"the file's metadata implies {shapes[ours]}")
         params[ours] = jnp.asarray(value)
     return cfg, params

@@ -212,8 +212,8 @@ def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path) -> None:
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     special = {t["content"]: t["id"] for t in tok["added_tokens"]}
-    tokens = [None] * len(vocab)
-    for text, i in vocab.items():
+    tokens = [None] * max(len(vocab), max(special.values(), default=-1) + 1)
+    for text, i in {**vocab, **special}.items():  # added tokens past the BPE vocabulary too
         tokens[i] = text
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -222,3 +222,94 @@ def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path) -> None:
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_eos_token_id(special["<|im_end|>"])
     w.add_add_bos_token(False)
+
+
+def write_gemma3_text_gguf(vlm_dir: Path, out: Path) -> Path:
+    """The language model of a `Gemma3ForConditionalGeneration` folder as llama.cpp's converter
+    writes it (`gemma3`, the text tensors only), through a text-only folder of its tensors."""
+    import shutil
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    cfg = json.loads((vlm_dir / "config.json").read_text())
+    text = {**cfg["text_config"], "architectures": ["Gemma3ForCausalLM"]}
+    tensors = load_file(str(vlm_dir / "model.safetensors"))
+    text_tensors = {}
+    for k, v in tensors.items():  # saved as the Hub's `language_model.model.*` or `model.language_model.*`
+        for prefix in ("language_model.model.", "model.language_model."):
+            if k.startswith(prefix):
+                text_tensors["model." + k[len(prefix):]] = v
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "config.json").write_text(json.dumps(text))
+        save_file(text_tensors, str(folder / "model.safetensors"))
+        shutil.copy(vlm_dir / "tokenizer.json", folder / "tokenizer.json")
+        return write_gguf(folder, out, "gemma3")
+
+
+MMPROJ_NAMES = {  # HF name after vision_tower. / multi_modal_projector. -> llama.cpp's mmproj name
+    "embeddings.patch_embedding.weight": "v.patch_embd.weight",
+    "embeddings.patch_embedding.bias": "v.patch_embd.bias",
+    "embeddings.position_embedding.weight": "v.position_embd.weight",
+    "post_layernorm.weight": "v.post_ln.weight", "post_layernorm.bias": "v.post_ln.bias",
+    "mm_soft_emb_norm.weight": "mm.soft_emb_norm.weight", "mm_input_projection_weight": "mm.input_projection.weight",
+}
+MMPROJ_LAYER = {"layer_norm1": "ln1", "layer_norm2": "ln2", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_out", "mlp.fc1": "ffn_up",
+                "mlp.fc2": "ffn_down"}
+
+
+def write_gemma3_mmproj(vlm_dir: Path, out: Path, f16: bool = True) -> Path:
+    """The vision tower and projector of a `Gemma3ForConditionalGeneration` folder as llama.cpp's
+    converter writes an mmproj file (`conversion/gemma.py:Gemma3VisionModel`): clip.* metadata,
+    the projector's norm as 1 + w, embeddings and norms in F32, the input projection and the
+    other matrices in F16; `f16=False` keeps every tensor F32 (not the converter's choice for the
+    input projection: what a float32 comparison against HF needs)."""
+    cfg = json.loads((vlm_dir / "config.json").read_text())
+    vision = cfg["vision_config"]
+    tensors = load_file(str(vlm_dir / "model.safetensors"))
+    w = gguf.GGUFWriter(str(out), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
+    w.add_vision_projection_dim(cfg["text_config"]["hidden_size"])
+    w.add_vision_image_size(vision["image_size"])
+    w.add_vision_patch_size(vision["patch_size"])
+    w.add_vision_embedding_length(vision["hidden_size"])
+    w.add_vision_feed_forward_length(vision["intermediate_size"])
+    w.add_vision_block_count(vision["num_hidden_layers"])
+    w.add_vision_head_count(vision["num_attention_heads"])
+    w.add_vision_image_mean([0.5, 0.5, 0.5])
+    w.add_vision_image_std([0.5, 0.5, 0.5])
+    w.add_vision_attention_layernorm_eps(vision.get("layer_norm_eps", 1e-6))
+    w.add_vision_use_gelu(True)
+    scale = (vision["image_size"] // vision["patch_size"]) // int(cfg["mm_tokens_per_image"] ** 0.5)
+    if scale != 4:
+        w.add_vision_projector_scale_factor(scale)
+    for name, arr in tensors.items():
+        key = name.removeprefix("model.")
+        for part in ("vision_tower.vision_model.", "vision_tower.", "multi_modal_projector."):
+            if key.startswith(part):
+                key = key[len(part):]
+                break
+        else:
+            continue
+        if key.startswith("encoder.layers."):
+            i, rest = key[len("encoder.layers."):].split(".", 1)
+            module, leaf = rest.rsplit(".", 1)
+            gguf_name = f"v.blk.{i}.{MMPROJ_LAYER[module]}.{leaf}"
+        elif key in MMPROJ_NAMES:
+            gguf_name = MMPROJ_NAMES[key]
+        else:
+            continue  # a pooling head: the converter skips it
+        arr = np.asarray(arr, np.float32)
+        if gguf_name == "mm.soft_emb_norm.weight":
+            arr = arr + 1.0
+        keep_f32 = "embd" in gguf_name or arr.ndim == 1 or not f16
+        w.add_tensor(gguf_name, arr if keep_f32 else arr.astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
