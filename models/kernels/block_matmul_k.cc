@@ -24,18 +24,20 @@
 // AVX-512 from 16 rows into an L1 panel once for all rows), accumulated in float32. That
 // is the float32 product of the dequantized weights up to float32 rounding
 // (tests/models/test_block_matmul_k.py checks it against float64).
-// Which ISA: AVX-512F where cpuid has it, AVX2 + FMA + F16C elsewhere (block_matmul_k_body.inc,
-// compiled once per ISA); FerroxBlockMatmulKAvx2 forces the AVX2 build so tests on an AVX-512
-// host check both. Columns are shared over XLA's intra-op pool (parallel.h); one thread
+// One to three rows (a decode step's) on AVX-512 take the row path instead
+// (block_matmul_k_row512.inc): each weight row read once, front to back, its weights made by
+// permuting a per-sub-block table of the sub-block's possible values (Q4_K / Q5_K) or from 128
+// quants assembled at once (Q6_K): the same dequantized weights, ~1.5x (Q4_K, Q5_K) and
+// ~1.15x (Q6_K) the tile's rate at one row (docs/benchmarks.md).
+// Which ISA: AVX-512F + BW where cpuid has them, AVX2 + FMA + F16C elsewhere
+// (block_matmul_k_body.inc, compiled once per ISA in block_matmul_k_builds.h);
+// FerroxBlockMatmulKAvx2 forces the AVX2 build so tests on an AVX-512 host check both. Columns are shared over XLA's intra-op pool (parallel.h); one thread
 // computes each output element whole, so results do not depend on the sharing.
-
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
-#include "cpu_common.h"
+#include "block_matmul_k_builds.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -43,46 +45,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kQ4_K = 3, kQ5_K = 4, kQ6_K = 5;
-constexpr int64_t kSuper = 256;
-
-constexpr int SuperBytes(int fmt) { return fmt == kQ4_K ? 144 : fmt == kQ5_K ? 176 : 210; }
-
-struct Problem {
-  const float* x;    // [M, K]
-  const uint8_t* w;  // [N, row bytes]
-  float* out;        // [M, N]
-  int64_t m, n, k;
-};
-
-}  // namespace
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace ferrox_k_avx2 {
-#define FERROX_K_AVX512 0
-#include "block_matmul_k_body.inc"
-#undef FERROX_K_AVX512
-}  // namespace ferrox_k_avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f")
-namespace ferrox_k_avx512 {
-#define FERROX_K_AVX512 1
-#include "block_matmul_k_body.inc"
-#undef FERROX_K_AVX512
-}  // namespace ferrox_k_avx512
-#pragma GCC pop_options
-
-namespace {
-
-// 2: AVX-512F, 1: AVX2 + FMA + F16C, 0: neither (the caller keeps XLA).
+// 2: AVX-512F + BW, 1: AVX2 + FMA + F16C, 0: neither (the caller keeps XLA).
 int DetectIsa() {
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c");
-  if (avx2 && __builtin_cpu_supports("avx512f")) return 2;
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return 2;
   return avx2 ? 1 : 0;
 }
 
@@ -108,8 +76,8 @@ ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<f
   const int64_t chunk = std::max<int64_t>(4, ((n + target - 1) / target + 3) / 4 * 4);
   ferrox::ParallelFor(pool, threads, (n + chunk - 1) / chunk, [&p, chunk, fmt, isa](int64_t c) {
     const int64_t begin = c * chunk, end = std::min(p.n, (c + 1) * chunk);
-    if (isa == 2) ferrox_k_avx512::Run(fmt, p, begin, end);
-    else ferrox_k_avx2::Run(fmt, p, begin, end);
+    if (isa == 2) ferrox_k_avx512::Run(fmt, p, begin, end, ferrox_k_avx512::kRowPathRows);
+    else ferrox_k_avx2::Run(fmt, p, begin, end, 0);
   });
   return ffi::Error::Success();
 }

@@ -1,0 +1,166 @@
+// The K-quant kernel's one-row product over weights streamed from DRAM, against the two
+// cores' DRAM read rate measured in the same run. As many copies of a projection as fill
+// 256 MB (8x this host's L3), each product on the next copy, split over THREADS spinning
+// threads by columns, as a decode step runs a model's layers. Per round, in this order:
+// the DRAM probe (every thread sums its half of a 256 MB buffer, AVX-512 loads, 4 chains),
+// then each path of each format (the tile path, Run's row_rows 0, and the row path,
+// block_matmul_k_row512.inc); the best sample of ROUNDS rounds is printed for each, in GB/s
+// of bytes read, with the row path's max difference from the tile path relative to
+// |tile| + 1 (both float32 sums of the same dequantized weights: a bug shows as O(1);
+// the exact checks are tests/models/test_block_matmul_k.py's).
+//   c++ -O3 -std=c++17 -mf16c -pthread -I models/kernels bench/kernels/kquant_stream.cc -o /tmp/kquant_stream
+//   /tmp/kquant_stream THREADS ROUNDS K N [ROWS]
+//   /tmp/kquant_stream 2 15 2048 8192     # a 1B model's gate / up projection, one row
+//   CACHED=1 /tmp/kquant_stream 1 50 2048 512   # one copy, from L2: the paths' compute rate
+#include <immintrin.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "block_matmul_k_builds.h"
+
+namespace {
+
+constexpr int64_t kStreamBytes = int64_t{256} << 20;
+// The probe is timed per 16 MB (each past the L2s and, in turn, the L3's reach: the buffer
+// is read front to back), and each product per copy, and the best of them kept: on a
+// shared machine a time slice lost to another process then spoils one sample, not all.
+constexpr int64_t kProbeChunk = int64_t{16} << 20;
+
+// Runs part(t) on THREADS threads (t 0 on the caller), returns the seconds.
+class Team {
+ public:
+  explicit Team(int threads) : threads_(threads) {
+    for (int t = 1; t < threads; ++t)
+      helpers_.emplace_back([this, t] {
+        for (int seen = 0; !quit_;) {
+          const int g = go_.load();
+          if (g == seen) { _mm_pause(); continue; }
+          seen = g;
+          (*part_)(t);
+          ++done_;
+        }
+      });
+  }
+  ~Team() {
+    quit_ = true;
+    for (auto& t : helpers_) t.join();
+  }
+  double Time(const std::function<void(int)>& part) {
+    const auto t0 = std::chrono::steady_clock::now();
+    part_ = &part;
+    done_ = 0;
+    ++go_;
+    part(0);
+    while (done_.load() < threads_ - 1) _mm_pause();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+ private:
+  const int threads_;
+  std::vector<std::thread> helpers_;
+  const std::function<void(int)>* part_ = nullptr;
+  std::atomic<int> go_{0}, done_{0};
+  std::atomic<bool> quit_{false};
+};
+
+__attribute__((target("avx512f"))) float SumFloats(const float* p, int64_t n) {
+  __m512 a = _mm512_setzero_ps(), b = a, c = a, d = a;
+  for (int64_t i = 0; i < n; i += 64) {
+    a = _mm512_add_ps(a, _mm512_load_ps(p + i));
+    b = _mm512_add_ps(b, _mm512_load_ps(p + i + 16));
+    c = _mm512_add_ps(c, _mm512_load_ps(p + i + 32));
+    d = _mm512_add_ps(d, _mm512_load_ps(p + i + 48));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)));
+}
+
+// Random super-blocks with finite scales of a real model's size (no slow float paths).
+std::vector<uint8_t> Blocks(int fmt, int64_t bytes, std::mt19937* rng) {
+  std::vector<uint8_t> w(bytes);
+  for (auto& b : w) b = static_cast<uint8_t>((*rng)());
+  const uint16_t d = _cvtss_sh(0.0005f, 0), dmin = _cvtss_sh(0.0004f, 0);
+  for (int64_t at = 0; at + SuperBytes(fmt) <= bytes; at += SuperBytes(fmt)) {
+    if (fmt == kQ6_K) {
+      std::memcpy(&w[at + 208], &d, 2);
+    } else {
+      std::memcpy(&w[at], &d, 2);
+      std::memcpy(&w[at + 2], &dmin, 2);
+    }
+  }
+  return w;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 5 || (argc > 5 && std::atoll(argv[5]) > ferrox_k_avx512::kRowPathRows)) {
+    std::fprintf(stderr, "usage: %s THREADS ROUNDS K N [ROWS, 1 to %d]\n", argv[0], ferrox_k_avx512::kRowPathRows);
+    return 2;
+  }
+  const int threads = std::atoi(argv[1]), rounds = std::atoi(argv[2]);
+  const int64_t k = std::atoll(argv[3]), n = std::atoll(argv[4]), m = argc > 5 ? std::atoll(argv[5]) : 1;
+  Team team(threads);
+  std::mt19937 rng(1);
+  std::vector<float> x(m * k);
+  std::normal_distribution<float> normal;
+  for (auto& v : x) v = normal(rng);
+  std::vector<float, std::allocator<float>> probe(kStreamBytes / 4 + 16);
+  float* probe_at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(probe.data()) + 63) & ~uintptr_t{63});
+  for (int64_t i = 0; i < kStreamBytes / 4; ++i) probe_at[i] = 1.0f;
+  const int fmts[3] = {kQ4_K, kQ5_K, kQ6_K};
+  const char* names[3] = {"Q4_K", "Q5_K", "Q6_K"};
+  std::vector<std::vector<uint8_t>> weights;
+  std::vector<int64_t> copies;
+  const int64_t per_thread = (n / threads + 15) / 16 * 16;
+  for (int f : fmts) {
+    const int64_t bytes = n * k / kSuper * SuperBytes(f);
+    copies.push_back(std::getenv("CACHED") ? 1 : kStreamBytes / bytes + 1);  // CACHED=1: one copy, from cache
+    weights.push_back(Blocks(f, bytes * copies.back(), &rng));
+  }
+  double best_probe = 0, best[3][2] = {};
+  double max_diff[3] = {};
+  std::vector<float> out(m * n), tile_out(m * n);
+  volatile float sink = 0;
+  for (int round = 0; round < rounds; ++round) {
+    for (int64_t chunk = 0; chunk < kStreamBytes / kProbeChunk; ++chunk) {
+      const double s = team.Time([&](int t) {
+        const int64_t per = kProbeChunk / 4 / threads;
+        sink = sink + SumFloats(probe_at + chunk * kProbeChunk / 4 + t * per, per);
+      });
+      best_probe = std::max(best_probe, kProbeChunk / s / 1e9);
+    }
+    for (int fi = 0; fi < 3; ++fi) {
+      const int64_t bytes = n * k / kSuper * SuperBytes(fmts[fi]);
+      for (int path = 0; path < 2; ++path) {
+        float* o = path ? out.data() : tile_out.data();
+        for (int64_t c = 0; c < copies[fi]; ++c) {
+          const Problem p{x.data(), weights[fi].data() + c * bytes, o, m, n, k};
+          const double s = team.Time([&](int t) {
+            const int64_t begin = std::min(n, t * per_thread), end = t == threads - 1 ? n : std::min(n, begin + per_thread);
+            ferrox_k_avx512::Run(fmts[fi], p, begin, end, path ? ferrox_k_avx512::kRowPathRows : 0);
+          });
+          best[fi][path] = std::max(best[fi][path], bytes / s / 1e9);
+          if (path == 1 && c == copies[fi] - 1) {
+            // the paths' difference on the last copy (the one tile_out holds)
+            for (int64_t i = 0; i < m * n; ++i)
+              max_diff[fi] = std::max<double>(max_diff[fi], std::fabs(out[i] - tile_out[i]) / (std::fabs(tile_out[i]) + 1.0));
+          }
+        }
+      }
+    }
+  }
+  std::printf("DRAM read probe, %d threads: %.1f GB/s (best of %d)\n", threads, best_probe, rounds);
+  for (int fi = 0; fi < 3; ++fi)
+    std::printf("%s, %ld row(s) x [%ld -> %ld], %d threads: tile path %.1f GB/s, row path %.1f GB/s "
+                "(%.0f%% of the probe), %.2fx; max |row - tile| / (|tile| + 1) %.2g\n",
+                names[fi], static_cast<long>(m), static_cast<long>(k), static_cast<long>(n), threads, best[fi][0],
+                best[fi][1], 100 * best[fi][1] / best_probe, best[fi][1] / best[fi][0], max_diff[fi]);
+}

@@ -1,0 +1,52 @@
+// The K-quant kernel's body (block_matmul_k_body.inc) built once per ISA: the operands'
+// constants and `Problem`, then the body compiled for AVX2 + FMA + F16C (namespace
+// ferrox_k_avx2) and for AVX-512 (ferrox_k_avx512: F for the float tiles, BW for the
+// one-row path's byte work). Included by block_matmul_k.cc and by the kernel's streaming
+// harness (bench/kernels/kquant_stream.cc), which needs no XLA.
+
+#ifndef FERROX_MODELS_KERNELS_BLOCK_MATMUL_K_BUILDS_H_
+#define FERROX_MODELS_KERNELS_BLOCK_MATMUL_K_BUILDS_H_
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_common.h"
+
+namespace {
+
+constexpr int kQ4_K = 3, kQ5_K = 4, kQ6_K = 5;
+constexpr int64_t kSuper = 256;
+
+constexpr int SuperBytes(int fmt) { return fmt == kQ4_K ? 144 : fmt == kQ5_K ? 176 : 210; }
+
+struct Problem {
+  const float* x;    // [M, K]
+  const uint8_t* w;  // [N, row bytes]
+  float* out;        // [M, N]
+  int64_t m, n, k;
+};
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace ferrox_k_avx2 {
+#define FERROX_K_AVX512 0
+#include "block_matmul_k_body.inc"
+#undef FERROX_K_AVX512
+}  // namespace ferrox_k_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw")
+namespace ferrox_k_avx512 {
+#define FERROX_K_AVX512 1
+#include "block_matmul_k_body.inc"
+#undef FERROX_K_AVX512
+}  // namespace ferrox_k_avx512
+#pragma GCC pop_options
+
+#endif  // FERROX_MODELS_KERNELS_BLOCK_MATMUL_K_BUILDS_H_
