@@ -76,9 +76,10 @@ def test_xla_path_matches_float64_reference():
 # over a dequantized panel of two super-blocks: 18 rows at k = 768 (pieces 512 + 256, 4-row
 # tiles and 2 single rows) and 32 at k = 1024 (512 + 512), 8-column panels of 4 x 4 tiles.
 # On AVX-512, 1 to 3 rows take the row path (block_matmul_k_row512.inc): 1, 2 and 3 rows,
-# one weight row after another, and 1 x [2048, 300] shared over threads.
-SHAPES = [(1, 1536, 44), (2, 512, 9), (3, 768, 37), (1, 2048, 300), (4, 768, 37), (5, 256, 7), (18, 768, 37),
-          (32, 1024, 37)]
+# weight rows two at a time and a single one, 1 x [2048, 300] shared over threads, and
+# k = 2560, past the 2048-input pieces the Q4_K / Q5_K rows are read in (2048 + 512).
+SHAPES = [(1, 1536, 44), (2, 512, 9), (3, 768, 37), (1, 2048, 300), (1, 2560, 37), (4, 768, 37), (5, 256, 7),
+          (18, 768, 37), (32, 1024, 37)]
 
 
 @needs_kernels

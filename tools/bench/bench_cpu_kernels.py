@@ -14,7 +14,9 @@ shared machine hits both sides alike):
              the w8a8 matmul kernel beside the block kernel's float path, integer path and
              (where the CPU has AMX-BF16) AMX path, in µs and GB/s of the bytes each reads
   kquants    one projection on K-quant super-blocks (models/gguf_kquants.py; Q4_K, Q5_K,
-             Q6_K) beside Q4_1's block kernel on the same shape: XLA's dequantize + dot and
+             Q6_K; 1 to 3 rows take the kernel's row path on AVX-512, and the weights here
+             fit the L3, so this is not the DRAM rate: bench/kernels/kquant_stream.cc
+             measures that) beside Q4_1's block kernel on the same shape: XLA's dequantize + dot and
              the K-quant kernel, in µs and GB/s of the bytes read, with the kernel's error
              against float64 in float32 ulps of sum |x||w| (the accuracy beside the speed)
   steps      the default model's whole decode step (`ModelRunner.run`, greedy): float32,
@@ -90,7 +92,8 @@ def blocks(rows: list[int], repeats: int) -> None:
             print(f"| {m} | [{k}, {n}] {fmt} | {w8:,.0f} | {fl:,.0f} | {it:,.0f} | {wd}{am}{w.nbytes / fl / 1e3:.1f} |")
 
 
-K_PRODUCTS = ((1536, 576), (2048, 2048), (2048, 8192))  # SmolLM2's ffn_down; a 1B model's square / MLP
+# SmolLM2's ffn_down; a 1B model's square, gate / up and down projections
+K_PRODUCTS = ((1536, 576), (2048, 2048), (2048, 8192), (8192, 2048))
 
 
 def alternating_us(calls: list, repeats: int) -> list[float]:
