@@ -2,7 +2,8 @@
 // cores' DRAM read rate measured in the same run. As many copies of a projection as fill
 // 256 MB (8x this host's L3), each product on the next copy, split over THREADS spinning
 // threads by columns, as a decode step runs a model's layers. Per round, in this order:
-// the DRAM probe (every thread sums its half of a 256 MB buffer, AVX-512 loads, 4 chains),
+// the DRAM probe (the threads sum a 256 MB buffer 16 MB at a time, each its half of the
+// 16 MB, AVX-512 loads, 4 chains),
 // then each path of each format (the tile path, Run's row_rows 0, and the row path,
 // block_matmul_k_row512.inc); the best sample of ROUNDS rounds is printed for each, in GB/s
 // of bytes read, with the row path's max difference from the tile path relative to
