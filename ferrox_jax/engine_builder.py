@@ -48,7 +48,7 @@ from ferrox_jax.batcher import ContinuousBatcher
 from ferrox_jax.step_faults import FaultPolicy
 from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.draft import DraftModel
-from ferrox_jax.kv_cache import bytes_per_block
+from ferrox_jax.kv_cache import model_bytes_per_block
 from ferrox_jax.memory_bounds import Footprint, context_for, device_room, engine_devices, kv_blocks_for, kv_shards
 from ferrox_jax.lora_registry import build_registry
 from ferrox_jax.multihost import StepChannel, check_mesh, step_channel_address
@@ -160,8 +160,8 @@ def size_kv(config: EngineConfig, model_cfg: ModelConfig, kv_dtype, draft_cfg: M
     """Blocks, context ceiling and the reason, from the config and the checkpoint.
     `kv_dtype`: the cache's storage dtype, which sets the bytes per block. `draft_cfg`: a
     draft model's, whose cache has a block for every block id too (`ferrox_jax/draft.py`)."""
-    per_block = sum(bytes_per_block(c.num_layers, c.num_kv_heads, config.block_size, c.head_dim, kv_dtype)
-                    for c in (model_cfg, draft_cfg) if c is not None)
+    per_block = sum(model_bytes_per_block(c, config.block_size, kv_dtype) for c in (model_cfg, draft_cfg)
+                    if c is not None)
     kv_blocks = kv_blocks_for(config, per_block)
     if config.kv_blocks:
         why = f"{kv_blocks} KV blocks ({config.kv_blocks} as configured + the null block)"

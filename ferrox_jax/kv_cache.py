@@ -10,6 +10,13 @@ head. The layout is the one JAX's Pallas TPU paged-attention kernel reads
 tensor parallelism shards. A row's *block table* lists its block ids in position
 order; position p sits in `block_table[p // bs]` at offset `p % bs`.
 
+A latent-attention family (DeepSeek-V3, `models/mla.py`) uses the same layout with its own
+geometry (`ModelConfig.kv_cache_dims`): K is ONE head of width kv_lora_rank +
+qk_rope_head_dim (the normed latent, then the rotated shared RoPE key) and V is a
+zero-width array `[1, N, bs, 0]`, so every verb on the cache (block copies, sleep, the
+shardings) stays as it is, and the byte accounting (`model_bytes_per_block`: the block
+budget, `/admin/stats`, the memory bounds) counts the latent's real size.
+
 Block 0 is the null block: padded tokens write into it and padded block-table entries
 point at it, so padding never touches a live request's K/V. The block budget never
 hands it out; `num_blocks` counts it, so `num_blocks - 1` blocks are usable.
@@ -74,23 +81,39 @@ def kv_cache_shape(num_kv_heads: int, num_blocks: int, block_size: int, head_dim
 
 
 def create_kv_cache(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int,
-                    head_dim: int, dtype, sharding=None) -> KVCache:
+                    head_dim: int, dtype, sharding=None, v_head_dim: int | None = None) -> KVCache:
     """Allocate the zeroed cache directly on device (optionally with a sharding per array),
-    in the storage dtype for `dtype`."""
+    in the storage dtype for `dtype`. `v_head_dim`: the V arrays' width when it is not
+    head_dim (0 for a latent cache)."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved); got {num_blocks}")
-    shape = kv_cache_shape(num_kv_heads, num_blocks, block_size, head_dim)
+    v_dim = head_dim if v_head_dim is None else v_head_dim
 
-    @functools.partial(jax.jit, out_shardings=sharding)
-    def zeros():
-        return jnp.zeros(shape, storage_dtype(dtype))
+    def zeros(width: int):
+        shape = kv_cache_shape(num_kv_heads, num_blocks, block_size, width)
+        return jax.jit(lambda: jnp.zeros(shape, storage_dtype(dtype)), out_shardings=sharding)()
 
-    return KVCache(k=tuple(zeros() for _ in range(num_layers)), v=tuple(zeros() for _ in range(num_layers)))
+    return KVCache(k=tuple(zeros(head_dim) for _ in range(num_layers)),
+                   v=tuple(zeros(v_dim) for _ in range(num_layers)))
 
 
-def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype) -> int:
-    """K+V bytes one block takes across all layers."""
-    return 2 * num_layers * num_kv_heads * block_size * head_dim * jnp.dtype(dtype).itemsize
+def create_model_kv_cache(cfg, num_blocks: int, block_size: int, dtype, sharding=None) -> KVCache:
+    """The cache of a model config, in its geometry (`ModelConfig.kv_cache_dims`)."""
+    heads, k_dim, v_dim = cfg.kv_cache_dims()
+    return create_kv_cache(cfg.num_layers, heads, num_blocks, block_size, k_dim, dtype, sharding, v_head_dim=v_dim)
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype,
+                    v_head_dim: int | None = None) -> int:
+    """K+V bytes one block takes across all layers (`v_head_dim` as in create_kv_cache)."""
+    v_dim = head_dim if v_head_dim is None else v_head_dim
+    return num_layers * num_kv_heads * block_size * (head_dim + v_dim) * jnp.dtype(dtype).itemsize
+
+
+def model_bytes_per_block(cfg, block_size: int, dtype) -> int:
+    """K+V bytes one block of a model config's cache takes across all layers."""
+    heads, k_dim, v_dim = cfg.kv_cache_dims()
+    return bytes_per_block(cfg.num_layers, heads, block_size, k_dim, dtype, v_head_dim=v_dim)
 
 
 @functools.partial(jax.jit, donate_argnames=("kv_cache",))

@@ -50,7 +50,7 @@ from flax import nnx
 from ferrox_jax import sleep
 from ferrox_jax.buckets import Buckets, StepShape
 from ferrox_jax.host_batch import ALL_TOKENS_ALLOWED, BatchGeometry, HostBatch, SamplingArrays, StepArrays
-from ferrox_jax.kv_cache import KVCache, copy_blocks, create_kv_cache
+from ferrox_jax.kv_cache import KVCache, copy_blocks, create_model_kv_cache
 from ferrox_jax.multihost import place_on_mesh
 from ferrox_jax.padding import empty_forward, pad_batch, unpad_results
 from ferrox_jax.runner_protocol import DeviceState
@@ -145,9 +145,8 @@ class ModelRunner:
         self._steps = jit_steps(self.shardings)
         self.max_loras = lora_slot_count(self.state)  # adapter slots the projections carry (0: no LoRA)
         self.has_lora = self.max_loras > 0
-        self.kv_cache: KVCache = create_kv_cache(
-            cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim, self.kv_dtype,
-            sharding=None if self.shardings is None else self.shardings.kv_array)
+        self.kv_cache: KVCache = create_model_kv_cache(
+            cfg, num_blocks, block_size, self.kv_dtype, sharding=None if self.shardings is None else self.shardings.kv_array)
         self._compiled: dict[tuple, Callable] = {}
         self._shared_compiles = shared_compiles
         self.is_warm = False

@@ -23,6 +23,7 @@ the results once).
     norms, q_norm / k_norm, router, router_bias, o_bias, experts_down_bias
                                 [D], [hd], [D, E], [E], [D], [E, D]  P()  same
     KV cache, per layer         [K, N, bs, hd]  P("model", ...)   P()
+    latent KV cache (MLA)       [1, N, bs, r+dr] P()              P()
 
 A quantized weight (`models/quant.py`: int8 values + one f32 scale per channel) shards
 like the float weight it replaces: its values take the spec above, its scales that spec
@@ -241,10 +242,12 @@ def runner_shardings(mesh: Mesh, cfg: ModelConfig, state, replicate_attention: b
         return NamedSharding(mesh, param_partition_spec(name, leaf.shape, cfg, replicate_attention))
 
     is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    # A latent cache (models/mla.py) is one head: every device holds all of it.
+    replicate_kv = replicate_attention or cfg.kv_cache_dims()[0] % mesh.shape[MODEL_AXIS] != 0
     return RunnerShardings(
         mesh=mesh,
         state=jax.tree_util.tree_map_with_path(spec, state, is_leaf=is_weight),
-        kv_array=NamedSharding(mesh, kv_partition_spec(replicate_attention)),
+        kv_array=NamedSharding(mesh, kv_partition_spec(replicate_kv)),
         replicated=NamedSharding(mesh, P()),
         replicate_attention=replicate_attention,
         num_layers=cfg.num_layers,

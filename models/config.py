@@ -14,8 +14,9 @@ A checkpoint's JSON files (config.json, tokenizer_config.json, the shard index..
 read through `read_json_file`, so a broken one is refused with its path and the line and
 column where it breaks, not a bare JSONDecodeError.
 
-The KV cache is sized from `num_layers`, `num_kv_heads` and `head_dim` alone
-(`ferrox_jax/kv_cache.py`), so every layer of a family must share one K/V head size.
+The KV cache is sized from `num_layers` and `kv_cache_dims()` alone (`ferrox_jax/kv_cache.py`):
+the KV heads at `head_dim` for K and V, or a family's own geometry (DeepSeek-V3's one
+latent head, no V), so every layer of a family must share one K/V head size.
 """
 
 from __future__ import annotations
@@ -160,9 +161,16 @@ class ModelConfig:
     def rope_dim(self) -> int:
         return self.rotary_dim or self.head_dim
 
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(heads, K width, V width) of each layer's cache arrays (`ferrox_jax/kv_cache.py`):
+        the KV heads at head_dim; a latent-attention family stores one latent head and no V
+        (`models/deepseek_v3.py`)."""
+        return self.num_kv_heads, self.head_dim, self.head_dim
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token position takes across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        heads, k_dim, v_dim = self.kv_cache_dims()
+        return self.num_layers * heads * (k_dim + v_dim) * dtype_bytes
 
     def sharded_sizes(self) -> dict[str, int]:
         """Sizes tensor parallelism splits besides the heads (`ferrox_jax/sharding.py`)."""

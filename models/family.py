@@ -55,3 +55,5 @@ class Family:
     # Its GGUF architectures are the files with experts (`{arch}.expert_count` > 0): llama.cpp
     # writes Mixtral as `llama`, told apart from a dense Llama only by that key.
     gguf_experts: bool = False
+    # HF layers past num_hidden_layers are skipped, not refused (DeepSeek-V3's multi-token-prediction layer)
+    hf_skips_extra_layers: bool = False

@@ -132,10 +132,11 @@ class ExpertBiases:
     down: jax.Array
 
 
-def moe_mlp(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, *,
+def moe_mlp(x: jax.Array, router: jax.Array | None, gate: jax.Array, up: jax.Array, down: jax.Array, *,
             top_k: int, normalize: bool, act: Callable[[jax.Array], jax.Array], tile: int | None = None,
             router_bias: jax.Array | None = None, biases: ExpertBiases | None = None,
-            glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> jax.Array:
+            glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+            routing: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """The mixture-of-experts MLP over N tokens.
 
     Args:
@@ -146,12 +147,14 @@ def moe_mlp(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, dow
       biases: the experts' projection biases, or None.
       glu: `glu(gate_out, up_out)` in place of `act(gate_out) * up_out` (gpt-oss's clamped
         SwiGLU), or None.
+      routing: (weights f32[N, k], experts i32[N, k]) chosen by the caller (DeepSeek's
+        grouped routing, `models/moe_grouped.py`); None: `route` with `router`.
     Returns:
       [N, D] in x's dtype.
     """
     n, d = x.shape
     num_experts = gate.shape[0]
-    weights, experts = route(x, router, top_k, normalize, router_bias)
+    weights, experts = routing if routing is not None else route(x, router, top_k, normalize, router_bias)
     pairs = n * top_k
     tile = tile or tile_rows(pairs, num_experts)
     # Sort the (token, expert) pairs by expert; stable, so each expert sees its tokens in order.

@@ -79,7 +79,8 @@ def read_tensors(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
     Names the family's table does not know pass through unchanged, so `build_model`
     reports them as unexpected together with anything missing.
     """
-    table = family_for(cfg.architecture).hf_layer_weights
+    family = family_for(cfg.architecture)
+    table = family.hf_layer_weights
     vision_language = getattr(cfg, "vision", None) is not None
     expected = expected_params(cfg)
     loads: dict[str, Callable] = {}
@@ -101,6 +102,8 @@ def read_tensors(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
             tensors[name] = (lambda load=load: load().T) if transpose else load
             continue
         m = _LAYER_RE.match(hf_name)
+        if m and family.hf_skips_extra_layers and int(m.group(1)) >= cfg.num_layers:
+            continue  # a multi-token-prediction layer (models/deepseek_v3.py)
         mapped = map_layer_tensors(int(m.group(1)), m.group(2), load, table, expected, experts) if m else None
         tensors.update({hf_name: load} if mapped is None else mapped)
     tensors.update(stack_experts(experts, getattr(cfg, "num_experts", None)))
