@@ -442,7 +442,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, quantization, dtype)
     sizing = size_kv(config, source.config, kv_dtype, draft_source.config if draft_source else None)
     footprint = Footprint(source.config, sizing.bytes_per_block, jnp.dtype(dtype).itemsize, jax.default_backend(),
-                          kv_shards(config))
+                          kv_shards(config, source.config))
     devices = engine_devices(config)
     footprint.check(config, device_room(devices))  # before the weights: what could never fit is refused at once
     config = dataclasses.replace(config, quantization=quantization)

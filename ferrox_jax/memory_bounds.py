@@ -218,7 +218,7 @@ class Footprint:
         import jax
 
         return cls(engine.model_config, engine.sizing.bytes_per_block, ITEMSIZE.get(engine.dtype_name, 4),
-                   jax.default_backend(), kv_shards(engine.config))
+                   jax.default_backend(), kv_shards(engine.config, engine.model_config))
 
     def step(self, settings: Any, max_context: int) -> StepSize:
         """The largest step's shape: chunks capped at the context, the idle chunk at least
@@ -339,9 +339,12 @@ class Footprint:
                                                "indexes; lower max_seqs or max_batched_tokens", "invalid_value")
 
 
-def kv_shards(config: Any) -> int:
-    """Devices the KV heads are split over (1 on one device or with replicated attention)."""
+def kv_shards(config: Any, model: Any = None) -> int:
+    """Devices the KV heads are split over (1 on one device or with replicated attention, or
+    when `model`'s cache heads do not split: a latent cache is one head, replicated)."""
     model_axis = config.mesh_shape[1]
+    if model is not None and model.kv_cache_dims()[0] % model_axis:
+        return 1
     return model_axis if model_axis > 1 and not config.replicate_attention else 1
 
 
