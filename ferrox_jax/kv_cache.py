@@ -89,12 +89,13 @@ def create_kv_cache(num_layers: int, num_kv_heads: int, num_blocks: int, block_s
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved); got {num_blocks}")
     v_dim = head_dim if v_head_dim is None else v_head_dim
 
-    def zeros(width: int):
+    def zeros_of(width: int):  # one compiled constructor per width, called once per layer
         shape = kv_cache_shape(num_kv_heads, num_blocks, block_size, width)
-        return jax.jit(lambda: jnp.zeros(shape, storage_dtype(dtype)), out_shardings=sharding)()
+        return jax.jit(lambda: jnp.zeros(shape, storage_dtype(dtype)), out_shardings=sharding)
 
-    return KVCache(k=tuple(zeros(head_dim) for _ in range(num_layers)),
-                   v=tuple(zeros(v_dim) for _ in range(num_layers)))
+    k_zeros = zeros_of(head_dim)
+    v_zeros = k_zeros if v_dim == head_dim else zeros_of(v_dim)
+    return KVCache(k=tuple(k_zeros() for _ in range(num_layers)), v=tuple(v_zeros() for _ in range(num_layers)))
 
 
 def create_model_kv_cache(cfg, num_blocks: int, block_size: int, dtype, sharding=None) -> KVCache:

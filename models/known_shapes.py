@@ -51,6 +51,44 @@ SHAPES: dict[str, dict] = {
         "rope_local_base_freq": 10000.0, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 106],
         "hidden_activation": "gelu_pytorch_tanh",
     },
+    # Latent attention (kv_lora_rank 512 + one 64-dim RoPE key cached per token and layer) and
+    # 256 experts in 8 groups; DeepSeek-V3.1 has the same shape.
+    "deepseek-v3": {
+        "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000, "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                                              "mscale": 1.0, "mscale_all_dim": 1.0,
+                                              "original_max_position_embeddings": 4096},
+        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "hidden_act": "silu",
+        "num_nextn_predict_layers": 1,
+    },
+    # DeepSeek-V3's architecture with 64 heads, 384 experts in one group and one dense layer.
+    "kimi-k2": {
+        "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 163840, "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384,
+        "routed_scaling_factor": 2.827, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1, "norm_topk_prob": True, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+        "rope_theta": 50000.0, "rope_scaling": {"type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0,
+                                                "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                "original_max_position_embeddings": 4096},
+        "tie_word_embeddings": False, "bos_token_id": 163584, "eos_token_id": 163585, "hidden_act": "silu",
+    },
+    "glm-4.5": {
+        "architectures": ["Glm4MoeForCausalLM"], "vocab_size": 151552, "hidden_size": 5120,
+        "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 92,
+        "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5,
+        "attention_bias": True, "use_qk_norm": True, "n_shared_experts": 1, "n_routed_experts": 160,
+        "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000, "tie_word_embeddings": False, "eos_token_id": [151329, 151336, 151338],
+        "hidden_act": "silu", "num_nextn_predict_layers": 1,
+    },
     # The device check's --small shape: every code path of the 8B, in seconds on a CPU.
     "tiny": {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,

@@ -33,3 +33,20 @@ def test_importing_the_shapes_loads_nothing_beyond_the_standard_library():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"models.known_shapes pulled in {out.stdout.strip()}"
+
+
+def test_the_large_moe_shapes_parse_with_their_cache_geometry():
+    """DeepSeek-V3 and Kimi K2 cache one latent head (512 + 64) per token and layer, 71x
+    (DeepSeek-V3) and 36x (Kimi K2) less than their expanded heads; GLM-4.5 caches plain GQA
+    heads with half of each rotated."""
+    from models.registry import config_from_hf
+
+    ds, kimi, glm = (config_from_hf(SHAPES[name]) for name in ("deepseek-v3", "kimi-k2", "glm-4.5"))
+    for cfg, heads in ((ds, 128), (kimi, 64)):
+        assert cfg.kv_cache_dims() == (1, 576, 0)
+        assert cfg.kv_bytes_per_token(2) == 61 * 576 * 2
+        full = 61 * heads * (128 + 64 + 128) * 2  # k (nope + rope) and v per head, bfloat16
+        assert round(full / cfg.kv_bytes_per_token(2)) == {128: 71, 64: 36}[heads]
+    assert ds.yarn.factor == 40 and ds.dense_layers == (0, 1, 2) and (ds.n_group, ds.topk_group) == (8, 4)
+    assert kimi.num_experts == 384 and kimi.dense_layers == (0,)
+    assert glm.kv_cache_dims() == (8, 128, 128) and glm.rotary_dim == 64 and glm.qk_norm and glm.attention_bias

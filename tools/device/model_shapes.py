@@ -64,7 +64,9 @@ def per_device_bytes(config, tensor_parallel: int) -> dict:
         scale_spec = [a for i, a in enumerate(spec + (None,) * len(shape)) if i != drop]
         scale_split = tensor_parallel if MODEL_AXIS in scale_spec else 1
         weights += leaf.size // split + 4 * int(np.prod(scales)) // scale_split
-    kv_split = 1 if MODEL_AXIS not in tuple(kv_partition_spec(config.replicate_attention)) else tensor_parallel
+    # a latent cache (models/mla.py) is one head: replicated whatever the attention's split
+    replicate_kv = config.replicate_attention or cfg.kv_cache_dims()[0] % tensor_parallel != 0
+    kv_split = 1 if MODEL_AXIS not in tuple(kv_partition_spec(replicate_kv)) else tensor_parallel
     return {"weights_bytes": plan.weights_bytes, "kv_bytes": plan.kv_bytes,
             "weights_bytes_per_device": weights, "kv_bytes_per_device": plan.kv_bytes // kv_split,
             "kv_blocks": plan.sizing.num_blocks, "max_context": plan.sizing.max_context,
