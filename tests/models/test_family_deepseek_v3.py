@@ -180,3 +180,19 @@ def test_served_end_to_end_and_kv_bytes(deepseek):
     print(f"KV bytes per token: latent {latent_per_token}, full heads {full_per_token} "
           f"({full_per_token / latent_per_token:.1f}x)")
     assert full_per_token / latent_per_token == pytest.approx(4 * 36 / 24)
+
+
+def test_plain_q_proj_and_rotate_half_rope_match_transformers(tmp_path):
+    """The other branches: q_lora_rank None (q_proj, as DeepSeek-V2-Lite), rope_interleave
+    false and no YaRN; a 40-token prefill against HF's logits."""
+    from tests.support.engine_helpers import make_runner
+
+    config = _config(q_lora_rank=None, rope_interleave=False, rope_parameters={"rope_type": "default",
+                                                                              "rope_theta": 10000.0})
+    path = fc.make_checkpoint(tmp_path / "dsv3-plain", config)
+    runner, ckpt = make_runner(path, num_blocks=32, block_size=fc.BLOCK_SIZE, max_rows=2, max_chunk_tokens=64,
+                               max_context=fc.MAX_CONTEXT)
+    assert ckpt.config.q_lora_rank == 0 and not ckpt.config.rope_interleave and ckpt.config.yarn is None
+    prompt = np.random.RandomState(1).randint(0, ckpt.config.vocab_size, 40).tolist()
+    ours = runner.run_logits([fc._row(prompt, 0, list(range(1, 11)))])[0]
+    assert np.abs(ours - fc.hf_logits(fc.hf_model(path), prompt)).max() < fc.ATOL
