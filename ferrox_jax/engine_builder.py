@@ -450,6 +450,8 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         config.attention_impl, head_dim=source.config.head_dim, block_size=config.block_size,
         max_blocks_per_row=block_table_width(sizing.max_context, config.block_size), mesh=mesh,
         kv_sharded=not config.replicate_attention, kv_dtype=kv_dtype)
+    if source.config.kv_cache_dims()[2] == 0:  # a latent cache (models/mla.py): the kernels read K/V heads
+        attention, attention_note = None, "attention: pure JAX over the latent cache (latent attention)"
     log.info("%s", attention_note)
     model = _build_model(source, dtype, attention, config.quantization, mesh, config.replicate_attention, progress)
     matmul_note = _int8_matmul(model, config, mesh) or _block_matmul(model, config, mesh)

@@ -177,6 +177,7 @@ def test_served_end_to_end_and_kv_bytes(deepseek):
     cache = engine.runner.runner.kv_cache  # the device runner inside the tests' fault wrapper
     assert cache.nbytes == status["bytes_total"] == info["kv_bytes"]
     assert cache.k[0].shape[0] == 1 and cache.v[0].shape[-1] == 0
+    assert "latent" in engine.attention_note, "the decode kernels read K/V heads: the engine must not pick one"
     print(f"KV bytes per token: latent {latent_per_token}, full heads {full_per_token} "
           f"({full_per_token / latent_per_token:.1f}x)")
     assert full_per_token / latent_per_token == pytest.approx(4 * 36 / 24)
