@@ -44,9 +44,11 @@ Parameters it adds to a decoder layer (HF names after `model.layers.{i}.self_att
     o_proj    [H*dv, D]         o_proj.weight
 
 Tensor parallelism: the latent cache is one head, so it is replicated on every device, and
-so are the attention's projections (only o_proj keeps its row split); the experts and
-vocab split as usual. Splitting the query heads (each device its H/M heads over the whole
-replicated latent) is the known next step.
+so are the MLA-only projections (q_a/q_b/kv_a/kv_b); q_proj (when present) and o_proj
+split as any projection and XLA moves what the replicated attention needs; the experts and
+vocab split as usual (checked at tp=4 against one device). Splitting the query heads
+(each device its H/M heads over the whole replicated latent, as vLLM and SGLang do) is the
+known next step: today each device computes every head's attention.
 """
 
 from __future__ import annotations
