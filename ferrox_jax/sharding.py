@@ -23,6 +23,8 @@ the results once).
     norms, q_norm / k_norm, router, router_bias, o_bias, experts_down_bias
                                 [D], [hd], [D, E], [E], [D], [E, D]  P()  same
     KV cache, per layer         [K, N, bs, hd]  P("model", ...)   P()
+    q_b_proj / kv_b_proj (MLA)  [r, H*(..)]  P(None, "model")     P()
+    q_a_proj / kv_a_proj (MLA)  [D, r]       P()                  P()
     latent KV cache (MLA)       [1, N, bs, r+dr] P()              P()
 
 A quantized weight (`models/quant.py`: int8 values + one f32 scale per channel) shards
@@ -41,6 +43,10 @@ expert's tokens is computed locally and its down projection all-reduced (one per
 use: `models/moe.py`); their gate/up biases split with those columns, the down bias
 (added after the sum) is replicated. Attention sinks (one logit per query head) split by
 head with q. RoPE tables are constants of the step, not parameters.
+Latent attention (`models/mla.py`) splits its heads the same way: q_b_proj's and
+kv_b_proj's columns are head-major, so each device holds its heads' up-projections and
+attends with them over the whole latent cache, which is one head and so replicated (as
+are the small down-projections to the latent).
 
 LoRA adapter slots (`models/lora.py`: A [in, S*r], B [S*r, out] beside each adapted
 projection, y = x W + (x A) B) shard like the weight they modify, so the adapter's
@@ -80,13 +86,14 @@ DATA_AXIS = "data"
 MODEL_AXIS = "model"
 MESH_AXES = (DATA_AXIS, MODEL_AXIS)
 
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "tied_lm_head")  # [in, out]: split out
+# [in, out]: split out. q_b_proj / kv_b_proj: latent attention's per-head up-projections (models/mla.py)
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "tied_lm_head", "q_b_proj", "kv_b_proj")
 _ROW = ("o_proj", "down_proj", "embed")  # split the first axis
 _EXPERT_COLUMN = ("experts_gate", "experts_up")  # [E, D, F]: split F
 _EXPERT_ROW = ("experts_down",)  # [E, F, D]: split F
 _EXPERT_BIAS = ("experts_gate_bias", "experts_up_bias")  # [E, F]: split F with gate/up's columns
 _BIAS = ("q_bias", "k_bias", "v_bias", "sinks")  # [H*hd] or [H]: split by head with q (sinks are per head)
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj") + _BIAS
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "kv_b_proj") + _BIAS
 
 
 def make_mesh(data: int, model: int, devices=None) -> Mesh:

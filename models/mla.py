@@ -43,12 +43,12 @@ Parameters it adds to a decoder layer (HF names after `model.layers.{i}.self_att
     kv_b_proj [r, H*(dn+dv)]    kv_b_proj.weight
     o_proj    [H*dv, D]         o_proj.weight
 
-Tensor parallelism: the latent cache is one head, so it is replicated on every device, and
-so are the MLA-only projections (q_a/q_b/kv_a/kv_b); q_proj (when present) and o_proj
-split as any projection and XLA moves what the replicated attention needs; the experts and
-vocab split as usual (checked at tp=4 against one device). Splitting the query heads
-(each device its H/M heads over the whole replicated latent, as vLLM and SGLang do) is the
-known next step: today each device computes every head's attention.
+Tensor parallelism splits the heads, as vLLM and SGLang do: q_b_proj (or q_proj) and
+kv_b_proj are column-split by heads (their columns are head-major), o_proj row-split, so
+each device absorbs and attends with its H/M heads; the latent cache is one head, so it
+is replicated, as are the small down-projections q_a_proj / kv_a_proj. The compiled tp=4
+decode step of the test model all-gathers only the vocab-split logits (and all-reduces
+after o_proj and the MLPs): no attention weight or activation moves.
 """
 
 from __future__ import annotations

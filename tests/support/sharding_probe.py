@@ -319,7 +319,8 @@ def case_families(*paths):
         layers = runner.state["layers"]
         placed = {f"layers.{i}.{name}": describe_sharding(layers[i][name][...])
                   for i in range(ckpt.config.num_layers) for name in
-                  ("q_proj", "q_norm", "down_proj", "router", "experts_gate", "experts_up", "experts_down")
+                  ("q_proj", "q_norm", "down_proj", "router", "experts_gate", "experts_up", "experts_down",
+                   "q_b_proj", "kv_b_proj", "kv_a_proj")
                   if name in layers[i]}
         placed["kv_k0"] = describe_sharding(runner.kv_cache.k[0])
         out[ckpt.config.architecture] = {"parity": parity(ckpt.model, prompt, 4, (4,))[4], "placement": placed}

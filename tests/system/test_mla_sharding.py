@@ -25,6 +25,10 @@ def test_tp4_matches_one_device_with_a_replicated_latent_cache(tmp_path):
     assert parity["same_greedy"]
     # [1 head, blocks, block size, kv_lora_rank 16 + qk_rope_head_dim 8], whole on each of the 4 devices
     assert place["kv_k0"]["num_shards"] == 4 and place["kv_k0"]["shard_shapes"] == [[1, 64, 8, 24]]
+    # heads split: each device its heads' up-projections (4 heads x (16 + 12) columns of kv_b_proj)
+    assert place["layers.1.kv_b_proj"]["shard_shapes"] == [[16, 4 * 28 // 4]]
+    assert place["layers.1.q_b_proj"]["shard_shapes"] == [[24, 4 * 24 // 4]]
+    assert place["layers.1.kv_a_proj"]["shard_shapes"] == [[64, 24]], "the latent's down-projection is replicated"
     assert place["layers.1.experts_gate"]["shard_shapes"] == [[8, 64, 32 // 4]]
     assert place["layers.1.down_proj"]["shard_shapes"] == [[32 // 4, 64]], "the shared expert is split"
     assert place["layers.0.down_proj"]["shard_shapes"] == [[96 // 4, 64]], "the dense layer's MLP is split"
