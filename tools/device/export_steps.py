@@ -203,9 +203,10 @@ def _abstract_kv(cfg, num_blocks: int, block_size: int, kv_dtype, shardings):
     from ferrox_jax.kv_cache import KVCache, kv_cache_shape
 
     sharding = None if shardings is None else shardings.kv_array
-    array = jax.ShapeDtypeStruct(kv_cache_shape(cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim), kv_dtype,
-                                 sharding=sharding)
-    return KVCache(k=(array,) * cfg.num_layers, v=(array,) * cfg.num_layers)
+    heads, k_dim, v_dim = cfg.kv_cache_dims()  # the model's cache geometry (a latent cache: one head, no V)
+    k, v = (jax.ShapeDtypeStruct(kv_cache_shape(heads, num_blocks, block_size, width), kv_dtype, sharding=sharding)
+            for width in (k_dim, v_dim))
+    return KVCache(k=(k,) * cfg.num_layers, v=(v,) * cfg.num_layers)
 
 
 def _export_one(key, steps, graphdef, tree, leaves, kv, cfg, width: int, shardings, platform: str) -> str:
