@@ -373,6 +373,14 @@ def _build_model(source: CheckpointSource, dtype, attention, quantization: str, 
                             quantization=quantization)
 
 
+def _no_kernel_for_latent(cfg, attention, note: str):
+    """(None, why) for a latent cache (models/mla.py: no V array), whose layers attend in pure
+    JAX: the decode and ragged kernels read K/V heads. Else (attention, note) unchanged."""
+    if cfg.kv_cache_dims()[2] == 0:
+        return None, "attention: pure JAX over the latent cache (latent attention)"
+    return attention, note
+
+
 def _draft_runner(draft: CheckpointSource, config: EngineConfig, dtype, kv_dtype, sizing: KVSizing,
                   target: ModelRunner, mesh: Any) -> ModelRunner:
     """The draft's runner, with the target runner's blocks, buckets, context and mesh (its
@@ -382,6 +390,7 @@ def _draft_runner(draft: CheckpointSource, config: EngineConfig, dtype, kv_dtype
         config.attention_impl, head_dim=draft.config.head_dim, block_size=config.block_size,
         max_blocks_per_row=target.geometry.table_width, mesh=mesh, kv_sharded=not config.replicate_attention,
         kv_dtype=kv_dtype)
+    attention, _ = _no_kernel_for_latent(draft.config, attention, "")
     model = _build_model(draft, dtype, attention, quantization, mesh, config.replicate_attention)
     note = _int8_matmul(model, dataclasses.replace(config, quantization=quantization), mesh) or _block_matmul(
         model, dataclasses.replace(config, quantization=quantization), mesh)
@@ -450,8 +459,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         config.attention_impl, head_dim=source.config.head_dim, block_size=config.block_size,
         max_blocks_per_row=block_table_width(sizing.max_context, config.block_size), mesh=mesh,
         kv_sharded=not config.replicate_attention, kv_dtype=kv_dtype)
-    if source.config.kv_cache_dims()[2] == 0:  # a latent cache (models/mla.py): the kernels read K/V heads
-        attention, attention_note = None, "attention: pure JAX over the latent cache (latent attention)"
+    attention, attention_note = _no_kernel_for_latent(source.config, attention, attention_note)
     log.info("%s", attention_note)
     model = _build_model(source, dtype, attention, config.quantization, mesh, config.replicate_attention, progress)
     matmul_note = _int8_matmul(model, config, mesh) or _block_matmul(model, config, mesh)
