@@ -10,6 +10,7 @@ prints one JSON object on the last stdout line with what it measured; the test a
     python tests/support/sharding_probe.py server    # HTTP end to end, tensor_parallel=2 vs 1
     python tests/support/sharding_probe.py families DIR...   # HF checkpoints of other families, tp 4 vs 1
     python tests/support/sharding_probe.py family_tp TP DIR  # one HF checkpoint, tp TP vs 1, every placement
+    python tests/support/sharding_probe.py collectives DIR   # families, plus its tp 4 decode step's collectives
     python tests/support/sharding_probe.py quant     # int8 / w8a8 weights and a bf16 KV cache, tp 2/4
     python tests/support/sharding_probe.py multihost COORD NPROC PID   # one process of a CPU cluster
 """
@@ -349,6 +350,23 @@ def case_family_tp(tp, path):
     return {"parity": parity(ckpt.model, prompt, 4, (tp,))[tp], "placement": placed}
 
 
+def case_collectives(path):
+    """`families` for one checkpoint, plus the collectives of its compiled tp=4 one-row
+    decode step: {op: count} and the all-gathered shapes."""
+    import re
+
+    from models.loader import load_checkpoint
+
+    out = case_families(path)
+    arch = load_checkpoint(path).config.architecture
+    runner = _runner(load_checkpoint(path).model, 4)
+    text = runner._compile(("forward", 1, 0, 0)).as_text()
+    ops = re.findall(r"= \S+ (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)\(", text)
+    out[arch]["collectives"] = {op: ops.count(op) for op in sorted(set(ops))}
+    out[arch]["all_gathered"] = re.findall(r"= (\S+?)\{[^}]*\} all-gather\(", text)
+    return out
+
+
 def case_multihost(coordinator, num_processes, process_id):
     """One process of a local CPU cluster: initialize, build a global mesh, psum across it."""
     import jax
@@ -392,6 +410,8 @@ def main(argv):
         result = case_families(*argv[2:])
     elif case == "family_tp":
         result = case_family_tp(int(argv[2]), argv[3])
+    elif case == "collectives":
+        result = case_collectives(argv[2])
     else:
         result = {"tiny": case_tiny, "default": case_default, "server": case_server, "quant": case_quant}[case]()
     print(json.dumps(result, default=str), flush=True)

@@ -1,7 +1,8 @@
 """Tensor parallelism for latent attention: a tiny DeepSeek-V3 (4 heads, 2 groups of 4
 experts, a shared expert, layer 0 dense) at tp=4 on CPU devices against one device, in
 one subprocess (tests/support/sharding_probe.py `families`). The latent cache is one
-head, so it is replicated; the experts and the shared expert split over their
+head, so it is replicated; the heads' up-projections split, and the compiled decode
+step gathers nothing but the logits; the experts and the shared expert split over their
 intermediate axis, the dense layer's MLP as any dense MLP."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ def test_tp4_matches_one_device_with_a_replicated_latent_cache(tmp_path):
                                            routed_scaling_factor=2.5, max_position_embeddings=256,
                                            tie_word_embeddings=False)
     path = fc.make_checkpoint(tmp_path / "dsv3", config)
-    got = _probe("families", str(path))["DeepseekV3ForCausalLM"]
+    got = _probe("collectives", str(path))["DeepseekV3ForCausalLM"]
     parity, place = got["parity"], got["placement"]
     assert parity["prefill_err"] < ATOL and parity["decode_err"] < ATOL, parity
     assert parity["same_greedy"]
@@ -32,6 +33,10 @@ def test_tp4_matches_one_device_with_a_replicated_latent_cache(tmp_path):
     assert place["layers.1.experts_gate"]["shard_shapes"] == [[8, 64, 32 // 4]]
     assert place["layers.1.down_proj"]["shard_shapes"] == [[32 // 4, 64]], "the shared expert is split"
     assert place["layers.0.down_proj"]["shard_shapes"] == [[96 // 4, 64]], "the dense layer's MLP is split"
+    # Heads stay local: the decode step gathers only the vocab-split logits (one row x 384), and
+    # all-reduces after o_proj and the MLPs; no attention weight or activation is gathered.
+    assert got["all_gathered"] and set(got["all_gathered"]) == {"f32[1,384]"}, got["all_gathered"]
+    assert set(got["collectives"]) == {"all-gather", "all-reduce"}, got["collectives"]
 
 
 def test_memory_bounds_count_a_replicated_latent_cache_whole_on_each_device():
