@@ -330,8 +330,8 @@ def test_engine_reports_quantization_and_bytes(tiny_llama):
                   + 4 * v + 4 * vectors)
     assert engines["none"].model_card.weights_bytes == f32_bytes
     assert engines["w8a8"].model_card.weights_bytes == int8_bytes
-    # KV: 32 blocks x 2 (K, V) x layers x kv heads x block 16 x head_dim x 2 bytes.
-    assert engines["w8a8"].model_card.kv_bytes == 32 * 2 * cfg.num_layers * cfg.num_kv_heads * 16 * cfg.head_dim * 2
+    # KV: 32 usable blocks + the null block x 2 (K, V) x layers x kv heads x block 16 x head_dim x 2 bytes.
+    assert engines["w8a8"].model_card.kv_bytes == 33 * 2 * cfg.num_layers * cfg.num_kv_heads * 16 * cfg.head_dim * 2
     plan = plan_memory(EngineConfig(model=str(tiny_llama), dtype="float32", quantization="w8a8",
                                     kv_cache_dtype="bfloat16", kv_blocks=32, max_context=128))
     assert (plan.weights_bytes, plan.kv_bytes) == (int8_bytes, engines["w8a8"].model_card.kv_bytes)
