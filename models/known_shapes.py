@@ -6,7 +6,8 @@ configs), plus `tiny`, every code path of the 8B at a size a CPU runs in seconds
 `write_config_folder(name, folder)` writes one as a config-only HF folder that
 `--load-format dummy` serves with random weights (no tokenizer.json: the byte-level
 fallback tokenizer is used). Tests of the dummy loader, the device check
-(tools/device/device_check.py) and the sizing CLI (tools/device/model_shapes.py) share them; the module
+(tools/device/device_check.py), the sizing CLI (tools/device/model_shapes.py) and the
+random-weight GGUF writer (tools/bench/shape_gguf.py) share them; the module
 imports nothing beyond the standard library.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
+_LLAMA32_ROPE = {**_LLAMA3_ROPE, "factor": 32.0}
 
 SHAPES: dict[str, dict] = {
     "llama-3.1-8b": {
@@ -25,6 +27,36 @@ SHAPES: dict[str, dict] = {
         "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False,
         "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
+    },
+    # meta-llama/Llama-3.2-1B and -3B: tied embeddings, llama3 RoPE with factor 32.
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "rope_scaling": _LLAMA32_ROPE, "tie_word_embeddings": True,
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
+    },
+    "llama-3.2-3b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 3072,
+        "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "rope_scaling": _LLAMA32_ROPE, "tie_word_embeddings": True,
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
+    },
+    # Qwen/Qwen3-4B (tied) and Qwen3-8B (untied): per-head q/k norms, no RoPE scaling.
+    "qwen3-4b": {
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 2560,
+        "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": True, "attention_bias": False,
+        "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+    },
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "attention_bias": False,
+        "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
     },
     "llama-3.1-70b": {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
