@@ -243,23 +243,31 @@ def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None, amx_r
     state = nnx.state(model)
     packed = 0
 
-    def one(leaf):
+    def one(path, leaf):
         nonlocal packed
         if isinstance(leaf, BlockQuantizedWeight):
-            packed += 1
+            # The embedding table kept as blocks is looked up, never multiplied: not a projection.
+            packed += not _is_embedding(path)
             if leaf.fmt in K_FORMATS:
                 return with_kernel(leaf, block_target(leaf.fmt), 0, 0)
             return with_kernel(leaf, BLOCK_TARGET, int_rows, amx_rows, wide_rows)
         return leaf
 
-    nnx.update(model, jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, BlockQuantizedWeight)))
+    nnx.update(model, jax.tree_util.tree_map_with_path(one, state,
+                                                       is_leaf=lambda x: isinstance(x, BlockQuantizedWeight)))
     return packed
+
+
+def _is_embedding(path) -> bool:
+    first = path[0] if path else None
+    return getattr(first, "key", getattr(first, "name", None)) == "embed"
 
 
 def k_quant_count(model: nnx.Module) -> int:
     """How many of `model`'s BlockQuantizedWeights are K-quants (for the start-up log)."""
-    leaves = jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, BlockQuantizedWeight))
-    return sum(isinstance(leaf, BlockQuantizedWeight) and leaf.fmt in K_FORMATS for leaf in leaves)
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model), is_leaf=lambda x: isinstance(x, BlockQuantizedWeight))
+    return sum(isinstance(leaf, BlockQuantizedWeight) and leaf.fmt in K_FORMATS and not _is_embedding(path)
+               for path, leaf in leaves)
 
 
 # ---- decode attention -------------------------------------------------------------------------

@@ -69,6 +69,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from models.gguf_blocks import BlockQuantizedWeight, dequantize_blocks
+
 QUANTIZATION_MODES = ("none", "int8", "w8a8", "w8a8-block32", "gguf")  # gguf: models/gguf_blocks.py
 INT8_MODES = ("int8", "w8a8", "w8a8-block32")  # the modes that place QuantizedWeight
 ACTIVATION_BLOCK = 32  # w8a8-block32: inputs per activation scale
@@ -258,7 +260,13 @@ def tied_head(embed):
 
 def embed_lookup(table, tokens: jax.Array, dtype) -> jax.Array:
     """Rows of the embedding for token ids i32[...] -> [..., D] in `dtype`; a quantized
-    table (channel_axis 0) is dequantized for the gathered rows only."""
+    table (channel_axis 0) is dequantized for the gathered rows only, and so is a GGUF
+    embedding kept as its blocks (`BlockQuantizedWeight`, one row of blocks per token): the
+    file's values in float32, as a dequantized float32 table would give them, without the
+    [V, D] float32 copy (at Llama 3.2 1B's width and SmolLM2's vocabulary, 384 MiB)."""
     if isinstance(table, QuantizedWeight):
         return (table.values[tokens].astype(jnp.float32) * table.scales[tokens][..., None]).astype(dtype)
+    if isinstance(table, BlockQuantizedWeight):
+        rows = table.blocks[tokens.reshape(-1)]
+        return dequantize_blocks(rows, table.fmt).reshape(*tokens.shape, -1).astype(dtype)
     return table[tokens]

@@ -85,8 +85,8 @@ def build_model(
     `int8_tensors`: for some names, a producer of (int8 values, f32 scales) in our layout,
     used instead of `tensors[name]` when that parameter is quantized (module docstring).
     `block_tensors`: with quantization "gguf", a producer of a GGUF tensor's raw block rows
-    (`models/loaders/gguf_blocks.py`); those projections are placed as BlockQuantizedWeight
-    and everything else as float.
+    (`models/loaders/gguf_blocks.py`); those projections and the embedding (with a tied LM
+    head, the same array) are placed as BlockQuantizedWeight and everything else as float.
     Raises CheckpointError listing all missing, unexpected and mis-shaped tensors at once.
     """
     check_mode(quantization)
@@ -111,6 +111,10 @@ def build_model(
         blocks = (block_tensors or {}).get(name) if quantization == "gguf" else None
         if blocks is not None and quantized_channel_axis(name, want) == 1:
             placed = _place_blocks(name, want, blocks, bad_shapes)
+        elif blocks is not None and name == "embed":
+            # The embedding [V, D] kept as its V rows of blocks: lookups dequantize the gathered
+            # rows only (`models/quant.py:embed_lookup`), and a tied LM head is the same array.
+            placed = _place_blocks(name, want[::-1], blocks, bad_shapes)
         elif axis is not None:
             placed = _place_quantized(name, want, axis, quantization, tensors[name],
                                       (int8_tensors or {}).get(name), bad_shapes)
@@ -126,10 +130,9 @@ def build_model(
         variable.set_value(values[path])
     nnx.update(model, state)
     if cfg.tie_word_embeddings:
-        embed_blocks = (block_tensors or {}).get("embed") if quantization == "gguf" else None
-        head = _place_blocks("embed", flat[expected["embed"]].shape[::-1], embed_blocks, bad_shapes) \
-            if embed_blocks is not None else None
-        model.tied_lm_head = nnx.Variable(head if head is not None else tied_head(model.embed.get_value()))
+        embed = model.embed.get_value()
+        # Block rows serve as the head as they are ([D, V] logically: one row per token).
+        model.tied_lm_head = nnx.Variable(embed if isinstance(embed, BlockQuantizedWeight) else tied_head(embed))
     return model
 
 

@@ -8,7 +8,8 @@ every 2-D tensor in one of those formats that is a projection or the LM head
 memory-mapped file; what `models/loaders/gguf.py` does to float rows is done to block rows:
 llama's q/k rows are un-permuted (whole rows move, so it is exact), fused tensors
 (Phi-3's attn_qkv, ffn_up) split by rows. The embedding's blocks are kept under "embed":
-the model's lookup table stays float, and its tied LM head is made from these blocks.
+the model keeps its table as these block rows (a lookup dequantizes the rows it gathers),
+and a tied LM head is the same array.
 """
 
 from __future__ import annotations

@@ -55,7 +55,20 @@ def test_block_formats_are_kept_and_the_rest_is_float(tiny_gguf):
     head = model.tied_lm_head.get_value()
     assert isinstance(head, BlockQuantizedWeight) and head.fmt == "q8_0", "tied head from the Q8_0 embedding"
     assert head.shape == (model.cfg.hidden_size, model.cfg.vocab_size)
-    assert not isinstance(model.embed.get_value(), BlockQuantizedWeight), "the lookup table stays float"
+    table = model.embed.get_value()
+    assert isinstance(table, BlockQuantizedWeight) and table.blocks is head.blocks, \
+        "the lookup table is the embedding's blocks, one array with the tied head (no float32 copy)"
+
+
+def test_the_embedding_lookup_from_blocks_equals_the_float_tables_rows(tiny_gguf):
+    """Rows gathered from the blocks and dequantized are the float model's table rows (the
+    file's blocks dequantized at load) exactly; a lookup of the wrong rows would differ."""
+    tokens = jnp.asarray([[0, 27, 5], [5, 1, 26]])
+    table = np.asarray(tiny_gguf.build().embed.get_value())
+    got = np.asarray(tiny_gguf.build(quantization="gguf").embed_tokens(tokens))
+    assert got.shape == (2, 3, table.shape[1]) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, table[np.asarray(tokens)])
+    assert not np.array_equal(got, table[(np.asarray(tokens) + 1) % table.shape[0]]), "rows differ token to token"
 
 
 def test_xla_path_logits_equal_the_dequantized_float_model(tiny_gguf, float_logits):
@@ -72,7 +85,7 @@ def test_kernel_float_path_logits_equal_the_dequantized_float_model(tiny_gguf, f
     model = tiny_gguf.build(quantization="gguf")
     kept = sum(t in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K) for layer in LAYER_TYPES for t in layer.values())
     assert cpu_kernels.pack_blocks_for_kernel(model, int_rows=0, amx_rows=0, wide_rows=0) == kept + 1, \
-        "every block projection + the head"
+        "every block projection + the head (the embedding table is looked up, not counted)"
     got = prompt_logits(model, prompt, blocks)
     assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), "float path: float32 rounding only"
 
