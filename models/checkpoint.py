@@ -37,6 +37,9 @@ class CheckpointSource:
         default_factory=dict)
     # our name -> lazily read GGUF block rows (u8[out, row bytes], format), for quantization "gguf"
     block_tensors: Mapping[str, Callable[[], tuple[np.ndarray, str]]] = dataclasses.field(default_factory=dict)
+    # Called once a build has placed the weights: gives back the host pages the build read
+    # (a GGUF's memory-mapped file, `models/loaders/gguf.py:release_pages`); None: nothing to give.
+    release: Callable[[], None] | None = None
 
     def build(self, dtype=jnp.float32, *, decode_attention: Any = None,
               progress: Callable[[str], None] | None = None, placement: Any = None,
@@ -56,6 +59,9 @@ class CheckpointSource:
         if self.builder is not None:
             return self.builder(dtype, decode_attention=decode_attention, progress=progress, placement=placement,
                                 quantization=quantization)
-        return build_model(self.config, self.tensors, dtype, progress, decode_attention=decode_attention,
-                           quantization=quantization, int8_tensors=self.int8_tensors,
-                           block_tensors=self.block_tensors)
+        model = build_model(self.config, self.tensors, dtype, progress, decode_attention=decode_attention,
+                            quantization=quantization, int8_tensors=self.int8_tensors,
+                            block_tensors=self.block_tensors)
+        if self.release is not None:
+            self.release()
+        return model

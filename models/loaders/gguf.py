@@ -38,11 +38,14 @@ Format quirks handled here:
   gpt-oss files (`gpt-oss`) add biases to the stacks (`ffn_*_exps.bias`, [E, n]), the
   router bias and per-head `attn_sinks`; their experts are usually MXFP4, read the same way.
 - YaRN RoPE comes from `rope.scaling.*` (factor, original context, betas).
+- The file is read through a memory map; once the weights are placed (copies) its pages
+  are given back (`release_pages`), so they do not count in the server's resident set.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import mmap
 import os
 import re
 from typing import Callable, NamedTuple
@@ -139,6 +142,17 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
                 f"{t.data_offset + t.n_bytes} but the file has {file_bytes}"
             )
     return reader
+
+
+def release_pages(reader: GGUFReader) -> None:
+    """Give back the pages of `reader`'s file that reading the weights brought into this
+    process (madvise MADV_DONTNEED on its read-only map): the placed weights are copies, so
+    the file's pages would otherwise stay in the resident set as long as the reader lives
+    (the opened checkpoint keeps it, to read the weights again for a cache rebuild). A later
+    read faults them back in from the page cache. Nothing where the platform has no madvise."""
+    mapped = getattr(reader.data, "_mmap", None)
+    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mapped.madvise(mmap.MADV_DONTNEED)
 
 
 def open_gguf_checkpoint(path: str | os.PathLike | GGUFReader) -> tuple[ModelConfig, dict, Tokenizer, dict]:
