@@ -126,8 +126,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kv_blocks", "FERROX_CB_KV_BLOCKS", _positive_int, None,
             "KV blocks requests can use, the stats' kv_blocks_total (the null block is added; default: "
             "derived from the memory budget)", group="cache"),
-    Setting("kv_memory_gib", "FERROX_KV_MEMORY_GIB", _positive_float, 2.0, "KV cache memory budget in GiB",
-            group="cache"),
+    Setting("kv_memory_gib", "FERROX_KV_MEMORY_GIB", _positive_float, None,
+            "KV cache memory budget in GiB (default: what --max-seqs rows of a whole context need, "
+            "at most 2 GiB)", group="cache"),
     Setting("kv_cache_dtype", "FERROX_KV_CACHE_DTYPE", _str, None,
             "KV cache storage: float32, bfloat16 or float16 (default: float16 for a GGUF served as its "
             "own blocks on CPU, as llama.cpp keeps it; else the compute dtype); the same budget holds "

@@ -81,7 +81,9 @@ class EngineConfig:
     # ---- KV cache and batching (the contract's FERROX_CB_* settings) ----
     block_size: int = 16  # token positions per KV block
     kv_blocks: int | None = None  # usable blocks (kv_blocks_total; the null block is added); None: from kv_memory_gib
-    kv_memory_gib: float = 2.0  # KV cache budget when kv_blocks is not given
+    # KV cache budget when kv_blocks is not given; None: what max_seqs rows of a whole context
+    # need, at most 2 GiB (ferrox_jax/memory_bounds.py: kv_blocks_for)
+    kv_memory_gib: float | None = None
     kv_cache_dtype: str | None = None  # KV storage dtype; None: the compute dtype
     max_context: int | None = None  # prompt + max_tokens ceiling; None: trained context within the budget
     # The contract's names; inside the engine they are SchedulerLimits.max_rows / max_chunk_tokens.
@@ -211,8 +213,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_blocks must be at most {MAX_USABLE_KV_BLOCKS} (block ids are int32 "
                              f"and the null block is added); got {blocks}")
         gib = self.kv_memory_gib
-        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not (gib > 0 and math.isfinite(gib)):
-            raise ValueError(f"EngineConfig.kv_memory_gib must be a finite number > 0; got {gib!r}")
+        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float))
+                                or not (gib > 0 and math.isfinite(gib))):
+            raise ValueError(f"EngineConfig.kv_memory_gib must be a finite number > 0 or None (the rows' need); "
+                             f"got {gib!r}")
         context = self.max_context
         if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 2):
             raise ValueError(f"EngineConfig.max_context must be an int >= 2; got {context!r}")

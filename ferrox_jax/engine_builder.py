@@ -8,10 +8,12 @@ cache and the context ceiling (`size_kv`), choose the decode attention for that
 block-table width, build the model with it, lay w8a8 projections out for the CPU kernel,
 then the runner (device state, buckets) and the batcher with the resolved `SchedulerLimits`.
 
-Sizing: `kv_blocks` if given, else the KV memory budget divided by the bytes one block
-takes in the KV storage dtype (`kv_cache_dtype`: a bfloat16 cache holds twice the blocks
-of a float32 one in the same budget); the context ceiling is `max_context` if given,
-else the model's trained context capped by what the budget holds. The start-up log says
+Sizing: `kv_blocks` if given, else the KV memory budget `kv_memory_gib` divided by the
+bytes one block takes in the KV storage dtype (`kv_cache_dtype`: a bfloat16 cache holds
+twice the blocks of a float32 one in the same budget), else (neither given) blocks for
+`max_seqs` rows of a whole context each, at most `DEFAULT_KV_MEMORY_GIB`
+(`memory_bounds.kv_blocks_for`); the context ceiling is `max_context` if given, else the
+model's trained context capped by what the cache holds. The start-up log says
 which applied. `quantization` ("int8", "w8a8") makes the loader place int8 weights
 (`models/quant.py`).
 
@@ -49,7 +51,8 @@ from ferrox_jax.step_faults import FaultPolicy
 from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.draft import DraftModel
 from ferrox_jax.kv_cache import model_bytes_per_block
-from ferrox_jax.memory_bounds import Footprint, context_for, device_room, engine_devices, kv_blocks_for, kv_shards
+from ferrox_jax.memory_bounds import (DEFAULT_KV_MEMORY_GIB, GIB, Footprint, context_for, device_room, engine_devices,
+                                      kv_blocks_for, kv_shards, needed_kv_blocks)
 from ferrox_jax.lora_registry import build_registry
 from ferrox_jax.multihost import StepChannel, check_mesh, step_channel_address
 from ferrox_jax.multihost_runner import BroadcastRunner, DraftSender
@@ -162,9 +165,15 @@ def size_kv(config: EngineConfig, model_cfg: ModelConfig, kv_dtype, draft_cfg: M
     draft model's, whose cache has a block for every block id too (`ferrox_jax/draft.py`)."""
     per_block = sum(model_bytes_per_block(c, config.block_size, kv_dtype) for c in (model_cfg, draft_cfg)
                     if c is not None)
-    kv_blocks = kv_blocks_for(config, per_block)
+    kv_blocks = kv_blocks_for(config, per_block, model_cfg.max_position_embeddings)
     if config.kv_blocks:
         why = f"{kv_blocks} KV blocks ({config.kv_blocks} as configured + the null block)"
+    elif config.kv_memory_gib is None:
+        need = needed_kv_blocks(config, model_cfg.max_position_embeddings)
+        capped = f", capped at the default {DEFAULT_KV_MEMORY_GIB:g} GiB" if kv_blocks < need else ""
+        why = (f"{kv_blocks} KV blocks ({kv_blocks * per_block / GIB:.2f} GiB, {per_block} B/block in "
+               f"{jnp.dtype(kv_dtype).name}) for {config.max_seqs} rows of a whole context{capped} "
+               "(--kv-memory-gib or --kv-blocks sets it)")
     else:
         why = (f"{kv_blocks} KV blocks from the {config.kv_memory_gib:g} GiB KV memory budget "
                f"({per_block} B/block in {jnp.dtype(kv_dtype).name})")

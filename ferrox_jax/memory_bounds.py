@@ -62,6 +62,10 @@ UNLIMITED = 1 << 60  # a cgroup limit at or above this is "no limit" (the kernel
 # A budget in blocks is computed in floats; anything above this is far past every ceiling
 # and is clamped so the integer arithmetic that follows stays exact.
 _BLOCKS_CLAMP = 1 << 62
+# The KV budget when neither kv_blocks nor kv_memory_gib is given is what the rows need
+# (`needed_kv_blocks`), at most this: a model with a 128k trained context and 32 rows would
+# otherwise ask for hundreds of GiB. An explicit budget is used as given.
+DEFAULT_KV_MEMORY_GIB = 2.0
 
 
 class MemoryBoundError(ValueError):
@@ -86,15 +90,29 @@ def table_width(max_context: int, block_size: int) -> int:
     return -(-(-(-max_context // block_size)) // TABLE_ROUND_BLOCKS) * TABLE_ROUND_BLOCKS
 
 
-def kv_blocks_for(settings: Any, bytes_per_block: int) -> int:
+def kv_blocks_for(settings: Any, bytes_per_block: int, trained_context: int) -> int:
     """The cache's blocks, the null block included: `kv_blocks` + 1 (`kv_blocks` counts the
     blocks requests can use, the contract's `kv_blocks_total`; the null block is ours to
-    add), else the memory budget over the bytes of one block (at least 2). Not bounded here:
-    `Footprint.check` is."""
+    add), else the memory budget `kv_memory_gib` over the bytes of one block (at least 2),
+    else (no budget given) what the rows need (`needed_kv_blocks`) within
+    `DEFAULT_KV_MEMORY_GIB`. Not bounded here: `Footprint.check` is, against the memory the
+    device has."""
     if settings.kv_blocks:
         return int(settings.kv_blocks) + 1
+    if settings.kv_memory_gib is None:
+        ceiling = DEFAULT_KV_MEMORY_GIB * GIB // bytes_per_block
+        return max(2, min(needed_kv_blocks(settings, trained_context), int(ceiling)))
     blocks = settings.kv_memory_gib * GIB // bytes_per_block
     return max(2, int(min(blocks, _BLOCKS_CLAMP)))
+
+
+def needed_kv_blocks(settings: Any, trained_context: int) -> int:
+    """Blocks for `max_seqs` rows each holding a whole context (`max_context`, else the
+    trained context), the null block included: with them no admitted row ever waits for a
+    block, and nothing more is held (llama-server's `-c` is the same total: its slots
+    share `-c` tokens)."""
+    context = min(settings.max_context or trained_context, _BLOCKS_CLAMP)
+    return settings.max_seqs * -(-context // settings.block_size) + 1
 
 
 def context_for(settings: Any, trained_context: int, num_blocks: int) -> int:
@@ -233,7 +251,7 @@ class Footprint:
                         settings.block_size)
 
     def demand(self, settings: Any) -> Demand:
-        num_blocks = kv_blocks_for(settings, self.bytes_per_block)
+        num_blocks = kv_blocks_for(settings, self.bytes_per_block, self.model.max_position_embeddings)
         max_context = context_for(settings, self.model.max_position_embeddings, num_blocks)
         step = self.step(settings, max_context)
         lora_columns = (settings.max_loras + 1) * settings.max_lora_rank if settings.max_loras else 0
@@ -469,4 +487,6 @@ def _size(num_bytes: int) -> str:
 
 
 def _value(value: Any) -> str:
+    if value is None:  # kv_memory_gib by default (`kv_blocks_for`)
+        return f"(default: the rows' need, at most {DEFAULT_KV_MEMORY_GIB:g})"
     return f"{value:g}" if isinstance(value, float) else str(value)

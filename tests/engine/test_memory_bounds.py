@@ -196,3 +196,34 @@ def test_serve_refuses_a_cache_the_device_cannot_hold_in_one_line_naming_the_fla
     assert "Traceback" not in stderr and "terminate called" not in stderr, stderr[-2000:]
     if "needs" in says:
         assert "free; ask for at most --" in lines[0], lines[0]
+
+
+# -- the default KV budget: what the rows need, within a ceiling ----------------------------
+
+def test_without_a_budget_the_cache_holds_every_row_a_whole_context():
+    config = EngineConfig(max_seqs=8, max_context=512)  # no kv_blocks, no kv_memory_gib
+    # 8 rows x 512 / 16 = 32 blocks each, + the null block
+    assert memory_bounds.kv_blocks_for(config, BYTES_PER_BLOCK, TINY.max_position_embeddings) == 8 * 32 + 1
+    assert FOOTPRINT.demand(config).num_blocks == 257, "the bounds check sizes the cache as the builder does"
+    # no max_context: the trained context, 2048 / 16 = 128 blocks a row
+    trained = EngineConfig(max_seqs=3)
+    assert memory_bounds.kv_blocks_for(trained, BYTES_PER_BLOCK, 2048) == 3 * 128 + 1
+
+
+def test_the_default_budget_is_capped_and_an_explicit_one_wins_either_way():
+    huge = EngineConfig(max_seqs=32)  # 32 rows x 131072 trained positions: far past the ceiling
+    ceiling = int(memory_bounds.DEFAULT_KV_MEMORY_GIB * GIB // BYTES_PER_BLOCK)
+    assert memory_bounds.kv_blocks_for(huge, BYTES_PER_BLOCK, 131072) == ceiling
+    small = EngineConfig(max_seqs=8, max_context=512, kv_memory_gib=1.0)
+    assert memory_bounds.kv_blocks_for(small, BYTES_PER_BLOCK, 2048) == GIB // BYTES_PER_BLOCK, \
+        "an explicit budget is used as given, above the rows' need"
+    tight = EngineConfig(max_seqs=8, max_context=512, kv_memory_gib=0.001)
+    assert memory_bounds.kv_blocks_for(tight, BYTES_PER_BLOCK, 2048) == int(0.001 * GIB) // BYTES_PER_BLOCK
+    assert memory_bounds.kv_blocks_for(EngineConfig(kv_blocks=9), BYTES_PER_BLOCK, 2048) == 9 + 1  # + the null block
+
+
+def test_a_default_budget_that_does_not_fit_is_named_as_the_default():
+    config = EngineConfig(max_seqs=8, max_context=512)
+    with pytest.raises(MemoryBoundError) as e:
+        FOOTPRINT.check(config, Room(BYTES_PER_BLOCK * 100, "host memory"))
+    assert e.value.field == "kv_memory_gib" and "kv_memory_gib (default: the rows' need" in str(e.value), str(e.value)
