@@ -9,7 +9,8 @@ It sits on the top floor: it wires `api/` and the engine together. Every
 `serve` binds its port before anything else (a port in use, or one this user may not
 have, stops it with one line), then starts Hypercorn, so `/health` answers `loading` (503) while the weights
 load and every bucket compiles (progress bars on stderr), then `ready`; one log block
-names the model, dtype, devices, KV blocks and bytes, buckets and URL. SIGTERM/SIGINT
+names the model, dtype, devices, KV blocks and bytes, buckets, the resident memory and its
+parts (api/process_memory.py) and URL. SIGTERM/SIGINT
 drain: /health and new work turn 503, in-flight requests get `--shutdown-timeout`
 seconds, the rest are cancelled, and the process exits 0. An engine that gives up (a step
 hung past `--step-timeout-s`, `--max-step-faults` failed steps in a row, a crashed owner
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from api import cli_help
 from api.config import DEFAULT_HOST, DEFAULT_PORT, ServerConfig
+from api.process_memory import describe_rss
 from api.settings import SETTINGS, default_grammar, env_defaults, name_settings, split_addr
 
 if TYPE_CHECKING:  # the facade's module imports jax: `ferrox --help` stays without it
@@ -249,6 +251,7 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
     info = engine.describe()
     lines = [f"  {key}: {value}" for key, value in info.items()]
     lines.append(f"  load: {engine.load_s:.1f} s, warm-up: {engine.warmup_s or 0:.1f} s")
+    lines.append(f"  rss: {describe_rss(info['weights_bytes'], info['kv_bytes'])}")
     ready = "ready" if url is None else f"ready: serving {info['model']!r} at {url}/v1 (health: {url}/health)"
     logger.info("%s\n%s", ready, "\n".join(lines))  # url None: nothing listens (run-batch)
     return engine
