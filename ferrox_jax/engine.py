@@ -81,7 +81,7 @@ class ModelCard:
     quantization: str = "none"  # weights: "none", "int8" or "w8a8" (models/quant.py)
     kv_cache_dtype: str = "float32"  # KV cache storage dtype
     synthetic_weights: bool = False  # random weights (--load-format dummy): outputs are meaningless
-    weights_bytes: int = 0  # model arrays' bytes (quantized values and scales; the tied LM-head copy included)
+    weights_bytes: int = 0  # model arrays' bytes, each array once (quantized values and scales; a float tied LM-head copy included)
     kv_bytes: int = 0  # the KV cache's bytes (all blocks, the null block included)
     matmul: str = ""  # which kernel multiplies quantized weights, and on which ISA ("" for float)
 
@@ -119,7 +119,8 @@ class Engine:
         self.grammar_note = grammar_note  # why structured output is unavailable, when it is
         # Measured from the placed arrays, not from the config: logical bytes, a replicated
         # array counted once (on a mesh a device holds its shards of the split ones).
-        self.weights_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(device.state))
+        # Each array once: a GGUF's tied LM head is its embedding's blocks, one array under two names.
+        self.weights_bytes = sum({id(leaf): leaf.nbytes for leaf in jax.tree.leaves(device.state)}.values())
 
     @classmethod
     def load(cls, config: EngineConfig, progress: Callable[[str], None] | None = None,

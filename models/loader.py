@@ -77,13 +77,15 @@ def open_checkpoint(path: str, load_format: str = "auto", seed: int = 0) -> Chec
         cfg = st.read_config(p)
         return CheckpointSource(cfg, Tokenizer.from_hf_dir(p), p.name, str(p), st.read_tensors(p, cfg))
     if p.suffix == ".gguf":
-        from models.loaders.gguf import open_gguf, open_gguf_checkpoint, release_pages
+        from models.loaders.gguf import forget_vocabulary, open_gguf, open_gguf_checkpoint, release_pages
         from models.loaders.gguf_blocks import gguf_block_tensors
 
         reader = open_gguf(p)  # parsed once: the default model's metadata takes seconds to read
         cfg, tensors, tokenizer, int8_tensors = open_gguf_checkpoint(reader)
+        blocks = gguf_block_tensors(reader, cfg)
+        forget_vocabulary(reader)  # the tokenizer is built; the tensors are all the reader still serves
         return CheckpointSource(cfg, tokenizer, p.stem, str(p), tensors, int8_tensors=int8_tensors,
-                                block_tensors=gguf_block_tensors(reader, cfg), release=lambda: release_pages(reader))
+                                block_tensors=blocks, release=lambda: release_pages(reader))
     raise ValueError(f"unrecognised model path {p}: expected an HF folder with config.json or a .gguf file")
 
 

@@ -155,6 +155,15 @@ def release_pages(reader: GGUFReader) -> None:
         mapped.madvise(mmap.MADV_DONTNEED)
 
 
+def forget_vocabulary(reader: GGUFReader) -> None:
+    """Drop the parsed vocabulary (`tokenizer.ggml.*` arrays: tokens, types, merges,
+    scores) from `reader.fields` once the config and the tokenizer are built from it: the
+    reader parses each entry into its own numpy views (about 0.1 GiB for SmolLM2's 49k
+    tokens and merges), and the opened checkpoint keeps the reader for its tensors only."""
+    for key in [k for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.") and len(f.data) > 1]:
+        del reader.fields[key]
+
+
 def open_gguf_checkpoint(path: str | os.PathLike | GGUFReader) -> tuple[ModelConfig, dict, Tokenizer, dict]:
     """Config, lazy tensors, tokenizer and lazy int8 tensors (`gguf_int8_tensors`) of a GGUF
     file (or of one `open_gguf` already opened: parsing the metadata of the default model
