@@ -146,6 +146,7 @@ class Engine:
     def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> float:
         """Compiles every bucket (progress(done, total, key) after each); returns seconds."""
         self.warmup_s = self._batcher.warmup(progress)
+        memory_bounds.trim_host_heap()  # the compiles' freed memory, back to the system before serving
         return self.warmup_s
 
     def start(self) -> None:
