@@ -35,6 +35,7 @@ from ferrox_jax.batcher import ContinuousBatcher, EventCallback
 from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig, SpeculativeConfig
 from ferrox_jax.constraint import GrammarError, GrammarSpec
 from ferrox_jax.engine_builder import KVSizing, build_parts
+from ferrox_jax.host_heap import trim_host_heap
 from ferrox_jax.images import ImageError, ImageLimits, expand_markers, find_spans, preprocess
 from ferrox_jax.lora_registry import LoadedAdapter, LoraRegistry, check_adapter_name
 from ferrox_jax.memory_bounds import MemoryBoundError, host_total_bytes
@@ -146,7 +147,7 @@ class Engine:
     def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> float:
         """Compiles every bucket (progress(done, total, key) after each); returns seconds."""
         self.warmup_s = self._batcher.warmup(progress)
-        memory_bounds.trim_host_heap()  # the compiles' freed memory, back to the system before serving
+        trim_host_heap()  # the compiles' freed memory, back to the system before serving
         return self.warmup_s
 
     def start(self) -> None:

@@ -482,25 +482,6 @@ def check_host_room(weights_bytes: int, what: str) -> None:
                                         "(frees the KV cache only) or free host memory first")
 
 
-def trim_host_heap() -> bool:
-    """Hand the host heap's free pages back to the system (glibc's `malloc_trim(0)`); True
-    when it ran. Compiling the step shapes leaves LLVM's freed memory in malloc's arenas:
-    on Llama 3.2 1B's shape (23 shapes, cold) it gave back 0.18 GiB of resident memory, 0.05
-    GiB after a start from the compile cache. Elsewhere than glibc, nothing."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return False
-    if libc is None or not hasattr(libc, "malloc_trim"):
-        return False
-    libc.malloc_trim(0)
-    return True
-
-
 def _size(num_bytes: int) -> str:
     return f"{num_bytes / GIB:,.1f} GiB" if num_bytes >= GIB // 10 else f"{num_bytes / MIB:,.1f} MiB"
 
