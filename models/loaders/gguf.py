@@ -120,6 +120,26 @@ def default_model_path() -> str:
     return str(dist.locate_file(preferred[0]))
 
 
+class _Reader(GGUFReader):
+    """gguf's reader, reading its fields through a plain ndarray view of the file's map.
+
+    The reader parses every entry of the vocabulary arrays (49k tokens and 49k merges for
+    SmolLM2) with `_get`, which slices `self.data`, an `np.memmap`: each memmap slice costs
+    the subclass's bookkeeping. The same slices of `self.data.view(np.ndarray)` are the same
+    bytes, dtypes and offsets (fields and tensors compare equal), and parsing Llama 3.2 1B's
+    Q4_K_M file took 1.6 s instead of 4.5-5.1 s (best of 2 each, a loaded 2-core VM).
+    `self.data` stays the memmap (`release_pages` advises it)."""
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        dtype = np.dtype(dtype)
+        count = int(count)
+        arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
 def open_gguf(path: str | os.PathLike) -> GGUFReader:
     """Memory-map a GGUF file, turning a malformed one into a ValueError that says so.
 
@@ -129,7 +149,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
-        reader = GGUFReader(path)
+        reader = _Reader(path)
     # The reader parses with numpy views over the mmap: a short file surfaces as a reshape
     # ValueError, an IndexError or a bad enum value deep inside it.
     except (ValueError, IndexError, KeyError, OverflowError, TypeError) as e:
