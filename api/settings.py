@@ -188,6 +188,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prefix_caching", "FERROX_PREFIX_CACHING", _bool, True,
             "keep computed prompt blocks and reuse them for prompts sharing a prefix (--no-prefix-caching: off)",
             group="cache"),
+    Setting("kv_offload_gib", "FERROX_KV_OFFLOAD_GIB", _nonneg_float, 0.0,
+            "host memory in GiB for prefix-cache blocks the device cache evicts: copied out, and copied back "
+            "on a later hit instead of recomputed (0 = off; one process only, needs prefix caching)",
+            group="cache"),
     Setting("speculative", "FERROX_SPECULATIVE", _str, None,
             "speculative decoding: ngram (prompt lookup over the row's own prompt and output) or draft "
             "(--draft-model's autoregressive drafts); default off", group="speculative"),

@@ -7,7 +7,8 @@ into it, and it is never handed out) is in exactly one of three states:
 - *held*: referenced by rows or prefilling jobs (reference counted: the n rows of a
   request, and requests whose prompts share a cached prefix, reference the same block);
 - *idle cached*: named in the prefix cache (`ferrox_jax/prefix_cache.py`) but referenced
-  by nobody; kept for a later hit, evicted least recently released first.
+  by nobody; kept for a later hit, evicted least recently released first (into the host
+  tier, `ferrox_jax/kv_offload.py`, when `--kv-offload-gib` is on).
 
     free + held + idle cached == num_blocks          (asserted by `check`)
 
@@ -162,11 +163,14 @@ class BlockBudget:
 
     def forget_cached_blocks(self) -> int:
         """Evicts every idle cached block into the free list (the KV cache's contents are
-        gone: sleep); returns how many. Held blocks stay (an idle engine holds none)."""
+        gone: sleep), and empties the host tier under the cache; returns how many device
+        blocks. Held blocks stay (an idle engine holds none)."""
         num = 0
         while self.cache is not None and self.cache.num_idle_blocks:
-            self._free_ids.append(self.cache.evict())
+            self._free_ids.append(self.cache.evict(offload=False))
             num += 1
+        if self.cache is not None and self.cache.tier is not None:
+            self.cache.tier.clear()
         return num
 
     def check(self) -> None:

@@ -18,6 +18,12 @@ size):
    the cached one (a copy would cost the job one block more than no hit at all, and a job
    needing the whole budget could then never be admitted). Jobs asking for prompt
    logprobs need every position computed and skip the lookup.
+   With the host tier (`--kv-offload-gib`, `ferrox_jax/kv_offload.py`) the lookup goes on
+   where the device run ends: the next h names the tier holds are host hits. Each takes a
+   fresh block at once, out of the job's promise (a host hit costs the block its
+   computation would have; the promise is the same as without it), and the step planned
+   now restores it first thing (`StepPlan.kv_restores`); prefill starts at
+   `c = (k + h) * bs`. Restored blocks are named like computed ones, after the step.
 2. Prefill writes positions c.. into new blocks; each full block is named in the cache
    once the step that computed it has run.
 3. Fork (`fork`), when the prefill is done: each of the n rows takes a table referencing
@@ -60,6 +66,7 @@ from collections.abc import Iterable
 from ferrox_jax.block_budget import BlockBudget
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.images import hash_ids
+from ferrox_jax.kv_offload import HostTier
 from ferrox_jax.prefix_cache import PrefixCache, adapter_root, chain_hashes
 from ferrox_jax.request import JobState, Row
 
@@ -78,11 +85,14 @@ class BlockTables:
 
     def __init__(self, limits: SchedulerLimits) -> None:
         self.block_size = limits.block_size
-        self.cache = PrefixCache(limits.prefix_cache_salt) if limits.prefix_caching else None
+        self.tier = HostTier(limits.kv_offload_blocks) if limits.kv_offload_blocks and limits.prefix_caching else None
+        self.cache = PrefixCache(limits.prefix_cache_salt, self.tier) if limits.prefix_caching else None
         self.budget = BlockBudget(limits.num_blocks, self.cache)
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
-        self.num_hit_tokens = 0  # of those, tokens admission took from the cache (not computed)
+        self.num_hit_tokens = 0  # of those, tokens admission took from the cache (not computed), both tiers
+        self.num_host_hit_tokens = 0  # of those, tokens restored from the host tier
         self._copies: list[tuple[int, int]] = []
+        self._restoring: list[JobState] = []  # jobs admitted with host hits since the last plan
 
     @property
     def num_cached_blocks(self) -> int:
@@ -99,19 +109,34 @@ class BlockTables:
             job.block_names = chain_hashes(hash_ids(prompt, submitted.images), self.block_size,
                                            adapter_root(self.cache.root, submitted.adapter_key))
         hits: list[int] = []
+        host_slots: list[int] = []
         if self.cache is not None and not submitted.computes_every_position:
-            hits = self.cache.lookup(job.block_names[:(len(prompt) - 1) // self.block_size])
-        num_cached = len(hits) * self.block_size
-        num_new = blocks_to_reserve(len(prompt), submitted.max_tokens, submitted.n, self.block_size, num_cached)
+            names = job.block_names[:(len(prompt) - 1) // self.block_size]
+            hits = self.cache.lookup(names)
+            if self.tier is not None:
+                host_slots = self.tier.lookup(names[len(hits):])
+                self.tier.pin(host_slots)  # before the budget evicts: its saves must not take these slots
+        num_new = blocks_to_reserve(len(prompt), submitted.max_tokens, submitted.n, self.block_size,
+                                    len(hits) * self.block_size)
         if not self.budget.try_admit(num_new, hits):
+            if host_slots:
+                self.tier.unpin(host_slots)
             return False
+        job.num_owed_blocks = num_new
         job.prefill_block_ids = hits
+        for slot in host_slots:  # a fresh block each, restored before the step's forward
+            block_id = self._allocate(job)
+            self.tier.restore(slot, block_id)
+            job.prefill_block_ids.append(block_id)
+        if host_slots:
+            self._restoring.append(job)
+        num_cached = len(job.prefill_block_ids) * self.block_size
         job.num_named_blocks = len(hits)
         job.num_cached_tokens = job.num_computed_tokens = num_cached
-        job.num_owed_blocks = num_new
         if self.cache is not None and not submitted.computes_every_position:
             self.num_queried_tokens += len(prompt)
             self.num_hit_tokens += num_cached
+            self.num_host_hit_tokens += len(host_slots) * self.block_size
         return True
 
     def preempt(self, job: JobState, rows: Iterable[Row]) -> None:
@@ -183,6 +208,19 @@ class BlockTables:
         references = self.references([job], rows)
         return job.num_owed_blocks + sum(1 for block_id, count in references.items()
                                          if self.budget.ref_count(block_id) == count)
+
+    def take_offload(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], list[JobState]]:
+        """The host tier's copies for the step being planned (saves, restores) and the jobs
+        whose restores they are (a failed step fails them too: their blocks are unknown)."""
+        if self.tier is None:
+            return (), (), []
+        jobs, self._restoring = self._restoring, []
+        return (*self.tier.take(), jobs)
+
+    def forget_failed_saves(self, saves: Iterable[tuple[int, int]]) -> None:
+        """A step failed: the host slots it was to save hold nothing known."""
+        if self.tier is not None:
+            self.tier.forget_slots(slot for _, slot in saves)
 
     # -- planning: make the positions a step writes writable ------------------------------
 

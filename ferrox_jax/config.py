@@ -96,6 +96,8 @@ class EngineConfig:
     max_queue: int = 512  # waiting jobs; one more is refused (503)
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (SCHEDULING_POLICIES)
     prefix_caching: bool = True  # full prompt blocks stay cached and are shared by later prompts
+    # Host memory for prefix blocks the device cache evicts, restored on a hit (ferrox_jax/kv_offload.py); 0: off.
+    kv_offload_gib: float = 0.0
     speculative: SpeculativeConfig | None = None  # prompt-lookup speculative decoding; None: off
     # ---- structured output (ferrox_jax/grammar.py, grammar_sandbox.py) ----
     # Each new constraint is compiled in a child process first, so a native crash in the
@@ -146,6 +148,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.prefill_chunk_idle must be 0 (off) or >= prefill_chunk "
                              f"({self.prefill_chunk}); got {self.prefill_chunk_idle}")
         self._check_ceilings()
+        offload = self.kv_offload_gib
+        if isinstance(offload, bool) or not isinstance(offload, (int, float)) or not 0 <= offload < float("inf"):
+            raise ValueError(f"EngineConfig.kv_offload_gib must be a finite number of GiB >= 0 (0: off); "
+                             f"got {offload!r}")
         for name in ("dtype", "kv_cache_dtype"):
             value = getattr(self, name)
             if value is not None and value not in DTYPE_NAMES:
@@ -342,6 +348,7 @@ class SchedulerLimits:
     kv_bytes_per_block: int = 0  # K+V bytes of one block, for refusal messages; 0: unknown
     prefix_caching: bool = True  # keep and share full prompt blocks across requests
     prefix_cache_salt: str = ""  # what else the K/V depend on (model, dtype), in every block name
+    kv_offload_blocks: int = 0  # host-tier slots under the prefix cache (ferrox_jax/kv_offload.py); 0: off
     speculative: SpeculativeConfig | None = None  # prompt-lookup drafts (ferrox_jax/speculative.py); None: off
     scheduling_policy: str = "fcfs"  # admission order, and preemption under "priority" (ferrox_jax/priority.py)
 
@@ -351,7 +358,8 @@ class SchedulerLimits:
                              f"got {self.scheduling_policy!r}")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or field.name == "kv_bytes_per_block":
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or field.name in (
+                    "kv_bytes_per_block", "kv_offload_blocks"):
                 continue
             if value <= 0:
                 raise ValueError(f"SchedulerLimits.{field.name} must be > 0; got {value}")

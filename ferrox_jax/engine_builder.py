@@ -51,6 +51,7 @@ from ferrox_jax.step_faults import FaultPolicy
 from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.draft import DraftModel
 from ferrox_jax.kv_cache import model_bytes_per_block
+from ferrox_jax.kv_offload import host_tier_blocks
 from ferrox_jax.memory_bounds import (DEFAULT_KV_MEMORY_GIB, GIB, Footprint, context_for, device_room, engine_devices,
                                       kv_blocks_for, kv_shards, needed_kv_blocks)
 from ferrox_jax.lora_registry import build_registry
@@ -476,6 +477,8 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
     step = footprint.check(config, device_room(devices), note=" after the weights").step
     lora_slots = LoraSlots(config.max_loras, config.max_lora_rank) if config.max_loras else None
     lora_targets = attach_lora(model, lora_slots) if lora_slots is not None else None
+    offload = host_tier_blocks(config.kv_offload_gib, sizing.bytes_per_block, num_processes=jax.process_count(),
+                               prefix_caching=config.prefix_caching, draft=draft_source is not None)
     limits = SchedulerLimits(
         block_size=config.block_size, num_blocks=sizing.num_blocks - 1, max_rows=config.max_seqs,
         max_chunk_tokens=step.chunk_tokens, max_idle_chunk_tokens=step.idle_chunk_tokens,
@@ -483,13 +486,13 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         kv_bytes_per_block=sizing.bytes_per_block,
         prefix_caching=config.prefix_caching, prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size)
         + (f"|draft={draft_source.path}" if draft_source is not None else ""),
-        speculative=config.speculative, scheduling_policy=config.scheduling_policy)
+        speculative=config.speculative, scheduling_policy=config.scheduling_policy, kv_offload_blocks=offload)
     grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size, config)
     # Speculating rows take a decode row per token: room for them in the row buckets (step.rows).
     runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=step.rows,
                          max_chunk_tokens=step.idle_chunk_tokens, max_context=sizing.max_context, kv_dtype=kv_dtype,
                          mesh=mesh, replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks,
-                         shared_compiles=_PROCESS.get("shared_compiles"), vision=vision)
+                         shared_compiles=_PROCESS.get("shared_compiles"), vision=vision, kv_offload_blocks=offload)
     draft_runner = (_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh)
                     if draft_source is not None else None)
     device, (runner, draft, channel) = runner, _leader_runners(runner, draft_runner, config)

@@ -36,6 +36,9 @@ Layout: R rows in plan order (decode rows, then prompt chunks), N new tokens.
     image_mask      bool[N] or None     (None: no row of the step holds an image)
     attend_until    i32[N] or None      the furthest key each token sees (its position, or its
                                   image's last: `ferrox_jax/images.py`)
+    kv_saves        i32[S, 2]     (device block, host slot): the host tier's saves, run first
+    kv_restores     i32[L, 2]     (host slot, device block): its restores, run next (then the
+                                  block copies); both None or empty without `--kv-offload-gib`
 
 A new capability adds a column here (an adapter index per row, 1 + k logits per row), not a
 branch in the runner.
@@ -190,6 +193,8 @@ class HostBatch:
     image_embeds: np.ndarray | None = None
     image_mask: np.ndarray | None = None
     attend_until: np.ndarray | None = None
+    kv_saves: np.ndarray | None = None  # None reads as no saves
+    kv_restores: np.ndarray | None = None  # None reads as no restores
 
     @classmethod
     def build(cls, plan: StepPlan, geometry: BatchGeometry) -> "HostBatch":
@@ -230,6 +235,8 @@ class HostBatch:
                    constrained=np.asarray([row.is_constrained and row.sample for row in rows], bool),
                    sampling=sampling, block_copies=copies,
                    adapter_slots=np.asarray([row.adapter_slot for row in rows], np.int32),
+                   kv_saves=np.asarray(plan.kv_saves, np.int32).reshape(-1, 2),
+                   kv_restores=np.asarray(plan.kv_restores, np.int32).reshape(-1, 2),
                    **dict(zip(("image_embeds", "image_mask", "attend_until"), images or ())))
 
     @property
@@ -244,6 +251,11 @@ class HostBatch:
     @property
     def has_constrained_rows(self) -> bool:
         return bool(self.constrained.any())
+
+    @property
+    def has_offload(self) -> bool:
+        """The step moves blocks between the device cache and the host tier first."""
+        return any(a is not None and len(a) for a in (self.kv_saves, self.kv_restores))
 
     # -- bytes (what another host receives) ----------------------------------------------
 

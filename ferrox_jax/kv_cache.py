@@ -124,3 +124,17 @@ def copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
         k=tuple(a.at[:, dst].set(a[:, src]) for a in kv_cache.k),
         v=tuple(a.at[:, dst].set(a[:, src]) for a in kv_cache.v),
     )
+
+
+@jax.jit
+def gather_blocks(kv_cache: KVCache, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Whole blocks `ids` (i32[B]) of every layer, for the host tier (`ferrox_jax/kv_offload.py`):
+    (k, v), each [layers, kv_heads, B, block_size, head_dim]."""
+    return jnp.stack([a[:, ids] for a in kv_cache.k]), jnp.stack([a[:, ids] for a in kv_cache.v])
+
+
+@functools.partial(jax.jit, donate_argnames=("kv_cache",))
+def scatter_blocks(kv_cache: KVCache, ids: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    """Writes whole blocks back (the inverse of `gather_blocks`; pad `ids` with the null block 0)."""
+    return KVCache(k=tuple(a.at[:, ids].set(k[i]) for i, a in enumerate(kv_cache.k)),
+                   v=tuple(a.at[:, ids].set(v[i]) for i, a in enumerate(kv_cache.v)))

@@ -80,6 +80,11 @@ class StepPlan:
     `block_copies` (src, dst) run first: for `n > 1` the rows share a prompt's full
     blocks and each gets a copy of the partly filled last one.
 
+    `kv_saves` (device block, host slot) and `kv_restores` (host slot, device block) are the
+    host tier's copies (`--kv-offload-gib`, `ferrox_jax/kv_offload.py`): saves run first
+    (blocks admission evicted, before anything overwrites them), then restores (host hits
+    admitted this step), then the block copies, then the forward.
+
     With speculation, `draft_requests` name the decoding rows that may verify drafts this
     step; the owner loop has a proposer find them and `Scheduler.add_drafts` adds them to
     the rows before the host batch is built (`ferrox_jax/batcher.py`).
@@ -90,10 +95,12 @@ class StepPlan:
     block_copies: tuple[tuple[int, int], ...] = ()
     draft_requests: tuple[DraftRequest, ...] = ()
     max_draft_tokens: int = 0  # draft tokens the step's rows may take in all (a proposer stops there)
+    kv_saves: tuple[tuple[int, int], ...] = ()
+    kv_restores: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_empty(self) -> bool:
-        return not (self.chunks or self.decode or self.block_copies)
+        return not (self.chunks or self.decode or self.block_copies or self.kv_saves or self.kv_restores)
 
     @property
     def rows(self) -> tuple[RowPlan, ...]:

@@ -24,6 +24,10 @@ block ids and their reference counts. A cached block is in one of two states:
 `lookup(hashes)` returns the blocks of the longest run of cached names at the start of a
 prompt. `insert` names a block once its positions are computed; a name already taken
 (another job computed the same prefix at the same time) is left with its first block.
+
+With a host tier under it (`--kv-offload-gib`, `ferrox_jax/kv_offload.py`), an evicted
+block is offered to the tier before its name is forgotten, so the tier copies its K/V to
+host memory before the block id is written again.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import collections
 import hashlib
 import struct
 from collections.abc import Sequence
+
+from ferrox_jax.kv_offload import HostTier
 
 _ROOT_TAG = b"ferrox-prefix-cache"
 
@@ -75,8 +81,9 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: bytes, start
 class PrefixCache:
     """Name <-> block id index of cached full blocks, and the idle ones in eviction order."""
 
-    def __init__(self, salt: str = "") -> None:
+    def __init__(self, salt: str = "", tier: HostTier | None = None) -> None:
         self.root = root_hash(salt)
+        self.tier = tier  # where evicted blocks go (None: forgotten)
         self._block_by_name: dict[bytes, int] = {}
         self._name_by_block: dict[int, bytes] = {}
         # Idle cached blocks (ref count 0), least recently released first.
@@ -131,10 +138,14 @@ class PrefixCache:
         assert block_id in self._idle, f"block {block_id} is not idle"
         del self._idle[block_id]
 
-    def evict(self) -> int:
-        """Forgets the least recently released idle block; returns its id (now plain free)."""
+    def evict(self, offload: bool = True) -> int:
+        """Forgets the least recently released idle block; returns its id (now plain free).
+        `offload`: offer it to the host tier first (False: its contents are gone, sleep)."""
         assert self._idle, "no idle cached block to evict"
         block_id, _ = self._idle.popitem(last=False)
-        del self._block_by_name[self._name_by_block.pop(block_id)]
+        name = self._name_by_block.pop(block_id)
+        del self._block_by_name[name]
+        if offload and self.tier is not None:
+            self.tier.offer(name, block_id)
         self.num_evicted_blocks += 1
         return block_id

@@ -16,7 +16,9 @@ comes from `Buckets`; `warmup()` compiles all of them ahead of time (AOT:
      ragged kernel sees the 1 + d rows as one span: `models/ragged_attention.py`). The
      smallest `StepShape` holding both is picked and the batch's arrays are laid out in it
      (`ForwardBatch`, numpy, handed to the compiled step as they are).
-  2. Dispatch: block copies, then the one forward over every row. Dispatch is
+  2. Dispatch: the host tier's saves and restores (`offload_blocks`, `--kv-offload-gib`:
+     blocks evicted from the prefix cache go to host memory, host hits come back), block
+     copies, then the one forward over every row. Dispatch is
      asynchronous: `forward` returns a `DevicePending` while the device runs.
   3. Meanwhile the owner thread fills the grammar bitmask of constrained rows
      (`ferrox_jax/batcher.py`): the mask for a row depends on the token it sampled last
@@ -50,7 +52,9 @@ from flax import nnx
 from ferrox_jax import sleep
 from ferrox_jax.buckets import Buckets, StepShape
 from ferrox_jax.host_batch import ALL_TOKENS_ALLOWED, BatchGeometry, HostBatch, SamplingArrays, StepArrays
-from ferrox_jax.kv_cache import KVCache, copy_blocks, create_model_kv_cache
+from ferrox_jax.kv_cache import (KVCache, copy_blocks, create_model_kv_cache, gather_blocks, scatter_blocks,
+                                 storage_dtype)
+from ferrox_jax.kv_offload import HostKVPool
 from ferrox_jax.multihost import place_on_mesh
 from ferrox_jax.padding import empty_forward, pad_batch, unpad_results
 from ferrox_jax.runner_protocol import DeviceState
@@ -65,14 +69,17 @@ from models.lora import lora_slot_count
 log = logging.getLogger(__name__)
 COPY_BATCH = 8  # block copies are padded to this many pairs (0 -> 0 is a no-op copy)
 COPY_KEY = ("copy",)  # the block-copy executable's key among the compiled shapes
+OFFLOAD_BATCH = 8  # host-tier saves / restores are padded to this many blocks (null block 0)
+SAVE_KEY, RESTORE_KEY = ("offload_save",), ("offload_restore",)  # compiled only with a host tier
 
 
-def compile_keys(buckets: Buckets) -> list[tuple]:
+def compile_keys(buckets: Buckets, offload: bool = False) -> list[tuple]:
     """Every executable a runner with `buckets` compiles at warm-up, as plain tuples (they
     go into logs and JSON): ("forward", Bd, Pc, Tc) per step shape, ("sample", rows) per
-    sampler, ("copy",)."""
+    sampler, ("copy",), and with a host tier (`offload`) its gather and scatter."""
     return ([("forward", *dataclasses.astuple(shape)) for shape in buckets.shapes()]
-            + [("sample", rows) for rows in buckets.sampler_rows()] + [COPY_KEY])
+            + [("sample", rows) for rows in buckets.sampler_rows()] + [COPY_KEY]
+            + ([SAVE_KEY, RESTORE_KEY] if offload else []))
 
 
 def block_table_width(max_context: int, block_size: int) -> int:
@@ -102,7 +109,7 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_rows: int, max_chunk_tokens: int,
                  max_context: int, kv_dtype=None, mesh=None, replicate_attention: bool = False,
                  max_chunks: int = 1, shared_compiles: SharedCompiles | None = None,
-                 vision: VisionEncoder | None = None):
+                 vision: VisionEncoder | None = None, kv_offload_blocks: int = 0):
         """Args:
           model: the built model, its decode attention already chosen (`models/loader.py`).
           num_blocks: KV cache blocks, the null block 0 included.
@@ -119,6 +126,8 @@ class ModelRunner:
             process compiles everything.
           vision: a model taking images: its encoder (`ferrox_jax/vision.py`); every step
             then carries the image columns of `ferrox_jax/step.py`.
+          kv_offload_blocks: host-tier slots (`--kv-offload-gib`, `ferrox_jax/kv_offload.py`);
+            0: no tier, nothing of it compiled or allocated.
         """
         cfg = model.cfg
         self.cfg = cfg
@@ -147,6 +156,13 @@ class ModelRunner:
         self.has_lora = self.max_loras > 0
         self.kv_cache: KVCache = create_model_kv_cache(
             cfg, num_blocks, block_size, self.kv_dtype, sharding=None if self.shardings is None else self.shardings.kv_array)
+        self.kv_offload_blocks = kv_offload_blocks
+        heads, k_dim, v_dim = cfg.kv_cache_dims()
+        if kv_offload_blocks and k_dim != v_dim:
+            raise ValueError("--kv-offload-gib: a latent-attention cache (one latent head, no V) is not offloaded "
+                             "yet; serve this model without the host tier")
+        self._host_pool = HostKVPool(kv_offload_blocks, cfg.num_layers, heads, block_size, k_dim,
+                                     storage_dtype(self.kv_dtype)) if kv_offload_blocks else None
         self._compiled: dict[tuple, Callable] = {}
         self._shared_compiles = shared_compiles
         self.is_warm = False
@@ -230,7 +246,8 @@ class ModelRunner:
     # ---- compilation -------------------------------------------------------------
     def compile_keys(self) -> list[tuple]:
         """Every executable warm-up compiles (`compile_keys`)."""
-        return compile_keys(self.buckets) + (self.vision.compile_keys() if self.vision is not None else [])
+        return compile_keys(self.buckets, offload=self._host_pool is not None) + (
+            self.vision.compile_keys() if self.vision is not None else [])
 
     def _lower(self, key: tuple) -> jax.stages.Lowered:
         if key == COPY_KEY:
@@ -238,6 +255,12 @@ class ModelRunner:
             return copy_blocks.lower(self.kv_cache, pairs, pairs)
         if key[0] == "vision":
             return self.vision.lower(key)
+        if key in (SAVE_KEY, RESTORE_KEY):
+            ids = jnp.zeros(OFFLOAD_BATCH, jnp.int32)
+            if key == SAVE_KEY:
+                return gather_blocks.lower(self.kv_cache, ids)
+            k, v = self._host_pool.get(np.zeros(0, np.int64), OFFLOAD_BATCH)
+            return scatter_blocks.lower(self.kv_cache, ids, k, v)
         if key[0] == "sample":
             rows = key[1]
             logits = jnp.zeros((rows, self.vocab_size), jnp.float32)
@@ -301,6 +324,8 @@ class ModelRunner:
     def forward(self, batch: HostBatch) -> DevicePending:
         """Steps 1-2 of the module docstring: pad, block copies, dispatch; returns at once."""
         shape, order, forward_inputs = self._pad(batch)
+        if batch.has_offload:  # the host tier's saves, then its restores, before the copies
+            self.offload_blocks(batch.kv_saves, batch.kv_restores)
         if len(batch.block_copies):
             self.copy_blocks(batch.block_copies)
         result = self._run_forward(shape, forward_inputs)
@@ -350,6 +375,30 @@ class ModelRunner:
             chunk = copies[i:i + COPY_BATCH]
             part[:len(chunk)] = chunk
             self.kv_cache = copy(self.kv_cache, jnp.asarray(part[:, 0]), jnp.asarray(part[:, 1]))
+
+    def offload_blocks(self, saves: np.ndarray, restores: np.ndarray) -> None:
+        """The host tier's copies (`ferrox_jax/kv_offload.py`), `OFFLOAD_BATCH` blocks per
+        call: every save (i32[S, 2], (device block, host slot)) is fetched to host memory
+        before any restore (i32[L, 2], (host slot, device block)) is written, since a
+        restore may land in a block a save reads."""
+        if self._host_pool is None:
+            raise ValueError("this runner has no host KV tier (--kv-offload-gib 0)")
+        saves = np.asarray(saves, np.int32).reshape(-1, 2)
+        restores = np.asarray(restores, np.int32).reshape(-1, 2)
+        gather = self._executable(SAVE_KEY) if len(saves) else None
+        for i in range(0, len(saves), OFFLOAD_BATCH):
+            part = saves[i:i + OFFLOAD_BATCH]
+            ids = np.zeros(OFFLOAD_BATCH, np.int32)
+            ids[:len(part)] = part[:, 0]
+            k, v = jax.device_get(gather(self.kv_cache, ids))  # waits: the blocks are on the host after it
+            self._host_pool.put(part[:, 1], np.asarray(k)[:, :, :len(part)], np.asarray(v)[:, :, :len(part)])
+        scatter = self._executable(RESTORE_KEY) if len(restores) else None
+        for i in range(0, len(restores), OFFLOAD_BATCH):
+            part = restores[i:i + OFFLOAD_BATCH]
+            ids = np.zeros(OFFLOAD_BATCH, np.int32)  # padding restores zeros into the null block
+            ids[:len(part)] = part[:, 1]
+            k, v = self._host_pool.get(part[:, 0], OFFLOAD_BATCH)
+            self.kv_cache = scatter(self.kv_cache, ids, k, v)
 
     def run_logits(self, rows: list[RowPlan]) -> list[np.ndarray]:
         """Offline (tests, tools/parity/compare_logits.py): write the rows' tokens into the cache

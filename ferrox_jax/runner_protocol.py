@@ -9,7 +9,8 @@ in the tick's order (`ferrox_jax/batcher.py`):
                                                meanwhile (None: no row constrained), one fetch
 
 and between ticks, on the same owner thread: `warmup` / `compile_keys` (every executable,
-ahead of time), `copy_blocks` (what `forward` runs first), `encode_images` (a model taking
+ahead of time), `copy_blocks` and `offload_blocks` (what `forward` runs first: the host
+KV tier's saves and restores, then the block copies), `encode_images` (a model taking
 images: the vision encoder over a step's new images, before its batch is built), and the state verbs
 `swap_state` (LoRA slot writes; a benchmark's cache fill), `release` / `restore` (sleep and wake: the KV cache, and at
 level 2 the weights, given back to the device and taken again in the same shapes).
@@ -65,6 +66,7 @@ class Runner(Protocol):
     max_chunks: int  # prompt chunks one step holds, at most
     max_loras: int  # LoRA adapter slots the weights carry (0: none)
     is_warm: bool  # every shape compiled (`warmup` ran): a step's time is the device's, not a compile's
+    kv_offload_blocks: int  # host KV tier slots (`--kv-offload-gib`, `ferrox_jax/kv_offload.py`; 0: none)
 
     @property
     def recompiles_after_warmup(self) -> int:
@@ -93,6 +95,11 @@ class Runner(Protocol):
     def encode_images(self, pixels: np.ndarray) -> np.ndarray:
         """The soft-token embeddings of B images: f32[B, C, S, S] -> f32[B, T, D]. Raises
         ValueError on a runner whose model takes no images (`geometry.image_width` 0)."""
+        ...
+
+    def offload_blocks(self, saves: np.ndarray, restores: np.ndarray) -> None:
+        """The host KV tier's copies: every save (i32[S, 2], (device block, host slot)) into
+        host memory, then every restore (i32[L, 2], (host slot, device block)) back."""
         ...
 
     def warmup(self, progress: Callable[[int, int, tuple], None] | None = None,
@@ -135,6 +142,7 @@ class RunnerWrapper:
         self.max_chunk_tokens = runner.max_chunk_tokens
         self.max_chunks = runner.max_chunks
         self.max_loras = runner.max_loras
+        self.kv_offload_blocks = runner.kv_offload_blocks
 
     @property
     def is_warm(self) -> bool:
@@ -159,6 +167,9 @@ class RunnerWrapper:
 
     def encode_images(self, pixels: np.ndarray) -> np.ndarray:
         return self.runner.encode_images(pixels)
+
+    def offload_blocks(self, saves: np.ndarray, restores: np.ndarray) -> None:
+        self.runner.offload_blocks(saves, restores)
 
     def warmup(self, progress: Callable | None = None, num_threads: int | None = None) -> float:
         return self.runner.warmup(progress, num_threads)
@@ -194,6 +205,9 @@ def check_limits(limits: SchedulerLimits, runner: Runner, has_draft: bool = Fals
                          f"{runner.max_rows}")
     if limits.speculative is not None and limits.speculative.method == "draft" and not has_draft:
         raise ValueError("--speculative draft: the batcher was given no draft model")
+    if limits.kv_offload_blocks > runner.kv_offload_blocks:
+        raise ValueError(f"SchedulerLimits.kv_offload_blocks ({limits.kv_offload_blocks}) exceeds the runner's "
+                         f"host KV tier ({runner.kv_offload_blocks} slots)")
     if limits.max_chunks > runner.max_chunks:
         raise ValueError(f"SchedulerLimits' {limits.max_chunks} chunks per step exceed the runner's "
                          f"{runner.max_chunks}")

@@ -23,7 +23,8 @@ prompt reaches its first token sooner.
 Blocks are `ferrox_jax/block_tables.py`'s business: admission looks the prompt up in the
 prefix cache and promises the job its lifetime worst case of new blocks; planning grows
 tables and copies a shared block before a row writes into it; `update` names the blocks a
-step completed; finished rows release theirs. For `n > 1` the prompt (all but its last
+step completed; finished rows release theirs. With the host tier (`--kv-offload-gib`) the
+plan also carries its copies (blocks admission evicted, host hits it admitted). For `n > 1` the prompt (all but its last
 token) is prefilled once and each row then starts as a prefix hit on it, computing the
 last prompt token itself and sampling with its own seed.
 
@@ -188,9 +189,13 @@ class Scheduler(Preemption):
             decode, requests, max_draft_tokens = self.speculator.plan_drafts(
                 decode, self._rows, self.blocks, self.limits.speculative.step_rows(self.limits.max_rows))
         self._update_peak()
+        saves, restores, restoring = self.blocks.take_offload()  # the host tier's copies (--kv-offload-gib)
         plan = StepPlan(decode=decode, chunks=chunks, block_copies=self.blocks.take_copies(),
-                        draft_requests=requests, max_draft_tokens=max_draft_tokens)
-        self._planned_row_ids = tuple(row.row_id for row in plan.rows)
+                        draft_requests=requests, max_draft_tokens=max_draft_tokens, kv_saves=saves,
+                        kv_restores=restores)
+        # A job restoring host blocks is in this step even without a row in it: if it fails, so does the job.
+        self._planned_row_ids = tuple(dict.fromkeys(
+            [row.row_id for row in plan.rows] + [row.row_id for job in restoring for row in job.rows]))
         return plan
 
     def add_drafts(self, plan: StepPlan, drafts: list[tuple[int, ...]]) -> StepPlan:
@@ -385,6 +390,7 @@ class Scheduler(Preemption):
         for job in jobs.values():
             self._stop_job(job, RowState.FINISHED_ERROR, error)
             self.num_failed_jobs += 1
+        self.blocks.forget_failed_saves(plan.kv_saves)
         self._planned_row_ids = ()
         self._flush_finished()
 

@@ -42,6 +42,14 @@ class BatcherStats:
     # Running jobs preempted for a more urgent one (the priority policy, ferrox_jax/priority.py;
     # vLLM's vllm:num_preemptions): each preemption counts, a job preempted twice twice. 0 under fcfs.
     num_preemptions: int = 0
+    # -- the host KV tier under the prefix cache (--kv-offload-gib, ferrox_jax/kv_offload.py) ---
+    prefix_cache_hits_device: int = 0  # of prefix_cache_hits, tokens found in the device cache
+    prefix_cache_hits_host: int = 0  # ... tokens restored from the host tier (hits = device + host)
+    kv_offload_blocks_total: int = 0  # host slots the tier has (0: off; a gauge)
+    kv_offload_blocks_cached: int = 0  # host slots holding a block now (a gauge)
+    kv_offload_blocks_stored: int = 0  # evicted device blocks copied to host memory
+    kv_offload_blocks_evicted: int = 0  # host copies the tier's LRU dropped for newer ones
+    kv_offload_blocks_restored: int = 0  # host copies brought back into fresh device blocks
     # -- structured output (docs/structured-output.md) -----------------------------------
     constrained_requests: int = 0  # jobs taken whose output a grammar constrains
     grammar_errors: int = 0  # rows ended because their grammar rejected a sampled token (a bug: stays 0)
@@ -97,5 +105,18 @@ def scheduler_fields(scheduler: Any) -> dict[str, Any]:
         grammar_errors=scheduler.num_grammar_errors, prefix_cache_queries=scheduler.blocks.num_queried_tokens,
         prefix_cache_hits=scheduler.blocks.num_hit_tokens, kv_blocks_cached=scheduler.blocks.num_cached_blocks,
         num_preemptions=scheduler.num_preemptions,
+        **offload_fields(scheduler.blocks),
         running_lora_adapters=running_adapters, waiting_lora_adapters=waiting_adapters,
         **spec_decode_stats(scheduler.speculator))
+
+
+def offload_fields(blocks: Any) -> dict[str, int]:
+    """The host KV tier's `BatcherStats` fields, from the scheduler's `BlockTables`."""
+    tier = blocks.tier
+    host = blocks.num_host_hit_tokens
+    fields = dict(prefix_cache_hits_device=blocks.num_hit_tokens - host, prefix_cache_hits_host=host)
+    if tier is not None:
+        fields.update(kv_offload_blocks_total=tier.num_slots, kv_offload_blocks_cached=tier.num_cached_blocks,
+                      kv_offload_blocks_stored=tier.num_stored, kv_offload_blocks_evicted=tier.num_evicted,
+                      kv_offload_blocks_restored=tier.num_restored)
+    return fields

@@ -46,8 +46,8 @@ VERBS = _methods(Runner)
 
 
 def test_the_protocol_declares_the_verbs_the_tick_and_the_state_changes_use():
-    assert set(VERBS) == {"forward", "sample", "copy_blocks", "encode_images", "warmup", "compile_keys",
-                          "swap_state", "release", "restore"}
+    assert set(VERBS) == {"forward", "sample", "copy_blocks", "encode_images", "offload_blocks", "warmup",
+                          "compile_keys", "swap_state", "release", "restore"}
     assert {"geometry", "recompiles_after_warmup", "is_warm", "max_loras", "sleep_level"} <= _queries()
 
 

@@ -120,12 +120,14 @@ class ScriptedRunner:
     max_loras = 0
 
     def __init__(self, *, block_size: int = 4, num_blocks: int = 65, max_rows: int = 8,
-                 max_chunk_tokens: int = 512, max_chunks: int = 1, token_fn: TokenFn | None = None) -> None:
+                 max_chunk_tokens: int = 512, max_chunks: int = 1, token_fn: TokenFn | None = None,
+                 kv_offload_blocks: int = 0) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks  # including the null block 0
         self.max_rows = max_rows
         self.max_chunk_tokens = max_chunk_tokens
         self.max_chunks = max_chunks
+        self.kv_offload_blocks = kv_offload_blocks  # host tier slots; saved blocks live in `_host`
         self.token_fn = token_fn or letters_token_fn()
         self.geometry = BatchGeometry(block_size, -(-4096 // block_size), self.vocab_size)
         self.plans: list[StepPlan] = []  # filled by `tick` (scheduler-level tests)
@@ -141,6 +143,7 @@ class ScriptedRunner:
         self.num_swaps = 0
         self._sleep_level = 0
         self._cache: dict[int, list[tuple[int, int] | None]] = {}
+        self._host: dict[int, list[tuple[int, int] | None]] = {}  # host slot -> a saved block's contents
 
     # -- the Runner protocol ---------------------------------------------------------------
 
@@ -163,6 +166,8 @@ class ScriptedRunner:
             raise RuntimeError("scripted runner failure")
         batch = HostBatch.from_bytes(batch.to_bytes())  # what another process would run
         self._check(batch)
+        if batch.has_offload:
+            self.offload_blocks(batch.kv_saves, batch.kv_restores)
         self.copy_blocks(batch.block_copies)
         for r in range(batch.num_rows):
             self._write(batch, r)
@@ -190,6 +195,13 @@ class ScriptedRunner:
 
     def encode_images(self, pixels: np.ndarray) -> np.ndarray:
         raise ValueError("the scripted runner's model takes no images")
+
+    def offload_blocks(self, saves: np.ndarray, restores: np.ndarray) -> None:
+        for block_id, slot in np.asarray(saves).reshape(-1, 2).tolist():
+            assert 0 <= slot < self.kv_offload_blocks, f"host slot {slot} outside the tier"
+            self._host[slot] = list(self._block(block_id))
+        for slot, block_id in np.asarray(restores).reshape(-1, 2).tolist():
+            self._cache[block_id] = list(self._host[slot])
 
     def warmup(self, progress=None, num_threads=None) -> float:
         self.is_warm = True
