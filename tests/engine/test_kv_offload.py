@@ -18,7 +18,7 @@ from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.engine import Engine
 from ferrox_jax.kv_offload import HostTier, host_tier_blocks
 from ferrox_jax.request import Job, RowSampling
-from ferrox_jax.runner_protocol import RunnerWrapper
+from ferrox_jax.runner_protocol import RunnerWrapper, check_limits
 from ferrox_jax.scheduler import Scheduler
 from tests.support.scripted import ByteTokenizer, ScriptedRunner, letters_token_fn, run_until_idle
 
@@ -154,6 +154,13 @@ def test_a_failed_step_forgets_its_saves():
     assert tier.num_cached_blocks < tier.num_stored, "the failed step's saved names were dropped"
     tier.check()
     assert_no_leak(scheduler)
+
+
+def test_limits_asking_for_more_host_slots_than_the_runner_has_are_refused():
+    scheduler, runner = make(tier_slots=8)
+    check_limits(scheduler.limits, runner)
+    with pytest.raises(ValueError, match="kv_offload_blocks"):
+        check_limits(dataclasses.replace(scheduler.limits, kv_offload_blocks=9), runner)
 
 
 def test_the_setting_is_refused_where_it_cannot_work():
