@@ -51,7 +51,7 @@ from ferrox_jax.step_faults import FaultPolicy
 from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.draft import DraftModel
 from ferrox_jax.kv_cache import model_bytes_per_block
-from ferrox_jax.kv_offload import host_tier_blocks
+from ferrox_jax.kv_offload import host_room_for_tier, host_tier_blocks
 from ferrox_jax.memory_bounds import (DEFAULT_KV_MEMORY_GIB, GIB, Footprint, context_for, device_room, engine_devices,
                                       kv_blocks_for, kv_shards, needed_kv_blocks)
 from ferrox_jax.lora_registry import build_registry
@@ -478,7 +478,9 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
     lora_slots = LoraSlots(config.max_loras, config.max_lora_rank) if config.max_loras else None
     lora_targets = attach_lora(model, lora_slots) if lora_slots is not None else None
     offload = host_tier_blocks(config.kv_offload_gib, sizing.bytes_per_block, num_processes=jax.process_count(),
-                               prefix_caching=config.prefix_caching, draft=draft_source is not None)
+                               prefix_caching=config.prefix_caching, draft=draft_source is not None,
+                               host_room=host_room_for_tier(sizing.num_blocks * sizing.bytes_per_block
+                                                            * (jax.default_backend() == "cpu")))
     limits = SchedulerLimits(
         block_size=config.block_size, num_blocks=sizing.num_blocks - 1, max_rows=config.max_seqs,
         max_chunk_tokens=step.chunk_tokens, max_idle_chunk_tokens=step.idle_chunk_tokens,

@@ -35,15 +35,20 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ferrox_jax.memory_bounds import MemoryBoundError, host_available_bytes
+
 GIB = 1 << 30
 
 
 def host_tier_blocks(offload_gib: float, bytes_per_block: int, *, num_processes: int = 1,
-                     prefix_caching: bool = True, draft: bool = False) -> int:
-    """Host slots `--kv-offload-gib` buys (0: the tier is off).
+                     prefix_caching: bool = True, draft: bool = False, host_room: int | None = None) -> int:
+    """Host slots `--kv-offload-gib` buys (0: the tier is off). `host_room`: host bytes the
+    tier may take (what is available, less a CPU backend's KV cache still to be allocated);
+    None: unknown, not checked.
 
     Raises:
-      ValueError: the tier is asked for where it cannot work, or buys not one block.
+      ValueError: the tier is asked for where it cannot work, or buys not one block;
+        MemoryBoundError (one) when the host has less room than the tier's blocks take.
     """
     if not offload_gib:
         return 0
@@ -60,6 +65,10 @@ def host_tier_blocks(offload_gib: float, bytes_per_block: int, *, num_processes:
     if num < 1:
         raise ValueError(f"--kv-offload-gib {offload_gib:g} holds no KV block (one takes {bytes_per_block} "
                          f"bytes); give at least {bytes_per_block / GIB:.6f}")
+    if host_room is not None and num * bytes_per_block > host_room:
+        raise MemoryBoundError("kv_offload_gib", f"kv_offload_gib {offload_gib:g} needs {num * bytes_per_block / GIB:.2f} "
+                                                 f"GiB of host memory; the host has {max(host_room, 0) / GIB:.2f} GiB "
+                                                 "to spare beside the weights and the KV cache: give less")
     return num
 
 
@@ -197,3 +206,11 @@ class HostKVPool:
         blocks = np.zeros((width,) + self.slots.shape[1:], self.slots.dtype)
         blocks[:len(slots)] = self.slots[slots]
         return np.moveaxis(blocks[:, 0], 0, 2), np.moveaxis(blocks[:, 1], 0, 2)
+
+
+def host_room_for_tier(cpu_kv_bytes: int) -> int | None:
+    """Host bytes a tier may take now: what the host has available (`memory_bounds`), less
+    `cpu_kv_bytes`, the KV cache still to be allocated in the same memory when the backend
+    is the CPU (0 on an accelerator); None where the host does not say."""
+    have = host_available_bytes()
+    return None if have is None else have - cpu_kv_bytes

@@ -17,6 +17,7 @@ import pytest
 from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.engine import Engine
 from ferrox_jax.kv_offload import HostTier, host_tier_blocks
+from ferrox_jax.memory_bounds import MemoryBoundError
 from ferrox_jax.request import Job, RowSampling
 from ferrox_jax.runner_protocol import RunnerWrapper, check_limits
 from ferrox_jax.scheduler import Scheduler
@@ -172,6 +173,9 @@ def test_the_setting_is_refused_where_it_cannot_work():
             host_tier_blocks(1.0, 1024, **kw)
     with pytest.raises(ValueError, match="holds no KV block"):
         host_tier_blocks(1e-9, 1 << 20)
+    assert host_tier_blocks(1.0, 1 << 20, host_room=1 << 30) == 1024  # exactly fits
+    with pytest.raises(MemoryBoundError, match="kv_offload_gib 2 needs 2.00 GiB of host memory"):
+        host_tier_blocks(2.0, 1 << 20, host_room=1 << 30)
     for bad in (-1.0, float("inf"), float("nan"), True):
         with pytest.raises(ValueError, match="kv_offload_gib"):
             EngineConfig(kv_offload_gib=bad)
