@@ -134,9 +134,9 @@ class ContinuousBatcher:
         self._watchdog = StepWatchdog(self._faults.policy.step_timeout_s, self._on_step_timeout)
         self._lost: tuple[str, str] | None = None  # (kind, reason) of a lost peer (`lose_peer`)
         self._fatal = FatalSignal()
-        self._snapshot = BatcherStats(kv_blocks_total=self.limits.num_blocks,
-                                      kv_blocks_free=self.limits.num_blocks,
-                                      kv_block_size=self.limits.block_size)
+        self._snapshot = BatcherStats(kv_blocks_total=self.limits.num_blocks, kv_blocks_free=self.limits.num_blocks,
+                                      kv_block_size=self.limits.block_size,
+                                      kv_offload_blocks_total=self.limits.kv_offload_blocks)
         # Owner thread only:
         self._open: dict[str, _OpenJob] = {}
         self._ticks = 0

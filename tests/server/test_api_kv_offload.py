@@ -58,3 +58,16 @@ def test_evicted_prompts_come_back_from_the_host_tier(http):
     assert stats["kv_offload_blocks_restored"] * BLOCK == stats["prefix_cache_hits_host"]
     assert stats["kv_offload_blocks_stored"] >= NUM_PROMPTS * 3 - 2 * 3, "all but the last two prompts' blocks"
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"], "blocks leaked"
+
+
+def test_a_cache_rebuild_starts_with_an_empty_host_tier(http):
+    """After the test above (same module, same server): a rebuild builds a new engine whose
+    tier is empty, so the first prompt's replay computes again and the tier fills anew."""
+    prompt = random.Random(0).sample(range(10, 380), PROMPT)  # the first prompt above, in the tier now
+    text, _ = complete(http, prompt)
+    r = http.post("/v1/cache/rebuild", json={"kv_blocks": 10}, timeout=300)
+    assert r.status_code == 200, r.text
+    stats = http.get("/admin/stats").json()
+    assert stats["kv_offload_blocks_total"] > 0, "the new engine keeps --kv-offload-gib"
+    assert stats["kv_offload_blocks_cached"] == 0 and stats["prefix_cache_hits_host"] == 0
+    assert complete(http, prompt) == (text, 0), "nothing cached on the new engine; the same greedy text"
