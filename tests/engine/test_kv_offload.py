@@ -91,7 +91,15 @@ class WrongSlotRunner(ScriptedRunner):
         super().offload_blocks(saves, restores)
 
 
-@pytest.mark.parametrize("runner_cls", [SkippingRunner, WrongSlotRunner])
+class RestoresFirstRunner(ScriptedRunner):
+    """Negative control: restores before saves (a restore may land in a block a save still has to read)."""
+
+    def offload_blocks(self, saves, restores):
+        super().offload_blocks(np.zeros((0, 2), np.int32), restores)
+        super().offload_blocks(saves, np.zeros((0, 2), np.int32))
+
+
+@pytest.mark.parametrize("runner_cls", [SkippingRunner, WrongSlotRunner, RestoresFirstRunner])
 def test_a_wrong_restore_changes_the_tokens(runner_cls):
     reference = replay(*make(), "ref")
     scheduler, runner = make(tier_slots=64, runner_cls=runner_cls)
