@@ -57,12 +57,12 @@ from ferrox_jax.memory_bounds import (DEFAULT_KV_MEMORY_GIB, GIB, Footprint, con
 from ferrox_jax.lora_registry import build_registry
 from ferrox_jax.multihost import StepChannel, check_mesh, step_channel_address
 from ferrox_jax.multihost_runner import BroadcastRunner, DraftSender
+from ferrox_jax.quant_setup import DTYPES, block_matmul, int8_matmul, resolve_kv_dtype, resolve_quantization
 from ferrox_jax.vision import open_vision
 from ferrox_jax.shared_compiles import SharedCompiles
 from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.runner_protocol import Runner
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
-from models import cpu_kernels
 from models.checkpoint import CheckpointSource
 from models.config import ModelConfig
 from models.loader import open_checkpoint
@@ -87,8 +87,6 @@ class KVSizing:
 
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def default_dtype_name() -> str:
@@ -243,94 +241,6 @@ def plan_memory(config: EngineConfig) -> MemoryPlan:
     return MemoryPlan(weights, sizing.num_blocks * sizing.bytes_per_block, sizing, jnp.dtype(dtype).name)
 
 
-def _int8_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
-    """Lays a w8a8 model's projections out for the x86 CPU kernel where it applies
-    (`models/cpu_kernels.py`); returns the start-up log line saying which matmul runs."""
-    if config.quantization != "w8a8":
-        return ""
-    backend = jax.default_backend()
-    if backend == "cpu" and config.int8_kernel == "xla":
-        return "w8a8 projections: XLA's int8 dot (--int8-kernel xla)"
-    problems = cpu_kernels.runtime_problems(backend, mesh)
-    if not problems:
-        packed = cpu_kernels.pack_for_kernel(model)
-        return f"w8a8 projections: {packed} on the AVX2 int8 kernel (models/cpu_kernels.py)"
-    if backend != "cpu":  # XLA fuses the int8 convert into its dot there: nothing to warn about
-        return f"w8a8 projections: XLA's int8 dot on {backend}"
-    note = "w8a8 projections: XLA's int8 dot, several times slower on CPU: " + "; ".join(problems)
-    log.warning("%s", note)
-    return note
-
-
-def resolve_quantization(config: EngineConfig, source: CheckpointSource, mesh: Any) -> tuple[str, str]:
-    """The mode to build ("auto" and "gguf" resolved) and a start-up note ("" for none).
-
-    "auto": a GGUF whose projections are Q4_0 / Q4_1 / Q8_0 / K-quant blocks, on one CPU
-    device with ferrox's kernels, serves its own blocks ("gguf", `models/gguf_blocks.py`); anything else
-    "none". "gguf" where it cannot apply (no such blocks, or tensor parallelism: the blocks
-    have no sharding rule) serves float weights, with a warning."""
-    mode = config.quantization
-    if mode not in ("auto", "gguf"):
-        return mode, ""
-    backend = jax.default_backend()
-    problems = [] if source.block_tensors else [
-        "the checkpoint has no Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K projections"]
-    if mesh is not None:
-        problems.append("tensor parallelism (GGUF blocks have no sharding rule)")
-    if mode == "auto":
-        problems += cpu_kernels.runtime_problems(backend, mesh)
-        if problems:
-            return "none", ""
-        return "gguf", "quantization auto -> gguf: the file's own blocks on the CPU block kernel"
-    if problems:
-        note = "quantization gguf -> none (float weights): " + "; ".join(problems)
-        log.warning("%s", note)
-        return "none", note
-    return "gguf", ""
-
-
-def resolve_kv_dtype(kv_cache_dtype: str | None, quantization: str, dtype):
-    """The KV cache's dtype: `kv_cache_dtype` (a DTYPES name) when set; float16 for the "gguf" mode (already
-    resolved) on a CPU, as llama.cpp's server keeps its cache; else the compute dtype.
-
-    Why float16 there: a decode step's attention reads every cached key and value, and at
-    32 rows that is as many bytes as the weights; 16-bit words halve it (the default model:
-    32-row step 84 -> 77 ms). float16 keeps 11 significant bits to bfloat16's 8, and the
-    CPU kernel converts it exactly (F16C); its accuracy against float32 is measured beside
-    every other mode in docs/benchmarks.md. `--kv-cache-dtype float32` keeps float32."""
-    if kv_cache_dtype:
-        return DTYPES[kv_cache_dtype]
-    if quantization == "gguf" and jax.default_backend() == "cpu":
-        return jnp.float16
-    return dtype
-
-
-def _block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
-    """Points a gguf model's block projections at the x86 block kernel where it applies
-    (`models/cpu_kernels.py`); returns the start-up log line saying which matmul runs."""
-    if config.quantization != "gguf":
-        return ""
-    problems = cpu_kernels.runtime_problems(jax.default_backend(), mesh)
-    if not problems:
-        packed = cpu_kernels.pack_blocks_for_kernel(model)
-        rows, wide = cpu_kernels.block_int_rows(), cpu_kernels.block_wide_rows()
-        if rows:
-            paths = f"float32 activations below {rows} rows, 32-wide int8 activation blocks from there"
-        elif wide:
-            paths = f"float32 activations below {wide} rows, 32-wide int16 activation blocks from there"
-        else:
-            paths = "float32 activations at every row count"
-        if amx := cpu_kernels.block_amx_rows():
-            paths += f"; AMX-BF16 tiles (split bf16) from {amx} rows"
-        k_quants = cpu_kernels.k_quant_count(model)
-        k_note = (f"; of them {k_quants} K-quants, on the {cpu_kernels.block_k_isa()} K-quant kernel "
-                  f"(float32 activations)" if k_quants else "")
-        return f"gguf projections: {packed} on the {cpu_kernels.block_isa()} block kernel ({paths}){k_note}"
-    note = "gguf projections: XLA dequantizes the blocks every step (slow): " + "; ".join(problems)
-    log.warning("%s", note)
-    return note
-
-
 def _leader_runners(runner: ModelRunner, draft_runner: ModelRunner | None,
                     config: EngineConfig) -> tuple[Runner, DraftModel | None, StepChannel | None]:
     """The runner the batcher drives, the draft model (`--speculative draft`, else None)
@@ -472,7 +382,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
     attention, attention_note = _no_kernel_for_latent(source.config, attention, attention_note)
     log.info("%s", attention_note)
     model = _build_model(source, dtype, attention, config.quantization, mesh, config.replicate_attention, progress)
-    matmul_note = _int8_matmul(model, config, mesh) or _block_matmul(model, config, mesh)
+    matmul_note = int8_matmul(model, config, mesh) or block_matmul(model, config, mesh)
     # The weights are placed: the free memory now counts them. Nothing the settings size is allocated yet.
     step = footprint.check(config, device_room(devices), note=" after the weights").step
     lora_slots = LoraSlots(config.max_loras, config.max_lora_rank) if config.max_loras else None

@@ -132,7 +132,8 @@ def _export(folder: Path, result: TargetResult, settings: Settings) -> None:
     from jax.sharding import AbstractMesh
 
     from ferrox_jax.buckets import Buckets
-    from ferrox_jax.engine_builder import DTYPES, resolve_kv_dtype, size_kv
+    from ferrox_jax.engine_builder import size_kv
+    from ferrox_jax.quant_setup import DTYPES, resolve_kv_dtype
     from ferrox_jax.memory_bounds import batched_tokens
     from ferrox_jax.runner import block_table_width, compile_keys
     from ferrox_jax.sharding import MESH_AXES, check_divisibility, runner_shardings

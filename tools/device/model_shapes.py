@@ -38,7 +38,8 @@ def per_device_bytes(config, tensor_parallel: int) -> dict:
     import numpy as np
     from flax import nnx
 
-    from ferrox_jax.engine_builder import DTYPES, default_dtype_name, plan_memory
+    from ferrox_jax.engine_builder import default_dtype_name, plan_memory
+    from ferrox_jax.quant_setup import DTYPES
     from ferrox_jax.sharding import MODEL_AXIS, kv_partition_spec, param_partition_spec
     from models.loader import open_checkpoint
     from models.loaders.common import abstract_model

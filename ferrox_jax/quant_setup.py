@@ -1,0 +1,111 @@
+"""Which quantization an engine serves and which matmul kernels run it: the mode "auto" and
+"gguf" resolve to (`resolve_quantization`), the KV cache's dtype that follows
+(`resolve_kv_dtype`), and laying a quantized model's projections out for ferrox's x86 CPU
+kernels where they apply (`int8_matmul`, `block_matmul`: each returns the start-up log line
+saying which matmul runs). `ferrox_jax/engine_builder.py` calls these while it builds an
+engine; nothing here holds state.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ferrox_jax.config import EngineConfig
+from models import cpu_kernels
+from models.checkpoint import CheckpointSource
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}  # names -> jax dtypes
+
+
+def int8_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
+    """Lays a w8a8 model's projections out for the x86 CPU kernel where it applies
+    (`models/cpu_kernels.py`); returns the start-up log line saying which matmul runs."""
+    if config.quantization != "w8a8":
+        return ""
+    backend = jax.default_backend()
+    if backend == "cpu" and config.int8_kernel == "xla":
+        return "w8a8 projections: XLA's int8 dot (--int8-kernel xla)"
+    problems = cpu_kernels.runtime_problems(backend, mesh)
+    if not problems:
+        packed = cpu_kernels.pack_for_kernel(model)
+        return f"w8a8 projections: {packed} on the AVX2 int8 kernel (models/cpu_kernels.py)"
+    if backend != "cpu":  # XLA fuses the int8 convert into its dot there: nothing to warn about
+        return f"w8a8 projections: XLA's int8 dot on {backend}"
+    note = "w8a8 projections: XLA's int8 dot, several times slower on CPU: " + "; ".join(problems)
+    log.warning("%s", note)
+    return note
+
+
+def resolve_quantization(config: EngineConfig, source: CheckpointSource, mesh: Any) -> tuple[str, str]:
+    """The mode to build ("auto" and "gguf" resolved) and a start-up note ("" for none).
+
+    "auto": a GGUF whose projections are Q4_0 / Q4_1 / Q8_0 / K-quant blocks, on one CPU
+    device with ferrox's kernels, serves its own blocks ("gguf", `models/gguf_blocks.py`); anything else
+    "none". "gguf" where it cannot apply (no such blocks, or tensor parallelism: the blocks
+    have no sharding rule) serves float weights, with a warning."""
+    mode = config.quantization
+    if mode not in ("auto", "gguf"):
+        return mode, ""
+    backend = jax.default_backend()
+    problems = [] if source.block_tensors else [
+        "the checkpoint has no Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K projections"]
+    if mesh is not None:
+        problems.append("tensor parallelism (GGUF blocks have no sharding rule)")
+    if mode == "auto":
+        problems += cpu_kernels.runtime_problems(backend, mesh)
+        if problems:
+            return "none", ""
+        return "gguf", "quantization auto -> gguf: the file's own blocks on the CPU block kernel"
+    if problems:
+        note = "quantization gguf -> none (float weights): " + "; ".join(problems)
+        log.warning("%s", note)
+        return "none", note
+    return "gguf", ""
+
+
+def resolve_kv_dtype(kv_cache_dtype: str | None, quantization: str, dtype):
+    """The KV cache's dtype: `kv_cache_dtype` (a DTYPES name) when set; float16 for the "gguf" mode (already
+    resolved) on a CPU, as llama.cpp's server keeps its cache; else the compute dtype.
+
+    Why float16 there: a decode step's attention reads every cached key and value, and at
+    32 rows that is as many bytes as the weights; 16-bit words halve it (the default model:
+    32-row step 84 -> 77 ms). float16 keeps 11 significant bits to bfloat16's 8, and the
+    CPU kernel converts it exactly (F16C); its accuracy against float32 is measured beside
+    every other mode in docs/benchmarks.md. `--kv-cache-dtype float32` keeps float32."""
+    if kv_cache_dtype:
+        return DTYPES[kv_cache_dtype]
+    if quantization == "gguf" and jax.default_backend() == "cpu":
+        return jnp.float16
+    return dtype
+
+
+def block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
+    """Points a gguf model's block projections at the x86 block kernel where it applies
+    (`models/cpu_kernels.py`); returns the start-up log line saying which matmul runs."""
+    if config.quantization != "gguf":
+        return ""
+    problems = cpu_kernels.runtime_problems(jax.default_backend(), mesh)
+    if not problems:
+        packed = cpu_kernels.pack_blocks_for_kernel(model)
+        rows, wide = cpu_kernels.block_int_rows(), cpu_kernels.block_wide_rows()
+        if rows:
+            paths = f"float32 activations below {rows} rows, 32-wide int8 activation blocks from there"
+        elif wide:
+            paths = f"float32 activations below {wide} rows, 32-wide int16 activation blocks from there"
+        else:
+            paths = "float32 activations at every row count"
+        if amx := cpu_kernels.block_amx_rows():
+            paths += f"; AMX-BF16 tiles (split bf16) from {amx} rows"
+        k_quants = cpu_kernels.k_quant_count(model)
+        k_note = (f"; of them {k_quants} K-quants, on the {cpu_kernels.block_k_isa()} K-quant kernel "
+                  f"(float32 activations)" if k_quants else "")
+        return f"gguf projections: {packed} on the {cpu_kernels.block_isa()} block kernel ({paths}){k_note}"
+    note = "gguf projections: XLA dequantizes the blocks every step (slow): " + "; ".join(problems)
+    log.warning("%s", note)
+    return note
