@@ -17,6 +17,12 @@ zero-width array `[1, N, bs, 0]`, so every verb on the cache (block copies, slee
 shardings) stays as it is, and the byte accounting (`model_bytes_per_block`: the block
 budget, `/admin/stats`, the memory bounds) counts the latent's real size.
 
+The arrays follow the model's `kv_layout()` (models/config.py): one K/V pair per layer
+with the config's kv heads and head size, unless a family's layers differ in head size
+(each pair then has its own) or some layers read an earlier layer's pair instead of
+keeping their own (Gemma 4's shared-KV layers: no array is allocated or written for them,
+and the bytes per block count only the arrays that exist).
+
 Block 0 is the null block: padded tokens write into it and padded block-table entries
 point at it, so padding never touches a live request's K/V. The block budget never
 hands it out; `num_blocks` counts it, so `num_blocks - 1` blocks are usable.
@@ -85,23 +91,29 @@ def create_kv_cache(num_layers: int, num_kv_heads: int, num_blocks: int, block_s
     """Allocate the zeroed cache directly on device (optionally with a sharding per array),
     in the storage dtype for `dtype`. `v_head_dim`: the V arrays' width when it is not
     head_dim (0 for a latent cache)."""
+    v_dim = head_dim if v_head_dim is None else v_head_dim
+    return create_layout_kv_cache(((num_kv_heads, head_dim, v_dim),) * num_layers, num_blocks, block_size, dtype,
+                                  sharding)
+
+
+def create_layout_kv_cache(layout, num_blocks: int, block_size: int, dtype, sharding=None) -> KVCache:
+    """The zeroed cache of a `kv_layout()`: one K and one V array per (kv heads, K width, V width),
+    one compiled constructor per distinct shape."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved); got {num_blocks}")
-    v_dim = head_dim if v_head_dim is None else v_head_dim
 
-    def zeros_of(width: int):  # one compiled constructor per width, called once per layer
-        shape = kv_cache_shape(num_kv_heads, num_blocks, block_size, width)
-        return jax.jit(lambda: jnp.zeros(shape, storage_dtype(dtype)), out_shardings=sharding)
+    @functools.partial(jax.jit, static_argnums=(0,), out_shardings=sharding)
+    def zeros(shape):
+        return jnp.zeros(shape, storage_dtype(dtype))
 
-    k_zeros = zeros_of(head_dim)
-    v_zeros = k_zeros if v_dim == head_dim else zeros_of(v_dim)
-    return KVCache(k=tuple(k_zeros() for _ in range(num_layers)), v=tuple(v_zeros() for _ in range(num_layers)))
+    k = tuple(zeros(kv_cache_shape(heads, num_blocks, block_size, k_dim)) for heads, k_dim, _ in layout)
+    v = tuple(zeros(kv_cache_shape(heads, num_blocks, block_size, v_dim)) for heads, _, v_dim in layout)
+    return KVCache(k=k, v=v)
 
 
 def create_model_kv_cache(cfg, num_blocks: int, block_size: int, dtype, sharding=None) -> KVCache:
-    """The cache of a model config, in its geometry (`ModelConfig.kv_cache_dims`)."""
-    heads, k_dim, v_dim = cfg.kv_cache_dims()
-    return create_kv_cache(cfg.num_layers, heads, num_blocks, block_size, k_dim, dtype, sharding, v_head_dim=v_dim)
+    """The cache of a model config, in its geometry (`ModelConfig.kv_layout`)."""
+    return create_layout_kv_cache(cfg.kv_layout(), num_blocks, block_size, dtype, sharding)
 
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype,
@@ -112,9 +124,13 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_di
 
 
 def model_bytes_per_block(cfg, block_size: int, dtype) -> int:
-    """K+V bytes one block of a model config's cache takes across all layers."""
-    heads, k_dim, v_dim = cfg.kv_cache_dims()
-    return bytes_per_block(cfg.num_layers, heads, block_size, k_dim, dtype, v_head_dim=v_dim)
+    """K+V bytes one block of a model config's cache takes across all its arrays."""
+    return layout_bytes_per_block(cfg.kv_layout(), block_size, dtype)
+
+
+def layout_bytes_per_block(layout, block_size: int, dtype) -> int:
+    """K+V bytes one block takes across every array of a `kv_layout()`."""
+    return sum(heads * block_size * (k_dim + v_dim) for heads, k_dim, v_dim in layout) * jnp.dtype(dtype).itemsize
 
 
 @functools.partial(jax.jit, donate_argnames=("kv_cache",))

@@ -157,10 +157,12 @@ class ModelRunner:
         self.kv_cache: KVCache = create_model_kv_cache(
             cfg, num_blocks, block_size, self.kv_dtype, sharding=None if self.shardings is None else self.shardings.kv_array)
         self.kv_offload_blocks = kv_offload_blocks
-        heads, k_dim, v_dim = cfg.kv_cache_dims()
-        if kv_offload_blocks and k_dim != v_dim:
-            raise ValueError("--kv-offload-gib: a latent-attention cache (one latent head, no V) is not offloaded "
-                             "yet; serve this model without the host tier")
+        layout = set(cfg.kv_layout())
+        heads, k_dim, v_dim = next(iter(layout))
+        if kv_offload_blocks and (len(layout) > 1 or k_dim != v_dim):
+            raise ValueError("--kv-offload-gib: this model's cache arrays differ in shape (a latent-attention "
+                             "cache, or layers of several head sizes) and are not offloaded yet; serve it "
+                             "without the host tier")
         self._host_pool = HostKVPool(kv_offload_blocks, cfg.num_layers, heads, block_size, k_dim,
                                      storage_dtype(self.kv_dtype)) if kv_offload_blocks else None
         self._compiled: dict[tuple, Callable] = {}

@@ -257,7 +257,7 @@ def runner_shardings(mesh: Mesh, cfg: ModelConfig, state, replicate_attention: b
         kv_array=NamedSharding(mesh, kv_partition_spec(replicate_kv)),
         replicated=NamedSharding(mesh, P()),
         replicate_attention=replicate_attention,
-        num_layers=cfg.num_layers,
+        num_layers=len(cfg.kv_layout()),
     )
 
 

@@ -14,9 +14,10 @@ A checkpoint's JSON files (config.json, tokenizer_config.json, the shard index..
 read through `read_json_file`, so a broken one is refused with its path and the line and
 column where it breaks, not a bare JSONDecodeError.
 
-The KV cache is sized from `num_layers` and `kv_cache_dims()` alone (`ferrox_jax/kv_cache.py`):
-the KV heads at `head_dim` for K and V, or a family's own geometry (DeepSeek-V3's one
-latent head, no V), so every layer of a family must share one K/V head size.
+The KV cache is sized from `kv_layout()`: one (kv heads, K width, V width) per K/V array
+pair (`ferrox_jax/kv_cache.py`); by default every layer's own, of `kv_cache_dims()` (the KV
+heads at `head_dim`, or a family's own geometry: DeepSeek-V3's one latent head, no V); a
+family whose layers differ in head size or share another layer's cache (Gemma 4) overrides it.
 """
 
 from __future__ import annotations
@@ -167,10 +168,14 @@ class ModelConfig:
         (`models/deepseek_v3.py`)."""
         return self.num_kv_heads, self.head_dim, self.head_dim
 
+    def kv_layout(self) -> tuple[tuple[int, int, int], ...]:
+        """(kv heads, K width, V width) of each K/V array pair the cache holds, in order: one
+        per layer here; a family with layers that read another layer's cache holds fewer."""
+        return (self.kv_cache_dims(),) * self.num_layers
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V one token position takes across all layers."""
-        heads, k_dim, v_dim = self.kv_cache_dims()
-        return self.num_layers * heads * (k_dim + v_dim) * dtype_bytes
+        """Bytes of K and V one token position takes across all the cache's arrays."""
+        return sum(heads * (k_dim + v_dim) for heads, k_dim, v_dim in self.kv_layout()) * dtype_bytes
 
     def sharded_sizes(self) -> dict[str, int]:
         """Sizes tensor parallelism splits besides the heads (`ferrox_jax/sharding.py`)."""

@@ -45,6 +45,8 @@ class Family:
     architectures: tuple[str, ...]  # HF config.json architectures[0] values
     config_from_hf: Callable[[dict], ModelConfig]
     hf_layer_weights: WeightTable
+    # HF global tensors beyond embed / final norm / LM head: HF name -> (ours, transposed)
+    hf_global_weights: Mapping[str, tuple[str, bool]] = dataclasses.field(default_factory=dict)
     gguf_architectures: Mapping[str, str] = dataclasses.field(default_factory=dict)  # GGUF arch -> HF name
     # (metadata, common fields) -> config; metadata: models.gguf_metadata.GGUFMetadata
     config_from_gguf: Callable[[Any, dict], ModelConfig] | None = None

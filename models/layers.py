@@ -209,6 +209,9 @@ class AttentionSpec:
     norm_eps: float = 1e-6
     o_bias: bool = False  # o_proj carries a bias (gpt-oss)
     sinks: bool = False  # one learned logit per query head joins the softmax's denominator (gpt-oss)
+    # False: never the model's attention kernel, always pure JAX (a layer whose head size is
+    # not the one the kernel was built for: Gemma 4's full layers)
+    kernels: bool = True
 
     @classmethod
     def from_config(cls, cfg, layer: int, **overrides) -> "AttentionSpec":
@@ -279,26 +282,35 @@ class SelfAttention:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, fwd.kv_blocks, fwd.kv_offsets)
         sinks = self.sinks[...] if spec.sinks else None
-        if fwd.spans is not None:  # one ragged call for every row of every segment
-            out = fwd.decode_attention(q, k_cache, v_cache, fwd.spans, scale=spec.scale, window=spec.window,
-                                       softcap=spec.softcap, sinks=sinks)
-            return self._out(out.reshape(n, -1), h.dtype), k_cache, v_cache
-        outs = []
-        for seg in fwd.segments:
-            q_seg = q[seg.start:seg.stop].reshape(seg.rows, seg.tokens, spec.num_heads, spec.head_dim)
-            # The one-query kernels know neither windows, soft-capping nor sinks: those
-            # layers always take the pure-JAX path (models/pallas_attention.py). A kernel
-            # with a `chunks` method (the CPU one) serves segments of several tokens a row too.
-            plain = spec.window is None and spec.softcap is None and not spec.sinks
-            kernel = fwd.decode_attention if plain else None
-            if kernel is not None and seg.tokens == 1:
-                out = kernel(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, spec.scale)
-            elif kernel is not None and hasattr(kernel, "chunks") and seg.limits is None:
-                out = kernel.chunks(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, seg.valid, spec.scale)
-            else:
-                out = paged_attention(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, spec.scale,
-                                      valid=seg.valid, window=spec.window, softcap=spec.softcap, sinks=sinks,
-                                      limits=seg.limits)
-            outs.append(out.reshape(seg.rows * seg.tokens, -1))
-        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
-        return self._out(out, h.dtype), k_cache, v_cache
+        return self._out(attend(spec, q, k_cache, v_cache, fwd, sinks), h.dtype), k_cache, v_cache
+
+
+def attend(spec: AttentionSpec, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, fwd: ForwardContext,
+           sinks: jax.Array | None = None) -> jax.Array:
+    """The new tokens' queries q [N, H, hd] (rotated) attend through their rows' block
+    tables over a cache the new K/V are already in -> [N, H*hd] (before o_proj).
+
+    A layer may read a cache another layer wrote (Gemma 4's shared-KV layers)."""
+    n = q.shape[0]
+    if fwd.spans is not None and spec.kernels:  # one ragged call for every row of every segment
+        out = fwd.decode_attention(q, k_cache, v_cache, fwd.spans, scale=spec.scale, window=spec.window,
+                                   softcap=spec.softcap, sinks=sinks)
+        return out.reshape(n, -1)
+    outs = []
+    for seg in fwd.segments:
+        q_seg = q[seg.start:seg.stop].reshape(seg.rows, seg.tokens, spec.num_heads, spec.head_dim)
+        # The one-query kernels know neither windows, soft-capping nor sinks: those
+        # layers always take the pure-JAX path (models/pallas_attention.py). A kernel
+        # with a `chunks` method (the CPU one) serves segments of several tokens a row too.
+        plain = spec.window is None and spec.softcap is None and not spec.sinks and spec.kernels
+        kernel = fwd.decode_attention if plain else None
+        if kernel is not None and seg.tokens == 1:
+            out = kernel(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, spec.scale)
+        elif kernel is not None and hasattr(kernel, "chunks") and seg.limits is None:
+            out = kernel.chunks(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, seg.valid, spec.scale)
+        else:
+            out = paged_attention(q_seg, k_cache, v_cache, seg.block_tables, seg.positions, spec.scale,
+                                  valid=seg.valid, window=spec.window, softcap=spec.softcap, sinks=sinks,
+                                  limits=seg.limits)
+        outs.append(out.reshape(seg.rows * seg.tokens, -1))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs)

@@ -20,6 +20,11 @@ Scalings, as transformers computes them (`modeling_rope_utils.py`):
   beta_slow times over the pretraining context; cos and sin times `attention_factor`
   (YaRN's mscale, 0.1 ln(factor) + 1 unless the checkpoint states it). Computed in
   float32 as transformers does.
+- proportional (Gemma 4's full layers, `proportional_inv_freq`): the first
+  partial_rotary_factor of the head's frequency pairs theta^(-2i/head_dim) (the exponent
+  over the whole head, not the rotated part), the rest 0 (cos 1, sin 0: those pairs pass
+  through), all divided by `factor`; the table spans the whole head, so rotate-half
+  pairs dim i with i + head_dim/2 as transformers does, unlike Phi-3's partial rotation.
 Rotation is rotate-half (GPT-NeoX) over the first `rotary_dim` dims of each head; the
 rest pass through (Phi-3's `partial_rotary_factor`).
 """
@@ -102,6 +107,21 @@ def rope_cos_sin(positions: jax.Array, valid: jax.Array, rotary_dim: int, theta:
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, r/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb) * scaling.attention_factor, jnp.sin(emb) * scaling.attention_factor
+
+
+def proportional_inv_freq(head_dim: int, theta: float, partial: float, factor: float = 1.0) -> np.ndarray:
+    """transformers' proportional RoPE: f32[head_dim/2], rotated pairs first, then zeros."""
+    angles = int(partial * head_dim // 2)
+    rotated = 1.0 / (theta ** (np.arange(0, 2 * angles, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    inv_freq = np.concatenate([rotated, np.zeros(head_dim // 2 - angles, np.float32)]).astype(np.float32)
+    return (inv_freq / np.float32(factor)).astype(np.float32)
+
+
+def cos_sin_of(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos, sin f32[B, T, 2 * len(inv_freq)] of positions i32[B, T] for a given table."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

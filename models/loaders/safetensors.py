@@ -34,7 +34,9 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # saves `model.language_model.*`, the Hub's checkpoints `language_model.model.*`.
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
 _VISION_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.",
-                    "model.multi_modal_projector.")
+                    "model.multi_modal_projector.",
+                    # Gemma 4's towers and their embedders (served as a text model)
+                    "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 # Buffers some checkpoints carry that are not parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -80,8 +82,10 @@ def read_tensors(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
     reports them as unexpected together with anything missing.
     """
     family = family_for(cfg.architecture)
-    table = family.hf_layer_weights
-    vision_language = getattr(cfg, "vision", None) is not None
+    table, global_table = family.hf_layer_weights, {**GLOBAL_TABLE, **family.hf_global_weights}
+    # A multimodal wrapper's text model is read under its own names, even with no vision side
+    # (Gemma 4 is served as text).
+    vision_language = getattr(cfg, "vision", None) is not None or cfg.architecture.endswith("ForConditionalGeneration")
     expected = expected_params(cfg)
     loads: dict[str, Callable] = {}
     for shard in _shard_files(folder):
@@ -95,8 +99,8 @@ def read_tensors(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
     tensors: dict[str, Callable] = {}
     experts: dict = {}
     for hf_name, load in pair_mxfp4(loads).items():  # MXFP4 blocks + scales -> one float tensor
-        if hf_name in GLOBAL_TABLE:
-            name, transpose = GLOBAL_TABLE[hf_name]
+        if hf_name in global_table:
+            name, transpose = global_table[hf_name]
             if name == "lm_head" and cfg.tie_word_embeddings:
                 continue  # tied checkpoints sometimes save the shared matrix twice
             tensors[name] = (lambda load=load: load().T) if transpose else load
