@@ -129,12 +129,6 @@ class Gemma4Config(ModelConfig):
         return tuple((self.layer_kv_heads[i], self.layer_head_dims[i], self.layer_head_dims[i])
                      for i in range(self.first_shared_layer))
 
-    def sharded_sizes(self) -> dict[str, int]:
-        sizes = super().sharded_sizes()
-        if self.num_experts:
-            sizes["moe_intermediate_size"] = self.moe_intermediate_size
-        return sizes
-
 
 def rms_norm_w(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
     """Gemma 4's RMSNorm: normalised and times w (when it has one) in f32, then cast."""

@@ -182,3 +182,17 @@ def test_multimodal_checkpoint_reads_its_text_model():
 def test_served_end_to_end(gemma4):
     path, hf, _ = gemma4
     fc.assert_served(fc.serve(path), hf, "Gemma4ForCausalLM")
+
+
+def test_tensor_parallelism_checks_every_layers_kv_heads():
+    """The full layers' single kv head cannot split over 2 devices (their cache arrays split
+    by kv head): refused naming it; replicated attention leaves it whole."""
+    from ferrox_jax.sharding import check_divisibility
+
+    cfg = config_from_hf(_hf_dict())
+    with pytest.raises(ValueError, match=r"kv heads \[1\]"):
+        check_divisibility(cfg, 2, replicate_attention=False)
+    check_divisibility(cfg, 2, replicate_attention=True)
+    check_divisibility(config_from_hf(_hf_dict(per_layer_config={"2": {"head_dim": 32, "num_key_value_heads": 2},
+                                                                 "4": {"head_dim": 32, "num_key_value_heads": 2}})),
+                       2, replicate_attention=False)
