@@ -196,3 +196,23 @@ def test_tensor_parallelism_checks_every_layers_kv_heads():
     check_divisibility(config_from_hf(_hf_dict(per_layer_config={"2": {"head_dim": 32, "num_key_value_heads": 2},
                                                                  "4": {"head_dim": 32, "num_key_value_heads": 2}})),
                        2, replicate_attention=False)
+
+
+def test_multimodal_checkpoint_serves_its_text_model(gemma4, tmp_path):
+    """A real `Gemma4ForConditionalGeneration` checkpoint (text model under
+    `model.language_model.*`, a vision tower and its embedder beside it, which are not
+    read): our prompt logits are the wrapper's on text."""
+    from models.loader import load_checkpoint
+
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    config = transformers.Gemma4Config(text_config=gemma4_config(vocab_size=384).to_dict(),
+                                       vision_config=vision.to_dict(), audio_config=None)
+    config.architectures = ["Gemma4ForConditionalGeneration"]
+    path = fc.make_checkpoint(tmp_path / "tiny-gemma4-mm", config)
+    hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = load_checkpoint(str(path)).config
+    assert (cfg.architecture, cfg.kv_layout()) == ("Gemma4ForConditionalGeneration", ((2, 16), (2, 16), (1, 32)))
+    err = _prefill_err(path, hf, gemma4[2].prompt)
+    print(f"gemma4 ForConditionalGeneration text: max |Δlogit| vs HF {err:.2e}")
+    assert err < fc.ATOL
