@@ -216,3 +216,30 @@ def test_multimodal_checkpoint_serves_its_text_model(gemma4, tmp_path):
     err = _prefill_err(path, hf, gemma4[2].prompt)
     print(f"gemma4 ForConditionalGeneration text: max |Δlogit| vs HF {err:.2e}")
     assert err < fc.ATOL
+
+
+def test_tensor_parallel_2_matches_one_device(tmp_path):
+    """tp=2 on two simulated CPU devices (a subprocess, as tests/system/test_sharding.py),
+    the full layers with 2 kv heads so their cache splits too: the same logits as one
+    device; heads and the MLP split, the per-layer input weights and experts replicated."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = fc.make_checkpoint(tmp_path / "tiny-gemma4-tp", gemma4_config(num_global_key_value_heads=2))
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(root / ".jax_cache"))
+    proc = subprocess.run([sys.executable, str(root / "tests" / "support" / "sharding_probe.py"), "family_tp", "2",
+                           str(path)], cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    parity, place = got["parity"], got["placement"]
+    print("gemma4 tp=2 vs one device:", parity)
+    assert parity["prefill_err"] < fc.ATOL and parity["decode_err"] < fc.ATOL and parity["same_greedy"], parity
+    shards = {name: place[name]["shard_shapes"] for name in place}
+    # layer 0 (sliding): 4 heads x 16 and 2 kv heads over 2 devices; F 64 -> 32 per device
+    assert shards["q_proj"] == [[64, 32]] and shards["k_proj"] == [[64, 16]] and shards["gate_proj"] == [[64, 32]]
+    assert shards["ple_gate"] == [[64, 8]] and shards["experts_gate_up"] == [[4, 64, 64]]
