@@ -2,6 +2,9 @@
 read and how its checkpoint tensors are named. Each family module ends with one
 `FAMILY = Family(...)`; `models/registry.py` indexes them by architecture name.
 
+A family with global tensors beyond the embedding, final norm and LM head names them in
+`hf_global_weights` (Gemma 4's per-layer input tables).
+
 Weight tables map a checkpoint tensor name (HF: the suffix after `model.layers.{i}.`;
 GGUF: the suffix after `blk.{i}.`) to ours (`layers.{i}.<name>`):
 - a string: one parameter;

@@ -20,6 +20,9 @@
   ragged kernel (`models/ragged_attention.py`, `auto` on TPUs and CUDA GPUs) a layer
   attends every row of the forward in one call over the forward's spans; otherwise each
   segment on its own (a one-query kernel for decode rows where it applies, else pure JAX).
+  That attending half is `attend(spec, q, k_cache, v_cache, fwd)`, also called by layers
+  that build their q/k/v otherwise or read another layer's cache (Gemma 4);
+  `AttentionSpec.kernels=False` keeps a layer whose head size is not the kernel's in pure JAX.
 
 Layouts are `x @ W` (`[in, out]`, HF's `[out, in]` transposed); parameter names are flat
 per layer (`layers.{i}.q_proj`) so loaders, sharding rules and tests name them one way.

@@ -9,8 +9,9 @@ Qwen3-MoE layers call in place of a dense MLP:
     y[n]    = sum_j w[n, j] * expert_{e[n, j]}(x[n])   expert: down(silu(gate(x)) * up(x))
 
 Options a family may add (defaults keep the block above): a router bias, per-expert
-biases on gate/up/down (`ExpertBiases`) and another gating of the two projections
-(`glu`: gpt-oss's clamped SwiGLU).
+biases on gate/up/down (`ExpertBiases`), another gating of the two projections
+(`glu`: gpt-oss's clamped SwiGLU) and routing chosen by the caller (`routing`: Gemma 4
+routes on another input than its experts read, and scales each expert's weight).
 
 How the experts run (measured, `tools/bench/bench_moe.py`): the N*k (token, expert) pairs are
 sorted by expert, each expert's run is padded to whole tiles of `tile` rows, and a

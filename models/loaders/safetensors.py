@@ -2,7 +2,9 @@
 
 The family (`models/registry.py`, from config.json `architectures[0]`) names its
 per-layer tensors in its module (`HF_LAYER_WEIGHTS`); the global ones are the same for
-every family (table below). Projection weights are stored by HF as `[out, in]` and
+every family (table below) plus the family's own (`Family.hf_global_weights`). A
+`*ForConditionalGeneration` checkpoint's text model is read under its text names, its
+vision / audio towers skipped. Projection weights are stored by HF as `[out, in]` and
 transposed to our `[in, out]` (x @ W); fused tensors (Phi-3) are split and per-expert
 tensors (Mixtral, Qwen3-MoE) stacked by `models/loaders/common.py`; MXFP4 tensors
 (gpt-oss's experts, stored as `NAME_blocks` + `NAME_scales`) dequantized to float at load
