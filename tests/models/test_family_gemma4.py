@@ -97,21 +97,25 @@ class _FirstOfKind(Gemma4Config):
         return self.layer_types.index(self.layer_types[layer])
 
 
-def _prefill_err(path, hf, prompt, cfg_change=None, layer_change=None) -> float:
-    """Max |ours - HF| over the prompt's logits, our model's config or layers changed."""
+def _prefill_err(path, hf, prompt, cfg_change=None, layer_change=None, attention=None, decode=0) -> float:
+    """Max |ours - HF| over the prompt's logits, our model's config or layers changed,
+    attending through `attention` (a kernel; None: pure JAX); the last `decode` tokens go
+    in as one-token decode rows after the prefill of the others."""
     from ferrox_jax.runner import ModelRunner
     from models.loaders.common import build_model
     from models.loaders.safetensors import read_config, read_tensors
     from tests.support.engine_helpers import shuffled_blocks
 
     cfg = read_config(path)
-    model = build_model(cfg_change(cfg) if cfg_change else cfg, read_tensors(path, cfg))
+    model = build_model(cfg_change(cfg) if cfg_change else cfg, read_tensors(path, cfg), decode_attention=attention)
     for layer in model.layers if layer_change else ():
         layer_change(layer)
     runner = ModelRunner(model, num_blocks=fc.NUM_BLOCKS, block_size=fc.BLOCK_SIZE, max_rows=1,
                          max_chunk_tokens=len(prompt), max_context=fc.MAX_CONTEXT)
-    ours = runner.run_logits([fc._row(prompt, 0, shuffled_blocks(20, fc.NUM_BLOCKS, seed=3))])[0]
-    return float(np.abs(ours - fc.hf_logits(hf, prompt)).max())
+    blocks, n = shuffled_blocks(20, fc.NUM_BLOCKS, seed=3), len(prompt) - decode
+    ours = [runner.run_logits([fc._row(prompt[:n], 0, blocks)])[0]]
+    ours += [runner.run_logits([fc._row(prompt[i:i + 1], i, blocks)])[0] for i in range(n, len(prompt))]
+    return float(np.abs(np.concatenate(ours) - fc.hf_logits(hf, prompt)).max())
 
 
 def _zero(name):
@@ -243,3 +247,15 @@ def test_tensor_parallel_2_matches_one_device(tmp_path):
     # layer 0 (sliding): 4 heads x 16 and 2 kv heads over 2 devices; F 64 -> 32 per device
     assert shards["q_proj"] == [[64, 32]] and shards["k_proj"] == [[64, 16]] and shards["gate_proj"] == [[64, 32]]
     assert shards["ple_gate"] == [[64, 8]] and shards["experts_gate_up"] == [[4, 64, 64]]
+
+
+def test_ragged_kernel_serves_every_layer_kind(gemma4):
+    """The ragged GPU kernel (Pallas interpret mode on the CPU), as TPUs and CUDA GPUs run:
+    the sliding layers (the shared one reading its source's cache) through it, the full
+    layers (another head size) in pure JAX; prefill and two decode rows equal HF's."""
+    from models.ragged_gpu import GpuRaggedAttention
+
+    path, hf, report = gemma4
+    err = _prefill_err(path, hf, report.prompt, attention=GpuRaggedAttention(interpret=True), decode=2)
+    print(f"gemma4 ragged kernel: max |Δlogit| vs HF {err:.2e}")
+    assert err < fc.ATOL
