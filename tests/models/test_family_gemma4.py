@@ -259,3 +259,11 @@ def test_ragged_kernel_serves_every_layer_kind(gemma4):
     err = _prefill_err(path, hf, report.prompt, attention=GpuRaggedAttention(interpret=True), decode=2)
     print(f"gemma4 ragged kernel: max |Δlogit| vs HF {err:.2e}")
     assert err < fc.ATOL
+
+
+def test_gguf_gemma4_is_refused_by_name():
+    """llama.cpp defines `gemma4` but this engine does not read it: refused naming it."""
+    from models.registry import family_for_gguf
+
+    with pytest.raises(UnsupportedModelError, match="'gemma4'"):
+        family_for_gguf("gemma4")
