@@ -258,9 +258,11 @@ class Gemma4Model(CausalLM):
             tables["local"] = cos_sin_of(positions, rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, RopeScaling()))
         if FULL_ATTENTION in cfg.layer_types:
             hd = cfg.layer_head_dims[cfg.layer_types.index(FULL_ATTENTION)]
-            partial = cfg.rope_global_partial if cfg.rope_global_type == "proportional" else 1.0
-            tables["global"] = cos_sin_of(positions, proportional_inv_freq(hd, cfg.rope_theta, partial,
-                                                                           cfg.rope_global_factor))
+            # transformers' default RoPE ignores partial_rotary_factor and factor; proportional takes both
+            proportional = cfg.rope_global_type == "proportional"
+            tables["global"] = cos_sin_of(positions, proportional_inv_freq(
+                hd, cfg.rope_theta, cfg.rope_global_partial if proportional else 1.0,
+                cfg.rope_global_factor if proportional else 1.0))
         return tables
 
     def per_layer_inputs(self, tokens, x):

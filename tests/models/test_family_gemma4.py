@@ -267,3 +267,25 @@ def test_gguf_gemma4_is_refused_by_name():
 
     with pytest.raises(UnsupportedModelError, match="'gemma4'"):
         family_for_gguf("gemma4")
+
+
+@pytest.mark.parametrize("full", [{"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+                                  {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1e6,
+                                   "factor": 8.0},
+                                  {"rope_type": "default", "rope_theta": 1e6}])
+def test_full_layer_rope_tables_are_transformers(full):
+    """At the released head size (512): the full layers' cos/sin equal transformers'
+    (proportional with its partial factor and scaling factor, or default) over the test's
+    positions. The frequencies are float32 powers that may differ by one ulp from torch's
+    (as every family's), which is why positions stay small here."""
+    from models.gemma4 import Gemma4Model
+
+    params = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": full}
+    hf_cfg = transformers.Gemma4TextConfig(rope_parameters=params, num_hidden_layers=6)
+    rotary = transformers.models.gemma4.modeling_gemma4.Gemma4TextRotaryEmbedding(hf_cfg)
+    positions = torch.arange(0, 128)[None]
+    want = rotary(torch.zeros(1, dtype=torch.float32), positions, "full_attention")
+    cfg = config_from_hf({**hf_cfg.to_dict(), "architectures": ["Gemma4ForCausalLM"]})
+    got = Gemma4Model.rope(type("M", (), {"cfg": cfg})(), jnp.asarray(positions.numpy()), None)["global"]
+    for ours, theirs in zip(got, want):
+        np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=1e-5)
