@@ -132,7 +132,7 @@ def _ones(name):
 
 def test_negative_controls_miss_transformers(gemma4):
     """KV shared from the first layer of a kind (not the last), the per-layer inputs off,
-    the full layers' RoPE over the whole head (not proportional), the MoE block's
+    the full layers' RoPE over the whole head (not proportional), the MoE block off, its
     per-expert scale and the layer scalar left out: each misses HF by far more than the
     tolerance, so the parity above depends on every one of them."""
     path, hf, report = gemma4
@@ -145,6 +145,7 @@ def test_negative_controls_miss_transformers(gemma4):
         "per-layer inputs off": _prefill_err(path, hf, report.prompt, layer_change=_zero("ple_gate")),
         "rope over the whole head": _prefill_err(path, hf, report.prompt,
                                                  cfg_change=lambda c: dataclasses.replace(c, rope_global_partial=1.0)),
+        "MoE block off": _prefill_err(path, hf, report.prompt, layer_change=_zero("experts_down")),
         "no per-expert scale": _prefill_err(path, hf, report.prompt, layer_change=_ones("expert_scale")),
         "no layer scalar": _prefill_err(path, hf, report.prompt, layer_change=_ones("layer_scalar")),
     }
