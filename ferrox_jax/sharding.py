@@ -124,8 +124,9 @@ def check_divisibility(cfg: ModelConfig, model_axis: int, replicate_attention: b
                     f"tensor parallelism {model_axis} does not divide the model's {what} {n} "
                     f"(num_heads {cfg.num_heads}, num_kv_heads {cfg.num_kv_heads}); choose a size "
                     f"dividing both, or pass --replicate-attention to shard only the MLP and vocab")
-        # Layers with their own kv heads (Gemma 4's full layers): their cache arrays split too.
-        odd = sorted({heads for heads, _ in cfg.kv_layout() if heads % model_axis})
+        # Layers with their own kv heads (Gemma 4's full layers): their cache arrays split too. A
+        # latent cache (no V: one latent head, models/mla.py) is replicated instead.
+        odd = sorted({heads for heads, _, v_dim in cfg.kv_layout() if heads % model_axis and v_dim})
         if odd:
             raise ValueError(f"tensor parallelism {model_axis} does not divide the kv heads {odd} of some of the "
                              "model's layers; choose a size dividing them, or pass --replicate-attention")

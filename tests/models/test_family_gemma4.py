@@ -217,7 +217,8 @@ def test_multimodal_checkpoint_serves_its_text_model(gemma4, tmp_path):
     path = fc.make_checkpoint(tmp_path / "tiny-gemma4-mm", config)
     hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     cfg = load_checkpoint(str(path)).config
-    assert (cfg.architecture, cfg.kv_layout()) == ("Gemma4ForConditionalGeneration", ((2, 16), (2, 16), (1, 32)))
+    assert (cfg.architecture, cfg.kv_layout()) == ("Gemma4ForConditionalGeneration",
+                                                   ((2, 16, 16), (2, 16, 16), (1, 32, 32)))
     err = _prefill_err(path, hf, gemma4[2].prompt)
     print(f"gemma4 ForConditionalGeneration text: max |Δlogit| vs HF {err:.2e}")
     assert err < fc.ATOL
