@@ -33,10 +33,11 @@ GLOBAL_TABLE: dict[str, tuple[str, bool]] = {
 }
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # A vision-language checkpoint's language model, under the text model's names: transformers 5
-# saves `model.language_model.*`, the Hub's checkpoints `language_model.model.*`.
-_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
+# saves `model.language_model.*`, the Hub's checkpoints `language_model.model.*`; Idefics3 /
+# SmolVLM `model.text_model.*` (their vision side: `model.vision_model.*`, `model.connector.*`).
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.")
 _VISION_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.",
-                    "model.multi_modal_projector.",
+                    "model.multi_modal_projector.", "model.vision_model.", "model.connector.",
                     # Gemma 4's towers and their embedders (served as a text model)
                     "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 # Buffers some checkpoints carry that are not parameters.
