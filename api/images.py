@@ -17,10 +17,11 @@ pixels (the encoder cache's and the prefix cache's key). Every refusal is a 400 
 and the limit: too many images, too many bytes or pixels, not an image, truncated, an image for a
 model that takes none.
 
-The rendered prompt holds one begin-of-image marker per image (Gemma 3: `<start_of_image>`);
-`expand` replaces each with what HF's processor puts there ("\\n\\n", the marker, the image's soft
-tokens, the end marker, "\\n\\n"), and after tokenizing `spans` finds each image's run of soft
-tokens, so `Job.images` says where every image's embeddings go.
+The rendered prompt holds one image marker per image (Gemma 3: `<start_of_image>`; Idefics3 /
+SmolVLM: `<image>`); `expand` replaces each with what the model's HF processor puts there (Gemma 3:
+"\\n\\n", the marker, the image's soft tokens, the end marker, "\\n\\n"; Idefics3: each tile's
+markers and tokens, then the global view's), and after tokenizing `spans` finds each image's (or
+tile's) run of tokens, so `Job.images` says where every embedding goes.
 """
 
 from __future__ import annotations
@@ -90,8 +91,9 @@ def check_count(engine: Engine, count: int, config: ServerConfig, param: str) ->
                        param=param)
 
 
-async def prepare(engine: Engine, blobs: list[bytes], config: ServerConfig, param: str) -> list[tuple[Any, bytes]]:
-    """(pixels f32[3, S, S], sha256 digest) per image, decoded and resized in the CPU pool."""
+async def prepare(engine: Engine, blobs: list[bytes], config: ServerConfig, param: str) -> list[Any]:
+    """Each image's picture (`Engine.prepare_images`: pixels or tiles, sha256 digest), decoded and
+    resized in the CPU pool."""
     if not blobs:
         return []
     limits = ImageLimits(max_bytes=config.max_image_bytes, max_pixels=config.max_image_pixels)
@@ -101,10 +103,10 @@ async def prepare(engine: Engine, blobs: list[bytes], config: ServerConfig, para
         raise APIError(400, str(e), param=param, code="invalid_image") from None
 
 
-def expand(text: str, engine: Engine, count: int, param: str) -> str:
-    """The rendered prompt with each begin-of-image marker expanded into the image's tokens."""
+def expand(text: str, engine: Engine, pictures: list[Any], param: str) -> str:
+    """The rendered prompt with each image marker expanded into its picture's tokens."""
     try:
-        return engine.expand_images(text, count)
+        return engine.expand_images(text, list(pictures))
     except ValueError as e:
         raise APIError(400, str(e), param=param) from None
 

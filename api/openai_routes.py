@@ -257,7 +257,7 @@ async def chat_completions() -> Response:
                             add_generation_prompt=body.add_generation_prompt is not False, template_kwargs=kwargs)
 
     chat = await run_cpu_if(heavy_chat(body.messages, body.tools), plan_chat)
-    text = images.expand(chat.text, engine, len(pictures), "messages")
+    text = images.expand(chat.text, engine, pictures, "messages")
     prompt_ids = await encode(engine.tokenizer, text, add_special_tokens=False)
     if not prompt_ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")

@@ -72,7 +72,7 @@ async def chat_prompt_images(engine: Engine, messages: list[dict], param: str = 
                             constraint=constraint, constraint_param=constraint_param,
                             default_constraint=default_constraint, messages_param=param,
                             split_reasoning=split_reasoning, template_kwargs=template_kwargs)
-    text = images.expand(chat.text, engine, len(pictures), param)
+    text = images.expand(chat.text, engine, pictures, param)
     ids = await encode(engine.tokenizer, text, add_special_tokens=False)
     if not ids:
         raise APIError(400, f"{param} render to an empty prompt", param=param)

@@ -36,7 +36,7 @@ from ferrox_jax.config import DEFAULT_COMPILE_CACHE, EngineConfig, SpeculativeCo
 from ferrox_jax.constraint import GrammarError, GrammarSpec
 from ferrox_jax.engine_builder import KVSizing, build_parts
 from ferrox_jax.host_heap import trim_host_heap
-from ferrox_jax.images import ImageError, ImageLimits, expand_markers, find_spans, preprocess
+from ferrox_jax.images import ImageError, ImageLimits
 from ferrox_jax.lora_registry import LoadedAdapter, LoraRegistry, check_adapter_name
 from ferrox_jax.memory_bounds import MemoryBoundError, host_total_bytes
 from ferrox_jax.request import AdmissionError, Job, with_seed
@@ -341,19 +341,30 @@ class Engine:
         """The model has a vision encoder: a job may carry images (`Job.images`)."""
         return getattr(self._source.config, "vision", None) is not None
 
-    def prepare_images(self, blobs: list[bytes], limits: ImageLimits) -> list[tuple[Any, bytes]]:
-        """(pixels, digest) per image file, as this model's encoder takes them (any thread; CPU
+    def prepare_images(self, blobs: list[bytes], limits: ImageLimits) -> list[Any]:
+        """The pictures of image files, as this model's encoder takes them (Gemma 3: (pixels,
+        digest); Idefics3 / SmolVLM: tiles; `ferrox_jax/image_layout.py`), in any thread (CPU
         work: the API runs it in its pool). Raises ImageError naming the image and the limit."""
-        return preprocess(blobs, self._source.config.vision.image_size, limits)
+        return self._image_layout().preprocess(blobs, limits)
 
-    def expand_images(self, text: str, count: int) -> str:
-        """A rendered prompt with its `count` image markers laid out as the model's processor
-        lays them (`ferrox_jax/images.py:expand_markers`). Raises ValueError."""
-        return expand_markers(text, self._source.config.vision, self.tokenizer, count) if count else text
+    def expand_images(self, text: str, pictures: list[Any]) -> str:
+        """A rendered prompt with its image markers, one per `prepare_images` picture, laid out
+        as the model's processor lays them. Raises ValueError."""
+        return self._image_layout().expand(text, self.tokenizer, pictures) if pictures else text
 
-    def image_spans(self, ids: list[int], pictures: list[tuple[Any, bytes]]) -> tuple:
+    def image_spans(self, ids: list[int], pictures: list[Any]) -> tuple:
         """`Job.images` for a tokenized prompt and its `prepare_images` pictures. Raises ValueError."""
-        return find_spans(ids, self._source.config.vision, pictures) if pictures else ()
+        return self._image_layout().spans(ids, pictures) if pictures else ()
+
+    @property
+    def image_layout(self):
+        """The model's image layout (`ferrox_jax/image_layout.py`), None for a text model."""
+        return self._device.vision.layout if self._device.vision is not None else None
+
+    def _image_layout(self):
+        if self._device.vision is None:
+            raise ImageError(f"the model {self.model_name!r} takes no images; send text only")
+        return self._device.vision.layout
 
     @property
     def checkpoint_path(self) -> str:

@@ -11,16 +11,20 @@ preprocessed pixels, and the pixels. From there:
   gives the ids the names are computed from: each soft token replaced by a negative number
   drawn from its image's digest (real ids are never negative), so the same image and text hit
   and another image behind the same text misses.
-- **Chunking.** An image's tokens attend to each other both ways, so all of an image's tokens
-  that are still to compute go in one forward: `chunk_end` moves a chunk's end off the inside
-  of an image (back to its start, or on to its end; the engine keeps the chunk size at least
-  one image).
+- **Chunking.** A bidirectional image's tokens attend to each other both ways, so all of its
+  tokens that are still to compute go in one forward: `chunk_end` moves a chunk's end off the
+  inside of such an image (back to its start, or on to its end; the engine keeps the chunk size
+  at least one image). A causal span (`ImageSpan.bidirectional` False: Idefics3 / SmolVLM's
+  tiles) may be cut like text.
 - **Encoding.** Before a step's host batch is built, `attach_embeddings` gives each chunk's
   images their soft-token embeddings: from the `EncoderCache` (by digest) or from one call
   of the encoder over the step's missing images; counted as encoder runs and cache hits.
 - **The step's columns** (`image_columns`): per new token, the embedding that replaces it
-  (bool mask + f32 rows), and `attend_until`, the furthest key position it may see: an
-  image's last position for its tokens, the token's own position otherwise.
+  (bool mask + f32 rows), and `attend_until`, the furthest key position it may see: a
+  bidirectional image's last position for its tokens, the token's own position otherwise.
+
+How a family lays its images out (one span per image, or one per tile) is
+`ferrox_jax/image_layout.py`'s.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class ImageSpan:
     digest: bytes  # sha256 of the preprocessed pixels (the encoder cache's and the block names' key)
     pixels: Any = dataclasses.field(default=None, compare=False, repr=False)  # f32[C, S, S]
     embeds: Any = dataclasses.field(default=None, compare=False, repr=False)  # f32[length, D] once encoded
+    # Its tokens attend to each other both ways (Gemma 3), or causally as text does (Idefics3 / SmolVLM).
+    bidirectional: bool = True
 
     @property
     def stop(self) -> int:
@@ -142,7 +148,7 @@ def chunk_end(images: Sequence[ImageSpan], start: int, end: int, cap: int) -> in
     to the image's start, or (when the chunk starts inside or at it) on to its end, at most
     `start + cap`."""
     for image in images:
-        if image.start < end < image.stop:
+        if image.bidirectional and image.start < end < image.stop:
             return image.start if image.start > start else min(image.stop, start + cap)
     return end
 
@@ -265,5 +271,6 @@ def image_columns(rows: Sequence, row_starts: np.ndarray, num_tokens: int, width
             at = lo + first - row.start_pos
             embeds[at:at + last - first] = image.embeds[first - image.start:last - image.start]
             mask[at:at + last - first] = True
-            until[at:at + last - first] = image.stop - 1
+            if image.bidirectional:
+                until[at:at + last - first] = image.stop - 1
     return embeds, mask, until

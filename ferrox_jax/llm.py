@@ -152,8 +152,8 @@ class LLM:
         for item in items:
             images = _multi_modal_images(item)
             if images:
-                text = self._engine.expand_images(item["prompt"], len(images))
                 pictures = self._engine.prepare_images(images, ImageLimits())
+                text = self._engine.expand_images(item["prompt"], pictures)
                 ids = tok.encode(text)
                 encoded.append((item["prompt"], ids, self._engine.image_spans(ids, pictures)))
             else:

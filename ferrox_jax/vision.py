@@ -1,5 +1,8 @@
 """The vision encoder on the runner's device: a model's image encoder and projector
-(`models/siglip.py`), compiled per image-count bucket at warm-up like every step shape.
+(`models/siglip.py` for Gemma 3, `models/idefics3.py` for Idefics3 / SmolVLM, whose "images"
+here are tiles), compiled per image-count bucket at warm-up like every step shape. The
+encoder also carries the family's image layout (`ferrox_jax/image_layout.py`), read with its
+weights (Idefics3's needs the folder's image processor settings).
 
 `ModelRunner.encode_images(pixels)` splits a step's new images into calls of 1, 2, 4 or 8
 images (the last call padded with blank images, whose outputs are dropped), so four
@@ -19,7 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.siglip import VisionConfig, gemma3_image_tokens
+from ferrox_jax.image_layout import layout_for
+from models.idefics3 import Idefics3VisionConfig, idefics3_image_tokens, read_idefics3_vision
+from models.siglip import VisionConfig, gemma3_image_tokens, read_gemma3_mmproj, read_gemma3_vision
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +35,17 @@ IMAGE_BUCKETS = (1, 2, 4, 8)
 class VisionEncoder:
     """A model's vision encoder: its shape, its weights on the device."""
 
-    cfg: VisionConfig
+    cfg: VisionConfig | Idefics3VisionConfig
     params: dict[str, Any]
+
+    @property
+    def layout(self):
+        """The family's image layout (`ferrox_jax/image_layout.py`)."""
+        return layout_for(self.cfg)
+
+    @property
+    def _image_tokens(self):
+        return idefics3_image_tokens if isinstance(self.cfg, Idefics3VisionConfig) else gemma3_image_tokens
 
     @property
     def tokens_per_image(self) -> int:
@@ -43,7 +57,7 @@ class VisionEncoder:
     def lower(self, key: tuple) -> jax.stages.Lowered:
         c, s = self.cfg.channels, self.cfg.image_size
         pixels = jnp.zeros((key[1], c, s, s), jnp.float32)
-        return gemma3_image_tokens.lower(self.params, pixels, self.cfg)
+        return self._image_tokens.lower(self.params, pixels, self.cfg)
 
     def calls(self, count: int) -> list[tuple[int, int, int]]:
         """(start, images, bucket) of the calls over `count` images, largest buckets first."""
@@ -63,7 +77,7 @@ class VisionEncoder:
         return np.asarray(jax.device_get(executable(self.params, padded)))[:len(pixels)]
 
 
-def place_vision(cfg: VisionConfig, params: dict[str, Any]) -> VisionEncoder:
+def place_vision(cfg: VisionConfig | Idefics3VisionConfig, params: dict[str, Any]) -> VisionEncoder:
     """The encoder with its weights on the default device."""
     return VisionEncoder(cfg, {name: jax.device_put(jnp.asarray(v, jnp.float32)) for name, v in params.items()})
 
@@ -76,20 +90,20 @@ def open_vision(source: Any, config: Any) -> tuple[VisionEncoder | None, Any, An
     projector GGUF (`config.mmproj`) beside a Gemma 3 GGUF. Raises ValueError for what a model
     taking images cannot do yet: a multi-process mesh, synthetic weights, `--mmproj` on
     another family."""
-    from models import siglip  # the encoder's readers (jax arrays)
-
     if config.mmproj is not None:
         if not hasattr(source.config, "vision"):
             raise ValueError(f"--mmproj is supported for Gemma 3 models; {source.config.architecture} takes no "
                              "projector")
-        cfg, params = siglip.read_gemma3_mmproj(config.mmproj, source.tokenizer)
+        cfg, params = read_gemma3_mmproj(config.mmproj, source.tokenizer)
         source = dataclasses.replace(source, config=dataclasses.replace(source.config, vision=cfg))
     elif getattr(source.config, "vision", None) is None:
         return None, config, source
     elif source.is_synthetic:
         raise ValueError("--load-format dummy does not make a vision encoder's weights; serve the checkpoint's own")
     else:
-        cfg, params = siglip.read_gemma3_vision(source.path)
+        vision_cfg = source.config.vision
+        read = read_idefics3_vision if isinstance(vision_cfg, Idefics3VisionConfig) else read_gemma3_vision
+        cfg, params = read(source.path)  # the encoder's tensors of the checkpoint folder
     if jax.process_count() > 1:
         raise ValueError("multi-host serving of a model taking images is not supported yet; serve it on one host")
     if config.prefill_chunk < cfg.tokens_per_image:
