@@ -189,8 +189,8 @@ class EncoderCache:
 class EncoderCounters:
     """Image counters the stats report (ours, beside the contract's)."""
 
-    encoder_runs: int = 0  # images the vision encoder computed
-    encoder_cache_hits: int = 0  # images whose embeddings came from the encoder cache
+    encoder_runs: int = 0  # images (a tiled model's tiles) the vision encoder computed
+    encoder_cache_hits: int = 0  # images (tiles) whose embeddings came from the encoder cache
     image_tokens: int = 0  # image soft tokens computed by forwards (prompt-cache hits excluded)
 
 

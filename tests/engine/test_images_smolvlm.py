@@ -11,7 +11,8 @@ processor and whole model given the same image.
 - the same image twice: one encoder run per tile the first time, none the second, and a
   prefix-cache hit;
 - negative controls: two tiles' embeddings swapped, or the image tokens attending both ways
-  (Gemma 3's mask, where Idefics3's text model is causal), fail the comparison.
+  (Gemma 3's mask, where Idefics3's text model is causal), fail the comparison;
+- a processor whose tiles are not the encoder's size is refused at load, naming both sizes.
 """
 
 from __future__ import annotations
@@ -195,3 +196,24 @@ def test_same_image_twice_one_encoder_run_and_a_prefix_hit(vlm):
     assert mid.encoder_runs - before.encoder_runs == len(picture.tiles)
     assert after.encoder_runs == mid.encoder_runs, "the same image was encoded again"
     assert second[1][0].num_cached_tokens >= spans[-1].stop - 4, "the image's blocks did not hit"
+
+
+def test_tiles_of_another_size_are_refused_at_load(tmp_path):
+    from models.config import UnsupportedModelError
+    from models.idefics3 import config_from_hf
+    from models.loaders.safetensors import read_config
+    from tests.support.tiny_smolvlm import make_tiny_smolvlm
+
+    folder, _ = make_tiny_smolvlm(tmp_path / "tiny-idefics3")
+    cfg = read_config(folder)
+    assert cfg.vision is not None and cfg.vision.tokens_per_image == TOKENS_PER_TILE
+    import json
+
+    raw = json.loads((folder / "config.json").read_text())
+    assert config_from_hf(raw, {"max_image_size": {"longest_edge": TILE}}).vision.image_size == TILE
+    with pytest.raises(UnsupportedModelError, match="max_image_size 48 differs from the vision encoder's image_size 32"):
+        config_from_hf(raw, {"max_image_size": {"longest_edge": 48}})
+    processor_file = folder / "preprocessor_config.json"
+    processor_file.write_text(json.dumps({**json.loads(processor_file.read_text()), "max_image_size": {"longest_edge": 48}}))
+    with pytest.raises(UnsupportedModelError, match="max_image_size 48"):
+        Engine.load(EngineConfig(model=str(folder), block_size=4, kv_blocks=64, max_context=128))
