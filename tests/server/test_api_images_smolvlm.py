@@ -1,7 +1,8 @@
 """SmolVLM images through a real server (a tiny random `SmolVLMForConditionalGeneration`,
-tests/support/tiny_smolvlm.py) with the official OpenAI client: a chat turn with two images of
+tests/support/tiny_smolvlm.py) with the official clients: an OpenAI chat turn with two images of
 two shapes (a wide one, 1 x 2 tiles plus the global view; a square one, 2 x 2 plus the global
-view) answers HF's greedy continuation of the prompt HF's processor lays out for the same images;
+view), and an Anthropic image block, answer HF's greedy continuation of the prompt HF's processor
+lays out for the same images;
 a bad image is a 400 naming what is wrong and the server serves on with no blocks leaked."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
+import anthropic  # noqa: E402
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
@@ -41,10 +43,27 @@ def _image(seed: int, height: int, width: int):
     return PIL.fromarray(rng.integers(0, 256, (height, width, 3)).astype(np.uint8), "RGB")
 
 
-def _data_url(image) -> str:
+def _b64(image) -> str:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _data_url(image) -> str:
+    return "data:image/png;base64," + _b64(image)
+
+
+def _hf_text(engine, hf, folder, content: list[dict], images: list) -> str:
+    """HF's greedy text for a user turn of `content`, laid out by HF's processor."""
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": content}])
+    ref = processor(folder)(text=[text], images=[images], return_tensors="pt")
+    ids, out = ref["input_ids"][0].tolist(), []
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            logits = hf(input_ids=torch.tensor([ids + out]), pixel_values=ref["pixel_values"],
+                        pixel_attention_mask=ref["pixel_attention_mask"]).logits
+            out.append(int(logits[0, -1].argmax()))
+    return engine.tokenizer.decode(out)
 
 
 def test_openai_chat_two_images_equal_hf(served):
@@ -90,3 +109,17 @@ def test_bad_image_is_a_400_and_the_server_serves_on(served):
     assert wait_for(lambda: engine.stats().running_rows == 0)
     stats = engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+def test_anthropic_image_block_equals_hf(served):
+    base, engine, hf, folder = served
+    image = _image(3, 64, 30)  # tall: 2 x 1 tiles plus the global view
+    client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+    reply = client.messages.create(
+        model=engine.model_name, max_tokens=MAX_TOKENS,
+        messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _b64(image)}},
+            {"type": "text", "text": "Describe it."}]}],
+        extra_body={"ignore_eos": True, "temperature": 0})
+    want = _hf_text(engine, hf, folder, [{"type": "image"}, {"type": "text", "text": "Describe it."}], [image])
+    assert reply.content[0].text == want
