@@ -46,7 +46,7 @@ import numpy as np
 from models import llama
 from models.config import CheckpointFileError, ModelConfig, UnsupportedModelError
 from models.family import Family
-from models.siglip import _LAYER_NAMES, _to_ours, encode
+from models.siglip import LAYER_NAMES, encode, to_ours
 
 ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 _RESAMPLE = {1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC"}  # PILImageResampling values
@@ -267,7 +267,7 @@ def vision_tensor_names(cfg: Idefics3VisionConfig) -> dict[str, str]:
         "connector": "model.connector.modality_projection.proj.weight",
     }
     for i in range(cfg.layers):
-        for ours, hf in _LAYER_NAMES.items():
+        for ours, hf in LAYER_NAMES.items():
             names[f"layers.{i}.{ours}"] = f"{_TOWER}encoder.layers.{i}.{hf}"
     return names
 
@@ -307,7 +307,7 @@ def read_idefics3_vision(folder: str | Path) -> tuple[Idefics3VisionConfig, dict
         if ours not in found:
             raise CheckpointFileError(f"the checkpoint has no vision tensor {hf}")
         raw = np.asarray(found[ours], np.float32)
-        value = raw.T if ours == "connector" else _to_ours(ours, raw)
+        value = raw.T if ours == "connector" else to_ours(ours, raw)
         if value.shape != shapes[ours]:
             raise CheckpointFileError(f"vision tensor {hf} has shape {raw.shape}; the config implies {shapes[ours]}")
         params[ours] = jnp.asarray(value)

@@ -2,9 +2,10 @@
 
 Gemma 3's vision-language checkpoints (`Gemma3ForConditionalGeneration`) put a SigLIP
 vision transformer and a small projector before the text model; SmolVLM / Idefics3 use the
-same encoder. This module is the encoder and the projector as pure functions over a flat
-dict of arrays, jitted per image count; how their output enters a prompt (the image's soft
-tokens replace its placeholder tokens, attention is bidirectional within an image) is the
+same encoder (`models/idefics3.py` reuses `encode`, `LAYER_NAMES` and `to_ours`). This module
+is the encoder and the projector as pure functions over a flat dict of arrays, jitted per
+image count; how their output enters a prompt (the image's soft tokens replace its placeholder
+tokens; attention is bidirectional within an image for Gemma 3, causal for Idefics3) is the
 engine's business, not this module's.
 
 The encoder, as transformers' `SiglipVisionModel` computes it (no pooling head):
@@ -168,7 +169,7 @@ def gemma3_image_tokens(params: Mapping[str, jax.Array], pixels: jax.Array, cfg:
 
 _TOWER = "vision_tower."
 _PROJECTOR = "multi_modal_projector."
-_LAYER_NAMES = {  # ours -> HF suffix after encoder.layers.{i}.; linears are transposed
+LAYER_NAMES = {  # ours -> HF suffix after encoder.layers.{i}. (SigLIP and Idefics3 alike); linears are transposed
     "ln1_w": "layer_norm1.weight", "ln1_b": "layer_norm1.bias",
     "ln2_w": "layer_norm2.weight", "ln2_b": "layer_norm2.bias",
     "q_w": "self_attn.q_proj.weight", "q_b": "self_attn.q_proj.bias",
@@ -192,7 +193,7 @@ def vision_tensor_names(cfg: VisionConfig) -> dict[str, str]:
         "mm_projection": _PROJECTOR + "mm_input_projection_weight",
     }
     for i in range(cfg.layers):
-        for ours, hf in _LAYER_NAMES.items():
+        for ours, hf in LAYER_NAMES.items():
             names[f"layers.{i}.{ours}"] = f"{_TOWER}encoder.layers.{i}.{hf}"
     return names
 
@@ -224,7 +225,8 @@ def canonical_name(key: str) -> str:
     return key
 
 
-def _to_ours(name: str, raw: np.ndarray) -> np.ndarray:
+def to_ours(name: str, raw: np.ndarray) -> np.ndarray:
+    """A checkpoint's encoder tensor in our layout (the conv and the linears transposed)."""
     if name == "patch_embedding":  # conv [Dv, C, p, p] -> [C p p, Dv]
         return raw.reshape(raw.shape[0], -1).T
     if name.endswith("_w") and raw.ndim == 2:  # HF Linear [out, in] -> [in, out]
@@ -253,7 +255,7 @@ def read_gemma3_vision(folder: str | Path) -> tuple[VisionConfig, dict[str, jax.
     for ours, hf in wanted.items():
         if ours not in found:
             raise CheckpointFileError(f"the checkpoint has no vision tensor {hf}")
-        value = _to_ours(ours, np.asarray(found[ours], np.float32))
+        value = to_ours(ours, np.asarray(found[ours], np.float32))
         if value.shape != shapes[ours]:
             raise CheckpointFileError(f"vision tensor {hf} has shape {found[ours].shape}; "
                                       f"the config implies {shapes[ours]}")

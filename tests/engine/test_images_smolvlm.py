@@ -34,7 +34,7 @@ from ferrox_jax.image_layout import TiledLayout  # noqa: E402
 from ferrox_jax.request import Job, RowSampling  # noqa: E402
 from models.image_input import ImageLimits  # noqa: E402
 from tests.support.engine_helpers import float32_matmuls  # noqa: E402,F401
-from tests.support.tiny_smolvlm import TILE, TOKENS_PER_TILE, image_processor, processor  # noqa: E402
+from tests.support.tiny_smolvlm import TILE, TOKENS_PER_TILE, processor  # noqa: E402
 
 TIMEOUT_S = 180
 GREEDY = 6
@@ -211,9 +211,11 @@ def test_tiles_of_another_size_are_refused_at_load(tmp_path):
 
     raw = json.loads((folder / "config.json").read_text())
     assert config_from_hf(raw, {"max_image_size": {"longest_edge": TILE}}).vision.image_size == TILE
-    with pytest.raises(UnsupportedModelError, match="max_image_size 48 differs from the vision encoder's image_size 32"):
+    with pytest.raises(UnsupportedModelError,
+                       match="max_image_size 48 differs from the vision encoder's image_size 32"):
         config_from_hf(raw, {"max_image_size": {"longest_edge": 48}})
     processor_file = folder / "preprocessor_config.json"
-    processor_file.write_text(json.dumps({**json.loads(processor_file.read_text()), "max_image_size": {"longest_edge": 48}}))
+    settings = json.loads(processor_file.read_text())
+    processor_file.write_text(json.dumps({**settings, "max_image_size": {"longest_edge": 48}}))
     with pytest.raises(UnsupportedModelError, match="max_image_size 48"):
         Engine.load(EngineConfig(model=str(folder), block_size=4, kv_blocks=64, max_context=128))

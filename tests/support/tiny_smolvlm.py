@@ -87,4 +87,5 @@ def processor(folder: Path, longest_edge: int = LONGEST_EDGE):
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(folder)
-    return transformers.Idefics3Processor(image_processor(longest_edge=longest_edge), tok, image_seq_len=TOKENS_PER_TILE)
+    return transformers.Idefics3Processor(image_processor(longest_edge=longest_edge), tok,
+                                          image_seq_len=TOKENS_PER_TILE)
