@@ -312,7 +312,7 @@ def _draft_runner(draft: CheckpointSource, config: EngineConfig, dtype, kv_dtype
         kv_dtype=kv_dtype)
     attention, _ = _no_kernel_for_latent(draft.config, attention, "")
     model = _build_model(draft, dtype, attention, quantization, mesh, config.replicate_attention)
-    note = _int8_matmul(model, dataclasses.replace(config, quantization=quantization), mesh) or _block_matmul(
+    note = int8_matmul(model, dataclasses.replace(config, quantization=quantization), mesh) or block_matmul(
         model, dataclasses.replace(config, quantization=quantization), mesh)
     log.info("draft model %s: %s", draft.name, note or quantization)
     return ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=target.max_rows,

@@ -333,7 +333,7 @@ def read_gemma3_mmproj(path: str | Path, tokenizer: Any) -> tuple[VisionConfig, 
             tuple(int(d) for d in reversed(t.shape)))
         if ours == "mm_norm":
             raw = raw - 1.0  # the converter wrote 1 + w
-        value = _to_ours(ours, raw)
+        value = to_ours(ours, raw)
         if value.shape != shapes[ours]:
             raise CheckpointFileError(f"--mmproj {path.name}: {name} has shape {raw.shape}; "
                                       f"the file's metadata implies {shapes[ours]}")

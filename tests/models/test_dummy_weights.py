@@ -142,8 +142,8 @@ def test_plan_memory_equals_what_the_loaded_engine_holds(tmp_path, quantization)
     info = engine.describe()
     assert info["synthetic_weights"] and engine.model_card.synthetic_weights
     assert plan.weights_bytes == engine.weights_bytes == info["weights_bytes"]
-    # 40 blocks x 16 positions x (2 x 2 layers x 2 kv heads x 16 head_dim x 2 bytes) = 163,840
-    assert plan.kv_bytes == info["kv_bytes"] == 40 * 16 * 2 * 2 * 2 * 16 * 2
+    # 40 usable blocks + the null block x 16 positions x (2 x 2 layers x 2 kv heads x 16 head_dim x 2 bytes)
+    assert plan.kv_bytes == info["kv_bytes"] == 41 * 16 * 2 * 2 * 2 * 16 * 2
 
 
 def test_plan_memory_of_llama_3_1_8b_matches_the_parameter_arithmetic(tmp_path):

@@ -226,7 +226,8 @@ def test_sharded_server_answers_openai_routes_like_one_device():
     assert two["devices"] == {"data": 1, "model": 2}
     assert two["completion"] == one["completion"], "greedy completion changed under tensor_parallel=2"
     assert two["chat"] == one["chat"], "greedy chat answer changed under tensor_parallel=2"
-    assert two["kv_shard_shapes"] == [[1, 128, 16, 16]], "2 KV heads split over 2 devices"
+    # kv_blocks=128 usable blocks + the null block; 2 KV heads split over 2 devices
+    assert two["kv_shard_shapes"] == [[1, 129, 16, 16]], "2 KV heads split over 2 devices"
     assert two["recompiles"] == 0
 
 

@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ours_file:
             reports = file_comparison(refs, args.ours_file)
         else:
-            from ferrox_jax.engine_builder import resolve_kv_dtype
+            from ferrox_jax.quant_setup import resolve_kv_dtype
 
             kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, args.quantization, jnp.dtype(args.dtype))
             args.kv_cache_dtype = jnp.dtype(kv_dtype).name
