@@ -53,6 +53,9 @@ def test_a_host_batch_survives_bytes_bit_for_bit():
     back = HostBatch.from_bytes(batch.to_bytes())
     for field in dataclasses.fields(HostBatch):
         a, b = getattr(batch, field.name), getattr(back, field.name)
+        if a is None:  # an optional column this batch has none of (images): none comes back
+            assert b is None, field.name
+            continue
         if isinstance(a, SamplingArrays):
             pairs = [(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(SamplingArrays)]
         else:

@@ -79,7 +79,8 @@ def test_config_only_folder_is_served_and_marked_synthetic_everywhere(folder, tm
         assert health["state"] == "ready" and health["model"] == "tiny-shape", "model stays the served id"
         info = health["model_info"]
         assert info["synthetic_weights"] is True and info["id"] == "tiny-shape"
-        assert info["weights_bytes"] > 0 and info["kv_bytes"] == 64 * 16 * (2 * 2 * 2 * 16 * 4)  # blocks x positions x B/pos
+        # (64 usable blocks + the null block) x positions x B/pos
+        assert info["weights_bytes"] > 0 and info["kv_bytes"] == 65 * 16 * (2 * 2 * 2 * 16 * 4)
         metrics = {s.name: s.value for fam in text_string_to_metric_families(http.get("/metrics").text)
                    for s in fam.samples}
         assert metrics["ferrox_synthetic_weights"] == 1
