@@ -73,7 +73,8 @@ FAST_SKIP := \
 	tests/models/test_family_gemma2.py tests/models/test_family_gemma3.py tests/models/test_family_llama.py \
 	tests/models/test_family_mixtral.py tests/models/test_family_phi3.py tests/models/test_family_qwen3.py \
 	tests/models/test_family_qwen3_moe.py tests/models/test_family_gemma3_vlm.py tests/models/test_family_gpt_oss.py \
-	tests/models/test_family_gemma4.py \
+	tests/models/test_family_gemma4.py tests/models/test_family_deepseek_v3.py tests/models/test_family_glm4_moe.py \
+	tests/engine/test_images_smolvlm.py \
 	tests/models/test_cpu_kernels.py tests/models/test_pallas_attention.py \
 	tests/models/test_ragged_attention.py tests/models/test_gpu_attention.py \
 	tests/models/test_bf16.py tests/models/test_dummy_weights.py
