@@ -72,7 +72,7 @@ def write_kv(k_cache, v_cache, k, v, blocks, offsets):
 
 def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
                     chunk_blocks: int = ATTENTION_CHUNK_BLOCKS, *, valid=None, window: int | None = None,
-                    softcap: float | None = None, sinks=None, limits=None):
+                    softcap: float | None = None, sinks=None, limits=None, chunk: int | None = None):
     """Causal attention of new queries over each row's blocks (already holding the new K/V).
 
     Flash-decoding style: a `fori_loop` walks the block tables `chunk_blocks` blocks at a
@@ -88,6 +88,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
     With `sinks` (gpt-oss), each query head's learned logit joins the softmax's denominator
     as a key with no value: the online softmax starts from it (m = sink, l = 1) instead of
     from nothing, so a head can attend "nowhere" and its weights sum to less than 1.
+    With `chunk` (chunked local attention, Llama 4's `attention_chunk_size`), key s is
+    visible to a query at p iff s // chunk == p // chunk and s <= p: a query sees only keys
+    of its own chunk of positions. Each row starts its walk at the attention chunk holding
+    the start of its first query's position chunk, as a window does; the cache itself stays
+    full-length (the blocks before are kept and accounted).
 
     Args:
       q: [B, T, H, hd] rotated queries.
@@ -97,6 +102,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
       valid: bool[B, T] real tokens; needed with a window (padding must not pull a row's
         first chunk back to 0).
       window: sliding window in keys (the query's own included), or None.
+      chunk: the positions' chunk size of chunked local attention, or None.
       softcap: logit soft-cap, or None.
       sinks: f32[H] per-head sink logits, or None.
       limits: i32[B, T] the furthest key position each query sees (None: its own position).
@@ -117,7 +123,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
     chunk_keys = chunk_blocks * block_size
     qg = q.reshape(b, t, num_kv, groups, head_dim)
     limits = positions if limits is None else limits
-    if window is None:
+    if chunk is not None and valid is None:
+        raise ValueError("paged_attention with a chunk needs valid (which query tokens are real)")
+    per_row = window is not None or chunk is not None  # rows start their walks at their own chunk
+    if chunk is not None:
+        first_chunk, num_chunks = _local_chunks(positions, limits, valid, chunk, chunk_keys)
+    elif window is None:
         first_chunk = jnp.zeros((b,), jnp.int32)
         num_chunks = jnp.max(limits) // chunk_keys + 1
     else:
@@ -126,7 +137,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
     def chunk_blocks_of(i):
         """i32[B, chunk_blocks] block ids of each row's i-th chunk in its walk, and the
         position of that chunk's first key per row."""
-        if window is None:  # every row starts at chunk 0: one slice for the whole batch
+        if not per_row:  # every row starts at chunk 0: one slice for the whole batch
             blocks = jax.lax.dynamic_slice_in_dim(block_tables, i * chunk_blocks, chunk_blocks, axis=1)
             return blocks, jnp.full((b,), i * chunk_keys, jnp.int32)
         chunk = first_chunk + i  # [B]
@@ -148,10 +159,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
         visible = key_pos[:, None, None, None, :] <= limits[:, None, None, :, None]
         if window is not None:
             visible &= key_pos[:, None, None, None, :] > positions[:, None, None, :, None] - window
+        if chunk is not None:  # only the keys of the query's own chunk of positions
+            visible &= key_pos[:, None, None, None, :] >= (positions // chunk * chunk)[:, None, None, :, None]
         s = jnp.where(visible, s, _MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])
-        if window is not None:
+        if per_row:
             # A query may see nothing in its row's first chunks (its window starts later):
             # exp(_MASKED - _MASKED) = 1 there, so zero them explicitly.
             p = jnp.where(visible, p, 0.0)
@@ -181,6 +194,16 @@ def _window_chunks(positions, limits, valid, window: int, chunk_keys: int):
     first = jnp.where(real, jnp.maximum(lo - window + 1, 0) // chunk_keys, 0).astype(jnp.int32)
     last = hi // chunk_keys
     return first, jnp.max(last - first) + 1
+
+
+def _local_chunks(positions, limits, valid, chunk: int, chunk_keys: int):
+    """As `_window_chunks` for chunked local attention: a row's first visible key is the
+    start of its first query's chunk of positions."""
+    real = valid.any(axis=1)
+    lo = jnp.min(jnp.where(valid, positions, jnp.iinfo(jnp.int32).max), axis=1)
+    hi = jnp.max(jnp.where(valid, limits, 0), axis=1)
+    first = jnp.where(real, lo // chunk * chunk // chunk_keys, 0).astype(jnp.int32)
+    return first, jnp.max(hi // chunk_keys - first) + 1
 
 
 def dense_causal_attention(q, k, v, scale: float, window: int | None = None, softcap: float | None = None,
