@@ -32,10 +32,12 @@ class ExpertStack:
     `transpose`: it is `[E, out, in]` (llama.cpp), each expert transposed to our `[in, out]`;
     else it is already ours (`[E, in, out]`, or a bias `[E, n]`). With several `names` its
     last axis interleaves them: column j belongs to names[j % len(names)] (gpt-oss's
-    gate_up_proj: even columns gate, odd columns up)."""
+    gate_up_proj: even columns gate, odd columns up); with `halves`, it concatenates them
+    instead, each an equal run of columns in order (Llama 4's gate_up_proj: gate then up)."""
 
     names: tuple[str, ...]
     transpose: bool = False
+    halves: bool = False
 
 
 WeightTable = Mapping[str, "str | tuple[str, ...] | ExpertStack"]

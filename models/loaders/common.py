@@ -237,13 +237,16 @@ def stack_experts(experts: dict, num_experts: int | None) -> dict[str, Lazy]:
 
 def _expert_stack(load: Lazy, stack: ExpertStack, index: int) -> Lazy:
     """Our `stack.names[index]` from an all-experts tensor (`ExpertStack`): every
-    len(names)-th column of its last axis from `index` on, each expert transposed when the
-    tensor is [E, out, in]."""
+    len(names)-th column of its last axis from `index` on (or, with `halves`, the index-th
+    of len(names) equal runs of columns), each expert transposed when the tensor is [E, out, in]."""
     def read():
         arr = np.asarray(load())
         if stack.transpose:
             arr = arr.swapaxes(-1, -2)
         step = len(stack.names)
+        if stack.halves:
+            width = arr.shape[-1] // step
+            return np.ascontiguousarray(arr[..., index * width:(index + 1) * width])
         return np.ascontiguousarray(arr[..., index::step]) if step > 1 else arr
     return read
 

@@ -21,6 +21,16 @@ What the converter does, per architecture (and what the loader must undo):
   split likewise into `ffn_*_exps.bias`, sinks as `attn_sinks.weight`, the second norm as
   `post_attention_norm.weight`, the router (and its bias) as `ffn_gate_inp`; metadata
   adds the sliding window, `expert_feed_forward_length` and YaRN's `rope.scaling.*`.
+- llama4 (`conversion/llama.py:Llama4Model`): q/k rows unpermuted (llama.cpp's rotation of
+  adjacent pairs is HF's own), `feed_forward_length` the dense MLP's width
+  (intermediate_size_mlp), `expert_feed_forward_length` the experts' (intermediate_size),
+  `interleave_moe_layer_step`; the fused `gate_up_proj` [E, D, 2F] transposed and cut in
+  halves into `ffn_gate_exps` / `ffn_up_exps`, `down_proj` [E, F, D] transposed to
+  `ffn_down_exps`, the shared expert as `ffn_*_shexp`, the router as `ffn_gate_inp`. The
+  converter writes no chunk size or temperature constants (llama.cpp fixes them at
+  8192 / 8192 / 0.1); for a tiny model with other values we add them as
+  `attention.sliding_window` / `attention.temperature_length` / `attention.temperature_scale`
+  (models/llama4.py reads them), so its file computes what its HF checkpoint does.
 The tokenizer is the checkpoint's byte-level BPE as `gpt2` tokens and merges.
 """
 
@@ -65,6 +75,13 @@ GPT_OSS_TO_GGUF = {
     "self_attn.sinks": "attn_sinks.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
     "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
 }
+LLAMA4_TO_GGUF = {  # Llama 4's feed_forward.* names (its experts: _llama4_experts)
+    "feed_forward.gate_proj.weight": "ffn_gate.weight", "feed_forward.up_proj.weight": "ffn_up.weight",
+    "feed_forward.down_proj.weight": "ffn_down.weight", "feed_forward.router.weight": "ffn_gate_inp.weight",
+    "feed_forward.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "feed_forward.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "feed_forward.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+}
 GEMMA_TO_GGUF = {  # where Gemma's sandwich norms differ
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
@@ -84,7 +101,7 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: Callable[[str, np.ndar
     w.add_block_count(n_layers)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_feed_forward_length(cfg["intermediate_size_mlp"] if arch == "llama4" else cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_key_length(head_dim)
@@ -94,8 +111,10 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: Callable[[str, np.ndar
     if num_experts:
         w.add_expert_count(num_experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
-        if cfg.get("moe_intermediate_size") or arch == "gpt-oss":
+        if cfg.get("moe_intermediate_size") or arch in ("gpt-oss", "llama4"):
             w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    if arch == "llama4":
+        _llama4_metadata(w, cfg)
     if arch == "gpt-oss":
         w.add_sliding_window(cfg["sliding_window"])
         rope = cfg.get("rope_parameters") or {}
@@ -152,7 +171,7 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: Callable[[str, np.ndar
     if "lm_head.weight" in tensors and not cfg.get("tie_word_embeddings"):
         add("output.weight", tensors["lm_head.weight"])
     table = {**HF_TO_GGUF, **ROUTER_TO_GGUF, **(GEMMA_TO_GGUF if is_gemma else {}),
-             **(GPT_OSS_TO_GGUF if arch == "gpt-oss" else {})}
+             **(GPT_OSS_TO_GGUF if arch == "gpt-oss" else {}), **(LLAMA4_TO_GGUF if arch == "llama4" else {})}
     for i in range(n_layers):
         prefix = f"model.layers.{i}."
         stacks: dict[str, dict[int, np.ndarray]] = {}
@@ -160,6 +179,10 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: Callable[[str, np.ndar
             if not name.startswith(prefix):
                 continue
             suffix = name[len(prefix):]
+            if suffix.startswith("feed_forward.experts.") and arch == "llama4":
+                for gguf_suffix, part in _llama4_experts(suffix, arr):
+                    add(f"blk.{i}.{gguf_suffix}", part)
+                continue
             if suffix.startswith("mlp.experts.") and arch == "gpt-oss":
                 for gguf_suffix, part in _gpt_oss_experts(suffix, arr):
                     add(f"blk.{i}.{gguf_suffix}", part)
@@ -191,6 +214,30 @@ def _gpt_oss_experts(suffix: str, arr: np.ndarray) -> list[tuple[str, np.ndarray
         return [("ffn_down_exps.weight", arr.swapaxes(-1, -2))]
     assert suffix == "mlp.experts.down_proj_bias", suffix
     return [("ffn_down_exps.bias", arr)]
+
+
+def _llama4_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """Llama 4's keys: the MoE step, and (not the converter's: module docstring) the chunk size
+    and temperature constants where they differ from the ones llama.cpp fixes."""
+    w.add_interleave_moe_layer_step(cfg["interleave_moe_layer_step"])
+    if all(t == "full_attention" for t in cfg.get("layer_types") or ()):
+        w.add_sliding_window(0)
+    elif cfg["attention_chunk_size"] != 8192:
+        w.add_sliding_window(cfg["attention_chunk_size"])
+    if cfg["floor_scale"] != 8192:
+        w.add_uint32("llama4.attention.temperature_length", int(cfg["floor_scale"]))
+    if cfg["attn_scale"] != 0.1:
+        w.add_float32("llama4.attention.temperature_scale", float(cfg["attn_scale"]))
+
+
+def _llama4_experts(suffix: str, arr: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """Llama 4's stacked expert tensors as llama.cpp's converter transposes and splits them."""
+    rows = arr.swapaxes(-1, -2)  # [E, D, 2F] -> [E, 2F, D]; [E, F, D] -> [E, D, F]
+    if suffix == "feed_forward.experts.gate_up_proj":  # gate rows first, then up
+        half = rows.shape[1] // 2
+        return [("ffn_gate_exps.weight", rows[:, :half]), ("ffn_up_exps.weight", rows[:, half:])]
+    assert suffix == "feed_forward.experts.down_proj", suffix
+    return [("ffn_down_exps.weight", rows)]
 
 
 def _expert_suffix(suffix: str) -> tuple[str, int] | None:
