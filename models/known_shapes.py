@@ -121,6 +121,33 @@ SHAPES: dict[str, dict] = {
         "rope_theta": 1000000, "tie_word_embeddings": False, "eos_token_id": [151329, 151336, 151338],
         "hidden_act": "silu", "num_nextn_predict_layers": 1,
     },
+    # The text decoders of meta-llama/Llama-4-Scout-17B-16E and -Maverick-17B-128E (their
+    # configs' text_config), as text-only checkpoints: chunked attention (8192) on three of
+    # every four layers, NoPE full attention on the fourth; Scout 16 experts on every layer
+    # with the q/k norm and llama3 RoPE 16x, Maverick 128 experts on every second layer
+    # (the others a dense MLP of intermediate_size_mlp), no q/k norm, no RoPE scaling.
+    "llama-4-scout": {
+        "architectures": ["Llama4ForCausalLM"], "vocab_size": 202048, "hidden_size": 5120,
+        "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_hidden_layers": 48,
+        "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 16,
+        "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "use_qk_norm": True, "no_rope_layer_interval": 4,
+        "attention_chunk_size": 8192, "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+        "max_position_embeddings": 10485760, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": False, "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008],
+        "hidden_act": "silu",
+    },
+    "llama-4-maverick": {
+        "architectures": ["Llama4ForCausalLM"], "vocab_size": 202048, "hidden_size": 5120,
+        "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_hidden_layers": 48,
+        "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 128,
+        "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "use_qk_norm": False, "no_rope_layer_interval": 4,
+        "attention_chunk_size": 8192, "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+        "max_position_embeddings": 1048576, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": None,
+        "tie_word_embeddings": False, "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008],
+        "hidden_act": "silu",
+    },
     # The device check's --small shape: every code path of the 8B, in seconds on a CPU.
     "tiny": {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,

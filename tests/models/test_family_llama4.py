@@ -238,3 +238,21 @@ def test_paged_chunked_attention_equals_dense_mask(chunk):
             want = dense(q[row], positions[row], tables[row], chunk)
             assert np.abs(got[row] - want).max() < 1e-5
             assert np.abs(got[row] - dense(q[row], positions[row], tables[row], chunk + 1)).max() > 1e-2
+
+
+def test_published_shapes_parse():
+    """models/known_shapes.py's Scout and Maverick text decoders: NoPE every fourth layer,
+    chunks of 8192, Scout's 16 experts everywhere with the q/k norm, Maverick's 128 on odd
+    layers without it; both cache 8 KV heads of 128 per layer (the chunked layers' cache stays
+    full-length: 196,608 bytes a token in bfloat16)."""
+    from models.known_shapes import SHAPES
+    from models.registry import config_from_hf
+
+    scout, maverick = config_from_hf(SHAPES["llama-4-scout"]), config_from_hf(SHAPES["llama-4-maverick"])
+    for cfg in (scout, maverick):
+        assert cfg.rope_layers == (True, True, True, False) * 12 and cfg.attention_chunk == 8192
+        assert (cfg.intermediate_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok) == (16384, 8192, 1)
+        assert cfg.kv_bytes_per_token(2) == 48 * 8 * 256 * 2
+    assert scout.num_experts == 16 and scout.dense_layers == () and scout.qk_norm
+    assert scout.rope_scaling.rope_type == "llama3" and scout.rope_scaling.factor == 16
+    assert maverick.num_experts == 128 and maverick.dense_layers == tuple(range(0, 48, 2)) and not maverick.qk_norm
