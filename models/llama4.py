@@ -22,6 +22,10 @@ them). We de-interleave each head of q and k (evens then odds) before the rotate
 so the scores are unchanged; the weightless norm does not see the order either. Values are
 never permuted. NoPE layers keep HF's order.
 
+A `Llama4ForConditionalGeneration` checkpoint (the Hub's Scout and Maverick) is served as
+its text model: its `text_config`, its `language_model.*` tensors; the vision model's are
+left unread (images are not supported for Llama 4).
+
 Chunked layers attend in pure JAX (`models/attention.py:paged_attention` with `chunk`),
 walking from the attention chunk that holds their first query's position chunk; their
 cache stays full-length (the blocks before the chunk are kept and accounted, nothing is
@@ -206,8 +210,7 @@ class Llama4Model(CausalLM):
 
 def config_from_hf(cfg: dict[str, Any]) -> Llama4Config:
     if cfg.get("text_config") is not None:
-        raise UnsupportedModelError("Llama4ForConditionalGeneration: the vision-language checkpoint is not supported; "
-                                    "serve its text model (Llama4ForCausalLM)")
+        return config_from_hf(_text_config(cfg))
     if cfg.get("attention_bias"):
         raise UnsupportedModelError("Llama 4 with attention_bias=true is not supported")
     fields = hf_common_fields(cfg)
@@ -237,6 +240,17 @@ def config_from_hf(cfg: dict[str, Any]) -> Llama4Config:
                         qk_norm=bool(cfg.get("use_qk_norm", True)),
                         temperature_tuning=bool(cfg.get("attn_temperature_tuning", True)),
                         floor_scale=float(cfg.get("floor_scale", 8192)), attn_scale=float(cfg.get("attn_scale", 0.1)))
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A `Llama4ForConditionalGeneration` config's text model, under the wrapper's architecture
+    (the loader then reads the language model's tensors and leaves the vision model's)."""
+    text = dict(cfg["text_config"])
+    text["architectures"] = [(cfg.get("architectures") or ["Llama4ForConditionalGeneration"])[0]]
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"):
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    return text
 
 
 def config_from_gguf(meta, fields: dict) -> Llama4Config:
@@ -295,7 +309,7 @@ GGUF_LAYER_WEIGHTS = {
 FAMILY = Family(
     name="llama4",
     model=Llama4Model,
-    architectures=("Llama4ForCausalLM",),
+    architectures=("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
     config_from_hf=config_from_hf,
     hf_layer_weights=HF_LAYER_WEIGHTS,
     gguf_architectures={"llama4": "Llama4ForCausalLM"},

@@ -38,6 +38,7 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.")
 _VISION_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.",
                     "model.multi_modal_projector.", "model.vision_model.", "model.connector.",
+                    "vision_model.",  # Llama 4's (served as a text model)
                     # Gemma 4's towers and their embedders (served as a text model)
                     "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 # Buffers some checkpoints carry that are not parameters.

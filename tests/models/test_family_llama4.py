@@ -256,3 +256,33 @@ def test_published_shapes_parse():
     assert scout.num_experts == 16 and scout.dense_layers == () and scout.qk_norm
     assert scout.rope_scaling.rope_type == "llama3" and scout.rope_scaling.factor == 16
     assert maverick.num_experts == 128 and maverick.dense_layers == tuple(range(0, 48, 2)) and not maverick.qk_norm
+
+
+def test_multimodal_checkpoint_serves_its_text_model(llama4, tmp_path):
+    """A Llama4ForConditionalGeneration folder (as the Hub's Scout and Maverick, saved by
+    transformers 5.25: `language_model.*` and `vision_model.*` tensors) loads as its text
+    model, the vision model's tensors left unread: with the text weights of the checkpoint
+    above, the prompt logits equal the wrapper's own."""
+    import shutil
+
+    import torch
+
+    from models.loader import load_checkpoint
+
+    path, text_hf, report = llama4
+    vision = transformers.Llama4VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=64, vision_output_dim=32, image_size=28,
+                                             patch_size=14, projector_input_dim=32, projector_output_dim=32)
+    text = llama4_config(vocab_size=report.config.vocab_size)
+    torch.manual_seed(1)
+    hf = transformers.Llama4ForConditionalGeneration(
+        transformers.Llama4Config(text_config=text.to_dict(), vision_config=vision.to_dict())).eval()
+    hf.language_model.load_state_dict(text_hf.state_dict())  # the parity-checked text weights
+    hf.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(path / name, tmp_path / name)
+    ckpt = load_checkpoint(str(tmp_path))
+    assert ckpt.config.architecture == "Llama4ForConditionalGeneration" and ckpt.config.rope_layers[3] is False
+    err = _prompt_err(ckpt.model, hf, report.prompt[:24])
+    print(f"llama4 ForConditionalGeneration text: max |Δlogit| vs HF {err:.2e}")
+    assert err < fc.ATOL
