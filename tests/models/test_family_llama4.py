@@ -35,15 +35,18 @@ def llama4(tmp_path_factory):
     return path, hf, fc.check_family(path, hf)
 
 
-def _prompt_err(model, hf, prompt) -> float:
-    """max |ours - HF| over the prompt's logits, one prefill through a fresh runner."""
+def _prompt_err(model, hf, prompt, decode: int = 0) -> float:
+    """max |ours - HF| over the prompt's logits through a fresh runner: one prefill of all but
+    the last `decode` tokens, then those as one-token decode rows."""
     from ferrox_jax.runner import ModelRunner
     from tests.support.engine_helpers import shuffled_blocks
 
     runner = ModelRunner(model, num_blocks=16, block_size=fc.BLOCK_SIZE, max_rows=1, max_chunk_tokens=32,
                          max_context=64)
-    ours = runner.run_logits([fc._row(prompt, 0, shuffled_blocks(len(prompt) // fc.BLOCK_SIZE + 1, 16, seed=5))])[0]
-    return float(np.abs(ours - fc.hf_logits(hf, prompt)).max())
+    blocks, n = shuffled_blocks(len(prompt) // fc.BLOCK_SIZE + 1, 16, seed=5), len(prompt) - decode
+    ours = [runner.run_logits([fc._row(prompt[:n], 0, blocks)])[0]]
+    ours += [runner.run_logits([fc._row(prompt[i:i + 1], i, blocks)])[0] for i in range(n, len(prompt))]
+    return float(np.abs(np.concatenate(ours) - fc.hf_logits(hf, prompt)).max())
 
 
 def test_config_reads_every_layer_kind(llama4):
@@ -51,7 +54,8 @@ def test_config_reads_every_layer_kind(llama4):
     assert cfg.rope_layers == (True, True, True, False)
     assert [cfg.chunk(i) for i in range(4)] == [CHUNK, CHUNK, CHUNK, None]
     assert cfg.dense_layers == (0, 2) and [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
-    assert (cfg.intermediate_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok) == (96, 32, 4, 1)
+    assert (cfg.intermediate_size, cfg.moe_intermediate_size) == (96, 32)
+    assert (cfg.num_experts, cfg.num_experts_per_tok) == (4, 1)
     assert cfg.qk_norm and cfg.temperature_tuning and (cfg.floor_scale, cfg.attn_scale) == (8.0, 0.5)
 
 
@@ -285,4 +289,35 @@ def test_multimodal_checkpoint_serves_its_text_model(llama4, tmp_path):
     assert ckpt.config.architecture == "Llama4ForConditionalGeneration" and ckpt.config.rope_layers[3] is False
     err = _prompt_err(ckpt.model, hf, report.prompt[:24])
     print(f"llama4 ForConditionalGeneration text: max |Δlogit| vs HF {err:.2e}")
+    assert err < fc.ATOL
+
+
+def test_ragged_kernel_serves_the_nope_layer(llama4):
+    """The ragged GPU kernel (Pallas interpret mode on the CPU), as TPUs and CUDA GPUs run: the
+    NoPE layer through it, the chunked layers in pure JAX; a prefill past a chunk boundary and
+    two decode rows equal HF's."""
+    from models.loaders.common import build_model
+    from models.loaders.safetensors import read_config, read_tensors
+    from models.ragged_gpu import GpuRaggedAttention
+
+    path, hf, report = llama4
+    cfg = read_config(path)
+    model = build_model(cfg, read_tensors(path, cfg), decode_attention=GpuRaggedAttention(interpret=True))
+    err = _prompt_err(model, hf, report.prompt[:20], decode=2)
+    print(f"llama4 ragged kernel: max |Δlogit| vs HF {err:.2e}")
+    assert err < fc.ATOL
+
+
+def test_top2_routing_matches_transformers(tmp_path):
+    """Two experts a token (HF's sigmoid of each chosen logit scaling that expert's input; the
+    released models choose one): one top-1 pass of the tiles per choice, summed."""
+    from models.loader import load_checkpoint
+
+    path = fc.make_checkpoint(tmp_path / "tiny-llama4-top2", llama4_config(num_experts_per_tok=2), seed=3)
+    hf = fc.hf_model(path)
+    ckpt = load_checkpoint(str(path))
+    assert ckpt.config.num_experts_per_tok == 2
+    prompt = np.random.RandomState(4).randint(0, ckpt.config.vocab_size, 24).tolist()
+    err = _prompt_err(ckpt.model, hf, prompt)
+    print(f"llama4 top-2: max |Δlogit| vs HF {err:.2e}")
     assert err < fc.ATOL
