@@ -4,7 +4,7 @@ A GGUF file carries everything: the config as `{arch}.*` metadata keys, the toke
 `tokenizer.*` keys (rebuilt by `models.tokenizer.Tokenizer.from_gguf`), and the tensors,
 possibly block-quantized. `general.architecture` (and whether the file has experts) picks the family
 (`models/registry.py`: llama, qwen2, qwen3, gemma2, gemma3, phi3; with experts llama
-(Mixtral) and qwen3moe); the keys every family shares are read here,
+(Mixtral), qwen3moe, gpt-oss and llama4); the keys every family shares are read here,
 the family's own ones by its `config_from_gguf`, both through one `GGUFMetadata`
 (`models/gguf_metadata.py`, which the tokenizer reads too), and its per-layer tensor
 names come from its `GGUF_LAYER_WEIGHTS` table. We dequantize each tensor to f32 with
@@ -38,6 +38,9 @@ Format quirks handled here:
   gpt-oss files (`gpt-oss`) add biases to the stacks (`ffn_*_exps.bias`, [E, n]), the
   router bias and per-head `attn_sinks`; their experts are usually MXFP4, read the same way.
 - YaRN RoPE comes from `rope.scaling.*` (factor, original context, betas).
+- Llama 4 files (`llama4`) keep HF's q/k rows (llama.cpp rotates adjacent pairs as HF does),
+  add the shared expert as `ffn_*_shexp` and leave the chunk size and temperature constants
+  to the reader (`models/llama4.py` says which it assumes).
 - The file is read through a memory map; once the weights are placed (copies) its pages
   are given back (`release_pages`), so they do not count in the server's resident set.
 """
