@@ -321,3 +321,33 @@ def test_top2_routing_matches_transformers(tmp_path):
     err = _prompt_err(ckpt.model, hf, prompt)
     print(f"llama4 top-2: max |Δlogit| vs HF {err:.2e}")
     assert err < fc.ATOL
+
+
+@pytest.mark.parametrize("keys, want", [
+    # as llama.cpp's converter writes Scout / Maverick: llama.cpp's own constants
+    ({"llama4.expert_count": 16}, dict(attention_chunk=8192, floor_scale=8192.0, attn_scale=0.1, qk_norm=True)),
+    ({"llama4.expert_count": 128, "llama4.interleave_moe_layer_step": 2},
+     dict(attention_chunk=8192, qk_norm=False, dense_layers=(0, 2, 4, 6))),
+    # sliding_window 0: the converter's mark for every layer full (and so RoPE on every layer)
+    ({"llama4.expert_count": 16, "llama4.attention.sliding_window": 0},
+     dict(attention_chunk=None, rope_layers=(True,) * 8)),
+])
+def test_gguf_metadata_reads_as_llama_cpp_does(keys, want):
+    from models.llama4 import config_from_gguf
+
+    class Meta:
+        arch = "llama4"
+        values = {"llama4.expert_used_count": 1, "llama4.expert_feed_forward_length": 32, **keys}
+
+        def get(self, key, default=None):
+            return self.values.get(key, default)
+
+        def require(self, key):
+            return self.values[key]
+
+    fields = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_layers=8, num_heads=4, num_kv_heads=2,
+                  head_dim=16, max_position_embeddings=512, architecture="Llama4ForCausalLM")
+    cfg = config_from_gguf(Meta(), fields)
+    assert {k: getattr(cfg, k) for k in want} == want
+    if cfg.attention_chunk:
+        assert cfg.rope_layers == (True, True, True, False) * 2
