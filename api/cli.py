@@ -128,6 +128,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_stop_strings=args.max_stop_strings,
             max_stop_chars=args.max_stop_chars, max_prompt_tokens=args.max_prompt_tokens,
             max_images=args.max_images, max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+            allowed_media_domains=tuple(args.allowed_media_domains),
             max_output_tokens=args.max_output_tokens, max_logprobs=args.max_logprobs,
             max_reply_entries=args.max_reply_entries,
             max_concurrent_requests=args.max_concurrent_requests, max_header_bytes=args.max_header_bytes,

@@ -37,6 +37,10 @@ class ServerConfig:
     max_images: int = 8  # images per request
     max_image_bytes: int = 20 * MIB  # one image file
     max_image_pixels: int = 40_000_000  # one image's width x height (checked from its header)
+    # Hosts, .domains, addresses and networks image URLs may be fetched from (api/image_fetch.py);
+    # empty: image URLs are refused, only inline images are taken.
+    allowed_media_domains: tuple[str, ...] = ()
+    media_fetch_timeout_s: float = 10.0  # one image URL's whole fetch, redirects included (400 above)
     max_prompt_tokens: int = 0  # tokens per prompt; 0 = the context ceiling (400 above)
     max_output_tokens: int = 0  # max_tokens a request may ask; 0 = the room left in the context
     max_logprobs: int = MAX_LOGPROBS  # logprobs (completions) / top_logprobs (chat)
@@ -102,7 +106,8 @@ class ServerConfig:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"ServerConfig.max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine's limit); "
                              f"got {self.max_logprobs}")
-        for name in ("request_timeout_s", "keep_alive_timeout_s", "resumable_ttl_s", "session_ttl_s"):
+        for name in ("request_timeout_s", "keep_alive_timeout_s", "resumable_ttl_s", "session_ttl_s",
+                     "media_fetch_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerConfig.{name} must be > 0; got {getattr(self, name)}")
         if self.sse_keepalive_s <= 0:
@@ -124,6 +129,9 @@ class ServerConfig:
                 raise ValueError("ServerConfig.allowed_hosts must be host names without scheme or port, "
                                  "'.example.com' for a domain and its subdomains, or '*' (IP addresses need "
                                  f"no entry); got {name!r}")
+        from api.image_fetch import check_entries
+
+        check_entries(self.allowed_media_domains)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("ServerConfig.tls_cert and tls_key must be given together")
         if self.session_max_bytes > self.session_max_total_bytes:

@@ -8,9 +8,16 @@ template's message content (what the vision-language templates expect) and one f
     Responses        {"type": "input_image", "image_url": "data:image/png;base64,..."}
     Anthropic        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "..."}}
 
-Only inline images (data: URLs, base64) are taken: fetching an `http(s)` URL from the server is not
-done (a request must not make the server reach other hosts), so such a part is a 400 that says to
-send the bytes inline. A part's bytes are checked and decoded in the CPU pool
+    OpenAI chat / Responses with an `http(s)` URL instead of a data: URL, Anthropic
+                     {"type": "image", "source": {"type": "url", "url": "https://..."}}
+
+Inline images (data: URLs, base64) are always taken. An `http(s)` URL is fetched only from the hosts
+the operator lists in `--allowed-media-domains` (none by default: a request must not make the server
+reach other hosts unasked), under the rules `api/image_fetch.py` sets out (resolve and check every
+address, no redirects to another host, the byte limit while streaming, one time limit, a bounded
+number of fetches at once, off the loop's critical path); a URL that may not be fetched is a 400 naming
+the setting. `part_bytes` only reads the part: a URL becomes a `RemoteImage`, fetched by `prepare`
+(all of one request's at once) after the image count was checked. A part's bytes are checked and decoded in the CPU pool
 (`models/image_input.py`: limits from the header first, so a decompression bomb costs nothing),
 resized and normalised as the model's HF image processor does, and named by the sha256 of the
 pixels (the encoder cache's and the prefix cache's key). Every refusal is a 400 naming the part
@@ -26,11 +33,13 @@ tile's) run of tokens, so `Job.images` says where every embedding goes.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from api import image_fetch
 from api.errors import APIError
 from api.offload import run_cpu
 from ferrox_jax.engine import ImageError, ImageLimits
@@ -44,19 +53,27 @@ IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 _DATA_URL = re.compile(r"^data:(image/[\w.+-]+)?(;[\w-]+=[\w.-]+)*;base64,", re.IGNORECASE)
 
 
+class RemoteImage(NamedTuple):
+    """An image part naming an http(s) URL: `prepare` fetches it (api/image_fetch.py)."""
+
+    url: str
+    param: str
+
+
 def is_image_part(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
 
 
-def part_bytes(part: dict, param: str) -> bytes:
-    """The file bytes of one image part of any wire (module docstring). Raises APIError 400."""
+def part_bytes(part: dict, param: str) -> bytes | RemoteImage:
+    """The file bytes of one image part of any wire, or the URL to fetch them from (module docstring).
+    Raises APIError 400."""
     kind = part.get("type")
     if kind == "image":  # Anthropic
         source = part.get("source")
+        if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str) \
+                and image_fetch.is_remote(source["url"]):
+            return RemoteImage(source["url"], param)
         if not isinstance(source, dict) or source.get("type") != "base64" or not isinstance(source.get("data"), str):
-            if isinstance(source, dict) and source.get("type") == "url":
-                raise APIError(400, "image URLs are not fetched by this server; send the image inline as "
-                                    '{"type": "base64", "media_type": ..., "data": ...}', param=param)
             raise APIError(400, 'an image block needs "source": {"type": "base64", "media_type": ..., "data": ...}',
                            param=param)
         return _base64(source["data"], param)
@@ -67,10 +84,9 @@ def part_bytes(part: dict, param: str) -> bytes:
         raise APIError(400, f'an {kind} part needs an image URL (a "data:image/...;base64," URL)', param=param)
     match = _DATA_URL.match(url)
     if match is None:
-        if url.startswith(("http://", "https://")):
-            raise APIError(400, "image URLs are not fetched by this server; send the image inline as a "
-                                '"data:image/png;base64,..." URL', param=param)
-        raise APIError(400, 'an image URL must be a "data:image/...;base64," URL', param=param)
+        if image_fetch.is_remote(url):
+            return RemoteImage(url, param)
+        raise APIError(400, 'an image URL must be a "data:image/...;base64," URL or an http(s) URL', param=param)
     return _base64(url[match.end():], param)
 
 
@@ -91,16 +107,34 @@ def check_count(engine: Engine, count: int, config: ServerConfig, param: str) ->
                        param=param)
 
 
-async def prepare(engine: Engine, blobs: list[bytes], config: ServerConfig, param: str) -> list[Any]:
+async def prepare(engine: Engine, blobs: list[bytes | RemoteImage], config: ServerConfig, param: str) -> list[Any]:
     """Each image's picture (`Engine.prepare_images`: pixels or tiles, sha256 digest), decoded and
-    resized in the CPU pool."""
+    resized in the CPU pool; the URLs among `blobs` fetched first, concurrently (api/image_fetch.py)."""
     if not blobs:
         return []
+    if any(isinstance(b, RemoteImage) for b in blobs):
+        blobs = await fetch_all(blobs, config)
     limits = ImageLimits(max_bytes=config.max_image_bytes, max_pixels=config.max_image_pixels)
     try:
         return await run_cpu(engine.prepare_images, blobs, limits)
     except ImageError as e:
         raise APIError(400, str(e), param=param, code="invalid_image") from None
+
+
+async def fetch_all(blobs: list[bytes | RemoteImage], config: ServerConfig) -> list[bytes]:
+    """The bytes of every image, each URL fetched (concurrently: one request's URLs share its wait).
+    The first refusal is the request's 400; the other fetches are cancelled with it."""
+    rules = image_fetch.Rules(config.allowed_media_domains, config.max_image_bytes, config.media_fetch_timeout_s)
+
+    async def one(blob: bytes | RemoteImage) -> bytes:
+        return await image_fetch.fetch(blob.url, rules, blob.param) if isinstance(blob, RemoteImage) else blob
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(b)) for b in blobs]
+    except ExceptionGroup as failed:  # the first refusal, as the route's own 400
+        raise failed.exceptions[0] from None
+    return [t.result() for t in tasks]
 
 
 def expand(text: str, engine: Engine, pictures: list[Any], param: str) -> str:

@@ -238,6 +238,10 @@ SETTINGS: tuple[Setting, ...] = (
             group="limits"),
     Setting("max_image_pixels", "FERROX_MAX_IMAGE_PIXELS", _positive_int, 40_000_000,
             "pixels (width x height) of one image, read from its header before decoding", group="limits"),
+    Setting("allowed_media_domains", "FERROX_ALLOWED_MEDIA_DOMAINS", _host_names, (),
+            "comma-separated hosts image URLs may be fetched from ('.example.com': a domain and its hosts; IP "
+            "addresses and networks such as 10.0.0.0/8 for internal hosts, which a name never reaches); default: "
+            "none, only inline images", group="limits"),
     Setting("max_prompt_tokens", "FERROX_MAX_PROMPT_TOKENS", _nonneg_int, 0,
             "tokens per prompt (0 = the context ceiling; 400 above)", group="limits"),
     Setting("max_output_tokens", "FERROX_MAX_OUTPUT_TOKENS", _nonneg_int, 0,
