@@ -57,6 +57,11 @@ class Family:
     config_from_gguf: Callable[[Any, dict], ModelConfig] | None = None
     gguf_layer_weights: WeightTable = dataclasses.field(default_factory=dict)
     gguf_non_parameters: tuple[str, ...] = ()  # GGUF tensors read as config, not weights
+    # GGUF global tensors beyond token_embd / output_norm / output: GGUF name -> (ours, transposed)
+    gguf_global_weights: Mapping[str, tuple[str, bool]] = dataclasses.field(default_factory=dict)
+    # Its config_from_gguf reads per-layer arrays (kv heads, feed-forward widths) and rope_freqs.weight
+    # itself: the loader's shared fields then hold the first layer's value instead of refusing them.
+    gguf_layer_arrays: bool = False
     gguf_norm_offset: float = 0.0  # GGUF stores norm weights as ours + this (llama.cpp's Gemma: 1)
     gguf_qk_permuted: tuple[str, ...] = ()  # GGUF archs whose q/k rows llama.cpp interleaved (llama)
     # Its GGUF architectures are the files with experts (`{arch}.expert_count` > 0): llama.cpp

@@ -51,8 +51,11 @@ Global: ple_embed [V', L*P], ple_model_proj [D, L*P], ple_proj_norm [P].
 
 Refused at load, by name: use_bidirectional_attention "all", attention_bias, another
 activation or rope type, per_layer_config keys other than head_dim / num_key_value_heads,
-full layers of different head sizes, every layer sharing KV. llama.cpp (the vendored
-sources) defines no Gemma 4 architecture, so there is no GGUF path.
+full layers of different head sizes, every layer sharing KV.
+
+GGUF: llama.cpp's `gemma4` architecture, with or without experts; models/gemma4_gguf.py reads
+its keys and names its tensors (`FAMILY` for dense files, `GGUF_MOE_FAMILY` for files with experts:
+the same model and tables).
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ from models.moe import moe_mlp
 from models.quant import embed_lookup
 from models.rope import apply_rope, cos_sin_of, proportional_inv_freq, rope_inv_freq
 from models.config import RopeScaling
+from models.gemma4_gguf import GGUF_GLOBAL_WEIGHTS, GGUF_LAYER_WEIGHTS, config_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,6 +369,10 @@ def _multimodal_config(cfg: dict[str, Any]) -> Gemma4Config:
     return config_from_hf(text)
 
 
+def config_from_gguf(meta, fields: dict) -> Gemma4Config:
+    return Gemma4Config(**config_fields(meta, fields))
+
+
 HF_LAYER_WEIGHTS = {
     **gemma2.HF_LAYER_WEIGHTS,
     "self_attn.q_norm.weight": "q_norm",
@@ -395,4 +403,11 @@ FAMILY = Family(
     config_from_hf=config_from_hf,
     hf_layer_weights=HF_LAYER_WEIGHTS,
     hf_global_weights=HF_GLOBAL_WEIGHTS,
+    gguf_architectures={"gemma4": "Gemma4ForCausalLM"},
+    config_from_gguf=config_from_gguf,
+    gguf_layer_weights=GGUF_LAYER_WEIGHTS,
+    gguf_global_weights=GGUF_GLOBAL_WEIGHTS,
+    gguf_layer_arrays=True,
 )
+# The same family for `gemma4` files with experts (the registry tells GGUF files apart by them).
+GGUF_MOE_FAMILY = dataclasses.replace(FAMILY, architectures=(), gguf_experts=True)

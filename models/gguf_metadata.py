@@ -53,6 +53,11 @@ class GGUFMetadata:
     def has_tensor(self, name: str) -> bool:
         return name in self._tensors
 
+    def tensor_shape(self, name: str) -> tuple[int, ...] | None:
+        """A tensor's shape in numpy order (ggml's dims reversed) without reading it; None when absent."""
+        found = self._tensors.get(name)
+        return None if found is None else tuple(int(d) for d in reversed(list(found.shape)))
+
     def tensor(self, name: str) -> Any:
         """A tensor dequantized to f32 (numpy order), or None when the file has none."""
         found = self._tensors.get(name)

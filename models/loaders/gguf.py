@@ -38,9 +38,8 @@ Format quirks handled here:
   gpt-oss files (`gpt-oss`) add biases to the stacks (`ffn_*_exps.bias`, [E, n]), the
   router bias and per-head `attn_sinks`; their experts are usually MXFP4, read the same way.
 - YaRN RoPE comes from `rope.scaling.*` (factor, original context, betas).
-- Llama 4 files (`llama4`) keep HF's q/k rows (llama.cpp rotates adjacent pairs as HF does),
-  add the shared expert as `ffn_*_shexp` and leave the chunk size and temperature constants
-  to the reader (`models/llama4.py` says which it assumes).
+- Llama 4 (`llama4`) keeps HF's q/k rows, adds `ffn_*_shexp` and leaves the chunk size and
+  temperature constants to the reader (`models/llama4.py`). Gemma 4 (`gemma4`): models/gemma4_gguf.py.
 - The file is read through a memory map; once the weights are placed (copies) its pages
   are given back (`release_pages`), so they do not count in the server's resident set.
 """
@@ -220,8 +219,10 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.bfloat16, progress=None) -> GGU
 # -- config ----------------------------------------------------------------------------
 
 
-def _scalar_per_model(value, key: str) -> int:
-    """Some GGUFs store per-layer arrays; we need one value for every layer."""
+def _scalar_per_model(value, key: str, first: bool = False) -> int:
+    """Some GGUFs store per-layer arrays; we need one value for every layer (`first`: the family reads them)."""
+    if isinstance(value, list) and first:
+        value = value[:1]
     if isinstance(value, list):
         if len(set(value)) != 1:
             raise UnsupportedModelError(f"per-layer {key} values {sorted(set(value))} are not supported")
@@ -238,7 +239,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     hidden = int(meta.require(f"{arch}.embedding_length"))
     num_heads = _scalar_per_model(meta.require(f"{arch}.attention.head_count"), "attention.head_count")
     num_kv_heads = _scalar_per_model(
-        meta.get(f"{arch}.attention.head_count_kv", num_heads), "attention.head_count_kv"
+        meta.get(f"{arch}.attention.head_count_kv", num_heads), "attention.head_count_kv", family.gguf_layer_arrays
     )
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
     value_dim = int(meta.get(f"{arch}.attention.value_length", head_dim))
@@ -255,7 +256,8 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     fields = dict(
         vocab_size=len(tokens_field.data),
         hidden_size=hidden,
-        intermediate_size=_scalar_per_model(meta.require(f"{arch}.feed_forward_length"), "feed_forward_length"),
+        intermediate_size=_scalar_per_model(meta.require(f"{arch}.feed_forward_length"), "feed_forward_length",
+                                            family.gguf_layer_arrays),
         num_layers=int(meta.require(f"{arch}.block_count")),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -263,7 +265,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
         rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=rope_theta,
-        rope_scaling=_rope_scaling(meta, rope_dim, rope_theta),
+        rope_scaling=RopeScaling() if family.gguf_layer_arrays else _rope_scaling(meta, rope_dim, rope_theta),
         rotary_dim=rope_dim if rope_dim < head_dim else None,
         tie_word_embeddings=not meta.has_tensor("output.weight"),
         architecture=family.gguf_architectures[arch],
@@ -400,9 +402,10 @@ def gguf_tensors(reader: GGUFReader, cfg: ModelConfig) -> dict[str, Callable[[],
     tensors: dict[str, Callable[[], np.ndarray]] = {}
     for t in params:
         load = lambda t=t: _read(t, cfg, unpermute_qk)  # noqa: E731
-        if t.name in GGUF_TO_OURS_GLOBAL:
-            name = GGUF_TO_OURS_GLOBAL[t.name]
-            tensors[name] = load if name == "embed" else (lambda load=load: _transpose_2d(load()))
+        if t.name in GGUF_TO_OURS_GLOBAL or t.name in family.gguf_global_weights:
+            name, transposed = family.gguf_global_weights.get(t.name) or (GGUF_TO_OURS_GLOBAL[t.name], None)
+            as_is = name == "embed" or transposed is False
+            tensors[name] = load if as_is else (lambda load=load: _transpose_2d(load()))
             continue
         m = _LAYER_NAME.match(t.name)
         mapped = map_layer_tensors(int(m.group(1)), m.group(2), load, family.gguf_layer_weights, expected, {}) \

@@ -263,12 +263,15 @@ def test_ragged_kernel_serves_every_layer_kind(gemma4):
     assert err < fc.ATOL
 
 
-def test_gguf_gemma4_is_refused_by_name():
-    """llama.cpp defines `gemma4` but this engine does not read it: refused naming it."""
+def test_gguf_gemma4_files_with_and_without_experts_are_this_family():
+    """llama.cpp's `gemma4` files are read (tests/models/test_gguf_gemma4.py), with or without
+    experts, as the same model with the same tables."""
+    from models.gemma4 import FAMILY
     from models.registry import family_for_gguf
 
-    with pytest.raises(UnsupportedModelError, match="'gemma4'"):
-        family_for_gguf("gemma4")
+    dense, moe = family_for_gguf("gemma4"), family_for_gguf("gemma4", experts=True)
+    assert dense is FAMILY and moe.model is FAMILY.model
+    assert moe.gguf_layer_weights is FAMILY.gguf_layer_weights and moe.config_from_gguf is FAMILY.config_from_gguf
 
 
 @pytest.mark.parametrize("full", [{"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},

@@ -360,3 +360,113 @@ def write_gemma3_mmproj(vlm_dir: Path, out: Path, f16: bool = True) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+GEMMA4_TO_GGUF = {  # HF suffix after model.layers.{i}. -> GGUF suffix, as `gguf.tensor_mapping` maps Gemma 4
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+    "router.proj.weight": "ffn_gate_inp.weight",
+    "router.scale": "ffn_gate_inp.scale",  # Gemma4Model.modify_tensors
+    "router.per_expert_scale": "ffn_down_exps.scale",  # likewise: a scale on each expert's output
+    "experts.gate_up_proj": "ffn_gate_up_exps.weight",  # [E, 2F, D]: gate rows, then up rows
+    "experts.down_proj": "ffn_down_exps.weight",
+    "layer_scalar": "layer_output_scale.weight",
+    "per_layer_input_gate.weight": "inp_gate.weight", "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight",
+}
+GEMMA4_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                  "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+                  "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+                  "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight"}
+
+
+def write_gemma4_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter], None] | None = None,
+                      rope_freqs: np.ndarray | None = None) -> Path:
+    """A `Gemma4ForCausalLM` folder as llama.cpp's converter writes it (`gemma4`,
+    `conversion/gemma.py:Gemma4Model` over Gemma3Model and TextModel): norms as they are (no 1 + w),
+    rows unpermuted; the full layers' head size as `key_length` and the sliding layers' as
+    `key_length_swa`; kv heads per layer when the full layers have their own; feed-forward widths
+    per layer with use_double_wide_mlp; `shared_kv_layers`, `embedding_length_per_layer_input`, the
+    window pattern as booleans; the full layers' proportional RoPE as `rope_freqs.weight` (ones for
+    the rotated frequency pairs, 1e30 for the rest) and `rope.dimension_count` = their head size;
+    the router's scale and the per-expert scale renamed as `Gemma4Model.modify_tensors` does. The
+    tokenizer is the checkpoint's byte-level BPE as `gpt2` (the converter writes Gemma 4's own
+    `gemma4` vocabulary). `tweak(writer)` runs after the metadata is written (a key written again
+    replaces it) and `rope_freqs` replaces the RoPE tensor: files the converter would not write, for
+    the loader's refusals and the tests' negative controls."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    w = gguf.GGUFWriter(str(out), "gemma4")
+    n = cfg["num_hidden_layers"]
+    types = cfg["layer_types"]
+    is_swa = [t == "sliding_attention" for t in types]
+    # The converter's reading: global_head_dim / num_global_key_value_heads, else the first full
+    # layer's entry in per_layer_config (what transformers saves).
+    full_layer = next(dict(v) for k, v in sorted((cfg.get("per_layer_config") or {}).items(), key=lambda kv: int(kv[0]))
+                      if types[int(k)] == "full_attention") if cfg.get("per_layer_config") else {}
+    swa_dim = cfg["head_dim"]
+    full_dim = cfg.get("global_head_dim") or full_layer.get("head_dim")
+    kv_full = cfg.get("num_global_key_value_heads") or full_layer.get("num_key_value_heads")
+    shared = cfg.get("num_kv_shared_layers") or 0
+    w.add_block_count(n)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    n_ff = cfg["intermediate_size"]
+    w.add_feed_forward_length([n_ff if i < n - shared else 2 * n_ff for i in range(n)]
+                              if cfg.get("use_double_wide_mlp") else n_ff)
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv([cfg["num_key_value_heads"] if s else kv_full for s in is_swa] if kv_full is not None
+                        else cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg["rope_parameters"]
+    full, local = rope["full_attention"], rope["sliding_attention"]
+    w.add_rope_freq_base(full["rope_theta"])
+    w.add_rope_freq_base_swa(local["rope_theta"])
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
+    w.add_sliding_window_pattern(is_swa)
+    w.add_key_length(full_dim)
+    w.add_value_length(full_dim)
+    w.add_key_length_swa(swa_dim)
+    w.add_value_length_swa(swa_dim)
+    if cfg.get("num_experts"):
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["top_k_experts"])
+    if cfg.get("moe_intermediate_size"):
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_rope_dimension_count(full_dim)
+    w.add_rope_dimension_count_swa(int(swa_dim * local.get("partial_rotary_factor", 1.0)))
+    _add_tokenizer(w, hf_dir)
+    rotated = int(full_dim * full["partial_rotary_factor"] / 2)
+    if tweak is not None:
+        tweak(w)
+    if rope_freqs is None:
+        rope_freqs = np.asarray([1.0] * rotated + [1e30] * (full_dim // 2 - rotated), np.float32)
+    w.add_tensor("rope_freqs.weight", rope_freqs)
+    for name, arr in tensors.items():
+        if name in GEMMA4_GLOBALS:
+            w.add_tensor(GEMMA4_GLOBALS[name], np.ascontiguousarray(arr, np.float32))
+        elif name == "lm_head.weight" and not cfg.get("tie_word_embeddings", True):
+            w.add_tensor("output.weight", np.ascontiguousarray(arr, np.float32))
+    for i in range(n):
+        prefix = f"model.layers.{i}."
+        for name, arr in tensors.items():
+            if name.startswith(prefix):
+                w.add_tensor(f"blk.{i}.{GEMMA4_TO_GGUF[name[len(prefix):]]}", np.ascontiguousarray(arr, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
