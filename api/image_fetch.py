@@ -201,7 +201,8 @@ async def _get(scheme: str, host: str, port: int, path: str, addresses: list[str
     reader, writer = await _connect(scheme, host, port, addresses, param)
     conn = h11.Connection(our_role=h11.CLIENT)
     default_port = 443 if scheme == "https" else 80
-    headers = [("Host", host if port == default_port else f"{host}:{port}"), ("User-Agent", "ferrox"),
+    name = f"[{host}]" if ":" in host else host  # an IPv6 literal
+    headers = [("Host", name if port == default_port else f"{name}:{port}"), ("User-Agent", "ferrox"),
                ("Accept", "image/*"), ("Connection", "close")]
     try:
         writer.write(conn.send(h11.Request(method="GET", target=path, headers=headers)) + conn.send(h11.EndOfMessage()))

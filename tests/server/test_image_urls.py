@@ -115,22 +115,25 @@ class ImageHost:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def image_host():
+    host = ImageHost()
+    yield host
+    host.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, image_host):
     from api.app import create_app
     from api.config import ServerConfig
     from tests.support.server_harness import ServerThread, tiny_engine
 
     folder, _ = make_tiny_vlm(tmp_path_factory.mktemp("vlm-urls") / "tiny-gemma3-vlm")
     engine = tiny_engine(folder, block_size=4, kv_blocks=400, max_seqs=8, prefill_chunk=32, max_context=256)
-    image_host = ImageHost()
     listed = ServerConfig(allowed_media_domains=("127.0.0.1",), max_image_bytes=MAX_IMAGE_BYTES,
                           media_fetch_timeout_s=FETCH_TIMEOUT_S)
     by_name = ServerConfig(allowed_media_domains=("localhost",), max_image_bytes=MAX_IMAGE_BYTES)
-    try:
-        with ServerThread(create_app(engine, listed)) as base, ServerThread(create_app(engine, by_name)) as named:
-            yield base, named, engine, image_host
-    finally:
-        image_host.close()
+    with ServerThread(create_app(engine, listed)) as base, ServerThread(create_app(engine, by_name)) as named:
+        yield base, named, engine, image_host
 
 
 def _chat(base, engine, url, max_tokens=6):
@@ -279,3 +282,29 @@ def test_listed_addresses_and_networks():
     assert _address_listed(ipaddress.ip_address("10.9.8.7"), rules)
     assert not _address_listed(ipaddress.ip_address("127.0.0.2"), rules), "one address lists that address only"
     assert not _address_listed(ipaddress.ip_address("192.168.1.1"), rules)
+
+
+def test_fetches_beyond_the_slots_wait_for_one(image_host, monkeypatch):
+    """With one slot, a fetch behind a slow one waits (inside its own time limit) and times out;
+    alone, the same fetch is answered: the bound is what made it wait."""
+    import asyncio
+
+    from api import image_fetch
+    from api.errors import APIError
+
+    monkeypatch.setattr(image_fetch, "MAX_CONCURRENT_FETCHES", 1)
+    quick, slow = image_fetch.Rules(("127.0.0.1",), MAX_IMAGE_BYTES, 0.5), image_fetch.Rules(("127.0.0.1",),
+                                                                                            MAX_IMAGE_BYTES, 1.0)
+
+    async def behind_a_slow_one():
+        hold = asyncio.ensure_future(image_fetch.fetch(image_host.url("/slow"), slow, "a"))
+        await asyncio.sleep(0.1)  # the slow fetch holds the slot
+        try:
+            with pytest.raises(APIError, match="did not arrive within 0.5 s"):
+                await image_fetch.fetch(image_host.url("/cat.png"), quick, "b")
+        finally:
+            with pytest.raises(APIError):
+                await hold
+
+    asyncio.run(behind_a_slow_one())
+    assert asyncio.run(image_fetch.fetch(image_host.url("/cat.png"), quick, "b")) == IMAGE
