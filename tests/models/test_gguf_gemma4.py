@@ -33,7 +33,7 @@ from tests.support.gguf_from_hf import write_gemma4_gguf  # noqa: E402
 ATOL = 1e-4  # f32 both ways, the same math: only summation order and the eps rounding differ
 WRONG = 20 * ATOL  # a negative control must miss by at least this
 PROMPT_TOKENS = 24  # past the window of 12: the sliding layers' masks matter
-DECODE_STEPS = 10
+DECODE_STEPS = 8
 
 
 def _checkpoint(folder: Path) -> Path:
@@ -58,11 +58,16 @@ def files(tmp_path_factory):
     return path, write_gemma4_gguf(path, root / "tiny-gemma4.gguf"), root
 
 
-def _run(path: Path, prompt: list[int], steps: int) -> tuple[np.ndarray, list[int], object]:
+def _run(path: Path, prompt: list[int], steps: int, quantization: str = "none"
+         ) -> tuple[np.ndarray, list[int], object]:
     """Prefill then greedy decode; (logits [prompt + steps, V], greedy tokens, config)."""
-    from tests.support.engine_helpers import make_runner, shuffled_blocks
+    from ferrox_jax.runner import ModelRunner
+    from models.loader import load_checkpoint
+    from tests.support.engine_helpers import shuffled_blocks
 
-    runner, ckpt = make_runner(path, num_blocks=fc.NUM_BLOCKS, block_size=fc.BLOCK_SIZE, max_context=fc.MAX_CONTEXT)
+    ckpt = load_checkpoint(str(path), quantization=quantization)
+    runner = ModelRunner(ckpt.model, num_blocks=fc.NUM_BLOCKS, block_size=fc.BLOCK_SIZE, max_rows=8,
+                         max_chunk_tokens=64, max_context=fc.MAX_CONTEXT, max_chunks=1)
     blocks = shuffled_blocks(12, fc.NUM_BLOCKS, seed=3)
     logits = [runner.run_logits([fc._row(prompt, 0, blocks)])[0]]
     tokens = list(prompt)
@@ -99,6 +104,27 @@ def test_logits_and_greedy_match_the_safetensors_form(files, reference):
     print(f"gemma4 GGUF vs safetensors: max |Δlogit| {err:.2e} over {len(prompt)} + {DECODE_STEPS} positions")
     assert err < ATOL, f"GGUF logits differ from the safetensors form by {err:.3g}"
     assert tokens == want_tokens, "greedy tokens differ from the safetensors form"
+
+
+def test_a_q8_0_file_on_the_block_kernel_is_the_file_dequantized(files):
+    """Q8_0 projections (what a quantized Hub file holds), served as their blocks (`--quantization
+    gguf`, the CPU default for a GGUF) and dequantized to f32: the same weights, so within 1e-4 and
+    the same greedy tokens (measured 7.3e-6: only the kernel's summation order differs)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    path, _, root = files
+    q8 = GGMLQuantizationType.Q8_0
+    quantized = write_gemma4_gguf(path, root / "tiny-gemma4-q8_0.gguf", quant=lambda name, arr: (
+        (quantize(arr, q8), q8) if arr.ndim == 2 and arr.shape[-1] % 32 == 0 and "per_layer_token" not in name
+        else None))
+    prompt = np.random.RandomState(4).randint(0, 384, PROMPT_TOKENS).tolist()
+    dequantized, want_tokens, _ = _run(quantized, prompt, 2)
+    blocks, tokens, _ = _run(quantized, prompt, 2, quantization="gguf")
+    err = float(np.abs(blocks - dequantized).max())
+    print(f"gemma4 Q8_0 GGUF, block kernel vs dequantized: max |Δlogit| {err:.2e}")
+    assert err < ATOL, f"the Q8_0 blocks differ from the same file dequantized by {err:.3g}"
+    assert tokens == want_tokens
 
 
 def test_the_tokenizer_is_rebuilt(files):

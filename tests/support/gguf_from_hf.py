@@ -390,7 +390,8 @@ GEMMA4_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.
 
 
 def write_gemma4_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter], None] | None = None,
-                      rope_freqs: np.ndarray | None = None) -> Path:
+                      rope_freqs: np.ndarray | None = None,
+                      quant: Callable[[str, np.ndarray], tuple] | None = None) -> Path:
     """A `Gemma4ForCausalLM` folder as llama.cpp's converter writes it (`gemma4`,
     `conversion/gemma.py:Gemma4Model` over Gemma3Model and TextModel): norms as they are (no 1 + w),
     rows unpermuted; the full layers' head size as `key_length` and the sliding layers' as
@@ -402,7 +403,7 @@ def write_gemma4_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter]
     tokenizer is the checkpoint's byte-level BPE as `gpt2` (the converter writes Gemma 4's own
     `gemma4` vocabulary). `tweak(writer)` runs after the metadata is written (a key written again
     replaces it) and `rope_freqs` replaces the RoPE tensor: files the converter would not write, for
-    the loader's refusals and the tests' negative controls."""
+    the loader's refusals and the tests' negative controls. `quant` as `write_gguf`'s."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(str(hf_dir / "model.safetensors"))
     w = gguf.GGUFWriter(str(out), "gemma4")
@@ -455,16 +456,22 @@ def write_gemma4_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter]
     if rope_freqs is None:
         rope_freqs = np.asarray([1.0] * rotated + [1e30] * (full_dim // 2 - rotated), np.float32)
     w.add_tensor("rope_freqs.weight", rope_freqs)
+
+    def add(gguf_name: str, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr, np.float32)
+        blocks = quant(gguf_name, arr) if quant is not None and arr.ndim >= 2 else None
+        w.add_tensor(gguf_name, arr) if blocks is None else w.add_tensor(gguf_name, blocks[0], raw_dtype=blocks[1])
+
     for name, arr in tensors.items():
         if name in GEMMA4_GLOBALS:
-            w.add_tensor(GEMMA4_GLOBALS[name], np.ascontiguousarray(arr, np.float32))
+            add(GEMMA4_GLOBALS[name], arr)
         elif name == "lm_head.weight" and not cfg.get("tie_word_embeddings", True):
-            w.add_tensor("output.weight", np.ascontiguousarray(arr, np.float32))
+            add("output.weight", arr)
     for i in range(n):
         prefix = f"model.layers.{i}."
         for name, arr in tensors.items():
             if name.startswith(prefix):
-                w.add_tensor(f"blk.{i}.{GEMMA4_TO_GGUF[name[len(prefix):]]}", np.ascontiguousarray(arr, np.float32))
+                add(f"blk.{i}.{GEMMA4_TO_GGUF[name[len(prefix):]]}", arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
