@@ -308,3 +308,13 @@ def test_fetches_beyond_the_slots_wait_for_one(image_host, monkeypatch):
 
     asyncio.run(behind_a_slow_one())
     assert asyncio.run(image_fetch.fetch(image_host.url("/cat.png"), quick, "b")) == IMAGE
+
+
+def test_the_setting_fills_the_config_and_a_bad_entry_stops_start_up():
+    from api import cli
+
+    args = cli.build_parser({"FERROX_ALLOWED_MEDIA_DOMAINS": "Images.Example.com, .cdn.example, 10.0.0.0/8"})
+    assert cli.server_config(args.parse_args(["serve"])).allowed_media_domains == \
+        ("images.example.com", ".cdn.example", "10.0.0.0/8")
+    with pytest.raises(SystemExit, match="--allowed-media-domains .FERROX_ALLOWED_MEDIA_DOMAINS. must be host names"):
+        cli.server_config(cli.build_parser({}).parse_args(["serve", "--allowed-media-domains", "https://x.com/a"]))
