@@ -34,6 +34,8 @@ call of the kernel's multi-weight target when every weight is on the same kernel
 columns of all of them are shared over the threads at once, so the small k/v products stop
 paying a call's start and end (the default model's one-row step 9.6 -> 9.0 ms, median of 3
 alternated runs, docs/benchmarks.md). Each output element is the one-weight call's, bit for bit.
+The K-quants' kernel has a multi-weight target too (a Q4_K_M layer's q/k/v mixes Q4_K and Q6_K:
+formats may differ within one call), so a K-quant layer makes 4 kernel calls instead of 7.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ from models import gguf_kquants
 BLOCK = 32  # values per GGUF block
 # Kernel targets that also multiply 2 or 3 weights of the same activations in one call
 # (models/kernels/block_matmul.cc's multi-weight handler, registered by models/cpu_kernels.py).
-MULTI_TARGETS = {"ferrox_block_matmul": "ferrox_block_matmul_multi"}
+MULTI_TARGETS = {"ferrox_block_matmul": "ferrox_block_matmul_multi",
+                 "ferrox_block_matmul_k": "ferrox_block_matmul_k_multi"}  # the K-quants' (block_matmul_k.cc)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,9 +33,13 @@
 // (block_matmul_k_body.inc, compiled once per ISA in block_matmul_k_builds.h);
 // FerroxBlockMatmulKAvx2 forces the AVX2 build so tests on an AVX-512 host check both. Columns are shared over XLA's intra-op pool (parallel.h); one thread
 // computes each output element whole, so results do not depend on the sharing.
+// FerroxBlockMatmulKMulti multiplies 2 or 3 weights of the same x (a layer's q/k/v, its
+// gate/up; formats may differ) in one call, their columns shared over the pool as one
+// problem: the same values as one call per weight, with 4 calls a layer instead of 7.
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "block_matmul_k_builds.h"
 #include "parallel.h"
@@ -59,27 +63,55 @@ const int kIsa = DetectIsa();
 // Below this many multiply-adds a product runs on the calling thread alone.
 constexpr int64_t kParallelMacs = 1 << 18;
 
-ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& w,
-                  ffi::ResultBuffer<ffi::F32>& out, int32_t fmt, int isa) {
+// One weight's operands checked and described as a Problem (`what` names the handler).
+ffi::Error CheckOperands(const char* what, const ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8> w, float* out,
+                         int32_t fmt, int isa, Problem* problem) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2)
-    return ffi::Error::InvalidArgument("ferrox_block_matmul_k: x must be [M, K] and w [N, row bytes]");
+    return ffi::Error::InvalidArgument(std::string(what) + ": x must be [M, K] and w [N, row bytes]");
   const int64_t m = xd[0], k = xd[1], n = wd[0];
-  if (fmt < kQ4_K || fmt > kQ6_K) return ffi::Error::InvalidArgument("ferrox_block_matmul_k: unknown fmt");
+  if (fmt < kQ4_K || fmt > kQ6_K) return ffi::Error::InvalidArgument(std::string(what) + ": unknown fmt");
   if (k % kSuper != 0 || wd[1] != k / kSuper * SuperBytes(fmt))
-    return ffi::Error::InvalidArgument("ferrox_block_matmul_k: w's row bytes do not match K / 256 super-blocks");
-  if (isa == 0) return ffi::Error::Internal("ferrox_block_matmul_k: this CPU has no AVX2 + FMA + F16C");
-  const Problem p{x.typed_data(), w.typed_data(), out->typed_data(), m, n, k};
-  const int64_t threads = m * n * k >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
-  // 4 chunks per thread balance uneven progress; chunks are whole 4-column tiles.
+    return ffi::Error::InvalidArgument(std::string(what) + ": w's row bytes do not match K / 256 super-blocks");
+  if (isa == 0) return ffi::Error::Internal(std::string(what) + ": this CPU has no AVX2 + FMA + F16C");
+  *problem = Problem{x.typed_data(), w.typed_data(), out, m, n, k};
+  return ffi::Error::Success();
+}
+
+// The products of one call: outs[i] = x @ dequantize(ws[i])^T for `count` weights of the
+// same x (the multi-weight handler fuses q/k/v and gate/up this way; one weight is the
+// plain call). The columns of all of them are shared over the pool as one problem: one
+// fork and join a call instead of one a weight, and no thread idles at a weight's end
+// while the other finishes it. Each output element is computed exactly as a one-weight call
+// computes it (one thread, whole, the same order), so fusing changes no value.
+ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* fmts, int64_t count, int isa) {
+  int64_t macs = 0, n_total = 0;
+  for (int64_t i = 0; i < count; ++i) macs += ps[i].m * ps[i].n * ps[i].k, n_total += ps[i].n;
+  const int64_t threads = macs >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
+  // 4 chunks per thread balance uneven progress; chunks are whole 4-column tiles of one
+  // weight (a weight's last chunk may be short).
   const int64_t target = threads * 4;
-  const int64_t chunk = std::max<int64_t>(4, ((n + target - 1) / target + 3) / 4 * 4);
-  ferrox::ParallelFor(pool, threads, (n + chunk - 1) / chunk, [&p, chunk, fmt, isa](int64_t c) {
-    const int64_t begin = c * chunk, end = std::min(p.n, (c + 1) * chunk);
-    if (isa == 2) ferrox_k_avx512::Run(fmt, p, begin, end, ferrox_k_avx512::kRowPathRows);
-    else ferrox_k_avx2::Run(fmt, p, begin, end, 0);
+  const int64_t chunk = std::max<int64_t>(4, ((n_total + target - 1) / target + 3) / 4 * 4);
+  int64_t first[4] = {0, 0, 0, 0};  // the first task of each weight (count <= 3)
+  int64_t tasks = 0;
+  for (int64_t i = 0; i < count; ++i) first[i] = tasks, tasks += (ps[i].n + chunk - 1) / chunk;
+  ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, chunk, isa](int64_t t) {
+    int64_t i = count - 1;
+    while (t < first[i]) --i;
+    const Problem& p = ps[i];
+    const int64_t begin = (t - first[i]) * chunk, end = std::min(p.n, begin + chunk);
+    if (isa == 2) ferrox_k_avx512::Run(fmts[i], p, begin, end, ferrox_k_avx512::kRowPathRows);
+    else ferrox_k_avx2::Run(fmts[i], p, begin, end, 0);
   });
   return ffi::Error::Success();
+}
+
+ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& w,
+                  ffi::ResultBuffer<ffi::F32>& out, int32_t fmt, int isa) {
+  Problem p{};
+  if (ffi::Error e = CheckOperands("ferrox_block_matmul_k", x, w, out->typed_data(), fmt, isa, &p); e.failure())
+    return e;
+  return RunProducts(pool, &p, &fmt, 1, isa);
 }
 
 ffi::Error BlockMatmulKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
@@ -92,6 +124,32 @@ ffi::Error BlockMatmulKAvx2Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
                                 ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int32_t /*int_rows*/,
                             int32_t /*wide_rows*/, int32_t /*amx_rows*/) {
   return Matmul(pool, x, w, out, fmt, std::min(kIsa, 1));
+}
+
+// x, then 2 or 3 weights of any K-quant formats; as many outputs, outs[i] f32[M, N_i];
+// fmts[i] the format of ws[i]. q/k/v of a Q4_K_M file mix Q4_K and Q6_K: one call still.
+ffi::Error BlockMatmulKMultiImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+                                 ffi::RemainingRets outs, ffi::Span<const int32_t> fmts, int32_t /*int_rows*/,
+                                 int32_t /*wide_rows*/, int32_t /*amx_rows*/) {
+  constexpr const char* kWhat = "ferrox_block_matmul_k_multi";
+  const int64_t count = static_cast<int64_t>(ws.size());
+  if (count < 2 || count > 3 || outs.size() != ws.size() || fmts.size() != ws.size())
+    return ffi::Error::InvalidArgument("ferrox_block_matmul_k_multi: 2 or 3 weights, as many outputs and fmts");
+  Problem ps[3];
+  int32_t formats[3];
+  for (int64_t i = 0; i < count; ++i) {
+    auto w = ws.get<ffi::Buffer<ffi::U8>>(i);
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (w.has_error()) return w.error();
+    if (out.has_error()) return out.error();
+    formats[i] = fmts[i];
+    if (ffi::Error e = CheckOperands(kWhat, x, *w, (*out)->typed_data(), formats[i], kIsa, &ps[i]); e.failure())
+      return e;
+    const auto od = (*out)->dimensions();
+    if (od.size() != 2 || od[0] != ps[i].m || od[1] != ps[i].n)
+      return ffi::Error::InvalidArgument("ferrox_block_matmul_k_multi: an output is not [M, N] of its weight");
+  }
+  return RunProducts(pool, ps, formats, count, kIsa);
 }
 
 }  // namespace
@@ -109,6 +167,17 @@ ffi::Error BlockMatmulKAvx2Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxBlockMatmulK, BlockMatmulKImpl, FERROX_K_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxBlockMatmulKAvx2, BlockMatmulKAvx2Impl, FERROX_K_BINDING);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxBlockMatmulKMulti, BlockMatmulKMultiImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int32_t>>("fmts")
+                                  .Attr<int32_t>("int_rows")
+                                  .Attr<int32_t>("wide_rows")
+                                  .Attr<int32_t>("amx_rows"));
 
 // Which build of this kernel runs here: 2 AVX-512F, 1 AVX2, 0 none.
 extern "C" int ferrox_block_k_isa() { return kIsa; }

@@ -16,7 +16,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from models import cpu_kernels
-from models.gguf_blocks import K_FORMATS, block_matmul, dequantize_blocks, dequantize_host, make_weight, with_kernel
+from models.gguf_blocks import K_FORMATS, block_matmul, block_matmul_many, dequantize_blocks, dequantize_host, fusable, \
+    make_weight, with_kernel
 from tests.support.kquant_blocks import quantize_k, random_k_blocks
 from tests.models.test_block_matmul import activations, bound
 
@@ -102,3 +103,45 @@ def test_pack_points_k_quants_at_their_kernel():
     assert cpu_kernels.block_target("q6_k") == cpu_kernels.BLOCK_K_TARGET
     assert cpu_kernels.block_target("q4_1") == cpu_kernels.BLOCK_TARGET
     assert cpu_kernels.block_k_isa() in ("AVX-512", "AVX2")
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,k", [(1, 2048), (3, 768), (5, 512)])
+def test_fused_call_equals_one_call_per_weight_bit_for_bit(rows, k):
+    # A Q4_K_M layer's q/k/v mixes formats (Q4_K q and k, Q6_K v) and widths; gate/up is a
+    # pair. 1 row at k = 2048 crosses the threshold that shares columns over threads (the row
+    # path); 3 rows, the row path's last count; 5 rows, the tile path. Widths 44 / 37 / 9 leave
+    # a short thread chunk at each weight's end. One call must give each weight's own call's bits.
+    x = jnp.asarray(activations(rows, k, seed=7))
+    specs = [("q4_k", 44), ("q6_k", 37), ("q5_k", 9)]
+    weights = [with_kernel(make_weight(random_k_blocks(fmt, n, k, seed=20 + i), fmt, k), cpu_kernels.BLOCK_K_TARGET, 0)
+               for i, (fmt, n) in enumerate(specs)]
+    for group in (weights, weights[:2]):
+        assert fusable(group)
+        hlo = jax.jit(block_matmul_many).lower(x, group).as_text()
+        assert cpu_kernels.BLOCK_K_MULTI_TARGET in hlo and f'"{cpu_kernels.BLOCK_K_TARGET}"' not in hlo
+        for w, got in zip(group, jax.jit(block_matmul_many)(x, group)):
+            want = jax.jit(block_matmul)(x, w)
+            assert got.shape == want.shape
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # negative control: two weights of one shape and format, other bytes; the comparison tells
+    # each one's products from the other's, so it catches a fused call that wrote a weight's
+    # columns into another's output or read a chunk at the wrong weight's offset
+    twins = [with_kernel(make_weight(random_k_blocks("q4_k", 44, k, seed=30 + i), "q4_k", k),
+                         cpu_kernels.BLOCK_K_TARGET, 0) for i in range(2)]
+    a, b = (np.asarray(y) for y in jax.jit(block_matmul_many)(x, twins))
+    np.testing.assert_array_equal(a, np.asarray(jax.jit(block_matmul)(x, twins[0])))
+    assert not np.array_equal(b, np.asarray(jax.jit(block_matmul)(x, twins[0])))
+
+
+@needs_kernels
+def test_k_quants_fuse_only_with_k_quants():
+    k = 256
+    q4k = with_kernel(make_weight(random_k_blocks("q4_k", 8, k), "q4_k", k), cpu_kernels.BLOCK_K_TARGET, 0)
+    q6k = with_kernel(make_weight(random_k_blocks("q6_k", 8, k), "q6_k", k), cpu_kernels.BLOCK_K_TARGET, 0)
+    forced = with_kernel(q4k, cpu_kernels.BLOCK_K_AVX2_TARGET, 0)  # no multi target: one call each
+    assert fusable([q4k, q6k]) and fusable([q4k, q6k, q4k])
+    assert not fusable([q4k, forced]) and not fusable([forced, forced]) and not fusable([q4k] * 4)
+    x = jnp.asarray(activations(1, k))
+    for got, w in zip(block_matmul_many(x, [forced, forced]), [forced, forced]):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(block_matmul(x, w)))
