@@ -16,6 +16,28 @@ not by num_kv_heads x head_dim. Refused at load: attention_bias (no released che
 has it), a rope type other than default or yarn. The multi-token-prediction layers some
 checkpoints append (`model.layers.{num_hidden_layers}`, DeepSeek-V3's layer 61) are skipped
 by the loader: they only serve speculative decoding in DeepSeek's own stack.
+
+GGUF (`deepseek2`, llama.cpp's name for DeepSeek-V2/V3 and Kimi K2), as its converter writes it:
+
+    attn_q_a / attn_q_a_norm / attn_q_b     q_a_proj / q_a_norm / q_b_proj (attn_q: q_proj)
+    attn_kv_a_mqa / attn_kv_a_norm          kv_a_proj / kv_a_norm
+    attn_k_b [H, r, dn] + attn_v_b [H, dv, r]   kv_b_proj (newer converters split it for
+                                            their absorbed attention; older ones wrote attn_kv_b)
+    attn_output, attn_norm, ffn_norm        o_proj, input_norm, post_attn_norm
+    ffn_gate_inp / exp_probs_b.bias         router / router_bias (e_score_correction_bias)
+    ffn_{gate,up,down}_exps [E, out, in]    the expert stacks
+    ffn_{gate,up,down}_shexp, ffn_*         the shared expert; the dense layers' MLP
+
+Metadata: MLA as MQA (`head_count_kv` 1, `key_length` r + dr, `value_length` r) with the
+real widths in `key_length_mla` (dn + dr) and `value_length_mla` (dv) (older files: in
+key_length / value_length); `kv_lora_rank`, `q_lora_rank` (absent: q_proj); the routing in
+`expert_group_count`, `expert_group_used_count`, `expert_weights_scale`,
+`expert_weights_norm`, `expert_shared_count`, `leading_dense_block_count`,
+`expert_gating_func` (sigmoid; DeepSeek-V2's softmax is refused); YaRN in `rope.scaling.*`
+with mscale_all_dim as `yarn_log_multiplier` / 0.1 (llama.cpp's convention). A file cannot
+say mscale apart from mscale_all_dim (every released config has them equal): the YaRN
+attention factor is `rope.scaling.yarn_attn_factor` when written, else 1. RoPE pairs are
+interleaved (llama.cpp runs deepseek2 with its NORM rope, DeepSeek's `rope_interleave`).
 """
 
 from __future__ import annotations
@@ -26,9 +48,11 @@ from typing import Any
 from flax import nnx
 
 from models import llama
-from models.config import UnsupportedModelError, hf_common_fields, rope_parameters, rope_theta
+import numpy as np
+
+from models.config import RopeScaling, UnsupportedModelError, hf_common_fields, rope_parameters, rope_theta
 from models.decoder import CausalLM
-from models.family import Family
+from models.family import ExpertStack, Family
 from models.layers import gated_mlp, norm_param, param, rms_norm, silu
 from models.mla import LatentAttention, MlaSpec
 from models.moe_grouped import HF_MOE_WEIGHTS, GroupedMoe, GroupedMoeConfig, grouped_moe_fields
@@ -135,6 +159,88 @@ HF_LAYER_WEIGHTS = {
     **HF_MOE_WEIGHTS,
 }
 
+GGUF_LAYER_WEIGHTS = {
+    **{k: v for k, v in llama.GGUF_LAYER_WEIGHTS.items() if k.startswith(("attn_norm", "ffn_", "attn_output"))},
+    "attn_q_a.weight": "q_a_proj",
+    "attn_q_a_norm.weight": "q_a_norm",
+    "attn_q_b.weight": "q_b_proj",
+    "attn_q.weight": "q_proj",
+    "attn_kv_a_mqa.weight": "kv_a_proj",
+    "attn_kv_a_norm.weight": "kv_a_norm",
+    "attn_kv_b.weight": "kv_b_proj",
+    "ffn_gate_inp.weight": "router",
+    "exp_probs_b.bias": "router_bias",
+    "ffn_gate_exps.weight": ExpertStack(("experts_gate",), transpose=True),
+    "ffn_up_exps.weight": ExpertStack(("experts_up",), transpose=True),
+    "ffn_down_exps.weight": ExpertStack(("experts_down",), transpose=True),
+    "ffn_gate_shexp.weight": "gate_proj",
+    "ffn_up_shexp.weight": "up_proj",
+    "ffn_down_shexp.weight": "down_proj",
+}
+GGUF_SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
+def config_from_gguf(meta, fields: dict) -> DeepseekV3Config:
+    """A `deepseek2` file's config (module docstring: the keys)."""
+    a = meta.arch
+    gating = int(meta.get(f"{a}.expert_gating_func", GGUF_SIGMOID_GATING))
+    if gating != GGUF_SIGMOID_GATING:
+        raise UnsupportedModelError(f"deepseek2 GGUF with expert_gating_func {gating} (softmax routing, "
+                                    "DeepSeek-V2) is not supported; DeepSeek-V3 / Kimi K2 route by sigmoid")
+    rope_dim = int(meta.require(f"{a}.rope.dimension_count"))
+    if meta.get(f"{a}.attention.key_length_mla") is not None:
+        qk_dim, v_dim = int(meta.get(f"{a}.attention.key_length_mla")), int(meta.require(f"{a}.attention.value_length_mla"))
+    else:  # older converters: the per-head widths in key_length / value_length
+        qk_dim, v_dim = int(meta.require(f"{a}.attention.key_length")), int(meta.require(f"{a}.attention.value_length"))
+    yarn = None
+    if str(meta.get(f"{a}.rope.scaling.type", "none")) == "yarn":
+        log_mul = meta.get(f"{a}.rope.scaling.yarn_log_multiplier")
+        m_all = float(log_mul) / 0.1 if log_mul else None
+        params = {"factor": meta.get(f"{a}.rope.scaling.factor"), "mscale": m_all, "mscale_all_dim": m_all,
+                  "original_max_position_embeddings": meta.get(f"{a}.rope.scaling.original_context_length"),
+                  "beta_fast": meta.get(f"{a}.rope.scaling.yarn_beta_fast"),
+                  "beta_slow": meta.get(f"{a}.rope.scaling.yarn_beta_slow"),
+                  "attention_factor": meta.get(f"{a}.rope.scaling.yarn_attn_factor")}
+        yarn = yarn_from_dict(params, {"max_position_embeddings": fields["max_position_embeddings"]})
+    n = fields["num_layers"]
+    first_dense = int(meta.get(f"{a}.leading_dense_block_count", 0))
+    # the plain RoPE, as from config.json (the yarn tables are ours); heads as HF counts them
+    fields = {**fields, "head_dim": rope_dim, "num_kv_heads": fields["num_heads"], "rope_scaling": RopeScaling(),
+              "rotary_dim": None}
+    q_lora = meta.get(f"{a}.attention.q_lora_rank")
+    return DeepseekV3Config(
+        **fields, num_experts=int(meta.require(f"{a}.expert_count")),
+        num_experts_per_tok=int(meta.require(f"{a}.expert_used_count")),
+        moe_intermediate_size=int(meta.require(f"{a}.expert_feed_forward_length")),
+        norm_topk_prob=bool(meta.get(f"{a}.expert_weights_norm", False)),
+        dense_layers=tuple(range(min(first_dense, n))),
+        n_group=int(meta.get(f"{a}.expert_group_count", 1) or 1),
+        topk_group=int(meta.get(f"{a}.expert_group_used_count", 1) or 1),
+        routed_scaling_factor=float(meta.get(f"{a}.expert_weights_scale", 1.0)),
+        n_shared_experts=int(meta.get(f"{a}.expert_shared_count", 0)),
+        q_lora_rank=int(q_lora or 0), kv_lora_rank=int(meta.require(f"{a}.attention.kv_lora_rank")),
+        qk_nope_head_dim=qk_dim - rope_dim, qk_rope_head_dim=rope_dim, v_head_dim=v_dim, rope_interleave=True,
+        yarn=yarn)
+
+
+def merge_gguf_kv_b(tensors: dict) -> None:
+    """Newer converters' `attn_k_b` [H, r, dn] and `attn_v_b` [H, dv, r] back into our
+    kv_b_proj [r, H*(dn+dv)] (each head's k_nope columns, then its v), in place; the two
+    came through the loader as unknown names ("gguf:blk.{i}.attn_k_b.weight")."""
+    for name in [n for n in tensors if n.startswith("gguf:blk.") and n.endswith(".attn_k_b.weight")]:
+        layer = name.split(".")[1]
+        v_name = name.replace("attn_k_b", "attn_v_b")
+        if v_name not in tensors:
+            continue  # reported as unexpected by the build, with its name
+
+        def read(k_load=tensors.pop(name), v_load=tensors.pop(v_name)):
+            k_b, v_b = np.asarray(k_load()), np.asarray(v_load())  # [H, r, dn], [H, dv, r]
+            per_head = np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1)  # [H, dn+dv, r]: HF's rows
+            return np.ascontiguousarray(per_head.reshape(-1, per_head.shape[-1]).T)
+
+        tensors[f"layers.{layer}.kv_b_proj"] = read
+
+
 FAMILY = Family(
     name="deepseek_v3",
     model=DeepseekV3Model,
@@ -142,4 +248,9 @@ FAMILY = Family(
     config_from_hf=config_from_hf,
     hf_layer_weights=HF_LAYER_WEIGHTS,
     hf_skips_extra_layers=True,
+    gguf_architectures={"deepseek2": "DeepseekV3ForCausalLM"},
+    config_from_gguf=config_from_gguf,
+    gguf_layer_weights=GGUF_LAYER_WEIGHTS,
+    gguf_experts=True,
+    gguf_merge=merge_gguf_kv_b,
 )

@@ -3,13 +3,13 @@
 A GGUF file carries everything: the config as `{arch}.*` metadata keys, the tokenizer as
 `tokenizer.*` keys (rebuilt by `models.tokenizer.Tokenizer.from_gguf`), and the tensors,
 possibly block-quantized. `general.architecture` (and whether the file has experts) picks the family
-(`models/registry.py`: llama, qwen2, qwen3, gemma2, gemma3, phi3; with experts llama
-(Mixtral), qwen3moe, gpt-oss and llama4); the keys every family shares are read here,
-the family's own ones by its `config_from_gguf`, both through one `GGUFMetadata`
-(`models/gguf_metadata.py`, which the tokenizer reads too), and its per-layer tensor
-names come from its `GGUF_LAYER_WEIGHTS` table. We dequantize each tensor to f32 with
-`gguf.quants.dequantize` (only when `build_model` asks for it, so at most one
-dequantized tensor is alive at a time), bring it to our layout and let `build_model`
+(`models/registry.py`: llama, qwen2, qwen3, gemma2, gemma3, gemma4, phi3; with experts llama
+(Mixtral), qwen3moe, gpt-oss, llama4 and deepseek2 (DeepSeek-V3 / Kimi K2: `Family.gguf_merge`
+joins its split attn_k_b / attn_v_b)); the keys every family shares are read here, the family's
+own ones by its `config_from_gguf`, both through one `GGUFMetadata` (`models/gguf_metadata.py`,
+which the tokenizer reads too), and its per-layer tensor names come from its `GGUF_LAYER_WEIGHTS`
+table. We dequantize each tensor to f32 with `gguf.quants.dequantize` (only when `build_model`
+asks for it, so at most one is alive at a time), bring it to our layout and let `build_model`
 check and place it.
 
 Format quirks handled here:
@@ -37,9 +37,9 @@ Format quirks handled here:
   2-D weights only); the int8 modes then quantize it per expert like a float stack.
   gpt-oss files (`gpt-oss`) add biases to the stacks (`ffn_*_exps.bias`, [E, n]), the
   router bias and per-head `attn_sinks`; their experts are usually MXFP4, read the same way.
-- YaRN RoPE comes from `rope.scaling.*` (factor, original context, betas).
+- YaRN RoPE comes from `rope.scaling.*` (factor, original context, betas). Gemma 4: models/gemma4_gguf.py.
 - Llama 4 (`llama4`) keeps HF's q/k rows, adds `ffn_*_shexp` and leaves the chunk size and
-  temperature constants to the reader (`models/llama4.py`). Gemma 4 (`gemma4`): models/gemma4_gguf.py.
+  temperature constants to the reader (`models/llama4.py`).
 - The file is read through a memory map; once the weights are placed (copies) its pages
   are given back (`release_pages`), so they do not count in the server's resident set.
 """
@@ -68,11 +68,7 @@ from models.rope import rope_inv_freq
 from models.tokenizer import Tokenizer
 
 # GGUF global tensor name -> ours (per-layer names: each family's GGUF_LAYER_WEIGHTS).
-GGUF_TO_OURS_GLOBAL = {
-    "token_embd.weight": "embed",
-    "output_norm.weight": "final_norm",
-    "output.weight": "lm_head",
-}
+GGUF_TO_OURS_GLOBAL = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 # Tensors that are not parameters in any family: the llama3 RoPE divisors (turned into config here).
 GGUF_NON_PARAMETERS = ("rope_freqs.weight",)
 
@@ -244,7 +240,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
     value_dim = int(meta.get(f"{arch}.attention.value_length", head_dim))
     rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    if value_dim != head_dim:
+    if value_dim != head_dim and meta.get(f"{arch}.attention.kv_lora_rank") is None:  # MLA: its widths elsewhere
         raise UnsupportedModelError(f"key_length {head_dim} != value_length {value_dim} is not supported")
     if rope_dim > head_dim:
         raise UnsupportedModelError(f"rope.dimension_count {rope_dim} > head_dim {head_dim} is not supported")
@@ -411,6 +407,8 @@ def gguf_tensors(reader: GGUFReader, cfg: ModelConfig) -> dict[str, Callable[[],
         mapped = map_layer_tensors(int(m.group(1)), m.group(2), load, family.gguf_layer_weights, expected, {}) \
             if m else None
         tensors.update({f"gguf:{t.name}": load} if not mapped else mapped)
+    if family.gguf_merge is not None:
+        family.gguf_merge(tensors)
     if family.gguf_norm_offset:
         _shift_norms(tensors, family.gguf_norm_offset)
     return tensors

@@ -477,3 +477,106 @@ def write_gemma4_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter]
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+DEEPSEEK2_TO_GGUF = {  # HF suffix -> GGUF suffix, llama.cpp's DeepseekV2Model (conversion/deepseek.py)
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_deepseek2_gguf(hf_dir: Path, out: Path, split_kv_b: bool = True, gating_func: int = 2) -> Path:
+    """A DeepSeek-V3 checkpoint as llama.cpp's converter writes `deepseek2`: MLA as MQA
+    (`head_count_kv` 1, key_length r + dr, value_length r, the real widths in
+    `key_length_mla` / `value_length_mla`), the routing keys, YaRN's mscale_all_dim as
+    `yarn_log_multiplier` = 0.1 * mscale_all_dim, the experts stacked, the
+    multi-token-prediction layers skipped, and (`split_kv_b`, newer converters) kv_b_proj
+    split per head into `attn_k_b` [H, r, dn] (transposed) and `attn_v_b` [H, dv, r]; else
+    kept as `attn_kv_b`. `gating_func`: llama.cpp's expert gating (2 sigmoid, 1 softmax)."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    w = gguf.GGUFWriter(str(out), "deepseek2")
+    n_layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    r, dn, dr, dv = cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    w.add_block_count(n_layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    a = "deepseek2"
+    w.add_uint32(f"{a}.leading_dense_block_count", cfg.get("first_k_dense_replace") or 0)
+    w.add_uint32(f"{a}.vocab_size", cfg["vocab_size"])
+    if cfg.get("q_lora_rank"):
+        w.add_uint32(f"{a}.attention.q_lora_rank", cfg["q_lora_rank"])
+    w.add_uint32(f"{a}.attention.kv_lora_rank", r)
+    w.add_key_length(r + dr)
+    w.add_value_length(r)
+    w.add_uint32(f"{a}.attention.key_length_mla", dn + dr)
+    w.add_uint32(f"{a}.attention.value_length_mla", dv)
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_uint32(f"{a}.expert_group_count", cfg.get("n_group") or 1)
+    w.add_uint32(f"{a}.expert_group_used_count", cfg.get("topk_group") or 1)
+    w.add_uint32(f"{a}.expert_gating_func", gating_func)
+    w.add_uint32(f"{a}.expert_shared_count", cfg.get("n_shared_experts") or 0)
+    w.add_float32(f"{a}.expert_weights_scale", cfg.get("routed_scaling_factor", 1.0))
+    if cfg.get("norm_topk_prob"):
+        w.add_bool(f"{a}.expert_weights_norm", True)
+    w.add_rope_dimension_count(dr)
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        if rope.get("mscale_all_dim") is not None:
+            w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * rope["mscale_all_dim"])
+    _add_tokenizer(w, hf_dir)
+    w.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", tensors["model.norm.weight"])
+    if not cfg.get("tie_word_embeddings"):
+        w.add_tensor("output.weight", tensors["lm_head.weight"])
+    for i in range(n_layers):
+        prefix = f"model.layers.{i}."
+        stacks: dict[str, dict[int, np.ndarray]] = {}
+        for name, arr in tensors.items():
+            if not name.startswith(prefix):
+                continue
+            suffix = name[len(prefix):]
+            expert = _expert_suffix(suffix)
+            if expert is not None:
+                stacks.setdefault(EXPERTS_TO_GGUF[expert[0]], {})[expert[1]] = arr
+            elif suffix == "self_attn.kv_b_proj.weight" and split_kv_b:
+                kv_b = arr.reshape(heads, dn + dv, r)
+                w.add_tensor(f"blk.{i}.attn_k_b.weight", np.ascontiguousarray(kv_b[:, :dn].swapaxes(1, 2)))
+                w.add_tensor(f"blk.{i}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, dn:]))
+            else:
+                w.add_tensor(f"blk.{i}.{DEEPSEEK2_TO_GGUF[suffix]}", np.ascontiguousarray(arr, np.float32))
+        for gguf_name, by_expert in stacks.items():
+            w.add_tensor(f"blk.{i}.{gguf_name}", np.stack([by_expert[e] for e in range(cfg["n_routed_experts"])]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
