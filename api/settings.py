@@ -193,8 +193,9 @@ SETTINGS: tuple[Setting, ...] = (
             "on a later hit instead of recomputed (0 = off; one process only, needs prefix caching)",
             group="cache"),
     Setting("speculative", "FERROX_SPECULATIVE", _str, None,
-            "speculative decoding: ngram (prompt lookup over the row's own prompt and output) or draft "
-            "(--draft-model's autoregressive drafts); default off", group="speculative"),
+            "speculative decoding: ngram (prompt lookup over the row's own prompt and output), draft "
+            "(--draft-model's autoregressive drafts) or mtp (a DeepSeek-V3 checkpoint's own multi-token-"
+            "prediction layer); default off", group="speculative"),
     Setting("draft_model", "FERROX_DRAFT_MODEL", _str, None,
             "--speculative draft: a smaller checkpoint with the target's tokenizer (its KV shares the block budget)",
             group="speculative"),

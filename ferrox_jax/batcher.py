@@ -14,14 +14,13 @@ thread, so none of it needs a lock. The owner loop, once per iteration:
     (speculation), measure the block peak from the rows.
  4. The step, in the order it happens (`_step`), through the runner's verbs
     (`ferrox_jax/runner_protocol.py`):
-      drafts   = proposer.propose(plan)           host n-gram lookup, or the draft model's
-                                                  proposal steps (`ferrox_jax/draft.py`)
+      drafts   = proposer.propose(plan)           n-gram lookup, draft model or MTP layer (draft.py, mtp.py)
       plan     = scheduler.add_drafts(plan, drafts)
       batch    = HostBatch.build(plan, geometry)  numpy arrays, nothing live (images encoded first)
       pending  = runner.forward(batch)            dispatched: the device runs
       draft.mirror(batch)                         the draft's K/V goes where the target's does
       bitmask  = the constrained rows' grammar masks, filled while the device runs
-      arrays   = runner.sample(pending, bitmask)  one fetch
+      arrays   = runner.sample(pending, bitmask)  one fetch; then draft.follow: the MTP layer's cache
       out      = step_output(plan, batch, arrays) one RowResult per row, verification included
     If the step raises, the jobs in it end with an error event and free their blocks, the
     traceback is logged, and the loop goes on.
@@ -57,7 +56,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ferrox_jax.config import SchedulerLimits
-from ferrox_jax.draft import DraftModel, check_compatible
+from ferrox_jax.draft import DraftModel
 from ferrox_jax.admission import AdapterSlots
 from ferrox_jax.host_batch import HostBatch
 from ferrox_jax.images import ImageStage
@@ -104,18 +103,18 @@ class ContinuousBatcher:
         are refused at submit. `faults`: the step watchdog and the consecutive-fault limit.
         `adapters`: the LoRA registry: the scheduler holds a job's adapter slot from its
         admission to its end, and an adapter whose row went non-finite is quarantined.
-        `draft`: `--speculative draft`'s model, which mirrors every step and proposes."""
+        `draft`: `--speculative draft`'s model or `mtp`'s layer (ferrox_jax/mtp.py): follows each step, proposes."""
         check_limits(limits, runner, has_draft=draft is not None)
         if draft is not None:
-            check_compatible(draft.runner, runner)
+            draft.check_compatible(runner)
         self.limits = limits
         self._runner = runner
         self._draft = draft
         self._max_queue = limits.max_queue
         self._scheduler = Scheduler(self.limits, tokenizer, new_matcher=new_matcher, adapters=adapters)
         spec = limits.speculative
-        # Who answers a plan's draft requests: the draft model, or prompt lookup on the host.
-        self._proposer = None if spec is None else draft if spec.method == "draft" else NgramProposer(spec)
+        # Who answers a plan's draft requests: the draft model or MTP layer, or prompt lookup on the host.
+        self._proposer = None if spec is None else draft if spec.method in ("draft", "mtp") else NgramProposer(spec)
         self._has_grammar = new_matcher is not None and fill_bitmask is not None
         self._masks = StepMasks(fill_bitmask, runner.geometry.vocab_size) if self._has_grammar else None
         self._images = ImageStage(runner.encode_images)  # the encoder cache (a model taking images)
@@ -436,6 +435,8 @@ class ContinuousBatcher:
             self._draft.mirror(batch)  # the draft's K/V goes where the target's does
         bitmask = self._masks.fill(pending, self._scheduler.matcher) if batch.has_constrained_rows else None
         arrays = self._runner.sample(pending, bitmask)  # one fetch
+        if self._draft is not None:  # the MTP layer's cache over the step's tokens, its hidden states kept
+            self._draft.follow(plan, batch, pending, arrays)
         return plan, step_output(plan, batch, arrays, device_s=time.perf_counter() - start_s)
 
     def _deliver(self, events: list[RowEvent]) -> None:

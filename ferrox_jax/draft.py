@@ -64,6 +64,13 @@ class DraftModel:
     def warmup(self) -> float:
         return self.runner.warmup()
 
+    def check_compatible(self, target: Runner) -> None:
+        check_compatible(self.runner, target)
+
+    def follow(self, plan: StepPlan, batch: HostBatch, pending, arrays) -> None:
+        """After the target's step was sampled: nothing (the mirror ran with its forward);
+        the MTP draft's hook (`ferrox_jax/mtp.py`)."""
+
     def mirror(self, batch: HostBatch) -> None:
         """Run the target's batch on the draft cache: the same block copies, the same forward
         (never sampled; only the K/V it writes matter)."""

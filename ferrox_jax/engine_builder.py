@@ -50,6 +50,7 @@ from ferrox_jax.batcher import ContinuousBatcher
 from ferrox_jax.step_faults import FaultPolicy
 from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.draft import DraftModel
+from ferrox_jax.mtp import build_mtp, check_mtp, mtp_bytes_per_block
 from ferrox_jax.kv_cache import model_bytes_per_block
 from ferrox_jax.kv_offload import host_room_for_tier, host_tier_blocks
 from ferrox_jax.memory_bounds import (DEFAULT_KV_MEMORY_GIB, GIB, Footprint, context_for, device_room, engine_devices,
@@ -158,12 +159,14 @@ def enable_compile_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def size_kv(config: EngineConfig, model_cfg: ModelConfig, kv_dtype, draft_cfg: ModelConfig | None = None) -> KVSizing:
+def size_kv(config: EngineConfig, model_cfg: ModelConfig, kv_dtype, draft_cfg: ModelConfig | None = None,
+            extra_per_block: int = 0) -> KVSizing:
     """Blocks, context ceiling and the reason, from the config and the checkpoint.
     `kv_dtype`: the cache's storage dtype, which sets the bytes per block. `draft_cfg`: a
-    draft model's, whose cache has a block for every block id too (`ferrox_jax/draft.py`)."""
-    per_block = sum(model_bytes_per_block(c, config.block_size, kv_dtype) for c in (model_cfg, draft_cfg)
-                    if c is not None)
+    draft model's, whose cache has a block for every block id too (`ferrox_jax/draft.py`);
+    `extra_per_block`: the MTP layer's bytes per block (`ferrox_jax/mtp.py`), likewise."""
+    per_block = extra_per_block + sum(model_bytes_per_block(c, config.block_size, kv_dtype)
+                                      for c in (model_cfg, draft_cfg) if c is not None)
     kv_blocks = kv_blocks_for(config, per_block, model_cfg.max_position_embeddings)
     if config.kv_blocks:
         why = f"{kv_blocks} KV blocks ({config.kv_blocks} as configured + the null block)"
@@ -369,7 +372,9 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
     if quantization_note:
         log.info("%s", quantization_note)
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, quantization, dtype)
-    sizing = size_kv(config, source.config, kv_dtype, draft_source.config if draft_source else None)
+    mtp = check_mtp(config, source, model_axis)  # --speculative mtp: refused here unless it can run
+    sizing = size_kv(config, source.config, kv_dtype, draft_source.config if draft_source else None,
+                     mtp_bytes_per_block(source.config, config.block_size, kv_dtype) if mtp else 0)
     footprint = Footprint(source.config, sizing.bytes_per_block, jnp.dtype(dtype).itemsize, jax.default_backend(),
                           kv_shards(config, source.config))
     devices = engine_devices(config)
@@ -401,6 +406,8 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         speculative=config.speculative, scheduling_policy=config.scheduling_policy, kv_offload_blocks=offload)
     grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size, config)
     # Speculating rows take a decode row per token: room for them in the row buckets (step.rows).
+    if mtp:  # the MTP layer reads every token's hidden state from the step (a static of the graph)
+        model.keeps_step_hidden = True
     runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=step.rows,
                          max_chunk_tokens=step.idle_chunk_tokens, max_context=sizing.max_context, kv_dtype=kv_dtype,
                          mesh=mesh, replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks,
@@ -408,6 +415,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
     draft_runner = (_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh)
                     if draft_source is not None else None)
     device, (runner, draft, channel) = runner, _leader_runners(runner, draft_runner, config)
+    draft = build_mtp(source, model, dtype, device) if mtp else draft
     if wrap_runner is not None:
         runner = wrap_runner(runner)
     # Before the batcher, which quarantines an adapter whose row goes non-finite through it.

@@ -157,6 +157,17 @@ def _row_token_starts(shape: StepShape) -> np.ndarray:
     return np.concatenate([decode, chunks]).astype(np.int64)
 
 
+def host_token_index(batch: HostBatch, shape: StepShape, order: np.ndarray) -> np.ndarray:
+    """i64[N]: each host-batch token's index in the padded flat tokens of `pad_batch`'s layout
+    (the MTP draft reads the target's per-token hidden states through it)."""
+    real = np.flatnonzero(order >= 0)
+    first = np.ones(len(real), bool)
+    first[1:] = order[real][1:] != order[real][:-1]
+    padded_row = np.empty(batch.num_rows, np.int64)
+    padded_row[order[real][first]] = real[first]
+    return _host_token_index(batch, shape, padded_row)
+
+
 def _host_token_index(batch: HostBatch, shape: StepShape, padded_row: np.ndarray) -> np.ndarray:
     """i64[N]: for each host-batch token, its index in the padded flat tokens."""
     starts = _row_token_starts(shape)[padded_row]

@@ -10,7 +10,8 @@ runs (`ferrox_jax/runner.py` dispatches the first, fills the masks, then the sec
     cache (layout in `kv_cache.py`), and return the logits at each row's last new token.
     It also returns prompt logprobs for every token when some row asks (echo scoring;
     skipped otherwise), and each row's final hidden states pooled (summed over its valid
-    tokens, and its last one) for embeddings jobs. The graphdef and the state's treedef
+    tokens, and its last one) for embeddings jobs; for a model that feeds the MTP draft
+    (`keeps_step_hidden`, a static attribute of its graph) every token's hidden state too. The graphdef and the state's treedef
     are static, the state's leaves traced, and only the KV cache is donated
     (`donate_argnames`): the caller rebinds it in the same statement
     (`self.kv_cache, out = step(graphdef, tree, leaves, self.kv_cache, batch)`).
@@ -104,6 +105,9 @@ class ForwardResult:
     prompt_top_logprobs: jax.Array  # f32[N, 20]
     hidden_sum: jax.Array  # f32[R, D]: final hidden states summed over each row's valid tokens
     last_hidden: jax.Array  # f32[R, D]: the state at each row's last new token
+    # [N, D] every token's final hidden state, left on the device for `--speculative mtp`'s
+    # layer (`ferrox_jax/mtp.py`) when the model's `keeps_step_hidden` is set; else [0, D]
+    hidden: jax.Array
 
 
 @struct.dataclass
@@ -154,7 +158,8 @@ def _forward(graphdef, state_tree, state_leaves, kv_cache: KVCache, batch: Forwa
     # [N, D], so every shape serves them without a compile of its own.
     valid_hidden = jnp.where(batch.valid[:, None], hidden.astype(jnp.float32), 0.0)
     hidden_sum = jax.ops.segment_sum(valid_hidden, batch.row_of_token, num_segments=rows + 1)[:rows]
-    return kv_cache, ForwardResult(logits, sample_pos, *prompt, hidden_sum, last_hidden.astype(jnp.float32))
+    every = hidden if getattr(model, "keeps_step_hidden", False) else hidden[:0]
+    return kv_cache, ForwardResult(logits, sample_pos, *prompt, hidden_sum, last_hidden.astype(jnp.float32), every)
 
 
 def _sample(logits, positions, sampling: SamplingArrays, bitmask) -> SampleResult:

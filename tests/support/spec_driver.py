@@ -50,11 +50,12 @@ def drive(runner, tokenizer, jobs, speculative: SpeculativeConfig | None, max_ro
           on_step=None, draft: DraftModel | None = None) -> Run:
     """Submits `jobs` (Jobs) and steps until all have finished, each step as
     the owner loop's tick runs it (`ContinuousBatcher._step`, no grammar masks): drafts
-    proposed (`draft`, the draft model for `method="draft"`; else prompt lookup), the host
-    batch, the forward, the draft's mirror, the sample, the results.
+    proposed (`draft`, the draft model for `method="draft"` or the MTP draft for "mtp"; else
+    prompt lookup), the host batch, the forward, the draft's mirror, the sample, the draft's
+    follow, the results.
     `on_step(scheduler, step_index)` runs before each step (to cancel, for instance)."""
     scheduler = Scheduler(limits_for(runner, speculative, max_rows), tokenizer)
-    proposer = draft if speculative is not None and speculative.method == "draft" else (
+    proposer = draft if speculative is not None and speculative.method in ("draft", "mtp") else (
         NgramProposer(speculative) if speculative is not None else None)
     for job in jobs:
         scheduler.add_job(job)
@@ -72,7 +73,10 @@ def drive(runner, tokenizer, jobs, speculative: SpeculativeConfig | None, max_ro
             pending = runner.forward(batch)
             if draft is not None:
                 draft.mirror(batch)
-            scheduler.update(plan, step_output(plan, batch, runner.sample(pending, None)))
+            arrays = runner.sample(pending, None)
+            if draft is not None:  # the MTP draft's cache and kept hidden states (a draft model: nothing)
+                draft.follow(plan, batch, pending, arrays)
+            scheduler.update(plan, step_output(plan, batch, arrays))
             run.num_steps += 1
         for event in scheduler.take_events():
             run.tokens[event.request_id][event.index] += event.token_ids
