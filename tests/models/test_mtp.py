@@ -234,3 +234,30 @@ def test_checkpoint_without_mtp_layer_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"no multi-token-prediction layer .*model\.layers\.2\.eh_proj"):
         check_mtp(config, open_checkpoint(str(path)), 1)
     assert not check_mtp(dataclasses.replace(config, speculative=None), open_checkpoint(str(path)), 1)
+
+
+def test_served_end_to_end_with_its_counters(case):
+    """The engine builder's path (`--speculative mtp` read from the checkpoint folder, its
+    latent cache in the block budget) behind the real server: the greedy text of plain
+    decoding, and the drafts counted in /admin/stats and /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from api.app import create_app
+    from api.config import ServerConfig
+    from tests.support.server_harness import ServerThread, tiny_engine
+
+    path, _, ckpt, prompts, plain = case
+    engine = tiny_engine(path, block_size=4, kv_blocks=64, max_seqs=MAX_ROWS, prefill_chunk=32, max_context=128,
+                         speculative=_spec(1))
+    with ServerThread(create_app(engine, ServerConfig())) as url:
+        reply = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": engine.model_name, "prompt": prompts[0], "max_tokens": 24, "temperature": 0}).json()
+        assert reply["choices"][0]["text"] == ckpt.tokenizer.decode(plain["r0"][0])
+        stats = httpx.get(f"{url}/admin/stats").json()
+        metrics = httpx.get(f"{url}/metrics").text
+    print({k: v for k, v in stats.items() if k.startswith("spec_decode")})
+    assert 0 < stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
+    assert stats["recompiles_after_warmup"] == 0
+    values = {s.name: s.value for family in text_string_to_metric_families(metrics) for s in family.samples}
+    assert values["vllm:spec_decode_num_accepted_tokens_total"] == stats["spec_decode_num_accepted_tokens"]
