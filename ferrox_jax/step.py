@@ -11,8 +11,9 @@ runs (`ferrox_jax/runner.py` dispatches the first, fills the masks, then the sec
     It also returns prompt logprobs for every token when some row asks (echo scoring;
     skipped otherwise), and each row's final hidden states pooled (summed over its valid
     tokens, and its last one) for embeddings jobs; for a model that feeds the MTP draft
-    (`keeps_step_hidden`, a static attribute of its graph) every token's hidden state too. The graphdef and the state's treedef
-    are static, the state's leaves traced, and only the KV cache is donated
+    (`keeps_step_hidden`, a static attribute of its graph) every token's hidden state too.
+    The graphdef and the state's treedef are static, the state's leaves traced, and only
+    the KV cache is donated
     (`donate_argnames`): the caller rebinds it in the same statement
     (`self.kv_cache, out = step(graphdef, tree, leaves, self.kv_cache, batch)`).
   * `sample_step(logits, positions, sampling, bitmask) -> SampleResult`: apply the rows'
@@ -158,7 +159,7 @@ def _forward(graphdef, state_tree, state_leaves, kv_cache: KVCache, batch: Forwa
     # [N, D], so every shape serves them without a compile of its own.
     valid_hidden = jnp.where(batch.valid[:, None], hidden.astype(jnp.float32), 0.0)
     hidden_sum = jax.ops.segment_sum(valid_hidden, batch.row_of_token, num_segments=rows + 1)[:rows]
-    every = hidden if getattr(model, "keeps_step_hidden", False) else hidden[:0]
+    every = hidden if model.keeps_step_hidden else hidden[:0]
     return kv_cache, ForwardResult(logits, sample_pos, *prompt, hidden_sum, last_hidden.astype(jnp.float32), every)
 
 

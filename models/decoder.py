@@ -40,6 +40,9 @@ class CausalLM(nnx.Module):
     abstract params."""
 
     final_norm_init = 1.0  # what a norm weight is initialised to (Gemma stores w - 1: 0.0)
+    # The step also returns every token's final hidden state (`ferrox_jax/step.py`): set on
+    # the instance, before the runner splits it, when `--speculative mtp`'s layer reads them.
+    keeps_step_hidden = False
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs, decode_attention=None):
         """`decode_attention`: None for pure-JAX paged attention everywhere, else a hashable
