@@ -147,11 +147,11 @@ class MtpDraft:
         t0 = time.perf_counter()
         for n in self._token_sizes:
             self._run_follow(*self._padding(n), np.zeros(self._keep, np.int32),
-                             jnp.zeros((n, self.hidden_size), jnp.float32))
+                             jnp.zeros((n, self.hidden_size), jnp.float32))  # ForwardResult.hidden's
         for r in self._row_sizes:
             tokens, positions, valid, tables = self._padding(r)
-            self._run_propose(tokens, positions, valid, tables, jnp.zeros((r, self.hidden_size), jnp.float32),
-                              SamplingArrays.padding(r, self.vocab_size))
+            self._run_propose(tokens, positions, valid, tables, self._kept[jnp.zeros(r, jnp.int32)],
+                              SamplingArrays.padding(r, self.vocab_size))  # the gather of step 0 too
         self._warm = True
         return time.perf_counter() - t0
 

@@ -106,7 +106,7 @@ class ForwardResult:
     prompt_top_logprobs: jax.Array  # f32[N, 20]
     hidden_sum: jax.Array  # f32[R, D]: final hidden states summed over each row's valid tokens
     last_hidden: jax.Array  # f32[R, D]: the state at each row's last new token
-    # [N, D] every token's final hidden state, left on the device for `--speculative mtp`'s
+    # f32[N, D] every token's final hidden state, left on the device for `--speculative mtp`'s
     # layer (`ferrox_jax/mtp.py`) when the model's `keeps_step_hidden` is set; else [0, D]
     hidden: jax.Array
 
@@ -159,7 +159,7 @@ def _forward(graphdef, state_tree, state_leaves, kv_cache: KVCache, batch: Forwa
     # [N, D], so every shape serves them without a compile of its own.
     valid_hidden = jnp.where(batch.valid[:, None], hidden.astype(jnp.float32), 0.0)
     hidden_sum = jax.ops.segment_sum(valid_hidden, batch.row_of_token, num_segments=rows + 1)[:rows]
-    every = hidden if model.keeps_step_hidden else hidden[:0]
+    every = (hidden if model.keeps_step_hidden else hidden[:0]).astype(jnp.float32)
     return kv_cache, ForwardResult(logits, sample_pos, *prompt, hidden_sum, last_hidden.astype(jnp.float32), every)
 
 

@@ -61,6 +61,12 @@ def _jobs(prompts, max_tokens=24, sampling=GREEDY):
             for i, p in enumerate(prompts)]
 
 
+class Tokens(dict):
+    """request id -> per row, the tokens; and the target steps the run took."""
+
+    steps = 0
+
+
 def _successors(runs) -> dict[int, int]:
     succ: dict[int, int] = {}
     for rows in runs.values():
@@ -80,7 +86,9 @@ def case(tmp_path_factory):
     runner, ckpt = _runner(path)
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, ckpt.config.vocab_size, n).tolist() for n in (9, 14, 6)]
-    plain = drive(runner, ckpt.tokenizer, _jobs(prompts), None, max_rows=MAX_ROWS).tokens
+    plain_run = drive(runner, ckpt.tokenizer, _jobs(prompts), None, max_rows=MAX_ROWS)
+    plain = Tokens(plain_run.tokens)
+    plain.steps = plain_run.num_steps
     succ = _successors(plain)
 
     tensors = load_file(str(path / "model.safetensors"))
@@ -129,6 +137,8 @@ def test_greedy_identical_alone_and_batched_with_drafts_accepted(case):
     print(f"k={k}: {c.num_accepted_tokens}/{c.num_draft_tokens} drafts accepted over {c.num_drafts} verifications, "
           f"per position {c.accepted_per_pos}")
     assert c.num_draft_tokens > 0 and c.num_accepted_tokens > c.num_draft_tokens // (3 * k)
+    print(f"target steps: {batched.num_steps} with drafts, {plain.steps} without")
+    assert batched.num_steps < plain.steps  # a count of forwards, not a timing
     alone = drive(runner, ckpt.tokenizer, _jobs(prompts[:1]), _spec(k), max_rows=MAX_ROWS, draft=draft)
     assert alone.tokens["r0"] == plain["r0"]
     assert alone.scheduler.speculator.counters.num_accepted_tokens > 0
