@@ -271,3 +271,16 @@ def test_served_end_to_end_with_its_counters(case):
     assert stats["recompiles_after_warmup"] == 0
     values = {s.name: s.value for family in text_string_to_metric_families(metrics) for s in family.samples}
     assert values["vllm:spec_decode_num_accepted_tokens_total"] == stats["spec_decode_num_accepted_tokens"]
+
+
+def test_flags_and_vllms_json_give_the_same_config():
+    from api import cli
+
+    def parse(argv):
+        return cli.speculative_config(cli.build_parser({}).parse_args(["serve", *argv]))
+
+    flags = parse(["--speculative", "mtp", "--num-speculative-tokens", "1"])
+    json_form = parse(["--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 1}'])
+    assert flags == json_form and flags.method == "mtp" and flags.num_speculative_tokens == 1
+    with pytest.raises(ValueError, match="only it takes one"):
+        SpeculativeConfig(method="mtp", draft_model="/m/small")
