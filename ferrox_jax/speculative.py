@@ -13,7 +13,8 @@ those 1 + k positions at once:
 
 In the tick (`ferrox_jax/batcher.py`): `schedule()` names the decoding rows that may verify
 drafts (`Speculator.plan_drafts`, `StepPlan.draft_requests`), a proposer answers them (here
-`NgramProposer`, on the host; or the draft model, `ferrox_jax/draft.py`), and
+`NgramProposer`, on the host; or the draft model, `ferrox_jax/draft.py`; or DeepSeek's MTP
+layer, `ferrox_jax/mtp.py`, which plans like the draft model), and
 `Scheduler.add_drafts` appends the drafts to their rows before the host batch is built.
 The step's output is read on one path for every row (`ferrox_jax/step_output.py`): what
 was sampled after each of a row's tokens, the drafts kept while they match.
