@@ -335,8 +335,7 @@ class ContinuousBatcher:
         are shared (compiled by the leader, loaded by the followers), and XLA's CPU client
         cannot load one once it compiled the same functions itself (the draft may be the
         same model)."""
-        seconds = self._runner.warmup(progress)
-        return seconds + (self._draft.warmup() if self._draft is not None else 0.0)
+        return self._runner.warmup(progress) + (self._draft.warmup() if self._draft is not None else 0.0)
 
     def sleep(self, level: int) -> concurrent.futures.Future:
         """Once idle, on the owner thread: the prefix cache forgets every block and the
