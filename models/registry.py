@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from models import (deepseek_v3, gemma2, gemma3, gemma4, glm4_moe, gpt_oss, idefics3, llama, llama4, mixtral, phi3,
-                    qwen3, qwen3_moe)
+                    qwen2_5_vl, qwen3, qwen3_moe)
 from models.config import ModelConfig, UnsupportedModelError
 from models.family import Family
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, gemma4.FAMILY,
                                 phi3.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY, gpt_oss.FAMILY, deepseek_v3.FAMILY,
-                                glm4_moe.FAMILY, idefics3.FAMILY, llama4.FAMILY, gemma4.GGUF_MOE_FAMILY)
+                                glm4_moe.FAMILY, idefics3.FAMILY, llama4.FAMILY, gemma4.GGUF_MOE_FAMILY,
+                                qwen2_5_vl.FAMILY)
 _BY_ARCHITECTURE = {arch: f for f in FAMILIES for arch in f.architectures}
 # (general.architecture, has experts) -> family: a `llama` file with experts is Mixtral.
 _BY_GGUF_ARCHITECTURE = {(arch, f.gguf_experts): f for f in FAMILIES for arch in f.gguf_architectures}
@@ -24,7 +25,7 @@ SUPPORTED_ARCHITECTURES = tuple(_BY_ARCHITECTURE)
 SUPPORTED_GGUF_ARCHITECTURES = tuple(dict.fromkeys(arch for arch, _ in _BY_GGUF_ARCHITECTURE))
 # Multimodal wrappers of supported text models: named so the refusal says what is missing.
 _VISION_ARCHITECTURES = ("Mistral3ForConditionalGeneration",
-                         "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+                         "Qwen2VLForConditionalGeneration")
 
 
 def family_for(architecture: str) -> Family:

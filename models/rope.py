@@ -139,3 +139,19 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
     out = (rot.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
     return out if r == x.shape[-1] else jnp.concatenate([out, rest], axis=-1)
+
+
+def mrope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float, section: tuple[int, ...]
+                  ) -> tuple[jax.Array, jax.Array]:
+    """M-RoPE (Qwen2.5-VL): cos, sin f32[B, T, rotary_dim] for 3-D positions i32[B, T, 3]
+    (temporal, height, width). The rotary_dim / 2 frequencies are split into `section`'s runs
+    (summing to rotary_dim / 2); run i turns with axis i % 3 of the position, so a text token
+    (three equal positions) gets plain RoPE."""
+    if sum(section) != rotary_dim // 2:
+        raise ValueError(f"mrope_section {section} sums to {sum(section)}; rotary_dim {rotary_dim} needs "
+                         f"{rotary_dim // 2}")
+    inv_freq = jnp.asarray(rope_inv_freq(rotary_dim, theta, RopeScaling()))
+    axis = np.repeat(np.arange(len(section)) % 3, section)  # the position axis each frequency reads
+    freqs = positions[..., axis].astype(jnp.float32) * inv_freq  # [B, T, r/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)

@@ -34,13 +34,15 @@ GLOBAL_TABLE: dict[str, tuple[str, bool]] = {
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # A vision-language checkpoint's language model, under the text model's names: transformers 5
 # saves `model.language_model.*`, the Hub's checkpoints `language_model.model.*`; Idefics3 /
-# SmolVLM `model.text_model.*` (their vision side: `model.vision_model.*`, `model.connector.*`).
+# SmolVLM `model.text_model.*` (their vision side: `model.vision_model.*`, `model.connector.*`);
+# Qwen2.5-VL's Hub checkpoints keep the text model's own names beside `visual.*`.
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.")
 _VISION_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.",
                     "model.multi_modal_projector.", "model.vision_model.", "model.connector.",
                     "vision_model.",  # Llama 4's (served as a text model)
                     # Gemma 4's towers and their embedders (served as a text model)
-                    "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+                    "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
+                    "visual.", "model.visual.")  # Qwen2.5-VL's vision transformer (models/qwen_vision.py)
 # Buffers some checkpoints carry that are not parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
