@@ -343,7 +343,8 @@ class Engine:
 
     def prepare_images(self, blobs: list[bytes], limits: ImageLimits) -> list[Any]:
         """The pictures of image files, as this model's encoder takes them (Gemma 3: (pixels,
-        digest); Idefics3 / SmolVLM: tiles; `ferrox_jax/image_layout.py`), in any thread (CPU
+        digest); Idefics3 / SmolVLM: tiles; Qwen2.5-VL: patches and their grid;
+        `ferrox_jax/image_layout.py`), in any thread (CPU
         work: the API runs it in its pool). Raises ImageError naming the image and the limit."""
         return self._image_layout().preprocess(blobs, limits)
 

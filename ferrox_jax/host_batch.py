@@ -36,6 +36,8 @@ Layout: R rows in plan order (decode rows, then prompt chunks), N new tokens.
     image_mask      bool[N] or None     (None: no row of the step holds an image)
     attend_until    i32[N] or None      the furthest key each token sees (its position, or its
                                   image's last: `ferrox_jax/images.py`)
+    rope_positions  i32[N, 3] or None   M-RoPE positions (Qwen2.5-VL: `ferrox_jax/images.py`);
+                                  None: no row of the step has them (each position, three times)
     kv_saves        i32[S, 2]     (device block, host slot): the host tier's saves, run first
     kv_restores     i32[L, 2]     (host slot, device block): its restores, run next (then the
                                   block copies); both None or empty without `--kv-offload-gib`
@@ -53,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from ferrox_jax.images import image_columns
+from ferrox_jax.images import image_columns, rope_columns
 from ferrox_jax.plan import RowPlan, StepPlan
 from ferrox_jax.request import RowSampling
 
@@ -157,6 +159,7 @@ class BatchGeometry:
     table_width: int  # blocks per row in every block table (the context ceiling, rounded up)
     vocab_size: int  # the model's logits width V
     image_width: int = 0  # hidden size of a model taking images (its soft tokens' width); 0: none
+    mrope: bool = False  # the model's rotary positions are 3-D (M-RoPE): every step carries them
 
     def blocks_needed(self, row: RowPlan) -> int:
         """Blocks the row's positions reach. Raises ValueError when its table is too short
@@ -193,6 +196,7 @@ class HostBatch:
     image_embeds: np.ndarray | None = None
     image_mask: np.ndarray | None = None
     attend_until: np.ndarray | None = None
+    rope_positions: np.ndarray | None = None
     kv_saves: np.ndarray | None = None  # None reads as no saves
     kv_restores: np.ndarray | None = None  # None reads as no restores
 
@@ -237,6 +241,7 @@ class HostBatch:
                    adapter_slots=np.asarray([row.adapter_slot for row in rows], np.int32),
                    kv_saves=np.asarray(plan.kv_saves, np.int32).reshape(-1, 2),
                    kv_restores=np.asarray(plan.kv_restores, np.int32).reshape(-1, 2),
+                   rope_positions=rope_columns(rows, row_starts, num_tokens),
                    **dict(zip(("image_embeds", "image_mask", "attend_until"), images or ())))
 
     @property

@@ -12,9 +12,15 @@ every family.
   image is several spans: each tile's span is named by the image's digest and the tile's index
   (the encoder cache and the block names tell tiles apart, and the same image's tiles hit again).
   The text model attends causally over them, so the spans are not bidirectional.
+- `QwenLayout` (Qwen2.5-VL, `models/qwen_vision.py`): an image keeps about its own size and aspect
+  (each side a multiple of 28 pixels within the processor's pixel bounds), so its run of
+  `<|image_pad|>` tokens is as long as its grid (rows x columns of merged patches); the chat template
+  puts one `<|image_pad|>` between `<|vision_start|>` and `<|vision_end|>` per image and `expand`
+  repeats it. The spans are causal and carry their grid: the text model's M-RoPE positions follow
+  from it (`ferrox_jax/images.py:mrope_positions`).
 
 A picture (what `preprocess` gives and `expand` / `spans` take) is the layout's own: Gemma 3's
-`(pixels f32[C, S, S], digest)`, a tiled one's `TiledPicture`.
+`(pixels f32[C, S, S], digest)`, a tiled one's `TiledPicture`, Qwen's `QwenPicture`.
 """
 
 from __future__ import annotations
@@ -123,8 +129,84 @@ class TiledLayout:
                      for (start, _), (p, k) in zip(runs, tiles))
 
 
-def layout_for(cfg: Any):
-    """The image layout of a vision config (`models/siglip.py` or `models/idefics3.py`)."""
-    from models.idefics3 import Idefics3VisionConfig
+@dataclasses.dataclass(frozen=True)
+class QwenPicture:
+    """One image as Qwen's processor gives it: its patches, its grid of patches (t, rows, cols)
+    and the digest of both."""
 
+    patches: np.ndarray = dataclasses.field(repr=False)  # f32[t * rows * cols, C * T * p * p]
+    grid: tuple[int, int, int]
+    digest: bytes
+    merge: int = 2
+
+    @property
+    def tokens(self) -> int:
+        return len(self.patches) // self.merge ** 2
+
+    @property
+    def token_grid(self) -> tuple[int, int, int]:
+        """The image tokens' grid (t, rows / merge, cols / merge): their M-RoPE positions."""
+        t, rows, cols = self.grid
+        return t, rows // self.merge, cols // self.merge
+
+
+class QwenLayout:
+    """Qwen2.5-VL (module docstring); `cfg` is `models/qwen_vision.py:QwenVisionConfig`."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def preprocess(self, blobs: Sequence[bytes], limits: ImageLimits) -> list[QwenPicture]:
+        from models.qwen_vision import patchify_image
+
+        out = []
+        for i, data in enumerate(blobs):
+            try:
+                patches, grid = patchify_image(decode_image(data, limits), self.cfg)
+            except (ImageError, ValueError) as e:  # ValueError: an aspect ratio past the processor's 200
+                raise ImageError(f"image {i + 1}: {e}") from None
+            digest = hashlib.sha256(b"qwen %d|%d|%d|" % grid + patches.tobytes()).digest()
+            out.append(QwenPicture(patches, grid, digest, self.cfg.merge))
+        return out
+
+    def expand(self, text: str, tokenizer: Any, pictures: Sequence[QwenPicture]) -> str:
+        """Each `<|image_pad|>` of the rendered prompt repeated, in order, once per image token of its
+        picture, as HF's processor does. Raises ValueError when the markers are not one per image."""
+        if not pictures:
+            return text
+        marker = tokenizer.id_to_token(self.cfg.image_token_id)
+        if not marker:
+            raise ValueError("this model's tokenizer lacks its image token; it cannot take images")
+        pieces = text.split(marker)
+        if len(pieces) - 1 != len(pictures):
+            raise ValueError(f"the prompt has {len(pieces) - 1} image markers ({marker}) for {len(pictures)} images; "
+                             "put one where each image goes")
+        out = [pieces[0]]
+        for picture, piece in zip(pictures, pieces[1:]):
+            out += [marker * picture.tokens, piece]
+        return "".join(out)
+
+    def spans(self, ids: Sequence[int], pictures: Sequence[QwenPicture]) -> tuple[ImageSpan, ...]:
+        """One causal span per image, with its token grid. Raises ValueError when the runs of image
+        tokens are not one whole run per picture."""
+        if not pictures:
+            return ()
+        token = self.cfg.image_token_id
+        starts = [i for i, t in enumerate(ids) if t == token and (i == 0 or ids[i - 1] != token)]
+        runs = [(s, next((j for j in range(s, len(ids)) if ids[j] != token), len(ids)) - s) for s in starts]
+        if len(runs) != len(pictures) or any(n != p.tokens for (_, n), p in zip(runs, pictures)):
+            raise ValueError("the prompt's image placeholders do not match its images (an image token in the "
+                             "text?); give images as image inputs only")
+        return tuple(ImageSpan(start, p.tokens, p.digest, p, bidirectional=False, grid=p.token_grid)
+                     for (start, _), p in zip(runs, pictures))
+
+
+def layout_for(cfg: Any):
+    """The image layout of a vision config (`models/siglip.py`, `models/idefics3.py` or
+    `models/qwen_vision.py`)."""
+    from models.idefics3 import Idefics3VisionConfig
+    from models.qwen_vision import QwenVisionConfig
+
+    if isinstance(cfg, QwenVisionConfig):
+        return QwenLayout(cfg)
     return TiledLayout(cfg) if isinstance(cfg, Idefics3VisionConfig) else Gemma3Layout(cfg)

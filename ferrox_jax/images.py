@@ -22,6 +22,12 @@ preprocessed pixels, and the pixels. From there:
 - **The step's columns** (`image_columns`): per new token, the embedding that replaces it
   (bool mask + f32 rows), and `attend_until`, the furthest key position it may see: a
   bidirectional image's last position for its tokens, the token's own position otherwise.
+- **M-RoPE positions** (Qwen2.5-VL, `ImageSpan.grid` set): every token of such a job, in a
+  prompt chunk or decoding, takes 3-D rotary positions that are a function of its position and
+  the job's images (`mrope_positions`); the scheduler hands each row of the job its images
+  (`RowPlan.rope_images`) and the step gets an i32[N, 3] column (`rope_columns`). The KV cache
+  and the block names stay by token index, so a prefix hit reuses K/V computed at the same
+  3-D positions (the same ids and images give the same positions).
 
 How a family lays its images out (one span per image, or one per tile) is
 `ferrox_jax/image_layout.py`'s.
@@ -51,6 +57,9 @@ class ImageSpan:
     embeds: Any = dataclasses.field(default=None, compare=False, repr=False)  # f32[length, D] once encoded
     # Its tokens attend to each other both ways (Gemma 3), or causally as text does (Idefics3 / SmolVLM).
     bidirectional: bool = True
+    # M-RoPE (Qwen2.5-VL): the image's grid of tokens (t, rows, columns), t * rows * columns =
+    # length; its tokens take 3-D positions on it (`mrope_positions`). None: plain positions.
+    grid: tuple[int, int, int] | None = None
 
     @property
     def stop(self) -> int:
@@ -143,6 +152,29 @@ def hash_ids(token_ids: Sequence[int], images: Sequence[ImageSpan]) -> Sequence[
     return ids
 
 
+def mrope_positions(positions: np.ndarray, images: Sequence[ImageSpan]) -> np.ndarray:
+    """i32[n, 3] M-RoPE positions (temporal, height, width) of token positions i32[n] of a
+    prompt (or its output) whose images, all of them in order, are `images`: a text token's
+    three positions are its position plus the shift of the images before it; an image's
+    token k sits at s + (k // (rows cols), k // cols % rows, k % cols), s its first token's
+    text position; an image moves what follows by max(rows, columns) - length (HF's
+    `get_rope_index`: the text after an image continues from its largest position + 1)."""
+    positions = np.asarray(positions, np.int64)
+    out = np.repeat(positions[:, None], 3, axis=1)
+    shift = 0
+    for image in images:
+        if image.grid is None:
+            continue
+        _, rows, cols = image.grid
+        inside = (positions >= image.start) & (positions < image.stop)
+        k = positions[inside] - image.start
+        out[inside] = image.start + shift + np.stack([k // (rows * cols), k // cols % rows, k % cols], axis=1)
+        moved = max(rows, cols) - image.length
+        out[positions >= image.stop] += moved
+        shift += moved
+    return out.astype(np.int32)
+
+
 def chunk_end(images: Sequence[ImageSpan], start: int, end: int, cap: int) -> int:
     """A chunk over [start, end) moved so no image is cut: an end inside an image goes back
     to the image's start, or (when the chunk starts inside or at it) on to its end, at most
@@ -204,7 +236,7 @@ def attach_embeddings(rows: Sequence, encode: Callable[[np.ndarray], np.ndarray]
             if image.embeds is None and cache.get(image.digest) is None:
                 missing.setdefault(image.digest, image)
     if missing:
-        encoded = encode(np.stack([image.pixels for image in missing.values()]))
+        encoded = encode(_batch([image.pixels for image in missing.values()]))
         for image, embeds in zip(missing.values(), encoded):
             if embeds.shape[0] != image.length:
                 raise ValueError(f"the encoder gave {embeds.shape[0]} soft tokens for an image of {image.length}")
@@ -219,7 +251,7 @@ def attach_embeddings(rows: Sequence, encode: Callable[[np.ndarray], np.ndarray]
         for image in row.images:
             embeds = image.embeds if image.embeds is not None else cache.get(image.digest)
             if embeds is None:  # the cache dropped it between put and here (smaller than one step's images)
-                embeds = np.asarray(encode(image.pixels[None])[0], np.float32)
+                embeds = np.asarray(encode(_batch([image.pixels]))[0], np.float32)
                 counters.encoder_runs += 1
             elif image.digest not in missing:
                 counters.encoder_cache_hits += 1
@@ -228,6 +260,12 @@ def attach_embeddings(rows: Sequence, encode: Callable[[np.ndarray], np.ndarray]
             counters.image_tokens += max(0, hi - lo)
         out.append(dataclasses.replace(row, images=tuple(images)))
     return out
+
+
+def _batch(pixels: list) -> Any:
+    """What `encode` takes: same-size images stacked (f32[B, C, S, S]); a family whose images
+    differ in size (Qwen2.5-VL's patch grids) takes the list."""
+    return np.stack(pixels) if isinstance(pixels[0], np.ndarray) else pixels
 
 
 class ImageStage:
@@ -274,3 +312,22 @@ def image_columns(rows: Sequence, row_starts: np.ndarray, num_tokens: int, width
             if image.bidirectional:
                 until[at:at + last - first] = image.stop - 1
     return embeds, mask, until
+
+
+def rope_columns(rows: Sequence, row_starts: np.ndarray, num_tokens: int) -> np.ndarray | None:
+    """i32[N, 3] M-RoPE positions of a step's tokens (`mrope_positions` of each row's
+    `rope_images`; a row without them: its position three times), or None when no row has any
+    (a text-only step: the forward repeats each position)."""
+    if not any(row.rope_images for row in rows):
+        return None
+    out = np.zeros((num_tokens, 3), np.int32)
+    for i, row in enumerate(rows):
+        lo, count = int(row_starts[i]), len(row.token_ids)
+        out[lo:lo + count] = mrope_positions(np.arange(row.start_pos, row.start_pos + count), row.rope_images)
+    return out
+
+
+def rope_images(images: Sequence[ImageSpan]) -> tuple[ImageSpan, ...]:
+    """A job's images as its rows carry them for M-RoPE (`RowPlan.rope_images`): all of them
+    when they have grids, () otherwise (no column, no cost)."""
+    return tuple(images) if any(image.grid is not None for image in images) else ()

@@ -29,9 +29,10 @@ from ferrox_jax.host_batch import HostBatch, StepArrays
 from ferrox_jax.step import ForwardBatch, image_padding
 
 
-def empty_forward(shape: StepShape, table_width: int, has_lora: bool, image_width: int = 0) -> ForwardBatch:
+def empty_forward(shape: StepShape, table_width: int, has_lora: bool, image_width: int = 0,
+                  mrope: bool = False) -> ForwardBatch:
     """A ForwardBatch of `shape` with numpy leaves, every token padding (`image_width`: the
-    hidden size of a model taking images, 0 for none)."""
+    hidden size of a model taking images, 0 for none; `mrope`: its M-RoPE position column)."""
     n, r = shape.num_tokens, shape.num_rows
     segments = [(shape.decode_rows, 1), (shape.chunk_rows, shape.chunk_tokens)]
     segments = [(rows, tokens) for rows, tokens in segments if rows]
@@ -41,11 +42,11 @@ def empty_forward(shape: StepShape, table_width: int, has_lora: bool, image_widt
         last_index=np.zeros(r, np.int32), next_tokens=np.full(n, -1, np.int32),
         row_of_token=np.full(n, r, np.int32), want_prompt_logprobs=np.asarray(False),
         segment_tokens=tuple(tokens for _, tokens in segments),
-        adapter_slots=np.zeros(n, np.int32) if has_lora else None, **image_padding(n, image_width))
+        adapter_slots=np.zeros(n, np.int32) if has_lora else None, **image_padding(n, image_width, mrope))
 
 
 def pad_batch(batch: HostBatch, buckets: Buckets, table_width: int,
-              has_lora: bool, image_width: int = 0) -> tuple[StepShape, np.ndarray, ForwardBatch]:
+              has_lora: bool, image_width: int = 0, mrope: bool = False) -> tuple[StepShape, np.ndarray, ForwardBatch]:
     """The step shape, `order` (i64[R']: the host row in each padded row, -1 for padding)
     and the padded forward inputs (module docstring)."""
     lengths = batch.row_lengths
@@ -61,7 +62,7 @@ def pad_batch(batch: HostBatch, buckets: Buckets, table_width: int,
     order[shape.decode_rows:shape.decode_rows + len(chunks)] = chunks
     offsets = np.zeros(shape.num_rows, np.int64)
     offsets[:len(part)] = part
-    out = empty_forward(shape, table_width, has_lora, image_width)
+    out = empty_forward(shape, table_width, has_lora, image_width, mrope)
     starts = _row_token_starts(shape)
     for row in np.flatnonzero(order >= 0):
         host = order[row]
@@ -73,6 +74,8 @@ def pad_batch(batch: HostBatch, buckets: Buckets, table_width: int,
         out.positions[start:stop] = batch.positions[lo:hi]
         if image_width:
             _pad_image_tokens(out, batch, start, stop, lo, hi)
+        if out.rope_positions is not None:
+            _pad_rope_positions(out, batch, start, stop, lo, hi)
         out.valid[start:stop] = True
         out.next_tokens[start:stop] = batch.next_token_ids[lo:hi]
         out.row_of_token[start:stop] = row
@@ -93,6 +96,12 @@ def _pad_image_tokens(out: ForwardBatch, batch: HostBatch, start: int, stop: int
     out.attend_until[start:stop] = batch.attend_until[lo:hi]
     out.image_mask[start:stop] = batch.image_mask[lo:hi]
     out.image_embeds[start:stop] = batch.image_embeds[lo:hi]
+
+
+def _pad_rope_positions(out: ForwardBatch, batch: HostBatch, start: int, stop: int, lo: int, hi: int) -> None:
+    """A row's tokens' M-RoPE positions: the step's column, or each position three times."""
+    rope = batch.positions[lo:hi, None] if batch.rope_positions is None else batch.rope_positions[lo:hi]
+    out.rope_positions[start:stop] = rope
 
 
 def _pad_adapters(out: ForwardBatch, batch: HostBatch, order: np.ndarray, starts: np.ndarray,

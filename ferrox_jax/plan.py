@@ -60,6 +60,9 @@ class RowPlan:
     # Prompt chunks: the job's images with a soft token in this chunk (`ferrox_jax/images.py`),
     # their embeddings attached by the owner before the host batch is built.
     images: tuple = ()
+    # Every row of a job whose images take M-RoPE positions (Qwen2.5-VL), decoding rows too: all
+    # of the job's images, from which its tokens' 3-D positions follow (`ferrox_jax/images.py`).
+    rope_images: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ after the previous tick's events were taken, and recomputing adds no token.
 
 from __future__ import annotations
 
-from ferrox_jax.images import overlapping
+from ferrox_jax.images import overlapping, rope_images
 from ferrox_jax.plan import RowPlan
 from ferrox_jax.priority import pick_victim
 from ferrox_jax.request import JobState, Row
@@ -119,7 +119,8 @@ class Preemption:
         return RowPlan(row_id=row.row_id, token_ids=tuple(row.token_ids[start:end]), start_pos=start,
                        block_ids=tuple(row.block_ids), sample=False, sampling=row.sampling,
                        num_prompt_tokens=len(row.job.submitted.prompt_token_ids), adapter_slot=row.job.adapter_slot,
-                       images=overlapping(row.job.submitted.images, start, end))
+                       images=overlapping(row.job.submitted.images, start, end),
+                       rope_images=rope_images(row.job.submitted.images))
 
     def _apply_history_chunk(self, row: Row, step: RowPlan) -> None:
         """A recomputing row's chunk ran; once all but its last token are back in its

@@ -142,7 +142,8 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or model.dtype
         self.vision = vision
         self.geometry = BatchGeometry(block_size, block_table_width(max_context, block_size), cfg.vocab_size,
-                                      cfg.hidden_size if vision is not None else 0)
+                                      cfg.hidden_size if vision is not None else 0,
+                                      mrope=vision is not None and getattr(cfg, "mrope_section", None) is not None)
         self.buckets = Buckets.derive(max_rows, max_chunk_tokens, max_chunks)
         self.mesh = mesh
         self.graphdef, state = nnx.split(model)
@@ -270,7 +271,7 @@ class ModelRunner:
             sampling = self._to_step(SamplingArrays.padding(rows, self.vocab_size))
             return self._steps.sample.lower(logits, positions, sampling, self._all_ones_mask(rows))
         batch = self._to_step(empty_forward(StepShape(*key[1:]), self.geometry.table_width, self.has_lora,
-                                            self.geometry.image_width))
+                                            self.geometry.image_width, self.geometry.mrope))
         return self._steps.forward.lower(self.graphdef, self._state_tree, self._state_leaves, self.kv_cache, batch)
 
     def _compile(self, key: tuple) -> Callable:
@@ -309,7 +310,8 @@ class ModelRunner:
     # ---- pad ---------------------------------------------------------------------------
     def _pad(self, batch: HostBatch) -> tuple[StepShape, np.ndarray, ForwardBatch]:
         """`ferrox_jax/padding.py:pad_batch` for this runner's shapes."""
-        return pad_batch(batch, self.buckets, self.geometry.table_width, self.has_lora, self.geometry.image_width)
+        return pad_batch(batch, self.buckets, self.geometry.table_width, self.has_lora, self.geometry.image_width,
+                         self.geometry.mrope)
 
     def _all_ones_mask(self, rows: int) -> jax.Array:
         """The bitmask of `rows` unconstrained rows, kept on the device (no transfer per step)."""
@@ -362,12 +364,11 @@ class ModelRunner:
         return result
 
     def encode_images(self, pixels: np.ndarray) -> np.ndarray:
-        """The vision encoder over B images, f32[B, C, S, S] -> f32[B, T, D], in bucketed calls."""
+        """The vision encoder over B images, f32[B, C, S, S] -> f32[B, T, D], in bucketed calls
+        (Qwen2.5-VL: a list of `QwenPicture`s -> a list of f32[T_i, D]; `ferrox_jax/vision.py`)."""
         if self.vision is None:
             raise ValueError("this model takes no images")
-        parts = [self.vision.run(self._executable(("vision", bucket)), pixels[start:start + count], bucket)
-                 for start, count, bucket in self.vision.calls(len(pixels))]
-        return np.concatenate(parts)
+        return self.vision.encode(pixels, lambda bucket: self._executable(("vision", bucket)))
 
     def copy_blocks(self, copies: np.ndarray) -> None:
         """(src, dst) block copies, `COPY_BATCH` pairs per call (padded with 0 -> 0 no-ops)."""

@@ -53,7 +53,7 @@ from typing import Any
 from ferrox_jax.admission import AdapterSlots, check_admission  # noqa: F401 (check_admission: the batcher's)
 from ferrox_jax.block_tables import BlockTables, blocks_to_reserve  # noqa: F401
 from ferrox_jax.config import SchedulerLimits
-from ferrox_jax.images import chunk_end, overlapping
+from ferrox_jax.images import chunk_end, overlapping, rope_images
 from ferrox_jax.plan import RowPlan, StepOutput, StepPlan
 from ferrox_jax.preemption import Preemption
 from ferrox_jax.priority import WaitingQueue
@@ -312,7 +312,8 @@ class Scheduler(Preemption):
             num_prompt_tokens=len(prompt),
             history_token_ids=row.penalty_history(self._eos_token_ids) if sample else (),
             is_constrained=sample and row.matcher is not None, pooling=job.submitted.pooling is not None,
-            adapter_slot=job.adapter_slot, images=overlapping(job.submitted.images, start, end))
+            adapter_slot=job.adapter_slot, images=overlapping(job.submitted.images, start, end),
+            rope_images=rope_images(job.submitted.images))
 
     def _plan_decode_rows(self) -> tuple[RowPlan, ...]:
         """One token for every decoding row (under the priority policy, every row not less
@@ -329,7 +330,7 @@ class Scheduler(Preemption):
                 block_ids=tuple(row.block_ids), sample=True, sampling=row.step_sampling(self._eos_token_ids),
                 num_prompt_tokens=len(row.job.submitted.prompt_token_ids),
                 history_token_ids=row.penalty_history(self._eos_token_ids), is_constrained=row.matcher is not None,
-                adapter_slot=row.job.adapter_slot))
+                adapter_slot=row.job.adapter_slot, rope_images=rope_images(row.job.submitted.images)))
         return tuple(steps)
 
     def _update_peak(self) -> None:

@@ -68,10 +68,11 @@ class ForwardBatch:
     image_embeds: jax.Array | None = None  # f32[N, D]: an image's soft token where image_mask is set
     image_mask: jax.Array | None = None  # bool[N]
     attend_until: jax.Array | None = None  # i32[N]: furthest key position each token sees
+    rope_positions: jax.Array | None = None  # i32[N, 3]: M-RoPE positions (a model with them; None otherwise)
 
     @classmethod
     def padding(cls, shape: StepShape, table_width: int, has_lora: bool = False,
-                image_width: int = 0) -> "ForwardBatch":
+                image_width: int = 0, mrope: bool = False) -> "ForwardBatch":
         """A batch of `shape` with numpy leaves, every token padding (what warm-up compiles
         against, and what `tools/device/export_steps.py` lowers). `image_width`: the hidden
         size of a model taking images (0: none)."""
@@ -84,15 +85,17 @@ class ForwardBatch:
                    row_of_token=np.full(n, r, np.int32), want_prompt_logprobs=np.asarray(False),
                    segment_tokens=tuple(tokens for _, tokens in segments),
                    adapter_slots=np.zeros(n, np.int32) if has_lora else None,
-                   **image_padding(n, image_width))
+                   **image_padding(n, image_width, mrope))
 
 
-def image_padding(num_tokens: int, image_width: int) -> dict:
-    """The image fields of a batch of `num_tokens` padding tokens (none when `image_width` is 0)."""
+def image_padding(num_tokens: int, image_width: int, mrope: bool = False) -> dict:
+    """The image fields of a batch of `num_tokens` padding tokens (none when `image_width` is 0;
+    `mrope`: the M-RoPE position column too)."""
     if not image_width:
         return {}
-    return dict(image_embeds=np.zeros((num_tokens, image_width), np.float32),
-                image_mask=np.zeros(num_tokens, bool), attend_until=np.zeros(num_tokens, np.int32))
+    out = dict(image_embeds=np.zeros((num_tokens, image_width), np.float32),
+               image_mask=np.zeros(num_tokens, bool), attend_until=np.zeros(num_tokens, np.int32))
+    return {**out, "rope_positions": np.zeros((num_tokens, 3), np.int32)} if mrope else out
 
 
 @struct.dataclass
@@ -134,6 +137,8 @@ def _run_model(graphdef, state, kv_cache: KVCache, batch: ForwardBatch):
     if batch.adapter_slots is not None:
         bind_token_slots(model, batch.adapter_slots)
     images = None if batch.image_embeds is None else (batch.image_embeds, batch.image_mask, batch.attend_until)
+    if images is not None and batch.rope_positions is not None:
+        images = (*images, batch.rope_positions)
     hidden, k, v = model(batch.tokens, batch.positions, batch.valid, kv_cache.k, kv_cache.v,
                          batch.block_tables, batch.segment_tokens, images)
     return model, hidden, KVCache(k=k, v=v)

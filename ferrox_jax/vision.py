@@ -10,6 +10,10 @@ executables serve every count with 0 compiles after warm-up; each call's soft to
 back to the host (the owner thread puts them in the encoder cache and the step's host batch,
 `ferrox_jax/images.py`). The encoder's weights are float32 and replicated: it is small beside
 the language model (SigLIP-So400m: 0.4B parameters against Gemma 3's 4B-27B).
+
+Qwen2.5-VL's images differ in size (`QwenVisionEncoder`, `models/qwen_vision.py`): a step's new
+images are packed into calls of at most the largest patch bucket, each call padded to the smallest
+bucket holding its patches (attention never crosses images), one executable per bucket.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 
 from ferrox_jax.image_layout import layout_for
 from models.idefics3 import Idefics3VisionConfig, idefics3_image_tokens, read_idefics3_vision
+from models.qwen_vision import QwenVisionConfig, pack, patch_buckets, qwen_image_tokens, read_qwen_vision, unpack
 from models.siglip import VisionConfig, gemma3_image_tokens, read_gemma3_mmproj, read_gemma3_vision
 
 log = logging.getLogger(__name__)
@@ -76,13 +81,66 @@ class VisionEncoder:
         padded[:len(pixels)] = pixels
         return np.asarray(jax.device_get(executable(self.params, padded)))[:len(pixels)]
 
+    def encode(self, pixels: np.ndarray, executable) -> np.ndarray:
+        """f32[B, C, S, S] -> f32[B, T, D] in bucketed calls (`executable(bucket)`: its compile)."""
+        return np.concatenate([self.run(executable(bucket), pixels[start:start + count], bucket)
+                               for start, count, bucket in self.calls(len(pixels))])
 
-def place_vision(cfg: VisionConfig | Idefics3VisionConfig, params: dict[str, Any]) -> VisionEncoder:
+
+@dataclasses.dataclass
+class QwenVisionEncoder:
+    """Qwen2.5-VL's vision transformer and merger: its shape, its weights on the device."""
+
+    cfg: QwenVisionConfig
+    params: dict[str, Any]
+
+    @property
+    def layout(self):
+        return layout_for(self.cfg)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return patch_buckets(self.cfg)
+
+    def compile_keys(self) -> list[tuple]:
+        return [("vision", b) for b in self.buckets]
+
+    def lower(self, key: tuple) -> jax.stages.Lowered:
+        call = pack([], key[1], self.cfg)
+        return qwen_image_tokens.lower(self.params, call.patches, call.rows_cols, call.window, call.image, self.cfg)
+
+    def calls(self, sizes: list[int]) -> list[tuple[int, int, int]]:
+        """(start, images, bucket) of the calls over images of `sizes` patches: consecutive images
+        packed while they fit the largest bucket."""
+        out, start, top = [], 0, self.buckets[-1]
+        while start < len(sizes):
+            end, total = start, 0
+            while end < len(sizes) and total + sizes[end] <= top:
+                total, end = total + sizes[end], end + 1
+            if end == start:
+                raise ValueError(f"an image of {sizes[start]} patches is past the encoder's {top}")
+            out.append((start, end - start, next(b for b in self.buckets if b >= total)))
+            start = end
+        return out
+
+    def encode(self, pictures: list, executable) -> list[np.ndarray]:
+        """`QwenPicture`s -> their image tokens, f32[T_i, D] each (`executable(bucket)`: its compile)."""
+        out = []
+        for start, count, bucket in self.calls([len(p.patches) for p in pictures]):
+            call = pack([(p.patches, p.grid) for p in pictures[start:start + count]], bucket, self.cfg)
+            tokens = executable(bucket)(self.params, call.patches, call.rows_cols, call.window, call.image)
+            out += unpack(call, np.asarray(jax.device_get(tokens)))
+        return out
+
+
+def place_vision(cfg: VisionConfig | Idefics3VisionConfig | QwenVisionConfig,
+                 params: dict[str, Any]) -> VisionEncoder | QwenVisionEncoder:
     """The encoder with its weights on the default device."""
-    return VisionEncoder(cfg, {name: jax.device_put(jnp.asarray(v, jnp.float32)) for name, v in params.items()})
+    placed = {name: jax.device_put(jnp.asarray(v, jnp.float32)) for name, v in params.items()}
+    return QwenVisionEncoder(cfg, placed) if isinstance(cfg, QwenVisionConfig) else VisionEncoder(cfg, placed)
 
 
-def open_vision(source: Any, config: Any) -> tuple[VisionEncoder | None, Any, Any]:
+def open_vision(source: Any, config: Any) -> tuple[VisionEncoder | QwenVisionEncoder | None, Any, Any]:
     """A checkpoint's vision encoder (None for a text model), the engine config it needs (prompt
     chunks of at least one image's tokens: an image is computed in one forward, so a smaller
     configured size is raised), and the source (with `--mmproj`, its config now naming the
@@ -102,10 +160,13 @@ def open_vision(source: Any, config: Any) -> tuple[VisionEncoder | None, Any, An
         raise ValueError("--load-format dummy does not make a vision encoder's weights; serve the checkpoint's own")
     else:
         vision_cfg = source.config.vision
-        read = read_idefics3_vision if isinstance(vision_cfg, Idefics3VisionConfig) else read_gemma3_vision
+        read = (read_idefics3_vision if isinstance(vision_cfg, Idefics3VisionConfig) else
+                read_qwen_vision if isinstance(vision_cfg, QwenVisionConfig) else read_gemma3_vision)
         cfg, params = read(source.path)  # the encoder's tensors of the checkpoint folder
     if jax.process_count() > 1:
         raise ValueError("multi-host serving of a model taking images is not supported yet; serve it on one host")
+    if isinstance(cfg, QwenVisionConfig):  # causal image tokens of any count: chunks cut them as text
+        return place_vision(cfg, params), config, source
     if config.prefill_chunk < cfg.tokens_per_image:
         log.info("prompt chunks of %d tokens (was %d): an image's %d tokens are computed in one forward",
                  cfg.tokens_per_image, config.prefill_chunk, cfg.tokens_per_image)

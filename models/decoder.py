@@ -104,7 +104,9 @@ class CausalLM(nnx.Module):
           images: None, or (embeds f32[N, D], mask bool[N], limits i32[N]) for a model taking
             images: where `mask` is set the token's embedding is `embeds` (an image's soft
             token from the vision encoder, not scaled as text embeddings are), and each token
-            sees keys up to `limits` (an image's tokens see the whole image).
+            sees keys up to `limits` (an image's tokens see the whole image); a model with
+            M-RoPE (Qwen2.5-VL) gets a fourth, its tokens' 3-D rotary positions i32[N, 3], which
+            its `rope` takes in place of `positions`.
         Returns:
           (hidden f32/dtype[N, D] after the final norm, k_caches, v_caches).
         """
@@ -112,9 +114,9 @@ class CausalLM(nnx.Module):
             raise ValueError(f"expected {self.cfg.num_layers} K and V cache arrays; got {len(k_caches)} "
                              f"and {len(v_caches)}")
         block_size = k_caches[0].shape[2]
-        embeds, mask, limits = images if images is not None else (None, None, None)
+        embeds, mask, limits, *rope_positions = images if images is not None else (None, None, None)
         fwd = ForwardContext.build(positions, valid, block_tables, segment_tokens, block_size, self.rope,
-                                   self.decode_attention, limits)
+                                   self.decode_attention, limits, rope_positions[0] if rope_positions else None)
         x = self.embed_tokens(tokens)
         if embeds is not None:
             x = jnp.where(mask[:, None], embeds.astype(x.dtype), x)

@@ -165,14 +165,15 @@ class ForwardContext:
 
     @classmethod
     def build(cls, positions, valid, block_tables, segment_tokens, block_size: int, rope, decode_attention,
-              limits=None):
+              limits=None, rope_positions=None):
         """From the flat positions i32[N] / valid bool[N], one block table i32[B_s, MB] per
         segment and each segment's tokens per row (static); `rope(positions, valid)` gives
         a segment's cos/sin tables ([B, T, r] per kind), flattened here to [N, r].
         `limits` i32[N]: the furthest key each token sees (a model taking images; None: its
         own position). The ragged kernels do not take limits: such a forward attends in
         pure JAX segment by segment (the one-query kernels still serve decode rows, whose
-        limit is their position)."""
+        limit is their position). `rope_positions` i32[N, 3]: M-RoPE positions, handed to
+        `rope` ([B, T, 3] per segment) instead of the positions (None: the positions)."""
         if limits is not None and isinstance(decode_attention, RaggedAttention):
             decode_attention = None
         segments, start = [], 0
@@ -186,7 +187,11 @@ class ForwardContext:
         if start != positions.shape[0]:
             raise ValueError(f"segments hold {start} tokens but the forward has {positions.shape[0]}")
         slots = [kv_slots(s.positions, s.valid, s.block_tables, block_size) for s in segments]
-        tables = [rope(s.positions, s.valid) for s in segments]
+        if rope_positions is None:
+            tables = [rope(s.positions, s.valid) for s in segments]
+        else:  # the segments' 3-D positions, cut as the flat tokens are
+            tables = [rope(rope_positions[s.start:s.start + s.rows * s.tokens].reshape(s.rows, s.tokens, 3), s.valid)
+                      for s in segments]
         flat_rope = {kind: tuple(jnp.concatenate([t[kind][i].reshape(s.rows * s.tokens, -1)
                                                   for s, t in zip(segments, tables)]) for i in (0, 1))
                      for kind in tables[0]}
