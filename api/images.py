@@ -25,10 +25,11 @@ and the limit: too many images, too many bytes or pixels, not an image, truncate
 model that takes none.
 
 The rendered prompt holds one image marker per image (Gemma 3: `<start_of_image>`; Idefics3 /
-SmolVLM: `<image>`); `expand` replaces each with what the model's HF processor puts there (Gemma 3:
-"\\n\\n", the marker, the image's soft tokens, the end marker, "\\n\\n"; Idefics3: each tile's
-markers and tokens, then the global view's), and after tokenizing `spans` finds each image's (or
-tile's) run of tokens, so `Job.images` says where every embedding goes.
+SmolVLM: `<image>`; Qwen2.5-VL: `<|image_pad|>`); `expand` replaces each with what the model's HF
+processor puts there (Gemma 3: "\\n\\n", the marker, the image's soft tokens, the end marker,
+"\\n\\n"; Idefics3: each tile's markers and tokens, then the global view's; Qwen2.5-VL: the marker
+once per image token of its grid), and after tokenizing `spans` finds each image's (or tile's) run
+of tokens, so `Job.images` says where every embedding goes.
 """
 
 from __future__ import annotations

@@ -1,0 +1,268 @@
+"""Qwen2.5-VL images with M-RoPE positions: a tiny random `Qwen2_5_VLForConditionalGeneration`
+(transformers 5.25, tests/support/tiny_qwen_vl.py) served by the real engine, against HF's image
+processor and whole model given the same images.
+
+- preprocessing: a generated image saved as PNG and as JPEG, decoded and patchified by us, within
+  1e-6 of HF's PIL image processor, with the same grid; the prompt's ids equal what HF's
+  processor lays out (`Qwen2_5_VLProcessor.replace_image_token`);
+- the vision transformer and merger (window blocks and a full-attention block, 2-D RoPE) within
+  1e-5 of HF's `get_image_features` for two images of two shapes in one packed call (negative
+  control: the rows and columns of the rotary angles swapped is far off);
+- M-RoPE positions equal HF's `get_rope_index` for a prompt with two images;
+- through the engine: an image prompt (chunked: the text after the image in a later chunk) and a
+  prompt with two images, every prompt logprob within 1e-4 of HF's float32 log-softmax and the
+  same greedy tokens (decoding continues from the images' shifted positions);
+- a text-only prompt equals HF's greedy tokens; an image prompt batched with a text-only row
+  equals it alone; the same image twice is one
+  encoder run and a prefix hit, another image a miss; 0 compiles after warm-up;
+- negative controls: positions as the plain token index (M-RoPE off) and the placeholders shifted
+  by one both fail the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import threading
+import types
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+PIL = pytest.importorskip("PIL.Image")
+
+from ferrox_jax.config import EngineConfig  # noqa: E402
+from ferrox_jax.engine import Engine  # noqa: E402
+from ferrox_jax.images import mrope_positions  # noqa: E402
+from ferrox_jax.request import Job, RowSampling  # noqa: E402
+from models.image_input import ImageLimits  # noqa: E402
+from tests.support.engine_helpers import float32_matmuls  # noqa: E402,F401
+from tests.support.tiny_qwen_vl import image_processor  # noqa: E402
+
+TIMEOUT_S = 180
+GREEDY = 6
+PAD = "<|image_pad|>"
+IMAGE = f"<|vision_start|>{PAD}<|vision_end|>"
+PROMPT = f"<|im_start|>user\nLook {IMAGE} and say what it is<|im_end|>\n<|im_start|>assistant\n"
+TWO = f"<|im_start|>user\nFirst {IMAGE} then {IMAGE} which is brighter?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    from tests.support.tiny_qwen_vl import make_tiny_qwen_vl
+
+    folder, vocab = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen-vl") / "tiny-qwen2_5_vl")
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = Engine.load(EngineConfig(model=str(folder), block_size=4, kv_blocks=300, max_context=256,
+                                      prefill_chunk=32, max_seqs=4))
+    engine.warmup()
+    engine.start()
+    yield folder, hf, engine, vocab
+    engine.shutdown()
+
+
+def _image(seed: int, height: int, width: int):
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (height // 4 + 1, width // 4 + 1, 3)).astype(np.uint8)  # blocky: JPEG keeps it
+    return PIL.fromarray(np.kron(base, np.ones((4, 4, 1), np.uint8))[:height, :width], "RGB")
+
+
+def _file(image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def _ours(engine, images, prompt=PROMPT):
+    """(ids, spans) as the server lays them out."""
+    layout = engine.image_layout
+    pictures = layout.preprocess([_file(im) for im in images], ImageLimits())
+    ids = engine.tokenizer.encode(layout.expand(prompt, engine.tokenizer, pictures), add_special_tokens=False)
+    return ids, layout.spans(ids, pictures)
+
+
+def _reference(engine, images, prompt=PROMPT):
+    """HF's processor's input_ids (its `replace_image_token` per image) and image inputs."""
+    ip = image_processor()
+    out = ip(images, return_tensors="pt")
+    proc = types.SimpleNamespace(image_processor=ip, image_token=PAD)
+    pieces = prompt.split(PAD)
+    text = pieces[0] + "".join(transformers.Qwen2_5_VLProcessor.replace_image_token(proc, out, i) + piece
+                               for i, piece in enumerate(pieces[1:]))
+    return engine.tokenizer.encode(text, add_special_tokens=False), out
+
+
+def _hf_logprobs(hf, ids, ref, image_token) -> np.ndarray:
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        logits = hf(input_ids=input_ids, pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"],
+                    mm_token_type_ids=(input_ids == image_token).int()).logits[0].double()
+    return torch.log_softmax(logits, -1).numpy()
+
+
+def _hf_greedy(hf, ids, ref, image_token, n=GREEDY) -> list[int]:
+    ids, out = list(ids), []
+    for _ in range(n):
+        out.append(int(_hf_logprobs(hf, ids + out, ref, image_token)[-1].argmax()))
+    return out
+
+
+class _Collect:
+    def __init__(self):
+        self.events, self.done = [], threading.Event()
+
+    def __call__(self, event):
+        self.events.append(event)
+        if event.finish_reason:
+            self.done.set()
+
+    def tokens(self):
+        assert self.done.wait(TIMEOUT_S)
+        return [t for e in self.events for t in e.token_ids]
+
+
+def _submit(engine, name, ids, spans, n=GREEDY, **kw) -> _Collect:
+    c = _Collect()
+    engine.submit(Job(name, tuple(ids), n, RowSampling(temperature=0.0), ignore_eos=True, images=spans, **kw), c)
+    return c
+
+
+def _run(engine, name, ids, spans, n=GREEDY, **kw):
+    c = _submit(engine, name, ids, spans, n, **kw)
+    return c.tokens(), c.events
+
+
+def _prompt_logprobs(events) -> np.ndarray:
+    return np.array([lp for lp, _ in events[0].prompt_logprobs])
+
+
+def _prompt_error(events, ids, want) -> float:
+    ref = np.array([want[p, ids[p + 1]] for p in range(len(ids) - 1)])
+    return float(np.abs(_prompt_logprobs(events) - ref).max())
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_pixels_and_prompt_equal_hf_processor(vlm, fmt):
+    from models.image_input import decode_image
+    from models.qwen_vision import patchify_image
+
+    _, _, engine, vocab = vlm
+    data = _file(_image(1, 60, 100), fmt)
+    decoded = decode_image(data)
+    patches, grid = patchify_image(decoded, engine.image_layout.cfg)
+    want = image_processor()([PIL.open(io.BytesIO(data)).convert("RGB")], return_tensors="np")
+    assert list(want["image_grid_thw"][0]) == list(grid) == [1, 4, 8]  # 60 x 100 -> 56 x 112
+    assert np.abs(patches - want["pixel_values"]).max() < 1e-6
+    ids, spans = _ours(engine, [_image(2, 90, 40)])
+    want_ids, _ = _reference(engine, [_image(2, 90, 40)])
+    assert ids == want_ids
+    assert len(spans) == 1 and spans[0].grid == (1, 3, 2) and spans[0].length == 6
+    assert ids[spans[0].start - 1] == vocab["<|vision_start|>"] and ids[spans[0].stop] == vocab["<|vision_end|>"]
+
+
+def test_image_features_equal_hf(vlm):
+    from models.qwen_vision import pack, patchify_image, qwen_image_tokens, read_qwen_vision, unpack
+
+    folder, hf, _, _ = vlm
+    images = [_image(3, 60, 100), _image(4, 110, 50)]
+    cfg, params = read_qwen_vision(folder)
+    pictures = [patchify_image(im, cfg) for im in images]
+    ref = image_processor()(images, return_tensors="pt")
+    with torch.no_grad():
+        want = hf.model.get_image_features(ref["pixel_values"], ref["image_grid_thw"]).pooler_output
+    call = pack(pictures, 64, cfg)
+    assert len(set(call.window[call.window >= 0].tolist())) > len(images)  # several windows: window blocks differ
+    got = unpack(call, np.asarray(qwen_image_tokens(params, call.patches, call.rows_cols, call.window, call.image,
+                                                    cfg)))
+    for ours, theirs in zip(got, want):
+        assert ours.shape == tuple(theirs.shape)
+        assert np.abs(ours - theirs.numpy()).max() < 1e-5
+    # Negative control: rows and columns swapped in the rotary angles.
+    wrong = unpack(call, np.asarray(qwen_image_tokens(params, call.patches, call.rows_cols[:, ::-1].copy(),
+                                                      call.window, call.image, cfg)))
+    assert np.abs(wrong[0] - want[0].numpy()).max() > 1e-3
+
+
+def test_mrope_positions_equal_hf_rope_index(vlm):
+    _, hf, engine, vocab = vlm
+    images = [_image(5, 60, 100), _image(6, 90, 40)]
+    ids, spans = _ours(engine, images, TWO)
+    _, ref = _reference(engine, images, TWO)
+    input_ids = torch.tensor([ids])
+    want, delta = hf.model.get_rope_index(input_ids, (input_ids == vocab[PAD]).int(), ref["image_grid_thw"])
+    got = mrope_positions(np.arange(len(ids) + 3), spans)
+    assert np.array_equal(got[:len(ids)], want[:, 0].numpy().T)
+    # decoding continues from the shifted positions: HF's rope delta
+    assert np.array_equal(got[len(ids):], np.repeat(np.arange(len(ids), len(ids) + 3)[:, None] + int(delta), 3, 1))
+    assert int(delta) != 0
+
+
+@pytest.mark.parametrize("prompt,count", [(PROMPT, 1), (TWO, 2)], ids=["one", "two"])
+def test_image_prompt_matches_hf(vlm, prompt, count):
+    _, hf, engine, vocab = vlm
+    images = [_image(7, 60, 100), _image(8, 110, 50)][:count]
+    ids, spans = _ours(engine, images, prompt)
+    want_ids, ref = _reference(engine, images, prompt)
+    assert ids == want_ids and len(spans) == count
+    before = engine.stats().recompiles_after_warmup
+    tokens, events = _run(engine, f"p{count}", ids, spans, prompt_logprobs=True)
+    assert len(ids) > 32  # two chunks: the text after the image is in the second
+    assert _prompt_error(events, ids, _hf_logprobs(hf, ids, ref, vocab[PAD])) < 1e-4
+    assert tokens == _hf_greedy(hf, ids, ref, vocab[PAD])
+    assert engine.stats().recompiles_after_warmup == before
+
+
+def test_negative_controls_plain_positions_and_shifted_placeholders_fail(vlm):
+    _, hf, engine, vocab = vlm
+    images = [_image(9, 60, 100)]
+    ids, spans = _ours(engine, images)
+    want = _hf_logprobs(hf, ids, _reference(engine, images)[1], vocab[PAD])
+    plain = tuple(dataclasses.replace(s, grid=None) for s in spans)  # M-RoPE off: the token index
+    _, events = _run(engine, "plain", ids, plain, prompt_logprobs=True)
+    assert _prompt_error(events, ids, want) > 1e-2
+    shifted = tuple(dataclasses.replace(s, start=s.start + 1) for s in spans)
+    _, events = _run(engine, "shifted", ids, shifted, prompt_logprobs=True)
+    assert _prompt_error(events, ids, want) > 1e-2
+    _, events = _run(engine, "control", ids, spans, prompt_logprobs=True)  # the same engine, the real spans
+    assert _prompt_error(events, ids, want) < 1e-4
+
+
+def test_batched_with_a_text_row_equals_alone(vlm):
+    _, hf, engine, _ = vlm
+    ids, spans = _ours(engine, [_image(10, 70, 70)])
+    alone, alone_events = _run(engine, "alone", ids, spans, prompt_logprobs=True)
+    text_ids = engine.tokenizer.encode("<|im_start|>user\nhello there, how are you<|im_end|>\n",
+                                       add_special_tokens=False)
+    text_alone, _ = _run(engine, "text-alone", text_ids, (), 16)
+    with torch.no_grad():  # a text-only prompt: plain positions, as HF's text path
+        want = hf.generate(torch.tensor([text_ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert text_alone == want[0, len(text_ids):].tolist()
+    text = _submit(engine, "text", text_ids, (), 16)  # decoding while the image prompt's chunks run
+    image = _submit(engine, "image", ids, spans, prompt_logprobs=True)
+    assert image.tokens() == alone and text.tokens() == text_alone
+    cached = image.events[0].num_cached_tokens  # the prefix cache may serve the repeat: compare what it computed
+    assert np.abs(_prompt_logprobs(image.events) - _prompt_logprobs(alone_events)[max(cached - 1, 0):]).max() < 1e-5
+
+
+def test_same_image_twice_one_encoder_run_and_a_prefix_hit_another_misses(vlm):
+    _, _, engine, _ = vlm
+    image = _image(11, 80, 60)
+    ids, spans = _ours(engine, [image])
+    before = engine.stats()
+    first = _run(engine, "c1", ids, spans)
+    mid = engine.stats()
+    ids2, spans2 = _ours(engine, [image])  # decoded and patchified again from the file's bytes
+    second = _run(engine, "c2", ids2, spans2)
+    after = engine.stats()
+    assert first[0] == second[0]
+    assert mid.encoder_runs - before.encoder_runs == 1
+    assert after.encoder_runs == mid.encoder_runs, "the same image was encoded again"
+    assert second[1][0].num_cached_tokens >= spans[0].stop - 4, "the image's blocks did not hit"
+    other = _image(12, 80, 60)  # same size, same prompt, other pixels
+    ids3, spans3 = _ours(engine, [other])
+    assert ids3 == ids
+    third = _run(engine, "c3", ids3, spans3)
+    assert third[1][0].num_cached_tokens <= spans[0].start, "another image hit the first one's blocks"
+    assert engine.stats().encoder_runs == after.encoder_runs + 1
