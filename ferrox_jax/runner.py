@@ -142,7 +142,7 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or model.dtype
         self.vision = vision
         self.geometry = BatchGeometry(block_size, block_table_width(max_context, block_size), cfg.vocab_size,
-                                      cfg.hidden_size if vision is not None else 0,
+                                      getattr(cfg, "image_width", cfg.hidden_size) if vision is not None else 0,
                                       mrope=vision is not None and getattr(cfg, "mrope_section", None) is not None)
         self.buckets = Buckets.derive(max_rows, max_chunk_tokens, max_chunks)
         self.mesh = mesh

@@ -11,7 +11,8 @@ back to the host (the owner thread puts them in the encoder cache and the step's
 `ferrox_jax/images.py`). The encoder's weights are float32 and replicated: it is small beside
 the language model (SigLIP-So400m: 0.4B parameters against Gemma 3's 4B-27B).
 
-Qwen2.5-VL's images differ in size (`QwenVisionEncoder`, `models/qwen_vision.py`): a step's new
+Qwen2.5-VL's and Qwen3-VL's images differ in size (`QwenVisionEncoder`, `models/qwen_vision.py`,
+`models/qwen3_vl_vision.py`): a step's new
 images are packed into calls of at most the largest patch bucket, each call padded to the smallest
 bucket holding its patches (attention never crosses images), one executable per bucket.
 """
@@ -28,6 +29,7 @@ import numpy as np
 
 from ferrox_jax.image_layout import layout_for
 from models.idefics3 import Idefics3VisionConfig, idefics3_image_tokens, read_idefics3_vision
+from models.qwen3_vl_vision import Qwen3VisionConfig, position_taps, qwen3_image_tokens, read_qwen3_vision
 from models.qwen_vision import QwenVisionConfig, pack, patch_buckets, qwen_image_tokens, read_qwen_vision, unpack
 from models.siglip import VisionConfig, gemma3_image_tokens, read_gemma3_mmproj, read_gemma3_vision
 
@@ -89,7 +91,7 @@ class VisionEncoder:
 
 @dataclasses.dataclass
 class QwenVisionEncoder:
-    """Qwen2.5-VL's vision transformer and merger: its shape, its weights on the device."""
+    """Qwen2.5-VL's (or Qwen3-VL's) vision transformer and merger: its shape, its weights on the device."""
 
     cfg: QwenVisionConfig
     params: dict[str, Any]
@@ -105,9 +107,16 @@ class QwenVisionEncoder:
     def compile_keys(self) -> list[tuple]:
         return [("vision", b) for b in self.buckets]
 
+    def _inputs(self, call, grids: list) -> tuple:
+        """The executable's arrays for a packed call of images of `grids`."""
+        if not isinstance(self.cfg, Qwen3VisionConfig):
+            return call.patches, call.rows_cols, call.window, call.image
+        sizes = np.asarray([g[1:] for g in grids] or [(1, 1)], np.int64)[np.maximum(call.image, 0)]
+        return (call.patches, call.rows_cols, call.image, *position_taps(call.rows_cols, sizes, self.cfg.grid_side))
+
     def lower(self, key: tuple) -> jax.stages.Lowered:
-        call = pack([], key[1], self.cfg)
-        return qwen_image_tokens.lower(self.params, call.patches, call.rows_cols, call.window, call.image, self.cfg)
+        fn = qwen3_image_tokens if isinstance(self.cfg, Qwen3VisionConfig) else qwen_image_tokens
+        return fn.lower(self.params, *self._inputs(pack([], key[1], self.cfg), []), self.cfg)
 
     def calls(self, sizes: list[int]) -> list[tuple[int, int, int]]:
         """(start, images, bucket) of the calls over images of `sizes` patches: consecutive images
@@ -127,8 +136,9 @@ class QwenVisionEncoder:
         """`QwenPicture`s -> their image tokens, f32[T_i, D] each (`executable(bucket)`: its compile)."""
         out = []
         for start, count, bucket in self.calls([len(p.patches) for p in pictures]):
-            call = pack([(p.patches, p.grid) for p in pictures[start:start + count]], bucket, self.cfg)
-            tokens = executable(bucket)(self.params, call.patches, call.rows_cols, call.window, call.image)
+            part = pictures[start:start + count]
+            call = pack([(p.patches, p.grid) for p in part], bucket, self.cfg)
+            tokens = executable(bucket)(self.params, *self._inputs(call, [p.grid for p in part]))
             out += unpack(call, np.asarray(jax.device_get(tokens)))
         return out
 
@@ -161,6 +171,7 @@ def open_vision(source: Any, config: Any) -> tuple[VisionEncoder | QwenVisionEnc
     else:
         vision_cfg = source.config.vision
         read = (read_idefics3_vision if isinstance(vision_cfg, Idefics3VisionConfig) else
+                read_qwen3_vision if isinstance(vision_cfg, Qwen3VisionConfig) else
                 read_qwen_vision if isinstance(vision_cfg, QwenVisionConfig) else read_gemma3_vision)
         cfg, params = read(source.path)  # the encoder's tensors of the checkpoint folder
     if jax.process_count() > 1:

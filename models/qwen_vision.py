@@ -31,8 +31,9 @@ The encoder (`Qwen2_5_VisionTransformerPretrainedModel`), over every patch of a 
 A call packs several images (patches one after another; attention never crosses images) and is
 padded to a bucket of patch counts (`patch_buckets`), so warm-up compiles each bucket once. The
 attention is dense over the bucket with a segment mask: memory grows with the square of the
-patches, so the served `max_pixels` is capped at `MAX_PIXELS_CAP` (1280 image tokens, the
-processor's own default; a checkpoint asking for more is served at the cap, and says so in the log).
+patches, so the served `max_pixels` is capped at `MAX_IMAGE_TOKENS` (1280) image tokens' worth (Qwen2.5-VL:
+28 x 28 x 1280 pixels, the processor's own default); a checkpoint asking for more is served at the
+cap, and says so in the log.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from models.config import CheckpointFileError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
-MAX_PIXELS_CAP = 28 * 28 * 1280  # the processor's default max_pixels: 5120 patches, 1280 image tokens
+MAX_IMAGE_TOKENS = 1280  # per image: 5120 patches (Qwen2.5-VL's processor's default max_pixels, 28 x 28 x 1280)
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _ACTS = {"silu": jax.nn.silu, "gelu": functools.partial(jax.nn.gelu, approximate=False),
@@ -82,7 +83,7 @@ class QwenVisionConfig:
     theta: float = 10000.0
     channels: int = 3
     min_pixels: int = 56 * 56
-    max_pixels: int = MAX_PIXELS_CAP
+    max_pixels: int = 28 * 28 * MAX_IMAGE_TOKENS
     mean: tuple[float, ...] = _CLIP_MEAN
     std: tuple[float, ...] = _CLIP_STD
     rescale: float = 1 / 255
@@ -126,13 +127,14 @@ def vision_config(cfg: Mapping, processor: Mapping | None = None) -> QwenVisionC
         raise UnsupportedModelError(f"image processor resample {p.get('resample')} is not supported (BICUBIC: 3)")
     size = p.get("size") or {}
     min_pixels = int(p.get("min_pixels") or size.get("shortest_edge") or 56 * 56)
-    max_pixels = int(p.get("max_pixels") or size.get("longest_edge") or MAX_PIXELS_CAP)
-    if max_pixels > MAX_PIXELS_CAP:
-        log.info("images up to %d pixels (the processor allows %d): the encoder's attention is dense over an "
-                 "image's patches", MAX_PIXELS_CAP, max_pixels)
-        max_pixels = MAX_PIXELS_CAP
     patch = int(v.get("patch_size", 14))
     merge = int(v.get("spatial_merge_size", 2))
+    cap = MAX_IMAGE_TOKENS * (patch * merge) ** 2
+    max_pixels = int(p.get("max_pixels") or size.get("longest_edge") or cap)
+    if max_pixels > cap:
+        log.info("images up to %d pixels (the processor allows %d): the encoder's attention is dense over an "
+                 "image's patches", cap, max_pixels)
+        max_pixels = cap
     for key, want in (("patch_size", patch), ("merge_size", merge), ("temporal_patch_size",
                                                                      int(v.get("temporal_patch_size", 2)))):
         if key in p and int(p[key]) != want:
@@ -189,9 +191,11 @@ def patchify_image(image, cfg: QwenVisionConfig) -> tuple[np.ndarray, tuple[int,
 
 def window_order(grid: tuple[int, int, int], cfg: QwenVisionConfig) -> tuple[np.ndarray, np.ndarray]:
     """(units i64[U], window i64[U]): the image's merge units in window order, and each one's
-    window (HF's `get_vision_window_index`, empty windows dropped)."""
+    window (HF's `get_vision_window_index`, empty windows dropped; `window_size` 0: one window)."""
     t, gh, gw = grid
     lh, lw, win = gh // cfg.merge, gw // cfg.merge, cfg.window_size // cfg.factor
+    if not win:  # no window attention (Qwen3-VL): the units in their order, one window
+        return np.arange(t * lh * lw), np.zeros(t * lh * lw, np.int64)
     ph, pw = lh + win - lh % win, lw + win - lw % win
     padded = np.full((t, ph, pw), -1, np.int64)
     padded[:, :lh, :lw] = np.arange(t * lh * lw).reshape(t, lh, lw)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import threading
 import types
 
 import numpy as np
@@ -36,17 +35,16 @@ PIL = pytest.importorskip("PIL.Image")
 from ferrox_jax.config import EngineConfig  # noqa: E402
 from ferrox_jax.engine import Engine  # noqa: E402
 from ferrox_jax.images import mrope_positions  # noqa: E402
-from ferrox_jax.request import Job, RowSampling  # noqa: E402
 from models.image_input import ImageLimits  # noqa: E402
 from tests.support.engine_helpers import float32_matmuls  # noqa: E402,F401
+from tests.support.qwen_vl_checks import GREEDY, PAD, PROMPT, TWO  # noqa: E402
+from tests.support.qwen_vl_checks import image as _image  # noqa: E402
+from tests.support.qwen_vl_checks import image_file as _file  # noqa: E402
+from tests.support.qwen_vl_checks import prompt_error as _prompt_error  # noqa: E402
+from tests.support.qwen_vl_checks import prompt_logprobs as _prompt_logprobs  # noqa: E402
+from tests.support.qwen_vl_checks import run_job as _run  # noqa: E402
+from tests.support.qwen_vl_checks import submit_job as _submit  # noqa: E402
 from tests.support.tiny_qwen_vl import image_processor  # noqa: E402
-
-TIMEOUT_S = 180
-GREEDY = 6
-PAD = "<|image_pad|>"
-IMAGE = f"<|vision_start|>{PAD}<|vision_end|>"
-PROMPT = f"<|im_start|>user\nLook {IMAGE} and say what it is<|im_end|>\n<|im_start|>assistant\n"
-TWO = f"<|im_start|>user\nFirst {IMAGE} then {IMAGE} which is brighter?<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="module")
@@ -61,18 +59,6 @@ def vlm(tmp_path_factory):
     engine.start()
     yield folder, hf, engine, vocab
     engine.shutdown()
-
-
-def _image(seed: int, height: int, width: int):
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, 256, (height // 4 + 1, width // 4 + 1, 3)).astype(np.uint8)  # blocky: JPEG keeps it
-    return PIL.fromarray(np.kron(base, np.ones((4, 4, 1), np.uint8))[:height, :width], "RGB")
-
-
-def _file(image, fmt: str = "PNG") -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format=fmt)
-    return buf.getvalue()
 
 
 def _ours(engine, images, prompt=PROMPT):
@@ -107,40 +93,6 @@ def _hf_greedy(hf, ids, ref, image_token, n=GREEDY) -> list[int]:
     for _ in range(n):
         out.append(int(_hf_logprobs(hf, ids + out, ref, image_token)[-1].argmax()))
     return out
-
-
-class _Collect:
-    def __init__(self):
-        self.events, self.done = [], threading.Event()
-
-    def __call__(self, event):
-        self.events.append(event)
-        if event.finish_reason:
-            self.done.set()
-
-    def tokens(self):
-        assert self.done.wait(TIMEOUT_S)
-        return [t for e in self.events for t in e.token_ids]
-
-
-def _submit(engine, name, ids, spans, n=GREEDY, **kw) -> _Collect:
-    c = _Collect()
-    engine.submit(Job(name, tuple(ids), n, RowSampling(temperature=0.0), ignore_eos=True, images=spans, **kw), c)
-    return c
-
-
-def _run(engine, name, ids, spans, n=GREEDY, **kw):
-    c = _submit(engine, name, ids, spans, n, **kw)
-    return c.tokens(), c.events
-
-
-def _prompt_logprobs(events) -> np.ndarray:
-    return np.array([lp for lp, _ in events[0].prompt_logprobs])
-
-
-def _prompt_error(events, ids, want) -> float:
-    ref = np.array([want[p, ids[p + 1]] for p in range(len(ids) - 1)])
-    return float(np.abs(_prompt_logprobs(events) - ref).max())
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
@@ -266,3 +218,18 @@ def test_same_image_twice_one_encoder_run_and_a_prefix_hit_another_misses(vlm):
     third = _run(engine, "c3", ids3, spans3)
     assert third[1][0].num_cached_tokens <= spans[0].start, "another image hit the first one's blocks"
     assert engine.stats().encoder_runs == after.encoder_runs + 1
+
+
+def test_max_pixels_is_served_at_the_cap_and_aspect_past_200_is_refused():
+    from models.image_input import ImageError
+    from models.qwen_vision import MAX_IMAGE_TOKENS, patch_buckets, smart_resize, vision_config
+    from ferrox_jax.image_layout import QwenLayout
+
+    raw = {"vision_config": {"patch_size": 14, "spatial_merge_size": 2}}
+    cfg = vision_config(raw, {"min_pixels": 3136, "max_pixels": 12845056})  # the released checkpoints' processor
+    assert cfg.max_pixels == 28 * 28 * MAX_IMAGE_TOKENS and patch_buckets(cfg)[-1] == 4 * MAX_IMAGE_TOKENS
+    height, width = smart_resize(2000, 3000, 28, cfg.min_pixels, cfg.max_pixels)
+    assert height * width <= cfg.max_pixels and (height, width) == smart_resize(2000, 3000, 28, 3136, 1003520)
+    assert vision_config(raw, {"max_pixels": 28 * 28 * 64}).max_pixels == 28 * 28 * 64  # under the cap: as given
+    with pytest.raises(ImageError, match="image 1: the image's aspect ratio is 250; the limit is 200"):
+        QwenLayout(cfg).preprocess([_file(_image(0, 4, 1000))], ImageLimits())
