@@ -199,7 +199,7 @@ def test_batched_with_a_text_row_equals_alone(vlm):
 
 
 def test_same_image_twice_one_encoder_run_and_a_prefix_hit_another_misses(vlm):
-    _, _, engine, _ = vlm
+    _, hf, engine, vocab = vlm
     image = _image(11, 80, 60)
     ids, spans = _ours(engine, [image])
     before = engine.stats()
@@ -212,12 +212,16 @@ def test_same_image_twice_one_encoder_run_and_a_prefix_hit_another_misses(vlm):
     assert mid.encoder_runs - before.encoder_runs == 1
     assert after.encoder_runs == mid.encoder_runs, "the same image was encoded again"
     assert second[1][0].num_cached_tokens >= spans[0].stop - 4, "the image's blocks did not hit"
+    # the hit is honest: K/V cached at the image's 3-D positions continue as HF does
+    assert second[0] == _hf_greedy(hf, ids, _reference(engine, [image])[1], vocab[PAD])
     other = _image(12, 80, 60)  # same size, same prompt, other pixels
     ids3, spans3 = _ours(engine, [other])
     assert ids3 == ids
     third = _run(engine, "c3", ids3, spans3)
     assert third[1][0].num_cached_tokens <= spans[0].start, "another image hit the first one's blocks"
+    assert third[1][0].num_cached_tokens > 0  # the text before the image hits
     assert engine.stats().encoder_runs == after.encoder_runs + 1
+    assert third[0] == _hf_greedy(hf, ids3, _reference(engine, [other])[1], vocab[PAD])
 
 
 def test_max_pixels_is_served_at_the_cap_and_aspect_past_200_is_refused():
