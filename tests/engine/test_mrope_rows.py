@@ -1,0 +1,83 @@
+"""M-RoPE positions on the scheduler's rows (Qwen2.5-VL / Qwen3-VL), against the scripted runner:
+every row of a job whose images carry grids — its prompt chunks, its decoding rows, and its
+recompute after a preemption — carries the job's images (`RowPlan.rope_images`), and each step's
+host batch holds their 3-D positions (`ferrox_jax/images.py:mrope_positions`), the rows of other
+jobs their plain positions; a job whose images have no grid (Gemma 3, SmolVLM) carries none and
+its steps no column (negative control: the column is absent, not all-equal)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from ferrox_jax.config import SchedulerLimits
+from ferrox_jax.host_batch import HostBatch
+from ferrox_jax.images import ImageSpan, mrope_positions
+from ferrox_jax.request import Job
+from ferrox_jax.scheduler import Scheduler
+from tests.support.scripted import ByteTokenizer, ScriptedRunner, letters_token_fn, run_until_idle, tick
+
+# embeds as the owner attaches them (the scripted runner's image width is 0)
+GRID = ImageSpan(2, 4, hashlib.sha256(b"image").digest(), embeds=np.zeros((4, 0), np.float32), bidirectional=False,
+                 grid=(1, 1, 4))
+
+
+def _make():
+    limits = SchedulerLimits(block_size=4, num_blocks=20, max_rows=4, max_chunk_tokens=16, prefix_caching=True,
+                             scheduling_policy="priority")
+    runner = ScriptedRunner(block_size=4, num_blocks=21, max_rows=16, max_chunk_tokens=16,
+                            token_fn=letters_token_fn(), max_chunks=limits.max_chunks)
+    return Scheduler(limits, ByteTokenizer()), runner
+
+
+def _job(request_id, priority, images=()):
+    prompt = tuple(100 + (i * 7 + len(request_id) * 3) % 20 for i in range(8))
+    return Job(request_id=request_id, prompt_token_ids=prompt, max_tokens=24, priority=priority, images=images)
+
+
+def _run(images):
+    """An image job and a text job decode, an urgent job preempts the image job (the least urgent);
+    returns every plan."""
+    scheduler, runner = _make()
+    outputs = {}
+    scheduler.add_job(_job("img", 3, images))
+    scheduler.add_job(_job("text", 2))
+    for _ in range(7):  # 13 of its positions computed, 12 in named blocks: it recomputes one
+        tick(scheduler, runner, outputs)
+    scheduler.add_job(_job("fg", -3))
+    run_until_idle(scheduler, runner, outputs)
+    assert scheduler.num_preemptions == 1
+    return runner.plans
+
+
+def test_every_row_of_an_mrope_job_carries_its_images_and_positions():
+    plans = _run((GRID,))
+    image_rows = [(plan, row) for plan in plans for row in plan.decode + plan.chunks if row.row_id == 1]
+    assert any(row.start_pos > 0 and not row.sample for _, row in image_rows), "the image job recomputed"
+    assert any(len(row.token_ids) == 1 and row.start_pos >= 8 for _, row in image_rows), "the image job decoded"
+    assert all(row.rope_images == (GRID,) for _, row in image_rows)
+    assert all(not row.rope_images for plan in plans for row in plan.decode + plan.chunks if row.row_id != 1)
+    geometry = ScriptedRunner(block_size=4, num_blocks=21, max_rows=16, max_chunk_tokens=16).geometry
+    for plan in plans:
+        rows = plan.decode + plan.chunks
+        batch = HostBatch.build(plan, geometry)
+        if not any(row.row_id == 1 for row in rows):
+            assert batch.rope_positions is None
+            continue
+        for i, row in enumerate(rows):
+            lo, hi = batch.row_starts[i], batch.row_starts[i + 1]
+            want = (mrope_positions(batch.positions[lo:hi], (GRID,)) if row.row_id == 1
+                    else np.repeat(batch.positions[lo:hi, None], 3, 1))
+            assert np.array_equal(batch.rope_positions[lo:hi], want)
+    # the image (1 x 4 tokens at 2..5) moves what follows by max(1, 4) - 4 = 0 on its rows; its own
+    # tokens sit on the grid: (2, 2, 2), (2, 2, 3), (2, 2, 4), (2, 2, 5)
+    assert mrope_positions(np.arange(8), (GRID,))[2:6].tolist() == [[2, 2, 2], [2, 2, 3], [2, 2, 4], [2, 2, 5]]
+
+
+def test_images_without_a_grid_carry_no_positions():
+    plain = ImageSpan(GRID.start, GRID.length, GRID.digest, embeds=GRID.embeds, bidirectional=False)
+    plans = _run((plain,))
+    assert all(not row.rope_images for plan in plans for row in plan.decode + plan.chunks)
+    geometry = ScriptedRunner(block_size=4, num_blocks=21, max_rows=16, max_chunk_tokens=16).geometry
+    assert all(HostBatch.build(plan, geometry).rope_positions is None for plan in plans)
