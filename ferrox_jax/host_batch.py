@@ -241,7 +241,7 @@ class HostBatch:
                    adapter_slots=np.asarray([row.adapter_slot for row in rows], np.int32),
                    kv_saves=np.asarray(plan.kv_saves, np.int32).reshape(-1, 2),
                    kv_restores=np.asarray(plan.kv_restores, np.int32).reshape(-1, 2),
-                   rope_positions=rope_columns(rows, row_starts, num_tokens),
+                   rope_positions=rope_columns(rows, row_starts, positions),
                    **dict(zip(("image_embeds", "image_mask", "attend_until"), images or ())))
 
     @property

@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -136,6 +137,8 @@ def check_spans(images: Sequence[ImageSpan], prompt_len: int) -> None:
                              f"got start {image.start}, length {image.length}")
         if len(image.digest) != 32:
             raise ValueError("an image's digest must be 32 bytes (sha256)")
+        if image.grid is not None and (len(image.grid) != 3 or math.prod(image.grid) != image.length):
+            raise ValueError(f"an image's grid (t, rows, cols) must hold its {image.length} tokens; got {image.grid}")
         end = image.stop
 
 
@@ -314,16 +317,26 @@ def image_columns(rows: Sequence, row_starts: np.ndarray, num_tokens: int, width
     return embeds, mask, until
 
 
-def rope_columns(rows: Sequence, row_starts: np.ndarray, num_tokens: int) -> np.ndarray | None:
-    """i32[N, 3] M-RoPE positions of a step's tokens (`mrope_positions` of each row's
-    `rope_images`; a row without them: its position three times), or None when no row has any
-    (a text-only step: the forward repeats each position)."""
+def rope_columns(rows: Sequence, row_starts: np.ndarray, positions: np.ndarray) -> np.ndarray | None:
+    """i32[N, 3] M-RoPE positions of a step's tokens (at `positions` i32[N]: `mrope_positions` of
+    each row's `rope_images`; a row without them: its position three times), or None when no row
+    has any (a text-only step: the forward repeats each position). A row past its images (a
+    decoding row) is its positions plus the images' shift, with no per-token work."""
     if not any(row.rope_images for row in rows):
         return None
-    out = np.zeros((num_tokens, 3), np.int32)
+    shifts = np.zeros(len(positions), np.int32)
+    inside = []
     for i, row in enumerate(rows):
-        lo, count = int(row_starts[i]), len(row.token_ids)
-        out[lo:lo + count] = mrope_positions(np.arange(row.start_pos, row.start_pos + count), row.rope_images)
+        images = row.rope_images
+        if images and row.start_pos < images[-1].stop:
+            inside.append(i)
+        elif images:
+            shifts[row_starts[i]:row_starts[i + 1]] = sum(max(im.grid[1:]) - im.length for im in images
+                                                          if im.grid is not None)
+    out = np.repeat((positions + shifts)[:, None], 3, axis=1)
+    for i in inside:
+        lo, hi = row_starts[i], row_starts[i + 1]
+        out[lo:hi] = mrope_positions(positions[lo:hi], rows[i].rope_images)
     return out
 
 

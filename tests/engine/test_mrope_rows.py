@@ -81,3 +81,13 @@ def test_images_without_a_grid_carry_no_positions():
     assert all(not row.rope_images for plan in plans for row in plan.decode + plan.chunks)
     geometry = ScriptedRunner(block_size=4, num_blocks=21, max_rows=16, max_chunk_tokens=16).geometry
     assert all(HostBatch.build(plan, geometry).rope_positions is None for plan in plans)
+
+
+def test_a_grid_that_does_not_hold_the_image_is_refused():
+    import dataclasses
+
+    import pytest
+
+    with pytest.raises(ValueError, match=r"grid \(t, rows, cols\) must hold its 4 tokens; got \(1, 2, 3\)"):
+        _job("bad", 0, (dataclasses.replace(GRID, grid=(1, 2, 3)),))
+    assert _job("good", 0, (GRID,)).images == (GRID,)
