@@ -157,12 +157,19 @@ class QwenLayout:
         self.cfg = cfg
 
     def preprocess(self, blobs: Sequence[bytes], limits: ImageLimits) -> list[QwenPicture]:
-        from models.qwen_vision import patchify_image
+        """Raises ImageError naming the image: unreadable, past the limits, an aspect ratio past
+        200, or so elongated that `smart_resize`'s floor of `min_pixels` passes `max_pixels` (its
+        patches would not fit the encoder's largest call)."""
+        from models.qwen_vision import patch_buckets, patchify_image
 
         out = []
         for i, data in enumerate(blobs):
             try:
                 patches, grid = patchify_image(decode_image(data, limits), self.cfg)
+                if len(patches) > patch_buckets(self.cfg)[-1]:
+                    raise ImageError(f"the image resizes to {grid[1] * self.cfg.patch_size} x "
+                                     f"{grid[2] * self.cfg.patch_size} pixels, past this model's {self.cfg.max_pixels}; "
+                                     "send a less elongated image")
             except (ImageError, ValueError) as e:  # ValueError: an aspect ratio past the processor's 200
                 raise ImageError(f"image {i + 1}: {e}") from None
             digest = hashlib.sha256(b"qwen %d|%d|%d|" % grid + patches.tobytes()).digest()

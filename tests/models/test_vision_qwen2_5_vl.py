@@ -241,3 +241,7 @@ def test_max_pixels_is_served_at_the_cap_and_aspect_past_200_is_refused():
     assert vision_config(raw, {"max_pixels": 28 * 28 * 64}).max_pixels == 28 * 28 * 64  # under the cap: as given
     with pytest.raises(ImageError, match="image 1: the image's aspect ratio is 250; the limit is 200"):
         QwenLayout(cfg).preprocess([_file(_image(0, 4, 1000))], ImageLimits())
+    # a 4 x 700 image: the floor of min_pixels (28 x 756) passes a small max_pixels: refused, not encoded
+    small = vision_config(raw, {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16})
+    with pytest.raises(ImageError, match="image 2: the image resizes to 28 x 756 pixels, past this model's 12544"):
+        QwenLayout(small).preprocess([_file(_image(0, 60, 100)), _file(_image(0, 4, 700))], ImageLimits())
