@@ -3,7 +3,8 @@ every row of a job whose images carry grids — its prompt chunks, its decoding 
 recompute after a preemption — carries the job's images (`RowPlan.rope_images`), and each step's
 host batch holds their 3-D positions (`ferrox_jax/images.py:mrope_positions`), the rows of other
 jobs their plain positions; a job whose images have no grid (Gemma 3, SmolVLM) carries none and
-its steps no column (negative control: the column is absent, not all-equal)."""
+its steps no column (negative control: the column is absent, not all-equal). Padding lays each
+token's 3-D positions beside it, a speculating row's drafts (spread over one-token rows) included."""
 
 from __future__ import annotations
 
@@ -91,3 +92,33 @@ def test_a_grid_that_does_not_hold_the_image_is_refused():
     with pytest.raises(ValueError, match=r"grid \(t, rows, cols\) must hold its 4 tokens; got \(1, 2, 3\)"):
         _job("bad", 0, (dataclasses.replace(GRID, grid=(1, 2, 3)),))
     assert _job("good", 0, (GRID,)).images == (GRID,)
+
+
+def test_padding_lays_each_tokens_3d_positions_beside_it_speculating_rows_included():
+    from ferrox_jax.buckets import Buckets
+    from ferrox_jax.host_batch import BatchGeometry
+    from ferrox_jax.padding import pad_batch
+    from ferrox_jax.plan import RowPlan, StepPlan
+
+    shifted = ImageSpan(2, 4, GRID.digest, embeds=np.zeros((4, 8), np.float32), bidirectional=False, grid=(1, 2, 2))
+    blocks = tuple(range(1, 9))
+    rows = (RowPlan(1, (5, 6, 7), 20, blocks, True, num_draft_tokens=2, rope_images=(shifted,)),  # verifying 2 drafts
+            RowPlan(2, (9,), 11, blocks, True),  # a text job decoding
+            RowPlan(3, tuple(range(10, 18)), 0, blocks, True, images=(shifted,), rope_images=(shifted,)))  # a chunk
+    plan = StepPlan(decode=rows[:2], chunks=rows[2:])
+    batch = HostBatch.build(plan, BatchGeometry(4, 8, 100, image_width=8, mrope=True))
+    _, order, out = pad_batch(batch, Buckets.derive(8, 16, 2), 8, False, image_width=8, mrope=True)
+    seen = 0
+    for t in np.flatnonzero(out.valid):
+        host = rows[order[out.row_of_token[t]]]
+        position = int(out.positions[t])
+        want = mrope_positions(np.array([position]), host.rope_images)[0]
+        assert out.rope_positions[t].tolist() == want.tolist(), (host.row_id, position)
+        seen += 1
+    assert seen == 3 + 1 + 8
+    # the image (2 x 2 tokens at 2..5) moves what follows by max(2, 2) - 4 = -2
+    assert out.rope_positions[np.flatnonzero(out.valid & (out.positions == 20))[0]].tolist() == [18, 18, 18]
+    # a model without M-RoPE: no column at all
+    plain = pad_batch(HostBatch.build(plan, BatchGeometry(4, 8, 100, image_width=8)), Buckets.derive(8, 16, 2), 8,
+                      False, image_width=8)[2]
+    assert plain.rope_positions is None
