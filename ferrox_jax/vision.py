@@ -159,7 +159,8 @@ def open_vision(source: Any, config: Any) -> tuple[VisionEncoder | QwenVisionEnc
     taking images cannot do yet: a multi-process mesh, synthetic weights, `--mmproj` on
     another family."""
     if config.mmproj is not None:
-        if not hasattr(source.config, "vision"):
+        own = getattr(source.config, "vision", None)  # a vision-language folder's own encoder: no projector file
+        if not hasattr(source.config, "vision") or isinstance(own, (Idefics3VisionConfig, QwenVisionConfig)):
             raise ValueError(f"--mmproj is supported for Gemma 3 models; {source.config.architecture} takes no "
                              "projector")
         cfg, params = read_gemma3_mmproj(config.mmproj, source.tokenizer)

@@ -245,3 +245,10 @@ def test_max_pixels_is_served_at_the_cap_and_aspect_past_200_is_refused():
     small = vision_config(raw, {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16})
     with pytest.raises(ImageError, match="image 2: the image resizes to 28 x 756 pixels, past this model's 12544"):
         QwenLayout(small).preprocess([_file(_image(0, 60, 100)), _file(_image(0, 4, 700))], ImageLimits())
+
+
+def test_mmproj_beside_qwen2_5_vl_is_refused(vlm):
+    folder = vlm[0]
+    with pytest.raises(ValueError, match="--mmproj is supported for Gemma 3 models; "
+                                         "Qwen2_5_VLForConditionalGeneration takes no projector"):
+        Engine.load(EngineConfig(model=str(folder), mmproj=str(folder / "config.json"), kv_blocks=32, max_context=64))
