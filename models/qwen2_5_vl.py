@@ -55,7 +55,8 @@ def config_from_hf(cfg: dict[str, Any]) -> Qwen25VLConfig:
     `mrope_section`, and the vision config (the processor's defaults: the encoder reads the
     folder's own settings, `models/qwen_vision.py:read_qwen_vision`)."""
     arch = (cfg.get("architectures") or [ARCHITECTURES[0]])[0]
-    text = dict(cfg.get("text_config") or cfg)  # older configs keep the text fields at the top
+    # the Hub's configs keep the text fields at the top, beside vision_config
+    text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k not in ("vision_config", "text_config")})
     text["architectures"] = ["Qwen2ForCausalLM"]
     for key in ("eos_token_id", "bos_token_id", "pad_token_id", "vocab_size"):
         if text.get(key) is None and cfg.get(key) is not None:

@@ -252,3 +252,19 @@ def test_mmproj_beside_qwen2_5_vl_is_refused(vlm):
     with pytest.raises(ValueError, match="--mmproj is supported for Gemma 3 models; "
                                          "Qwen2_5_VLForConditionalGeneration takes no projector"):
         Engine.load(EngineConfig(model=str(folder), mmproj=str(folder / "config.json"), kv_blocks=32, max_context=64))
+
+
+def test_hub_config_layout_reads_as_transformers_5s(vlm):
+    """The Hub's config.json keeps the text fields at the top with `rope_scaling: {type: mrope}`;
+    transformers 5 saves `text_config` with `rope_parameters`: both read as one config."""
+    import json
+
+    from models.registry import config_from_hf
+
+    saved = json.loads((vlm[0] / "config.json").read_text())
+    text = dict(saved["text_config"])
+    rope = text.pop("rope_parameters")
+    hub = {**{k: v for k, v in saved.items() if k != "text_config"}, **text, "rope_theta": rope["rope_theta"],
+           "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    assert config_from_hf(hub) == config_from_hf(saved)
+    assert config_from_hf(hub).mrope_section == (2, 3, 3) and config_from_hf(hub).attention_bias
