@@ -168,6 +168,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_queue=args.max_queue, scheduling_policy=args.scheduling_policy, prefix_caching=args.prefix_caching,
             compile_cache_dir=None if cache == "off" else cache,
             tensor_parallel=args.tensor_parallel, mesh=args.mesh, replicate_attention=args.replicate_attention,
+            expert_parallel=args.expert_parallel,
             attention_impl=args.attention_impl, coordinator_address=args.coordinator_address,
             num_processes=args.num_processes, process_id=args.process_id,
             multihost_timeout_s=args.multihost_timeout_s, multihost_secret=args.multihost_secret,

@@ -145,6 +145,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("replicate_attention", "FERROX_REPLICATE_ATTENTION", _bool, False,
             "shard only MLP and vocab; needed when heads do not divide the model axis (SmolLM2: 9 heads, 3 KV)",
             group="parallel"),
+    Setting("expert_parallel", "FERROX_EXPERT_PARALLEL", _str, "auto",
+            "routed experts on a mesh: on = split by expert over the model axis (E / devices whole experts "
+            "each; the device count must divide E), off = each expert split over its intermediate axis, "
+            "auto = on for 32 experts or more when the device count divides them", group="parallel"),
     Setting("attention_impl", "FERROX_ATTENTION_IMPL", _str, "auto",
             "decode attention: auto (Pallas kernel on TPU when it fits, ferrox's AVX2 kernel on an x86 CPU), "
             "jax, cpu, pallas, "

@@ -39,6 +39,7 @@ INT8_KERNEL_NAMES = ("auto", "xla")
 # The order jobs are admitted in (ferrox_jax/priority.py): "fcfs", the contract's arrival
 # order (the default), or "priority" (Job.priority, lower first, with preemption).
 SCHEDULING_POLICIES = ("fcfs", "priority")
+EXPERT_PARALLEL_MODES = ("auto", "on", "off")  # models/moe_ep.py resolve_expert_parallel
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -111,6 +112,9 @@ class EngineConfig:
     tensor_parallel: int = 1  # devices on the mesh's "model" axis; 1 = no mesh
     mesh: str | None = None  # "data=1,model=4" (overrides tensor_parallel; data must be 1)
     replicate_attention: bool = False  # shard only MLP + vocab (heads need not divide)
+    # routed experts on a mesh: "on" split by expert (E / devices whole experts each), "off" each
+    # expert by its width, "auto" by the family's expert count (models/moe_ep.py resolves it at load)
+    expert_parallel: str = "auto"
     attention_impl: str = "auto"  # the attention kernel (models/pallas_attention.py checks the name)
     coordinator_address: str | None = None  # multi-host: "host:port", or "auto" on TPU pods
     num_processes: int | None = None  # multi-host: processes in the cluster
@@ -165,6 +169,9 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"EngineConfig.scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
                              f"got {self.scheduling_policy!r}")
+        if self.expert_parallel not in EXPERT_PARALLEL_MODES:
+            raise ValueError(f"EngineConfig.expert_parallel must be one of {', '.join(EXPERT_PARALLEL_MODES)}; "
+                             f"got {self.expert_parallel!r}")
         if self.load_format not in LOAD_FORMAT_NAMES:
             raise ValueError(f"EngineConfig.load_format must be one of {', '.join(LOAD_FORMAT_NAMES)}; "
                              f"got {self.load_format!r}")

@@ -64,6 +64,7 @@ from ferrox_jax.shared_compiles import SharedCompiles
 from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.runner_protocol import Runner
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
+from models.moe_ep import enable_expert_parallel, resolve_expert_parallel
 from models.checkpoint import CheckpointSource
 from models.config import ModelConfig
 from models.loader import open_checkpoint
@@ -286,14 +287,19 @@ def open_draft(config: EngineConfig, target: CheckpointSource, mesh: Any) -> Che
 
 
 def _build_model(source: CheckpointSource, dtype, attention, quantization: str, mesh: Any,
-                 replicate_attention: bool, progress: Callable[[str], None] | None = None) -> Any:
+                 replicate_attention: bool, progress: Callable[[str], None] | None = None,
+                 expert_parallel: bool = False) -> Any:
     """The model of `source`. Read weights go through host memory and are sharded by the
-    runner; synthetic ones are made on the devices, each parameter directly with its sharding."""
-    placement = None if mesh is None else param_placement(mesh, source.config, replicate_attention)
+    runner; synthetic ones are made on the devices, each parameter directly with its sharding.
+    `expert_parallel`: its expert layers run their stacks split by expert (models/moe_ep.py)."""
+    placement = None if mesh is None else param_placement(mesh, source.config, replicate_attention, expert_parallel)
     host = _host_device() if mesh is not None and not source.is_synthetic else None
     with jax.default_device(host) if host is not None else contextlib.nullcontext():
-        return source.build(dtype, decode_attention=attention, progress=progress, placement=placement,
-                            quantization=quantization)
+        model = source.build(dtype, decode_attention=attention, progress=progress, placement=placement,
+                             quantization=quantization)
+    if expert_parallel:
+        enable_expert_parallel(model, mesh)
+    return model
 
 
 def _no_kernel_for_latent(cfg, attention, note: str):
@@ -365,7 +371,10 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         check_mesh(model_axis, jax.device_count())
         if config.max_loras:  # adapters are loaded into slots on process 0 by its routes alone
             raise ValueError("multi-host: LoRA adapters (--max-loras) are not supported across processes yet")
-    check_divisibility(source.config, model_axis, config.replicate_attention)
+    expert_parallel, expert_note = resolve_expert_parallel(config.expert_parallel, source.config, model_axis)
+    if expert_note:
+        log.info("%s", expert_note)
+    check_divisibility(source.config, model_axis, config.replicate_attention, expert_parallel)
     mesh = make_mesh(1, model_axis) if model_axis > 1 else None
     draft_source = open_draft(config, source, mesh)
     quantization, quantization_note = resolve_quantization(config, source, mesh)
@@ -379,14 +388,15 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
                           kv_shards(config, source.config))
     devices = engine_devices(config)
     footprint.check(config, device_room(devices))  # before the weights: what could never fit is refused at once
-    config = dataclasses.replace(config, quantization=quantization)
+    config = dataclasses.replace(config, quantization=quantization, expert_parallel="on" if expert_parallel else "off")
     attention, attention_note = select_decode_attention(
         config.attention_impl, head_dim=source.config.head_dim, block_size=config.block_size,
         max_blocks_per_row=block_table_width(sizing.max_context, config.block_size), mesh=mesh,
         kv_sharded=not config.replicate_attention, kv_dtype=kv_dtype)
     attention, attention_note = _no_kernel_for_latent(source.config, attention, attention_note)
     log.info("%s", attention_note)
-    model = _build_model(source, dtype, attention, config.quantization, mesh, config.replicate_attention, progress)
+    model = _build_model(source, dtype, attention, config.quantization, mesh, config.replicate_attention, progress,
+                         expert_parallel)
     matmul_note = int8_matmul(model, config, mesh) or block_matmul(model, config, mesh)
     # The weights are placed: the free memory now counts them. Nothing the settings size is allocated yet.
     step = footprint.check(config, device_room(devices), note=" after the weights").step

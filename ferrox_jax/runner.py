@@ -61,6 +61,7 @@ from ferrox_jax.runner_protocol import DeviceState
 from ferrox_jax.shared_compiles import SharedCompiles
 from ferrox_jax.plan import RowPlan
 from ferrox_jax.sharding import runner_shardings
+from models.moe_ep import uses_expert_parallel
 from ferrox_jax.step import ForwardBatch, ForwardResult, jit_steps
 from ferrox_jax.vision import VisionEncoder
 from models.attention import ATTENTION_CHUNK_BLOCKS
@@ -148,7 +149,9 @@ class ModelRunner:
         self.mesh = mesh
         self.graphdef, state = nnx.split(model)
         self._state_tree = None  # the weights' tree structure, fixed by the first `_set_state`
-        self.shardings = None if mesh is None else runner_shardings(mesh, cfg, state, replicate_attention)
+        # Expert layers pointed at the mesh (models/moe_ep.py) take their stacks split by expert.
+        self.shardings = None if mesh is None else runner_shardings(mesh, cfg, state, replicate_attention,
+                                                                    uses_expert_parallel(model))
         self._set_state(state if self.shardings is None else place_on_mesh(state, self.shardings.state))
         # One process: batch inputs go to the compiled steps as numpy (`ferrox_jax/step.py`).
         self._place_inputs = jax.process_count() > 1

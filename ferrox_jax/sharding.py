@@ -41,7 +41,10 @@ at load, so they shard like any other projection. Experts are split Megatron-sty
 their intermediate axis (every device holds a slice of every expert), so each tile of an
 expert's tokens is computed locally and its down projection all-reduced (one per tile in
 use: `models/moe.py`); their gate/up biases split with those columns, the down bias
-(added after the sum) is replicated. Attention sinks (one logit per query head) split by
+(added after the sum) is replicated. With `expert_parallel` (`--expert-parallel`) every
+expert stack and expert bias is split by expert instead, P("model", None, ...): each
+device holds E/M whole experts and the block runs under shard_map with one all-reduce
+of [N, D] per layer (`models/moe_ep.py`); M must divide E, not the experts' width. Attention sinks (one logit per query head) split by
 head with q. RoPE tables are constants of the step, not parameters.
 Latent attention (`models/mla.py`) splits its heads the same way: q_b_proj's and
 kv_b_proj's columns are head-major, so each device holds its heads' up-projections and
@@ -80,6 +83,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.config import ModelConfig
+from models.moe_ep import check_expert_parallel
 from models.quant import QuantizedWeight
 
 DATA_AXIS = "data"
@@ -92,6 +96,8 @@ _ROW = ("o_proj", "down_proj", "embed")  # split the first axis
 _EXPERT_COLUMN = ("experts_gate", "experts_up")  # [E, D, F]: split F
 _EXPERT_ROW = ("experts_down",)  # [E, F, D]: split F
 _EXPERT_BIAS = ("experts_gate_bias", "experts_up_bias")  # [E, F]: split F with gate/up's columns
+# Everything indexed by expert first: split by expert under expert parallelism (models/moe_ep.py).
+_EXPERT_STACKS = _EXPERT_COLUMN + _EXPERT_ROW + _EXPERT_BIAS + ("experts_down_bias",)
 _BIAS = ("q_bias", "k_bias", "v_bias", "sinks")  # [H*hd] or [H]: split by head with q (sinks are per head)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "kv_b_proj") + _BIAS
 
@@ -113,8 +119,12 @@ def make_mesh(data: int, model: int, devices=None) -> Mesh:
     return Mesh(np.asarray(devices[: data * model]).reshape(data, model), MESH_AXES)
 
 
-def check_divisibility(cfg: ModelConfig, model_axis: int, replicate_attention: bool) -> None:
-    """Raise ValueError naming the numbers when a split axis does not divide by model_axis."""
+def check_divisibility(cfg: ModelConfig, model_axis: int, replicate_attention: bool,
+                       expert_parallel: bool = False) -> None:
+    """Raise ValueError naming the numbers when a split axis does not divide by model_axis
+    (`expert_parallel`: the experts' count instead of their width, `models/moe_ep.py`)."""
+    if expert_parallel:
+        check_expert_parallel(cfg, model_axis)
     if model_axis == 1:
         return
     if not replicate_attention:
@@ -130,7 +140,8 @@ def check_divisibility(cfg: ModelConfig, model_axis: int, replicate_attention: b
         if odd:
             raise ValueError(f"tensor parallelism {model_axis} does not divide the kv heads {odd} of some of the "
                              "model's layers; choose a size dividing them, or pass --replicate-attention")
-    split = list(cfg.sharded_sizes().items())
+    split = [(what, n) for what, n in cfg.sharded_sizes().items()
+             if not (expert_parallel and what == "moe_intermediate_size")]  # whole experts per device
     if replicate_attention:
         split.append(("hidden_size", cfg.hidden_size))  # down_proj's output columns
     for what, n in split:
@@ -139,14 +150,17 @@ def check_divisibility(cfg: ModelConfig, model_axis: int, replicate_attention: b
 
 
 def param_partition_spec(name: str, shape: tuple[int, ...], cfg: ModelConfig,
-                         replicate_attention: bool = False) -> P:
+                         replicate_attention: bool = False, expert_parallel: bool = False) -> P:
     """PartitionSpec of one parameter, by its name in the family modules' tables.
 
     `name` is the dotted state path ("layers.3.q_proj", "embed"); `cfg` is unused by the
     rules today but is part of the signature so a future rule (e.g. by head count) has it.
+    `expert_parallel`: expert stacks and their biases split by expert (`models/moe_ep.py`).
     """
     del cfg
     leaf = name.split(".")[-1]
+    if expert_parallel and leaf in _EXPERT_STACKS and len(shape) >= 2:
+        return P(MODEL_AXIS, *(None,) * (len(shape) - 1))
     if replicate_attention and leaf in _ATTENTION:
         return P()
     if replicate_attention and leaf == "down_proj":
@@ -170,22 +184,22 @@ def param_partition_spec(name: str, shape: tuple[int, ...], cfg: ModelConfig,
     return P()  # norms (q_norm, k_norm too), the router, anything unknown: replicated
 
 
-def param_placement(mesh: Mesh, cfg: ModelConfig, replicate_attention: bool = False):
+def param_placement(mesh: Mesh, cfg: ModelConfig, replicate_attention: bool = False, expert_parallel: bool = False):
     """`placement(name, shape) -> NamedSharding` by the table above, for weights made directly
     on the mesh (`--load-format dummy`: each device generates only its own shards)."""
-    check_divisibility(cfg, mesh.shape[MODEL_AXIS], replicate_attention)
+    check_divisibility(cfg, mesh.shape[MODEL_AXIS], replicate_attention, expert_parallel)
 
     def placement(name: str, shape: tuple[int, ...]) -> NamedSharding:
-        return NamedSharding(mesh, param_partition_spec(name, shape, cfg, replicate_attention))
+        return NamedSharding(mesh, param_partition_spec(name, shape, cfg, replicate_attention, expert_parallel))
 
     return placement
 
 
 def quantized_partition_specs(name: str, weight: QuantizedWeight, cfg: ModelConfig,
-                               replicate_attention: bool = False) -> QuantizedWeight:
+                               replicate_attention: bool = False, expert_parallel: bool = False) -> QuantizedWeight:
     """A QuantizedWeight of PartitionSpecs: the values as the float weight, the scales as the
     values' channel axis (see the module docstring)."""
-    values = param_partition_spec(name, weight.shape, cfg, replicate_attention)
+    values = param_partition_spec(name, weight.shape, cfg, replicate_attention, expert_parallel)
     axes = tuple(values) + (None,) * (len(weight.shape) - len(values))
     return weight.replace(values=values, scales=P(*(a for i, a in enumerate(axes) if i != weight.reduce_axis)))
 
@@ -238,21 +252,23 @@ class RunnerShardings:
     num_layers: int  # KV arrays per cache side
 
 
-def runner_shardings(mesh: Mesh, cfg: ModelConfig, state, replicate_attention: bool = False) -> RunnerShardings:
-    """Shardings for an nnx.State (from `nnx.split(model)`) and the KV cache on `mesh`."""
-    check_divisibility(cfg, mesh.shape[MODEL_AXIS], replicate_attention)
+def runner_shardings(mesh: Mesh, cfg: ModelConfig, state, replicate_attention: bool = False,
+                     expert_parallel: bool = False) -> RunnerShardings:
+    """Shardings for an nnx.State (from `nnx.split(model)`) and the KV cache on `mesh`
+    (`expert_parallel`: the expert stacks split by expert, `models/moe_ep.py`)."""
+    check_divisibility(cfg, mesh.shape[MODEL_AXIS], replicate_attention, expert_parallel)
 
     def spec(path, leaf):
         name = _state_name(path)
         stack = _lora_stack(path)
         if stack is not None:  # LoRA slots (models/lora.py): A and B are 2-D like their base
-            base = param_partition_spec(name, leaf.shape, cfg, replicate_attention)
+            base = param_partition_spec(name, leaf.shape, cfg, replicate_attention, expert_parallel)
             return NamedSharding(mesh, lora_partition_spec(stack, base))
         if isinstance(leaf, QuantizedWeight):
-            specs = quantized_partition_specs(name, leaf, cfg, replicate_attention)
+            specs = quantized_partition_specs(name, leaf, cfg, replicate_attention, expert_parallel)
             return jax.tree_util.tree_map(lambda p: NamedSharding(mesh, p), specs,
                                           is_leaf=lambda x: isinstance(x, P))
-        return NamedSharding(mesh, param_partition_spec(name, leaf.shape, cfg, replicate_attention))
+        return NamedSharding(mesh, param_partition_spec(name, leaf.shape, cfg, replicate_attention, expert_parallel))
 
     is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
     # A latent cache (models/mla.py) is one head: every device holds all of it.

@@ -70,6 +70,9 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -
 
 
 class GptOssDecoderLayer(nnx.Module, SelfAttention):
+    supports_expert_parallel = True  # models/moe_ep.py: the stacks and their biases may be split by expert
+    expert_parallel = None  # set by models/moe_ep.py:enable_expert_parallel
+
     def __init__(self, cfg: GptOssConfig, attention: AttentionSpec, dtype, rngs: nnx.Rngs):
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.eps, self.top_k = cfg.rms_norm_eps, cfg.num_experts_per_tok
@@ -97,7 +100,8 @@ class GptOssDecoderLayer(nnx.Module, SelfAttention):
         biases = ExpertBiases(self.experts_gate_bias[...], self.experts_up_bias[...], self.experts_down_bias[...])
         y = moe_mlp(h, self.router[...], self.experts_gate.get_value(), self.experts_up.get_value(),
                     self.experts_down.get_value(), top_k=self.top_k, normalize=True, act=silu,
-                    router_bias=self.router_bias[...], biases=biases, glu=self.glu)
+                    router_bias=self.router_bias[...], biases=biases, glu=self.glu,
+                    expert_parallel=self.expert_parallel)
         return x + y, k_cache, v_cache
 
 

@@ -35,6 +35,9 @@ class MoeDecoderLayer(nnx.Module, SelfAttention):
     """Attention then experts; the layer Mixtral and Qwen3-MoE share (Qwen3-MoE adds q/k
     norms through its AttentionSpec)."""
 
+    supports_expert_parallel = True  # models/moe_ep.py: the stacks may be split by expert
+    expert_parallel = None  # set by models/moe_ep.py:enable_expert_parallel
+
     def __init__(self, cfg: MoeConfig, attention: AttentionSpec, dtype, rngs: nnx.Rngs):
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.eps = cfg.rms_norm_eps
@@ -53,7 +56,8 @@ class MoeDecoderLayer(nnx.Module, SelfAttention):
         x = x + attn
         h = rms_norm(x, self.post_attn_norm[...], self.eps)
         y = moe_mlp(h, self.router[...], self.experts_gate.get_value(), self.experts_up.get_value(),
-                    self.experts_down.get_value(), top_k=self.top_k, normalize=self.normalize, act=silu)
+                    self.experts_down.get_value(), top_k=self.top_k, normalize=self.normalize, act=silu,
+                    expert_parallel=self.expert_parallel)
         return x + y, k_cache, v_cache
 
 

@@ -44,8 +44,9 @@ rows per expert (`tile_rows`): 8 at decode, 32 for a 128-token Mixtral prefill.
 Tensor parallelism splits every expert over its intermediate axis (gate/up by columns,
 down by rows; `ferrox_jax/sharding.py`), so each tile's matmuls are local to a device and
 its down projection is summed across devices inside the loop: one all-reduce of
-[tile, D] per tile in use (checked in the compiled HLO). A shard_map around the loop
-could sum once per layer instead; it needs the mesh in the model, which it does not have.
+[tile, D] per tile in use (checked in the compiled HLO). Expert parallelism
+(`models/moe_ep.py`, `--expert-parallel`) splits the stacks by expert instead: each device
+runs `expert_sum` over its own experts' pairs under shard_map and the layer sums once.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def moe_mlp(x: jax.Array, router: jax.Array | None, gate: jax.Array, up: jax.Arr
             top_k: int, normalize: bool, act: Callable[[jax.Array], jax.Array], tile: int | None = None,
             router_bias: jax.Array | None = None, biases: ExpertBiases | None = None,
             glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
-            routing: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+            routing: tuple[jax.Array, jax.Array] | None = None, expert_parallel=None) -> jax.Array:
     """The mixture-of-experts MLP over N tokens.
 
     Args:
@@ -150,14 +151,34 @@ def moe_mlp(x: jax.Array, router: jax.Array | None, gate: jax.Array, up: jax.Arr
         SwiGLU), or None.
       routing: (weights f32[N, k], experts i32[N, k]) chosen by the caller (DeepSeek's
         grouped routing, `models/moe_grouped.py`); None: `route` with `router`.
+      expert_parallel: a `models/moe_ep.ExpertParallel` (the stacks split by expert over its
+        mesh: each device runs its own experts' pairs, one all-reduce of [N, D]), or None.
     Returns:
       [N, D] in x's dtype.
     """
-    n, d = x.shape
-    num_experts = gate.shape[0]
     weights, experts = routing if routing is not None else route(x, router, top_k, normalize, router_bias)
+    tile = tile or tile_rows(x.shape[0] * top_k, gate.shape[0])
+    if expert_parallel is not None:
+        y = expert_parallel.run(x, weights, experts, (gate, up, down), biases, act=act, glu=glu, tile=tile)
+    else:
+        y = expert_sum(x, weights, experts, gate, up, down, act=act, glu=glu, tile=tile, biases=biases)
+    return y.astype(x.dtype)
+
+
+def expert_sum(x: jax.Array, weights: jax.Array, experts: jax.Array, gate, up, down, *,
+               act: Callable[[jax.Array], jax.Array], tile: int, biases: ExpertBiases | None = None,
+               glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+               num_run: int | None = None) -> jax.Array:
+    """sum_j weights[n, j] * expert_{experts[n, j]}(x[n]) in float32 [N, D], by tiles (module docstring).
+
+    `num_run`: run only experts [0, num_run) of the E = gate.shape[0] stacks; pairs naming
+    expert `num_run` are sorted after them and never computed (expert parallelism routes
+    the pairs of other devices' experts there, with weight 0). None: all E.
+    """
+    n, d = x.shape
+    top_k = experts.shape[1]
+    num_experts = gate.shape[0] if num_run is None else num_run + 1  # + the bucket never run
     pairs = n * top_k
-    tile = tile or tile_rows(pairs, num_experts)
     # Sort the (token, expert) pairs by expert; stable, so each expert sees its tokens in order.
     flat_expert = experts.reshape(-1)
     order = jnp.argsort(flat_expert, stable=True)
@@ -171,8 +192,9 @@ def moe_mlp(x: jax.Array, router: jax.Array | None, gate: jax.Array, up: jax.Arr
     # At most one partly filled tile per expert in use: ceil(pairs / tile) + min(E, pairs) - 1 tiles.
     max_tiles = -(-pairs // tile) + min(num_experts, pairs) - 1
     rows = jnp.zeros((max_tiles * tile, d), x.dtype).at[row].set(x[token])
+    last = num_experts - 1 if num_run is None else num_run - 1  # the last expert whose tiles run
     tile_expert = jnp.searchsorted(padded_end, jnp.arange(max_tiles, dtype=jnp.int32) * tile, side="right")
-    tile_expert = jnp.minimum(tile_expert, num_experts - 1).astype(jnp.int32)
+    tile_expert = jnp.minimum(tile_expert, last).astype(jnp.int32)
 
     def run_tile(i, out):
         xt = jax.lax.dynamic_slice_in_dim(rows, i * tile, tile)
@@ -183,7 +205,7 @@ def moe_mlp(x: jax.Array, router: jax.Array | None, gate: jax.Array, up: jax.Arr
                      None if biases is None else biases.down[e])
         return jax.lax.dynamic_update_slice_in_dim(out, yt.astype(out.dtype), i * tile, 0)
 
-    out = jax.lax.fori_loop(0, padded_end[-1] // tile, run_tile, jnp.zeros_like(rows))
+    out = jax.lax.fori_loop(0, padded_end[last] // tile, run_tile, jnp.zeros_like(rows))
     pair_weight = weights.reshape(-1)[order][:, None]
     y = out[row].astype(jnp.float32) * pair_weight
-    return jnp.zeros((n, d), jnp.float32).at[token].add(y).astype(x.dtype)
+    return jnp.zeros((n, d), jnp.float32).at[token].add(y)

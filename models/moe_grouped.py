@@ -116,6 +116,9 @@ class GroupedMoe:
     """Mix-in for a decoder layer (an `nnx.Module`): the routed and shared experts of one
     layer, as flat parameters (table above)."""
 
+    supports_expert_parallel = True  # models/moe_ep.py: the routed stacks may be split by expert
+    expert_parallel = None  # set by models/moe_ep.py:enable_expert_parallel
+
     def init_moe(self, cfg: GroupedMoeConfig, dtype, rngs: nnx.Rngs) -> None:
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
@@ -137,7 +140,8 @@ class GroupedMoe:
         routing = grouped_route(h, self.router[...], self.router_bias[...], top_k=self.top_k, n_group=self.n_group,
                                 topk_group=self.topk_group, normalize=self.normalize, scale=self.scale)
         y = moe_mlp(h, None, self.experts_gate.get_value(), self.experts_up.get_value(),
-                    self.experts_down.get_value(), top_k=self.top_k, normalize=False, act=silu, routing=routing)
+                    self.experts_down.get_value(), top_k=self.top_k, normalize=False, act=silu, routing=routing,
+                    expert_parallel=self.expert_parallel)
         if self.has_shared:
             y = y + gated_mlp(h, self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value(), silu)
         return y
