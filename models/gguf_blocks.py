@@ -74,9 +74,11 @@ BLOCK_FORMATS = {f.name: f for f in (BlockFormat("q4_0", 0, 18), BlockFormat("q4
 
 @struct.dataclass
 class BlockQuantizedWeight:
-    """A projection [in, out] as GGUF blocks, u8[out, in / 32 * B] (module docstring)."""
+    """A projection [in, out] as GGUF blocks, u8[out, in / 32 * B] (module docstring), or a
+    stack of experts' projections [E, in, out] as u8[E, out, in / 32 * B] (each expert's
+    rows as llama.cpp's `ffn_*_exps` hold them; `models/quant.py:select_expert` takes one)."""
 
-    blocks: jax.Array  # u8[out, row bytes]
+    blocks: jax.Array  # u8[out, row bytes], or u8[E, out, row bytes] for an expert stack
     fmt: str = struct.field(pytree_node=False, default="q8_0")  # a BLOCK_FORMATS key
     # The XLA FFI target that multiplies it (models/cpu_kernels.py); None: XLA dequantizes.
     kernel: str | None = struct.field(pytree_node=False, default=None)
@@ -91,16 +93,17 @@ class BlockQuantizedWeight:
 
     @property
     def out_features(self) -> int:
-        return int(self.blocks.shape[0])
+        return int(self.blocks.shape[-2])
 
     @property
     def in_features(self) -> int:
         f = BLOCK_FORMATS[self.fmt]
-        return int(self.blocks.shape[1]) // f.block_bytes * f.block_values
+        return int(self.blocks.shape[-1]) // f.block_bytes * f.block_values
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.in_features, self.out_features
+    def shape(self) -> tuple[int, ...]:
+        """[in, out]; an expert stack (blocks u8[E, out, row bytes]) [E, in, out]."""
+        return (*(int(n) for n in self.blocks.shape[:-2]), self.in_features, self.out_features)
 
     @property
     def nbytes(self) -> int:
@@ -116,11 +119,12 @@ def row_bytes(fmt: str, in_features: int) -> int:
 
 
 def make_weight(blocks: np.ndarray, fmt: str, in_features: int) -> BlockQuantizedWeight:
-    """A BlockQuantizedWeight from host bytes u8[out, row bytes], checked against `in_features`."""
+    """A BlockQuantizedWeight from host bytes u8[out, row bytes] (an expert stack:
+    u8[E, out, row bytes]), checked against `in_features`."""
     if fmt not in BLOCK_FORMATS:
         raise ValueError(f"block format must be one of {', '.join(BLOCK_FORMATS)}; got {fmt!r}")
     want = row_bytes(fmt, in_features)
-    if blocks.dtype != np.uint8 or blocks.ndim != 2 or blocks.shape[1] != want:
+    if blocks.dtype != np.uint8 or blocks.ndim not in (2, 3) or blocks.shape[-1] != want:
         raise ValueError(f"{fmt} blocks for {in_features} inputs must be uint8[out, {want}]; "
                          f"got {blocks.dtype}{tuple(blocks.shape)}")
     return BlockQuantizedWeight(jnp.asarray(np.ascontiguousarray(blocks)), fmt)

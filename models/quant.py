@@ -172,6 +172,8 @@ def select_expert(stack, expert: jax.Array):
     its [in, out] matrix (a QuantizedWeight keeps that expert's scales)."""
     if isinstance(stack, QuantizedWeight):
         return QuantizedWeight(stack.values[expert], stack.scales[expert], stack.mode, channel_axis=1)
+    if isinstance(stack, BlockQuantizedWeight):  # a GGUF stack kept as its blocks: that expert's rows
+        return stack.replace(blocks=stack.blocks[expert])
     return stack[expert]
 
 

@@ -109,7 +109,8 @@ def build_model(
         want = tuple(flat[path].shape)
         axis = quantized_channel_axis(name, want) if quantization in INT8_MODES else None
         blocks = (block_tensors or {}).get(name) if quantization == "gguf" else None
-        if blocks is not None and quantized_channel_axis(name, want) == 1:
+        if blocks is not None and quantized_channel_axis(name, want) in (1, 2):
+            # a projection [in, out], or an expert stack [E, in, out] kept as u8[E, out, row bytes]
             placed = _place_blocks(name, want, blocks, bad_shapes)
         elif blocks is not None and name == "embed":
             # The embedding [V, D] kept as its V rows of blocks: lookups dequantize the gathered
@@ -137,11 +138,11 @@ def build_model(
 
 
 def _place_blocks(name: str, shape: tuple[int, ...], raw, problems: list[str]) -> BlockQuantizedWeight | None:
-    """A projection [in, out] as GGUF block rows (`models/gguf_blocks.py`); appends to
-    `problems` and returns None on a mismatch."""
+    """A projection [in, out] (or an expert stack [E, in, out]) as GGUF block rows
+    (`models/gguf_blocks.py`); appends to `problems` and returns None on a mismatch."""
     blocks, fmt = raw()
     try:
-        weight = make_weight(blocks, fmt, shape[0])
+        weight = make_weight(blocks, fmt, shape[-2])
     except ValueError as e:
         problems.append(f"{name}: {e}")
         return None

@@ -33,8 +33,9 @@ Format quirks handled here:
   `qwen3moe`) store each layer's experts stacked, `ffn_{gate,up}_exps` [E, F, D] and
   `ffn_down_exps` [E, D, F] in the reader's order, each expert transposed to our
   [in, out] (`ExpertStack`), and the router as `ffn_gate_inp`. A block-quantized stack is
-  dequantized to the compute dtype at load in every mode (the block kernels multiply
-  2-D weights only); the int8 modes then quantize it per expert like a float stack.
+  dequantized to the compute dtype at load in the float and int8 modes (the int8 modes then
+  quantize it per expert like a float stack); `--quantization gguf` keeps a Q4_0 / Q4_1 /
+  Q8_0 / K-quant stack as its blocks (`models/loaders/gguf_blocks.py`), MXFP4 stays float.
   gpt-oss files (`gpt-oss`) add biases to the stacks (`ffn_*_exps.bias`, [E, n]), the
   router bias and per-head `attn_sinks`; their experts are usually MXFP4, read the same way.
 - YaRN RoPE comes from `rope.scaling.*` (factor, original context, betas). Gemma 4: models/gemma4_gguf.py.

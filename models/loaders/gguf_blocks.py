@@ -7,7 +7,10 @@ every 2-D tensor in one of those formats that is a projection or the LM head
 [out, in] with each output channel's blocks contiguous, so reading is a slice of the
 memory-mapped file; what `models/loaders/gguf.py` does to float rows is done to block rows:
 llama's q/k rows are un-permuted (whole rows move, so it is exact), fused tensors
-(Phi-3's attn_qkv, ffn_up) split by rows. The embedding's blocks are kept under "embed":
+(Phi-3's attn_qkv, ffn_up) split by rows. A MoE file's expert stacks (`ffn_{gate,up,down}_exps`,
+u8[E, out, row bytes]: each expert's rows as a projection's) are kept whole under our stack
+names, each expert computed from its own slice (`models/quant.py:select_expert`) instead of
+dequantized to float at load. The embedding's blocks are kept under "embed":
 the model keeps its table as these block rows (a lookup dequantizes the rows it gathers),
 and a tied LM head is the same array.
 """
@@ -15,17 +18,19 @@ and a tied LM head is the same array.
 from __future__ import annotations
 
 import os
+import re
 from typing import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
 from models.config import ModelConfig
-from models.family import Family
+from models.family import ExpertStack, Family
 from models.loaders.common import expected_params
 from models.loaders.gguf import open_gguf, our_row_ranges, unpermute_rope_rows
 from models.registry import family_for
 
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")  # as models/loaders/gguf.py reads per-layer names
 HostBlocks = tuple[np.ndarray, str]  # (u8[out, row bytes], block format name)
 BlockProducer = Callable[[], HostBlocks]
 
@@ -65,8 +70,26 @@ def gguf_block_tensors(path: str | os.PathLike | GGUFReader, cfg: ModelConfig) -
     expected = expected_params(cfg)
     out: dict[str, BlockProducer] = {}
     for t in reader.tensors:
-        if t.tensor_type not in GGML_BLOCK_FORMATS or len(t.shape) != 2:
+        if t.tensor_type not in GGML_BLOCK_FORMATS:
+            continue
+        if len(t.shape) == 3:  # an expert stack, u8[E, out, row bytes]: already each expert's rows
+            name = _expert_stack_name(t.name, family)
+            if name is not None:
+                out[name] = _producer(t, cfg, False)
+            continue
+        if len(t.shape) != 2:
             continue
         for name, start, width in our_row_ranges(t.name, family, expected):
             out[name] = _producer(t, cfg, unpermute_qk, start, width)
     return {name: load for name, load in out.items() if name in expected}
+
+
+def _expert_stack_name(gguf_name: str, family: Family) -> str | None:
+    """Our name of a llama.cpp expert stack (`blk.N.ffn_gate_exps.weight`: one of our stacks,
+    each expert stored [out, in], as the blocks keep it), else None. A stack fused from two
+    of ours (gpt-oss's HF gate_up) or not transposed is not a GGUF block stack."""
+    m = _LAYER_NAME.match(gguf_name)
+    target = family.gguf_layer_weights.get(m.group(2)) if m else None
+    if not isinstance(target, ExpertStack) or len(target.names) != 1 or not target.transpose:
+        return None
+    return f"layers.{m.group(1)}.{target.names[0]}"
