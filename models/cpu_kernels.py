@@ -252,6 +252,11 @@ def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None, amx_r
             packed += not _is_embedding(path)
             if leaf.fmt in K_FORMATS:
                 return with_kernel(leaf, block_target(leaf.fmt), 0, 0)
+            if leaf.blocks.ndim == 3:
+                # An expert stack multiplies tiles padded to 8+ rows (models/moe.py) even for one
+                # token, so row thresholds measured on real rows would quantize a one-row decode's
+                # activations (1.1e-3 on a Qwen3-MoE-shaped file's logits): float activations only.
+                return with_kernel(leaf, BLOCK_TARGET, 0, 0, 0)
             return with_kernel(leaf, BLOCK_TARGET, int_rows, amx_rows, wide_rows)
         return leaf
 
