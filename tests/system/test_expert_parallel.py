@@ -212,3 +212,16 @@ def test_a_model_without_experts_or_unsupported_is_refused():
     other = dataclasses.replace(_moe_config(), architecture="Gemma4ForCausalLM")
     with pytest.raises(ValueError, match="not supported for Gemma4ForCausalLM"):
         check_divisibility(other, 2, False, expert_parallel=True)
+
+
+def test_the_flag_and_its_variable_reach_the_engine_config():
+    from api import cli
+
+    def engine_config(argv, environ=None):
+        return cli.engine_config(cli.build_parser(environ or {}).parse_args(["serve", *argv]))
+
+    assert engine_config([]).expert_parallel == "auto"
+    assert engine_config(["--expert-parallel", "on"]).expert_parallel == "on"
+    assert engine_config([], {"FERROX_EXPERT_PARALLEL": "off"}).expert_parallel == "off"
+    with pytest.raises(SystemExit, match=r"--expert-parallel \(FERROX_EXPERT_PARALLEL\) must be one of auto, on, off"):
+        engine_config(["--expert-parallel", "sometimes"])
