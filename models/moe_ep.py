@@ -23,9 +23,11 @@ and the block runs under `shard_map` on the engine's mesh (`ExpertParallel.run`)
 So the communication is one all-reduce of N x D float32 per MoE layer, whatever the
 routing, against one [tile, D] all-reduce per tile in use for the intermediate split;
 and each device reads only its own experts' weights (whole matrices, no 1/M slivers).
-This is the simple form (tpu-inference and sglang-jax all-gather tokens and reduce-
-scatter the result the same way; an all-to-all dispatch moves less at large N but needs
-capacity padding and is later work). Each device's work depends on how many pairs
+This is the simple form, the one tpu-inference's grouped-matmul EP path takes
+(`expert_parallel_gmm` in its layers/common/fused_moe_gmm.py: tokens replicated over the
+expert axis, each shard its experts from a group offset, rows of other shards' experts
+masked, one psum); an all-to-all dispatch moves less at large N but needs capacity
+padding and is later work. Each device's work depends on how many pairs
 routed to its experts: the loop runs over that device's tiles in use only.
 
 Which split serves (`--expert-parallel on|off|auto`, `resolve_expert_parallel`; docs/models.md):
