@@ -75,6 +75,14 @@ _BATCHER_METRICS = (
     ("prefix_cache_hits", "ferrox_prefix_cache_hits", "counter",
      "prompt tokens served from the prefix cache instead of computed"),
     ("kv_blocks_cached", "ferrox_kv_blocks_cached", "gauge", "KV blocks resident in the prefix cache"),
+    # the sliding KV group of a model with sliding-window layers (ferrox_jax/kv_groups.py)
+    ("kv_window_slots_total", "ferrox_kv_window_slots_total", "gauge", "sliding-window KV group: slots in its pool"),
+    ("kv_window_slots_held", "ferrox_kv_window_slots_held", "gauge",
+     "sliding-window KV group: slots the rows' windows reference"),
+    ("kv_window_slots_free", "ferrox_kv_window_slots_free", "gauge",
+     "sliding-window KV group: slots not held or reserved (parked ones count as free)"),
+    ("kv_window_blocks_passed", "ferrox_kv_window_blocks_passed", "counter",
+     "sliding-window KV group: block references dropped as rows moved past the window"),
     # the host KV tier under the prefix cache (--kv-offload-gib)
     ("prefix_cache_hits_device", "ferrox_prefix_cache_hits_device", "counter",
      "prompt tokens served from the device prefix cache"),

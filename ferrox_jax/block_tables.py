@@ -66,6 +66,7 @@ from collections.abc import Iterable
 from ferrox_jax.block_budget import BlockBudget
 from ferrox_jax.config import SchedulerLimits
 from ferrox_jax.images import hash_ids
+from ferrox_jax.kv_groups import WindowPool, first_window_block, window_cap
 from ferrox_jax.kv_offload import HostTier
 from ferrox_jax.prefix_cache import PrefixCache, adapter_root, chain_hashes
 from ferrox_jax.request import JobState, Row
@@ -88,10 +89,23 @@ class BlockTables:
         self.tier = HostTier(limits.kv_offload_blocks) if limits.kv_offload_blocks and limits.prefix_caching else None
         self.cache = PrefixCache(limits.prefix_cache_salt, self.tier) if limits.prefix_caching else None
         self.budget = BlockBudget(limits.num_blocks, self.cache)
+        # The sliding KV group's pool (ferrox_jax/kv_groups.py), None without sliding layers.
+        # Sized so it refuses nothing the full group admits and evicts no parked slot whose
+        # full block is still cached: every held or cached block may carry one.
+        self.window: WindowPool | None = None
+        self._quotas: dict[JobState, int] = {}  # the sliding group's reservation per admitted job
+        if limits.kv_window:
+            spec = limits.speculative
+            self.step_tokens = max(limits.idle_chunk_tokens, 1 + (spec.most_drafts if spec is not None else 0))
+            cap = window_cap(limits.kv_window, self.block_size, self.step_tokens, limits.num_blocks)
+            self.window = WindowPool(max(limits.num_blocks, limits.max_rows * cap), limits.kv_window, self.block_size)
+            if self.cache is not None:
+                self.cache.on_evict = self.window.block_evicted
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of those, tokens admission took from the cache (not computed), both tiers
         self.num_host_hit_tokens = 0  # of those, tokens restored from the host tier
         self._copies: list[tuple[int, int]] = []
+        self.window_copies: list[tuple[int, int]] = []  # the sliding slots copy-on-write copies
         self._restoring: list[JobState] = []  # jobs admitted with host hits since the last plan
 
     @property
@@ -113,19 +127,25 @@ class BlockTables:
         if self.cache is not None and not submitted.computes_every_position:
             names = job.block_names[:(len(prompt) - 1) // self.block_size]
             hits = self.cache.lookup(names)
+            if self.window is not None:  # a hit whose window blocks lost their slots is cut back
+                hits = hits[:self.window.usable_hits(hits)]
             if self.tier is not None:
                 host_slots = self.tier.lookup(names[len(hits):])
                 self.tier.pin(host_slots)  # before the budget evicts: its saves must not take these slots
         num_new = blocks_to_reserve(len(prompt), submitted.max_tokens, submitted.n, self.block_size,
                                     len(hits) * self.block_size)
-        if not self.budget.try_admit(num_new, hits):
+        if not self._reserve_window(job, submitted.n) or not self.budget.try_admit(num_new, hits):
+            self._unreserve_window(job)
             if host_slots:
                 self.tier.unpin(host_slots)
             return False
         job.num_owed_blocks = num_new
         job.prefill_block_ids = hits
+        if self.window is not None:
+            self.window.open(job, hits, first_window_block(len(hits) * self.block_size, self.window.window,
+                                                           self.block_size))
         for slot in host_slots:  # a fresh block each, restored before the step's forward
-            block_id = self._allocate(job)
+            block_id = self._allocate(job, job)
             self.tier.restore(slot, block_id)
             job.prefill_block_ids.append(block_id)
         if host_slots:
@@ -143,26 +163,58 @@ class BlockTables:
         """Frees every block the job's tables (its prefill's and its open `rows`') hold and
         what it was still owed; its rows will recompute from position 0 (step 6 above)."""
         for row in rows:
+            self._close_window(row, row.block_ids)
             for block_id in reversed(row.block_ids):  # tail first: evicted before the head
                 self.budget.free(block_id)
             row.block_ids, row.num_computed_tokens, row.num_named_blocks = [], 0, 0
+        self._close_window(job, job.prefill_block_ids)
         for block_id in reversed(job.prefill_block_ids):
             self.budget.free(block_id)
         job.prefill_block_ids, job.num_computed_tokens, job.num_named_blocks = [], 0, 0
         self.budget.release(job.num_owed_blocks)
         job.num_owed_blocks = 0
+        self._unreserve_window(job)
 
     def try_resume(self, job: JobState, rows: list[Row]) -> bool:
         """Re-admits a preempted job whose rows had decoded: each of its open `rows` takes
         its cached blocks of `token_ids[:-1]` and is promised the rest; False: "not now"."""
         hits_by_row = self._resume_hits(job, rows)
         num_new = sum(self._per_row(job) - len(hits) for hits in hits_by_row)
-        if not self.budget.try_admit(num_new, [block_id for hits in hits_by_row for block_id in hits]):
+        if not self._reserve_window(job, len(rows)) or not self.budget.try_admit(
+                num_new, [block_id for hits in hits_by_row for block_id in hits]):
+            self._unreserve_window(job)
             return False
         for row, hits in zip(rows, hits_by_row):
             row.block_ids, row.num_named_blocks, row.num_computed_tokens = list(hits), len(hits), len(hits) * self.block_size
+            if self.window is not None:
+                self.window.open(row, row.block_ids, first_window_block(row.num_computed_tokens, self.window.window,
+                                                                        self.block_size))
         job.num_owed_blocks = num_new
         return True
+
+    # -- the sliding group (ferrox_jax/kv_groups.py) ------------------------------------
+
+    def _reserve_window(self, job: JobState, num_rows: int) -> bool:
+        """Reserves the job's sliding-group quota (its largest table per row); False: "not now"."""
+        if self.window is None:
+            return True
+        quota = self.window.quota(self._per_row(job), num_rows, self.step_tokens)
+        if not self.window.try_reserve(quota):
+            return False
+        self._quotas[job] = quota
+        return True
+
+    def _unreserve_window(self, job: JobState) -> None:
+        if self.window is not None:
+            self.window.unreserve(self._quotas.pop(job, 0))
+
+    def _close_window(self, owner, block_ids: list[int]) -> None:
+        if self.window is not None:
+            self.window.close(owner, block_ids)
+
+    def window_tables(self, jobs: Iterable[JobState], rows: Iterable[Row]) -> list[tuple[object, list[int]]]:
+        """(owner, block ids) of every live table, for `WindowPool.check`."""
+        return [(job, job.prefill_block_ids) for job in jobs] + [(row, row.block_ids) for row in rows]
 
     def _per_row(self, job: JobState) -> int:
         submitted = job.submitted
@@ -182,6 +234,8 @@ class BlockTables:
                     names += chain_hashes(row.token_ids, bs, parent, start_block=len(names),
                                           num_blocks=num_full - len(names))
                 hits = self.cache.lookup(names[:num_full])
+                if self.window is not None:
+                    hits = hits[:self.window.usable_hits(hits)]
             hits_by_row.append(hits)
         return hits_by_row
 
@@ -199,6 +253,8 @@ class BlockTables:
             if self.cache is not None and not submitted.computes_every_position:
                 names = job.block_names or chain_hashes(prompt, bs, adapter_root(self.cache.root, submitted.adapter_key))
                 hits = self.cache.lookup(names[:(len(prompt) - 1) // bs])
+                if self.window is not None:
+                    hits = hits[:self.window.usable_hits(hits)]
             num_new = blocks_to_reserve(len(prompt), submitted.max_tokens, submitted.n, bs, len(hits) * bs)
         return num_new + sum(1 for block_id in set(hits) if not self.budget.ref_count(block_id))
 
@@ -226,37 +282,47 @@ class BlockTables:
 
     def prepare_prefill(self, job: JobState, start: int, end: int) -> None:
         """Makes the job's table cover positions start..end-1, every block writable."""
-        self._prepare(job, job.prefill_block_ids, start, end)
+        self._prepare(job, job, job.prefill_block_ids, start, end)
 
     def prepare_decode(self, row: Row, num_tokens: int = 1) -> None:
         """Makes the row's table cover its next `num_tokens` positions (more than one: its
         last token and drafts), the first in a block it alone holds; later ones fall in
         blocks it allocated itself."""
         pos = row.num_computed_tokens
-        self._prepare(row.job, row.block_ids, pos, pos + num_tokens)
+        self._prepare(row.job, row, row.block_ids, pos, pos + num_tokens)
 
-    def _prepare(self, job: JobState, block_ids: list[int], start: int, end: int) -> None:
+    def _prepare(self, job: JobState, owner, block_ids: list[int], start: int, end: int) -> None:
+        """`owner`: the table's (the job for its prefill table, else the row), whose sliding
+        references to the blocks wholly behind the window of `start` go first."""
+        if self.window is not None:
+            self.window.advance(owner, block_ids, start)
         index = start // self.block_size
         if index < len(block_ids) and not self.budget.is_writable(block_ids[index]):
-            self._copy_on_write(job, block_ids, index)
+            self._copy_on_write(job, owner, block_ids, index)
         while len(block_ids) * self.block_size < end:
-            block_ids.append(self._allocate(job))
+            block_ids.append(self._allocate(job, owner))
 
-    def _copy_on_write(self, job: JobState, block_ids: list[int], index: int) -> None:
+    def _copy_on_write(self, job: JobState, owner, block_ids: list[int], index: int) -> None:
         """Replaces a shared or cached block by a private copy. The source reference is
         dropped now: it stays held by the others or idle in the cache, and idle blocks are
         only evicted at admission, so it is intact when the copy runs first in this step."""
         src = block_ids[index]
-        dst = self._allocate(job)
+        dst = self._allocate(job, owner)
         self._copies.append((src, dst))
+        if self.window is not None:
+            self.window_copies.append(self.window.replace(src, dst))
         block_ids[index] = dst
         self.budget.free(src)
 
-    def _allocate(self, job: JobState) -> int:
+    def _allocate(self, job: JobState, owner) -> int:
+        """A fresh block for the end of `owner`'s table (and its sliding slot)."""
         assert job.num_owed_blocks > 0, (
             f"job {job.submitted.request_id} allocated beyond the {blocks_to_reserve.__name__}() promise")
         job.num_owed_blocks -= 1
-        return self.budget.allocate()
+        block_id = self.budget.allocate()
+        if self.window is not None:
+            self.window.attach(owner, block_id)
+        return block_id
 
     @property
     def pending_copies(self) -> tuple[tuple[int, int], ...]:
@@ -266,6 +332,7 @@ class BlockTables:
 
     def take_copies(self) -> tuple[tuple[int, int], ...]:
         copies, self._copies = tuple(self._copies), []
+        self.window_copies = []  # the sliding arrays are indexed by the full table today (kv_groups.py)
         return copies
 
     # -- after a step: name the blocks it filled ------------------------------------------
@@ -276,7 +343,7 @@ class BlockTables:
             return
         num_full = min(job.num_computed_tokens // self.block_size, len(job.block_names))
         for i in range(job.num_named_blocks, num_full):
-            self.budget.name(job.prefill_block_ids[i], job.block_names[i])
+            self._name(job.prefill_block_ids[i], job.block_names[i])
         job.num_named_blocks = max(job.num_named_blocks, num_full)
 
     def name_row_blocks(self, row: Row) -> None:
@@ -293,8 +360,12 @@ class BlockTables:
                                   start_block=len(names),
                                   num_blocks=num_full - len(names))
         for i in range(row.num_named_blocks, num_full):
-            self.budget.name(row.block_ids[i], names[i])
+            self._name(row.block_ids[i], names[i])
         row.num_named_blocks = num_full
+
+    def _name(self, block_id: int, name: bytes) -> None:
+        if self.budget.name(block_id, name) and self.window is not None:
+            self.window.named(block_id)
 
     # -- the prefill's blocks become the rows' -------------------------------------------
 
@@ -302,10 +373,15 @@ class BlockTables:
         """Gives every row a table over the job's blocks (row 0 takes over the job's
         references, the others add their own); see step 3 of the module docstring."""
         blocks, job.prefill_block_ids = job.prefill_block_ids, []
+        start = self.window.start(job) if self.window is not None else 0
         for row in job.rows:
             if row.index > 0:
                 for block_id in blocks:
                     self.budget.share(block_id)
+                if self.window is not None:
+                    self.window.open(row, blocks, start)
+            elif self.window is not None:
+                self.window.move(job, row)
             row.block_ids = list(blocks)
             row.block_names = list(job.block_names)
             row.num_named_blocks = job.num_named_blocks
@@ -321,16 +397,19 @@ class BlockTables:
             assert unused <= job.num_owed_blocks, f"row {row.row_id} gives back more than its job was promised"
             job.num_owed_blocks -= unused
             self.budget.release(unused)
+        self._close_window(row, row.block_ids)
         for block_id in reversed(row.block_ids):  # tail first: evicted before the head
             self.budget.free(block_id)
         row.block_ids = []
         job.num_open_rows -= 1
         if job.num_open_rows == 0:
+            self._close_window(job, job.prefill_block_ids)
             for block_id in reversed(job.prefill_block_ids):
                 self.budget.free(block_id)
             job.prefill_block_ids = []
             self.budget.release(job.num_owed_blocks)
             job.num_owed_blocks = 0
+            self._unreserve_window(job)
 
     def _row_need(self, row: Row) -> int:
         """Blocks a decoding row could still allocate: its growth up to `per_row`, plus a

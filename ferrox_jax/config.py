@@ -359,6 +359,7 @@ class SchedulerLimits:
     kv_offload_blocks: int = 0  # host-tier slots under the prefix cache (ferrox_jax/kv_offload.py); 0: off
     speculative: SpeculativeConfig | None = None  # prompt-lookup drafts (ferrox_jax/speculative.py); None: off
     scheduling_policy: str = "fcfs"  # admission order, and preemption under "priority" (ferrox_jax/priority.py)
+    kv_window: int | None = None  # the sliding KV group's window in tokens (ferrox_jax/kv_groups.py); None: no such group
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -52,6 +52,7 @@ from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.draft import DraftModel
 from ferrox_jax.mtp import build_mtp, check_mtp, mtp_bytes_per_block
 from ferrox_jax.kv_cache import model_bytes_per_block
+from ferrox_jax.kv_groups import sliding_window
 from ferrox_jax.kv_offload import host_room_for_tier, host_tier_blocks
 from ferrox_jax.memory_bounds import (DEFAULT_KV_MEMORY_GIB, GIB, Footprint, context_for, device_room, engine_devices,
                                       kv_blocks_for, kv_shards, needed_kv_blocks)
@@ -413,7 +414,8 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         kv_bytes_per_block=sizing.bytes_per_block,
         prefix_caching=config.prefix_caching, prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size)
         + (f"|draft={draft_source.path}" if draft_source is not None else ""),
-        speculative=config.speculative, scheduling_policy=config.scheduling_policy, kv_offload_blocks=offload)
+        speculative=config.speculative, scheduling_policy=config.scheduling_policy, kv_offload_blocks=offload,
+        kv_window=sliding_window(source.config))
     grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size, config)
     # Speculating rows take a decode row per token: room for them in the row buckets (step.rows).
     if mtp:  # the MTP layer reads every token's hidden state from the step (a static of the graph)

@@ -25,6 +25,9 @@ block ids and their reference counts. A cached block is in one of two states:
 prompt. `insert` names a block once its positions are computed; a name already taken
 (another job computed the same prefix at the same time) is left with its first block.
 
+A model with a sliding KV group (`ferrox_jax/kv_groups.py`) hears of each eviction
+(`on_evict`): the sliding K/V parked with the block goes with it.
+
 With a host tier under it (`--kv-offload-gib`, `ferrox_jax/kv_offload.py`), an evicted
 block is offered to the tier before its name is forgotten, so the tier copies its K/V to
 host memory before the block id is written again.
@@ -89,6 +92,7 @@ class PrefixCache:
         # Idle cached blocks (ref count 0), least recently released first.
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.num_evicted_blocks = 0
+        self.on_evict = None  # called with each evicted block id (the sliding KV group's pool)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -148,4 +152,6 @@ class PrefixCache:
         if offload and self.tier is not None:
             self.tier.offer(name, block_id)
         self.num_evicted_blocks += 1
+        if self.on_evict is not None:
+            self.on_evict(block_id)
         return block_id

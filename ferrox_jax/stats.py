@@ -42,6 +42,14 @@ class BatcherStats:
     # Running jobs preempted for a more urgent one (the priority policy, ferrox_jax/priority.py;
     # vLLM's vllm:num_preemptions): each preemption counts, a job preempted twice twice. 0 under fcfs.
     num_preemptions: int = 0
+    # -- the sliding KV group (ferrox_jax/kv_groups.py); all 0 for a model without sliding layers.
+    # The kv_blocks_* fields above count the full-attention group, as they always have.
+    kv_window_slots_total: int = 0  # the sliding group's pool of slots (a gauge)
+    kv_window_slots_held: int = 0  # slots the rows' windows reference now (a gauge)
+    kv_window_slots_parked: int = 0  # slots kept with a prefix-cached block nobody's window needs (a gauge)
+    kv_window_slots_free: int = 0  # total minus what admitted jobs hold or reserved; parked count as free (a gauge)
+    kv_window_slots_peak: int = 0  # most slots held at once
+    kv_window_blocks_passed: int = 0  # window references dropped as rows moved past their blocks (a counter)
     # -- the host KV tier under the prefix cache (--kv-offload-gib, ferrox_jax/kv_offload.py) ---
     prefix_cache_hits_device: int = 0  # of prefix_cache_hits, tokens found in the device cache
     prefix_cache_hits_host: int = 0  # ... tokens restored from the host tier (hits = device + host)
@@ -105,7 +113,7 @@ def scheduler_fields(scheduler: Any) -> dict[str, Any]:
         grammar_errors=scheduler.num_grammar_errors, prefix_cache_queries=scheduler.blocks.num_queried_tokens,
         prefix_cache_hits=scheduler.blocks.num_hit_tokens, kv_blocks_cached=scheduler.blocks.num_cached_blocks,
         num_preemptions=scheduler.num_preemptions,
-        **offload_fields(scheduler.blocks),
+        **offload_fields(scheduler.blocks), **window_fields(scheduler.blocks),
         running_lora_adapters=running_adapters, waiting_lora_adapters=waiting_adapters,
         **spec_decode_stats(scheduler.speculator))
 
@@ -120,3 +128,13 @@ def offload_fields(blocks: Any) -> dict[str, int]:
                       kv_offload_blocks_stored=tier.num_stored, kv_offload_blocks_evicted=tier.num_evicted,
                       kv_offload_blocks_restored=tier.num_restored)
     return fields
+
+
+def window_fields(blocks: Any) -> dict[str, int]:
+    """The sliding KV group's `BatcherStats` fields, from the scheduler's `BlockTables`."""
+    pool = blocks.window
+    if pool is None:
+        return {}
+    return dict(kv_window_slots_total=pool.num_slots, kv_window_slots_held=pool.num_held,
+                kv_window_slots_parked=pool.num_parked, kv_window_slots_free=pool.num_free,
+                kv_window_slots_peak=pool.peak_held, kv_window_blocks_passed=pool.num_freed_behind)
