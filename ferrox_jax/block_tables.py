@@ -55,6 +55,13 @@ and the blocks it grows into), and it also holds the k hit blocks; admission cha
 block only when it is idle (nobody held it), so a hit never costs more than no hit. A
 finished row gives back what it could still have allocated; the job's remainder goes
 back when its last row ends.
+
+The sliding-window group (`ferrox_jax/kv_groups.py`, a model with sliding layers): every
+block a table allocates gets a slot of the sliding pool; `_prepare` first drops the
+table's slots behind the window of the step's first position; copy-on-write copies the
+slot too (`window_copies`), fork shares the window's slots, release and preemption drop
+them. Admission also reserves the job's window quota (rows times `window_cap`), and cuts a
+hit back to the blocks whose window slots are still there.
 """
 
 from __future__ import annotations
@@ -89,16 +96,18 @@ class BlockTables:
         self.tier = HostTier(limits.kv_offload_blocks) if limits.kv_offload_blocks and limits.prefix_caching else None
         self.cache = PrefixCache(limits.prefix_cache_salt, self.tier) if limits.prefix_caching else None
         self.budget = BlockBudget(limits.num_blocks, self.cache)
-        # The sliding KV group's pool (ferrox_jax/kv_groups.py), None without sliding layers.
-        # Sized so it refuses nothing the full group admits and evicts no parked slot whose
-        # full block is still cached: every held or cached block may carry one.
+        # The sliding KV group's pool (ferrox_jax/kv_groups.py), None without sliding layers:
+        # the sliding arrays' own slots (`kv_window_slots`), else (those arrays hold every
+        # block) accounting sized to refuse nothing the full group admits and to evict no
+        # parked slot whose full block is still cached: every held or cached block may carry one.
         self.window: WindowPool | None = None
         self._quotas: dict[JobState, int] = {}  # the sliding group's reservation per admitted job
         if limits.kv_window:
             spec = limits.speculative
             self.step_tokens = max(limits.idle_chunk_tokens, 1 + (spec.most_drafts if spec is not None else 0))
             cap = window_cap(limits.kv_window, self.block_size, self.step_tokens, limits.num_blocks)
-            self.window = WindowPool(max(limits.num_blocks, limits.max_rows * cap), limits.kv_window, self.block_size)
+            self.window = WindowPool(limits.kv_window_slots or max(limits.num_blocks, limits.max_rows * cap),
+                                     limits.kv_window, self.block_size)
             if self.cache is not None:
                 self.cache.on_evict = self.window.block_evicted
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
@@ -332,8 +341,20 @@ class BlockTables:
 
     def take_copies(self) -> tuple[tuple[int, int], ...]:
         copies, self._copies = tuple(self._copies), []
-        self.window_copies = []  # the sliding arrays are indexed by the full table today (kv_groups.py)
         return copies
+
+    def take_window_copies(self) -> tuple[tuple[int, int], ...]:
+        """The sliding pool's slot copies of the copies `take_copies` gave (same step)."""
+        copies, self.window_copies = tuple(self.window_copies), []
+        return copies
+
+    def window_slots(self, rows) -> tuple[tuple[int, int], ...]:
+        """(block, slot) of every block of the planned `rows`' tables that has a slot."""
+        if self.window is None:
+            return ()
+        slot_of = self.window.slot_of
+        return tuple({block_id: slot_of[block_id] for row in rows for block_id in row.block_ids
+                      if block_id in slot_of}.items())
 
     # -- after a step: name the blocks it filled ------------------------------------------
 

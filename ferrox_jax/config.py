@@ -360,6 +360,7 @@ class SchedulerLimits:
     speculative: SpeculativeConfig | None = None  # prompt-lookup drafts (ferrox_jax/speculative.py); None: off
     scheduling_policy: str = "fcfs"  # admission order, and preemption under "priority" (ferrox_jax/priority.py)
     kv_window: int | None = None  # the sliding KV group's window in tokens (ferrox_jax/kv_groups.py); None: no such group
+    kv_window_slots: int = 0  # its own pool's slots (the sliding arrays' size); 0: they hold every block, as before
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -368,7 +369,7 @@ class SchedulerLimits:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or field.name in (
-                    "kv_bytes_per_block", "kv_offload_blocks"):
+                    "kv_bytes_per_block", "kv_offload_blocks", "kv_window_slots"):
                 continue
             if value <= 0:
                 raise ValueError(f"SchedulerLimits.{field.name} must be > 0; got {value}")

@@ -391,7 +391,7 @@ class Engine:
                          quantization=self.config.quantization,
                          kv_cache_dtype=str(jnp.dtype(self._device.kv_dtype)),
                          synthetic_weights=self._source.is_synthetic, weights_bytes=self.weights_bytes,
-                         kv_bytes=self.sizing.num_blocks * self.sizing.bytes_per_block, matmul=self.matmul_note)
+                         kv_bytes=self.sizing.kv_bytes, matmul=self.matmul_note)
 
     def describe(self) -> dict:
         """The start-up log block: model, devices, weights and KV sizing, buckets."""
@@ -416,9 +416,8 @@ class Engine:
             "kv_blocks": self.sizing.num_blocks,
             "block_size": self.config.block_size,
             "weights_bytes": self.weights_bytes,
-            "kv_bytes": self.sizing.num_blocks * self.sizing.bytes_per_block,
-            "memory": f"weights {self.weights_bytes / 2**30:.2f} GiB + KV "
-                      f"{self.sizing.num_blocks * self.sizing.bytes_per_block / 2**30:.2f} GiB",
+            "kv_bytes": self.sizing.kv_bytes,
+            "memory": f"weights {self.weights_bytes / 2**30:.2f} GiB + KV {self.sizing.kv_bytes / 2**30:.2f} GiB",
             "max_context": self.max_context,
             "kv_sizing": self.sizing.note,
             "prefix_caching": self.config.prefix_caching,

@@ -52,7 +52,7 @@ from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.draft import DraftModel
 from ferrox_jax.mtp import build_mtp, check_mtp, mtp_bytes_per_block
 from ferrox_jax.kv_cache import model_bytes_per_block
-from ferrox_jax.kv_groups import sliding_window
+from ferrox_jax.kv_groups import WindowPlan, sliding_window, window_plan
 from ferrox_jax.kv_offload import host_room_for_tier, host_tier_blocks
 from ferrox_jax.memory_bounds import (DEFAULT_KV_MEMORY_GIB, GIB, Footprint, context_for, device_room, engine_devices,
                                       kv_blocks_for, kv_shards, needed_kv_blocks)
@@ -85,8 +85,15 @@ class KVSizing:
 
     num_blocks: int  # including the null block 0
     max_context: int
-    bytes_per_block: int
+    bytes_per_block: int  # of the full-attention group's arrays when the sliding group has its own pool
     note: str
+    window: WindowPlan | None = None  # the sliding group's own pool (ferrox_jax/kv_groups.py); None: one pool
+    window_blocks: int = 0  # its slots, the null slot included (0: none)
+
+    @property
+    def kv_bytes(self) -> int:
+        """The whole cache: every group's arrays."""
+        return self.num_blocks * self.bytes_per_block + self.window_blocks * (self.window.slot_bytes if self.window else 0)
 
 
 log = logging.getLogger(__name__)
@@ -170,17 +177,15 @@ def size_kv(config: EngineConfig, model_cfg: ModelConfig, kv_dtype, draft_cfg: M
     per_block = extra_per_block + sum(model_bytes_per_block(c, config.block_size, kv_dtype)
                                       for c in (model_cfg, draft_cfg) if c is not None)
     kv_blocks = kv_blocks_for(config, per_block, model_cfg.max_position_embeddings)
-    if config.kv_blocks:
-        why = f"{kv_blocks} KV blocks ({config.kv_blocks} as configured + the null block)"
-    elif config.kv_memory_gib is None:
-        need = needed_kv_blocks(config, model_cfg.max_position_embeddings)
-        capped = f", capped at the default {DEFAULT_KV_MEMORY_GIB:g} GiB" if kv_blocks < need else ""
-        why = (f"{kv_blocks} KV blocks ({kv_blocks * per_block / GIB:.2f} GiB, {per_block} B/block in "
-               f"{jnp.dtype(kv_dtype).name}) for {config.max_seqs} rows of a whole context{capped} "
-               "(--kv-memory-gib or --kv-blocks sets it)")
-    else:
-        why = (f"{kv_blocks} KV blocks from the {config.kv_memory_gib:g} GiB KV memory budget "
-               f"({per_block} B/block in {jnp.dtype(kv_dtype).name})")
+    window = window_plan(model_cfg, config, config.block_size, jnp.dtype(kv_dtype).itemsize) if draft_cfg is None else None
+    if window is not None and window.full_bytes:  # the sliding layers' pool is sized apart (kv_groups.py)
+        window_blocks = window.slots(config.max_seqs) + 1
+        grouped = kv_blocks_for(config, window.full_bytes, model_cfg.max_position_embeddings,
+                                window_blocks * window.slot_bytes)
+        if window_blocks < grouped:  # a pool no smaller than the full group's would save nothing
+            return _grouped_sizing(config, model_cfg, window, grouped, window_blocks,
+                                   size_kv_note(config, kv_dtype, grouped, window.full_bytes, model_cfg))
+    why = size_kv_note(config, kv_dtype, kv_blocks, per_block, model_cfg)
     trained = model_cfg.max_position_embeddings
     usable_tokens = (kv_blocks - 1) * config.block_size
     max_context = context_for(config, trained, kv_blocks)
@@ -191,6 +196,29 @@ def size_kv(config: EngineConfig, model_cfg: ModelConfig, kv_dtype, draft_cfg: M
     if max_context > trained:
         log.warning("max_context %d exceeds the model's trained context %d", max_context, trained)
     return KVSizing(kv_blocks, max_context, per_block, why)
+
+
+def size_kv_note(config: EngineConfig, kv_dtype, kv_blocks: int, per_block: int, model_cfg: ModelConfig) -> str:
+    """Why the cache has `kv_blocks` blocks (the start of `KVSizing.note`)."""
+    if config.kv_blocks:
+        return f"{kv_blocks} KV blocks ({config.kv_blocks} as configured + the null block)"
+    if config.kv_memory_gib is None:
+        need = needed_kv_blocks(config, model_cfg.max_position_embeddings)
+        capped = f", capped at the default {DEFAULT_KV_MEMORY_GIB:g} GiB" if kv_blocks < need else ""
+        return (f"{kv_blocks} KV blocks ({kv_blocks * per_block / GIB:.2f} GiB, {per_block} B/block in "
+                f"{jnp.dtype(kv_dtype).name}) for {config.max_seqs} rows of a whole context{capped} "
+                "(--kv-memory-gib or --kv-blocks sets it)")
+    return (f"{kv_blocks} KV blocks from the {config.kv_memory_gib:g} GiB KV memory budget "
+            f"({per_block} B/block in {jnp.dtype(kv_dtype).name})")
+
+
+def _grouped_sizing(config: EngineConfig, model_cfg: ModelConfig, window: WindowPlan, kv_blocks: int,
+                    window_blocks: int, why: str) -> KVSizing:
+    """The sizing of a cache whose sliding layers keep their own pool of `window_blocks`."""
+    max_context = context_for(config, model_cfg.max_position_embeddings, kv_blocks)
+    why += (f" for the full-attention layers, + {window_blocks} slots of {window.slot_bytes} B for the "
+            f"{window.window}-token sliding layers ({window.cap} a row); context ceiling {max_context}")
+    return KVSizing(kv_blocks, max_context, window.full_bytes, why, window, window_blocks)
 
 
 def prefix_cache_salt(source: CheckpointSource, dtype, block_size: int) -> str:
@@ -243,7 +271,7 @@ def plan_memory(config: EngineConfig) -> MemoryPlan:
         axis = quantized_channel_axis(".".join(map(str, path)), shape) if config.quantization in INT8_MODES else None
         weights += quantized_nbytes(shape, axis) if axis is not None else leaf.size * jnp.dtype(leaf.dtype).itemsize
     sizing = size_kv(config, source.config, kv_dtype)
-    return MemoryPlan(weights, sizing.num_blocks * sizing.bytes_per_block, sizing, jnp.dtype(dtype).name)
+    return MemoryPlan(weights, sizing.kv_bytes, sizing, jnp.dtype(dtype).name)
 
 
 def _leader_runners(runner: ModelRunner, draft_runner: ModelRunner | None,
@@ -386,7 +414,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
     sizing = size_kv(config, source.config, kv_dtype, draft_source.config if draft_source else None,
                      mtp_bytes_per_block(source.config, config.block_size, kv_dtype) if mtp else 0)
     footprint = Footprint(source.config, sizing.bytes_per_block, jnp.dtype(dtype).itemsize, jax.default_backend(),
-                          kv_shards(config, source.config))
+                          kv_shards(config, source.config), sizing.window)
     devices = engine_devices(config)
     footprint.check(config, device_room(devices))  # before the weights: what could never fit is refused at once
     config = dataclasses.replace(config, quantization=quantization, expert_parallel="on" if expert_parallel else "off")
@@ -415,7 +443,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         prefix_caching=config.prefix_caching, prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size)
         + (f"|draft={draft_source.path}" if draft_source is not None else ""),
         speculative=config.speculative, scheduling_policy=config.scheduling_policy, kv_offload_blocks=offload,
-        kv_window=sliding_window(source.config))
+        kv_window=sliding_window(source.config), kv_window_slots=max(sizing.window_blocks - 1, 0))
     grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size, config)
     # Speculating rows take a decode row per token: room for them in the row buckets (step.rows).
     if mtp:  # the MTP layer reads every token's hidden state from the step (a static of the graph)
@@ -423,7 +451,8 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
     runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=step.rows,
                          max_chunk_tokens=step.idle_chunk_tokens, max_context=sizing.max_context, kv_dtype=kv_dtype,
                          mesh=mesh, replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks,
-                         shared_compiles=_PROCESS.get("shared_compiles"), vision=vision, kv_offload_blocks=offload)
+                         shared_compiles=_PROCESS.get("shared_compiles"), vision=vision, kv_offload_blocks=offload,
+                         window_blocks=sizing.window_blocks)
     draft_runner = (_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh)
                     if draft_source is not None else None)
     device, (runner, draft, channel) = runner, _leader_runners(runner, draft_runner, config)

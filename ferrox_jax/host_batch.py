@@ -41,6 +41,10 @@ Layout: R rows in plan order (decode rows, then prompt chunks), N new tokens.
     kv_saves        i32[S, 2]     (device block, host slot): the host tier's saves, run first
     kv_restores     i32[L, 2]     (host slot, device block): its restores, run next (then the
                                   block copies); both None or empty without `--kv-offload-gib`
+    window_tables   i32[R, MB] or None  a model whose sliding-window layers keep their own pool
+                                  (`ferrox_jax/kv_groups.py`): each row's slot per block of its
+                                  table, 0 behind its window (None: no such pool)
+    window_copies   i32[C', 2] or None  (src, dst) slot copies, run with the block copies
 
 A new capability adds a column here (an adapter index per row, 1 + k logits per row), not a
 branch in the runner.
@@ -160,6 +164,7 @@ class BatchGeometry:
     vocab_size: int  # the model's logits width V
     image_width: int = 0  # hidden size of a model taking images (its soft tokens' width); 0: none
     mrope: bool = False  # the model's rotary positions are 3-D (M-RoPE): every step carries them
+    windowed: bool = False  # the sliding-window layers keep their own pool: batches carry window tables
 
     def blocks_needed(self, row: RowPlan) -> int:
         """Blocks the row's positions reach. Raises ValueError when its table is too short
@@ -199,6 +204,8 @@ class HostBatch:
     rope_positions: np.ndarray | None = None
     kv_saves: np.ndarray | None = None  # None reads as no saves
     kv_restores: np.ndarray | None = None  # None reads as no restores
+    window_tables: np.ndarray | None = None
+    window_copies: np.ndarray | None = None
 
     @classmethod
     def build(cls, plan: StepPlan, geometry: BatchGeometry) -> "HostBatch":
@@ -217,12 +224,16 @@ class HostBatch:
         positions = np.zeros(num_tokens, np.int32)
         next_token_ids = np.full(num_tokens, -1, np.int32)
         tables = np.zeros((len(rows), geometry.table_width), np.int32)
+        window_tables = np.zeros_like(tables) if geometry.windowed else None
+        slots = dict(plan.window_slots)
         for i, row in enumerate(rows):
             lo, hi = row_starts[i], row_starts[i + 1]
             token_ids[lo:hi] = row.token_ids
             positions[lo:hi] = np.arange(row.start_pos, row.start_pos + lengths[i])
             needed = geometry.blocks_needed(row)
             tables[i, :needed] = row.block_ids[:needed]
+            if window_tables is not None:
+                window_tables[i, :needed] = [slots.get(block_id, 0) for block_id in row.block_ids[:needed]]
             if row.prompt_logprobs:
                 next_token_ids[lo:hi - 1] = row.token_ids[1:]
                 next_token_ids[hi - 1] = row.next_token_id
@@ -242,6 +253,8 @@ class HostBatch:
                    kv_saves=np.asarray(plan.kv_saves, np.int32).reshape(-1, 2),
                    kv_restores=np.asarray(plan.kv_restores, np.int32).reshape(-1, 2),
                    rope_positions=rope_columns(rows, row_starts, positions),
+                   window_tables=window_tables,
+                   window_copies=np.asarray(plan.window_copies, np.int32).reshape(-1, 2) if geometry.windowed else None,
                    **dict(zip(("image_embeds", "image_mask", "attend_until"), images or ())))
 
     @property

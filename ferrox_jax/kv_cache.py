@@ -23,6 +23,11 @@ with the config's kv heads and head size, unless a family's layers differ in hea
 keeping their own (Gemma 4's shared-KV layers: no array is allocated or written for them,
 and the bytes per block count only the arrays that exist).
 
+KV groups (`ferrox_jax/kv_groups.py`): a model whose sliding-window layers keep a pool of
+their own has those layers' arrays sized to that pool (`window_blocks`, its null slot 0
+included) instead of `num_blocks`; they are indexed by slot, not by block id, through the
+window tables the step carries. `windowed` (one flag per array, static) says which.
+
 Block 0 is the null block: padded tokens write into it and padded block-table entries
 point at it, so padding never touches a live request's K/V. The block budget never
 hands it out; `num_blocks` counts it, so `num_blocks - 1` blocks are usable.
@@ -71,7 +76,8 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        return self.k[0].shape[1]
+        """Blocks of the full-attention arrays (the largest: a sliding pool holds fewer)."""
+        return max(a.shape[1] for a in self.k)
 
     @property
     def block_size(self) -> int:
@@ -96,24 +102,31 @@ def create_kv_cache(num_layers: int, num_kv_heads: int, num_blocks: int, block_s
                                   sharding)
 
 
-def create_layout_kv_cache(layout, num_blocks: int, block_size: int, dtype, sharding=None) -> KVCache:
+def create_layout_kv_cache(layout, num_blocks: int, block_size: int, dtype, sharding=None,
+                           array_blocks=None) -> KVCache:
     """The zeroed cache of a `kv_layout()`: one K and one V array per (kv heads, K width, V width),
-    one compiled constructor per distinct shape."""
+    one compiled constructor per distinct shape. `array_blocks`: each array's blocks when
+    they differ (a sliding-window pool's arrays); None: `num_blocks` each."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved); got {num_blocks}")
+    array_blocks = tuple(array_blocks) if array_blocks is not None else (num_blocks,) * len(layout)
 
     @functools.partial(jax.jit, static_argnums=(0,), out_shardings=sharding)
     def zeros(shape):
         return jnp.zeros(shape, storage_dtype(dtype))
 
-    k = tuple(zeros(kv_cache_shape(heads, num_blocks, block_size, k_dim)) for heads, k_dim, _ in layout)
-    v = tuple(zeros(kv_cache_shape(heads, num_blocks, block_size, v_dim)) for heads, _, v_dim in layout)
+    k = tuple(zeros(kv_cache_shape(heads, n, block_size, k_dim)) for (heads, k_dim, _), n in zip(layout, array_blocks))
+    v = tuple(zeros(kv_cache_shape(heads, n, block_size, v_dim)) for (heads, _, v_dim), n in zip(layout, array_blocks))
     return KVCache(k=k, v=v)
 
 
-def create_model_kv_cache(cfg, num_blocks: int, block_size: int, dtype, sharding=None) -> KVCache:
-    """The cache of a model config, in its geometry (`ModelConfig.kv_layout`)."""
-    return create_layout_kv_cache(cfg.kv_layout(), num_blocks, block_size, dtype, sharding)
+def create_model_kv_cache(cfg, num_blocks: int, block_size: int, dtype, sharding=None,
+                          windowed: tuple[bool, ...] = (), window_blocks: int = 0) -> KVCache:
+    """The cache of a model config, in its geometry (`ModelConfig.kv_layout`); the arrays
+    `windowed` flags hold `window_blocks` blocks (the sliding group's pool)."""
+    layout = cfg.kv_layout()
+    blocks = [window_blocks if windowed and windowed[i] else num_blocks for i in range(len(layout))]
+    return create_layout_kv_cache(layout, num_blocks, block_size, dtype, sharding, blocks)
 
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype,
@@ -133,12 +146,17 @@ def layout_bytes_per_block(layout, block_size: int, dtype) -> int:
     return sum(heads * block_size * (k_dim + v_dim) for heads, k_dim, v_dim in layout) * jnp.dtype(dtype).itemsize
 
 
-@functools.partial(jax.jit, donate_argnames=("kv_cache",))
-def copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Copy whole blocks src[i] -> dst[i] in every layer (i32[P] each; pad with 0 -> 0)."""
+@functools.partial(jax.jit, donate_argnames=("kv_cache",), static_argnames=("windowed",))
+def copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array, window_src: jax.Array | None = None,
+                window_dst: jax.Array | None = None, windowed: tuple[bool, ...] = ()) -> KVCache:
+    """Copy whole blocks src[i] -> dst[i] in every layer (i32[P] each; pad with 0 -> 0); the
+    arrays `windowed` flags copy slots window_src[i] -> window_dst[i] instead."""
+    def pairs(i):
+        return (window_src, window_dst) if windowed and windowed[i] else (src, dst)
+
     return KVCache(
-        k=tuple(a.at[:, dst].set(a[:, src]) for a in kv_cache.k),
-        v=tuple(a.at[:, dst].set(a[:, src]) for a in kv_cache.v),
+        k=tuple(a.at[:, pairs(i)[1]].set(a[:, pairs(i)[0]]) for i, a in enumerate(kv_cache.k)),
+        v=tuple(a.at[:, pairs(i)[1]].set(a[:, pairs(i)[0]]) for i, a in enumerate(kv_cache.v)),
     )
 
 

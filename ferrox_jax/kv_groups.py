@@ -40,17 +40,21 @@ it). A hit whose window blocks have lost their slots (parked and evicted) is cut
 the longest run whose window blocks still have theirs: the rest is recomputed, never read
 from a slot that holds another block's keys.
 
-The cache arrays stay one size today (`ferrox_jax/kv_cache.py`): the sliding layers'
-arrays still hold `num_blocks` blocks and are indexed by the full table, so this pool is
-the sliding group's accounting (its per-group gauges in `/admin/stats`, its admission
-quota) with the pool sized to never refuse what the full group admits. Sizing the sliding
-layers' arrays to this pool and passing them the mapped table is the step that turns the
-accounting into bytes (docs/architecture.md, "KV groups").
+Storage (`window_plan`, `ferrox_jax/kv_cache.py`): the sliding layers' cache arrays hold
+the pool's slots (each row's cap, twice over with prefix caching so finished rows' windows
+stay parked for hits), the full layers' arrays the blocks; each step carries the rows'
+window tables (`StepPlan.window_slots` -> `HostBatch.window_tables` -> the model's
+`ForwardContext.window`) and copy-on-write's slot copies (`window_copies`). Where the
+sliding arrays cannot be indexed apart (a draft model's or the host tier's cache is copied
+by block id, Gemma 4's layers share arrays, every layer slides) every array keeps
+`num_blocks` and this pool is the sliding group's accounting only (its gauges in
+`/admin/stats`), sized to refuse nothing the full group admits.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 
 NULL_SLOT = 0
@@ -73,6 +77,53 @@ def sliding_window(cfg) -> int | None:
     windows = {cfg.window(layer) for layer in range(cfg.num_layers)} - {None}
     assert len(windows) <= 1, f"layers slide over different windows: {sorted(windows)}"
     return windows.pop() if windows else None
+
+
+def window_arrays(cfg) -> tuple[bool, ...]:
+    """Per cache array, whether it belongs to the sliding group; () when the model keeps
+    one pool for every layer: no sliding layer, or a family whose arrays are not one per
+    layer of the shared decoder (Gemma 4's shared-KV layers, its own forward)."""
+    if getattr(type(cfg).kv_layout, "__qualname__", "") != "ModelConfig.kv_layout" or sliding_window(cfg) is None:
+        return ()
+    return tuple(cfg.window(layer) is not None for layer in range(cfg.num_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowPlan:
+    """How a model's cache splits into groups under some settings (`window_plan`)."""
+
+    windowed: tuple[bool, ...]  # per cache array: the sliding group's (() : one pool for every layer)
+    window: int  # the sliding group's window in tokens
+    slot_bytes: int  # K+V bytes of one slot over the sliding arrays
+    full_bytes: int  # K+V bytes of one block over the other arrays
+    cap: int  # slots one row's table holds at most (`window_cap` of the largest step)
+    parking: bool = False  # prefix caching is on: room for the finished rows' windows too
+
+    def slots(self, max_seqs: int) -> int:
+        """The sliding pool for `max_seqs` rows (the null slot not counted): each row's cap,
+        twice over with prefix caching, so the windows of as many finished rows stay parked
+        for a hit (a hit whose window slots were evicted is cut back and recomputed)."""
+        return max_seqs * self.cap * (2 if self.parking else 1)
+
+
+def window_plan(cfg, settings, block_size: int, itemsize: int) -> WindowPlan | None:
+    """The sliding group of `cfg` under engine `settings` (`prefill_chunk`, `prefill_chunk_idle`,
+    `speculative`, `kv_offload_gib`; a draft model's or a host tier's cache still indexes
+    every layer by block id, so either keeps one pool), or None: one pool for every layer."""
+    windowed = window_arrays(cfg)
+    if not windowed or getattr(settings, "kv_offload_gib", 0) or getattr(settings, "draft_model", None):
+        return None
+    spec = getattr(settings, "speculative", None)
+    if spec is not None and getattr(spec, "draft_model", None):
+        return None
+    step_tokens = max(settings.prefill_chunk, settings.prefill_chunk_idle,
+                      1 + (spec.most_drafts if spec is not None else 0))
+    window = sliding_window(cfg)
+    per_array = [heads * (k_dim + v_dim) * block_size * itemsize for heads, k_dim, v_dim in cfg.kv_layout()]
+    return WindowPlan(windowed, window, sum(b for b, w in zip(per_array, windowed) if w),
+                      sum(b for b, w in zip(per_array, windowed) if not w),
+                      math.ceil((window - 1 + step_tokens) / block_size) + 1,
+                      bool(getattr(settings, "prefix_caching", False)))
 
 
 class WindowPool:

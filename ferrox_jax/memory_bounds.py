@@ -90,19 +90,20 @@ def table_width(max_context: int, block_size: int) -> int:
     return -(-(-(-max_context // block_size)) // TABLE_ROUND_BLOCKS) * TABLE_ROUND_BLOCKS
 
 
-def kv_blocks_for(settings: Any, bytes_per_block: int, trained_context: int) -> int:
+def kv_blocks_for(settings: Any, bytes_per_block: int, trained_context: int, fixed_bytes: int = 0) -> int:
     """The cache's blocks, the null block included: `kv_blocks` + 1 (`kv_blocks` counts the
     blocks requests can use, the contract's `kv_blocks_total`; the null block is ours to
     add), else the memory budget `kv_memory_gib` over the bytes of one block (at least 2),
     else (no budget given) what the rows need (`needed_kv_blocks`) within
     `DEFAULT_KV_MEMORY_GIB`. Not bounded here: `Footprint.check` is, against the memory the
-    device has."""
+    device has. `fixed_bytes`: what the budget holds besides the blocks (the sliding-window
+    layers' own pool, `ferrox_jax/kv_groups.py`), taken off it first."""
     if settings.kv_blocks:
         return int(settings.kv_blocks) + 1
     if settings.kv_memory_gib is None:
-        ceiling = DEFAULT_KV_MEMORY_GIB * GIB // bytes_per_block
+        ceiling = (DEFAULT_KV_MEMORY_GIB * GIB - fixed_bytes) // bytes_per_block
         return max(2, min(needed_kv_blocks(settings, trained_context), int(ceiling)))
-    blocks = settings.kv_memory_gib * GIB // bytes_per_block
+    blocks = (settings.kv_memory_gib * GIB - fixed_bytes) // bytes_per_block
     return max(2, int(min(blocks, _BLOCKS_CLAMP)))
 
 
@@ -229,6 +230,7 @@ class Footprint:
     compute_itemsize: int  # bytes of one weight or activation element in the compute dtype
     backend: str  # jax.default_backend(): it picks the step's default token budget
     kv_shards: int = 1  # devices the cache's KV heads are split over
+    window: Any = None  # the sliding layers' own pool (ferrox_jax/kv_groups.py:WindowPlan); None: one pool
 
     @classmethod
     def of_engine(cls, engine: Any) -> "Footprint":
@@ -236,7 +238,7 @@ class Footprint:
         import jax
 
         return cls(engine.model_config, engine.sizing.bytes_per_block, ITEMSIZE.get(engine.dtype_name, 4),
-                   jax.default_backend(), kv_shards(engine.config, engine.model_config))
+                   jax.default_backend(), kv_shards(engine.config, engine.model_config), engine.sizing.window)
 
     def step(self, settings: Any, max_context: int) -> StepSize:
         """The largest step's shape: chunks capped at the context, the idle chunk at least
@@ -250,12 +252,17 @@ class Footprint:
         return StepSize(rows, chunk, idle, batched, table_width(max_context, settings.block_size),
                         settings.block_size)
 
+    def window_bytes(self, settings: Any) -> int:
+        """The sliding layers' own pool under `settings` (0 without one)."""
+        return (self.window.slots(settings.max_seqs) + 1) * self.window.slot_bytes if self.window else 0
+
     def demand(self, settings: Any) -> Demand:
-        num_blocks = kv_blocks_for(settings, self.bytes_per_block, self.model.max_position_embeddings)
+        window_bytes = self.window_bytes(settings)
+        num_blocks = kv_blocks_for(settings, self.bytes_per_block, self.model.max_position_embeddings, window_bytes)
         max_context = context_for(settings, self.model.max_position_embeddings, num_blocks)
         step = self.step(settings, max_context)
         lora_columns = (settings.max_loras + 1) * settings.max_lora_rank if settings.max_loras else 0
-        return Demand(kv_bytes=-(-num_blocks * self.bytes_per_block // self.kv_shards),
+        return Demand(kv_bytes=-(-(num_blocks * self.bytes_per_block + window_bytes) // self.kv_shards),
                       lora_bytes=lora_bytes(self.model, settings.max_loras, settings.max_lora_rank,
                                             self.compute_itemsize),
                       step_bytes=step_bytes(self.model, step, lora_columns), num_blocks=num_blocks,

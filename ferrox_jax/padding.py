@@ -30,9 +30,10 @@ from ferrox_jax.step import ForwardBatch, image_padding
 
 
 def empty_forward(shape: StepShape, table_width: int, has_lora: bool, image_width: int = 0,
-                  mrope: bool = False) -> ForwardBatch:
+                  mrope: bool = False, windowed: bool = False) -> ForwardBatch:
     """A ForwardBatch of `shape` with numpy leaves, every token padding (`image_width`: the
-    hidden size of a model taking images, 0 for none; `mrope`: its M-RoPE position column)."""
+    hidden size of a model taking images, 0 for none; `mrope`: its M-RoPE position column;
+    `windowed`: with window tables)."""
     n, r = shape.num_tokens, shape.num_rows
     segments = [(shape.decode_rows, 1), (shape.chunk_rows, shape.chunk_tokens)]
     segments = [(rows, tokens) for rows, tokens in segments if rows]
@@ -42,11 +43,12 @@ def empty_forward(shape: StepShape, table_width: int, has_lora: bool, image_widt
         last_index=np.zeros(r, np.int32), next_tokens=np.full(n, -1, np.int32),
         row_of_token=np.full(n, r, np.int32), want_prompt_logprobs=np.asarray(False),
         segment_tokens=tuple(tokens for _, tokens in segments),
-        adapter_slots=np.zeros(n, np.int32) if has_lora else None, **image_padding(n, image_width, mrope))
+        adapter_slots=np.zeros(n, np.int32) if has_lora else None, **image_padding(n, image_width, mrope),
+        window_tables=tuple(np.zeros((rows, table_width), np.int32) for rows, _ in segments) if windowed else None)
 
 
-def pad_batch(batch: HostBatch, buckets: Buckets, table_width: int,
-              has_lora: bool, image_width: int = 0, mrope: bool = False) -> tuple[StepShape, np.ndarray, ForwardBatch]:
+def pad_batch(batch: HostBatch, buckets: Buckets, table_width: int, has_lora: bool, image_width: int = 0,
+              mrope: bool = False, windowed: bool = False) -> tuple[StepShape, np.ndarray, ForwardBatch]:
     """The step shape, `order` (i64[R']: the host row in each padded row, -1 for padding)
     and the padded forward inputs (module docstring)."""
     lengths = batch.row_lengths
@@ -62,7 +64,7 @@ def pad_batch(batch: HostBatch, buckets: Buckets, table_width: int,
     order[shape.decode_rows:shape.decode_rows + len(chunks)] = chunks
     offsets = np.zeros(shape.num_rows, np.int64)
     offsets[:len(part)] = part
-    out = empty_forward(shape, table_width, has_lora, image_width, mrope)
+    out = empty_forward(shape, table_width, has_lora, image_width, mrope, windowed)
     starts = _row_token_starts(shape)
     for row in np.flatnonzero(order >= 0):
         host = order[row]
@@ -83,6 +85,8 @@ def pad_batch(batch: HostBatch, buckets: Buckets, table_width: int,
         # The chunk segment is the last one; the decode segment, when present, the first.
         segment, local = (0, row) if row < shape.decode_rows else (-1, row - shape.decode_rows)
         out.block_tables[segment][local] = batch.block_tables[host]
+        if windowed:
+            out.window_tables[segment][local] = batch.window_tables[host]
     out = out.replace(want_prompt_logprobs=np.asarray(bool(batch.prompt_logprobs.any())))
     return shape, order, _pad_adapters(out, batch, order, starts, shape.decode_rows) if has_lora else out
 

@@ -100,6 +100,10 @@ class StepPlan:
     max_draft_tokens: int = 0  # draft tokens the step's rows may take in all (a proposer stops there)
     kv_saves: tuple[tuple[int, int], ...] = ()
     kv_restores: tuple[tuple[int, int], ...] = ()
+    # The sliding-window KV group (ferrox_jax/kv_groups.py): (block, slot) of every block of
+    # the step's tables that has a slot, and the (src, dst) slot copies run with block_copies.
+    window_slots: tuple[tuple[int, int], ...] = ()
+    window_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_empty(self) -> bool:

@@ -54,6 +54,7 @@ from ferrox_jax.buckets import Buckets, StepShape
 from ferrox_jax.host_batch import ALL_TOKENS_ALLOWED, BatchGeometry, HostBatch, SamplingArrays, StepArrays
 from ferrox_jax.kv_cache import (KVCache, copy_blocks, create_model_kv_cache, gather_blocks, scatter_blocks,
                                  storage_dtype)
+from ferrox_jax.kv_groups import window_arrays
 from ferrox_jax.kv_offload import HostKVPool
 from ferrox_jax.multihost import place_on_mesh
 from ferrox_jax.padding import empty_forward, pad_batch, unpad_results
@@ -110,7 +111,7 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_rows: int, max_chunk_tokens: int,
                  max_context: int, kv_dtype=None, mesh=None, replicate_attention: bool = False,
                  max_chunks: int = 1, shared_compiles: SharedCompiles | None = None,
-                 vision: VisionEncoder | None = None, kv_offload_blocks: int = 0):
+                 vision: VisionEncoder | None = None, kv_offload_blocks: int = 0, window_blocks: int = 0):
         """Args:
           model: the built model, its decode attention already chosen (`models/loader.py`).
           num_blocks: KV cache blocks, the null block 0 included.
@@ -129,6 +130,8 @@ class ModelRunner:
             then carries the image columns of `ferrox_jax/step.py`.
           kv_offload_blocks: host-tier slots (`--kv-offload-gib`, `ferrox_jax/kv_offload.py`);
             0: no tier, nothing of it compiled or allocated.
+          window_blocks: the sliding-window layers' own pool, its null slot included
+            (`ferrox_jax/kv_groups.py`); 0: they hold `num_blocks` as every layer does.
         """
         cfg = model.cfg
         self.cfg = cfg
@@ -142,9 +145,12 @@ class ModelRunner:
         self.compute_dtype = model.dtype
         self.kv_dtype = kv_dtype or model.dtype
         self.vision = vision
+        # Which cache arrays hold the sliding pool (one flag per array; () without one).
+        self.windowed = window_arrays(cfg) if window_blocks else ()
         self.geometry = BatchGeometry(block_size, block_table_width(max_context, block_size), cfg.vocab_size,
                                       getattr(cfg, "image_width", cfg.hidden_size) if vision is not None else 0,
-                                      mrope=vision is not None and getattr(cfg, "mrope_section", None) is not None)
+                                      mrope=vision is not None and getattr(cfg, "mrope_section", None) is not None,
+                                      windowed=bool(self.windowed))
         self.buckets = Buckets.derive(max_rows, max_chunk_tokens, max_chunks)
         self.mesh = mesh
         self.graphdef, state = nnx.split(model)
@@ -159,7 +165,8 @@ class ModelRunner:
         self.max_loras = lora_slot_count(self.state)  # adapter slots the projections carry (0: no LoRA)
         self.has_lora = self.max_loras > 0
         self.kv_cache: KVCache = create_model_kv_cache(
-            cfg, num_blocks, block_size, self.kv_dtype, sharding=None if self.shardings is None else self.shardings.kv_array)
+            cfg, num_blocks, block_size, self.kv_dtype, sharding=None if self.shardings is None else self.shardings.kv_array,
+            windowed=self.windowed, window_blocks=window_blocks)
         self.kv_offload_blocks = kv_offload_blocks
         layout = set(cfg.kv_layout())
         heads, k_dim, v_dim = next(iter(layout))
@@ -258,7 +265,7 @@ class ModelRunner:
     def _lower(self, key: tuple) -> jax.stages.Lowered:
         if key == COPY_KEY:
             pairs = jnp.zeros(COPY_BATCH, jnp.int32)
-            return copy_blocks.lower(self.kv_cache, pairs, pairs)
+            return copy_blocks.lower(self.kv_cache, pairs, pairs, pairs, pairs, windowed=self.windowed)
         if key[0] == "vision":
             return self.vision.lower(key)
         if key in (SAVE_KEY, RESTORE_KEY):
@@ -274,7 +281,7 @@ class ModelRunner:
             sampling = self._to_step(SamplingArrays.padding(rows, self.vocab_size))
             return self._steps.sample.lower(logits, positions, sampling, self._all_ones_mask(rows))
         batch = self._to_step(empty_forward(StepShape(*key[1:]), self.geometry.table_width, self.has_lora,
-                                            self.geometry.image_width, self.geometry.mrope))
+                                            self.geometry.image_width, self.geometry.mrope, self.geometry.windowed))
         return self._steps.forward.lower(self.graphdef, self._state_tree, self._state_leaves, self.kv_cache, batch)
 
     def _compile(self, key: tuple) -> Callable:
@@ -314,7 +321,7 @@ class ModelRunner:
     def _pad(self, batch: HostBatch) -> tuple[StepShape, np.ndarray, ForwardBatch]:
         """`ferrox_jax/padding.py:pad_batch` for this runner's shapes."""
         return pad_batch(batch, self.buckets, self.geometry.table_width, self.has_lora, self.geometry.image_width,
-                         self.geometry.mrope)
+                         self.geometry.mrope, self.geometry.windowed)
 
     def _all_ones_mask(self, rows: int) -> jax.Array:
         """The bitmask of `rows` unconstrained rows, kept on the device (no transfer per step)."""
@@ -333,8 +340,8 @@ class ModelRunner:
         shape, order, forward_inputs = self._pad(batch)
         if batch.has_offload:  # the host tier's saves, then its restores, before the copies
             self.offload_blocks(batch.kv_saves, batch.kv_restores)
-        if len(batch.block_copies):
-            self.copy_blocks(batch.block_copies)
+        if len(batch.block_copies) or (batch.window_copies is not None and len(batch.window_copies)):
+            self._copy_blocks(batch.block_copies, batch.window_copies)
         result = self._run_forward(shape, forward_inputs)
         return DevicePending(batch, shape, order, forward_inputs, result)
 
@@ -375,12 +382,21 @@ class ModelRunner:
 
     def copy_blocks(self, copies: np.ndarray) -> None:
         """(src, dst) block copies, `COPY_BATCH` pairs per call (padded with 0 -> 0 no-ops)."""
+        self._copy_blocks(copies, None)
+
+    def _copy_blocks(self, copies: np.ndarray, window_copies: np.ndarray | None) -> None:
+        """`copy_blocks`, and the sliding pool's (src, dst) slot copies beside them (a step's
+        copy-on-write, `HostBatch.window_copies`)."""
         copy = self._executable(COPY_KEY)
-        for i in range(0, len(copies), COPY_BATCH):
-            part = np.zeros((COPY_BATCH, 2), np.int32)
-            chunk = copies[i:i + COPY_BATCH]
-            part[:len(chunk)] = chunk
-            self.kv_cache = copy(self.kv_cache, jnp.asarray(part[:, 0]), jnp.asarray(part[:, 1]))
+        copies = np.asarray(copies, np.int32).reshape(-1, 2)
+        window_copies = np.zeros((0, 2), np.int32) if window_copies is None else np.asarray(window_copies).reshape(-1, 2)
+        for i in range(0, max(len(copies), len(window_copies)), COPY_BATCH):
+            part = np.zeros((COPY_BATCH, 4), np.int32)
+            chunk, window_chunk = copies[i:i + COPY_BATCH], window_copies[i:i + COPY_BATCH]
+            part[:len(chunk), :2] = chunk
+            part[:len(window_chunk), 2:] = window_chunk
+            # `windowed` is static: the executable was lowered with it (`_lower`)
+            self.kv_cache = copy(self.kv_cache, *(jnp.asarray(part[:, j]) for j in range(4)))
 
     def offload_blocks(self, saves: np.ndarray, restores: np.ndarray) -> None:
         """The host tier's copies (`ferrox_jax/kv_offload.py`), `OFFLOAD_BATCH` blocks per
@@ -406,9 +422,11 @@ class ModelRunner:
             k, v = self._host_pool.get(part[:, 0], OFFLOAD_BATCH)
             self.kv_cache = scatter(self.kv_cache, ids, k, v)
 
-    def run_logits(self, rows: list[RowPlan]) -> list[np.ndarray]:
+    def run_logits(self, rows: list[RowPlan], window_slots: dict[int, int] | None = None) -> list[np.ndarray]:
         """Offline (tests, tools/parity/compare_logits.py): write the rows' tokens into the cache
-        and return each row's logits f32[len(token_ids), V]. Shapes are not bucketed."""
+        and return each row's logits f32[len(token_ids), V]. Shapes are not bucketed.
+        `window_slots`: block -> slot of the sliding layers' own pool, when the cache has one
+        (a block without one reads the null slot)."""
         t = max(len(r.token_ids) for r in rows)
         mb = self.geometry.table_width
         n = len(rows) * t
@@ -424,6 +442,10 @@ class ModelRunner:
             batch.valid[i * t:i * t + k] = True
             needed = self.geometry.blocks_needed(row)
             batch.block_tables[0][i, :needed] = row.block_ids[:needed]
+        if self.windowed:
+            slots = window_slots or {}
+            batch = batch.replace(window_tables=(np.asarray(
+                [[slots.get(int(b), 0) for b in table] for table in batch.block_tables[0]], np.int32),))
         if self.has_lora:
             batch = batch.replace(adapter_slots=np.repeat(np.asarray([r.adapter_slot for r in rows], np.int32), t))
         self.kv_cache, logits = self._steps.logits(self.graphdef, self.state, self.kv_cache, jax.device_put(batch))

@@ -192,7 +192,8 @@ class Scheduler(Preemption):
         saves, restores, restoring = self.blocks.take_offload()  # the host tier's copies (--kv-offload-gib)
         plan = StepPlan(decode=decode, chunks=chunks, block_copies=self.blocks.take_copies(),
                         draft_requests=requests, max_draft_tokens=max_draft_tokens, kv_saves=saves,
-                        kv_restores=restores)
+                        kv_restores=restores, window_copies=self.blocks.take_window_copies(),
+                        window_slots=self.blocks.window_slots(decode + chunks))
         # A job restoring host blocks is in this step even without a row in it: if it fails, so does the job.
         self._planned_row_ids = tuple(dict.fromkeys(
             [row.row_id for row in plan.rows] + [row.row_id for job in restoring for row in job.rows]))
@@ -204,6 +205,8 @@ class Scheduler(Preemption):
         decode = self.speculator.add_drafts(plan.decode, plan.draft_requests, drafts, self._rows, self.blocks)
         self._update_peak()
         return dataclasses.replace(plan, decode=decode, block_copies=plan.block_copies + self.blocks.take_copies(),
+                                   window_copies=plan.window_copies + self.blocks.take_window_copies(),
+                                   window_slots=self.blocks.window_slots(decode + plan.chunks),
                                    draft_requests=(), max_draft_tokens=0)
 
     def matcher(self, row_id: int) -> Any:

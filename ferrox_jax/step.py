@@ -69,6 +69,8 @@ class ForwardBatch:
     image_mask: jax.Array | None = None  # bool[N]
     attend_until: jax.Array | None = None  # i32[N]: furthest key position each token sees
     rope_positions: jax.Array | None = None  # i32[N, 3]: M-RoPE positions (a model with them; None otherwise)
+    # one i32[B_s, MB] per segment: the sliding-window layers' slots (ferrox_jax/kv_groups.py); None: no such pool
+    window_tables: tuple[jax.Array, ...] | None = None
 
     @classmethod
     def padding(cls, shape: StepShape, table_width: int, has_lora: bool = False,
@@ -139,8 +141,10 @@ def _run_model(graphdef, state, kv_cache: KVCache, batch: ForwardBatch):
     images = None if batch.image_embeds is None else (batch.image_embeds, batch.image_mask, batch.attend_until)
     if images is not None and batch.rope_positions is not None:
         images = (*images, batch.rope_positions)
+    # A family without window tables keeps its signature (only the shared decoder takes them).
+    windows = {} if batch.window_tables is None else {"window_tables": batch.window_tables}
     hidden, k, v = model(batch.tokens, batch.positions, batch.valid, kv_cache.k, kv_cache.v,
-                         batch.block_tables, batch.segment_tokens, images)
+                         batch.block_tables, batch.segment_tokens, images, **windows)
     return model, hidden, KVCache(k=k, v=v)
 
 

@@ -82,8 +82,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float,
 
     With a sliding `window`, key s is visible to a query at p iff p - window < s <= p (as
     transformers' sliding mask), and each row starts its walk at the chunk holding its
-    first visible key, so a long context pays only for the keys it can see; the blocks
-    before it stay allocated and accounted (nothing is evicted). With `softcap`, scores
+    first visible key, so a long context pays only for the keys it can see; with the
+    sliding group's own pool (`ferrox_jax/kv_groups.py`) the table's entries before it
+    point at the null slot, their slots already handed back. With `softcap`, scores
     become softcap * tanh(score / softcap) before masking (Gemma 2's logit soft-capping).
     With `sinks` (gpt-oss), each query head's learned logit joins the softmax's denominator
     as a key with no value: the online softmax starts from it (m = sink, l = 1) instead of

@@ -87,7 +87,7 @@ class CausalLM(nnx.Module):
     # -- the shared forward --------------------------------------------------------------
 
     def __call__(self, tokens, positions, valid, k_caches, v_caches, block_tables, segment_tokens,
-                 images=None):
+                 images=None, window_tables=None):
         """Run the decoder over one forward's new tokens, writing their K/V into the paged cache.
 
         The tokens are flat: segment after segment, each segment's rows row-major
@@ -107,6 +107,8 @@ class CausalLM(nnx.Module):
             sees keys up to `limits` (an image's tokens see the whole image); a model with
             M-RoPE (Qwen2.5-VL) gets a fourth, its tokens' 3-D rotary positions i32[N, 3], which
             its `rope` takes in place of `positions`.
+          window_tables: None, or one i32[B_s, MB] per segment: the sliding-window layers'
+            slots (`ferrox_jax/kv_groups.py`), whose cache arrays then hold that pool.
         Returns:
           (hidden f32/dtype[N, D] after the final norm, k_caches, v_caches).
         """
@@ -116,7 +118,8 @@ class CausalLM(nnx.Module):
         block_size = k_caches[0].shape[2]
         embeds, mask, limits, *rope_positions = images if images is not None else (None, None, None)
         fwd = ForwardContext.build(positions, valid, block_tables, segment_tokens, block_size, self.rope,
-                                   self.decode_attention, limits, rope_positions[0] if rope_positions else None)
+                                   self.decode_attention, limits, rope_positions[0] if rope_positions else None,
+                                   window_tables)
         x = self.embed_tokens(tokens)
         if embeds is not None:
             x = jnp.where(mask[:, None], embeds.astype(x.dtype), x)

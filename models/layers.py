@@ -154,6 +154,9 @@ class ForwardContext:
         kernel serves segments of one token per row; a ragged one
         (`models/ragged_attention.py`) every segment of every layer, in one call.
       spans: the forward's rows as ragged spans, when the kernel is a ragged one.
+      window: the same forward seen by the sliding-window layers when their K/V live in a
+        pool of their own (`ferrox_jax/kv_groups.py`): its tables, slots and spans index
+        that pool; None: every layer reads the tables above.
     """
 
     segments: tuple[Segment, ...]
@@ -162,10 +165,15 @@ class ForwardContext:
     rope: Mapping[str, tuple[jax.Array, jax.Array]]
     decode_attention: Any = None
     spans: RaggedSpans | None = None
+    window: "ForwardContext | None" = None
+
+    def for_layer(self, spec: "AttentionSpec") -> "ForwardContext":
+        """The context a layer of `spec` writes and reads its K/V through."""
+        return self.window if spec.window is not None and self.window is not None else self
 
     @classmethod
     def build(cls, positions, valid, block_tables, segment_tokens, block_size: int, rope, decode_attention,
-              limits=None, rope_positions=None):
+              limits=None, rope_positions=None, window_tables=None):
         """From the flat positions i32[N] / valid bool[N], one block table i32[B_s, MB] per
         segment and each segment's tokens per row (static); `rope(positions, valid)` gives
         a segment's cos/sin tables ([B, T, r] per kind), flattened here to [N, r].
@@ -173,7 +181,9 @@ class ForwardContext:
         own position). The ragged kernels do not take limits: such a forward attends in
         pure JAX segment by segment (the one-query kernels still serve decode rows, whose
         limit is their position). `rope_positions` i32[N, 3]: M-RoPE positions, handed to
-        `rope` ([B, T, 3] per segment) instead of the positions (None: the positions)."""
+        `rope` ([B, T, 3] per segment) instead of the positions (None: the positions).
+        `window_tables`: one i32[B_s, MB] per segment, the sliding-window pool's slot of each
+        block (0 behind the window), or None."""
         if limits is not None and isinstance(decode_attention, RaggedAttention):
             decode_attention = None
         segments, start = [], 0
@@ -197,8 +207,12 @@ class ForwardContext:
                      for kind in tables[0]}
         # The spans are built once per forward: every layer's ragged call shares them.
         spans = ragged_spans(segments) if isinstance(decode_attention, RaggedAttention) else None
+        window = None
+        if window_tables is not None:
+            window = cls.build(positions, valid, window_tables, segment_tokens, block_size, rope, decode_attention,
+                               limits)
         return cls(tuple(segments), jnp.concatenate([b.reshape(-1) for b, _ in slots]),
-                   jnp.concatenate([o.reshape(-1) for _, o in slots]), flat_rope, decode_attention, spans)
+                   jnp.concatenate([o.reshape(-1) for _, o in slots]), flat_rope, decode_attention, spans, window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +302,7 @@ class SelfAttention:
             k = norm(k, self.k_norm[...], spec.norm_eps)
         cos, sin = fwd.rope[spec.rope]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        fwd = fwd.for_layer(spec)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, fwd.kv_blocks, fwd.kv_offsets)
         sinks = self.sinks[...] if spec.sinks else None
         return self._out(attend(spec, q, k_cache, v_cache, fwd, sinks), h.dtype), k_cache, v_cache

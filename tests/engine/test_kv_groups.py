@@ -191,3 +191,32 @@ def test_stats_report_the_sliding_group():
     assert fields["kv_window_blocks_passed"] > 0
     assert fields["kv_window_slots_free"] == pool.num_slots - pool.num_reserved
     assert dataclasses.is_dataclass(scheduler.limits)
+
+
+def test_preemption_drops_every_window_and_the_resumed_rows_reply_as_alone():
+    limits = SchedulerLimits(block_size=BS, num_blocks=40, max_rows=2, max_chunk_tokens=24, kv_window=WINDOW,
+                             scheduling_policy="priority")
+    runner = ScriptedRunner(block_size=BS, num_blocks=41, max_rows=8, max_chunk_tokens=24,
+                            max_chunks=limits.max_chunks, token_fn=letters_token_fn())
+    scheduler = Scheduler(limits, ByteTokenizer())
+    background = [job("bg0", 19, 60, priority=5), job("bg1", 11, 60, priority=5)]
+    urgent = job("fg", 14, 20, priority=0)
+    outputs, held = {}, []
+    for spec in background:
+        scheduler.add_job(spec)
+    for i in range(200):
+        if not scheduler.has_work:
+            break
+        if i == 30:
+            scheduler.add_job(urgent)
+        plan = scheduler.schedule()
+        check_windows(scheduler, plan)
+        if not plan.is_empty:
+            runner.plans.append(plan)
+            scheduler.update(plan, run_plan(runner, plan))
+        collect(outputs, scheduler.take_events())
+    assert scheduler.num_preemptions >= 1
+    for spec in [*background, urgent]:
+        expected, _ = run(*make(), [spec])
+        assert outputs[(spec.request_id, 0)].token_ids == expected[(spec.request_id, 0)].token_ids
+    assert_no_leaks(scheduler)
