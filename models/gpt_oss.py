@@ -32,8 +32,8 @@ expert transposed (`ffn_{gate,up,down}_exps`, usually MXFP4, dequantized at load
 biases `ffn_*_exps.bias` [E, n], the router `ffn_gate_inp` (+ bias), `attn_sinks`, and
 the second norm named `post_attention_norm`.
 
-Sliding layers keep today's full-length KV and mask by position (models/attention.py);
-window-sized KV for them is later work. Released checkpoints store the experts in MXFP4
+Sliding layers mask by position (models/attention.py) and keep their K/V in the sliding
+KV group's window-sized pool (ferrox_jax/kv_groups.py). Released checkpoints store the experts in MXFP4
 (`quantization_config.quant_method: mxfp4`, `*_blocks` + `*_scales`): they are dequantized
 to float at load (`models/loaders/mxfp4.py`); any other quantization method is refused.
 """
