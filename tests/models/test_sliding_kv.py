@@ -65,6 +65,8 @@ def test_the_sliding_layers_hold_a_pool_of_their_own(llm):
     assert eng.sizing.window_blocks == SLOTS + 1
     blocks = [a.shape[1] for a in eng._device.kv_cache.k]
     assert blocks == [SLOTS + 1] * 5 + [97], "sliding arrays sized to the pool, the full one to the blocks"
+    assert eng._device.kv_cache.nbytes == eng.sizing.kv_bytes == eng.describe()["kv_bytes"], (
+        "the sizing's bytes (what /v1/cache/status and the memory plan report) are the arrays' bytes")
 
 
 def test_past_several_windows_matches_hf_float32(llm, gemma3):
@@ -148,3 +150,18 @@ def test_negative_control_a_window_one_block_short_changes_the_logits(gemma3):
     too_early = decode({b: s for b, s in slots.items() if b > 4})  # index 3 (id 4) dropped too: keys 25..31 lost
     assert np.abs(freed - full).max() < 1e-6, "dropping the blocks behind the window must change nothing"
     assert np.abs(too_early - full).max() > 1e-3, "a window one block short must change the logits"
+
+
+def test_sleep_forgets_the_parked_windows_and_wake_computes_the_same(llm):
+    eng = engine(llm)
+    p = prompt(9, 45)
+    (tokens, logprobs), = greedy(llm, [p], 30)
+    assert eng.stats().kv_window_slots_parked > 0
+    assert eng.sleep().result(60) == 1 and eng.wake().result(60) is None
+    pool = eng._batcher._scheduler.blocks.window
+    assert pool.num_parked == 0 and pool.num_held == 0, "the cache's contents are gone: so are the parked slots"
+    before = eng.stats().prefix_cache_hits
+    (again, again_logprobs), = greedy(llm, [p], 30)
+    assert eng.stats().prefix_cache_hits == before, "after sleep the prompt is computed again"
+    assert again == tokens and np.abs(np.asarray(again_logprobs) - logprobs).max() < 1e-5
+    assert eng.stats().recompiles_after_warmup == 0
