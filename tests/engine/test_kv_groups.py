@@ -220,3 +220,35 @@ def test_preemption_drops_every_window_and_the_resumed_rows_reply_as_alone():
         expected, _ = run(*make(), [spec])
         assert outputs[(spec.request_id, 0)].token_ids == expected[(spec.request_id, 0)].token_ids
     assert_no_leaks(scheduler)
+
+
+# -- the scheduler's stateful property test, with a sliding group ------------------------
+
+from hypothesis import settings  # noqa: E402
+from hypothesis.stateful import invariant  # noqa: E402
+
+from tests.engine.test_scheduler import LIMITS, SchedulerMachine  # noqa: E402
+
+MACHINE_WINDOW = 6  # keys; blocks of 4: a row's window spans 2 or 3 blocks
+
+
+class WindowedSchedulerMachine(SchedulerMachine):
+    """Random submit / cancel / tick / runner-failure sequences (n > 1, shared prefixes,
+    stop strings) with a sliding group: after every step the pool's references are exactly
+    the tables' windows, and every table still holds the slots its next query sees."""
+
+    limits = dataclasses.replace(LIMITS, kv_window=MACHINE_WINDOW)
+
+    @invariant()
+    def window_slots_follow_the_tables(self):
+        scheduler = self.scheduler
+        pool = scheduler.blocks.window
+        live = [(job, job.prefill_block_ids, job.num_computed_tokens) for job in scheduler._prefilling]
+        live += [(row, row.block_ids, row.num_computed_tokens) for row in scheduler._rows_with_tables()]
+        pool.check([(owner, block_ids) for owner, block_ids, _ in live])
+        for owner, block_ids, pos in live:
+            assert pool.start(owner) <= max(0, pos - MACHINE_WINDOW + 1) // 4, "a window block was dropped early"
+
+
+TestWindowedSchedulerMachine = WindowedSchedulerMachine.TestCase
+TestWindowedSchedulerMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
