@@ -32,6 +32,7 @@ Layout: R rows in plan order (decode rows, then prompt chunks), N new tokens.
                                   `Runner.sample` directly, leaving this None
     block_copies    i32[C, 2]     (src, dst) block copies that run before the forward
     adapter_slots   i32[R]        each row's LoRA slot (0: no adapter; models/lora.py)
+    state_slots     i32[R]        each row's recurrent state slot (0: none; ferrox_jax/state_pool.py)
     image_embeds    f32[N, D] or None   an image's soft-token embedding where image_mask is set
     image_mask      bool[N] or None     (None: no row of the step holds an image)
     attend_until    i32[N] or None      the furthest key each token sees (its position, or its
@@ -198,6 +199,7 @@ class HostBatch:
     block_copies: np.ndarray
     bitmask: np.ndarray | None = None
     adapter_slots: np.ndarray | None = None  # None reads as all zeros
+    state_slots: np.ndarray | None = None  # None reads as all zeros
     image_embeds: np.ndarray | None = None
     image_mask: np.ndarray | None = None
     attend_until: np.ndarray | None = None
@@ -250,6 +252,7 @@ class HostBatch:
                    constrained=np.asarray([row.is_constrained and row.sample for row in rows], bool),
                    sampling=sampling, block_copies=copies,
                    adapter_slots=np.asarray([row.adapter_slot for row in rows], np.int32),
+                   state_slots=np.asarray([row.state_slot for row in rows], np.int32),
                    kv_saves=np.asarray(plan.kv_saves, np.int32).reshape(-1, 2),
                    kv_restores=np.asarray(plan.kv_restores, np.int32).reshape(-1, 2),
                    rope_positions=rope_columns(rows, row_starts, positions),

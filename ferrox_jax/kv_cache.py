@@ -48,6 +48,7 @@ write and on the gathered blocks only (`models/attention.py:store_kv` / `load_kv
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,10 +70,13 @@ def storage_dtype(dtype):
 
 @struct.dataclass
 class KVCache:
-    """Per-layer K and V block arrays (layout above)."""
+    """Per-layer K and V block arrays (layout above), and beside them the recurrent layers'
+    per-row state slots of a model that has some (`ferrox_jax/state_pool.py`; None otherwise:
+    they ride in the cache so every verb that carries the cache carries them too)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
+    states: Any = None
 
     @property
     def num_blocks(self) -> int:
@@ -154,7 +158,7 @@ def copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array, window_src: j
     def pairs(i):
         return (window_src, window_dst) if windowed and windowed[i] else (src, dst)
 
-    return KVCache(
+    return kv_cache.replace(
         k=tuple(a.at[:, pairs(i)[1]].set(a[:, pairs(i)[0]]) for i, a in enumerate(kv_cache.k)),
         v=tuple(a.at[:, pairs(i)[1]].set(a[:, pairs(i)[0]]) for i, a in enumerate(kv_cache.v)),
     )
@@ -170,5 +174,5 @@ def gather_blocks(kv_cache: KVCache, ids: jax.Array) -> tuple[jax.Array, jax.Arr
 @functools.partial(jax.jit, donate_argnames=("kv_cache",))
 def scatter_blocks(kv_cache: KVCache, ids: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
     """Writes whole blocks back (the inverse of `gather_blocks`; pad `ids` with the null block 0)."""
-    return KVCache(k=tuple(a.at[:, ids].set(k[i]) for i, a in enumerate(kv_cache.k)),
-                   v=tuple(a.at[:, ids].set(v[i]) for i, a in enumerate(kv_cache.v)))
+    return kv_cache.replace(k=tuple(a.at[:, ids].set(k[i]) for i, a in enumerate(kv_cache.k)),
+                            v=tuple(a.at[:, ids].set(v[i]) for i, a in enumerate(kv_cache.v)))

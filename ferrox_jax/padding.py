@@ -43,7 +43,8 @@ def empty_forward(shape: StepShape, table_width: int, has_lora: bool, image_widt
         last_index=np.zeros(r, np.int32), next_tokens=np.full(n, -1, np.int32),
         row_of_token=np.full(n, r, np.int32), want_prompt_logprobs=np.asarray(False),
         segment_tokens=tuple(tokens for _, tokens in segments),
-        adapter_slots=np.zeros(n, np.int32) if has_lora else None, **image_padding(n, image_width, mrope),
+        adapter_slots=np.zeros(n, np.int32) if has_lora else None, state_slots=np.zeros(r, np.int32),
+        **image_padding(n, image_width, mrope),
         window_tables=tuple(np.zeros((rows, table_width), np.int32) for rows, _ in segments) if windowed else None)
 
 
@@ -87,6 +88,8 @@ def pad_batch(batch: HostBatch, buckets: Buckets, table_width: int, has_lora: bo
         out.block_tables[segment][local] = batch.block_tables[host]
         if windowed:
             out.window_tables[segment][local] = batch.window_tables[host]
+        if batch.state_slots is not None:
+            out.state_slots[row] = batch.state_slots[host]
     out = out.replace(want_prompt_logprobs=np.asarray(bool(batch.prompt_logprobs.any())))
     return shape, order, _pad_adapters(out, batch, order, starts, shape.decode_rows) if has_lora else out
 

@@ -57,6 +57,7 @@ class RowPlan:
     # the row samples after each of its tokens (`ferrox_jax/speculative.py`).
     num_draft_tokens: int = 0
     adapter_slot: int = 0  # the LoRA slot its projections add (0: none, the base model)
+    state_slot: int = 0  # its recurrent layers' state slot (ferrox_jax/state_pool.py; 0: none)
     # Prompt chunks: the job's images with a soft token in this chunk (`ferrox_jax/images.py`),
     # their embeddings attached by the owner before the host batch is built.
     images: tuple = ()

@@ -59,6 +59,7 @@ from ferrox_jax.kv_offload import HostKVPool
 from ferrox_jax.multihost import place_on_mesh
 from ferrox_jax.padding import empty_forward, pad_batch, unpad_results
 from ferrox_jax.runner_protocol import DeviceState
+from ferrox_jax.state_pool import refuse_unsupported
 from ferrox_jax.shared_compiles import SharedCompiles
 from ferrox_jax.plan import RowPlan
 from ferrox_jax.sharding import runner_shardings
@@ -66,6 +67,7 @@ from models.moe_ep import uses_expert_parallel
 from ferrox_jax.step import ForwardBatch, ForwardResult, jit_steps
 from ferrox_jax.vision import VisionEncoder
 from models.attention import ATTENTION_CHUNK_BLOCKS
+from models.deltanet import create_states
 from models.lora import lora_slot_count
 
 log = logging.getLogger(__name__)
@@ -167,6 +169,9 @@ class ModelRunner:
         self.kv_cache: KVCache = create_model_kv_cache(
             cfg, num_blocks, block_size, self.kv_dtype, sharding=None if self.shardings is None else self.shardings.kv_array,
             windowed=self.windowed, window_blocks=window_blocks)
+        if cfg.recurrent_specs():  # one state slot per row a step holds, and the null slot 0
+            refuse_unsupported(mesh is not None, kv_offload_blocks)
+            self.kv_cache = self.kv_cache.replace(states=create_states(cfg.recurrent_specs(), max_rows + 1))
         self.kv_offload_blocks = kv_offload_blocks
         layout = set(cfg.kv_layout())
         heads, k_dim, v_dim = next(iter(layout))
@@ -434,7 +439,7 @@ class ModelRunner:
                              block_tables=(np.zeros((len(rows), mb), np.int32),),
                              last_index=np.zeros(len(rows), np.int32), next_tokens=np.full(n, -1, np.int32),
                              row_of_token=np.full(n, len(rows), np.int32), want_prompt_logprobs=np.asarray(False),
-                             segment_tokens=(t,))
+                             segment_tokens=(t,), state_slots=np.asarray([r.state_slot for r in rows], np.int32))
         for i, row in enumerate(rows):
             k = len(row.token_ids)
             batch.tokens[i * t:i * t + k] = row.token_ids

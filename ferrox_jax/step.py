@@ -64,6 +64,9 @@ class ForwardBatch:
     want_prompt_logprobs: jax.Array  # bool[]: compute prompt logprobs
     segment_tokens: tuple[int, ...] = struct.field(pytree_node=False, default=())  # tokens per row, per segment
     adapter_slots: jax.Array | None = None  # i32[N]: each token's LoRA slot (0 = none); None: no LoRA
+    # i32[R]: each padded row's recurrent state slot (0: the null slot; read only by a model with
+    # recurrent layers, `ferrox_jax/state_pool.py`); None: a batch built without one (tools)
+    state_slots: jax.Array | None = None
     # A model taking images (None otherwise, so a text model's pytree is unchanged):
     image_embeds: jax.Array | None = None  # f32[N, D]: an image's soft token where image_mask is set
     image_mask: jax.Array | None = None  # bool[N]
@@ -87,7 +90,7 @@ class ForwardBatch:
                    row_of_token=np.full(n, r, np.int32), want_prompt_logprobs=np.asarray(False),
                    segment_tokens=tuple(tokens for _, tokens in segments),
                    adapter_slots=np.zeros(n, np.int32) if has_lora else None,
-                   **image_padding(n, image_width, mrope))
+                   state_slots=np.zeros(r, np.int32), **image_padding(n, image_width, mrope))
 
 
 def image_padding(num_tokens: int, image_width: int, mrope: bool = False) -> dict:
@@ -143,9 +146,14 @@ def _run_model(graphdef, state, kv_cache: KVCache, batch: ForwardBatch):
         images = (*images, batch.rope_positions)
     # A family without window tables keeps its signature (only the shared decoder takes them).
     windows = {} if batch.window_tables is None else {"window_tables": batch.window_tables}
-    hidden, k, v = model(batch.tokens, batch.positions, batch.valid, kv_cache.k, kv_cache.v,
-                         batch.block_tables, batch.segment_tokens, images, **windows)
-    return model, hidden, KVCache(k=k, v=v)
+    args = (batch.tokens, batch.positions, batch.valid, kv_cache.k, kv_cache.v, batch.block_tables,
+            batch.segment_tokens, images)
+    if kv_cache.states is None:
+        hidden, k, v = model(*args, **windows)
+        return model, hidden, KVCache(k=k, v=v)
+    # a model with recurrent layers: its state slots go in and come back beside the K/V
+    hidden, k, v, states = model(*args, states=kv_cache.states, state_slots=batch.state_slots, **windows)
+    return model, hidden, KVCache(k=k, v=v, states=states)
 
 
 def _forward(graphdef, state_tree, state_leaves, kv_cache: KVCache, batch: ForwardBatch):

@@ -173,6 +173,11 @@ class ModelConfig:
         per layer here; a family with layers that read another layer's cache holds fewer."""
         return (self.kv_cache_dims(),) * self.num_layers
 
+    def recurrent_specs(self) -> tuple:
+        """One `models/deltanet.py:DeltaNetSpec` per layer that keeps a recurrent state per row
+        instead of K/V (Qwen3.5's DeltaNet layers), in layer order; () for a pure attention model."""
+        return ()
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token position takes across all the cache's arrays."""
         return sum(heads * (k_dim + v_dim) for heads, k_dim, v_dim in self.kv_layout()) * dtype_bytes

@@ -1,0 +1,244 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3.5 / Qwen3-Next, over per-row state slots.
+
+A DeltaNet layer keeps no K/V per token. Each row carries two fixed-size states instead:
+
+    conv state       f32[Kc - 1, C]     the last Kc - 1 inputs of the short causal conv1d
+                                        (C = 2 * Hk * dk + Hv * dv: q, k and v channels)
+    recurrent state  f32[Hv, dk, dv]    the gated delta rule's memory, one matrix per value head
+
+The engine keeps them in a pool of slots (`RecurrentStates`, one conv and one recurrent array
+per DeltaNet layer, `[S, ...]`; slot 0 is the null slot padding rows write into); the host side
+hands each row a slot for its lifetime (`ferrox_jax/state_pool.py`), and the forward reads
+`state_slots` i32[R] per padded row (decode rows, then chunk rows, as the segments list them).
+
+Per token t of a row (transformers' `torch_recurrent_gated_delta_rule`, f32):
+
+    x_conv    = silu(sum_j w[j] * x[t - Kc + 1 + j])       depthwise conv over the row's inputs
+    q, k      = l2norm(q), l2norm(k);  q *= dk^-0.5       (q/k heads repeated to the Hv value heads)
+    g         = -exp(A_log) * softplus(a + dt_bias);  beta = sigmoid(b)
+    S         = S * exp(g)
+    S         = S + k (x) ((v - S^T k) * beta)
+    o         = S^T q
+    out       = out_proj(rms_norm(o) * w_norm * silu(z))   per value head (the gated RMSNorm)
+
+The kernel is a `lax.scan` over each segment's T token columns, batched over its B rows:
+every row's state is loaded from its slot (or zeros when the row's first token sits at
+position 0: a new sequence, or one recomputed after preemption), advanced only on valid
+tokens (padding leaves it as it was), and stored back after the row's last token. Its cost
+is T sequential [B, Hv, dk, dv] updates per layer per step: a decode step is one; a
+16-token prefill chunk 16 (transformers' chunked form, `torch_chunk_gated_delta_rule`,
+turns a chunk into matmuls and is the later optimisation).
+
+Per-layer parameters (HF name after `model.layers.{i}.linear_attn.`):
+
+    in_proj_qkv  [D, C]            in_proj_qkv.weight      (q | k | v channels, in that order)
+    in_proj_z    [D, Hv*dv]        in_proj_z.weight        the output gate
+    in_proj_b    [D, Hv]           in_proj_b.weight        beta (write strength)
+    in_proj_a    [D, Hv]           in_proj_a.weight        the decay's input
+    conv_weight  [C, 1, Kc]        conv1d.weight           (HF's layout, kept as stored)
+    A_log        [Hv]              A_log
+    dt_bias      [Hv]              dt_bias
+    gate_norm    [dv]              norm.weight             plain weight (not 1 + w)
+    out_proj     [Hv*dv, D]        out_proj.weight
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from models.layers import ForwardContext, param, project, project_many
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaNetSpec:
+    """Static shapes of one DeltaNet layer (part of the graphdef)."""
+
+    num_k_heads: int  # Hk: query/key heads
+    num_v_heads: int  # Hv: value heads (a multiple of Hk; each k head serves Hv / Hk consecutive ones)
+    k_head_dim: int  # dk
+    v_head_dim: int  # dv
+    conv_kernel: int  # Kc
+    norm_eps: float = 1e-6
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv state, recurrent state) shapes of one slot."""
+        return (self.conv_kernel - 1, self.conv_dim), (self.num_v_heads, self.k_head_dim, self.v_head_dim)
+
+
+@struct.dataclass
+class RecurrentStates:
+    """The state pool's device arrays: per DeltaNet layer (in layer order) one conv array
+    f32[S, Kc - 1, C] and one recurrent array f32[S, Hv, dk, dv]; S slots, slot 0 the null slot."""
+
+    conv: tuple[jax.Array, ...]
+    recurrent: tuple[jax.Array, ...]
+
+    @property
+    def num_slots(self) -> int:
+        return self.conv[0].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in self.conv + self.recurrent)
+
+
+def state_bytes_per_slot(specs: tuple[DeltaNetSpec, ...]) -> int:
+    """Bytes one slot takes across every DeltaNet layer (f32 states)."""
+    total = 0
+    for spec in specs:
+        (kc, c), (h, dk, dv) = spec.state_shapes()
+        total += (kc * c + h * dk * dv) * 4
+    return total
+
+
+def create_states(specs: tuple[DeltaNetSpec, ...], num_slots: int, sharding=None) -> RecurrentStates:
+    """The zeroed pool of `num_slots` slots (slot 0 included), made on the device."""
+    if num_slots < 2:
+        raise ValueError(f"num_slots must be >= 2 (slot 0 is the null slot); got {num_slots}")
+
+    @jax.jit
+    def zeros():
+        return RecurrentStates(
+            conv=tuple(jnp.zeros((num_slots, *s.state_shapes()[0]), jnp.float32) for s in specs),
+            recurrent=tuple(jnp.zeros((num_slots, *s.state_shapes()[1]), jnp.float32) for s in specs))
+
+    return zeros()
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / sqrt(sum(x^2) + eps) over the last axis (transformers' / FLA's l2norm)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def starts_fresh(positions: jax.Array) -> jax.Array:
+    """bool[B]: rows whose first token of the segment is position 0 begin with zero states
+    (a new sequence, or one recomputed from its start after preemption); the others continue
+    from their slot. positions: i32[B, T]."""
+    return positions[:, 0] == 0
+
+
+def initial_states(conv_pool, rec_pool, slots, fresh):
+    """Each row's states at its segment's start: its slot's, or zeros where `fresh`."""
+    conv = jnp.where(fresh[:, None, None], 0.0, conv_pool[slots])
+    rec = jnp.where(fresh[:, None, None, None], 0.0, rec_pool[slots])
+    return conv, rec
+
+
+def causal_conv(x: jax.Array, conv0: jax.Array, weight: jax.Array, num_valid: jax.Array):
+    """The depthwise causal conv1d (+ silu) of one segment, continuing each row's conv state.
+
+    Args:
+      x: f32[B, T, C] the rows' new inputs (valid tokens first).
+      conv0: f32[B, Kc - 1, C] the inputs before them.
+      weight: [C, 1, Kc] (HF's layout).
+      num_valid: i32[B] valid tokens per row.
+    Returns:
+      (f32[B, T, C] outputs, f32[B, Kc - 1, C] the last Kc - 1 inputs up to each row's last
+      valid token: the next step's conv state).
+    """
+    kc = weight.shape[-1]
+    t = x.shape[1]
+    full = jnp.concatenate([conv0, x], axis=1)  # [B, Kc - 1 + T, C]
+    w = weight[:, 0, :].astype(jnp.float32)  # [C, Kc]
+    out = sum(full[:, j:j + t] * w[:, j] for j in range(kc))
+    idx = num_valid[:, None] + jnp.arange(kc - 1)[None, :]  # [B, Kc - 1]
+    conv1 = jnp.take_along_axis(full, idx[:, :, None], axis=1)
+    return jax.nn.silu(out), conv1
+
+
+def gated_delta_rule(q, k, v, g, beta, state0, valid):
+    """The recurrent gated delta rule over T tokens, batched over B rows (module docstring).
+
+    Args:
+      q, k: f32[B, T, Hv, dk] (l2-normed, q scaled); v: f32[B, T, Hv, dv];
+      g, beta: f32[B, T, Hv]; state0: f32[B, Hv, dk, dv]; valid: bool[B, T].
+    Returns:
+      (o f32[B, T, Hv, dv], the state after each row's last valid token).
+    """
+
+    def step(state, xs):
+        q_t, k_t, v_t, g_t, b_t, ok = xs
+        decayed = state * jnp.exp(g_t)[..., None, None]
+        memory = jnp.einsum("bhkv,bhk->bhv", decayed, k_t)
+        delta = (v_t - memory) * b_t[..., None]
+        new = decayed + k_t[..., :, None] * delta[..., None, :]
+        out = jnp.einsum("bhkv,bhk->bhv", new, q_t)
+        return jnp.where(ok[:, None, None, None], new, state), out
+
+    xs = tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v, g, beta, valid))
+    state, out = jax.lax.scan(step, state0, xs)
+    return jnp.swapaxes(out, 0, 1), state
+
+
+class GatedDeltaNet:
+    """Mix-in for a decoder layer (an `nnx.Module`): the DeltaNet parameters and the block."""
+
+    def init_deltanet(self, spec: DeltaNetSpec, hidden: int, dtype, rngs: nnx.Rngs) -> None:
+        self.delta_spec = spec
+        self.in_proj_qkv = param(rngs, (hidden, spec.conv_dim), dtype)
+        self.in_proj_z = param(rngs, (hidden, spec.value_dim), dtype)
+        self.in_proj_b = param(rngs, (hidden, spec.num_v_heads), dtype)
+        self.in_proj_a = param(rngs, (hidden, spec.num_v_heads), dtype)
+        self.conv_weight = param(rngs, (spec.conv_dim, 1, spec.conv_kernel), dtype, scale=0.3)
+        self.A_log = nnx.Param(jnp.zeros((spec.num_v_heads,), dtype))
+        self.dt_bias = nnx.Param(jnp.ones((spec.num_v_heads,), dtype))
+        self.gate_norm = nnx.Param(jnp.ones((spec.v_head_dim,), dtype))
+        self.out_proj = param(rngs, (spec.value_dim, hidden), dtype)
+
+    def deltanet(self, h: jax.Array, fwd: ForwardContext, conv_pool: jax.Array, rec_pool: jax.Array,
+                 slots: jax.Array):
+        """h [N, D] (already normed) -> (out_proj output [N, D], conv_pool, rec_pool).
+
+        `slots` i32[R]: each padded row's state slot, rows in segment order."""
+        spec = self.delta_spec
+        n = h.shape[0]
+        qkv, z, b, a = project_many(h, [self.in_proj_qkv.get_value(), self.in_proj_z.get_value(),
+                                        self.in_proj_b.get_value(), self.in_proj_a.get_value()])
+        qkv = qkv.astype(jnp.float32)
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        outs, row = [], 0
+        for seg in fwd.segments:
+            seg_slots = slots[row:row + seg.rows]
+            row += seg.rows
+            rows, t = seg.rows, seg.tokens
+            conv0, rec0 = initial_states(conv_pool, rec_pool, seg_slots, starts_fresh(seg.positions))
+            x = qkv[seg.start:seg.stop].reshape(rows, t, spec.conv_dim)
+            x, conv1 = causal_conv(x, conv0, self.conv_weight[...], seg.valid.sum(axis=1))
+            q, k, v = jnp.split(x, [spec.key_dim, 2 * spec.key_dim], axis=-1)
+            q = q.reshape(rows, t, spec.num_k_heads, spec.k_head_dim)
+            k = k.reshape(rows, t, spec.num_k_heads, spec.k_head_dim)
+            v = v.reshape(rows, t, spec.num_v_heads, spec.v_head_dim)
+            rep = spec.num_v_heads // spec.num_k_heads
+            q = jnp.repeat(l2norm(q), rep, axis=2) * (spec.k_head_dim ** -0.5)
+            k = jnp.repeat(l2norm(k), rep, axis=2)
+            seg_g = g[seg.start:seg.stop].reshape(rows, t, spec.num_v_heads)
+            seg_beta = beta[seg.start:seg.stop].reshape(rows, t, spec.num_v_heads)
+            o, rec1 = gated_delta_rule(q, k, v, seg_g, seg_beta, rec0, seg.valid)
+            conv_pool = conv_pool.at[seg_slots].set(conv1)
+            rec_pool = rec_pool.at[seg_slots].set(rec1)
+            outs.append(o.reshape(rows * t, spec.num_v_heads, spec.v_head_dim))
+        o = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+        # The gated RMSNorm: normed in f32, times the weight in the activations' dtype, times silu(z).
+        var = jnp.mean(o * o, axis=-1, keepdims=True)
+        normed = self.gate_norm[...] * (o * jax.lax.rsqrt(var + spec.norm_eps)).astype(h.dtype)
+        gate = jax.nn.silu(z.reshape(n, spec.num_v_heads, spec.v_head_dim).astype(jnp.float32))
+        o = (normed.astype(jnp.float32) * gate).astype(h.dtype).reshape(n, spec.value_dim)
+        return project(o, self.out_proj.get_value()), conv_pool, rec_pool
