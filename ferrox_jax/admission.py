@@ -51,6 +51,9 @@ def check_admission(job: Job, limits: SchedulerLimits) -> tuple[str, str] | None
             message += (f" ({num_blocks * limits.kv_bytes_per_block} bytes needed; the KV budget holds "
                         f"{limits.num_blocks * limits.kv_bytes_per_block} bytes)")
         return "too_large", message
+    if job.n > 1 and limits.state_slots:  # the rows would each need the prefill's recurrent state
+        return ("too_large", f"request asks for n={job.n} rows; this model has recurrent (linear-attention) "
+                             "layers and serves one row per request: send n separate requests")
     if job.n > limits.max_rows:
         return ("too_large", f"request asks for n={job.n} rows; at most {limits.max_rows} "
                              "rows run at once (max_seqs)")

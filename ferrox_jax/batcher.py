@@ -66,7 +66,7 @@ from ferrox_jax.request import AdmissionError, Job, MatcherFactory, RowEvent
 from ferrox_jax.runner_protocol import Runner, check_limits
 from ferrox_jax.scheduler import Scheduler, check_admission
 from ferrox_jax.speculative import NgramProposer
-from ferrox_jax.stats import BatcherStats, scheduler_fields, window_fields
+from ferrox_jax.stats import BatcherStats, scheduler_fields, state_pool_fields, window_fields
 from ferrox_jax.step_masks import BitmaskFiller, StepMasks
 from ferrox_jax.step_output import step_output
 from ferrox_jax.step_faults import FatalSignal, FaultLedger, FaultPolicy, StepWatchdog, Unrecoverable, blame_nonfinite
@@ -135,6 +135,7 @@ class ContinuousBatcher:
         self._fatal = FatalSignal()
         self._snapshot = BatcherStats(kv_blocks_total=self.limits.num_blocks, kv_blocks_free=self.limits.num_blocks,
                                       kv_block_size=self.limits.block_size, **window_fields(self._scheduler.blocks),
+                                      **state_pool_fields(self._scheduler),
                                       kv_offload_blocks_total=self.limits.kv_offload_blocks)
         # Owner thread only:
         self._open: dict[str, _OpenJob] = {}

@@ -361,6 +361,9 @@ class SchedulerLimits:
     scheduling_policy: str = "fcfs"  # admission order, and preemption under "priority" (ferrox_jax/priority.py)
     kv_window: int | None = None  # the sliding KV group's window in tokens (ferrox_jax/kv_groups.py); None: no such group
     kv_window_slots: int = 0  # its own pool's slots (the sliding arrays' size); 0: they hold every block, as before
+    # recurrent state slots, the null slot included (ferrox_jax/state_pool.py); 0: the model keeps none
+    state_slots: int = 0
+    state_pool_bytes: int = 0  # the pool's device bytes (for /admin/stats)
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -369,7 +372,7 @@ class SchedulerLimits:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or field.name in (
-                    "kv_bytes_per_block", "kv_offload_blocks", "kv_window_slots"):
+                    "kv_bytes_per_block", "kv_offload_blocks", "kv_window_slots", "state_slots", "state_pool_bytes"):
                 continue
             if value <= 0:
                 raise ValueError(f"SchedulerLimits.{field.name} must be > 0; got {value}")

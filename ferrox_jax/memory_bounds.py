@@ -44,6 +44,8 @@ import math
 import os
 from typing import Any
 
+from ferrox_jax.state_pool import pool_bytes
+
 GIB = 1 << 30
 MIB = 1 << 20
 INT32_MAX = 2**31 - 1
@@ -191,9 +193,11 @@ class Demand:
     max_context: int
     step: StepSize
 
+    state_bytes: int = 0  # the recurrent state pool beside the KV cache (ferrox_jax/state_pool.py)
+
     @property
     def total(self) -> int:
-        return self.kv_bytes + self.lora_bytes + self.step_bytes
+        return self.kv_bytes + self.lora_bytes + self.step_bytes + self.state_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +270,8 @@ class Footprint:
                       lora_bytes=lora_bytes(self.model, settings.max_loras, settings.max_lora_rank,
                                             self.compute_itemsize),
                       step_bytes=step_bytes(self.model, step, lora_columns), num_blocks=num_blocks,
-                      max_context=max_context, step=step)
+                      max_context=max_context, step=step,
+                      state_bytes=pool_bytes(self.model.recurrent_specs(), step.rows + 1))
 
     def check(self, config: Any, room: Room, *, overrides: dict[str, Any] | None = None, weights_bytes: int = 0,
               freed_bytes: int = 0, blame: str | None = None, note: str = "") -> Demand:
@@ -288,6 +293,7 @@ class Footprint:
             field = blame or self._blame(settings, demand)
             parts = [("KV cache", demand.kv_bytes, f" ({self.bytes_per_block} bytes per block)"),
                      ("LoRA slots", demand.lora_bytes, ""), ("largest step", demand.step_bytes, ""),
+                     ("recurrent state pool", demand.state_bytes, ""),
                      ("the weights", weights_bytes, "")]
             said = ", ".join(f"{name} {_size(n)}{why}" for name, n, why in parts if n)
             shared = f" for {room.shared_by} devices" if room.shared_by > 1 else ""

@@ -86,6 +86,8 @@ class Preemption:
             self._decoding.pop(row.row_id, None)
             transition(row, RowState.WAITING, self.state_counts)
         self.blocks.preempt(job, rows)
+        # re-admitted, a row recomputes from position 0, where its recurrent state starts at zeros
+        self.states.release(row.row_id for row in rows)
         job.resume_rows, job.prompt_logprobs, job.hidden_sum = [], [], None  # recomputed whole
         job.queued_at_s = self._clock()
         self._waiting.append(job)
@@ -119,7 +121,7 @@ class Preemption:
         return RowPlan(row_id=row.row_id, token_ids=tuple(row.token_ids[start:end]), start_pos=start,
                        block_ids=tuple(row.block_ids), sample=False, sampling=row.sampling,
                        num_prompt_tokens=len(row.job.submitted.prompt_token_ids), adapter_slot=row.job.adapter_slot,
-                       images=overlapping(row.job.submitted.images, start, end),
+                       state_slot=self.states.slot(row.row_id), images=overlapping(row.job.submitted.images, start, end),
                        rope_images=rope_images(row.job.submitted.images))
 
     def _apply_history_chunk(self, row: Row, step: RowPlan) -> None:

@@ -25,8 +25,9 @@ prefix cache and promises the job its lifetime worst case of new blocks; plannin
 tables and copies a shared block before a row writes into it; `update` names the blocks a
 step completed; finished rows release theirs. With the host tier (`--kv-offload-gib`) the
 plan also carries its copies (blocks admission evicted, host hits it admitted). For `n > 1` the prompt (all but its last
-token) is prefilled once and each row then starts as a prefix hit on it, computing the
-last prompt token itself and sampling with its own seed.
+token) is prefilled once and each row then starts as a prefix hit on it, computing the last prompt token itself and
+sampling with its own seed. A model with recurrent layers gives each admitted row a state slot (`self.states`,
+`ferrox_jax/state_pool.py`) until it is flushed or preempted; each RowPlan names it.
 
 The scheduler does the scheduling: admission, blocks, chunking, budgets, and when each row
 computes. What a sampled token does to a row is the row's own (`ferrox_jax/request.py:Row`):
@@ -58,11 +59,12 @@ from ferrox_jax.plan import RowPlan, StepOutput, StepPlan
 from ferrox_jax.preemption import Preemption
 from ferrox_jax.priority import WaitingQueue
 from ferrox_jax.speculative import Speculator
+from ferrox_jax.state_pool import StatePool
 from ferrox_jax.request import Job, JobState, MatcherFactory, Row, RowEvent, RowResult
 from ferrox_jax.row_state import RowState, transition
 
-# A cancel for a request id not seen yet is kept this long (the job's submit may still be on
-# its way), and at most this many are kept (ids that never arrive must not pile up).
+# A cancel for a request id not seen yet is kept this long (the job's submit may still be on its way),
+# and at most this many are kept (ids that never arrive must not pile up).
 PENDING_CANCEL_TTL_S = 60.0
 MAX_PENDING_CANCELS = 1024
 
@@ -80,6 +82,7 @@ class Scheduler(Preemption):
         self._adapters = adapters
         self.blocks = BlockTables(limits)
         self.budget = self.blocks.budget
+        self.states = StatePool(limits.state_slots)  # recurrent state slots by row (none for most models)
         self._tokenizer = tokenizer
         self._eos_token_ids = frozenset(getattr(tokenizer, "stop_token_ids", ()) or ())
         self._clock = clock
@@ -253,6 +256,7 @@ class Scheduler(Preemption):
                     continue
                 return
             self._waiting.popleft()
+            self.states.acquire(row.row_id for row in self._open_rows(job))  # until each row ends or is preempted
             # held until its last row ends (_flush_finished), a preemption included
             if job.submitted.adapter_name is not None and not job.adapter_slot:
                 job.adapter_slot = self._adapters.acquire(job.submitted.adapter_name).slot
@@ -315,8 +319,8 @@ class Scheduler(Preemption):
             num_prompt_tokens=len(prompt),
             history_token_ids=row.penalty_history(self._eos_token_ids) if sample else (),
             is_constrained=sample and row.matcher is not None, pooling=job.submitted.pooling is not None,
-            adapter_slot=job.adapter_slot, images=overlapping(job.submitted.images, start, end),
-            rope_images=rope_images(job.submitted.images))
+            adapter_slot=job.adapter_slot, state_slot=self.states.slot(row.row_id),
+            images=overlapping(job.submitted.images, start, end), rope_images=rope_images(job.submitted.images))
 
     def _plan_decode_rows(self) -> tuple[RowPlan, ...]:
         """One token for every decoding row (under the priority policy, every row not less
@@ -333,7 +337,8 @@ class Scheduler(Preemption):
                 block_ids=tuple(row.block_ids), sample=True, sampling=row.step_sampling(self._eos_token_ids),
                 num_prompt_tokens=len(row.job.submitted.prompt_token_ids),
                 history_token_ids=row.penalty_history(self._eos_token_ids), is_constrained=row.matcher is not None,
-                adapter_slot=row.job.adapter_slot, rope_images=rope_images(row.job.submitted.images)))
+                adapter_slot=row.job.adapter_slot, state_slot=self.states.slot(row.row_id),
+                rope_images=rope_images(row.job.submitted.images)))
         return tuple(steps)
 
     def _update_peak(self) -> None:
@@ -400,10 +405,9 @@ class Scheduler(Preemption):
 
     def fail_rows(self, plan: StepPlan, row_ids: Sequence[int], error: str, code: str | None = None) -> StepPlan:
         """Ends the jobs owning `row_ids` (rows of the last scheduled step whose results are
-        unusable: non-finite logits) with an error (`code`: its kind, on the event) and
-        frees their blocks; returns the plan without any row of those jobs, for `update` to
-        apply to the step's other rows. Their blocks written this step are never named in
-        the prefix cache."""
+        unusable: non-finite logits) with an error (`code`: its kind, on the event) and frees their
+        blocks; returns the plan without any row of those jobs, for `update` to apply to the step's
+        other rows. Their blocks written this step are never named in the prefix cache."""
         jobs = {self._rows[row_id].job.submitted.request_id: self._rows[row_id].job
                 for row_id in row_ids if row_id in self._rows}
         failed = {row.row_id for job in jobs.values() for row in job.rows}
@@ -486,13 +490,13 @@ class Scheduler(Preemption):
         self._to_flush.append(row)
 
     def _flush_finished(self) -> None:
-        """Releases finished rows' blocks (and their jobs' once all rows ended), sends their
-        last event."""
+        """Releases finished rows' blocks and state slots (and their jobs' once all rows ended), sends their last event."""
         rows, self._to_flush = self._to_flush, []
         for row in rows:
             self._decoding.pop(row.row_id, None)
             del self._rows[row.row_id]
             self.blocks.release_row(row)
+            self.states.release((row.row_id,))
             if row.job.num_open_rows == 0:
                 del self._jobs[row.job.submitted.request_id]
                 if row.job.adapter_slot:  # the job's last row: its adapter's slot is free of it

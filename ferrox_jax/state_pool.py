@@ -31,6 +31,12 @@ and tensor parallelism (the pool is not sharded).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+from collections.abc import Iterable
+
+log = logging.getLogger(__name__)
+
 NULL_SLOT = 0
 
 
@@ -62,21 +68,21 @@ class StatePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def acquire(self, row_id: int) -> int:
-        """The row's slot, taken now (the null slot when the pool is off)."""
+    def acquire(self, row_ids: Iterable[int]) -> None:
+        """Each row takes a slot now (nothing when the pool is off)."""
         if not self.enabled:
-            return NULL_SLOT
-        assert row_id not in self._slot_of, f"row {row_id} already holds state slot {self._slot_of[row_id]}"
-        assert self._free, f"no free state slot for row {row_id}: admission let more rows run than the pool holds"
-        slot = self._free.pop()
-        self._slot_of[row_id] = slot
-        return slot
+            return
+        for row_id in row_ids:
+            assert row_id not in self._slot_of, f"row {row_id} already holds state slot {self._slot_of[row_id]}"
+            assert self._free, f"no free state slot for row {row_id}: admission let more rows run than the pool holds"
+            self._slot_of[row_id] = self._free.pop()
 
-    def release(self, row_id: int) -> None:
-        """Frees the row's slot; a row holding none (never admitted, or the pool is off) is a no-op."""
-        slot = self._slot_of.pop(row_id, None)
-        if slot is not None:
-            self._free.append(slot)
+    def release(self, row_ids: Iterable[int]) -> None:
+        """Frees the rows' slots; a row holding none (never admitted, or the pool is off) is a no-op."""
+        for row_id in row_ids:
+            slot = self._slot_of.pop(row_id, None)
+            if slot is not None:
+                self._free.append(slot)
 
     def slot(self, row_id: int) -> int:
         """The slot the row holds (the null slot when the pool is off)."""
@@ -84,6 +90,37 @@ class StatePool:
             return NULL_SLOT
         assert row_id in self._slot_of, f"row {row_id} is planned but holds no state slot"
         return self._slot_of[row_id]
+
+
+def pool_bytes(specs, num_slots: int) -> int:
+    """Device bytes of a pool of `num_slots` slots (the null slot included) for a model's
+    `recurrent_specs()` (f32 states: each spec's `state_shapes()`)."""
+    per_slot = 0
+    for spec in specs:
+        (kc, c), (h, dk, dv) = spec.state_shapes()
+        per_slot += (kc * c + h * dk * dv) * 4
+    return per_slot * num_slots if specs else 0
+
+
+def recurrent_settings(config, model_cfg):
+    """The `EngineConfig` a model with recurrent layers is served under: prefix caching turned
+    off (logged: a hit would skip the tokens whose recurrent state it does not hold), and
+    refused with the reason: speculative decoding and the host KV tier. Any other model's
+    config is returned as it is."""
+    if not model_cfg.recurrent_specs():
+        return config
+    if config.speculative is not None:
+        raise StatePoolUnsupported("--speculative: this model has recurrent (linear-attention) layers, and "
+                                   "rolling their state back past rejected drafts is not supported yet; serve it "
+                                   "without speculative decoding")
+    if config.kv_offload_gib:
+        refuse_unsupported(False, 1)
+    if config.prefix_caching:
+        log.info("prefix caching is off for %s: its recurrent (linear-attention) layers keep one state per "
+                 "row, not one per cached block, so a prefix hit could not restore the state at the prefix",
+                 model_cfg.architecture)
+        config = dataclasses.replace(config, prefix_caching=False)
+    return config
 
 
 def refuse_unsupported(sharded: bool, kv_offload_blocks: int) -> None:

@@ -58,6 +58,10 @@ class BatcherStats:
     kv_offload_blocks_stored: int = 0  # evicted device blocks copied to host memory
     kv_offload_blocks_evicted: int = 0  # host copies the tier's LRU dropped for newer ones
     kv_offload_blocks_restored: int = 0  # host copies brought back into fresh device blocks
+    # -- the recurrent state pool (a model with linear-attention layers: ferrox_jax/state_pool.py) ---
+    state_slots_total: int = 0  # slots rows can hold (one per row in flight; 0: the model keeps no recurrent state)
+    state_slots_held: int = 0  # of those, held by admitted rows now (a gauge; back to 0 when idle: no leak)
+    state_pool_bytes: int = 0  # device bytes of the pool, every slot and the null slot (fixed at start-up)
     # -- structured output (docs/structured-output.md) -----------------------------------
     constrained_requests: int = 0  # jobs taken whose output a grammar constrains
     grammar_errors: int = 0  # rows ended because their grammar rejected a sampled token (a bug: stays 0)
@@ -113,9 +117,16 @@ def scheduler_fields(scheduler: Any) -> dict[str, Any]:
         grammar_errors=scheduler.num_grammar_errors, prefix_cache_queries=scheduler.blocks.num_queried_tokens,
         prefix_cache_hits=scheduler.blocks.num_hit_tokens, kv_blocks_cached=scheduler.blocks.num_cached_blocks,
         num_preemptions=scheduler.num_preemptions,
-        **offload_fields(scheduler.blocks), **window_fields(scheduler.blocks),
+        **state_pool_fields(scheduler), **offload_fields(scheduler.blocks), **window_fields(scheduler.blocks),
         running_lora_adapters=running_adapters, waiting_lora_adapters=waiting_adapters,
         **spec_decode_stats(scheduler.speculator))
+
+
+def state_pool_fields(scheduler: Any) -> dict[str, int]:
+    """The recurrent state pool's `BatcherStats` fields, from the scheduler's `StatePool` and limits."""
+    pool = scheduler.states
+    return dict(state_slots_total=max(pool.num_slots - 1, 0), state_slots_held=pool.num_held,
+                state_pool_bytes=scheduler.limits.state_pool_bytes)
 
 
 def offload_fields(blocks: Any) -> dict[str, int]:
