@@ -159,3 +159,30 @@ def test_negative_control_a_conv_state_not_carried_across_chunks_is_caught(qwen3
 def test_served_end_to_end_and_the_pool_is_empty_afterwards(qwen3_5):
     path, hf, _, _ = qwen3_5
     fc.assert_served(fc.serve(path), hf, "Qwen3_5ForCausalLM")
+
+
+def test_server_reports_the_pool_and_an_aborted_stream_gives_its_slot_back(qwen3_5):
+    import httpx
+
+    from api.app import create_app
+    from tests.support.server_harness import ServerThread, tiny_engine, wait_for
+
+    path, _, _, ckpt = qwen3_5
+    engine = tiny_engine(path, **fc.SERVE_LIMITS)  # the engine fc.serve warmed: max_seqs 2
+    with ServerThread(create_app(engine)) as base, httpx.Client(base_url=base, timeout=60) as http:
+        stats = http.get("/admin/stats").json()
+        # 2 rows + the null slot; per slot 2 DeltaNet layers x (3 x 128 conv + 4 x 16 x 16 recurrent) f32
+        assert stats["state_slots_total"] == 2 and stats["state_pool_bytes"] == 3 * 2 * (3 * 128 + 4 * 16 * 16) * 4
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 110, "stream": True,
+                "ignore_eos": True, "temperature": 0}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            first = next(line for line in response.iter_lines() if line.startswith("data: "))
+            assert first.startswith("data: {"), first
+            assert http.get("/admin/stats").json()["state_slots_held"] == 1, "the streaming row holds a slot"
+        # the client went away mid-stream: the row is aborted and its slot comes back
+        wait_for(lambda: http.get("/admin/stats").json()["state_slots_held"] == 0)
+        refused = http.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2, "n": 2})
+        assert refused.status_code == 400 and "n separate requests" in refused.json()["error"]["message"]
+        assert http.get("/health").status_code == 200
