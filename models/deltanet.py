@@ -40,6 +40,9 @@ Per-layer parameters (HF name after `model.layers.{i}.linear_attn.`):
     dt_bias      [Hv]              dt_bias
     gate_norm    [dv]              norm.weight             plain weight (not 1 + w)
     out_proj     [Hv*dv, D]        out_proj.weight
+
+Qwen3-Next (`DeltaNetSpec.fused`) stores the first four as two: in_proj_qkvz [D, 2*Hk*dk +
+2*Hv*dv] and in_proj_ba [D, 2*Hv], each grouped per k head (`_projections` takes them apart).
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class DeltaNetSpec:
     v_head_dim: int  # dv
     conv_kernel: int  # Kc
     norm_eps: float = 1e-6
+    # Qwen3-Next's layout: q/k/v/z fused in one projection and b/a in another, grouped by k head
+    fused: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -191,15 +196,38 @@ class GatedDeltaNet:
 
     def init_deltanet(self, spec: DeltaNetSpec, hidden: int, dtype, rngs: nnx.Rngs) -> None:
         self.delta_spec = spec
-        self.in_proj_qkv = param(rngs, (hidden, spec.conv_dim), dtype)
-        self.in_proj_z = param(rngs, (hidden, spec.value_dim), dtype)
-        self.in_proj_b = param(rngs, (hidden, spec.num_v_heads), dtype)
-        self.in_proj_a = param(rngs, (hidden, spec.num_v_heads), dtype)
+        if spec.fused:
+            self.in_proj_qkvz = param(rngs, (hidden, 2 * spec.key_dim + 2 * spec.value_dim), dtype)
+            self.in_proj_ba = param(rngs, (hidden, 2 * spec.num_v_heads), dtype)
+        else:
+            self.in_proj_qkv = param(rngs, (hidden, spec.conv_dim), dtype)
+            self.in_proj_z = param(rngs, (hidden, spec.value_dim), dtype)
+            self.in_proj_b = param(rngs, (hidden, spec.num_v_heads), dtype)
+            self.in_proj_a = param(rngs, (hidden, spec.num_v_heads), dtype)
         self.conv_weight = param(rngs, (spec.conv_dim, 1, spec.conv_kernel), dtype, scale=0.3)
         self.A_log = nnx.Param(jnp.zeros((spec.num_v_heads,), dtype))
         self.dt_bias = nnx.Param(jnp.ones((spec.num_v_heads,), dtype))
         self.gate_norm = nnx.Param(jnp.ones((spec.v_head_dim,), dtype))
         self.out_proj = param(rngs, (spec.value_dim, hidden), dtype)
+
+    def _projections(self, h: jax.Array):
+        """h [N, D] -> (q|k|v channels [N, C], z [N, Hv*dv], b [N, Hv], a [N, Hv]).
+
+        Fused (Qwen3-Next), each k head's group holds its q (dk), k (dk), then the v and z of
+        its Hv / Hk value heads; b and a likewise per group. The conv's channels are q of every
+        head, then k, then v, so the groups are taken apart here."""
+        spec = self.delta_spec
+        if not spec.fused:
+            return project_many(h, [self.in_proj_qkv.get_value(), self.in_proj_z.get_value(),
+                                    self.in_proj_b.get_value(), self.in_proj_a.get_value()])
+        n, hk, dk = h.shape[0], spec.num_k_heads, spec.k_head_dim
+        r = spec.num_v_heads // hk
+        qkvz, ba = project_many(h, [self.in_proj_qkvz.get_value(), self.in_proj_ba.get_value()])
+        qkvz = qkvz.reshape(n, hk, 2 * dk + 2 * r * spec.v_head_dim)
+        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * spec.v_head_dim], axis=-1)
+        qkv = jnp.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=-1)
+        ba = ba.reshape(n, hk, 2 * r)
+        return qkv, z.reshape(n, -1), ba[..., :r].reshape(n, -1), ba[..., r:].reshape(n, -1)
 
     def deltanet(self, h: jax.Array, fwd: ForwardContext, conv_pool: jax.Array, rec_pool: jax.Array,
                  slots: jax.Array):
@@ -208,8 +236,7 @@ class GatedDeltaNet:
         `slots` i32[R]: each padded row's state slot, rows in segment order."""
         spec = self.delta_spec
         n = h.shape[0]
-        qkv, z, b, a = project_many(h, [self.in_proj_qkv.get_value(), self.in_proj_z.get_value(),
-                                        self.in_proj_b.get_value(), self.in_proj_a.get_value()])
+        qkv, z, b, a = self._projections(h)
         qkv = qkv.astype(jnp.float32)
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(

@@ -57,6 +57,7 @@ class Qwen3_5Config(ModelConfig):
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
+    fused_deltanet: bool = False  # Qwen3-Next's fused in_proj_qkvz / in_proj_ba (models/deltanet.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -74,7 +75,8 @@ class Qwen3_5Config(ModelConfig):
 
     def deltanet_spec(self) -> DeltaNetSpec:
         return DeltaNetSpec(self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
-                            self.linear_value_head_dim, self.linear_conv_kernel_dim, self.rms_norm_eps)
+                            self.linear_value_head_dim, self.linear_conv_kernel_dim, self.rms_norm_eps,
+                            self.fused_deltanet)
 
     def recurrent_specs(self) -> tuple[DeltaNetSpec, ...]:
         """One spec per DeltaNet layer, in layer order (the state pool's arrays)."""
@@ -116,7 +118,8 @@ class GatedAttention:
 
 
 class Qwen3_5DecoderLayer(nnx.Module, GatedAttention, GatedDeltaNet):
-    def __init__(self, cfg: Qwen3_5Config, index: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: Qwen3_5Config, index: int, dtype, rngs: nnx.Rngs, dense: bool = True):
+        """`dense`: this layer's MLP is a dense SwiGLU (a subclass adds experts otherwise)."""
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
         self.is_linear = cfg.linear_layers[index]
@@ -126,9 +129,10 @@ class Qwen3_5DecoderLayer(nnx.Module, GatedAttention, GatedDeltaNet):
         else:
             self.init_gated_attention(AttentionSpec.from_config(cfg, index, qk_norm="rms_plus_one"), d, dtype, rngs)
         self.post_attn_norm = norm_param(d, dtype, 0.0)
-        self.gate_proj = param(rngs, (d, f), dtype)
-        self.up_proj = param(rngs, (d, f), dtype)
-        self.down_proj = param(rngs, (f, d), dtype)
+        if dense:
+            self.gate_proj = param(rngs, (d, f), dtype)
+            self.up_proj = param(rngs, (d, f), dtype)
+            self.down_proj = param(rngs, (f, d), dtype)
 
     def __call__(self, x, fwd, a, b, slots=None):
         """x [N, D] -> (x, a, b): (k_cache, v_cache) for a full-attention layer, its (conv,
@@ -139,9 +143,11 @@ class Qwen3_5DecoderLayer(nnx.Module, GatedAttention, GatedDeltaNet):
         else:
             out, a, b = self.gated_attention(h, fwd, a, b)
         x = x + out
-        h = rms_norm_plus_one(x, self.post_attn_norm[...], self.eps)
-        x = x + gated_mlp(h, self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value(), silu)
-        return x, a, b
+        return x + self.feed_forward(rms_norm_plus_one(x, self.post_attn_norm[...], self.eps)), a, b
+
+    def feed_forward(self, h):
+        """The MLP (Qwen3-Next's expert layers override it)."""
+        return gated_mlp(h, self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value(), silu)
 
 
 class Qwen3_5Model(CausalLM):
@@ -186,6 +192,11 @@ class Qwen3_5Model(CausalLM):
 
 
 def config_from_hf(cfg: dict[str, Any]) -> Qwen3_5Config:
+    return Qwen3_5Config(**hf_fields(cfg))
+
+
+def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `Qwen3_5Config` fields of a config.json (Qwen3-Next's too)."""
     fields = hf_common_fields(cfg)
     n = fields["num_layers"]
     types = cfg.get("layer_types")
@@ -201,7 +212,7 @@ def config_from_hf(cfg: dict[str, Any]) -> Qwen3_5Config:
     params = rope_parameters(cfg)
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
     rotary = int(fields["head_dim"] * partial)
-    return Qwen3_5Config(
+    return dict(
         **fields, rotary_dim=None if rotary == fields["head_dim"] else rotary,
         linear_layers=tuple(t == LINEAR_ATTENTION for t in types[:n]),
         linear_num_key_heads=cfg.get("linear_num_key_heads", 16),

@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from models import (deepseek_v3, gemma2, gemma3, gemma4, glm4_moe, gpt_oss, idefics3, llama, llama4, mixtral, phi3,
-                    qwen2_5_vl, qwen3, qwen3_5, qwen3_moe, qwen3_vl)
+                    qwen2_5_vl, qwen3, qwen3_5, qwen3_moe, qwen3_next, qwen3_vl)
 from models.config import ModelConfig, UnsupportedModelError
 from models.family import Family
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, gemma4.FAMILY,
                                 phi3.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY, gpt_oss.FAMILY, deepseek_v3.FAMILY,
                                 glm4_moe.FAMILY, idefics3.FAMILY, llama4.FAMILY, gemma4.GGUF_MOE_FAMILY,
-                                qwen2_5_vl.FAMILY, qwen3_vl.FAMILY, qwen3_5.FAMILY)
+                                qwen2_5_vl.FAMILY, qwen3_vl.FAMILY, qwen3_5.FAMILY, qwen3_next.FAMILY)
 _BY_ARCHITECTURE = {arch: f for f in FAMILIES for arch in f.architectures}
 # (general.architecture, has experts) -> family: a `llama` file with experts is Mixtral.
 _BY_GGUF_ARCHITECTURE = {(arch, f.gguf_experts): f for f in FAMILIES for arch in f.gguf_architectures}
