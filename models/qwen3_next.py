@@ -1,4 +1,4 @@
-"""Qwen3-Next: Qwen3.5's layer mix (Gated DeltaNet + gated full attention) with a mixture of experts.
+"""Qwen3-Next and Qwen3.5-MoE: Qwen3.5's layer mix (Gated DeltaNet + gated full attention) with experts.
 
     x = x + mixer(norm(x))                      as Qwen3.5 (models/qwen3_5.py); the DeltaNet
                                                 projections fused (models/deltanet.py, `fused`)
@@ -7,6 +7,9 @@
                                                 weights renormalised iff norm_topk_prob, plus a
                                                 shared expert scaled by a sigmoid gate per token
     layers in `mlp_only_layers`, or off the `decoder_sparse_step` beat, keep a dense SwiGLU MLP
+
+Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`, `QWEN3_5_MOE`) is the same model with Qwen3.5's unfused
+DeltaNet projections and experts on every layer.
 
 Per-layer parameters: Qwen3.5's mixers and norms (DeltaNet's `in_proj_qkvz` / `in_proj_ba`
 in place of its four input projections), and on expert layers
@@ -87,10 +90,18 @@ def config_from_hf(cfg: dict[str, Any]) -> Qwen3NextConfig:
                            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0)
 
 
-HF_LAYER_WEIGHTS = {
-    **{k: v for k, v in qwen3_5.HF_LAYER_WEIGHTS.items() if not k.startswith("linear_attn.in_proj_")},
-    "linear_attn.in_proj_qkvz.weight": "in_proj_qkvz",
-    "linear_attn.in_proj_ba.weight": "in_proj_ba",
+def config_from_hf_qwen3_5_moe(cfg: dict[str, Any]) -> Qwen3NextConfig:
+    """Qwen3.5-MoE: Qwen3.5's unfused DeltaNet projections, every layer's MLP experts plus a
+    shared expert, the top-k weights always renormalised (its router does); the config has no
+    dense `intermediate_size` (no layer is dense), so it reads as the experts' width."""
+    cfg = {"intermediate_size": cfg["moe_intermediate_size"], **cfg}
+    return Qwen3NextConfig(**qwen3_5.hf_fields(cfg), num_experts=cfg["num_experts"],
+                           num_experts_per_tok=cfg["num_experts_per_tok"],
+                           moe_intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=True,
+                           shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0)
+
+
+MOE_WEIGHTS = {
     "mlp.gate.weight": "router",
     "mlp.experts.{e}.gate_proj.weight": "experts_gate",
     "mlp.experts.{e}.up_proj.weight": "experts_up",
@@ -101,10 +112,25 @@ HF_LAYER_WEIGHTS = {
     "mlp.shared_expert_gate.weight": "shared_expert_gate",
 }
 
+HF_LAYER_WEIGHTS = {
+    **{k: v for k, v in qwen3_5.HF_LAYER_WEIGHTS.items() if not k.startswith("linear_attn.in_proj_")},
+    "linear_attn.in_proj_qkvz.weight": "in_proj_qkvz",
+    "linear_attn.in_proj_ba.weight": "in_proj_ba",
+    **MOE_WEIGHTS,
+}
+
 FAMILY = Family(
     name="qwen3_next",
     model=Qwen3NextModel,
     architectures=("Qwen3NextForCausalLM",),
     config_from_hf=config_from_hf,
     hf_layer_weights=HF_LAYER_WEIGHTS,
+)
+
+QWEN3_5_MOE = Family(
+    name="qwen3_5_moe",
+    model=Qwen3NextModel,
+    architectures=("Qwen3_5MoeForCausalLM",),
+    config_from_hf=config_from_hf_qwen3_5_moe,
+    hf_layer_weights={**qwen3_5.HF_LAYER_WEIGHTS, **MOE_WEIGHTS},
 )

@@ -12,6 +12,9 @@ for a new row and a conv state that is not carried across chunks.
 
 from __future__ import annotations
 
+import itertools
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -174,15 +177,24 @@ def test_server_reports_the_pool_and_an_aborted_stream_gives_its_slot_back(qwen3
         # 2 rows + the null slot; per slot 2 DeltaNet layers x (3 x 128 conv + 4 x 16 x 16 recurrent) f32
         assert stats["state_slots_total"] == 2 and stats["state_pool_bytes"] == 3 * 2 * (3 * 128 + 4 * 16 * 16) * 4
         model = http.get("/v1/models").json()["data"][0]["id"]
-        body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 110, "stream": True,
+        body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 60, "stream": True,
                 "ignore_eos": True, "temperature": 0}
-        with http.stream("POST", "/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            first = next(line for line in response.iter_lines() if line.startswith("data: "))
-            assert first.startswith("data: {"), first
-            assert http.get("/admin/stats").json()["state_slots_held"] == 1, "the streaming row holds a slot"
-        # the client went away mid-stream: the row is aborted and its slot comes back
+        # The tiny model would finish 60 tokens before the test looks: its fourth forward waits
+        # (tests/support/faults.py) until the client has gone, so the row is running when it does.
+        gate, forwards = threading.Event(), itertools.count()
+        engine.runner.before_forward = lambda batch: next(forwards) >= 3 and gate.wait(30)
+        aborted = stats["aborted"]
+        try:
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                first = next(line for line in response.iter_lines() if line.startswith("data: "))
+                assert first.startswith("data: {"), first
+                assert http.get("/admin/stats").json()["state_slots_held"] == 1, "the streaming row holds a slot"
+        finally:  # the client went away mid-stream
+            engine.runner.before_forward = None
+            gate.set()
         wait_for(lambda: http.get("/admin/stats").json()["state_slots_held"] == 0)
+        assert http.get("/admin/stats").json()["aborted"] == aborted + 1, "the row was aborted, not finished"
         refused = http.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2, "n": 2})
         assert refused.status_code == 400 and "n separate requests" in refused.json()["error"]["message"]
         assert http.get("/health").status_code == 200
@@ -191,33 +203,54 @@ def test_server_reports_the_pool_and_an_aborted_stream_gives_its_slot_back(qwen3
 # -- Qwen3-Next: the same layers, DeltaNet projections fused, experts with a shared expert --------
 
 
-@pytest.fixture(scope="module")
-def qwen3_next(tmp_path_factory):
-    config = transformers.Qwen3NextConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, layer_types=LAYER_TYPES, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[2],
-        max_position_embeddings=512, tie_word_embeddings=False)
-    config.architectures = ["Qwen3NextForCausalLM"]
-    path = fc.make_checkpoint(tmp_path_factory.mktemp("qwen3_next") / "tiny-qwen3-next", config)
+SHAPES = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+              layer_types=LAYER_TYPES, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+              shared_expert_intermediate_size=48, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def moe_checkpoint(tmp_path_factory, config, architecture):
+    config.architectures = [architecture]
+    path = fc.make_checkpoint(tmp_path_factory.mktemp(architecture) / architecture, config)
     runner, ckpt = make_runner(path, num_blocks=fc.NUM_BLOCKS, block_size=fc.BLOCK_SIZE, max_context=fc.MAX_CONTEXT)
     return fc.hf_model(path), runner, ckpt
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    config = transformers.Qwen3NextConfig(**SHAPES, intermediate_size=128, mlp_only_layers=[2])
+    return moe_checkpoint(tmp_path_factory, config, "Qwen3NextForCausalLM")
+
+
+def test_qwen3_5_moe_matches_transformers(tmp_path_factory):
+    # Qwen3.5-MoE: Qwen3.5's unfused DeltaNet projections, experts on every layer; a prefill and 4 steps
+    hf, runner, ckpt = moe_checkpoint(tmp_path_factory, transformers.Qwen3_5MoeTextConfig(**SHAPES),
+                                      "Qwen3_5MoeForCausalLM")
+    assert ckpt.config.dense_layers == () and not ckpt.config.fused_deltanet
+    err, tokens, ref = parity(hf, runner, ckpt, steps=4)
+    print(f"qwen3_5_moe: max |Δlogit| vs HF {err:.2e}")
+    assert err < fc.ATOL, f"Qwen3.5-MoE logits differ from HF by {err:.3g}"
+    assert tokens[fc.PROMPT_TOKENS:] == ref[fc.PROMPT_TOKENS - 1:-1].argmax(-1).tolist()
+
+
+def parity(hf, runner, ckpt, steps=fc.DECODE_STEPS):
+    """(max |ours - HF| over a 48-token prefill and `steps` greedy steps, the tokens, HF's logits)."""
+    prompt = prompt_of(ckpt, 0)
+    blocks = shuffled_blocks(20, fc.NUM_BLOCKS, seed=1)
+    ours = [runner.run_logits([_row(prompt, 0, blocks, slot=1)])[0]]
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(ours[-1][-1].argmax()))
+        ours.append(runner.run_logits([_row(tokens[-1:], len(tokens) - 1, blocks, slot=1)])[0])
+    ref = fc.hf_logits(hf, tokens)
+    return float(np.abs(np.concatenate(ours) - ref).max()), tokens, ref
 
 
 def test_qwen3_next_matches_transformers_and_routes_through_every_expert_layer(qwen3_next):
     hf, runner, ckpt = qwen3_next
     assert ckpt.config.dense_layers == (2,) and ckpt.config.fused_deltanet
-    prompt = prompt_of(ckpt, 0)
-    blocks = shuffled_blocks(20, fc.NUM_BLOCKS, seed=1)
-    ours = [runner.run_logits([_row(prompt, 0, blocks, slot=1)])[0]]
-    tokens = list(prompt)
-    for _ in range(fc.DECODE_STEPS):
-        tokens.append(int(ours[-1][-1].argmax()))
-        ours.append(runner.run_logits([_row(tokens[-1:], len(tokens) - 1, blocks, slot=1)])[0])
-    ours = np.concatenate(ours)
-    ref = fc.hf_logits(hf, tokens)
-    err = float(np.abs(ours - ref).max())
+    err, tokens, ref = parity(hf, runner, ckpt)
+    prompt = tokens[:fc.PROMPT_TOKENS]
     # HF's own chunked prefill and its token-by-token (recurrent) form differ by 1.2e-4 on this
     # checkpoint: the float32 noise of the delta rule, which ours (the recurrent form) sits inside.
     print(f"qwen3_next: max |Δlogit| vs HF {err:.2e}")
