@@ -73,7 +73,7 @@ from ferrox_jax.step_faults import FatalSignal, FaultLedger, FaultPolicy, StepWa
 
 log = logging.getLogger(__name__)
 
-# AdmissionError.reason -> the BatcherStats field that counts it.
+# AdmissionError.reason -> the BatcherStats field that counts it ("unsupported": none).
 _REFUSAL_FIELDS = {"context_length": "kv_rejected_context_length", "too_large": "kv_rejected_too_large",
                    "queue_full": "queue_rejected"}
 
@@ -158,7 +158,7 @@ class ContinuousBatcher:
         """Queues a job; `on_event` is then called from the owner thread for each RowEvent.
 
         Raises:
-            AdmissionError: refused ("context_length", "too_large", "adapter_not_found" /
+            AdmissionError: refused ("context_length", "unsupported", "too_large", "adapter_not_found" /
                 "adapter_quarantined", "queue_full", "unavailable", checked in that order);
                 nothing is held for it.
             ValueError: the request id is already open, or it has an output constraint and
@@ -172,7 +172,7 @@ class ContinuousBatcher:
         with self._lock:
             if refusal is not None:
                 reason, message = refusal
-                self._refusals[_REFUSAL_FIELDS[reason]] += 1
+                self._refusals.update([_REFUSAL_FIELDS[reason]] if reason in _REFUSAL_FIELDS else [])
                 raise AdmissionError(reason, message)
             if adapter_refusal is not None:  # checked again at admission: it may change meanwhile
                 raise AdmissionError(*adapter_refusal)

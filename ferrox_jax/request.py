@@ -248,7 +248,8 @@ class AdmissionError(Exception):
     to fix), "too_large" (more KV blocks than the whole budget, or n above the row cap),
     "queue_full" (momentary pressure: retry), "unavailable" (the engine is not running),
     "adapter_not_found" / "adapter_quarantined" (the named LoRA adapter is not loaded, or
-    refused until reloaded). `message` is complete and user-facing (token, block and byte
+    refused until reloaded), "unsupported" (an option this model cannot serve: n > 1 on a model
+    with recurrent state; counted in no stats field). `message` is complete and user-facing (token, block and byte
     counts, the adapter's name).
     """
 

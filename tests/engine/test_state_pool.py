@@ -111,7 +111,7 @@ def test_a_preempted_row_gives_its_slot_back_and_recomputes_from_position_zero()
 def test_n_above_one_is_refused_for_a_model_with_recurrent_state():
     limits = SchedulerLimits(block_size=4, num_blocks=64, max_rows=4, max_chunk_tokens=8, state_slots=5)
     reason, message = check_admission(job("n2", n=2), limits)
-    assert reason == "too_large" and "n separate requests" in message
+    assert reason == "unsupported" and "n separate requests" in message
     assert check_admission(job("n2", n=2), dataclasses.replace(limits, state_slots=0)) is None
 
 

@@ -187,16 +187,21 @@ def test_server_reports_the_pool_and_an_aborted_stream_gives_its_slot_back(qwen3
         try:
             with http.stream("POST", "/v1/completions", json=body) as response:
                 assert response.status_code == 200
-                first = next(line for line in response.iter_lines() if line.startswith("data: "))
+                lines = response.iter_lines()  # kept open: closing it would close the stream
+                first = next(line for line in lines if line.startswith("data: "))
                 assert first.startswith("data: {"), first
-                assert http.get("/admin/stats").json()["state_slots_held"] == 1, "the streaming row holds a slot"
+                # the snapshot is published after the tick that streamed the token: wait for it
+                wait_for(lambda: http.get("/admin/stats").json()["state_slots_held"] == 1)
         finally:  # the client went away mid-stream
             engine.runner.before_forward = None
             gate.set()
         wait_for(lambda: http.get("/admin/stats").json()["state_slots_held"] == 0)
         assert http.get("/admin/stats").json()["aborted"] == aborted + 1, "the row was aborted, not finished"
         refused = http.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2, "n": 2})
-        assert refused.status_code == 400 and "n separate requests" in refused.json()["error"]["message"]
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and "n separate requests" in error["message"] and error["param"] == "n"
+        assert http.get("/admin/stats").json()["kv_rejected_too_large"] == stats["kv_rejected_too_large"], \
+            "an unsupported option is not counted as a request too large for the KV budget"
         assert http.get("/health").status_code == 200
 
 
