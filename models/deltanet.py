@@ -187,6 +187,9 @@ def gated_delta_rule(q, k, v, g, beta, state0, valid):
         return jnp.where(ok[:, None, None, None], new, state), out
 
     xs = tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v, g, beta, valid))
+    if q.shape[1] == 1:  # a decode segment: one update, without the loop XLA would build around it
+        state, out = step(state0, tuple(a[0] for a in xs))
+        return out[:, None], state
     state, out = jax.lax.scan(step, state0, xs)
     return jnp.swapaxes(out, 0, 1), state
 
