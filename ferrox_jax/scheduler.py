@@ -26,8 +26,7 @@ tables and copies a shared block before a row writes into it; `update` names the
 step completed; finished rows release theirs. With the host tier (`--kv-offload-gib`) the
 plan also carries its copies (blocks admission evicted, host hits it admitted). For `n > 1` the prompt (all but its last
 token) is prefilled once and each row then starts as a prefix hit on it, computing the last prompt token itself and
-sampling with its own seed. A model with recurrent layers gives each admitted row a state slot (`self.states`,
-`ferrox_jax/state_pool.py`) until it is flushed or preempted; each RowPlan names it.
+sampling with its own seed. A recurrent model's rows hold a state slot (`self.states`) until flushed or preempted.
 
 The scheduler does the scheduling: admission, blocks, chunking, budgets, and when each row
 computes. What a sampled token does to a row is the row's own (`ferrox_jax/request.py:Row`):
@@ -490,7 +489,7 @@ class Scheduler(Preemption):
         self._to_flush.append(row)
 
     def _flush_finished(self) -> None:
-        """Releases finished rows' blocks and state slots (and their jobs' once all rows ended), sends their last event."""
+        """Releases finished rows' blocks and state slots (and their jobs' once all ended), sends their last event."""
         rows, self._to_flush = self._to_flush, []
         for row in rows:
             self._decoding.pop(row.row_id, None)
