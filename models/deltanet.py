@@ -25,9 +25,10 @@ The kernel is a `lax.scan` over each segment's T token columns, batched over its
 every row's state is loaded from its slot (or zeros when the row's first token sits at
 position 0: a new sequence, or one recomputed after preemption), advanced only on valid
 tokens (padding leaves it as it was), and stored back after the row's last token. Its cost
-is T sequential [B, Hv, dk, dv] updates per layer per step: a decode step is one; a
-16-token prefill chunk 16 (transformers' chunked form, `torch_chunk_gated_delta_rule`,
-turns a chunk into matmuls and is the later optimisation).
+is T sequential [B, Hv, dk, dv] updates per layer per step: a decode step is one (taken
+without the scan's loop), a 16-token prefill chunk 16; on a CPU at the sizes measured that is
+about what attention costs (docs/benchmarks.md, "Qwen3.5"). Transformers' chunked form
+(`torch_chunk_gated_delta_rule`) turns a chunk into matmuls and is the later optimisation.
 
 Per-layer parameters (HF name after `model.layers.{i}.linear_attn.`):
 
