@@ -145,3 +145,19 @@ def test_pool_bytes_are_every_slot_of_every_layer():
     per_slot = (3 * 128 + 4 * 16 * 16) * 4
     assert pool_bytes((SPEC, SPEC), 5) == 2 * per_slot * 5
     assert pool_bytes((), 5) == 0
+
+
+def test_memory_bounds_count_the_pool_beside_the_kv_cache():
+    from ferrox_jax.memory_bounds import Footprint, MemoryBoundError, Room
+    from models.qwen3_5 import Qwen3_5Config
+
+    cfg = Qwen3_5Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                        num_kv_heads=2, head_dim=32, max_position_embeddings=512,
+                        linear_layers=(True, False, True, False), linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    config = EngineConfig(kv_blocks=64, max_seqs=3, prefill_chunk=32, max_context=256)
+    demand = Footprint(cfg, 1024, 4, "cpu").demand(config)
+    assert demand.state_bytes == pool_bytes(cfg.recurrent_specs(), 3 + 1), "max_seqs rows + the null slot"
+    assert demand.total == demand.kv_bytes + demand.lora_bytes + demand.step_bytes + demand.state_bytes
+    with pytest.raises(MemoryBoundError, match="recurrent state pool"):
+        Footprint(cfg, 1024, 4, "cpu").check(config, Room(demand.total - 1, "host memory"))
