@@ -96,6 +96,10 @@ _BATCHER_METRICS = (
      "host KV tier copies dropped for newer ones (LRU)"),
     ("kv_offload_blocks_restored", "ferrox_kv_offload_blocks_restored", "counter",
      "host KV tier copies restored into the device cache"),
+    # the recurrent state pool (a model with linear-attention layers; all 0 for others)
+    ("state_slots_total", "ferrox_state_slots_total", "gauge", "recurrent state slots rows can hold"),
+    ("state_slots_held", "ferrox_state_slots_held", "gauge", "recurrent state slots held by admitted rows"),
+    ("state_pool_bytes", "ferrox_state_pool_bytes", "gauge", "device bytes of the recurrent state pool"),
     ("tokens_generated", "ferrox_tokens_generated", "counter",
      "tokens the engine sampled, counted every step (stop tokens included); ferrox_generation_tokens "
      "counts a request's tokens when it ends"),

@@ -196,6 +196,8 @@ def test_server_reports_the_pool_and_an_aborted_stream_gives_its_slot_back(qwen3
             engine.runner.before_forward = None
             gate.set()
         wait_for(lambda: http.get("/admin/stats").json()["state_slots_held"] == 0)
+        metrics = http.get("/metrics").text
+        assert "ferrox_state_slots_held 0.0" in metrics and "ferrox_state_slots_total 2.0" in metrics
         assert http.get("/admin/stats").json()["aborted"] == aborted + 1, "the row was aborted, not finished"
         refused = http.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2, "n": 2})
         error = refused.json()["error"]
