@@ -105,16 +105,15 @@ def pool_bytes(specs, num_slots: int) -> int:
 def recurrent_settings(config, model_cfg):
     """The `EngineConfig` a model with recurrent layers is served under: prefix caching turned
     off (logged: a hit would skip the tokens whose recurrent state it does not hold), and
-    refused with the reason: speculative decoding and the host KV tier. Any other model's
-    config is returned as it is."""
+    refused with the reason: speculative decoding, the host KV tier and tensor parallelism.
+    Any other model's config is returned as it is."""
     if not model_cfg.recurrent_specs():
         return config
     if config.speculative is not None:
         raise StatePoolUnsupported("--speculative: this model has recurrent (linear-attention) layers, and "
                                    "rolling their state back past rejected drafts is not supported yet; serve it "
                                    "without speculative decoding")
-    if config.kv_offload_gib:
-        refuse_unsupported(False, 1)
+    refuse_unsupported(config.mesh_shape[1] > 1, config.kv_offload_gib)  # before the weights are placed
     if config.prefix_caching:
         log.info("prefix caching is off for %s: its recurrent (linear-attention) layers keep one state per "
                  "row, not one per cached block, so a prefix hit could not restore the state at the prefix",
@@ -123,11 +122,12 @@ def recurrent_settings(config, model_cfg):
     return config
 
 
-def refuse_unsupported(sharded: bool, kv_offload_blocks: int) -> None:
-    """Raises StatePoolUnsupported for a runner setting recurrent-state models cannot take yet."""
+def refuse_unsupported(sharded: bool, kv_offload: float) -> None:
+    """Raises StatePoolUnsupported for a setting recurrent-state models cannot take yet: a mesh
+    (`sharded`) or a host KV tier (`kv_offload`: its blocks or GiB, 0 when off)."""
     if sharded:
         raise StatePoolUnsupported("this model has recurrent (linear-attention) layers, whose state pool is not "
                                    "sharded yet: serve it on one device (no tensor parallelism)")
-    if kv_offload_blocks:
+    if kv_offload:
         raise StatePoolUnsupported("--kv-offload-gib: this model has recurrent (linear-attention) layers, whose "
                                    "states the host tier does not swap yet; serve it without the host tier")

@@ -138,6 +138,8 @@ def test_recurrent_models_run_without_prefix_caching_and_refuse_speculation(capl
         recurrent_settings(dataclasses.replace(config, speculative=SpeculativeConfig()), _Cfg((SPEC,)))
     with pytest.raises(StatePoolUnsupported, match="--kv-offload-gib"):
         recurrent_settings(dataclasses.replace(config, kv_offload_gib=1.0), _Cfg((SPEC,)))
+    with pytest.raises(StatePoolUnsupported, match="one device"):
+        recurrent_settings(dataclasses.replace(config, tensor_parallel=2), _Cfg((SPEC,)))
 
 
 def test_pool_bytes_are_every_slot_of_every_layer():
