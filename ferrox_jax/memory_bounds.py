@@ -1,7 +1,6 @@
 """Memory bounds: what an engine's settings make it allocate, checked before anything is.
 
-Every setting that becomes an array shape or a byte count is bounded twice.
-
+Every setting that becomes an array shape or a byte count is bounded twice:
 - By the index types that address it (hard ceilings; the static ones are checked in
   `EngineConfig.__post_init__`, the ones that need the checkpoint here): block ids,
   positions and a step's token indices are int32 (block tables, `kv_slots`, the host
@@ -11,30 +10,27 @@ Every setting that becomes an array shape or a byte count is bounded twice.
 - By the memory the device can give (`Room`): on a CPU the host's available memory
   (/proc/meminfo MemAvailable, within the process's cgroup limit), on a GPU or TPU the
   device's free memory as jax reports it (`memory_stats()`: bytes_limit - bytes_in_use).
-  What the settings ask for (`Demand`, per device) is the KV cache (blocks x bytes per
-  block, the engine's own sizing), the LoRA slots, and an upper estimate of the largest
-  step's live arrays (logits and the sampler's copies of them, activations, block tables),
-  plus the weights where they are not placed yet.
+  What the settings ask for (`Demand`, per device) is the KV cache (the engine's own sizing),
+  the LoRA slots, an upper estimate of the largest step's live arrays (logits and the sampler's
+  copies, activations, block tables), and the weights where they are not placed yet.
 
-A setting that does not fit is refused with `MemoryBoundError`, a ValueError whose
-message starts with the field and says what it needs, what there is and the largest value
-that fits: "kv_blocks 1073741824 needs 8,192.0 GiB: KV cache 8,192.0 GiB (8192 bytes
-per block), ...; host memory has 21.9 GiB free; ask for at most kv_blocks 2867000".
-`ferrox serve` names the flag and variable instead of the field (`api/settings.py`), and
-`POST /v1/cache/rebuild` answers it as a 400 naming the field.
+A setting that does not fit is refused with `MemoryBoundError` (a ValueError) naming the field,
+what it needs, what there is and the largest value that fits ("kv_blocks 1073741824 needs
+8,192.0 GiB: KV cache ...; host memory has 21.9 GiB free; ask for at most kv_blocks 2867000");
+`ferrox serve` names the flag and variable instead (`api/settings.py`), and
+`POST /v1/cache/rebuild` answers it as a 400.
 
 Where the checks run: `engine_builder.build_parts` checks once before it reads the
 weights (nothing is placed yet: a value that could never fit is refused at once) and once
-the weights are placed, right before the LoRA slots and the KV cache are allocated (the
-free memory then counts the weights); `check_rebuild` runs before a cache rebuild puts the
-old engine to sleep, counting the old cache the rebuild frees and the second copy of the
-weights the new engine reads; `check_host_room` before a level-2 sleep moves the weights
-to host memory. Where the backend reports no memory, only the ceilings apply.
+the weights are placed, right before the LoRA slots and the KV cache are allocated (the free
+memory then counts the weights); `check_rebuild` before a cache rebuild puts the old engine to
+sleep (counting the old cache it frees and the new engine's copy of the weights);
+`check_host_room` before a level-2 sleep moves the weights to host memory. Where the backend
+reports no memory, only the ceilings apply.
 
-`Footprint.step` is also where the largest step's shape comes from (the token budget per
-backend, the rows speculation adds), so the limits the engine runs under and the bytes
-checked here cannot drift apart. No jax at import (`ferrox_jax/config.py` uses the
-ceilings); the device query imports it.
+`Footprint.step` is also where the largest step's shape comes from (the token budget per backend,
+the rows speculation adds), so the engine's limits and the bytes checked here cannot drift apart.
+No jax at import (`ferrox_jax/config.py` uses the ceilings); the device query imports it.
 """
 
 from __future__ import annotations
@@ -61,8 +57,7 @@ DEFAULT_BATCHED_CHUNKS = {"cpu": 1}
 DEFAULT_ACCELERATOR_BATCHED_CHUNKS = 4  # not measured on a device yet (tools/device/device_check.py measures it)
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 UNLIMITED = 1 << 60  # a cgroup limit at or above this is "no limit" (the kernel writes ~2**63)
-# A budget in blocks is computed in floats; anything above this is far past every ceiling
-# and is clamped so the integer arithmetic that follows stays exact.
+# A budget in blocks is computed in floats; above this (far past every ceiling) it is clamped.
 _BLOCKS_CLAMP = 1 << 62
 # The KV budget when neither kv_blocks nor kv_memory_gib is given is what the rows need
 # (`needed_kv_blocks`), at most this: a model with a 128k trained context and 32 rows would

@@ -20,13 +20,12 @@ catch-up after the cached part. When no row is decoding, nobody's next token wai
 chunks, so a chunk may take up to `idle_chunk_tokens` (a larger bucket) and a lone long
 prompt reaches its first token sooner.
 
-Blocks are `ferrox_jax/block_tables.py`'s business: admission looks the prompt up in the
-prefix cache and promises the job its lifetime worst case of new blocks; planning grows
-tables and copies a shared block before a row writes into it; `update` names the blocks a
-step completed; finished rows release theirs. With the host tier (`--kv-offload-gib`) the
-plan also carries its copies (blocks admission evicted, host hits it admitted). For `n > 1` the prompt (all but its last
-token) is prefilled once and each row then starts as a prefix hit on it, computing the last prompt token itself and
-sampling with its own seed. A recurrent model's rows hold a state slot (`self.states`) until flushed or preempted.
+Blocks are `ferrox_jax/block_tables.py`'s business: admission looks the prompt up in the prefix
+cache and promises the job its lifetime worst case of new blocks; planning grows tables and copies
+a shared block before a row writes into it; `update` names the blocks a step completed; finished
+rows release theirs (with `--kv-offload-gib` the plan carries the host tier's copies too). For
+`n > 1` the prompt (all but its last token) is prefilled once and each row starts as a prefix hit
+on it, sampling with its own seed. A recurrent model's rows hold a state slot (`self.states`).
 
 The scheduler does the scheduling: admission, blocks, chunking, budgets, and when each row
 computes. What a sampled token does to a row is the row's own (`ferrox_jax/request.py:Row`):
@@ -35,11 +34,10 @@ token with its stop checks, grammar and text (`accept_token`), its end (`finish`
 events (`take_event`). The scheduler counts what they report and frees a finished row's
 blocks.
 
-Preemption (the priority policy only): when the most urgent waiting job does not fit, the
-least urgent running job gives way (`_make_room`, `_preempt`): its blocks are freed, its
-rows go back to WAITING keeping their output, and on re-admission a row that had decoded
-recomputes its prompt and output (`_plan_history_chunk`, sampling nothing) before it decodes
-again: its next draw is the one it would have made, keyed by (seed, position).
+Preemption (the priority policy only): when the most urgent waiting job does not fit, the least
+urgent running job gives way (`_make_room`, `_preempt`): its blocks are freed, its rows go back to
+WAITING keeping their output, and on re-admission a row that had decoded recomputes its prompt and
+output (`_plan_history_chunk`) before it decodes again, its next draw keyed by (seed, position).
 """
 
 from __future__ import annotations
@@ -58,12 +56,11 @@ from ferrox_jax.plan import RowPlan, StepOutput, StepPlan
 from ferrox_jax.preemption import Preemption
 from ferrox_jax.priority import WaitingQueue
 from ferrox_jax.speculative import Speculator
-from ferrox_jax.state_pool import StatePool
 from ferrox_jax.request import Job, JobState, MatcherFactory, Row, RowEvent, RowResult
 from ferrox_jax.row_state import RowState, transition
+from ferrox_jax.state_pool import StatePool
 
-# A cancel for a request id not seen yet is kept this long (the job's submit may still be on its way),
-# and at most this many are kept (ids that never arrive must not pile up).
+# A cancel for an id not seen yet (its submit may be on its way) is kept this long, at most this many.
 PENDING_CANCEL_TTL_S = 60.0
 MAX_PENDING_CANCELS = 1024
 

@@ -17,7 +17,8 @@ from models.family import Family
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, gemma4.FAMILY,
                                 phi3.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY, gpt_oss.FAMILY, deepseek_v3.FAMILY,
                                 glm4_moe.FAMILY, idefics3.FAMILY, llama4.FAMILY, gemma4.GGUF_MOE_FAMILY,
-                                qwen2_5_vl.FAMILY, qwen3_vl.FAMILY, qwen3_5.FAMILY, qwen3_next.FAMILY, qwen3_next.QWEN3_5_MOE)
+                                qwen2_5_vl.FAMILY, qwen3_vl.FAMILY, qwen3_5.FAMILY, qwen3_next.FAMILY,
+                                qwen3_next.QWEN3_5_MOE)
 _BY_ARCHITECTURE = {arch: f for f in FAMILIES for arch in f.architectures}
 # (general.architecture, has experts) -> family: a `llama` file with experts is Mixtral.
 _BY_GGUF_ARCHITECTURE = {(arch, f.gguf_experts): f for f in FAMILIES for arch in f.gguf_architectures}
