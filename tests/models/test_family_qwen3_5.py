@@ -235,8 +235,9 @@ def test_qwen3_5_moe_matches_transformers(tmp_path_factory):
                                       "Qwen3_5MoeForCausalLM")
     assert ckpt.config.dense_layers == () and not ckpt.config.fused_deltanet
     err, tokens, ref = parity(hf, runner, ckpt, steps=4)
-    print(f"qwen3_5_moe: max |Δlogit| vs HF {err:.2e}")
-    assert err < fc.ATOL, f"Qwen3.5-MoE logits differ from HF by {err:.3g}"
+    bound = moe_bound(hf, tokens, ref)
+    print(f"qwen3_5_moe: max |Δlogit| vs HF {err:.2e} (bound {bound:.2e})")
+    assert err < bound, f"Qwen3.5-MoE logits differ from HF by {err:.3g} (bound {bound:.3g})"
     assert tokens[fc.PROMPT_TOKENS:] == ref[fc.PROMPT_TOKENS - 1:-1].argmax(-1).tolist()
 
 
@@ -253,6 +254,31 @@ def parity(hf, runner, ckpt, steps=fc.DECODE_STEPS):
     return float(np.abs(np.concatenate(ours) - ref).max()), tokens, ref
 
 
+def hf_recurrent_spread(hf, tokens, ref) -> float:
+    """How far HF's own two float32 forms of the delta rule disagree on `tokens`: its chunked
+    prefill (`ref`, what `fc.hf_logits` runs) against its token-by-token recurrent form, run
+    over the same sequence by standing the recurrent function in for the chunked one. On the
+    MoE checkpoints below the two differ by about 1e-4, as much as ours differs from either,
+    so the reference is only that precise there and the parity bound takes it into account."""
+    import importlib
+
+    module = importlib.import_module(type(hf).__module__)
+    chunked = module.torch_chunk_gated_delta_rule
+    recurrent_form = module.torch_recurrent_gated_delta_rule
+    module.torch_chunk_gated_delta_rule = lambda *a, cu_seqlens=None, **k: recurrent_form(*a, **k)
+    try:
+        recurrent = fc.hf_logits(hf, tokens)
+    finally:
+        module.torch_chunk_gated_delta_rule = chunked
+    return float(np.abs(recurrent - ref).max())
+
+
+def moe_bound(hf, tokens, ref) -> float:
+    """fc.ATOL, or 1.5x HF's own chunked-vs-recurrent spread where that is larger (the float32
+    noise of the reference itself; the negative controls miss by more than 1e-2)."""
+    return max(fc.ATOL, 1.5 * hf_recurrent_spread(hf, tokens, ref))
+
+
 def test_qwen3_next_matches_transformers_and_routes_through_every_expert_layer(qwen3_next):
     hf, runner, ckpt = qwen3_next
     assert ckpt.config.dense_layers == (2,) and ckpt.config.fused_deltanet
@@ -260,8 +286,9 @@ def test_qwen3_next_matches_transformers_and_routes_through_every_expert_layer(q
     prompt = tokens[:fc.PROMPT_TOKENS]
     # HF's own chunked prefill and its token-by-token (recurrent) form differ by 1.2e-4 on this
     # checkpoint: the float32 noise of the delta rule, which ours (the recurrent form) sits inside.
-    print(f"qwen3_next: max |Δlogit| vs HF {err:.2e}")
-    assert err < fc.ATOL, f"Qwen3-Next logits differ from HF by {err:.3g}"
+    bound = moe_bound(hf, tokens, ref)
+    print(f"qwen3_next: max |Δlogit| vs HF {err:.2e} (bound {bound:.2e})")
+    assert err < bound, f"Qwen3-Next logits differ from HF by {err:.3g} (bound {bound:.3g})"
     assert tokens[len(prompt):] == ref[len(prompt) - 1:-1].argmax(-1).tolist(), "greedy tokens differ from HF's"
     assert all(len(seen) > 1 for seen in fc.experts_routed(hf, tokens)), "the prompt exercises several experts"
     err = chunked_vs_one_shot(runner, prompt_of(ckpt, 2), one_slot=2, chunk_slot=3)
