@@ -46,23 +46,34 @@ def param_name(path: tuple) -> str:
 
 
 def abstract_model(cfg: ModelConfig, dtype, decode_attention: Any = None) -> CausalLM:
+    """The model's abstract parameters (`nnx.eval_shape`: shapes and dtypes, nothing
+    allocated), a new object each call: callers fill it in place.
+
+    The trace is cached per (config, dtype) and each call merges a fresh model from it,
+    so the loader's tensor tables (`expected_params`) and `build_model` trace the model
+    once between them. `decode_attention` is only stored on the model, not used while it
+    is built (`models/decoder.py`), so it is set on the merged copy rather than traced."""
+    try:
+        graphdef, state = _traced(cfg, jnp.dtype(dtype))
+    except TypeError:  # a config with an unhashable field: trace it each time
+        graphdef, state = _traced.__wrapped__(cfg, jnp.dtype(dtype))
+    # copy=True: the Variables are new, so filling this model leaves the cached trace abstract.
+    model = nnx.merge(graphdef, state, copy=True)
+    model.decode_attention = decode_attention
+    return model
+
+
+@functools.lru_cache(maxsize=4)
+def _traced(cfg: ModelConfig, dtype) -> tuple:
     from models.registry import family_for
 
     model_class = family_for(cfg.architecture).model
-    return nnx.eval_shape(lambda: model_class(cfg, dtype, rngs=nnx.Rngs(0), decode_attention=decode_attention))
+    return nnx.split(nnx.eval_shape(lambda: model_class(cfg, dtype, rngs=nnx.Rngs(0))))
 
 
 def expected_params(cfg: ModelConfig, dtype=jnp.float32) -> dict[str, tuple[int, ...]]:
-    """Our parameter names and shapes for this config (traced once per config: each of a
-    GGUF's tensor tables asks, and tracing a 30-layer model takes about 2 s)."""
-    try:
-        return dict(_expected_params(cfg, jnp.dtype(dtype)))
-    except TypeError:  # a config with an unhashable field: trace it each time
-        return dict(_expected_params.__wrapped__(cfg, jnp.dtype(dtype)))
-
-
-@functools.lru_cache(maxsize=8)
-def _expected_params(cfg: ModelConfig, dtype) -> dict[str, tuple[int, ...]]:
+    """Our parameter names and shapes for this config (from `abstract_model`'s cached trace:
+    each of a GGUF's tensor tables asks, and `build_model` then reuses the same trace)."""
     state = nnx.state(abstract_model(cfg, dtype), nnx.Param)
     return {param_name(path): tuple(v.shape) for path, v in nnx.to_flat_state(state)}
 
