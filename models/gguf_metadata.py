@@ -4,8 +4,8 @@ A GGUF file describes itself in key/value metadata: `general.*` (its architectur
 type: a model or a LoRA adapter), `{arch}.*` (the model's config, read by
 `models/loaders/gguf.py` and each family's `config_from_gguf`), `tokenizer.*` (the
 vocabulary, rebuilt by `models/gguf_vocab.py` for `models/tokenizer.py`) and `adapter.*`
-(`models/lora_gguf.py`). `GGUFMetadata` reads those keys from an open `gguf.GGUFReader`
-or from a plain `{key: value}` dict (a vocabulary given without a file), and knows the
+(`models/lora_gguf.py`). `GGUFMetadata` reads those keys from an open GGUF file (`models/gguf_reader.py`'s
+`GGUFFile` or a `gguf.GGUFReader`: the same `fields` and `tensors`) or from a plain `{key: value}` dict (a vocabulary given without a file), and knows the
 file's tensor names; the few non-parameter tensors a config is made of (RoPE factors)
 are read through the loader's dequantizer, handed in, so this module imports neither
 `gguf` nor numpy and the tokenizer can use it without them.
@@ -17,10 +17,10 @@ from typing import Any, Callable
 
 
 class GGUFMetadata:
-    """Uniform access to GGUF metadata keys, from a GGUFReader or from a plain dict.
+    """Uniform access to GGUF metadata keys, from an open GGUF file or from a plain dict.
 
     Args:
-      source: a `gguf.GGUFReader` (keys from its `fields`, tensors from its `tensors`) or
+      source: a `GGUFFile` or `gguf.GGUFReader` (keys from its `fields`, tensors from its `tensors`) or
         a `{key: value}` mapping (keys only).
       dequantize: the loader's reader-tensor -> f32 array function; `tensor` needs it.
     """

@@ -22,10 +22,11 @@ import re
 from typing import Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
 from models.config import ModelConfig
 from models.family import ExpertStack, Family
+from models.gguf_reader import GGUFFile
 from models.loaders.common import expected_params
 from models.loaders.gguf import open_gguf, our_row_ranges, unpermute_rope_rows
 from models.registry import family_for
@@ -60,10 +61,10 @@ def _producer(tensor, cfg: ModelConfig, unpermute_qk: bool, start: int = 0, widt
     return read
 
 
-def gguf_block_tensors(path: str | os.PathLike | GGUFReader, cfg: ModelConfig) -> dict[str, BlockProducer]:
+def gguf_block_tensors(path: str | os.PathLike | GGUFFile, cfg: ModelConfig) -> dict[str, BlockProducer]:
     """The block producers of `path` (a GGUF file, or its open reader) by our parameter name
     (module docstring)."""
-    reader = path if isinstance(path, GGUFReader) else open_gguf(path)
+    reader = path if isinstance(path, GGUFFile) else open_gguf(path)
     family: Family = family_for(cfg.architecture)
     arch = reader.fields["general.architecture"].contents()
     unpermute_qk = arch in family.gguf_qk_permuted

