@@ -5,7 +5,8 @@ one from a tiny HF checkpoint as llama.cpp's converter writes it, one with every
 value type and a custom alignment) and the shipped SmolLM2 file read the same keys, types,
 values, tensor infos and tensor bytes both ways. A malformed or truncated file is refused
 with a ValueError naming the file and what is wrong, never a crash or a hang; a comparison
-that misses a wrong value is caught by the negative control.
+that misses a wrong value is caught by the negative control. Last, the loader's open and
+build share one trace of the abstract model (`models/loaders/common.py`) and leave it abstract.
 """
 
 from __future__ import annotations
@@ -166,3 +167,49 @@ def test_a_truncated_file_is_refused_wherever_it_stops(written, tmp_path, keep):
     with pytest.raises(ValueError, match=r"cut\.gguf is not a valid GGUF file .*(truncated|magic)") as e:
         open_gguf(bad)
     assert "Error" not in str(e.value), str(e.value)
+
+
+# -- the one trace an open and a build share (models/loaders/common.py) -------------------------
+
+
+def _cached_leaves(cfg):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.loaders.common import _traced
+
+    _, state = _traced(cfg, jnp.dtype(jnp.float32))
+    return [leaf.get_value() for _, leaf in nnx.to_flat_state(state)], jax.ShapeDtypeStruct
+
+
+def test_opening_and_building_a_gguf_traces_the_model_once_and_keeps_the_trace_abstract(written):
+    from models.loader import open_checkpoint
+    from models.loaders.common import _traced
+
+    _traced.cache_clear()
+    source = open_checkpoint(written["tiny"])
+    model = source.build()
+    assert _traced.cache_info().misses == 1, _traced.cache_info()  # the tables and the build: one trace
+    leaves, abstract = _cached_leaves(source.config)
+    assert leaves and all(isinstance(v, abstract) for v in leaves), "building filled the cached trace"
+    assert not isinstance(model.embed.get_value(), abstract)
+
+
+def test_the_abstract_check_catches_a_model_merged_without_a_copy(written):
+    """Negative control: filling a model merged from the cached trace without copying
+    (nnx.merge's default) writes into the cache, and the check above sees it."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.loader import open_checkpoint
+    from models.loaders.common import _traced
+
+    _traced.cache_clear()
+    cfg = open_checkpoint(written["tiny"]).config
+    graphdef, state = _traced(cfg, jnp.dtype(jnp.float32))
+    shared = nnx.merge(graphdef, state)
+    shared.embed.set_value(jnp.zeros(shared.embed.get_value().shape))
+    leaves, abstract = _cached_leaves(cfg)
+    assert not all(isinstance(v, abstract) for v in leaves)
+    _traced.cache_clear()  # the cache is now wrong: the next caller traces again
