@@ -12,6 +12,25 @@ q_norm / k_norm [hd] when use_qk_norm, and on expert layers the grouped MoE's
 (models/moe_grouped.py), on dense layers Llama's gate_proj / up_proj / down_proj. The
 multi-token-prediction layers a checkpoint appends after `num_hidden_layers` are skipped
 at load (they serve only speculative decoding in GLM's own stack).
+
+GGUF files (llama.cpp's `glm4moe`, written by `conversion/glm.py:Glm4MoeModel`) carry the config
+as these keys (`glm4moe.` prefix) and tensors:
+
+    layers              block_count - nextn_predict_layers: the converter counts the
+                        multi-token-prediction layers in block_count; their tensors
+                        (`blk.{n}.nextn.*` beside a full layer's) are dropped at load
+    rotary dims         rope.dimension_count = head_dim * partial_rotary_factor
+    experts             expert_count, expert_used_count, expert_feed_forward_length,
+                        expert_shared_count, leading_dense_block_count, expert_group_count,
+                        expert_group_used_count, expert_weights_scale, expert_weights_norm
+                        (absent: off, as llama.cpp reads it), expert_gating_func (sigmoid)
+    biases, qk norm     no keys: read from the tensors (attn_q.bias, attn_q_norm.weight)
+    second norm         post_attention_norm.weight (llama.cpp's name for GLM's)
+    routing bias        exp_probs_b.bias
+
+Rows are written unpermuted (llama.cpp runs GLM-4.5 with rotate-half RoPE). Refused at load,
+by key: softmax routing (`expert_gating_func`), M-RoPE sections (`rope.dimension_sections`:
+GLM-4.5V's vision RoPE), per-layer expert widths that differ.
 """
 
 from __future__ import annotations
@@ -22,9 +41,9 @@ from typing import Any
 from flax import nnx
 
 from models import llama, qwen3
-from models.config import hf_common_fields, rope_parameters
+from models.config import UnsupportedModelError, hf_common_fields, rope_parameters
 from models.decoder import CausalLM
-from models.family import Family
+from models.family import ExpertStack, Family
 from models.layers import AttentionSpec, SelfAttention, norm_param, rms_norm
 from models.moe_grouped import HF_MOE_WEIGHTS, GroupedMoe, GroupedMoeConfig, grouped_moe_fields
 
@@ -73,6 +92,73 @@ def config_from_hf(cfg: dict[str, Any]) -> Glm4MoeConfig:
 
 HF_LAYER_WEIGHTS = {**llama.HF_LAYER_WEIGHTS, **qwen3.QK_NORM_HF, **HF_MOE_WEIGHTS}
 
+GGUF_ARCH = "glm4moe"
+GGUF_SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+GGUF_LAYER_WEIGHTS = {
+    **{k: v for k, v in llama.GGUF_LAYER_WEIGHTS.items() if k != "ffn_norm.weight"},
+    **qwen3.QK_NORM_GGUF,
+    "post_attention_norm.weight": "post_attn_norm",
+    "ffn_gate_inp.weight": "router",
+    "exp_probs_b.bias": "router_bias",
+    "ffn_gate_exps.weight": ExpertStack(("experts_gate",), transpose=True),
+    "ffn_up_exps.weight": ExpertStack(("experts_up",), transpose=True),
+    "ffn_down_exps.weight": ExpertStack(("experts_down",), transpose=True),
+    "ffn_gate_shexp.weight": "gate_proj",
+    "ffn_up_shexp.weight": "up_proj",
+    "ffn_down_shexp.weight": "down_proj",
+}
+
+
+def _one_width(value, key: str) -> int:
+    values = set(int(v) for v in value) if isinstance(value, list) else {int(value)}
+    if len(values) != 1:
+        raise UnsupportedModelError(f"GGUF {GGUF_ARCH}.{key} {sorted(values)} (per-layer widths) is not supported")
+    return values.pop()
+
+
+def config_from_gguf(meta, fields: dict) -> Glm4MoeConfig:
+    """A `glm4moe` file's config (module docstring: the keys)."""
+    a = meta.arch
+    gating = int(meta.get(f"{a}.expert_gating_func", GGUF_SIGMOID_GATING) or GGUF_SIGMOID_GATING)
+    if gating != GGUF_SIGMOID_GATING:
+        raise UnsupportedModelError(f"GGUF {a}.expert_gating_func {gating} is not supported: GLM-4.5 routes by "
+                                    "sigmoid (2)")
+    if meta.get(f"{a}.rope.dimension_sections") is not None:
+        raise UnsupportedModelError(f"GGUF {a}.rope.dimension_sections (M-RoPE, GLM-4.5V's vision positions) is "
+                                    "not supported: serve the text model's file")
+    n = int(fields["num_layers"]) - int(meta.get(f"{a}.nextn_predict_layers", 0) or 0)
+    if n <= 0:
+        raise UnsupportedModelError(f"GGUF {a} holds only multi-token-prediction layers (block_count "
+                                    f"{fields['num_layers']}); serve the file with the main layers")
+    stray = [i for i in range(n) if meta.has_tensor(f"blk.{i}.nextn.eh_proj.weight")]
+    if stray:
+        raise UnsupportedModelError(f"GGUF {a} block {stray[0]} is a multi-token-prediction layer (nextn.* tensors) "
+                                    f"but {a}.nextn_predict_layers leaves it among the {n} main layers")
+    first_dense = int(meta.get(f"{a}.leading_dense_block_count", 0) or 0)
+    return Glm4MoeConfig(
+        **{**fields, "num_layers": n},
+        num_experts=int(meta.require(f"{a}.expert_count")),
+        num_experts_per_tok=int(meta.require(f"{a}.expert_used_count")),
+        moe_intermediate_size=_one_width(meta.require(f"{a}.expert_feed_forward_length"),
+                                         "expert_feed_forward_length"),
+        norm_topk_prob=bool(meta.get(f"{a}.expert_weights_norm", False)),
+        dense_layers=tuple(range(min(first_dense, n))),
+        n_group=int(meta.get(f"{a}.expert_group_count", 1) or 1),
+        topk_group=int(meta.get(f"{a}.expert_group_used_count", 1) or 1),
+        routed_scaling_factor=float(meta.get(f"{a}.expert_weights_scale", 1.0)),
+        n_shared_experts=int(meta.require(f"{a}.expert_shared_count")),
+        attention_bias=meta.has_tensor("blk.0.attn_q.bias"),
+        qk_norm=meta.has_tensor("blk.0.attn_q_norm.weight"))
+
+
+def drop_gguf_mtp_layers(tensors: dict) -> None:
+    """Drop, in place, every tensor of the multi-token-prediction layers the converter appends
+    (a layer with `nextn.eh_proj`, llama.cpp's own test for one): they serve only speculative
+    decoding, which this family does not run."""
+    mtp = {n.split(".")[1] for n in tensors if n.startswith("gguf:blk.") and n.endswith(".nextn.eh_proj.weight")}
+    for name in [n for n in tensors if n.startswith(("gguf:blk.", "layers.")) and n.split(".")[1] in mtp]:
+        del tensors[name]
+
 FAMILY = Family(
     name="glm4_moe",
     model=Glm4MoeModel,
@@ -80,4 +166,9 @@ FAMILY = Family(
     config_from_hf=config_from_hf,
     hf_layer_weights=HF_LAYER_WEIGHTS,
     hf_skips_extra_layers=True,
+    gguf_architectures={GGUF_ARCH: "Glm4MoeForCausalLM"},
+    config_from_gguf=config_from_gguf,
+    gguf_layer_weights=GGUF_LAYER_WEIGHTS,
+    gguf_experts=True,
+    gguf_merge=drop_gguf_mtp_layers,
 )

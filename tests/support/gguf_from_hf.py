@@ -580,3 +580,94 @@ def write_deepseek2_gguf(hf_dir: Path, out: Path, split_kv_b: bool = True, gatin
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def write_glm4moe_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter], None] | None = None,
+                       quant: Callable[[str, np.ndarray], tuple] | None = None) -> Path:
+    """A `Glm4MoeForCausalLM` folder as llama.cpp's converter writes `glm4moe`
+    (`conversion/glm.py:Glm4MoeModel` over TextModel): `block_count` counts the
+    `num_nextn_predict_layers` multi-token-prediction layers too (present in the folder or not)
+    and `nextn_predict_layers` says how many; `rope.dimension_count` is head_dim *
+    partial_rotary_factor; the routing as `expert_*` keys (the gating function sigmoid,
+    `expert_weights_norm` only when the config has norm_topk_prob, `expert_group_*` from n_group /
+    topk_group); no key for attention_bias or use_qk_norm (the tensors say); names through
+    gguf-py's own GLM4_MOE name map (post_attention_layernorm -> `post_attention_norm`,
+    `e_score_correction_bias` -> `exp_probs_b.bias`, an MTP layer's eh_proj / enorm / hnorm /
+    shared_head.* -> `nextn.*`), the experts stacked, rows unpermuted. `tweak(writer)` runs after
+    the metadata (files the converter would not write); `quant` as `write_gguf`'s."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    n_main, mtp = cfg["num_hidden_layers"], cfg.get("num_nextn_predict_layers") or 0
+    blocks = n_main + mtp
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, blocks)
+    w = gguf.GGUFWriter(str(out), "glm4moe")
+    rope = cfg.get("rope_parameters") or {}
+    w.add_block_count(blocks)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("n_group") is not None:
+        w.add_expert_group_count(cfg["n_group"])
+    if cfg.get("topk_group") is not None:
+        w.add_expert_group_used_count(cfg["topk_group"])
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    rope_dim = head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_rope_dimension_count(int(rope_dim * rope.get("partial_rotary_factor", 0.5)))
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("n_shared_experts") is not None:
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+    if cfg.get("first_k_dense_replace") is not None:
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if cfg.get("routed_scaling_factor") is not None:
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob") is not None:
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    if mtp:
+        w.add_uint32("glm4moe.nextn_predict_layers", mtp)
+    _add_tokenizer(w, hf_dir)
+    if tweak is not None:
+        tweak(w)
+
+    def add(gguf_name: str, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr, np.float32)
+        packed = quant(gguf_name, arr) if quant is not None and arr.ndim >= 2 else None
+        w.add_tensor(gguf_name, arr) if packed is None else w.add_tensor(gguf_name, packed[0], raw_dtype=packed[1])
+
+    def gguf_name(hf_name: str) -> str:
+        hf_name = hf_name.replace("e_score_correction_bias", "e_score_correction.bias")
+        mapped = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert mapped is not None, hf_name
+        return mapped
+
+    add("token_embd.weight", tensors["model.embed_tokens.weight"])
+    add("output_norm.weight", tensors["model.norm.weight"])
+    if not cfg.get("tie_word_embeddings"):
+        add("output.weight", tensors["lm_head.weight"])
+    for i in range(blocks):
+        prefix = f"model.layers.{i}."
+        stacks: dict[str, dict[int, np.ndarray]] = {}
+        for name, arr in tensors.items():
+            if not name.startswith(prefix):
+                continue
+            expert = _expert_suffix(name[len(prefix):])
+            if expert is not None:
+                stacks.setdefault(EXPERTS_TO_GGUF[expert[0]], {})[expert[1]] = arr
+            else:
+                add(gguf_name(name), arr)
+        for stacked, by_expert in stacks.items():
+            add(f"blk.{i}.{stacked}", np.stack([by_expert[e] for e in range(cfg["n_routed_experts"])]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
