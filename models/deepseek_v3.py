@@ -223,7 +223,7 @@ def config_from_gguf(meta, fields: dict) -> DeepseekV3Config:
         yarn=yarn)
 
 
-def merge_gguf_kv_b(tensors: dict) -> None:
+def merge_gguf_kv_b(tensors: dict, cfg=None) -> None:
     """Newer converters' `attn_k_b` [H, r, dn] and `attn_v_b` [H, dv, r] back into our
     kv_b_proj [r, H*(dn+dv)] (each head's k_nope columns, then its v), in place; the two
     came through the loader as unknown names ("gguf:blk.{i}.attn_k_b.weight")."""

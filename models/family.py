@@ -67,8 +67,9 @@ class Family:
     # Its GGUF architectures are the files with experts (`{arch}.expert_count` > 0): llama.cpp
     # writes Mixtral as `llama`, told apart from a dense Llama only by that key.
     gguf_experts: bool = False
-    # Rewrites the GGUF tensors in place after the name tables, for tensors split differently
-    # from ours (deepseek2's attn_k_b / attn_v_b -> kv_b_proj); None: nothing to rewrite
-    gguf_merge: Callable[[dict], None] | None = None
+    # (tensors, config): rewrites the GGUF tensors in place after the name tables, for tensors
+    # split or laid out differently from ours (deepseek2's attn_k_b / attn_v_b -> kv_b_proj,
+    # Qwen3.5's DeltaNet heads) or layers we do not run; None: nothing to rewrite
+    gguf_merge: Callable[[dict, ModelConfig], None] | None = None
     # HF layers past num_hidden_layers are skipped, not refused (DeepSeek-V3's multi-token-prediction layer)
     hf_skips_extra_layers: bool = False

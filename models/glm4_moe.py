@@ -151,13 +151,14 @@ def config_from_gguf(meta, fields: dict) -> Glm4MoeConfig:
         qk_norm=meta.has_tensor("blk.0.attn_q_norm.weight"))
 
 
-def drop_gguf_mtp_layers(tensors: dict) -> None:
+def drop_gguf_mtp_layers(tensors: dict, cfg: Glm4MoeConfig) -> None:
     """Drop, in place, every tensor of the multi-token-prediction layers the converter appends
-    (a layer with `nextn.eh_proj`, llama.cpp's own test for one): they serve only speculative
-    decoding, which this family does not run."""
-    mtp = {n.split(".")[1] for n in tensors if n.startswith("gguf:blk.") and n.endswith(".nextn.eh_proj.weight")}
-    for name in [n for n in tensors if n.startswith(("gguf:blk.", "layers.")) and n.split(".")[1] in mtp]:
-        del tensors[name]
+    after the main ones (`blk.{n}` on): they serve only speculative decoding, which this family
+    does not run."""
+    for name in list(tensors):
+        if name.startswith(("gguf:blk.", "layers.")) and int(name.split(".")[1]) >= cfg.num_layers:
+            del tensors[name]
+
 
 FAMILY = Family(
     name="glm4_moe",

@@ -23,6 +23,9 @@ Per-layer parameters (HF name after `model.layers.{i}.`), besides DeltaNet's:
     q_norm, k_norm  [hd]           self_attn.{q,k}_norm.weight       (1 + w)
     post_attn_norm  [D]            post_attention_layernorm.weight   (1 + w)
     gate/up/down_proj              mlp.{gate,up,down}_proj.weight
+
+GGUF files (llama.cpp's `qwen35`) are read by models/qwen3_5_gguf.py: its keys, and the layouts
+its converter changed (norms as 1 + w, A_log as -exp(A_log), value heads reordered) undone.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import qwen3_5_gguf
 from models.attention import write_kv
 from models.config import ModelConfig, UnsupportedModelError, hf_common_fields, rope_parameters
 from models.decoder import CausalLM
@@ -195,6 +199,10 @@ def config_from_hf(cfg: dict[str, Any]) -> Qwen3_5Config:
     return Qwen3_5Config(**hf_fields(cfg))
 
 
+def config_from_gguf(meta, fields: dict) -> Qwen3_5Config:
+    return Qwen3_5Config(**qwen3_5_gguf.config_fields(meta, fields))
+
+
 def hf_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """The `Qwen3_5Config` fields of a config.json (Qwen3-Next's too)."""
     fields = hf_common_fields(cfg)
@@ -251,4 +259,8 @@ FAMILY = Family(
     architectures=("Qwen3_5ForCausalLM",),
     config_from_hf=config_from_hf,
     hf_layer_weights=HF_LAYER_WEIGHTS,
+    gguf_architectures={qwen3_5_gguf.ARCH: "Qwen3_5ForCausalLM"},
+    config_from_gguf=config_from_gguf,
+    gguf_layer_weights=qwen3_5_gguf.GGUF_LAYER_WEIGHTS,
+    gguf_merge=qwen3_5_gguf.merge_tensors,
 )

@@ -382,7 +382,7 @@ def gguf_tensors(reader: GGUFFile, cfg: ModelConfig) -> dict[str, Callable[[], n
             if m else None
         tensors.update({f"gguf:{t.name}": load} if not mapped else mapped)
     if family.gguf_merge is not None:
-        family.gguf_merge(tensors)
+        family.gguf_merge(tensors, cfg)
     if family.gguf_norm_offset:
         _shift_norms(tensors, family.gguf_norm_offset)
     return tensors

@@ -671,3 +671,102 @@ def write_glm4moe_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _tiled_heads(arr: np.ndarray, axis: int, k_heads: int, v_per_k: int, head_dim: int) -> np.ndarray:
+    """`_LinearAttentionVReorderBase._reorder_v_heads`: value heads grouped by k head -> tiled."""
+    arr = np.moveaxis(arr, axis, 0)
+    out = arr.reshape(k_heads, v_per_k, head_dim, *arr.shape[1:]).swapaxes(0, 1).reshape(arr.shape)
+    return np.ascontiguousarray(np.moveaxis(out, 0, axis))
+
+
+def write_qwen35_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter], None] | None = None,
+                      quant: Callable[[str, np.ndarray], tuple] | None = None) -> Path:
+    """A `Qwen3_5ForCausalLM` folder as llama.cpp's converter writes `qwen35`
+    (`conversion/qwen.py:Qwen3_5TextModel` over `_LinearAttentionVReorderBase`, Qwen3NextModel,
+    the MTP mixin and TextModel), as run with `--no-mtp` (transformers saves no `mtp.*` tensors,
+    and without them the converter's MTP count asserts): the `ssm.*` keys (conv kernel, k head
+    size as state_size, k heads as group_count, v heads as time_step_rank, v heads * v head size
+    as inner_size), `attention.recurrent_layers` from layer_types, `full_attention_interval`,
+    `rope.dimension_count` = head_dim * partial_rotary_factor (0.25 by default),
+    `rope.dimension_sections` [11, 11, 10, 0] when the config has no mrope_section; tensors
+    renamed through gguf-py's QWEN35 map (dt_bias as `ssm_dt.bias`), every norm but the DeltaNet
+    gated norm stored as 1 + w, A_log as -exp(A_log), conv1d squeezed to [C, Kc], and with fewer
+    k heads than v heads the value heads reordered from grouped to tiled (the v rows of
+    in_proj_qkv and conv1d, in_proj_z / in_proj_b / in_proj_a rows, A_log, dt_bias, out_proj
+    columns). `tweak(writer)` runs after the metadata; `quant` as `write_gguf`'s."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    n = cfg["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, n)
+    w = gguf.GGUFWriter(str(out), "qwen35")
+    rope = cfg.get("rope_parameters") or {}
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    w.add_block_count(n)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("head_dim") is not None:
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(hk)
+    w.add_ssm_time_step_rank(hv)
+    w.add_ssm_inner_size(dv * hv)
+    if cfg.get("layer_types") is not None:
+        w.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+    w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
+    w.add_rope_dimension_sections(rope.get("mrope_section") or [11, 11, 10, 0])
+    _add_tokenizer(w, hf_dir)
+    if tweak is not None:
+        tweak(w)
+
+    def add(gguf_name: str, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr, np.float32)
+        packed = quant(gguf_name, arr) if quant is not None and arr.ndim >= 2 else None
+        w.add_tensor(gguf_name, arr) if packed is None else w.add_tensor(gguf_name, packed[0], raw_dtype=packed[1])
+
+    def converted(name: str, arr: np.ndarray) -> tuple[str, np.ndarray]:
+        arr = np.asarray(arr, np.float32)
+        r, qk = hv // hk, 2 * hk * dk
+        if r > 1 and "linear_attn." in name:  # _LinearAttentionVReorderBase.modify_tensors
+            if ".in_proj_qkv." in name:
+                arr = np.concatenate([arr[:qk], _tiled_heads(arr[qk:], 0, hk, r, dv)])
+            elif ".in_proj_z." in name:
+                arr = _tiled_heads(arr, 0, hk, r, dv)
+            elif ".in_proj_b." in name or ".in_proj_a." in name or ".A_log" in name or ".dt_bias" in name:
+                arr = _tiled_heads(arr, 0, hk, r, 1)
+            elif ".conv1d" in name:
+                arr = arr.squeeze()
+                arr = np.concatenate([arr[:qk], _tiled_heads(arr[qk:], 0, hk, r, dv)])
+            elif ".out_proj." in name:
+                arr = _tiled_heads(arr, 1, hk, r, dv)
+        if name.endswith(".A_log"):  # Qwen3NextModel.modify_tensors
+            arr = -np.exp(arr)
+        elif name.endswith(".dt_bias"):
+            name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+        elif "conv1d" in name:
+            arr = arr.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            arr = arr + 1
+        mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert mapped is not None, name
+        return mapped, arr
+
+    for name, arr in tensors.items():
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        add(*converted(name, arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -1,0 +1,151 @@
+"""Qwen3.5 from a GGUF file: llama.cpp's `qwen35` architecture read into `Qwen3_5Config`'s
+fields, its tensor names, and the layouts its converter changed, undone.
+
+llama.cpp's converter (`conversion/qwen.py:Qwen3_5TextModel` over Qwen3NextModel and
+`_LinearAttentionVReorderBase`, read back by `src/models/qwen35.cpp`) writes these keys
+(`qwen35.` prefix) and tensors:
+
+    layers              block_count - nextn_predict_layers (the multi-token-prediction
+                        layers it appends, `blk.{n}` on, are dropped at load)
+    layer kinds         attention.recurrent_layers (per block: true for DeltaNet), else
+                        full_attention_interval (every n-th layer full attention; 4)
+    DeltaNet shapes     ssm.group_count = k heads, ssm.time_step_rank = v heads,
+                        ssm.state_size = k head size, ssm.inner_size = v heads * v head size,
+                        ssm.conv_kernel
+    partial RoPE        rope.dimension_count = head_dim * partial_rotary_factor
+    M-RoPE sections     rope.dimension_sections: a text sequence has one position on every
+                        section, where M-RoPE is plain RoPE: read and not needed
+
+    DeltaNet tensors    attn_qkv (in_proj_qkv), attn_gate (in_proj_z), ssm_beta (in_proj_b),
+                        ssm_alpha (in_proj_a), ssm_conv1d [C, Kc] (conv1d squeezed),
+                        ssm_a = -exp(A_log), ssm_dt.bias (dt_bias), ssm_norm, ssm_out
+
+What the converter changed, and we undo (`merge_tensors`):
+- every norm weight but DeltaNet's gated norm is stored as 1 + w (ggml multiplies by the
+  weight; Qwen3.5 applies 1 + w): 1 is subtracted;
+- A_log is stored as -exp(A_log): we take log(-a);
+- with fewer k heads than v heads the value heads are reordered from grouped by k head
+  ([k0: v0 v1, k1: v0 v1]) to tiled ([v0: k0 k1, v1: k0 k1]), for ggml's broadcast: in the v
+  rows of attn_qkv and of the conv, attn_gate's rows, ssm_beta / ssm_alpha's rows, ssm_a,
+  ssm_dt and ssm_out's columns; we put them back.
+The DeltaNet tensors are read as float even from a quantized file (the quantized serving
+modes take only the tensors whose names map straight to ours; these need the reorder first).
+The full-attention layers' q_proj (query and gate rows per head) is written as HF's.
+
+Refused at load, by key: a DeltaNet layer kind mask that is not booleans per block, v heads
+not a multiple of k heads (`ssm.time_step_rank`), an inner size not a multiple of the v heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from models.config import UnsupportedModelError
+
+ARCH = "qwen35"
+
+# GGUF suffix after blk.{i}. -> ours: the tensors read as they are (norms shifted in merge_tensors)
+GGUF_LAYER_WEIGHTS = {
+    "attn_norm.weight": "input_norm",
+    "post_attention_norm.weight": "post_attn_norm",
+    "attn_q.weight": "q_proj",
+    "attn_k.weight": "k_proj",
+    "attn_v.weight": "v_proj",
+    "attn_output.weight": "o_proj",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
+    "ffn_gate.weight": "gate_proj",
+    "ffn_up.weight": "up_proj",
+    "ffn_down.weight": "down_proj",
+    "ssm_norm.weight": "gate_norm",
+}
+_STORED_PLUS_ONE = ("input_norm", "post_attn_norm", "q_norm", "k_norm")  # and final_norm
+
+
+def _per_block(meta, key: str, blocks: int) -> list[bool]:
+    value = meta.get(key)
+    if not isinstance(value, list) or len(value) != blocks:
+        raise UnsupportedModelError(f"GGUF {key} must hold one boolean per block ({blocks}); got {value!r}")
+    return [bool(v) for v in value]
+
+
+def config_fields(meta, fields: dict) -> dict[str, Any]:
+    """`Qwen3_5Config` keyword arguments (Qwen3-Next's too) from the metadata and the loader's
+    shared fields (module docstring: the keys)."""
+    a = meta.arch
+    blocks = int(fields["num_layers"])
+    n = blocks - int(meta.get(f"{a}.nextn_predict_layers", 0) or 0)
+    if n <= 0:
+        raise UnsupportedModelError(f"GGUF {a} holds only multi-token-prediction layers; serve the main model's file")
+    if meta.get(f"{a}.attention.recurrent_layers") is not None:
+        linear = _per_block(meta, f"{a}.attention.recurrent_layers", blocks)[:n]
+    else:
+        interval = int(meta.get(f"{a}.full_attention_interval", 4) or 4)
+        linear = [(i + 1) % interval != 0 for i in range(n)]
+    k_heads = int(meta.require(f"{a}.ssm.group_count"))
+    v_heads = int(meta.require(f"{a}.ssm.time_step_rank"))
+    inner = int(meta.require(f"{a}.ssm.inner_size"))
+    if v_heads % k_heads:
+        raise UnsupportedModelError(f"GGUF {a}.ssm.time_step_rank {v_heads} (v heads) is not a multiple of "
+                                    f"{a}.ssm.group_count {k_heads} (k heads); not supported")
+    if inner % v_heads:
+        raise UnsupportedModelError(f"GGUF {a}.ssm.inner_size {inner} is not a multiple of the {v_heads} v heads")
+    return dict(fields, num_layers=n, linear_layers=tuple(linear), linear_num_key_heads=k_heads,
+                linear_num_value_heads=v_heads, linear_key_head_dim=int(meta.require(f"{a}.ssm.state_size")),
+                linear_value_head_dim=inner // v_heads,
+                linear_conv_kernel_dim=int(meta.require(f"{a}.ssm.conv_kernel")))
+
+
+def grouped_heads(arr: np.ndarray, axis: int, k_heads: int, v_per_k: int, head_dim: int) -> np.ndarray:
+    """The converter's tiled value-head order ([v_per_k, k_heads, head_dim] along `axis`) back
+    to HF's grouped one ([k_heads, v_per_k, head_dim])."""
+    arr = np.moveaxis(arr, axis, 0)
+    rest = arr.shape[1:]
+    out = arr.reshape(v_per_k, k_heads, head_dim, *rest).swapaxes(0, 1).reshape(arr.shape)
+    return np.ascontiguousarray(np.moveaxis(out, 0, axis))
+
+
+def merge_tensors(tensors: dict, cfg) -> None:
+    """In place: the DeltaNet tensors (passed through as "gguf:blk.{i}.<name>", in the reader's
+    [out, in] order) to ours with the value heads regrouped, norms less 1, A_log from -exp(A_log),
+    and the multi-token-prediction layers dropped (module docstring)."""
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    r = hv // hk
+
+    def regroup(axis: int, head_dim: int, skip: int = 0) -> Callable[[np.ndarray], np.ndarray]:
+        def fix(w: np.ndarray) -> np.ndarray:
+            if r == 1:
+                return w
+            head, tail = np.split(w, [skip], axis=axis) if skip else (None, w)
+            tail = grouped_heads(tail, axis, hk, r, head_dim)
+            return tail if head is None else np.concatenate([head, tail], axis=axis)
+        return fix
+
+    qk = 2 * hk * dk
+    rules: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {  # GGUF suffix -> (ours, fix)
+        "attn_qkv.weight": ("in_proj_qkv", lambda w: regroup(0, dv, qk)(w).T),
+        "attn_gate.weight": ("in_proj_z", lambda w: regroup(0, dv)(w).T),
+        "ssm_beta.weight": ("in_proj_b", lambda w: regroup(0, 1)(w).T),
+        "ssm_alpha.weight": ("in_proj_a", lambda w: regroup(0, 1)(w).T),
+        "ssm_conv1d.weight": ("conv_weight", lambda w: regroup(0, dv, qk)(w.reshape(w.shape[0], -1))[:, None, :]),
+        "ssm_a": ("A_log", lambda w: np.log(-regroup(0, 1)(w.reshape(-1)))),
+        "ssm_dt.bias": ("dt_bias", lambda w: regroup(0, 1)(w.reshape(-1))),
+        "ssm_out.weight": ("out_proj", lambda w: regroup(1, dv)(w).T),
+    }
+    for name in list(tensors):
+        parts = name.split(".")
+        if name.startswith(("gguf:blk.", "layers.")) and int(parts[1]) >= cfg.num_layers:
+            del tensors[name]  # a multi-token-prediction layer
+            continue
+        suffix = ".".join(parts[2:])
+        if name.startswith("gguf:blk.") and suffix in rules:
+            ours, fix = rules[suffix]
+            load = tensors.pop(name)
+            tensors[f"layers.{parts[1]}.{ours}"] = lambda load=load, fix=fix: np.ascontiguousarray(
+                fix(np.asarray(load(), np.float32)))
+        elif name == "final_norm" or (name.startswith("layers.") and parts[-1] in _STORED_PLUS_ONE):
+            load = tensors[name]
+            tensors[name] = lambda load=load: np.asarray(load(), np.float32) - np.float32(1.0)
