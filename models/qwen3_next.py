@@ -11,6 +11,15 @@
 Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`, `QWEN3_5_MOE`) is the same model with Qwen3.5's unfused
 DeltaNet projections and experts on every layer.
 
+Qwen3.5-MoE GGUF files (llama.cpp's `qwen35moe`) read as Qwen3.5's (models/qwen3_5_gguf.py: the
+DeltaNet keys and the layouts the converter changed) plus the experts: expert_count,
+expert_used_count, expert_feed_forward_length, expert_shared_feed_forward_length; the router
+`ffn_gate_inp`, the stacks `ffn_{gate,up,down}_exps`, the shared expert `ffn_*_shexp` and its gate
+`ffn_gate_inp_shexp`. The converter writes no feed_forward_length (no layer is dense): the shared
+loader takes the experts' width for it, as config_from_hf does. The top-k weights are always
+renormalised (the converter writes no key for it; HF's router does). Qwen3-Next's `qwen3next`
+files (its fused projections split by the converter) are not read yet.
+
 Per-layer parameters: Qwen3.5's mixers and norms (DeltaNet's `in_proj_qkvz` / `in_proj_ba`
 in place of its four input projections), and on expert layers
 
@@ -30,8 +39,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from models import qwen3_5
-from models.family import Family
+from models import qwen3_5, qwen3_5_gguf
+from models.family import ExpertStack, Family
 from models.layers import gated_mlp, param, project, silu
 from models.moe import MoeConfig, moe_mlp
 
@@ -101,6 +110,29 @@ def config_from_hf_qwen3_5_moe(cfg: dict[str, Any]) -> Qwen3NextConfig:
                            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0)
 
 
+def config_from_gguf_qwen3_5_moe(meta, fields: dict) -> Qwen3NextConfig:
+    """A `qwen35moe` file's config (module docstring: the keys)."""
+    a = meta.arch
+    return Qwen3NextConfig(**qwen3_5_gguf.config_fields(meta, fields),
+                           num_experts=int(meta.require(f"{a}.expert_count")),
+                           num_experts_per_tok=int(meta.require(f"{a}.expert_used_count")),
+                           moe_intermediate_size=int(meta.require(f"{a}.expert_feed_forward_length")),
+                           norm_topk_prob=True,
+                           shared_expert_intermediate_size=int(meta.get(f"{a}.expert_shared_feed_forward_length", 0)
+                                                               or 0))
+
+
+GGUF_MOE_WEIGHTS = {
+    "ffn_gate_inp.weight": "router",
+    "ffn_gate_exps.weight": ExpertStack(("experts_gate",), transpose=True),
+    "ffn_up_exps.weight": ExpertStack(("experts_up",), transpose=True),
+    "ffn_down_exps.weight": ExpertStack(("experts_down",), transpose=True),
+    "ffn_gate_shexp.weight": "shared_gate",
+    "ffn_up_shexp.weight": "shared_up",
+    "ffn_down_shexp.weight": "shared_down",
+    "ffn_gate_inp_shexp.weight": "shared_expert_gate",
+}
+
 MOE_WEIGHTS = {
     "mlp.gate.weight": "router",
     "mlp.experts.{e}.gate_proj.weight": "experts_gate",
@@ -133,4 +165,9 @@ QWEN3_5_MOE = Family(
     architectures=("Qwen3_5MoeForCausalLM",),
     config_from_hf=config_from_hf_qwen3_5_moe,
     hf_layer_weights={**qwen3_5.HF_LAYER_WEIGHTS, **MOE_WEIGHTS},
+    gguf_architectures={"qwen35moe": "Qwen3_5MoeForCausalLM"},
+    config_from_gguf=config_from_gguf_qwen3_5_moe,
+    gguf_layer_weights={**qwen3_5_gguf.GGUF_LAYER_WEIGHTS, **GGUF_MOE_WEIGHTS},
+    gguf_experts=True,
+    gguf_merge=qwen3_5_gguf.merge_tensors,
 )

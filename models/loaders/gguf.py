@@ -218,16 +218,16 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
         raise UnsupportedModelError(f"key_length {head_dim} != value_length {value_dim} is not supported")
     if rope_dim > head_dim:
         raise UnsupportedModelError(f"rope.dimension_count {rope_dim} > head_dim {head_dim} is not supported")
-    tokens_field = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens_field is None:
+    if (tokens_field := reader.fields.get("tokenizer.ggml.tokens")) is None:
         raise ValueError("GGUF metadata has no 'tokenizer.ggml.tokens'; cannot size the vocabulary")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     fields = dict(
         vocab_size=len(tokens_field.data),
         hidden_size=hidden,
-        intermediate_size=_scalar_per_model(meta.require(f"{arch}.feed_forward_length"), "feed_forward_length",
-                                            family.gguf_layer_arrays),
+        intermediate_size=_scalar_per_model(meta.get(f"{arch}.feed_forward_length") or meta.require(
+            f"{arch}.expert_feed_forward_length", "nor feed_forward_length"),  # no dense layer (qwen35moe)
+            "feed_forward_length", family.gguf_layer_arrays),
         num_layers=int(meta.require(f"{arch}.block_count")),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,

@@ -5,7 +5,9 @@ reordered from grouped to tiled) loads equal to the safetensors form: the same c
 field, prompt and decode logits within 1e-4 and the same greedy tokens. Negative control: the value
 heads left in the file's tiled order move the logits far past that. Layer kinds from
 `full_attention_interval` alone (older files) give the same config; a mask that is not one boolean
-per block is refused by key."""
+per block is refused by key. A Qwen3.5-MoE checkpoint written as `qwen35moe` (experts stacked, the
+shared expert and its gate, no dense feed_forward_length) loads equal to its safetensors form too;
+its experts read in reverse order do not."""
 
 from __future__ import annotations
 
@@ -169,3 +171,55 @@ def test_a_q8_0_file_on_the_block_kernel_is_the_file_dequantized(files):
     print(f"qwen35 Q8_0 GGUF, block kernel vs dequantized: max |Δlogit| {err:.2e}")
     assert err < ATOL, f"the Q8_0 blocks differ from the same file dequantized by {err:.3g}"
     assert tokens == want_tokens
+
+
+# -- Qwen3.5-MoE (`qwen35moe`): the same layers with experts and a shared expert on every layer ----------
+
+MOE_SHAPES = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  layer_types=LAYER_TYPES, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def moe_files(tmp_path_factory):
+    from tests.support.gguf_from_hf import write_qwen35_gguf
+
+    root = tmp_path_factory.mktemp("qwen35moe-gguf")
+    config = transformers.Qwen3_5MoeTextConfig(**MOE_SHAPES)
+    config.architectures = ["Qwen3_5MoeForCausalLM"]
+    path = fc.make_checkpoint(root / "tiny-qwen3_5-moe", config)
+    return path, write_qwen35_gguf(path, root / "tiny-qwen3_5-moe.gguf", arch="qwen35moe")
+
+
+def test_qwen35moe_gguf_equals_safetensors(moe_files):
+    """No feed_forward_length in the file (the converter has no dense width to write): the
+    experts' width stands in for it as config_from_hf reads it; config field for field, logits
+    within 1e-4, greedy identical. Negative control: each layer's experts read in reverse order."""
+    from models.loaders.common import build_model
+    from models.loaders.gguf import gguf_tensors, open_gguf
+
+    path, gguf_path = moe_files
+    ref = _load(path)
+    assert "qwen35moe.feed_forward_length" not in open_gguf(gguf_path).fields
+    ours, want = _config(gguf_path), ref.config
+    assert dataclasses.replace(ours, rms_norm_eps=want.rms_norm_eps) == want
+    assert (ours.num_experts, ours.shared_expert_intermediate_size, ours.dense_layers) == (4, 48, ())
+    prompt = np.random.RandomState(1).randint(0, want.vocab_size, PROMPT_TOKENS).tolist()
+    want_logits, want_tokens = _run(_runner(ref.model), prompt, DECODE_STEPS)
+    ckpt = _load(gguf_path)
+    got, tokens = _run(_runner(ckpt.model), prompt, DECODE_STEPS)
+    err = float(np.abs(got - want_logits).max())
+    print(f"qwen35moe GGUF vs safetensors: max |Δlogit| {err:.2e} over {len(prompt)} + {DECODE_STEPS} positions")
+    assert err < ATOL, f"GGUF logits differ from the safetensors form by {err:.3g}"
+    assert tokens == want_tokens, "greedy tokens differ from the safetensors form"
+
+    tensors = gguf_tensors(open_gguf(gguf_path), ckpt.config)
+    for i in range(4):
+        for name in ("experts_gate", "experts_up", "experts_down"):
+            good = tensors[f"layers.{i}.{name}"]
+            tensors[f"layers.{i}.{name}"] = lambda good=good: np.ascontiguousarray(good()[::-1])
+    bad, _ = _run(_runner(build_model(ckpt.config, tensors, ref.model.dtype)), prompt, 0)
+    control = float(np.abs(bad - want_logits[:len(prompt)]).max())
+    print(f"  control (experts in reverse order): {control:.2e}")
+    assert control > 1e-3, control

@@ -681,7 +681,7 @@ def _tiled_heads(arr: np.ndarray, axis: int, k_heads: int, v_per_k: int, head_di
 
 
 def write_qwen35_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter], None] | None = None,
-                      quant: Callable[[str, np.ndarray], tuple] | None = None) -> Path:
+                      quant: Callable[[str, np.ndarray], tuple] | None = None, arch: str = "qwen35") -> Path:
     """A `Qwen3_5ForCausalLM` folder as llama.cpp's converter writes `qwen35`
     (`conversion/qwen.py:Qwen3_5TextModel` over `_LinearAttentionVReorderBase`, Qwen3NextModel,
     the MTP mixin and TextModel), as run with `--no-mtp` (transformers saves no `mtp.*` tensors,
@@ -694,33 +694,46 @@ def write_qwen35_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter]
     gated norm stored as 1 + w, A_log as -exp(A_log), conv1d squeezed to [C, Kc], and with fewer
     k heads than v heads the value heads reordered from grouped to tiled (the v rows of
     in_proj_qkv and conv1d, in_proj_z / in_proj_b / in_proj_a rows, A_log, dt_bias, out_proj
-    columns). `tweak(writer)` runs after the metadata; `quant` as `write_gguf`'s."""
+    columns). `arch="qwen35moe"` (`Qwen3_5MoeTextModel`, a `Qwen3_5MoeForCausalLM` folder) adds
+    Qwen2MoeModel's expert keys (expert_count, expert_used_count, expert_feed_forward_length,
+    expert_shared_feed_forward_length; no feed_forward_length: the config has no dense width), the
+    per-expert tensors stacked into `ffn_*_exps`, the shared expert as `ffn_*_shexp` and its gate
+    as `ffn_gate_inp_shexp`. `tweak(writer)` runs after the metadata; `quant` as `write_gguf`'s."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(str(hf_dir / "model.safetensors"))
     n = cfg["num_hidden_layers"]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, n)
-    w = gguf.GGUFWriter(str(out), "qwen35")
+    model_arch = {"qwen35": gguf.MODEL_ARCH.QWEN35, "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE}[arch]
+    names = gguf.get_tensor_name_map(model_arch, n)
+    w = gguf.GGUFWriter(str(out), arch)
     rope = cfg.get("rope_parameters") or {}
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     w.add_block_count(n)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    if cfg.get("intermediate_size") is not None:
+        w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("num_experts") is not None:
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
     if cfg.get("head_dim") is not None:
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
+    if cfg.get("moe_intermediate_size") is not None:
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size") is not None:
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
     w.add_ssm_state_size(dk)
     w.add_ssm_group_count(hk)
     w.add_ssm_time_step_rank(hv)
     w.add_ssm_inner_size(dv * hv)
     if cfg.get("layer_types") is not None:
-        w.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+        w.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
     w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
@@ -761,10 +774,18 @@ def write_qwen35_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter]
         assert mapped is not None, name
         return mapped, arr
 
+    stacks: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for name, arr in tensors.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
+        parts = name.split(".")
+        if len(parts) > 6 and parts[3:5] == ["mlp", "experts"]:  # Qwen2MoeModel: stacked per layer
+            stacks.setdefault((int(parts[2]), parts[6]), {})[int(parts[5])] = arr
+            continue
         add(*converted(name, arr))
+    for (i, proj), by_expert in sorted(stacks.items()):
+        stacked = np.stack([by_expert[e] for e in range(cfg["num_experts"])])
+        add(*converted(f"model.layers.{i}.mlp.experts.{proj}.weight", stacked))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
