@@ -32,6 +32,11 @@ The DeltaNet tensors are read as float even from a quantized file (the quantized
 modes take only the tensors whose names map straight to ours; these need the reorder first).
 The full-attention layers' q_proj (query and gate rows per head) is written as HF's.
 
+Qwen3-Next (`qwen3next`, `conversion/qwen.py:Qwen3NextModel`; read by models/qwen3_next.py with
+these keys) is written the same way except that its value heads are not reordered and its fused
+`in_proj_qkvz` is split into `attn_qkv` (q, k, v of every k head) and `attn_gate` (z), joined
+back here; `in_proj_ba` is kept whole as `ssm_ba`.
+
 Refused at load, by key: a DeltaNet layer kind mask that is not booleans per block, v heads
 not a multiple of k heads (`ssm.time_step_rank`), an inner size not a multiple of the v heads.
 """
@@ -107,6 +112,24 @@ def grouped_heads(arr: np.ndarray, axis: int, k_heads: int, v_per_k: int, head_d
     return np.ascontiguousarray(np.moveaxis(out, 0, axis))
 
 
+def _fuse_qkvz(tensors: dict, hk: int, dk: int, group_v: int) -> None:
+    """Qwen3-Next: the converter's `attn_qkv` [q | k | v of every k head] and `attn_gate` [z] back
+    into HF's `in_proj_qkvz`, whose rows group each k head's q, k, v and z (ours: transposed)."""
+    for name in [n for n in tensors if n.startswith("gguf:blk.") and n.endswith(".attn_qkv.weight")]:
+        gate = name.replace(".attn_qkv.", ".attn_gate.")
+        if gate not in tensors:
+            continue  # reported as unexpected by the build, with its name
+
+        def read(qkv_load=tensors.pop(name), z_load=tensors.pop(gate)):
+            qkv, z = np.asarray(qkv_load(), np.float32), np.asarray(z_load(), np.float32)
+            d = qkv.shape[-1]
+            q, k, v = np.split(qkv, [hk * dk, 2 * hk * dk])
+            groups = [q.reshape(hk, dk, d), k.reshape(hk, dk, d), v.reshape(hk, group_v, d), z.reshape(hk, group_v, d)]
+            return np.ascontiguousarray(np.concatenate(groups, axis=1).reshape(-1, d).T)
+
+        tensors[f"layers.{name.split('.')[1]}.in_proj_qkvz"] = read
+
+
 def merge_tensors(tensors: dict, cfg) -> None:
     """In place: the DeltaNet tensors (passed through as "gguf:blk.{i}.<name>", in the reader's
     [out, in] order) to ours with the value heads regrouped, norms less 1, A_log from -exp(A_log),
@@ -125,6 +148,9 @@ def merge_tensors(tensors: dict, cfg) -> None:
         return fix
 
     qk = 2 * hk * dk
+    if cfg.fused_deltanet:  # qwen3next: no value-head reorder; q/k/v and z split from in_proj_qkvz
+        r = 1
+        _fuse_qkvz(tensors, hk, dk, hv // hk * dv)
     rules: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {  # GGUF suffix -> (ours, fix)
         "attn_qkv.weight": ("in_proj_qkv", lambda w: regroup(0, dv, qk)(w).T),
         "attn_gate.weight": ("in_proj_z", lambda w: regroup(0, dv)(w).T),

@@ -17,8 +17,13 @@ expert_used_count, expert_feed_forward_length, expert_shared_feed_forward_length
 `ffn_gate_inp`, the stacks `ffn_{gate,up,down}_exps`, the shared expert `ffn_*_shexp` and its gate
 `ffn_gate_inp_shexp`. The converter writes no feed_forward_length (no layer is dense): the shared
 loader takes the experts' width for it, as config_from_hf does. The top-k weights are always
-renormalised (the converter writes no key for it; HF's router does). Qwen3-Next's `qwen3next`
-files (its fused projections split by the converter) are not read yet.
+renormalised (the converter writes no key for it; HF's router does).
+
+Qwen3-Next GGUF files (`qwen3next`) read the same keys (feed_forward_length present); every layer
+has experts (llama.cpp's `qwen3next` has no dense-MLP tensors, so a checkpoint with
+`mlp_only_layers` has no GGUF form: its converter stops on them); the top-k weights are always
+renormalised, as llama.cpp's graph does; the fused DeltaNet projections are joined back
+(models/qwen3_5_gguf.py).
 
 Per-layer parameters: Qwen3.5's mixers and norms (DeltaNet's `in_proj_qkvz` / `in_proj_ba`
 in place of its four input projections), and on expert layers
@@ -122,6 +127,11 @@ def config_from_gguf_qwen3_5_moe(meta, fields: dict) -> Qwen3NextConfig:
                                                                or 0))
 
 
+def config_from_gguf_qwen3_next(meta, fields: dict) -> Qwen3NextConfig:
+    """A `qwen3next` file's config (module docstring)."""
+    return dataclasses.replace(config_from_gguf_qwen3_5_moe(meta, fields), fused_deltanet=True)
+
+
 GGUF_MOE_WEIGHTS = {
     "ffn_gate_inp.weight": "router",
     "ffn_gate_exps.weight": ExpertStack(("experts_gate",), transpose=True),
@@ -157,6 +167,11 @@ FAMILY = Family(
     architectures=("Qwen3NextForCausalLM",),
     config_from_hf=config_from_hf,
     hf_layer_weights=HF_LAYER_WEIGHTS,
+    gguf_architectures={"qwen3next": "Qwen3NextForCausalLM"},
+    config_from_gguf=config_from_gguf_qwen3_next,
+    gguf_layer_weights={**qwen3_5_gguf.GGUF_LAYER_WEIGHTS, **GGUF_MOE_WEIGHTS, "ssm_ba.weight": "in_proj_ba"},
+    gguf_experts=True,
+    gguf_merge=qwen3_5_gguf.merge_tensors,
 )
 
 QWEN3_5_MOE = Family(

@@ -698,11 +698,16 @@ def write_qwen35_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter]
     Qwen2MoeModel's expert keys (expert_count, expert_used_count, expert_feed_forward_length,
     expert_shared_feed_forward_length; no feed_forward_length: the config has no dense width), the
     per-expert tensors stacked into `ffn_*_exps`, the shared expert as `ffn_*_shexp` and its gate
-    as `ffn_gate_inp_shexp`. `tweak(writer)` runs after the metadata; `quant` as `write_gguf`'s."""
+    as `ffn_gate_inp_shexp`. `arch="qwen3next"` (`Qwen3NextModel`, a `Qwen3NextForCausalLM`
+    folder): the same keys with feed_forward_length, no `rope.dimension_sections` (it has no M-RoPE
+    mixin), the value heads not reordered, and the fused `in_proj_qkvz` split into `attn_qkv` (q, k,
+    v of every k head) and `attn_gate` (z); `in_proj_ba` kept whole as `ssm_ba`. `tweak(writer)`
+    runs after the metadata; `quant` as `write_gguf`'s."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(str(hf_dir / "model.safetensors"))
     n = cfg["num_hidden_layers"]
-    model_arch = {"qwen35": gguf.MODEL_ARCH.QWEN35, "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE}[arch]
+    model_arch = {"qwen35": gguf.MODEL_ARCH.QWEN35, "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE,
+                  "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT}[arch]
     names = gguf.get_tensor_name_map(model_arch, n)
     w = gguf.GGUFWriter(str(out), arch)
     rope = cfg.get("rope_parameters") or {}
@@ -737,7 +742,8 @@ def write_qwen35_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter]
     w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
-    w.add_rope_dimension_sections(rope.get("mrope_section") or [11, 11, 10, 0])
+    if arch != "qwen3next" or rope.get("mrope_section"):
+        w.add_rope_dimension_sections(rope.get("mrope_section") or [11, 11, 10, 0])
     _add_tokenizer(w, hf_dir)
     if tweak is not None:
         tweak(w)
@@ -750,7 +756,7 @@ def write_qwen35_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter]
     def converted(name: str, arr: np.ndarray) -> tuple[str, np.ndarray]:
         arr = np.asarray(arr, np.float32)
         r, qk = hv // hk, 2 * hk * dk
-        if r > 1 and "linear_attn." in name:  # _LinearAttentionVReorderBase.modify_tensors
+        if r > 1 and "linear_attn." in name and arch != "qwen3next":  # _LinearAttentionVReorderBase
             if ".in_proj_qkv." in name:
                 arr = np.concatenate([arr[:qk], _tiled_heads(arr[qk:], 0, hk, r, dv)])
             elif ".in_proj_z." in name:
@@ -774,6 +780,14 @@ def write_qwen35_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter]
         assert mapped is not None, name
         return mapped, arr
 
+    def split_qkvz(name: str, arr: np.ndarray) -> None:
+        """Qwen3NextModel.modify_tensors: per k head [q, k, v, z] -> attn_qkv [q | k | v], attn_gate [z]."""
+        group_v = hv // hk * dv
+        q, k, v, z = np.split(arr.reshape(hk, -1, arr.shape[-1]), [dk, 2 * dk, 2 * dk + group_v], axis=1)
+        layer = name.split(".")[2]
+        add(f"blk.{layer}.attn_qkv.weight", np.concatenate([x.reshape(-1, arr.shape[-1]) for x in (q, k, v)]))
+        add(f"blk.{layer}.attn_gate.weight", z.reshape(-1, arr.shape[-1]))
+
     stacks: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for name, arr in tensors.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
@@ -781,6 +795,9 @@ def write_qwen35_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter]
         parts = name.split(".")
         if len(parts) > 6 and parts[3:5] == ["mlp", "experts"]:  # Qwen2MoeModel: stacked per layer
             stacks.setdefault((int(parts[2]), parts[6]), {})[int(parts[5])] = arr
+            continue
+        if name.endswith("linear_attn.in_proj_qkvz.weight"):
+            split_qkvz(name, arr)
             continue
         add(*converted(name, arr))
     for (i, proj), by_expert in sorted(stacks.items()):
