@@ -261,3 +261,40 @@ def test_qwen3next_gguf_equals_safetensors(tmp_path_factory):
     control = float(np.abs(bad - want_logits[:len(prompt)]).max())
     print(f"  control (in_proj_qkvz's k-head groups reversed): {control:.2e}")
     assert control > 1e-3, control
+
+
+def test_the_prediction_layer_is_dropped(files, reference, tmp_path):
+    """A folder with the Hub's `mtp.*` block (a full-attention layer, fc and its norms): the file
+    counts it in block_count and says so in `nextn_predict_layers`; it loads as the same model (the
+    safetensors form without the block), logits within 1e-4. Negative control: the same file saying
+    0 prediction layers fails to load, naming the nextn tensors it cannot place."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from models.loaders.common import CheckpointError
+    from tests.support.gguf_from_hf import write_qwen35_gguf
+
+    folder = tmp_path / "with-mtp"
+    shutil.copytree(files[0], folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    d = 64
+    for name in [n for n in tensors if n.startswith("model.layers.1.")]:  # layer 1 is a full-attention one
+        tensors[name.replace("model.layers.1.", "mtp.layers.0.")] = tensors[name].copy()
+    tensors.update({"mtp.fc.weight": np.full((d, 2 * d), 0.01, np.float32),
+                    **{f"mtp.{k}.weight": np.ones(d, np.float32)
+                       for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}})
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    path = write_qwen35_gguf(folder, tmp_path / "mtp.gguf")
+    assert _config(path) == _config(files[1])
+    prompt, _, (want, _) = reference
+    got, _ = _run(_runner(_load(path).model), prompt, 0)
+    assert float(np.abs(got - want[:len(prompt)]).max()) < ATOL
+
+    bad = write_qwen35_gguf(folder, tmp_path / "no-nextn.gguf",
+                            tweak=lambda w: w.add_uint32("qwen35.nextn_predict_layers", 0))
+    with pytest.raises(CheckpointError, match="nextn"):
+        _load(bad)

@@ -702,10 +702,24 @@ def write_qwen35_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter]
     folder): the same keys with feed_forward_length, no `rope.dimension_sections` (it has no M-RoPE
     mixin), the value heads not reordered, and the fused `in_proj_qkvz` split into `attn_qkv` (q, k,
     v of every k head) and `attn_gate` (z); `in_proj_ba` kept whole as `ssm_ba`. `tweak(writer)`
-    runs after the metadata; `quant` as `write_gguf`'s."""
+    runs after the metadata; `quant` as `write_gguf`'s. A folder with `mtp.*` tensors (the Hub's
+    multi-token-prediction block) is written as `_QwenMtpMixin` does: `mtp.layers.{j}.*` as layer
+    n + j, `mtp.fc` / `pre_fc_norm_embedding` / `pre_fc_norm_hidden` / `norm` as that layer's
+    `nextn.eh_proj` / `enorm` / `hnorm` / `shared_head_norm`, block_count and the recurrent mask
+    extended, `nextn_predict_layers` written."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(str(hf_dir / "model.safetensors"))
-    n = cfg["num_hidden_layers"]
+    n_main = cfg["num_hidden_layers"]
+    remap = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+             "norm": "shared_head.norm"}
+    for name in [k for k in tensors if k.startswith(("mtp.", "model.mtp."))]:  # _QwenMtpMixin.filter_tensors
+        parts = name.removeprefix("model.").split(".", 3)
+        if parts[1] == "layers":
+            tensors[f"model.layers.{n_main + int(parts[2])}.{parts[3]}"] = tensors.pop(name)
+        else:
+            tensors[f"model.layers.{n_main}.{remap[parts[1]]}.{parts[2]}"] = tensors.pop(name)
+    n_mtp = max([int(k.split(".")[2]) + 1 - n_main for k in tensors if k.startswith("model.layers.")] + [0])
+    n = n_main + n_mtp
     model_arch = {"qwen35": gguf.MODEL_ARCH.QWEN35, "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE,
                   "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT}[arch]
     names = gguf.get_tensor_name_map(model_arch, n)
@@ -738,7 +752,10 @@ def write_qwen35_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter]
     w.add_ssm_time_step_rank(hv)
     w.add_ssm_inner_size(dv * hv)
     if cfg.get("layer_types") is not None:
-        w.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+        w.add_array(f"{arch}.attention.recurrent_layers",
+                    [t == "linear_attention" for t in cfg["layer_types"]] + [False] * n_mtp)
+    if n_mtp:
+        w.add_uint32(f"{arch}.nextn_predict_layers", n_mtp)
     w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
@@ -777,6 +794,9 @@ def write_qwen35_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter]
         elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             arr = arr + 1
         mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        parts = name.split(".", 3)
+        if mapped is None and len(parts) == 4 and parts[3].removesuffix(".weight") in remap.values():
+            mapped = f"blk.{parts[2]}.nextn.{parts[3].removesuffix('.weight').replace('.', '_')}.weight"
         assert mapped is not None, name
         return mapped, arr
 
