@@ -3,9 +3,10 @@
 A GGUF file carries everything: the config as `{arch}.*` metadata keys, the tokenizer as
 `tokenizer.*` keys (rebuilt by `models.tokenizer.Tokenizer.from_gguf`), and the tensors,
 possibly block-quantized. `general.architecture` (and whether the file has experts) picks the family
-(`models/registry.py`: llama, qwen2, qwen3, gemma2, gemma3, gemma4, phi3; with experts llama
-(Mixtral), qwen3moe, gpt-oss, llama4 and deepseek2 (DeepSeek-V3 / Kimi K2: `Family.gguf_merge`
-joins its split attn_k_b / attn_v_b)); the keys every family shares are read here, the family's
+(`models/registry.py`: llama, qwen2, qwen3, gemma2, gemma3, gemma4, phi3, qwen35; with experts
+llama (Mixtral), qwen3moe, gpt-oss, llama4, glm4moe, qwen35moe, qwen3next and deepseek2 (DeepSeek-V3
+/ Kimi K2); `Family.gguf_merge` joins or reorders what a converter split or permuted, e.g. deepseek2's
+attn_k_b / attn_v_b, Qwen3.5's tiled value heads); the keys every family shares are read here, the family's
 own ones by its `config_from_gguf`, both through one `GGUFMetadata` (`models/gguf_metadata.py`,
 which the tokenizer reads too), and its per-layer tensor names come from its `GGUF_LAYER_WEIGHTS`
 table. We dequantize each tensor to f32 with `gguf.quants.dequantize` (only when `build_model`
