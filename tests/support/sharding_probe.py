@@ -9,6 +9,8 @@ prints one JSON object on the last stdout line with what it measured; the test a
     python tests/support/sharding_probe.py default   # SmolLM2-135M, replicate_attention, tp 2/4/8
     python tests/support/sharding_probe.py server    # HTTP end to end, tensor_parallel=2 vs 1
     python tests/support/sharding_probe.py families DIR...   # HF checkpoints of other families, tp 4 vs 1
+    python tests/support/sharding_probe.py families DIR... --tp2-ep DIR...   # and each of these at tp 2, experts
+                                                         # split by width and by expert (--expert-parallel)
     python tests/support/sharding_probe.py family_tp TP DIR  # one HF checkpoint, tp TP vs 1, every placement
     python tests/support/sharding_probe.py collectives DIR   # families, plus its tp 4 decode step's collectives
     python tests/support/sharding_probe.py quant     # int8 / w8a8 weights and a bf16 KV cache, tp 2/4
@@ -337,6 +339,41 @@ def case_families(*paths):
     return out
 
 
+def case_tp2_expert_split(path):
+    """One MoE checkpoint at tp 2 against one device, its experts split by width (tensor
+    parallelism alone) and by expert (`enable_expert_parallel`, as `--expert-parallel on`
+    wires it), where layer 1's weights landed each way; and a negative control: by expert
+    with every stack rolled one device along E (each device holds its neighbour's experts)."""
+    import jax.numpy as jnp
+
+    from ferrox_jax.sharding import describe_sharding
+    from models.loader import load_checkpoint
+    from models.moe_ep import enable_expert_parallel
+
+    def split_by_expert(roll=0):
+        model = load_checkpoint(path).model
+        assert enable_expert_parallel(model, _mesh(2)) > 0
+        for layer in model.layers:
+            for name in ("experts_gate", "experts_up", "experts_down"):
+                if roll and hasattr(layer, name):
+                    getattr(layer, name).set_value(jnp.roll(getattr(layer, name).get_value(), roll, axis=0))
+        return model
+
+    ckpt = load_checkpoint(path)
+    cfg = ckpt.config
+    prompt = np.random.RandomState(3).randint(3, cfg.vocab_size, 19).tolist()
+    names = ("q_proj", "q_bias", "k_bias", "q_norm", "o_proj", "router", "experts_gate", "experts_down",
+             "down_proj")
+    out = {}
+    for mode, build in (("by_width", lambda: ckpt.model), ("by_expert", split_by_expert),
+                        ("by_expert_rolled", lambda: split_by_expert(cfg.num_experts // 2))):
+        model = build()
+        out[mode] = {"parity": parity(ckpt.model, prompt, 4, (2,), sharded_model=lambda tp, m=model: m)[2]}
+        layer = _runner(model, 2).state["layers"][1]
+        out[mode]["placement"] = {name: describe_sharding(layer[name][...]) for name in names if name in layer}
+    return out
+
+
 def case_family_tp(tp, path):
     """One checkpoint folder at tensor parallelism `tp` against one device, and where the
     weights of its first layer landed (every parameter, by name)."""
@@ -407,7 +444,10 @@ def main(argv):
     if case == "multihost":
         result = case_multihost(*argv[2:5])
     elif case == "families":
-        result = case_families(*argv[2:])
+        split = argv.index("--tp2-ep") if "--tp2-ep" in argv else len(argv)
+        result = case_families(*argv[2:split])
+        for path in argv[split + 1:]:
+            result[f"tp2:{path}"] = case_tp2_expert_split(path)
     elif case == "family_tp":
         result = case_family_tp(int(argv[2]), argv[3])
     elif case == "collectives":
