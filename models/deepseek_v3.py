@@ -54,7 +54,7 @@ from models.config import RopeScaling, UnsupportedModelError, hf_common_fields, 
 from models.decoder import CausalLM
 from models.family import ExpertStack, Family
 from models.layers import gated_mlp, norm_param, param, rms_norm, silu
-from models.mla import LatentAttention, MlaSpec
+from models.mla import EXPAND_PREFILL_FROM, LatentAttention, MlaSpec
 from models.moe_grouped import HF_MOE_WEIGHTS, GroupedMoe, GroupedMoeConfig, grouped_moe_fields
 from models.yarn import YarnScaling, softmax_scale, yarn_cos_sin, yarn_from_dict
 
@@ -85,7 +85,8 @@ class DeepseekV3Config(GroupedMoeConfig):
         return MlaSpec(num_heads=self.num_heads, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
                        nope_dim=self.qk_nope_head_dim, rope_dim=self.qk_rope_head_dim, v_dim=self.v_head_dim,
                        scale=softmax_scale((self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5, self.yarn),
-                       interleave=self.rope_interleave, norm_eps=self.rms_norm_eps)
+                       interleave=self.rope_interleave, norm_eps=self.rms_norm_eps,
+                       expand_from=EXPAND_PREFILL_FROM)
 
 
 class DeepseekV3DecoderLayer(nnx.Module, LatentAttention, GroupedMoe):

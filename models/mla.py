@@ -16,7 +16,7 @@ in the layout of `ferrox_jax/kv_cache.py`; the V array is zero-width). At DeepSe
 shape (r 512, dr 64, 128 heads of k 192 / v 128) that is 576 values a token and layer
 against 40960 for the expanded heads: 71x less.
 
-Attention is absorbed, for decode and prefill alike (one path): W_UK moves onto the query,
+Decode and short prompt chunks attend absorbed (`latent_attention`): W_UK moves onto the query,
 
     q_lat   = q_nope W_UK^T           [N, H, r]   (einsum over dn, per head)
     score   = [q_lat | q_rope] . [c | k_rope]      = q_nope . (W_UK c) + q_rope . k_rope
@@ -25,9 +25,14 @@ Attention is absorbed, for decode and prefill alike (one path): W_UK moves onto 
 
 so the attention reads the latent cache directly: `models/attention.py:paged_attention`
 with one KV head and the same array as keys and values (its value sum yields [c | k_rope]
-weighted; the k_rope part is dropped). Prefill pays H*r multiply-adds per key instead of
+weighted; the k_rope part is dropped). A query pays H*r multiply-adds per key instead of
 H*(dn+dr) (x2.7 at DeepSeek-V3's shape) but never expands the latent; the cache write is
-the same either way. Every rotation is HF's: with `rope_interleave` (DeepSeek's default)
+the same either way. Prompt chunks of `EXPAND_PREFILL_FROM` tokens a row or more attend
+expanded instead (`expanded_attention`, as vLLM's and SGLang's MLA prefill): each block
+chunk of context is expanded once into every head's k_nope and v, then ordinary
+multi-head attention; it is cheaper for long chunks over short contexts (the measured
+costs beside the constant). The choice is static per segment shape (`mla_attention`):
+no extra compile. Every rotation is HF's: with `rope_interleave` (DeepSeek's default)
 the rotary dims come in pairs (x0, x1), (x2, x3)...; they are de-interleaved (evens then
 odds) before the rotate-half `apply_rope`, which is exactly HF's interleaved rotation
 with the output in the de-interleaved order, for q and k alike (the score is unchanged).
@@ -59,9 +64,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import paged_attention, store_kv
+from models.attention import ATTENTION_CHUNK_BLOCKS, load_kv, paged_attention, store_kv
 from models.layers import ForwardContext, norm_param, param, project, rms_norm
 from models.rope import apply_rope
+
+
+# Prompt chunks of at least this many tokens a row attend expanded. One layer's attention
+# at DeepSeek-V3's head shape (16 heads), best of 7 alternating on a loaded 2-core CPU:
+# 128 tokens from position 0 9.9 ms expanded / 16.7 absorbed, after 384 or 896 cached
+# 37.9 / 40.9 and 75.3 / 74.0; 64 tokens 8.1 / 8.4 from 0 but 31.0 / 20.4 after 384;
+# 32 tokens absorbed always (7.2 / 4.6 from 0). docs/models.md has the table.
+EXPAND_PREFILL_FROM = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +90,9 @@ class MlaSpec:
     scale: float
     interleave: bool  # rope dims in interleaved pairs (DeepSeek's rope_interleave)
     norm_eps: float
+    # Prompt-chunk segments of at least this many tokens a row attend expanded
+    # (`expanded_attention`); shorter ones and decode absorbed. 0: always absorbed.
+    expand_from: int = 0
 
     @property
     def cache_width(self) -> int:
@@ -124,6 +140,76 @@ def latent_attention(q_nope, q_rope, k_cache, segments, spec: MlaSpec, w_uk, w_u
     return out.reshape(n, h * spec.v_dim)
 
 
+def expanded_attention(q_nope, q_rope, k_cache, seg, spec: MlaSpec, w_uk, w_uv,
+                       chunk_blocks: int = ATTENTION_CHUNK_BLOCKS) -> jax.Array:
+    """Expanded attention of one segment's queries over its rows' latent context.
+
+    Walks each row's block table `chunk_blocks` blocks at a time with an online softmax (as
+    `paged_attention`; the trip count is traced, so only the blocks up to the furthest query
+    are read), and per chunk expands the context's latent into every head's k_nope = W_UK c
+    and v = W_UV c: rows x keys x r x H x (dn + dv) multiply-adds, shared by the chunk's T
+    queries. The scores are then ordinary multi-head ones, q_nope . k_nope + q_rope . k_rope
+    (the rope key shared by the heads): H x T x S x (dn + dr + dv) against the absorbed
+    H x T x S x 2(r + dr) (its sum runs over the whole cache entry).
+
+    Args: as `latent_attention`, q_nope / q_rope the segment's own [rows*T, H, dn|dr].
+    Returns:
+      f32[rows*T, H, dv] (before o_proj).
+    """
+    b, t, h, r = seg.rows, seg.tokens, spec.num_heads, spec.kv_lora_rank
+    qn = q_nope.reshape(b, t, h, spec.nope_dim)
+    qr = q_rope.reshape(b, t, h, spec.rope_dim)
+    chunk_keys = chunk_blocks * k_cache.shape[2]
+    if seg.block_tables.shape[1] % chunk_blocks:
+        raise ValueError(f"block table width {seg.block_tables.shape[1]} must be a multiple of {chunk_blocks}")
+    w_uk, w_uv = w_uk.astype(q_nope.dtype), w_uv.astype(q_nope.dtype)
+
+    def body(i, carry):
+        m, l, acc = carry  # [B, H, T], [B, H, T], [B, H, T, dv]
+        blocks = jax.lax.dynamic_slice_in_dim(seg.block_tables, i * chunk_blocks, chunk_blocks, axis=1)
+        entry = load_kv(k_cache[0, blocks], q_nope.dtype).reshape(b, chunk_keys, spec.cache_width)
+        c, k_rope = entry[..., :r], entry[..., r:]
+        k_nope = jnp.einsum("bsr,rhd->bshd", c, w_uk, preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        v = jnp.einsum("bsr,rhd->bshd", c, w_uv, preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        s = (jnp.einsum("bthd,bshd->bhts", qn, k_nope, preferred_element_type=jnp.float32)
+             + jnp.einsum("bthd,bsd->bhts", qr, k_rope, preferred_element_type=jnp.float32)) * spec.scale
+        key_pos = i * chunk_keys + jnp.arange(chunk_keys, dtype=jnp.int32)
+        s = jnp.where(key_pos[None, None, None, :] <= seg.positions[:, None, :, None], s, -1e30)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        correction = jnp.exp(m - m_new)
+        pv = jnp.einsum("bhts,bshd->bhtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return m_new, l * correction + p.sum(axis=-1), acc * correction[..., None] + pv
+
+    init = (jnp.full((b, h, t), -1e30, jnp.float32), jnp.zeros((b, h, t), jnp.float32),
+            jnp.zeros((b, h, t, spec.v_dim), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, jnp.max(seg.positions) // chunk_keys + 1, body, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]
+    return out.transpose(0, 2, 1, 3).reshape(b * t, h, spec.v_dim)
+
+
+def expands(spec: MlaSpec, tokens: int) -> bool:
+    """Whether a segment of `tokens` tokens a row attends expanded (decode never does)."""
+    return spec.expand_from > 1 and tokens >= spec.expand_from
+
+
+def mla_attention(q_nope, q_rope, k_cache, segments, spec: MlaSpec, w_uk, w_uv) -> jax.Array:
+    """f32[N, H*dv]: each segment absorbed (`latent_attention`) or, a prompt chunk of at
+    least `spec.expand_from` tokens a row, expanded; the choice is static per segment shape."""
+    expand = [expands(spec, seg.tokens) for seg in segments]
+    if not any(expand):
+        return latent_attention(q_nope, q_rope, k_cache, segments, spec, w_uk, w_uv)
+    outs = []
+    for seg, expanded in zip(segments, expand):
+        qn, qr = q_nope[seg.start:seg.stop], q_rope[seg.start:seg.stop]
+        if expanded:
+            out = expanded_attention(qn, qr, k_cache, seg, spec, w_uk, w_uv).reshape(-1, spec.num_heads * spec.v_dim)
+        else:
+            out = latent_attention(qn, qr, k_cache, (dataclasses.replace(seg, start=0),), spec, w_uk, w_uv)
+        outs.append(out)
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+
+
 class LatentAttention:
     """Mix-in for a decoder layer (an `nnx.Module`): MLA's parameters (table above) and block."""
 
@@ -163,5 +249,5 @@ class LatentAttention:
         entry = jnp.concatenate([latent, k_rope[:, 0].astype(latent.dtype)], axis=-1)
         k_cache = write_latent(k_cache, entry, fwd.kv_blocks, fwd.kv_offsets)
         w_uk, w_uv = absorbed_weights(self.kv_b_proj[...], spec)
-        out = latent_attention(q_nope, q_rope, k_cache, fwd.segments, spec, w_uk, w_uv)
+        out = mla_attention(q_nope, q_rope, k_cache, fwd.segments, spec, w_uk, w_uv)
         return project(out.astype(h.dtype), self.o_proj.get_value()), k_cache, v_cache

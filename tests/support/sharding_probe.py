@@ -13,6 +13,7 @@ prints one JSON object on the last stdout line with what it measured; the test a
                                                          # split by width and by expert (--expert-parallel)
     python tests/support/sharding_probe.py family_tp TP DIR  # one HF checkpoint, tp TP vs 1, every placement
     python tests/support/sharding_probe.py collectives DIR   # families, plus its tp 4 decode step's collectives
+                                                         # (and a latent-attention model's expanded prefill)
     python tests/support/sharding_probe.py quant     # int8 / w8a8 weights and a bf16 KV cache, tp 2/4
     python tests/support/sharding_probe.py multihost COORD NPROC PID   # one process of a CPU cluster
 """
@@ -390,6 +391,7 @@ def case_family_tp(tp, path):
 def case_collectives(path):
     """`families` for one checkpoint, plus the collectives of its compiled tp=4 one-row
     decode step: {op: count} and the all-gathered shapes."""
+    import dataclasses
     import re
 
     from models.loader import load_checkpoint
@@ -401,6 +403,13 @@ def case_collectives(path):
     ops = re.findall(r"= \S+ (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)\(", text)
     out[arch]["collectives"] = {op: ops.count(op) for op in sorted(set(ops))}
     out[arch]["all_gathered"] = re.findall(r"= (\S+?)\{[^}]*\} all-gather\(", text)
+    # latent attention's expanded prefill (every prompt chunk) with the heads split
+    model = load_checkpoint(path).model
+    if hasattr(model.layers[0], "mla_spec"):
+        for layer in model.layers:
+            layer.mla_spec = dataclasses.replace(layer.mla_spec, expand_from=2)
+        prompt = np.random.RandomState(3).randint(3, model.cfg.vocab_size, 19).tolist()
+        out[arch]["expanded_parity"] = parity(model, prompt, 4, (4,))[4]
     return out
 
 

@@ -3,7 +3,9 @@ experts, a shared expert, layer 0 dense) at tp=4 on CPU devices against one devi
 one subprocess (tests/support/sharding_probe.py `families`). The latent cache is one
 head, so it is replicated; the heads' up-projections split, and the compiled decode
 step gathers nothing but the logits; the experts and the shared expert split over their
-intermediate axis, the dense layer's MLP as any dense MLP."""
+intermediate axis, the dense layer's MLP as any dense MLP. The expanded prefill
+(`models/mla.py:expanded_attention`, every prompt chunk) with the heads split matches one
+device too."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ def test_tp4_matches_one_device_with_a_replicated_latent_cache(tmp_path):
     parity, place = got["parity"], got["placement"]
     assert parity["prefill_err"] < ATOL and parity["decode_err"] < ATOL, parity
     assert parity["same_greedy"]
+    expanded = got["expanded_parity"]  # every prompt chunk attending expanded, heads split
+    assert expanded["prefill_err"] < ATOL and expanded["decode_err"] < ATOL and expanded["same_greedy"], expanded
     # [1 head, blocks, block size, kv_lora_rank 16 + qk_rope_head_dim 8], whole on each of the 4 devices
     assert place["kv_k0"]["num_shards"] == 4 and place["kv_k0"]["shard_shapes"] == [[1, 64, 8, 24]]
     # heads split: each device its heads' up-projections (4 heads x (16 + 12) columns of kv_b_proj)
