@@ -78,6 +78,7 @@ FAST_SKIP := \
 	tests/engine/test_images_smolvlm.py tests/models/test_family_llama4.py tests/models/test_family_qwen3_5.py \
 	tests/models/test_gguf_gemma4.py tests/models/test_gguf_deepseek2.py tests/models/test_mtp.py \
 	tests/models/test_vision_qwen2_5_vl.py tests/models/test_vision_qwen3_vl.py tests/models/test_sliding_kv.py \
+	tests/models/test_mla_prefill.py \
 	tests/models/test_cpu_kernels.py tests/models/test_pallas_attention.py \
 	tests/models/test_ragged_attention.py tests/models/test_gpu_attention.py \
 	tests/models/test_bf16.py tests/models/test_dummy_weights.py
