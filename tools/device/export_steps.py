@@ -136,6 +136,7 @@ def _export(folder: Path, result: TargetResult, settings: Settings) -> None:
     from ferrox_jax.quant_setup import DTYPES, resolve_kv_dtype
     from ferrox_jax.memory_bounds import batched_tokens
     from ferrox_jax.runner import block_table_width, compile_keys
+    from ferrox_jax.kv_groups import window_arrays
     from ferrox_jax.sharding import MESH_AXES, check_divisibility, runner_shardings
     from ferrox_jax.step import jit_steps
     from models.loader import open_checkpoint
@@ -166,7 +167,9 @@ def _export(folder: Path, result: TargetResult, settings: Settings) -> None:
     graphdef, state = nnx.split(abstract_model(cfg, dtype, decode_attention=kernel))
     leaves, tree = jax.tree.flatten(state)
     shardings = runner_shardings(mesh, cfg, state, result.replicate_attention) if mesh is not None else None
-    kv = _abstract_kv(cfg, sizing.num_blocks, settings.block_size, kv_dtype, shardings)
+    # the sliding-window layers' arrays hold their own pool where the engine gives them one (ferrox_jax/kv_groups.py)
+    windowed = window_arrays(cfg) if sizing.window_blocks else ()
+    kv = _abstract_kv(cfg, sizing.num_blocks, settings.block_size, kv_dtype, shardings, windowed, sizing.window_blocks)
     chunk = min(settings.prefill_chunk, sizing.max_context)
     buckets = Buckets.derive(settings.max_seqs, chunk, -(-batched_tokens(config, chunk, backend) // chunk))
     keys = compile_keys(buckets)
@@ -174,7 +177,7 @@ def _export(folder: Path, result: TargetResult, settings: Settings) -> None:
     steps = jit_steps(shardings)
     for key in keys:
         try:
-            text = _export_one(key, steps, graphdef, tree, leaves, kv, cfg, width, shardings, result.platform)
+            text = _export_one(key, steps, graphdef, tree, leaves, kv, cfg, width, shardings, result.platform, windowed)
         except Exception as e:  # noqa: BLE001 - any lowering error is the report's subject, named below
             result.failures.append(f"{'/'.join(map(str, key))}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             continue
@@ -198,20 +201,28 @@ def _export(folder: Path, result: TargetResult, settings: Settings) -> None:
                                    f"{result.expected[what]}")
 
 
-def _abstract_kv(cfg, num_blocks: int, block_size: int, kv_dtype, shardings):
+def _abstract_kv(cfg, num_blocks: int, block_size: int, kv_dtype, shardings, windowed=(), window_blocks: int = 0):
+    """The cache's arrays as shapes, in the model's geometry (`ModelConfig.kv_layout`; a latent
+    cache: one head, no V); the arrays `windowed` flags hold `window_blocks` blocks."""
     import jax
 
     from ferrox_jax.kv_cache import KVCache, kv_cache_shape
 
     sharding = None if shardings is None else shardings.kv_array
-    heads, k_dim, v_dim = cfg.kv_cache_dims()  # the model's cache geometry (a latent cache: one head, no V)
-    k, v = (jax.ShapeDtypeStruct(kv_cache_shape(heads, num_blocks, block_size, width), kv_dtype, sharding=sharding)
-            for width in (k_dim, v_dim))
-    return KVCache(k=(k,) * cfg.num_layers, v=(v,) * cfg.num_layers)
+
+    def arrays(which: int) -> tuple:
+        blocks = [window_blocks if windowed and windowed[i] else num_blocks for i in range(len(cfg.kv_layout()))]
+        return tuple(jax.ShapeDtypeStruct(kv_cache_shape(heads, n, block_size, dims[which]), kv_dtype,
+                                          sharding=sharding)
+                     for n, (heads, *dims) in zip(blocks, cfg.kv_layout()))
+
+    return KVCache(k=arrays(0), v=arrays(1))
 
 
-def _export_one(key, steps, graphdef, tree, leaves, kv, cfg, width: int, shardings, platform: str) -> str:
-    """Export one executable for `platform`; returns the lowered module's text."""
+def _export_one(key, steps, graphdef, tree, leaves, kv, cfg, width: int, shardings, platform: str,
+                windowed: tuple[bool, ...] = ()) -> str:
+    """Export one executable for `platform` (`windowed`: the arrays holding the sliding pool,
+    whose window tables the forward then takes); returns the lowered module's text."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -221,14 +232,14 @@ def _export_one(key, steps, graphdef, tree, leaves, kv, cfg, width: int, shardin
     from ferrox_jax.host_batch import SamplingArrays, bitmask_words
     from ferrox_jax.kv_cache import copy_blocks
     from ferrox_jax.runner import COPY_BATCH
-    from ferrox_jax.step import ForwardBatch
+    from ferrox_jax.padding import empty_forward
 
     # The Triton kernel is a custom call without export's compatibility guarantee: what is
     # checked here is that it lowers, not that a serialized module outlives a jaxlib.
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     lower = dict(platforms=(platform,), disabled_checks=[triton])
     if key[0] == "forward":
-        batch = ForwardBatch.padding(StepShape(*key[1:]), width)
+        batch = empty_forward(StepShape(*key[1:]), width, False, windowed=bool(windowed))
         exported = export.export(steps.forward, **lower)(graphdef, tree, leaves, kv, batch)
     elif key[0] == "sample":
         rows = key[1]
@@ -237,7 +248,7 @@ def _export_one(key, steps, graphdef, tree, leaves, kv, cfg, width: int, shardin
             SamplingArrays.padding(rows, cfg.vocab_size), np.zeros((rows, bitmask_words(cfg.vocab_size)), np.int32))
     else:
         pairs = np.zeros(COPY_BATCH, np.int32)
-        exported = export.export(copy_blocks, **lower)(kv, pairs, pairs)
+        exported = export.export(copy_blocks, **lower)(kv, pairs, pairs, pairs, pairs, windowed=windowed)
     return exported.mlir_module()
 
 
