@@ -39,11 +39,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
 from models.deepseek_v3 import HF_LAYER_WEIGHTS, DeepseekV3Config, DeepseekV3DecoderLayer
 from models.layers import ForwardContext, norm_param, param, project, rms_norm
 from models.loaders.common import map_layer_tensors, stack_experts
+from models.loaders.shards import shard_tensors
 from models.quant import embed_lookup
 from models.rope import rope_cos_sin
 from models.yarn import yarn_cos_sin
@@ -109,14 +109,7 @@ def mtp_tensors(folder: Path, cfg: DeepseekV3Config) -> dict[str, Callable[[], n
     first MTP layer; raises NoMtpLayerError when it has none."""
     n = cfg.num_layers
     layer_re = re.compile(rf"^model\.layers\.{n}\.(.+)$")
-    shards = sorted(folder.glob("*.safetensors"))
-    loads: dict[str, Callable] = {}
-    for shard in shards:
-        with safe_open(str(shard), framework="numpy") as f:
-            for name in f.keys():
-                m = layer_re.match(name)
-                if m:
-                    loads[m.group(1)] = (lambda shard=shard, name=name: _read(shard, name))
+    loads = shard_tensors(folder, lambda name: m.group(1) if (m := layer_re.match(name)) else None)
     if "eh_proj.weight" not in loads:
         raise NoMtpLayerError(
             f"{folder.name} has no multi-token-prediction layer (no model.layers.{n}.eh_proj.weight; "
@@ -136,11 +129,6 @@ def mtp_tensors(folder: Path, cfg: DeepseekV3Config) -> dict[str, Callable[[], n
     out.update({"layer." + k.split(".", 2)[2]: v
                 for k, v in stack_experts(experts, getattr(cfg, "num_experts", None)).items()})
     return out
-
-
-def _read(shard: Path, name: str) -> np.ndarray:
-    with safe_open(str(shard), framework="numpy") as f:
-        return f.get_tensor(name)
 
 
 def load_mtp(folder: str | Path, cfg: DeepseekV3Config, target, dtype) -> DeepseekMtp:

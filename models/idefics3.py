@@ -44,8 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import llama
-from models.config import CheckpointFileError, ModelConfig, UnsupportedModelError
+from models.config import ModelConfig, UnsupportedModelError
 from models.family import Family
+from models.loaders.shards import read_tower
 from models.siglip import LAYER_NAMES, encode, to_ours
 
 ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
@@ -289,29 +290,11 @@ def expected_shapes(cfg: Idefics3VisionConfig) -> dict[str, tuple[int, ...]]:
 def read_idefics3_vision(folder: str | Path) -> tuple[Idefics3VisionConfig, dict[str, jax.Array]]:
     """The encoder and connector of an Idefics3 / SmolVLM folder, as float32 arrays. Raises
     CheckpointFileError naming the first missing tensor or wrong shape."""
-    from safetensors import safe_open
-
     folder = Path(folder)
     cfg = vision_config(json.loads((folder / "config.json").read_text()), read_processor(folder))
-    wanted = vision_tensor_names(cfg)
-    shapes = expected_shapes(cfg)
-    by_hf = {hf: ours for ours, hf in wanted.items()}
-    found: dict[str, np.ndarray] = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(shard), framework="numpy") as f:
-            for key in f.keys():
-                if key in by_hf:
-                    found[by_hf[key]] = f.get_tensor(key)
-    params = {}
-    for ours, hf in wanted.items():
-        if ours not in found:
-            raise CheckpointFileError(f"the checkpoint has no vision tensor {hf}")
-        raw = np.asarray(found[ours], np.float32)
-        value = raw.T if ours == "connector" else to_ours(ours, raw)
-        if value.shape != shapes[ours]:
-            raise CheckpointFileError(f"vision tensor {hf} has shape {raw.shape}; the config implies {shapes[ours]}")
-        params[ours] = jnp.asarray(value)
-    return cfg, params
+    tensors = read_tower(folder, vision_tensor_names(cfg), expected_shapes(cfg),
+                         lambda ours, raw: raw.T if ours == "connector" else to_ours(ours, raw))
+    return cfg, {ours: jnp.asarray(value) for ours, value in tensors.items()}
 
 
 FAMILY = Family(

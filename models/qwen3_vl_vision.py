@@ -22,13 +22,13 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import CheckpointFileError
+from models.loaders.shards import read_tower
 from models.qwen_vision import QwenVisionConfig, _rotate_half, read_processor, vision_config
 
 _TOWERS = ("model.visual.", "visual.")
@@ -158,26 +158,14 @@ def vision_tensor_names(cfg: Qwen3VisionConfig) -> dict[str, str]:
 def read_qwen3_vision(folder: str | Path) -> tuple[Qwen3VisionConfig, dict[str, jax.Array]]:
     """The vision transformer, merger and deepstack mergers of a Qwen3-VL folder, float32.
     Raises CheckpointFileError naming the first missing tensor or wrong shape."""
-    from safetensors import safe_open
-
     folder = Path(folder)
     cfg = qwen3_vision_config(json.loads((folder / "config.json").read_text()), read_processor(folder))
-    wanted, shapes = vision_tensor_names(cfg), expected_shapes(cfg)
-    by_hf = {prefix + hf: ours for ours, hf in wanted.items() for prefix in _TOWERS}
-    found: dict[str, np.ndarray] = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(shard), framework="numpy") as f:
-            for key in f.keys():
-                if key in by_hf:
-                    found[by_hf[key]] = f.get_tensor(key)
-    params: dict[str, Any] = {}
-    for ours, hf in wanted.items():
-        if ours not in found:
-            raise CheckpointFileError(f"the checkpoint has no vision tensor {_TOWERS[0]}{hf}")
-        raw = np.asarray(found[ours], np.float32)
-        value = raw.reshape(raw.shape[0], -1).T if ours == "patch_embed" else raw.T if raw.ndim == 2 and \
-            ours != "pos_embed" else raw
-        if value.shape != shapes[ours]:
-            raise CheckpointFileError(f"vision tensor {hf} has shape {raw.shape}; the config implies {shapes[ours]}")
-        params[ours] = jnp.asarray(value)
-    return cfg, params
+    tensors = read_tower(folder, vision_tensor_names(cfg), expected_shapes(cfg), _qwen3_layout, _TOWERS)
+    return cfg, {ours: jnp.asarray(value) for ours, value in tensors.items()}
+
+
+def _qwen3_layout(ours: str, raw: np.ndarray) -> np.ndarray:
+    """An HF tensor in our layout: the patch conv flattened to a matrix, 2-D weights transposed."""
+    if ours == "patch_embed":
+        return raw.reshape(raw.shape[0], -1).T
+    return raw.T if raw.ndim == 2 and ours != "pos_embed" else raw

@@ -44,13 +44,14 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import CheckpointFileError, UnsupportedModelError
+from models.config import UnsupportedModelError
+from models.loaders.shards import read_tower
 
 log = logging.getLogger(__name__)
 
@@ -355,25 +356,7 @@ def read_processor(folder: str | Path) -> dict | None:
 def read_qwen_vision(folder: str | Path) -> tuple[QwenVisionConfig, dict[str, jax.Array]]:
     """The vision transformer and merger of a Qwen2.5-VL folder, as float32 arrays. Raises
     CheckpointFileError naming the first missing tensor or wrong shape."""
-    from safetensors import safe_open
-
     folder = Path(folder)
     cfg = vision_config(json.loads((folder / "config.json").read_text()), read_processor(folder))
-    wanted, shapes = vision_tensor_names(cfg), expected_shapes(cfg)
-    by_hf = {prefix + hf: ours for ours, hf in wanted.items() for prefix in _TOWERS}
-    found: dict[str, np.ndarray] = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(shard), framework="numpy") as f:
-            for key in f.keys():
-                if key in by_hf:
-                    found[by_hf[key]] = f.get_tensor(key)
-    params = {}
-    for ours, hf in wanted.items():
-        if ours not in found:
-            raise CheckpointFileError(f"the checkpoint has no vision tensor {_TOWERS[0]}{hf}")
-        raw = np.asarray(found[ours], np.float32)
-        value = _to_ours(ours, raw)
-        if value.shape != shapes[ours]:
-            raise CheckpointFileError(f"vision tensor {hf} has shape {raw.shape}; the config implies {shapes[ours]}")
-        params[ours] = jnp.asarray(value)
-    return cfg, params
+    tensors = read_tower(folder, vision_tensor_names(cfg), expected_shapes(cfg), _to_ours, _TOWERS)
+    return cfg, {ours: jnp.asarray(value) for ours, value in tensors.items()}

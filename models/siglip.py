@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import CheckpointFileError, UnsupportedModelError
+from models.loaders.shards import read_tower
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,29 +239,10 @@ def read_gemma3_vision(folder: str | Path) -> tuple[VisionConfig, dict[str, jax.
     """The encoder and projector of a `Gemma3ForConditionalGeneration` folder, as float32 arrays.
 
     Raises CheckpointFileError naming the first missing tensor or wrong shape."""
-    from safetensors import safe_open  # the checkpoint readers' own dependency
-
     folder = Path(folder)
     cfg = VisionConfig.from_gemma3(json.loads((folder / "config.json").read_text()))
-    wanted = vision_tensor_names(cfg)
-    shapes = expected_shapes(cfg)
-    found: dict[str, np.ndarray] = {}
-    by_hf = {hf: ours for ours, hf in wanted.items()}
-    for shard in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(shard), framework="numpy") as f:
-            for key in f.keys():
-                if key in by_hf:
-                    found[by_hf[key]] = f.get_tensor(key)
-    params = {}
-    for ours, hf in wanted.items():
-        if ours not in found:
-            raise CheckpointFileError(f"the checkpoint has no vision tensor {hf}")
-        value = to_ours(ours, np.asarray(found[ours], np.float32))
-        if value.shape != shapes[ours]:
-            raise CheckpointFileError(f"vision tensor {hf} has shape {found[ours].shape}; "
-                                      f"the config implies {shapes[ours]}")
-        params[ours] = jnp.asarray(value)
-    return cfg, params
+    tensors = read_tower(folder, vision_tensor_names(cfg), expected_shapes(cfg), to_ours)
+    return cfg, {ours: jnp.asarray(value) for ours, value in tensors.items()}
 
 
 # -- llama.cpp's projector files (`--mmproj`) ------------------------------------------------------

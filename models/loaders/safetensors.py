@@ -24,6 +24,7 @@ from safetensors import safe_open
 from models.config import CheckpointFileError, ModelConfig, read_json_file
 from models.loaders.common import expected_params, map_layer_tensors, stack_experts
 from models.loaders.mxfp4 import pair_mxfp4
+from models.loaders.shards import shard_files
 from models.registry import config_from_hf, family_for
 
 GLOBAL_TABLE: dict[str, tuple[str, bool]] = {
@@ -65,22 +66,6 @@ def read_config(folder: Path) -> ModelConfig:
                                   "copy the checkpoint's config.json again") from None
 
 
-def _shard_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json_file(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointFileError(f"{index} has no weight_map object; copy the checkpoint again")
-        return [folder / name for name in sorted(set(weight_map.values()))]
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors weights in {folder}")
-    return files
-
-
 def read_tensors(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
     """Lazy {our_name: () -> array in our layout} over every shard.
 
@@ -94,7 +79,7 @@ def read_tensors(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
     vision_language = getattr(cfg, "vision", None) is not None or cfg.architecture.endswith("ForConditionalGeneration")
     expected = expected_params(cfg)
     loads: dict[str, Callable] = {}
-    for shard in _shard_files(folder):
+    for shard in shard_files(folder):
         with safe_open(str(shard), framework="flax") as f:
             for hf_name in f.keys():
                 if hf_name.endswith(_IGNORED_SUFFIXES):
