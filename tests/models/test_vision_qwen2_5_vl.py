@@ -40,6 +40,8 @@ from tests.support.engine_helpers import float32_matmuls  # noqa: E402,F401
 from tests.support.qwen_vl_checks import GREEDY, PAD, PROMPT, TWO  # noqa: E402
 from tests.support.qwen_vl_checks import image as _image  # noqa: E402
 from tests.support.qwen_vl_checks import image_file as _file  # noqa: E402
+from tests.support.qwen_vl_checks import ours as _ours  # noqa: E402
+from tests.support.qwen_vl_checks import serve_vlm  # noqa: E402
 from tests.support.qwen_vl_checks import prompt_error as _prompt_error  # noqa: E402
 from tests.support.qwen_vl_checks import prompt_logprobs as _prompt_logprobs  # noqa: E402
 from tests.support.qwen_vl_checks import run_job as _run  # noqa: E402
@@ -51,22 +53,8 @@ from tests.support.tiny_qwen_vl import image_processor  # noqa: E402
 def vlm(tmp_path_factory):
     from tests.support.tiny_qwen_vl import make_tiny_qwen_vl
 
-    folder, vocab = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen-vl") / "tiny-qwen2_5_vl")
-    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    engine = Engine.load(EngineConfig(model=str(folder), block_size=4, kv_blocks=300, max_context=256,
-                                      prefill_chunk=32, max_seqs=4))
-    engine.warmup()
-    engine.start()
-    yield folder, hf, engine, vocab
-    engine.shutdown()
-
-
-def _ours(engine, images, prompt=PROMPT):
-    """(ids, spans) as the server lays them out."""
-    layout = engine.image_layout
-    pictures = layout.preprocess([_file(im) for im in images], ImageLimits())
-    ids = engine.tokenizer.encode(layout.expand(prompt, engine.tokenizer, pictures), add_special_tokens=False)
-    return ids, layout.spans(ids, pictures)
+    yield from serve_vlm(make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen-vl") / "tiny-qwen2_5_vl"),
+                         transformers.Qwen2_5_VLForConditionalGeneration)
 
 
 def _reference(engine, images, prompt=PROMPT):

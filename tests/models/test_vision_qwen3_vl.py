@@ -25,15 +25,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
-from ferrox_jax.config import EngineConfig  # noqa: E402
-from ferrox_jax.engine import Engine  # noqa: E402
 from tests.support.qwen_vl_checks import PAD, PROMPT, TWO  # noqa: E402
 from tests.support.qwen_vl_checks import image as _image  # noqa: E402
-from tests.support.qwen_vl_checks import image_file as _file  # noqa: E402
+from tests.support.qwen_vl_checks import ours as _ours  # noqa: E402
+from tests.support.qwen_vl_checks import serve_vlm  # noqa: E402
 from tests.support.qwen_vl_checks import prompt_error as _prompt_error  # noqa: E402
 from tests.support.qwen_vl_checks import run_job as _run  # noqa: E402
 from tests.support.engine_helpers import float32_matmuls  # noqa: E402,F401
-from models.image_input import ImageLimits  # noqa: E402
 from tests.support.tiny_qwen_vl import qwen3_image_processor  # noqa: E402
 
 
@@ -41,21 +39,8 @@ from tests.support.tiny_qwen_vl import qwen3_image_processor  # noqa: E402
 def vlm(tmp_path_factory):
     from tests.support.tiny_qwen_vl import make_tiny_qwen3_vl
 
-    folder, vocab = make_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl") / "tiny-qwen3_vl")
-    hf = transformers.Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    engine = Engine.load(EngineConfig(model=str(folder), block_size=4, kv_blocks=300, max_context=256,
-                                      prefill_chunk=32, max_seqs=4))
-    engine.warmup()
-    engine.start()
-    yield folder, hf, engine, vocab
-    engine.shutdown()
-
-
-def _ours(engine, images, prompt=PROMPT):
-    layout = engine.image_layout
-    pictures = layout.preprocess([_file(im) for im in images], ImageLimits())
-    ids = engine.tokenizer.encode(layout.expand(prompt, engine.tokenizer, pictures), add_special_tokens=False)
-    return ids, layout.spans(ids, pictures)
+    yield from serve_vlm(make_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl") / "tiny-qwen3_vl"),
+                         transformers.Qwen3VLForConditionalGeneration)
 
 
 def _reference(engine, images, prompt=PROMPT):

@@ -18,6 +18,34 @@ PROMPT = f"<|im_start|>user\nLook {IMAGE} and say what it is<|im_end|>\n<|im_sta
 TWO = f"<|im_start|>user\nFirst {IMAGE} then {IMAGE} which is brighter?<|im_end|>\n<|im_start|>assistant\n"
 
 
+def serve_vlm(made, hf_class):
+    """A module fixture's body: (folder, HF model, started engine, vocab) over the checkpoint
+    `made` = (folder, vocab); the engine is shut down after the module."""
+    import torch
+
+    from ferrox_jax.config import EngineConfig
+    from ferrox_jax.engine import Engine
+
+    folder, vocab = made
+    hf = hf_class.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = Engine.load(EngineConfig(model=str(folder), block_size=4, kv_blocks=300, max_context=256,
+                                      prefill_chunk=32, max_seqs=4))
+    engine.warmup()
+    engine.start()
+    yield folder, hf, engine, vocab
+    engine.shutdown()
+
+
+def ours(engine, images, prompt=PROMPT):
+    """(ids, spans) as the server lays the prompt and its images out."""
+    from models.image_input import ImageLimits
+
+    layout = engine.image_layout
+    pictures = layout.preprocess([image_file(im) for im in images], ImageLimits())
+    ids = engine.tokenizer.encode(layout.expand(prompt, engine.tokenizer, pictures), add_special_tokens=False)
+    return ids, layout.spans(ids, pictures)
+
+
 def image(seed: int, height: int, width: int):
     import PIL.Image
 

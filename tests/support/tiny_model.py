@@ -27,6 +27,22 @@ _CORPUS = [
 ] * 4
 
 
+def make_vision_tokenizer(folder: Path, special_tokens, chat_template: str) -> dict[str, int]:
+    """A 384-token tokenizer in `folder` with the image `special_tokens` added and `chat_template`
+    in its config (the vision checkpoints' shared part); returns its vocabulary."""
+    from tokenizers import AddedToken, Tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer_files(folder, vocab_size=384)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    tok.save(str(folder / "tokenizer.json"))
+    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_cfg["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    return tok.get_vocab()
+
+
 def make_tokenizer_files(folder: Path, vocab_size: int) -> int:
     """Write tokenizer.json and tokenizer_config.json; return the vocab size used."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -84,14 +100,18 @@ def make_tiny_checkpoint(folder, variant: str = "llama", seed: int = 0, num_laye
     return save_random_weights(config, folder, seed)
 
 
-def save_random_weights(config, folder: Path, seed: int = 0) -> Path:
-    """An HF model of `config` with seeded random weights, saved as safetensors in `folder`.
-    The default init is tiny; it is widened so the logits are not all ~0."""
+def save_random_weights(config, folder: Path, seed: int = 0, model_class=None) -> Path:
+    """An HF model of `config` (an AutoModelForCausalLM, or `model_class`) with seeded random
+    weights, saved as safetensors in `folder`. The default init is tiny; it is widened so the
+    logits are not all ~0."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if model_class is None:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        model = model_class(config).to(torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:

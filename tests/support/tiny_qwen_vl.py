@@ -27,25 +27,15 @@ CHAT_TEMPLATE = (
 
 def make_tiny_qwen_vl(folder: Path, seed: int = 0) -> tuple[Path, dict[str, int]]:
     """The checkpoint in `folder`; returns (folder, the tokenizer's vocabulary)."""
-    import torch
     import transformers
-    from tokenizers import AddedToken, Tokenizer
 
-    from tests.support.tiny_model import make_tokenizer_files
+    from tests.support.tiny_model import make_vision_tokenizer, save_random_weights
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    make_tokenizer_files(folder, vocab_size=384)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
-    tok.save(str(folder / "tokenizer.json"))
-    vocab = tok.get_vocab()
-    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    tok_cfg["chat_template"] = CHAT_TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    vocab = make_vision_tokenizer(folder, VISION_TOKENS, CHAT_TEMPLATE)
     eos, pad = vocab["<|im_end|>"], vocab["<|endoftext|>"]
     text = transformers.Qwen2_5_VLTextConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=eos,
         pad_token_id=pad, bos_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
@@ -57,15 +47,7 @@ def make_tiny_qwen_vl(folder: Path, seed: int = 0) -> tuple[Path, dict[str, int]
         video_token_id=vocab["<|video_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],
         vision_end_token_id=vocab["<|vision_end|>"], tie_word_embeddings=False)
     config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():  # widened from the tiny default init so the logits are not all ~0
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(folder, safe_serialization=True)
+    save_random_weights(config, folder, seed, transformers.Qwen2_5_VLForConditionalGeneration)
     (folder / "preprocessor_config.json").write_text(json.dumps(image_processor().to_dict()))
     return folder, vocab
 
@@ -82,25 +64,15 @@ def make_tiny_qwen3_vl(folder: Path, seed: int = 0) -> tuple[Path, dict[str, int
     model (head_dim 16, interleaved `mrope_section` [4, 2, 2]) behind a 2-layer vision transformer
     over 16 x 16 patches with a 4 x 4 learned position grid, deepstack features from vision block 0
     added after text layer 0; images between 32 x 32 x 4 and 32 x 32 x 16 pixels."""
-    import torch
     import transformers
-    from tokenizers import AddedToken, Tokenizer
 
-    from tests.support.tiny_model import make_tokenizer_files
+    from tests.support.tiny_model import make_vision_tokenizer, save_random_weights
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    make_tokenizer_files(folder, vocab_size=384)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
-    tok.save(str(folder / "tokenizer.json"))
-    vocab = tok.get_vocab()
-    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    tok_cfg["chat_template"] = CHAT_TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    vocab = make_vision_tokenizer(folder, VISION_TOKENS, CHAT_TEMPLATE)
     eos, pad = vocab["<|im_end|>"], vocab["<|endoftext|>"]
     text = transformers.Qwen3VLTextConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, eos_token_id=eos,
         pad_token_id=pad, bos_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
@@ -113,15 +85,7 @@ def make_tiny_qwen3_vl(folder: Path, seed: int = 0) -> tuple[Path, dict[str, int
         video_token_id=vocab["<|video_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],
         vision_end_token_id=vocab["<|vision_end|>"], tie_word_embeddings=False)
     config.architectures = ["Qwen3VLForConditionalGeneration"]
-    torch.manual_seed(seed)
-    model = transformers.Qwen3VLForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(folder, safe_serialization=True)
+    save_random_weights(config, folder, seed, transformers.Qwen3VLForConditionalGeneration)
     (folder / "preprocessor_config.json").write_text(json.dumps(qwen3_image_processor().to_dict()))
     return folder, vocab
 

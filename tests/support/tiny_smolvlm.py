@@ -31,25 +31,15 @@ def make_tiny_smolvlm(folder: Path, seed: int = 0, smolvlm: bool = False,
                       longest_edge: int = LONGEST_EDGE) -> tuple[Path, dict[str, int]]:
     """The checkpoint in `folder` (`longest_edge` 32: every image is one tile, unsplit); returns
     (folder, the tokenizer's vocabulary)."""
-    import torch
     import transformers
-    from tokenizers import AddedToken, Tokenizer
 
-    from tests.support.tiny_model import make_tokenizer_files
+    from tests.support.tiny_model import make_vision_tokenizer, save_random_weights
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    make_tokenizer_files(folder, vocab_size=384)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in IMAGE_TOKENS])
-    tok.save(str(folder / "tokenizer.json"))
-    vocab = tok.get_vocab()
-    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    tok_cfg["chat_template"] = CHAT_TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    vocab = make_vision_tokenizer(folder, IMAGE_TOKENS, CHAT_TEMPLATE)
     eos, pad = vocab["<|im_end|>"], vocab["<|endoftext|>"]
     text = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=eos,
         pad_token_id=pad, bos_token_id=None)
     kind = "SmolVLM" if smolvlm else "Idefics3"
@@ -60,15 +50,7 @@ def make_tiny_smolvlm(folder: Path, seed: int = 0, smolvlm: bool = False,
         text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=2,
         image_token_id=vocab["<image>"], eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=False)
     config.architectures = [f"{kind}ForConditionalGeneration"]
-    torch.manual_seed(seed)
-    model = getattr(transformers, f"{kind}ForConditionalGeneration")(config).to(torch.float32)
-    with torch.no_grad():  # widened from the tiny default init so the logits are not all ~0
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(folder, safe_serialization=True)
+    save_random_weights(config, folder, seed, getattr(transformers, f"{kind}ForConditionalGeneration"))
     (folder / "preprocessor_config.json").write_text(json.dumps(image_processor(smolvlm, longest_edge).to_dict()))
     return folder, vocab
 
