@@ -52,10 +52,11 @@ import numpy as np
 
 from models.config import RopeScaling, UnsupportedModelError, hf_common_fields, rope_parameters, rope_theta
 from models.decoder import CausalLM
-from models.family import ExpertStack, Family
+from models.family import Family
 from models.layers import gated_mlp, norm_param, param, rms_norm, silu
 from models.mla import EXPAND_PREFILL_FROM, LatentAttention, MlaSpec
-from models.moe_grouped import HF_MOE_WEIGHTS, GroupedMoe, GroupedMoeConfig, grouped_moe_fields
+from models.moe_grouped import (GGUF_MOE_WEIGHTS, GGUF_SIGMOID_GATING, HF_MOE_WEIGHTS, GroupedMoe, GroupedMoeConfig,
+                                 grouped_moe_fields)
 from models.yarn import YarnScaling, softmax_scale, yarn_cos_sin, yarn_from_dict
 
 
@@ -169,16 +170,8 @@ GGUF_LAYER_WEIGHTS = {
     "attn_kv_a_mqa.weight": "kv_a_proj",
     "attn_kv_a_norm.weight": "kv_a_norm",
     "attn_kv_b.weight": "kv_b_proj",
-    "ffn_gate_inp.weight": "router",
-    "exp_probs_b.bias": "router_bias",
-    "ffn_gate_exps.weight": ExpertStack(("experts_gate",), transpose=True),
-    "ffn_up_exps.weight": ExpertStack(("experts_up",), transpose=True),
-    "ffn_down_exps.weight": ExpertStack(("experts_down",), transpose=True),
-    "ffn_gate_shexp.weight": "gate_proj",
-    "ffn_up_shexp.weight": "up_proj",
-    "ffn_down_shexp.weight": "down_proj",
+    **GGUF_MOE_WEIGHTS,
 }
-GGUF_SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
 
 def config_from_gguf(meta, fields: dict) -> DeepseekV3Config:

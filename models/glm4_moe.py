@@ -43,9 +43,10 @@ from flax import nnx
 from models import llama, qwen3
 from models.config import UnsupportedModelError, hf_common_fields, rope_parameters
 from models.decoder import CausalLM
-from models.family import ExpertStack, Family
+from models.family import Family
 from models.layers import AttentionSpec, SelfAttention, norm_param, rms_norm
-from models.moe_grouped import HF_MOE_WEIGHTS, GroupedMoe, GroupedMoeConfig, grouped_moe_fields
+from models.moe_grouped import (GGUF_MOE_WEIGHTS, GGUF_SIGMOID_GATING, HF_MOE_WEIGHTS, GroupedMoe, GroupedMoeConfig,
+                                 grouped_moe_fields)
 
 
 class Glm4MoeDecoderLayer(nnx.Module, SelfAttention, GroupedMoe):
@@ -93,19 +94,11 @@ def config_from_hf(cfg: dict[str, Any]) -> Glm4MoeConfig:
 HF_LAYER_WEIGHTS = {**llama.HF_LAYER_WEIGHTS, **qwen3.QK_NORM_HF, **HF_MOE_WEIGHTS}
 
 GGUF_ARCH = "glm4moe"
-GGUF_SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 GGUF_LAYER_WEIGHTS = {
     **{k: v for k, v in llama.GGUF_LAYER_WEIGHTS.items() if k != "ffn_norm.weight"},
     **qwen3.QK_NORM_GGUF,
     "post_attention_norm.weight": "post_attn_norm",
-    "ffn_gate_inp.weight": "router",
-    "exp_probs_b.bias": "router_bias",
-    "ffn_gate_exps.weight": ExpertStack(("experts_gate",), transpose=True),
-    "ffn_up_exps.weight": ExpertStack(("experts_up",), transpose=True),
-    "ffn_down_exps.weight": ExpertStack(("experts_down",), transpose=True),
-    "ffn_gate_shexp.weight": "gate_proj",
-    "ffn_up_shexp.weight": "up_proj",
-    "ffn_down_shexp.weight": "down_proj",
+    **GGUF_MOE_WEIGHTS,
 }
 
 

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import UnsupportedModelError
+from models.family import ExpertStack
 from models.layers import gated_mlp, norm_param, param, silu
 from models.moe import MoeConfig, moe_mlp
 
@@ -157,3 +158,16 @@ HF_MOE_WEIGHTS = {
     "mlp.shared_experts.up_proj.weight": "up_proj",
     "mlp.shared_experts.down_proj.weight": "down_proj",
 }
+# The same tensors as llama.cpp's converter names them (DeepSeek-V3's and GLM-4.5's GGUF files),
+# each expert stack stored transposed.
+GGUF_MOE_WEIGHTS = {
+    "ffn_gate_inp.weight": "router",
+    "exp_probs_b.bias": "router_bias",
+    "ffn_gate_exps.weight": ExpertStack(("experts_gate",), transpose=True),
+    "ffn_up_exps.weight": ExpertStack(("experts_up",), transpose=True),
+    "ffn_down_exps.weight": ExpertStack(("experts_down",), transpose=True),
+    "ffn_gate_shexp.weight": "gate_proj",
+    "ffn_up_shexp.weight": "up_proj",
+    "ffn_down_shexp.weight": "down_proj",
+}
+GGUF_SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
