@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ferrox_jax.images import ImageSpan, expand_markers, find_spans, preprocess
+from ferrox_jax.images import ImageSpan, expand_markers, find_spans, preprocess, replace_markers
 from models.image_input import ImageError, ImageLimits, decode_image
 
 
@@ -103,15 +103,8 @@ class TiledLayout:
             raise ValueError(f"this model's tokenizer lacks the image layout token {missing[0]}; send a smaller "
                              "image, or fewer tiles" if missing[0].startswith("<row_") else
                              f"this model's tokenizer lacks the image layout token {missing[0]}; it cannot take images")
-        pieces = text.split(marker)
-        if len(pieces) - 1 != len(pictures):
-            raise ValueError(f"the prompt has {len(pieces) - 1} image markers ({marker}) for {len(pictures)} images; "
-                             "put one where each image goes")
-        out = [pieces[0]]
-        for picture, piece in zip(pictures, pieces[1:]):
-            out.append(image_text(picture.rows, picture.cols, self.cfg.tokens_per_image))
-            out.append(piece)
-        return "".join(out)
+        return replace_markers(text, marker, [image_text(p.rows, p.cols, self.cfg.tokens_per_image)
+                                              for p in pictures])
 
     def spans(self, ids: Sequence[int], pictures: Sequence[TiledPicture]) -> tuple[ImageSpan, ...]:
         """One causal span per tile, in prompt order (each image's tiles, then its global view).
@@ -184,14 +177,7 @@ class QwenLayout:
         marker = tokenizer.id_to_token(self.cfg.image_token_id)
         if not marker:
             raise ValueError("this model's tokenizer lacks its image token; it cannot take images")
-        pieces = text.split(marker)
-        if len(pieces) - 1 != len(pictures):
-            raise ValueError(f"the prompt has {len(pieces) - 1} image markers ({marker}) for {len(pictures)} images; "
-                             "put one where each image goes")
-        out = [pieces[0]]
-        for picture, piece in zip(pictures, pieces[1:]):
-            out += [marker * picture.tokens, piece]
-        return "".join(out)
+        return replace_markers(text, marker, [marker * p.tokens for p in pictures])
 
     def spans(self, ids: Sequence[int], pictures: Sequence[QwenPicture]) -> tuple[ImageSpan, ...]:
         """One causal span per image, with its token grid. Raises ValueError when the runs of image

@@ -91,10 +91,20 @@ def expand_markers(text: str, vision: Any, tokenizer: Any, count: int) -> str:
                                                            vision.image_token_id))
     if not (boi and eoi and soft):
         raise ValueError("this model's tokenizer lacks its image marker tokens; it cannot take images")
-    if text.count(boi) != count:
-        raise ValueError(f"the prompt has {text.count(boi)} image markers ({boi}) for {count} images; "
+    return replace_markers(text, boi, [f"\n\n{boi}{soft * vision.tokens_per_image}{eoi}\n\n"] * count)
+
+
+def replace_markers(text: str, marker: str, texts: Sequence[str]) -> str:
+    """`text` with its image markers replaced, in order, by `texts` (one per image). Raises
+    ValueError when the prompt's markers are not one per image."""
+    pieces = text.split(marker)
+    if len(pieces) - 1 != len(texts):
+        raise ValueError(f"the prompt has {len(pieces) - 1} image markers ({marker}) for {len(texts)} images; "
                          "put one where each image goes")
-    return text.replace(boi, f"\n\n{boi}{soft * vision.tokens_per_image}{eoi}\n\n")
+    out = [pieces[0]]
+    for replacement, piece in zip(texts, pieces[1:]):
+        out += [replacement, piece]
+    return "".join(out)
 
 
 def find_spans(ids: Sequence[int], vision: Any, pictures: Sequence[tuple[Any, bytes]]) -> tuple[ImageSpan, ...]:
