@@ -56,7 +56,7 @@ from models.quant import QuantizedWeight
 
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = (KERNELS / "int8_matmul.cc", KERNELS / "decode_attention.cc", KERNELS / "block_matmul.cc",
-           KERNELS / "block_matmul_k.cc")
+           KERNELS / "block_matmul_k.cc", KERNELS / "block_matmul_mxfp4.cc")
 LIBRARY = KERNELS / "_ferrox_cpu.so"
 MATMUL_TARGET = "ferrox_int8_matmul"
 ATTENTION_TARGET = "ferrox_decode_attention"
@@ -65,6 +65,8 @@ BLOCK_K_TARGET = "ferrox_block_matmul_k"  # the K-quants (block_matmul_k.cc)
 BLOCK_MULTI_TARGET = MULTI_TARGETS[BLOCK_TARGET]  # 2-3 weights of the same x in one call
 BLOCK_K_MULTI_TARGET = MULTI_TARGETS[BLOCK_K_TARGET]  # 2-3 K-quant weights of the same x in one call
 BLOCK_K_AVX2_TARGET = "ferrox_block_matmul_k_avx2"  # the same, its AVX2 build forced (tests)
+BLOCK_MXFP4_TARGET = "ferrox_block_matmul_mxfp4"  # MXFP4 (block_matmul_mxfp4.cc)
+BLOCK_MXFP4_AVX2_TARGET = "ferrox_block_matmul_mxfp4_avx2"  # the same, its AVX2 build forced (tests)
 LANE = 32  # the matmul's input sizes are multiples of one AVX2 register of int8
 BUILD_HINT = f"{sys.executable} -m models.cpu_kernels"
 
@@ -108,6 +110,10 @@ def unavailable_reason() -> str | None:
     jax.ffi.register_ffi_target(BLOCK_K_AVX2_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmulKAvx2), platform="cpu")
     _ISA["block_k"] = BLOCK_K_ISAS.get(lib.ferrox_block_k_isa(), "none")
     _ISA["block_amx"] = "AMX-BF16" if lib.ferrox_block_amx() else "none"
+    jax.ffi.register_ffi_target(BLOCK_MXFP4_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmulMxfp4), platform="cpu")
+    jax.ffi.register_ffi_target(BLOCK_MXFP4_AVX2_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmulMxfp4Avx2),
+                                platform="cpu")
+    _ISA["block_mxfp4"] = BLOCK_K_ISAS.get(lib.ferrox_block_mxfp4_isa(), "none")
     return None
 
 
@@ -225,8 +231,15 @@ def block_k_isa() -> str:
     return _ISA.get("block_k", "none") if unavailable_reason() is None else "none"
 
 
+def block_mxfp4_isa() -> str:
+    """Which build of the MXFP4 kernel this CPU runs ("AVX-512", "AVX2"), or "none"."""
+    return _ISA.get("block_mxfp4", "none") if unavailable_reason() is None else "none"
+
+
 def block_target(fmt: str) -> str:
     """The custom call that multiplies blocks of `fmt` (a `models.gguf_blocks.BLOCK_FORMATS` key)."""
+    if fmt == "mxfp4":
+        return BLOCK_MXFP4_TARGET
     return BLOCK_K_TARGET if fmt in K_FORMATS else BLOCK_TARGET
 
 
@@ -236,7 +249,7 @@ def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None, amx_r
     stay as they are), with int8 activation blocks from `int_rows` rows (None:
     `block_int_rows()`; 0: never), AMX tiles from `amx_rows` (None: `block_amx_rows()`; 0:
     never) and int16 activation blocks from `wide_rows` (None: `block_wide_rows()`; 0:
-    never); the K-quants' kernel has only the float path. Returns how many. Raises
+    never); the K-quants' and MXFP4's kernels have only the float path. Returns how many. Raises
     RuntimeError where the kernels cannot run."""
     _require()
     int_rows = block_int_rows() if int_rows is None else int_rows
@@ -250,7 +263,7 @@ def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None, amx_r
         if isinstance(leaf, BlockQuantizedWeight):
             # The embedding table kept as blocks is looked up, never multiplied: not a projection.
             packed += not _is_embedding(path)
-            if leaf.fmt in K_FORMATS:
+            if leaf.fmt in K_FORMATS or leaf.fmt == "mxfp4":  # float activations only
                 return with_kernel(leaf, block_target(leaf.fmt), 0, 0)
             if leaf.blocks.ndim == 3:
                 # An expert stack multiplies tiles padded to 8+ rows (models/moe.py) even for one
@@ -270,10 +283,11 @@ def _is_embedding(path) -> bool:
     return getattr(first, "key", getattr(first, "name", None)) == "embed"
 
 
-def k_quant_count(model: nnx.Module) -> int:
-    """How many of `model`'s BlockQuantizedWeights are K-quants (for the start-up log)."""
+def k_quant_count(model: nnx.Module, formats=K_FORMATS) -> int:
+    """How many of `model`'s BlockQuantizedWeights are in `formats` (the K-quants by default;
+    for the start-up log)."""
     leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model), is_leaf=lambda x: isinstance(x, BlockQuantizedWeight))
-    return sum(isinstance(leaf, BlockQuantizedWeight) and leaf.fmt in K_FORMATS and not _is_embedding(path)
+    return sum(isinstance(leaf, BlockQuantizedWeight) and leaf.fmt in formats and not _is_embedding(path)
                for path, leaf in leaves)
 
 

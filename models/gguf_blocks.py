@@ -14,7 +14,9 @@ row, its `in` inputs as in / 32 consecutive blocks of B bytes, byte for byte the
     Q4_1  B = 20   f16 d, f16 m, u8 qs[16]   w = d * q + m
     Q8_0  B = 34   f16 d, s8 qs[32]          w = d * q
 
-(Q4: value j is the low nibble of qs[j], value j + 16 its high nibble.) GGUF's numpy view
+(Q4: value j is the low nibble of qs[j], value j + 16 its high nibble.) MXFP4 (B = 17,
+gpt-oss's experts: u8 e, u8 qs[16], w = FP4[q] * 2^(e - 127)) has its own module,
+`models/gguf_mxfp4.py`, and kernel, as the K-quants do. GGUF's numpy view
 of a weight is already [out, in] with each row's blocks contiguous: loading is a
 reshape, and llama's q/k row permutation (`models/loaders/gguf.py`) permutes whole rows.
 The logical shape (`shape`) is the projection's [in, out], what the model expects.
@@ -47,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from models import gguf_kquants
+from models import gguf_kquants, gguf_mxfp4
 
 BLOCK = 32  # values per GGUF block
 # Kernel targets that also multiply 2 or 3 weights of the same activations in one call
@@ -64,12 +66,14 @@ class BlockFormat:
     block_values: int = BLOCK  # 256 for the K-quants' super-blocks (models/gguf_kquants.py)
 
 
-# The K-quants (codes 3-5) are multiplied by models/kernels/block_matmul_k.cc.
+# The K-quants (codes 3-5) are multiplied by models/kernels/block_matmul_k.cc, MXFP4 (code 6,
+# models/gguf_mxfp4.py) by models/kernels/block_matmul_mxfp4.cc.
 K_FORMATS = ("q4_k", "q5_k", "q6_k")
 BLOCK_FORMATS = {f.name: f for f in (BlockFormat("q4_0", 0, 18), BlockFormat("q4_1", 1, 20),
                                      BlockFormat("q8_0", 2, 34),
                                      *(BlockFormat(name, 3 + i, gguf_kquants.SUPER_BYTES[name], gguf_kquants.SUPER)
-                                       for i, name in enumerate(K_FORMATS)))}
+                                       for i, name in enumerate(K_FORMATS)),
+                                     BlockFormat("mxfp4", 6, gguf_mxfp4.BLOCK_BYTES))}
 
 
 @struct.dataclass
@@ -134,6 +138,8 @@ def dequantize_host(blocks: np.ndarray, fmt: str, dtype=np.float64) -> np.ndarra
     """numpy u8[rows, row bytes] -> [rows, in] in `dtype` (float64 for test references)."""
     if fmt in K_FORMATS:
         return gguf_kquants.dequantize_host(blocks, fmt, dtype)
+    if fmt == "mxfp4":
+        return gguf_mxfp4.dequantize_host(blocks, dtype)
     size = BLOCK_FORMATS[fmt].block_bytes
     rows = blocks.shape[0]
     b = np.ascontiguousarray(blocks).reshape(rows, -1, size)
@@ -150,6 +156,8 @@ def dequantize_blocks(blocks: jax.Array, fmt: str) -> jax.Array:
     """jnp version of `dequantize_host`: u8[rows, row bytes] -> f32[rows, in] (traceable)."""
     if fmt in K_FORMATS:
         return gguf_kquants.dequantize_blocks(blocks, fmt)
+    if fmt == "mxfp4":
+        return gguf_mxfp4.dequantize_blocks(blocks)
     size = BLOCK_FORMATS[fmt].block_bytes
     rows = blocks.shape[0]
     b = blocks.reshape(rows, -1, size)

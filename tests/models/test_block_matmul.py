@@ -18,7 +18,7 @@ from models import cpu_kernels
 from models.gguf_blocks import BLOCK, BLOCK_FORMATS, K_FORMATS, block_matmul, block_matmul_many, dequantize_blocks, \
     dequantize_host, fusable, make_weight, with_kernel
 
-FORMATS = tuple(f for f in BLOCK_FORMATS if f not in K_FORMATS)  # the K-quants: tests/models/test_block_matmul_k.py
+FORMATS = tuple(f for f in BLOCK_FORMATS if f not in (*K_FORMATS, "mxfp4"))  # K-quants, MXFP4: their own test files
 F32_EPS = float(np.finfo(np.float32).eps)
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None,
