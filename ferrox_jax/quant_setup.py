@@ -45,23 +45,24 @@ def int8_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
 def resolve_quantization(config: EngineConfig, source: CheckpointSource, mesh: Any) -> tuple[str, str]:
     """The mode to build ("auto" and "gguf" resolved) and a start-up note ("" for none).
 
-    "auto": a GGUF whose projections are Q4_0 / Q4_1 / Q8_0 / K-quant blocks, on one CPU
-    device with ferrox's kernels, serves its own blocks ("gguf", `models/gguf_blocks.py`); anything else
-    "none". "gguf" where it cannot apply (no such blocks, or tensor parallelism: the blocks
+    "auto": a GGUF whose projections are Q4_0 / Q4_1 / Q8_0 / K-quant / MXFP4 blocks, or an HF
+    checkpoint with MXFP4 experts (gpt-oss), on one CPU device with ferrox's kernels, serves
+    its own blocks ("gguf", `models/gguf_blocks.py`); anything else "none" (MXFP4 experts
+    dequantized to float at load, as on TPU and GPU). "gguf" where it cannot apply (no such blocks, or tensor parallelism: the blocks
     have no sharding rule) serves float weights, with a warning."""
     mode = config.quantization
     if mode not in ("auto", "gguf"):
         return mode, ""
     backend = jax.default_backend()
     problems = [] if source.block_tensors else [
-        "the checkpoint has no Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K projections"]
+        "the checkpoint has no Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K / MXFP4 projections"]
     if mesh is not None:
         problems.append("tensor parallelism (GGUF blocks have no sharding rule)")
     if mode == "auto":
         problems += cpu_kernels.runtime_problems(backend, mesh)
         if problems:
             return "none", ""
-        return "gguf", "quantization auto -> gguf: the file's own blocks on the CPU block kernel"
+        return "gguf", "quantization auto -> gguf: the checkpoint's own blocks on the CPU block kernel"
     if problems:
         note = "quantization gguf -> none (float weights): " + "; ".join(problems)
         log.warning("%s", note)
@@ -105,6 +106,9 @@ def block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
         k_quants = cpu_kernels.k_quant_count(model)
         k_note = (f"; of them {k_quants} K-quants, on the {cpu_kernels.block_k_isa()} K-quant kernel "
                   f"(float32 activations)" if k_quants else "")
+        if mxfp4 := cpu_kernels.k_quant_count(model, ("mxfp4",)):
+            k_note += (f"; of them {mxfp4} MXFP4 (expert stacks), on the {cpu_kernels.block_mxfp4_isa()} "
+                       "MXFP4 kernel (float32 activations)")
         return f"gguf projections: {packed} on the {cpu_kernels.block_isa()} block kernel ({paths}){k_note}"
     note = "gguf projections: XLA dequantizes the blocks every step (slow): " + "; ".join(problems)
     log.warning("%s", note)

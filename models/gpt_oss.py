@@ -28,14 +28,19 @@ The fused gate/up is split at load into the two stacks Mixtral has (and llama.cp
 so sharding, int8 quantization and the expert tiles treat them as every other family's.
 
 GGUF (`gpt-oss`, as llama.cpp's converter writes it): gate and up already split and each
-expert transposed (`ffn_{gate,up,down}_exps`, usually MXFP4, dequantized at load), their
+expert transposed (`ffn_{gate,up,down}_exps`, usually MXFP4: see below), their
 biases `ffn_*_exps.bias` [E, n], the router `ffn_gate_inp` (+ bias), `attn_sinks`, and
 the second norm named `post_attention_norm`.
 
 Sliding layers mask by position (models/attention.py) and keep their K/V in the sliding
 KV group's window-sized pool (ferrox_jax/kv_groups.py). Released checkpoints store the experts in MXFP4
-(`quantization_config.quant_method: mxfp4`, `*_blocks` + `*_scales`): they are dequantized
-to float at load (`models/loaders/mxfp4.py`); any other quantization method is refused.
+(`quantization_config.quant_method: mxfp4`, `*_blocks` + `*_scales`; GGUFs as MXFP4 expert
+stacks); any other quantization method is refused. Under `--quantization gguf` (what `auto`
+picks on one x86 CPU device with ferrox's kernels) the experts stay MXFP4 blocks,
+u8[E, out, in / 32 * 17] (HF blocks repacked at load, `models/loaders/mxfp4.py`; a GGUF's
+as stored), each expert's tile multiplied by the MXFP4 kernel from its own slice
+(`models/gguf_mxfp4.py`); otherwise, and on TPU / GPU, they are dequantized to float at load.
+Either way the values are the checkpoint's exactly (every MXFP4 weight is exact in float32).
 """
 
 from __future__ import annotations
@@ -115,7 +120,7 @@ def config_from_hf(cfg: dict[str, Any]) -> GptOssConfig:
     quant = (cfg.get("quantization_config") or {}).get("quant_method")
     if quant not in (None, "mxfp4"):
         raise UnsupportedModelError(f"GptOssForCausalLM: quantization_config.quant_method {quant!r} is not "
-                                    "supported (only mxfp4, whose experts are dequantized at load, or float weights)")
+                                    "supported (only mxfp4 experts, or float weights)")
     fields = hf_common_fields(cfg)
     window, types = hf_layer_types(cfg, fields["num_layers"], window_applies=True)
     return GptOssConfig(**fields, attention_bias=bool(cfg.get("attention_bias", True)), sliding_window=window,

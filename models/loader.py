@@ -75,7 +75,8 @@ def open_checkpoint(path: str, load_format: str = "auto", seed: int = 0) -> Chec
         from models.loaders import safetensors as st
 
         cfg = st.read_config(p)
-        return CheckpointSource(cfg, Tokenizer.from_hf_dir(p), p.name, str(p), st.read_tensors(p, cfg))
+        return CheckpointSource(cfg, Tokenizer.from_hf_dir(p), p.name, str(p), st.read_tensors(p, cfg),
+                                block_tensors=st.read_block_tensors(p, cfg))
     if p.suffix == ".gguf":
         from models.loaders.gguf import forget_vocabulary, open_gguf, open_gguf_checkpoint, release_pages
         from models.loaders.gguf_blocks import gguf_block_tensors

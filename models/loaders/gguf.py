@@ -36,7 +36,7 @@ Format quirks handled here:
   [in, out] (`ExpertStack`), and the router as `ffn_gate_inp`. A block-quantized stack is
   dequantized to the compute dtype at load in the float and int8 modes (the int8 modes then
   quantize it per expert like a float stack); `--quantization gguf` keeps a Q4_0 / Q4_1 /
-  Q8_0 / K-quant stack as its blocks (`models/loaders/gguf_blocks.py`), MXFP4 stays float.
+  Q8_0 / K-quant / MXFP4 stack as its blocks (`models/loaders/gguf_blocks.py`).
   gpt-oss files (`gpt-oss`) add biases to the stacks (`ffn_*_exps.bias`, [E, n]), the
   router bias and per-head `attn_sinks`; their experts are usually MXFP4, read the same way.
 - YaRN RoPE comes from `rope.scaling.*` (factor, original context, betas). Gemma 4: models/gemma4_gguf.py.
@@ -77,7 +77,7 @@ GGUF_NON_PARAMETERS = ("rope_freqs.weight",)
 
 _T = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = (_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q5_K, _T.Q6_K,
-                          _T.MXFP4)  # MXFP4: gpt-oss's expert stacks, dequantized at load
+                          _T.MXFP4)  # MXFP4: gpt-oss's expert stacks (blocks under gguf, else float)
 # Types whose blocks are integers times one scale, read straight into int8 (bytes per block).
 INT8_BLOCK_TYPES = {_T.Q8_0: 2 + GGUF_BLOCK, _T.Q4_0: 2 + GGUF_BLOCK // 2}
 

@@ -1,4 +1,4 @@
-"""A GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K projections as raw block rows,
+"""A GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K / MXFP4 projections as raw block rows,
 for `--quantization gguf`.
 
 `gguf_block_tensors(path, cfg)` gives `{our name: () -> (u8[out, row bytes], fmt)}` for
@@ -10,7 +10,8 @@ llama's q/k rows are un-permuted (whole rows move, so it is exact), fused tensor
 (Phi-3's attn_qkv, ffn_up) split by rows. A MoE file's expert stacks (`ffn_{gate,up,down}_exps`,
 u8[E, out, row bytes]: each expert's rows as a projection's) are kept whole under our stack
 names, each expert computed from its own slice (`models/quant.py:select_expert`) instead of
-dequantized to float at load. The embedding's blocks are kept under "embed":
+dequantized to float at load; gpt-oss's MXFP4 stacks too (their own kernel,
+`models/kernels/block_matmul_mxfp4.cc`). The embedding's blocks are kept under "embed":
 the model keeps its table as these block rows (a lookup dequantizes the rows it gathers),
 and a tied LM head is the same array.
 """
@@ -37,7 +38,8 @@ BlockProducer = Callable[[], HostBlocks]
 
 GGML_BLOCK_FORMATS = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1",
                       GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_K: "q4_k",
-                      GGMLQuantizationType.Q5_K: "q5_k", GGMLQuantizationType.Q6_K: "q6_k"}
+                      GGMLQuantizationType.Q5_K: "q5_k", GGMLQuantizationType.Q6_K: "q6_k",
+                      GGMLQuantizationType.MXFP4: "mxfp4"}
 
 
 def _rows(tensor, cfg: ModelConfig, unpermute_qk: bool) -> np.ndarray:

@@ -8,7 +8,8 @@ vision / audio towers skipped. Projection weights are stored by HF as `[out, in]
 transposed to our `[in, out]` (x @ W); fused tensors (Phi-3) are split and per-expert
 tensors (Mixtral, Qwen3-MoE) stacked by `models/loaders/common.py`; MXFP4 tensors
 (gpt-oss's experts, stored as `NAME_blocks` + `NAME_scales`) dequantized to float at load
-by `models/loaders/mxfp4.py`. HF q/k rows are
+by `models/loaders/mxfp4.py`, which also gives them as MXFP4 block stacks
+(`read_block_tensors`) for quantization "gguf" on the CPU kernel. HF q/k rows are
 already in the rotate-half RoPE order our model uses, so nothing is permuted here (the
 GGUF loader, by contrast, must undo llama.cpp's interleaving for `llama` files).
 """
@@ -23,7 +24,7 @@ from safetensors import safe_open
 
 from models.config import CheckpointFileError, ModelConfig, read_json_file
 from models.loaders.common import expected_params, map_layer_tensors, stack_experts
-from models.loaders.mxfp4 import pair_mxfp4
+from models.loaders.mxfp4 import mxfp4_block_stacks, pair_mxfp4
 from models.loaders.shards import shard_files
 from models.registry import config_from_hf, family_for
 
@@ -74,19 +75,8 @@ def read_tensors(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
     """
     family = family_for(cfg.architecture)
     table, global_table = family.hf_layer_weights, {**GLOBAL_TABLE, **family.hf_global_weights}
-    # A multimodal wrapper's text model is read under its own names, even with no vision side
-    # (Gemma 4 is served as text).
-    vision_language = getattr(cfg, "vision", None) is not None or cfg.architecture.endswith("ForConditionalGeneration")
     expected = expected_params(cfg)
-    loads: dict[str, Callable] = {}
-    for shard in shard_files(folder):
-        with safe_open(str(shard), framework="flax") as f:
-            for hf_name in f.keys():
-                if hf_name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                name = _text_model_name(hf_name) if vision_language else hf_name
-                if name is not None:  # None: the vision encoder's (models/siglip.py reads them)
-                    loads[name] = _lazy(shard, hf_name)
+    loads = _checkpoint_loads(folder, cfg)
     tensors: dict[str, Callable] = {}
     experts: dict = {}
     for hf_name, load in pair_mxfp4(loads).items():  # MXFP4 blocks + scales -> one float tensor
@@ -103,6 +93,31 @@ def read_tensors(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
         tensors.update({hf_name: load} if mapped is None else mapped)
     tensors.update(stack_experts(experts, getattr(cfg, "num_experts", None)))
     return tensors
+
+
+def read_block_tensors(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
+    """Lazy {our expert stack name: () -> (u8[E, out, row bytes], "mxfp4")} for the folder's
+    MXFP4 expert stacks (`models/loaders/mxfp4.py:mxfp4_block_stacks`); {} when it has none."""
+    loads = _checkpoint_loads(folder, cfg)
+    if not any(name.endswith("_blocks") for name in loads):
+        return {}
+    return mxfp4_block_stacks(loads, family_for(cfg.architecture).hf_layer_weights, expected_params(cfg))
+
+
+def _checkpoint_loads(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
+    """{checkpoint name: lazy reader} over every shard; a multimodal wrapper's text model is
+    read under its own names, even with no vision side (Gemma 4 is served as text)."""
+    vision_language = getattr(cfg, "vision", None) is not None or cfg.architecture.endswith("ForConditionalGeneration")
+    loads: dict[str, Callable] = {}
+    for shard in shard_files(folder):
+        with safe_open(str(shard), framework="flax") as f:
+            for hf_name in f.keys():
+                if hf_name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                name = _text_model_name(hf_name) if vision_language else hf_name
+                if name is not None:  # None: the vision encoder's (models/siglip.py reads them)
+                    loads[name] = _lazy(shard, hf_name)
+    return loads
 
 
 def _text_model_name(hf_name: str) -> str | None:
