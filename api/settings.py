@@ -117,8 +117,9 @@ SETTINGS: tuple[Setting, ...] = (
             "seed of --load-format dummy (same seed, same weights)", group="model"),
     Setting("quantization", "FERROX_QUANTIZATION", _str, "auto",
             "weights: none, int8 (weight-only; fused on TPU/GPU, slower on CPU), w8a8 (int8 weights and "
-            "per-token int8 activations), gguf (a GGUF's Q4_0/Q4_1/Q8_0 blocks as shipped, on ferrox's CPU "
-            "block kernel) or auto (gguf for such a file on one CPU device, else none)", group="model"),
+            "per-token int8 activations), gguf (a GGUF's Q4_0/Q4_1/Q8_0/K-quant/MXFP4 blocks, or an HF "
+            "checkpoint's MXFP4 experts, as shipped, on ferrox's CPU block kernels) or auto (gguf for such "
+            "a checkpoint on one CPU device, else none)", group="model"),
     Setting("int8_kernel", "FERROX_INT8_KERNEL", _str, "auto",
             "w8a8 projections on CPU: auto (ferrox's AVX2 int8 kernel when built, one device) or xla "
             "(XLA's int8 dot)", group="model"),
