@@ -11,7 +11,8 @@ re-drawn). The reference is the path every other backend takes, the same checkpo
 its experts dequantized to float32 at load: every MXFP4 weight is exact in float32, so the
 two agree up to float32 summation order (logits within 1e-4, the same greedy tokens).
 Negative controls: the kept blocks with their nibbles swapped, or their scales one exponent
-up, miss by far more than that.
+up, miss by far more than that. A real server with `--quantization auto` over the MXFP4
+folder picks the blocks and the kernel by itself and completes as the float path does.
 """
 
 from __future__ import annotations
@@ -151,3 +152,28 @@ def test_kernel_matches_the_dequantized_path(checkpoints, source):
         misses[change.__name__] = float(np.abs(prompt_logits(runner_for(wrong)) - ref).max())
     print(f"gpt-oss MXFP4 {source} on the kernel: max |Δlogit| vs dequantized {err:.2e}; controls {misses}")
     assert all(m > WRONG for m in misses.values()), misses
+
+
+
+@needs_kernels
+def test_served_with_auto_on_the_kernel(checkpoints):
+    """A real server over the MXFP4 safetensors folder with `--quantization auto` (the
+    server's default): the start-up line names the MXFP4 kernel, and its greedy completion
+    is the dequantized path's (the tokens our float experts give the row alone)."""
+    import openai
+
+    from api.app import create_app
+    from tests.support.server_harness import ServerThread, tiny_engine
+
+    engine = tiny_engine(checkpoints["hf"], quantization="auto", **fc.SERVE_LIMITS)
+    assert engine.config.quantization == "gguf"
+    assert "6 MXFP4 (expert stacks), on the" in engine.matmul_note, engine.matmul_note
+    with ServerThread(create_app(engine)) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        text = client.completions.create(model=client.models.list().data[0].id, prompt="The quick brown fox",
+                                         max_tokens=8, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    ref = ModelRunner(open_checkpoint(str(checkpoints["hf"])).build(quantization="none"), num_blocks=16,
+                      block_size=8, max_rows=1, max_chunk_tokens=16, max_context=64)
+    want = generate_alone(ref, engine.tokenizer.encode("The quick brown fox"), 8, shuffled_blocks(3, 16, seed=1))
+    assert text == engine.tokenizer.decode(want), (text, want)
+    assert engine.stats().recompiles_after_warmup == 0
