@@ -28,6 +28,11 @@ CPU backend) reads each key and value once through the block table, f32 or bfloa
 sliding window, soft-capping or attention sinks, as the Pallas TPU kernel does (the
 others fall back to pure JAX: `models/layers.py` chooses per layer).
 
+GGUF blocks kept as shipped (`--quantization gguf`, `models/gguf_blocks.py`) run on three
+block kernels, one per family of formats (`block_target`): Q4_0 / Q4_1 / Q8_0
+(block_matmul.cc), the K-quants (block_matmul_k.cc) and MXFP4, gpt-oss's experts
+(block_matmul_mxfp4.cc); `pack_blocks_for_kernel` points each weight at its own.
+
 A sharded model (the custom calls have no partitioning rule), any other backend, and a
 weight or head size the kernels cannot take keep XLA. Build: `make` does it (`python -m
 models.cpu_kernels`: one `c++` command against the FFI headers jaxlib ships). Without a
