@@ -147,6 +147,21 @@ def test_float_path_equals_float64_reference(fmt, rows):
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows,k,n", [(1, 2048, 300), (2, 8192, 37), (3, 2048, 150)])
+def test_float_path_few_rows_shared_over_threads(fmt, rows, k, n):
+    # A decode step's products: 1 to 3 rows at a 1B model's row lengths (2048; 8192, the down
+    # projection), past 2^18 multiply-adds, so the columns are shared over the pool in chunks
+    # of 4-column tiles (n = 300, 150, 37: a short last chunk and single columns).
+    blocks, x = random_blocks(fmt, n, k, seed=5), activations(rows, k, seed=6)
+    w = dequantize_host(blocks, fmt)
+    weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_TARGET, 0)
+    got = np.asarray(jax.jit(block_matmul)(jnp.asarray(x), weight))
+    err = np.abs(got - x.astype(np.float64) @ w.T)
+    assert np.all(err <= bound(x, w)), f"{fmt} {rows}x[{k}, {n}]: max error {err.max():.3g}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 5, 70])
 def test_integer_path_equals_integer_reference(fmt, rows):
     # 70 rows: past one 64-row panel; 5: a 4-row tile and a remainder; n = 7: a 4 tile + 3 singles
