@@ -5,9 +5,10 @@
 // over THREADS spinning threads by columns, as a decode step runs a model's layers. Per
 // round, in this order: the DRAM probe (the threads sum a 256 MB buffer 16 MB at a time,
 // each its half of the 16 MB, AVX-512 loads, 4 chains), then for each format the kernel's
-// AVX-512 float path (the register tile, FloatTile512) and the two alternatives of
+// AVX-512 float path (the register tile, FloatTile512) and the alternatives of
 // block_row_paths.inc (RowPairs: the K-quants' row path shape; TilePieces: the tile over
-// 2048-input pieces), one after the other. The best sample of ROUNDS rounds is printed for
+// 2048-input pieces; for Q4, ShiftIndex: the whole-row tile with its weight indices made by
+// a broadcast and per-lane shifts instead of a byte widening), one after the other. The best sample of ROUNDS rounds is printed for
 // each, in GB/s of weight bytes read, with each alternative's max difference from the tile
 // relative to |tile| + 1 (float32 sums of the same dequantized weights in another order: a
 // bug shows as O(1)).
@@ -131,8 +132,8 @@ int main(int argc, char** argv) {
     copies.push_back(std::getenv("CACHED") ? 1 : kStreamBytes / bytes + 1);  // CACHED=1: one copy, from cache
     weights.push_back(Blocks(f, bytes * copies.back(), &rng));
   }
-  double best_probe = 0, best[3][3] = {};
-  double max_diff[3][3] = {};
+  double best_probe = 0, best[3][4] = {};
+  double max_diff[3][4] = {};
   std::vector<float> out(m * n), tile_out(m * n);
   volatile float sink = 0;
   for (int round = 0; round < rounds; ++round) {
@@ -145,7 +146,7 @@ int main(int argc, char** argv) {
     }
     for (int fi = 0; fi < 3; ++fi) {
       const int64_t bytes = n * k / kBlock * BlockBytes(fmts[fi]);
-      for (int path = 0; path < 3; ++path) {
+      for (int path = 0; path < 4; ++path) {
         float* o = path ? out.data() : tile_out.data();
         for (int64_t c = 0; c < copies[fi]; ++c) {
           const Problem p{x.data(), weights[fi].data() + c * bytes, o, m, n, k};
@@ -174,4 +175,7 @@ int main(int argc, char** argv) {
                 names[fi], static_cast<long>(m), static_cast<long>(k), static_cast<long>(n), threads, best[fi][0],
                 100 * best[fi][0] / best_probe, best[fi][1], best[fi][1] / best[fi][0], max_diff[fi][1], best[fi][2],
                 best[fi][2] / best[fi][0], max_diff[fi][2]);
+  for (int fi = 0; fi < 2; ++fi)  // Q8_0 has no such variant (path 3 runs its tile)
+    std::printf("  %s, whole-row tile with shift-picked indices (x permuted): %.1f GB/s (%.2fx, diff %.2g)\n",
+                names[fi], best[fi][3], best[fi][3] / best[fi][0], max_diff[fi][3]);
 }
