@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Q4_0 / Q4_1 / Q8_0 one-row products of a Llama-3.2-1B-shaped model (hidden 2048, 32 / 8
-# heads of 64, MLP 8192) streamed from DRAM: the block kernel's tile against the two
+# heads of 64, MLP 8192) streamed from DRAM: the block kernel's tile against the
 # alternatives of block_row_paths.inc, with the two cores' DRAM read probe in the same runs
 # (bench/kernels/block_row_stream.cc). Writes the output to stdout; docs/benchmarks.md quotes
 # one run (block_row_stream-zen4.txt here).
