@@ -139,6 +139,10 @@ SETTINGS: tuple[Setting, ...] = (
             group="cache"),
     Setting("compile_cache_dir", "FERROX_COMPILE_CACHE_DIR", _str, None,
             "JAX persistent compilation cache (default: ~/.cache/ferrox_jax/jax; 'off' disables)", group="model"),
+    Setting("executable_store", "FERROX_EXECUTABLE_STORE", _bool, True,
+            "keep the compiled step executables serialized under the compile cache dir, so a restart loads "
+            "them without tracing (CPU, one process; --no-executable-store: JAX's compile cache only)",
+            group="model"),
     Setting("tensor_parallel", "FERROX_TENSOR_PARALLEL", _positive_int, 1,
             "devices to shard the model over (the mesh's model axis)", group="parallel"),
     Setting("mesh", "FERROX_MESH", _str, None,

@@ -108,6 +108,9 @@ class EngineConfig:
     grammar_timeout_s: float = GRAMMAR_TIMEOUT_S  # one compile in a child, at most (400 above)
     # ---- compilation ----
     compile_cache_dir: str | None = None  # JAX persistent compilation cache; None: off
+    # the step executables serialized under compile_cache_dir, keyed by what makes them
+    # (ferrox_jax/executable_store.py): a restart loads them without tracing; False: JAX's cache only
+    executable_store: bool = True
     # ---- scale-out (ferrox_jax/sharding.py, docs/deploy-tpu.md) ----
     tensor_parallel: int = 1  # devices on the mesh's "model" axis; 1 = no mesh
     mesh: str | None = None  # "data=1,model=4" (overrides tensor_parallel; data must be 1)

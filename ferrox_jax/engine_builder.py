@@ -61,6 +61,7 @@ from ferrox_jax.multihost import StepChannel, check_mesh, step_channel_address
 from ferrox_jax.multihost_runner import BroadcastRunner, DraftSender
 from ferrox_jax.quant_setup import DTYPES, block_matmul, int8_matmul, resolve_kv_dtype, resolve_quantization
 from ferrox_jax.vision import open_vision
+from ferrox_jax.executable_store import store_for
 from ferrox_jax.shared_compiles import SharedCompiles
 from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.runner_protocol import Runner
@@ -456,7 +457,8 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
                          max_chunk_tokens=step.idle_chunk_tokens, max_context=sizing.max_context, kv_dtype=kv_dtype,
                          mesh=mesh, replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks,
                          shared_compiles=_PROCESS.get("shared_compiles"), vision=vision, kv_offload_blocks=offload,
-                         window_blocks=sizing.window_blocks)
+                         window_blocks=sizing.window_blocks,
+                         executable_store=store_for(config, source.path, single_device=mesh is None))
     draft_runner = (_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh)
                     if draft_source is not None else None)
     device, (runner, draft, channel) = runner, _leader_runners(runner, draft_runner, config)

@@ -37,6 +37,7 @@ placed with the same shardings), `release` / `restore` (sleep and wake, `ferrox_
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import math
@@ -60,6 +61,7 @@ from ferrox_jax.multihost import place_on_mesh
 from ferrox_jax.padding import empty_forward, pad_batch, unpad_results
 from ferrox_jax.runner_protocol import DeviceState
 from ferrox_jax.state_pool import refuse_unsupported
+from ferrox_jax.executable_store import ExecutableStore
 from ferrox_jax.shared_compiles import SharedCompiles
 from ferrox_jax.plan import RowPlan
 from ferrox_jax.sharding import runner_shardings
@@ -113,7 +115,8 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_rows: int, max_chunk_tokens: int,
                  max_context: int, kv_dtype=None, mesh=None, replicate_attention: bool = False,
                  max_chunks: int = 1, shared_compiles: SharedCompiles | None = None,
-                 vision: VisionEncoder | None = None, kv_offload_blocks: int = 0, window_blocks: int = 0):
+                 vision: VisionEncoder | None = None, kv_offload_blocks: int = 0, window_blocks: int = 0,
+                 executable_store: ExecutableStore | None = None):
         """Args:
           model: the built model, its decode attention already chosen (`models/loader.py`).
           num_blocks: KV cache blocks, the null block 0 included.
@@ -134,6 +137,9 @@ class ModelRunner:
             0: no tier, nothing of it compiled or allocated.
           window_blocks: the sliding-window layers' own pool, its null slot included
             (`ferrox_jax/kv_groups.py`); 0: they hold `num_blocks` as every layer does.
+          executable_store: where executables serialized by an earlier start are loaded
+            from, without tracing, and new ones stored (`ferrox_jax/executable_store.py`);
+            None: every executable is traced, lowered and compiled (JAX's cache may hold it).
         """
         cfg = model.cfg
         self.cfg = cfg
@@ -183,6 +189,7 @@ class ModelRunner:
                                      storage_dtype(self.kv_dtype)) if kv_offload_blocks else None
         self._compiled: dict[tuple, Callable] = {}
         self._shared_compiles = shared_compiles
+        self._store = executable_store
         self.is_warm = False
         self._recompiles = 0
         self._asleep: sleep.Asleep | None = None  # what `release` freed, until `restore`
@@ -290,12 +297,15 @@ class ModelRunner:
         return self._steps.forward.lower(self.graphdef, self._state_tree, self._state_leaves, self.kv_cache, batch)
 
     def _compile(self, key: tuple) -> Callable:
-        """Every executable, at warm-up or after it, comes from here: compiled by this
-        process, or in a multi-process group by process 0 and loaded (`shared_compiles`)."""
+        """Every executable compiled, at warm-up or after it, comes from here: compiled by
+        this process (and stored, with an executable store), or in a multi-process group by
+        process 0 and loaded (`shared_compiles`). Loads from the store are `warmup`'s."""
         lowered = self._lower(key)
-        if self._shared_compiles is None:
-            return lowered.compile()
-        return self._shared_compiles.compile("/".join(map(str, key)), lowered)
+        if self._shared_compiles is not None:
+            return self._shared_compiles.compile("/".join(map(str, key)), lowered)
+        if self._store is not None:
+            return self._store.compile(key, lowered)
+        return lowered.compile()
 
     def _executable(self, key: tuple) -> Callable:
         exe = self._compiled.get(key)
@@ -310,17 +320,32 @@ class ModelRunner:
                num_threads: int | None = None) -> float:
         """Compile every shape and the block copy ahead of time; returns seconds taken.
         Nothing is executed. XLA compiles release the GIL, so they run one thread per core.
+        With an executable store, what it holds is loaded first (no trace, no lowering), and
+        the rest compiled with JAX's cache suspended, so that each can be stored whole.
         """
         t0 = time.perf_counter()
         keys = [k for k in self.compile_keys() if k not in self._compiled]
-        num_threads = num_threads or min(len(keys), os.cpu_count() or 1) or 1
-        with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
-            for i, (key, exe) in enumerate(zip(keys, pool.map(self._compile, keys))):
+        done = 0
+        if self._store is not None:
+            for key in keys:
+                exe = self._store.load(key)
+                if exe is not None:
+                    self._compiled[key] = exe
+                    done += 1
+                    if progress:
+                        progress(done, len(keys), key)
+        misses = [k for k in keys if k not in self._compiled]
+        fresh = self._store.fresh_compiles() if self._store is not None and misses else contextlib.nullcontext()
+        num_threads = num_threads or min(len(misses), os.cpu_count() or 1) or 1
+        with fresh, concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
+            for key, exe in zip(misses, pool.map(self._compile, misses)):
                 self._compiled[key] = exe
+                done += 1
                 if progress:
-                    progress(i + 1, len(keys), key)
+                    progress(done, len(keys), key)
         self.is_warm = True
         return time.perf_counter() - t0
+
 
     # ---- pad ---------------------------------------------------------------------------
     def _pad(self, batch: HostBatch) -> tuple[StepShape, np.ndarray, ForwardBatch]:

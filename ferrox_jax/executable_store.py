@@ -1,0 +1,260 @@
+"""The executable store: the runner's compiled step executables, serialized under a key of
+our own, so that a restart loads them without tracing or lowering a single step function.
+
+JAX's persistent compilation cache (`--compile-cache-dir`) is keyed by the lowered module,
+so a restart on it still traces and lowers every step shape before it can look one up
+(for the 1B GGUF at 8 rows x 512: 4.1 s of a 10.3 s restart, docs/benchmarks.md). This
+store is keyed by what the program is made from instead, all of it known before a trace:
+
+  * the program fingerprint (`program_fingerprint`, one per engine): every engine setting
+    that can reach the step functions (all of `EngineConfig` but the host-side fields of
+    `HOST_SIDE_FIELDS`), the checkpoint's files (path, size and mtime of each: cheap at
+    start-up and changed by any rewrite; the weights' bytes never reach the program, they
+    are its arguments, so a content hash would buy nothing but seconds of reading), the
+    mmproj file likewise, jax and jaxlib versions, the backend, its platform version and
+    device kind, the device and process counts, the CPU's feature flags (XLA and our
+    kernels pick instructions by them), XLA_FLAGS, the x64 and matmul-precision switches,
+    a hash of the CPU kernels library and a hash of every Python source of ferrox_jax/
+    and models/ (our own code version: any edit is a new program, which is safe);
+  * the step's own key (`("forward", Bd, Pc, Tc)`, `("sample", rows)`, ...:
+    `ferrox_jax/runner.py:compile_keys`).
+
+Layout: `<compile_cache_dir>/executables/<fingerprint>/<step key>.exe`, each file a magic
+line, the SHA-256 of its body, and the body: the pickled (step key, executable bytes from
+`jax.experimental.serialize_executable.serialize`, input and output treedefs). A write is
+atomic (a temporary file in the same folder, then a rename), so a reader never sees half a
+file; an entry that is unreadable, truncated, fails its checksum or does not load is logged
+and compiled again (and rewritten), never fatal. Loading unpickles: the folder must be
+writable only by the server's user, as any cache that holds code.
+
+Only freshly compiled executables can be stored: jax 0.10 on CPU serializes an executable
+it read from its own persistent cache without its object code (loaded in another process
+it fails its first run with "Function ... not found", `ferrox_jax/shared_compiles.py`).
+So the runner compiles what the store misses with JAX's cache suspended (`fresh_compiles`):
+the first start after a change of any key part (a new version, another model or setting)
+compiles those shapes from scratch as a cold start does, and every later start loads them.
+
+Used for one process on the CPU backend without a mesh (`store_for`); TPU and GPU, meshes
+and multi-process groups stay on JAX's cache (and `shared_compiles.py`): their round trip
+is not exercised by this project's CPU tests, and their executables are placed on several
+devices, which a single-device load would not restore.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import pickle
+import platform
+import re
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+import jaxlib
+
+from ferrox_jax.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+STORE_FOLDER = "executables"  # under the compile cache dir
+MAGIC = b"ferrox-executable-v1\n"
+DIGEST = hashlib.sha256().digest_size
+# EngineConfig fields that never reach a step function: names, host-side limits, the
+# grammar sandbox, timeouts, where the caches live, the group's secret (never hashed).
+HOST_SIDE_FIELDS = frozenset({
+    "served_model_name", "max_queue", "scheduling_policy", "grammar_sandbox", "grammar_workers",
+    "grammar_timeout_s", "compile_cache_dir", "executable_store", "multihost_timeout_s", "multihost_secret",
+    "step_timeout_s", "max_step_faults"})
+SOURCE_ROOTS = ("ferrox_jax", "models")  # our own code: every .py under them is hashed
+
+_thread = threading.local()  # was_cache_hit: this thread's last compile was a JAX persistent-cache read
+_listening: list[bool] = []
+
+
+def _note_cache_hit(event: str, **_kwargs: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":  # recorded in the compiling thread
+        _thread.was_cache_hit = True
+
+
+def _xla_flags() -> str:
+    """XLA_FLAGS change what XLA compiles (JAX's own cache key hashes them too)."""
+    return os.environ.get("XLA_FLAGS", "")
+
+
+@functools.cache
+def code_version() -> str:
+    """SHA-256 over the path and bytes of every Python source under ferrox_jax/ and models/."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for top in SOURCE_ROOTS:
+        for path in sorted((root / top).rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@functools.cache
+def _kernels_hash() -> str:
+    from models.cpu_kernels import LIBRARY
+
+    return hashlib.sha256(LIBRARY.read_bytes()).hexdigest() if LIBRARY.exists() else "absent"
+
+
+@functools.cache
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()}|{flags.strip()}"
+
+
+def file_identity(path: str | None) -> list:
+    """[(path, size, mtime_ns)] of a checkpoint file, or of each file of a checkpoint
+    folder (sorted); [] for no path or a name that is not on disk (the embedded model's
+    files are hashed with our code)."""
+    if not path or not os.path.exists(path):
+        return []
+    paths = sorted(p for p in Path(path).rglob("*") if p.is_file()) if os.path.isdir(path) else [Path(path)]
+    return [(str(p.resolve()), (s := p.stat()).st_size, s.st_mtime_ns) for p in paths]
+
+
+def program_fingerprint(config: EngineConfig, model_path: str | None) -> str:
+    """The key part shared by every step of one engine (module docstring), as hex."""
+    device = jax.devices()[0]
+    parts = {
+        "config": {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)
+                   if f.name not in HOST_SIDE_FIELDS},
+        "model": file_identity(model_path),
+        "mmproj": file_identity(config.mmproj),
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+        "backend": [jax.default_backend(), device.client.platform_version, device.device_kind,
+                    jax.device_count(), jax.process_count()],
+        "cpu": _cpu_flags(), "xla_flags": _xla_flags(),
+        "jax_flags": [jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision)],
+        "kernels": _kernels_hash(), "code": code_version(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def entry_name(key: tuple) -> str:
+    """A step key as a file name: `("forward", 8, 0, 0)` -> "forward-8-0-0.exe"."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join(map(str, key))) + ".exe"
+
+
+class ExecutableStore:
+    """One engine's folder of serialized executables (module docstring)."""
+
+    def __init__(self, root: str | os.PathLike, fingerprint: str) -> None:
+        """Args:
+          root: the compile cache dir; entries go under `root/executables/<fingerprint>/`.
+          fingerprint: `program_fingerprint` of the engine.
+        """
+        self.folder = Path(root) / STORE_FOLDER / fingerprint
+        self.loaded = self.stored = 0  # executables this engine loaded from / wrote to the store
+        self._lock = threading.Lock()  # the counters: warm-up loads and compiles from a thread pool
+        if not _listening:  # once a process
+            jax.monitoring.register_event_listener(_note_cache_hit)
+            _listening.append(True)
+
+    def load(self, key: tuple) -> Any | None:
+        """The executable stored for `key` as a `jax.stages.Compiled`, or None (none stored,
+        or the entry is unusable: logged, and the caller compiles it again)."""
+        from jax.experimental import serialize_executable
+
+        from models import cpu_kernels
+
+        path = self.folder / entry_name(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("executable store: cannot read %s (%s); compiling it", path, e)
+            return None
+        body = data[len(MAGIC) + DIGEST:]
+        if not data.startswith(MAGIC) or data[len(MAGIC):len(MAGIC) + DIGEST] != hashlib.sha256(body).digest():
+            log.warning("executable store: %s is corrupt (bad header or checksum); compiling it again", path)
+            return None
+        # Our CPU kernels are custom calls resolved by name when the executable loads.
+        cpu_kernels.unavailable_reason()
+        try:
+            stored_key, payload, in_tree, out_tree = pickle.loads(body)
+            if tuple(stored_key) != tuple(key):
+                raise ValueError(f"it holds {stored_key}")
+            exe = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # noqa: BLE001 - any unusable entry (unpickling, XLA's loader) means compile again
+            log.warning("executable store: %s did not load (%s); compiling it again", path, e)
+            return None
+        with self._lock:
+            self.loaded += 1
+        return exe
+
+    def compile(self, key: tuple, lowered: Any) -> Any:
+        """`lowered.compile()`, stored under `key` when it was compiled here (an executable
+        read from JAX's cache cannot be serialized whole: module docstring)."""
+        _thread.was_cache_hit = False
+        compiled = lowered.compile()
+        if _thread.was_cache_hit:
+            log.info("executable store: %s came from JAX's compile cache and is not stored", key)
+        else:
+            self.save(key, compiled)
+        return compiled
+
+    def save(self, key: tuple, compiled: Any) -> None:
+        """Serializes `compiled` under `key`, atomically; a failure is logged, never raised."""
+        from jax.experimental import serialize_executable
+
+        path = self.folder / entry_name(key)
+        tmp = None
+        try:
+            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+            body = pickle.dumps((tuple(key), payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=path.name, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(MAGIC + hashlib.sha256(body).digest() + body)
+            os.replace(tmp, path)
+            tmp = None
+        # A full disk or an executable that does not serialize costs the next start a compile, nothing more.
+        except Exception as e:  # noqa: BLE001
+            log.warning("executable store: could not store %s (%s); the next start compiles it", key, e)
+            return
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        with self._lock:
+            self.stored += 1
+
+    @contextlib.contextmanager
+    def fresh_compiles(self) -> Iterator[None]:
+        """JAX's persistent cache off for the compiles inside (process-wide: the warm-up's
+        misses, when nothing else compiles), so each is compiled whole and can be stored."""
+        from jax.experimental.compilation_cache import compilation_cache
+
+        was = jax.config.jax_enable_compilation_cache
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()  # JAX decides once whether its cache is used; ask again
+        try:
+            yield
+        finally:
+            jax.config.update("jax_enable_compilation_cache", was)
+            compilation_cache.reset_cache()
+
+
+def store_for(config: EngineConfig, model_path: str | None, single_device: bool) -> ExecutableStore | None:
+    """The engine's store, or None where it is not used: no compile cache dir, the store
+    turned off, a backend other than CPU, a mesh or a multi-process group (module docstring)."""
+    if (not config.compile_cache_dir or not config.executable_store or jax.default_backend() != "cpu"
+            or not single_device or jax.process_count() > 1):
+        return None
+    return ExecutableStore(config.compile_cache_dir, program_fingerprint(config, model_path))
