@@ -48,6 +48,9 @@ ENV_NAMES = ("environ", "environb", "getenv", "getenvb", "putenv", "unsetenv")
 ENV_READERS = {
     ("ferrox_jax.grammar_sandbox", "_child_env"):
         "builds the grammar compiler's child process environment: the server's own, this checkout on its path",
+    ("ferrox_jax.executable_store", "_xla_flags"):
+        "XLA_FLAGS change what XLA compiles, so the executable store's key holds them (as JAX's own cache "
+        "key does); not a setting of ours",
     ("models.cpu_kernels", "build"):
         "the kernels' build step (`make`, `python -m models.cpu_kernels`) takes its compiler from CXX, as make "
         "does; the server never calls it",
