@@ -3,8 +3,9 @@
 It owns the device state (weights and KV cache) and is touched only by the owner thread,
 through the verbs of `ferrox_jax/runner_protocol.py:Runner` and nothing else. Every shape
 comes from `Buckets`; `warmup()` compiles all of them ahead of time (AOT:
-`lower().compile()`), and a shape first seen afterwards is compiled on demand and counted in
-`recompiles_after_warmup` (it should stay 0: tests assert it).
+`lower().compile()`), or loads them untraced from the executable store where an earlier
+start left them (`ferrox_jax/executable_store.py`), and a shape first seen afterwards is
+compiled on demand and counted in `recompiles_after_warmup` (it should stay 0: tests assert it).
 
 `forward(batch)`, then `sample(pending, bitmask)`, in order:
   1. Pad (`ferrox_jax/padding.py`): rows of one new token go to the decode segment, longer
@@ -335,6 +336,9 @@ class ModelRunner:
                     if progress:
                         progress(done, len(keys), key)
         misses = [k for k in keys if k not in self._compiled]
+        if self._store is not None:
+            log.info("executable store: %d of %d executables loaded in %.1f s, %d to compile", len(keys) - len(misses),
+                     len(keys), time.perf_counter() - t0, len(misses))
         fresh = self._store.fresh_compiles() if self._store is not None and misses else contextlib.nullcontext()
         num_threads = num_threads or min(len(misses), os.cpu_count() or 1) or 1
         with fresh, concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
