@@ -170,3 +170,86 @@ def test_the_fingerprint_sees_program_settings_and_ignores_host_side_ones(checkp
             assert program_fingerprint(base, str(checkpoint)) != fp, "our code version is in the key"
     finally:
         executable_store.code_version.cache_clear()
+
+
+def test_an_entry_round_trips_and_every_unusable_one_is_a_miss_not_a_crash(tmp_path, caplog):
+    """The store alone, on a small jitted function: a stored executable loads and computes
+    the same; a truncated entry, an entry under another key's name and garbage each load as
+    None with a log line; a folder that cannot be written costs a log line, no exception."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    fn = jax.jit(lambda x, y: {"out": jnp.sin(x) @ y + 1})
+    x, y = np.ones((4, 4), np.float32), np.arange(16, dtype=np.float32).reshape(4, 4)
+    store = executable_store.ExecutableStore(tmp_path, "fp")
+    with store.fresh_compiles():  # as the warm-up compiles a miss
+        compiled = store.compile(("forward", 4), fn.lower(x, y))
+    loaded = store.load(("forward", 4))
+    assert loaded is not None and store.loaded == 1 and store.stored == 1
+    np.testing.assert_array_equal(loaded(x, y)["out"], compiled(x, y)["out"])  # same program, same bits
+    assert store.load(("forward", 8)) is None, "nothing stored under another key"
+
+    entry = store.folder / executable_store.entry_name(("forward", 4))
+    whole = entry.read_bytes()
+    cases = {"truncated": whole[:len(whole) // 3], "garbage": b"not an executable at all",
+             "empty": b""}
+    with caplog.at_level(logging.WARNING, logger="ferrox_jax.executable_store"):
+        for name, data in cases.items():
+            entry.write_bytes(data)
+            assert store.load(("forward", 4)) is None, f"a {name} entry is a miss"
+        # A whole, valid entry of another key copied under this key's name: refused by its key.
+        with store.fresh_compiles():
+            store.compile(("forward", 2), fn.lower(x[:2], y))
+        entry.write_bytes((store.folder / executable_store.entry_name(("forward", 2))).read_bytes())
+        assert store.load(("forward", 4)) is None, "an entry holding another key is a miss"
+    assert sum("corrupt" in r.getMessage() for r in caplog.records) == len(cases)
+    assert any("did not load" in r.getMessage() and "('forward', 2)" in r.getMessage() for r in caplog.records)
+
+    # What `compile` refuses to store: an executable read back from JAX's cache (on CPU it
+    # serializes without its object code; loaded, it fails its first run).
+    fn.lower(x, y).compile()  # JAX's cache holds it now (written here, or by an earlier run)
+    jax.clear_caches()  # so the next compile reads it from disk, not this process's memory
+    reader = executable_store.ExecutableStore(tmp_path, "fp2")
+    with caplog.at_level(logging.INFO, logger="ferrox_jax.executable_store"):
+        reader.compile(("forward", 4), fn.lower(x, y))
+    assert reader.stored == 0 and reader.load(("forward", 4)) is None
+    assert any("came from JAX's compile cache" in r.getMessage() for r in caplog.records)
+
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the store's folder would go")
+    with caplog.at_level(logging.WARNING, logger="ferrox_jax.executable_store"):
+        executable_store.ExecutableStore(blocked, "fp").save(("forward", 4), compiled)
+    assert any("could not store" in r.getMessage() for r in caplog.records)
+
+
+def test_fresh_compiles_suspend_jax_cache_and_restore_it(tmp_path):
+    """Inside, JAX's persistent cache is off (the compile is whole, storable); after, it is
+    back as it was, and a new program is written to it again."""
+    import jax.numpy as jnp
+
+    import time
+
+    def new_program(tag: int):  # a constant of its own: a program JAX's cache has never seen
+        constant = float(time.time_ns() % 10**9 + tag)
+
+        def fresh_probe(v):
+            return v * constant
+
+        return jax.jit(fresh_probe).lower(jnp.ones(3)).compile()
+
+    def probes() -> set[Path]:  # this test's entries only: other processes share the folder
+        return set(Path(jax.config.jax_compilation_cache_dir).glob("jit_fresh_probe-*"))
+
+    store = executable_store.ExecutableStore(tmp_path, "fp")
+    was = jax.config.jax_enable_compilation_cache
+    before = probes()
+    with store.fresh_compiles():
+        assert jax.config.jax_enable_compilation_cache is False
+        new_program(1)
+    assert probes() == before, "nothing goes through JAX's cache while it is suspended"
+    assert jax.config.jax_enable_compilation_cache == was
+    new_program(2)
+    made = probes() - before
+    assert made, "JAX's cache writes again after the suspension"
+    for path in made:  # a probe nobody reads again
+        path.unlink(missing_ok=True)
