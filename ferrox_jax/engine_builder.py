@@ -179,14 +179,20 @@ def size_kv(config: EngineConfig, model_cfg: ModelConfig, kv_dtype, draft_cfg: M
     per_block = extra_per_block + sum(model_bytes_per_block(c, config.block_size, kv_dtype)
                                       for c in (model_cfg, draft_cfg) if c is not None)
     kv_blocks = kv_blocks_for(config, per_block, model_cfg.max_position_embeddings)
-    window = window_plan(model_cfg, config, config.block_size, jnp.dtype(kv_dtype).itemsize) if draft_cfg is None else None
-    if window is not None and window.full_bytes:  # the sliding layers' pool is sized apart (kv_groups.py)
+    # a draft model's or an MTP layer's cache indexes its arrays by block id: one pool then
+    window = (window_plan(model_cfg, config, config.block_size, jnp.dtype(kv_dtype).itemsize)
+              if draft_cfg is None and not extra_per_block else None)
+    if window is not None:  # the sliding layers' pool is sized apart (kv_groups.py)
         window_blocks = window.slots(config.max_seqs) + 1
         grouped = kv_blocks_for(config, window.full_bytes, model_cfg.max_position_embeddings,
                                 window_blocks * window.slot_bytes)
-        if window_blocks < grouped:  # a pool no smaller than the full group's would save nothing
-            return _grouped_sizing(config, model_cfg, window, grouped, window_blocks,
-                                   size_kv_note(config, kv_dtype, grouped, window.full_bytes, model_cfg))
+        # A pool no smaller than the full group's (or, every layer sliding, than one pool's
+        # blocks) would save nothing. Every layer sliding, the block ids hold no bytes: each
+        # row gets a whole context of them (`kv_blocks_for`) and the pool is the cache.
+        if window_blocks < (grouped if window.full_bytes else kv_blocks):
+            note = (size_kv_note(config, kv_dtype, grouped, window.full_bytes, model_cfg) if window.full_bytes
+                    else f"{grouped} logical KV blocks (every layer slides: block ids hold no bytes)")
+            return _grouped_sizing(config, model_cfg, window, grouped, window_blocks, note)
     why = size_kv_note(config, kv_dtype, kv_blocks, per_block, model_cfg)
     trained = model_cfg.max_position_embeddings
     usable_tokens = (kv_blocks - 1) * config.block_size
@@ -218,7 +224,7 @@ def _grouped_sizing(config: EngineConfig, model_cfg: ModelConfig, window: Window
                     window_blocks: int, why: str) -> KVSizing:
     """The sizing of a cache whose sliding layers keep their own pool of `window_blocks`."""
     max_context = context_for(config, model_cfg.max_position_embeddings, kv_blocks)
-    why += (f" for the full-attention layers, + {window_blocks} slots of {window.slot_bytes} B for the "
+    why += (f"{' for the full-attention layers,' if window.full_bytes else ''} + {window_blocks} slots of {window.slot_bytes} B for the "
             f"{window.window}-token sliding layers ({window.cap} a row); context ceiling {max_context}")
     return KVSizing(kv_blocks, max_context, window.full_bytes, why, window, window_blocks)
 

@@ -26,7 +26,9 @@ and the bytes per block count only the arrays that exist).
 KV groups (`ferrox_jax/kv_groups.py`): a model whose sliding-window layers keep a pool of
 their own has those layers' arrays sized to that pool (`window_blocks`, its null slot 0
 included) instead of `num_blocks`; they are indexed by slot, not by block id, through the
-window tables the step carries. `windowed` (one flag per array, static) says which.
+window tables the step carries. `windowed` (one flag per array, static) says which. When
+every array is windowed (every layer slides) no array holds `num_blocks`: the block ids
+are logical, and `KVCache.num_blocks` is the pool's size.
 
 Block 0 is the null block: padded tokens write into it and padded block-table entries
 point at it, so padding never touches a live request's K/V. The block budget never
@@ -80,7 +82,8 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        """Blocks of the full-attention arrays (the largest: a sliding pool holds fewer)."""
+        """Blocks of the full-attention arrays (the largest: a sliding pool holds fewer; the
+        pool's slots when every array holds it)."""
         return max(a.shape[1] for a in self.k)
 
     @property

@@ -44,11 +44,14 @@ Storage (`window_plan`, `ferrox_jax/kv_cache.py`): the sliding layers' cache arr
 the pool's slots (each row's cap, twice over with prefix caching so finished rows' windows
 stay parked for hits), the full layers' arrays the blocks; each step carries the rows'
 window tables (`StepPlan.window_slots` -> `HostBatch.window_tables` -> the model's
-`ForwardContext.window`) and copy-on-write's slot copies (`window_copies`). Where the
-sliding arrays cannot be indexed apart (a draft model's or the host tier's cache is copied
-by block id, Gemma 4's layers share arrays, every layer slides) every array keeps
-`num_blocks` and this pool is the sliding group's accounting only (its gauges in
-`/admin/stats`), sized to refuse nothing the full group admits.
+`ForwardContext.window`) and copy-on-write's slot copies (`window_copies`). Gemma 4's
+arrays are named by `kv_source` (its shared-KV layers read their source's array through
+the source's table). Every layer sliding, the full group has no array: its block ids are
+logical (0 bytes each, so each row is sized a whole context of them) and the pool is the
+cache. Where the sliding arrays cannot be indexed apart (a draft model's or the host tier's
+cache is copied by block id), or the pool would not be smaller than what it replaces, every
+array keeps `num_blocks` and this pool is the sliding group's accounting only (its gauges
+in `/admin/stats`), sized to refuse nothing the full group admits.
 """
 
 from __future__ import annotations
@@ -81,9 +84,17 @@ def sliding_window(cfg) -> int | None:
 
 def window_arrays(cfg) -> tuple[bool, ...]:
     """Per cache array, whether it belongs to the sliding group; () when the model keeps
-    one pool for every layer: no sliding layer, or a family whose arrays are not one per
-    layer of the shared decoder (Gemma 4's shared-KV layers, its own forward)."""
-    if getattr(type(cfg).kv_layout, "__qualname__", "") != "ModelConfig.kv_layout" or sliding_window(cfg) is None:
+    one pool for every layer: no sliding layer, or a family whose arrays are neither one
+    per layer of the shared decoder nor named by `kv_source` (a hybrid's recurrent layers).
+    Gemma 4: array `kv_source(i)` slides with the layers that write and read it (a shared
+    layer is of its source's type, so they agree)."""
+    if sliding_window(cfg) is None:
+        return ()
+    if hasattr(cfg, "kv_source"):
+        slides = {cfg.kv_source(layer): cfg.window(layer) is not None for layer in range(cfg.num_layers)}
+        assert sorted(slides) == list(range(len(cfg.kv_layout()))), "kv_source must name every array"
+        return tuple(slides[a] for a in range(len(slides)))
+    if getattr(type(cfg).kv_layout, "__qualname__", "") != "ModelConfig.kv_layout":
         return ()
     return tuple(cfg.window(layer) is not None for layer in range(cfg.num_layers))
 

@@ -88,17 +88,17 @@ def table_width(max_context: int, block_size: int) -> int:
 
 
 def kv_blocks_for(settings: Any, bytes_per_block: int, trained_context: int, fixed_bytes: int = 0) -> int:
-    """The cache's blocks, the null block included: `kv_blocks` + 1 (`kv_blocks` counts the
-    blocks requests can use, the contract's `kv_blocks_total`; the null block is ours to
-    add), else the memory budget `kv_memory_gib` over the bytes of one block (at least 2),
-    else (no budget given) what the rows need (`needed_kv_blocks`) within
-    `DEFAULT_KV_MEMORY_GIB`. Not bounded here: `Footprint.check` is, against the memory the
-    device has. `fixed_bytes`: what the budget holds besides the blocks (the sliding-window
-    layers' own pool, `ferrox_jax/kv_groups.py`), taken off it first."""
+    """The cache's blocks, the null block included: `kv_blocks` + 1 (`kv_blocks` counts the blocks
+    requests can use, the contract's `kv_blocks_total`; the null block is ours to add), else the
+    budget `kv_memory_gib` over the bytes of one block (at least 2), else (no budget given) what
+    the rows need (`needed_kv_blocks`) within `DEFAULT_KV_MEMORY_GIB`; `Footprint.check` bounds
+    it by the device. `fixed_bytes`: what the budget holds besides the blocks (the sliding layers'
+    pool, `ferrox_jax/kv_groups.py`), taken off it first. Blocks of 0 bytes (every layer slides:
+    the pool is the whole cache, block ids are logical): what the rows need."""
     if settings.kv_blocks:
         return int(settings.kv_blocks) + 1
-    if settings.kv_memory_gib is None:
-        ceiling = (DEFAULT_KV_MEMORY_GIB * GIB - fixed_bytes) // bytes_per_block
+    if settings.kv_memory_gib is None or not bytes_per_block:
+        ceiling = (DEFAULT_KV_MEMORY_GIB * GIB - fixed_bytes) // bytes_per_block if bytes_per_block else _BLOCKS_CLAMP
         return max(2, min(needed_kv_blocks(settings, trained_context), int(ceiling)))
     blocks = (settings.kv_memory_gib * GIB - fixed_bytes) // bytes_per_block
     return max(2, int(min(blocks, _BLOCKS_CLAMP)))
@@ -305,8 +305,8 @@ class Footprint:
     def _blame(self, settings: Any, demand: Demand) -> str:
         """The setting behind the largest part of the demand."""
         largest = max((demand.kv_bytes, "kv"), (demand.lora_bytes, "lora"), (demand.step_bytes, "step"))[1]
-        if largest == "kv":
-            return "kv_blocks" if settings.kv_blocks else "kv_memory_gib"
+        if largest == "kv":  # blocks of no bytes (every layer slides): the pool, which max_seqs sizes
+            return "max_seqs" if not self.bytes_per_block else "kv_blocks" if settings.kv_blocks else "kv_memory_gib"
         if largest == "lora":
             return "max_loras"
         step = demand.step

@@ -31,7 +31,10 @@ weight), q and k rotated; scale 1 (the q/k norms set the logits' size); no soft-
 - shared-KV layers (the last `num_kv_shared_layers`): no k/v projections; they attend over
   the cache of the last earlier non-shared layer of their type, and hold no cache of their
   own: `kv_layout()` lists the non-shared layers only, `kv_source(i)` names the array a
-  layer reads, and the bytes per block count only those arrays.
+  layer reads, and the bytes per block count only those arrays. With the sliding KV group's
+  own pool (`ferrox_jax/kv_groups.py`) the sliding arrays hold slots: a layer writes and
+  reads its array through its source's table, the window tables when the source slides
+  (`source_slides`), the block tables otherwise.
 
 Per-layer parameters (HF name after `model.layers.{i}.`):
 
@@ -150,6 +153,9 @@ class Gemma4DecoderLayer(nnx.Module):
         hd, kv = cfg.layer_head_dims[index], cfg.layer_kv_heads[index]
         full = cfg.layer_types[index] == FULL_ATTENTION
         self.shared = cfg.is_shared(index)
+        # The table this layer's K/V array is indexed by: its source's (a shared layer reads
+        # another layer's array), the window tables when that array holds the sliding pool.
+        self.source_slides = cfg.window(cfg.kv_source(index)) is not None
         self.k_eq_v = cfg.k_eq_v and full
         self.spec = AttentionSpec(num_heads=cfg.num_heads, num_kv_heads=kv, head_dim=hd, scale=1.0,
                                   window=cfg.window(index), rope="global" if full else "local", norm_eps=eps,
@@ -188,6 +194,8 @@ class Gemma4DecoderLayer(nnx.Module):
     def attention(self, h, fwd: ForwardContext, k_cache, v_cache):
         spec, n = self.spec, h.shape[0]
         cos, sin = fwd.rope[spec.rope]
+        # the array's table (the RoPE tables above are the same in either context)
+        fwd = fwd.window if self.source_slides and fwd.window is not None else fwd
         q = project(h, self.q_proj.get_value()).reshape(n, spec.num_heads, spec.head_dim)
         q = apply_rope(rms_norm_w(q, self.q_norm[...], self.eps), cos, sin)
         if not self.shared:  # a shared layer reads the cache its source layer wrote in this forward
@@ -279,9 +287,12 @@ class Gemma4Model(CausalLM):
         ctx = rms_norm_w(ctx.reshape(shape), self.ple_proj_norm[...], cfg.rms_norm_eps)
         return (ctx + own) * jnp.asarray(2.0 ** -0.5, x.dtype)
 
-    def __call__(self, tokens, positions, valid, k_caches, v_caches, block_tables, segment_tokens, images=None):
+    def __call__(self, tokens, positions, valid, k_caches, v_caches, block_tables, segment_tokens, images=None,
+                 window_tables=None):
         """As `CausalLM.__call__`, over the caches of `kv_layout()` (fewer than the layers
-        when some share KV); text only (`images` must be None)."""
+        when some share KV); text only (`images` must be None). `window_tables`: the
+        sliding arrays' slot tables when those arrays hold the sliding pool
+        (`ferrox_jax/kv_groups.py`); a layer reads its source array through them."""
         cfg = self.cfg
         arrays = len(cfg.kv_layout())
         if len(k_caches) != arrays or len(v_caches) != arrays:
@@ -289,7 +300,7 @@ class Gemma4Model(CausalLM):
         if images is not None:
             raise ValueError("Gemma 4 is served as a text model: no image inputs")
         fwd = ForwardContext.build(positions, valid, block_tables, segment_tokens, k_caches[0].shape[2], self.rope,
-                                   self.decode_attention)
+                                   self.decode_attention, window_tables=window_tables)
         x = self.embed_tokens(tokens)
         ple = self.per_layer_inputs(tokens, x) if cfg.ple_dim else None
         ks, vs = list(k_caches), list(v_caches)
