@@ -31,7 +31,30 @@ GPT_OSS_20B = {
                                              "beta_slow": 1.0, "original_max_position_embeddings": 4096},
     "attention_bias": True, "tie_word_embeddings": False, "eos_token_id": 200002,
 }
-SHAPES_MEASURED = {"gemma-3-27b": SHAPES["gemma-3-27b"], "gpt-oss-20b": GPT_OSS_20B}
+# Mistral-7B-v0.1's config.json: a 4096-key window on every layer (the pool is the whole
+# cache; the block ids hold no bytes).
+MISTRAL_7B = {
+    "architectures": ["MistralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "sliding_window": 4096, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}
+# Gemma-4-E2B's text config (the shapes that size the cache): 35 layers, four 512-key sliding
+# layers to one full, one KV head of 256 (sliding) or 512 (full); the last 20 layers read
+# the K/V of the last earlier layer of their kind, so 15 layers hold arrays.
+GEMMA_4_E2B = {
+    "architectures": ["Gemma4ForCausalLM"], "vocab_size": 262144, "hidden_size": 1536, "intermediate_size": 6144,
+    "num_hidden_layers": 35, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256,
+    "global_head_dim": 512, "sliding_window": 512, "num_kv_shared_layers": 20, "use_double_wide_mlp": True,
+    "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144, "max_position_embeddings": 131072,
+    "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7, "final_logit_softcapping": 30.0,
+    "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1000000.0}},
+}
+SHAPES_MEASURED = {"gemma-3-27b": SHAPES["gemma-3-27b"], "gpt-oss-20b": GPT_OSS_20B, "mistral-7b": MISTRAL_7B,
+                   "gemma-4-e2b": GEMMA_4_E2B}
 
 
 @contextlib.contextmanager
@@ -68,13 +91,15 @@ def kv_bytes(folder: Path, **settings) -> tuple[int, int]:
 
 
 def rows_that_fit(folder: Path, gib: float, context: int, block_size: int, prefill_chunk: int) -> int:
-    """Most rows of a whole `context` a `gib` KV budget holds (every row's blocks admitted)."""
+    """Most rows of a whole `context` a `gib` KV budget holds (every row's blocks admitted,
+    and the cache within the budget: every layer sliding, the blocks are logical and the
+    pool, which grows with the rows, is what the budget bounds)."""
     per_row = -(-context // block_size)
     rows = 0
     while True:
-        _, blocks = kv_bytes(folder, kv_memory_gib=gib, max_context=context, max_seqs=rows + 1,
-                             block_size=block_size, prefill_chunk=prefill_chunk)
-        if blocks - 1 < (rows + 1) * per_row:
+        size, blocks = kv_bytes(folder, kv_memory_gib=gib, max_context=context, max_seqs=rows + 1,
+                                block_size=block_size, prefill_chunk=prefill_chunk)
+        if blocks - 1 < (rows + 1) * per_row or size > gib * (1 << 30):
             return rows
         rows += 1
 
