@@ -179,9 +179,13 @@ def size_kv(config: EngineConfig, model_cfg: ModelConfig, kv_dtype, draft_cfg: M
     per_block = extra_per_block + sum(model_bytes_per_block(c, config.block_size, kv_dtype)
                                       for c in (model_cfg, draft_cfg) if c is not None)
     kv_blocks = kv_blocks_for(config, per_block, model_cfg.max_position_embeddings)
-    # a draft model's or an MTP layer's cache indexes its arrays by block id: one pool then
+    # An MTP layer's cache (block-id indexed, inside the target's step) keeps one pool. A draft's
+    # (its own runner's) holds a block per block id: its bytes go with the full group's.
     window = (window_plan(model_cfg, config, config.block_size, jnp.dtype(kv_dtype).itemsize)
-              if draft_cfg is None and not extra_per_block else None)
+              if not extra_per_block else None)
+    if window is not None and draft_cfg is not None:
+        window = dataclasses.replace(window, full_bytes=window.full_bytes
+                                     + model_bytes_per_block(draft_cfg, config.block_size, kv_dtype))
     if window is not None:  # the sliding layers' pool is sized apart (kv_groups.py)
         window_blocks = window.slots(config.max_seqs) + 1
         grouped = kv_blocks_for(config, window.full_bytes, model_cfg.max_position_embeddings,

@@ -48,10 +48,13 @@ window tables (`StepPlan.window_slots` -> `HostBatch.window_tables` -> the model
 arrays are named by `kv_source` (its shared-KV layers read their source's array through
 the source's table). Every layer sliding, the full group has no array: its block ids are
 logical (0 bytes each, so each row is sized a whole context of them) and the pool is the
-cache. Where the sliding arrays cannot be indexed apart (a draft model's or the host tier's
-cache is copied by block id), or the pool would not be smaller than what it replaces, every
-array keeps `num_blocks` and this pool is the sliding group's accounting only (its gauges
-in `/admin/stats`), sized to refuse nothing the full group admits.
+cache. A draft model's runner keeps arrays of its own, a block for every block id (it
+mirrors the target's batches and leaves their window columns out): its bytes count with
+the full group's, so beside a draft the block ids are never logical. Where the sliding
+arrays cannot be indexed apart (the host tier's cache and an MTP layer's are copied or
+indexed by block id), or the pool would not be smaller than what it replaces, every array
+keeps `num_blocks` and this pool is the sliding group's accounting only (its gauges in
+`/admin/stats`), sized to refuse nothing the full group admits.
 """
 
 from __future__ import annotations
@@ -119,14 +122,13 @@ class WindowPlan:
 
 def window_plan(cfg, settings, block_size: int, itemsize: int) -> WindowPlan | None:
     """The sliding group of `cfg` under engine `settings` (`prefill_chunk`, `prefill_chunk_idle`,
-    `speculative`, `kv_offload_gib`; a draft model's or a host tier's cache still indexes
-    every layer by block id, so either keeps one pool), or None: one pool for every layer."""
+    `speculative`, `kv_offload_gib`: the host tier copies every layer by block id, so it
+    keeps one pool), or None: one pool for every layer. A draft model's cache is its own
+    runner's, a block per block id: its bytes go with the full group's (`size_kv`)."""
     windowed = window_arrays(cfg)
-    if not windowed or getattr(settings, "kv_offload_gib", 0) or getattr(settings, "draft_model", None):
+    if not windowed or getattr(settings, "kv_offload_gib", 0):
         return None
     spec = getattr(settings, "speculative", None)
-    if spec is not None and getattr(spec, "draft_model", None):
-        return None
     step_tokens = max(settings.prefill_chunk, settings.prefill_chunk_idle,
                       1 + (spec.most_drafts if spec is not None else 0))
     window = sliding_window(cfg)

@@ -2,8 +2,9 @@
 (ferrox_jax/kv_groups.py): a tiny Mistral whose every layer slides (window 16, the full
 group's block ids logical, no array of their own) and a tiny Gemma 4 whose shared-KV
 layers read their source's array through the source's table. Blocks of 8, rows
-generating past six windows against HF float32, through the whole engine; negative
-controls at runner level (a window one block short, a shared layer on the wrong table)."""
+generating past six windows against HF float32, through the whole engine; the same Mistral
+beside a draft model; the Mistral-7B sizing; negative controls at runner level (a window
+one block short, a shared layer on the wrong table)."""
 
 from __future__ import annotations
 
@@ -242,3 +243,35 @@ def test_every_layer_sliding_sizes_logical_blocks_and_bounds_the_pool(tmp_path):
     with pytest.raises(MemoryBoundError) as refused:
         footprint.check(config, Room(free_bytes=2 << 30, where="host memory"))
     assert refused.value.field == "max_seqs" and "ask for at most max_seqs 1" in str(refused.value)
+
+
+def test_a_draft_model_beside_the_pool(tmp_path):
+    """Mistral (every layer sliding) drafting for itself (`--speculative draft`, 3 tokens):
+    the target's arrays hold the pool, the draft's runner a block per block id (it mirrors
+    the target's batches without their window columns), so the block ids hold the draft's
+    bytes (no longer logical) and the sizing counts both caches; the verified greedy tokens
+    are HF's over 100 positions, logprobs within 1e-4."""
+    from ferrox_jax.config import SpeculativeConfig
+
+    path, _ = _mistral(tmp_path / "mistral")
+    hf = fc.hf_model(path)
+    spec = SpeculativeConfig(method="draft", draft_model=str(path), num_speculative_tokens=3)
+    with LLM(str(path), dtype="float32", quantization="none", block_size=BS, max_seqs=2, prefill_chunk=CHUNK,
+             kv_blocks=KV_BLOCKS, max_context=160, speculative=spec) as llm:
+        eng = llm._engine
+        slots = 2 * 2 * CAP  # two rows, twice with prefix caching
+        assert [a.shape[1] for a in eng._device.kv_cache.k] == [slots + 1] * 2, "the target's arrays hold the pool"
+        draft_bytes = model_bytes_per_block(eng.model_config, BS, np.float32)  # the draft is the target's twin
+        assert eng.sizing.bytes_per_block == draft_bytes and eng.sizing.num_blocks == KV_BLOCKS + 1
+        assert eng.sizing.kv_bytes == eng._device.kv_cache.nbytes + (KV_BLOCKS + 1) * draft_bytes
+        p = prompt(0, 30)
+        (tokens, logprobs), = greedy(llm, [p], 70)
+        (again, _), (other, _) = greedy(llm, [p, prompt(1, 41)], 70)  # batched, the first a prefix hit
+        stats = eng.stats()
+        assert again == tokens and stats.recompiles_after_warmup == 0
+        assert stats.spec_decode_num_accepted_tokens > 0, "the draft's tokens were verified and kept"
+        assert stats.kv_window_slots_held == 0 and stats.kv_blocks_free == stats.kv_blocks_total
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([p + tokens])).logits[0].float(), -1).numpy()[len(p) - 1:-1]
+    assert tokens == ref.argmax(-1).tolist(), "greedy tokens differ from HF's"
+    assert np.abs(np.asarray(logprobs) - ref[np.arange(len(tokens)), tokens]).max() < 1e-4
