@@ -266,7 +266,8 @@ class Footprint:
                                             self.compute_itemsize),
                       step_bytes=step_bytes(self.model, step, lora_columns), num_blocks=num_blocks,
                       max_context=max_context, step=step,
-                      state_bytes=pool_bytes(self.model.recurrent_specs(), step.rows + 1))
+                      # split like the KV heads: by value head and conv channel (ferrox_jax/sharding.py)
+                      state_bytes=-(-pool_bytes(self.model.recurrent_specs(), step.rows + 1) // self.kv_shards))
 
     def check(self, config: Any, room: Room, *, overrides: dict[str, Any] | None = None, weights_bytes: int = 0,
               freed_bytes: int = 0, blame: str | None = None, note: str = "") -> Demand:

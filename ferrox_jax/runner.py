@@ -70,7 +70,7 @@ from models.moe_ep import uses_expert_parallel
 from ferrox_jax.step import ForwardBatch, ForwardResult, jit_steps
 from ferrox_jax.vision import VisionEncoder
 from models.attention import ATTENTION_CHUNK_BLOCKS
-from models.deltanet import create_states
+from models.deltanet import create_states, group_for_devices
 from models.lora import lora_slot_count
 
 log = logging.getLogger(__name__)
@@ -162,6 +162,8 @@ class ModelRunner:
                                       windowed=bool(self.windowed))
         self.buckets = Buckets.derive(max_rows, max_chunk_tokens, max_chunks)
         self.mesh = mesh
+        if mesh is not None and not replicate_attention:  # DeltaNet conv channels per device: whole heads each
+            model = group_for_devices(model, mesh.shape["model"])
         self.graphdef, state = nnx.split(model)
         self._state_tree = None  # the weights' tree structure, fixed by the first `_set_state`
         # Expert layers pointed at the mesh (models/moe_ep.py) take their stacks split by expert.
@@ -177,8 +179,9 @@ class ModelRunner:
             cfg, num_blocks, block_size, self.kv_dtype, sharding=None if self.shardings is None else self.shardings.kv_array,
             windowed=self.windowed, window_blocks=window_blocks)
         if cfg.recurrent_specs():  # one state slot per row a step holds, and the null slot 0
-            refuse_unsupported(mesh is not None, kv_offload_blocks)
-            self.kv_cache = self.kv_cache.replace(states=create_states(cfg.recurrent_specs(), max_rows + 1))
+            refuse_unsupported(kv_offload_blocks)
+            self.kv_cache = self.kv_cache.replace(states=create_states(
+                cfg.recurrent_specs(), max_rows + 1, None if self.shardings is None else self.shardings.states))
         self.kv_offload_blocks = kv_offload_blocks
         layout = set(cfg.kv_layout())
         heads, k_dim, v_dim = next(iter(layout))

@@ -20,8 +20,19 @@ the results once).
     experts_down                [E, F, D]    P(None, "model", None)  same
     experts_gate_bias / _up_bias  [E, F]     P(None, "model")     same
     sinks                       [H]          P("model")           P()
-    norms, q_norm / k_norm, router, router_bias, o_bias, experts_down_bias
-                                [D], [hd], [D, E], [E], [D], [E, D]  P()  same
+    DeltaNet (models/deltanet.py), Hk key heads, Hv value heads, C = 2*Hk*dk + Hv*dv conv channels:
+    in_proj_qkv                 [D, C]       P(None, "model")     P()   (channels grouped per device first)
+    in_proj_z / _b / _a         [D, Hv*..]   P(None, "model")     P()
+    in_proj_qkvz / in_proj_ba   [D, Hk*..]   P(None, "model")     P()   (per key-head group already)
+    conv_weight                 [C, 1, Kc]   P("model", None, None)  P()
+    A_log / dt_bias             [Hv]         P("model")           P()
+    out_proj                    [Hv*dv, D]   P("model", None)     P()
+    state pool, per layer       conv [S, Kc-1, C]  P(None, None, "model");  recurrent [S, Hv, dk, dv]
+                                P(None, "model", None, None)      P()
+    shared_gate / shared_up     [D, S]       P(None, "model")     same  (Qwen3-Next's shared expert)
+    shared_down                 [S, D]       P("model", None)     same
+    norms, q_norm / k_norm, router, router_bias, o_bias, experts_down_bias, gate_norm, shared_expert_gate
+                                [D], [hd], [D, E], [E], [D], [E, D], [dv], [D, 1]  P()  same
     KV cache, per layer         [K, N, bs, hd]  P("model", ...)   P()
     q_b_proj / kv_b_proj (MLA)  [r, H*(..)]  P(None, "model")     P()
     q_a_proj / kv_a_proj (MLA)  [D, r]       P()                  P()
@@ -46,6 +57,12 @@ expert stack and expert bias is split by expert instead, P("model", None, ...): 
 device holds E/M whole experts and the block runs under shard_map with one all-reduce
 of [N, D] per layer (`models/moe_ep.py`); M must divide E, not the experts' width. Attention sinks (one logit per query head) split by
 head with q. RoPE tables are constants of the step, not parameters.
+A Gated DeltaNet layer splits by key-head group: each device holds Hk/M key heads and the
+Hv/M value heads they serve, their conv channels and their slots' states, so the conv, the
+delta rule and the gated norm run locally and out_proj's all-reduce is the layer's one
+collective. HF's conv channels are q | k | v (a split of C in M parts would cut across
+them), so on a mesh the runner regroups them per device first (`models/deltanet.py:
+group_for_devices`); this needs M | Hk and M | Hv.
 Latent attention (`models/mla.py`) splits its heads the same way: q_b_proj's and
 kv_b_proj's columns are head-major, so each device holds its heads' up-projections and
 attends with them over the whole latent cache, which is one head and so replicated (as
@@ -83,6 +100,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.config import ModelConfig
+from models.deltanet import RecurrentStates
 from models.moe_ep import check_expert_parallel
 from models.quant import QuantizedWeight
 
@@ -91,15 +109,21 @@ MODEL_AXIS = "model"
 MESH_AXES = (DATA_AXIS, MODEL_AXIS)
 
 # [in, out]: split out. q_b_proj / kv_b_proj: latent attention's per-head up-projections (models/mla.py)
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "tied_lm_head", "q_b_proj", "kv_b_proj")
-_ROW = ("o_proj", "down_proj", "embed")  # split the first axis
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "tied_lm_head", "q_b_proj", "kv_b_proj",
+           "shared_gate", "shared_up")  # shared_*: Qwen3-Next's shared expert, split as a dense MLP
+_ROW = ("o_proj", "down_proj", "embed", "shared_down")  # split the first axis
 _EXPERT_COLUMN = ("experts_gate", "experts_up")  # [E, D, F]: split F
 _EXPERT_ROW = ("experts_down",)  # [E, F, D]: split F
 _EXPERT_BIAS = ("experts_gate_bias", "experts_up_bias")  # [E, F]: split F with gate/up's columns
 # Everything indexed by expert first: split by expert under expert parallelism (models/moe_ep.py).
 _EXPERT_STACKS = _EXPERT_COLUMN + _EXPERT_ROW + _EXPERT_BIAS + ("experts_down_bias",)
 _BIAS = ("q_bias", "k_bias", "v_bias", "sinks")  # [H*hd] or [H]: split by head with q (sinks are per head)
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "kv_b_proj") + _BIAS
+# Gated DeltaNet (models/deltanet.py): input projections [D, *] split by head (in_proj_qkv's columns
+# grouped per device first: `group_for_devices`), conv1d [C, 1, Kc] by channel in the same order,
+# the per-value-head decay parameters [Hv] with their heads, out_proj [Hv*dv, D] by row.
+_DELTANET_COLUMN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba")
+_DELTANET = _DELTANET_COLUMN + ("conv_weight", "A_log", "dt_bias", "out_proj")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "kv_b_proj") + _BIAS + _DELTANET
 
 
 def make_mesh(data: int, model: int, devices=None) -> Mesh:
@@ -140,6 +164,13 @@ def check_divisibility(cfg: ModelConfig, model_axis: int, replicate_attention: b
         if odd:
             raise ValueError(f"tensor parallelism {model_axis} does not divide the kv heads {odd} of some of the "
                              "model's layers; choose a size dividing them, or pass --replicate-attention")
+        # Gated DeltaNet layers (models/deltanet.py) split by key head, each with its value heads.
+        for spec in set(cfg.recurrent_specs()):
+            if spec.num_k_heads % model_axis or spec.num_v_heads % model_axis:
+                raise ValueError(
+                    f"tensor parallelism {model_axis} does not divide the linear-attention (DeltaNet) layers' heads "
+                    f"(linear_num_key_heads {spec.num_k_heads}, linear_num_value_heads {spec.num_v_heads}); choose "
+                    f"a size dividing both, or pass --replicate-attention to shard only the MLP and vocab")
     split = [(what, n) for what, n in cfg.sharded_sizes().items()
              if not (expert_parallel and what == "moe_intermediate_size")]  # whole experts per device
     if replicate_attention:
@@ -169,12 +200,14 @@ def param_partition_spec(name: str, shape: tuple[int, ...], cfg: ModelConfig,
         # Row-split (one all-reduce of partial sums) moved SmolLM2's prefill logits by
         # 1.6e-4 against one device; this layout by <= 5.3e-5 at tp 2/4/8.
         return P(None, MODEL_AXIS)
-    if leaf in _COLUMN and len(shape) == 2:
+    if leaf in _COLUMN + _DELTANET_COLUMN and len(shape) == 2:
         return P(None, MODEL_AXIS)
-    if leaf in _ROW and len(shape) == 2:
+    if leaf in _ROW + ("out_proj",) and len(shape) == 2:
         return P(MODEL_AXIS, None)
-    if leaf in _BIAS and len(shape) == 1:
+    if leaf in _BIAS + ("A_log", "dt_bias") and len(shape) == 1:
         return P(MODEL_AXIS)
+    if leaf == "conv_weight" and len(shape) == 3:
+        return P(MODEL_AXIS, None, None)
     if leaf in _EXPERT_COLUMN and len(shape) == 3:
         return P(None, None, MODEL_AXIS)
     if leaf in _EXPERT_ROW and len(shape) == 3:
@@ -207,6 +240,14 @@ def quantized_partition_specs(name: str, weight: QuantizedWeight, cfg: ModelConf
 def kv_partition_spec(replicate_attention: bool = False) -> P:
     """Per-layer KV array [K, N, bs, hd] (layout: kv_cache.py): KV heads over `model`."""
     return P() if replicate_attention else P(MODEL_AXIS, None, None, None)
+
+
+def state_pool_partition_specs(replicate_attention: bool = False) -> tuple[P, P]:
+    """(conv f32[S, Kc - 1, C], recurrent f32[S, Hv, dk, dv]) of the recurrent state pool
+    (models/deltanet.py): channels and value heads over `model`, as the layer's weights split them."""
+    if replicate_attention:
+        return P(), P()
+    return P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None, None)
 
 
 def _state_name(path) -> str:
@@ -250,6 +291,7 @@ class RunnerShardings:
     replicated: NamedSharding  # batches and results
     replicate_attention: bool
     num_layers: int  # KV arrays per cache side
+    states: object = None  # the recurrent state pool's RecurrentStates of shardings (None: the model has none)
 
 
 def runner_shardings(mesh: Mesh, cfg: ModelConfig, state, replicate_attention: bool = False,
@@ -273,6 +315,11 @@ def runner_shardings(mesh: Mesh, cfg: ModelConfig, state, replicate_attention: b
     is_weight = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
     # A latent cache (models/mla.py) is one head: every device holds all of it.
     replicate_kv = replicate_attention or cfg.kv_cache_dims()[0] % mesh.shape[MODEL_AXIS] != 0
+    states = None
+    if cfg.recurrent_specs():
+        conv, rec = (NamedSharding(mesh, p) for p in state_pool_partition_specs(replicate_attention))
+        layers = len(cfg.recurrent_specs())
+        states = RecurrentStates(conv=(conv,) * layers, recurrent=(rec,) * layers)
     return RunnerShardings(
         mesh=mesh,
         state=jax.tree_util.tree_map_with_path(spec, state, is_leaf=is_weight),
@@ -280,6 +327,7 @@ def runner_shardings(mesh: Mesh, cfg: ModelConfig, state, replicate_attention: b
         replicated=NamedSharding(mesh, P()),
         replicate_attention=replicate_attention,
         num_layers=len(cfg.kv_layout()),
+        states=states,
     )
 
 
@@ -288,7 +336,7 @@ def kv_cache_shardings(shardings: RunnerShardings):
     from ferrox_jax.kv_cache import KVCache
 
     per_layer = (shardings.kv_array,) * shardings.num_layers
-    return KVCache(k=per_layer, v=per_layer)
+    return KVCache(k=per_layer, v=per_layer, states=shardings.states)
 
 
 def describe_sharding(array: jax.Array) -> dict:

@@ -25,8 +25,9 @@ What these models do not do yet, refused or turned off at load with the reason
 (`refuse_unsupported`, `ferrox_jax/engine_builder.py`): prefix caching (a hit would need the
 recurrent state at the cached prefix: it is turned off, with a start-up log line), the host
 KV tier (its swap would need the states too), speculative decoding (rolling rejected drafts
-back needs a state per draft position), `n > 1` (the rows would fork the prefill's state),
-and tensor parallelism (the pool is not sharded).
+back needs a state per draft position) and `n > 1` (the rows would fork the prefill's state).
+Under tensor parallelism the pool is split as the layers' weights are, by value head and
+conv channel (`ferrox_jax/sharding.py`), and the memory bounds count each device's part.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def pool_bytes(specs, num_slots: int) -> int:
 def recurrent_settings(config, model_cfg):
     """The `EngineConfig` a model with recurrent layers is served under: prefix caching turned
     off (logged: a hit would skip the tokens whose recurrent state it does not hold), and
-    refused with the reason: speculative decoding, the host KV tier and tensor parallelism.
+    refused with the reason: speculative decoding and the host KV tier.
     Any other model's config is returned as it is."""
     if not model_cfg.recurrent_specs():
         return config
@@ -113,7 +114,7 @@ def recurrent_settings(config, model_cfg):
         raise StatePoolUnsupported("--speculative: this model has recurrent (linear-attention) layers, and "
                                    "rolling their state back past rejected drafts is not supported yet; serve it "
                                    "without speculative decoding")
-    refuse_unsupported(config.mesh_shape[1] > 1, config.kv_offload_gib)  # before the weights are placed
+    refuse_unsupported(config.kv_offload_gib)  # before the weights are placed
     if config.prefix_caching:
         log.info("prefix caching is off for %s: its recurrent (linear-attention) layers keep one state per "
                  "row, not one per cached block, so a prefix hit could not restore the state at the prefix",
@@ -122,12 +123,9 @@ def recurrent_settings(config, model_cfg):
     return config
 
 
-def refuse_unsupported(sharded: bool, kv_offload: float) -> None:
-    """Raises StatePoolUnsupported for a setting recurrent-state models cannot take yet: a mesh
-    (`sharded`) or a host KV tier (`kv_offload`: its blocks or GiB, 0 when off)."""
-    if sharded:
-        raise StatePoolUnsupported("this model has recurrent (linear-attention) layers, whose state pool is not "
-                                   "sharded yet: serve it on one device (no tensor parallelism)")
+def refuse_unsupported(kv_offload: float) -> None:
+    """Raises StatePoolUnsupported for a setting recurrent-state models cannot take yet: a host
+    KV tier (`kv_offload`: its blocks or GiB, 0 when off)."""
     if kv_offload:
         raise StatePoolUnsupported("--kv-offload-gib: this model has recurrent (linear-attention) layers, whose "
                                    "states the host tier does not swap yet; serve it without the host tier")

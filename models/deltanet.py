@@ -44,14 +44,26 @@ Per-layer parameters (HF name after `model.layers.{i}.linear_attn.`):
 
 Qwen3-Next (`DeltaNetSpec.fused`) stores the first four as two: in_proj_qkvz [D, 2*Hk*dk +
 2*Hv*dv] and in_proj_ba [D, 2*Hv], each grouped per k head (`_projections` takes them apart).
+
+Tensor parallelism (`ferrox_jax/sharding.py`) splits the layer by key-head group: a device
+holds Hk/M key heads, the Hv/M value heads they serve (value head j serves key head
+j // (Hv/Hk), so a device's value heads are those of its key heads), their conv channels and
+their part of every slot's states. Every step of the block is per head, so only out_proj's
+row-parallel product reduces across devices. The conv's channel axis C is HF's q | k | v,
+which M equal parts would cut across; `group_for_devices` regroups it on a mesh to
+[q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (in_proj_qkv's columns and conv1d's channels permuted,
+`DeltaNetSpec.shards` recording the grouping; the fused form builds the grouped q | k | v from
+its per-group projection), so each part holds whole heads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from models.layers import ForwardContext, param, project, project_many
@@ -69,6 +81,10 @@ class DeltaNetSpec:
     norm_eps: float = 1e-6
     # Qwen3-Next's layout: q/k/v/z fused in one projection and b/a in another, grouped by k head
     fused: bool = False
+    # Devices the conv channels are grouped for (tensor parallelism, `group_for_devices`): the
+    # C axis is laid out [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], each device's heads' channels
+    # contiguous, so a split of C in `shards` equal parts gives each device its own heads. 1: HF's q | k | v.
+    shards: int = 1
 
     @property
     def key_dim(self) -> int:
@@ -81,6 +97,14 @@ class DeltaNetSpec:
     @property
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
+
+    def split_channels(self, x: jax.Array):
+        """x [..., C] in this spec's channel layout -> q, k [..., Hk, dk] and v [..., Hv, dv]."""
+        lead, m = x.shape[:-1], self.shards
+        q, k, v = jnp.split(x.reshape(*lead, m, self.conv_dim // m),
+                            [self.key_dim // m, 2 * self.key_dim // m], axis=-1)
+        return (q.reshape(*lead, self.num_k_heads, self.k_head_dim), k.reshape(*lead, self.num_k_heads, self.k_head_dim),
+                v.reshape(*lead, self.num_v_heads, self.v_head_dim))
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(conv state, recurrent state) shapes of one slot."""
@@ -114,17 +138,65 @@ def state_bytes_per_slot(specs: tuple[DeltaNetSpec, ...]) -> int:
 
 
 def create_states(specs: tuple[DeltaNetSpec, ...], num_slots: int, sharding=None) -> RecurrentStates:
-    """The zeroed pool of `num_slots` slots (slot 0 included), made on the device."""
+    """The zeroed pool of `num_slots` slots (slot 0 included), made on the device (`sharding`:
+    a RecurrentStates of shardings, `ferrox_jax/sharding.py:RunnerShardings.states`; None: one device)."""
     if num_slots < 2:
         raise ValueError(f"num_slots must be >= 2 (slot 0 is the null slot); got {num_slots}")
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=sharding)
     def zeros():
         return RecurrentStates(
             conv=tuple(jnp.zeros((num_slots, *s.state_shapes()[0]), jnp.float32) for s in specs),
             recurrent=tuple(jnp.zeros((num_slots, *s.state_shapes()[1]), jnp.float32) for s in specs))
 
     return zeros()
+
+
+def channel_order(spec: DeltaNetSpec, shards: int) -> np.ndarray:
+    """HF's conv channel (q | k | v) at each position of the layout grouped for `shards`
+    devices (`DeltaNetSpec.shards`): device d's q heads, k heads and value heads, d after d."""
+    kd, vd = spec.key_dim // shards, spec.value_dim // shards
+    return np.concatenate([np.concatenate([np.arange(d * kd, (d + 1) * kd),
+                                           spec.key_dim + np.arange(d * kd, (d + 1) * kd),
+                                           2 * spec.key_dim + np.arange(d * vd, (d + 1) * vd)])
+                           for d in range(shards)])
+
+
+def group_for_devices(model, shards: int):
+    """`model` with its DeltaNet layers' conv channels grouped for `shards` devices (tensor
+    parallelism: `ferrox_jax/sharding.py` splits C, and each device must get whole heads).
+
+    Permutes in_proj_qkv's columns (unfused) and conv1d's channels into the grouped order and
+    records it in each layer's spec (fused projections are grouped per k head already: the
+    forward builds the grouped q | k | v). A model without DeltaNet layers, or already grouped
+    so, is returned as it is; otherwise a copy (the caller's model keeps its layout and the
+    arrays it does not change are shared)."""
+    layers = [layer for layer in getattr(model, "layers", ()) if getattr(layer, "delta_spec", None) is not None]
+    if not layers or all(layer.delta_spec.shards == shards for layer in layers):
+        return model
+    model = nnx.merge(*nnx.split(model))
+    for layer in model.layers:
+        spec = getattr(layer, "delta_spec", None)
+        if spec is None or spec.shards == shards:
+            continue
+        for what, m in (("k", spec.num_k_heads), ("v", spec.num_v_heads)):
+            if m % shards:
+                raise ValueError(f"tensor parallelism {shards} does not divide the DeltaNet layers' {what} heads {m} "
+                                 f"(linear_num_key_heads {spec.num_k_heads}, linear_num_value_heads "
+                                 f"{spec.num_v_heads}); choose a size dividing both")
+        # new position i holds old position old_at[HF channel at i]
+        old_at = np.argsort(channel_order(spec, spec.shards))[channel_order(spec, shards)]
+        names = ("conv_weight",) if spec.fused else ("conv_weight", "in_proj_qkv")
+        for name in names:
+            var = getattr(layer, name)
+            value = var.get_value()
+            if not isinstance(value, jax.Array):
+                raise ValueError(f"tensor parallelism: this model's DeltaNet {name} is stored quantized, and its "
+                                 "channels cannot be regrouped per device; serve it on one device or from float "
+                                 "weights")
+            var.set_value(jnp.take(value, jnp.asarray(old_at), axis=0 if name == "conv_weight" else 1))
+        layer.delta_spec = dataclasses.replace(spec, shards=shards)
+    return model
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -229,7 +301,9 @@ class GatedDeltaNet:
         qkvz, ba = project_many(h, [self.in_proj_qkvz.get_value(), self.in_proj_ba.get_value()])
         qkvz = qkvz.reshape(n, hk, 2 * dk + 2 * r * spec.v_head_dim)
         q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * spec.v_head_dim], axis=-1)
-        qkv = jnp.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=-1)
+        m = spec.shards  # each device's groups' q, k and v together (the conv's channel layout)
+        qkv = jnp.concatenate([q.reshape(n, m, -1), k.reshape(n, m, -1), v.reshape(n, m, -1)], axis=-1)
+        qkv = qkv.reshape(n, spec.conv_dim)
         ba = ba.reshape(n, hk, 2 * r)
         return qkv, z.reshape(n, -1), ba[..., :r].reshape(n, -1), ba[..., r:].reshape(n, -1)
 
@@ -253,10 +327,7 @@ class GatedDeltaNet:
             conv0, rec0 = initial_states(conv_pool, rec_pool, seg_slots, starts_fresh(seg.positions))
             x = qkv[seg.start:seg.stop].reshape(rows, t, spec.conv_dim)
             x, conv1 = causal_conv(x, conv0, self.conv_weight[...], seg.valid.sum(axis=1))
-            q, k, v = jnp.split(x, [spec.key_dim, 2 * spec.key_dim], axis=-1)
-            q = q.reshape(rows, t, spec.num_k_heads, spec.k_head_dim)
-            k = k.reshape(rows, t, spec.num_k_heads, spec.k_head_dim)
-            v = v.reshape(rows, t, spec.num_v_heads, spec.v_head_dim)
+            q, k, v = spec.split_channels(x)
             rep = spec.num_v_heads // spec.num_k_heads
             q = jnp.repeat(l2norm(q), rep, axis=2) * (spec.k_head_dim ** -0.5)
             k = jnp.repeat(l2norm(k), rep, axis=2)

@@ -12,7 +12,9 @@ Qwen3.5's RoPE is multimodal (mrope sections over t/h/w positions); a text-only 
 has the same position on all three, where it is plain RoPE. Only the full-attention layers
 hold K/V (`kv_layout`: one pair each); the DeltaNet layers' states live in the engine's state
 pool (`ferrox_jax/state_pool.py`), one slot per running row, passed to the forward beside
-the paged cache (`RecurrentStates`).
+the paged cache (`RecurrentStates`). Under tensor parallelism the gated attention splits by
+head as any attention (q_proj's [query | gate] rows are per head, so head-major), and the
+DeltaNet layers and their states by key-head group (models/deltanet.py).
 
 Per-layer parameters (HF name after `model.layers.{i}.`), besides DeltaNet's:
 

@@ -54,6 +54,13 @@ from models.moe import MoeConfig, moe_mlp
 class Qwen3NextConfig(qwen3_5.Qwen3_5Config, MoeConfig):
     shared_expert_intermediate_size: int = 0  # the shared expert's width (0: none)
 
+    def sharded_sizes(self) -> dict[str, int]:
+        """Tensor parallelism splits the shared expert's width too, as a dense MLP's."""
+        sizes = super().sharded_sizes()
+        if self.shared_expert_intermediate_size:
+            sizes["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        return sizes
+
 
 class Qwen3NextDecoderLayer(qwen3_5.Qwen3_5DecoderLayer):
     def __init__(self, cfg: Qwen3NextConfig, index: int, dtype, rngs: nnx.Rngs):

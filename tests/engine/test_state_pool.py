@@ -138,8 +138,9 @@ def test_recurrent_models_run_without_prefix_caching_and_refuse_speculation(capl
         recurrent_settings(dataclasses.replace(config, speculative=SpeculativeConfig()), _Cfg((SPEC,)))
     with pytest.raises(StatePoolUnsupported, match="--kv-offload-gib"):
         recurrent_settings(dataclasses.replace(config, kv_offload_gib=1.0), _Cfg((SPEC,)))
-    with pytest.raises(StatePoolUnsupported, match="one device"):
-        recurrent_settings(dataclasses.replace(config, tensor_parallel=2), _Cfg((SPEC,)))
+    # tensor parallelism splits the pool (ferrox_jax/sharding.py): served, prefix caching off as on one device
+    sharded = recurrent_settings(dataclasses.replace(config, tensor_parallel=2), _Cfg((SPEC,)))
+    assert sharded.mesh_shape == (1, 2) and not sharded.prefix_caching
 
 
 def test_pool_bytes_are_every_slot_of_every_layer():
@@ -163,3 +164,6 @@ def test_memory_bounds_count_the_pool_beside_the_kv_cache():
     assert demand.total == demand.kv_bytes + demand.lora_bytes + demand.step_bytes + demand.state_bytes
     with pytest.raises(MemoryBoundError, match="recurrent state pool"):
         Footprint(cfg, 1024, 4, "cpu").check(config, Room(demand.total - 1, "host memory"))
+    # tensor parallelism 2: each device holds half the pool (its value heads and conv channels), as its KV heads
+    split = Footprint(cfg, 1024, 4, "cpu", kv_shards=2).demand(config)
+    assert split.state_bytes * 2 == demand.state_bytes and split.kv_bytes * 2 == demand.kv_bytes

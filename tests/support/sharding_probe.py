@@ -11,6 +11,8 @@ prints one JSON object on the last stdout line with what it measured; the test a
     python tests/support/sharding_probe.py families DIR...   # HF checkpoints of other families, tp 4 vs 1
     python tests/support/sharding_probe.py families DIR... --tp2-ep DIR...   # and each of these at tp 2, experts
                                                          # split by width and by expert (--expert-parallel)
+    python tests/support/sharding_probe.py families DIR... --tp2-state DIR...   # and these Gated DeltaNet
+                                                         # checkpoints at tp 2 (tests/support/deltanet_tp_probe.py)
     python tests/support/sharding_probe.py family_tp TP DIR  # one HF checkpoint, tp TP vs 1, every placement
     python tests/support/sharding_probe.py collectives DIR   # families, plus its tp 4 decode step's collectives
                                                          # (and a latent-attention model's expanded prefill)
@@ -453,10 +455,15 @@ def main(argv):
     if case == "multihost":
         result = case_multihost(*argv[2:5])
     elif case == "families":
-        split = argv.index("--tp2-ep") if "--tp2-ep" in argv else len(argv)
+        state = argv.index("--tp2-state") if "--tp2-state" in argv else len(argv)
+        split = argv.index("--tp2-ep") if "--tp2-ep" in argv[:state] else state
         result = case_families(*argv[2:split])
-        for path in argv[split + 1:]:
+        for path in argv[split + 1:state]:
             result[f"tp2:{path}"] = case_tp2_expert_split(path)
+        for i, path in enumerate(argv[state + 1:]):  # the recurrent-state families (the first: its control too)
+            from tests.support.deltanet_tp_probe import case_state_tp
+
+            result[f"state:{path}"] = case_state_tp(path, control=i == 0)
     elif case == "family_tp":
         result = case_family_tp(int(argv[2]), argv[3])
     elif case == "collectives":

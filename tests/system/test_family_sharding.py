@@ -7,7 +7,14 @@ are split. Both have 4 KV heads so attention is split too.
 GLM-4.5 (2 KV heads, so tp 2) in the same subprocess: q/k/v biases and per-head q/k norms
 under split heads, grouped sigmoid routing, a shared expert and a dense layer, with its 8
 experts split by width (tensor parallelism alone) and by expert (`--expert-parallel`, 4
-whole experts per device); the control rolls the expert stacks one device along E."""
+whole experts per device); the control rolls the expert stacks one device along E.
+
+Qwen3.5 and Qwen3-Next (Gated DeltaNet layers beside gated attention; 2 k / 4 v heads, so tp 2)
+in the same subprocess (tests/support/deltanet_tp_probe.py): two rows prefilled in two chunks
+then decoded together match one device, the layer's weights and the state pool are split by
+head, a decode step's only collectives are each layer's two row-parallel all-reduces and the
+vocab's, 0 recompiles after warm-up; the control pairs each device's key heads with the next
+device's value heads."""
 
 from __future__ import annotations
 
@@ -29,7 +36,27 @@ def probed(tmp_path_factory):
     moe = fc.make_checkpoint(root / "qwen3moe", transformers.Qwen3MoeConfig(
         intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1],
         tie_word_embeddings=False, **common))
-    return _probe("families", str(gemma2), str(moe), "--tp2-ep", str(glm4_moe(root / "glm4moe")))
+    return _probe("families", str(gemma2), str(moe), "--tp2-ep", str(glm4_moe(root / "glm4moe")),
+                  "--tp2-state", *map(str, deltanet_checkpoints(root)), timeout_s=600)
+
+
+DELTANET_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+DELTANET_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                       layer_types=DELTANET_LAYERS, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def deltanet_checkpoints(root):
+    """The tiny Qwen3.5 and Qwen3-Next of tests/models/test_family_qwen3_5.py (Qwen3-Next: top-2
+    of 4 experts, a shared expert of width 48, layer 2 dense)."""
+    qwen3_5 = transformers.Qwen3_5TextConfig(**DELTANET_SHAPES)
+    qwen3_5.architectures = ["Qwen3_5ForCausalLM"]
+    qwen3_next = transformers.Qwen3NextConfig(**DELTANET_SHAPES, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                              mlp_only_layers=[2])
+    qwen3_next.architectures = ["Qwen3NextForCausalLM"]
+    return fc.make_checkpoint(root / "qwen3_5", qwen3_5), fc.make_checkpoint(root / "qwen3_next", qwen3_next)
 
 
 def glm4_moe(path):
@@ -122,3 +149,76 @@ def test_glm4_moe_tp2_control_misplaced_experts_differ(probed):
     """The check catches a wrong split: each device holding its neighbour's experts."""
     got = next(v for k, v in probed.items() if k.startswith("tp2:"))["by_expert_rolled"]["parity"]
     assert got["prefill_err"] > 100 * ATOL and got["decode_err"] > 100 * ATOL, got
+
+
+def _deltanet(probed, name):
+    return next(v for k, v in probed.items() if k.startswith("state:") and k.endswith(name))
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_deltanet_tp2_matches_one_device(probed, name):
+    """Two rows in one step, each prompt in two chunks (the second continues the states from
+    the slots), then 4 greedy steps with the rows batched: tp 2 against one device."""
+    got = _deltanet(probed, name)["parity"]
+    assert got["prefill_err"] < ATOL, f"{name} tp=2: prefill logits differ by {got['prefill_err']}"
+    assert got["decode_err"] < ATOL, f"{name} tp=2: decode logits differ by {got['decode_err']}"
+    assert got["same_greedy"], f"{name} tp=2: greedy tokens changed"
+
+
+def test_deltanet_tp2_splits_weights_and_state_pool_by_head(probed):
+    place = _deltanet(probed, "qwen3_5")["placement"]
+    # 2 k heads / 4 v heads of 16 over 2 devices: C = 2*2*16 + 4*16 = 128 -> 64 channels each
+    assert place["in_proj_qkv"]["shard_shapes"] == [[64, 64]]
+    assert place["in_proj_z"]["shard_shapes"] == [[64, 32]], "2 value heads x 16"
+    assert place["in_proj_b"]["shard_shapes"] == place["in_proj_a"]["shard_shapes"] == [[64, 2]]
+    assert place["A_log"]["shard_shapes"] == place["dt_bias"]["shard_shapes"] == [[2]]
+    assert place["conv_weight"]["shard_shapes"] == [[64, 1, 4]]
+    assert place["out_proj"]["shard_shapes"] == [[32, 64]], "row-parallel"
+    assert place["gate_norm"]["shard_shapes"] == [[16]], "the gated norm's weight (per dv) is replicated"
+    # the pool: max_rows 4 + the null slot; conv by channel, recurrent by value head
+    assert place["conv_pool"]["shard_shapes"] == [[5, 3, 64]]
+    assert place["recurrent_pool"]["shard_shapes"] == [[5, 2, 16, 16]]
+    fused = _deltanet(probed, "qwen3_next")["placement"]
+    # per k head: q 16, k 16, v and z 2 x 16 each -> one whole group of 96 per device; b, a 2 each
+    assert fused["in_proj_qkvz"]["shard_shapes"] == [[64, 96]]
+    assert fused["in_proj_ba"]["shard_shapes"] == [[64, 4]]
+    assert fused["conv_weight"]["shard_shapes"] == [[64, 1, 4]]
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_deltanet_tp2_decode_step_reduces_only_after_row_parallel_products(probed, name):
+    """Every head's conv, delta rule and gated norm stay on its device: nothing of the
+    mixers is gathered, and the [1, D] all-reduces are the row-parallel products'."""
+    got = _deltanet(probed, name)
+    ops = got["collectives"]
+    gathered = [shape for op, shape in ops if op == "all-gather"]
+    assert all(shape.endswith(f",{got['vocab_size']}]") for shape in gathered), f"{name}: gathers {gathered}"
+    assert not [op for op, _ in ops if op in ("all-to-all", "collective-permute", "reduce-scatter")], ops
+    if name == "qwen3_5":  # per layer: the mixer's out_proj / o_proj and the MLP's down_proj
+        hidden = [shape for op, shape in ops if op == "all-reduce" and shape == f"f32[1,{got['hidden_size']}]"]
+        assert len(hidden) == 2 * got["num_layers"] + 1, f"{len(hidden)} all-reduces of [1, D] (+1: the embedding)"
+
+
+def test_deltanet_tp2_zero_recompiles_and_the_pool_stays_split(probed):
+    got = _deltanet(probed, "qwen3_5")
+    assert got["recompiles_after_warmup"] == 0
+    assert got["recurrent_pool_after_workload"]["shard_shapes"] == [[5, 2, 16, 16]]
+
+
+def test_deltanet_tp2_control_value_heads_on_the_wrong_device_differ(probed):
+    """The check catches a wrong grouping: each device's key heads beside the next device's value heads."""
+    got = _deltanet(probed, "qwen3_5")["misgrouped"]
+    assert got["prefill_err"] > 100 * ATOL and got["decode_err"] > 100 * ATOL, got
+
+
+def test_deltanet_heads_not_dividing_the_width_are_refused():
+    from ferrox_jax.sharding import check_divisibility
+    from models.qwen3_5 import Qwen3_5Config
+
+    cfg = Qwen3_5Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=4, head_dim=16, max_position_embeddings=512, linear_layers=(True, False),
+                        linear_num_key_heads=2, linear_num_value_heads=4)
+    check_divisibility(cfg, 2, replicate_attention=False)
+    with pytest.raises(ValueError, match=r"tensor parallelism 4 .*linear_num_key_heads 2, linear_num_value_heads 4"):
+        check_divisibility(cfg, 4, replicate_attention=False)
+    check_divisibility(cfg, 4, replicate_attention=True)  # the mixers and the pool replicated
