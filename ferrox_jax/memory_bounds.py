@@ -188,7 +188,7 @@ class Demand:
     max_context: int
     step: StepSize
 
-    state_bytes: int = 0  # the recurrent state pool beside the KV cache (ferrox_jax/state_pool.py)
+    state_bytes: int = 0  # this device's part of the recurrent state pool (split as the KV heads)
 
     @property
     def total(self) -> int:
@@ -266,7 +266,6 @@ class Footprint:
                                             self.compute_itemsize),
                       step_bytes=step_bytes(self.model, step, lora_columns), num_blocks=num_blocks,
                       max_context=max_context, step=step,
-                      # split like the KV heads: by value head and conv channel (ferrox_jax/sharding.py)
                       state_bytes=-(-pool_bytes(self.model.recurrent_specs(), step.rows + 1) // self.kv_shards))
 
     def check(self, config: Any, room: Room, *, overrides: dict[str, Any] | None = None, weights_bytes: int = 0,

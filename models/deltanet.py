@@ -103,7 +103,8 @@ class DeltaNetSpec:
         lead, m = x.shape[:-1], self.shards
         q, k, v = jnp.split(x.reshape(*lead, m, self.conv_dim // m),
                             [self.key_dim // m, 2 * self.key_dim // m], axis=-1)
-        return (q.reshape(*lead, self.num_k_heads, self.k_head_dim), k.reshape(*lead, self.num_k_heads, self.k_head_dim),
+        hk, dk = self.num_k_heads, self.k_head_dim
+        return (q.reshape(*lead, hk, dk), k.reshape(*lead, hk, dk),
                 v.reshape(*lead, self.num_v_heads, self.v_head_dim))
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
