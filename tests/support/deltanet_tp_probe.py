@@ -6,9 +6,10 @@ Each checkpoint at tp 2 against one device over two rows in one step: a prefill 
 chunks (the second continues each row's conv and recurrent state from its slot), then greedy
 decode steps with both rows batched; where the layer's weights and the state pool landed;
 the collectives of a compiled one-row decode step. With `control=True` (the first checkpoint)
-also 0 recompiles after warm-up over a mixed workload, and the negative control: each
+also 0 recompiles after warm-up over a mixed workload, and the negative controls: each
 device's conv channels grouped with the next device's value heads (a value head beside the
-wrong key head), which the parity must catch.
+wrong key head), which the parity must catch; and the channels left in HF's order, whose
+decode step the collectives check must catch moving channels between devices.
 """
 
 from __future__ import annotations
@@ -108,4 +109,13 @@ def case_state_tp(path, control=False):
             deltanet.channel_order = real
         out["misgrouped"] = {"prefill_err": float(np.abs(bad[0] - ref[0]).max()),
                              "decode_err": float(np.abs(bad[1] - ref[1]).max())}
+        # HF's q | k | v order split as it is: still correct (XLA moves the channels), not local
+        from ferrox_jax import runner as runner_module
+
+        real_grouping = runner_module.group_for_devices
+        runner_module.group_for_devices = lambda model, shards: model
+        try:
+            out["ungrouped_collectives"] = collectives(_runner(load_checkpoint(path).model, 2))
+        finally:
+            runner_module.group_for_devices = real_grouping
     return out

@@ -199,6 +199,15 @@ def test_deltanet_tp2_decode_step_reduces_only_after_row_parallel_products(probe
         assert len(hidden) == 2 * got["num_layers"] + 1, f"{len(hidden)} all-reduces of [1, D] (+1: the embedding)"
 
 
+def test_deltanet_tp2_control_ungrouped_channels_cross_devices(probed):
+    """The collectives check catches a split that is not by head: HF's q | k | v order cut in
+    two halves makes XLA move q, k and v channels between the devices in every DeltaNet layer."""
+    got = _deltanet(probed, "qwen3_5")
+    moved = [(op, shape) for op, shape in got["ungrouped_collectives"]
+             if op in ("all-to-all", "collective-permute", "all-gather") and not shape.endswith(f",{got['vocab_size']}]")]
+    assert moved, got["ungrouped_collectives"]
+
+
 def test_deltanet_tp2_zero_recompiles_and_the_pool_stays_split(probed):
     got = _deltanet(probed, "qwen3_5")
     assert got["recompiles_after_warmup"] == 0
