@@ -75,8 +75,6 @@ def admission_error(e: AdmissionError) -> APIError:
         return APIError(400, e.message, param="max_tokens", code="device_memory_budget_exceeded")
     if e.reason == "queue_full":
         return unavailable(e.message, code="queue_full")
-    if e.reason == "unsupported":  # n > 1 on a model with recurrent state
-        return APIError(400, e.message, param="n", code="unsupported_value")
     if e.reason in ADAPTER_ERRORS:
         return adapter_error(e.reason, e.message)
     return unavailable(e.message, code="unavailable")

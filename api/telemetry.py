@@ -100,6 +100,13 @@ _BATCHER_METRICS = (
     ("state_slots_total", "ferrox_state_slots_total", "gauge", "recurrent state slots rows can hold"),
     ("state_slots_held", "ferrox_state_slots_held", "gauge", "recurrent state slots held by admitted rows"),
     ("state_pool_bytes", "ferrox_state_pool_bytes", "gauge", "device bytes of the recurrent state pool"),
+    ("state_snapshot_slots_total", "ferrox_state_snapshot_slots_total", "gauge",
+     "recurrent state snapshot slots kept for prefix-cache hits"),
+    ("state_snapshot_slots_held", "ferrox_state_snapshot_slots_held", "gauge",
+     "recurrent state snapshots attached to cached blocks"),
+    ("state_snapshots_taken", "ferrox_state_snapshots_taken", "counter", "recurrent state snapshots taken"),
+    ("state_snapshots_restored", "ferrox_state_snapshots_restored", "counter",
+     "prefix-cache hits that restored a recurrent state snapshot"),
     ("tokens_generated", "ferrox_tokens_generated", "counter",
      "tokens the engine sampled, counted every step (stop tokens included); ferrox_generation_tokens "
      "counts a request's tokens when it ends"),

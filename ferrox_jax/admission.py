@@ -34,7 +34,7 @@ def check_admission(job: Job, limits: SchedulerLimits) -> tuple[str, str] | None
     Pure (reads immutable limits only), so submitters call it on their own threads.
 
     Returns:
-        None, or (reason, message): reason "context_length", "unsupported" or "too_large".
+        None, or (reason, message): reason "context_length" or "too_large".
     """
     num_prompt_tokens = len(job.prompt_token_ids)
     total_tokens = num_prompt_tokens + job.max_tokens
@@ -42,9 +42,6 @@ def check_admission(job: Job, limits: SchedulerLimits) -> tuple[str, str] | None
         return ("context_length",
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({job.max_tokens}) = "
                 f"{total_tokens} tokens exceeds the context limit of {limits.max_context} tokens")
-    if job.n > 1 and limits.state_slots:  # the rows would each need the prefill's recurrent state
-        return ("unsupported", f"request asks for n={job.n} rows; this model has recurrent (linear-attention) "
-                               "layers and serves one row per request: send n separate requests")
     num_blocks = blocks_to_reserve(num_prompt_tokens, job.max_tokens, job.n, limits.block_size)
     if num_blocks > limits.num_blocks:
         message = (f"request needs {num_blocks} KV blocks of {limits.block_size} positions "

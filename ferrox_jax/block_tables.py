@@ -62,6 +62,13 @@ table's slots behind the window of the step's first position; copy-on-write copi
 slot too (`window_copies`), fork shares the window's slots, release and preemption drop
 them. Admission also reserves the job's window quota (rows times `window_cap`), and cuts a
 hit back to the blocks whose window slots are still there.
+
+The recurrent group (a model with linear-attention layers): each row's state slot
+(`self.states`, `ferrox_jax/state_pool.py`), and with the prefix cache the state snapshots
+attached to cached blocks (`self.snapshots`, `ferrox_jax/state_snapshots.py`): admission
+cuts a hit back to its last block with a snapshot and restores it into the row's slot;
+naming the block at a prompt's snapshot position takes one; fork copies the prefill row's
+state to the other rows; eviction frees a block's snapshot with it.
 """
 
 from __future__ import annotations
@@ -77,6 +84,8 @@ from ferrox_jax.kv_groups import WindowPool, first_window_block, window_cap
 from ferrox_jax.kv_offload import HostTier
 from ferrox_jax.prefix_cache import PrefixCache, adapter_root, chain_hashes
 from ferrox_jax.request import JobState, Row
+from ferrox_jax.state_pool import StatePool
+from ferrox_jax.state_snapshots import RecurrentGroup
 
 
 def blocks_to_reserve(num_prompt_tokens: int, max_tokens: int, n: int, block_size: int,
@@ -108,8 +117,11 @@ class BlockTables:
             cap = window_cap(limits.kv_window, self.block_size, self.step_tokens, limits.num_blocks)
             self.window = WindowPool(limits.kv_window_slots or max(limits.num_blocks, limits.max_rows * cap),
                                      limits.kv_window, self.block_size)
-            if self.cache is not None:
-                self.cache.on_evict = self.window.block_evicted
+        # Recurrent state slots by row (none for most models), snapshots with the prefix cache.
+        self.recurrent = RecurrentGroup(StatePool(limits.state_slots), self.cache, self.block_size)
+        self.states, self.snapshots = self.recurrent.states, self.recurrent.snapshots
+        if self.cache is not None and (self.window is not None or self.snapshots is not None):
+            self.cache.on_evict = self._block_evicted
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of those, tokens admission took from the cache (not computed), both tiers
         self.num_host_hit_tokens = 0  # of those, tokens restored from the host tier
@@ -135,9 +147,7 @@ class BlockTables:
         host_slots: list[int] = []
         if self.cache is not None and not submitted.computes_every_position:
             names = job.block_names[:(len(prompt) - 1) // self.block_size]
-            hits = self.cache.lookup(names)
-            if self.window is not None:  # a hit whose window blocks lost their slots is cut back
-                hits = hits[:self.window.usable_hits(hits)]
+            hits = self._usable(self.cache.lookup(names))
             if self.tier is not None:
                 host_slots = self.tier.lookup(names[len(hits):])
                 self.tier.pin(host_slots)  # before the budget evicts: its saves must not take these slots
@@ -150,6 +160,7 @@ class BlockTables:
             return False
         job.num_owed_blocks = num_new
         job.prefill_block_ids = hits
+        self.recurrent.restore(job.rows[0], hits)
         if self.window is not None:
             self.window.open(job, hits, first_window_block(len(hits) * self.block_size, self.window.window,
                                                            self.block_size))
@@ -195,11 +206,28 @@ class BlockTables:
             return False
         for row, hits in zip(rows, hits_by_row):
             row.block_ids, row.num_named_blocks, row.num_computed_tokens = list(hits), len(hits), len(hits) * self.block_size
+            self.recurrent.restore(row, hits)
             if self.window is not None:
                 self.window.open(row, row.block_ids, first_window_block(row.num_computed_tokens, self.window.window,
                                                                         self.block_size))
         job.num_owed_blocks = num_new
         return True
+
+    # -- the groups beside the full one: what a hit can use, eviction ----------------------
+
+    def _usable(self, hits: list[int]) -> list[int]:
+        """A device hit cut back to what every group can use: the blocks whose window slots
+        are still there, and (recurrent layers) up to the last block with a state snapshot."""
+        if self.window is not None:
+            hits = hits[:self.window.usable_hits(hits)]
+        return hits[:self.recurrent.usable_hits(hits)]
+
+    def _block_evicted(self, block_id: int) -> None:
+        """The prefix cache forgot `block_id`: its parked window slot and its snapshot go too."""
+        if self.window is not None:
+            self.window.block_evicted(block_id)
+        if self.snapshots is not None:
+            self.snapshots.block_evicted(block_id)
 
     # -- the sliding group (ferrox_jax/kv_groups.py) ------------------------------------
 
@@ -242,9 +270,7 @@ class BlockTables:
                     parent = names[-1] if names else adapter_root(self.cache.root, submitted.adapter_key)
                     names += chain_hashes(row.token_ids, bs, parent, start_block=len(names),
                                           num_blocks=num_full - len(names))
-                hits = self.cache.lookup(names[:num_full])
-                if self.window is not None:
-                    hits = hits[:self.window.usable_hits(hits)]
+                hits = self._usable(self.cache.lookup(names[:num_full]))
             hits_by_row.append(hits)
         return hits_by_row
 
@@ -261,9 +287,7 @@ class BlockTables:
             prompt, hits = submitted.prompt_token_ids, []
             if self.cache is not None and not submitted.computes_every_position:
                 names = job.block_names or chain_hashes(prompt, bs, adapter_root(self.cache.root, submitted.adapter_key))
-                hits = self.cache.lookup(names[:(len(prompt) - 1) // bs])
-                if self.window is not None:
-                    hits = hits[:self.window.usable_hits(hits)]
+                hits = self._usable(self.cache.lookup(names[:(len(prompt) - 1) // bs]))
             num_new = blocks_to_reserve(len(prompt), submitted.max_tokens, submitted.n, bs, len(hits) * bs)
         return num_new + sum(1 for block_id in set(hits) if not self.budget.ref_count(block_id))
 
@@ -282,10 +306,12 @@ class BlockTables:
         jobs, self._restoring = self._restoring, []
         return (*self.tier.take(), jobs)
 
-    def forget_failed_saves(self, saves: Iterable[tuple[int, int]]) -> None:
-        """A step failed: the host slots it was to save hold nothing known."""
+    def forget_failed_saves(self, saves: Iterable[tuple[int, int]], state_copies: Iterable[tuple[int, int]]) -> None:
+        """A step failed: the host slots it was to save, and the snapshots it was to write, hold nothing known."""
         if self.tier is not None:
             self.tier.forget_slots(slot for _, slot in saves)
+        if self.snapshots is not None:
+            self.snapshots.forget_slots(dst for _, dst in state_copies)
 
     # -- planning: make the positions a step writes writable ------------------------------
 
@@ -366,6 +392,7 @@ class BlockTables:
         for i in range(job.num_named_blocks, num_full):
             self._name(job.prefill_block_ids[i], job.block_names[i])
         job.num_named_blocks = max(job.num_named_blocks, num_full)
+        self.recurrent.prefilled_to(job)
 
     def name_row_blocks(self, row: Row) -> None:
         """Enters the row's newly completed blocks (prompt tail and generated tokens)."""
@@ -406,6 +433,7 @@ class BlockTables:
             row.block_ids = list(blocks)
             row.block_names = list(job.block_names)
             row.num_named_blocks = job.num_named_blocks
+        self.recurrent.fork(job)
 
     # -- release ------------------------------------------------------------------------
 

@@ -67,7 +67,7 @@ from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.runner_protocol import Runner
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
 from models.moe_ep import enable_expert_parallel, resolve_expert_parallel
-from ferrox_jax.state_pool import pool_bytes, recurrent_settings
+from ferrox_jax.state_pool import pool_bytes, pool_slots, recurrent_settings
 from models.checkpoint import CheckpointSource
 from models.config import ModelConfig
 from models.loader import open_checkpoint
@@ -407,7 +407,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
                     "its outputs are meaningless (for sizing and benchmarks only)",
                     config.dummy_weights_seed, source.name)
     vision, config, source = open_vision(source, config)  # a model taking images: its encoder
-    config = recurrent_settings(config, source.config)  # prefix caching off, speculation refused
+    config = recurrent_settings(config, source.config)  # speculation, a mesh, the host tier refused
     _, model_axis = config.mesh_shape
     if jax.process_count() > 1:
         check_mesh(model_axis, jax.device_count())
@@ -458,7 +458,9 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         speculative=config.speculative, scheduling_policy=config.scheduling_policy, kv_offload_blocks=offload,
         kv_window=sliding_window(source.config), kv_window_slots=max(sizing.window_blocks - 1, 0),
         state_slots=step.rows + 1 if source.config.recurrent_specs() else 0,  # the runner's pool: a slot per row
-        state_pool_bytes=pool_bytes(source.config.recurrent_specs(), step.rows + 1))
+        state_pool_bytes=pool_bytes(source.config.recurrent_specs(), pool_slots(step.rows, config.prefix_caching)))
+    # snapshots after the running slots (ferrox_jax/state_snapshots.py): with prefix caching, one per row
+    snapshots = step.rows if source.config.recurrent_specs() and config.prefix_caching else 0
     grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size, config)
     # Speculating rows take a decode row per token: room for them in the row buckets (step.rows).
     if mtp:  # the MTP layer reads every token's hidden state from the step (a static of the graph)
@@ -467,7 +469,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
                          max_chunk_tokens=step.idle_chunk_tokens, max_context=sizing.max_context, kv_dtype=kv_dtype,
                          mesh=mesh, replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks,
                          shared_compiles=_PROCESS.get("shared_compiles"), vision=vision, kv_offload_blocks=offload,
-                         window_blocks=sizing.window_blocks,
+                         window_blocks=sizing.window_blocks, state_snapshots=snapshots,
                          executable_store=store_for(config, source.path, single_device=mesh is None))
     draft_runner = (_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh)
                     if draft_source is not None else None)

@@ -46,6 +46,9 @@ Layout: R rows in plan order (decode rows, then prompt chunks), N new tokens.
                                   (`ferrox_jax/kv_groups.py`): each row's slot per block of its
                                   table, 0 behind its window (None: no such pool)
     window_copies   i32[C', 2] or None  (src, dst) slot copies, run with the block copies
+    state_copies    i32[C'', 2] or None (src, dst) recurrent state slot copies, run in order with
+                                  the block copies (snapshot saves, hit restores, n > 1 forks:
+                                  `ferrox_jax/state_pool.py`); None or empty: none
 
 A new capability adds a column here (an adapter index per row, 1 + k logits per row), not a
 branch in the runner.
@@ -208,6 +211,7 @@ class HostBatch:
     kv_restores: np.ndarray | None = None  # None reads as no restores
     window_tables: np.ndarray | None = None
     window_copies: np.ndarray | None = None
+    state_copies: np.ndarray | None = None
 
     @classmethod
     def build(cls, plan: StepPlan, geometry: BatchGeometry) -> "HostBatch":
@@ -258,6 +262,7 @@ class HostBatch:
                    rope_positions=rope_columns(rows, row_starts, positions),
                    window_tables=window_tables,
                    window_copies=np.asarray(plan.window_copies, np.int32).reshape(-1, 2) if geometry.windowed else None,
+                   state_copies=np.asarray(plan.state_copies, np.int32).reshape(-1, 2),
                    **dict(zip(("image_embeds", "image_mask", "attend_until"), images or ())))
 
     @property

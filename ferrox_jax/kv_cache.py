@@ -155,16 +155,33 @@ def layout_bytes_per_block(layout, block_size: int, dtype) -> int:
 
 @functools.partial(jax.jit, donate_argnames=("kv_cache",), static_argnames=("windowed",))
 def copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array, window_src: jax.Array | None = None,
-                window_dst: jax.Array | None = None, windowed: tuple[bool, ...] = ()) -> KVCache:
+                window_dst: jax.Array | None = None, state_src: jax.Array | None = None,
+                state_dst: jax.Array | None = None, windowed: tuple[bool, ...] = ()) -> KVCache:
     """Copy whole blocks src[i] -> dst[i] in every layer (i32[P] each; pad with 0 -> 0); the
-    arrays `windowed` flags copy slots window_src[i] -> window_dst[i] instead."""
+    arrays `windowed` flags copy slots window_src[i] -> window_dst[i] instead; a model with
+    recurrent layers copies state slots state_src[i] -> state_dst[i] too (`copy_state_slots`)."""
     def pairs(i):
         return (window_src, window_dst) if windowed and windowed[i] else (src, dst)
 
+    states = kv_cache.states
+    if states is not None and state_src is not None:
+        states = copy_state_slots(states, state_src, state_dst)
     return kv_cache.replace(
         k=tuple(a.at[:, pairs(i)[1]].set(a[:, pairs(i)[0]]) for i, a in enumerate(kv_cache.k)),
         v=tuple(a.at[:, pairs(i)[1]].set(a[:, pairs(i)[0]]) for i, a in enumerate(kv_cache.v)),
+        states=states,
     )
+
+
+def copy_state_slots(states, src: jax.Array, dst: jax.Array):
+    """Recurrent state slots src[i] -> dst[i] (conv and recurrent arrays of every layer), one
+    pair after another: a pair may read a slot an earlier pair wrote (a snapshot saved, then
+    restored; a hit restored, then forked), so they are not one scatter. Pad with 0 -> 0."""
+    def one(i, st):
+        return st.replace(conv=tuple(a.at[dst[i]].set(a[src[i]]) for a in st.conv),
+                          recurrent=tuple(a.at[dst[i]].set(a[src[i]]) for a in st.recurrent))
+
+    return jax.lax.fori_loop(0, src.shape[0], one, states)
 
 
 @jax.jit

@@ -40,7 +40,7 @@ import math
 import os
 from typing import Any
 
-from ferrox_jax.state_pool import pool_bytes
+from ferrox_jax.state_pool import pool_bytes, pool_slots
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -114,8 +114,7 @@ def needed_kv_blocks(settings: Any, trained_context: int) -> int:
 
 
 def context_for(settings: Any, trained_context: int, num_blocks: int) -> int:
-    """The context ceiling: `max_context` if given, else the trained context within what
-    the cache holds."""
+    """The context ceiling: `max_context` if given, else the trained context the cache holds."""
     return settings.max_context or min(trained_context, (num_blocks - 1) * settings.block_size)
 
 
@@ -266,7 +265,8 @@ class Footprint:
                                             self.compute_itemsize),
                       step_bytes=step_bytes(self.model, step, lora_columns), num_blocks=num_blocks,
                       max_context=max_context, step=step,
-                      state_bytes=-(-pool_bytes(self.model.recurrent_specs(), step.rows + 1) // self.kv_shards))
+                      state_bytes=-(-pool_bytes(self.model.recurrent_specs(),
+                                                pool_slots(step.rows, settings.prefix_caching)) // self.kv_shards))
 
     def check(self, config: Any, room: Room, *, overrides: dict[str, Any] | None = None, weights_bytes: int = 0,
               freed_bytes: int = 0, blame: str | None = None, note: str = "") -> Demand:

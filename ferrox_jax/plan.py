@@ -105,6 +105,10 @@ class StepPlan:
     # the step's tables that has a slot, and the (src, dst) slot copies run with block_copies.
     window_slots: tuple[tuple[int, int], ...] = ()
     window_copies: tuple[tuple[int, int], ...] = ()
+    # The recurrent state pool's (src, dst) slot copies, run in order before the forward:
+    # snapshot saves, prefix-hit restores, n > 1 forks (ferrox_jax/state_pool.py). Only in a
+    # plan with rows: until one comes they wait (nothing touches a slot without a forward).
+    state_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_empty(self) -> bool:

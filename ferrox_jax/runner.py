@@ -117,7 +117,7 @@ class ModelRunner:
                  max_context: int, kv_dtype=None, mesh=None, replicate_attention: bool = False,
                  max_chunks: int = 1, shared_compiles: SharedCompiles | None = None,
                  vision: VisionEncoder | None = None, kv_offload_blocks: int = 0, window_blocks: int = 0,
-                 executable_store: ExecutableStore | None = None):
+                 executable_store: ExecutableStore | None = None, state_snapshots: int = 0):
         """Args:
           model: the built model, its decode attention already chosen (`models/loader.py`).
           num_blocks: KV cache blocks, the null block 0 included.
@@ -138,9 +138,9 @@ class ModelRunner:
             0: no tier, nothing of it compiled or allocated.
           window_blocks: the sliding-window layers' own pool, its null slot included
             (`ferrox_jax/kv_groups.py`); 0: they hold `num_blocks` as every layer does.
-          executable_store: where executables serialized by an earlier start are loaded
-            from, without tracing, and new ones stored (`ferrox_jax/executable_store.py`);
-            None: every executable is traced, lowered and compiled (JAX's cache may hold it).
+                 executable_store: ExecutableStore | None = None):
+          state_snapshots: a model with recurrent layers: the state pool's snapshot slots
+            after its running ones (`ferrox_jax/state_snapshots.py`); 0 without prefix caching.
         """
         cfg = model.cfg
         self.cfg = cfg
@@ -178,10 +178,11 @@ class ModelRunner:
         self.kv_cache: KVCache = create_model_kv_cache(
             cfg, num_blocks, block_size, self.kv_dtype, sharding=None if self.shardings is None else self.shardings.kv_array,
             windowed=self.windowed, window_blocks=window_blocks)
-        if cfg.recurrent_specs():  # one state slot per row a step holds, and the null slot 0
+        if cfg.recurrent_specs():  # the null slot 0, one state slot per row a step holds, then the snapshots
             refuse_unsupported(kv_offload_blocks)
             self.kv_cache = self.kv_cache.replace(states=create_states(
-                cfg.recurrent_specs(), max_rows + 1, None if self.shardings is None else self.shardings.states))
+                cfg.recurrent_specs(), max_rows + 1 + state_snapshots,
+                None if self.shardings is None else self.shardings.states))
         self.kv_offload_blocks = kv_offload_blocks
         layout = set(cfg.kv_layout())
         heads, k_dim, v_dim = next(iter(layout))
@@ -281,7 +282,7 @@ class ModelRunner:
     def _lower(self, key: tuple) -> jax.stages.Lowered:
         if key == COPY_KEY:
             pairs = jnp.zeros(COPY_BATCH, jnp.int32)
-            return copy_blocks.lower(self.kv_cache, pairs, pairs, pairs, pairs, windowed=self.windowed)
+            return copy_blocks.lower(self.kv_cache, pairs, pairs, pairs, pairs, pairs, pairs, windowed=self.windowed)
         if key[0] == "vision":
             return self.vision.lower(key)
         if key in (SAVE_KEY, RESTORE_KEY):
@@ -377,8 +378,8 @@ class ModelRunner:
         shape, order, forward_inputs = self._pad(batch)
         if batch.has_offload:  # the host tier's saves, then its restores, before the copies
             self.offload_blocks(batch.kv_saves, batch.kv_restores)
-        if len(batch.block_copies) or (batch.window_copies is not None and len(batch.window_copies)):
-            self._copy_blocks(batch.block_copies, batch.window_copies)
+        if any(a is not None and len(a) for a in (batch.block_copies, batch.window_copies, batch.state_copies)):
+            self._copy_blocks(batch.block_copies, batch.window_copies, batch.state_copies)
         result = self._run_forward(shape, forward_inputs)
         return DevicePending(batch, shape, order, forward_inputs, result)
 
@@ -419,21 +420,23 @@ class ModelRunner:
 
     def copy_blocks(self, copies: np.ndarray) -> None:
         """(src, dst) block copies, `COPY_BATCH` pairs per call (padded with 0 -> 0 no-ops)."""
-        self._copy_blocks(copies, None)
+        self._copy_blocks(copies, None, None)
 
-    def _copy_blocks(self, copies: np.ndarray, window_copies: np.ndarray | None) -> None:
-        """`copy_blocks`, and the sliding pool's (src, dst) slot copies beside them (a step's
-        copy-on-write, `HostBatch.window_copies`)."""
+    def _copy_blocks(self, copies: np.ndarray, window_copies: np.ndarray | None,
+                     state_copies: np.ndarray | None) -> None:
+        """`copy_blocks`, and beside them the sliding pool's (src, dst) slot copies (a step's
+        copy-on-write, `HostBatch.window_copies`) and the recurrent state slots' (in order:
+        `HostBatch.state_copies`), `COPY_BATCH` pairs of each per call."""
         copy = self._executable(COPY_KEY)
-        copies = np.asarray(copies, np.int32).reshape(-1, 2)
-        window_copies = np.zeros((0, 2), np.int32) if window_copies is None else np.asarray(window_copies).reshape(-1, 2)
-        for i in range(0, max(len(copies), len(window_copies)), COPY_BATCH):
-            part = np.zeros((COPY_BATCH, 4), np.int32)
-            chunk, window_chunk = copies[i:i + COPY_BATCH], window_copies[i:i + COPY_BATCH]
-            part[:len(chunk), :2] = chunk
-            part[:len(window_chunk), 2:] = window_chunk
+        columns = [np.zeros((0, 2), np.int32) if c is None else np.asarray(c, np.int32).reshape(-1, 2)
+                   for c in (copies, window_copies, state_copies)]
+        for i in range(0, max(map(len, columns)), COPY_BATCH):
+            part = np.zeros((COPY_BATCH, 6), np.int32)
+            for j, column in enumerate(columns):
+                chunk = column[i:i + COPY_BATCH]
+                part[:len(chunk), 2 * j:2 * j + 2] = chunk
             # `windowed` is static: the executable was lowered with it (`_lower`)
-            self.kv_cache = copy(self.kv_cache, *(jnp.asarray(part[:, j]) for j in range(4)))
+            self.kv_cache = copy(self.kv_cache, *(jnp.asarray(part[:, j]) for j in range(6)))
 
     def offload_blocks(self, saves: np.ndarray, restores: np.ndarray) -> None:
         """The host tier's copies (`ferrox_jax/kv_offload.py`), `OFFLOAD_BATCH` blocks per

@@ -58,7 +58,6 @@ from ferrox_jax.priority import WaitingQueue
 from ferrox_jax.speculative import Speculator
 from ferrox_jax.request import Job, JobState, MatcherFactory, Row, RowEvent, RowResult
 from ferrox_jax.row_state import RowState, transition
-from ferrox_jax.state_pool import StatePool
 
 # A cancel for an id not seen yet (its submit may be on its way) is kept this long, at most this many.
 PENDING_CANCEL_TTL_S = 60.0
@@ -78,7 +77,7 @@ class Scheduler(Preemption):
         self._adapters = adapters
         self.blocks = BlockTables(limits)
         self.budget = self.blocks.budget
-        self.states = StatePool(limits.state_slots)  # recurrent state slots by row (none for most models)
+        self.states = self.blocks.states  # recurrent state slots by row (none for most models)
         self._tokenizer = tokenizer
         self._eos_token_ids = frozenset(getattr(tokenizer, "stop_token_ids", ()) or ())
         self._clock = clock
@@ -192,7 +191,8 @@ class Scheduler(Preemption):
         plan = StepPlan(decode=decode, chunks=chunks, block_copies=self.blocks.take_copies(),
                         draft_requests=requests, max_draft_tokens=max_draft_tokens, kv_saves=saves,
                         kv_restores=restores, window_copies=self.blocks.take_window_copies(),
-                        window_slots=self.blocks.window_slots(decode + chunks))
+                        window_slots=self.blocks.window_slots(decode + chunks),
+                        state_copies=self.states.take_copies() if decode or chunks else ())
         # A job restoring host blocks is in this step even without a row in it: if it fails, so does the job.
         self._planned_row_ids = tuple(dict.fromkeys(
             [row.row_id for row in plan.rows] + [row.row_id for job in restoring for row in job.rows]))
@@ -290,7 +290,7 @@ class Scheduler(Preemption):
             row = job.resume_rows[0] if job.resume_rows else None  # a preempted row recomputing, one at a time
             start, target = ((job.num_computed_tokens, job.num_prefill_tokens) if row is None
                              else (row.num_computed_tokens, len(row.token_ids) - 1))
-            end = min(target, start + cap, start + budget)
+            end = self.blocks.recurrent.chunk_end(job, start, min(target, start + cap, start + budget))
             if job.submitted.images:  # an image's tokens attend to each other: never cut one
                 end = chunk_end(job.submitted.images, start, end, cap)
             budget -= end - start
@@ -395,7 +395,7 @@ class Scheduler(Preemption):
         for job in jobs.values():
             self._stop_job(job, RowState.FINISHED_ERROR, error)
             self.num_failed_jobs += 1
-        self.blocks.forget_failed_saves(plan.kv_saves)
+        self.blocks.forget_failed_saves(plan.kv_saves, plan.state_copies)
         self._planned_row_ids = ()
         self._flush_finished()
 

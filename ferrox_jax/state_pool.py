@@ -8,35 +8,50 @@ slots beside the paged KV cache (`KVCache.states`, `models/deltanet.py:Recurrent
 column like the adapter slots). Slot 0 is the null slot padding rows write into, as block 0
 is for K/V; the pool has one slot per row a step can hold (`max_rows`) besides it.
 
-This module is the host side, owned by the scheduler (the owner thread, no locks):
+This module is the host side, owned by the scheduler's block tables (the owner thread, no locks):
 
     admission    every open row of the admitted job takes a slot (`acquire`)
     planning     each `RowPlan` carries its row's slot (`slot`)
     finish / abort / failure   the row's slot is freed when the row is flushed (`release`)
     preemption   the preempted rows' slots are freed; re-admitted, they take new ones and
-                 recompute from position 0, where the forward starts from zero states
-                 (`models/deltanet.py:starts_fresh`), so nothing needs saving
+                 recompute from position 0 (where the forward starts from zero states,
+                 `models/deltanet.py:starts_fresh`) or from a prefix-cache hit's snapshot
+    n > 1        when the prompt is prefilled, each other row of the job gets a copy of the
+                 prefill row's slot (`fork`): the state is per row, so copy-on-write for it
+                 is a copy at the fork (the K/V blocks stay shared as for any model)
 
 Admission already bounds running rows by `max_rows`, so a slot is always free for an
 admitted row (asserted). The slots' bytes are fixed at start-up (`state_pool_bytes` in
 `/admin/stats`, counted in the memory bounds beside the KV cache's).
 
-What these models do not do yet, refused or turned off at load with the reason
-(`refuse_unsupported`, `ferrox_jax/engine_builder.py`): prefix caching (a hit would need the
-recurrent state at the cached prefix: it is turned off, with a start-up log line), the host
-KV tier (its swap would need the states too), speculative decoding (rolling rejected drafts
-back needs a state per draft position) and `n > 1` (the rows would fork the prefill's state).
+Prefix caching keeps *snapshots* of the state beside the running slots
+(`ferrox_jax/state_snapshots.py`): slots `max_rows + 1 ..` of the same device arrays, one per
+row in flight (`pool_slots`). How often: one per cached prompt, the state after its last full
+block before its last token (position B = floor((P - 1) / bs) * bs, the longest hit a later
+prompt can take); the prompt's chunking is cut to end a chunk exactly at B, so the state there
+exists after that step, and the next step copies it (running slot -> snapshot slot, before its
+forward) and attaches it to the block that ends at B. What a hit restores: admission cuts a
+prefix hit back to its last block that carries a snapshot (none: no hit), copies that
+snapshot into the row's running slot before the row's first chunk, and the row computes on
+from that block's end. Evicting the block frees its snapshot; a new snapshot takes a free
+slot, or the snapshot of the least recently released idle cached block. Decode steps take
+none (a chat's next turn hits the previous prompt's snapshot and recomputes the reply).
+
+Every copy (save, restore, fork) is a (src, dst) slot pair run before the step's forward,
+in order: saves, then restores, then forks (`take_copies`, `StepPlan.state_copies`), by one
+jitted copy beside the KV block copy (`ferrox_jax/kv_cache.py:copy_blocks`), so a slot
+freed and taken again in one tick is read before it is written.
+
+What these models do not do yet, refused at load with the reason (`refuse_unsupported`,
+`ferrox_jax/engine_builder.py`): the host KV tier (its swap would need the states too) and
+speculative decoding (rolling rejected drafts back needs a state per draft position).
 Under tensor parallelism the pool is split as the layers' weights are, by value head and
 conv channel (`ferrox_jax/sharding.py`), and the memory bounds count each device's part.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from collections.abc import Iterable
-
-log = logging.getLogger(__name__)
 
 NULL_SLOT = 0
 
@@ -56,6 +71,9 @@ class StatePool:
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, NULL_SLOT, -1))  # pop() hands out the lowest first
         self._slot_of: dict[int, int] = {}
+        self._saves: list[tuple[int, int]] = []  # (running slot, snapshot slot) for the next step
+        self._restores: dict[int, int] = {}  # row id -> the snapshot slot its running slot takes
+        self._forks: list[tuple[int, int]] = []  # (prefill row id, row id) whose state is copied
 
     @property
     def enabled(self) -> bool:
@@ -82,6 +100,7 @@ class StatePool:
         """Frees the rows' slots; a row holding none (never admitted, or the pool is off) is a no-op."""
         for row_id in row_ids:
             slot = self._slot_of.pop(row_id, None)
+            self._restores.pop(row_id, None)
             if slot is not None:
                 self._free.append(slot)
 
@@ -91,6 +110,35 @@ class StatePool:
             return NULL_SLOT
         assert row_id in self._slot_of, f"row {row_id} is planned but holds no state slot"
         return self._slot_of[row_id]
+
+    # -- copies, run before the next step's forward (saves, restores, forks, in that order) --
+
+    def save(self, row_id: int, snapshot_slot: int) -> None:
+        """The row's state now (after the step just applied) goes to `snapshot_slot`."""
+        self._saves.append((self.slot(row_id), snapshot_slot))
+
+    def restore(self, row_id: int, snapshot_slot: int) -> None:
+        """The row (admitted this tick) starts from `snapshot_slot`'s state (a prefix hit)."""
+        self._restores[row_id] = snapshot_slot
+
+    def fork(self, row_id: int, row_ids: Iterable[int]) -> None:
+        """Rows `row_ids` start from `row_id`'s state (n > 1: the prefill row's)."""
+        self._forks += [(row_id, other) for other in row_ids]
+
+    def take_copies(self) -> tuple[tuple[int, int], ...]:
+        """The (src, dst) slot copies for the step being planned, in the order they must run.
+        A restore or fork of a row released since (a cancel) is dropped."""
+        held = self._slot_of
+        copies = self._saves + [(src, held[row]) for row, src in self._restores.items() if row in held]
+        copies += [(held[src], held[dst]) for src, dst in self._forks if src in held and dst in held]
+        self._saves, self._restores, self._forks = [], {}, []
+        return tuple(copies)
+
+
+def pool_slots(rows: int, prefix_caching: bool) -> int:
+    """Device slots of the pool: the null slot, one running slot per row, and with prefix
+    caching as many snapshot slots again (`ferrox_jax/state_snapshots.py`)."""
+    return 1 + rows + (rows if prefix_caching else 0)
 
 
 def pool_bytes(specs, num_slots: int) -> int:
@@ -104,10 +152,10 @@ def pool_bytes(specs, num_slots: int) -> int:
 
 
 def recurrent_settings(config, model_cfg):
-    """The `EngineConfig` a model with recurrent layers is served under: prefix caching turned
-    off (logged: a hit would skip the tokens whose recurrent state it does not hold), and
-    refused with the reason: speculative decoding and the host KV tier.
-    Any other model's config is returned as it is."""
+    """The `EngineConfig` a model with recurrent layers is served under, refused with the
+    reason where it cannot be: speculative decoding and the host KV tier. Prefix caching stays
+    on (state snapshots, `ferrox_jax/state_snapshots.py`). Any other model's config is
+    returned as it is."""
     if not model_cfg.recurrent_specs():
         return config
     if config.speculative is not None:
@@ -115,11 +163,6 @@ def recurrent_settings(config, model_cfg):
                                    "rolling their state back past rejected drafts is not supported yet; serve it "
                                    "without speculative decoding")
     refuse_unsupported(config.kv_offload_gib)  # before the weights are placed
-    if config.prefix_caching:
-        log.info("prefix caching is off for %s: its recurrent (linear-attention) layers keep one state per "
-                 "row, not one per cached block, so a prefix hit could not restore the state at the prefix",
-                 model_cfg.architecture)
-        config = dataclasses.replace(config, prefix_caching=False)
     return config
 
 

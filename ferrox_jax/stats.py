@@ -62,6 +62,11 @@ class BatcherStats:
     state_slots_total: int = 0  # slots rows can hold (one per row in flight; 0: the model keeps no recurrent state)
     state_slots_held: int = 0  # of those, held by admitted rows now (a gauge; back to 0 when idle: no leak)
     state_pool_bytes: int = 0  # device bytes of the pool, every slot and the null slot (fixed at start-up)
+    # its snapshot slots (prefix caching: the state at a cached prompt's last full block, ferrox_jax/state_snapshots.py)
+    state_snapshot_slots_total: int = 0  # snapshot slots beside the running ones (0: none, prefix caching off)
+    state_snapshot_slots_held: int = 0  # of those, attached to a cached block now (a gauge; freed with the block)
+    state_snapshots_taken: int = 0  # snapshots taken (a counter)
+    state_snapshots_restored: int = 0  # prefix hits that restored one into a row's slot (a counter)
     # -- structured output (docs/structured-output.md) -----------------------------------
     constrained_requests: int = 0  # jobs taken whose output a grammar constrains
     grammar_errors: int = 0  # rows ended because their grammar rejected a sampled token (a bug: stays 0)
@@ -124,9 +129,13 @@ def scheduler_fields(scheduler: Any) -> dict[str, Any]:
 
 def state_pool_fields(scheduler: Any) -> dict[str, int]:
     """The recurrent state pool's `BatcherStats` fields, from the scheduler's `StatePool` and limits."""
-    pool = scheduler.states
-    return dict(state_slots_total=max(pool.num_slots - 1, 0), state_slots_held=pool.num_held,
-                state_pool_bytes=scheduler.limits.state_pool_bytes)
+    pool, snapshots = scheduler.states, scheduler.blocks.snapshots
+    fields = dict(state_slots_total=max(pool.num_slots - 1, 0), state_slots_held=pool.num_held,
+                  state_pool_bytes=scheduler.limits.state_pool_bytes)
+    if snapshots is not None:
+        fields.update(state_snapshot_slots_total=snapshots.num_slots, state_snapshot_slots_held=snapshots.num_held,
+                      state_snapshots_taken=snapshots.num_taken, state_snapshots_restored=snapshots.num_restored)
+    return fields
 
 
 def offload_fields(blocks: Any) -> dict[str, int]:

@@ -108,11 +108,10 @@ def test_a_preempted_row_gives_its_slot_back_and_recomputes_from_position_zero()
     assert history and history[0].start_pos == 0, "the preempted row recomputes from its start"
 
 
-def test_n_above_one_is_refused_for_a_model_with_recurrent_state():
+def test_n_above_one_is_admitted_for_a_model_with_recurrent_state():
+    # Forked rows copy the prefill row's state slot (tests/engine/test_state_snapshots.py).
     limits = SchedulerLimits(block_size=4, num_blocks=64, max_rows=4, max_chunk_tokens=8, state_slots=5)
-    reason, message = check_admission(job("n2", n=2), limits)
-    assert reason == "unsupported" and "n separate requests" in message
-    assert check_admission(job("n2", n=2), dataclasses.replace(limits, state_slots=0)) is None
+    assert check_admission(job("n2", n=2), limits) is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,13 +126,10 @@ class _Cfg:
 SPEC = DeltaNetSpec(num_k_heads=2, num_v_heads=4, k_head_dim=16, v_head_dim=16, conv_kernel=4)
 
 
-def test_recurrent_models_run_without_prefix_caching_and_refuse_speculation(caplog):
+def test_recurrent_models_keep_prefix_caching_and_refuse_speculation():
     config = EngineConfig(model="unused")
     assert recurrent_settings(config, _Cfg()) is config, "other models keep their settings"
-    with caplog.at_level("INFO", logger="ferrox_jax.state_pool"):
-        served = recurrent_settings(config, _Cfg((SPEC,)))
-    assert config.prefix_caching and not served.prefix_caching
-    assert "prefix caching is off" in caplog.text
+    assert recurrent_settings(config, _Cfg((SPEC,))).prefix_caching, "hits restore state snapshots"
     with pytest.raises(StatePoolUnsupported, match="--speculative"):
         recurrent_settings(dataclasses.replace(config, speculative=SpeculativeConfig()), _Cfg((SPEC,)))
     with pytest.raises(StatePoolUnsupported, match="--kv-offload-gib"):
@@ -160,7 +156,10 @@ def test_memory_bounds_count_the_pool_beside_the_kv_cache():
                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
     config = EngineConfig(kv_blocks=64, max_seqs=3, prefill_chunk=32, max_context=256)
     demand = Footprint(cfg, 1024, 4, "cpu").demand(config)
-    assert demand.state_bytes == pool_bytes(cfg.recurrent_specs(), 3 + 1), "max_seqs rows + the null slot"
+    # max_seqs rows + the null slot, and with prefix caching (the default) a snapshot slot per row
+    assert demand.state_bytes == pool_bytes(cfg.recurrent_specs(), 3 + 1 + 3)
+    off = Footprint(cfg, 1024, 4, "cpu").demand(dataclasses.replace(config, prefix_caching=False))
+    assert off.state_bytes == pool_bytes(cfg.recurrent_specs(), 3 + 1), "no snapshots without prefix caching"
     assert demand.total == demand.kv_bytes + demand.lora_bytes + demand.step_bytes + demand.state_bytes
     with pytest.raises(MemoryBoundError, match="recurrent state pool"):
         Footprint(cfg, 1024, 4, "cpu").check(config, Room(demand.total - 1, "host memory"))
