@@ -197,6 +197,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prefix_caching", "FERROX_PREFIX_CACHING", _bool, True,
             "keep computed prompt blocks and reuse them for prompts sharing a prefix (--no-prefix-caching: off)",
             group="cache"),
+    Setting("state_snapshots", "FERROX_STATE_SNAPSHOTS", _nonneg_int, 0,
+            "a model with recurrent (linear-attention) layers: state snapshots kept for prefix-cache hits, "
+            "one per cached prompt (0 = one per row in flight, --max-seqs)", group="cache"),
     Setting("kv_offload_gib", "FERROX_KV_OFFLOAD_GIB", _nonneg_float, 0.0,
             "host memory in GiB for prefix-cache blocks the device cache evicts: copied out, and copied back "
             "on a later hit instead of recomputed (0 = off; one process only, needs prefix caching)",

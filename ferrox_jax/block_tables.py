@@ -118,7 +118,8 @@ class BlockTables:
             self.window = WindowPool(limits.kv_window_slots or max(limits.num_blocks, limits.max_rows * cap),
                                      limits.kv_window, self.block_size)
         # Recurrent state slots by row (none for most models), snapshots with the prefix cache.
-        self.recurrent = RecurrentGroup(StatePool(limits.state_slots), self.cache, self.block_size)
+        self.recurrent = RecurrentGroup(StatePool(limits.state_slots), self.cache, self.block_size,
+                                        limits.state_snapshots)
         self.states, self.snapshots = self.recurrent.states, self.recurrent.snapshots
         if self.cache is not None and (self.window is not None or self.snapshots is not None):
             self.cache.on_evict = self._block_evicted

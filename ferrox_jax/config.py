@@ -97,6 +97,8 @@ class EngineConfig:
     max_queue: int = 512  # waiting jobs; one more is refused (503)
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (SCHEDULING_POLICIES)
     prefix_caching: bool = True  # full prompt blocks stay cached and are shared by later prompts
+    # Recurrent-state models: snapshot slots for prefix hits (ferrox_jax/state_snapshots.py); 0: one per row.
+    state_snapshots: int = 0
     # Host memory for prefix blocks the device cache evicts, restored on a hit (ferrox_jax/kv_offload.py); 0: off.
     kv_offload_gib: float = 0.0
     speculative: SpeculativeConfig | None = None  # prompt-lookup speculative decoding; None: off
@@ -155,6 +157,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.prefill_chunk_idle must be 0 (off) or >= prefill_chunk "
                              f"({self.prefill_chunk}); got {self.prefill_chunk_idle}")
         self._check_ceilings()
+        if isinstance(self.state_snapshots, bool) or not isinstance(self.state_snapshots, int) or self.state_snapshots < 0:
+            raise ValueError(f"EngineConfig.state_snapshots must be an int >= 0 (0: one per row); "
+                             f"got {self.state_snapshots!r}")
         offload = self.kv_offload_gib
         if isinstance(offload, bool) or not isinstance(offload, (int, float)) or not 0 <= offload < float("inf"):
             raise ValueError(f"EngineConfig.kv_offload_gib must be a finite number of GiB >= 0 (0: off); "
@@ -367,6 +372,7 @@ class SchedulerLimits:
     # recurrent state slots, the null slot included (ferrox_jax/state_pool.py); 0: the model keeps none
     state_slots: int = 0
     state_pool_bytes: int = 0  # the pool's device bytes (for /admin/stats)
+    state_snapshots: int | None = None  # its snapshot slots after the running ones; None: one per row
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -375,7 +381,8 @@ class SchedulerLimits:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or field.name in (
-                    "kv_bytes_per_block", "kv_offload_blocks", "kv_window_slots", "state_slots", "state_pool_bytes"):
+                    "kv_bytes_per_block", "kv_offload_blocks", "kv_window_slots", "state_slots", "state_pool_bytes",
+                    "state_snapshots"):
                 continue
             if value <= 0:
                 raise ValueError(f"SchedulerLimits.{field.name} must be > 0; got {value}")

@@ -67,7 +67,7 @@ from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.runner_protocol import Runner
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
 from models.moe_ep import enable_expert_parallel, resolve_expert_parallel
-from ferrox_jax.state_pool import pool_bytes, pool_slots, recurrent_settings
+from ferrox_jax.state_pool import recurrent_settings, settings_pool_bytes, snapshot_slots
 from models.checkpoint import CheckpointSource
 from models.config import ModelConfig
 from models.loader import open_checkpoint
@@ -458,9 +458,9 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         speculative=config.speculative, scheduling_policy=config.scheduling_policy, kv_offload_blocks=offload,
         kv_window=sliding_window(source.config), kv_window_slots=max(sizing.window_blocks - 1, 0),
         state_slots=step.rows + 1 if source.config.recurrent_specs() else 0,  # the runner's pool: a slot per row
-        state_pool_bytes=pool_bytes(source.config.recurrent_specs(), pool_slots(step.rows, config.prefix_caching)))
-    # snapshots after the running slots (ferrox_jax/state_snapshots.py): with prefix caching, one per row
-    snapshots = step.rows if source.config.recurrent_specs() and config.prefix_caching else 0
+        state_pool_bytes=settings_pool_bytes(source.config.recurrent_specs(), step.rows, config),
+        state_snapshots=snapshot_slots(step.rows, config.prefix_caching, config.state_snapshots))
+    snapshots = limits.state_snapshots if source.config.recurrent_specs() else 0  # after the running slots
     grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size, config)
     # Speculating rows take a decode row per token: room for them in the row buckets (step.rows).
     if mtp:  # the MTP layer reads every token's hidden state from the step (a static of the graph)

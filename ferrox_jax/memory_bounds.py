@@ -40,7 +40,7 @@ import math
 import os
 from typing import Any
 
-from ferrox_jax.state_pool import pool_bytes, pool_slots
+from ferrox_jax.state_pool import settings_pool_bytes
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -265,8 +265,8 @@ class Footprint:
                                             self.compute_itemsize),
                       step_bytes=step_bytes(self.model, step, lora_columns), num_blocks=num_blocks,
                       max_context=max_context, step=step,
-                      state_bytes=-(-pool_bytes(self.model.recurrent_specs(),
-                                                pool_slots(step.rows, settings.prefix_caching)) // self.kv_shards))
+                      state_bytes=-(-settings_pool_bytes(self.model.recurrent_specs(), step.rows, settings)
+                                    // self.kv_shards))
 
     def check(self, config: Any, room: Room, *, overrides: dict[str, Any] | None = None, weights_bytes: int = 0,
               freed_bytes: int = 0, blame: str | None = None, note: str = "") -> Demand:

@@ -25,8 +25,8 @@ admitted row (asserted). The slots' bytes are fixed at start-up (`state_pool_byt
 `/admin/stats`, counted in the memory bounds beside the KV cache's).
 
 Prefix caching keeps *snapshots* of the state beside the running slots
-(`ferrox_jax/state_snapshots.py`): slots `max_rows + 1 ..` of the same device arrays, one per
-row in flight (`pool_slots`). How often: one per cached prompt, the state after its last full
+(`ferrox_jax/state_snapshots.py`): slots `max_rows + 1 ..` of the same device arrays,
+`--state-snapshots` of them or one per row in flight (`snapshot_slots`). How often: one per cached prompt, the state after its last full
 block before its last token (position B = floor((P - 1) / bs) * bs, the longest hit a later
 prompt can take); the prompt's chunking is cut to end a chunk exactly at B, so the state there
 exists after that step, and the next step copies it (running slot -> snapshot slot, before its
@@ -135,10 +135,22 @@ class StatePool:
         return tuple(copies)
 
 
-def pool_slots(rows: int, prefix_caching: bool) -> int:
+def snapshot_slots(rows: int, prefix_caching: bool, setting: int = 0) -> int:
+    """Snapshot slots (`ferrox_jax/state_snapshots.py`): `--state-snapshots`, or with its 0
+    one per row; none without prefix caching."""
+    return (setting or rows) if prefix_caching else 0
+
+
+def pool_slots(rows: int, prefix_caching: bool, snapshots: int = 0) -> int:
     """Device slots of the pool: the null slot, one running slot per row, and with prefix
-    caching as many snapshot slots again (`ferrox_jax/state_snapshots.py`)."""
-    return 1 + rows + (rows if prefix_caching else 0)
+    caching the snapshot slots (`snapshot_slots` of the `--state-snapshots` setting)."""
+    return 1 + rows + snapshot_slots(rows, prefix_caching, snapshots)
+
+
+def settings_pool_bytes(specs, rows: int, settings) -> int:
+    """Device bytes of the pool an engine's `settings` (`prefix_caching`, `state_snapshots`)
+    size for `rows` rows: what the memory bounds count and `/admin/stats` reports."""
+    return pool_bytes(specs, pool_slots(rows, settings.prefix_caching, settings.state_snapshots))
 
 
 def pool_bytes(specs, num_slots: int) -> int:

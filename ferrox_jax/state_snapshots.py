@@ -8,7 +8,8 @@ prefix caching in "align" mode (states cached at block boundaries, chunk ends al
 them) and SGLang's `MambaRadixCache` (a match is cut back to the last node holding a state).
 
     slots      the state pool's device arrays hold, after the null slot and the running
-               slots 1..R, S snapshot slots R + 1 .. R + S (`state_pool.pool_slots`: S = R)
+               slots 1..R, S snapshot slots R + 1 .. R + S (`state_pool.pool_slots`: S is
+               `--state-snapshots`, or R)
     when       one per cached prompt of P tokens: at B = floor((P - 1) / bs) * bs, the end of
                its last full block before its last token (the longest hit a prompt can take).
                The scheduler cuts the prompt's chunking to end a chunk at B (`snapshot_end`),
@@ -106,14 +107,15 @@ class RecurrentGroup:
     """The recurrent layers' group as the block tables drive it (`ferrox_jax/block_tables.py`):
     the rows' running slots (`states`) and, with the prefix cache, the snapshots."""
 
-    def __init__(self, states: StatePool, cache, block_size: int) -> None:
-        """`cache`: the prefix cache (`ferrox_jax/prefix_cache.py`), None when off."""
+    def __init__(self, states: StatePool, cache, block_size: int, num_snapshots: int | None = None) -> None:
+        """`cache`: the prefix cache (`ferrox_jax/prefix_cache.py`), None when off;
+        `num_snapshots`: the snapshot slots after the running ones (None: one per row)."""
         self.states = states
         self.cache = cache
         self.block_size = block_size
-        # After the running slots, as many snapshot slots again (`state_pool.pool_slots`).
-        self.snapshots = (StateSnapshots(states.num_slots, states.num_slots - 1)
-                          if states.enabled and cache is not None else None)
+        count = states.num_slots - 1 if num_snapshots is None else num_snapshots
+        self.snapshots = (StateSnapshots(states.num_slots, count)
+                          if states.enabled and cache is not None and count else None)
 
     def usable_hits(self, hits: Sequence[int]) -> int:
         """How many hit blocks a row can start after: all for a model without recurrent

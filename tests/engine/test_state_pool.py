@@ -160,9 +160,23 @@ def test_memory_bounds_count_the_pool_beside_the_kv_cache():
     assert demand.state_bytes == pool_bytes(cfg.recurrent_specs(), 3 + 1 + 3)
     off = Footprint(cfg, 1024, 4, "cpu").demand(dataclasses.replace(config, prefix_caching=False))
     assert off.state_bytes == pool_bytes(cfg.recurrent_specs(), 3 + 1), "no snapshots without prefix caching"
+    five = Footprint(cfg, 1024, 4, "cpu").demand(dataclasses.replace(config, state_snapshots=5))
+    assert five.state_bytes == pool_bytes(cfg.recurrent_specs(), 3 + 1 + 5), "--state-snapshots 5"
     assert demand.total == demand.kv_bytes + demand.lora_bytes + demand.step_bytes + demand.state_bytes
     with pytest.raises(MemoryBoundError, match="recurrent state pool"):
         Footprint(cfg, 1024, 4, "cpu").check(config, Room(demand.total - 1, "host memory"))
     # tensor parallelism 2: each device holds half the pool (its value heads and conv channels), as its KV heads
     split = Footprint(cfg, 1024, 4, "cpu", kv_shards=2).demand(config)
     assert split.state_bytes * 2 == demand.state_bytes and split.kv_bytes * 2 == demand.kv_bytes
+
+
+def test_the_state_snapshots_setting_is_validated_and_read_from_its_variable():
+    from api.settings import env_defaults
+
+    with pytest.raises(ValueError, match="EngineConfig.state_snapshots"):
+        EngineConfig(model="unused", state_snapshots=-1)
+    assert env_defaults({"FERROX_STATE_SNAPSHOTS": "6"})["state_snapshots"] == 6
+    from api import cli
+
+    args = cli.build_parser({}).parse_args(["serve", "--state-snapshots", "3", "--model", "unused"])
+    assert cli.engine_config(args).state_snapshots == 3, "the flag reaches the engine's config"

@@ -152,6 +152,13 @@ def test_a_failed_step_forgets_the_snapshots_it_was_to_write():
     assert scheduler.states.num_held == 0
 
 
+def test_the_snapshot_slot_count_follows_its_limit():
+    limits = SchedulerLimits(block_size=BS, num_blocks=64, max_rows=ROWS, max_chunk_tokens=CHUNK,
+                             prefix_caching=True, state_slots=ROWS + 1, state_snapshots=5)
+    snapshots = Scheduler(limits, ByteTokenizer()).blocks.snapshots
+    assert snapshots.num_slots == 5 and sorted(snapshots._free) == [4, 5, 6, 7, 8], "after the running slots 1..3"
+
+
 def test_without_snapshots_a_recurrent_model_takes_no_hit():
     limits = SchedulerLimits(block_size=BS, num_blocks=64, max_rows=ROWS, max_chunk_tokens=CHUNK,
                              prefix_caching=True, state_slots=ROWS + 1)
