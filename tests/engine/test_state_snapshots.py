@@ -156,12 +156,19 @@ def test_the_snapshot_slot_count_follows_its_limit():
     limits = SchedulerLimits(block_size=BS, num_blocks=64, max_rows=ROWS, max_chunk_tokens=CHUNK,
                              prefix_caching=True, state_slots=ROWS + 1, state_snapshots=5)
     snapshots = Scheduler(limits, ByteTokenizer()).blocks.snapshots
-    assert snapshots.num_slots == 5 and sorted(snapshots._free) == [4, 5, 6, 7, 8], "after the running slots 1..3"
+    taken = [snapshots.take(block_id, idle_blocks=()) for block_id in range(1, 7)]
+    assert taken[:5] == [4, 5, 6, 7, 8], "5 slots after the running slots 1..3"
+    assert taken[5] is None, "full, and no idle block's snapshot to take"
 
 
-def test_without_snapshots_a_recurrent_model_takes_no_hit():
+def test_without_snapshot_slots_a_recurrent_model_takes_no_hit():
     limits = SchedulerLimits(block_size=BS, num_blocks=64, max_rows=ROWS, max_chunk_tokens=CHUNK,
-                             prefix_caching=True, state_slots=ROWS + 1)
-    scheduler = Scheduler(limits, ByteTokenizer())
-    scheduler.blocks.recurrent.snapshots = None  # what the group does when it holds no snapshot slots
-    assert scheduler.blocks.recurrent.usable_hits([5, 6, 7]) == 0
+                             prefix_caching=True, state_slots=ROWS + 1, state_snapshots=0)
+    scheduler, runner = Scheduler(limits, ByteTokenizer()), make()[1]
+    assert scheduler.blocks.snapshots is None
+    a = prompt(40, 14)
+    for name in "ab":  # the same prompt twice: its blocks are cached, but no state is kept for them
+        scheduler.add_job(job(name, a))
+        run_until_idle(scheduler, runner)
+    assert scheduler.blocks.num_cached_blocks >= 3, "a's blocks are in the prefix cache"
+    assert scheduler.blocks.num_hit_tokens == 0, "without a snapshot a hit would skip tokens whose state it lacks"
