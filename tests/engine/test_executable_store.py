@@ -207,6 +207,7 @@ def test_an_entry_round_trips_and_every_unusable_one_is_a_miss_not_a_crash(tmp_p
 
     # What `compile` refuses to store: an executable read back from JAX's cache (on CPU it
     # serializes without its object code; loaded, it fails its first run).
+    jax.clear_caches()  # else this compile is served from memory (the store's own) and JAX writes nothing
     fn.lower(x, y).compile()  # JAX's cache holds it now (written here, or by an earlier run)
     jax.clear_caches()  # so the next compile reads it from disk, not this process's memory
     reader = executable_store.ExecutableStore(tmp_path, "fp2")
