@@ -66,7 +66,7 @@ from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.runner_protocol import Runner
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
 from models.moe_ep import enable_expert_parallel, resolve_expert_parallel
-from ferrox_jax.state_pool import pool_bytes, recurrent_settings
+from ferrox_jax.state_pool import pool_bytes, recurrent_settings, state_entries
 from models.checkpoint import CheckpointSource
 from models.config import ModelConfig
 from models.loader import open_checkpoint
@@ -302,6 +302,9 @@ def open_draft(config: EngineConfig, target: CheckpointSource, mesh: Any) -> Che
     if spec is None or spec.method != "draft":
         return None
     draft = open_checkpoint(spec.draft_model, load_format=config.load_format, seed=config.dummy_weights_seed)
+    if draft.config.recurrent_specs():  # its proposal steps would move its states past the row's tokens
+        raise ValueError(f"--draft-model {spec.draft_model}: a draft with recurrent (linear-attention) layers is "
+                         "not supported; use a draft of attention layers only, or --speculative ngram")
     if mesh is not None:
         try:
             check_divisibility(draft.config, config.mesh_shape[1], config.replicate_attention)
@@ -396,7 +399,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
                     "its outputs are meaningless (for sizing and benchmarks only)",
                     config.dummy_weights_seed, source.name)
     vision, config, source = open_vision(source, config)  # a model taking images: its encoder
-    config = recurrent_settings(config, source.config)  # prefix caching off, speculation refused
+    config = recurrent_settings(config, source.config)  # prefix caching off, tensor parallelism refused
     _, model_axis = config.mesh_shape
     if jax.process_count() > 1:
         check_mesh(model_axis, jax.device_count())
@@ -447,7 +450,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         speculative=config.speculative, scheduling_policy=config.scheduling_policy, kv_offload_blocks=offload,
         kv_window=sliding_window(source.config), kv_window_slots=max(sizing.window_blocks - 1, 0),
         state_slots=step.rows + 1 if source.config.recurrent_specs() else 0,  # the runner's pool: a slot per row
-        state_pool_bytes=pool_bytes(source.config.recurrent_specs(), step.rows + 1))
+        state_pool_bytes=pool_bytes(source.config.recurrent_specs(), step.rows + 1, state_entries(config.speculative)))
     grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size, config)
     # Speculating rows take a decode row per token: room for them in the row buckets (step.rows).
     if mtp:  # the MTP layer reads every token's hidden state from the step (a static of the graph)
@@ -456,7 +459,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
                          max_chunk_tokens=step.idle_chunk_tokens, max_context=sizing.max_context, kv_dtype=kv_dtype,
                          mesh=mesh, replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks,
                          shared_compiles=_PROCESS.get("shared_compiles"), vision=vision, kv_offload_blocks=offload,
-                         window_blocks=sizing.window_blocks)
+                         window_blocks=sizing.window_blocks, state_entries=state_entries(config.speculative))
     draft_runner = (_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh)
                     if draft_source is not None else None)
     device, (runner, draft, channel) = runner, _leader_runners(runner, draft_runner, config)

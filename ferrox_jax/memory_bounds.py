@@ -40,7 +40,7 @@ import math
 import os
 from typing import Any
 
-from ferrox_jax.state_pool import pool_bytes
+from ferrox_jax.state_pool import pool_bytes, state_entries
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -266,7 +266,7 @@ class Footprint:
                                             self.compute_itemsize),
                       step_bytes=step_bytes(self.model, step, lora_columns), num_blocks=num_blocks,
                       max_context=max_context, step=step,
-                      state_bytes=pool_bytes(self.model.recurrent_specs(), step.rows + 1))
+                      state_bytes=pool_bytes(self.model.recurrent_specs(), step.rows + 1, state_entries(settings.speculative)))
 
     def check(self, config: Any, room: Room, *, overrides: dict[str, Any] | None = None, weights_bytes: int = 0,
               freed_bytes: int = 0, blame: str | None = None, note: str = "") -> Demand:

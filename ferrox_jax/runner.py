@@ -113,7 +113,8 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_rows: int, max_chunk_tokens: int,
                  max_context: int, kv_dtype=None, mesh=None, replicate_attention: bool = False,
                  max_chunks: int = 1, shared_compiles: SharedCompiles | None = None,
-                 vision: VisionEncoder | None = None, kv_offload_blocks: int = 0, window_blocks: int = 0):
+                 vision: VisionEncoder | None = None, kv_offload_blocks: int = 0, window_blocks: int = 0,
+                 state_entries: int = 1):
         """Args:
           model: the built model, its decode attention already chosen (`models/loader.py`).
           num_blocks: KV cache blocks, the null block 0 included.
@@ -134,6 +135,8 @@ class ModelRunner:
             0: no tier, nothing of it compiled or allocated.
           window_blocks: the sliding-window layers' own pool, its null slot included
             (`ferrox_jax/kv_groups.py`); 0: they hold `num_blocks` as every layer does.
+          state_entries: a recurrent model's states kept per slot (`state_pool.state_entries`:
+            1 + the most drafts a row verifies with speculation, else 1).
         """
         cfg = model.cfg
         self.cfg = cfg
@@ -171,7 +174,8 @@ class ModelRunner:
             windowed=self.windowed, window_blocks=window_blocks)
         if cfg.recurrent_specs():  # one state slot per row a step holds, and the null slot 0
             refuse_unsupported(mesh is not None, kv_offload_blocks)
-            self.kv_cache = self.kv_cache.replace(states=create_states(cfg.recurrent_specs(), max_rows + 1))
+            self.kv_cache = self.kv_cache.replace(states=create_states(cfg.recurrent_specs(), max_rows + 1,
+                                                                       state_entries))
         self.kv_offload_blocks = kv_offload_blocks
         layout = set(cfg.kv_layout())
         heads, k_dim, v_dim = next(iter(layout))

@@ -17,6 +17,11 @@ This module is the host side, owned by the scheduler (the owner thread, no locks
                  recompute from position 0, where the forward starts from zero states
                  (`models/deltanet.py:starts_fresh`), so nothing needs saving
 
+Speculative decoding (prompt lookup, or a draft model without recurrent layers) gives each
+slot 1 + k entries on the device, the states after each verified token, and the next step
+reads the one after the row's last accepted token (`state_entries`, `models/deltanet.py`,
+"Speculation"): nothing here changes, a slot is still one row's.
+
 Admission already bounds running rows by `max_rows`, so a slot is always free for an
 admitted row (asserted). The slots' bytes are fixed at start-up (`state_pool_bytes` in
 `/admin/stats`, counted in the memory bounds beside the KV cache's).
@@ -24,8 +29,7 @@ admitted row (asserted). The slots' bytes are fixed at start-up (`state_pool_byt
 What these models do not do yet, refused or turned off at load with the reason
 (`refuse_unsupported`, `ferrox_jax/engine_builder.py`): prefix caching (a hit would need the
 recurrent state at the cached prefix: it is turned off, with a start-up log line), the host
-KV tier (its swap would need the states too), speculative decoding (rolling rejected drafts
-back needs a state per draft position), `n > 1` (the rows would fork the prefill's state),
+KV tier (its swap would need the states too), `n > 1` (the rows would fork the prefill's state),
 and tensor parallelism (the pool is not sharded).
 """
 
@@ -92,27 +96,33 @@ class StatePool:
         return self._slot_of[row_id]
 
 
-def pool_bytes(specs, num_slots: int) -> int:
-    """Device bytes of a pool of `num_slots` slots (the null slot included) for a model's
-    `recurrent_specs()` (f32 states: each spec's `state_shapes()`)."""
+def pool_bytes(specs, num_slots: int, entries: int = 1) -> int:
+    """Device bytes of a pool of `num_slots` slots (the null slot included) of `entries`
+    entries each (`state_entries`) for a model's `recurrent_specs()` (f32 states: each spec's
+    `state_shapes()`), and with more than one entry each slot's position (i32)."""
     per_slot = 0
     for spec in specs:
         (kc, c), (h, dk, dv) = spec.state_shapes()
         per_slot += (kc * c + h * dk * dv) * 4
-    return per_slot * num_slots if specs else 0
+    return (per_slot * entries + 4 * (entries > 1)) * num_slots if specs else 0
+
+
+def state_entries(speculative) -> int:
+    """Entries per state slot: with speculation (a `SpeculativeConfig`) the states after each
+    token a row verifies, 1 + its most drafts, so that the next step continues from the last
+    accepted one (`models/deltanet.py`, "Speculation"); 1 without."""
+    return 1 if speculative is None else 1 + speculative.most_drafts
 
 
 def recurrent_settings(config, model_cfg):
     """The `EngineConfig` a model with recurrent layers is served under: prefix caching turned
     off (logged: a hit would skip the tokens whose recurrent state it does not hold), and
-    refused with the reason: speculative decoding, the host KV tier and tensor parallelism.
+    refused with the reason: the host KV tier and tensor parallelism. Speculation runs
+    (`--speculative mtp` is refused by `ferrox_jax/mtp.py:check_mtp`: these models' MTP
+    layers are not loaded).
     Any other model's config is returned as it is."""
     if not model_cfg.recurrent_specs():
         return config
-    if config.speculative is not None:
-        raise StatePoolUnsupported("--speculative: this model has recurrent (linear-attention) layers, and "
-                                   "rolling their state back past rejected drafts is not supported yet; serve it "
-                                   "without speculative decoding")
     refuse_unsupported(config.mesh_shape[1] > 1, config.kv_offload_gib)  # before the weights are placed
     if config.prefix_caching:
         log.info("prefix caching is off for %s: its recurrent (linear-attention) layers keep one state per "

@@ -127,15 +127,16 @@ class _Cfg:
 SPEC = DeltaNetSpec(num_k_heads=2, num_v_heads=4, k_head_dim=16, v_head_dim=16, conv_kernel=4)
 
 
-def test_recurrent_models_run_without_prefix_caching_and_refuse_speculation(caplog):
+def test_recurrent_models_run_without_prefix_caching_and_speculate(caplog):
     config = EngineConfig(model="unused")
     assert recurrent_settings(config, _Cfg()) is config, "other models keep their settings"
     with caplog.at_level("INFO", logger="ferrox_jax.state_pool"):
         served = recurrent_settings(config, _Cfg((SPEC,)))
     assert config.prefix_caching and not served.prefix_caching
     assert "prefix caching is off" in caplog.text
-    with pytest.raises(StatePoolUnsupported, match="--speculative"):
-        recurrent_settings(dataclasses.replace(config, speculative=SpeculativeConfig()), _Cfg((SPEC,)))
+    # speculation runs: each slot keeps the states after every verified token (models/deltanet.py)
+    spec = recurrent_settings(dataclasses.replace(config, speculative=SpeculativeConfig()), _Cfg((SPEC,)))
+    assert spec.speculative == SpeculativeConfig() and not spec.prefix_caching
     with pytest.raises(StatePoolUnsupported, match="--kv-offload-gib"):
         recurrent_settings(dataclasses.replace(config, kv_offload_gib=1.0), _Cfg((SPEC,)))
     with pytest.raises(StatePoolUnsupported, match="one device"):
