@@ -238,3 +238,27 @@ def test_mtp_and_a_draft_with_recurrent_layers_are_refused_with_the_reason(qwen3
     draft = EngineConfig(model=str(path), speculative=SpeculativeConfig(method="draft", draft_model=str(path)))
     with pytest.raises(ValueError, match="recurrent .* not supported; use a draft of attention layers only"):
         open_draft(draft, open_checkpoint(str(path)), None)
+
+
+def test_served_with_prompt_lookup_through_the_engine_builder(qwen3_5):
+    import httpx
+
+    from api.app import create_app
+    from tests.support.server_harness import ServerThread, tiny_engine, wait_for
+
+    path, ckpt, *_ = qwen3_5
+    engine = tiny_engine(path, speculative=NGRAM, **fc.SERVE_LIMITS)
+    # 60 distinct tokens: most tokens the reply takes occurred before, so lookup (ngram_min 1)
+    # drafts what followed them, and verifies it
+    prompt = np.random.RandomState(1).permutation(ckpt.config.vocab_size - 4)[:60].tolist()
+    with ServerThread(create_app(engine)) as base, httpx.Client(base_url=base, timeout=60) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        stats = wait_for(lambda: (s := http.get("/admin/stats").json())["spec_decode_num_draft_tokens"] and s)
+    want = engine.tokenizer.decode(fc.hf_greedy(fc.hf_model(path), prompt, 12))
+    assert text == want, "the served greedy reply differs from HF's"
+    # the pool the engine allocated and reports: every slot (the null one too) 1 + k entries
+    assert stats["state_pool_bytes"] == pool_bytes(ckpt.config.recurrent_specs(), stats["state_slots_total"] + 1,
+                                                   1 + K)
+    assert stats["state_slots_held"] == 0 and engine.stats().recompiles_after_warmup == 0
