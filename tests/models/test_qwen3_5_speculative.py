@@ -17,6 +17,7 @@ import collections
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
@@ -262,3 +263,45 @@ def test_served_with_prompt_lookup_through_the_engine_builder(qwen3_5):
     assert stats["state_pool_bytes"] == pool_bytes(ckpt.config.recurrent_specs(), stats["state_slots_total"] + 1,
                                                    1 + K)
     assert stats["state_slots_held"] == 0 and engine.stats().recompiles_after_warmup == 0
+
+
+def test_a_verification_run_equals_the_same_tokens_as_one_segment():
+    """The decode-segment forms (`run_windows`, `delta_rule_runs`) against the segment kernels
+    (`causal_conv`, `gated_delta_rule`) over the same tokens as one row: a run of 4 tokens, a
+    plain row and a padding row; a window that ignores the run's earlier inputs, or a run
+    started from the slot's state at every token, is caught."""
+    rng = np.random.RandomState(3)
+    kc, c, h, dk, dv = 4, 6, 2, 3, 3
+    f32 = lambda *shape: jnp.asarray(rng.randn(*shape).astype(np.float32))  # noqa: E731
+    # padded rows: a run (slot 1, positions 10..13), a plain row (slot 2), padding (slot 0)
+    slots, positions = jnp.asarray([1, 1, 1, 1, 2, 0]), jnp.asarray([10, 11, 12, 13, 5, 0])
+    valid = jnp.asarray([True] * 5 + [False])
+    follows, part, length = deltanet.verification_runs(slots, positions, valid)
+    assert part.tolist() == [0, 1, 2, 3, 0, 0] and length.tolist() == [4, 4, 4, 4, 1, 1]
+    x, conv0, weight = f32(6, c), f32(6, kc - 1, c), f32(c, 1, kc)
+    conv0 = conv0.at[1:4].set(conv0[0])  # a run's rows read its one slot
+    q, k = deltanet.l2norm(f32(6, h, dk)), deltanet.l2norm(f32(6, h, dk))
+    v, g, beta, state0 = f32(6, h, dv), -jnp.abs(f32(6, h)), jax.nn.sigmoid(f32(6, h)), f32(6, h, dk, dv)
+    state0 = state0.at[1:4].set(state0[0])
+
+    def as_rows(windows, states):
+        out, conv1 = deltanet.causal_conv(x[:, None], windows, weight, valid.astype(jnp.int32))
+        o, after = deltanet.delta_rule_runs(q, k, v, g, beta, states, valid, follows, part)
+        return out[:, 0], conv1, o, after
+
+    out, conv1, o, after = as_rows(deltanet.run_windows(x, conv0, part), state0)
+    seg_out, seg_conv1 = deltanet.causal_conv(x[None, :4], conv0[:1], weight, jnp.asarray([4]))
+    seg_o, seg_state = deltanet.gated_delta_rule(q[None, :4], k[None, :4], v[None, :4], g[None, :4],
+                                                 beta[None, :4], state0[:1], valid[None, :4])
+    np.testing.assert_allclose(out[:4], seg_out[0], atol=1e-6)
+    np.testing.assert_allclose(conv1[3], seg_conv1[0], atol=1e-6)  # the run's last row: the segment's state
+    np.testing.assert_allclose(o[:4], seg_o[0], atol=1e-5)
+    np.testing.assert_allclose(after[3], seg_state[0], atol=1e-5)
+    alone = deltanet.gated_delta_rule(q[None, 4:5], k[None, 4:5], v[None, 4:5], g[None, 4:5], beta[None, 4:5],
+                                      state0[4:5], valid[None, 4:5])[1]
+    np.testing.assert_allclose(after[4], alone[0], atol=1e-6)  # the plain row: one update from its slot
+    # negative controls: each row's window from the slot alone; each row's state from the slot alone
+    bad_out = as_rows(conv0, state0)[0]
+    assert float(jnp.abs(bad_out[1:4] - seg_out[0, 1:]).max()) > 1e-2, "a window without the run's inputs"
+    _, after_slot = deltanet.delta_rule_runs(q, k, v, g, beta, state0, valid, jnp.zeros(6, bool), part * 0)
+    assert float(jnp.abs(after_slot[3] - seg_state[0]).max()) > 1e-2, "a run's rows each from the slot's state"
