@@ -175,7 +175,7 @@ class ModelRunner:
         if cfg.recurrent_specs():  # one state slot per row a step holds, and the null slot 0
             refuse_unsupported(mesh is not None, kv_offload_blocks)
             self.kv_cache = self.kv_cache.replace(states=create_states(cfg.recurrent_specs(), max_rows + 1,
-                                                                       state_entries))
+                                                                       entries=state_entries))
         self.kv_offload_blocks = kv_offload_blocks
         layout = set(cfg.kv_layout())
         heads, k_dim, v_dim = next(iter(layout))

@@ -145,7 +145,7 @@ def state_bytes_per_slot(specs: tuple[DeltaNetSpec, ...]) -> int:
     return total
 
 
-def create_states(specs: tuple[DeltaNetSpec, ...], num_slots: int, entries: int = 1, sharding=None) -> RecurrentStates:
+def create_states(specs: tuple[DeltaNetSpec, ...], num_slots: int, sharding=None, entries: int = 1) -> RecurrentStates:
     """The zeroed pool of `num_slots` slots (slot 0 included) of `entries` entries each (1 +
     the most drafts a row verifies with speculation, else 1), made on the device."""
     if num_slots < 2:
