@@ -67,7 +67,7 @@ from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.runner_protocol import Runner
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
 from models.moe_ep import enable_expert_parallel, resolve_expert_parallel
-from ferrox_jax.state_pool import recurrent_settings, settings_pool_bytes, snapshot_slots
+from ferrox_jax.state_pool import recurrent_settings, settings_pool_bytes, snapshot_slots, state_entries
 from models.checkpoint import CheckpointSource
 from models.config import ModelConfig
 from models.loader import open_checkpoint
@@ -313,6 +313,9 @@ def open_draft(config: EngineConfig, target: CheckpointSource, mesh: Any) -> Che
     if spec is None or spec.method != "draft":
         return None
     draft = open_checkpoint(spec.draft_model, load_format=config.load_format, seed=config.dummy_weights_seed)
+    if draft.config.recurrent_specs():  # its proposal steps would move its states past the row's tokens
+        raise ValueError(f"--draft-model {spec.draft_model}: a draft with recurrent (linear-attention) layers is "
+                         "not supported; use a draft of attention layers only, or --speculative ngram")
     if mesh is not None:
         try:
             check_divisibility(draft.config, config.mesh_shape[1], config.replicate_attention)
@@ -407,7 +410,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
                     "its outputs are meaningless (for sizing and benchmarks only)",
                     config.dummy_weights_seed, source.name)
     vision, config, source = open_vision(source, config)  # a model taking images: its encoder
-    config = recurrent_settings(config, source.config)  # speculation, a mesh, the host tier refused
+    config = recurrent_settings(config, source.config)  # the host tier, speculation under a mesh refused
     _, model_axis = config.mesh_shape
     if jax.process_count() > 1:
         check_mesh(model_axis, jax.device_count())
@@ -470,6 +473,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
                          mesh=mesh, replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks,
                          shared_compiles=_PROCESS.get("shared_compiles"), vision=vision, kv_offload_blocks=offload,
                          window_blocks=sizing.window_blocks, state_snapshots=snapshots,
+                         state_entries=state_entries(config.speculative),
                          executable_store=store_for(config, source.path, single_device=mesh is None))
     draft_runner = (_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh)
                     if draft_source is not None else None)

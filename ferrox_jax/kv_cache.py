@@ -174,12 +174,23 @@ def copy_blocks(kv_cache: KVCache, src: jax.Array, dst: jax.Array, window_src: j
 
 
 def copy_state_slots(states, src: jax.Array, dst: jax.Array):
-    """Recurrent state slots src[i] -> dst[i] (conv and recurrent arrays of every layer), one
-    pair after another: a pair may read a slot an earlier pair wrote (a snapshot saved, then
-    restored; a hit restored, then forked), so they are not one scatter. Pad with 0 -> 0."""
+    """Recurrent state slots src[i] -> dst[i] (conv and recurrent arrays of every layer, every
+    entry of the slot and, with speculation, its position: `models/deltanet.py`,
+    "Speculation"), one pair after another: a pair may read a slot an earlier pair wrote (a
+    snapshot saved, then restored; a hit restored, then forked), so they are not one scatter.
+    Pad with 0 -> 0."""
+    slots, entries = states.num_slots, states.entries  # entry j of slot s is row s + j * slots
+
+    def rows(a, s, d):
+        for j in range(entries):
+            a = a.at[d + j * slots].set(a[s + j * slots])
+        return a
+
     def one(i, st):
-        return st.replace(conv=tuple(a.at[dst[i]].set(a[src[i]]) for a in st.conv),
-                          recurrent=tuple(a.at[dst[i]].set(a[src[i]]) for a in st.recurrent))
+        s, d = src[i], dst[i]
+        positions = None if st.positions is None else st.positions.at[d].set(st.positions[s])
+        return st.replace(conv=tuple(rows(a, s, d) for a in st.conv),
+                          recurrent=tuple(rows(a, s, d) for a in st.recurrent), positions=positions)
 
     return jax.lax.fori_loop(0, src.shape[0], one, states)
 

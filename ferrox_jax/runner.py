@@ -70,7 +70,8 @@ from models.moe_ep import uses_expert_parallel
 from ferrox_jax.step import ForwardBatch, ForwardResult, jit_steps
 from ferrox_jax.vision import VisionEncoder
 from models.attention import ATTENTION_CHUNK_BLOCKS
-from models.deltanet import create_states, group_for_devices
+from models.deltanet import create_states
+from models.deltanet_groups import group_for_devices
 from models.lora import lora_slot_count
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,8 @@ class ModelRunner:
                  max_context: int, kv_dtype=None, mesh=None, replicate_attention: bool = False,
                  max_chunks: int = 1, shared_compiles: SharedCompiles | None = None,
                  vision: VisionEncoder | None = None, kv_offload_blocks: int = 0, window_blocks: int = 0,
-                 executable_store: ExecutableStore | None = None, state_snapshots: int = 0):
+                 executable_store: ExecutableStore | None = None, state_snapshots: int = 0,
+                 state_entries: int = 1):
         """Args:
           model: the built model, its decode attention already chosen (`models/loader.py`).
           num_blocks: KV cache blocks, the null block 0 included.
@@ -138,9 +140,13 @@ class ModelRunner:
             0: no tier, nothing of it compiled or allocated.
           window_blocks: the sliding-window layers' own pool, its null slot included
             (`ferrox_jax/kv_groups.py`); 0: they hold `num_blocks` as every layer does.
-                 executable_store: ExecutableStore | None = None):
+          executable_store: where executables serialized by an earlier start are loaded
+            from, without tracing, and new ones stored (`ferrox_jax/executable_store.py`);
+            None: every executable is traced, lowered and compiled (JAX's cache may hold it).
           state_snapshots: a model with recurrent layers: the state pool's snapshot slots
             after its running ones (`ferrox_jax/state_snapshots.py`); 0 without prefix caching.
+          state_entries: a recurrent model's states kept per slot (`state_pool.state_entries`:
+            1 + the most drafts a row verifies with speculation, else 1).
         """
         cfg = model.cfg
         self.cfg = cfg
@@ -182,7 +188,7 @@ class ModelRunner:
             refuse_unsupported(kv_offload_blocks)
             self.kv_cache = self.kv_cache.replace(states=create_states(
                 cfg.recurrent_specs(), max_rows + 1 + state_snapshots,
-                None if self.shardings is None else self.shardings.states))
+                None if self.shardings is None else self.shardings.states, entries=state_entries))
         self.kv_offload_blocks = kv_offload_blocks
         layout = set(cfg.kv_layout())
         heads, k_dim, v_dim = next(iter(layout))

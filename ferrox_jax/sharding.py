@@ -61,7 +61,7 @@ A Gated DeltaNet layer splits by key-head group: each device holds Hk/M key head
 Hv/M value heads they serve, their conv channels and their slots' states, so the conv, the
 delta rule and the gated norm run locally and out_proj's all-reduce is the layer's one
 collective. HF's conv channels are q | k | v (a split of C in M parts would cut across
-them), so on a mesh the runner regroups them per device first (`models/deltanet.py:
+them), so on a mesh the runner regroups them per device first (`models/deltanet_groups.py:
 group_for_devices`); this needs M | Hk and M | Hv.
 Latent attention (`models/mla.py`) splits its heads the same way: q_b_proj's and
 kv_b_proj's columns are head-major, so each device holds its heads' up-projections and

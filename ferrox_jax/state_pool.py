@@ -20,6 +20,11 @@ This module is the host side, owned by the scheduler's block tables (the owner t
                  prefill row's slot (`fork`): the state is per row, so copy-on-write for it
                  is a copy at the fork (the K/V blocks stay shared as for any model)
 
+Speculative decoding (prompt lookup, or a draft model without recurrent layers) gives each
+slot 1 + k entries on the device, the states after each verified token, and the next step
+reads the one after the row's last accepted token (`state_entries`, `models/deltanet.py`,
+"Speculation"): nothing here changes, a slot is still one row's.
+
 Admission already bounds running rows by `max_rows`, so a slot is always free for an
 admitted row (asserted). The slots' bytes are fixed at start-up (`state_pool_bytes` in
 `/admin/stats`, counted in the memory bounds beside the KV cache's).
@@ -42,9 +47,13 @@ in order: saves, then restores, then forks (`take_copies`, `StepPlan.state_copie
 jitted copy beside the KV block copy (`ferrox_jax/kv_cache.py:copy_blocks`), so a slot
 freed and taken again in one tick is read before it is written.
 
+With speculation each slot keeps 1 + k entries (`state_entries`, `models/deltanet.py`,
+"Speculation") and the pool a position per slot; every copy above carries all of a slot's
+entries and its position (`ferrox_jax/kv_cache.py:copy_state_slots`).
+
 What these models do not do yet, refused at load with the reason (`refuse_unsupported`,
-`ferrox_jax/engine_builder.py`): the host KV tier (its swap would need the states too) and
-speculative decoding (rolling rejected drafts back needs a state per draft position).
+`recurrent_settings`): the host KV tier (its swap would need the states too), and
+speculation under tensor parallelism (the per-slot positions are not placed on a mesh).
 Under tensor parallelism the pool is split as the layers' weights are, by value head and
 conv channel (`ferrox_jax/sharding.py`), and the memory bounds count each device's part.
 """
@@ -148,32 +157,43 @@ def pool_slots(rows: int, prefix_caching: bool, snapshots: int = 0) -> int:
 
 
 def settings_pool_bytes(specs, rows: int, settings) -> int:
-    """Device bytes of the pool an engine's `settings` (`prefix_caching`, `state_snapshots`)
-    size for `rows` rows: what the memory bounds count and `/admin/stats` reports."""
-    return pool_bytes(specs, pool_slots(rows, settings.prefix_caching, settings.state_snapshots))
+    """Device bytes of the pool an engine's `settings` (`prefix_caching`, `state_snapshots`,
+    `speculative`) size for `rows` rows: what the memory bounds count and `/admin/stats` reports."""
+    return pool_bytes(specs, pool_slots(rows, settings.prefix_caching, settings.state_snapshots),
+                      state_entries(settings.speculative))
 
 
-def pool_bytes(specs, num_slots: int) -> int:
-    """Device bytes of a pool of `num_slots` slots (the null slot included) for a model's
-    `recurrent_specs()` (f32 states: each spec's `state_shapes()`)."""
+def pool_bytes(specs, num_slots: int, entries: int = 1) -> int:
+    """Device bytes of a pool of `num_slots` slots (the null slot included) of `entries`
+    entries each (`state_entries`) for a model's `recurrent_specs()` (f32 states: each spec's
+    `state_shapes()`), and with more than one entry each slot's position (i32)."""
     per_slot = 0
     for spec in specs:
         (kc, c), (h, dk, dv) = spec.state_shapes()
         per_slot += (kc * c + h * dk * dv) * 4
-    return per_slot * num_slots if specs else 0
+    return (per_slot * entries + 4 * (entries > 1)) * num_slots if specs else 0
+
+
+def state_entries(speculative) -> int:
+    """Entries per state slot: with speculation (a `SpeculativeConfig`) the states after each
+    token a row verifies, 1 + its most drafts, so that the next step continues from the last
+    accepted one (`models/deltanet.py`, "Speculation"); 1 without."""
+    return 1 if speculative is None else 1 + speculative.most_drafts
 
 
 def recurrent_settings(config, model_cfg):
     """The `EngineConfig` a model with recurrent layers is served under, refused with the
-    reason where it cannot be: speculative decoding and the host KV tier. Prefix caching stays
-    on (state snapshots, `ferrox_jax/state_snapshots.py`). Any other model's config is
-    returned as it is."""
+    reason where it cannot be: the host KV tier, and speculation under tensor parallelism.
+    Prefix caching stays on (state snapshots, `ferrox_jax/state_snapshots.py`); speculation
+    runs (`--speculative mtp` is refused by `ferrox_jax/mtp.py:check_mtp`: these models' MTP
+    layers are not loaded). Any other model's config is returned as it is."""
     if not model_cfg.recurrent_specs():
         return config
-    if config.speculative is not None:
-        raise StatePoolUnsupported("--speculative: this model has recurrent (linear-attention) layers, and "
-                                   "rolling their state back past rejected drafts is not supported yet; serve it "
-                                   "without speculative decoding")
+    if config.speculative is not None and config.mesh_shape[1] > 1:
+        raise StatePoolUnsupported("--speculative with tensor parallelism: this model has recurrent "
+                                   "(linear-attention) layers, whose per-draft states are not split over "
+                                   "devices yet; speculate on one device, or serve it sharded without "
+                                   "--speculative")
     refuse_unsupported(config.kv_offload_gib)  # before the weights are placed
     return config
 

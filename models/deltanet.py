@@ -30,6 +30,28 @@ without the scan's loop), a 16-token prefill chunk 16; on a CPU at the sizes mea
 about what attention costs (docs/benchmarks.md, "Qwen3.5"). Transformers' chunked form
 (`torch_chunk_gated_delta_rule`) turns a chunk into matmuls and is the later optimisation.
 
+Speculation. A verification step lays a row's last token and its d drafts out as 1 + d
+consecutive one-token decode rows of one slot at consecutive positions (`ferrox_jax/padding.py`),
+and which of them the scheduler keeps is known only after sampling. So each slot has E = 1 + k
+entries (k the most drafts a row verifies; `ferrox_jax/state_pool.py:state_entries`): entry j
+holds the states after the j-th token of the row's last step, and the pool's `positions[s]`
+the position entry 0 follows. A row starting a step at position p reads entry p - 1 -
+positions[s]: after a plain step (or a prompt chunk, whose states go to entry 0) that is 0,
+after a verification the entry of its last accepted token, whatever the scheduler accepted
+(a stop or a forced token included). No rollback step, no host column, no extra dispatch:
+the next forward reads where it should (as vLLM's GDN spec decode reads the state of its
+`num_accepted_tokens`; SGLang instead copies an intermediate state into the slot after
+verifying). Keeping the states costs E times the pool's memory; re-running the accepted
+tokens instead would cost a second pass over them in the next step and need the scheduler
+to recompute positions it has already written.
+
+In the forward (`state_rows`, once; `verification_runs`) a decode row continuing the row
+before it (same slot, next position) is a run's later token: its conv window is the run's
+conv state followed by the run's earlier inputs (`run_windows`, a gather), and its recurrent
+state the one after the row before it (`delta_rule_runs`: passes of the one-token update
+over the segment, as many as the longest run this step, one when no row verifies). With E =
+1 (no speculation) none of this is traced: each row reads and writes its slot.
+
 Per-layer parameters (HF name after `model.layers.{i}.linear_attn.`):
 
     in_proj_qkv  [D, C]            in_proj_qkv.weight      (q | k | v channels, in that order)
@@ -50,7 +72,7 @@ holds Hk/M key heads, the Hv/M value heads they serve (value head j serves key h
 j // (Hv/Hk), so a device's value heads are those of its key heads), their conv channels and
 their part of every slot's states. Every step of the block is per head, so only out_proj's
 row-parallel product reduces across devices. The conv's channel axis C is HF's q | k | v,
-which M equal parts would cut across; `group_for_devices` regroups it on a mesh to
+which M equal parts would cut across; `models/deltanet_groups.py` regroups it on a mesh to
 [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (in_proj_qkv's columns and conv1d's channels permuted,
 `DeltaNetSpec.shards` recording the grouping; the fused form builds the grouped q | k | v from
 its per-group projection), so each part holds whole heads.
@@ -63,7 +85,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx, struct
 
 from models.layers import ForwardContext, param, project, project_many
@@ -115,14 +136,24 @@ class DeltaNetSpec:
 @struct.dataclass
 class RecurrentStates:
     """The state pool's device arrays: per DeltaNet layer (in layer order) one conv array
-    f32[S, Kc - 1, C] and one recurrent array f32[S, Hv, dk, dv]; S slots, slot 0 the null slot."""
+    f32[S * E, Kc - 1, C] and one recurrent array f32[S * E, Hv, dk, dv]; S slots, slot 0 the
+    null slot, E entries per slot (1 without speculation; module docstring, "Speculation"):
+    entry j of slot s is pool row s + j * S, so entry 0 is row s as without speculation.
+
+    `positions` i32[S] (None when E is 1): entry j of slot s holds the states after
+    position positions[s] + j."""
 
     conv: tuple[jax.Array, ...]
     recurrent: tuple[jax.Array, ...]
+    positions: jax.Array | None = None
 
     @property
     def num_slots(self) -> int:
-        return self.conv[0].shape[0]
+        return self.conv[0].shape[0] // self.entries
+
+    @property
+    def entries(self) -> int:
+        return 1 if self.positions is None else self.conv[0].shape[0] // self.positions.shape[0]
 
     @property
     def nbytes(self) -> int:
@@ -138,66 +169,24 @@ def state_bytes_per_slot(specs: tuple[DeltaNetSpec, ...]) -> int:
     return total
 
 
-def create_states(specs: tuple[DeltaNetSpec, ...], num_slots: int, sharding=None) -> RecurrentStates:
-    """The zeroed pool of `num_slots` slots (slot 0 included), made on the device (`sharding`:
+def create_states(specs: tuple[DeltaNetSpec, ...], num_slots: int, sharding=None, entries: int = 1) -> RecurrentStates:
+    """The zeroed pool of `num_slots` slots (slot 0 included) of `entries` entries each (1 +
+    the most drafts a row verifies with speculation, else 1), made on the device (`sharding`:
     a RecurrentStates of shardings, `ferrox_jax/sharding.py:RunnerShardings.states`; None: one device)."""
     if num_slots < 2:
         raise ValueError(f"num_slots must be >= 2 (slot 0 is the null slot); got {num_slots}")
+    if entries < 1:
+        raise ValueError(f"entries must be >= 1; got {entries}")
+    rows = num_slots * entries
 
     @functools.partial(jax.jit, out_shardings=sharding)
     def zeros():
         return RecurrentStates(
-            conv=tuple(jnp.zeros((num_slots, *s.state_shapes()[0]), jnp.float32) for s in specs),
-            recurrent=tuple(jnp.zeros((num_slots, *s.state_shapes()[1]), jnp.float32) for s in specs))
+            conv=tuple(jnp.zeros((rows, *s.state_shapes()[0]), jnp.float32) for s in specs),
+            recurrent=tuple(jnp.zeros((rows, *s.state_shapes()[1]), jnp.float32) for s in specs),
+            positions=jnp.zeros(num_slots, jnp.int32) if entries > 1 else None)
 
     return zeros()
-
-
-def channel_order(spec: DeltaNetSpec, shards: int) -> np.ndarray:
-    """HF's conv channel (q | k | v) at each position of the layout grouped for `shards`
-    devices (`DeltaNetSpec.shards`): device d's q heads, k heads and value heads, d after d."""
-    kd, vd = spec.key_dim // shards, spec.value_dim // shards
-    return np.concatenate([np.concatenate([np.arange(d * kd, (d + 1) * kd),
-                                           spec.key_dim + np.arange(d * kd, (d + 1) * kd),
-                                           2 * spec.key_dim + np.arange(d * vd, (d + 1) * vd)])
-                           for d in range(shards)])
-
-
-def group_for_devices(model, shards: int):
-    """`model` with its DeltaNet layers' conv channels grouped for `shards` devices (tensor
-    parallelism: `ferrox_jax/sharding.py` splits C, and each device must get whole heads).
-
-    Permutes in_proj_qkv's columns (unfused) and conv1d's channels into the grouped order and
-    records it in each layer's spec (fused projections are grouped per k head already: the
-    forward builds the grouped q | k | v). A model without DeltaNet layers, or already grouped
-    so, is returned as it is; otherwise a copy (the caller's model keeps its layout and the
-    arrays it does not change are shared)."""
-    layers = [layer for layer in getattr(model, "layers", ()) if getattr(layer, "delta_spec", None) is not None]
-    if not layers or all(layer.delta_spec.shards == shards for layer in layers):
-        return model
-    model = nnx.merge(*nnx.split(model))
-    for layer in model.layers:
-        spec = getattr(layer, "delta_spec", None)
-        if spec is None or spec.shards == shards:
-            continue
-        for what, m in (("k", spec.num_k_heads), ("v", spec.num_v_heads)):
-            if m % shards:
-                raise ValueError(f"tensor parallelism {shards} does not divide the DeltaNet layers' {what} heads {m} "
-                                 f"(linear_num_key_heads {spec.num_k_heads}, linear_num_value_heads "
-                                 f"{spec.num_v_heads}); choose a size dividing both")
-        # new position i holds old position old_at[HF channel at i]
-        old_at = np.argsort(channel_order(spec, spec.shards))[channel_order(spec, shards)]
-        names = ("conv_weight",) if spec.fused else ("conv_weight", "in_proj_qkv")
-        for name in names:
-            var = getattr(layer, name)
-            value = var.get_value()
-            if not isinstance(value, jax.Array):
-                raise ValueError(f"tensor parallelism: this model's DeltaNet {name} is stored quantized, and its "
-                                 "channels cannot be regrouped per device; serve it on one device or from float "
-                                 "weights")
-            var.set_value(jnp.take(value, jnp.asarray(old_at), axis=0 if name == "conv_weight" else 1))
-        layer.delta_spec = dataclasses.replace(spec, shards=shards)
-    return model
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -268,6 +257,124 @@ def gated_delta_rule(q, k, v, g, beta, state0, valid):
     return jnp.swapaxes(out, 0, 1), state
 
 
+@dataclasses.dataclass(frozen=True)
+class SegmentRows:
+    """Where each row of one segment finds and leaves its states: flat pool rows (`RecurrentStates`)."""
+
+    read: jax.Array  # i32[B] the row holding the states before the row's first token
+    write: jax.Array  # i32[B] where the states after its last valid token go
+    # Decode segments with speculation: bool[B] rows continuing the row before them (a
+    # verification's later tokens) and i32[B] each row's offset in its run; None otherwise.
+    follows: jax.Array | None = None
+    part: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StateRows:
+    """What every DeltaNet layer of one forward reads from `state_rows` (a bundle while tracing)."""
+
+    segments: tuple[SegmentRows, ...]
+    positions: jax.Array | None  # the pool's `positions` after this forward (None: one entry a slot)
+
+
+def verification_runs(slots: jax.Array, positions: jax.Array, valid: jax.Array):
+    """A decode segment's runs: consecutive rows of one slot at consecutive positions are one
+    row's last token and drafts (`ferrox_jax/padding.py` lays a verification out so).
+
+    Returns (follows bool[B], part i32[B] the row's offset in its run, length i32[B] its
+    run's length)."""
+    b = slots.shape[0]
+    index = jnp.arange(b)
+    joins = ((slots[1:] == slots[:-1]) & (positions[1:] == positions[:-1] + 1) & valid[1:] & valid[:-1]
+             & (slots[1:] != 0))  # the null slot's padding rows are never a run
+    follows = jnp.concatenate([jnp.zeros(1, bool), joins])
+    head = jax.lax.cummax(jnp.where(follows, 0, index))
+    part = index - head
+    ends = jnp.concatenate([~joins, jnp.ones(1, bool)])
+    last = jax.lax.cummin(jnp.where(ends, index, b - 1), reverse=True)
+    return follows, part, part[last] + 1
+
+
+def commit_entries(part: jax.Array, length: jax.Array, last: jax.Array):
+    """(entry, base) per row: the entry of its slot its states go to, and the position entry 0
+    of the slot follows from now on. Entry j holds the states after the run's j-th token, so
+    whichever token of the run the scheduler accepts last, the next step finds the states after
+    it (`state_rows`). `last`: the row's last valid position; `length` (unused here): its run's
+    length (a test's negative control keeps only the states after the whole run)."""
+    del length
+    return part, last - part
+
+
+def state_rows(fwd: ForwardContext, slots: jax.Array, states: RecurrentStates) -> StateRows:
+    """Where each padded row of the forward reads and writes its states (module docstring,
+    "Speculation"). Without speculation (one entry a slot) both are the row's slot."""
+    segments, row = [], 0
+    if states.positions is None:
+        for seg in fwd.segments:
+            seg_slots = slots[row:row + seg.rows]
+            row += seg.rows
+            segments.append(SegmentRows(read=seg_slots, write=seg_slots))
+        return StateRows(tuple(segments), None)
+    num_slots, entries = states.positions.shape[0], states.entries
+    base, positions = states.positions, states.positions
+    for seg in fwd.segments:
+        seg_slots = slots[row:row + seg.rows]
+        row += seg.rows
+        first = seg.positions[:, 0]
+        last = first + seg.valid.sum(axis=1) - 1
+        follows = part = None
+        if seg.tokens == 1:
+            follows, part, length = verification_runs(seg_slots, first, seg.valid[:, 0])
+            entry, row_base = commit_entries(part, length, last)
+            head = first - part
+        else:
+            entry, row_base, head = jnp.zeros_like(first), last, first
+        # The states before the row's first token: those after position head - 1, entry
+        # head - 1 - base of its slot (0 for a row that did not verify last step).
+        read = jnp.clip(head - 1 - base[seg_slots], 0, entries - 1)
+        segments.append(SegmentRows(read=seg_slots + read * num_slots, write=seg_slots + entry * num_slots,
+                                    follows=follows, part=part))
+        positions = positions.at[seg_slots].set(row_base)
+    return StateRows(tuple(segments), positions)
+
+
+def run_windows(x: jax.Array, conv0: jax.Array, part: jax.Array) -> jax.Array:
+    """Each decode row's conv inputs before its token: the last Kc - 1 of its run's conv state
+    followed by the run's tokens before it. x: f32[B, C]; conv0: f32[B, Kc - 1, C]; part: i32[B]."""
+    kc1, b = conv0.shape[1], x.shape[0]
+    cols = []
+    for m in range(kc1):
+        back = kc1 - m  # this column is the input `back` tokens before the row's own
+        from_run = x[jnp.maximum(jnp.arange(b) - back, 0)]
+        from_state = jnp.take_along_axis(conv0, jnp.minimum(part + m, kc1 - 1)[:, None, None], axis=1)[:, 0]
+        cols.append(jnp.where((part >= back)[:, None], from_run, from_state))
+    return jnp.stack(cols, axis=1)
+
+
+def delta_rule_runs(q, k, v, g, beta, state0, valid, follows, part):
+    """The gated delta rule of a decode segment whose runs of rows are one row's consecutive
+    tokens (a verification): a row continues from the state after the row before it in its
+    run, else from `state0`. One pass per token of the longest run (a `while` of as many
+    trips as this step needs: one when no row verifies), each a decode-sized update of every
+    row; pass j makes the run's j-th rows exact, the earlier ones recompute what they had.
+
+    Args: q, k f32[B, Hv, dk]; v f32[B, Hv, dv]; g, beta f32[B, Hv]; state0 f32[B, Hv, dk, dv];
+      valid, follows bool[B]; part i32[B].
+    Returns (o f32[B, Hv, dv], f32[B, Hv, dk, dv] the state after each row's token)."""
+
+    def update(before):
+        decayed = before * jnp.exp(g)[..., None, None]
+        memory = jnp.einsum("bhkv,bhk->bhv", decayed, k)
+        new = decayed + k[..., :, None] * ((v - memory) * beta[..., None])[..., None, :]
+        return jnp.where(valid[:, None, None, None], new, before)
+
+    def again(_, after):
+        return update(jnp.where(follows[:, None, None, None], jnp.roll(after, 1, axis=0), state0))
+
+    after = jax.lax.fori_loop(0, jnp.max(part), again, update(state0))
+    return jnp.einsum("bhkv,bhk->bhv", after, q), after
+
+
 class GatedDeltaNet:
     """Mix-in for a decoder layer (an `nnx.Module`): the DeltaNet parameters and the block."""
 
@@ -309,10 +416,10 @@ class GatedDeltaNet:
         return qkv, z.reshape(n, -1), ba[..., :r].reshape(n, -1), ba[..., r:].reshape(n, -1)
 
     def deltanet(self, h: jax.Array, fwd: ForwardContext, conv_pool: jax.Array, rec_pool: jax.Array,
-                 slots: jax.Array):
+                 rows: StateRows):
         """h [N, D] (already normed) -> (out_proj output [N, D], conv_pool, rec_pool).
 
-        `slots` i32[R]: each padded row's state slot, rows in segment order."""
+        `rows`: where each padded row reads and writes its states (`state_rows`, once a forward)."""
         spec = self.delta_spec
         n = h.shape[0]
         qkv, z, b, a = self._projections(h)
@@ -320,24 +427,29 @@ class GatedDeltaNet:
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-        outs, row = [], 0
-        for seg in fwd.segments:
-            seg_slots = slots[row:row + seg.rows]
-            row += seg.rows
-            rows, t = seg.rows, seg.tokens
-            conv0, rec0 = initial_states(conv_pool, rec_pool, seg_slots, starts_fresh(seg.positions))
-            x = qkv[seg.start:seg.stop].reshape(rows, t, spec.conv_dim)
+        outs = []
+        for seg, placed in zip(fwd.segments, rows.segments):
+            nrows, t = seg.rows, seg.tokens
+            conv0, rec0 = initial_states(conv_pool, rec_pool, placed.read, starts_fresh(seg.positions))
+            x = qkv[seg.start:seg.stop].reshape(nrows, t, spec.conv_dim)
+            if placed.part is not None:  # a verification's later tokens start from the run's inputs
+                conv0 = run_windows(x[:, 0], conv0, placed.part)
             x, conv1 = causal_conv(x, conv0, self.conv_weight[...], seg.valid.sum(axis=1))
             q, k, v = spec.split_channels(x)
             rep = spec.num_v_heads // spec.num_k_heads
             q = jnp.repeat(l2norm(q), rep, axis=2) * (spec.k_head_dim ** -0.5)
             k = jnp.repeat(l2norm(k), rep, axis=2)
-            seg_g = g[seg.start:seg.stop].reshape(rows, t, spec.num_v_heads)
-            seg_beta = beta[seg.start:seg.stop].reshape(rows, t, spec.num_v_heads)
-            o, rec1 = gated_delta_rule(q, k, v, seg_g, seg_beta, rec0, seg.valid)
-            conv_pool = conv_pool.at[seg_slots].set(conv1)
-            rec_pool = rec_pool.at[seg_slots].set(rec1)
-            outs.append(o.reshape(rows * t, spec.num_v_heads, spec.v_head_dim))
+            seg_g = g[seg.start:seg.stop].reshape(nrows, t, spec.num_v_heads)
+            seg_beta = beta[seg.start:seg.stop].reshape(nrows, t, spec.num_v_heads)
+            if placed.part is not None:
+                o, rec1 = delta_rule_runs(q[:, 0], k[:, 0], v[:, 0], seg_g[:, 0], seg_beta[:, 0], rec0,
+                                          seg.valid[:, 0], placed.follows, placed.part)
+                o = o[:, None]
+            else:
+                o, rec1 = gated_delta_rule(q, k, v, seg_g, seg_beta, rec0, seg.valid)
+            conv_pool = conv_pool.at[placed.write].set(conv1)
+            rec_pool = rec_pool.at[placed.write].set(rec1)
+            outs.append(o.reshape(nrows * t, spec.num_v_heads, spec.v_head_dim))
         o = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
         # The gated RMSNorm: normed in f32, times the weight in the activations' dtype, times silu(z).
         var = jnp.mean(o * o, axis=-1, keepdims=True)

@@ -43,7 +43,7 @@ from models import qwen3_5_gguf
 from models.attention import write_kv
 from models.config import ModelConfig, UnsupportedModelError, hf_common_fields, rope_parameters
 from models.decoder import CausalLM
-from models.deltanet import DeltaNetSpec, GatedDeltaNet, RecurrentStates
+from models.deltanet import DeltaNetSpec, GatedDeltaNet, RecurrentStates, state_rows
 from models.family import Family
 from models.layers import (AttentionSpec, ForwardContext, attend, gated_mlp, norm_param, param, project,
                            project_many, rms_norm_plus_one, silu)
@@ -142,7 +142,7 @@ class Qwen3_5DecoderLayer(nnx.Module, GatedAttention, GatedDeltaNet):
 
     def __call__(self, x, fwd, a, b, slots=None):
         """x [N, D] -> (x, a, b): (k_cache, v_cache) for a full-attention layer, its (conv,
-        recurrent) state pool arrays for a DeltaNet one (`slots` i32[R])."""
+        recurrent) state pool arrays for a DeltaNet one (`slots`: `models/deltanet.py:StateRows`)."""
         h = rms_norm_plus_one(x, self.input_norm[...], self.eps)
         if self.is_linear:
             out, a, b = self.deltanet(h, fwd, a, b, slots)
@@ -183,18 +183,19 @@ class Qwen3_5Model(CausalLM):
         x = self.embed_tokens(tokens)
         ks, vs = list(k_caches), list(v_caches)
         convs, recs = list(states.conv), list(states.recurrent)
+        rows = state_rows(fwd, state_slots, states)  # where each row's states are read and written
         kv_index = state_index = 0
         for layer in self.layers:
             if layer.is_linear:
                 i = state_index
-                x, convs[i], recs[i] = layer(x, fwd, convs[i], recs[i], state_slots)
+                x, convs[i], recs[i] = layer(x, fwd, convs[i], recs[i], rows)
                 state_index += 1
             else:
                 i = kv_index
                 x, ks[i], vs[i] = layer(x, fwd, ks[i], vs[i])
                 kv_index += 1
         return (self.norm(x, self.final_norm[...]), tuple(ks), tuple(vs),
-                RecurrentStates(conv=tuple(convs), recurrent=tuple(recs)))
+                RecurrentStates(conv=tuple(convs), recurrent=tuple(recs), positions=rows.positions))
 
 
 def config_from_hf(cfg: dict[str, Any]) -> Qwen3_5Config:

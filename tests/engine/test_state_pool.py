@@ -126,17 +126,21 @@ class _Cfg:
 SPEC = DeltaNetSpec(num_k_heads=2, num_v_heads=4, k_head_dim=16, v_head_dim=16, conv_kernel=4)
 
 
-def test_recurrent_models_keep_prefix_caching_and_refuse_speculation():
+def test_recurrent_models_keep_prefix_caching_and_speculate():
     config = EngineConfig(model="unused")
     assert recurrent_settings(config, _Cfg()) is config, "other models keep their settings"
     assert recurrent_settings(config, _Cfg((SPEC,))).prefix_caching, "hits restore state snapshots"
-    with pytest.raises(StatePoolUnsupported, match="--speculative"):
-        recurrent_settings(dataclasses.replace(config, speculative=SpeculativeConfig()), _Cfg((SPEC,)))
+    # speculation runs: each slot keeps the states after every verified token (models/deltanet.py)
+    spec = recurrent_settings(dataclasses.replace(config, speculative=SpeculativeConfig()), _Cfg((SPEC,)))
+    assert spec.speculative == SpeculativeConfig() and spec.prefix_caching
+    with pytest.raises(StatePoolUnsupported, match="--speculative with tensor parallelism"):
+        recurrent_settings(dataclasses.replace(config, speculative=SpeculativeConfig(), tensor_parallel=2),
+                           _Cfg((SPEC,)))
     with pytest.raises(StatePoolUnsupported, match="--kv-offload-gib"):
         recurrent_settings(dataclasses.replace(config, kv_offload_gib=1.0), _Cfg((SPEC,)))
-    # tensor parallelism splits the pool (ferrox_jax/sharding.py): served, prefix caching off as on one device
+    # tensor parallelism splits the pool (ferrox_jax/sharding.py): served, prefix caching on as on one device
     sharded = recurrent_settings(dataclasses.replace(config, tensor_parallel=2), _Cfg((SPEC,)))
-    assert sharded.mesh_shape == (1, 2) and not sharded.prefix_caching
+    assert sharded.mesh_shape == (1, 2) and sharded.prefix_caching
 
 
 def test_pool_bytes_are_every_slot_of_every_layer():

@@ -72,7 +72,7 @@ def collectives(runner):
 def case_state_tp(path, control=False):
     """One checkpoint at tp 2 against one device (module docstring)."""
     from ferrox_jax.sharding import describe_sharding
-    from models import deltanet
+    from models import deltanet_groups as deltanet
     from models.loader import load_checkpoint
     from tests.support.sharding_probe import _runner, mixed_workload
 

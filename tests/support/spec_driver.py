@@ -40,21 +40,25 @@ class Run:
 
 
 def limits_for(runner, speculative: SpeculativeConfig | None, max_rows: int = MAX_ROWS,
-               prefix_caching: bool = True) -> SchedulerLimits:
+               prefix_caching: bool = True, state_slots: int = 0) -> SchedulerLimits:
+    """`state_slots`: a recurrent model's pool (its runner's slots, the null slot included)."""
     return SchedulerLimits(block_size=runner.block_size, num_blocks=runner.num_blocks - 1, max_rows=max_rows,
                            max_chunk_tokens=runner.max_chunk_tokens, max_context=runner.max_context,
-                           prefix_caching=prefix_caching, speculative=speculative)
+                           prefix_caching=prefix_caching, speculative=speculative, state_slots=state_slots)
 
 
 def drive(runner, tokenizer, jobs, speculative: SpeculativeConfig | None, max_rows: int = MAX_ROWS,
-          on_step=None, draft: DraftModel | None = None) -> Run:
+          on_step=None, draft: DraftModel | None = None, state_slots: int = 0) -> Run:
     """Submits `jobs` (Jobs) and steps until all have finished, each step as
     the owner loop's tick runs it (`ContinuousBatcher._step`, no grammar masks): drafts
     proposed (`draft`, the draft model for `method="draft"` or the MTP draft for "mtp"; else
     prompt lookup), the host batch, the forward, the draft's mirror, the sample, the draft's
     follow, the results.
-    `on_step(scheduler, step_index)` runs before each step (to cancel, for instance)."""
-    scheduler = Scheduler(limits_for(runner, speculative, max_rows), tokenizer)
+    `on_step(scheduler, step_index)` runs before each step (to cancel, for instance);
+    `state_slots`: a recurrent model's state pool (`limits_for`)."""
+    # (prefix caching is off for a recurrent model, as the engine turns it off: ferrox_jax/state_pool.py)
+    scheduler = Scheduler(limits_for(runner, speculative, max_rows, prefix_caching=not state_slots,
+                                     state_slots=state_slots), tokenizer)
     proposer = draft if speculative is not None and speculative.method in ("draft", "mtp") else (
         NgramProposer(speculative) if speculative is not None else None)
     for job in jobs:
