@@ -126,8 +126,12 @@ int main(int argc, char** argv) {
     copies.push_back(std::getenv("CACHED") ? 1 : kStreamBytes / bytes + 1);  // CACHED=1: one copy, from cache
     weights.push_back(Blocks(f, bytes * copies.back(), &rng));
   }
-  double best_probe = 0, best[3][2] = {};
-  double max_diff[3] = {};
+  // the integer path (one row only): its activation buffer, quantized once per product
+  const int paths = m == 1 ? 3 : 2;
+  std::vector<uint8_t> int_buf(ferrox_k_vnni::IntRowBytes(k) + 64);
+  uint8_t* int_at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(int_buf.data()) + 63) & ~uintptr_t{63});
+  double best_probe = 0, best[3][3] = {}, best_quant = 1e9;
+  double max_diff[3][3] = {};
   std::vector<float> out(m * n), tile_out(m * n);
   volatile float sink = 0;
   for (int round = 0; round < rounds; ++round) {
@@ -140,28 +144,43 @@ int main(int argc, char** argv) {
     }
     for (int fi = 0; fi < 3; ++fi) {
       const int64_t bytes = n * k / kSuper * SuperBytes(fmts[fi]);
-      for (int path = 0; path < 2; ++path) {
+      for (int path = 0; path < paths; ++path) {
         float* o = path ? out.data() : tile_out.data();
         for (int64_t c = 0; c < copies[fi]; ++c) {
           const Problem p{x.data(), weights[fi].data() + c * bytes, o, m, n, k};
-          const double s = team.Time([&](int t) {
+          double s = 0;
+          ferrox_k_vnni::IntRow xr{};
+          if (path == 2) {  // the caller quantizes the row once, then the threads share it
+            const auto q0 = std::chrono::steady_clock::now();
+            xr = ferrox_k_vnni::QuantizeIntRow(x.data(), k, int_at);
+            s = std::chrono::duration<double>(std::chrono::steady_clock::now() - q0).count();
+            best_quant = std::min(best_quant, s);
+          }
+          s += team.Time([&](int t) {
             const int64_t begin = std::min(n, t * per_thread), end = t == threads - 1 ? n : std::min(n, begin + per_thread);
-            ferrox_k_avx512::Run(fmts[fi], p, begin, end, path ? ferrox_k_avx512::kRowPathRows : 0);
+            if (path == 2) ferrox_k_vnni::IntRun(fmts[fi], p, xr, begin, end);
+            else ferrox_k_avx512::Run(fmts[fi], p, begin, end, path ? ferrox_k_avx512::kRowPathRows : 0);
           });
           best[fi][path] = std::max(best[fi][path], bytes / s / 1e9);
-          if (path == 1 && c == copies[fi] - 1) {
+          if (path >= 1 && c == copies[fi] - 1) {
             // the paths' difference on the last copy (the one tile_out holds)
             for (int64_t i = 0; i < m * n; ++i)
-              max_diff[fi] = std::max<double>(max_diff[fi], std::fabs(out[i] - tile_out[i]) / (std::fabs(tile_out[i]) + 1.0));
+              max_diff[fi][path] = std::max<double>(max_diff[fi][path], std::fabs(out[i] - tile_out[i]) / (std::fabs(tile_out[i]) + 1.0));
           }
         }
       }
     }
   }
   std::printf("DRAM read probe, %d threads: %.1f GB/s (best of %d)\n", threads, best_probe, rounds);
-  for (int fi = 0; fi < 3; ++fi)
+  for (int fi = 0; fi < 3; ++fi) {
     std::printf("%s, %ld row(s) x [%ld -> %ld], %d threads: tile path %.1f GB/s, row path %.1f GB/s "
                 "(%.0f%% of the probe), %.2fx; max |row - tile| / (|tile| + 1) %.2g\n",
                 names[fi], static_cast<long>(m), static_cast<long>(k), static_cast<long>(n), threads, best[fi][0],
-                best[fi][1], 100 * best[fi][1] / best_probe, best[fi][1] / best[fi][0], max_diff[fi]);
+                best[fi][1], 100 * best[fi][1] / best_probe, best[fi][1] / best[fi][0], max_diff[fi][1]);
+    if (paths == 3)
+      std::printf("  %s integer row path %.1f GB/s (%.0f%% of the probe), %.2fx the row path; "
+                  "max |int - tile| / (|tile| + 1) %.2g\n",
+                  names[fi], best[fi][2], 100 * best[fi][2] / best_probe, best[fi][2] / best[fi][1], max_diff[fi][2]);
+  }
+  if (paths == 3) std::printf("  quantizing the row: %.1f us (best)\n", best_quant * 1e6);
 }

@@ -49,4 +49,11 @@ namespace ferrox_k_avx512 {
 }  // namespace ferrox_k_avx512
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+namespace ferrox_k_vnni {
+#include "block_matmul_k_rowint.inc"
+}  // namespace ferrox_k_vnni
+#pragma GCC pop_options
+
 #endif  // FERROX_MODELS_KERNELS_BLOCK_MATMUL_K_BUILDS_H_
