@@ -208,6 +208,23 @@ def block_wide_rows() -> int:
     return BLOCK_WIDE_ROWS.get(block_isa(), 0)
 
 
+# The K-quant kernel's wide_rows, by the ISA the block kernel detects (the K-quant kernel checks
+# VNNI itself): 1 puts one-row products (a decode step's) on 16-bit integer activations
+# (block_matmul_k_rowint.inc: error <= amax / 64516 of a 256-wide super-block; vpmaddubsw +
+# vpdpwssd); 0 keeps float32 activations. Measured on Zen 4: two threads through DRAM,
+# Llama-3.2-1B projection shapes, Q4_K 1.25-1.35x the float row path, Q5_K 1.45-1.61x, Q6_K
+# 1.79-2.01x (bench/kernels/kquant_stream.sh); the 1B Q4_K_M file's one-row logits against
+# the float row path over 3 prompts x 37-39 positions: KL 1.2-1.4e-7 mean, 3.0e-7 max, max
+# |diff| 2.6-3.6e-3, the same top-1 everywhere and 32 of 32 greedy tokens (bench/kernels/kquant_int_logits.py;
+# docs/benchmarks.md). Below the 1e-6 KL the default keeps for a faster, less exact path.
+BLOCK_K_WIDE_ROWS = {"AVX-512 VNNI": 1, "AVX2": 0}
+
+
+def block_k_wide_rows() -> int:
+    """BLOCK_K_WIDE_ROWS for the ISA the block kernel runs here."""
+    return BLOCK_K_WIDE_ROWS.get(block_isa(), 0)
+
+
 # Rows from which a block product runs on AMX-BF16 tiles where the CPU has them (split bf16:
 # hi + lo halves of every operand, ~2^-15 relative per product; block_matmul_amx.inc).
 # Measured with `python -m tools.bench.bench_cpu_kernels --only blocks` (docs/benchmarks.md, "GGUF
@@ -254,11 +271,14 @@ def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None, amx_r
     stay as they are), with int8 activation blocks from `int_rows` rows (None:
     `block_int_rows()`; 0: never), AMX tiles from `amx_rows` (None: `block_amx_rows()`; 0:
     never) and int16 activation blocks from `wide_rows` (None: `block_wide_rows()`; 0:
-    never); the K-quants' and MXFP4's kernels have only the float path. Returns how many. Raises
+    never); the K-quants' kernel takes `wide_rows` too (1: its one-row integer path, the
+    only integer path it has; None: `block_k_wide_rows()`); MXFP4's has only the float path.
+    Returns how many. Raises
     RuntimeError where the kernels cannot run."""
     _require()
     int_rows = block_int_rows() if int_rows is None else int_rows
     amx_rows = block_amx_rows() if amx_rows is None else amx_rows
+    k_wide_rows = block_k_wide_rows() if wide_rows is None else wide_rows
     wide_rows = block_wide_rows() if wide_rows is None else wide_rows
     state = nnx.state(model)
     packed = 0
@@ -268,8 +288,14 @@ def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None, amx_r
         if isinstance(leaf, BlockQuantizedWeight):
             # The embedding table kept as blocks is looked up, never multiplied: not a projection.
             packed += not _is_embedding(path)
-            if leaf.fmt in K_FORMATS or leaf.fmt == "mxfp4":  # float activations only
+            if leaf.fmt == "mxfp4":  # float activations only
                 return with_kernel(leaf, block_target(leaf.fmt), 0, 0)
+            if leaf.fmt in K_FORMATS:
+                # the K-quant kernel reads wide_rows too: 1 puts its one-row products on 16-bit
+                # integer activations (block_matmul_k_rowint.inc); it has no other integer path.
+                # Expert stacks keep float32 activations, as below.
+                k_wide = 0 if leaf.blocks.ndim == 3 else k_wide_rows
+                return with_kernel(leaf, block_target(leaf.fmt), 0, 0, k_wide)
             if leaf.blocks.ndim == 3:
                 # An expert stack multiplies tiles padded to 8+ rows (models/moe.py) even for one
                 # token, so row thresholds measured on real rows would quantize a one-row decode's

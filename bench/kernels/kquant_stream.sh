@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The K-quant one-row products of a Llama-3.2-1B-shaped model (hidden 2048, 32 / 8 heads of
-# 64, MLP 8192, vocabulary 128256) streamed from DRAM, tile path against row path, with the
+# 64, MLP 8192, vocabulary 128256) streamed from DRAM, tile path against row path (and, at one
+# row, the integer row path), with the
 # two cores' DRAM read probe in the same runs (bench/kernels/kquant_stream.cc). Writes the
 # output to stdout; docs/benchmarks.md quotes one run (kquant_stream-zen4.txt here).
 #   bash bench/kernels/kquant_stream.sh [THREADS [ROUNDS]]

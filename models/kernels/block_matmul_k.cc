@@ -15,11 +15,12 @@
 // Q6_K: sixteen 16-wide sub-blocks with int8 scales; w = d sc q, q in [-32, 31] from a
 //   nibble of ql and two bits of qh (each 128-weight half: weight 32k + l takes ql[l]
 //   (k 0, 2) or ql[32 + l] (k 1, 3), low nibble for k < 2, and bits 2k, 2k + 1 of qh[l]).
-// Attributes: fmt (3 Q4_K, 4 Q5_K, 5 Q6_K), int_rows, wide_rows and amx_rows (accepted for
-// the shared call signature of models/gguf_blocks.py and ignored: there is only the float
-// path).
+// Attributes: fmt (3 Q4_K, 4 Q5_K, 5 Q6_K); wide_rows 1: a one-row product runs on 16-bit
+// integer activations where the CPU has AVX-512 VNNI (block_matmul_k_rowint.inc; any other
+// value, or another CPU: the float paths); int_rows and amx_rows are accepted for the shared
+// call signature of models/gguf_blocks.py and ignored.
 //
-// The float path only: float32 activations times the super-blocks dequantized in
+// The float paths: float32 activations times the super-blocks dequantized in
 // registers, 16 weights at a time (w = a q + b, one FMA from the group's integers; on
 // AVX-512 from 16 rows into an L1 panel once for all rows), accumulated in float32. That
 // is the float32 product of the dequantized weights up to float32 rounding
@@ -29,6 +30,12 @@
 // permuting a per-sub-block table of the sub-block's possible values (Q4_K / Q5_K) or from 128
 // quants assembled at once (Q6_K): the same dequantized weights, ~1.5x (Q4_K, Q5_K) and
 // ~1.15x (Q6_K) the tile's rate at one row (docs/benchmarks.md).
+// With wide_rows 1 on AVX-512 VNNI a one-row product instead quantizes its activation row
+// once per call (two int8 parts per 256 inputs: error <= amax / 64516 of the super-block,
+// the 16-bit accuracy of the block kernel's int16 path) and multiplies the quants as
+// integers (vpmaddubsw + vpdpwssd with the sub-block scales, the mins through the exact
+// float sums of the activations): 1.3-1.9x the float row path through DRAM
+// (block_matmul_k_rowint.inc, docs/benchmarks.md).
 // Which ISA: AVX-512F + BW where cpuid has them, AVX2 + FMA + F16C elsewhere
 // (block_matmul_k_body.inc, compiled once per ISA in block_matmul_k_builds.h);
 // FerroxBlockMatmulKAvx2 forces the AVX2 build so tests on an AVX-512 host check both. Columns are shared over XLA's intra-op pool (parallel.h); one thread
@@ -40,6 +47,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "block_matmul_k_builds.h"
 #include "parallel.h"
@@ -59,6 +67,8 @@ int DetectIsa() {
 }
 
 const int kIsa = DetectIsa();
+// The one-row integer path's vpdpwssd (on top of the AVX-512 F + BW build).
+const bool kVnni = kIsa == 2 && __builtin_cpu_supports("avx512vnni");
 
 // Below this many multiply-adds a product runs on the calling thread alone.
 constexpr int64_t kParallelMacs = 1 << 18;
@@ -84,9 +94,20 @@ ffi::Error CheckOperands(const char* what, const ffi::Buffer<ffi::F32>& x, ffi::
 // fork and join a call instead of one a weight, and no thread idles at a weight's end
 // while the other finishes it. Each output element is computed exactly as a one-weight call
 // computes it (one thread, whole, the same order), so fusing changes no value.
-ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* fmts, int64_t count, int isa) {
+// wide_rows 1: one-row products on the integer row path where it runs (x quantized here,
+// once for every weight of the call: they share x).
+ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* fmts, int64_t count, int isa,
+                       int32_t wide_rows) {
   int64_t macs = 0, n_total = 0;
   for (int64_t i = 0; i < count; ++i) macs += ps[i].m * ps[i].n * ps[i].k, n_total += ps[i].n;
+  const bool int_row = isa == 2 && kVnni && wide_rows == 1 && ps[0].m == 1;
+  std::vector<uint8_t> int_buf;
+  ferrox_k_vnni::IntRow xr{};
+  if (int_row) {
+    int_buf.resize(ferrox_k_vnni::IntRowBytes(ps[0].k) + 64);
+    uint8_t* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(int_buf.data()) + 63) & ~uintptr_t{63});
+    xr = ferrox_k_vnni::QuantizeIntRow(ps[0].x, ps[0].k, at);
+  }
   const int64_t threads = macs >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
   // 4 chunks per thread balance uneven progress; chunks are whole 4-column tiles of one
   // weight (a weight's last chunk may be short).
@@ -95,42 +116,43 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
   int64_t first[4] = {0, 0, 0, 0};  // the first task of each weight (count <= 3)
   int64_t tasks = 0;
   for (int64_t i = 0; i < count; ++i) first[i] = tasks, tasks += (ps[i].n + chunk - 1) / chunk;
-  ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, chunk, isa](int64_t t) {
+  ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, chunk, isa, int_row, &xr](int64_t t) {
     int64_t i = count - 1;
     while (t < first[i]) --i;
     const Problem& p = ps[i];
     const int64_t begin = (t - first[i]) * chunk, end = std::min(p.n, begin + chunk);
-    if (isa == 2) ferrox_k_avx512::Run(fmts[i], p, begin, end, ferrox_k_avx512::kRowPathRows);
+    if (int_row) ferrox_k_vnni::IntRun(fmts[i], p, xr, begin, end);
+    else if (isa == 2) ferrox_k_avx512::Run(fmts[i], p, begin, end, ferrox_k_avx512::kRowPathRows);
     else ferrox_k_avx2::Run(fmts[i], p, begin, end, 0);
   });
   return ffi::Error::Success();
 }
 
 ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& w,
-                  ffi::ResultBuffer<ffi::F32>& out, int32_t fmt, int isa) {
+                  ffi::ResultBuffer<ffi::F32>& out, int32_t fmt, int isa, int32_t wide_rows) {
   Problem p{};
   if (ffi::Error e = CheckOperands("ferrox_block_matmul_k", x, w, out->typed_data(), fmt, isa, &p); e.failure())
     return e;
-  return RunProducts(pool, &p, &fmt, 1, isa);
+  return RunProducts(pool, &p, &fmt, 1, isa, wide_rows);
 }
 
 ffi::Error BlockMatmulKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                             ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int32_t /*int_rows*/,
-                            int32_t /*wide_rows*/, int32_t /*amx_rows*/) {
-  return Matmul(pool, x, w, out, fmt, kIsa);
+                            int32_t wide_rows, int32_t /*amx_rows*/) {
+  return Matmul(pool, x, w, out, fmt, kIsa, wide_rows);
 }
 
 ffi::Error BlockMatmulKAvx2Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                                 ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int32_t /*int_rows*/,
                             int32_t /*wide_rows*/, int32_t /*amx_rows*/) {
-  return Matmul(pool, x, w, out, fmt, std::min(kIsa, 1));
+  return Matmul(pool, x, w, out, fmt, std::min(kIsa, 1), 0);
 }
 
 // x, then 2 or 3 weights of any K-quant formats; as many outputs, outs[i] f32[M, N_i];
 // fmts[i] the format of ws[i]. q/k/v of a Q4_K_M file mix Q4_K and Q6_K: one call still.
 ffi::Error BlockMatmulKMultiImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
                                  ffi::RemainingRets outs, ffi::Span<const int32_t> fmts, int32_t /*int_rows*/,
-                                 int32_t /*wide_rows*/, int32_t /*amx_rows*/) {
+                                 int32_t wide_rows, int32_t /*amx_rows*/) {
   constexpr const char* kWhat = "ferrox_block_matmul_k_multi";
   const int64_t count = static_cast<int64_t>(ws.size());
   if (count < 2 || count > 3 || outs.size() != ws.size() || fmts.size() != ws.size())
@@ -149,7 +171,7 @@ ffi::Error BlockMatmulKMultiImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
     if (od.size() != 2 || od[0] != ps[i].m || od[1] != ps[i].n)
       return ffi::Error::InvalidArgument("ferrox_block_matmul_k_multi: an output is not [M, N] of its weight");
   }
-  return RunProducts(pool, ps, formats, count, kIsa);
+  return RunProducts(pool, ps, formats, count, kIsa, wide_rows);
 }
 
 }  // namespace

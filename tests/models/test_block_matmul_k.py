@@ -145,3 +145,81 @@ def test_k_quants_fuse_only_with_k_quants():
     x = jnp.asarray(activations(1, k))
     for got, w in zip(block_matmul_many(x, [forced, forced]), [forced, forced]):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(block_matmul(x, w)))
+
+
+# ---- the one-row integer path (block_matmul_k_rowint.inc, wide_rows 1, AVX-512 VNNI) ----------
+
+needs_vnni = pytest.mark.skipif(cpu_kernels.block_isa() != "AVX-512 VNNI", reason="the integer row path needs AVX-512 VNNI")
+
+
+def int_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The integer row path's error bound per output element: each activation is off by at
+    most amax / 64516 of its 256-wide super-block (S / 508, S = amax / 127; 64000 leaves 0.8 %
+    for the float32 rounding of x / S), times sum |w| over the super-block, plus the float32
+    sums' few ulps of sum |x||w|."""
+    m, k = x.shape
+    amax = np.abs(x.astype(np.float64)).reshape(m, k // 256, 256).max(axis=2)
+    return np.repeat(amax / 64000, 256, axis=1) @ np.abs(w).T + bound(x, w)
+
+
+def int_product(fmt: str, k: int, n: int, seed: int, x: np.ndarray | None = None):
+    blocks = random_k_blocks(fmt, n, k, seed=seed)
+    x = activations(1, k, seed=seed + 1) if x is None else x
+    w = dequantize_host(blocks, fmt)
+    weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_K_TARGET, 0, 0, 1)
+    got = np.asarray(jax.jit(block_matmul)(jnp.asarray(x), weight))
+    return x, w, got
+
+
+# one super-block per row and few columns; [2048, 300] shared over threads (two-row steps and
+# a single one at each thread's end); k = 8192 (a down projection's row); odd n
+@needs_vnni
+@pytest.mark.parametrize("fmt", K_FORMATS)
+@pytest.mark.parametrize("k,n", [(256, 5), (1536, 44), (2048, 300), (8192, 37)])
+def test_integer_row_path_within_its_16_bit_bound(fmt, k, n):
+    x, w, got = int_product(fmt, k, n, seed=11)
+    want = x.astype(np.float64) @ w.T
+    err = np.abs(got - want)
+    assert np.all(err <= int_bound(x, w)), f"{fmt} 1x[{k}, {n}]: max error / bound {np.max(err / int_bound(x, w)):.3g}"
+    # it is the integer path that ran: the float paths stay within the float32 bound
+    assert np.any(err > bound(x, w)), f"{fmt}: every element within float32's bound: the float path ran"
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_integer_row_bound_tells_16_bit_from_8_bit(fmt):
+    # negative control: the same product with the activations rounded to llama.cpp's 8-bit
+    # (S = amax / 127 per 256, no second part) misses the bound, so the check would catch a
+    # path that dropped q2 or rounded coarser; a zero row and a row of one outlier stay exact
+    k, n = 2048, 64
+    x, w, got = int_product(fmt, k, n, seed=12)
+    amax = np.abs(x).reshape(1, -1, 256).max(axis=2, keepdims=True)
+    s = amax / 127
+    x8 = (np.round(x.reshape(1, -1, 256) / s) * s).reshape(1, k)
+    assert np.any(np.abs(x8 @ w.T - x.astype(np.float64) @ w.T) > int_bound(x, w))
+    zero = np.zeros((1, k), np.float32)
+    assert np.all(int_product(fmt, k, n, seed=12, x=zero)[2] == 0)
+    spike = zero.copy()
+    spike[0, 700] = 3.0
+    x1, w1, got1 = int_product(fmt, k, n, seed=12, x=spike)
+    np.testing.assert_allclose(got1, x1.astype(np.float64) @ w1.T, rtol=1e-6, atol=1e-6)
+
+
+@needs_vnni
+def test_integer_row_path_fused_equals_one_call_per_weight():
+    # the multi-weight call quantizes x once for all its weights: the same bits as one call each
+    k = 2048
+    x = jnp.asarray(activations(1, k, seed=7))
+    specs = [("q4_k", 44), ("q6_k", 37), ("q5_k", 9)]
+    weights = [with_kernel(make_weight(random_k_blocks(fmt, n, k, seed=40 + i), fmt, k), cpu_kernels.BLOCK_K_TARGET,
+                           0, 0, 1) for i, (fmt, n) in enumerate(specs)]
+    assert fusable(weights)
+    for w, got in zip(weights, jax.jit(block_matmul_many)(x, weights)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(block_matmul)(x, w)))
+    # 2 rows keep the float row path with wide_rows 1: within float32's bound
+    x2 = activations(2, k, seed=8)
+    blocks = random_k_blocks("q4_k", 9, k, seed=41)
+    weight = with_kernel(make_weight(blocks, "q4_k", k), cpu_kernels.BLOCK_K_TARGET, 0, 0, 1)
+    got = np.asarray(jax.jit(block_matmul)(jnp.asarray(x2), weight))
+    w = dequantize_host(blocks, "q4_k")
+    assert np.all(np.abs(got - x2.astype(np.float64) @ w.T) <= bound(x2, w))
