@@ -212,8 +212,8 @@ def block_wide_rows() -> int:
 # VNNI itself): 1 puts one-row products (a decode step's) on 16-bit integer activations
 # (block_matmul_k_rowint.inc: error <= amax / 64516 of a 256-wide super-block; vpmaddubsw +
 # vpdpwssd); 0 keeps float32 activations. Measured on Zen 4: two threads through DRAM,
-# Llama-3.2-1B projection shapes, Q4_K 1.31-1.39x the float row path, Q5_K 1.48-1.60x, Q6_K
-# 1.70-1.90x (bench/kernels/kquant_stream.sh, quiet host); the 1B Q4_K_M file's one-row logits against
+# Llama-3.2-1B projection shapes, Q4_K 1.48-1.94x the float row path, Q5_K 1.77-2.16x, Q6_K
+# 1.67-1.90x, 66-102 % of the DRAM probe (bench/kernels/kquant_stream.sh); the 1B Q4_K_M file's one-row logits against
 # the float row path over 3 prompts x 37-39 positions: KL 1.2-1.4e-7 mean, 3.0e-7 max, max
 # |diff| 2.6-3.6e-3, the same top-1 everywhere and 32 of 32 greedy tokens (bench/kernels/kquant_int_logits.py;
 # docs/benchmarks.md). Below the 1e-6 KL the default keeps for a faster, less exact path.

@@ -34,7 +34,7 @@
 // once per call (two int8 parts per 256 inputs: error <= amax / 64516 of the super-block,
 // the 16-bit accuracy of the block kernel's int16 path) and multiplies the quants as
 // integers (vpmaddubsw + vpdpwssd with the sub-block scales, the mins through the exact
-// float sums of the activations): 1.3-1.9x the float row path through DRAM
+// float sums of the activations): 1.5-2.2x the float row path through DRAM
 // (block_matmul_k_rowint.inc, docs/benchmarks.md).
 // Which ISA: AVX-512F + BW where cpuid has them, AVX2 + FMA + F16C elsewhere
 // (block_matmul_k_body.inc, compiled once per ISA in block_matmul_k_builds.h);

@@ -171,8 +171,8 @@ def int_product(fmt: str, k: int, n: int, seed: int, x: np.ndarray | None = None
     return x, w, got
 
 
-# one super-block per row and few columns; [2048, 300] shared over threads (two-row steps and
-# a single one at each thread's end); k = 8192 (a down projection's row); odd n
+# one super-block per row and few columns; [2048, 300] shared over threads (the row quantized
+# once, before the threads start); k = 8192 (a down projection's row); odd n
 @needs_vnni
 @pytest.mark.parametrize("fmt", K_FORMATS)
 @pytest.mark.parametrize("k,n", [(256, 5), (1536, 44), (2048, 300), (8192, 37)])
