@@ -213,10 +213,11 @@ def block_wide_rows() -> int:
 # (block_matmul_k_rowint.inc: error <= amax / 64516 of a 256-wide super-block; vpmaddubsw +
 # vpdpwssd); 0 keeps float32 activations. Measured on Zen 4: two threads through DRAM,
 # Llama-3.2-1B projection shapes, Q4_K 1.48-1.94x the float row path, Q5_K 1.77-2.16x, Q6_K
-# 1.67-1.90x, 66-102 % of the DRAM probe (bench/kernels/kquant_stream.sh); the 1B Q4_K_M file's one-row logits against
-# the float row path over 3 prompts x 37-39 positions: KL 1.2-1.4e-7 mean, 3.0e-7 max, max
-# |diff| 2.6-3.6e-3, the same top-1 everywhere and 32 of 32 greedy tokens (bench/kernels/kquant_int_logits.py;
-# docs/benchmarks.md). Below the 1e-6 KL the default keeps for a faster, less exact path.
+# 1.67-1.90x, at 66-102 % of the DRAM probe (bench/kernels/kquant_stream.sh). The 1B Q4_K_M
+# file's one-row logits against the float row path, 3 prompts x 37-39 positions: KL 1.2-1.4e-7
+# mean, 3.0e-7 max, max |diff| 2.6-3.6e-3, the same top-1 everywhere, 32 of 32 greedy tokens
+# (bench/kernels/kquant_int_logits.py; docs/benchmarks.md): below the 1e-6 KL under which the
+# default may take a faster, less exact path.
 BLOCK_K_WIDE_ROWS = {"AVX-512 VNNI": 1, "AVX2": 0}
 
 
