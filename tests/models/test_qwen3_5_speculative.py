@@ -259,9 +259,11 @@ def test_served_with_prompt_lookup_through_the_engine_builder(qwen3_5):
         stats = wait_for(lambda: (s := http.get("/admin/stats").json())["spec_decode_num_draft_tokens"] and s)
     want = engine.tokenizer.decode(fc.hf_greedy(fc.hf_model(path), prompt, 12))
     assert text == want, "the served greedy reply differs from HF's"
-    # the pool the engine allocated and reports: every slot (the null one too) 1 + k entries
-    assert stats["state_pool_bytes"] == pool_bytes(ckpt.config.recurrent_specs(), stats["state_slots_total"] + 1,
-                                                   1 + K)
+    # the pool the engine allocated and reports: every slot (the null one and the prefix
+    # cache's snapshot slots too) 1 + k entries
+    slots = 1 + stats["state_slots_total"] + stats["state_snapshot_slots_total"]
+    assert stats["state_snapshot_slots_total"] > 0, "prefix caching keeps state snapshots beside speculation"
+    assert stats["state_pool_bytes"] == pool_bytes(ckpt.config.recurrent_specs(), slots, 1 + K)
     assert stats["state_slots_held"] == 0 and engine.stats().recompiles_after_warmup == 0
 
 
