@@ -171,3 +171,23 @@ def test_eviction_frees_snapshots_nothing_leaks_and_nothing_recompiles(warm, col
     assert blocks.cache.num_evicted_blocks > 0
     for llm in (warm, cold):
         assert llm.engine.stats().recompiles_after_warmup == 0
+
+
+def test_a_prefix_hit_and_n_2_with_speculation_equal_cold(checkpoint, cold):
+    """With speculation each slot keeps 1 + k state entries and a position (models/deltanet.py,
+    "Speculation"): the snapshot's save and restore and the fork must carry them all, or the
+    row reads another entry than its start position names."""
+    from ferrox_jax.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
+    with LLM(str(checkpoint), speculative=spec, **SETTINGS) as llm:
+        warm_tokens, err, cached, cold_tokens = hit_against_cold(llm, cold, 7)
+        n2_err = n2_against_two_requests(llm)
+        stats = llm.engine.stats()
+    print(f"qwen3_5 with ngram speculation: hit vs cold {err:.2e}, n = 2 {n2_err:.2e}, "
+          f"drafts {stats.spec_decode_num_draft_tokens} (accepted {stats.spec_decode_num_accepted_tokens})")
+    assert cached == PREFIX and stats.state_snapshots_restored >= 1, "B hits X's 3 blocks"
+    assert stats.spec_decode_num_draft_tokens > 0, "nothing was verified: the entries were never read"
+    assert warm_tokens == cold_tokens, "greedy tokens differ between a speculating hit and cold"
+    assert err < TOL and n2_err < TOL
+    assert stats.recompiles_after_warmup == 0 and stats.state_slots_held == 0
