@@ -275,7 +275,10 @@ def _load_and_warm(settings: Settings, result: PhaseResult, buckets=None):
                           block_size=settings.block_size, kv_blocks=max(settings.rows) * per_row + 2,
                           max_context=settings.max_context, max_seqs=max(settings.rows),
                           prefill_chunk=max(settings.prefill_tokens), compile_cache_dir=settings.cache_dir,
-                          attention_impl=settings.engine_attention)
+                          attention_impl=settings.engine_attention,
+                          # the rewarm phase measures JAX's own persistent cache; the executable
+                          # store (CPU only) would load the shapes past it where this check runs on CPU
+                          executable_store=False)
     t0 = time.perf_counter()
     eng = Engine.load(config)
     result.update(backend=jax.default_backend(), load_s=time.perf_counter() - t0, describe=eng.describe(),
