@@ -35,13 +35,7 @@ def _row(tokens, start, blocks, slot):
 
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory):
-    config = transformers.Qwen3_5TextConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, layer_types=LAYER_TYPES, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=False)
-    config.architectures = ["Qwen3_5ForCausalLM"]
-    path = fc.make_checkpoint(tmp_path_factory.mktemp("qwen3_5") / "tiny-qwen3_5", config)
+    path = fc.make_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5") / "tiny-qwen3_5")
     hf = fc.hf_model(path)
     # max_rows 8: state slots 1..8 (slot 0 is the null slot padding rows write into)
     runner, ckpt = make_runner(path, num_blocks=fc.NUM_BLOCKS, block_size=fc.BLOCK_SIZE, max_context=fc.MAX_CONTEXT)

@@ -31,7 +31,6 @@ from models.loader import load_checkpoint
 from tests.support import family_checks as fc
 from tests.support.spec_driver import drive
 
-LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 MAX_ROWS = 2  # rows at once
 K = 3  # drafts a row verifies
 ORACLE = SpeculativeConfig(method="draft", draft_model="oracle", num_speculative_tokens=K, ngram_min=1, ngram_max=3,
@@ -49,13 +48,7 @@ def _runner(ckpt, entries: int, max_rows: int = STEP_ROWS) -> ModelRunner:
 
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory):
-    config = transformers.Qwen3_5TextConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, layer_types=LAYER_TYPES, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=False)
-    config.architectures = ["Qwen3_5ForCausalLM"]
-    path = fc.make_checkpoint(tmp_path_factory.mktemp("qwen3_5_spec") / "tiny-qwen3_5", config)
+    path = fc.make_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5_spec") / "tiny-qwen3_5")
     ckpt = load_checkpoint(str(path))
     rng = np.random.RandomState(0)
     # Prompts of distinct lengths (the oracle tells rows apart by it), one of them repetitive.

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import transformers
 
 from ferrox_jax import LLM, SamplingParams
 from ferrox_jax.request import derive_row_seed
@@ -23,19 +22,12 @@ from tests.support import family_checks as fc
 BS, PREFIX = 4, 12
 SETTINGS = dict(dtype="float32", quantization="none", block_size=BS, max_seqs=2, prefill_chunk=16,
                 max_context=96, kv_blocks=48)
-LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 TOL = 1e-5  # the same float32 forward over the same tokens; only the chunking differs (a hit starts at 12)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    config = transformers.Qwen3_5TextConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, layer_types=LAYER_TYPES, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=False)
-    config.architectures = ["Qwen3_5ForCausalLM"]
-    return fc.make_checkpoint(tmp_path_factory.mktemp("qwen3_5") / "tiny-qwen3_5", config)
+    return fc.make_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5") / "tiny-qwen3_5")
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,20 @@ def make_checkpoint(folder: Path, config, seed: int = 0, chat_template: str | No
     return save_random_weights(config, folder, seed)
 
 
+
+def make_tiny_qwen3_5(folder: Path) -> Path:
+    """The tiny random Qwen3.5 text model (transformers 5.25) the recurrent-state tests share:
+    4 layers, DeltaNet and gated full attention alternating, 2 k / 4 v DeltaNet heads of 16."""
+    import transformers
+
+    config = transformers.Qwen3_5TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2,
+        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    return make_checkpoint(folder, config)
+
 def hf_model(path: Path):
     import torch
     import transformers
