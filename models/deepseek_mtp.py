@@ -98,6 +98,12 @@ class DeepseekMtp(nnx.Module):
         x, k_cache, _ = self.layer(x, fwd, k_cache, jnp.zeros(k_cache.shape[:3] + (0,), k_cache.dtype))
         return x, k_cache
 
+    def draft_step(self, tokens, positions, valid, hidden, k_cache, v_cache, block_tables):
+        """The MTP draft's call (`ferrox_jax/mtp.py`, shared with models/qwen3_5_mtp.py):
+        `__call__`, the latent cache's empty V array passed through."""
+        x, k_cache = self(tokens, positions, valid, hidden, k_cache, block_tables)
+        return x, k_cache, v_cache
+
     def logits(self, x: jax.Array) -> jax.Array:
         """x [R, D] -> f32[R, V] (shared_head)."""
         return project(rms_norm(x, self.head_norm[...], self.cfg.rms_norm_eps), self.head.get_value()).astype(

@@ -73,3 +73,6 @@ class Family:
     gguf_merge: Callable[[dict, ModelConfig], None] | None = None
     # HF layers past num_hidden_layers are skipped, not refused (DeepSeek-V3's multi-token-prediction layer)
     hf_skips_extra_layers: bool = False
+    # HF tensor name prefixes the main model's loader skips: a side block another reader loads
+    # (Qwen3.5's and Qwen3-Next's multi-token-prediction block, `mtp.*`: models/qwen3_5_mtp.py)
+    hf_skipped_prefixes: tuple[str, ...] = ()

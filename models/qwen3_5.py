@@ -26,6 +26,9 @@ Per-layer parameters (HF name after `model.layers.{i}.`), besides DeltaNet's:
     post_attn_norm  [D]            post_attention_layernorm.weight   (1 + w)
     gate/up/down_proj              mlp.{gate,up,down}_proj.weight
 
+The checkpoints' multi-token-prediction block (`mtp.*`, `MTP_PREFIXES`) is skipped by the
+model's loader and read by `--speculative mtp` alone (models/qwen3_5_mtp.py).
+
 GGUF files (llama.cpp's `qwen35`) are read by models/qwen3_5_gguf.py: its keys, and the layouts
 its converter changed (norms as 1 + w, A_log as -exp(A_log), value heads reordered) undone.
 """
@@ -50,6 +53,7 @@ from models.layers import (AttentionSpec, ForwardContext, attend, gated_mlp, nor
 from models.rope import apply_rope
 
 LINEAR_ATTENTION = "linear_attention"
+MTP_PREFIXES = ("mtp.", "model.mtp.")  # the multi-token-prediction block's tensors (models/qwen3_5_mtp.py)
 FULL_ATTENTION = "full_attention"
 
 
@@ -262,6 +266,7 @@ FAMILY = Family(
     architectures=("Qwen3_5ForCausalLM",),
     config_from_hf=config_from_hf,
     hf_layer_weights=HF_LAYER_WEIGHTS,
+    hf_skipped_prefixes=MTP_PREFIXES,
     gguf_architectures={qwen3_5_gguf.ARCH: "Qwen3_5ForCausalLM"},
     config_from_gguf=config_from_gguf,
     gguf_layer_weights=qwen3_5_gguf.GGUF_LAYER_WEIGHTS,

@@ -25,6 +25,9 @@ has experts (llama.cpp's `qwen3next` has no dense-MLP tensors, so a checkpoint w
 renormalised, as llama.cpp's graph does; the fused DeltaNet projections are joined back
 (models/qwen3_5_gguf.py).
 
+Both ship Qwen3.5's multi-token-prediction block (`mtp.*`, with this layer's experts), skipped
+here and read by `--speculative mtp` (models/qwen3_5_mtp.py).
+
 Per-layer parameters: Qwen3.5's mixers and norms (DeltaNet's `in_proj_qkvz` / `in_proj_ba`
 in place of its four input projections), and on expert layers
 
@@ -174,6 +177,7 @@ FAMILY = Family(
     architectures=("Qwen3NextForCausalLM",),
     config_from_hf=config_from_hf,
     hf_layer_weights=HF_LAYER_WEIGHTS,
+    hf_skipped_prefixes=qwen3_5.MTP_PREFIXES,
     gguf_architectures={"qwen3next": "Qwen3NextForCausalLM"},
     config_from_gguf=config_from_gguf_qwen3_next,
     gguf_layer_weights={**qwen3_5_gguf.GGUF_LAYER_WEIGHTS, **GGUF_MOE_WEIGHTS, "ssm_ba.weight": "in_proj_ba"},
@@ -187,6 +191,7 @@ QWEN3_5_MOE = Family(
     architectures=("Qwen3_5MoeForCausalLM",),
     config_from_hf=config_from_hf_qwen3_5_moe,
     hf_layer_weights={**qwen3_5.HF_LAYER_WEIGHTS, **MOE_WEIGHTS},
+    hf_skipped_prefixes=qwen3_5.MTP_PREFIXES,
     gguf_architectures={"qwen35moe": "Qwen3_5MoeForCausalLM"},
     config_from_gguf=config_from_gguf_qwen3_5_moe,
     gguf_layer_weights={**qwen3_5_gguf.GGUF_LAYER_WEIGHTS, **GGUF_MOE_WEIGHTS},

@@ -86,6 +86,8 @@ def read_tensors(folder: Path, cfg: ModelConfig) -> dict[str, Callable]:
                 continue  # tied checkpoints sometimes save the shared matrix twice
             tensors[name] = (lambda load=load: load().T) if transpose else load
             continue
+        if hf_name.startswith(family.hf_skipped_prefixes):
+            continue  # a side block its own reader loads (models/qwen3_5_mtp.py)
         m = _LAYER_RE.match(hf_name)
         if m and family.hf_skips_extra_layers and int(m.group(1)) >= cfg.num_layers:
             continue  # a multi-token-prediction layer (models/deepseek_v3.py)

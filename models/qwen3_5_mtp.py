@@ -1,0 +1,171 @@
+"""The multi-token-prediction (MTP) block of Qwen3.5, Qwen3.5-MoE and Qwen3-Next: the draft of
+`--speculative mtp` for them (`ferrox_jax/mtp.py` runs it).
+
+Their checkpoints ship it beside the model under `mtp.*` (config `mtp_num_hidden_layers: 1`;
+Qwen3-Next's config does not say, its tensors do); transformers ignores those tensors and the
+main model's loader skips them (`Family.hf_skipped_prefixes`: `models/qwen3_5.py:MTP_PREFIXES`).
+For position i, given the main model's final hidden state h_i (after its final norm, as vLLM
+feeds it) and the token x_{i+1} that follows, the block predicts x_{i+2}, as vLLM's
+`Qwen3NextMultiTokenPredictor` / `Qwen3_5MultiTokenPredictor` define it:
+
+    e   = pre_fc_norm_embedding(embed(x_{i+1}))      RMSNorm times (1 + w); the main model's
+                                                     embedding (no zeroing at position 0)
+    x   = fc([e | pre_fc_norm_hidden(h_i)])          [2D] -> [D]: the embedding first
+    x   = decoder_layer(x)                           one layer of the model's full-attention
+                                                     kind at position i: gated attention, q/k
+                                                     norms, partial RoPE, over a K/V cache of
+                                                     its own; the MoE MLP for the MoE models
+    out = norm(x)                                    RMSNorm times (1 + w)
+    logits = lm_head(out)                            the main model's LM head (tied: its embedding)
+
+and `out` is the hidden state a second prediction takes in place of h (k > 1 drafts reuse the
+one layer, as vLLM does).
+
+Tensors read (after `mtp.`; `model.mtp.` is read the same):
+
+    fc.weight                     [D, 2D]  -> ours [2D, D]; its input is [embedding | hidden]
+    pre_fc_norm_embedding.weight  [D]      -> enorm
+    pre_fc_norm_hidden.weight     [D]      -> hnorm
+    norm.weight                   [D]      -> head_norm
+    layers.0.*                    the decoder layer's, under the family's layer names
+                                  (`models/qwen3_5.py`, `models/qwen3_next.py`); a second layer
+                                  (mtp_num_hidden_layers > 1) is refused, naming its tensor
+
+The weights are placed in the compute dtype whatever `--quantization` says (one layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.deepseek_mtp import NoMtpLayerError
+from models.layers import ForwardContext, norm_param, param, project, rms_norm_plus_one
+from models.loaders.common import map_layer_tensors, stack_experts
+from models.loaders.shards import shard_tensors
+from models.qwen3_5 import MTP_PREFIXES, Qwen3_5Config, Qwen3_5DecoderLayer
+from models.qwen3_next import Qwen3NextConfig, Qwen3NextDecoderLayer
+from models.quant import embed_lookup
+from models.registry import family_for
+from models.rope import rope_cos_sin
+
+ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+MTP_WEIGHTS = {  # HF suffix after mtp. -> (ours, transposed)
+    "fc.weight": ("fc", True),
+    "pre_fc_norm_embedding.weight": ("enorm", False),
+    "pre_fc_norm_hidden.weight": ("hnorm", False),
+    "norm.weight": ("head_norm", False),
+}
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def layer_config(cfg: Qwen3_5Config) -> Qwen3_5Config:
+    """The config the block's decoder layer is built from: one full-attention layer, whose MLP
+    is the main model's layer 0's kind (vLLM numbers the MTP layer 0 too)."""
+    one = dict(num_layers=1, linear_layers=(False,), layer_types=())
+    if isinstance(cfg, Qwen3NextConfig):
+        one["dense_layers"] = (0,) if 0 in cfg.dense_layers else ()
+    return dataclasses.replace(cfg, **one)
+
+
+def mtp_layout(cfg: Qwen3_5Config) -> tuple[tuple[int, int, int], ...]:
+    """The block's cache: one K/V pair of the model's full-attention shape."""
+    return (cfg.kv_cache_dims(),)
+
+
+class Qwen3_5Mtp(nnx.Module):
+    """The MTP block (module docstring): `draft_step` runs one-token rows over its K/V cache."""
+
+    def __init__(self, cfg: Qwen3_5Config, dtype, rngs: nnx.Rngs):
+        d, v = cfg.hidden_size, cfg.vocab_size
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = param(rngs, (v, d), dtype)
+        self.enorm = norm_param(d, dtype, 0.0)
+        self.hnorm = norm_param(d, dtype, 0.0)
+        self.fc = param(rngs, (2 * d, d), dtype)
+        layer = Qwen3NextDecoderLayer if isinstance(cfg, Qwen3NextConfig) else Qwen3_5DecoderLayer
+        self.layer = layer(layer_config(cfg), 0, dtype, rngs)
+        self.head_norm = norm_param(d, dtype, 0.0)
+        self.head = param(rngs, (d, v), dtype)
+
+    def rope(self, positions, valid):
+        cfg = self.cfg  # text-only M-RoPE is plain RoPE (models/qwen3_5.py)
+        return {"global": rope_cos_sin(positions, valid, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)}
+
+    def draft_step(self, tokens, positions, valid, hidden, k_cache, v_cache, block_tables):
+        """R one-token rows: tokens / positions / valid [R], the main model's hidden [R, D],
+        the block's K and V arrays, block_tables i32[R, MB] -> (out [R, D], k_cache, v_cache).
+        Every row's K/V is written before any row attends (`models/attention.py:write_kv`),
+        so rows of one sequence at consecutive positions see each other causally."""
+        fwd = ForwardContext.build(positions, valid, (block_tables,), (1,), k_cache.shape[2], self.rope, None)
+        eps = self.cfg.rms_norm_eps
+        e = embed_lookup(self.embed.get_value(), tokens, self.dtype)
+        x = jnp.concatenate([rms_norm_plus_one(e, self.enorm[...], eps),
+                             rms_norm_plus_one(hidden.astype(e.dtype), self.hnorm[...], eps)], axis=-1)
+        x = project(x, self.fc.get_value())
+        x, k_cache, v_cache = self.layer(x, fwd, k_cache, v_cache)
+        return rms_norm_plus_one(x, self.head_norm[...], eps), k_cache, v_cache
+
+    def logits(self, out: jax.Array) -> jax.Array:
+        """out [R, D] (already normed) -> f32[R, V] through the shared LM head."""
+        return project(out, self.head.get_value()).astype(jnp.float32)
+
+
+def mtp_tensors(folder: Path, cfg: Qwen3_5Config) -> dict[str, Callable[[], np.ndarray]]:
+    """{our name (relative to `Qwen3_5Mtp`): lazy array in our layout} of the checkpoint's MTP
+    block; raises NoMtpLayerError when it has none, or one we cannot run."""
+    loads = shard_tensors(folder, lambda name: name.split("mtp.", 1)[1] if name.startswith(MTP_PREFIXES) else None)
+    if "fc.weight" not in loads:
+        raise NoMtpLayerError(
+            f"{folder.name} has no multi-token-prediction layer (no mtp.fc.weight; mtp_num_hidden_layers is 0 "
+            "or its weights were not saved): --speculative mtp needs one; use --speculative ngram or "
+            "--speculative draft")
+    table = family_for(cfg.architecture).hf_layer_weights
+    out: dict[str, Callable] = {}
+    experts: dict = {}
+    for suffix, load in loads.items():
+        if suffix in MTP_WEIGHTS:
+            ours, transpose = MTP_WEIGHTS[suffix]
+            out[ours] = (lambda load=load: load().T) if transpose else load
+            continue
+        m = _LAYER_RE.match(suffix)
+        if m and m.group(1) != "0":
+            raise NoMtpLayerError(f"MTP tensor mtp.{suffix}: a checkpoint with more than one MTP layer "
+                                  "(mtp_num_hidden_layers > 1) is not supported; use --speculative ngram")
+        mapped = map_layer_tensors(0, m.group(2), load, table, {}, experts) if m else None
+        if mapped is None:
+            raise NoMtpLayerError(f"MTP tensor mtp.{suffix} is not one we know")
+        out.update({"layer." + k.split(".", 2)[2]: v for k, v in mapped.items()})
+    out.update({"layer." + k.split(".", 2)[2]: v
+                for k, v in stack_experts(experts, getattr(cfg, "num_experts", None)).items()})
+    return out
+
+
+def load_mtp(folder: str | Path, cfg: Qwen3_5Config, target, dtype) -> Qwen3_5Mtp:
+    """The MTP block of the checkpoint in `folder`, in `dtype`; the embedding and the LM head
+    are `target`'s (the main model, a `CausalLM`): the same arrays, not copies."""
+    tensors = mtp_tensors(Path(folder), cfg)
+    model = nnx.eval_shape(lambda: Qwen3_5Mtp(cfg, dtype, nnx.Rngs(0)))
+    shared = {"embed": target.embed, "head": target.tied_lm_head if cfg.tie_word_embeddings else target.lm_head}
+    for path, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Variable):
+            continue
+        name = ".".join(str(p) for p in path)
+        if name in shared:
+            arr = shared[name].get_value()
+        elif name in tensors:
+            arr = jnp.asarray(np.asarray(tensors[name]()), dtype)
+        else:
+            raise NoMtpLayerError(f"the MTP layer has no tensor for {name}")
+        if arr.shape != var.get_value().shape:
+            raise NoMtpLayerError(f"MTP tensor {name}: shape {arr.shape}, expected {var.get_value().shape}")
+        var.set_value(arr)
+    return model
