@@ -206,8 +206,8 @@ SETTINGS: tuple[Setting, ...] = (
             group="cache"),
     Setting("speculative", "FERROX_SPECULATIVE", _str, None,
             "speculative decoding: ngram (prompt lookup over the row's own prompt and output), draft "
-            "(--draft-model's autoregressive drafts) or mtp (a DeepSeek-V3 checkpoint's own multi-token-"
-            "prediction layer); default off", group="speculative"),
+            "(--draft-model's autoregressive drafts) or mtp (the checkpoint's own multi-token-prediction "
+            "layer: DeepSeek-V3, Qwen3.5, Qwen3.5-MoE, Qwen3-Next); default off", group="speculative"),
     Setting("draft_model", "FERROX_DRAFT_MODEL", _str, None,
             "--speculative draft: a smaller checkpoint with the target's tokenizer (its KV shares the block budget)",
             group="speculative"),

@@ -274,7 +274,7 @@ class EngineConfig:
                              f"model={model} behind a load balancer (docs/deploy-tpu.md)")
 
 
-# prompt lookup; a smaller model's autoregressive drafts; DeepSeek's MTP layer (ferrox_jax/mtp.py)
+# prompt lookup; a smaller model's autoregressive drafts; the checkpoint's own MTP layer (ferrox_jax/mtp.py)
 SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
 
 
@@ -282,7 +282,7 @@ SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
 class SpeculativeConfig:
     """`--speculative ngram|draft|mtp` and its settings (vLLM's `--speculative-config` names in brackets)."""
 
-    method: str = "ngram"  # [method: "ngram", "draft_model" for "draft", "mtp" or "deepseek_mtp" for "mtp"]
+    method: str = "ngram"  # [method: "ngram", "draft_model" for "draft", "deepseek_mtp" or "qwen3_next_mtp" for "mtp"]
     num_speculative_tokens: int = 3  # k: draft tokens per row and step [num_speculative_tokens]
     ngram_min: int = 2  # shortest suffix looked up [prompt_lookup_min]
     ngram_max: int = 4  # longest suffix looked up, tried first [prompt_lookup_max]
@@ -294,7 +294,7 @@ class SpeculativeConfig:
     max_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.method in ("draft_model", "deepseek_mtp"):  # vLLM's names for the methods
+        if self.method in ("draft_model", "deepseek_mtp", "qwen3_next_mtp"):  # vLLM's names for the methods
             object.__setattr__(self, "method", "draft" if self.method == "draft_model" else "mtp")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"SpeculativeConfig.method must be one of {', '.join(SPECULATIVE_METHODS)}; got {self.method!r}")

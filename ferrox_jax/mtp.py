@@ -1,9 +1,13 @@
-"""`--speculative mtp`: DeepSeek's multi-token-prediction layer drafts (`models/deepseek_mtp.py`).
+"""`--speculative mtp`: a checkpoint's own multi-token-prediction layer drafts: DeepSeek-V3's
+(`models/deepseek_mtp.py`) or the `mtp.*` block of Qwen3.5, Qwen3.5-MoE and Qwen3-Next
+(`models/qwen3_5_mtp.py`, `QWEN_ARCHITECTURES`).
 
 The MTP layer predicts x_{i+2} from the target's final hidden state h_i and the token
-x_{i+1} (module docstring there). It has a latent cache of its own, one layer, whose
+x_{i+1} (module docstrings there); both give `draft_step` (one-token rows over the layer's
+cache) and `logits`. It has a cache of its own, one layer (DeepSeek's: one latent head, no
+V; Qwen's: K and V of the model's full-attention shape, `mtp_layout`), whose
 *block ids are the target's* (as the draft model's, `ferrox_jax/draft.py`): block b holds
-the layer's latent for the positions block b of the target cache holds, the one
+the layer's entries for the positions block b of the target cache holds, the one
 BlockBudget counts both (`ferrox_jax/engine_builder.py` sizes a block as the sum), and a
 cancelled row frees nothing of its own.
 
@@ -20,13 +24,17 @@ Each tick, in the owner's order (`ferrox_jax/batcher.py`):
   * `follow(plan, batch, pending, arrays)`, after the target's step was sampled: the layer
     runs over every token the step computed (one-token rows, `ForwardResult.hidden`, the
     target's final hidden state of each token, with the token that follows it: the next
-    prompt token, or what the step sampled after it), writing its latent cache where the
+    prompt token, or what the step sampled after it), writing its cache where the
     target wrote its own; and the hidden states of the positions the step sampled after
     are kept (`_kept`, on the device) for the next `propose`. For a verifying row the
     token after position p + j is the sample there, which equals draft d_{j+1} wherever
     it was accepted and is the correction at the first rejection: the accepted positions
     get exactly their right entries; the rest lie past the row's length and are written
     again before anything attends to them (as in the target's cache).
+
+A target with recurrent layers (Qwen3.5's Gated DeltaNet) needs nothing more here: its state
+pool keeps 1 + k entries a slot and continues from the last accepted one (`models/deltanet.py`,
+"Speculation"); the layer itself is an attention layer, rolled back by its positions.
 
 Exactness is the verification's (`ferrox_jax/speculative.py`): the output is the target's
 own sample at every position, greedy or seeded, whatever the drafts are.
@@ -53,11 +61,22 @@ from ferrox_jax.padding import host_token_index
 from ferrox_jax.plan import StepPlan
 from ferrox_jax.sampling import sample
 from ferrox_jax.step import ForwardBatch
-from models.deepseek_mtp import load_mtp, mtp_tensors
+from models import deepseek_mtp, qwen3_5_mtp
+
+DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+QWEN_ARCHITECTURES = qwen3_5_mtp.ARCHITECTURES
+
+
+def _reader(cfg):
+    """The module that reads and runs `cfg`'s MTP layer."""
+    return qwen3_5_mtp if cfg.architecture in QWEN_ARCHITECTURES else deepseek_mtp
 
 
 def mtp_layout(cfg) -> tuple[tuple[int, int, int], ...]:
-    """The MTP layer's cache: one latent head of kv_lora_rank + qk_rope_head_dim, no V."""
+    """The MTP layer's cache: DeepSeek's one latent head of kv_lora_rank + qk_rope_head_dim, no
+    V; Qwen's one K/V pair of its full-attention layers' shape."""
+    if cfg.architecture in QWEN_ARCHITECTURES:
+        return qwen3_5_mtp.mtp_layout(cfg)
     return ((1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, 0),)
 
 
@@ -72,40 +91,42 @@ def check_mtp(config, source, model_axis: int) -> bool:
     if spec is None or spec.method != "mtp":
         return False
     arch = source.config.architecture
-    if arch != "DeepseekV3ForCausalLM":
-        raise ValueError(f"--speculative mtp drafts with DeepSeek-V3's multi-token-prediction layer; {source.name} "
-                         f"is a {arch}: use --speculative ngram or --speculative draft")
+    if arch not in DEEPSEEK_ARCHITECTURES + QWEN_ARCHITECTURES:
+        raise ValueError(f"--speculative mtp drafts with a checkpoint's own multi-token-prediction layer "
+                         f"(DeepSeek-V3, Qwen3.5, Qwen3.5-MoE, Qwen3-Next); {source.name} is a {arch}: use "
+                         "--speculative ngram or --speculative draft")
     if source.is_synthetic or not Path(source.path).is_dir():
         raise ValueError(f"--speculative mtp reads the MTP layer from a safetensors checkpoint folder; {source.name} "
-                         "is not one (GGUF files carry no MTP layer): use --speculative ngram")
+                         "is not one (a GGUF file's nextn layers are not read): use --speculative ngram, or serve "
+                         "the safetensors checkpoint")
     if jax.process_count() > 1 or model_axis > 1:
         raise ValueError("--speculative mtp runs on one device for now: drop --tensor-parallel-size / multi-host")
     if config.max_loras or config.kv_offload_gib:
         raise ValueError("--speculative mtp does not combine with --max-loras or --kv-offload-gib yet")
-    mtp_tensors(Path(source.path), source.config)  # raises naming what is missing
+    _reader(source.config).mtp_tensors(Path(source.path), source.config)  # raises naming what is missing
     return True
 
 
 def build_mtp(source, target_model, dtype, runner) -> "MtpDraft":
     """The MTP draft of `source` (a checkpoint `check_mtp` accepted) over `runner`'s geometry."""
-    return MtpDraft(load_mtp(source.path, source.config, target_model, dtype), runner)
+    return MtpDraft(_reader(source.config).load_mtp(source.path, source.config, target_model, dtype), runner)
 
 
-def _follow_body(graphdef, state, k_cache, tokens, positions, valid, tables, hidden, keep):
+def _follow_body(graphdef, state, k_cache, v_cache, tokens, positions, valid, tables, hidden, keep):
     model = nnx.merge(graphdef, state)
-    _, k_cache = model(tokens, positions, valid, hidden, k_cache, tables)
-    return k_cache, hidden[keep].astype(jnp.float32)
+    _, k_cache, v_cache = model.draft_step(tokens, positions, valid, hidden, k_cache, v_cache, tables)
+    return k_cache, v_cache, hidden[keep].astype(jnp.float32)
 
 
-def _propose_body(graphdef, state, k_cache, tokens, positions, valid, tables, hidden, sampling):
+def _propose_body(graphdef, state, k_cache, v_cache, tokens, positions, valid, tables, hidden, sampling):
     model = nnx.merge(graphdef, state)
-    x, k_cache = model(tokens, positions, valid, hidden, k_cache, tables)
+    x, k_cache, v_cache = model.draft_step(tokens, positions, valid, hidden, k_cache, v_cache, tables)
     drafted = sample(model.logits(x), positions + 2, sampling)[0]  # x_{i+2}: the noise of its position
-    return k_cache, x.astype(jnp.float32), drafted
+    return k_cache, v_cache, x.astype(jnp.float32), drafted
 
 
-_follow_jit = jax.jit(_follow_body, static_argnums=0, donate_argnums=2)
-_propose_jit = jax.jit(_propose_body, static_argnums=0, donate_argnums=2)
+_follow_jit = jax.jit(_follow_body, static_argnums=0, donate_argnums=(2, 3))
+_propose_jit = jax.jit(_propose_body, static_argnums=0, donate_argnums=(2, 3))
 _copy_jit = jax.jit(copy_blocks, donate_argnums=0)
 COPY_BATCH = 8
 
@@ -161,16 +182,16 @@ class MtpDraft:
 
     def _run_follow(self, tokens, positions, valid, tables, keep, hidden):
         self._count(("mtp_follow", len(tokens)))
-        k, kept = _follow_jit(self.graphdef, self.state, self.cache.k[0], tokens, positions, valid, tables, hidden,
-                              keep)
-        self.cache = KVCache(k=(k,), v=self.cache.v)
+        k, v, kept = _follow_jit(self.graphdef, self.state, self.cache.k[0], self.cache.v[0], tokens, positions,
+                                 valid, tables, hidden, keep)
+        self.cache = KVCache(k=(k,), v=(v,))
         return kept
 
     def _run_propose(self, tokens, positions, valid, tables, hidden, sampling):
         self._count(("mtp_propose", len(tokens)))
-        k, x, drafted = _propose_jit(self.graphdef, self.state, self.cache.k[0], tokens, positions, valid, tables,
-                                     hidden, sampling)
-        self.cache = KVCache(k=(k,), v=self.cache.v)
+        k, v, x, drafted = _propose_jit(self.graphdef, self.state, self.cache.k[0], self.cache.v[0], tokens,
+                                        positions, valid, tables, hidden, sampling)
+        self.cache = KVCache(k=(k,), v=(v,))
         return x, drafted
 
     def _copy(self, copies) -> None:
