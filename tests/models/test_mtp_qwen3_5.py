@@ -43,7 +43,7 @@ K = 3
 SAMPLING = RowSampling(temperature=0.0, logprobs=1)
 LOGPROB_ATOL = 1e-5
 LAYER_ATOL = 1e-5
-GEOMETRY = dict(num_blocks=64, block_size=8, max_chunk_tokens=16, max_context=128)
+GEOMETRY = dict(num_blocks=64, block_size=8, max_chunk_tokens=8, max_context=128)
 
 
 def _spec(k: int = K) -> SpeculativeConfig:
@@ -315,7 +315,7 @@ def test_served_through_the_engine_builder(case):
     from tests.support.server_harness import ServerThread, tiny_engine, wait_for
 
     path, _, ckpt, jobs, plain, _ = case
-    engine = tiny_engine(path, speculative=_spec(1), **fc.SERVE_LIMITS)
+    engine = tiny_engine(path, speculative=_spec(1), **{**fc.SERVE_LIMITS, "max_seqs": 1, "prefill_chunk": 8})
     with ServerThread(create_app(engine)) as base, httpx.Client(base_url=base, timeout=120) as http:
         model = http.get("/v1/models").json()["data"][0]["id"]
         body = {"model": model, "prompt": list(jobs[0].prompt_token_ids), "max_tokens": 14, "temperature": 0}
