@@ -48,6 +48,10 @@ multiple of 16, and `pages_per_compute_block` dividing the block-table width.
 
 On a mesh every kernel runs per device under `shard_map`: each device attends its own
 KV heads (KV sharded over "model") or all of them (replicate_attention).
+
+The ragged kernels' modules (and with them Pallas TPU and Triton) are imported when one is
+chosen, not with this module: a CPU server never needs them, and they were 0.4-1.3 s of its
+start-up's imports on a loaded 2-core host (`python -X importtime`, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -60,8 +64,6 @@ from jax.sharding import Mesh
 
 from models.attention import check_decode_inputs, shard_over_kv_heads
 from models.gpu_attention import GPU_ATTENTION_IMPLS, GPU_BACKENDS, select_gpu_decode_attention
-from models.ragged_gpu import GpuRaggedAttention, gpu_problems
-from models.ragged_tpu import TpuRaggedAttention, tpu_problems
 
 RAGGED_IMPLS = ("ragged-tpu", "ragged-tpu-interpret", "ragged-gpu", "ragged-gpu-interpret")
 ATTENTION_IMPLS = ("auto", "jax", "pallas", "pallas-interpret", "cpu") + GPU_ATTENTION_IMPLS + RAGGED_IMPLS
@@ -203,6 +205,11 @@ def select_ragged_attention(impl: str, *, backend: str, block_size: int, kv_dtyp
         auto = True
     else:
         auto = False
+    # Imported here, once a ragged kernel is asked for: their Pallas TPU and Triton modules
+    # are a few tenths of a second of every CPU server's start-up otherwise.
+    from models.ragged_gpu import GpuRaggedAttention, gpu_problems
+    from models.ragged_tpu import TpuRaggedAttention, tpu_problems
+
     interpret = impl.endswith("-interpret")
     on_tpu = impl.startswith("ragged-tpu")
     if not interpret:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,6 +122,24 @@ def test_forced_pallas_with_unmet_constraints_is_an_error():
 def test_jax_is_always_pure_jax_and_interpret_always_the_kernel():
     assert _select("jax", "tpu")[0] is None
     assert _select("pallas-interpret", "cpu")[0] == PallasDecodeAttention(32, interpret=True)
+
+
+def test_the_ragged_kernels_are_imported_only_when_one_is_chosen():
+    """A CPU server's start-up imports the engine builder, never the ragged kernels' modules
+    (Pallas TPU, Triton: tenths of a second); choosing one (interpret mode runs anywhere)
+    imports it. Checked in a fresh interpreter, so that nothing this process imported counts;
+    the second half is the control that the check sees the modules when they come in."""
+    code = ("import sys\n"
+            "import ferrox_jax.engine_builder\n"
+            "print(sorted(m for m in sys.modules if m in ('models.ragged_gpu', 'models.ragged_tpu')))\n"
+            "from models.pallas_attention import select_ragged_attention\n"
+            "select_ragged_attention('ragged-gpu-interpret', backend='cpu', block_size=16, kv_dtype=None)\n"
+            "print(sorted(m for m in sys.modules if m in ('models.ragged_gpu', 'models.ragged_tpu')))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, check=True)
+    at_start, chosen = out.stdout.strip().splitlines()
+    assert at_start == "[]", f"importing the engine builder pulled in {at_start}"
+    assert chosen == "['models.ragged_gpu', 'models.ragged_tpu']", chosen
 
 
 def test_unknown_impl_is_rejected():
