@@ -302,7 +302,7 @@ def build_registry(runner, model_config, slots: LoraSlots, targets: dict[tuple[i
     architecture = model_config.architecture
     if not targets:
         raise LoraError("unsupported_architecture", f"{architecture} has no projection LoRA can target "
-                                                    f"(--max-loras needs q/k/v/o or dense MLP projections)")
+                                                    f"(--max-loras needs q/k/v/o, dense MLP or DeltaNet projections)")
     registry = LoraRegistry(runner, slots, family_for(architecture).hf_layer_weights, targets, model_config)
     for name, path in modules:
         try:

@@ -120,13 +120,9 @@ def context_for(settings: Any, trained_context: int, num_blocks: int) -> int:
 
 def lora_bytes(model: Any, max_loras: int, max_rank: int, itemsize: int) -> int:
     """The LoRA slots' A and B matrices (`models/lora.py`: [in, S*r] and [S*r, out] per
-    targeted projection, S = max_loras + 1): every dense projection of every layer counted,
-    so an upper bound where a family's MLP is not a target (MoE)."""
-    if not max_loras:
-        return 0
-    h, attn, kv = model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    per_layer = 2 * (h + attn) + 2 * (h + kv) + 3 * (h + model.intermediate_size)  # q, o; k, v; gate, up, down
-    return model.num_layers * per_layer * (max_loras + 1) * max_rank * itemsize
+    targeted projection, S = max_loras + 1): in + out of every projection the model's config
+    counts (`ModelConfig.lora_widths`), an upper bound where a family's MLP is not a target (MoE)."""
+    return model.lora_widths() * (max_loras + 1) * max_rank * itemsize if max_loras else 0
 
 
 @dataclasses.dataclass(frozen=True)

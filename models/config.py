@@ -178,6 +178,13 @@ class ModelConfig:
         instead of K/V (Qwen3.5's DeltaNet layers), in layer order; () for a pure attention model."""
         return ()
 
+    def lora_widths(self) -> int:
+        """in + out summed over every projection LoRA slots may sit beside (`models/lora.py`:
+        A [in, S*r] and B [S*r, out] each): q, o, k, v and the dense MLP's gate, up, down on
+        every layer (an upper bound for a family whose MLP is not a target)."""
+        h, attn, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.num_layers * (2 * (h + attn) + 2 * (h + kv) + 3 * (h + self.intermediate_size))
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token position takes across all the cache's arrays."""
         return sum(heads * (k_dim + v_dim) for heads, k_dim, v_dim in self.kv_layout()) * dtype_bytes

@@ -4,6 +4,11 @@ give each device whole heads; `group_for_devices` permutes in_proj_qkv's columns
 conv1d's channels to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] and records the grouping in each
 layer's spec (`DeltaNetSpec.shards`), which the forward reads q, k and v by
 (`DeltaNetSpec.split_channels`). `ferrox_jax/sharding.py` has the split itself.
+
+An in_proj_qkv with LoRA adapter slots (`models/lora.py:LoraWeight`, attached before the
+runner groups the model) moves its base and its B stack's columns the same way and records
+the order (`LoraWeight.out_order`), so adapters written into its slots later, in the
+checkpoint's layout, are regrouped as they are written (`models/lora.py:write_slot`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from models.deltanet import DeltaNetSpec
+from models.lora import LoraWeight
 
 
 def channel_order(spec: DeltaNetSpec, shards: int) -> np.ndarray:
@@ -56,10 +62,23 @@ def group_for_devices(model, shards: int):
         for name in names:
             var = getattr(layer, name)
             value = var.get_value()
-            if not isinstance(value, jax.Array):
+            if not isinstance(value.base if isinstance(value, LoraWeight) else value, jax.Array):
                 raise ValueError(f"tensor parallelism: this model's DeltaNet {name} is stored quantized, and its "
                                  "channels cannot be regrouped per device; serve it on one device or from float "
                                  "weights")
-            var.set_value(jnp.take(value, jnp.asarray(old_at), axis=0 if name == "conv_weight" else 1))
+            if isinstance(value, LoraWeight):
+                var.set_value(regroup_lora(value, old_at))
+            else:
+                var.set_value(jnp.take(value, jnp.asarray(old_at), axis=0 if name == "conv_weight" else 1))
         layer.delta_spec = dataclasses.replace(spec, shards=shards)
     return model
+
+
+def regroup_lora(w: LoraWeight, old_at: np.ndarray) -> LoraWeight:
+    """An in_proj_qkv with adapter slots, its output columns reordered (new column i holds old
+    column old_at[i]): the base and the B stack move, and `out_order` records the checkpoint's
+    column at each new one, which `models/lora.py:write_slot` takes adapters' B columns by."""
+    prior = np.arange(w.shape[1]) if w.out_order is None else np.asarray(w.out_order)
+    index = jnp.asarray(old_at)
+    return w.replace(base=jnp.take(w.base, index, axis=1), b=jnp.take(w.b, index, axis=1),
+                     out_order=tuple(int(i) for i in prior[old_at]))

@@ -14,6 +14,8 @@ serve one batch through fixed slots, so every shape is static whatever is loaded
                                     tracing by `bind_token_slots`; None in the stored state)
       has_adapter   bool[] | None   any token_slots != 0 (set with them): a step without
                                     adapted rows skips the adapter term (`project_lora`)
+      out_order     static | None   the checkpoint's output column at each of ours, where the
+                                    model reordered them after attaching (below); None: its own
 
 The slots are stacked along the inner axis of two plain matrices rather than as [S, in, r]
 and [S, r, out]: XLA CPU ran the stacked 3-D form far slower (likely a layout change of
@@ -33,8 +35,10 @@ and B per token ([N, in, r] and [N, r, out]), reads N copies of the adapter weig
 instead of S; docs/benchmarks.md has the measurement that chose this one on CPU.
 
 Targets: q_proj, k_proj, v_proj, o_proj and the dense MLP's gate_proj, up_proj,
-down_proj, wherever a family's layer has them as 2-D parameters (MoE experts, routers
-and the LM head are never targets). PEFT names map to ours through each family's HF
+down_proj, and a Gated DeltaNet layer's projections (`models/deltanet.py`: in_proj_qkv,
+in_proj_z, in_proj_b, in_proj_a, out_proj; Qwen3-Next's fused in_proj_qkvz and in_proj_ba),
+wherever a family's layer has them as 2-D parameters (MoE experts, routers, the conv1d and
+the LM head are never targets). PEFT names map to ours through each family's HF
 weight table (`self_attn.q_proj.weight` -> `q_proj`), so every family whose checkpoint
 names go through that table reads PEFT adapters the same way (`read_peft_adapter`). A
 fused checkpoint module (Phi-3's qkv_proj, gate_up_proj; split into our q/k/v and gate/up
@@ -46,6 +50,13 @@ Nothing reaches a slot unchecked: a malformed adapter_config.json or safetensors
 `MAX_ADAPTER_WEIGHT` (raw, and again with the scale folded in) are refused at load with a
 `LoraError` naming the file and the tensor, so one tenant's broken adapter is a 400 for
 whoever loads it, never a fault in the shared step.
+
+A projection whose output columns the model reorders after the slots are attached (a
+DeltaNet in_proj_qkv regrouped per device for tensor parallelism,
+`models/deltanet_groups.py`) records the order in its LoraWeight (`out_order`: the
+checkpoint's column at each of ours); the base and B move with it, and `write_slot` takes
+each adapter's B columns in that order, so an adapter trained on the checkpoint's layout
+adds the same product in ours.
 """
 
 from __future__ import annotations
@@ -61,7 +72,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "in_proj_qkvz", "in_proj_ba")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
@@ -86,6 +98,9 @@ class LoraWeight:
     has_adapter: jax.Array | None = None  # bool[]: some token of this forward is in a slot > 0
     num_slots: int = struct.field(pytree_node=False, default=1)  # S, the zero slot included
     rank: int = struct.field(pytree_node=False, default=1)  # r, columns per slot
+    # The checkpoint's output column at each of ours, where the model reordered them after the
+    # slots were attached (module docstring); None: the checkpoint's order
+    out_order: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -229,6 +244,8 @@ def write_slot(state, slot: int, adapter: dict[tuple[int, str], tuple[np.ndarray
         a, b = np.zeros((d_in, max_rank), np.float32), np.zeros((max_rank, d_out), np.float32)
         if adapter is not None and (int(keys[1]), str(keys[2])) in adapter:
             pa, pb = adapter[(int(keys[1]), str(keys[2]))]
+            if w.out_order is not None:  # the adapter's B is in the checkpoint's column order
+                pb = pb[:, list(w.out_order)]
             a[:, :pa.shape[1]] = pa
             b[:pb.shape[0], :] = pb
         values.append((a, b))

@@ -96,6 +96,16 @@ class Qwen3_5Config(ModelConfig):
         """One K/V pair per full-attention layer; DeltaNet layers keep none."""
         return (self.kv_cache_dims(),) * (self.num_layers - sum(self.linear_layers))
 
+    def lora_widths(self) -> int:
+        """As `ModelConfig.lora_widths`, with a DeltaNet layer's five projections (in_proj_qkv,
+        in_proj_z, in_proj_b, in_proj_a, out_proj; Qwen3-Next's fused pair is no wider) in
+        place of attention's four, and the gated attention's q_proj twice as wide."""
+        h, s, linear = self.hidden_size, self.deltanet_spec(), sum(self.linear_layers)
+        mlp = 3 * (h + self.intermediate_size)
+        attention = super().lora_widths() // self.num_layers - mlp + self.num_heads * self.head_dim  # + q's gate
+        deltanet = (h + s.conv_dim) + (h + s.value_dim) + 2 * (h + s.num_v_heads) + (s.value_dim + h)
+        return linear * deltanet + (self.num_layers - linear) * attention + self.num_layers * mlp
+
 
 class GatedAttention:
     """Mix-in: Qwen3.5's full attention (a gate beside each query head, q/k norms, partial RoPE)."""
