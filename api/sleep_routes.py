@@ -9,7 +9,8 @@ asleep without waking anything (they read the last published stats). `POST /wake
 reallocates the same shapes, puts the weights back and serves again (nothing recompiles);
 both are idempotent. Errors use the OpenAI envelope: a bad level is a 400, no model a 503;
 level 2 when the host has less memory available than the weights take is a 400
-`insufficient_memory` (`ferrox_jax/memory_bounds.py`), and the engine keeps serving.
+`insufficient_memory` (`ferrox_jax/memory_bounds.py`), a multi-host group's sleep a 400
+`unsupported` (`ferrox_jax/sleep.py`), and the engine keeps serving.
 
 Transitions are serialized: each `/sleep` and `/wake_up` holds one app-wide lock from its
 check of the engine's state to its answer. So a wake that arrives while a sleep waits for
@@ -32,7 +33,7 @@ from quart import Blueprint, Response, current_app, request
 
 from api.errors import APIError, unavailable
 from api.state import json_response, state_of
-from ferrox_jax.engine import Engine, MemoryBoundError
+from ferrox_jax.engine import Engine, MemoryBoundError, SleepRefused
 
 blueprint = Blueprint("sleep", __name__)
 
@@ -99,6 +100,9 @@ async def _sleep(level: int) -> dict[str, Any]:
         except MemoryBoundError as e:
             state.phase = "ready"
             raise APIError(400, str(e), param="level", code=e.code) from None
+        except SleepRefused as e:  # refused before anything was freed
+            state.phase = "ready"
+            raise APIError(400, str(e), code=e.code) from None
         except BaseException:
             state.phase = "ready"
             raise

@@ -8,7 +8,7 @@ the checks before a state change (`check_rebuild`, `check_sleep`), the adapters 
 `load_adapter`, `unload_adapter`), the multi-host follower's `follow_leader`,
 `shutdown`) and the names in `__all__`: what the API builds an engine from (`EngineConfig`),
 reads from it (`BatcherStats`, `ModelCard`) and catches from it (`MemoryBoundError`,
-`LoraError`, `ChatTemplateError`). Only jobs and their events (`ferrox_jax/request.py`) and
+`SleepRefused`, `LoraError`, `ChatTemplateError`). Only jobs and their events (`ferrox_jax/request.py`) and
 output constraints (`ferrox_jax/constraint.py`: `GrammarSpec`, `GrammarError`) are imported
 from their own modules, which import no jax, so the settings table and the routes can
 name them at import time. The batcher, scheduler, block budget, runner, step faults,
@@ -43,6 +43,7 @@ from ferrox_jax.request import AdmissionError, Job, with_seed
 from ferrox_jax.priority import check_priority
 from ferrox_jax.runner import ModelRunner
 from ferrox_jax.runner_protocol import Runner
+from ferrox_jax.sleep import SleepRefused
 from ferrox_jax.stats import BatcherStats
 from models.chat_template import ChatTemplateError
 from models.checkpoint import CheckpointSource
@@ -61,7 +62,7 @@ __all__ = (
     "Engine", "ModelCard",
     "EngineConfig", "SpeculativeConfig", "DEFAULT_COMPILE_CACHE",  # what an engine is built from
     "BatcherStats",  # what `Engine.stats` returns
-    "MemoryBoundError", "LoraError", "ChatTemplateError",  # what the facade's calls raise
+    "MemoryBoundError", "SleepRefused", "LoraError", "ChatTemplateError",  # what the facade's calls raise
     "check_adapter_name",  # an adapter name's rule, before a path is looked at
     "check_priority",  # a request's priority under the scheduling policy, before it is submitted
     "host_total_bytes",  # the host's memory, which also caps the server's own byte caps
@@ -223,7 +224,12 @@ class Engine:
         """Before `sleep(level)`, on any thread: level 2 copies the weights to host memory.
 
         Raises:
+          SleepRefused: a multi-host group (`ferrox_jax/sleep.py`).
           MemoryBoundError (field "level"): the host has less memory available than that."""
+        if jax.process_count() > 1:
+            raise SleepRefused(f"a multi-host group ({jax.process_count()} processes) does not sleep: every process "
+                               "would have to free and rebuild its part of the cache in step; stop the group and "
+                               "start it again instead")
         if level == 2:
             memory_bounds.check_host_room(self.weights_bytes, "moving the weights to host memory")
 

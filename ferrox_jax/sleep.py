@@ -18,6 +18,10 @@ step holds the arrays being freed and nobody else touches the runner.
 Both are idempotent on the runner: sleeping while asleep keeps the level it sleeps at,
 waking while awake does nothing. Callers that must answer what happened
 (`api/sleep_routes.py`) serialize their calls and read the level afterwards.
+
+A multi-host group does not sleep: its leader's runner would have to have every follower free
+and rebuild its part of the cache in step, which the step channel does not carry; the
+facade's check before a sleep refuses it (`SleepRefused`) before anything is freed.
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ferrox_jax.memory_bounds import check_host_room
+
+
+class SleepRefused(ValueError):
+    """A sleep this engine cannot take (nothing was freed); `code` is the API's error code."""
+
+    def __init__(self, message: str, code: str = "unsupported") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclasses.dataclass
