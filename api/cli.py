@@ -166,7 +166,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_context=args.max_context, max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
             prefill_chunk_idle=args.prefill_chunk_idle, max_batched_tokens=args.max_batched_tokens,
             max_queue=args.max_queue, scheduling_policy=args.scheduling_policy, prefix_caching=args.prefix_caching,
-            state_snapshots=args.state_snapshots,
+            state_snapshots=args.state_snapshots, state_snapshot_interval=args.state_snapshot_interval,
             compile_cache_dir=None if cache == "off" else cache, executable_store=args.executable_store,
             tensor_parallel=args.tensor_parallel, mesh=args.mesh, replicate_attention=args.replicate_attention,
             expert_parallel=args.expert_parallel,

@@ -198,8 +198,14 @@ SETTINGS: tuple[Setting, ...] = (
             "keep computed prompt blocks and reuse them for prompts sharing a prefix (--no-prefix-caching: off)",
             group="cache"),
     Setting("state_snapshots", "FERROX_STATE_SNAPSHOTS", _nonneg_int, 0,
-            "a model with recurrent (linear-attention) layers: state snapshots kept for prefix-cache hits, "
-            "one per cached prompt (0 = one per row in flight, --max-seqs)", group="cache"),
+            "a model with recurrent (linear-attention) layers: state snapshot slots kept for prefix-cache hits "
+            "(0 = two per row in flight, 2 x --max-seqs: a running row's prompt and decode snapshots)",
+            group="cache"),
+    Setting("state_snapshot_interval", "FERROX_STATE_SNAPSHOT_INTERVAL", _nonneg_int, 32,
+            "a model with recurrent layers: a prompt's state is snapshotted every this many blocks (a chunk is "
+            "cut to end on each), so prompts sharing only a long system prompt hit its last such boundary; "
+            "besides, every prompt's last full block and each row's latest one (a chat's next turn) are kept "
+            "(0 = those only; each snapshot costs a slot of every DeltaNet layer's state)", group="cache"),
     Setting("kv_offload_gib", "FERROX_KV_OFFLOAD_GIB", _nonneg_float, 0.0,
             "host memory in GiB for prefix-cache blocks the device cache evicts: copied out, and copied back "
             "on a later hit instead of recomputed (0 = off; one process only, needs prefix caching)",

@@ -67,8 +67,9 @@ The recurrent group (a model with linear-attention layers): each row's state slo
 (`self.states`, `ferrox_jax/state_pool.py`), and with the prefix cache the state snapshots
 attached to cached blocks (`self.snapshots`, `ferrox_jax/state_snapshots.py`): admission
 cuts a hit back to its last block with a snapshot and restores it into the row's slot;
-naming the block at a prompt's snapshot position takes one; fork copies the prefill row's
-state to the other rows; eviction frees a block's snapshot with it.
+naming a block at one of a prompt's snapshot positions takes one, and a row's blocks named
+up to a block boundary move its decode snapshot there (`row_named`); fork copies the prefill
+row's state to the other rows; eviction frees a block's snapshot with it.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class BlockTables:
                                      limits.kv_window, self.block_size)
         # Recurrent state slots by row (none for most models), snapshots with the prefix cache.
         self.recurrent = RecurrentGroup(StatePool(limits.state_slots), self.cache, self.block_size,
-                                        limits.state_snapshots)
+                                        limits.state_snapshots, limits.state_snapshot_interval)
         self.states, self.snapshots = self.recurrent.states, self.recurrent.snapshots
         if self.cache is not None and (self.window is not None or self.snapshots is not None):
             self.cache.on_evict = self._block_evicted
@@ -411,6 +412,7 @@ class BlockTables:
         for i in range(row.num_named_blocks, num_full):
             self._name(row.block_ids[i], names[i])
         row.num_named_blocks = num_full
+        self.recurrent.row_named(row)
 
     def _name(self, block_id: int, name: bytes) -> None:
         if self.budget.name(block_id, name) and self.window is not None:
@@ -451,6 +453,7 @@ class BlockTables:
         for block_id in reversed(row.block_ids):  # tail first: evicted before the head
             self.budget.free(block_id)
         row.block_ids = []
+        self.recurrent.row_released(row)
         job.num_open_rows -= 1
         if job.num_open_rows == 0:
             self._close_window(job, job.prefill_block_ids)

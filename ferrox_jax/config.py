@@ -24,6 +24,7 @@ import os
 
 from ferrox_jax.grammar_sandbox import DEFAULT_TIMEOUT_S as GRAMMAR_TIMEOUT_S, DEFAULT_WORKERS as GRAMMAR_WORKERS
 from ferrox_jax.memory_bounds import INT32_MAX, MAX_USABLE_KV_BLOCKS, TABLE_ROUND_BLOCKS, max_positions
+from ferrox_jax.state_snapshots import DEFAULT_INTERVAL_BLOCKS
 from ferrox_jax.step_channel_auth import MIN_SECRET_CHARS, coordinator_host, is_loopback_host
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -97,8 +98,10 @@ class EngineConfig:
     max_queue: int = 512  # waiting jobs; one more is refused (503)
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (SCHEDULING_POLICIES)
     prefix_caching: bool = True  # full prompt blocks stay cached and are shared by later prompts
-    # Recurrent-state models: snapshot slots for prefix hits (ferrox_jax/state_snapshots.py); 0: one per row.
+    # Recurrent-state models: snapshot slots for prefix hits (ferrox_jax/state_snapshots.py); 0: two per row.
     state_snapshots: int = 0
+    # ... and a prompt's snapshot every this many blocks (besides its last full block); 0: none between.
+    state_snapshot_interval: int = DEFAULT_INTERVAL_BLOCKS
     # Host memory for prefix blocks the device cache evicts, restored on a hit (ferrox_jax/kv_offload.py); 0: off.
     kv_offload_gib: float = 0.0
     speculative: SpeculativeConfig | None = None  # prompt-lookup speculative decoding; None: off
@@ -158,8 +161,12 @@ class EngineConfig:
                              f"({self.prefill_chunk}); got {self.prefill_chunk_idle}")
         self._check_ceilings()
         if isinstance(self.state_snapshots, bool) or not isinstance(self.state_snapshots, int) or self.state_snapshots < 0:
-            raise ValueError(f"EngineConfig.state_snapshots must be an int >= 0 (0: one per row); "
+            raise ValueError(f"EngineConfig.state_snapshots must be an int >= 0 (0: two per row); "
                              f"got {self.state_snapshots!r}")
+        interval = self.state_snapshot_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"EngineConfig.state_snapshot_interval must be an int >= 0, in blocks (0: a prompt's "
+                             f"last full block only); got {interval!r}")
         offload = self.kv_offload_gib
         if isinstance(offload, bool) or not isinstance(offload, (int, float)) or not 0 <= offload < float("inf"):
             raise ValueError(f"EngineConfig.kv_offload_gib must be a finite number of GiB >= 0 (0: off); "
@@ -372,7 +379,8 @@ class SchedulerLimits:
     # recurrent state slots, the null slot included (ferrox_jax/state_pool.py); 0: the model keeps none
     state_slots: int = 0
     state_pool_bytes: int = 0  # the pool's device bytes (for /admin/stats)
-    state_snapshots: int | None = None  # its snapshot slots after the running ones; None: one per row
+    state_snapshots: int | None = None  # its snapshot slots after the running ones; None: two per row
+    state_snapshot_interval: int = DEFAULT_INTERVAL_BLOCKS  # a prompt's snapshots every this many blocks; 0: off
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -382,7 +390,7 @@ class SchedulerLimits:
             value = getattr(self, field.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or field.name in (
                     "kv_bytes_per_block", "kv_offload_blocks", "kv_window_slots", "state_slots", "state_pool_bytes",
-                    "state_snapshots"):
+                    "state_snapshots", "state_snapshot_interval"):
                 continue
             if value <= 0:
                 raise ValueError(f"SchedulerLimits.{field.name} must be > 0; got {value}")

@@ -462,7 +462,8 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         kv_window=sliding_window(source.config), kv_window_slots=max(sizing.window_blocks - 1, 0),
         state_slots=step.rows + 1 if source.config.recurrent_specs() else 0,  # the runner's pool: a slot per row
         state_pool_bytes=settings_pool_bytes(source.config.recurrent_specs(), step.rows, config),
-        state_snapshots=snapshot_slots(step.rows, config.prefix_caching, config.state_snapshots))
+        state_snapshots=snapshot_slots(step.rows, config.prefix_caching, config.state_snapshots),
+        state_snapshot_interval=config.state_snapshot_interval)
     snapshots = limits.state_snapshots if source.config.recurrent_specs() else 0  # after the running slots
     grammar, grammar_note = _grammar_compiler(source.tokenizer, source.config.vocab_size, config)
     # Speculating rows take a decode row per token: room for them in the row buckets (step.rows).

@@ -31,16 +31,17 @@ admitted row (asserted). The slots' bytes are fixed at start-up (`state_pool_byt
 
 Prefix caching keeps *snapshots* of the state beside the running slots
 (`ferrox_jax/state_snapshots.py`): slots `max_rows + 1 ..` of the same device arrays,
-`--state-snapshots` of them or one per row in flight (`snapshot_slots`). How often: one per cached prompt, the state after its last full
-block before its last token (position B = floor((P - 1) / bs) * bs, the longest hit a later
-prompt can take); the prompt's chunking is cut to end a chunk exactly at B, so the state there
-exists after that step, and the next step copies it (running slot -> snapshot slot, before its
-forward) and attaches it to the block that ends at B. What a hit restores: admission cuts a
-prefix hit back to its last block that carries a snapshot (none: no hit), copies that
+`--state-snapshots` of them or two per row in flight (`snapshot_slots`). Where: a prompt's
+state every `--state-snapshot-interval` blocks and at its last full block before its last
+token (B = floor((P - 1) / bs) * bs), the prompt's chunking cut to end a chunk on each, so
+the state there exists after that step, and the next step copies it (running slot ->
+snapshot slot, before its forward) and attaches it to the block that ends there; and one
+per row at its latest block boundary while it decodes, moved along as it grows, so a chat's
+next turn hits the end of this turn's last full block. What a hit restores: admission cuts
+a prefix hit back to its last block that carries a snapshot (none: no hit), copies that
 snapshot into the row's running slot before the row's first chunk, and the row computes on
 from that block's end. Evicting the block frees its snapshot; a new snapshot takes a free
-slot, or the snapshot of the least recently released idle cached block. Decode steps take
-none (a chat's next turn hits the previous prompt's snapshot and recomputes the reply).
+slot, or the snapshot of the least recently released idle cached block.
 
 Every copy (save, restore, fork) is a (src, dst) slot pair run before the step's forward,
 in order: saves, then restores, then forks (`take_copies`, `StepPlan.state_copies`), by one
@@ -63,6 +64,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 NULL_SLOT = 0
+# Snapshot slots per row when `--state-snapshots` is 0: a running row's prompt snapshot and its
+# decode snapshot, each on its own held blocks (`ferrox_jax/state_snapshots.py`, "How many").
+SNAPSHOTS_PER_ROW = 2
 
 
 class StatePoolUnsupported(ValueError):
@@ -146,8 +150,8 @@ class StatePool:
 
 def snapshot_slots(rows: int, prefix_caching: bool, setting: int = 0) -> int:
     """Snapshot slots (`ferrox_jax/state_snapshots.py`): `--state-snapshots`, or with its 0
-    one per row; none without prefix caching."""
-    return (setting or rows) if prefix_caching else 0
+    two per row (`SNAPSHOTS_PER_ROW`); none without prefix caching."""
+    return (setting or SNAPSHOTS_PER_ROW * rows) if prefix_caching else 0
 
 
 def pool_slots(rows: int, prefix_caching: bool, snapshots: int = 0) -> int:

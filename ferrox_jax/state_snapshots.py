@@ -1,28 +1,70 @@
-"""State snapshots: the recurrent state at a cached prompt's last full block, for prefix hits. No jax here.
+"""State snapshots: the recurrent state at chosen block boundaries, for prefix hits. No jax here.
 
 A model with recurrent (linear-attention) layers cannot take a prefix hit from K/V blocks
 alone: its DeltaNet layers need the state after the hit's last token, which no block holds.
-So the prefix cache keeps a *snapshot* of that state beside the block (`StateSnapshots`, the
-recurrent group's part of `ferrox_jax/block_tables.py`), in the spirit of vLLM's mamba
+So the prefix cache keeps *snapshots* of that state beside some blocks (`StateSnapshots`,
+the recurrent group's part of `ferrox_jax/block_tables.py`), in the spirit of vLLM's mamba
 prefix caching in "align" mode (states cached at block boundaries, chunk ends aligned to
-them) and SGLang's `MambaRadixCache` (a match is cut back to the last node holding a state).
+them) and SGLang's `MambaRadixCache` (a state at each chunk end of a prefill, and one at the
+last tracked boundary of a finished request; a match is cut back to the last node holding a
+state).
 
     slots      the state pool's device arrays hold, after the null slot and the running
                slots 1..R, S snapshot slots R + 1 .. R + S (`state_pool.pool_slots`: S is
-               `--state-snapshots`, or R)
-    when       one per cached prompt of P tokens: at B = floor((P - 1) / bs) * bs, the end of
-               its last full block before its last token (the longest hit a prompt can take).
-               The scheduler cuts the prompt's chunking to end a chunk at B (`snapshot_end`),
-               so after that step the row's running slot holds the state at B; the next step
-               copies it to a snapshot slot before its forward (`StatePool.save`)
-    where      attached to the cached block ending at B (`slot_of[block]`): evicting the
-               block frees the snapshot with it (`block_evicted`)
+               `--state-snapshots`, or two per row: see "how many" below)
+    prompts    a prompt of P tokens is snapshotted at every multiple of the interval
+               I = `--state-snapshot-interval` blocks (I * bs tokens) up to B, and at
+               B = floor((P - 1) / bs) * bs, the end of its last full block before its last
+               token (the longest hit a repeat of it can take); 0 < position <= B. The
+               positions depend on the token position only, never on the prompt, so two
+               prompts sharing a system prompt of several intervals both snapshot its
+               boundaries, and the second hits the last one inside it. The scheduler cuts
+               the prompt's chunking to end a chunk at each (`chunk_end`): after that step
+               the row's running slot holds the state there, and the next step copies it to
+               a snapshot slot before its forward (`StatePool.save`)
+    decode     a row keeps one more snapshot, at its last full block of prompt + generated
+               tokens: each time its computed tokens reach a block boundary (a decode step,
+               a preempted row's recompute, or a prefill ending on one) the state there is
+               saved and attached to that block, into the slot of the row's previous such
+               snapshot (`moving_of`: it moves, one per row), so when the row ends the
+               snapshot sits at the end of the last full block of its conversation, where
+               the chat's next turn (this prompt + this reply + more) hits. With
+               speculation a step may pass a boundary mid-step: the slot's entries hold the
+               state after each verified token and the copy carries them all with the
+               slot's position (`models/deltanet.py`, "Speculation"), so a row restored at
+               the boundary reads the entry after it
+    where      attached to the cached block ending at the position (`slot_of[block]`, the
+               block the prefix cache names so: another job's when it computed the same
+               prefix first): evicting the block frees the snapshot with it
+               (`block_evicted`)
     a hit      admission cuts a hit back to its last block with a snapshot (`usable_hits`;
                none: no hit), and the row's running slot takes a copy of it before the row's
                first chunk (`StatePool.restore`); the row computes on from that block's end
     full       a new snapshot takes a free slot, else the snapshot of the least recently
                released idle cached block (its block stays cached, K/V only, and hits on it
-               are cut back), else none is taken
+               are cut back), else none is taken (a block held by a running row keeps its
+               snapshot)
+
+How many, and how often. A slot holds every DeltaNet layer's state: for Qwen3-Next (36
+DeltaNet layers, 32 value heads of 128 x 128, f32) 75 MiB, the bf16 K/V of about 3,200 tokens
+of its 12 attention layers; for the default `Qwen3_5TextConfig` 50 MiB. A snapshot on every
+block (vLLM's "all" mode) would cost that per 16 tokens, so snapshots are a fixed pool of
+slots (S, evicted least recently released first) and the interval decides which boundaries
+compete for them. The default interval is 32 blocks, 512 tokens at the default block size: a
+system prompt of N tokens keeps a hit on its first floor(N / 512) * 512 (SGLang spaces the
+states it tracks 256 tokens apart), a 4k-token prompt takes 8 snapshots, not 256, and 512 is
+a multiple of the default chunk (128) and of the chunk sizes commonly set, so full chunks
+from position 0 already end on every interval boundary and are cut for none, while a prompt
+starting elsewhere (after a hit, or after a chunk the step's budget shortened) is cut at its
+next boundary, then runs aligned. 0 turns the interval off (B and the decode snapshot only).
+The default slot count is two per row: each running row can hold its prompt's B snapshot and
+its decode snapshot on its own (held, so unstealable) blocks; with one per row the running
+rows' decode snapshots would take the slots new prompts' snapshots need. The interval
+snapshots of long prompts take the remaining free or least recently released idle ones.
+
+Chunk cuts add no compiled shape: a chunk cut short is padded to the token bucket at or
+above its length, as any last chunk of a prompt is (`ferrox_jax/buckets.py`), so the cuts
+cost steps, never compiles.
 
 A snapshot whose save was in a step that failed is dropped (`forget_slots`): its contents are
 unknown.
@@ -30,14 +72,39 @@ unknown.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
-from ferrox_jax.state_pool import StatePool
+from ferrox_jax.state_pool import SNAPSHOTS_PER_ROW, StatePool
+
+# `--state-snapshot-interval`'s default, in blocks (the module docstring, "How many, and how often").
+DEFAULT_INTERVAL_BLOCKS = 32
 
 
 def snapshot_position(num_prompt_tokens: int, block_size: int) -> int:
-    """B: where a prompt's snapshot is taken (0: the prompt has no full block before its last token)."""
+    """B: a prompt's last snapshot (0: the prompt has no full block before its last token)."""
     return (num_prompt_tokens - 1) // block_size * block_size
+
+
+def next_snapshot_position(start: int, num_prompt_tokens: int, block_size: int, interval_blocks: int) -> int:
+    """The first of a prompt's snapshot positions after `start` (0: none is left): the next
+    multiple of the interval (`interval_blocks` blocks; 0: none) below B, else B."""
+    last = snapshot_position(num_prompt_tokens, block_size)
+    if start >= last:
+        return 0
+    if interval_blocks:
+        step = interval_blocks * block_size
+        return min((start // step + 1) * step, last)
+    return last
+
+
+def is_snapshot_position(at: int, num_prompt_tokens: int, block_size: int, interval_blocks: int) -> bool:
+    """Whether a prefill that has computed `at` tokens stands on one of its prompt's snapshot positions."""
+    return 0 < at and next_snapshot_position(at - 1, num_prompt_tokens, block_size, interval_blocks) == at
+
+
+def block_index(at: int, block_size: int) -> int:
+    """The index in a chain of the block ending at position `at` (a multiple of the block size)."""
+    return at // block_size - 1
 
 
 class StateSnapshots:
@@ -51,9 +118,10 @@ class StateSnapshots:
         self.num_slots = num_slots
         self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
         self.slot_of: dict[int, int] = {}  # cached block id -> the snapshot slot of the state at its end
-        self.num_taken = 0  # snapshots taken (a counter)
+        self.moving_of: dict[int, int] = {}  # row id -> the block of its decode snapshot (the module docstring)
+        self.num_taken = 0  # snapshots taken (a counter; a decode snapshot counts each time it moves)
         self.num_restored = 0  # hits that restored one (a counter)
-        self.num_dropped = 0  # snapshots freed without their block (stolen for a newer one, or a failed step)
+        self.num_dropped = 0  # snapshots freed without their block (stolen or moved for a newer one, a failed step)
 
     @property
     def num_held(self) -> int:
@@ -67,16 +135,21 @@ class StateSnapshots:
                 return k
         return 0
 
-    def take(self, block_id: int, idle_blocks: Iterable[int]) -> int | None:
-        """A slot for a new snapshot of `block_id`'s end: a free one, or the snapshot of the
-        first of `idle_blocks` (least recently released first) that has one; None: none."""
+    def take(self, block_id: int, idle_blocks: Iterable[int], reuse: int | None = None) -> int | None:
+        """A slot for a new snapshot of `block_id`'s end: the slot of block `reuse`'s
+        snapshot (a row's decode snapshot moving on), else a free one, else the snapshot of
+        the first of `idle_blocks` (least recently released first) that has one; None:
+        none (or `block_id` has one already)."""
         if block_id in self.slot_of:
             return None
-        if not self._free:
+        if reuse in self.slot_of:
+            self._detach(reuse)
+            self.num_dropped += 1
+        elif not self._free:
             victim = next((b for b in idle_blocks if b in self.slot_of), None)
             if victim is None:
                 return None
-            self._free.append(self.slot_of.pop(victim))
+            self._detach(victim)
             self.num_dropped += 1
         slot = self.slot_of[block_id] = self._free.pop()
         self.num_taken += 1
@@ -84,15 +157,24 @@ class StateSnapshots:
 
     def block_evicted(self, block_id: int) -> None:
         """The prefix cache forgot `block_id`: its snapshot goes with it."""
-        slot = self.slot_of.pop(block_id, None)
-        if slot is not None:
-            self._free.append(slot)
+        if block_id in self.slot_of:
+            self._detach(block_id)
+
+    def _detach(self, block_id: int) -> None:
+        """Frees `block_id`'s snapshot slot; a row whose decode snapshot it was takes its next one afresh."""
+        self._free.append(self.slot_of.pop(block_id))
+        for row_id in [r for r, b in self.moving_of.items() if b == block_id]:
+            del self.moving_of[row_id]
+
+    def row_released(self, row_id: int) -> None:
+        """A row ended: its decode snapshot stays (the chat's next turn hits it), and no longer moves."""
+        self.moving_of.pop(row_id, None)
 
     def forget_slots(self, slots: Iterable[int]) -> None:
         """Drops the snapshots in `slots` (a failed step was to write them)."""
         slots = set(slots)
         for block_id in [b for b, slot in self.slot_of.items() if slot in slots]:
-            self._free.append(self.slot_of.pop(block_id))
+            self._detach(block_id)
             self.num_dropped += 1
 
     def check(self) -> None:
@@ -101,19 +183,29 @@ class StateSnapshots:
         assert len(set(held)) == len(held), "a snapshot slot attached to two blocks"
         assert not set(held) & set(self._free), "a snapshot slot both free and held"
         assert len(held) + len(self._free) == self.num_slots, "a snapshot slot leaked"
+        assert set(self.moving_of.values()) <= set(self.slot_of), "a row's decode snapshot without a slot"
+
+
+def _lazy(ids) -> Iterator[int]:
+    """`ids()` iterated only if a slot must be stolen (the idle list can be long; a moving
+    decode snapshot never needs it)."""
+    yield from ids()
 
 
 class RecurrentGroup:
     """The recurrent layers' group as the block tables drive it (`ferrox_jax/block_tables.py`):
     the rows' running slots (`states`) and, with the prefix cache, the snapshots."""
 
-    def __init__(self, states: StatePool, cache, block_size: int, num_snapshots: int | None = None) -> None:
+    def __init__(self, states: StatePool, cache, block_size: int, num_snapshots: int | None = None,
+                 interval_blocks: int = DEFAULT_INTERVAL_BLOCKS) -> None:
         """`cache`: the prefix cache (`ferrox_jax/prefix_cache.py`), None when off;
-        `num_snapshots`: the snapshot slots after the running ones (None: one per row)."""
+        `num_snapshots`: the snapshot slots after the running ones (None: two per row);
+        `interval_blocks`: a prompt's snapshots every that many blocks (0: only at B)."""
         self.states = states
         self.cache = cache
         self.block_size = block_size
-        count = states.num_slots - 1 if num_snapshots is None else num_snapshots
+        self.interval_blocks = interval_blocks
+        count = SNAPSHOTS_PER_ROW * (states.num_slots - 1) if num_snapshots is None else num_snapshots
         self.snapshots = (StateSnapshots(states.num_slots, count)
                           if states.enabled and cache is not None and count else None)
 
@@ -131,25 +223,54 @@ class RecurrentGroup:
             self.snapshots.num_restored += 1
 
     def chunk_end(self, job, start: int, end: int) -> int:
-        """Where a prompt chunk [start, end) ends: cut at the prompt's snapshot position when
-        that lies inside it, so the state there exists after the step."""
+        """Where a prompt chunk [start, end) ends: cut at the prompt's next snapshot
+        position when that lies inside it, so the state there exists after the step."""
         if self.snapshots is None:
             return end
-        at = snapshot_position(len(job.submitted.prompt_token_ids), self.block_size)
+        at = next_snapshot_position(start, len(job.submitted.prompt_token_ids), self.block_size,
+                                    self.interval_blocks)
         return at if start < at < end else end
 
     def prefilled_to(self, job) -> None:
-        """After a prefill step (its blocks named): at the prompt's snapshot position, the
-        row's state there is saved (next step, before the forward) and attached to the
-        cached block ending there."""
-        at = snapshot_position(len(job.submitted.prompt_token_ids), self.block_size)
-        if self.snapshots is None or not at or job.num_computed_tokens != at:
+        """After a prefill step (its blocks named): on one of the prompt's snapshot
+        positions the row's state there is saved (next step, before the forward) and
+        attached to the cached block ending there; a prefill ending on a later block
+        boundary (P a multiple of the block size) starts the row's decode snapshot there."""
+        if self.snapshots is None:
             return
-        index = at // self.block_size - 1
-        blocks = self.cache.lookup(job.block_names[index:index + 1])
-        slot = self.snapshots.take(blocks[0], self.cache.idle_block_ids()) if blocks else None
-        if slot is not None:
-            self.states.save(job.rows[0].row_id, slot)
+        at, prompt = job.num_computed_tokens, job.submitted.prompt_token_ids
+        if is_snapshot_position(at, len(prompt), self.block_size, self.interval_blocks):
+            self._save(job.block_names, at, job.rows[0].row_id, moving=False)
+        elif at and at % self.block_size == 0 and job.is_prefilled:
+            self._save(job.block_names, at, job.rows[0].row_id, moving=True)
+
+    def row_named(self, row) -> None:
+        """After a row's tokens named its blocks (a decode step, or a preempted row's
+        recompute): when its computed tokens end on a block boundary, its decode snapshot
+        moves there."""
+        at = row.num_computed_tokens
+        if self.snapshots is not None and at and at % self.block_size == 0:
+            self._save(row.block_names, at, row.row_id, moving=True)
+
+    def row_released(self, row) -> None:
+        if self.snapshots is not None:
+            self.snapshots.row_released(row.row_id)
+
+    def _save(self, names: Sequence[bytes], at: int, row_id: int, moving: bool) -> None:
+        """Saves the row's state (at `at` after the step just applied) as the snapshot of the
+        cached block ending at `at`: a prompt's (kept) or the row's decode snapshot (moving)."""
+        index = block_index(at, self.block_size)
+        blocks = self.cache.lookup(names[index:index + 1]) if 0 <= index < len(names) else []
+        if not blocks:
+            return
+        snapshots = self.snapshots
+        previous = snapshots.moving_of.get(row_id) if moving else None
+        slot = snapshots.take(blocks[0], _lazy(self.cache.idle_block_ids), reuse=previous)
+        if slot is None:
+            return
+        self.states.save(row_id, slot)
+        if moving:
+            snapshots.moving_of[row_id] = blocks[0]
 
     def fork(self, job) -> None:
         """n > 1: the state is per row, so the job's other rows copy the prefill row's."""

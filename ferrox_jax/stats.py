@@ -62,10 +62,10 @@ class BatcherStats:
     state_slots_total: int = 0  # slots rows can hold (one per row in flight; 0: the model keeps no recurrent state)
     state_slots_held: int = 0  # of those, held by admitted rows now (a gauge; back to 0 when idle: no leak)
     state_pool_bytes: int = 0  # device bytes of the pool, every slot and the null slot (fixed at start-up)
-    # its snapshot slots (prefix caching: the state at a cached prompt's last full block, ferrox_jax/state_snapshots.py)
+    # its snapshot slots (prefix caching: the state at chosen block boundaries of prompts and rows, state_snapshots.py)
     state_snapshot_slots_total: int = 0  # snapshot slots beside the running ones (0: none, prefix caching off)
     state_snapshot_slots_held: int = 0  # of those, attached to a cached block now (a gauge; freed with the block)
-    state_snapshots_taken: int = 0  # snapshots taken (a counter)
+    state_snapshots_taken: int = 0  # snapshots taken (a counter; a row's decode snapshot counts each move)
     state_snapshots_restored: int = 0  # prefix hits that restored one into a row's slot (a counter)
     # -- structured output (docs/structured-output.md) -----------------------------------
     constrained_requests: int = 0  # jobs taken whose output a grammar constrains

@@ -160,8 +160,8 @@ def test_memory_bounds_count_the_pool_beside_the_kv_cache():
                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
     config = EngineConfig(kv_blocks=64, max_seqs=3, prefill_chunk=32, max_context=256)
     demand = Footprint(cfg, 1024, 4, "cpu").demand(config)
-    # max_seqs rows + the null slot, and with prefix caching (the default) a snapshot slot per row
-    assert demand.state_bytes == pool_bytes(cfg.recurrent_specs(), 3 + 1 + 3)
+    # max_seqs rows + the null slot, and with prefix caching (the default) two snapshot slots per row
+    assert demand.state_bytes == pool_bytes(cfg.recurrent_specs(), 3 + 1 + 2 * 3)
     off = Footprint(cfg, 1024, 4, "cpu").demand(dataclasses.replace(config, prefix_caching=False))
     assert off.state_bytes == pool_bytes(cfg.recurrent_specs(), 3 + 1), "no snapshots without prefix caching"
     five = Footprint(cfg, 1024, 4, "cpu").demand(dataclasses.replace(config, state_snapshots=5))
@@ -184,3 +184,22 @@ def test_the_state_snapshots_setting_is_validated_and_read_from_its_variable():
 
     args = cli.build_parser({}).parse_args(["serve", "--state-snapshots", "3", "--model", "unused"])
     assert cli.engine_config(args).state_snapshots == 3, "the flag reaches the engine's config"
+
+
+def test_the_snapshot_interval_setting_is_validated_and_reaches_the_scheduler():
+    from api import cli
+    from api.settings import env_defaults
+    from ferrox_jax.state_snapshots import DEFAULT_INTERVAL_BLOCKS
+
+    for bad in (-1, 1.5, True, "4"):
+        with pytest.raises(ValueError, match="EngineConfig.state_snapshot_interval"):
+            EngineConfig(model="unused", state_snapshot_interval=bad)
+    assert EngineConfig(model="unused", state_snapshot_interval=0).state_snapshot_interval == 0, "0: off"
+    assert env_defaults({"FERROX_STATE_SNAPSHOT_INTERVAL": "8"})["state_snapshot_interval"] == 8
+    default = cli.engine_config(cli.build_parser({}).parse_args(["serve", "--model", "unused"]))
+    assert default.state_snapshot_interval == DEFAULT_INTERVAL_BLOCKS == 32, "the settings row's default is the engine's"
+    args = cli.build_parser({}).parse_args(["serve", "--state-snapshot-interval", "4", "--model", "unused"])
+    assert cli.engine_config(args).state_snapshot_interval == 4, "the flag reaches the engine's config"
+    limits = SchedulerLimits(block_size=4, num_blocks=8, max_rows=2, max_chunk_tokens=8, state_slots=3,
+                             state_snapshot_interval=0)
+    assert limits.state_snapshot_interval == 0, "0 is a valid limit (no interval snapshots)"

@@ -1,26 +1,35 @@
 """Recurrent state snapshots for prefix hits, and n > 1 forks, on the host side
-(ferrox_jax/state_snapshots.py, ferrox_jax/state_pool.py): where a prompt's chunking is cut,
-which slot copies each step carries, what a hit restores, eviction and stealing, a failed
-step. No device here; the engine-level parity (a hit == cold) is
-tests/models/test_state_prefix_qwen3_5.py.
+(ferrox_jax/state_snapshots.py, ferrox_jax/state_pool.py): where a prompt's chunking is cut
+(its last full block, and every interval), a row's decode snapshot moving with it, which slot
+copies each step carries, what a hit restores, eviction and stealing, a failed step. No device
+here: a `StateOracle` replays each plan's copies and rows over slots holding the tokens a
+state has seen, so a snapshot at the wrong boundary fails here as it would on the model; the
+engine-level parity (a hit == cold) is tests/models/test_state_prefix_qwen3_5.py.
 
-Block size 4, chunks of 8, 3 rows: running slots 1..3, snapshot slots 4..6 (`pool_slots`).
+Block size 4, chunks of 8, 3 rows: running slots 1..3, snapshot slots 4..9 (two per row,
+`pool_slots`). The default interval (32 blocks, 128 tokens here) lies past every prompt
+below unless a test sets one.
 """
 
 from __future__ import annotations
 
+import pytest
+
 from ferrox_jax.config import SchedulerLimits
+from ferrox_jax.prefix_cache import chain_hashes
 from ferrox_jax.request import Job
 from ferrox_jax.scheduler import Scheduler
-from ferrox_jax.state_snapshots import StateSnapshots, snapshot_position
-from tests.support.scripted import ByteTokenizer, ScriptedRunner, letters_token_fn, run_until_idle, tick
+from ferrox_jax.state_snapshots import (StateSnapshots, is_snapshot_position, next_snapshot_position,
+                                       snapshot_position)
+from ferrox_jax.step_output import run_plan
+from tests.support.scripted import ByteTokenizer, ScriptedRunner, collect, letters_token_fn, run_until_idle, tick
 
 BS, CHUNK, ROWS = 4, 8, 3
 
 
-def make(*, max_rows=ROWS, num_blocks=64):
+def make(*, max_rows=ROWS, num_blocks=64, **limits):
     limits = SchedulerLimits(block_size=BS, num_blocks=num_blocks, max_rows=max_rows, max_chunk_tokens=CHUNK,
-                             prefix_caching=True, state_slots=max_rows + 1)
+                             prefix_caching=True, state_slots=max_rows + 1, **limits)
     runner = ScriptedRunner(block_size=BS, num_blocks=num_blocks + 1, max_rows=16, max_chunk_tokens=CHUNK,
                             token_fn=letters_token_fn(), max_chunks=limits.max_chunks)
     return Scheduler(limits, ByteTokenizer()), runner
@@ -32,6 +41,12 @@ def prompt(seed, length):
 
 def job(request_id, tokens, max_tokens=4, **kw):
     return Job(request_id=request_id, prompt_token_ids=tuple(tokens), max_tokens=max_tokens, **kw)
+
+
+def cached_blocks(scheduler, tokens, num_blocks):
+    """The cached blocks of the chain of `tokens` (prompt + output), its first `num_blocks`."""
+    cache = scheduler.blocks.cache
+    return cache.lookup(chain_hashes(tokens, BS, cache.root)[:num_blocks])
 
 
 def ticks(scheduler, runner, n):
@@ -101,12 +116,18 @@ def test_n_rows_copy_the_prefill_rows_state_at_the_fork():
 
 
 def test_a_full_pool_takes_the_least_recently_released_idle_snapshot():
-    scheduler, runner = make(max_rows=1)  # one snapshot slot (2)
+    scheduler, runner = make(max_rows=1)  # two snapshot slots (2, 3)
+    outputs = {}
     for i, name in enumerate("ab"):
         scheduler.add_job(job(name, prompt(10 + i, 10)))
-        run_until_idle(scheduler, runner)
+        run_until_idle(scheduler, runner, outputs)
     snapshots = scheduler.blocks.snapshots
-    assert snapshots.num_taken == 2 and snapshots.num_held == 1 and snapshots.num_dropped == 1
+    # each job takes 2: its prompt's at 8, its row's decode one at 12 (10 + 3 computed tokens = 13).
+    # b's two find no free slot and take a's, least recently released first: a's decode snapshot
+    # (its blocks go tail first), then its prompt's
+    assert snapshots.num_taken == 4 and snapshots.num_held == 2 and snapshots.num_dropped == 2
+    b_blocks = cached_blocks(scheduler, prompt(11, 10) + tuple(outputs["b", 0].token_ids), 3)
+    assert set(snapshots.slot_of) == {b_blocks[1], b_blocks[2]}, "b's snapshots at 8 and 12 hold the slots"
     snapshots.check()
 
 
@@ -124,7 +145,8 @@ def run_past_the_budget():
 def test_eviction_frees_the_snapshot_with_its_block_and_nothing_leaks():
     scheduler, freed_with_blocks = run_past_the_budget()
     blocks = scheduler.blocks
-    assert blocks.cache.num_evicted_blocks > 0 and blocks.snapshots.num_taken == 8
+    # each prompt's snapshot at 12 and its row's decode snapshot at 16 (14 + 3 computed tokens)
+    assert blocks.cache.num_evicted_blocks > 0 and blocks.snapshots.num_taken == 16
     assert freed_with_blocks > 0, "evicting a block gave its snapshot slot back"
     assert all(blocks.cache.is_cached(b) for b in blocks.snapshots.slot_of), "a snapshot outlived its block"
     blocks.snapshots.check()
@@ -172,3 +194,160 @@ def test_without_snapshot_slots_a_recurrent_model_takes_no_hit():
         run_until_idle(scheduler, runner)
     assert scheduler.blocks.num_cached_blocks >= 3, "a's blocks are in the prefix cache"
     assert scheduler.blocks.num_hit_tokens == 0, "without a snapshot a hit would skip tokens whose state it lacks"
+
+
+# -- where snapshots are taken: every interval of a prompt, and a row's latest block --------------
+
+
+class StateOracle:
+    """The recurrent state as the tokens it has seen: each plan's slot copies applied in order,
+    then every planned row must find in its slot exactly its tokens before its start (a row
+    starting at 0 starts fresh), and leaves them through its chunk's end. A snapshot saved at
+    one boundary and attached to another, or a hit restoring the wrong one, fails here."""
+
+    def __init__(self, scheduler):
+        self.scheduler, self.slots, self.num_checked = scheduler, {}, 0
+
+    def step(self, plan):
+        for src, dst in plan.state_copies:
+            self.slots[dst] = self.slots.get(src)
+        for step in plan.chunks + plan.decode:
+            row = self.scheduler._rows[step.row_id]
+            seen = () if step.start_pos == 0 else self.slots.get(step.state_slot)
+            expected = tuple(row.token_ids[:step.start_pos])
+            assert seen == expected, (f"row {step.row_id} starts at {step.start_pos} from a state that has seen "
+                                      f"{None if seen is None else len(seen)} tokens, not its own")
+            self.slots[step.state_slot] = seen + tuple(step.token_ids)
+            self.num_checked += step.start_pos > 0
+
+
+def run_checked(scheduler, runner, oracle, outputs=None):
+    """`run_until_idle` with every plan replayed by the oracle before it runs."""
+    outputs = {} if outputs is None else outputs
+    while scheduler.has_work:
+        plan = scheduler.schedule()
+        if not plan.is_empty:
+            oracle.step(plan)
+            runner.plans.append(plan)
+            scheduler.update(plan, run_plan(runner, plan))
+        collect(outputs, scheduler.take_events())
+    return outputs
+
+
+def chunks_of(runner, row_id):
+    return [(c.start_pos, len(c.token_ids)) for p in runner.plans for c in p.chunks if c.row_id == row_id]
+
+
+def test_snapshot_positions_are_every_interval_up_to_the_last_full_block():
+    # 30 tokens, blocks of 4: B = 28; an interval of 3 blocks adds 12 and 24
+    assert [p for p in range(31) if is_snapshot_position(p, 30, 4, 3)] == [12, 24, 28]
+    assert [p for p in range(31) if is_snapshot_position(p, 30, 4, 0)] == [28], "0: B only"
+    assert [next_snapshot_position(s, 30, 4, 3) for s in (0, 12, 13, 24, 28)] == [12, 24, 24, 28, 0]
+    assert [p for p in range(13) if is_snapshot_position(p, 13, 4, 3)] == [12], "an interval boundary that is B"
+
+
+def test_the_chunking_ends_on_every_interval_boundary_and_b_and_each_is_saved():
+    scheduler, runner = make(state_snapshot_interval=3)
+    oracle = StateOracle(scheduler)
+    scheduler.add_job(job("a", prompt(70, 30), max_tokens=1))
+    run_checked(scheduler, runner, oracle)
+    # chunks of 8 cut at 12, 24 and 28: [0, 8) [8, 12) [12, 20) [20, 24) [24, 28) [28, 30)
+    assert chunks_of(runner, 1) == [(0, 8), (8, 4), (12, 8), (20, 4), (24, 4), (28, 2)]
+    blocks = cached_blocks(scheduler, prompt(70, 30), 7)
+    assert set(scheduler.blocks.snapshots.slot_of) == {blocks[2], blocks[5], blocks[6]}, "at 12, 24 and 28"
+    scheduler.blocks.snapshots.check()
+
+
+def shared_system_prompt(interval, before=lambda scheduler: None):
+    """a = S + 9 tokens, then b = S + 7 other tokens, S a 16-token system prompt (4 blocks):
+    b's hit (the oracle checking every state) and the scheduler."""
+    scheduler, runner = make(state_snapshot_interval=interval)
+    oracle = StateOracle(scheduler)
+    system = prompt(80, 16)
+    scheduler.add_job(job("a", system + prompt(81, 9)))  # B = 24; with an interval of 3, 12 too
+    run_checked(scheduler, runner, oracle)
+    before(scheduler)
+    scheduler.add_job(job("b", system + prompt(82, 7)))
+    run_checked(scheduler, runner, oracle)
+    return chunks_of(runner, 2)[0][0], scheduler, oracle
+
+
+def test_a_prompt_sharing_only_a_system_prompt_hits_its_last_interval_boundary():
+    start, scheduler, oracle = shared_system_prompt(3)
+    assert start == 12 and scheduler.blocks.num_hit_tokens == 12, "b starts at S's last interval boundary"
+    assert scheduler.blocks.snapshots.num_restored == 1 and oracle.num_checked > 0
+    # without the interval a's only prompt snapshot is at 24, past S: b's hit on S's blocks has no state
+    start, scheduler, _ = shared_system_prompt(0)
+    assert start == 0 and scheduler.blocks.num_hit_tokens == 0
+
+
+def test_negative_control_a_snapshot_attached_one_block_off_is_caught(monkeypatch):
+    from ferrox_jax import state_snapshots
+
+    # the state at 12 attached to the block ending at 8, the state at 16 to the one ending at 12
+    monkeypatch.setattr(state_snapshots, "block_index", lambda at, block_size: at // block_size - 2)
+    with pytest.raises(AssertionError, match="not its own"):
+        shared_system_prompt(1)
+
+
+def test_a_rows_decode_snapshot_moves_with_it_and_the_next_turn_hits_past_its_reply():
+    scheduler, runner = make()
+    oracle = StateOracle(scheduler)
+    turn1 = prompt(90, 10)
+    outputs = {}
+    scheduler.add_job(job("t1", turn1, max_tokens=12))
+    run_checked(scheduler, runner, oracle, outputs)
+    history = turn1 + tuple(outputs["t1", 0].token_ids)  # 22 tokens, 21 computed: full blocks up to 20
+    snapshots = scheduler.blocks.snapshots
+    blocks = cached_blocks(scheduler, history, 5)
+    # the prompt's at B = 8, and one decode snapshot, moved 12 -> 16 -> 20 in one slot
+    assert set(snapshots.slot_of) == {blocks[1], blocks[4]}, "the decode snapshot ends at the last full block"
+    saves = [dst for p in runner.plans for _, dst in p.state_copies]
+    assert saves == [4, 5, 5, 5], "the prompt's snapshot, then the decode snapshot moving in its own slot"
+    assert snapshots.num_taken == 4 and snapshots.num_dropped == 2 and snapshots.moving_of == {}
+    scheduler.add_job(job("t2", history + prompt(91, 5)))  # 27 tokens: 6 blocks before its last token
+    run_checked(scheduler, runner, oracle)
+    assert chunks_of(runner, 2)[0][0] == 20, "turn 2 starts at turn 1's last full block, past its prompt (10)"
+    assert snapshots.num_restored == 1 and oracle.num_checked > 0
+    snapshots.check()
+    assert scheduler.states.num_held == 0
+
+
+def test_negative_control_a_decode_snapshot_that_never_moves_holds_a_slot_per_block(monkeypatch):
+    take = StateSnapshots.take
+    monkeypatch.setattr(StateSnapshots, "take", lambda self, block_id, idle_blocks, reuse=None:
+                        take(self, block_id, idle_blocks))
+    scheduler, runner = make()
+    scheduler.add_job(job("t1", prompt(90, 10), max_tokens=12))
+    run_until_idle(scheduler, runner)
+    assert scheduler.blocks.snapshots.num_held == 4, "12, 16 and 20 each kept a slot besides B's"
+
+
+def test_every_row_of_n_2_keeps_its_own_decode_snapshot_and_releases_its_marker():
+    scheduler, runner = make()
+    oracle = StateOracle(scheduler)
+    scheduler.add_job(job("n2", prompt(95, 9), n=2, max_tokens=8))
+    outputs = run_checked(scheduler, runner, oracle)
+    snapshots = scheduler.blocks.snapshots
+    rows = [prompt(95, 9) + tuple(outputs["n2", i].token_ids) for i in range(2)]
+    ends = {cached_blocks(scheduler, tokens, 4)[3] for tokens in rows}  # 16 computed: the block ending at 16
+    assert ends <= set(snapshots.slot_of) and snapshots.moving_of == {}
+    snapshots.check()
+
+
+def test_eviction_and_chats_under_a_small_budget_leak_nothing():
+    scheduler, runner = make(num_blocks=16, state_snapshot_interval=2)
+    oracle = StateOracle(scheduler)
+    for i in range(6):
+        first = prompt(100 + i, 13)
+        outputs = {}
+        scheduler.add_job(job(f"c{i}", first, max_tokens=9))
+        run_checked(scheduler, runner, oracle, outputs)
+        scheduler.add_job(job(f"d{i}", first + tuple(outputs[f"c{i}", 0].token_ids) + prompt(110 + i, 3)))
+        run_checked(scheduler, runner, oracle)
+    blocks = scheduler.blocks
+    snapshots = blocks.snapshots
+    assert blocks.cache.num_evicted_blocks > 0 and snapshots.num_restored > 0
+    snapshots.check()
+    assert all(blocks.cache.is_cached(b) for b in snapshots.slot_of), "a snapshot outlived its block"
+    assert snapshots.moving_of == {} and scheduler.states.num_held == 0 and blocks.budget.num_held_blocks == 0

@@ -168,9 +168,9 @@ def test_server_reports_the_pool_and_an_aborted_stream_gives_its_slot_back(qwen3
     engine = tiny_engine(path, **fc.SERVE_LIMITS)  # the engine fc.serve warmed: max_seqs 2
     with ServerThread(create_app(engine)) as base, httpx.Client(base_url=base, timeout=60) as http:
         stats = http.get("/admin/stats").json()
-        # 2 rows + the null slot + 2 snapshot slots (prefix caching is on); per slot 2 DeltaNet
-        # layers x (3 x 128 conv + 4 x 16 x 16 recurrent) f32
-        assert stats["state_slots_total"] == 2 and stats["state_pool_bytes"] == 5 * 2 * (3 * 128 + 4 * 16 * 16) * 4
+        # 2 rows + the null slot + 4 snapshot slots (prefix caching is on: two per row); per slot
+        # 2 DeltaNet layers x (3 x 128 conv + 4 x 16 x 16 recurrent) f32
+        assert stats["state_slots_total"] == 2 and stats["state_pool_bytes"] == 7 * 2 * (3 * 128 + 4 * 16 * 16) * 4
         model = http.get("/v1/models").json()["data"][0]["id"]
         body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 60, "stream": True,
                 "ignore_eos": True, "temperature": 0}
