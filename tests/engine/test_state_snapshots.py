@@ -21,6 +21,7 @@ from ferrox_jax.request import Job
 from ferrox_jax.scheduler import Scheduler
 from ferrox_jax.state_snapshots import (StateSnapshots, is_snapshot_position, next_snapshot_position,
                                        snapshot_position)
+from ferrox_jax.speculative import NgramProposer
 from ferrox_jax.step_output import run_plan
 from tests.support.scripted import ByteTokenizer, ScriptedRunner, collect, letters_token_fn, run_until_idle, tick
 
@@ -226,6 +227,8 @@ def run_checked(scheduler, runner, oracle, outputs=None):
     outputs = {} if outputs is None else outputs
     while scheduler.has_work:
         plan = scheduler.schedule()
+        if plan.draft_requests:  # prompt lookup's drafts, as `tick` proposes them
+            plan = scheduler.add_drafts(plan, NgramProposer(scheduler.limits.speculative).propose(plan))
         if not plan.is_empty:
             oracle.step(plan)
             runner.plans.append(plan)
@@ -351,3 +354,87 @@ def test_eviction_and_chats_under_a_small_budget_leak_nothing():
     snapshots.check()
     assert all(blocks.cache.is_cached(b) for b in snapshots.slot_of), "a snapshot outlived its block"
     assert snapshots.moving_of == {} and scheduler.states.num_held == 0 and blocks.budget.num_held_blocks == 0
+
+
+class SpeculativeStateOracle(StateOracle):
+    """`StateOracle` with speculation's entries (`models/deltanet.py`, "Speculation"): a slot
+    holds a position p and entries, entry j the tokens through position p + j; a row starting
+    at s reads entry s - 1 - p; a decode row of 1 + d tokens from s leaves d + 1 entries and
+    p = s, a chunk ending at e one entry and p = e - 1; a copy takes the whole slot."""
+
+    def step(self, plan):
+        for src, dst in plan.state_copies:
+            self.slots[dst] = self.slots.get(src)
+        for step in plan.chunks + plan.decode:
+            row = self.scheduler._rows[step.row_id]
+            seen, entry, num_entries = (), 0, 0
+            if step.start_pos:
+                pos, entries = self.slots[step.state_slot]
+                entry = step.start_pos - 1 - pos
+                assert 0 <= entry < len(entries), f"row {step.row_id} reads entry {entry} of {len(entries)}"
+                seen, num_entries = entries[entry], len(entries)
+            assert seen == tuple(row.token_ids[:step.start_pos]), f"row {step.row_id}'s state is not its own"
+            self.entries_read.append((step.row_id, step.start_pos, entry, num_entries))
+            if step in plan.decode:
+                self.slots[step.state_slot] = (step.start_pos, [seen + tuple(step.token_ids[:j + 1])
+                                                                for j in range(len(step.token_ids))])
+            else:
+                self.slots[step.state_slot] = (step.start_pos + len(step.token_ids) - 1,
+                                               [seen + tuple(step.token_ids)])
+
+    def __init__(self, scheduler):
+        super().__init__(scheduler)
+        self.entries_read = []
+
+
+class OneEntryStateOracle(SpeculativeStateOracle):
+    """A pool without speculation's entries: a decode row leaves only the state after its
+    last token (what a snapshot passed mid-step would hold without them)."""
+
+    def step(self, plan):
+        super().step(plan)
+        for step in plan.decode:
+            pos, entries = self.slots[step.state_slot]
+            self.slots[step.state_slot] = (pos + len(entries) - 1, entries[-1:])
+
+
+def speculative_chat(oracle_cls):
+    """Turn 1 (13 tokens) replies round a cycle prompt lookup drafts, in steps of 4 tokens from
+    13 (13-16, 17-20, 21-24: each passes a block boundary before its last token); turn 2 is
+    turn 1, its reply and 3 more: (turn 2's start, the entry it read of how many, the plans)."""
+    from ferrox_jax.config import SpeculativeConfig
+    from tests.support.scripted import script_token_fn
+
+    cycle = tuple(range(200, 210))
+    first = cycle + cycle[:3]
+    reply = (cycle * 3)[3:17]
+    turn2 = first + reply + (150, 151, 152)  # 30 tokens; turn 1 computed 13 + 13 = 26: full blocks up to 24
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
+    limits = SchedulerLimits(block_size=BS, num_blocks=64, max_rows=ROWS, max_chunk_tokens=CHUNK,
+                             prefix_caching=True, state_slots=ROWS + 1, speculative=spec)
+    scheduler = Scheduler(limits, ByteTokenizer())
+    runner = ScriptedRunner(block_size=BS, num_blocks=65, max_rows=16, max_chunk_tokens=CHUNK,
+                            token_fn=script_token_fn({first: reply, turn2: (160, 161)}))
+    oracle = oracle_cls(scheduler)
+    outputs = {}
+    scheduler.add_job(job("t1", first, max_tokens=len(reply)))
+    run_checked(scheduler, runner, oracle, outputs)
+    assert tuple(outputs["t1", 0].token_ids) == reply
+    scheduler.add_job(job("t2", turn2, max_tokens=2))
+    run_checked(scheduler, runner, oracle)
+    scheduler.blocks.snapshots.check()
+    start, entry, num_entries = next(read[1:] for read in oracle.entries_read if read[0] == 2)
+    return start, (entry, num_entries), runner.plans
+
+
+def test_with_speculation_a_decode_snapshot_passed_mid_step_restores_the_entry_after_it():
+    start, entry, plans = speculative_chat(SpeculativeStateOracle)
+    assert any(r.num_draft_tokens for p in plans for r in p.decode), "turn 1 verified drafts"
+    assert start == 24, "turn 2 hits turn 1's decode snapshot at 24"
+    # saved after the step over 21..24: entry 24 - 1 - 21 = 2 of its 4, the state after 23
+    assert entry == (2, 4), "the boundary was passed mid-step: the restored row reads an entry before the last"
+
+
+def test_negative_control_without_the_entries_a_snapshot_passed_mid_step_is_caught():
+    with pytest.raises(AssertionError, match="not its own|reads entry"):
+        speculative_chat(OneEntryStateOracle)
