@@ -94,20 +94,26 @@ def model(http):
 # in collection order. Files go dearest first (their seconds in tests/durations.json,
 # written by `python -m tools.suite.test_durations` from a run's JUnit XML), so the long ones
 # start at once and the short ones fill in at the end, instead of one worker running a
-# 10-minute file alone at the end. A file not in the table counts as the median.
+# 10-minute file alone at the end. A file not in the table goes before every file in it:
+# a new file is often a dear one (engines, subprocesses), and one that starts late can
+# hold one worker long after the other finished, where a cheap one started early costs
+# nothing (the short files at the end still even the two workers out).
 _DURATIONS = Path(__file__).resolve().parent / "durations.json"
+
+
+def file_order(files: list[str], seconds: dict[str, float]) -> list[str]:
+    """`files` (in collection order) as `make test` runs them: those `seconds` lacks first,
+    in collection order, then the rest dearest first (ties in collection order)."""
+    first_seen = {name: i for i, name in enumerate(files)}
+    return sorted(files, key=lambda name: (name in seconds, -seconds.get(name, 0.0), first_seen[name]))
 
 
 def pytest_collection_modifyitems(config, items):
     import json
-    import statistics
 
     if not _DURATIONS.exists():
         return
     seconds = json.loads(_DURATIONS.read_text())["seconds"]
-    default = statistics.median(seconds.values()) if seconds else 0.0
-    first_seen: dict[str, int] = {}
-    for item in items:
-        first_seen.setdefault(item.nodeid.split("::")[0], len(first_seen))
-    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], default),
-                                 first_seen[item.nodeid.split("::")[0]]))
+    files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
+    rank = {name: i for i, name in enumerate(file_order(files, seconds))}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: a file's tests keep their order
