@@ -1,10 +1,10 @@
 """Speculative decoding by prompt lookup: the tokens are the non-speculative ones, greedy and
 sampled, alone and batched, with every stop condition and a thinking budget's forced marker;
-drafts were really accepted."""
+drafts were really accepted. The same on the default model is
+tests/engine/test_speculative_default_model.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -382,28 +382,3 @@ def test_greedy_identical_under_tensor_parallel_on_two_devices(families):
     assert got["devices"] == 2
     assert got["on"] == got["off"], "speculation changed the tokens under tensor parallelism"
     assert got["accepted"] > 0 and got["steps_on"] < got["steps_off"]
-
-
-@pytest.mark.slow
-def test_default_model_greedy_identical_alone_and_batched():
-    runner, ckpt = make_runner("default", num_blocks=48, block_size=16, max_rows=STEP_ROWS, max_chunk_tokens=128,
-                               max_context=512)
-    tok = ckpt.tokenizer
-    code = "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
-    prompts = [f"Copy this code exactly, renaming w to width:\n{code}\nCopy:\n", "The capital of France is",
-               f"Here is a file:\n{code}\nThe same file:\n"]
-    jobs = [Job(request_id=f"d{i}", prompt_token_ids=tuple(tok.encode(p)), max_tokens=40,
-                sampling=GREEDY) for i, p in enumerate(prompts)]
-    # fixed k, and the adaptive length (up to 12 drafts a row while every draft is kept)
-    adaptive = dataclasses.replace(SPEC, max_speculative_tokens=12)
-    for batch in ([jobs[0]], jobs):
-        off = drive(runner, tok, batch, None)
-        for spec in (SPEC, adaptive):
-            on = drive(runner, tok, batch, spec)
-            _assert_same(off, on, f"default model, {len(batch)} rows, max_speculative_tokens {spec.max_speculative_tokens}")
-            counters = on.scheduler.speculator.counters
-            assert counters.num_accepted_tokens > 0
-            assert on.scheduler.budget.num_held_blocks == 0
-    # the batch's "same file" row copies: its drafts grew past k and were kept
-    assert any(counters.accepted_per_pos[SPEC.num_speculative_tokens:]), "adaptive: no draft past k was kept"
-    assert set(runner._compiled) <= set(runner.compile_keys()), "longer drafts add no shape"
