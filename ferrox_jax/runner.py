@@ -174,7 +174,7 @@ class ModelRunner:
         self._state_tree = None  # the weights' tree structure, fixed by the first `_set_state`
         # Expert layers pointed at the mesh (models/moe_ep.py) take their stacks split by expert.
         self.shardings = None if mesh is None else runner_shardings(mesh, cfg, state, replicate_attention,
-                                                                    uses_expert_parallel(model))
+                                                                    uses_expert_parallel(model), state_entries)
         self._set_state(state if self.shardings is None else place_on_mesh(state, self.shardings.state))
         # One process: batch inputs go to the compiled steps as numpy (`ferrox_jax/step.py`).
         self._place_inputs = jax.process_count() > 1

@@ -27,8 +27,9 @@ the results once).
     conv_weight                 [C, 1, Kc]   P("model", None, None)  P()
     A_log / dt_bias             [Hv]         P("model")           P()
     out_proj                    [Hv*dv, D]   P("model", None)     P()
-    state pool, per layer       conv [S, Kc-1, C]  P(None, None, "model");  recurrent [S, Hv, dk, dv]
-                                P(None, "model", None, None)      P()
+    state pool, per layer       conv [S*E, Kc-1, C]  P(None, None, "model");  recurrent [S*E, Hv, dk, dv]
+                                P(None, "model", None, None)      P()   (E entries a slot with speculation)
+    state pool positions        [S] (speculation only)  P()       P()
     shared_gate / shared_up     [D, S]       P(None, "model")     same  (Qwen3-Next's shared expert)
     shared_down                 [S, D]       P("model", None)     same
     norms, q_norm / k_norm, router, router_bias, o_bias, experts_down_bias, gate_norm, shared_expert_gate
@@ -63,6 +64,14 @@ delta rule and the gated norm run locally and out_proj's all-reduce is the layer
 collective. HF's conv channels are q | k | v (a split of C in M parts would cut across
 them), so on a mesh the runner regroups them per device first (`models/deltanet_groups.py:
 group_for_devices`); this needs M | Hk and M | Hv.
+With speculation each slot keeps E = 1 + k entries, rows of the same pool arrays (entry j of
+slot s is row s + j * S), so every entry splits as its state does, and the pool's per-slot
+positions (i32[S]: which position entry 0 follows) are replicated: every device computes
+the same update from the replicated batch. The verification step's reads (the entry a row
+continues from, its run's conv window, the state after the row before it) index the slot
+and token axes, never a split one, so they stay local and the layer's out_proj all-reduce
+remains its one collective (tests/system/test_family_sharding.py compares the compiled
+verification step's collectives with those of a plain step).
 Latent attention (`models/mla.py`) splits its heads the same way: q_b_proj's and
 kv_b_proj's columns are head-major, so each device holds its heads' up-projections and
 attends with them over the whole latent cache, which is one head and so replicated (as
@@ -243,8 +252,10 @@ def kv_partition_spec(replicate_attention: bool = False) -> P:
 
 
 def state_pool_partition_specs(replicate_attention: bool = False) -> tuple[P, P]:
-    """(conv f32[S, Kc - 1, C], recurrent f32[S, Hv, dk, dv]) of the recurrent state pool
-    (models/deltanet.py): channels and value heads over `model`, as the layer's weights split them."""
+    """(conv f32[S*E, Kc - 1, C], recurrent f32[S*E, Hv, dk, dv]) of the recurrent state pool
+    (models/deltanet.py): channels and value heads over `model`, as the layer's weights split
+    them; the E entries of a slot (speculation) are rows of the same arrays, split alike. The
+    pool's positions (with speculation) are replicated (`runner_shardings`)."""
     if replicate_attention:
         return P(), P()
     return P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None, None)
@@ -295,9 +306,11 @@ class RunnerShardings:
 
 
 def runner_shardings(mesh: Mesh, cfg: ModelConfig, state, replicate_attention: bool = False,
-                     expert_parallel: bool = False) -> RunnerShardings:
+                     expert_parallel: bool = False, state_entries: int = 1) -> RunnerShardings:
     """Shardings for an nnx.State (from `nnx.split(model)`) and the KV cache on `mesh`
-    (`expert_parallel`: the expert stacks split by expert, `models/moe_ep.py`)."""
+    (`expert_parallel`: the expert stacks split by expert, `models/moe_ep.py`; `state_entries`:
+    a recurrent model's entries a state slot keeps, more than 1 with speculation, whose pool
+    then carries per-slot positions, replicated)."""
     check_divisibility(cfg, mesh.shape[MODEL_AXIS], replicate_attention, expert_parallel)
 
     def spec(path, leaf):
@@ -319,7 +332,8 @@ def runner_shardings(mesh: Mesh, cfg: ModelConfig, state, replicate_attention: b
     if cfg.recurrent_specs():
         conv, rec = (NamedSharding(mesh, p) for p in state_pool_partition_specs(replicate_attention))
         layers = len(cfg.recurrent_specs())
-        states = RecurrentStates(conv=(conv,) * layers, recurrent=(rec,) * layers)
+        states = RecurrentStates(conv=(conv,) * layers, recurrent=(rec,) * layers,
+                                 positions=NamedSharding(mesh, P()) if state_entries > 1 else None)
     return RunnerShardings(
         mesh=mesh,
         state=jax.tree_util.tree_map_with_path(spec, state, is_leaf=is_weight),

@@ -53,10 +53,11 @@ With speculation each slot keeps 1 + k entries (`state_entries`, `models/deltane
 entries and its position (`ferrox_jax/kv_cache.py:copy_state_slots`).
 
 What these models do not do yet, refused at load with the reason (`refuse_unsupported`,
-`recurrent_settings`): the host KV tier (its swap would need the states too), and
-speculation under tensor parallelism (the per-slot positions are not placed on a mesh).
+`recurrent_settings`): the host KV tier (its swap would need the states too).
 Under tensor parallelism the pool is split as the layers' weights are, by value head and
 conv channel (`ferrox_jax/sharding.py`), and the memory bounds count each device's part.
+Speculation runs there too: a slot's entries are rows of the same split arrays, and the
+per-slot positions are replicated, every device updating its copy alike.
 """
 
 from __future__ import annotations
@@ -187,17 +188,12 @@ def state_entries(speculative) -> int:
 
 def recurrent_settings(config, model_cfg):
     """The `EngineConfig` a model with recurrent layers is served under, refused with the
-    reason where it cannot be: the host KV tier, and speculation under tensor parallelism.
-    Prefix caching stays on (state snapshots, `ferrox_jax/state_snapshots.py`); speculation
-    runs (`--speculative mtp` is refused by `ferrox_jax/mtp.py:check_mtp`: these models' MTP
-    layers are not loaded). Any other model's config is returned as it is."""
+    reason where it cannot be: the host KV tier. Prefix caching stays on (state snapshots,
+    `ferrox_jax/state_snapshots.py`); speculation runs, on one device or under tensor
+    parallelism (`--speculative mtp` is refused by `ferrox_jax/mtp.py:check_mtp`: these
+    models' MTP layers are not loaded). Any other model's config is returned as it is."""
     if not model_cfg.recurrent_specs():
         return config
-    if config.speculative is not None and config.mesh_shape[1] > 1:
-        raise StatePoolUnsupported("--speculative with tensor parallelism: this model has recurrent "
-                                   "(linear-attention) layers, whose per-draft states are not split over "
-                                   "devices yet; speculate on one device, or serve it sharded without "
-                                   "--speculative")
     refuse_unsupported(config.kv_offload_gib)  # before the weights are placed
     return config
 

@@ -75,7 +75,11 @@ row-parallel product reduces across devices. The conv's channel axis C is HF's q
 which M equal parts would cut across; `models/deltanet_groups.py` regroups it on a mesh to
 [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (in_proj_qkv's columns and conv1d's channels permuted,
 `DeltaNetSpec.shards` recording the grouping; the fused form builds the grouped q | k | v from
-its per-group projection), so each part holds whole heads.
+its per-group projection), so each part holds whole heads. Speculation runs there as on one
+device: a slot's entries are rows of the same split pool arrays, the pool's `positions` are
+replicated, and what a verification step reads (`state_rows`' entry, `run_windows`' gather
+of the run's inputs, `delta_rule_runs`' state of the row before) indexes rows, slots and
+entries, never the split head or channel axis, so it stays on each device.
 """
 
 from __future__ import annotations

@@ -133,9 +133,10 @@ def test_recurrent_models_keep_prefix_caching_and_speculate():
     # speculation runs: each slot keeps the states after every verified token (models/deltanet.py)
     spec = recurrent_settings(dataclasses.replace(config, speculative=SpeculativeConfig()), _Cfg((SPEC,)))
     assert spec.speculative == SpeculativeConfig() and spec.prefix_caching
-    with pytest.raises(StatePoolUnsupported, match="--speculative with tensor parallelism"):
-        recurrent_settings(dataclasses.replace(config, speculative=SpeculativeConfig(), tensor_parallel=2),
-                           _Cfg((SPEC,)))
+    # and under tensor parallelism: the entries split as their states, the positions replicated
+    both = recurrent_settings(dataclasses.replace(config, speculative=SpeculativeConfig(), tensor_parallel=2),
+                              _Cfg((SPEC,)))
+    assert both.speculative == SpeculativeConfig() and both.mesh_shape == (1, 2)
     with pytest.raises(StatePoolUnsupported, match="--kv-offload-gib"):
         recurrent_settings(dataclasses.replace(config, kv_offload_gib=1.0), _Cfg((SPEC,)))
     # tensor parallelism splits the pool (ferrox_jax/sharding.py): served, prefix caching on as on one device
