@@ -1,4 +1,4 @@
-"""Tensor parallelism for the Gated DeltaNet families (Qwen3.5, Qwen3-Next), run inside the
+"""Tensor parallelism for the Gated DeltaNet families (Qwen3.5, Qwen3-Next, Qwen3.5-MoE), run inside the
 families sharding probe's subprocess (tests/support/sharding_probe.py `families ... --tp2-state
 DIR...`; asserted by tests/system/test_family_sharding.py).
 
@@ -10,6 +10,13 @@ also 0 recompiles after warm-up over a mixed workload, and the negative controls
 device's conv channels grouped with the next device's value heads (a value head beside the
 wrong key head), which the parity must catch; and the channels left in HF's order, whose
 decode step the collectives check must catch moving channels between devices.
+
+The first checkpoint (Qwen3.5) also speculates at tp 2 (`speculation_tp`): prompt lookup over
+repetitive prompts, two rows of 1 + k verified tokens a step, against one device without
+speculation, token for token and logprob for logprob; the pool's entries split as its
+states and its positions replicated; 0 recompiles after warm-up; the verification step's
+collectives those of a plain step. Its control reads the wrong entry (the states after every
+verified token, rejected drafts included) and must change the reply.
 """
 
 from __future__ import annotations
@@ -61,16 +68,17 @@ def _misgrouped(channel_order):
     return order_of
 
 
-def collectives(runner):
-    """[(op, result shape)] of the compiled one-row decode step, as the HLO text lists them."""
-    text = runner._executable(("forward", 1, 0, 0)).as_text()
+def collectives(runner, rows=1):
+    """[(op, result shape)] of the compiled decode step of `rows` rows, as the HLO text lists them."""
+    text = runner._executable(("forward", rows, 0, 0)).as_text()
     found = re.findall(r"= (\S+?)\{[^}]*\} (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)\(",
                        text)
     return [(op, shape) for shape, op in found]
 
 
 def case_state_tp(path, control=False):
-    """One checkpoint at tp 2 against one device (module docstring)."""
+    """One checkpoint at tp 2 against one device (module docstring); with `control`, prompt
+    lookup at tp 2 too (`speculation_tp`)."""
     from ferrox_jax.sharding import describe_sharding
     from models import deltanet_groups as deltanet
     from models.loader import load_checkpoint
@@ -89,7 +97,8 @@ def case_state_tp(path, control=False):
     states = runner.kv_cache.states
     out["placement"] = {name: describe_sharding(layer[name][...]) for name in layer
                         if name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz",
-                                    "in_proj_ba", "conv_weight", "A_log", "dt_bias", "gate_norm", "out_proj")}
+                                    "in_proj_ba", "conv_weight", "A_log", "dt_bias", "gate_norm", "out_proj",
+                                    "experts_gate", "experts_down", "shared_gate", "shared_down")}
     out["placement"]["conv_pool"] = describe_sharding(states.conv[0])
     out["placement"]["recurrent_pool"] = describe_sharding(states.recurrent[0])
     if control:  # the first checkpoint only: warm-up compiles every shape (the costly part)
@@ -101,6 +110,7 @@ def case_state_tp(path, control=False):
     out["num_layers"], out["hidden_size"], out["vocab_size"] = (ckpt.config.num_layers, ckpt.config.hidden_size,
                                                              ckpt.config.vocab_size)
     if control:
+        out["speculation"] = speculation_tp(path, runner)
         real = deltanet.channel_order
         deltanet.channel_order = _misgrouped(real)
         try:
@@ -118,4 +128,111 @@ def case_state_tp(path, control=False):
             out["ungrouped_collectives"] = collectives(_runner(load_checkpoint(path).model, 2))
         finally:
             runner_module.group_for_devices = real_grouping
+    return out
+
+
+# Prompt lookup at tp 2 (`speculation_tp`): two rows speculating at once, k drafts each.
+SPEC_ROWS, K = 2, 3
+SPEC_SEED, SPEC_TOKENS = 5, 32  # the prompts' phrases, the tokens each reply takes
+MIXING = 0.01  # the layers' share of the residual stream (`_weakly_mixing`)
+SPEC_GEOMETRY = dict(max_chunk_tokens=16)  # fewer chunk buckets: the warm-up is this case's cost
+
+
+def spec_jobs(vocab_size, replies=None):
+    """Greedy jobs (logprobs on) of repetitive prompts: a random phrase repeated, and with the
+    one-device `replies` (a Run) to those, phrase + reply + phrase, so that prompt lookup
+    drafts what the reply did after the phrase, and the weakly mixing model (`_weakly_mixing`)
+    keeps much of it."""
+    from ferrox_jax.request import Job, RowSampling
+
+    rng = np.random.RandomState(SPEC_SEED)
+    prompts = [rng.randint(3, vocab_size, 5).tolist() * 4, rng.randint(3, vocab_size, 7).tolist() * 3]
+    if replies is not None:
+        prompts = [p + replies.tokens[f"s{i}"][0] + p for i, p in enumerate(prompts)]
+    return [Job(request_id=f"s{i}", prompt_token_ids=tuple(p), max_tokens=SPEC_TOKENS,
+                sampling=RowSampling(temperature=0.0, logprobs=1)) for i, p in enumerate(prompts)]
+
+
+def _weakly_mixing(model, scale=MIXING):
+    """`model` with every layer's output projection (DeltaNet out_proj, o_proj, down_proj)
+    scaled by `scale`: the next token then depends mostly on the current one, so a reply
+    repeats what followed a token before and lookup's drafts are often right; the layers
+    (the DeltaNet states among them) still move the logits by about `scale` of their size,
+    which the control's wrong states show."""
+    for layer in model.layers:
+        for name in ("out_proj", "o_proj", "down_proj"):
+            if hasattr(layer, name):
+                var = getattr(layer, name)
+                var.set_value(var.get_value() * scale)
+    return model
+
+
+def compare(run, ref) -> dict:
+    """Whether two runs' replies are the same tokens, and their chosen tokens' max |Δlogprob|
+    (over each reply's common length, so a reply cut short by a different token still compares)."""
+    err = 0.0
+    for key, rows in ref.logprobs.items():
+        a, b = run.logprobs[key][0], rows[0]
+        n = min(len(a), len(b))
+        err = max(err, float(np.abs(np.asarray(a[:n]) - np.asarray(b[:n])).max()) if n else 0.0)
+    return {"same_tokens": run.tokens == ref.tokens, "logprob_err": err}
+
+
+def _no_rollback(part, length, last):
+    """The control's `commit_entries`: the run's last token writes entry 0, which follows the
+    run's last position, so the next step starts after all 1 + d tokens, rejected or not."""
+    return length - 1 - part, last - part + length - 1
+
+
+def speculation_tp(path, plain_tp):
+    """`--speculative ngram` at tp 2 against one device without speculation (one state entry a
+    slot), on the checkpoint at `path` made weakly mixing (`_weakly_mixing`): the replies,
+    their logprobs, the spec counters, where the pool's entries and positions landed, 0
+    recompiles after warm-up, and the compiled decode step's collectives against those of
+    `plain_tp` (tp 2 without speculation) at the same shape. The control keeps the states
+    after every verified token (the wrong entry on the mesh)."""
+    import jax
+
+    from ferrox_jax.config import SpeculativeConfig
+    from ferrox_jax.sharding import describe_sharding
+    from ferrox_jax.state_pool import state_entries
+    from models import deltanet
+    from tests.support.sharding_probe import _runner
+    from tests.support.spec_driver import drive
+
+    from models.loader import load_checkpoint
+
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=K, ngram_min=1, ngram_max=3, max_rows=SPEC_ROWS)
+    rows = spec.step_rows(SPEC_ROWS)
+    ckpt = load_checkpoint(path)
+    _weakly_mixing(ckpt.model)
+    one_device = _runner(ckpt.model, 1, **SPEC_GEOMETRY)
+    phrases = drive(one_device, ckpt.tokenizer, spec_jobs(ckpt.config.vocab_size), None, max_rows=SPEC_ROWS,
+                    state_slots=SPEC_ROWS + 1)
+    jobs = spec_jobs(ckpt.config.vocab_size, phrases)
+    ref = drive(one_device, ckpt.tokenizer, jobs, None, max_rows=SPEC_ROWS, state_slots=SPEC_ROWS + 1)
+
+    def speculating():
+        return _runner(ckpt.model, 2, max_rows=rows, state_entries=state_entries(spec), **SPEC_GEOMETRY)
+
+    runner = speculating()
+    runner.warmup()
+    run = drive(runner, ckpt.tokenizer, jobs, spec, max_rows=SPEC_ROWS, state_slots=rows + 1)
+    counters = run.scheduler.speculator.counters
+    states = runner.kv_cache.states
+    out = {**compare(run, ref), "drafted": counters.num_draft_tokens, "accepted": counters.num_accepted_tokens,
+           "steps": run.num_steps, "steps_off": ref.num_steps, "step_rows": rows, "entries": states.entries,
+           "recompiles_after_warmup": runner.recompiles_after_warmup,
+           "positions": describe_sharding(states.positions), "conv_pool": describe_sharding(states.conv[0]),
+           "recurrent_pool": describe_sharding(states.recurrent[0]),
+           "collectives": collectives(runner, 4), "plain_collectives": collectives(plain_tp, 4)}
+    real = deltanet.commit_entries
+    jax.clear_caches()  # the steps are traced again with the control's commit
+    deltanet.commit_entries = _no_rollback
+    try:
+        bad = drive(speculating(), ckpt.tokenizer, jobs, spec, max_rows=SPEC_ROWS, state_slots=rows + 1)
+    finally:
+        deltanet.commit_entries = real
+        jax.clear_caches()
+    out["no_rollback"] = compare(bad, ref)
     return out

@@ -9,12 +9,13 @@ under split heads, grouped sigmoid routing, a shared expert and a dense layer, w
 experts split by width (tensor parallelism alone) and by expert (`--expert-parallel`, 4
 whole experts per device); the control rolls the expert stacks one device along E.
 
-Qwen3.5 and Qwen3-Next (Gated DeltaNet layers beside gated attention; 2 k / 4 v heads, so tp 2)
-in the same subprocess (tests/support/deltanet_tp_probe.py): two rows prefilled in two chunks
-then decoded together match one device, the layer's weights and the state pool are split by
-head, a decode step's only collectives are each layer's two row-parallel all-reduces and the
-vocab's, 0 recompiles after warm-up; the control pairs each device's key heads with the next
-device's value heads."""
+Qwen3.5, Qwen3-Next and Qwen3.5-MoE (Gated DeltaNet layers beside gated attention; 2 k / 4 v
+heads, so tp 2) in the same subprocess (tests/support/deltanet_tp_probe.py): two rows prefilled
+in two chunks then decoded together match one device, the layer's weights and the state pool
+are split by head, a decode step's only collectives are each layer's two row-parallel
+all-reduces and the vocab's, 0 recompiles after warm-up; the control pairs each device's key
+heads with the next device's value heads. Qwen3.5 speculates there too (prompt lookup at tp 2
+against one device without it); its control reads the wrong state entry."""
 
 from __future__ import annotations
 
@@ -47,16 +48,22 @@ DELTANET_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=
                        layer_types=DELTANET_LAYERS, max_position_embeddings=512, tie_word_embeddings=False)
 
 
+DELTANET_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48)
+
+
 def deltanet_checkpoints(root):
-    """The tiny Qwen3.5 and Qwen3-Next of tests/models/test_family_qwen3_5.py (Qwen3-Next: top-2
-    of 4 experts, a shared expert of width 48, layer 2 dense)."""
+    """The tiny Qwen3.5, Qwen3-Next and Qwen3.5-MoE of tests/models/test_family_qwen3_5.py
+    (Qwen3-Next: top-2 of 4 experts, a shared expert of width 48, layer 2 dense; Qwen3.5-MoE:
+    Qwen3.5's unfused DeltaNet with those experts on every layer)."""
     qwen3_5 = transformers.Qwen3_5TextConfig(**DELTANET_SHAPES)
     qwen3_5.architectures = ["Qwen3_5ForCausalLM"]
-    qwen3_next = transformers.Qwen3NextConfig(**DELTANET_SHAPES, num_experts=4, num_experts_per_tok=2,
-                                              moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                              mlp_only_layers=[2])
+    qwen3_next = transformers.Qwen3NextConfig(**DELTANET_SHAPES, **DELTANET_EXPERTS, mlp_only_layers=[2])
     qwen3_next.architectures = ["Qwen3NextForCausalLM"]
-    return fc.make_checkpoint(root / "qwen3_5", qwen3_5), fc.make_checkpoint(root / "qwen3_next", qwen3_next)
+    qwen3_5_moe = transformers.Qwen3_5MoeTextConfig(**DELTANET_SHAPES, **DELTANET_EXPERTS)
+    qwen3_5_moe.architectures = ["Qwen3_5MoeForCausalLM"]
+    return (fc.make_checkpoint(root / "qwen3_5", qwen3_5), fc.make_checkpoint(root / "qwen3_next", qwen3_next),
+            fc.make_checkpoint(root / "qwen3_5_moe", qwen3_5_moe))
 
 
 def glm4_moe(path):
@@ -155,7 +162,7 @@ def _deltanet(probed, name):
     return next(v for k, v in probed.items() if k.startswith("state:") and k.endswith(name))
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
 def test_deltanet_tp2_matches_one_device(probed, name):
     """Two rows in one step, each prompt in two chunks (the second continues the states from
     the slots), then 4 greedy steps with the rows batched: tp 2 against one device."""
@@ -185,7 +192,7 @@ def test_deltanet_tp2_splits_weights_and_state_pool_by_head(probed):
     assert fused["conv_weight"]["shard_shapes"] == [[64, 1, 4]]
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
 def test_deltanet_tp2_decode_step_reduces_only_after_row_parallel_products(probed, name):
     """Every head's conv, delta rule and gated norm stay on its device: nothing of the
     mixers is gathered, and the [1, D] all-reduces are the row-parallel products'."""
@@ -218,6 +225,55 @@ def test_deltanet_tp2_control_value_heads_on_the_wrong_device_differ(probed):
     """The check catches a wrong grouping: each device's key heads beside the next device's value heads."""
     got = _deltanet(probed, "qwen3_5")["misgrouped"]
     assert got["prefill_err"] > 100 * ATOL and got["decode_err"] > 100 * ATOL, got
+
+
+def test_qwen3_5_moe_tp2_splits_deltanet_by_head_and_experts_by_width(probed):
+    """Qwen3.5's unfused DeltaNet split (the conv channels grouped per device) beside Qwen3-Next's
+    experts split by width and its shared expert as a dense MLP, in one model."""
+    place = _deltanet(probed, "qwen3_5_moe")["placement"]
+    assert place["in_proj_qkv"]["shard_shapes"] == [[64, 64]]
+    assert place["conv_weight"]["shard_shapes"] == [[64, 1, 4]]
+    assert place["out_proj"]["shard_shapes"] == [[32, 64]]
+    assert place["experts_gate"]["shard_shapes"] == [[4, 64, 16]], "4 experts of width 32: 16 columns of each"
+    assert place["experts_down"]["shard_shapes"] == [[4, 16, 64]]
+    assert place["shared_gate"]["shard_shapes"] == [[64, 24]] and place["shared_down"]["shard_shapes"] == [[24, 64]]
+    assert place["recurrent_pool"]["shard_shapes"] == [[5, 2, 16, 16]]
+
+
+def test_deltanet_tp2_speculation_matches_one_device_without(probed):
+    """Prompt lookup at tp 2 (two rows of 1 + 3 verified tokens a step) against one device
+    without speculation: the same tokens, logprobs within 1e-4, drafts both accepted and
+    rejected (so the next step read entries other than 0)."""
+    got = _deltanet(probed, "qwen3_5")["speculation"]
+    assert got["same_tokens"], "speculation at tp 2 changed the greedy reply"
+    assert got["logprob_err"] < ATOL, f"logprobs moved by {got['logprob_err']}"
+    assert 0 < got["accepted"] < got["drafted"], f"{got['accepted']} of {got['drafted']} drafts accepted"
+    assert got["steps"] < got["steps_off"], "accepted drafts save steps"
+    assert got["recompiles_after_warmup"] == 0
+
+
+def test_deltanet_tp2_speculation_splits_every_entry_and_replicates_positions(probed):
+    got = _deltanet(probed, "qwen3_5")["speculation"]
+    slots, entries = got["step_rows"] + 1, got["entries"]  # the null slot, one a row; 1 + k entries each
+    assert entries == 4
+    assert got["conv_pool"]["shard_shapes"] == [[slots * entries, 3, 64]], "entries split by channel"
+    assert got["recurrent_pool"]["shard_shapes"] == [[slots * entries, 2, 16, 16]], "entries split by value head"
+    assert got["positions"]["shard_shapes"] == [[slots]] and got["positions"]["num_shards"] == 2, "replicated"
+
+
+def test_deltanet_tp2_verification_step_adds_no_collective(probed):
+    """The entry each row reads, its run's conv window and the state after the row before it
+    are gathered on each device: a speculating runner's decode step has exactly the
+    collectives of a plain one at the same shape."""
+    got = _deltanet(probed, "qwen3_5")["speculation"]
+    assert got["collectives"] == got["plain_collectives"], (got["collectives"], got["plain_collectives"])
+
+
+def test_deltanet_tp2_speculation_control_wrong_entry_changes_the_reply(probed):
+    """The check catches the wrong entry on the mesh: the states kept after every verified
+    token (rejected drafts included) change the tokens or move the logprobs far past 1e-4."""
+    bad = _deltanet(probed, "qwen3_5")["speculation"]["no_rollback"]
+    assert not bad["same_tokens"] or bad["logprob_err"] > 1e-3, bad
 
 
 def test_deltanet_heads_not_dividing_the_width_are_refused():
