@@ -190,8 +190,8 @@ def recurrent_settings(config, model_cfg):
     """The `EngineConfig` a model with recurrent layers is served under, refused with the
     reason where it cannot be: the host KV tier. Prefix caching stays on (state snapshots,
     `ferrox_jax/state_snapshots.py`); speculation runs, on one device or under tensor
-    parallelism (`--speculative mtp` is refused by `ferrox_jax/mtp.py:check_mtp`: these
-    models' MTP layers are not loaded). Any other model's config is returned as it is."""
+    parallelism (`--speculative mtp` runs their own `mtp.*` block, `models/qwen3_5_mtp.py`,
+    on one device). Any other model's config is returned as it is."""
     if not model_cfg.recurrent_specs():
         return config
     refuse_unsupported(config.kv_offload_gib)  # before the weights are placed
