@@ -21,14 +21,19 @@ Per token t of a row (transformers' `torch_recurrent_gated_delta_rule`, f32):
     o         = S^T q
     out       = out_proj(rms_norm(o) * w_norm * silu(z))   per value head (the gated RMSNorm)
 
-The kernel is a `lax.scan` over each segment's T token columns, batched over its B rows:
-every row's state is loaded from its slot (or zeros when the row's first token sits at
+Every row's state is loaded from its slot (or zeros when the row's first token sits at
 position 0: a new sequence, or one recomputed after preemption), advanced only on valid
-tokens (padding leaves it as it was), and stored back after the row's last token. Its cost
-is T sequential [B, Hv, dk, dv] updates per layer per step: a decode step is one (taken
-without the scan's loop), a 16-token prefill chunk 16; on a CPU at the sizes measured that is
-about what attention costs (docs/benchmarks.md, "Qwen3.5"). Transformers' chunked form
-(`torch_chunk_gated_delta_rule`) turns a chunk into matmuls and is the later optimisation.
+tokens (padding leaves it as it was), and stored back after the row's last token. Two
+kernels advance it, chosen per segment by its static tokens per row T
+(`deltanet_chunked.uses_chunked`): a decode segment, and a segment of fewer than 16 tokens
+a row, takes `gated_delta_rule`, a `lax.scan` over the T token columns batched over the B
+rows (T sequential [B, Hv, dk, dv] updates; a decode segment takes its one update without
+the scan's loop); every prompt chunk bucket (16 tokens and up) takes
+`models/deltanet_chunked.py`, the blocked (WY / UT transform) form of transformers'
+`torch_chunk_gated_delta_rule`: matmuls within blocks of 16 tokens, sequential only across
+blocks. Both give the same outputs and end state to float32 rounding
+(tests/models/test_deltanet_chunked.py); docs/benchmarks.md ("Qwen3.5: the chunked DeltaNet
+prefill") has what each costs.
 
 Speculation. A verification step lays a row's last token and its d drafts out as 1 + d
 consecutive one-token decode rows of one slot at consecutive positions (`ferrox_jax/padding.py`),
@@ -91,6 +96,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from models import deltanet_chunked
 from models.layers import ForwardContext, param, project, project_many
 
 
@@ -449,8 +455,10 @@ class GatedDeltaNet:
                 o, rec1 = delta_rule_runs(q[:, 0], k[:, 0], v[:, 0], seg_g[:, 0], seg_beta[:, 0], rec0,
                                           seg.valid[:, 0], placed.follows, placed.part)
                 o = o[:, None]
-            else:
-                o, rec1 = gated_delta_rule(q, k, v, seg_g, seg_beta, rec0, seg.valid)
+            else:  # a prompt chunk of enough tokens takes the blocked form (`models/deltanet_chunked.py`)
+                chunked = deltanet_chunked.uses_chunked(t)
+                rule = deltanet_chunked.chunked_gated_delta_rule if chunked else gated_delta_rule
+                o, rec1 = rule(q, k, v, seg_g, seg_beta, rec0, seg.valid)
             conv_pool = conv_pool.at[placed.write].set(conv1)
             rec_pool = rec_pool.at[placed.write].set(rec1)
             outs.append(o.reshape(nrows * t, spec.num_v_heads, spec.v_head_dim))
