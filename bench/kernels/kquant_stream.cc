@@ -105,8 +105,8 @@ std::vector<uint8_t> Blocks(int fmt, int64_t bytes, std::mt19937* rng) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 5 || (argc > 5 && std::atoll(argv[5]) > ferrox_k_avx512::kRowPathRows)) {
-    std::fprintf(stderr, "usage: %s THREADS ROUNDS K N [ROWS, 1 to %d]\n", argv[0], ferrox_k_avx512::kRowPathRows);
+  if (argc < 5 || (argc > 5 && (std::atoll(argv[5]) < 1 || std::atoll(argv[5]) > ferrox_k_vnni::kIntRows))) {
+    std::fprintf(stderr, "usage: %s THREADS ROUNDS K N [ROWS, 1 to %d]\n", argv[0], ferrox_k_vnni::kIntRows);
     return 2;
   }
   const int threads = std::atoi(argv[1]), rounds = std::atoi(argv[2]);
@@ -129,12 +129,13 @@ int main(int argc, char** argv) {
     copies.push_back(std::getenv("CACHED") ? 1 : kStreamBytes / bytes + 1);  // CACHED=1: one copy, from cache
     weights.push_back(Blocks(f, bytes * copies.back(), &rng));
   }
-  // the integer path (one row only): its activation buffer, quantized once per product
-  const int paths = m == 1 ? 3 : 2;
-  std::vector<uint8_t> int_buf(ferrox_k_vnni::IntRowBytes(k) + 64);
+  // the integer path: its activation buffer, the rows quantized once per product; past the
+  // row path's rows the kernel's float path is the tile (path 0), so path 1 is skipped
+  const bool row_path = m <= ferrox_k_avx512::kRowPathRows;
+  std::vector<uint8_t> int_buf(m * std::max(ferrox_k_vnni::IntRowBytes(k), ferrox_k_vnni::Int16RowBytes(k)) + 64);
   uint8_t* int_at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(int_buf.data()) + 63) & ~uintptr_t{63});
-  double best_probe = 0, best[3][3] = {}, best_quant = 1e9;
-  double max_diff[3][3] = {};
+  double best_probe = 0, best[3][4] = {}, best_quant = 1e9, best_quant16 = 1e9;
+  double max_diff[3][4] = {};
   std::vector<float> out(m * n), tile_out(m * n);
   volatile float sink = 0;
   for (int round = 0; round < rounds; ++round) {
@@ -147,21 +148,26 @@ int main(int argc, char** argv) {
     }
     for (int fi = 0; fi < 3; ++fi) {
       const int64_t bytes = n * k / kSuper * SuperBytes(fmts[fi]);
-      for (int path = 0; path < paths; ++path) {
+      for (int path = 0; path < 4; ++path) {
+        if (path == 1 && !row_path) continue;
         float* o = path ? out.data() : tile_out.data();
         for (int64_t c = 0; c < copies[fi]; ++c) {
           const Problem p{x.data(), weights[fi].data() + c * bytes, o, m, n, k};
           double s = 0;
-          ferrox_k_vnni::IntRow xr{};
-          if (path == 2) {  // the caller quantizes the row once, then the threads share it
+          ferrox_k_vnni::IntRows xr{};
+          ferrox_k_vnni::Int16Rows xr16{};
+          if (path >= 2) {  // the caller quantizes the rows once, then the threads share them
             const auto q0 = std::chrono::steady_clock::now();
-            xr = ferrox_k_vnni::QuantizeIntRow(x.data(), k, int_at);
+            if (path == 2) xr = ferrox_k_vnni::QuantizeIntRows(x.data(), m, k, int_at);
+            else xr16 = ferrox_k_vnni::QuantizeInt16Rows(x.data(), m, k, int_at);
             s = std::chrono::duration<double>(std::chrono::steady_clock::now() - q0).count();
-            best_quant = std::min(best_quant, s);
+            double& bq = path == 2 ? best_quant : best_quant16;
+            bq = std::min(bq, s);
           }
           s += team.Time([&](int t) {
             const int64_t begin = std::min(n, t * per_thread), end = t == threads - 1 ? n : std::min(n, begin + per_thread);
-            if (path == 2) ferrox_k_vnni::IntRun(fmts[fi], p, xr, begin, end);
+            if (path == 3) ferrox_k_vnni::W16Run(fmts[fi], p, xr16, begin, end);
+            else if (path == 2) ferrox_k_vnni::IntRun(fmts[fi], p, xr, begin, end);
             else ferrox_k_avx512::Run(fmts[fi], p, begin, end, path ? ferrox_k_avx512::kRowPathRows : 0);
           });
           best[fi][path] = std::max(best[fi][path], bytes / s / 1e9);
@@ -176,14 +182,27 @@ int main(int argc, char** argv) {
   }
   std::printf("DRAM read probe, %d threads: %.1f GB/s (best of %d)\n", threads, best_probe, rounds);
   for (int fi = 0; fi < 3; ++fi) {
-    std::printf("%s, %ld row(s) x [%ld -> %ld], %d threads: tile path %.1f GB/s, row path %.1f GB/s "
-                "(%.0f%% of the probe), %.2fx; max |row - tile| / (|tile| + 1) %.2g\n",
-                names[fi], static_cast<long>(m), static_cast<long>(k), static_cast<long>(n), threads, best[fi][0],
-                best[fi][1], 100 * best[fi][1] / best_probe, best[fi][1] / best[fi][0], max_diff[fi][1]);
-    if (paths == 3)
-      std::printf("  %s integer row path %.1f GB/s (%.0f%% of the probe), %.2fx the row path; "
-                  "max |int - tile| / (|tile| + 1) %.2g\n",
-                  names[fi], best[fi][2], 100 * best[fi][2] / best_probe, best[fi][2] / best[fi][1], max_diff[fi][2]);
+    // the path serving these rows today: the row path (1 to 3 rows), the tile from 4
+    const int served = row_path ? 1 : 0;
+    if (row_path)
+      std::printf("%s, %ld row(s) x [%ld -> %ld], %d threads: tile path %.1f GB/s, row path %.1f GB/s "
+                  "(%.0f%% of the probe), %.2fx; max |row - tile| / (|tile| + 1) %.2g\n",
+                  names[fi], static_cast<long>(m), static_cast<long>(k), static_cast<long>(n), threads, best[fi][0],
+                  best[fi][1], 100 * best[fi][1] / best_probe, best[fi][1] / best[fi][0], max_diff[fi][1]);
+    else
+      std::printf("%s, %ld row(s) x [%ld -> %ld], %d threads: tile path %.1f GB/s (%.0f%% of the probe), "
+                  "%.1f rows x GB/s\n",
+                  names[fi], static_cast<long>(m), static_cast<long>(k), static_cast<long>(n), threads, best[fi][0],
+                  100 * best[fi][0] / best_probe, m * best[fi][0]);
+    std::printf("  %s integer path %.1f GB/s (%.0f%% of the probe), %.1f rows x GB/s, %.2fx the %s path; "
+                "max |int - tile| / (|tile| + 1) %.2g\n",
+                names[fi], best[fi][2], 100 * best[fi][2] / best_probe, m * best[fi][2], best[fi][2] / best[fi][served],
+                row_path ? "row" : "tile", max_diff[fi][2]);
+    std::printf("  %s int16-weight path %.1f GB/s (%.0f%% of the probe), %.1f rows x GB/s, %.2fx the %s path, "
+                "%.2fx the integer path; max |int16 - tile| / (|tile| + 1) %.2g\n",
+                names[fi], best[fi][3], 100 * best[fi][3] / best_probe, m * best[fi][3], best[fi][3] / best[fi][served],
+                row_path ? "row" : "tile", best[fi][3] / best[fi][2], max_diff[fi][3]);
   }
-  if (paths == 3) std::printf("  quantizing the row: %.1f us (best)\n", best_quant * 1e6);
+  std::printf("  quantizing the %ld row(s): %.1f us, int16: %.1f us (best)\n", static_cast<long>(m), best_quant * 1e6,
+              best_quant16 * 1e6);
 }

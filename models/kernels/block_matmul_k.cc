@@ -15,10 +15,11 @@
 // Q6_K: sixteen 16-wide sub-blocks with int8 scales; w = d sc q, q in [-32, 31] from a
 //   nibble of ql and two bits of qh (each 128-weight half: weight 32k + l takes ql[l]
 //   (k 0, 2) or ql[32 + l] (k 1, 3), low nibble for k < 2, and bits 2k, 2k + 1 of qh[l]).
-// Attributes: fmt (3 Q4_K, 4 Q5_K, 5 Q6_K); wide_rows 1: a one-row product runs on 16-bit
-// integer activations where the CPU has AVX-512 VNNI (block_matmul_k_rowint.inc; any other
-// value, or another CPU: the float paths); int_rows and amx_rows are accepted for the shared
-// call signature of models/gguf_blocks.py and ignored.
+// Attributes: fmt (3 Q4_K, 4 Q5_K, 5 Q6_K); wide_rows 1: a product of 1 to kIntPathRows rows
+// runs on 16-bit integer activations where the CPU has AVX-512 VNNI (block_matmul_k_rowint.inc,
+// block_matmul_k_rows16.inc; any other value, more rows, or another CPU: the float paths);
+// int_rows and amx_rows are accepted for the shared call signature of models/gguf_blocks.py
+// and ignored.
 //
 // The float paths: float32 activations times the super-blocks dequantized in
 // registers, 16 weights at a time (w = a q + b, one FMA from the group's integers; on
@@ -30,11 +31,12 @@
 // permuting a per-sub-block table of the sub-block's possible values (Q4_K / Q5_K) or from 128
 // quants assembled at once (Q6_K): the same dequantized weights, ~1.5x (Q4_K, Q5_K) and
 // ~1.15x (Q6_K) the tile's rate at one row (docs/benchmarks.md).
-// With wide_rows 1 on AVX-512 VNNI a one-row product instead quantizes its activation row
-// once per call (two int8 parts per 256 inputs: error <= amax / 64516 of the super-block,
-// the 16-bit accuracy of the block kernel's int16 path) and multiplies the quants as
-// integers (vpmaddubsw + vpdpwssd with the sub-block scales, the mins through the exact
-// float sums of the activations): 1.5-2.2x the float row path through DRAM
+// With wide_rows 1 on AVX-512 VNNI a product of 1 to kIntPathRows rows (a decode step's)
+// instead quantizes its activation rows once per call (two int8 parts per 256 inputs: error
+// <= amax / 64516 of the super-block, the 16-bit accuracy of the block kernel's int16 path)
+// and multiplies the quants as integers (vpmaddubsw + vpdpwssd with the sub-block scales,
+// the mins through the exact float sums of the activations), each super-block decoded once
+// for all rows: at one row 1.5-2.2x the float row path through DRAM
 // (block_matmul_k_rowint.inc, docs/benchmarks.md).
 // Which ISA: AVX-512F + BW where cpuid has them, AVX2 + FMA + F16C elsewhere
 // (block_matmul_k_body.inc, compiled once per ISA in block_matmul_k_builds.h);
@@ -67,7 +69,7 @@ int DetectIsa() {
 }
 
 const int kIsa = DetectIsa();
-// The one-row integer path's vpdpwssd (on top of the AVX-512 F + BW build).
+// The integer path's vpdpwssd (on top of the AVX-512 F + BW build).
 const bool kVnni = kIsa == 2 && __builtin_cpu_supports("avx512vnni");
 
 // Below this many multiply-adds a product runs on the calling thread alone.
@@ -94,19 +96,24 @@ ffi::Error CheckOperands(const char* what, const ffi::Buffer<ffi::F32>& x, ffi::
 // fork and join a call instead of one a weight, and no thread idles at a weight's end
 // while the other finishes it. Each output element is computed exactly as a one-weight call
 // computes it (one thread, whole, the same order), so fusing changes no value.
-// wide_rows 1: one-row products on the integer row path where it runs (x quantized here,
-// once for every weight of the call: they share x).
+// wide_rows 1: products of up to kIntPathRows rows on the integer path where it runs (x's
+// rows quantized here, once for every weight of the call: they share x).
 ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* fmts, int64_t count, int isa,
                        int32_t wide_rows) {
   int64_t macs = 0, n_total = 0;
   for (int64_t i = 0; i < count; ++i) macs += ps[i].m * ps[i].n * ps[i].k, n_total += ps[i].n;
-  const bool int_row = isa == 2 && kVnni && wide_rows == 1 && ps[0].m == 1;
+  const int64_t m = ps[0].m, k = ps[0].k;
+  const bool int_row = isa == 2 && kVnni && wide_rows == 1 && m <= ferrox_k_vnni::kIntPathRows;
+  // from kW16FromRows rows: the weights as 16-bit integers, once for all rows (block_matmul_k_rows16.inc)
+  const bool w16 = int_row && m >= ferrox_k_vnni::kW16FromRows;
   std::vector<uint8_t> int_buf;
-  ferrox_k_vnni::IntRow xr{};
+  ferrox_k_vnni::IntRows xr{};
+  ferrox_k_vnni::Int16Rows xr16{};
   if (int_row) {
-    int_buf.resize(ferrox_k_vnni::IntRowBytes(ps[0].k) + 64);
+    int_buf.resize(m * (w16 ? ferrox_k_vnni::Int16RowBytes(k) : ferrox_k_vnni::IntRowBytes(k)) + 64);
     uint8_t* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(int_buf.data()) + 63) & ~uintptr_t{63});
-    xr = ferrox_k_vnni::QuantizeIntRow(ps[0].x, ps[0].k, at);
+    if (w16) xr16 = ferrox_k_vnni::QuantizeInt16Rows(ps[0].x, m, k, at);
+    else xr = ferrox_k_vnni::QuantizeIntRows(ps[0].x, m, k, at);
   }
   const int64_t threads = macs >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
   // 4 chunks per thread balance uneven progress; chunks are whole 4-column tiles of one
@@ -116,12 +123,14 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
   int64_t first[4] = {0, 0, 0, 0};  // the first task of each weight (count <= 3)
   int64_t tasks = 0;
   for (int64_t i = 0; i < count; ++i) first[i] = tasks, tasks += (ps[i].n + chunk - 1) / chunk;
-  ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, chunk, isa, int_row, &xr](int64_t t) {
+  ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, chunk, isa, int_row, w16, &xr,
+                                              &xr16](int64_t t) {
     int64_t i = count - 1;
     while (t < first[i]) --i;
     const Problem& p = ps[i];
     const int64_t begin = (t - first[i]) * chunk, end = std::min(p.n, begin + chunk);
-    if (int_row) ferrox_k_vnni::IntRun(fmts[i], p, xr, begin, end);
+    if (w16) ferrox_k_vnni::W16Run(fmts[i], p, xr16, begin, end);
+    else if (int_row) ferrox_k_vnni::IntRun(fmts[i], p, xr, begin, end);
     else if (isa == 2) ferrox_k_avx512::Run(fmts[i], p, begin, end, ferrox_k_avx512::kRowPathRows);
     else ferrox_k_avx2::Run(fmts[i], p, begin, end, 0);
   });

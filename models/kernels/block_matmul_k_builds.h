@@ -53,6 +53,7 @@ namespace ferrox_k_avx512 {
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 namespace ferrox_k_vnni {
 #include "block_matmul_k_rowint.inc"
+#include "block_matmul_k_rows16.inc"
 }  // namespace ferrox_k_vnni
 #pragma GCC pop_options
 

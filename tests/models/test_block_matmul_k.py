@@ -147,7 +147,7 @@ def test_k_quants_fuse_only_with_k_quants():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(block_matmul(x, w)))
 
 
-# ---- the one-row integer path (block_matmul_k_rowint.inc, wide_rows 1, AVX-512 VNNI) ----------
+# ---- the integer path, 1 to 8 rows (block_matmul_k_rowint.inc, wide_rows 1, AVX-512 VNNI) -----
 
 needs_vnni = pytest.mark.skipif(cpu_kernels.block_isa() != "AVX-512 VNNI", reason="the integer row path needs AVX-512 VNNI")
 
@@ -162,9 +162,13 @@ def int_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.repeat(amax / 64000, 256, axis=1) @ np.abs(w).T + bound(x, w)
 
 
-def int_product(fmt: str, k: int, n: int, seed: int, x: np.ndarray | None = None):
+# the most rows block_matmul_k.cc puts on the integer path (kIntPathRows)
+INT_PATH_ROWS = 8
+
+
+def int_product(fmt: str, k: int, n: int, seed: int, x: np.ndarray | None = None, rows: int = 1):
     blocks = random_k_blocks(fmt, n, k, seed=seed)
-    x = activations(1, k, seed=seed + 1) if x is None else x
+    x = activations(rows, k, seed=seed + 1) if x is None else x
     w = dequantize_host(blocks, fmt)
     weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_K_TARGET, 0, 0, 1)
     got = np.asarray(jax.jit(block_matmul)(jnp.asarray(x), weight))
@@ -207,19 +211,61 @@ def test_integer_row_bound_tells_16_bit_from_8_bit(fmt):
 
 @needs_vnni
 def test_integer_row_path_fused_equals_one_call_per_weight():
-    # the multi-weight call quantizes x once for all its weights: the same bits as one call each
+    # the multi-weight call quantizes x once for all its weights: the same bits as one call
+    # each, at one row and at 5 (two groups of rows)
     k = 2048
-    x = jnp.asarray(activations(1, k, seed=7))
     specs = [("q4_k", 44), ("q6_k", 37), ("q5_k", 9)]
     weights = [with_kernel(make_weight(random_k_blocks(fmt, n, k, seed=40 + i), fmt, k), cpu_kernels.BLOCK_K_TARGET,
                            0, 0, 1) for i, (fmt, n) in enumerate(specs)]
     assert fusable(weights)
-    for w, got in zip(weights, jax.jit(block_matmul_many)(x, weights)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(block_matmul)(x, w)))
-    # 2 rows keep the float row path with wide_rows 1: within float32's bound
-    x2 = activations(2, k, seed=8)
+    for rows in (1, 5):
+        x = jnp.asarray(activations(rows, k, seed=7))
+        for w, got in zip(weights, jax.jit(block_matmul_many)(x, weights)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(block_matmul)(x, w)))
+    # past the integer path's rows the float paths run with wide_rows 1: within float32's bound
+    x9 = activations(INT_PATH_ROWS + 1, k, seed=8)
     blocks = random_k_blocks("q4_k", 9, k, seed=41)
     weight = with_kernel(make_weight(blocks, "q4_k", k), cpu_kernels.BLOCK_K_TARGET, 0, 0, 1)
-    got = np.asarray(jax.jit(block_matmul)(jnp.asarray(x2), weight))
+    got = np.asarray(jax.jit(block_matmul)(jnp.asarray(x9), weight))
     w = dequantize_host(blocks, "q4_k")
-    assert np.all(np.abs(got - x2.astype(np.float64) @ w.T) <= bound(x2, w))
+    assert np.all(np.abs(got - x9.astype(np.float64) @ w.T) <= bound(x9, w))
+
+
+# 2 and 3 rows (one group of rows' int32 sums), 4 (a whole group), 5 and 8 (a second group,
+# short and whole); [1536, 44] on the calling thread, [2048, 300] shared over threads
+@needs_vnni
+@pytest.mark.parametrize("fmt", K_FORMATS)
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("k,n", [(1536, 44), (2048, 300)])
+def test_integer_path_rows_within_their_16_bit_bound(fmt, rows, k, n):
+    x, w, got = int_product(fmt, k, n, seed=13 + rows, rows=rows)
+    err = np.abs(got - x.astype(np.float64) @ w.T)
+    lim = int_bound(x, w)
+    assert np.all(err <= lim), f"{fmt} {rows}x[{k}, {n}]: max error / bound {np.max(err / lim):.3g}"
+    # every row went through the integer path (the float paths stay within float32's bound)
+    assert np.all(np.any(err > bound(x, w), axis=1)), f"{fmt} {rows} rows: a row within float32's bound"
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_integer_path_rows_are_quantized_each_on_its_own(fmt):
+    # a row of activations 1000x the others', a zero row and a one-spike row in one product:
+    # each row's own scale (a shared or neighbouring row's would put the small rows' error
+    # far past their bound, or the zero row off zero); and 5 rows, the second group of rows,
+    # on the 8-bit negative control: the bound tells 16-bit from llama.cpp's 8-bit there too
+    k, n = 2048, 64
+    x = activations(5, k, seed=21)
+    x[0] *= 1000.0
+    x[2] = 0.0
+    x[3] = 0.0
+    x[3, 700] = 3.0
+    x, w, got = int_product(fmt, k, n, seed=22, x=x)
+    want = x.astype(np.float64) @ w.T
+    err = np.abs(got - want)
+    assert np.all(err <= int_bound(x, w)), f"{fmt}: max error / bound {np.max(err / int_bound(x, w)):.3g}"
+    assert np.all(got[2] == 0)
+    np.testing.assert_allclose(got[3], want[3], rtol=1e-6, atol=1e-6)
+    amax = np.abs(x).reshape(5, -1, 256).max(axis=2, keepdims=True)
+    s = np.where(amax > 0, amax / 127, 1.0)  # the zero row stays zero
+    x8 = (np.round(x.reshape(5, -1, 256) / s) * s).reshape(5, k)
+    assert np.any((np.abs(x8 @ w.T - want) > int_bound(x, w))[4])
