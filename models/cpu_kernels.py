@@ -209,9 +209,11 @@ def block_wide_rows() -> int:
 
 
 # The K-quant kernel's wide_rows, by the ISA the block kernel detects (the K-quant kernel checks
-# VNNI itself): 1 puts one-row products (a decode step's) on 16-bit integer activations
-# (block_matmul_k_rowint.inc: error <= amax / 64516 of a 256-wide super-block; vpmaddubsw +
-# vpdpwssd); 0 keeps float32 activations. Measured on Zen 4: two threads through DRAM,
+# VNNI itself): 1 puts products of 1 to 8 rows (a decode step's) on 16-bit integer activations
+# (one row: block_matmul_k_rowint.inc, error <= amax / 64516 of a 256-wide super-block,
+# vpmaddubsw + vpdpwssd; 2 to 8 rows: block_matmul_k_rows16.inc, int16 weights times int16
+# activations, amax / 65534, ~1.9-2.1x the float tile at 4 and 8 rows); 0 keeps float32
+# activations. Measured on Zen 4: two threads through DRAM,
 # Llama-3.2-1B projection shapes, Q4_K 1.48-1.94x the float row path, Q5_K 1.77-2.16x, Q6_K
 # 1.67-1.90x, at 66-102 % of the DRAM probe (bench/kernels/kquant_stream.sh). The 1B Q4_K_M
 # file's one-row logits against the float row path, 3 prompts x 37-39 positions: KL 1.2-1.4e-7

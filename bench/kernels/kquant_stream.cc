@@ -1,19 +1,20 @@
-// The K-quant kernel's one-row product over weights streamed from DRAM, against the two
+// The K-quant kernel's few-row products (1 to 8 rows) over weights streamed from DRAM, against the two
 // cores' DRAM read rate measured in the same run. As many copies of a projection as fill
 // 256 MB (8x this host's L3), each product on the next copy, split over THREADS spinning
 // threads by columns, as a decode step runs a model's layers. Per round, in this order:
 // the DRAM probe (the threads sum a 256 MB buffer 16 MB at a time, each its half of the
 // 16 MB, AVX-512 loads, 4 chains),
-// then each path of each format (the tile path, Run's row_rows 0, the row path,
-// block_matmul_k_row512.inc, and at one row the integer row path, block_matmul_k_rowint.inc,
-// its time including the row's quantization on the calling thread before the threads start,
-// as the kernel does it once per call); the best sample of ROUNDS rounds is printed for each,
+// then each path of each format (the tile path, Run's row_rows 0; the row path,
+// block_matmul_k_row512.inc, at 1 to 3 rows; the integer paths, block_matmul_k_rowint.inc's
+// design at any row count and block_matmul_k_rows16.inc's 16-bit weights, their times
+// including the rows' quantization on the calling thread before the threads start, as the
+// kernel does it once per call; rows x GB/s is the rate of row products); the best sample of ROUNDS rounds is printed for each,
 // in GB/s of bytes read, with each path's max difference from the tile path relative to
 // |tile| + 1 (the row path: both float32 sums of the same dequantized weights, ~1e-5; the
 // integer path adds its 16-bit activation rounding, ~1e-3 here: a bug shows as O(1); the
 // exact checks are tests/models/test_block_matmul_k.py's).
 //   c++ -O3 -std=c++17 -mf16c -pthread -I models/kernels bench/kernels/kquant_stream.cc -o /tmp/kquant_stream
-//   /tmp/kquant_stream THREADS ROUNDS K N [ROWS]
+//   /tmp/kquant_stream THREADS ROUNDS K N [ROWS, 1 to 8]
 //   /tmp/kquant_stream 2 15 2048 8192     # a 1B model's gate / up projection, one row
 //   CACHED=1 /tmp/kquant_stream 1 50 2048 512   # one copy, from L2: the paths' compute rate
 #include <immintrin.h>

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The K-quant one-row products of a Llama-3.2-1B-shaped model (hidden 2048, 32 / 8 heads of
-# 64, MLP 8192, vocabulary 128256) streamed from DRAM, tile path against row path (and, at one
-# row, the integer row path), with the
+# 64, MLP 8192, vocabulary 128256) streamed from DRAM, tile path against row path and the
+# integer paths (one-row design, 16-bit weights), with the
 # two cores' DRAM read probe in the same runs (bench/kernels/kquant_stream.cc). Writes the
 # output to stdout; docs/benchmarks.md quotes one run (kquant_stream-zen4.txt here).
 #   bash bench/kernels/kquant_stream.sh [THREADS [ROUNDS]]
@@ -18,6 +18,8 @@ uptime
 for shape in "2048 2048" "2048 512" "2048 8192" "8192 2048"; do
   "$bin" "$threads" "$rounds" $shape
 done
-# 2 and 3 rows (the row path's other sizes), gate / up
-for rows in 2 3; do "$bin" "$threads" "$rounds" 2048 8192 "$rows"; done
+# 2 and 3 rows (the row path's other sizes), 4 and 8 (the tile's, a c8 decode step's), gate /
+# up: the float paths against the two integer designs (block_matmul_k_rowint.inc at more rows,
+# block_matmul_k_rows16.inc)
+for rows in 2 3 4 8; do "$bin" "$threads" "$rounds" 2048 8192 "$rows"; done
 uptime
