@@ -3,10 +3,10 @@ greedy continuations equal to the pure-JAX engine's.
 
 Three prompts go in at once into an engine of 4 rows and 16-token chunks, so steps mix
 decode rows with prompt chunks that start at position 0 and mid-prompt; every layer of
-every step attends through the kernel in one call. The default model (SmolLM2-135M: 30
-layers, head_dim 64, 9 heads over 3 KV heads) runs the GPU kernel, whose interpret mode
-compiles in seconds a layer (tests/models/test_ragged_engine_gpu.py, with this file's
-helpers). The TPU kernel, whose interpret mode costs several times that, runs two tiny
+every step attends through the kernel in one call. A two-layer Llama with the default model's
+attention geometry (head_dim 64, 9 heads over 3 KV heads) runs the GPU kernel, whose
+interpret mode compiles in seconds a layer (tests/models/test_ragged_engine_gpu.py, with
+this file's helpers). The TPU kernel, whose interpret mode costs several times that, runs two tiny
 families here: Gemma 2 (a sliding window on alternate layers and soft-capped logits) and
 a Llama with prompt-lookup speculation, whose verification steps hand the kernel spans
 of 1 + k tokens (`models/ragged_attention.py: ragged_spans`).
