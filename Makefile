@@ -58,7 +58,8 @@ test: $(STAMP) $(KERNEL) browser maps
 #   GGUFs against transformers (24 s, 20 s), and each family against transformers (12-31 s
 #   a file); the tiny Llama and Qwen2 against transformers (test_parity_hf.py) and the GGUF
 #   loader run here; likewise the 2026 families, their GGUF forms, MTP and the Qwen-VL images
-#   (20-90 s a file) and the sliding-window KV against transformers (60 s);
+#   (20-90 s a file) and the sliding-window KV against transformers (60 s); the recurrent
+#   families' MTP block, LoRA on DeltaNet and sleep with snapshots (70-110 s a file);
 # - the kernels: ferrox's CPU kernels (70 s) and the Pallas kernels in interpret mode (TPU
 #   paged attention 22 s, the GPU candidates 13 s, the ragged kernels); paged and windowed
 #   attention against their dense references run here;
@@ -78,7 +79,8 @@ FAST_SKIP := \
 	tests/engine/test_images_smolvlm.py tests/models/test_family_llama4.py tests/models/test_family_qwen3_5.py \
 	tests/models/test_gguf_gemma4.py tests/models/test_gguf_deepseek2.py tests/models/test_mtp.py \
 	tests/models/test_vision_qwen2_5_vl.py tests/models/test_vision_qwen3_vl.py tests/models/test_sliding_kv.py \
-	tests/models/test_mla_prefill.py \
+	tests/models/test_mla_prefill.py tests/models/test_mtp_qwen3_5.py tests/models/test_lora_deltanet.py \
+	tests/models/test_state_sleep_qwen3_5.py \
 	tests/models/test_cpu_kernels.py tests/models/test_pallas_attention.py \
 	tests/models/test_ragged_attention.py tests/models/test_gpu_attention.py \
 	tests/models/test_bf16.py tests/models/test_dummy_weights.py
