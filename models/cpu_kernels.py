@@ -219,7 +219,10 @@ def block_wide_rows() -> int:
 # file's one-row logits against the float row path, 3 prompts x 37-39 positions: KL 1.2-1.4e-7
 # mean, 3.0e-7 max, max |diff| 2.6-3.6e-3, the same top-1 everywhere, 32 of 32 greedy tokens
 # (bench/kernels/kquant_int_logits.py; docs/benchmarks.md): below the 1e-6 KL under which the
-# default may take a faster, less exact path.
+# default may take a faster, less exact path. The same 1 puts products of 16 rows and more
+# (prompt chunks) on 32-wide int16 activation blocks (block_matmul_k_i16.inc: error <= amax /
+# 65534 of a block, vpdpwssd; 1.3-2.2x the float panel at 16-128 rows on Zen 4, two threads,
+# bench/kernels/kquant_prefill.cc; docs/benchmarks.md "K-quant prompt chunks on 16-bit integers").
 BLOCK_K_WIDE_ROWS = {"AVX-512 VNNI": 1, "AVX2": 0}
 
 

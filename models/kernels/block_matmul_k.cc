@@ -17,9 +17,10 @@
 //   (k 0, 2) or ql[32 + l] (k 1, 3), low nibble for k < 2, and bits 2k, 2k + 1 of qh[l]).
 // Attributes: fmt (3 Q4_K, 4 Q5_K, 5 Q6_K); wide_rows 1: a product of 1 to kIntPathRows rows
 // runs on 16-bit integer activations where the CPU has AVX-512 VNNI (block_matmul_k_rowint.inc,
-// block_matmul_k_rows16.inc; any other value, more rows, or another CPU: the float paths);
-// int_rows and amx_rows are accepted for the shared call signature of models/gguf_blocks.py
-// and ignored.
+// block_matmul_k_rows16.inc), and so do products of kWideRowsK rows and more (prompt chunks:
+// block_matmul_k_i16.inc, 32-wide int16 activation blocks, error <= amax / 65534 of a block);
+// any other value, the row counts between, or another CPU: the float paths. int_rows and
+// amx_rows are accepted for the shared call signature of models/gguf_blocks.py and ignored.
 //
 // The float paths: float32 activations times the super-blocks dequantized in
 // registers, 16 weights at a time (w = a q + b, one FMA from the group's integers; on
@@ -96,8 +97,9 @@ ffi::Error CheckOperands(const char* what, const ffi::Buffer<ffi::F32>& x, ffi::
 // fork and join a call instead of one a weight, and no thread idles at a weight's end
 // while the other finishes it. Each output element is computed exactly as a one-weight call
 // computes it (one thread, whole, the same order), so fusing changes no value.
-// wide_rows 1: products of up to kIntPathRows rows on the integer path where it runs (x's
-// rows quantized here, once for every weight of the call: they share x).
+// wide_rows 1: products of up to kIntPathRows rows on the integer path where it runs, and
+// products of kWideRowsK rows or more on the 16-bit path (x's rows quantized here, once for
+// every weight of the call: they share x).
 ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* fmts, int64_t count, int isa,
                        int32_t wide_rows) {
   int64_t macs = 0, n_total = 0;
@@ -115,6 +117,11 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
     if (w16) xr16 = ferrox_k_vnni::QuantizeInt16Rows(ps[0].x, m, k, at);
     else xr = ferrox_k_vnni::QuantizeIntRows(ps[0].x, m, k, at);
   }
+  // many rows (prompt chunks) on 16-bit integer activations (block_matmul_k_i16.inc)
+  const bool wide = isa == 2 && kVnni && wide_rows == 1 && ps[0].m >= ferrox_k_vnni::kWideRowsK;
+  std::vector<uint8_t> wide_buf(wide ? ferrox_k_vnni::WideKBytes(ps[0].m, ps[0].k) : 0);
+  uint8_t* wide_at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wide_buf.data()) + 63) & ~uintptr_t{63});
+  const auto xw = wide ? ferrox_k_vnni::QuantizeWideK(ps[0].x, ps[0].m, ps[0].k, wide_at) : ferrox_k_vnni::WideRowsK{};
   const int64_t threads = macs >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
   // 4 chunks per thread balance uneven progress; chunks are whole 4-column tiles of one
   // weight (a weight's last chunk may be short).
@@ -124,12 +131,13 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
   int64_t tasks = 0;
   for (int64_t i = 0; i < count; ++i) first[i] = tasks, tasks += (ps[i].n + chunk - 1) / chunk;
   ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, chunk, isa, int_row, w16, &xr,
-                                              &xr16](int64_t t) {
+                                              &xr16, wide, &xw](int64_t t) {
     int64_t i = count - 1;
     while (t < first[i]) --i;
     const Problem& p = ps[i];
     const int64_t begin = (t - first[i]) * chunk, end = std::min(p.n, begin + chunk);
-    if (w16) ferrox_k_vnni::W16Run(fmts[i], p, xr16, begin, end);
+    if (wide) ferrox_k_vnni::WideRunK(fmts[i], p, xw, begin, end);
+    else if (w16) ferrox_k_vnni::W16Run(fmts[i], p, xr16, begin, end);
     else if (int_row) ferrox_k_vnni::IntRun(fmts[i], p, xr, begin, end);
     else if (isa == 2) ferrox_k_avx512::Run(fmts[i], p, begin, end, ferrox_k_avx512::kRowPathRows);
     else ferrox_k_avx2::Run(fmts[i], p, begin, end, 0);

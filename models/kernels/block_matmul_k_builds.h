@@ -1,8 +1,10 @@
 // The K-quant kernel's body (block_matmul_k_body.inc) built once per ISA: the operands'
 // constants and `Problem`, then the body compiled for AVX2 + FMA + F16C (namespace
 // ferrox_k_avx2) and for AVX-512 (ferrox_k_avx512: F for the float tiles, BW for the
-// one-row path's byte work). Included by block_matmul_k.cc and by the kernel's streaming
-// harness (bench/kernels/kquant_stream.cc), which needs no XLA.
+// one-row path's byte work), and the VNNI build of the 16-bit integer paths (ferrox_k_vnni:
+// one row, block_matmul_k_rowint.inc; 16 rows and more, block_matmul_k_i16.inc). Included by
+// block_matmul_k.cc and by the kernel's harnesses (bench/kernels/kquant_stream.cc,
+// kquant_prefill.cc), which need no XLA.
 
 #ifndef FERROX_MODELS_KERNELS_BLOCK_MATMUL_K_BUILDS_H_
 #define FERROX_MODELS_KERNELS_BLOCK_MATMUL_K_BUILDS_H_
@@ -10,8 +12,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 #include "cpu_common.h"
 
@@ -54,6 +59,7 @@ namespace ferrox_k_avx512 {
 namespace ferrox_k_vnni {
 #include "block_matmul_k_rowint.inc"
 #include "block_matmul_k_rows16.inc"
+#include "block_matmul_k_i16.inc"  // many rows on 16-bit integer activations
 }  // namespace ferrox_k_vnni
 #pragma GCC pop_options
 

@@ -1,0 +1,135 @@
+// The K-quant kernel's many-row products (prompt chunks): the float tile path (the AVX-512
+// panel of block_matmul_k_body.inc, as the kernel runs it from 16 rows) against the 16-bit
+// integer path (block_matmul_k_i16.inc), on THREADS spinning threads sharing the columns in
+// 4-column chunks, weights of one projection (cache-resident as a prompt chunk's reuse makes
+// them). Per round the two paths alternate for each format; the best of ROUNDS is printed, in
+// milliseconds and GMAC/s, with the integer path's speed-up and its max difference from the
+// float path relative to max |float| (its 16-bit activation rounding, ~1e-5; a bug shows as
+// O(1); the exact checks are tests/models/test_block_matmul_k_i16.py's). The integer time
+// includes the activations' quantization on the calling thread, as the kernel does it.
+//   c++ -O3 -std=c++17 -mf16c -pthread -I models/kernels bench/kernels/kquant_prefill.cc -o /tmp/kquant_prefill
+//   /tmp/kquant_prefill THREADS ROUNDS K N ROWS
+#include <immintrin.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "block_matmul_k_builds.h"
+
+namespace {
+
+// Runs part(t) on THREADS threads (t 0 on the caller), returns the seconds.
+class Team {
+ public:
+  explicit Team(int threads) : threads_(threads) {
+    for (int t = 1; t < threads; ++t)
+      helpers_.emplace_back([this, t] {
+        for (int seen = 0; !quit_;) {
+          const int g = go_.load();
+          if (g == seen) { _mm_pause(); continue; }
+          seen = g;
+          (*part_)(t);
+          ++done_;
+        }
+      });
+  }
+  ~Team() {
+    quit_ = true;
+    for (auto& t : helpers_) t.join();
+  }
+  double Time(const std::function<void()>& before, const std::function<void(int)>& part) {
+    const auto t0 = std::chrono::steady_clock::now();
+    before();
+    part_ = &part;
+    done_ = 0;
+    ++go_;
+    part(0);
+    while (done_.load() < threads_ - 1) _mm_pause();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+ private:
+  const int threads_;
+  std::vector<std::thread> helpers_;
+  const std::function<void(int)>* part_ = nullptr;
+  std::atomic<int> go_{0}, done_{0};
+  std::atomic<bool> quit_{false};
+};
+
+// Random super-blocks with a real model's scales.
+std::vector<uint8_t> Blocks(int fmt, int64_t bytes, std::mt19937* rng) {
+  std::vector<uint8_t> w(bytes);
+  for (auto& b : w) b = static_cast<uint8_t>((*rng)());
+  const uint16_t d = _cvtss_sh(0.0005f, 0), dmin = _cvtss_sh(0.0004f, 0);
+  for (int64_t at = 0; at + SuperBytes(fmt) <= bytes; at += SuperBytes(fmt)) {
+    if (fmt == kQ6_K) {
+      std::memcpy(&w[at + 208], &d, 2);
+    } else {
+      std::memcpy(&w[at], &d, 2);
+      std::memcpy(&w[at + 2], &dmin, 2);
+    }
+  }
+  return w;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 6) {
+    std::fprintf(stderr, "usage: %s THREADS ROUNDS K N ROWS\n", argv[0]);
+    return 2;
+  }
+  const int threads = std::atoi(argv[1]), rounds = std::atoi(argv[2]);
+  const int64_t k = std::atoll(argv[3]), n = std::atoll(argv[4]), m = std::atoll(argv[5]);
+  Team team(threads);
+  std::mt19937 rng(1);
+  std::vector<float> x(m * k);
+  std::normal_distribution<float> normal;
+  for (auto& v : x) v = normal(rng);
+  const int fmts[3] = {kQ4_K, kQ5_K, kQ6_K};
+  const char* names[3] = {"Q4_K", "Q5_K", "Q6_K"};
+  std::vector<uint8_t> wide_buf(ferrox_k_vnni::WideKBytes(m, k));
+  uint8_t* wide_at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wide_buf.data()) + 63) & ~uintptr_t{63});
+  const int64_t chunks = threads * 4, chunk = ((n + chunks - 1) / chunks + 3) / 4 * 4;
+  std::printf("[%lld, %lld] x %lld rows, %d threads, best of %d rounds\n", static_cast<long long>(k),
+              static_cast<long long>(n), static_cast<long long>(m), threads, rounds);
+  for (int fi = 0; fi < 3; ++fi) {
+    const std::vector<uint8_t> w = Blocks(fmts[fi], n * k / kSuper * SuperBytes(fmts[fi]), &rng);
+    std::vector<float> out_f(m * n), out_i(m * n);
+    double best[2] = {1e9, 1e9};
+    for (int round = 0; round < rounds; ++round) {
+      for (int path = 0; path < 2; ++path) {
+        const Problem p{x.data(), w.data(), path == 0 ? out_f.data() : out_i.data(), m, n, k};
+        ferrox_k_vnni::WideRowsK xw{};
+        std::atomic<int64_t> next{0};
+        const double s = team.Time(
+            [&] {
+              next = 0;
+              if (path == 1) xw = ferrox_k_vnni::QuantizeWideK(x.data(), m, k, wide_at);
+            },
+            [&](int) {
+              for (int64_t c; (c = next.fetch_add(1)) * chunk < n;) {
+                const int64_t b = c * chunk, e = std::min(n, b + chunk);
+                if (path == 0) ferrox_k_avx512::Run(fmts[fi], p, b, e, ferrox_k_avx512::kRowPathRows);
+                else ferrox_k_vnni::WideRunK(fmts[fi], p, xw, b, e);
+              }
+            });
+        best[path] = std::min(best[path], s);
+      }
+    }
+    double diff = 0, top = 0;
+    for (int64_t i = 0; i < m * n; ++i)
+      diff = std::max(diff, double(std::fabs(out_i[i] - out_f[i]))), top = std::max(top, double(std::fabs(out_f[i])));
+    const double macs = double(m) * n * k;
+    std::printf("  %s  float %8.3f ms %6.1f GMAC/s   int16 %8.3f ms %6.1f GMAC/s   %.2fx   max diff / max|out| %.1e\n",
+                names[fi], best[0] * 1e3, macs / best[0] / 1e9, best[1] * 1e3, macs / best[1] / 1e9,
+                best[0] / best[1], diff / top);
+  }
+}
