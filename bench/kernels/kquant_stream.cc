@@ -30,78 +30,16 @@
 #include <vector>
 
 #include "block_matmul_k_builds.h"
+#include "bench_team.h"
+#include "kquant_blocks.h"
 
 namespace {
 
-constexpr int64_t kStreamBytes = int64_t{256} << 20;
-// The probe is timed per 16 MB (each past the L2s and, in turn, the L3's reach: the buffer
-// is read front to back), and each product per copy, and the best of them kept: on a
-// shared machine a time slice lost to another process then spoils one sample, not all.
-constexpr int64_t kProbeChunk = int64_t{16} << 20;
-
-// Runs part(t) on THREADS threads (t 0 on the caller), returns the seconds.
-class Team {
- public:
-  explicit Team(int threads) : threads_(threads) {
-    for (int t = 1; t < threads; ++t)
-      helpers_.emplace_back([this, t] {
-        for (int seen = 0; !quit_;) {
-          const int g = go_.load();
-          if (g == seen) { _mm_pause(); continue; }
-          seen = g;
-          (*part_)(t);
-          ++done_;
-        }
-      });
-  }
-  ~Team() {
-    quit_ = true;
-    for (auto& t : helpers_) t.join();
-  }
-  double Time(const std::function<void(int)>& part) {
-    const auto t0 = std::chrono::steady_clock::now();
-    part_ = &part;
-    done_ = 0;
-    ++go_;
-    part(0);
-    while (done_.load() < threads_ - 1) _mm_pause();
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-
- private:
-  const int threads_;
-  std::vector<std::thread> helpers_;
-  const std::function<void(int)>* part_ = nullptr;
-  std::atomic<int> go_{0}, done_{0};
-  std::atomic<bool> quit_{false};
-};
-
-__attribute__((target("avx512f"))) float SumFloats(const float* p, int64_t n) {
-  __m512 a = _mm512_setzero_ps(), b = a, c = a, d = a;
-  for (int64_t i = 0; i < n; i += 64) {
-    a = _mm512_add_ps(a, _mm512_load_ps(p + i));
-    b = _mm512_add_ps(b, _mm512_load_ps(p + i + 16));
-    c = _mm512_add_ps(c, _mm512_load_ps(p + i + 32));
-    d = _mm512_add_ps(d, _mm512_load_ps(p + i + 48));
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)));
-}
-
-// Random super-blocks with finite scales of a real model's size (no slow float paths).
-std::vector<uint8_t> Blocks(int fmt, int64_t bytes, std::mt19937* rng) {
-  std::vector<uint8_t> w(bytes);
-  for (auto& b : w) b = static_cast<uint8_t>((*rng)());
-  const uint16_t d = _cvtss_sh(0.0005f, 0), dmin = _cvtss_sh(0.0004f, 0);
-  for (int64_t at = 0; at + SuperBytes(fmt) <= bytes; at += SuperBytes(fmt)) {
-    if (fmt == kQ6_K) {
-      std::memcpy(&w[at + 208], &d, 2);
-    } else {
-      std::memcpy(&w[at], &d, 2);
-      std::memcpy(&w[at + 2], &dmin, 2);
-    }
-  }
-  return w;
-}
+using bench::Blocks;
+using bench::kProbeChunk;
+using bench::kStreamBytes;
+using bench::SumFloats;
+using bench::Team;
 
 }  // namespace
 

@@ -1,0 +1,75 @@
+// What the kernel harnesses of bench/kernels share (kquant_stream.cc, kquant_prefill.cc,
+// block_row_stream.cc): a team of spinning threads that times one product split over them, and
+// the DRAM read probe's sizes and sum. The K-quant harnesses' random super-blocks are in
+// kquant_blocks.h.
+#pragma once
+
+#include <immintrin.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <thread>
+#include <vector>
+
+namespace bench {
+
+constexpr int64_t kStreamBytes = int64_t{256} << 20;
+// The probe is timed per 16 MB (each past the L2s and, in turn, the L3's reach: the buffer
+// is read front to back), and each product per copy, and the best of them kept: on a
+// shared machine a time slice lost to another process then spoils one sample, not all.
+constexpr int64_t kProbeChunk = int64_t{16} << 20;
+
+// Runs part(t) on THREADS threads (t 0 on the caller), returns the seconds.
+class Team {
+ public:
+  explicit Team(int threads) : threads_(threads) {
+    for (int t = 1; t < threads; ++t)
+      helpers_.emplace_back([this, t] {
+        for (int seen = 0; !quit_;) {
+          const int g = go_.load();
+          if (g == seen) { _mm_pause(); continue; }
+          seen = g;
+          (*part_)(t);
+          ++done_;
+        }
+      });
+  }
+  ~Team() {
+    quit_ = true;
+    for (auto& t : helpers_) t.join();
+  }
+  double Time(const std::function<void(int)>& part) { return Time([] {}, part); }
+  // before() runs on the caller inside the timed span, ahead of the parts
+  double Time(const std::function<void()>& before, const std::function<void(int)>& part) {
+    const auto t0 = std::chrono::steady_clock::now();
+    before();
+    part_ = &part;
+    done_ = 0;
+    ++go_;
+    part(0);
+    while (done_.load() < threads_ - 1) _mm_pause();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+ private:
+  const int threads_;
+  std::vector<std::thread> helpers_;
+  const std::function<void(int)>* part_ = nullptr;
+  std::atomic<int> go_{0}, done_{0};
+  std::atomic<bool> quit_{false};
+};
+
+__attribute__((target("avx512f"))) inline float SumFloats(const float* p, int64_t n) {
+  __m512 a = _mm512_setzero_ps(), b = a, c = a, d = a;
+  for (int64_t i = 0; i < n; i += 64) {
+    a = _mm512_add_ps(a, _mm512_load_ps(p + i));
+    b = _mm512_add_ps(b, _mm512_load_ps(p + i + 16));
+    c = _mm512_add_ps(c, _mm512_load_ps(p + i + 32));
+    d = _mm512_add_ps(d, _mm512_load_ps(p + i + 48));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)));
+}
+
+}  // namespace bench
