@@ -42,8 +42,8 @@ from flax import nnx
 
 from models.deepseek_v3 import HF_LAYER_WEIGHTS, DeepseekV3Config, DeepseekV3DecoderLayer
 from models.layers import ForwardContext, norm_param, param, project, rms_norm
-from models.loaders.common import map_layer_tensors, stack_experts
 from models.loaders.shards import shard_tensors
+from models.mtp_weights import NoMtpLayerError, fill_mtp, our_mtp_tensors
 from models.quant import embed_lookup
 from models.rope import rope_cos_sin
 from models.yarn import yarn_cos_sin
@@ -56,10 +56,6 @@ MTP_WEIGHTS = {  # HF suffix after model.layers.{n}. -> (ours, transposed)
     "shared_head.head.weight": ("head", True),
     "embed_tokens.weight": ("embed", False),
 }
-
-
-class NoMtpLayerError(ValueError):
-    """The checkpoint has no multi-token-prediction layer to draft with."""
 
 
 class DeepseekMtp(nnx.Module):
@@ -121,20 +117,9 @@ def mtp_tensors(folder: Path, cfg: DeepseekV3Config) -> dict[str, Callable[[], n
             f"{folder.name} has no multi-token-prediction layer (no model.layers.{n}.eh_proj.weight; "
             "num_nextn_predict_layers is 0 or its weights were not saved): --speculative mtp needs "
             "one; use --speculative ngram or --speculative draft")
-    out: dict[str, Callable] = {}
-    experts: dict = {}
-    for suffix, load in loads.items():
-        if suffix in MTP_WEIGHTS:
-            ours, transpose = MTP_WEIGHTS[suffix]
-            out[ours] = (lambda load=load: load().T) if transpose else load
-            continue
-        mapped = map_layer_tensors(0, suffix, load, HF_LAYER_WEIGHTS, {}, experts)
-        if mapped is None:
-            raise NoMtpLayerError(f"MTP layer tensor model.layers.{n}.{suffix} is not one we know")
-        out.update({"layer." + k.split(".", 2)[2]: v for k, v in mapped.items()})
-    out.update({"layer." + k.split(".", 2)[2]: v
-                for k, v in stack_experts(experts, getattr(cfg, "num_experts", None)).items()})
-    return out
+    return our_mtp_tensors(loads, MTP_WEIGHTS, lambda suffix: suffix, HF_LAYER_WEIGHTS,
+                           getattr(cfg, "num_experts", None),
+                           lambda suffix: f"MTP layer tensor model.layers.{n}.{suffix} is not one we know")
 
 
 def load_mtp(folder: str | Path, cfg: DeepseekV3Config, target, dtype) -> DeepseekMtp:
@@ -144,17 +129,4 @@ def load_mtp(folder: str | Path, cfg: DeepseekV3Config, target, dtype) -> Deepse
     model = nnx.eval_shape(lambda: DeepseekMtp(cfg, dtype, nnx.Rngs(0)))
     fallback = {"embed": target.embed, "head_norm": target.final_norm,
                 "head": target.tied_lm_head if cfg.tie_word_embeddings else target.lm_head}
-    for path, var in nnx.iter_graph(model):
-        if not isinstance(var, nnx.Variable):
-            continue
-        name = ".".join(str(p) for p in path)
-        if name in tensors:
-            arr = jnp.asarray(np.asarray(tensors[name]()), dtype)
-        elif name in fallback:
-            arr = fallback[name].get_value()
-        else:
-            raise NoMtpLayerError(f"the MTP layer has no tensor for {name}")
-        if arr.shape != var.get_value().shape:
-            raise NoMtpLayerError(f"MTP tensor {name}: shape {arr.shape}, expected {var.get_value().shape}")
-        var.set_value(arr)
-    return model
+    return fill_mtp(model, tensors, fallback, dtype)

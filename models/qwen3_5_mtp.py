@@ -46,10 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.deepseek_mtp import NoMtpLayerError
 from models.layers import ForwardContext, norm_param, param, project, rms_norm_plus_one
-from models.loaders.common import map_layer_tensors, stack_experts
 from models.loaders.shards import shard_tensors
+from models.mtp_weights import NoMtpLayerError, fill_mtp, our_mtp_tensors
 from models.qwen3_5 import MTP_PREFIXES, Qwen3_5Config, Qwen3_5DecoderLayer
 from models.qwen3_next import Qwen3NextConfig, Qwen3NextDecoderLayer
 from models.quant import embed_lookup
@@ -128,25 +127,16 @@ def mtp_tensors(folder: Path, cfg: Qwen3_5Config) -> dict[str, Callable[[], np.n
             f"{folder.name} has no multi-token-prediction layer (no mtp.fc.weight; mtp_num_hidden_layers is 0 "
             "or its weights were not saved): --speculative mtp needs one; use --speculative ngram or "
             "--speculative draft")
-    table = family_for(cfg.architecture).hf_layer_weights
-    out: dict[str, Callable] = {}
-    experts: dict = {}
-    for suffix, load in loads.items():
-        if suffix in MTP_WEIGHTS:
-            ours, transpose = MTP_WEIGHTS[suffix]
-            out[ours] = (lambda load=load: load().T) if transpose else load
-            continue
+
+    def layer_suffix(suffix: str) -> str | None:
         m = _LAYER_RE.match(suffix)
         if m and m.group(1) != "0":
             raise NoMtpLayerError(f"MTP tensor mtp.{suffix}: a checkpoint with more than one MTP layer "
                                   "(mtp_num_hidden_layers > 1) is not supported; use --speculative ngram")
-        mapped = map_layer_tensors(0, m.group(2), load, table, {}, experts) if m else None
-        if mapped is None:
-            raise NoMtpLayerError(f"MTP tensor mtp.{suffix} is not one we know")
-        out.update({"layer." + k.split(".", 2)[2]: v for k, v in mapped.items()})
-    out.update({"layer." + k.split(".", 2)[2]: v
-                for k, v in stack_experts(experts, getattr(cfg, "num_experts", None)).items()})
-    return out
+        return m.group(2) if m else None
+
+    return our_mtp_tensors(loads, MTP_WEIGHTS, layer_suffix, family_for(cfg.architecture).hf_layer_weights,
+                           getattr(cfg, "num_experts", None), lambda suffix: f"MTP tensor mtp.{suffix} is not one we know")
 
 
 def load_mtp(folder: str | Path, cfg: Qwen3_5Config, target, dtype) -> Qwen3_5Mtp:
@@ -155,17 +145,4 @@ def load_mtp(folder: str | Path, cfg: Qwen3_5Config, target, dtype) -> Qwen3_5Mt
     tensors = mtp_tensors(Path(folder), cfg)
     model = nnx.eval_shape(lambda: Qwen3_5Mtp(cfg, dtype, nnx.Rngs(0)))
     shared = {"embed": target.embed, "head": target.tied_lm_head if cfg.tie_word_embeddings else target.lm_head}
-    for path, var in nnx.iter_graph(model):
-        if not isinstance(var, nnx.Variable):
-            continue
-        name = ".".join(str(p) for p in path)
-        if name in shared:
-            arr = shared[name].get_value()
-        elif name in tensors:
-            arr = jnp.asarray(np.asarray(tensors[name]()), dtype)
-        else:
-            raise NoMtpLayerError(f"the MTP layer has no tensor for {name}")
-        if arr.shape != var.get_value().shape:
-            raise NoMtpLayerError(f"MTP tensor {name}: shape {arr.shape}, expected {var.get_value().shape}")
-        var.set_value(arr)
-    return model
+    return fill_mtp(model, tensors, shared, dtype)
