@@ -32,6 +32,14 @@ _CACHE = Path(__file__).resolve().parent.parent / ".jax_cache"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Servers and CLI runs started by the tests (in this process or as subprocesses) keep to
+# JAX's cache, not the executable store: a pytest worker runs hundreds of engines in one
+# process, and executables deserialized into a process that already ran many others failed
+# their first step with XLA CPU's "Function wrapped_is-finite not found" (a clean clone's
+# run-batch test, 2026-12-06; the same entries load and run in a fresh process). A server
+# loads its store once, at start, in a fresh process; the store's own tests
+# (tests/engine/test_executable_store.py) build their engines with it explicitly.
+os.environ.setdefault("FERROX_EXECUTABLE_STORE", "0")
 
 # Property tests (the scheduler's state machines, the request fuzzers) draw the same
 # examples on every run, seeded from each test's own hash: a red run is the code's doing
