@@ -269,7 +269,7 @@ def serve(args: argparse.Namespace, wrap_runner: Callable[[Any], Any] | None = N
     config = server_config(args)
     engine_cfg = engine_config(args)
     if multihost_app.is_follower(engine_cfg):  # processes > 0 of a cluster: steps from process 0, /health only
-        return multihost_app.serve_follower(engine_cfg, config)
+        return multihost_app.serve_follower(engine_cfg, config, wrap_runner)
     hc = hypercorn_config(config)
     try:  # before the app and the model load: a port in use is one line, not a traceback later
         listener = process_knobs.bind_port(config, config.backlog)

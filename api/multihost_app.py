@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from api.config import ServerConfig
 
@@ -94,8 +94,11 @@ class _HealthHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def serve_follower(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
-    """A follower process: health endpoint, engine, warm-up, then the leader's steps."""
+def serve_follower(engine_cfg: EngineConfig, server_cfg: ServerConfig,
+                   wrap_runner: Callable[[Any], Any] | None = None) -> int:
+    """A follower process: health endpoint, engine, warm-up, then the leader's steps.
+    `wrap_runner`: the engine builder's runner-wrapping hook, as for the leader's engine (test
+    fault injection on a follower, `tests/support/fault_serve.py`); None in every product use."""
     from ferrox_jax.engine import Engine
 
     status = {"state": "loading", "role": "follower", "process_id": engine_cfg.process_id}
@@ -103,7 +106,7 @@ def serve_follower(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     health = http.server.ThreadingHTTPServer((server_cfg.host, server_cfg.port), handler)
     threading.Thread(target=health.serve_forever, name="ferrox-follower-health", daemon=True).start()
     log.info("follower %d: health on %s:%d", engine_cfg.process_id, server_cfg.host, server_cfg.port)
-    engine = Engine.load(engine_cfg)
+    engine = Engine.load(engine_cfg, wrap_runner=wrap_runner)
     engine.warmup()
     code = engine.follow_leader(on_connected=lambda: status.update(state="ready"))
     log.info("follower %d: the leader stopped the group", engine_cfg.process_id)

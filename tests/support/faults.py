@@ -15,6 +15,13 @@ A `ferrox serve` process gets one from `tests/support/fault_serve.py`, with a `F
     hang:after=N    step N + 1 never returns (the watchdog must act)
     nan:after=N     every row's logits are NaN from step N + 1 on
 
+or, from `FERROX_TEST_DROP_STATE_COPIES=PATH`, a `StateCopyDropper`: while the file PATH exists,
+every recurrent-state copy a step carries (`HostBatch.state_copies`: snapshot saves, prefix-hit
+restores, n > 1 forks) becomes the null slot's 0 -> 0 no-op on this process. Run on a multi-host
+follower it is the group's negative control (tests/system/test_multihost_state.py): the follower
+computes its DeltaNet heads from states the copies never reached. The copy calls keep their
+number and shape, so the group's processes still launch the same executables.
+
 The wrapper implements the whole `Runner` protocol (`ferrox_jax/runner_protocol.py`); the
 `nan` faults need the device runner's pending step (`ModelRunner.forward`'s `DevicePending`).
 """
@@ -24,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -33,6 +41,7 @@ from ferrox_jax.runner_protocol import RunnerWrapper
 log = logging.getLogger(__name__)
 
 ENV = "FERROX_FAULT_INJECT"
+DROP_STATE_COPIES_ENV = "FERROX_TEST_DROP_STATE_COPIES"
 KINDS = ("raise", "hang", "nan")
 
 
@@ -90,3 +99,22 @@ class FaultyRunner(RunnerWrapper):
             pending.result = pending.result.replace(logits=pending.result.logits.at[rows].set(jnp.nan))
         return self.runner.sample(pending, bitmask)
 
+
+
+class StateCopyDropper(RunnerWrapper):
+    """A `Runner` that runs every step with its recurrent-state copies made no-ops while the
+    file `flag` exists (module docstring); `dropped` counts the copies it voided."""
+
+    def __init__(self, runner: Any, flag: Path) -> None:
+        super().__init__(runner)
+        self.flag = Path(flag)
+        self.dropped = 0
+        log.warning("%s=%s: TEST-ONLY state copy dropping is armed", DROP_STATE_COPIES_ENV, self.flag)
+
+    def forward(self, batch: Any) -> Any:
+        copies = batch.state_copies
+        if copies is not None and len(copies) and self.flag.exists():
+            self.dropped += len(copies)
+            log.warning("TEST-ONLY: dropped %d state copies of this step (%d so far)", len(copies), self.dropped)
+            batch = dataclasses.replace(batch, state_copies=np.zeros_like(copies))  # slot 0 -> slot 0
+        return self.runner.forward(batch)

@@ -51,12 +51,15 @@ def _coordinator_port() -> int:
 
 @contextlib.contextmanager
 def cluster(num_processes: int, log_dir: Path, model: str | None = None, limits: dict = TINY_LIMITS,
-            extra: tuple[str, ...] = (), secret: str | None = None, during_start_up=None):
+            extra: tuple[str, ...] = (), secret: str | None = None, during_start_up=None,
+            follower_faults: dict[str, str] | None = None):
     """`num_processes` `ferrox serve` processes, tensor parallel across all of them; yields
     (urls, procs) once the leader answers /health 200, and kills every one on the way out
     (SIGKILL also ends a stopped process). `secret`: the leader's --multihost-secret and the
     followers' FERROX_MULTIHOST_SECRET (None: the leader generates one); `during_start_up`
-    is called with (the step channel's address, procs) once every process is started."""
+    is called with (the step channel's address, procs) once every process is started;
+    `follower_faults`: variables the followers run `tests/support/fault_serve.py` under instead of
+    the plain CLI (a test fault on the followers' runners; None: none)."""
     port = _coordinator_port()
     coordinator = f"127.0.0.1:{port}"
     common = [sys.executable, "-m", "api.cli", "serve", "--model", model or str(api_checkpoint()),
@@ -73,7 +76,9 @@ def cluster(num_processes: int, log_dir: Path, model: str | None = None, limits:
                 proc_env = env
             else:
                 cmd = [*common, "--port", str(http_port)]
-                proc_env = {**env, "FERROX_COORDINATOR_ADDRESS": coordinator,
+                if follower_faults:  # the same serve arguments, through the fault-injecting entry point
+                    cmd[1:3] = ["-m", "tests.support.fault_serve"]
+                proc_env = {**env, **(follower_faults or {}), "FERROX_COORDINATOR_ADDRESS": coordinator,
                             "FERROX_NUM_PROCESSES": str(num_processes), "FERROX_PROCESS_ID": str(i)}
                 proc_env.update({"FERROX_MULTIHOST_SECRET": secret} if secret else {})
             with open(log_dir / f"process-{i}.log", "wb") as log:

@@ -19,6 +19,13 @@ A group does not sleep: `POST /sleep` on the leader is a 400 `unsupported` befor
 freed, and the same requests then hit their snapshots (before, the leader emptied its prefix
 cache, its runner then refused the release and the route answered a 500: the cached tokens
 would be 0).
+
+Negative control, in the same cluster: the follower runs under tests/support/fault_serve.py with
+a `StateCopyDropper` (tests/support/faults.py), armed once the second round is answered; a third
+round of the same requests (each a hit again: restores and the fork, all state copies) then runs
+with the follower's copies voided, and its tokens differ from one process's. So the equality
+above holds because the copies ride the step to the follower, not because its states do not
+matter.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import pytest
 from api.app import create_app
 from api.config import ServerConfig
 from tests.support import family_checks as fc
+from tests.support.faults import DROP_STATE_COPIES_ENV
 from tests.support.server_harness import ServerThread, tiny_engine
 from tests.system.test_multihost import cluster
 
@@ -69,7 +77,9 @@ def test_two_processes_serve_a_prefix_hit_and_n_2_as_one_process(checkpoint, tmp
     assert [r["cached"] for r in reference] == [0, PREFIX], "B hits X and restores A's snapshot"
     first, second = reference[1]["choices"]
     assert first != second, "the two seeded choices differ (each row its own sampling noise)"
-    with cluster(2, tmp_path, str(checkpoint), LIMITS) as (urls, procs):
+    drop_flag = tmp_path / "drop-state-copies"  # the follower voids its state copies while this exists
+    with cluster(2, tmp_path, str(checkpoint), LIMITS,
+                 follower_faults={DROP_STATE_COPIES_ENV: str(drop_flag)}) as (urls, procs):
         got = requests(urls[0])
         stats = httpx.get(urls[0] + "/admin/stats").json()
         metrics = httpx.get(urls[0] + "/metrics").text
@@ -79,6 +89,9 @@ def test_two_processes_serve_a_prefix_hit_and_n_2_as_one_process(checkpoint, tmp
         assert asleep.status_code == 400 and asleep.json()["error"]["code"] == "unsupported", asleep.text
         assert "multi-host group" in asleep.json()["error"]["message"]
         again = requests(urls[0])
+        before_drop = (tmp_path / "process-1.log").read_text()
+        drop_flag.touch()  # the negative control (module docstring)
+        dropped = requests(urls[0])
         assert all(proc.poll() is None for proc in procs)
     # A hits its own snapshot at 12, B (21 tokens) its own at 20; the replies are the same again
     assert [r["cached"] for r in again] == [PREFIX, 20], "the refused sleep kept the prefix cache"
@@ -88,3 +101,10 @@ def test_two_processes_serve_a_prefix_hit_and_n_2_as_one_process(checkpoint, tmp
     assert "ferrox_recompiles_after_warmup_total 0.0" in metrics, "no compile after warm-up"
     follower_log = (tmp_path / "process-1.log").read_text()
     assert "Traceback" not in follower_log, "the follower ran every step it was sent"
+    # The negative control: both requests hit again (2 restores, the fork, B's new save), but the
+    # follower voided every state copy, so its DeltaNet heads ran from other states
+    assert "TEST-ONLY: dropped" in follower_log and "TEST-ONLY: dropped" not in before_drop, \
+        "the follower dropped state copies only once armed"
+    assert [r["cached"] for r in dropped] == [PREFIX, 20], "the third round hits its snapshots too"
+    assert [r["choices"] for r in dropped] != [r["choices"] for r in reference], \
+        "without the state copies on the follower the group's tokens must differ from one process's"
