@@ -71,6 +71,11 @@ class Family:
     # split or laid out differently from ours (deepseek2's attn_k_b / attn_v_b -> kv_b_proj,
     # Qwen3.5's DeltaNet heads) or layers we do not run; None: nothing to rewrite
     gguf_merge: Callable[[dict, ModelConfig], None] | None = None
+    # (pairs, config) -> {(layer, ours): {"A", "B"}}: a GGUF LoRA adapter's tensors whose layout the
+    # converter changed as it changed the base weights' (Qwen3.5's DeltaNet tensors), taken out of
+    # `pairs` ({(layer, GGUF suffix): {"A", "B"}}) and put back in the checkpoint's layout
+    # (`models/lora_gguf.py`); the rest map through gguf_layer_weights. None: nothing to rewrite
+    gguf_adapter_merge: Callable[[dict, ModelConfig], dict] | None = None
     # HF layers past num_hidden_layers are skipped, not refused (DeepSeek-V3's multi-token-prediction layer)
     hf_skips_extra_layers: bool = False
     # HF tensor name prefixes the main model's loader skips: a side block another reader loads

@@ -12,7 +12,11 @@ metadata says what it is and whose tensors sit beside the base tensors they modi
 
 `{base}` is the base tensor's GGUF name (`attn_q.weight`, `ffn_down.weight`, Phi-3's
 fused `attn_qkv.weight`), so the family's GGUF table maps it to our projection as it
-maps the base model's weights. Two of the converter's rules are undone here:
+maps the base model's weights; where the converter changed a tensor's layout as it changes
+the base weight's (Qwen3.5's DeltaNet tensors: value heads tiled in B's rows or A's columns;
+Qwen3-Next's in_proj_qkvz split in two), the family's `gguf_adapter_merge` takes those
+pairs first and puts them back (`models/qwen3_5_gguf.py:merge_adapter`). Two of the
+converter's rules are undone here:
 
 - the converter runs the base model's own tensor edits on the (A, B) pair; for `llama`
   files that is the q/k row permutation to interleaved RoPE order, which touches only
@@ -58,8 +62,8 @@ def read_gguf_adapter(path: str | Path, family, cfg, targets: dict[tuple[int, st
     """Read a GGUF LoRA adapter file (see the module docstring).
 
     Args:
-      family: the served model's `Family` (its GGUF table and q/k permutation rule).
-      cfg: the served model's ModelConfig (head counts for the q/k unpermutation).
+      family: the served model's `Family` (its GGUF table, q/k permutation rule and adapter merge).
+      cfg: the served model's ModelConfig (head counts for the q/k unpermutation and the merge).
       targets: {(layer, name): (in, out)} the model can adapt (`attach_lora`).
       max_rank: `--max-lora-rank`.
     Raises:
@@ -80,23 +84,36 @@ def read_gguf_adapter(path: str | Path, family, cfg, targets: dict[tuple[int, st
     meta = GGUFMetadata(reader)
     arch = _check_header(meta, path.name, family)
     unpermute = arch in family.gguf_qk_permuted
-    pairs: dict[tuple[int, str | tuple[str, ...]], dict[str, np.ndarray]] = {}
+    read: dict[tuple[int, str], dict[str, np.ndarray]] = {}  # (layer, GGUF suffix) -> {"A", "B"}
     for t in reader.tensors:
         m = _LORA_NAME.match(t.name)
-        ours = family.gguf_layer_weights.get(m.group(2)) if m else None
-        parts = ours if isinstance(ours, tuple) else (ours,)
-        if ours is None or any((int(m.group(1)), name) not in targets for name in parts):
-            raise LoraError("missing_target_module", f"{path.name}: tensor {t.name!r} targets a module the model "
-                                                     f"lacks")
+        if m is None:
+            raise LoraError("missing_target_module", f"{path.name}: tensor {t.name!r} is not a layer's lora_a or "
+                                                     "lora_b")
         try:
             w = dequantize_tensor(t)
         except UnsupportedModelError as e:
             raise LoraError("invalid_adapter", f"{path.name}: {e}") from None
         if m.group(3) == "b" and unpermute and m.group(2) in ("attn_q.weight", "attn_k.weight"):
             w = unpermute_rope_rows(w, cfg.num_heads if m.group(2) == "attn_q.weight" else cfg.num_kv_heads)
-        pairs.setdefault((int(m.group(1)), ours), {})[m.group(3).upper()] = w
-    if not pairs:
+        read.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3).upper()] = w
+    if not read:
         raise LoraError("invalid_adapter", f"{path.name}: holds no LoRA tensors")
+    try:  # the family's own layouts (Qwen3.5's DeltaNet tensors), taken out of `read`
+        pairs: dict[tuple[int, str | tuple[str, ...]], dict[str, np.ndarray]] = (
+            family.gguf_adapter_merge(read, cfg) if family.gguf_adapter_merge is not None else {})
+    except LoraError as e:
+        raise LoraError(e.code, f"{path.name}: {e}") from None
+    for key in pairs:
+        if key not in targets:
+            raise LoraError("missing_target_module", f"{path.name}: layer {key[0]} {key[1]} is not a projection the "
+                                                     "model has")
+    for (layer, suffix), ab in read.items():  # the rest by the family's GGUF name table
+        ours = family.gguf_layer_weights.get(suffix)
+        if ours is None or any((layer, name) not in targets for name in (ours if isinstance(ours, tuple) else (ours,))):
+            raise LoraError("missing_target_module", f"{path.name}: tensor 'blk.{layer}.{suffix}.lora_*' targets a "
+                                                     "module the model lacks")
+        pairs[(layer, ours)] = ab
     ranks = {ab["B"].shape[1] for ab in pairs.values() if "B" in ab}
     if len(ranks) > 1:
         raise LoraError("invalid_adapter", f"{path.name}: tensors of different ranks {sorted(ranks)} are not supported")

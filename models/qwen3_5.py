@@ -281,4 +281,5 @@ FAMILY = Family(
     config_from_gguf=config_from_gguf,
     gguf_layer_weights=qwen3_5_gguf.GGUF_LAYER_WEIGHTS,
     gguf_merge=qwen3_5_gguf.merge_tensors,
+    gguf_adapter_merge=qwen3_5_gguf.merge_adapter,
 )

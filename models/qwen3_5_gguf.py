@@ -37,6 +37,12 @@ these keys) is written the same way except that its value heads are not reordere
 `in_proj_qkvz` is split into `attn_qkv` (q, k, v of every k head) and `attn_gate` (z), joined
 back here; `in_proj_ba` is kept whole as `ssm_ba`.
 
+A GGUF LoRA adapter for these files (llama.cpp's convert_lora_to_gguf.py runs the same edits on
+each (lora_a, lora_b) pair) has its DeltaNet tensors put back by the same rules (`merge_adapter`,
+through `models/lora_gguf.py`): the value heads of B's rows (attn_qkv's v rows, attn_gate,
+ssm_beta, ssm_alpha) and of ssm_out's A columns regrouped; for Qwen3-Next attn_qkv and
+attn_gate joined back into in_proj_qkvz's rows under their shared lora_a.
+
 Refused at load, by key: a DeltaNet layer kind mask that is not booleans per block, v heads
 not a multiple of k heads (`ssm.time_step_rank`), an inner size not a multiple of the v heads.
 """
@@ -48,6 +54,7 @@ from typing import Any, Callable
 import numpy as np
 
 from models.config import UnsupportedModelError
+from models.lora import LoraError
 
 ARCH = "qwen35"
 
@@ -112,9 +119,28 @@ def grouped_heads(arr: np.ndarray, axis: int, k_heads: int, v_per_k: int, head_d
     return np.ascontiguousarray(np.moveaxis(out, 0, axis))
 
 
+def regroup_heads(w: np.ndarray, axis: int, k_heads: int, v_per_k: int, head_dim: int, skip: int = 0) -> np.ndarray:
+    """`grouped_heads` on `w` along `axis` past its first `skip` entries (attn_qkv's and the
+    conv's q and k channels, which the converter leaves); nothing to undo when v_per_k is 1."""
+    if v_per_k == 1:
+        return w
+    head, tail = np.split(w, [skip], axis=axis) if skip else (None, w)
+    tail = grouped_heads(tail, axis, k_heads, v_per_k, head_dim)
+    return tail if head is None else np.concatenate([head, tail], axis=axis)
+
+
+def join_qkvz(qkv: np.ndarray, z: np.ndarray, hk: int, dk: int, group_v: int) -> np.ndarray:
+    """Qwen3-Next: rows [q | k | v of every k head] (`attn_qkv`) and [z] (`attn_gate`) back into
+    HF's `in_proj_qkvz` rows, which group each k head's q, k, v and z: [out, d] -> [out', d]."""
+    d = qkv.shape[-1]
+    q, k, v = np.split(qkv, [hk * dk, 2 * hk * dk])
+    groups = [q.reshape(hk, dk, d), k.reshape(hk, dk, d), v.reshape(hk, group_v, d), z.reshape(hk, group_v, d)]
+    return np.concatenate(groups, axis=1).reshape(-1, d)
+
+
 def _fuse_qkvz(tensors: dict, hk: int, dk: int, group_v: int) -> None:
-    """Qwen3-Next: the converter's `attn_qkv` [q | k | v of every k head] and `attn_gate` [z] back
-    into HF's `in_proj_qkvz`, whose rows group each k head's q, k, v and z (ours: transposed)."""
+    """Qwen3-Next: the converter's `attn_qkv` and `attn_gate` back into `in_proj_qkvz` (`join_qkvz`;
+    ours: transposed)."""
     for name in [n for n in tensors if n.startswith("gguf:blk.") and n.endswith(".attn_qkv.weight")]:
         gate = name.replace(".attn_qkv.", ".attn_gate.")
         if gate not in tensors:
@@ -122,10 +148,7 @@ def _fuse_qkvz(tensors: dict, hk: int, dk: int, group_v: int) -> None:
 
         def read(qkv_load=tensors.pop(name), z_load=tensors.pop(gate)):
             qkv, z = np.asarray(qkv_load(), np.float32), np.asarray(z_load(), np.float32)
-            d = qkv.shape[-1]
-            q, k, v = np.split(qkv, [hk * dk, 2 * hk * dk])
-            groups = [q.reshape(hk, dk, d), k.reshape(hk, dk, d), v.reshape(hk, group_v, d), z.reshape(hk, group_v, d)]
-            return np.ascontiguousarray(np.concatenate(groups, axis=1).reshape(-1, d).T)
+            return np.ascontiguousarray(join_qkvz(qkv, z, hk, dk, group_v).T)
 
         tensors[f"layers.{name.split('.')[1]}.in_proj_qkvz"] = read
 
@@ -139,13 +162,7 @@ def merge_tensors(tensors: dict, cfg) -> None:
     r = hv // hk
 
     def regroup(axis: int, head_dim: int, skip: int = 0) -> Callable[[np.ndarray], np.ndarray]:
-        def fix(w: np.ndarray) -> np.ndarray:
-            if r == 1:
-                return w
-            head, tail = np.split(w, [skip], axis=axis) if skip else (None, w)
-            tail = grouped_heads(tail, axis, hk, r, head_dim)
-            return tail if head is None else np.concatenate([head, tail], axis=axis)
-        return fix
+        return lambda w: regroup_heads(w, axis, hk, r, head_dim, skip)
 
     qk = 2 * hk * dk
     if cfg.fused_deltanet:  # qwen3next: no value-head reorder; q/k/v and z split from in_proj_qkvz
@@ -175,3 +192,56 @@ def merge_tensors(tensors: dict, cfg) -> None:
         elif name == "final_norm" or (name.startswith("layers.") and parts[-1] in _STORED_PLUS_ONE):
             load = tensors[name]
             tensors[name] = lambda load=load: np.asarray(load(), np.float32) - np.float32(1.0)
+
+
+# A LoRA adapter's DeltaNet tensors: GGUF suffix -> (ours, the factor the converter reordered, its
+# axis, the head size, the entries left in place ahead of the value heads). lora_a is [r, in] and
+# lora_b [out, r]: a reorder of the base weight's rows moves B's rows, one of its columns A's.
+_ADAPTER_RULES = {
+    "attn_qkv.weight": ("in_proj_qkv", "B", 0, "dv", "qk"),
+    "attn_gate.weight": ("in_proj_z", "B", 0, "dv", None),
+    "ssm_beta.weight": ("in_proj_b", "B", 0, None, None),
+    "ssm_alpha.weight": ("in_proj_a", "B", 0, None, None),
+    "ssm_out.weight": ("out_proj", "A", 1, "dv", None),
+}
+
+
+def merge_adapter(pairs: dict, cfg) -> dict:
+    """A GGUF LoRA adapter's DeltaNet tensors back to ours (`models/lora_gguf.py`).
+
+    llama.cpp's convert_lora_to_gguf.py runs this file's base-model edits on each (lora_a, lora_b)
+    pair, so its value heads are tiled as the base weights' are (module docstring): in B's rows for
+    attn_qkv (the v rows), attn_gate, ssm_beta and ssm_alpha, in A's columns for ssm_out. They are
+    put back by the same rule (`regroup_heads`). Qwen3-Next: no reorder; an adapter's attn_qkv and
+    attn_gate (llama.cpp's converter stops on a fused in_proj_qkvz adapter, but their split of the
+    output rows keeps one A) are joined back into in_proj_qkvz's rows (`join_qkvz`); its ssm_ba
+    goes through the name table as it is.
+
+    Args:
+      pairs: {(layer, GGUF suffix): {"A": f32[r, in], "B": f32[out, r]}} as read; the DeltaNet
+        entries are taken out of it (the rest map through the family's name table).
+    Returns: {(layer, ours): {"A", "B"}} in the checkpoint's (HF's) layout.
+    Raises: LoraError("invalid_adapter") for half a fused pair or two different A's.
+    """
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    r = 1 if cfg.fused_deltanet else hv // hk
+    sizes = {"dv": dv, "qk": 2 * hk * dk, None: 0}
+    out = {}
+    for (layer, suffix) in [key for key in pairs if key[1] in _ADAPTER_RULES]:
+        ab = pairs.pop((layer, suffix))
+        ours, factor, axis, head, skip = _ADAPTER_RULES[suffix]
+        if factor in ab:
+            ab = {**ab, factor: regroup_heads(ab[factor], axis, hk, r, sizes[head] or 1, sizes[skip])}
+        out[(layer, ours)] = ab
+    if cfg.fused_deltanet:
+        for layer in sorted({layer for layer, name in out if name in ("in_proj_qkv", "in_proj_z")}):
+            qkv, z = out.pop((layer, "in_proj_qkv"), None), out.pop((layer, "in_proj_z"), None)
+            if qkv is None or z is None or set(qkv) != {"A", "B"} or set(z) != {"A", "B"}:
+                raise LoraError("invalid_adapter", f"layer {layer}: Qwen3-Next's in_proj_qkvz adapter needs both "
+                                                   "attn_qkv and attn_gate, each with lora_a and lora_b")
+            if qkv["A"].shape != z["A"].shape or not np.array_equal(qkv["A"], z["A"]):
+                raise LoraError("invalid_adapter", f"layer {layer}: attn_qkv and attn_gate hold different lora_a; "
+                                                   "as parts of one in_proj_qkvz adapter they must share it")
+            out[(layer, "in_proj_qkvz")] = {"A": qkv["A"], "B": join_qkvz(qkv["B"], z["B"], hk, dk, hv // hk * dv)}
+    return out

@@ -183,6 +183,7 @@ FAMILY = Family(
     gguf_layer_weights={**qwen3_5_gguf.GGUF_LAYER_WEIGHTS, **GGUF_MOE_WEIGHTS, "ssm_ba.weight": "in_proj_ba"},
     gguf_experts=True,
     gguf_merge=qwen3_5_gguf.merge_tensors,
+    gguf_adapter_merge=qwen3_5_gguf.merge_adapter,
 )
 
 QWEN3_5_MOE = Family(
@@ -197,4 +198,5 @@ QWEN3_5_MOE = Family(
     gguf_layer_weights={**qwen3_5_gguf.GGUF_LAYER_WEIGHTS, **GGUF_MOE_WEIGHTS},
     gguf_experts=True,
     gguf_merge=qwen3_5_gguf.merge_tensors,
+    gguf_adapter_merge=qwen3_5_gguf.merge_adapter,
 )

@@ -18,6 +18,13 @@ what a loader concatenating the parts would hand the slot) fail it, and in_proj_
 halves swapped per head fail it; the adapter must move the logits far beyond the bound. A model
 grouped for 2 tensor-parallel devices (run on one: the fused form keeps its columns and builds
 each device's q | k | v in the forward) gives the ungrouped model's adapted logits.
+
+The same adapter as a GGUF file for llama.cpp's `qwen3next` (`tests/support/lora_helpers.
+peft_to_gguf`): in_proj_qkvz's B rows split into attn_qkv (q | k | v of every k head) and
+attn_gate (z) with one shared lora_a, in_proj_ba as ssm_ba, out_proj as ssm_out. (The vendored
+convert_lora_to_gguf.py stops on a fused in_proj_qkvz adapter, a view it cannot take of LoRA
+factors; the split is the one it makes of the base weight.) It gives the PEFT form's logits,
+and half of the split pair is refused by name.
 """
 
 from __future__ import annotations
@@ -31,12 +38,12 @@ from ferrox_jax.plan import RowPlan
 from ferrox_jax.runner import ModelRunner
 from models.deltanet_groups import group_for_devices
 from models.loader import load_checkpoint
-from models.lora import LoraSlots, attach_lora, write_slot
+from models.lora import LoraError, LoraSlots, attach_lora, write_slot
 from models.qwen3_next import HF_LAYER_WEIGHTS
 from tests.models.test_family_qwen3_5 import SHAPES, moe_bound
 from tests.support import family_checks as fc
 from tests.support.engine_helpers import shuffled_blocks
-from tests.support.lora_helpers import lora_runner, make_peft_adapter, peft_models
+from tests.support.lora_helpers import lora_runner, make_peft_adapter, peft_models, peft_to_gguf
 
 PROMPT_TOKENS = 20
 DECODE_STEPS = 4
@@ -62,8 +69,8 @@ def setup(tmp_path_factory):
     unmerged, merged = peft_models(base, adapter)
     refs = [fc.hf_logits(model, tokens) for model in (unmerged, merged)]
     bound = moe_bound(merged, tokens, refs[1])  # the merged model is a plain transformers one
-    return dict(base=base, adapter=adapter, runner=runner, ckpt=ckpt, read=read, slot=slot, prompt=prompt,
-                ours=ours, tokens=tokens, refs=refs, bound=bound)
+    return dict(base=base, adapter=adapter, runner=runner, registry=registry, ckpt=ckpt, read=read, slot=slot,
+                prompt=prompt, ours=ours, tokens=tokens, refs=refs, bound=bound, root=root)
 
 
 def _row(tokens, start, blocks, adapter_slot):
@@ -154,3 +161,31 @@ def test_fused_model_grouped_for_tensor_parallelism_keeps_its_adapted_logits(set
     err = float(np.abs(got - want).max())
     print(f"qwen3_next LoRA, grouped for 2 devices vs one: max |Δlogit| {err:.2e}")
     assert err < 1e-5, f"the grouped fused model's adapted logits differ by {err:.3g}"
+
+
+def _gguf(s, name, **options):
+    cfg = s["ckpt"].config
+    deltanet = dict(linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
+                    linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim)
+    return peft_to_gguf(s["adapter"], s["root"] / f"{name}.gguf", "qwen3next", cfg.num_heads, cfg.num_kv_heads,
+                        deltanet=deltanet, **options)
+
+
+def test_gguf_adapter_with_in_proj_qkvz_split_equals_its_peft_form(setup):
+    s = setup
+    slot = s["registry"].load("fused-gguf", _gguf(s, "fused")).slot
+    try:
+        got, _ = _greedy(s["runner"], s["prompt"], slot, tokens=s["tokens"])
+    finally:
+        s["registry"].unload("fused-gguf")
+    err = float(np.abs(got - s["ours"]).max())
+    print(f"qwen3next GGUF LoRA vs its PEFT form: max |Δlogit| {err:.2e}")
+    assert err < 1e-6, f"the GGUF adapter's logits differ from its PEFT form by {err:.3g}"
+
+
+def test_gguf_adapter_with_half_of_in_proj_qkvz_is_refused(setup):
+    s = setup
+    path = _gguf(s, "half", rename={"attn_gate.weight": "attn_gate_lost.weight"})
+    with pytest.raises(LoraError, match="needs both attn_qkv and attn_gate") as refused:
+        s["registry"].load("half-gguf", path)
+    assert refused.value.code == "invalid_adapter"
