@@ -23,8 +23,8 @@ The same adapter as a GGUF file for llama.cpp's `qwen3next` (`tests/support/lora
 peft_to_gguf`): in_proj_qkvz's B rows split into attn_qkv (q | k | v of every k head) and
 attn_gate (z) with one shared lora_a, in_proj_ba as ssm_ba, out_proj as ssm_out. (The vendored
 convert_lora_to_gguf.py stops on a fused in_proj_qkvz adapter, a view it cannot take of LoRA
-factors; the split is the one it makes of the base weight.) It gives the PEFT form's logits,
-and half of the split pair is refused by name.
+factors; the split is the one it makes of the base weight.) It gives the PEFT form's logits;
+half of the split pair, or its halves under two different lora_a, is refused by name.
 """
 
 from __future__ import annotations
@@ -189,3 +189,22 @@ def test_gguf_adapter_with_half_of_in_proj_qkvz_is_refused(setup):
     with pytest.raises(LoraError, match="needs both attn_qkv and attn_gate") as refused:
         s["registry"].load("half-gguf", path)
     assert refused.value.code == "invalid_adapter"
+
+
+def test_gguf_adapter_with_two_different_lora_a_for_in_proj_qkvz_is_refused(setup):
+    # attn_qkv and attn_gate are one in_proj_qkvz adapter only under one A: x A [B_qkv | B_z]
+    from models.qwen3_5_gguf import merge_adapter
+
+    cfg = setup["ckpt"].config
+    hk, dk, group_v = _per_head(cfg)
+    a = setup["read"].adapter.weights[(0, "in_proj_qkvz")][0].T  # [r, in], as a GGUF lora_a
+    rank = a.shape[0]
+    pairs = {(0, "attn_qkv.weight"): {"A": a, "B": np.ones((hk * (2 * dk + group_v), rank), np.float32)},
+             (0, "attn_gate.weight"): {"A": a + 1e-3, "B": np.ones((hk * group_v, rank), np.float32)}}
+    with pytest.raises(LoraError, match="different lora_a") as refused:
+        merge_adapter(dict(pairs), cfg)
+    assert refused.value.code == "invalid_adapter"
+    pairs[(0, "attn_gate.weight")]["A"] = a  # the same A: joined, as wide as in_proj_qkvz
+    joined = merge_adapter(dict(pairs), cfg)
+    assert list(joined) == [(0, "in_proj_qkvz")] and joined[(0, "in_proj_qkvz")]["B"].shape == (
+        hk * (2 * dk + 2 * group_v), rank)
