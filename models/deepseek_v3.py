@@ -34,7 +34,9 @@ key_length / value_length); `kv_lora_rank`, `q_lora_rank` (absent: q_proj); the 
 `expert_group_count`, `expert_group_used_count`, `expert_weights_scale`,
 `expert_weights_norm`, `expert_shared_count`, `leading_dense_block_count`,
 `expert_gating_func` (sigmoid; DeepSeek-V2's softmax is refused); YaRN in `rope.scaling.*`
-with mscale_all_dim as `yarn_log_multiplier` / 0.1 (llama.cpp's convention). A file cannot
+with mscale_all_dim as `yarn_log_multiplier` / 0.1 (llama.cpp's convention); the layers are
+`block_count` less `nextn_predict_layers` (the multi-token-prediction block a converter may
+append at block n, `blk.{n}.nextn.*`, read only for `--speculative mtp`: models/deepseek_mtp.py). A file cannot
 say mscale apart from mscale_all_dim (every released config has them equal): the YaRN
 attention factor is `rope.scaling.yarn_attn_factor` when written, else 1. RoPE pairs are
 interleaved (llama.cpp runs deepseek2 with its NORM rope, DeepSeek's `rope_interleave`).
@@ -196,10 +198,12 @@ def config_from_gguf(meta, fields: dict) -> DeepseekV3Config:
                   "beta_slow": meta.get(f"{a}.rope.scaling.yarn_beta_slow"),
                   "attention_factor": meta.get(f"{a}.rope.scaling.yarn_attn_factor")}
         yarn = yarn_from_dict(params, {"max_position_embeddings": fields["max_position_embeddings"]})
-    n = fields["num_layers"]
+    n = fields["num_layers"] - int(meta.get(f"{a}.nextn_predict_layers", 0) or 0)  # the MTP blocks after them
+    if n <= 0:
+        raise UnsupportedModelError(f"GGUF {a} holds only multi-token-prediction layers; serve the main model's file")
     first_dense = int(meta.get(f"{a}.leading_dense_block_count", 0))
     # the plain RoPE, as from config.json (the yarn tables are ours); heads as HF counts them
-    fields = {**fields, "head_dim": rope_dim, "num_kv_heads": fields["num_heads"], "rope_scaling": RopeScaling(),
+    fields = {**fields, "num_layers": n, "head_dim": rope_dim, "num_kv_heads": fields["num_heads"], "rope_scaling": RopeScaling(),
               "rotary_dim": None}
     q_lora = meta.get(f"{a}.attention.q_lora_rank")
     return DeepseekV3Config(
@@ -220,7 +224,12 @@ def config_from_gguf(meta, fields: dict) -> DeepseekV3Config:
 def merge_gguf_kv_b(tensors: dict, cfg=None) -> None:
     """Newer converters' `attn_k_b` [H, r, dn] and `attn_v_b` [H, dv, r] back into our
     kv_b_proj [r, H*(dn+dv)] (each head's k_nope columns, then its v), in place; the two
-    came through the loader as unknown names ("gguf:blk.{i}.attn_k_b.weight")."""
+    came through the loader as unknown names ("gguf:blk.{i}.attn_k_b.weight"). The
+    multi-token-prediction blocks after `cfg.num_layers` are dropped (read for
+    `--speculative mtp` by models/loaders/gguf_mtp.py)."""
+    for name in list(tensors) if cfg is not None else ():
+        if name.startswith(("gguf:blk.", "layers.")) and int(name.split(".")[1]) >= cfg.num_layers:
+            del tensors[name]
     for name in [n for n in tensors if n.startswith("gguf:blk.") and n.endswith(".attn_k_b.weight")]:
         layer = name.split(".")[1]
         v_name = name.replace("attn_k_b", "attn_v_b")
