@@ -1,13 +1,16 @@
 """What the multi-token-prediction blocks' loaders share (`models/deepseek_mtp.py`,
 `models/qwen3_5_mtp.py`): the checkpoint's MTP tensors mapped to our names, and the block's
 variables filled from them, with what the block shares with the main model (the embedding,
-the LM head) taken from it.
+the LM head) taken from it, in the form the main model keeps it (float, int8 or GGUF blocks).
+A GGUF file's block (llama.cpp's `nextn` layers) is mapped to the same names by
+models/loaders/gguf_mtp.py.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -45,7 +48,9 @@ def our_mtp_tensors(loads: dict[str, Callable], mtp_weights: dict, layer_suffix:
 def fill_mtp(model: nnx.Module, tensors: dict[str, Callable], shared: dict, dtype) -> nnx.Module:
     """Sets every variable of `model` (built by `nnx.eval_shape`) from `tensors` (lazy arrays,
     cast to `dtype`), else from `shared` (the main model's variables: the same arrays, not
-    copies); a variable in neither, or of another shape, is a NoMtpLayerError."""
+    copies, quantized ones too: `--quantization int8|w8a8|gguf` keeps the embedding and the
+    LM head as `QuantizedWeight` / `BlockQuantizedWeight`, which the layer reads as the model
+    does); a variable in neither, or a float one of another shape, is a NoMtpLayerError."""
     for path, var in nnx.iter_graph(model):
         if not isinstance(var, nnx.Variable):
             continue
@@ -54,6 +59,9 @@ def fill_mtp(model: nnx.Module, tensors: dict[str, Callable], shared: dict, dtyp
             arr = jnp.asarray(np.asarray(tensors[name]()), dtype)
         elif name in shared:
             arr = shared[name].get_value()
+            if not isinstance(arr, jax.Array):  # the main model's int8 / GGUF-block form: the layer reads it
+                var.set_value(arr)  # as the model does (embed_lookup, project), in whatever layout it keeps
+                continue
         else:
             raise NoMtpLayerError(f"the MTP layer has no tensor for {name}")
         if arr.shape != var.get_value().shape:
