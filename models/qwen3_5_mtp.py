@@ -31,6 +31,9 @@ Tensors read (after `mtp.`; `model.mtp.` is read the same):
                                   (`models/qwen3_5.py`, `models/qwen3_next.py`); a second layer
                                   (mtp_num_hidden_layers > 1) is refused, naming its tensor
 
+A GGUF file's block (llama.cpp's converter writes it as `blk.{n}.nextn.*` beside the layer's
+own tensors at block n) is read by models/loaders/gguf_mtp.py under `GGUF_MTP_WEIGHTS`.
+
 The weights are placed in the compute dtype whatever `--quantization` says (one layer).
 """
 
@@ -47,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 from models.layers import ForwardContext, norm_param, param, project, rms_norm_plus_one
+from models.loaders.gguf_mtp import gguf_mtp_tensors
 from models.loaders.shards import shard_tensors
 from models.mtp_weights import NoMtpLayerError, fill_mtp, our_mtp_tensors
 from models.qwen3_5 import MTP_PREFIXES, Qwen3_5Config, Qwen3_5DecoderLayer
@@ -61,6 +65,13 @@ MTP_WEIGHTS = {  # HF suffix after mtp. -> (ours, transposed)
     "pre_fc_norm_embedding.weight": ("enorm", False),
     "pre_fc_norm_hidden.weight": ("hnorm", False),
     "norm.weight": ("head_norm", False),
+}
+# llama.cpp's names for them in a GGUF (`blk.{n}.nextn.*`, models/loaders/gguf_mtp.py), stored 1 + w for the norms
+GGUF_MTP_WEIGHTS = {
+    "nextn.eh_proj.weight": ("fc", True),
+    "nextn.enorm.weight": ("enorm", False),
+    "nextn.hnorm.weight": ("hnorm", False),
+    "nextn.shared_head_norm.weight": ("head_norm", False),
 }
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -120,7 +131,10 @@ class Qwen3_5Mtp(nnx.Module):
 
 def mtp_tensors(folder: Path, cfg: Qwen3_5Config) -> dict[str, Callable[[], np.ndarray]]:
     """{our name (relative to `Qwen3_5Mtp`): lazy array in our layout} of the checkpoint's MTP
-    block; raises NoMtpLayerError when it has none, or one we cannot run."""
+    block (`folder`: a checkpoint folder, or a GGUF file's `nextn` block); raises
+    NoMtpLayerError when it has none, or one we cannot run."""
+    if folder.suffix == ".gguf":
+        return gguf_mtp_tensors(folder, cfg, layer_config(cfg), GGUF_MTP_WEIGHTS, norm_offset=1.0, max_blocks=1)
     loads = shard_tensors(folder, lambda name: name.split("mtp.", 1)[1] if name.startswith(MTP_PREFIXES) else None)
     if "fc.weight" not in loads:
         raise NoMtpLayerError(
