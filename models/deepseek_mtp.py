@@ -26,11 +26,15 @@ Tensors read (after `model.layers.{n}.`; the names of the released checkpoints):
     input_layernorm, post_attention_layernorm, self_attn.*, mlp.*: the decoder layer's, under
                                 the names of `models/deepseek_v3.py:HF_LAYER_WEIGHTS`
 
+A GGUF file's layer (llama.cpp's `deepseek2` at block n: the decoder layer's tensors and
+`blk.{n}.nextn.*`) is read by models/loaders/gguf_mtp.py under `GGUF_MTP_WEIGHTS`.
+
 The weights are placed in the compute dtype whatever `--quantization` says (one layer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Callable
@@ -42,6 +46,7 @@ from flax import nnx
 
 from models.deepseek_v3 import HF_LAYER_WEIGHTS, DeepseekV3Config, DeepseekV3DecoderLayer
 from models.layers import ForwardContext, norm_param, param, project, rms_norm
+from models.loaders.gguf_mtp import gguf_mtp_tensors
 from models.loaders.shards import shard_tensors
 from models.mtp_weights import NoMtpLayerError, fill_mtp, our_mtp_tensors
 from models.quant import embed_lookup
@@ -55,6 +60,15 @@ MTP_WEIGHTS = {  # HF suffix after model.layers.{n}. -> (ours, transposed)
     "shared_head.norm.weight": ("head_norm", False),
     "shared_head.head.weight": ("head", True),
     "embed_tokens.weight": ("embed", False),
+}
+# llama.cpp's names for them in a GGUF (`blk.{n}.nextn.*`, models/loaders/gguf_mtp.py)
+GGUF_MTP_WEIGHTS = {
+    "nextn.enorm.weight": ("enorm", False),
+    "nextn.hnorm.weight": ("hnorm", False),
+    "nextn.eh_proj.weight": ("eh_proj", True),
+    "nextn.shared_head_norm.weight": ("head_norm", False),
+    "nextn.shared_head_head.weight": ("head", True),
+    "nextn.embed_tokens.weight": ("embed", False),
 }
 
 
@@ -108,8 +122,12 @@ class DeepseekMtp(nnx.Module):
 
 def mtp_tensors(folder: Path, cfg: DeepseekV3Config) -> dict[str, Callable[[], np.ndarray]]:
     """{our name (relative to `DeepseekMtp`): lazy array in our layout} of the checkpoint's
-    first MTP layer; raises NoMtpLayerError when it has none."""
+    first MTP layer (`folder`: a checkpoint folder, or a GGUF file's `nextn` block); raises
+    NoMtpLayerError when it has none."""
     n = cfg.num_layers
+    if folder.suffix == ".gguf":  # the block's decoder layer is an MoE one, as layer n is
+        return gguf_mtp_tensors(folder, cfg, dataclasses.replace(cfg, num_layers=1, dense_layers=()),
+                                GGUF_MTP_WEIGHTS)
     layer_re = re.compile(rf"^model\.layers\.{n}\.(.+)$")
     loads = shard_tensors(folder, lambda name: m.group(1) if (m := layer_re.match(name)) else None)
     if "eh_proj.weight" not in loads:
