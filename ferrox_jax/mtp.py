@@ -95,10 +95,9 @@ def check_mtp(config, source, model_axis: int) -> bool:
         raise ValueError(f"--speculative mtp drafts with a checkpoint's own multi-token-prediction layer "
                          f"(DeepSeek-V3, Qwen3.5, Qwen3.5-MoE, Qwen3-Next); {source.name} is a {arch}: use "
                          "--speculative ngram or --speculative draft")
-    if source.is_synthetic or not Path(source.path).is_dir():
-        raise ValueError(f"--speculative mtp reads the MTP layer from a safetensors checkpoint folder; {source.name} "
-                         "is not one (a GGUF file's nextn layers are not read): use --speculative ngram, or serve "
-                         "the safetensors checkpoint")
+    if source.is_synthetic or not (Path(source.path).is_dir() or Path(source.path).suffix == ".gguf"):
+        raise ValueError(f"--speculative mtp reads the MTP layer from the checkpoint (a safetensors folder, or a GGUF "
+                         f"file's nextn block); {source.name} has no weights to read: use --speculative ngram")
     if jax.process_count() > 1 or model_axis > 1:
         raise ValueError("--speculative mtp runs on one device for now: drop --tensor-parallel-size / multi-host")
     if config.max_loras or config.kv_offload_gib:
