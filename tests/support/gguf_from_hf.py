@@ -500,21 +500,41 @@ DEEPSEEK2_TO_GGUF = {  # HF suffix -> GGUF suffix, llama.cpp's DeepseekV2Model (
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 
+NEXTN_TO_GGUF = {  # an MTP layer's own HF suffixes -> gguf-py's NEXTN_* names (after blk.{n}.)
+    "eh_proj.weight": "nextn.eh_proj.weight",
+    "enorm.weight": "nextn.enorm.weight",
+    "hnorm.weight": "nextn.hnorm.weight",
+    "shared_head.norm.weight": "nextn.shared_head_norm.weight",
+    "shared_head.head.weight": "nextn.shared_head_head.weight",
+    "embed_tokens.weight": "nextn.embed_tokens.weight",
+}
 
-def write_deepseek2_gguf(hf_dir: Path, out: Path, split_kv_b: bool = True, gating_func: int = 2) -> Path:
+
+def write_deepseek2_gguf(hf_dir: Path, out: Path, split_kv_b: bool = True, gating_func: int = 2,
+                         mtp: bool = False, quant: Callable[[str, np.ndarray], tuple] | None = None) -> Path:
     """A DeepSeek-V3 checkpoint as llama.cpp's converter writes `deepseek2`: MLA as MQA
     (`head_count_kv` 1, key_length r + dr, value_length r, the real widths in
     `key_length_mla` / `value_length_mla`), the routing keys, YaRN's mscale_all_dim as
-    `yarn_log_multiplier` = 0.1 * mscale_all_dim, the experts stacked, the
-    multi-token-prediction layers skipped, and (`split_kv_b`, newer converters) kv_b_proj
-    split per head into `attn_k_b` [H, r, dn] (transposed) and `attn_v_b` [H, dv, r]; else
-    kept as `attn_kv_b`. `gating_func`: llama.cpp's expert gating (2 sigmoid, 1 softmax)."""
+    `yarn_log_multiplier` = 0.1 * mscale_all_dim, the experts stacked, and (`split_kv_b`, newer
+    converters) kv_b_proj split per head into `attn_k_b` [H, r, dn] (transposed) and `attn_v_b`
+    [H, dv, r]; else kept as `attn_kv_b`. `gating_func`: llama.cpp's expert gating (2 sigmoid,
+    1 softmax). The multi-token-prediction layers (`model.layers.{n}.*`, n = num_hidden_layers
+    on) are skipped, as `DeepseekV2Model` does (`skip_mtp`); `mtp=True` writes them as its
+    subclasses that keep them do (`DeepseekV32Model`, `Glm4MoeLiteModel`, run without
+    `--no-mtp`): block_count n + num_nextn_predict_layers, `nextn_predict_layers`, the layer's
+    decoder tensors under the usual names at `blk.{n}` and eh_proj / enorm / hnorm /
+    shared_head.norm / shared_head.head / embed_tokens as `blk.{n}.nextn.eh_proj` / `enorm` /
+    `hnorm` / `shared_head_norm` / `shared_head_head` / `embed_tokens` (gguf-py's NEXTN names).
+    `quant` as `write_gguf`'s."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(str(hf_dir / "model.safetensors"))
     w = gguf.GGUFWriter(str(out), "deepseek2")
     n_layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     r, dn, dr, dv = cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    w.add_block_count(n_layers)
+    n_mtp = (cfg.get("num_nextn_predict_layers") or 0) if mtp else 0
+    w.add_block_count(n_layers + n_mtp)
+    if n_mtp:
+        w.add_uint32("deepseek2.nextn_predict_layers", n_mtp)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
@@ -553,11 +573,17 @@ def write_deepseek2_gguf(hf_dir: Path, out: Path, split_kv_b: bool = True, gatin
         if rope.get("mscale_all_dim") is not None:
             w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * rope["mscale_all_dim"])
     _add_tokenizer(w, hf_dir)
-    w.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", tensors["model.norm.weight"])
+
+    def add(gguf_name: str, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr, np.float32)
+        packed = quant(gguf_name, arr) if quant is not None and arr.ndim >= 2 else None
+        w.add_tensor(gguf_name, arr) if packed is None else w.add_tensor(gguf_name, packed[0], raw_dtype=packed[1])
+
+    add("token_embd.weight", tensors["model.embed_tokens.weight"])
+    add("output_norm.weight", tensors["model.norm.weight"])
     if not cfg.get("tie_word_embeddings"):
-        w.add_tensor("output.weight", tensors["lm_head.weight"])
-    for i in range(n_layers):
+        add("output.weight", tensors["lm_head.weight"])
+    for i in range(n_layers + n_mtp):
         prefix = f"model.layers.{i}."
         stacks: dict[str, dict[int, np.ndarray]] = {}
         for name, arr in tensors.items():
@@ -569,12 +595,12 @@ def write_deepseek2_gguf(hf_dir: Path, out: Path, split_kv_b: bool = True, gatin
                 stacks.setdefault(EXPERTS_TO_GGUF[expert[0]], {})[expert[1]] = arr
             elif suffix == "self_attn.kv_b_proj.weight" and split_kv_b:
                 kv_b = arr.reshape(heads, dn + dv, r)
-                w.add_tensor(f"blk.{i}.attn_k_b.weight", np.ascontiguousarray(kv_b[:, :dn].swapaxes(1, 2)))
-                w.add_tensor(f"blk.{i}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, dn:]))
+                add(f"blk.{i}.attn_k_b.weight", kv_b[:, :dn].swapaxes(1, 2))
+                add(f"blk.{i}.attn_v_b.weight", kv_b[:, dn:])
             else:
-                w.add_tensor(f"blk.{i}.{DEEPSEEK2_TO_GGUF[suffix]}", np.ascontiguousarray(arr, np.float32))
+                add(f"blk.{i}.{DEEPSEEK2_TO_GGUF.get(suffix) or NEXTN_TO_GGUF[suffix]}", arr)
         for gguf_name, by_expert in stacks.items():
-            w.add_tensor(f"blk.{i}.{gguf_name}", np.stack([by_expert[e] for e in range(cfg["n_routed_experts"])]))
+            add(f"blk.{i}.{gguf_name}", np.stack([by_expert[e] for e in range(cfg["n_routed_experts"])]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
