@@ -193,11 +193,11 @@ def qwen_random(qwen):
 
 def test_qwen3_5_gguf_mtp_layer_equals_the_safetensors_one(qwen_random, monkeypatch):
     from models import qwen3_5_mtp
+    from models.loaders.gguf_mtp import gguf_mtp_tensors
 
     random, path = qwen_random
     _, gg, tokens, hidden, want = _check_parity(qwen3_5_mtp, random, path, monkeypatch, "Qwen3.5")
-    from models.loaders.gguf_mtp import gguf_mtp_tensors  # negative control: the nextn norms' stored 1 + w kept
-
+    # negative control: the nextn norms' stored 1 + w kept
     monkeypatch.setattr(qwen3_5_mtp, "gguf_mtp_tensors",
                         lambda *a, **kw: gguf_mtp_tensors(*a, **{**kw, "norm_offset": 0.0}))
     unshifted = _diff(_ours(qwen3_5_mtp, path, gg, tokens, hidden), want)
@@ -232,10 +232,11 @@ def test_qwen3_5_q8_0_gguf_mtp_reads_its_blocks_beside_a_block_quantized_model(q
     assert err <= 1e-4 and rounding > 1e-4
 
 
-def test_qwen3_5_greedy_with_gguf_drafts_equals_greedy_without(qwen):
+@pytest.fixture(scope="module")
+def qwen_fitted(qwen):
+    """The f32 GGUF of the tiny Qwen3.5 with a block fitted to draft the plain replies' next
+    tokens (tests/models/test_mtp_qwen3_5.py's construction)."""
     from safetensors.numpy import load_file
-
-    from models import qwen3_5_mtp
 
     root, folder, _, runner, ckpt, jobs, plain = qwen
     fitted = shutil.copytree(folder, root / "fitted-mtp")
@@ -252,9 +253,37 @@ def test_qwen3_5_greedy_with_gguf_drafts_equals_greedy_without(qwen):
     _save(fitted, {"mtp.fc.weight": np.concatenate([fit.T, np.zeros((d, d))], axis=1),
                    **{f"mtp.{k}.weight": np.zeros(d) for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")},
                    **_layer_copy(tensors, 1, "mtp.layers.0.", np.random.RandomState(2), scale_out=0.02)})
-    path = write_qwen35_gguf(fitted, root / "fitted-mtp.gguf")
-    _fitted_run(runner, ckpt, path, qwen3_5_mtp, jobs, plain, lambda drafted: drafted // 2,
+    return write_qwen35_gguf(fitted, root / "fitted-mtp.gguf")
+
+
+def test_qwen3_5_greedy_with_gguf_drafts_equals_greedy_without(qwen, qwen_fitted):
+    from models import qwen3_5_mtp
+
+    _, _, _, runner, ckpt, jobs, plain = qwen
+    _fitted_run(runner, ckpt, qwen_fitted, qwen3_5_mtp, jobs, plain, lambda drafted: drafted // 2,
                 state_slots=runner.max_rows + 1)
+
+
+def test_qwen3_5_gguf_served_with_mtp_through_the_engine_builder(qwen, qwen_fitted):
+    """`--speculative mtp` on the GGUF file from the engine builder (check_mtp accepts it, the
+    block read from the file, its K/V in the block budget) behind the real server: the plain
+    greedy reply, drafts accepted and counted, no compile after warm-up."""
+    import httpx
+
+    from api.app import create_app
+    from tests.support.server_harness import ServerThread, tiny_engine, wait_for
+
+    _, _, _, _, ckpt, jobs, plain = qwen
+    engine = tiny_engine(qwen_fitted, speculative=_spec(1), **{**fc.SERVE_LIMITS, "max_seqs": 1, "prefill_chunk": 8})
+    with ServerThread(create_app(engine)) as base, httpx.Client(base_url=base, timeout=120) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": list(jobs[0].prompt_token_ids), "max_tokens": 14, "temperature": 0}
+        text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        stats = wait_for(lambda: (s := http.get("/admin/stats").json())["spec_decode_num_draft_tokens"] and s)
+    print({k: v for k, v in stats.items() if k.startswith("spec_decode")})
+    assert text == ckpt.tokenizer.decode(plain.tokens["r0"][0])
+    assert 0 < stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
+    assert stats["recompiles_after_warmup"] == 0
 
 
 def test_qwen3_5_gguf_without_the_block_is_refused(qwen):
