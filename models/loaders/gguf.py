@@ -42,6 +42,9 @@ Format quirks handled here:
 - YaRN RoPE comes from `rope.scaling.*` (factor, original context, betas). Gemma 4: models/gemma4_gguf.py.
 - Llama 4 (`llama4`) keeps HF's q/k rows, adds `ffn_*_shexp` and leaves the chunk size and
   temperature constants to the reader (`models/llama4.py`).
+- The multi-token-prediction block llama.cpp's converter appends (`nextn` layers at block n,
+  counted by `block_count` less `nextn_predict_layers`) is no part of the model: the families
+  drop it, and `--speculative mtp` reads it through this reader (`models/loaders/gguf_mtp.py`).
 - The file is read through a memory map; once the weights are placed (copies) its pages
   are given back (`release_pages`), so they do not count in the server's resident set.
 """
