@@ -1,20 +1,21 @@
 """`--speculative mtp` from a GGUF file: the multi-token-prediction block llama.cpp's
 converter appends as `nextn` layers (models/loaders/gguf_mtp.py), for a tiny Qwen3.5
-(`qwen35`) and Qwen3-Next (`qwen3next`, with experts), the `mtp.*` block written as
-`_QwenMtpMixin` does (`blk.{n}.nextn.{eh_proj,enorm,hnorm,shared_head_norm}` beside the
-layer's tensors, norms stored 1 + w), and a tiny DeepSeek-V3 (`deepseek2`, the layer written
-as the converters that keep it do: attn_k_b / attn_v_b, the experts stacked,
+(`qwen35`), Qwen3-Next (`qwen3next`) and Qwen3.5-MoE (`qwen35moe`, with experts), the `mtp.*`
+block written as `_QwenMtpMixin` does (`blk.{n}.nextn.{eh_proj,enorm,hnorm,shared_head_norm}`
+beside the layer's tensors, norms stored 1 + w), and a tiny DeepSeek-V3 (`deepseek2`, the
+layer written as the converters that keep it do: attn_k_b / attn_v_b, the experts stacked,
 `nextn.{eh_proj,enorm,hnorm,shared_head_norm,shared_head_head,embed_tokens}`);
 tests/support/gguf_from_hf.py writes the files from the transformers checkpoints.
 
 Checks, per family: the GGUF form's MTP layer output and logits equal the safetensors form's
 (float32, random MTP weights with non-trivial norms, 12 positions over the layer's cache;
-Qwen3-Next's block with experts too; a Q8_0 Qwen3.5 file beside the model's own blocks); the
-model's layer count excludes the block; greedy decoding with the block's drafts from the GGUF
-equals greedy without, with drafts accepted (a fitted block: Qwen3.5's as
-tests/models/test_mtp_qwen3_5.py fits it, DeepSeek's as tests/models/test_mtp.py does); a file
-without the block is refused for `--speculative mtp` naming what is missing. Negative controls:
-the reader with enorm and hnorm swapped, and (Qwen3.5) the stored 1 + w norms not shifted back,
+Qwen3-Next's and Qwen3.5-MoE's blocks with experts too; a Q8_0 Qwen3.5 file beside the
+model's own blocks); the model's layer count excludes the block; greedy decoding with the
+block's drafts from the GGUF equals greedy without, with drafts accepted (a fitted block:
+Qwen3.5's as tests/models/test_mtp_qwen3_5.py fits it, DeepSeek's as tests/models/test_mtp.py
+does), and so does the Qwen3.5 file served through the engine builder; a file without the
+block is refused for `--speculative mtp` naming what is missing. Negative controls: the
+reader with enorm and hnorm swapped, and (Qwen3.5) the stored 1 + w norms not shifted back,
 move the layer's output far past the tolerance.
 """
 
@@ -291,23 +292,28 @@ def test_qwen3_5_gguf_without_the_block_is_refused(qwen):
                       r"qwen35\.nextn_predict_layers is 0")
 
 
-def test_qwen3_next_gguf_mtp_layer_with_experts_equals_the_safetensors_one(tmp_path, monkeypatch):
-    """Qwen3-Next (`qwen3next`): the block's decoder layer has the model's experts (stacked
-    into `ffn_*_exps` by the converter) and shared expert (`ffn_*_shexp`, its gate
-    `ffn_gate_inp_shexp`); its `mtp.layers.0.*` are fresh values of the shapes of the main
-    model's full-attention layer 1."""
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
+def test_moe_gguf_mtp_layer_with_experts_equals_the_safetensors_one(arch, tmp_path, monkeypatch):
+    """Qwen3-Next (`qwen3next`) and Qwen3.5-MoE (`qwen35moe`): the block's decoder layer has the
+    model's experts (stacked into `ffn_*_exps` by the converter) and shared expert
+    (`ffn_*_shexp`, its gate `ffn_gate_inp_shexp`); its `mtp.layers.0.*` are fresh values of
+    the shapes of the main model's full-attention layer 1."""
     from safetensors.numpy import load_file
 
     from models import qwen3_5_mtp
 
-    config = transformers.Qwen3NextConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=48, intermediate_size=128,
-        max_position_embeddings=512, tie_word_embeddings=False)
-    config.architectures = ["Qwen3NextForCausalLM"]
-    folder = fc.make_checkpoint(tmp_path / "tiny-qwen3-next", config)
+    shapes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=48, max_position_embeddings=512,
+                  tie_word_embeddings=False)
+    if arch == "qwen3next":
+        config = transformers.Qwen3NextConfig(**shapes, intermediate_size=128)
+        config.architectures = ["Qwen3NextForCausalLM"]
+    else:
+        config = transformers.Qwen3_5MoeTextConfig(**shapes)
+        config.architectures = ["Qwen3_5MoeForCausalLM"]
+    folder = fc.make_checkpoint(tmp_path / f"tiny-{arch}", config)
     tensors = load_file(str(folder / "model.safetensors"))
     rng = np.random.RandomState(2)
     d = config.hidden_size
@@ -316,8 +322,8 @@ def test_qwen3_next_gguf_mtp_layer_with_experts_equals_the_safetensors_one(tmp_p
            **_layer_copy(tensors, 1, "mtp.layers.0.", rng, scale_out=1.0)}
     assert any(".mlp.experts.3." in k for k in mtp) and "mtp.layers.0.mlp.shared_expert_gate.weight" in mtp
     _save(folder, mtp)
-    path = write_qwen35_gguf(folder, tmp_path / "tiny-qwen3-next.gguf", arch="qwen3next")
-    _check_parity(qwen3_5_mtp, folder, path, monkeypatch, "Qwen3-Next", control=False)  # the controls: Qwen3.5's
+    path = write_qwen35_gguf(folder, tmp_path / f"tiny-{arch}.gguf", arch=arch)
+    _check_parity(qwen3_5_mtp, folder, path, monkeypatch, arch, control=False)  # the controls: Qwen3.5's
 
 
 # -- DeepSeek-V3 --------------------------------------------------------------------------
