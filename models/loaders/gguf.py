@@ -45,6 +45,7 @@ Format quirks handled here:
 - The multi-token-prediction block llama.cpp's converter appends (`nextn` layers at block n,
   counted by `block_count` less `nextn_predict_layers`) is no part of the model: the families
   drop it, and `--speculative mtp` reads it through this reader (`models/loaders/gguf_mtp.py`).
+  A file holding only the block (the converter's `--mtp`: a draft file) is refused naming it.
 - The file is read through a memory map; once the weights are placed (copies) its pages
   are given back (`release_pages`), so they do not count in the server's resident set.
 """
@@ -209,6 +210,11 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
     what we can't run."""
     meta = GGUFMetadata(reader, dequantize=dequantize_tensor)  # what the family reads too
     arch = meta.arch
+    if int(meta.get(f"{arch}.nextn_predict_layers", 0) or 0) and not meta.has_tensor("blk.0.attn_norm.weight"):
+        raise UnsupportedModelError(  # llama.cpp's own probe for such a file (`mtp_only`)
+            f"{os.path.basename(reader.path)} holds only a multi-token-prediction block (llama.cpp's converter "
+            "run with --mtp writes it alone, as a draft file): serve the main model's GGUF, which carries "
+            "the block for --speculative mtp unless converted with --no-mtp")
     family = family_for_gguf(arch, experts=int(meta.get(f"{arch}.expert_count", 0) or 0) > 0)
     hidden = int(meta.require(f"{arch}.embedding_length"))
     num_heads = _scalar_per_model(meta.require(f"{arch}.attention.head_count"), "attention.head_count")

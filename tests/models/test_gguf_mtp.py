@@ -14,7 +14,8 @@ model's own blocks); the model's layer count excludes the block; greedy decoding
 block's drafts from the GGUF equals greedy without, with drafts accepted (a fitted block:
 Qwen3.5's as tests/models/test_mtp_qwen3_5.py fits it, DeepSeek's as tests/models/test_mtp.py
 does), and so does the Qwen3.5 file served through the engine builder; a file without the
-block is refused for `--speculative mtp` naming what is missing. Negative controls: the
+block is refused for `--speculative mtp` naming what is missing, and a draft file holding
+only the block (the converter's `--mtp`) at open. Negative controls: the
 reader with enorm and hnorm swapped, and (Qwen3.5) the stored 1 + w norms not shifted back,
 move the layer's output far past the tolerance.
 """
@@ -231,6 +232,19 @@ def test_qwen3_5_q8_0_gguf_mtp_reads_its_blocks_beside_a_block_quantized_model(q
     rounding = _diff(ours, _ours(qwen3_5_mtp, f32_path, load_checkpoint(str(f32_path)), tokens, hidden))
     print(f"Qwen3.5 Q8_0 GGUF MTP layer: model's blocks vs dequantized max |Δ| {err:.1e}; vs the f32 file {rounding:.1e}")
     assert err <= 1e-4 and rounding > 1e-4
+
+
+def test_qwen3_5_mtp_only_draft_file_is_refused_naming_it(qwen_random, tmp_path):
+    """The converter's `--mtp` writes the block alone (with the embedding, final norm and LM
+    head) as a draft file: not a model; refused at open with what to serve instead, while the
+    same folder's full file (the other tests) serves."""
+    from models.config import UnsupportedModelError
+    from models.loader import open_checkpoint
+
+    path = write_qwen35_gguf(qwen_random[0], tmp_path / "mtp-tiny.gguf", mtp_only=True)
+    with pytest.raises(UnsupportedModelError, match=r"mtp-tiny\.gguf holds only a multi-token-prediction block "
+                                                    r"\(llama\.cpp's converter run with --mtp"):
+        open_checkpoint(str(path))
 
 
 @pytest.fixture(scope="module")

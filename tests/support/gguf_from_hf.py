@@ -707,7 +707,8 @@ def _tiled_heads(arr: np.ndarray, axis: int, k_heads: int, v_per_k: int, head_di
 
 
 def write_qwen35_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter], None] | None = None,
-                      quant: Callable[[str, np.ndarray], tuple] | None = None, arch: str = "qwen35") -> Path:
+                      quant: Callable[[str, np.ndarray], tuple] | None = None, arch: str = "qwen35",
+                      mtp_only: bool = False) -> Path:
     """A `Qwen3_5ForCausalLM` folder as llama.cpp's converter writes `qwen35`
     (`conversion/qwen.py:Qwen3_5TextModel` over `_LinearAttentionVReorderBase`, Qwen3NextModel,
     the MTP mixin and TextModel), as run with `--no-mtp` (transformers saves no `mtp.*` tensors,
@@ -732,7 +733,9 @@ def write_qwen35_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter]
     multi-token-prediction block) is written as `_QwenMtpMixin` does: `mtp.layers.{j}.*` as layer
     n + j, `mtp.fc` / `pre_fc_norm_embedding` / `pre_fc_norm_hidden` / `norm` as that layer's
     `nextn.eh_proj` / `enorm` / `hnorm` / `shared_head_norm`, block_count and the recurrent mask
-    extended, `nextn_predict_layers` written."""
+    extended, `nextn_predict_layers` written. `mtp_only` (the converter's `--mtp`: the block as a
+    draft file of its own) keeps only the block's tensors and the embedding, final norm and LM
+    head, with the same metadata."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(str(hf_dir / "model.safetensors"))
     n_main = cfg["num_hidden_layers"]
@@ -839,6 +842,8 @@ def write_qwen35_gguf(hf_dir: Path, out: Path, tweak: Callable[[gguf.GGUFWriter]
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
         parts = name.split(".")
+        if mtp_only and parts[:2] == ["model", "layers"] and int(parts[2]) < n_main:  # _QwenMtpMixin.filter_tensors
+            continue
         if len(parts) > 6 and parts[3:5] == ["mlp", "experts"]:  # Qwen2MoeModel: stacked per layer
             stacks.setdefault((int(parts[2]), parts[6]), {})[int(parts[5])] = arr
             continue
