@@ -28,11 +28,23 @@ and compiled again (and rewritten), never fatal. Loading unpickles: the folder m
 writable only by the server's user, as any cache that holds code.
 
 Only freshly compiled executables can be stored: jax 0.10 on CPU serializes an executable
-it read from its own persistent cache without its object code (loaded in another process
-it fails its first run with "Function ... not found", `ferrox_jax/shared_compiles.py`).
-So the runner compiles what the store misses with JAX's cache suspended (`fresh_compiles`):
-the first start after a change of any key part (a new version, another model or setting)
-compiles those shapes from scratch as a cold start does, and every later start loads them.
+it read from its own persistent cache without its object code (the machine code XLA CPU
+emitted for the program's kernels): it deserializes without complaint, and its first run
+fails with "Function <kernel> not found" (`ferrox_jax/shared_compiles.py`). So the runner
+compiles what the store misses with JAX's cache suspended (`fresh_compiles`): the first
+start after a change of any key part (a new version, another model or setting) compiles
+those shapes from scratch as a cold start does, and every later start loads them.
+
+Suspending JAX's cache is not enough in a process that has compiled the same program
+before (a pytest worker, a server that swaps models back, `ferrox run-batch` run beside a
+server): JAX keeps each lowering and its executable in memory, so `lowered.compile()` of a
+program this process already has returns that executable again, without a compile and
+without a cache-hit event, and if it was read from JAX's persistent cache it carries no
+object code. Stored, it failed every step of the engine that loaded it. So a payload is
+checked for object code (`carries_object_code`, an object file's magic in the serialized
+executable) before it is written and again when it is read: one without is never stored
+(logged; a later start in a fresh process stores it) and an entry without is a miss,
+compiled again.
 
 Used for one process on the CPU backend without a mesh (`store_for`); TPU and GPU, meshes
 and multi-process groups stay on JAX's cache (and `shared_compiles.py`): their round trip
@@ -74,6 +86,9 @@ HOST_SIDE_FIELDS = frozenset({
     "grammar_timeout_s", "compile_cache_dir", "executable_store", "multihost_timeout_s", "multihost_secret",
     "step_timeout_s", "max_step_faults"})
 SOURCE_ROOTS = ("ferrox_jax", "models")  # our own code: every .py under them is hashed
+# The object files XLA CPU emits for a program's kernels, embedded whole in its serialization:
+# ELF on Linux, 64-bit Mach-O on macOS (the CPU backend's hosts).
+OBJECT_FILE_MAGICS = (b"\x7fELF", b"\xcf\xfa\xed\xfe")
 
 _thread = threading.local()  # was_cache_hit: this thread's last compile was a JAX persistent-cache read
 _listening: list[bool] = []
@@ -115,6 +130,14 @@ def _cpu_flags() -> str:
     except OSError:
         flags = ""
     return f"{platform.machine()}|{flags.strip()}"
+
+
+def carries_object_code(payload: bytes) -> bool:
+    """Whether a serialized CPU executable holds its kernels' object code. One read back
+    from JAX's persistent cache (or reused in memory after such a read) serializes without
+    any: it loads, and its first run fails with "Function ... not found" (module docstring).
+    A program with no compiled kernel at all would be refused too: it only costs a compile."""
+    return any(magic in payload for magic in OBJECT_FILE_MAGICS)
 
 
 def file_identity(path: str | None) -> list:
@@ -190,6 +213,8 @@ class ExecutableStore:
             stored_key, payload, in_tree, out_tree = pickle.loads(body)
             if tuple(stored_key) != tuple(key):
                 raise ValueError(f"it holds {stored_key}")
+            if not carries_object_code(payload):  # it would load, then fail every run
+                raise ValueError("it holds no object code")
             exe = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
         except Exception as e:  # noqa: BLE001 - any unusable entry (unpickling, XLA's loader) means compile again
             log.warning("executable store: %s did not load (%s); compiling it again", path, e)
@@ -217,6 +242,10 @@ class ExecutableStore:
         tmp = None
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+            if not carries_object_code(payload):  # module docstring: served from memory after a cache read
+                log.info("executable store: %s has no object code (this process had it from JAX's compile "
+                         "cache); not stored, a later start compiles it", key)
+                return
             body = pickle.dumps((tuple(key), payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
             self.folder.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=path.name, suffix=".tmp")

@@ -13,8 +13,10 @@ so that nothing of an earlier engine's traces is reused in memory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import pickle
 import shutil
 from pathlib import Path
 
@@ -42,12 +44,21 @@ STEP_FUNCTIONS = ("_forward", "_sample", "copy_blocks")
 _events: list[tuple[str, str]] | None = None  # (event, function) during a warm-up; None: not recording
 
 
+CACHE_HIT = "/jax/compilation_cache/cache_hits"  # an executable read from JAX's persistent cache
+
+
 def _on_duration(event: str, _duration: float, fun_name: str = "", **_kwargs) -> None:
     if _events is not None:
         _events.append((event, fun_name))
 
 
+def _on_event(event: str, **_kwargs) -> None:
+    if _events is not None and event == CACHE_HIT:
+        _events.append((event, ""))
+
+
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
+jax.monitoring.register_event_listener(_on_event)
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +77,17 @@ def cache_dir():
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def run(checkpoint: Path, cache_dir: Path, **settings) -> dict:
+def run(checkpoint: Path, cache_dir: Path, clear: bool = True, **settings) -> dict:
     """Load and warm up an engine on the store, then generate greedily with logprobs.
     Returns its warm-up's compile events by kind, its logprobs (prompt and output, as
-    floats), the store entries it sees, and its recompiles after warm-up."""
+    floats), the store entries it sees, and its recompiles after warm-up. `clear=False`
+    keeps this process's in-memory lowerings and executables (a long-lived process's)."""
     global _events
     config = EngineConfig(model=str(checkpoint), compile_cache_dir=str(cache_dir), **{**LIMITS, **settings})
     engine = Engine.load(config)
     try:
-        jax.clear_caches()  # module docstring: no in-memory trace of an earlier engine is reused
+        if clear:
+            jax.clear_caches()  # module docstring: no in-memory trace of an earlier engine is reused
         _events = []
         engine.warmup()
         events, _events = _events, None
@@ -85,6 +98,7 @@ def run(checkpoint: Path, cache_dir: Path, **settings) -> dict:
         logprobs += [lp.logprob for step in out.prompt_logprobs if step for lp in step.values()]
         steps = [event for event, fun in events if fun.removeprefix("jit(").removesuffix(")") in STEP_FUNCTIONS]
         return dict(events={k: steps.count(k) for k in (TRACE, LOWER, COMPILE)}, all_events=events, logprobs=logprobs,
+                    cache_hits=sum(event == CACHE_HIT for event, _ in events),
                     tokens=list(out.outputs[0].token_ids), shapes=engine.describe()["num_compiled_shapes"],
                     attention=engine.describe()["attention"], recompiles=engine.stats().recompiles_after_warmup)
     finally:
@@ -150,6 +164,33 @@ def test_a_restart_loads_every_executable_untraced_and_a_changed_model_compiles_
     assert stale["events"][COMPILE] == 0, "the blind key loads every executable of the old program"
     assert stale["logprobs"] == first["logprobs"] != rewritten["logprobs"], \
         "a key without the checkpoint's identity would serve the old program's logits"
+
+
+def test_a_process_that_ran_its_steps_from_jax_cache_stores_none_of_them_and_serves_right(checkpoint, cache_dir,
+                                                                                         tmp_path, caplog):
+    """The long-lived process (a pytest worker, a server swapping models, run-batch beside a
+    server): it has run these step programs from JAX's persistent cache, so `lowered.compile()`
+    hands their executables back from memory, even with JAX's cache suspended, and they
+    serialize without object code. Stored, every step of the next engine failed with "Function
+    ... not found"; now none is stored, and the engine after compiles and stores whole ones."""
+    run(checkpoint, cache_dir, executable_store=False)  # JAX's cache holds every step now
+    plain = run(checkpoint, cache_dir, executable_store=False)  # ... and this process ran them from it
+    assert plain["cache_hits"] >= plain["shapes"], f"the steps come from JAX's cache: {plain['all_events']}"
+
+    with caplog.at_level(logging.INFO, logger="ferrox_jax.executable_store"):
+        reused = run(checkpoint, tmp_path, clear=False)  # a store of its own, this process's memory kept
+    after = run(checkpoint, tmp_path)  # what the next engine finds in the store, loaded and run
+    assert after["logprobs"] == plain["logprobs"] and after["tokens"] == plain["tokens"], \
+        "the next engine computes the same logits (loaded entries without object code failed every step)"
+    assert reused["events"][COMPILE] == 0, "JAX served every step from memory: nothing was compiled"
+    assert reused["tokens"] == plain["tokens"], "in this process, the executables in memory run"
+    assert sum("has no object code" in r.getMessage() for r in caplog.records) == plain["shapes"], \
+        "every one of them is refused by the store, with a log line"
+    assert after["events"][COMPILE] == plain["shapes"], "it compiled every shape: nothing was stored before"
+    (folder, files), = entries(tmp_path).items()
+    assert len(files) == plain["shapes"], "compiled whole, each is stored"
+    assert all(executable_store.carries_object_code(pickle.loads(f.read_bytes()[len(MAGIC) + hashlib.sha256().digest_size:])[1])
+               for f in files), "every stored entry carries its object code"
 
 
 def test_the_fingerprint_sees_program_settings_and_ignores_host_side_ones(checkpoint):
@@ -254,3 +295,48 @@ def test_fresh_compiles_suspend_jax_cache_and_restore_it(tmp_path):
     assert made, "JAX's cache writes again after the suspension"
     for path in made:  # a probe nobody reads again
         path.unlink(missing_ok=True)
+
+
+def test_an_executable_without_object_code_is_never_stored_and_never_loaded(tmp_path, caplog):
+    """On a small jit: an executable this process read from JAX's cache comes back from memory
+    for the next `compile()`, even inside `fresh_compiles` and with no cache-hit event, and its
+    serialization has no object code; the store refuses to write it and refuses an entry that
+    holds one. Negative control: that payload deserializes without complaint and fails its
+    first run, which is what the check keeps from being served."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import serialize_executable
+
+    fn = jax.jit(lambda v: jnp.where(jnp.isfinite(v), v, 0.0) @ v.T + 3)
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    jax.clear_caches()
+    fn.lower(x).compile()  # JAX's cache holds it now (written here, or by an earlier run)
+    jax.clear_caches()
+    fn.lower(x).compile()  # read from JAX's cache: this process holds that executable in memory
+    store = executable_store.ExecutableStore(tmp_path, "fp")
+    with caplog.at_level(logging.INFO, logger="ferrox_jax.executable_store"), store.fresh_compiles():
+        again = store.compile(("forward", 3), fn.lower(x))
+    np.testing.assert_array_equal(again(x), np.where(np.isfinite(x), x, 0) @ x.T + 3)  # it runs in this process
+    assert store.stored == 0 and not list(tmp_path.rglob("*.exe")), "no entry without object code is written"
+    assert any("has no object code" in r.getMessage() for r in caplog.records)
+
+    payload, in_tree, out_tree = serialize_executable.serialize(again)
+    assert not executable_store.carries_object_code(payload)
+    with pytest.raises(Exception, match="not found"):  # the negative control: loaded, its first run fails
+        np.asarray(serialize_executable.deserialize_and_load(payload, in_tree, out_tree)(x))
+
+    # Written by hand (as the store did before it checked), the entry is a miss, logged.
+    body = pickle.dumps((("forward", 3), payload, in_tree, out_tree))
+    store.folder.mkdir(parents=True)
+    (store.folder / executable_store.entry_name(("forward", 3))).write_bytes(
+        MAGIC + hashlib.sha256(body).digest() + body)
+    with caplog.at_level(logging.WARNING, logger="ferrox_jax.executable_store"):
+        assert store.load(("forward", 3)) is None and store.loaded == 0
+    assert any("no object code" in r.getMessage() and "did not load" in r.getMessage() for r in caplog.records)
+
+    jax.clear_caches()  # compiled whole, the same program is stored and carries its object code
+    with store.fresh_compiles():
+        store.compile(("forward", 3), fn.lower(x))
+    loaded = store.load(("forward", 3))
+    assert store.stored == 1 and loaded is not None
+    np.testing.assert_array_equal(loaded(x), again(x))
