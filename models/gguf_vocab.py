@@ -6,6 +6,17 @@ Two kinds (`tokenizer.ggml.model`):
              merges are stored; the split regex depends on `tokenizer.ggml.pre`.
     "llama"  SentencePiece BPE: tokens use "▁" for spaces, unknown bytes fall back to
              "<0xXX>" tokens, merges are derived from the tokens' scores.
+    "gemma4" Gemma 4's vocabulary as llama.cpp's converter writes it: SentencePiece-style
+             tokens ("▁" for spaces, "<0xXX>" byte fallback) with the tokenizer's own BPE
+             merges, no space prefix, BOS added. Spaces become "▁" before anything else;
+             the text is split only into newline runs and the rest (no word-level split:
+             merges run over a whole line, spaces and all); a newline run the vocabulary
+             holds is that one token (llama.cpp's rule for gemma4; transformers makes such
+             a SentencePiece user-defined piece an added token, matched whole); every other
+             piece is merged by rank over its characters, a character without a token
+             falling back to its UTF-8 bytes. This is what HF's Gemma tokenizer computes
+             (checked on the converter's own Gemma 4 vocabulary against the ids HF gave
+             for llama.cpp's test texts, docs/models.md).
 
 Token types (llama.cpp's enum): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused,
 6 byte. Control and unknown tokens become special tokens (one id each, dropped by
@@ -75,9 +86,13 @@ def gguf_backend(meta: GGUFMetadata) -> tuple[BackendTokenizer, bool]:
             meta.get("tokenizer.ggml.unknown_token_id"), True if add_space_prefix is None else bool(add_space_prefix),
         )
         return backend, True
+    if kind == "gemma4":
+        merges = meta.require("tokenizer.ggml.merges", "cannot build the gemma4 tokenizer (its BPE merges)")
+        backend = _gemma4_backend(tokens, token_types, list(merges), meta.get("tokenizer.ggml.unknown_token_id"))
+        return backend, True  # llama.cpp adds BOS for gemma4 even where the file says otherwise
     raise UnsupportedModelError(
         f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
-        "'llama' (SentencePiece BPE)"
+        "'llama' (SentencePiece BPE), 'gemma4' (SentencePiece-style tokens with BPE merges)"
     )
 
 
@@ -190,6 +205,30 @@ def _sentencepiece_backend(tokens: list[str], token_types: list[int], scores: li
         dec.append(decoders.Strip(" ", 1, 0))
     backend.decoder = decoders.Sequence(dec)
     _add_typed_tokens(backend, tokens, token_types, None)
+    return backend
+
+
+def _gemma4_backend(tokens: list[str], token_types: list[int], merges: list[str],
+                    unk_id: int | None) -> BackendTokenizer:
+    """Gemma 4's vocabulary (module docstring): "▁" for spaces, newline runs split off, BPE
+    by the file's merge ranks with byte fallback, no space prefix. A merge is cut at its first
+    space after the first character, as llama.cpp reads it (a token may begin with a space)."""
+    if unk_id is None:
+        unk_id = next((i for i, t in enumerate(token_types) if t == TOKEN_TYPE_UNKNOWN), None)
+    vocab = _vocab(tokens)
+    backend = BackendTokenizer(BPE(
+        vocab=vocab, merges=[(m[:cut], m[cut + 1:]) for m in merges if (cut := m.find(" ", 1)) > 0],
+        unk_token=tokens[unk_id] if unk_id is not None else None, fuse_unk=True, byte_fallback=True,
+    ))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    _add_typed_tokens(backend, tokens, token_types, None)
+    # A newline run the vocabulary holds is one token (llama.cpp's gemma4 rule), whatever
+    # merges the file has for it: added tokens, matched longest first, before any merge.
+    runs = [t for t in tokens if t and set(t) == {"\n"}]
+    if runs:
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in runs])
     return backend
 
 
