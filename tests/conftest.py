@@ -33,12 +33,15 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Servers and CLI runs started by the tests (in this process or as subprocesses) keep to
-# JAX's cache, not the executable store: a pytest worker runs hundreds of engines in one
-# process, and executables deserialized into a process that already ran many others failed
-# their first step with XLA CPU's "Function wrapped_is-finite not found" (a clean clone's
-# run-batch test, 2026-12-06; the same entries load and run in a fresh process). A server
-# loads its store once, at start, in a fresh process; the store's own tests
-# (tests/engine/test_executable_store.py) build their engines with it explicitly.
+# JAX's cache, not the executable store, for speed: the store is keyed by the checkpoint's
+# path, and the tests' checkpoints are new temporary folders each run, so every store would
+# miss, and a miss compiles with JAX's cache suspended (the store keeps only whole
+# executables): each server would compile its shapes cold instead of reading JAX's cache.
+# It is safe in a long-lived process now (an executable without object code is never
+# stored nor loaded; before, a clean clone's run-batch test stored the worker's in-memory
+# executables read from JAX's cache and failed every step with "Function ... not found").
+# The store's own tests and that run-batch test, which reuses its server's programs and
+# compiles nothing, run with it on.
 os.environ.setdefault("FERROX_EXECUTABLE_STORE", "0")
 
 # Property tests (the scheduler's state machines, the request fuzzers) draw the same
