@@ -40,8 +40,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # It is safe in a long-lived process now (an executable without object code is never
 # stored nor loaded; before, a clean clone's run-batch test stored the worker's in-memory
 # executables read from JAX's cache and failed every step with "Function ... not found").
-# The store's own tests and that run-batch test, which reuses its server's programs and
-# compiles nothing, run with it on.
+# The store's own tests build their engines with it on, the long-lived process among them
+# (tests/engine/test_executable_store.py).
 os.environ.setdefault("FERROX_EXECUTABLE_STORE", "0")
 
 # Property tests (the scheduler's state machines, the request fuzzers) draw the same

@@ -95,13 +95,9 @@ def test_run_batch_answers_every_line_in_order(tmp_path, server, http, capsys):
     requests, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
     expected_ids = batch_file(requests)
     limits = [f"--{k.replace('_', '-')}={v}" for k, v in DEFAULT_LIMITS.items() if v is not None]
-    # With the executable store, in the process that runs the server's engine of the same
-    # programs: the long-lived process whose in-memory executables (read from JAX's cache)
-    # the store once stored without object code, failing every step of this run. The store
-    # lives in this test's folder (JAX's cache is the process's, set by its first engine).
     status = cli.main(["run-batch", "-i", str(requests), "-o", str(results), "--model", str(api_checkpoint()),
-                       "--dtype", "float32", "--compile-cache-dir", str(tmp_path / "compile-cache"),
-                       "--executable-store", "--log-level", "warning", *limits])
+                       "--dtype", "float32", "--compile-cache-dir", os.environ["JAX_COMPILATION_CACHE_DIR"],
+                       "--log-level", "warning", *limits])
     assert status == 0
     answers = [json.loads(line) for line in results.read_text().splitlines()]
     assert len(answers) == NUM_LINES, "one answer per non-empty line"
