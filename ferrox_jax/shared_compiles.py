@@ -17,7 +17,10 @@ signs of life (a heartbeat key it bumps every second) for `timeout_s`.
 An executable that process 0 read from the persistent compilation cache is not shared: its
 serialization comes back incomplete (jax 0.10 on CPU: loaded elsewhere, it fails its first
 run with "Function ... not found"), so process 0 publishes an empty executable for it and
-the followers compile that shape themselves, from their own caches where they have it.
+the followers compile that shape themselves, from their own caches where they have it. The
+same goes for one JAX hands back from memory without an event (a program this process
+already ran from its cache: a second engine's warm-up): on CPU a payload without object
+code (`executable_store.carries_object_code`) is never published.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 
 import jax
 
+from ferrox_jax.executable_store import carries_object_code
 from ferrox_jax.multihost import DEFAULT_TIMEOUT_S, heartbeat_period, leader_gone
 
 log = logging.getLogger(__name__)
@@ -108,6 +112,10 @@ class SharedCompiles:
                 log.info("read %s from the compilation cache: the other processes compile it themselves", key)
                 return compiled
             payload, _, _ = serialize_executable.serialize(compiled)
+            if jax.default_backend() == "cpu" and not carries_object_code(payload):  # a cache read, from memory
+                self._client.key_value_set_bytes(key, digest)
+                log.info("%s came from memory without object code: the other processes compile it themselves", key)
+                return compiled
             self._client.key_value_set_bytes(key, digest + payload)
             log.info("compiled %s and shared it with the group (%.1f MB, %.1f s)", key, len(payload) / 2**20,
                      time.perf_counter() - t0)

@@ -104,11 +104,16 @@ def test_a_follower_loads_what_a_slow_leader_compiled(tmp_path):
     # v = 0..7: v.sum() + (2 v + 1).sum() + 4 * 8 * v[0] = 28 + (56 + 8) + 0 = 92
     assert got["leader"] == got["follower"] == 92.0, "the loaded executable computes what the compiled one does"
     assert got["waited_s"] >= 3.0, "the follower waited out the leader's 3 s (3 of its 1 s timeouts) without failing"
-    assert [k for k in got["keys"] if "step" in k] == ["ferrox/compiled/step#0", "ferrox/compiled/step#1"]
+    assert [k for k in got["keys"] if "step" in k] == ["ferrox/compiled/step#0", "ferrox/compiled/step#1",
+                                                        "ferrox/compiled/step#2"]
     # The leader's second compile is a cache read, whose serialization would fail to run
     # elsewhere: it publishes the digest alone (32 bytes) and the follower compiles.
     assert got["second_bytes"] == 32 and got["second"] == [92.0, 92.0]
     assert "process 0 read it from its compilation cache" in done.stderr
+    # The third is that cache read handed back from memory, without an event: its payload
+    # has no object code, so the digest alone again (published, the follower's run failed).
+    assert got["third_bytes"] == 32 and got["third"] == [92.0, 92.0]
+    assert "came from memory without object code" in done.stderr
 
 
 def test_a_follower_refuses_a_different_program_under_the_same_name(tmp_path):
