@@ -89,7 +89,7 @@ def gguf_backend(meta: GGUFMetadata) -> tuple[BackendTokenizer, bool]:
     if kind == "gemma4":
         merges = meta.require("tokenizer.ggml.merges", "cannot build the gemma4 tokenizer (its BPE merges)")
         backend = _gemma4_backend(tokens, token_types, list(merges), meta.get("tokenizer.ggml.unknown_token_id"))
-        return backend, True  # llama.cpp adds BOS for gemma4 even where the file says otherwise
+        return backend, True  # and BOS whatever the file says (models/tokenizer.py, as llama.cpp)
     raise UnsupportedModelError(
         f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
         "'llama' (SentencePiece BPE), 'gemma4' (SentencePiece-style tokens with BPE merges)"

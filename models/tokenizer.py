@@ -9,7 +9,8 @@ transformers (the latter is a dev-only dependency the tests compare against).
 
 Whether BOS is prepended follows the checkpoint: the `tokenizer.json` post-processor for
 HF folders, `tokenizer.ggml.add_bos_token` for GGUF (defaulting as llama.cpp does: on
-for SentencePiece vocabularies and the llama3 pre-tokenizer, off for other byte-level BPE).
+for SentencePiece vocabularies and the llama3 pre-tokenizer, off for other byte-level BPE;
+always on for Gemma 4's "gemma4" vocabulary, which llama.cpp forces on whatever the file says).
 """
 
 from __future__ import annotations
@@ -188,6 +189,8 @@ class Tokenizer:
         eos = meta.get("tokenizer.ggml.eos_token_id")
         add_bos = meta.get("tokenizer.ggml.add_bos_token")
         add_bos = default_add_bos if add_bos is None else bool(add_bos)
+        if meta.get("tokenizer.ggml.model") == "gemma4":  # as llama.cpp: Gemma 4 needs its BOS whatever the file says
+            add_bos = True
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token") or False)
         set_bos_eos_post_processor(backend, tokens, bos if add_bos else None, eos if add_eos else None)
         extra_stops = [meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id")]

@@ -166,9 +166,12 @@ def test_the_sample_reaches_what_it_is_for(pair):
 
 
 def test_gemma4_gguf_adds_bos_keeps_markers_and_stops_at_eos(pair):
-    ours, hf, _ = pair
+    ours, hf, meta = pair
     vocab = hf.get_vocab()
     assert ours.encode("Hello") == [vocab["<bos>"]] + hf.encode("Hello", add_special_tokens=False)
+    # llama.cpp overrides a file that says otherwise: Gemma 4 is served with its BOS.
+    told_not_to = Tokenizer.from_gguf({**meta, "tokenizer.ggml.add_bos_token": False})
+    assert told_not_to.encode("Hello")[0] == vocab["<bos>"]
     assert ours.bos_token_id == vocab["<bos>"] and vocab["<eos>"] in ours.stop_token_ids
     text = "<|turn>model\n<|channel>thought\n<channel|>Paris.<turn|>"
     # The converter made the channel markers user-defined: they stay in decoded text, the
