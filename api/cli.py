@@ -168,6 +168,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_queue=args.max_queue, scheduling_policy=args.scheduling_policy, prefix_caching=args.prefix_caching,
             state_snapshots=args.state_snapshots, state_snapshot_interval=args.state_snapshot_interval,
             compile_cache_dir=None if cache == "off" else cache, executable_store=args.executable_store,
+            executable_store_max_gib=args.executable_store_max_gib,
             tensor_parallel=args.tensor_parallel, mesh=args.mesh, replicate_attention=args.replicate_attention,
             expert_parallel=args.expert_parallel,
             attention_impl=args.attention_impl, coordinator_address=args.coordinator_address,

@@ -143,6 +143,10 @@ SETTINGS: tuple[Setting, ...] = (
             "keep the compiled step executables serialized under the compile cache dir, so a restart loads "
             "them without tracing (CPU, one process; --no-executable-store: JAX's compile cache only)",
             group="model"),
+    Setting("executable_store_max_gib", "FERROX_EXECUTABLE_STORE_MAX_GIB", _nonneg_float, 2.0,
+            "disk bound of the executable store in GiB: once warm, a start removes the folders of other "
+            "versions, models and settings, least recently used first, until the store fits; never one a "
+            "running server uses or one used within the hour (0: unbounded)", group="model"),
     Setting("tensor_parallel", "FERROX_TENSOR_PARALLEL", _positive_int, 1,
             "devices to shard the model over (the mesh's model axis)", group="parallel"),
     Setting("mesh", "FERROX_MESH", _str, None,

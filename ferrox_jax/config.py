@@ -30,6 +30,9 @@ from ferrox_jax.step_channel_auth import MIN_SECRET_CHARS, coordinator_host, is_
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # JAX's persistent compilation cache when a user names none (`ferrox serve`, the offline `LLM`).
 DEFAULT_COMPILE_CACHE = os.path.join("~", ".cache", "ferrox_jax", "jax")
+# The executable store's default disk bound: ~170 folders of the 1B's 23 step shapes (12 MiB
+# each), a few dozen of a bigger model's; what ccache (5 GB) or a browser cache would take.
+DEFAULT_STORE_MAX_GIB = 2.0
 LOAD_FORMAT_NAMES = ("auto", "dummy")  # models/loader.py LOAD_FORMATS (that module imports jax)
 # Weight quantization modes; the same tuple as models/quant.py's QUANTIZATION_MODES (this
 # module imports no jax, a test keeps the two equal).
@@ -116,6 +119,9 @@ class EngineConfig:
     # the step executables serialized under compile_cache_dir, keyed by what makes them
     # (ferrox_jax/executable_store.py): a restart loads them without tracing; False: JAX's cache only
     executable_store: bool = True
+    # ... and the store's disk bound in GiB: once warm, least recently used folders of other
+    # programs are removed until it fits (ferrox_jax/store_bound.py); 0: unbounded
+    executable_store_max_gib: float = DEFAULT_STORE_MAX_GIB
     # ---- scale-out (ferrox_jax/sharding.py, docs/deploy-tpu.md) ----
     tensor_parallel: int = 1  # devices on the mesh's "model" axis; 1 = no mesh
     mesh: str | None = None  # "data=1,model=4" (overrides tensor_parallel; data must be 1)
@@ -167,6 +173,10 @@ class EngineConfig:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
             raise ValueError(f"EngineConfig.state_snapshot_interval must be an int >= 0, in blocks (0: a prompt's "
                              f"last full block only); got {interval!r}")
+        bound = self.executable_store_max_gib
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0 <= bound < float("inf"):
+            raise ValueError(f"EngineConfig.executable_store_max_gib must be a finite number of GiB >= 0 "
+                             f"(0: unbounded); got {bound!r}")
         offload = self.kv_offload_gib
         if isinstance(offload, bool) or not isinstance(offload, (int, float)) or not 0 <= offload < float("inf"):
             raise ValueError(f"EngineConfig.kv_offload_gib must be a finite number of GiB >= 0 (0: off); "

@@ -27,6 +27,12 @@ file; an entry that is unreadable, truncated, fails its checksum or does not loa
 and compiled again (and rewritten), never fatal. Loading unpickles: the folder must be
 writable only by the server's user, as any cache that holds code.
 
+Each folder also holds `.in-use`: its last use (the last start that loaded or wrote it) and
+a shared lock held by every live engine on it. Once an engine's warm-up has settled its
+folder, `ExecutableStore.apply_bound` keeps the whole store within
+`EngineConfig.executable_store_max_gib`, removing other folders least recently used first,
+never one a live server holds or one used within the last hour (`ferrox_jax/store_bound.py`).
+
 Only freshly compiled executables can be stored: jax 0.10 on CPU serializes an executable
 it read from its own persistent cache without its object code (the machine code XLA CPU
 emitted for the program's kernels): it deserializes without complaint, and its first run
@@ -72,6 +78,7 @@ from typing import Any, Iterator
 import jax
 import jaxlib
 
+from ferrox_jax import store_bound
 from ferrox_jax.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -84,7 +91,7 @@ DIGEST = hashlib.sha256().digest_size
 HOST_SIDE_FIELDS = frozenset({
     "served_model_name", "max_queue", "scheduling_policy", "grammar_sandbox", "grammar_workers",
     "grammar_timeout_s", "compile_cache_dir", "executable_store", "multihost_timeout_s", "multihost_secret",
-    "step_timeout_s", "max_step_faults"})
+    "step_timeout_s", "max_step_faults", "executable_store_max_gib"})
 SOURCE_ROOTS = ("ferrox_jax", "models")  # our own code: every .py under them is hashed
 # The object files XLA CPU emits for a program's kernels, embedded whole in its serialization:
 # ELF on Linux, 64-bit Mach-O on macOS (the CPU backend's hosts).
@@ -176,14 +183,19 @@ def entry_name(key: tuple) -> str:
 class ExecutableStore:
     """One engine's folder of serialized executables (module docstring)."""
 
-    def __init__(self, root: str | os.PathLike, fingerprint: str) -> None:
+    def __init__(self, root: str | os.PathLike, fingerprint: str, max_bytes: int = 0) -> None:
         """Args:
           root: the compile cache dir; entries go under `root/executables/<fingerprint>/`.
           fingerprint: `program_fingerprint` of the engine.
+          max_bytes: the bound `apply_bound` keeps the whole store in; 0: unbounded.
         """
         self.folder = Path(root) / STORE_FOLDER / fingerprint
+        self.max_bytes = max_bytes
         self.loaded = self.stored = 0  # executables this engine loaded from / wrote to the store
-        self._lock = threading.Lock()  # the counters: warm-up loads and compiles from a thread pool
+        self._lock = threading.Lock()  # the counters and the hold: warm-up loads and compiles from a thread pool
+        # This engine's claim on its folder (`ferrox_jax/store_bound.py`), from before its first
+        # load: no other server's start removes it while this one lives. None until it exists.
+        self._hold = store_bound.hold(self.folder)
         if not _listening:  # once a process
             jax.monitoring.register_event_listener(_note_cache_hit)
             _listening.append(True)
@@ -248,6 +260,9 @@ class ExecutableStore:
                 return
             body = pickle.dumps((tuple(key), payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
             self.folder.mkdir(parents=True, exist_ok=True)
+            with self._lock:
+                if self._hold is None:  # the folder is new: claim it before it holds anything
+                    self._hold = store_bound.hold(self.folder)
             fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=path.name, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC + hashlib.sha256(body).digest() + body)
@@ -263,6 +278,17 @@ class ExecutableStore:
                     os.unlink(tmp)
         with self._lock:
             self.stored += 1
+
+    def apply_bound(self) -> store_bound.BoundReport:
+        """Once this engine's folder is settled (after its warm-up): removes other program
+        folders, least recently used first, until the store fits in `max_bytes`; logs what
+        it removed and kept (`ferrox_jax/store_bound.py`). Never raises."""
+        with self._lock:
+            if self._hold is None:
+                self._hold = store_bound.hold(self.folder)
+        report = store_bound.apply_bound(self.folder.parent, keep=self.folder, max_bytes=self.max_bytes)
+        log.info("%s", report.describe())
+        return report
 
     @contextlib.contextmanager
     def fresh_compiles(self) -> Iterator[None]:
@@ -286,4 +312,5 @@ def store_for(config: EngineConfig, model_path: str | None, single_device: bool)
     if (not config.compile_cache_dir or not config.executable_store or jax.default_backend() != "cpu"
             or not single_device or jax.process_count() > 1):
         return None
-    return ExecutableStore(config.compile_cache_dir, program_fingerprint(config, model_path))
+    return ExecutableStore(config.compile_cache_dir, program_fingerprint(config, model_path),
+                           max_bytes=int(config.executable_store_max_gib * store_bound.GIB))

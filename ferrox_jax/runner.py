@@ -357,9 +357,10 @@ class ModelRunner:
                 done += 1
                 if progress:
                     progress(done, len(keys), key)
+        if self._store is not None:  # its folder is settled: the store's disk bound, other folders LRU first
+            self._store.apply_bound()
         self.is_warm = True
         return time.perf_counter() - t0
-
 
     # ---- pad ---------------------------------------------------------------------------
     def _pad(self, batch: HostBatch) -> tuple[StepShape, np.ndarray, ForwardBatch]:
