@@ -69,7 +69,8 @@ attached to cached blocks (`self.snapshots`, `ferrox_jax/state_snapshots.py`): a
 cuts a hit back to its last block with a snapshot and restores it into the row's slot;
 naming a block at one of a prompt's snapshot positions takes one, and a row's blocks named
 up to a block boundary move its decode snapshot there (`row_named`); fork copies the prefill
-row's state to the other rows; eviction frees a block's snapshot with it.
+row's state to the other rows; eviction frees a block's snapshot with it (to the host tier
+first, when there is one). What a hit can use across both tiers: `ferrox_jax/prefix_hits.py`.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ from ferrox_jax.images import hash_ids
 from ferrox_jax.kv_groups import WindowPool, first_window_block, window_cap
 from ferrox_jax.kv_offload import HostTier
 from ferrox_jax.prefix_cache import PrefixCache, adapter_root, chain_hashes
+from ferrox_jax.prefix_hits import Hit, find_hit, unpin, usable_device_hits
 from ferrox_jax.request import JobState, Row
 from ferrox_jax.state_pool import StatePool
 from ferrox_jax.state_snapshots import RecurrentGroup
@@ -103,7 +105,8 @@ class BlockTables:
 
     def __init__(self, limits: SchedulerLimits) -> None:
         self.block_size = limits.block_size
-        self.tier = HostTier(limits.kv_offload_blocks) if limits.kv_offload_blocks and limits.prefix_caching else None
+        self.tier = (HostTier(limits.kv_offload_blocks, limits.kv_offload_snapshots)
+                     if limits.kv_offload_blocks and limits.prefix_caching else None)
         self.cache = PrefixCache(limits.prefix_cache_salt, self.tier) if limits.prefix_caching else None
         self.budget = BlockBudget(limits.num_blocks, self.cache)
         # The sliding KV group's pool (ferrox_jax/kv_groups.py), None without sliding layers:
@@ -120,13 +123,14 @@ class BlockTables:
                                      limits.kv_window, self.block_size)
         # Recurrent state slots by row (none for most models), snapshots with the prefix cache.
         self.recurrent = RecurrentGroup(StatePool(limits.state_slots), self.cache, self.block_size,
-                                        limits.state_snapshots, limits.state_snapshot_interval)
+                                        limits.state_snapshots, limits.state_snapshot_interval, self.tier)
         self.states, self.snapshots = self.recurrent.states, self.recurrent.snapshots
         if self.cache is not None and (self.window is not None or self.snapshots is not None):
             self.cache.on_evict = self._block_evicted
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of those, tokens admission took from the cache (not computed), both tiers
         self.num_host_hit_tokens = 0  # of those, tokens restored from the host tier
+        self.snapshot_bytes = limits.kv_offload_snapshot_bytes  # host bytes of one of the tier's snapshots
         self._copies: list[tuple[int, int]] = []
         self.window_copies: list[tuple[int, int]] = []  # the sliding slots copy-on-write copies
         self._restoring: list[JobState] = []  # jobs admitted with host hits since the last plan
@@ -145,24 +149,20 @@ class BlockTables:
         if self.cache is not None and not job.block_names:
             job.block_names = chain_hashes(hash_ids(prompt, submitted.images), self.block_size,
                                            adapter_root(self.cache.root, submitted.adapter_key))
-        hits: list[int] = []
-        host_slots: list[int] = []
+        hit = Hit()
         if self.cache is not None and not submitted.computes_every_position:
-            names = job.block_names[:(len(prompt) - 1) // self.block_size]
-            hits = self._usable(self.cache.lookup(names))
-            if self.tier is not None:
-                host_slots = self.tier.lookup(names[len(hits):])
-                self.tier.pin(host_slots)  # before the budget evicts: its saves must not take these slots
+            hit = find_hit(self.cache, self.tier, self.window, self.recurrent,
+                           job.block_names[:(len(prompt) - 1) // self.block_size])
+        hits, host_slots = hit.blocks, hit.host_slots
         num_new = blocks_to_reserve(len(prompt), submitted.max_tokens, submitted.n, self.block_size,
                                     len(hits) * self.block_size)
         if not self._reserve_window(job, submitted.n) or not self.budget.try_admit(num_new, hits):
             self._unreserve_window(job)
-            if host_slots:
-                self.tier.unpin(host_slots)
+            if self.tier is not None:
+                unpin(self.tier, hit)
             return False
         job.num_owed_blocks = num_new
         job.prefill_block_ids = hits
-        self.recurrent.restore(job.rows[0], hits)
         if self.window is not None:
             self.window.open(job, hits, first_window_block(len(hits) * self.block_size, self.window.window,
                                                            self.block_size))
@@ -170,6 +170,7 @@ class BlockTables:
             block_id = self._allocate(job, job)
             self.tier.restore(slot, block_id)
             job.prefill_block_ids.append(block_id)
+        self.recurrent.restore(job.rows[0], job.prefill_block_ids, hit.snapshot)
         if host_slots:
             self._restoring.append(job)
         num_cached = len(job.prefill_block_ids) * self.block_size
@@ -208,28 +209,24 @@ class BlockTables:
             return False
         for row, hits in zip(rows, hits_by_row):
             row.block_ids, row.num_named_blocks, row.num_computed_tokens = list(hits), len(hits), len(hits) * self.block_size
-            self.recurrent.restore(row, hits)
+            snapshot = self.recurrent.host_snapshot(hits, row.block_names)
+            if snapshot is not None:
+                self.tier.pin_snapshot(snapshot)
+            self.recurrent.restore(row, hits, snapshot)
             if self.window is not None:
                 self.window.open(row, row.block_ids, first_window_block(row.num_computed_tokens, self.window.window,
                                                                         self.block_size))
         job.num_owed_blocks = num_new
         return True
 
-    # -- the groups beside the full one: what a hit can use, eviction ----------------------
+    # -- the groups beside the full one: eviction (what a hit can use: prefix_hits.py) -------
 
-    def _usable(self, hits: list[int]) -> list[int]:
-        """A device hit cut back to what every group can use: the blocks whose window slots
-        are still there, and (recurrent layers) up to the last block with a state snapshot."""
-        if self.window is not None:
-            hits = hits[:self.window.usable_hits(hits)]
-        return hits[:self.recurrent.usable_hits(hits)]
-
-    def _block_evicted(self, block_id: int) -> None:
-        """The prefix cache forgot `block_id`: its parked window slot and its snapshot go too."""
+    def _block_evicted(self, block_id: int, name: bytes | None) -> None:
+        """The prefix cache forgot `block_id` (`name`: its name, for the host tier; None:
+        contents gone): its parked window slot and its snapshot go too."""
         if self.window is not None:
             self.window.block_evicted(block_id)
-        if self.snapshots is not None:
-            self.snapshots.block_evicted(block_id)
+        self.recurrent.block_evicted(block_id, name)
 
     # -- the sliding group (ferrox_jax/kv_groups.py) ------------------------------------
 
@@ -272,7 +269,7 @@ class BlockTables:
                     parent = names[-1] if names else adapter_root(self.cache.root, submitted.adapter_key)
                     names += chain_hashes(row.token_ids, bs, parent, start_block=len(names),
                                           num_blocks=num_full - len(names))
-                hits = self._usable(self.cache.lookup(names[:num_full]))
+                hits = usable_device_hits(self.window, self.recurrent, self.cache.lookup(names[:num_full]), names)
             hits_by_row.append(hits)
         return hits_by_row
 
@@ -289,7 +286,8 @@ class BlockTables:
             prompt, hits = submitted.prompt_token_ids, []
             if self.cache is not None and not submitted.computes_every_position:
                 names = job.block_names or chain_hashes(prompt, bs, adapter_root(self.cache.root, submitted.adapter_key))
-                hits = self._usable(self.cache.lookup(names[:(len(prompt) - 1) // bs]))
+                names = names[:(len(prompt) - 1) // bs]
+                hits = usable_device_hits(self.window, self.recurrent, self.cache.lookup(names), names)
             num_new = blocks_to_reserve(len(prompt), submitted.max_tokens, submitted.n, bs, len(hits) * bs)
         return num_new + sum(1 for block_id in set(hits) if not self.budget.ref_count(block_id))
 
@@ -309,11 +307,13 @@ class BlockTables:
         return (*self.tier.take(), jobs)
 
     def forget_failed_saves(self, saves: Iterable[tuple[int, int]], state_copies: Iterable[tuple[int, int]]) -> None:
-        """A step failed: the host slots it was to save, and the snapshots it was to write, hold nothing known."""
+        """A step failed: the host slots it was to save, and the snapshots it was to write
+        (on the device, or the host's: negative, `state_pool.host_id`), hold nothing known."""
         if self.tier is not None:
             self.tier.forget_slots(slot for _, slot in saves)
+            self.tier.forget_snapshots(-1 - dst for _, dst in state_copies if dst < 0)
         if self.snapshots is not None:
-            self.snapshots.forget_slots(dst for _, dst in state_copies)
+            self.snapshots.forget_slots(dst for _, dst in state_copies if dst >= 0)
 
     # -- planning: make the positions a step writes writable ------------------------------
 

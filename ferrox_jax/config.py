@@ -382,6 +382,8 @@ class SchedulerLimits:
     prefix_caching: bool = True  # keep and share full prompt blocks across requests
     prefix_cache_salt: str = ""  # what else the K/V depend on (model, dtype), in every block name
     kv_offload_blocks: int = 0  # host-tier slots under the prefix cache (ferrox_jax/kv_offload.py); 0: off
+    kv_offload_snapshots: int = 0  # its recurrent-state snapshot slots (ferrox_jax/kv_offload.py, "Snapshots")
+    kv_offload_snapshot_bytes: int = 0  # the bytes of one (for the start-up log and /admin/stats)
     speculative: SpeculativeConfig | None = None  # prompt-lookup drafts (ferrox_jax/speculative.py); None: off
     scheduling_policy: str = "fcfs"  # admission order, and preemption under "priority" (ferrox_jax/priority.py)
     kv_window: int | None = None  # the sliding KV group's window in tokens (ferrox_jax/kv_groups.py); None: no such group
@@ -399,7 +401,8 @@ class SchedulerLimits:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or field.name in (
-                    "kv_bytes_per_block", "kv_offload_blocks", "kv_window_slots", "state_slots", "state_pool_bytes",
+                    "kv_bytes_per_block", "kv_offload_blocks", "kv_offload_snapshots", "kv_offload_snapshot_bytes",
+                    "kv_window_slots", "state_slots", "state_pool_bytes",
                     "state_snapshots", "state_snapshot_interval"):
                 continue
             if value <= 0:

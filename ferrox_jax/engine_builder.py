@@ -53,7 +53,7 @@ from ferrox_jax.draft import DraftModel
 from ferrox_jax.mtp import build_mtp, check_mtp, mtp_bytes_per_block
 from ferrox_jax.kv_cache import model_bytes_per_block
 from ferrox_jax.kv_groups import WindowPlan, sliding_window, window_plan
-from ferrox_jax.kv_offload import host_room_for_tier, host_tier_blocks
+from ferrox_jax.kv_offload import host_room_for_tier, size_host_tier
 from ferrox_jax.memory_bounds import (DEFAULT_KV_MEMORY_GIB, GIB, Footprint, context_for, device_room, engine_devices,
                                       kv_blocks_for, kv_shards, needed_kv_blocks)
 from ferrox_jax.lora_registry import build_registry
@@ -447,10 +447,12 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
     step = footprint.check(config, device_room(devices), note=" after the weights").step
     lora_slots = LoraSlots(config.max_loras, config.max_lora_rank) if config.max_loras else None
     lora_targets = attach_lora(model, lora_slots) if lora_slots is not None else None
-    offload = host_tier_blocks(config.kv_offload_gib, sizing.bytes_per_block, num_processes=jax.process_count(),
-                               prefix_caching=config.prefix_caching, draft=draft_source is not None,
-                               host_room=host_room_for_tier(sizing.num_blocks * sizing.bytes_per_block
-                                                            * (jax.default_backend() == "cpu")))
+    tier = size_host_tier(config, sizing.bytes_per_block, sizing.num_blocks - 1, source.config.recurrent_specs(),
+                          step.rows, num_processes=jax.process_count(), draft=draft_source is not None,
+                          host_room=host_room_for_tier(sizing.num_blocks * sizing.bytes_per_block
+                                                       * (jax.default_backend() == "cpu")))
+    if tier.blocks:
+        log.info("%s", tier.note)
     limits = SchedulerLimits(
         block_size=config.block_size, num_blocks=sizing.num_blocks - 1, max_rows=config.max_seqs,
         max_chunk_tokens=step.chunk_tokens, max_idle_chunk_tokens=step.idle_chunk_tokens,
@@ -458,7 +460,8 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
         kv_bytes_per_block=sizing.bytes_per_block,
         prefix_caching=config.prefix_caching, prefix_cache_salt=prefix_cache_salt(source, dtype, config.block_size)
         + (f"|draft={draft_source.path}" if draft_source is not None else ""),
-        speculative=config.speculative, scheduling_policy=config.scheduling_policy, kv_offload_blocks=offload,
+        speculative=config.speculative, scheduling_policy=config.scheduling_policy, kv_offload_blocks=tier.blocks,
+        kv_offload_snapshots=tier.snapshots, kv_offload_snapshot_bytes=tier.snapshot_bytes,
         kv_window=sliding_window(source.config), kv_window_slots=max(sizing.window_blocks - 1, 0),
         state_slots=step.rows + 1 if source.config.recurrent_specs() else 0,  # the runner's pool: a slot per row
         state_pool_bytes=settings_pool_bytes(source.config.recurrent_specs(), step.rows, config),
@@ -472,7 +475,8 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
     runner = ModelRunner(model, num_blocks=sizing.num_blocks, block_size=config.block_size, max_rows=step.rows,
                          max_chunk_tokens=step.idle_chunk_tokens, max_context=sizing.max_context, kv_dtype=kv_dtype,
                          mesh=mesh, replicate_attention=config.replicate_attention, max_chunks=limits.max_chunks,
-                         shared_compiles=_PROCESS.get("shared_compiles"), vision=vision, kv_offload_blocks=offload,
+                         shared_compiles=_PROCESS.get("shared_compiles"), vision=vision, kv_offload_blocks=tier.blocks,
+                         kv_offload_snapshots=tier.snapshots,
                          window_blocks=sizing.window_blocks, state_snapshots=snapshots,
                          state_entries=state_entries(config.speculative),
                          executable_store=store_for(config, source.path, single_device=mesh is None))

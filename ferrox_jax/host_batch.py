@@ -48,7 +48,8 @@ Layout: R rows in plan order (decode rows, then prompt chunks), N new tokens.
     window_copies   i32[C', 2] or None  (src, dst) slot copies, run with the block copies
     state_copies    i32[C'', 2] or None (src, dst) recurrent state slot copies, run in order with
                                   the block copies (snapshot saves, hit restores, n > 1 forks:
-                                  `ferrox_jax/state_pool.py`); None or empty: none
+                                  `ferrox_jax/state_pool.py`; -1 - h: the host tier's
+                                  snapshot slot h); None or empty: none
 
 A new capability adds a column here (an adapter index per row, 1 + k logits per row), not a
 branch in the runner.

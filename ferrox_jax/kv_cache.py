@@ -207,3 +207,29 @@ def scatter_blocks(kv_cache: KVCache, ids: jax.Array, k: jax.Array, v: jax.Array
     """Writes whole blocks back (the inverse of `gather_blocks`; pad `ids` with the null block 0)."""
     return kv_cache.replace(k=tuple(a.at[:, ids].set(k[i]) for i, a in enumerate(kv_cache.k)),
                             v=tuple(a.at[:, ids].set(v[i]) for i, a in enumerate(kv_cache.v)))
+
+
+def _state_rows(states, ids: jax.Array) -> jax.Array:
+    """Pool rows of slots `ids`, entry by entry: i32[B, E] (entry j of slot s is row s + j * S)."""
+    return ids[:, None] + jnp.arange(states.entries, dtype=ids.dtype)[None, :] * states.num_slots
+
+
+@jax.jit
+def gather_states(kv_cache: KVCache, ids: jax.Array):
+    """Whole state slots `ids` (i32[B]), for the host tier's snapshots (`ferrox_jax/kv_offload.py`):
+    (conv, recurrent, positions): per DeltaNet layer f32[B, E, ...], and i32[B] (zeros with E = 1)."""
+    states = kv_cache.states
+    rows = _state_rows(states, ids)
+    positions = jnp.zeros(ids.shape, jnp.int32) if states.positions is None else states.positions[ids]
+    return tuple(a[rows] for a in states.conv), tuple(a[rows] for a in states.recurrent), positions
+
+
+@functools.partial(jax.jit, donate_argnames=("kv_cache",))
+def scatter_states(kv_cache: KVCache, ids: jax.Array, conv, recurrent, positions: jax.Array) -> KVCache:
+    """Writes whole state slots back (the inverse of `gather_states`; pad `ids` with the null slot 0)."""
+    states = kv_cache.states
+    rows = _state_rows(states, ids)
+    return kv_cache.replace(states=states.replace(
+        conv=tuple(a.at[rows].set(c) for a, c in zip(states.conv, conv)),
+        recurrent=tuple(a.at[rows].set(r) for a, r in zip(states.recurrent, recurrent)),
+        positions=None if states.positions is None else states.positions.at[ids].set(positions)))

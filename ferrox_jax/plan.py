@@ -106,8 +106,9 @@ class StepPlan:
     window_slots: tuple[tuple[int, int], ...] = ()
     window_copies: tuple[tuple[int, int], ...] = ()
     # The recurrent state pool's (src, dst) slot copies, run in order before the forward:
-    # snapshot saves, prefix-hit restores, n > 1 forks (ferrox_jax/state_pool.py). Only in a
-    # plan with rows: until one comes they wait (nothing touches a slot without a forward).
+    # snapshot saves, prefix-hit restores, n > 1 forks (ferrox_jax/state_pool.py); a negative
+    # id -1 - h is the host tier's snapshot slot h. Only in a plan with rows: until one comes
+    # they wait (nothing touches a slot without a forward).
     state_copies: tuple[tuple[int, int], ...] = ()
 
     @property

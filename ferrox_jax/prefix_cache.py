@@ -25,8 +25,9 @@ block ids and their reference counts. A cached block is in one of two states:
 prompt. `insert` names a block once its positions are computed; a name already taken
 (another job computed the same prefix at the same time) is left with its first block.
 
-A model with a sliding KV group (`ferrox_jax/kv_groups.py`) hears of each eviction
-(`on_evict`): the sliding K/V parked with the block goes with it.
+A model with a sliding KV group (`ferrox_jax/kv_groups.py`) or recurrent state snapshots
+(`ferrox_jax/state_snapshots.py`) hears of each eviction (`on_evict`): the sliding K/V parked
+with the block goes with it, and its snapshot (to the host tier first, when there is one).
 
 With a host tier under it (`--kv-offload-gib`, `ferrox_jax/kv_offload.py`), an evicted
 block is offered to the tier before its name is forgotten, so the tier copies its K/V to
@@ -92,7 +93,9 @@ class PrefixCache:
         # Idle cached blocks (ref count 0), least recently released first.
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.num_evicted_blocks = 0
-        self.on_evict = None  # called with each evicted block id (the sliding KV group's pool)
+        # Called with each evicted block id and its name (None: its contents are gone, sleep):
+        # the sliding KV group's pool and the recurrent state snapshots hear of it.
+        self.on_evict = None
 
     @property
     def num_cached_blocks(self) -> int:
@@ -110,6 +113,10 @@ class PrefixCache:
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._name_by_block
+
+    def name_of(self, block_id: int) -> bytes:
+        """The name of cached block `block_id`."""
+        return self._name_by_block[block_id]
 
     def lookup(self, names: Sequence[bytes]) -> list[int]:
         """Block ids of the longest run of `names` (a prompt's chain, from block 0) in the cache."""
@@ -153,5 +160,5 @@ class PrefixCache:
             self.tier.offer(name, block_id)
         self.num_evicted_blocks += 1
         if self.on_evict is not None:
-            self.on_evict(block_id)
+            self.on_evict(block_id, name if offload and self.tier is not None else None)
         return block_id

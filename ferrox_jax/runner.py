@@ -54,14 +54,13 @@ from flax import nnx
 from ferrox_jax import sleep
 from ferrox_jax.buckets import Buckets, StepShape
 from ferrox_jax.host_batch import ALL_TOKENS_ALLOWED, BatchGeometry, HostBatch, SamplingArrays, StepArrays
-from ferrox_jax.kv_cache import (KVCache, copy_blocks, create_model_kv_cache, gather_blocks, scatter_blocks,
-                                 storage_dtype)
+from ferrox_jax.host_copies import HostCopies, state_runs
+from ferrox_jax.kv_cache import KVCache, copy_blocks, create_model_kv_cache, storage_dtype
 from ferrox_jax.kv_groups import window_arrays
-from ferrox_jax.kv_offload import HostKVPool
+from ferrox_jax.kv_offload import HostKVPool, HostStatePool
 from ferrox_jax.multihost import place_on_mesh
 from ferrox_jax.padding import empty_forward, pad_batch, unpad_results
 from ferrox_jax.runner_protocol import DeviceState
-from ferrox_jax.state_pool import refuse_unsupported
 from ferrox_jax.executable_store import ExecutableStore
 from ferrox_jax.shared_compiles import SharedCompiles
 from ferrox_jax.plan import RowPlan
@@ -77,17 +76,14 @@ from models.lora import lora_slot_count
 log = logging.getLogger(__name__)
 COPY_BATCH = 8  # block copies are padded to this many pairs (0 -> 0 is a no-op copy)
 COPY_KEY = ("copy",)  # the block-copy executable's key among the compiled shapes
-OFFLOAD_BATCH = 8  # host-tier saves / restores are padded to this many blocks (null block 0)
-SAVE_KEY, RESTORE_KEY = ("offload_save",), ("offload_restore",)  # compiled only with a host tier
 
 
-def compile_keys(buckets: Buckets, offload: bool = False) -> list[tuple]:
+def compile_keys(buckets: Buckets, offload: list[tuple] | None = None) -> list[tuple]:
     """Every executable a runner with `buckets` compiles at warm-up, as plain tuples (they
     go into logs and JSON): ("forward", Bd, Pc, Tc) per step shape, ("sample", rows) per
-    sampler, ("copy",), and with a host tier (`offload`) its gather and scatter."""
+    sampler, ("copy",), and with a host tier its copies' (`offload`: `HostCopies.keys`)."""
     return ([("forward", *dataclasses.astuple(shape)) for shape in buckets.shapes()]
-            + [("sample", rows) for rows in buckets.sampler_rows()] + [COPY_KEY]
-            + ([SAVE_KEY, RESTORE_KEY] if offload else []))
+            + [("sample", rows) for rows in buckets.sampler_rows()] + [COPY_KEY] + list(offload or []))
 
 
 def block_table_width(max_context: int, block_size: int) -> int:
@@ -119,7 +115,7 @@ class ModelRunner:
                  max_chunks: int = 1, shared_compiles: SharedCompiles | None = None,
                  vision: VisionEncoder | None = None, kv_offload_blocks: int = 0, window_blocks: int = 0,
                  executable_store: ExecutableStore | None = None, state_snapshots: int = 0,
-                 state_entries: int = 1):
+                 state_entries: int = 1, kv_offload_snapshots: int = 0):
         """Args:
           model: the built model, its decode attention already chosen (`models/loader.py`).
           num_blocks: KV cache blocks, the null block 0 included.
@@ -138,6 +134,7 @@ class ModelRunner:
             then carries the image columns of `ferrox_jax/step.py`.
           kv_offload_blocks: host-tier slots (`--kv-offload-gib`, `ferrox_jax/kv_offload.py`);
             0: no tier, nothing of it compiled or allocated.
+          kv_offload_snapshots: its recurrent-state snapshot slots (a model with recurrent layers).
           window_blocks: the sliding-window layers' own pool, its null slot included
             (`ferrox_jax/kv_groups.py`); 0: they hold `num_blocks` as every layer does.
           executable_store: where executables serialized by an earlier start are loaded
@@ -185,7 +182,6 @@ class ModelRunner:
             cfg, num_blocks, block_size, self.kv_dtype, sharding=None if self.shardings is None else self.shardings.kv_array,
             windowed=self.windowed, window_blocks=window_blocks)
         if cfg.recurrent_specs():  # the null slot 0, one state slot per row a step holds, then the snapshots
-            refuse_unsupported(kv_offload_blocks)
             self.kv_cache = self.kv_cache.replace(states=create_states(
                 cfg.recurrent_specs(), max_rows + 1 + state_snapshots,
                 None if self.shardings is None else self.shardings.states, entries=state_entries))
@@ -196,8 +192,12 @@ class ModelRunner:
             raise ValueError("--kv-offload-gib: this model's cache arrays differ in shape (a latent-attention "
                              "cache, or layers of several head sizes) and are not offloaded yet; serve it "
                              "without the host tier")
-        self._host_pool = HostKVPool(kv_offload_blocks, cfg.num_layers, heads, block_size, k_dim,
-                                     storage_dtype(self.kv_dtype)) if kv_offload_blocks else None
+        states = self.kv_cache.states
+        self._host = HostCopies(HostKVPool(kv_offload_blocks, len(self.kv_cache.k), heads, block_size, k_dim,
+                                           storage_dtype(self.kv_dtype)),
+                                HostStatePool(kv_offload_snapshots, [a.shape[1:] for a in states.conv],
+                                              [a.shape[1:] for a in states.recurrent], state_entries)
+                                if kv_offload_snapshots and states is not None else None) if kv_offload_blocks else None
         self._compiled: dict[tuple, Callable] = {}
         self._shared_compiles = shared_compiles
         self._store = executable_store
@@ -282,7 +282,7 @@ class ModelRunner:
     # ---- compilation -------------------------------------------------------------
     def compile_keys(self) -> list[tuple]:
         """Every executable warm-up compiles (`compile_keys`)."""
-        return compile_keys(self.buckets, offload=self._host_pool is not None) + (
+        return compile_keys(self.buckets, offload=self._host.keys if self._host is not None else None) + (
             self.vision.compile_keys() if self.vision is not None else [])
 
     def _lower(self, key: tuple) -> jax.stages.Lowered:
@@ -291,12 +291,8 @@ class ModelRunner:
             return copy_blocks.lower(self.kv_cache, pairs, pairs, pairs, pairs, pairs, pairs, windowed=self.windowed)
         if key[0] == "vision":
             return self.vision.lower(key)
-        if key in (SAVE_KEY, RESTORE_KEY):
-            ids = jnp.zeros(OFFLOAD_BATCH, jnp.int32)
-            if key == SAVE_KEY:
-                return gather_blocks.lower(self.kv_cache, ids)
-            k, v = self._host_pool.get(np.zeros(0, np.int64), OFFLOAD_BATCH)
-            return scatter_blocks.lower(self.kv_cache, ids, k, v)
+        if key[0].startswith("offload"):
+            return self._host.lower(key, self.kv_cache)
         if key[0] == "sample":
             rows = key[1]
             logits = jnp.zeros((rows, self.vocab_size), jnp.float32)
@@ -433,7 +429,23 @@ class ModelRunner:
                      state_copies: np.ndarray | None) -> None:
         """`copy_blocks`, and beside them the sliding pool's (src, dst) slot copies (a step's
         copy-on-write, `HostBatch.window_copies`) and the recurrent state slots' (in order:
-        `HostBatch.state_copies`), `COPY_BATCH` pairs of each per call."""
+        `HostBatch.state_copies`), `COPY_BATCH` pairs of each per call. State copies to or
+        from the host tier's snapshots run in their place in that order (`host_copies.py`)."""
+        runs = state_runs(state_copies if state_copies is not None else np.zeros((0, 2), np.int32))
+        if any(kind != "device" for kind, _ in runs):
+            self._copy_device(copies, window_copies, None)
+            for kind, pairs in runs:
+                if kind == "device":
+                    self._copy_device(None, None, pairs)
+                elif self._host is None:
+                    raise ValueError("this runner has no host KV tier (--kv-offload-gib 0)")
+                else:
+                    self.kv_cache = self._host.move_states(self.kv_cache, self._executable, kind, pairs)
+            return
+        self._copy_device(copies, window_copies, state_copies)
+
+    def _copy_device(self, copies: np.ndarray | None, window_copies: np.ndarray | None,
+                     state_copies: np.ndarray | None) -> None:
         copy = self._executable(COPY_KEY)
         columns = [np.zeros((0, 2), np.int32) if c is None else np.asarray(c, np.int32).reshape(-1, 2)
                    for c in (copies, window_copies, state_copies)]
@@ -450,24 +462,10 @@ class ModelRunner:
         call: every save (i32[S, 2], (device block, host slot)) is fetched to host memory
         before any restore (i32[L, 2], (host slot, device block)) is written, since a
         restore may land in a block a save reads."""
-        if self._host_pool is None:
+        if self._host is None:
             raise ValueError("this runner has no host KV tier (--kv-offload-gib 0)")
-        saves = np.asarray(saves, np.int32).reshape(-1, 2)
-        restores = np.asarray(restores, np.int32).reshape(-1, 2)
-        gather = self._executable(SAVE_KEY) if len(saves) else None
-        for i in range(0, len(saves), OFFLOAD_BATCH):
-            part = saves[i:i + OFFLOAD_BATCH]
-            ids = np.zeros(OFFLOAD_BATCH, np.int32)
-            ids[:len(part)] = part[:, 0]
-            k, v = jax.device_get(gather(self.kv_cache, ids))  # waits: the blocks are on the host after it
-            self._host_pool.put(part[:, 1], np.asarray(k)[:, :, :len(part)], np.asarray(v)[:, :, :len(part)])
-        scatter = self._executable(RESTORE_KEY) if len(restores) else None
-        for i in range(0, len(restores), OFFLOAD_BATCH):
-            part = restores[i:i + OFFLOAD_BATCH]
-            ids = np.zeros(OFFLOAD_BATCH, np.int32)  # padding restores zeros into the null block
-            ids[:len(part)] = part[:, 1]
-            k, v = self._host_pool.get(part[:, 0], OFFLOAD_BATCH)
-            self.kv_cache = scatter(self.kv_cache, ids, k, v)
+        self.kv_cache = self._host.move_blocks(self.kv_cache, self._executable, np.asarray(saves, np.int32).reshape(-1, 2),
+                                               np.asarray(restores, np.int32).reshape(-1, 2))
 
     def run_logits(self, rows: list[RowPlan], window_slots: dict[int, int] | None = None) -> list[np.ndarray]:
         """Offline (tests, tools/parity/compare_logits.py): write the rows' tokens into the cache

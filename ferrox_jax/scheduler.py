@@ -192,7 +192,7 @@ class Scheduler(Preemption):
                         draft_requests=requests, max_draft_tokens=max_draft_tokens, kv_saves=saves,
                         kv_restores=restores, window_copies=self.blocks.take_window_copies(),
                         window_slots=self.blocks.window_slots(decode + chunks),
-                        state_copies=self.states.take_copies() if decode or chunks else ())
+                        state_copies=self.blocks.recurrent.take_copies() if decode or chunks else ())
         # A job restoring host blocks is in this step even without a row in it: if it fails, so does the job.
         self._planned_row_ids = tuple(dict.fromkeys(
             [row.row_id for row in plan.rows] + [row.row_id for job in restoring for row in job.rows]))

@@ -52,8 +52,14 @@ With speculation each slot keeps 1 + k entries (`state_entries`, `models/deltane
 "Speculation") and the pool a position per slot; every copy above carries all of a slot's
 entries and its position (`ferrox_jax/kv_cache.py:copy_state_slots`).
 
-What these models do not do yet, refused at load with the reason (`refuse_unsupported`,
-`recurrent_settings`): the host KV tier (its swap would need the states too).
+With the host KV tier (`--kv-offload-gib`, `ferrox_jax/kv_offload.py`, "Snapshots") a
+snapshot the device drops (its slot stolen for a newer one, or its block evicted) is copied
+to a host slot first, and a hit whose snapshot only the host holds restores it from there
+into the row's running slot. Those copies are state copies too, in the same ordered list:
+a host slot h is written `host_id(h)` = -1 - h, so (snapshot slot, -1 - h) saves to the host
+and (-1 - h, running slot) restores from it, and each runs after every copy before it (a
+snapshot saved this step is on the device before the host reads it; a host slot written
+this step is read back after it). The runner moves them (`ferrox_jax/runner.py`, `_copy_blocks`).
 Under tensor parallelism the pool is split as the layers' weights are, by value head and
 conv channel (`ferrox_jax/sharding.py`), and the memory bounds count each device's part.
 Speculation runs there too: a slot's entries are rows of the same split arrays, and the
@@ -68,10 +74,6 @@ NULL_SLOT = 0
 # Snapshot slots per row when `--state-snapshots` is 0: a running row's prompt snapshot and its
 # decode snapshot, each on its own held blocks (`ferrox_jax/state_snapshots.py`, "How many").
 SNAPSHOTS_PER_ROW = 2
-
-
-class StatePoolUnsupported(ValueError):
-    """A setting this engine cannot combine with recurrent-state models yet."""
 
 
 class StatePool:
@@ -132,8 +134,14 @@ class StatePool:
         self._saves.append((self.slot(row_id), snapshot_slot))
 
     def restore(self, row_id: int, snapshot_slot: int) -> None:
-        """The row (admitted this tick) starts from `snapshot_slot`'s state (a prefix hit)."""
+        """The row (admitted this tick) starts from `snapshot_slot`'s state (a prefix hit;
+        `host_id(h)`: host slot h of the host tier's)."""
         self._restores[row_id] = snapshot_slot
+
+    def spill(self, snapshot_slot: int, host_slot: int) -> None:
+        """Snapshot slot `snapshot_slot`, as every copy before this one leaves it, goes to host
+        slot `host_slot` of the host tier (before a later copy overwrites it)."""
+        self._saves.append((snapshot_slot, host_id(host_slot)))
 
     def fork(self, row_id: int, row_ids: Iterable[int]) -> None:
         """Rows `row_ids` start from `row_id`'s state (n > 1: the prefill row's)."""
@@ -147,6 +155,11 @@ class StatePool:
         copies += [(held[src], held[dst]) for src, dst in self._forks if src in held and dst in held]
         self._saves, self._restores, self._forks = [], {}, []
         return tuple(copies)
+
+
+def host_id(host_slot: int) -> int:
+    """How a state copy names host slot `host_slot` of the host tier (negative: never a device slot)."""
+    return -1 - host_slot
 
 
 def snapshot_slots(rows: int, prefix_caching: bool, setting: int = 0) -> int:
@@ -187,20 +200,12 @@ def state_entries(speculative) -> int:
 
 
 def recurrent_settings(config, model_cfg):
-    """The `EngineConfig` a model with recurrent layers is served under, refused with the
-    reason where it cannot be: the host KV tier. Prefix caching stays on (state snapshots,
-    `ferrox_jax/state_snapshots.py`); speculation runs, on one device or under tensor
-    parallelism (`--speculative mtp` runs their own `mtp.*` block, `models/qwen3_5_mtp.py`,
-    on one device). Any other model's config is returned as it is."""
-    if not model_cfg.recurrent_specs():
-        return config
-    refuse_unsupported(config.kv_offload_gib)  # before the weights are placed
+    """The `EngineConfig` a model with recurrent layers is served under: every setting runs
+    with them now, so it is returned as it is. Prefix caching keeps state snapshots
+    (`ferrox_jax/state_snapshots.py`), the host KV tier keeps snapshots beside its blocks
+    (`ferrox_jax/kv_offload.py`, "Snapshots"), speculation runs on one device or under
+    tensor parallelism (`--speculative mtp` runs their own `mtp.*` block,
+    `models/qwen3_5_mtp.py`, on one device). The place a setting these models cannot take
+    would be refused, before the weights are placed."""
+    del model_cfg
     return config
-
-
-def refuse_unsupported(kv_offload: float) -> None:
-    """Raises StatePoolUnsupported for a setting recurrent-state models cannot take yet: a host
-    KV tier (`kv_offload`: its blocks or GiB, 0 when off)."""
-    if kv_offload:
-        raise StatePoolUnsupported("--kv-offload-gib: this model has recurrent (linear-attention) layers, whose "
-                                   "states the host tier does not swap yet; serve it without the host tier")

@@ -40,10 +40,19 @@ state).
     a hit      admission cuts a hit back to its last block with a snapshot (`usable_hits`;
                none: no hit), and the row's running slot takes a copy of it before the row's
                first chunk (`StatePool.restore`); the row computes on from that block's end
-    full       a new snapshot takes a free slot, else the snapshot of the least recently
-               released idle cached block (its block stays cached, K/V only, and hits on it
-               are cut back), else none is taken (a block held by a running row keeps its
-               snapshot)
+    full       a new snapshot takes a free slot, else the snapshot of an idle cached block
+               (its block stays cached, K/V only, and hits on it are cut back), else none
+               is taken (a block held by a running row keeps its snapshot). Which idle
+               block (`StateSnapshots.victim`): the least recently released one holding a
+               prompt's snapshot, and only when none does, the least recently released
+               holding a decode snapshot. A finished row's decode snapshot is where its
+               chat's next turn starts, past everything a prompt snapshot of the same chat
+               covers; first released, first taken would give it up first of all, as a
+               row's blocks are released tail first (tested: a chat's next turn keeps its
+               hit at the reply's end where the policy before fell back to the prompt's)
+    host tier  with `--kv-offload-gib`, a snapshot the device drops (taken for a newer one,
+               or its block evicted) is copied to host memory first, and a hit may restore
+               a snapshot only the host holds (`ferrox_jax/kv_offload.py`, "Snapshots")
 
 How many, and how often. A slot holds every DeltaNet layer's state: for Qwen3-Next (36
 DeltaNet layers, 32 value heads of 128 x 128, f32) 75 MiB, the bf16 K/V of about 3,200 tokens
@@ -74,7 +83,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from ferrox_jax.state_pool import SNAPSHOTS_PER_ROW, StatePool
+from ferrox_jax.kv_offload import HostTier
+from ferrox_jax.state_pool import SNAPSHOTS_PER_ROW, StatePool, host_id
 
 # `--state-snapshot-interval`'s default, in blocks (the module docstring, "How many, and how often").
 DEFAULT_INTERVAL_BLOCKS = 32
@@ -119,6 +129,7 @@ class StateSnapshots:
         self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
         self.slot_of: dict[int, int] = {}  # cached block id -> the snapshot slot of the state at its end
         self.moving_of: dict[int, int] = {}  # row id -> the block of its decode snapshot (the module docstring)
+        self.decode_blocks: set[int] = set()  # blocks holding a decode snapshot (moving, or left by a finished row)
         self.num_taken = 0  # snapshots taken (a counter; a decode snapshot counts each time it moves)
         self.num_restored = 0  # hits that restored one (a counter)
         self.num_dropped = 0  # snapshots freed without their block (stolen or moved for a newer one, a failed step)
@@ -135,18 +146,34 @@ class StateSnapshots:
                 return k
         return 0
 
+    def must_steal(self, block_id: int, reuse: int | None = None) -> bool:
+        """Whether `take(block_id, ..., reuse)` would need another block's snapshot slot."""
+        return block_id not in self.slot_of and reuse not in self.slot_of and not self._free
+
+    def victim(self, idle_blocks: Iterable[int]) -> int | None:
+        """The idle block whose snapshot a new one takes when every slot is held (the module
+        docstring, "full"): the least recently released with a prompt's snapshot, else the
+        least recently released with a decode snapshot; None: no idle block has one."""
+        oldest_decode = None
+        for block_id in idle_blocks:
+            if block_id in self.slot_of:
+                if block_id not in self.decode_blocks:
+                    return block_id
+                if oldest_decode is None:
+                    oldest_decode = block_id
+        return oldest_decode
+
     def take(self, block_id: int, idle_blocks: Iterable[int], reuse: int | None = None) -> int | None:
         """A slot for a new snapshot of `block_id`'s end: the slot of block `reuse`'s
         snapshot (a row's decode snapshot moving on), else a free one, else the snapshot of
-        the first of `idle_blocks` (least recently released first) that has one; None:
-        none (or `block_id` has one already)."""
+        `victim(idle_blocks)`; None: none (or `block_id` has one already)."""
         if block_id in self.slot_of:
             return None
         if reuse in self.slot_of:
             self._detach(reuse)
             self.num_dropped += 1
         elif not self._free:
-            victim = next((b for b in idle_blocks if b in self.slot_of), None)
+            victim = self.victim(idle_blocks)
             if victim is None:
                 return None
             self._detach(victim)
@@ -163,6 +190,7 @@ class StateSnapshots:
     def _detach(self, block_id: int) -> None:
         """Frees `block_id`'s snapshot slot; a row whose decode snapshot it was takes its next one afresh."""
         self._free.append(self.slot_of.pop(block_id))
+        self.decode_blocks.discard(block_id)
         for row_id in [r for r, b in self.moving_of.items() if b == block_id]:
             del self.moving_of[row_id]
 
@@ -184,6 +212,7 @@ class StateSnapshots:
         assert not set(held) & set(self._free), "a snapshot slot both free and held"
         assert len(held) + len(self._free) == self.num_slots, "a snapshot slot leaked"
         assert set(self.moving_of.values()) <= set(self.slot_of), "a row's decode snapshot without a slot"
+        assert self.decode_blocks <= set(self.slot_of), "a decode snapshot without a slot"
 
 
 def _lazy(ids) -> Iterator[int]:
@@ -197,10 +226,11 @@ class RecurrentGroup:
     the rows' running slots (`states`) and, with the prefix cache, the snapshots."""
 
     def __init__(self, states: StatePool, cache, block_size: int, num_snapshots: int | None = None,
-                 interval_blocks: int = DEFAULT_INTERVAL_BLOCKS) -> None:
+                 interval_blocks: int = DEFAULT_INTERVAL_BLOCKS, tier: HostTier | None = None) -> None:
         """`cache`: the prefix cache (`ferrox_jax/prefix_cache.py`), None when off;
         `num_snapshots`: the snapshot slots after the running ones (None: two per row);
-        `interval_blocks`: a prompt's snapshots every that many blocks (0: only at B)."""
+        `interval_blocks`: a prompt's snapshots every that many blocks (0: only at B);
+        `tier`: the host KV tier, whose snapshot slots take the snapshots the device drops."""
         self.states = states
         self.cache = cache
         self.block_size = block_size
@@ -208,19 +238,69 @@ class RecurrentGroup:
         count = SNAPSHOTS_PER_ROW * (states.num_slots - 1) if num_snapshots is None else num_snapshots
         self.snapshots = (StateSnapshots(states.num_slots, count)
                           if states.enabled and cache is not None and count else None)
+        self.tier = tier if self.snapshots is not None and tier is not None and tier.num_snapshot_slots else None
 
-    def usable_hits(self, hits: Sequence[int]) -> int:
-        """How many hit blocks a row can start after: all for a model without recurrent
-        layers, else up to the last with a snapshot."""
+    def usable_hits(self, hits: Sequence[int], names: Sequence[bytes] = (), num_host: int = 0) -> int:
+        """How many blocks of a hit a row can start after: `hits` (device blocks from block
+        0), then `num_host` blocks more the host tier holds (`names`: the chain's names).
+        All for a model without recurrent layers, else up to the last with a snapshot, on
+        the device or in the host tier."""
+        total = len(hits) + num_host
         if not self.states.enabled:
-            return len(hits)
-        return self.snapshots.usable_hits(hits) if self.snapshots is not None else 0
+            return total
+        if self.snapshots is None:
+            return 0
+        slot_of, tier = self.snapshots.slot_of, self.tier
+        for k in range(total, 0, -1):
+            if k <= len(hits) and hits[k - 1] in slot_of:
+                return k
+            if tier is not None and tier.snapshot_slot(names[k - 1]) is not None:
+                return k
+        return 0
 
-    def restore(self, row, hits: Sequence[int]) -> None:
-        """A row admitted after a hit takes the snapshot at the hit's end into its slot."""
+    def host_snapshot(self, hits: Sequence[int], names: Sequence[bytes], num_host: int = 0) -> int | None:
+        """The host slot a hit (`hits` device blocks, then `num_host` host ones; `names`: the
+        chain's) restores its state from: None when the device holds the snapshot at its
+        last block (or no hit)."""
+        if not hits and not num_host or self.tier is None or not num_host and hits[-1] in self.snapshots.slot_of:
+            return None
+        return self.tier.snapshot_slot(names[len(hits) + num_host - 1])
+
+    def restore(self, row, hits: Sequence[int], host_slot: int | None = None) -> None:
+        """A row admitted after a hit takes the snapshot at the hit's end into its slot:
+        the device's, or host slot `host_slot` of the tier (pinned by the admission)."""
         if hits and self.snapshots is not None:
-            self.states.restore(row.row_id, self.snapshots.slot_of[hits[-1]])
+            if host_slot is not None:
+                self.tier.restore_snapshot(host_slot)
+                self.states.restore(row.row_id, host_id(host_slot))
+            else:
+                self.states.restore(row.row_id, self.snapshots.slot_of[hits[-1]])
             self.snapshots.num_restored += 1
+
+    def block_evicted(self, block_id: int, name: bytes | None) -> None:
+        """The prefix cache forgot `block_id` (`name`: what it was named, offered to the host
+        tier; None: its contents are gone): its snapshot goes to the tier first, then the slot is freed."""
+        if self.snapshots is None:
+            return
+        if name is not None and block_id in self.snapshots.slot_of:
+            self._spill(block_id, name)
+        self.snapshots.block_evicted(block_id)
+
+    def _spill(self, block_id: int, name: bytes) -> None:
+        """The device drops `block_id`'s snapshot: a copy goes to the host tier's, under the
+        name of its block, queued with the state copies (after those writing it, before those
+        overwriting it)."""
+        if self.tier is None:
+            return
+        host_slot = self.tier.offer_snapshot(name)
+        if host_slot is not None:
+            self.states.spill(self.snapshots.slot_of[block_id], host_slot)
+
+    def take_copies(self) -> tuple[tuple[int, int], ...]:
+        """The state pool's copies for the step being planned; the host snapshots they read are unpinned."""
+        if self.tier is not None:
+            self.tier.snapshot_copies_taken()
+        return self.states.take_copies()
 
     def chunk_end(self, job, start: int, end: int) -> int:
         """Where a prompt chunk [start, end) ends: cut at the prompt's next snapshot
@@ -265,12 +345,20 @@ class RecurrentGroup:
             return
         snapshots = self.snapshots
         previous = snapshots.moving_of.get(row_id) if moving else None
-        slot = snapshots.take(blocks[0], _lazy(self.cache.idle_block_ids), reuse=previous)
+        idle = _lazy(self.cache.idle_block_ids)
+        if self.tier is not None and snapshots.must_steal(blocks[0], previous):
+            victim = snapshots.victim(idle)  # its snapshot goes to the host before the slot is written
+            if victim is None:
+                return
+            self._spill(victim, self.cache.name_of(victim))
+            idle = (victim,)
+        slot = snapshots.take(blocks[0], idle, reuse=previous)
         if slot is None:
             return
         self.states.save(row_id, slot)
         if moving:
             snapshots.moving_of[row_id] = blocks[0]
+            snapshots.decode_blocks.add(blocks[0])
 
     def fork(self, job) -> None:
         """n > 1: the state is per row, so the job's other rows copy the prefill row's."""

@@ -58,6 +58,12 @@ class BatcherStats:
     kv_offload_blocks_stored: int = 0  # evicted device blocks copied to host memory
     kv_offload_blocks_evicted: int = 0  # host copies the tier's LRU dropped for newer ones
     kv_offload_blocks_restored: int = 0  # host copies brought back into fresh device blocks
+    # ... and its recurrent-state snapshots (a model with linear-attention layers; kv_offload.py, "Snapshots")
+    kv_offload_snapshots_total: int = 0  # host snapshot slots (0: none; a gauge)
+    kv_offload_snapshot_bytes: int = 0  # host bytes of one snapshot (every DeltaNet layer's conv + recurrent state)
+    kv_offload_snapshots_cached: int = 0  # host snapshot slots holding one now (a gauge)
+    kv_offload_snapshots_stored: int = 0  # snapshots the device dropped (stolen or evicted) copied to host memory
+    kv_offload_snapshots_restored: int = 0  # host snapshots restored into a row's state slot on a prefix hit
     # -- the recurrent state pool (a model with linear-attention layers: ferrox_jax/state_pool.py) ---
     state_slots_total: int = 0  # slots rows can hold (one per row in flight; 0: the model keeps no recurrent state)
     state_slots_held: int = 0  # of those, held by admitted rows now (a gauge; back to 0 when idle: no leak)
@@ -146,7 +152,11 @@ def offload_fields(blocks: Any) -> dict[str, int]:
     if tier is not None:
         fields.update(kv_offload_blocks_total=tier.num_slots, kv_offload_blocks_cached=tier.num_cached_blocks,
                       kv_offload_blocks_stored=tier.num_stored, kv_offload_blocks_evicted=tier.num_evicted,
-                      kv_offload_blocks_restored=tier.num_restored)
+                      kv_offload_blocks_restored=tier.num_restored, kv_offload_snapshots_total=tier.num_snapshot_slots,
+                      kv_offload_snapshot_bytes=blocks.snapshot_bytes if tier.num_snapshot_slots else 0,
+                      kv_offload_snapshots_cached=tier.num_cached_snapshots,
+                      kv_offload_snapshots_stored=tier.num_snapshots_stored,
+                      kv_offload_snapshots_restored=tier.num_snapshots_restored)
     return fields
 
 

@@ -12,7 +12,7 @@ from ferrox_jax.admission import check_admission
 from ferrox_jax.config import EngineConfig, SchedulerLimits, SpeculativeConfig
 from ferrox_jax.request import Job
 from ferrox_jax.scheduler import Scheduler
-from ferrox_jax.state_pool import NULL_SLOT, StatePool, StatePoolUnsupported, pool_bytes, recurrent_settings
+from ferrox_jax.state_pool import NULL_SLOT, StatePool, pool_bytes, recurrent_settings
 from models.deltanet import DeltaNetSpec
 from tests.support.scripted import ByteTokenizer, ScriptedRunner, letters_token_fn, run_until_idle, tick
 
@@ -137,8 +137,9 @@ def test_recurrent_models_keep_prefix_caching_and_speculate():
     both = recurrent_settings(dataclasses.replace(config, speculative=SpeculativeConfig(), tensor_parallel=2),
                               _Cfg((SPEC,)))
     assert both.speculative == SpeculativeConfig() and both.mesh_shape == (1, 2)
-    with pytest.raises(StatePoolUnsupported, match="--kv-offload-gib"):
-        recurrent_settings(dataclasses.replace(config, kv_offload_gib=1.0), _Cfg((SPEC,)))
+    # the host KV tier keeps snapshots beside its blocks (ferrox_jax/kv_offload.py): no longer refused
+    tiered = dataclasses.replace(config, kv_offload_gib=1.0)
+    assert recurrent_settings(tiered, _Cfg((SPEC,))) is tiered
     # tensor parallelism splits the pool (ferrox_jax/sharding.py): served, prefix caching on as on one device
     sharded = recurrent_settings(dataclasses.replace(config, tensor_parallel=2), _Cfg((SPEC,)))
     assert sharded.mesh_shape == (1, 2) and sharded.prefix_caching

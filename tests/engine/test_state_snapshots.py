@@ -124,8 +124,8 @@ def test_a_full_pool_takes_the_least_recently_released_idle_snapshot():
         run_until_idle(scheduler, runner, outputs)
     snapshots = scheduler.blocks.snapshots
     # each job takes 2: its prompt's at 8, its row's decode one at 12 (10 + 3 computed tokens = 13).
-    # b's two find no free slot and take a's, least recently released first: a's decode snapshot
-    # (its blocks go tail first), then its prompt's
+    # b's two find no free slot and take a's: its prompt's first (a finished row's decode
+    # snapshot is given up last: `StateSnapshots.victim`), then its decode snapshot
     assert snapshots.num_taken == 4 and snapshots.num_held == 2 and snapshots.num_dropped == 2
     b_blocks = cached_blocks(scheduler, prompt(11, 10) + tuple(outputs["b", 0].token_ids), 3)
     assert set(snapshots.slot_of) == {b_blocks[1], b_blocks[2]}, "b's snapshots at 8 and 12 hold the slots"

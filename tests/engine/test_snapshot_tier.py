@@ -1,0 +1,204 @@
+"""Recurrent-state snapshots in the host KV tier, and which snapshot a full pool gives up, on the
+host side (ferrox_jax/kv_offload.py "Snapshots", ferrox_jax/state_snapshots.py,
+ferrox_jax/prefix_hits.py). No device here: the `StateOracle` of test_state_snapshots.py replays
+every plan's state copies, host slots included (a host slot h is the copy id -1 - h), so a hit
+restoring the wrong host snapshot, or one block off, fails here as it would on the model; the
+engine-level parity (a hit from the host tier == cold) is tests/models/test_state_tier_qwen3_5.py.
+
+Block size 4, chunks of 8, 3 rows: running slots 1..3, snapshot slots 4.. after them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ferrox_jax.config import SchedulerLimits
+from ferrox_jax.kv_offload import HostTier, host_tier_blocks, host_tier_snapshots
+from ferrox_jax.scheduler import Scheduler
+from ferrox_jax.state_snapshots import RecurrentGroup, StateSnapshots
+from tests.engine.test_state_snapshots import BS, CHUNK, StateOracle, cached_blocks, chunks_of, job, prompt, run_checked
+from tests.support.scripted import ByteTokenizer, ScriptedRunner, letters_token_fn
+
+
+def make(*, max_rows=3, num_blocks=16, tier_blocks=0, tier_snapshots=0, **limits):
+    limits = SchedulerLimits(block_size=BS, num_blocks=num_blocks, max_rows=max_rows, max_chunk_tokens=CHUNK,
+                             prefix_caching=True, state_slots=max_rows + 1, kv_offload_blocks=tier_blocks,
+                             kv_offload_snapshots=tier_snapshots, **limits)
+    runner = ScriptedRunner(block_size=BS, num_blocks=num_blocks + 1, max_rows=16, max_chunk_tokens=CHUNK,
+                            token_fn=letters_token_fn(), max_chunks=limits.max_chunks, kv_offload_blocks=tier_blocks)
+    return Scheduler(limits, ByteTokenizer()), runner
+
+
+def chat_then_churn(scheduler, runner, oracle, churn=6):
+    """Turn 1 (10 tokens, a 12-token reply: its decode snapshot at 20), then `churn` other
+    prompts of 13 tokens that evict its blocks and snapshots from the device; then turn 2
+    (turn 1, its reply, 5 more). Returns turn 2's first chunk's start."""
+    turn1, outputs = prompt(90, 10), {}
+    scheduler.add_job(job("t1", turn1, max_tokens=12))
+    run_checked(scheduler, runner, oracle, outputs)
+    for i in range(churn):
+        scheduler.add_job(job(f"o{i}", prompt(200 + i, 13), max_tokens=4))
+        run_checked(scheduler, runner, oracle)
+    history = turn1 + tuple(outputs["t1", 0].token_ids)
+    assert not cached_blocks(scheduler, history, 5), "turn 1's blocks left the device"
+    before = len(runner.plans)
+    scheduler.add_job(job("t2", history + prompt(91, 5)))
+    run_checked(scheduler, runner, oracle)
+    row_id = next(c.row_id for p in runner.plans[before:] for c in p.chunks)
+    return chunks_of(runner, row_id)[0][0]
+
+
+def assert_nothing_leaked(scheduler):
+    blocks = scheduler.blocks
+    blocks.tier.check()
+    blocks.snapshots.check()
+    blocks.budget.check()
+    assert not +blocks.tier._pins and not +blocks.tier._snapshot_pins, "a host slot is still pinned"
+    assert scheduler.states.num_held == 0 and blocks.budget.num_held_blocks == 0
+    assert blocks.snapshots.moving_of == {}
+
+
+def test_a_hit_whose_blocks_and_snapshot_left_the_device_restores_both_from_the_host():
+    scheduler, runner = make(tier_blocks=32, tier_snapshots=16)
+    oracle = StateOracle(scheduler)
+    start = chat_then_churn(scheduler, runner, oracle)
+    tier = scheduler.blocks.tier
+    assert start == 20, "turn 2 starts at turn 1's decode snapshot, its blocks and state from host memory"
+    assert scheduler.blocks.num_host_hit_tokens >= 20 and tier.num_snapshots_restored == 1
+    assert tier.num_snapshots_stored >= 2 and oracle.num_checked > 0
+    # the copies: a host save (dst < 0) of the snapshot before its slot was written again, and
+    # a host restore (src < 0) into turn 2's running slot
+    copies = [pair for p in runner.plans for pair in p.state_copies]
+    assert any(dst < 0 for _, dst in copies) and any(src < 0 for src, _ in copies)
+    assert_nothing_leaked(scheduler)
+
+
+def test_without_the_tiers_snapshots_the_same_chat_computes_turn_2_from_0():
+    scheduler, runner = make(tier_blocks=32, tier_snapshots=0)  # blocks in host memory, no state
+    start = chat_then_churn(scheduler, runner, StateOracle(scheduler))
+    assert start == 0 and scheduler.blocks.num_hit_tokens == 0, "host blocks without a state are no hit"
+
+
+def wrong_slot(self, name):
+    """The tier's snapshot lookup answering with another snapshot than `name`'s."""
+    slot = self._snapshot_by_name.get(name)
+    others = [s for s in self._name_by_snapshot if s != slot]
+    return None if slot is None else (others[-1] if others else slot)
+
+
+def test_negative_control_restoring_another_host_snapshot_is_caught(monkeypatch):
+    monkeypatch.setattr(HostTier, "snapshot_slot", wrong_slot)
+    scheduler, runner = make(tier_blocks=32, tier_snapshots=16)
+    with pytest.raises(AssertionError, match="not its own"):
+        chat_then_churn(scheduler, runner, StateOracle(scheduler))
+
+
+def shared_prefix_then_churn(scheduler, runner, oracle, churn=6):
+    """a (17 tokens: with an interval of 1 block, snapshots at 4, 8, 12 and 16), `churn` other
+    prompts that push it out of the device, then b = a's first 16 tokens and 5 others.
+    Returns b's first chunk's start."""
+    a = prompt(70, 17)
+    scheduler.add_job(job("a", a, max_tokens=1))
+    run_checked(scheduler, runner, oracle)
+    for i in range(churn):
+        scheduler.add_job(job(f"o{i}", prompt(200 + i, 13), max_tokens=4))
+        run_checked(scheduler, runner, oracle)
+    assert not cached_blocks(scheduler, a, 4), "a's blocks left the device"
+    before = len(runner.plans)
+    scheduler.add_job(job("b", a[:16] + prompt(71, 5)))
+    run_checked(scheduler, runner, oracle)
+    return next(c.start_pos for p in runner.plans[before:] for c in p.chunks)
+
+
+def test_negative_control_a_host_snapshot_one_block_off_is_caught(monkeypatch):
+    # the hit's restore reads the host snapshot of the block before its last: the state 4
+    # tokens short of where the row starts
+    host_snapshot = RecurrentGroup.host_snapshot
+
+    def one_block_early(self, hits, names, num_host=0):
+        slot = host_snapshot(self, hits, names, num_host)
+        end = len(hits) + num_host
+        early = self.tier.snapshot_slot(names[end - 2]) if slot is not None and end >= 2 else None
+        assert slot is None or early is not None, "the block before has a host snapshot to misplace"
+        return early if slot is not None else None
+
+    scheduler, runner = make(tier_blocks=32, tier_snapshots=40, state_snapshot_interval=1)
+    assert shared_prefix_then_churn(scheduler, runner, StateOracle(scheduler)) == 16, "a hit from the host"
+    assert scheduler.blocks.tier.num_snapshots_restored == 1
+    monkeypatch.setattr(RecurrentGroup, "host_snapshot", one_block_early)
+    scheduler, runner = make(tier_blocks=32, tier_snapshots=40, state_snapshot_interval=1)
+    with pytest.raises(AssertionError, match="not its own"):
+        shared_prefix_then_churn(scheduler, runner, StateOracle(scheduler))
+
+
+def test_eight_chats_under_small_budgets_leak_nothing_and_hit_the_host():
+    # 16 device blocks, 24 host blocks and 4 host snapshots: 8 first turns push each other out
+    # of both tiers; the second turns, newest chat first, hit the device, the host, or nothing
+    scheduler, runner = make(num_blocks=16, tier_blocks=24, tier_snapshots=4, state_snapshot_interval=2)
+    oracle, histories = StateOracle(scheduler), {}
+    for i in range(8):
+        first, outputs = prompt(100 + i, 13), {}
+        scheduler.add_job(job(f"c{i}", first, max_tokens=9))
+        run_checked(scheduler, runner, oracle, outputs)
+        histories[i] = first + tuple(outputs[f"c{i}", 0].token_ids)
+    for i in reversed(range(8)):
+        scheduler.add_job(job(f"d{i}", histories[i] + prompt(110 + i, 3)))
+        run_checked(scheduler, runner, oracle)
+    tier = scheduler.blocks.tier
+    assert tier.num_snapshots_evicted > 0, "the 4 host snapshot slots turned over"
+    assert tier.num_snapshots_restored > 0 and scheduler.blocks.num_host_hit_tokens > 0
+    assert tier.num_cached_snapshots <= 4 and oracle.num_checked > 0
+    assert_nothing_leaked(scheduler)
+
+
+def test_a_failed_step_forgets_the_host_snapshots_it_was_to_save():
+    scheduler, runner = make(tier_blocks=32, tier_snapshots=16)
+    tier = scheduler.blocks.tier
+    slot = tier.offer_snapshot(b"x" * 32)
+    scheduler.blocks.forget_failed_saves((), ((4, -1 - slot), (1, 5)))
+    assert tier.snapshot_slot(b"x" * 32) is None and tier.num_cached_snapshots == 0
+    tier.check()
+
+
+def test_the_tier_splits_its_bytes_as_the_device_does_and_refuses_too_little():
+    # device: 100 blocks of 1,000 bytes beside 4 snapshots of 25,000: the snapshots take half
+    assert host_tier_snapshots(1e-3, 1000, 25000, 100, 4) == int(2 ** 30 * 1e-3 / 2) // 25000
+    snapshots = host_tier_snapshots(1e-3, 1000, 25000, 100, 4)
+    blocks = host_tier_blocks(1e-3, 1000, snapshot_bytes=snapshots * 25000)
+    assert blocks * 1000 + snapshots * 25000 <= 2 ** 30 * 1e-3 < (blocks + 1) * 1000 + snapshots * 25000
+    assert host_tier_snapshots(1e-3, 1000, 0, 100, 4) == 0, "no recurrent layers: no snapshots"
+    with pytest.raises(ValueError, match="holds no recurrent-state snapshot"):
+        host_tier_snapshots(1e-5, 1000, 25000, 100, 4)
+
+
+# -- which snapshot a full pool gives up: a prompt's before a finished row's decode snapshot ------
+
+
+def chat_after_other_prompts(max_rows=1):
+    """One row, two snapshot slots, interval off. Turn 1 (10 tokens, 12 generated) leaves its
+    prompt's snapshot (8) and its decode snapshot (20); another prompt's snapshot then needs a
+    slot; turn 2 follows. Returns turn 2's start."""
+    scheduler, runner = make(max_rows=max_rows, num_blocks=32, state_snapshot_interval=0)
+    oracle, outputs = StateOracle(scheduler), {}
+    turn1 = prompt(90, 10)
+    scheduler.add_job(job("t1", turn1, max_tokens=12))
+    run_checked(scheduler, runner, oracle, outputs)
+    scheduler.add_job(job("p", prompt(60, 13), max_tokens=1))  # its snapshot at 12 takes one of turn 1's
+    run_checked(scheduler, runner, oracle)
+    before = len(runner.plans)
+    scheduler.add_job(job("t2", turn1 + tuple(outputs["t1", 0].token_ids) + prompt(91, 5)))
+    run_checked(scheduler, runner, oracle)
+    scheduler.blocks.snapshots.check()
+    return next(c.start_pos for p in runner.plans[before:] for c in p.chunks)
+
+
+def test_a_full_pool_gives_up_an_old_prompts_snapshot_before_a_chats_decode_snapshot():
+    assert chat_after_other_prompts() == 20, "turn 2 still hits its reply's end"
+
+
+def test_negative_control_first_released_first_taken_loses_the_chats_turn(monkeypatch):
+    # the policy before: the least recently released idle snapshot, whatever it is. Turn 1's
+    # blocks are released tail first, so its decode snapshot goes before its prompt's
+    monkeypatch.setattr(StateSnapshots, "victim",
+                        lambda self, idle: next((b for b in idle if b in self.slot_of), None))
+    assert chat_after_other_prompts() == 8, "turn 2 falls back to turn 1's prompt snapshot"
