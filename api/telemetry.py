@@ -98,6 +98,8 @@ _BATCHER_METRICS = (
      "host KV tier copies restored into the device cache"),
     ("kv_offload_snapshots_total", "ferrox_kv_offload_snapshots_total", "gauge",
      "host KV tier slots for recurrent-state snapshots (0: none)"),
+    ("kv_offload_snapshot_bytes", "ferrox_kv_offload_snapshot_bytes", "gauge",
+     "host bytes of one recurrent-state snapshot in the host KV tier"),
     ("kv_offload_snapshots_cached", "ferrox_kv_offload_snapshots_cached", "gauge",
      "host KV tier snapshot slots holding a recurrent state"),
     ("kv_offload_snapshots_stored", "ferrox_kv_offload_snapshots_stored", "counter",

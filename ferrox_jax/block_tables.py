@@ -203,15 +203,18 @@ class BlockTables:
         its cached blocks of `token_ids[:-1]` and is promised the rest; False: "not now"."""
         hits_by_row = self._resume_hits(job, rows)
         num_new = sum(self._per_row(job) - len(hits) for hits in hits_by_row)
+        # host snapshots pinned before the budget evicts (its spills must not take them)
+        snapshots = [self.recurrent.host_snapshot(hits, row.block_names) for row, hits in zip(rows, hits_by_row)]
+        for slot in filter(lambda slot: slot is not None, snapshots):
+            self.tier.pin_snapshot(slot)
         if not self._reserve_window(job, len(rows)) or not self.budget.try_admit(
                 num_new, [block_id for hits in hits_by_row for block_id in hits]):
             self._unreserve_window(job)
+            for slot in filter(lambda slot: slot is not None, snapshots):
+                self.tier.unpin_snapshot(slot)
             return False
-        for row, hits in zip(rows, hits_by_row):
+        for row, hits, snapshot in zip(rows, hits_by_row, snapshots):
             row.block_ids, row.num_named_blocks, row.num_computed_tokens = list(hits), len(hits), len(hits) * self.block_size
-            snapshot = self.recurrent.host_snapshot(hits, row.block_names)
-            if snapshot is not None:
-                self.tier.pin_snapshot(snapshot)
             self.recurrent.restore(row, hits, snapshot)
             if self.window is not None:
                 self.window.open(row, row.block_ids, first_window_block(row.num_computed_tokens, self.window.window,

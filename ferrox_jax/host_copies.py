@@ -14,8 +14,8 @@ carries it and `ModelRunner` runs it through this module, in the order the step 
                    the kind changes and every copy still runs after the ones before it
 
 Each executable is compiled at warm-up when the tier is on (`keys`): four with snapshots,
-two without; their shapes are fixed (`OFFLOAD_BATCH` ids, padded with the null block or
-slot 0), so moving more costs calls, never compiles.
+two without; their shapes are fixed (`OFFLOAD_BATCH` block ids padded with the null block,
+`STATE_BATCH` snapshot slots), so moving more costs calls, never compiles.
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ import numpy as np
 from ferrox_jax.kv_cache import gather_blocks, gather_states, scatter_blocks, scatter_states
 from ferrox_jax.kv_offload import HostKVPool, HostStatePool
 
-OFFLOAD_BATCH = 8  # host-tier saves / restores are padded to this many blocks or slots (0: the null one)
+OFFLOAD_BATCH = 8  # host-tier block saves / restores are padded to this many blocks (0: the null block)
+# ... snapshot saves / restores go one slot per call: a slot is every DeltaNet layer's state (50 MiB at
+# Qwen3.5's default size), so padding would move the null slot's bytes too; they come one at a time
+STATE_BATCH = 1
 SAVE_KEY, RESTORE_KEY = ("offload_save",), ("offload_restore",)  # compiled only with a host tier
 STATE_SAVE_KEY, STATE_RESTORE_KEY = ("offload_state_save",), ("offload_state_restore",)  # ... with snapshots
 
@@ -45,8 +48,8 @@ def state_runs(copies: np.ndarray) -> list[tuple[str, np.ndarray]]:
     return runs
 
 
-def _padded_ids(ids: np.ndarray) -> np.ndarray:
-    padded = np.zeros(OFFLOAD_BATCH, np.int32)
+def _padded_ids(ids: np.ndarray, width: int = OFFLOAD_BATCH) -> np.ndarray:
+    padded = np.zeros(width, np.int32)
     padded[:len(ids)] = ids
     return padded
 
@@ -65,15 +68,15 @@ class HostCopies:
         return [SAVE_KEY, RESTORE_KEY] + ([STATE_SAVE_KEY, STATE_RESTORE_KEY] if self.states is not None else [])
 
     def lower(self, key: tuple, kv_cache) -> jax.stages.Lowered:
-        ids = jnp.zeros(OFFLOAD_BATCH, jnp.int32)
+        ids, state_ids = jnp.zeros(OFFLOAD_BATCH, jnp.int32), jnp.zeros(STATE_BATCH, jnp.int32)
         if key == SAVE_KEY:
             return gather_blocks.lower(kv_cache, ids)
         if key == RESTORE_KEY:
             return scatter_blocks.lower(kv_cache, ids, *self.blocks.get(np.zeros(0, np.int64), OFFLOAD_BATCH))
         if key == STATE_SAVE_KEY:
-            return gather_states.lower(kv_cache, ids)
-        conv, recurrent, positions = self.states.get(np.zeros(0, np.int64), OFFLOAD_BATCH)
-        return scatter_states.lower(kv_cache, ids, tuple(conv), tuple(recurrent), positions)
+            return gather_states.lower(kv_cache, state_ids)
+        conv, recurrent, positions = self.states.get(np.zeros(0, np.int64), STATE_BATCH)
+        return scatter_states.lower(kv_cache, state_ids, tuple(conv), tuple(recurrent), positions)
 
     def move_blocks(self, kv_cache, executable, saves: np.ndarray, restores: np.ndarray):
         """Every save fetched before any restore is written; returns the new cache."""
@@ -92,14 +95,15 @@ class HostCopies:
         slot, slot)); returns the new cache."""
         if self.states is None:
             raise ValueError("this runner's host tier keeps no recurrent-state snapshots")
-        for i in range(0, len(pairs), OFFLOAD_BATCH):
-            part = pairs[i:i + OFFLOAD_BATCH]
+        for i in range(0, len(pairs), STATE_BATCH):
+            part = pairs[i:i + STATE_BATCH]
             if kind == "save":
-                conv, recurrent, positions = jax.device_get(executable(STATE_SAVE_KEY)(kv_cache, _padded_ids(part[:, 0])))
+                conv, recurrent, positions = jax.device_get(
+                    executable(STATE_SAVE_KEY)(kv_cache, _padded_ids(part[:, 0], STATE_BATCH)))
                 self.states.put(-1 - part[:, 1], [np.asarray(a) for a in conv], [np.asarray(a) for a in recurrent],
                                 np.asarray(positions))
             else:
-                conv, recurrent, positions = self.states.get(-1 - part[:, 0], OFFLOAD_BATCH)
-                kv_cache = executable(STATE_RESTORE_KEY)(kv_cache, _padded_ids(part[:, 1]), tuple(conv),
+                conv, recurrent, positions = self.states.get(-1 - part[:, 0], STATE_BATCH)
+                kv_cache = executable(STATE_RESTORE_KEY)(kv_cache, _padded_ids(part[:, 1], STATE_BATCH), tuple(conv),
                                                          tuple(recurrent), positions)
         return kv_cache

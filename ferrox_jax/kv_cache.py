@@ -178,7 +178,9 @@ def copy_state_slots(states, src: jax.Array, dst: jax.Array):
     entry of the slot and, with speculation, its position: `models/deltanet.py`,
     "Speculation"), one pair after another: a pair may read a slot an earlier pair wrote (a
     snapshot saved, then restored; a hit restored, then forked), so they are not one scatter.
-    Pad with 0 -> 0."""
+    Pad with 0 -> 0 at the end: the padding is not copied (a slot is every DeltaNet layer's
+    state, 50 MiB at Qwen3.5's default size, and a step's copies are padded to a fixed batch:
+    docs/benchmarks.md, "Recurrent-state snapshot copies")."""
     slots, entries = states.num_slots, states.entries  # entry j of slot s is row s + j * slots
 
     def rows(a, s, d):
@@ -192,7 +194,11 @@ def copy_state_slots(states, src: jax.Array, dst: jax.Array):
         return st.replace(conv=tuple(rows(a, s, d) for a in st.conv),
                           recurrent=tuple(rows(a, s, d) for a in st.recurrent), positions=positions)
 
-    return jax.lax.fori_loop(0, src.shape[0], one, states)
+    # The padding trails the pairs, and no real pair copies a slot onto itself: the loop
+    # stops at the first 0 -> 0 (a traced bound, so no new shape; a `cond` per pair instead
+    # would copy the whole pool on XLA CPU).
+    count = jnp.argmin(jnp.append(src != dst, False))
+    return jax.lax.fori_loop(0, count, one, states)
 
 
 @jax.jit

@@ -202,3 +202,31 @@ def test_negative_control_first_released_first_taken_loses_the_chats_turn(monkey
     monkeypatch.setattr(StateSnapshots, "victim",
                         lambda self, idle: next((b for b in idle if b in self.slot_of), None))
     assert chat_after_other_prompts() == 8, "turn 2 falls back to turn 1's prompt snapshot"
+
+
+# -- the device copy of state slots stops where the padding starts --------------------------------
+
+
+def test_state_slot_copies_run_in_order_up_to_the_padding():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ferrox_jax.kv_cache import copy_state_slots
+    from models.deltanet import DeltaNetSpec, create_states
+
+    spec = DeltaNetSpec(num_k_heads=2, num_v_heads=4, k_head_dim=16, v_head_dim=16, conv_kernel=4)
+    states = create_states((spec,), 6, entries=2)
+    states = states.replace(recurrent=(jnp.arange(states.recurrent[0].size, dtype=jnp.float32).reshape(
+        states.recurrent[0].shape),), positions=jnp.arange(6, dtype=jnp.int32) * 10)
+    before = np.asarray(states.recurrent[0])
+
+    def copied(src, dst):
+        out = copy_state_slots(states, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
+        return np.asarray(out.recurrent[0]), np.asarray(out.positions)
+
+    after, positions = copied([1, 3, 0, 0], [3, 4, 0, 0])  # 1 -> 3, then 3 -> 4 reads what 1 -> 3 wrote
+    for entry in range(2):  # entry j of slot s is pool row s + 6 j
+        assert (after[4 + 6 * entry] == before[1 + 6 * entry]).all() and (after[3 + 6 * entry] == before[1 + 6 * entry]).all()
+    assert (after[[0, 1, 2, 5]] == before[[0, 1, 2, 5]]).all() and positions[4] == 10
+    after, _ = copied([1, 2, 3, 4], [2, 3, 4, 5])  # no padding: every pair runs, the last reads the chain
+    assert (after[5] == before[1]).all()

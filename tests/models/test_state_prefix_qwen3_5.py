@@ -113,7 +113,7 @@ def test_negative_control_the_snapshot_one_block_off_fails(warm, cold, monkeypat
     x = tokens(10, PREFIX)
     generate(warm, x[:8] + tokens(13, 3), max_tokens=2)
 
-    def one_block_off(self, row, hits):
+    def one_block_off(self, row, hits, host_slot=None):
         if hits:
             self.states.restore(row.row_id, self.snapshots.slot_of[hits[-2]])
 
