@@ -185,7 +185,7 @@ class ModelRunner:
             self.kv_cache = self.kv_cache.replace(states=create_states(
                 cfg.recurrent_specs(), max_rows + 1 + state_snapshots,
                 None if self.shardings is None else self.shardings.states, entries=state_entries))
-        self.kv_offload_blocks = kv_offload_blocks
+        self.kv_offload_blocks, self.kv_offload_snapshots = kv_offload_blocks, kv_offload_snapshots
         layout = set(cfg.kv_layout())
         heads, k_dim, v_dim = next(iter(layout))
         if kv_offload_blocks and (len(layout) > 1 or k_dim != v_dim):

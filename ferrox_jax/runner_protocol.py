@@ -67,6 +67,7 @@ class Runner(Protocol):
     max_loras: int  # LoRA adapter slots the weights carry (0: none)
     is_warm: bool  # every shape compiled (`warmup` ran): a step's time is the device's, not a compile's
     kv_offload_blocks: int  # host KV tier slots (`--kv-offload-gib`, `ferrox_jax/kv_offload.py`; 0: none)
+    kv_offload_snapshots: int  # its recurrent-state snapshot slots (0: none)
 
     @property
     def recompiles_after_warmup(self) -> int:
@@ -143,6 +144,7 @@ class RunnerWrapper:
         self.max_chunks = runner.max_chunks
         self.max_loras = runner.max_loras
         self.kv_offload_blocks = runner.kv_offload_blocks
+        self.kv_offload_snapshots = runner.kv_offload_snapshots
 
     @property
     def is_warm(self) -> bool:
@@ -208,6 +210,9 @@ def check_limits(limits: SchedulerLimits, runner: Runner, has_draft: bool = Fals
     if limits.kv_offload_blocks > runner.kv_offload_blocks:
         raise ValueError(f"SchedulerLimits.kv_offload_blocks ({limits.kv_offload_blocks}) exceeds the runner's "
                          f"host KV tier ({runner.kv_offload_blocks} slots)")
+    if limits.kv_offload_snapshots > runner.kv_offload_snapshots:
+        raise ValueError(f"SchedulerLimits.kv_offload_snapshots ({limits.kv_offload_snapshots}) exceeds the "
+                         f"runner's host KV tier ({runner.kv_offload_snapshots} snapshot slots)")
     if limits.max_chunks > runner.max_chunks:
         raise ValueError(f"SchedulerLimits' {limits.max_chunks} chunks per step exceed the runner's "
                          f"{runner.max_chunks}")

@@ -25,7 +25,8 @@ def make(*, max_rows=3, num_blocks=16, tier_blocks=0, tier_snapshots=0, **limits
                              prefix_caching=True, state_slots=max_rows + 1, kv_offload_blocks=tier_blocks,
                              kv_offload_snapshots=tier_snapshots, **limits)
     runner = ScriptedRunner(block_size=BS, num_blocks=num_blocks + 1, max_rows=16, max_chunk_tokens=CHUNK,
-                            token_fn=letters_token_fn(), max_chunks=limits.max_chunks, kv_offload_blocks=tier_blocks)
+                            token_fn=letters_token_fn(), max_chunks=limits.max_chunks, kv_offload_blocks=tier_blocks,
+                            kv_offload_snapshots=tier_snapshots)
     return Scheduler(limits, ByteTokenizer()), runner
 
 
@@ -169,6 +170,16 @@ def test_the_tier_splits_its_bytes_as_the_device_does_and_refuses_too_little():
     assert host_tier_snapshots(1e-3, 1000, 0, 100, 4) == 0, "no recurrent layers: no snapshots"
     with pytest.raises(ValueError, match="holds no recurrent-state snapshot"):
         host_tier_snapshots(1e-5, 1000, 25000, 100, 4)
+
+
+def test_limits_asking_for_more_host_snapshots_than_the_runner_has_are_refused():
+    from ferrox_jax.runner_protocol import check_limits
+
+    scheduler, runner = make(tier_blocks=8, tier_snapshots=4)
+    check_limits(scheduler.limits, runner)
+    runner.kv_offload_snapshots = 3
+    with pytest.raises(ValueError, match="kv_offload_snapshots"):
+        check_limits(scheduler.limits, runner)
 
 
 # -- which snapshot a full pool gives up: a prompt's before a finished row's decode snapshot ------

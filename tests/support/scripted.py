@@ -121,13 +121,14 @@ class ScriptedRunner:
 
     def __init__(self, *, block_size: int = 4, num_blocks: int = 65, max_rows: int = 8,
                  max_chunk_tokens: int = 512, max_chunks: int = 1, token_fn: TokenFn | None = None,
-                 kv_offload_blocks: int = 0) -> None:
+                 kv_offload_blocks: int = 0, kv_offload_snapshots: int = 0) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks  # including the null block 0
         self.max_rows = max_rows
         self.max_chunk_tokens = max_chunk_tokens
         self.max_chunks = max_chunks
         self.kv_offload_blocks = kv_offload_blocks  # host tier slots; saved blocks live in `_host`
+        self.kv_offload_snapshots = kv_offload_snapshots  # its snapshot slots (states: the tests' oracles)
         self.token_fn = token_fn or letters_token_fn()
         self.geometry = BatchGeometry(block_size, -(-4096 // block_size), self.vocab_size)
         self.plans: list[StepPlan] = []  # filled by `tick` (scheduler-level tests)
