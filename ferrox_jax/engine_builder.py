@@ -410,7 +410,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
                     "its outputs are meaningless (for sizing and benchmarks only)",
                     config.dummy_weights_seed, source.name)
     vision, config, source = open_vision(source, config)  # a model taking images: its encoder
-    config = recurrent_settings(config, source.config)  # the host tier refused
+    config = recurrent_settings(config, source.config)  # every setting runs with them now (state_pool.py)
     _, model_axis = config.mesh_shape
     if jax.process_count() > 1:
         check_mesh(model_axis, jax.device_count())

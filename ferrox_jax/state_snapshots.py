@@ -138,14 +138,6 @@ class StateSnapshots:
     def num_held(self) -> int:
         return len(self.slot_of)
 
-    def usable_hits(self, hits: Sequence[int]) -> int:
-        """How many of a hit's blocks (`hits`, from block 0) can be used: up to its last
-        block with a snapshot, 0 when none has one."""
-        for k in range(len(hits), 0, -1):
-            if hits[k - 1] in self.slot_of:
-                return k
-        return 0
-
     def must_steal(self, block_id: int, reuse: int | None = None) -> bool:
         """Whether `take(block_id, ..., reuse)` would need another block's snapshot slot."""
         return block_id not in self.slot_of and reuse not in self.slot_of and not self._free
