@@ -17,7 +17,8 @@ from ferrox_jax.kv_offload import HostTier, host_tier_blocks, host_tier_snapshot
 from ferrox_jax.scheduler import Scheduler
 from ferrox_jax.state_snapshots import RecurrentGroup, StateSnapshots
 from tests.engine.test_state_snapshots import BS, CHUNK, StateOracle, cached_blocks, chunks_of, job, prompt, run_checked
-from tests.support.scripted import ByteTokenizer, ScriptedRunner, letters_token_fn
+from ferrox_jax.step_output import run_plan
+from tests.support.scripted import ByteTokenizer, ScriptedRunner, collect, letters_token_fn
 
 
 def make(*, max_rows=3, num_blocks=16, tier_blocks=0, tier_snapshots=0, **limits):
@@ -150,6 +151,43 @@ def test_eight_chats_under_small_budgets_leak_nothing_and_hit_the_host():
     assert tier.num_snapshots_restored > 0 and scheduler.blocks.num_host_hit_tokens > 0
     assert tier.num_cached_snapshots <= 4 and oracle.num_checked > 0
     assert_nothing_leaked(scheduler)
+
+
+def preempted_then_resumed():
+    """Priority policy, 2 rows: bg0 and bg1 decode 10 ticks, then an urgent 13-token prompt
+    preempts bg1 and its two snapshots take bg1's idle ones (to host memory first); bg1
+    resumes from the host's. Returns (scheduler, bg1's chunks, every reply)."""
+    scheduler, runner = make(max_rows=2, num_blocks=64, tier_blocks=16, tier_snapshots=8,
+                             state_snapshot_interval=0, scheduling_policy="priority")
+    oracle, outputs = StateOracle(scheduler), {}
+    for name, seed in (("bg0", 1), ("bg1", 2)):
+        scheduler.add_job(job(name, prompt(seed, 9), max_tokens=30, priority=1))
+    for _ in range(10):
+        plan = scheduler.schedule()
+        oracle.step(plan)
+        runner.plans.append(plan)
+        scheduler.update(plan, run_plan(runner, plan))
+        collect(outputs, scheduler.take_events())
+    scheduler.add_job(job("fg", prompt(3, 13), max_tokens=8, priority=0))
+    run_checked(scheduler, runner, oracle, outputs)
+    assert scheduler.num_preemptions == 1 and oracle.num_checked > 0
+    return scheduler, chunks_of(runner, 2), outputs
+
+
+def test_a_preempted_row_resumes_from_its_snapshot_in_the_host_tier():
+    scheduler, chunks, outputs = preempted_then_resumed()
+    tier = scheduler.blocks.tier
+    assert tier.num_snapshots_restored == 1 and chunks[-1][0] == 12, "bg1 recomputes from the host's state at 12"
+    alone, runner = make(max_rows=2, num_blocks=64, state_snapshot_interval=0)
+    alone.add_job(job("bg1", prompt(2, 9), max_tokens=30, priority=1))
+    assert run_checked(alone, runner, StateOracle(alone))["bg1", 0].token_ids == outputs["bg1", 0].token_ids
+    assert_nothing_leaked(scheduler)
+
+
+def test_negative_control_a_resumed_row_given_another_host_snapshot_is_caught(monkeypatch):
+    monkeypatch.setattr(HostTier, "snapshot_slot", wrong_slot)
+    with pytest.raises(AssertionError, match="not its own"):
+        preempted_then_resumed()
 
 
 def test_a_failed_step_forgets_the_host_snapshots_it_was_to_save():
