@@ -41,7 +41,24 @@ own sample at every position, greedy or seeded, whatever the drafts are.
 
 Shapes: `follow` compiles once per target step token count, `propose` once per row bucket;
 `warmup` compiles all of them, later compiles are counted in `recompiles_after_warmup`.
-Multi-host serving, LoRA slots and the host KV tier are refused with it at load.
+
+Tensor parallelism. On the target runner's mesh the layer splits as the family's own layer
+of its kind does (`ferrox_jax/sharding.py`): its attention (or latent attention) heads, its
+MLP or experts (by width, or by expert when the target's run `--expert-parallel`), its
+shared embedding and LM head are the target's arrays, placed as they are; fc / eh_proj
+[2D, D] splits its output columns, so its product needs no partial sums (each device the
+exact D/M outputs, one all-gather of [R, D] before the layer's norm). Its one-layer cache
+splits its K/V heads as the target's cache does (a latent cache is one head, replicated
+like the target's). The hidden states it reads are the target step's, replicated as every
+step result is; what it keeps and returns is replicated, so each call takes what the last
+one gave in the same shardings and the compiled steps stay those of the warm-up. The
+compiled steps add the layer's own collectives and nothing else (the families sharding
+probe counts them).
+
+Multi-host serving, LoRA slots and the host KV tier are refused with it at load: on a
+multi-process mesh every process would have to run each `follow` and `propose` with the
+same inputs, which the step channel does not carry yet (it carries the target's batch
+and a draft model's proposal batches, not the MTP layer's rows).
 """
 
 from __future__ import annotations
@@ -49,19 +66,24 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ferrox_jax.host_batch import HostBatch, SamplingArrays, StepArrays
 from ferrox_jax.kv_cache import KVCache, copy_blocks, create_layout_kv_cache, layout_bytes_per_block
+from ferrox_jax.multihost import place_on_mesh
 from ferrox_jax.padding import host_token_index
 from ferrox_jax.plan import StepPlan
 from ferrox_jax.sampling import sample
+from ferrox_jax.sharding import MODEL_AXIS, runner_shardings
 from ferrox_jax.step import ForwardBatch
 from models import deepseek_mtp, qwen3_5_mtp
+from models.moe_ep import point_layer_at_mesh, uses_expert_parallel
 
 DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 QWEN_ARCHITECTURES = qwen3_5_mtp.ARCHITECTURES
@@ -98,8 +120,13 @@ def check_mtp(config, source, model_axis: int) -> bool:
     if source.is_synthetic or not (Path(source.path).is_dir() or Path(source.path).suffix == ".gguf"):
         raise ValueError(f"--speculative mtp reads the MTP layer from the checkpoint (a safetensors folder, or a GGUF "
                          f"file's nextn block); {source.name} has no weights to read: use --speculative ngram")
-    if jax.process_count() > 1 or model_axis > 1:
-        raise ValueError("--speculative mtp runs on one device for now: drop --tensor-parallel-size / multi-host")
+    if jax.process_count() > 1:
+        raise ValueError("--speculative mtp is not served across processes yet (multi-host): run it on one host "
+                         "(with --tensor-parallel-size over its devices), or use --speculative ngram")
+    if model_axis > 1 and source.config.hidden_size % model_axis:
+        raise ValueError(f"--speculative mtp: tensor parallelism {model_axis} does not divide the model's hidden_size "
+                         f"{source.config.hidden_size} (the MTP layer's fc splits its outputs over the devices); "
+                         "choose a size dividing it")
     if config.max_loras or config.kv_offload_gib:
         raise ValueError("--speculative mtp does not combine with --max-loras or --kv-offload-gib yet")
     _reader(source.config).mtp_tensors(Path(source.path), source.config)  # raises naming what is missing
@@ -107,8 +134,10 @@ def check_mtp(config, source, model_axis: int) -> bool:
 
 
 def build_mtp(source, target_model, dtype, runner) -> "MtpDraft":
-    """The MTP draft of `source` (a checkpoint `check_mtp` accepted) over `runner`'s geometry."""
-    return MtpDraft(_reader(source.config).load_mtp(source.path, source.config, target_model, dtype), runner)
+    """The MTP draft of `source` (a checkpoint `check_mtp` accepted) over `runner`'s geometry
+    (and mesh: its experts split by expert when `target_model`'s are)."""
+    return MtpDraft(_reader(source.config).load_mtp(source.path, source.config, target_model, dtype), runner,
+                    expert_parallel=uses_expert_parallel(target_model))
 
 
 def _follow_body(graphdef, state, k_cache, v_cache, tokens, positions, valid, tables, hidden, keep):
@@ -124,22 +153,74 @@ def _propose_body(graphdef, state, k_cache, v_cache, tokens, positions, valid, t
     return k_cache, v_cache, x.astype(jnp.float32), drafted
 
 
+def _gather_body(kept, select):
+    return kept[select]
+
+
 _follow_jit = jax.jit(_follow_body, static_argnums=0, donate_argnums=(2, 3))
 _propose_jit = jax.jit(_propose_body, static_argnums=0, donate_argnums=(2, 3))
 _copy_jit = jax.jit(copy_blocks, donate_argnums=0)
+_gather_jit = jax.jit(_gather_body)
 COPY_BATCH = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _Steps:
+    """The draft's jitted calls: the shared plain ones on one device, or its own with explicit
+    out shardings on a mesh (module docstring, "Tensor parallelism")."""
+
+    follow: Callable
+    propose: Callable
+    copy: Callable
+    gather: Callable
+    replicated: object = None  # NamedSharding of what is replicated (None: one device)
+
+    @classmethod
+    def on(cls, shardings) -> "_Steps":
+        if shardings is None:
+            return cls(_follow_jit, _propose_jit, _copy_jit, _gather_jit)
+        kv, rep = shardings.kv_array, shardings.replicated
+        return cls(jax.jit(_follow_body, static_argnums=0, donate_argnums=(2, 3), out_shardings=(kv, kv, rep)),
+                   jax.jit(_propose_body, static_argnums=0, donate_argnums=(2, 3), out_shardings=(kv, kv, rep, rep)),
+                   jax.jit(copy_blocks, donate_argnums=0, out_shardings=kv),
+                   jax.jit(_gather_body, out_shardings=rep), rep)
+
+    def place(self, x):
+        """`x` where the steps take it: replicated on the mesh (as they return it), or as it is."""
+        return x if self.replicated is None else jax.device_put(x, self.replicated)
+
+
+def place_mtp(model, target, expert_parallel: bool = False):
+    """(graphdef, state, shardings) of the MTP `model` on `target`'s mesh, split as the
+    family's layer of its kind (module docstring); the shared embedding and LM head are the
+    target's placed arrays (placing them again moves nothing). One device: shardings None."""
+    if getattr(target, "shardings", None) is None:
+        return *nnx.split(model), None
+    if expert_parallel:  # the layer's expert stacks split by expert, as the target's are
+        point_layer_at_mesh(model.layer, target.mesh)
+    # fc's and the head's products split by column, then gathered whole (models/deepseek_mtp.py:gathered)
+    model.gather_shardings = (NamedSharding(target.mesh, P(None, MODEL_AXIS)), target.shardings.replicated)
+    graphdef, state = nnx.split(model)
+    shardings = runner_shardings(target.mesh, model.cfg, state, target.shardings.replicate_attention,
+                                 expert_parallel)
+    return graphdef, place_on_mesh(state, shardings.state), dataclasses.replace(
+        shardings, kv_array=target.shardings.kv_array)
 
 
 class MtpDraft:
     """The MTP proposer over a target `ModelRunner`'s geometry (blocks, table width, shapes)."""
 
-    def __init__(self, model, target) -> None:
-        self.graphdef, self.state = nnx.split(model)
+    def __init__(self, model, target, expert_parallel: bool = False) -> None:
+        """`target`: the target's `ModelRunner` (its geometry, blocks and mesh); `expert_parallel`:
+        on a mesh, the layer's experts split by expert as the target's are."""
+        self.graphdef, self.state, self.shardings = place_mtp(model, target, expert_parallel)
+        self._steps = _Steps.on(self.shardings)
         self.hidden_size = model.cfg.hidden_size
         self.geometry = target.geometry
         self.vocab_size = target.geometry.vocab_size
         self.cache = create_layout_kv_cache(mtp_layout(model.cfg), target.num_blocks, target.block_size,
-                                            target.kv_dtype)
+                                            target.kv_dtype,
+                                            sharding=None if self.shardings is None else self.shardings.kv_array)
         shapes = target.buckets.shapes()
         self._token_sizes = sorted({s.num_tokens for s in shapes})
         self._keep = max(s.num_rows for s in shapes)  # positions a step samples after, at most
@@ -148,7 +229,7 @@ class MtpDraft:
         self._compiled: set[tuple] = set()
         self._warm = False
         self._recompiles = 0
-        self._kept = jnp.zeros((self._keep, self.hidden_size), jnp.float32)
+        self._kept = self._steps.place(jnp.zeros((self._keep, self.hidden_size), jnp.float32))
         self._kept_at: dict[tuple[int, int], int] = {}  # (row id, position) -> row of _kept
         self._copies_done = False
 
@@ -165,12 +246,12 @@ class MtpDraft:
     def warmup(self) -> float:
         """Run every shape once on the null block (writes only block 0)."""
         t0 = time.perf_counter()
-        for n in self._token_sizes:
+        for n in self._token_sizes:  # ForwardResult.hidden's shape and placement
             self._run_follow(*self._padding(n), np.zeros(self._keep, np.int32),
-                             jnp.zeros((n, self.hidden_size), jnp.float32))  # ForwardResult.hidden's
+                             self._steps.place(jnp.zeros((n, self.hidden_size), jnp.float32)))
         for r in self._row_sizes:
             tokens, positions, valid, tables = self._padding(r)
-            self._run_propose(tokens, positions, valid, tables, self._kept[jnp.zeros(r, jnp.int32)],
+            self._run_propose(tokens, positions, valid, tables, self._gather(np.zeros(r, np.int32)),
                               SamplingArrays.padding(r, self.vocab_size))  # the gather of step 0 too
         self._warm = True
         return time.perf_counter() - t0
@@ -181,14 +262,14 @@ class MtpDraft:
 
     def _run_follow(self, tokens, positions, valid, tables, keep, hidden):
         self._count(("mtp_follow", len(tokens)))
-        k, v, kept = _follow_jit(self.graphdef, self.state, self.cache.k[0], self.cache.v[0], tokens, positions,
+        k, v, kept = self._steps.follow(self.graphdef, self.state, self.cache.k[0], self.cache.v[0], tokens, positions,
                                  valid, tables, hidden, keep)
         self.cache = KVCache(k=(k,), v=(v,))
         return kept
 
     def _run_propose(self, tokens, positions, valid, tables, hidden, sampling):
         self._count(("mtp_propose", len(tokens)))
-        k, v, x, drafted = _propose_jit(self.graphdef, self.state, self.cache.k[0], self.cache.v[0], tokens,
+        k, v, x, drafted = self._steps.propose(self.graphdef, self.state, self.cache.k[0], self.cache.v[0], tokens,
                                         positions, valid, tables, hidden, sampling)
         self.cache = KVCache(k=(k,), v=(v,))
         return x, drafted
@@ -199,7 +280,12 @@ class MtpDraft:
             part = np.zeros((COPY_BATCH, 2), np.int32)
             part[:len(copies[i:i + COPY_BATCH])] = copies[i:i + COPY_BATCH]
             self._count(("copy",))
-            self.cache = _copy_jit(self.cache, jnp.asarray(part[:, 0]), jnp.asarray(part[:, 1]))
+            self.cache = self._steps.copy(self.cache, jnp.asarray(part[:, 0]), jnp.asarray(part[:, 1]))
+
+    def _gather(self, select: np.ndarray):
+        """The kept hidden states of rows `select` (i32[R]): step 0's hidden input."""
+        self._count(("mtp_gather", len(select)))
+        return self._steps.gather(self._kept, jnp.asarray(select))
 
     # ---- the tick ----------------------------------------------------------------------
     def check_compatible(self, target) -> None:
@@ -224,7 +310,7 @@ class MtpDraft:
         select = np.zeros(size, np.int32)
         select[:len(active)] = [self._kept_at[(requests[i].row.row_id, self.hidden_position(requests[i].row))]
                                 for i in active]
-        hidden = self._kept[jnp.asarray(select)]
+        hidden = self._gather(select)
         tables = np.zeros((size, self.geometry.table_width), np.int32)
         params = [None] * size
         for slot, i in enumerate(active):

@@ -38,6 +38,9 @@ the results once).
     q_b_proj / kv_b_proj (MLA)  [r, H*(..)]  P(None, "model")     P()
     q_a_proj / kv_a_proj (MLA)  [D, r]       P()                  P()
     latent KV cache (MLA)       [1, N, bs, r+dr] P()              P()
+    MTP layer (ferrox_jax/mtp.py), top-level names of its block only: its decoder layer's as above
+    fc / eh_proj                [2D, D]      P(None, "model")     same  (output columns: exact, one all-gather)
+    head (its LM head)          [D, V]       P(None, "model")     same  (the target's lm_head, placed as it is)
 
 A quantized weight (`models/quant.py`: int8 values + one f32 scale per channel) shards
 like the float weight it replaces: its values take the spec above, its scales that spec
@@ -133,6 +136,9 @@ _BIAS = ("q_bias", "k_bias", "v_bias", "sinks")  # [H*hd] or [H]: split by head 
 _DELTANET_COLUMN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba")
 _DELTANET = _DELTANET_COLUMN + ("conv_weight", "A_log", "dt_bias", "out_proj")
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "kv_b_proj") + _BIAS + _DELTANET
+# The MTP block's own projections (models/qwen3_5_mtp.py, models/deepseek_mtp.py), matched by their
+# whole name (top level of the block's state): fc / eh_proj [2D, D] and its LM head [D, V] by column.
+_MTP_COLUMN = ("fc", "eh_proj", "head")
 
 
 def make_mesh(data: int, model: int, devices=None) -> Mesh:
@@ -209,7 +215,7 @@ def param_partition_spec(name: str, shape: tuple[int, ...], cfg: ModelConfig,
         # Row-split (one all-reduce of partial sums) moved SmolLM2's prefill logits by
         # 1.6e-4 against one device; this layout by <= 5.3e-5 at tp 2/4/8.
         return P(None, MODEL_AXIS)
-    if leaf in _COLUMN + _DELTANET_COLUMN and len(shape) == 2:
+    if (leaf in _COLUMN + _DELTANET_COLUMN or name in _MTP_COLUMN) and len(shape) == 2:
         return P(None, MODEL_AXIS)
     if leaf in _ROW + ("out_proj",) and len(shape) == 2:
         return P(MODEL_AXIS, None)

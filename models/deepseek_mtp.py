@@ -72,6 +72,18 @@ GGUF_MTP_WEIGHTS = {
 }
 
 
+def gathered(x: jax.Array, shardings) -> jax.Array:
+    """x [R, N], the product of a column-split projection (fc / eh_proj, the head), kept split
+    over N where it is computed and then gathered whole on every device: one all-gather of
+    [R, N] (`shardings`: (split, replicated); None on one device: x). Without the first
+    constraint XLA may gather the weight instead, and without the second it carries the
+    layer's residual stream split, paying a reduction and a gather at every norm after."""
+    if shardings is None:
+        return x
+    split, whole = shardings
+    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, split), whole)
+
+
 class DeepseekMtp(nnx.Module):
     """The MTP layer (module docstring): `__call__` runs one-token rows over its latent cache."""
 
@@ -86,6 +98,7 @@ class DeepseekMtp(nnx.Module):
         self.layer = DeepseekV3DecoderLayer(cfg, cfg.num_layers, dtype, rngs)
         self.head_norm = norm_param(d, dtype)
         self.head = param(rngs, (d, v), dtype)
+        self.gather_shardings = None  # on a mesh: (split, replicated), set by ferrox_jax/mtp.py (`gathered`)
 
     def rope(self, positions, valid):
         cfg = self.cfg
@@ -104,7 +117,7 @@ class DeepseekMtp(nnx.Module):
         eps = self.cfg.rms_norm_eps
         x = jnp.concatenate([rms_norm(e, self.enorm[...], eps), rms_norm(hidden.astype(e.dtype), self.hnorm[...], eps)],
                             axis=-1)
-        x = project(x, self.eh_proj.get_value())
+        x = gathered(project(x, self.eh_proj.get_value()), self.gather_shardings)
         x, k_cache, _ = self.layer(x, fwd, k_cache, jnp.zeros(k_cache.shape[:3] + (0,), k_cache.dtype))
         return x, k_cache
 
@@ -116,8 +129,8 @@ class DeepseekMtp(nnx.Module):
 
     def logits(self, x: jax.Array) -> jax.Array:
         """x [R, D] -> f32[R, V] (shared_head)."""
-        return project(rms_norm(x, self.head_norm[...], self.cfg.rms_norm_eps), self.head.get_value()).astype(
-            jnp.float32)
+        logits = project(rms_norm(x, self.head_norm[...], self.cfg.rms_norm_eps), self.head.get_value())
+        return gathered(logits, self.gather_shardings).astype(jnp.float32)
 
 
 def mtp_tensors(folder: Path, cfg: DeepseekV3Config) -> dict[str, Callable[[], np.ndarray]]:

@@ -154,16 +154,19 @@ def enable_expert_parallel(model, mesh: Mesh | None, kind: type[ExpertParallel] 
     if mesh is None:
         return 0
     ep = kind(mesh)
-    count = 0
-    for layer in model.layers:
-        if not hasattr(layer, "experts_down"):
-            continue
-        if not getattr(layer, "supports_expert_parallel", False):
-            raise ValueError(f"--expert-parallel is not supported for {model.cfg.architecture}'s expert layers "
-                             f"({type(layer).__name__}); pass --expert-parallel off")
-        layer.expert_parallel = ep
-        count += 1
-    return count
+    return sum(point_layer_at_mesh(layer, mesh, ep, model.cfg.architecture) for layer in model.layers)
+
+
+def point_layer_at_mesh(layer, mesh: Mesh, ep: ExpertParallel | None = None, architecture: str = "the model") -> bool:
+    """Point one layer at `mesh` if it holds expert stacks (`enable_expert_parallel`; the MTP
+    layer of `ferrox_jax/mtp.py`, which is not among `model.layers`); whether it did."""
+    if not hasattr(layer, "experts_down"):
+        return False
+    if not getattr(layer, "supports_expert_parallel", False):
+        raise ValueError(f"--expert-parallel is not supported for {architecture}'s expert layers "
+                         f"({type(layer).__name__}); pass --expert-parallel off")
+    layer.expert_parallel = ep if ep is not None else ExpertParallel(mesh)
+    return True
 
 
 def uses_expert_parallel(model) -> bool:

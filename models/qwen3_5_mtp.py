@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.deepseek_mtp import gathered
 from models.layers import ForwardContext, norm_param, param, project, rms_norm_plus_one
 from models.loaders.gguf_mtp import gguf_mtp_tensors
 from models.loaders.shards import shard_tensors
@@ -105,6 +106,7 @@ class Qwen3_5Mtp(nnx.Module):
         self.layer = layer(layer_config(cfg), 0, dtype, rngs)
         self.head_norm = norm_param(d, dtype, 0.0)
         self.head = param(rngs, (d, v), dtype)
+        self.gather_shardings = None  # on a mesh: (split, replicated), set by ferrox_jax/mtp.py (`gathered`)
 
     def rope(self, positions, valid):
         cfg = self.cfg  # text-only M-RoPE is plain RoPE (models/qwen3_5.py)
@@ -120,13 +122,13 @@ class Qwen3_5Mtp(nnx.Module):
         e = embed_lookup(self.embed.get_value(), tokens, self.dtype)
         x = jnp.concatenate([rms_norm_plus_one(e, self.enorm[...], eps),
                              rms_norm_plus_one(hidden.astype(e.dtype), self.hnorm[...], eps)], axis=-1)
-        x = project(x, self.fc.get_value())
+        x = gathered(project(x, self.fc.get_value()), self.gather_shardings)
         x, k_cache, v_cache = self.layer(x, fwd, k_cache, v_cache)
         return rms_norm_plus_one(x, self.head_norm[...], eps), k_cache, v_cache
 
     def logits(self, out: jax.Array) -> jax.Array:
         """out [R, D] (already normed) -> f32[R, V] through the shared LM head."""
-        return project(out, self.head.get_value()).astype(jnp.float32)
+        return gathered(project(out, self.head.get_value()), self.gather_shardings).astype(jnp.float32)
 
 
 def mtp_tensors(folder: Path, cfg: Qwen3_5Config) -> dict[str, Callable[[], np.ndarray]]:

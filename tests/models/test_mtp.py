@@ -19,7 +19,9 @@ Checks: greedy identical to plain decoding alone and batched, k = 1 and 3, draft
 seeded sampling identical; no compile after warm-up; the negative control (after an
 accepted draft, the layer fed the hidden state one position too early) is still identical
 but accepts fewer; a
-checkpoint without the layer is refused at load with a message naming it. And the layer
+checkpoint without the layer is refused at load with a message naming it; tensor parallelism
+is accepted (its split is run by tests/system/test_family_sharding.py) and multi-host is
+refused with the reason. And the layer
 itself against a torch reference built from transformers' own DeepSeek-V3 decoder layer.
 """
 
@@ -244,6 +246,27 @@ def test_checkpoint_without_mtp_layer_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"no multi-token-prediction layer .*model\.layers\.2\.eh_proj"):
         check_mtp(config, open_checkpoint(str(path)), 1)
     assert not check_mtp(dataclasses.replace(config, speculative=None), open_checkpoint(str(path)), 1)
+
+
+def test_tensor_parallelism_is_served_and_multi_host_refused_with_the_reason(tmp_path, monkeypatch):
+    """The layer splits over the mesh (tests/system/test_family_sharding.py runs it at tp 2):
+    accepted at tp 2; a tp that does not divide hidden_size (fc's output columns) and a
+    multi-process group (the step channel does not carry the layer's calls) are refused."""
+    import jax
+
+    from ferrox_jax.config import EngineConfig
+    from ferrox_jax.mtp import check_mtp
+    from models.loader import open_checkpoint
+    from tests.support.mtp_tp_probe import deepseek_mtp_checkpoint
+
+    path = deepseek_mtp_checkpoint(tmp_path / "ds-mtp")
+    config = EngineConfig(model=str(path), speculative=_spec(1))
+    assert check_mtp(config, open_checkpoint(str(path)), 2)
+    with pytest.raises(ValueError, match=r"tensor parallelism 3 does not divide the model's hidden_size 64"):
+        check_mtp(config, open_checkpoint(str(path)), 3)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"not served across processes yet \(multi-host\)"):
+        check_mtp(config, open_checkpoint(str(path)), 2)
 
 
 def test_served_end_to_end_with_its_counters(case):
