@@ -13,6 +13,8 @@ prints one JSON object on the last stdout line with what it measured; the test a
                                                          # split by width and by expert (--expert-parallel)
     python tests/support/sharding_probe.py families DIR... --tp2-state DIR...   # and these Gated DeltaNet
                                                          # checkpoints at tp 2 (tests/support/deltanet_tp_probe.py)
+    python tests/support/sharding_probe.py families --tp2-mtp QWEN DEEPSEEK  # --speculative mtp at tp 2 on
+                                                         # both (tests/support/mtp_tp_probe.py; last if with others)
     python tests/support/sharding_probe.py family_tp TP DIR  # one HF checkpoint, tp TP vs 1, every placement
     python tests/support/sharding_probe.py collectives DIR   # families, plus its tp 4 decode step's collectives
                                                          # (and a latent-attention model's expanded prefill)
@@ -455,6 +457,8 @@ def main(argv):
     if case == "multihost":
         result = case_multihost(*argv[2:5])
     elif case == "families":
+        mtp = argv.index("--tp2-mtp") if "--tp2-mtp" in argv else len(argv)
+        argv, mtp_paths = argv[:mtp], argv[mtp + 1:]
         state = argv.index("--tp2-state") if "--tp2-state" in argv else len(argv)
         split = argv.index("--tp2-ep") if "--tp2-ep" in argv[:state] else state
         result = case_families(*argv[2:split])
@@ -464,6 +468,10 @@ def main(argv):
             from tests.support.deltanet_tp_probe import case_state_tp
 
             result[f"state:{path}"] = case_state_tp(path, control=i == 0)
+        if mtp_paths:  # a Qwen3.5 and a DeepSeek-V3 with their MTP blocks (tests/support/mtp_tp_probe.py)
+            from tests.support.mtp_tp_probe import case_mtp
+
+            result["mtp"] = case_mtp(*mtp_paths)
     elif case == "family_tp":
         result = case_family_tp(int(argv[2]), argv[3])
     elif case == "collectives":
