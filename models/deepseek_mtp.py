@@ -30,6 +30,9 @@ A GGUF file's layer (llama.cpp's `deepseek2` at block n: the decoder layer's ten
 `blk.{n}.nextn.*`) is read by models/loaders/gguf_mtp.py under `GGUF_MTP_WEIGHTS`.
 
 The weights are placed in the compute dtype whatever `--quantization` says (one layer).
+Under tensor parallelism (`ferrox_jax/mtp.py`, "Tensor parallelism") the layer splits as the
+model's own layers; eh_proj and the head split by output column, their products pinned split
+then whole (`gathered`: one all-gather each), so the layer's residual stream stays replicated.
 """
 
 from __future__ import annotations

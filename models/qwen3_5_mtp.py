@@ -35,6 +35,9 @@ A GGUF file's block (llama.cpp's converter writes it as `blk.{n}.nextn.*` beside
 own tensors at block n) is read by models/loaders/gguf_mtp.py under `GGUF_MTP_WEIGHTS`.
 
 The weights are placed in the compute dtype whatever `--quantization` says (one layer).
+Under tensor parallelism (`ferrox_jax/mtp.py`, "Tensor parallelism") the layer splits as the
+model's full-attention layers; fc and the head split by output column, their products pinned
+split then whole (`models/deepseek_mtp.py:gathered`).
 """
 
 from __future__ import annotations
