@@ -44,8 +44,8 @@ using bench::Team;
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 5 || (argc > 5 && (std::atoll(argv[5]) < 1 || std::atoll(argv[5]) > ferrox_k_vnni::kIntRows))) {
-    std::fprintf(stderr, "usage: %s THREADS ROUNDS K N [ROWS, 1 to %d]\n", argv[0], ferrox_k_vnni::kIntRows);
+  if (argc < 5 || (argc > 5 && (std::atoll(argv[5]) < 1 || std::atoll(argv[5]) > ferrox_k_vnni::kW16Rows))) {
+    std::fprintf(stderr, "usage: %s THREADS ROUNDS K N [ROWS, 1 to %d]\n", argv[0], ferrox_k_vnni::kW16Rows);
     return 2;
   }
   const int threads = std::atoi(argv[1]), rounds = std::atoi(argv[2]);
@@ -73,8 +73,16 @@ int main(int argc, char** argv) {
   const bool row_path = m <= ferrox_k_avx512::kRowPathRows;
   std::vector<uint8_t> int_buf(m * std::max(ferrox_k_vnni::IntRowBytes(k), ferrox_k_vnni::Int16RowBytes(k)) + 64);
   uint8_t* int_at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(int_buf.data()) + 63) & ~uintptr_t{63});
-  double best_probe = 0, best[3][4] = {}, best_quant = 1e9, best_quant16 = 1e9;
-  double max_diff[3][4] = {};
+  // 9 to 15 rows (kIntRows < m): the one-row design takes no more than kIntRows rows (path 2
+  // skipped); the prompt-chunk path (block_matmul_k_i16.inc, its 16-lane row group padded) is
+  // path 4, and the 16-bit weights as two calls, kIntRows rows then the rest (each decoding the
+  // super-blocks again), path 5
+  const bool many = m > ferrox_k_vnni::kIntRows;
+  std::vector<uint8_t> wide_buf(many ? ferrox_k_vnni::WideKBytes(m, k) + 64 : 0);
+  uint8_t* wide_at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wide_buf.data()) + 63) & ~uintptr_t{63});
+  constexpr int kPaths = 6;
+  double best_probe = 0, best[3][kPaths] = {}, best_quant = 1e9, best_quant16 = 1e9, best_quant_wide = 1e9;
+  double max_diff[3][kPaths] = {};
   std::vector<float> out(m * n), tile_out(m * n);
   volatile float sink = 0;
   for (int round = 0; round < rounds; ++round) {
@@ -87,25 +95,38 @@ int main(int argc, char** argv) {
     }
     for (int fi = 0; fi < 3; ++fi) {
       const int64_t bytes = n * k / kSuper * SuperBytes(fmts[fi]);
-      for (int path = 0; path < 4; ++path) {
+      for (int path = 0; path < kPaths; ++path) {
         if (path == 1 && !row_path) continue;
+        if ((path == 2 && many) || (path >= 4 && !many)) continue;
         float* o = path ? out.data() : tile_out.data();
         for (int64_t c = 0; c < copies[fi]; ++c) {
           const Problem p{x.data(), weights[fi].data() + c * bytes, o, m, n, k};
           double s = 0;
           ferrox_k_vnni::IntRows xr{};
-          ferrox_k_vnni::Int16Rows xr16{};
+          ferrox_k_vnni::Int16Rows xr16{}, head{}, rest{};
+          ferrox_k_vnni::WideRowsK xw{};
           if (path >= 2) {  // the caller quantizes the rows once, then the threads share them
             const auto q0 = std::chrono::steady_clock::now();
             if (path == 2) xr = ferrox_k_vnni::QuantizeIntRows(x.data(), m, k, int_at);
+            else if (path == 4) xw = ferrox_k_vnni::QuantizeWideK(x.data(), m, k, wide_at);
             else xr16 = ferrox_k_vnni::QuantizeInt16Rows(x.data(), m, k, int_at);
             s = std::chrono::duration<double>(std::chrono::steady_clock::now() - q0).count();
-            double& bq = path == 2 ? best_quant : best_quant16;
+            double& bq = path == 2 ? best_quant : path == 4 ? best_quant_wide : best_quant16;
             bq = std::min(bq, s);
           }
+          const int64_t first = ferrox_k_vnni::kIntRows;
+          if (path == 5) {  // the same quantized rows as two products
+            head.m = first, rest.m = m - first;
+            for (int64_t r = 0; r < m; ++r) (r < first ? head.row[r] : rest.row[r - first]) = xr16.row[r];
+          }
+          const Problem p_head{x.data(), p.w, o, first, n, k}, p_rest{x.data() + first * k, p.w, o + first * n, m - first, n, k};
           s += team.Time([&](int t) {
             const int64_t begin = std::min(n, t * per_thread), end = t == threads - 1 ? n : std::min(n, begin + per_thread);
-            if (path == 3) ferrox_k_vnni::W16Run(fmts[fi], p, xr16, begin, end);
+            if (path == 5) {
+              ferrox_k_vnni::W16Run(fmts[fi], p_head, head, begin, end);
+              ferrox_k_vnni::W16Run(fmts[fi], p_rest, rest, begin, end);
+            } else if (path == 4) ferrox_k_vnni::WideRunK(fmts[fi], p, xw, begin, end);
+            else if (path == 3) ferrox_k_vnni::W16Run(fmts[fi], p, xr16, begin, end);
             else if (path == 2) ferrox_k_vnni::IntRun(fmts[fi], p, xr, begin, end);
             else ferrox_k_avx512::Run(fmts[fi], p, begin, end, path ? ferrox_k_avx512::kRowPathRows : 0);
           });
@@ -133,6 +154,15 @@ int main(int argc, char** argv) {
                   "%.1f rows x GB/s\n",
                   names[fi], static_cast<long>(m), static_cast<long>(k), static_cast<long>(n), threads, best[fi][0],
                   100 * best[fi][0] / best_probe, m * best[fi][0]);
+    if (many) {
+      const char* what[3] = {"int16-weight path, one call", "prompt-chunk path (16 lanes)", "int16-weight path, two calls"};
+      for (int path = 3; path < kPaths; ++path)
+        std::printf("  %s %s %.1f GB/s (%.0f%% of the probe), %.1f rows x GB/s, %.2fx the tile path; "
+                    "max |path - tile| / (|tile| + 1) %.2g\n",
+                    names[fi], what[path - 3], best[fi][path], 100 * best[fi][path] / best_probe, m * best[fi][path],
+                    best[fi][path] / best[fi][0], max_diff[fi][path]);
+      continue;
+    }
     std::printf("  %s integer path %.1f GB/s (%.0f%% of the probe), %.1f rows x GB/s, %.2fx the %s path; "
                 "max |int - tile| / (|tile| + 1) %.2g\n",
                 names[fi], best[fi][2], 100 * best[fi][2] / best_probe, m * best[fi][2], best[fi][2] / best[fi][served],
@@ -142,6 +172,10 @@ int main(int argc, char** argv) {
                 names[fi], best[fi][3], 100 * best[fi][3] / best_probe, m * best[fi][3], best[fi][3] / best[fi][served],
                 row_path ? "row" : "tile", best[fi][3] / best[fi][2], max_diff[fi][3]);
   }
-  std::printf("  quantizing the %ld row(s): %.1f us, int16: %.1f us (best)\n", static_cast<long>(m), best_quant * 1e6,
-              best_quant16 * 1e6);
+  if (many)
+    std::printf("  quantizing the %ld rows, int16: %.1f us, prompt-chunk int16: %.1f us (best)\n", static_cast<long>(m),
+                best_quant16 * 1e6, best_quant_wide * 1e6);
+  else
+    std::printf("  quantizing the %ld row(s): %.1f us, int16: %.1f us (best)\n", static_cast<long>(m), best_quant * 1e6,
+                best_quant16 * 1e6);
 }

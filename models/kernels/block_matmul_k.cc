@@ -15,11 +15,11 @@
 // Q6_K: sixteen 16-wide sub-blocks with int8 scales; w = d sc q, q in [-32, 31] from a
 //   nibble of ql and two bits of qh (each 128-weight half: weight 32k + l takes ql[l]
 //   (k 0, 2) or ql[32 + l] (k 1, 3), low nibble for k < 2, and bits 2k, 2k + 1 of qh[l]).
-// Attributes: fmt (3 Q4_K, 4 Q5_K, 5 Q6_K); wide_rows 1: a product of 1 to kIntPathRows rows
-// runs on 16-bit integer activations where the CPU has AVX-512 VNNI (block_matmul_k_rowint.inc,
-// block_matmul_k_rows16.inc), and so do products of kWideRowsK rows and more (prompt chunks:
-// block_matmul_k_i16.inc, 32-wide int16 activation blocks, error <= amax / 65534 of a block);
-// any other value, the row counts between, or another CPU: the float paths. int_rows and
+// Attributes: fmt (3 Q4_K, 4 Q5_K, 5 Q6_K); wide_rows 1: a product of 1 to kW16Rows (15) rows
+// runs on 16-bit integer activations where the CPU has AVX-512 VNNI (one row
+// block_matmul_k_rowint.inc, 2 to 15 block_matmul_k_rows16.inc), and so do products of
+// kWideRowsK (16) rows and more (prompt chunks: block_matmul_k_i16.inc, 32-wide int16 activation
+// blocks, error <= amax / 65534 of a block); any other value, or another CPU: the float paths. int_rows and
 // amx_rows are accepted for the shared call signature of models/gguf_blocks.py and ignored.
 //
 // The float paths: float32 activations times the super-blocks dequantized in
@@ -32,7 +32,7 @@
 // permuting a per-sub-block table of the sub-block's possible values (Q4_K / Q5_K) or from 128
 // quants assembled at once (Q6_K): the same dequantized weights, ~1.5x (Q4_K, Q5_K) and
 // ~1.15x (Q6_K) the tile's rate at one row (docs/benchmarks.md).
-// With wide_rows 1 on AVX-512 VNNI a product of 1 to kIntPathRows rows (a decode step's)
+// With wide_rows 1 on AVX-512 VNNI a product of 1 to kW16Rows rows (a decode step's)
 // instead quantizes its activation rows once per call (two int8 parts per 256 inputs: error
 // <= amax / 64516 of the super-block, the 16-bit accuracy of the block kernel's int16 path)
 // and multiplies the quants as integers (vpmaddubsw + vpdpwssd with the sub-block scales,
@@ -97,7 +97,7 @@ ffi::Error CheckOperands(const char* what, const ffi::Buffer<ffi::F32>& x, ffi::
 // fork and join a call instead of one a weight, and no thread idles at a weight's end
 // while the other finishes it. Each output element is computed exactly as a one-weight call
 // computes it (one thread, whole, the same order), so fusing changes no value.
-// wide_rows 1: products of up to kIntPathRows rows on the integer path where it runs, and
+// wide_rows 1: products of up to kW16Rows rows on the integer paths where they run, and
 // products of kWideRowsK rows or more on the 16-bit path (x's rows quantized here, once for
 // every weight of the call: they share x).
 ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* fmts, int64_t count, int isa,
@@ -105,9 +105,11 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
   int64_t macs = 0, n_total = 0;
   for (int64_t i = 0; i < count; ++i) macs += ps[i].m * ps[i].n * ps[i].k, n_total += ps[i].n;
   const int64_t m = ps[0].m, k = ps[0].k;
-  const bool int_row = isa == 2 && kVnni && wide_rows == 1 && m <= ferrox_k_vnni::kIntPathRows;
-  // from kW16FromRows rows: the weights as 16-bit integers, once for all rows (block_matmul_k_rows16.inc)
-  const bool w16 = int_row && m >= ferrox_k_vnni::kW16FromRows;
+  const bool vnni = isa == 2 && kVnni && wide_rows == 1;
+  // kW16FromRows to kW16Rows rows: the weights as 16-bit integers, once for all rows
+  // (block_matmul_k_rows16.inc); fewer, the one-row integer path (block_matmul_k_rowint.inc)
+  const bool w16 = vnni && m >= ferrox_k_vnni::kW16FromRows && m <= ferrox_k_vnni::kW16Rows;
+  const bool int_row = vnni && (w16 || m < ferrox_k_vnni::kW16FromRows);
   std::vector<uint8_t> int_buf;
   ferrox_k_vnni::IntRows xr{};
   ferrox_k_vnni::Int16Rows xr16{};
