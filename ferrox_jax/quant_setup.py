@@ -104,7 +104,7 @@ def block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
         if amx := cpu_kernels.block_amx_rows():
             paths += f"; AMX-BF16 tiles (split bf16) from {amx} rows"
         k_quants = cpu_kernels.k_quant_count(model)
-        k_acts = ("16-bit integer activations at 1 to 8 rows and from 16 rows, float32 between" if cpu_kernels.block_k_wide_rows() == 1
+        k_acts = ("16-bit integer activations at every row count" if cpu_kernels.block_k_wide_rows() == 1
                   else "float32 activations")
         k_note = (f"; of them {k_quants} K-quants, on the {cpu_kernels.block_k_isa()} K-quant kernel "
                   f"({k_acts})" if k_quants else "")

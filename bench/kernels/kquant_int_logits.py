@@ -1,16 +1,16 @@
-"""A K-quant GGUF's logits on the integer path against the float paths, at 1 to 8 rows a step.
+"""A K-quant GGUF's logits on the integer path against the float paths, at 1 to 15 rows a step.
 
     python bench/kernels/kquant_int_logits.py /work/gguf/llama-3.2-1b-Q4_K_M.gguf [--tokens 32] [--rows R]
 
 Loads the file twice with the CPU kernels (the K-quant kernel's wide_rows 0: float32
-activations, the float row path at 1 to 3 rows, the tile from 4; 1: the integer path at 1 to
-8 rows, block_matmul_k_rowint.inc). Per prompt: the float side's greedy continuation
+activations, the float row path at 1 to 3 rows, the tile from 4; 1: the integer paths at 1 to
+15 rows, block_matmul_k_rowint.inc at one row, block_matmul_k_rows16.inc from 2). Per prompt: the float side's greedy continuation
 (chunked prefill, then one-row decode steps), then prompt + continuation fed one token a
 step to both sides, the logits compared per position: max |diff|, KL(float || int) mean and
 max, top-1 agreement; and the integer side's own greedy continuation, how many leading
-tokens match. With --rows R (1 to 8) the steps carry R prompts at once (one token each:
+tokens match. With --rows R (1 to 15) the steps carry R prompts at once (one token each:
 every projection an R-row product, as a decode step of R sequences), R prompts compared
-per group, up to the shortest prompt + continuation of the group, and the greedy
+per group (the whole groups of the 16 prompts), up to the shortest prompt + continuation of the group, and the greedy
 continuations run all R rows a step on both sides. The calls alternate between the sides
 (in both orders) and are timed: best and median ms of a step through `run_logits` (its host
 work and the full-vocabulary logits' copy included) on each path. Only the K-quant tensors
@@ -28,7 +28,10 @@ import numpy as np
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at a temperature of",
            "The three primary colors are", "import numpy as np\n\n", "In 1969, the first person to walk on",
-           "A haiku about the sea:\n", "The largest planet in the solar system is"]
+           "A haiku about the sea:\n", "The largest planet in the solar system is",
+           "SELECT name FROM users WHERE", "The speed of light in a vacuum is", "Once upon a time, in a small village,",
+           "class Stack:\n    def __init__(self):\n", "Photosynthesis converts sunlight into",
+           "The Pythagorean theorem states that", "To make a cup of tea, first", "The French word for cat is"]
 
 
 def multi_greedy(side, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
@@ -51,9 +54,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
     p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--rows", type=int, default=1, help="prompts a step, 1 to 8")
+    p.add_argument("--rows", type=int, default=1, help="prompts a step, 1 to 15")
     args = p.parse_args()
-    if not 1 <= args.rows <= len(PROMPTS):
+    if not 1 <= args.rows <= 15:
         p.error(f"--rows must be 1 to {len(PROMPTS)}")
     import jax.numpy as jnp
 
@@ -72,7 +75,7 @@ def main() -> None:
     report = []
     times = {0: [], 1: []}
     r = args.rows
-    groups = [PROMPTS[i:i + r] for i in range(0, len(PROMPTS), r)] if r > 1 else [[t] for t in PROMPTS[:3]]
+    groups = [PROMPTS[i:i + r] for i in range(0, len(PROMPTS) - r + 1, r)] if r > 1 else [[t] for t in PROMPTS[:3]]
     for group in groups:
         prompts = [list(tok.encode(text)) for text in group]
         conts = [sides[0].greedy(ids, args.tokens) for ids in prompts]
