@@ -1,4 +1,4 @@
-// The K-quant kernel's few-row products (1 to 8 rows) over weights streamed from DRAM, against the two
+// The K-quant kernel's few-row products (1 to 15 rows) over weights streamed from DRAM, against the two
 // cores' DRAM read rate measured in the same run. As many copies of a projection as fill
 // 256 MB (8x this host's L3), each product on the next copy, split over THREADS spinning
 // threads by columns, as a decode step runs a model's layers. Per round, in this order:
@@ -12,9 +12,13 @@
 // in GB/s of bytes read, with each path's max difference from the tile path relative to
 // |tile| + 1 (the row path: both float32 sums of the same dequantized weights, ~1e-5; the
 // integer path adds its 16-bit activation rounding, ~1e-3 here: a bug shows as O(1); the
-// exact checks are tests/models/test_block_matmul_k.py's).
+// exact checks are tests/models/test_block_matmul_k.py's). At 9 to 15 rows (a decode step
+// mixed with a few prompt tokens) the one-row design is skipped (it takes at most 8) and
+// two more are timed: the prompt-chunk path (block_matmul_k_i16.inc, its 16-lane row group
+// padded) and the 16-bit weights as two whole calls (8 rows, then the rest), against the
+// kernel's two passes per 64 columns.
 //   c++ -O3 -std=c++17 -mf16c -pthread -I models/kernels bench/kernels/kquant_stream.cc -o /tmp/kquant_stream
-//   /tmp/kquant_stream THREADS ROUNDS K N [ROWS, 1 to 8]
+//   /tmp/kquant_stream THREADS ROUNDS K N [ROWS, 1 to 15]
 //   /tmp/kquant_stream 2 15 2048 8192     # a 1B model's gate / up projection, one row
 //   CACHED=1 /tmp/kquant_stream 1 50 2048 512   # one copy, from L2: the paths' compute rate
 #include <immintrin.h>

@@ -22,4 +22,9 @@ done
 # up: the float paths against the two integer designs (block_matmul_k_rowint.inc at more rows,
 # block_matmul_k_rows16.inc)
 for rows in 2 3 4 8; do "$bin" "$threads" "$rounds" 2048 8192 "$rows"; done
+# 9, 12 and 15 rows (a c8 step with a few prompt tokens): the tile, the 16-bit weights in two
+# passes, the prompt-chunk path padded to 16 lanes, two whole calls; from L2 on one thread as
+# well, where a shared host's preemption spoils fewer samples
+for rows in 9 12 15; do "$bin" "$threads" "$rounds" 2048 8192 "$rows"; done
+for rows in 9 12 15; do CACHED=1 "$bin" 1 $((rounds * 25)) 2048 512 "$rows"; done
 uptime
