@@ -110,7 +110,12 @@ def test_kernel_greedy_equals_the_dequantized_float_model(quantized, scheme):
     assert got == fc.hf_greedy(hf, PROMPT, 8), f"{scheme}: greedy tokens differ from HF's on the dequantized weights"
     logits = runner.run_logits([fc._row(PROMPT, 0, shuffled_blocks(2, 16, seed=2))])[0]
     ref = fc.hf_logits(hf, PROMPT)
-    assert np.abs(logits - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), "float32 rounding only"
+    # the 11-row prompt: float32 activations (float32 rounding only, 1e-4), or where the K-quant
+    # kernel takes 16-bit integer activations at 2 to 15 rows (AVX-512 VNNI, wide_rows 1) their
+    # rounding, each activation off by up to amax / 65534 of its 256-wide super-block (3.4e-4
+    # of max |logit| on the Q5_K model; a wrong product is O(1))
+    tol = 1e-3 if cpu_kernels.block_k_wide_rows() == 1 else 1e-4
+    assert np.abs(logits - ref).max() < tol * max(1.0, np.abs(ref).max()), "the kernel path's rounding only"
     assert runner.recompiles_after_warmup == 0
 
 
