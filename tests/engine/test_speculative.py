@@ -19,6 +19,7 @@ from ferrox_jax.request import Job, JobState, RowSampling, ThinkingBudget
 from ferrox_jax.speculative import Speculator, count_accepted, propose_ngram
 from tests.support.engine_helpers import make_runner
 from tests.support.spec_driver import GREEDY, SPEC, STEP_ROWS, copy_prompt, drive, greedy_jobs
+from tests.support.xla_flags import with_devices
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -373,7 +374,7 @@ def _chi_square(a, b, min_count):
 
 
 def test_greedy_identical_under_tensor_parallel_on_two_devices(families):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(2), "JAX_PLATFORMS": "cpu"}
     driver = ROOT / "tests" / "support" / "spec_driver.py"
     proc = subprocess.run([sys.executable, str(driver), "tp", str(families["llama"])],
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)

@@ -20,6 +20,7 @@ from ferrox_jax.request import Job, RowSampling, ThinkingBudget
 from ferrox_jax.runner import ModelRunner
 from tests.support.spec_driver import GREEDY, STEP_ROWS, copy_prompt, drive, greedy_jobs
 from tests.engine.test_speculative import _CHI2_999, PEAKED, ROOT, _assert_same, _chi_square, _sampled_jobs
+from tests.support.xla_flags import with_devices
 
 DRAFT = SpeculativeConfig(method="draft", draft_model="(attached in the test)", num_speculative_tokens=4, max_rows=4)
 
@@ -171,7 +172,7 @@ def test_greedy_identical_with_a_draft_under_tensor_parallel_on_two_devices(chec
     draft`: the draft's weights and KV cache are sharded as the target's, the tokens are the
     non-speculative ones, and the target drafting for itself keeps every greedy draft (a
     draft K/V cache out of step with the target's under sharding would show as rejections)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(2), "JAX_PLATFORMS": "cpu"}
     small, same = str(checkpoints["small"]), str(checkpoints["target"])
     driver = ROOT / "tests" / "support" / "spec_driver.py"
     proc = subprocess.run([sys.executable, str(driver), "tp-draft", same, small, same],

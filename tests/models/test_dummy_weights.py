@@ -26,6 +26,7 @@ from ferrox_jax.runner import ModelRunner
 from models.loader import LOAD_FORMATS, open_checkpoint
 from models.loaders.dummy import byte_fallback_tokenizer, init_std
 from models.known_shapes import SHAPES, write_config_folder
+from tests.support.xla_flags import with_devices
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -189,7 +190,7 @@ print(json.dumps({"equal": all(np.array_equal(np.asarray(a), np.asarray(b)) for 
 def test_sharded_dummy_weights_are_made_per_shard_and_equal_the_unsharded_ones(tmp_path):
     """On 4 (host) devices each device makes its own quarter of q_proj, and the values do
     not depend on the sharding (threefry is partitionable)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(4), "JAX_PLATFORMS": "cpu"}
     folder = config_folder(tmp_path, num_key_value_heads=4)  # 4 heads, 4 KV heads: tp 4 splits whole heads
     out = subprocess.run([sys.executable, "-c", _SHARDED_PROBE, str(folder)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)

@@ -28,6 +28,7 @@ from models.config import UnsupportedModelError
 from models.gemma4 import Gemma4Config
 from models.registry import config_from_hf
 from tests.support import family_checks as fc
+from tests.support.xla_flags import with_devices
 
 WRONG = 20 * fc.ATOL  # a control must miss HF by at least this
 TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
@@ -236,7 +237,7 @@ def test_tensor_parallel_2_matches_one_device(tmp_path):
 
     path = fc.make_checkpoint(tmp_path / "tiny-gemma4-tp", gemma4_config(num_global_key_value_heads=2))
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(2)}
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(root / ".jax_cache"))
     proc = subprocess.run([sys.executable, str(root / "tests" / "support" / "sharding_probe.py"), "family_tp", "2",
                            str(path)], cwd=root, env=env, capture_output=True, text=True, timeout=400)

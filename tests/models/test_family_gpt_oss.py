@@ -18,6 +18,7 @@ import transformers
 
 from models.config import UnsupportedModelError
 from tests.support import family_checks as fc
+from tests.support.xla_flags import with_devices
 
 NUM_EXPERTS = 4
 WINDOW = 12
@@ -198,7 +199,7 @@ def test_tensor_parallel_2_matches_one_device(gpt_oss):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(2)}
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(root / ".jax_cache"))
     proc = subprocess.run([sys.executable, str(root / "tests" / "support" / "sharding_probe.py"), "family_tp", "2",
                            str(gpt_oss[0])], cwd=root, env=env, capture_output=True, text=True, timeout=400)

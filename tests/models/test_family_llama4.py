@@ -15,6 +15,7 @@ import transformers
 
 from tests.support import family_checks as fc
 from tests.support.engine_helpers import float32_matmuls  # noqa: F401  (autouse)
+from tests.support.xla_flags import with_devices
 
 CHUNK = 16
 
@@ -191,7 +192,7 @@ def test_tensor_parallel_2_matches_one_device(llama4):
 
     path = llama4[0]
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(2)}
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(root / ".jax_cache"))
     proc = subprocess.run([sys.executable, str(root / "tests" / "support" / "sharding_probe.py"), "family_tp", "2",
                            str(path)], cwd=root, env=env, capture_output=True, text=True, timeout=400)

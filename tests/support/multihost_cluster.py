@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from tests.support.server_harness import api_checkpoint, free_port, wait_for_serve_process
+from tests.support.xla_flags import with_devices
 
 REPO = Path(__file__).resolve().parents[2]
 # Few buckets (decode 1 and 2 rows, one 32-token chunk): quick to compile.
@@ -65,7 +66,7 @@ def cluster(num_processes: int, log_dir: Path, model: str | None = None, limits:
     common = [sys.executable, "-m", "api.cli", "serve", "--model", model or str(api_checkpoint()),
               "--dtype", "float32", *_flags(limits), "--tensor-parallel", str(num_processes), *extra,
               "--compile-cache-dir", os.environ["JAX_COMPILATION_CACHE_DIR"]]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": with_devices(1)}
     procs, ports = [], [free_port() for _ in range(num_processes)]
     try:
         for i, http_port in enumerate(ports):

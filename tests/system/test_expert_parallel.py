@@ -23,6 +23,7 @@ from tests.models.test_family_deepseek_v3 import SHAPE as DSV3_SHAPE
 from tests.models.test_family_gpt_oss import make_gpt_oss
 from tests.support import family_checks as fc
 from tests.system.test_sharding import ATOL, ROOT
+from tests.support.xla_flags import with_devices
 
 PROBE = ROOT / "tests" / "support" / "expert_parallel_probe.py"
 WRONG = 100 * ATOL  # a negative control must miss one device by at least this
@@ -32,7 +33,7 @@ COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, max_
 
 
 def _probe(*args: str, timeout_s: int = 600) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(4)}
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache"))
     proc = subprocess.run([sys.executable, str(PROBE), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout_s)

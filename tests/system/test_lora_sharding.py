@@ -19,6 +19,7 @@ import pytest
 
 from tests.support import family_checks as fc
 from tests.support.lora_helpers import CONFIGS, make_peft_adapter
+from tests.support.xla_flags import with_devices
 
 ROOT = Path(__file__).resolve().parents[2]
 # float32 both sides; the split changes only the order of the partial sums of o_proj and
@@ -34,7 +35,7 @@ def probed(tmp_path_factory):
     adapters = [make_peft_adapter(base, root / "wide", seed=1, r=4, alpha=8.0),
                 make_peft_adapter(base, root / "narrow", seed=2, r=8, alpha=4.0,
                                   targets=("q_proj", "o_proj", "down_proj"), use_rslora=True)]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(2)}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "lora_sharding_probe.py"), str(base),
                            *map(str, adapters)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"probe failed:\n{proc.stderr[-4000:]}"

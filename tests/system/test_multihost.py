@@ -30,6 +30,7 @@ from api.config import ServerConfig
 from tests.support.multihost_cluster import (DEFAULT_LIMITS, PROMPTS, REPO, SECRET, TIMEOUT_S, TINY_LIMITS,
                                              check_shared_compiles, cluster, complete_all, tiny_reference_replies)
 from tests.support.server_harness import ServerThread, api_checkpoint, free_port, tiny_engine
+from tests.support.xla_flags import with_devices
 
 # The cluster harness lived here before it moved to tests/support/multihost_cluster.py: files
 # that import it from this module keep working.
@@ -94,7 +95,7 @@ def run_probe(case: str, cache_dir: Path) -> subprocess.CompletedProcess:
     # One CPU device, as `cluster` pins it: the suite's environment may carry another count.
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
                           env={**os.environ, "JAX_PLATFORMS": "cpu",
-                               "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+                               "XLA_FLAGS": with_devices(1)})
 
 
 def test_a_follower_loads_what_a_slow_leader_compiled(tmp_path):

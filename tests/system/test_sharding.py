@@ -24,6 +24,7 @@ from ferrox_jax.config import EngineConfig, parse_mesh
 from ferrox_jax.sharding import check_divisibility, kv_partition_spec, param_partition_spec, quantized_partition_specs
 from models.config import ModelConfig
 from models.quant import QuantizedWeight
+from tests.support.xla_flags import with_devices
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = ROOT / "tests" / "support" / "sharding_probe.py"
@@ -36,7 +37,7 @@ PALLAS_ATOL = 2e-2
 
 
 def _probe(*args: str, device_count: int = 8, timeout_s: int = 400) -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={device_count}"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(device_count)}
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache"))
     proc = subprocess.run([sys.executable, str(PROBE), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout_s)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 from tests.system.test_sharding import ATOL, PROBE, ROOT, _probe
+from tests.support.xla_flags import with_devices
 
 
 def test_sharded_server_answers_openai_routes_like_one_device():
@@ -40,7 +41,7 @@ def _free_port() -> int:
 def test_two_process_cpu_cluster_runs_the_sharded_steps():
     """jax.distributed over 2 local processes x 2 CPU devices (gloo): a 4-device mesh."""
     coordinator = f"127.0.0.1:{_free_port()}"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(2)}
     procs = [subprocess.Popen([sys.executable, str(PROBE), "multihost", coordinator, "2", str(i)], cwd=ROOT,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
