@@ -66,6 +66,12 @@ class StepShape:
         return self.decode_rows + self.chunk_rows
 
     @property
+    def key(self) -> tuple[int, int, int]:
+        """(Bd, Pc, Tc), the runner's executable key after "forward"; read every step, so
+        not `dataclasses.astuple` (which deep-copies each field)."""
+        return (self.decode_rows, self.chunk_rows, self.chunk_tokens)
+
+    @property
     def num_tokens(self) -> int:
         return self.decode_rows + self.chunk_rows * self.chunk_tokens
 

@@ -130,7 +130,13 @@ class SamplingArrays:
                    repetition_penalty=np.ones(rows, np.float32), want_logprobs=np.zeros(rows, bool))
 
     def gather(self, order: np.ndarray, vocab_size: int) -> "SamplingArrays":
-        """Row `order[j]` in row j, greedy padding where `order[j]` is -1 (i64[B'])."""
+        """Row `order[j]` in row j, greedy padding where `order[j]` is -1 (i64[B']).
+
+        The rows already in order and filling the bucket (one stream on a one-row shape,
+        a full batch) are these arrays themselves, not a copy: the copy's ten new arrays
+        were ~0.2 ms of the owner thread's CPU a step."""
+        if len(order) == len(self.temperature) and np.array_equal(order, np.arange(len(order))):
+            return self
         out = SamplingArrays.padding(len(order), vocab_size)
         real = order >= 0
         for field in dataclasses.fields(self):

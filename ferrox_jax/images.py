@@ -300,7 +300,7 @@ class ImageStage:
     @property
     def counters(self) -> dict[str, int]:
         """The `BatcherStats` fields this stage counts."""
-        return dataclasses.asdict(self._counters)
+        return dict(vars(self._counters))  # read every tick: asdict deep-copies
 
 
 def image_columns(rows: Sequence, row_starts: np.ndarray, num_tokens: int, width: int):

@@ -26,7 +26,8 @@ import numpy as np
 
 from ferrox_jax.buckets import Buckets, StepShape
 from ferrox_jax.host_batch import HostBatch, StepArrays
-from ferrox_jax.step import ForwardBatch, image_padding
+from ferrox_jax.request import MAX_LOGPROBS
+from ferrox_jax.step import SAMPLED_COLUMNS, ForwardBatch, image_padding
 
 
 def empty_forward(shape: StepShape, table_width: int, has_lora: bool, image_width: int = 0,
@@ -124,11 +125,23 @@ def _pad_adapters(out: ForwardBatch, batch: HostBatch, order: np.ndarray, starts
     return out.replace(adapter_slots=slots)
 
 
+def split_sampled(packed: np.ndarray) -> list[np.ndarray]:
+    """The sampler's packed i32[R, SAMPLED_COLUMNS] (`ferrox_jax/step.py:SampleResult`) as
+    views: tokens i32[R], logprob f32[R], top ids i32[R, 20], top logprobs f32[R, 20],
+    finite bool[R] (a copy)."""
+    if packed.shape[-1] != SAMPLED_COLUMNS or packed.dtype != np.int32:
+        raise ValueError(f"packed sampler output must be int32[R, {SAMPLED_COLUMNS}]; got "
+                         f"{packed.dtype}{list(packed.shape)}")
+    k = MAX_LOGPROBS
+    return [packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2:2 + k], packed[:, 2 + k:2 + 2 * k].view(np.float32),
+            packed[:, 2 + 2 * k] != 0]
+
+
 def unpad_results(batch: HostBatch, shape: StepShape, order: np.ndarray, fetched: list[np.ndarray],
                   wants_prompt: bool, wants_pooled: bool) -> StepArrays:
     """`fetched`, in padded rows: the sampler's tokens, logprob, top ids, top logprobs and
-    finite flags, then the prompt arrays (when `wants_prompt`) and the pooled ones (when
-    `wants_pooled`); returned per host-batch row (and prompt token)."""
+    finite flags (`split_sampled`), then the prompt arrays (when `wants_prompt`) and the
+    pooled ones (when `wants_pooled`); returned per host-batch row (and prompt token)."""
     # Host row h starts at padded row padded_row[h] (a speculating row's later tokens follow it).
     padded_row = np.empty(batch.num_rows, np.int64)
     real = np.flatnonzero(order >= 0)

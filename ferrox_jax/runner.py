@@ -59,7 +59,7 @@ from ferrox_jax.kv_cache import KVCache, copy_blocks, create_model_kv_cache, sto
 from ferrox_jax.kv_groups import window_arrays
 from ferrox_jax.kv_offload import HostKVPool, HostStatePool
 from ferrox_jax.multihost import place_on_mesh
-from ferrox_jax.padding import empty_forward, pad_batch, unpad_results
+from ferrox_jax.padding import empty_forward, pad_batch, split_sampled, unpad_results
 from ferrox_jax.runner_protocol import DeviceState
 from ferrox_jax.executable_store import ExecutableStore
 from ferrox_jax.shared_compiles import SharedCompiles
@@ -82,7 +82,7 @@ def compile_keys(buckets: Buckets, offload: list[tuple] | None = None) -> list[t
     """Every executable a runner with `buckets` compiles at warm-up, as plain tuples (they
     go into logs and JSON): ("forward", Bd, Pc, Tc) per step shape, ("sample", rows) per
     sampler, ("copy",), and with a host tier its copies' (`offload`: `HostCopies.keys`)."""
-    return ([("forward", *dataclasses.astuple(shape)) for shape in buckets.shapes()]
+    return ([("forward", *shape.key) for shape in buckets.shapes()]
             + [("sample", rows) for rows in buckets.sampler_rows()] + [COPY_KEY] + list(offload or []))
 
 
@@ -401,16 +401,16 @@ class ModelRunner:
             sampling, padded = self._to_step(sampling), self._all_ones_mask(rows)
         samples = self._executable(("sample", rows))(forward.logits, forward.sample_pos, sampling, padded)
         wants_prompt, wants_pooled = bool(batch.prompt_logprobs.any()), bool(batch.pooling.any())
-        fetch = [samples.tokens, samples.logprob, samples.top_ids, samples.top_logprobs, samples.finite]
+        fetch = [samples.packed]
         if wants_prompt:
             fetch += [forward.prompt_logprob, forward.prompt_top_ids, forward.prompt_top_logprobs]
         if wants_pooled:
             fetch += [forward.hidden_sum, forward.last_hidden]
-        fetched = [np.asarray(a) for a in jax.device_get(fetch)]
-        return unpad_results(batch, shape, order, fetched, wants_prompt, wants_pooled)
+        packed, *rest = [np.asarray(a) for a in jax.device_get(fetch)]
+        return unpad_results(batch, shape, order, [*split_sampled(packed), *rest], wants_prompt, wants_pooled)
 
     def _run_forward(self, shape: StepShape, inputs: ForwardBatch) -> ForwardResult:
-        exe = self._executable(("forward", *dataclasses.astuple(shape)))
+        exe = self._executable(("forward", *shape.key))
         self.kv_cache, result = exe(self._state_leaves, self.kv_cache, self._to_step(inputs))
         return result
 
