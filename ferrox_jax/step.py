@@ -17,9 +17,8 @@ runs (`ferrox_jax/runner.py` dispatches the first, fills the masks, then the sec
     (`donate_argnames`): the caller rebinds it in the same statement
     (`self.kv_cache, out = step(graphdef, tree, leaves, self.kv_cache, batch)`).
   * `sample_step(logits, positions, sampling, bitmask) -> SampleResult`: apply the rows'
-    grammar bitmask (all ones for unconstrained rows) and sample (`sampling.py`); what it
-    returns is one packed i32 array (tokens, logprobs, top logprobs, finite flags), one
-    buffer for the host to fetch. Its shapes depend only on the row count.
+    grammar bitmask (all ones for unconstrained rows) and sample (`sampling.py`), packed
+    in one i32 array for one fetch. Its shapes depend only on the row count.
 
 `jit_steps(shardings)` jits the bodies once per runner: plain `jax.jit` on one device, or
 with explicit in/out shardings on a mesh (`ferrox_jax/sharding.py`).
@@ -122,32 +121,9 @@ class ForwardResult:
 
 @struct.dataclass
 class SampleResult:
-    """Sampler outputs in one array, so that the host fetches them as one buffer: five
-    arrays fetched one by one cost the owner thread ~0.16 ms more CPU a step (jax's
-    per-array fetch path). Column layout (`SAMPLED_COLUMNS`, read back by
-    `ferrox_jax/padding.py:split_sampled`), K = MAX_LOGPROBS:
+    """Sampler outputs packed in one array (`pack_sampled`), fetched as one buffer."""
 
-        0        the sampled token                        i32
-        1        its raw logprob                          f32 bits
-        2..K+1   the top-K token ids, best first          i32
-        K+2..2K+1  their raw logprobs                     f32 bits
-        2K+2     every raw logit of the row finite        0 / 1 (NaN/inf: a step fault)
-    """
-
-    packed: jax.Array  # i32[R, SAMPLED_COLUMNS]
-
-
-SAMPLED_COLUMNS = 3 + 2 * MAX_LOGPROBS
-
-
-def pack_sampled(tokens, logprob, top_ids, top_logprobs, finite) -> SampleResult:
-    """The sampler's arrays (i32[R], f32[R], i32[R, K], f32[R, K], bool[R]) as one
-    i32[R, SAMPLED_COLUMNS]; floats keep their bits (a bitcast), so what the host reads
-    back is exactly what was sampled."""
-    as_int = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-    return SampleResult(jnp.concatenate([tokens[:, None].astype(jnp.int32), as_int(logprob)[:, None],
-                                         top_ids.astype(jnp.int32), as_int(top_logprobs),
-                                         finite[:, None].astype(jnp.int32)], axis=1))
+    packed: jax.Array  # i32[R, SAMPLED_COLUMNS]: the columns are pack_sampled's
 
 
 def _prompt_logprobs(model, hidden, next_tokens):
@@ -198,6 +174,28 @@ def _forward(graphdef, state_tree, state_leaves, kv_cache: KVCache, batch: Forwa
     hidden_sum = jax.ops.segment_sum(valid_hidden, batch.row_of_token, num_segments=rows + 1)[:rows]
     every = (hidden if model.keeps_step_hidden else hidden[:0]).astype(jnp.float32)
     return kv_cache, ForwardResult(logits, sample_pos, *prompt, hidden_sum, last_hidden.astype(jnp.float32), every)
+
+
+SAMPLED_COLUMNS = 3 + 2 * MAX_LOGPROBS
+
+
+def pack_sampled(tokens, logprob, top_ids, top_logprobs, finite) -> SampleResult:
+    """The sampler's arrays (i32[R], f32[R], i32[R, K], f32[R, K], bool[R]) as one
+    i32[R, SAMPLED_COLUMNS], so that the host fetches one buffer: five arrays fetched one
+    by one cost the owner thread ~0.16 ms more CPU a step (jax's per-array fetch path).
+    Floats keep their bits (a bitcast), so what the host reads back
+    (`ferrox_jax/padding.py:split_sampled`) is exactly what was sampled. Columns, K = MAX_LOGPROBS:
+
+        0           the sampled token                     i32
+        1           its raw logprob                       f32 bits
+        2..K+1      the top-K token ids, best first       i32
+        K+2..2K+1   their raw logprobs                    f32 bits
+        2K+2        every raw logit of the row finite     0 / 1 (NaN/inf: a step fault)
+    """
+    as_int = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    return SampleResult(jnp.concatenate([tokens[:, None].astype(jnp.int32), as_int(logprob)[:, None],
+                                         top_ids.astype(jnp.int32), as_int(top_logprobs),
+                                         finite[:, None].astype(jnp.int32)], axis=1))
 
 
 def _sample(logits, positions, sampling: SamplingArrays, bitmask) -> SampleResult:
