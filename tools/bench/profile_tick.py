@@ -122,7 +122,7 @@ def _client(base_url: str, args: argparse.Namespace, num_requests: int, warmup: 
             return json.load(f)
 
 
-def measure(base_url: str, args: argparse.Namespace, profiles: ThreadProfiles | None) -> str:
+def measure(base_url: str, args: argparse.Namespace, profiles: ThreadProfiles | None) -> tuple[str, int]:
     _wait_ready(base_url)
     _client(base_url, args, 1, 1)  # warm the route, the tokenizer and the client's imports
     names = {t.native_id: t.name for t in threading.enumerate()}
