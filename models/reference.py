@@ -16,13 +16,18 @@ either `logits` (raw logits, float[n, V]: row i scores the token after token_ids
 `top_ids` + `top_logprobs` (int[n, k] and float[n, k]: the reference's k most likely
 next tokens at each position with their log-probabilities over the full vocabulary);
 optionally `greedy_ids` (int[g]: the greedy continuation after the prompt) and `text`.
+A teacher-forced reference (`tools/parity/streamed_reference.py`) also has `along_ids`
+(int[g]: a continuation another engine chose); its `greedy_ids[i]` is then the
+reference's argmax after the prompt + along_ids[:i], which is the reference's own greedy
+continuation up to and including the first i where the two differ (`greedy_known_prefix`).
 
   .json  {"format": "ferrox-logits-reference", "version": 1,
           "prompts": [{"text": "...", "token_ids": [...], "logits": [[...], ...],
                        "greedy_ids": [...]}, ...]}
   .npz   scalar "format" ("ferrox-logits-reference/1") and "num_prompts"; per prompt i the
          arrays "p{i}.token_ids", "p{i}.logits" or "p{i}.top_ids" + "p{i}.top_logprobs",
-         optionally "p{i}.greedy_ids" and "p{i}.text" (a 0-d string array; no pickles).
+         optionally "p{i}.greedy_ids", "p{i}.along_ids" and "p{i}.text" (a 0-d string
+         array; no pickles).
 
 Metrics per prompt, over its n positions (`compare_prompt`):
   max_abs     full logits: max |ours - ref| over every logit. Top-k references: max
@@ -36,7 +41,11 @@ Metrics per prompt, over its n positions (`compare_prompt`):
   top1        fraction of positions where our argmax over the vocabulary is the
               reference's most likely token.
   greedy      number of leading tokens of our greedy continuation equal to the
-              reference's, out of the reference's length.
+              reference's, out of the reference's length. With `along_ids`, against the
+              part of the reference's continuation that is known (`greedy_known_prefix`):
+              exact when ours is the continuation the reference was forced along (then
+              they part where the reference's argmax leaves it), else exact up to where
+              ours leaves it and a lower bound past that.
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ class PromptReference:
     top_ids: np.ndarray | None = None  # i32[n, k]
     top_logprobs: np.ndarray | None = None  # f32[n, k]
     greedy_ids: list[int] | None = None  # the continuation after token_ids
+    along_ids: list[int] | None = None  # teacher-forced continuation greedy_ids was taken along
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -91,6 +101,9 @@ class PromptReference:
                                  f"{self.top_ids.shape} and {getattr(self.top_logprobs, 'shape', None)}")
             if self.top_ids.ndim != 2 or self.top_ids.shape[0] != n:
                 raise ValueError(f"top_ids must be [n, k] with n = {n} token ids; got shape {self.top_ids.shape}")
+        if self.along_ids is not None and len(self.along_ids) != len(self.greedy_ids or ()):
+            raise ValueError(f"along_ids has {len(self.along_ids)} tokens, greedy_ids {len(self.greedy_ids or ())}; "
+                             "a teacher-forced reference has one argmax per continuation step")
 
     @property
     def kind(self) -> str:
@@ -147,7 +160,7 @@ def to_top_k(ref: PromptReference, k: int) -> PromptReference:
     ids = np.argsort(-logp, axis=-1, kind="stable")[:, :k]
     return PromptReference(ref.token_ids, ref.text, top_ids=ids.astype(np.int32),
                            top_logprobs=np.take_along_axis(logp, ids, axis=-1).astype(np.float32),
-                           greedy_ids=ref.greedy_ids)
+                           greedy_ids=ref.greedy_ids, along_ids=ref.along_ids)
 
 
 # ---- reference files ---------------------------------------------------------------------
@@ -166,6 +179,8 @@ def save_reference(path: str | Path, refs: list[PromptReference]) -> None:
                 d["top_logprobs"] = r.top_logprobs.astype(np.float32).tolist()
             if r.greedy_ids is not None:
                 d["greedy_ids"] = list(map(int, r.greedy_ids))
+            if r.along_ids is not None:
+                d["along_ids"] = list(map(int, r.along_ids))
             prompts.append(d)
         path.write_text(json.dumps({"format": REFERENCE_FORMAT, "version": REFERENCE_VERSION, "prompts": prompts}))
     elif path.suffix == ".npz":
@@ -179,6 +194,8 @@ def save_reference(path: str | Path, refs: list[PromptReference]) -> None:
                 arrays[f"p{i}.top_logprobs"] = r.top_logprobs.astype(np.float32)
             if r.greedy_ids is not None:
                 arrays[f"p{i}.greedy_ids"] = np.asarray(r.greedy_ids, np.int32)
+            if r.along_ids is not None:
+                arrays[f"p{i}.along_ids"] = np.asarray(r.along_ids, np.int32)
             if r.text is not None:
                 arrays[f"p{i}.text"] = np.array(r.text)
         with path.open("wb") as f:
@@ -206,6 +223,7 @@ def load_reference(path: str | Path) -> list[PromptReference]:
                 logits=_opt_array(e.get("logits"), np.float32), top_ids=_opt_array(e.get("top_ids"), np.int64),
                 top_logprobs=_opt_array(e.get("top_logprobs"), np.float32),
                 greedy_ids=None if e.get("greedy_ids") is None else [int(t) for t in e["greedy_ids"]],
+                along_ids=None if e.get("along_ids") is None else [int(t) for t in e["along_ids"]],
             ))
         except (KeyError, ValueError, TypeError) as err:
             raise ValueError(f"{path}: prompt {i}: {err}") from err
@@ -267,6 +285,15 @@ def common_prefix_len(a, b) -> int:
     return n
 
 
+def greedy_known_prefix(ref: PromptReference) -> list[int]:
+    """The part of the reference's greedy continuation that is its own: all of greedy_ids,
+    or, teacher-forced along `along_ids`, up to and including the first step they differ."""
+    greedy = list(ref.greedy_ids or ())
+    if ref.along_ids is None:
+        return greedy
+    return greedy[:common_prefix_len(greedy, ref.along_ids) + 1]
+
+
 def compare_prompt(ref: PromptReference, ours_logits: np.ndarray, ours_greedy: list[int] | None) -> PromptReport:
     """Metrics of our logits f32[n, V] (and greedy tokens) against one reference prompt."""
     n = len(ref.token_ids)
@@ -290,7 +317,7 @@ def compare_prompt(ref: PromptReference, ours_logits: np.ndarray, ours_greedy: l
         ref_top1 = np.take_along_axis(ids, ref_lp.argmax(axis=-1)[:, None], axis=-1)[:, 0]
     greedy_match = None
     if ref.greedy_ids is not None and ours_greedy is not None:
-        greedy_match = common_prefix_len(ours_greedy, ref.greedy_ids)
+        greedy_match = common_prefix_len(ours_greedy, greedy_known_prefix(ref))
     return PromptReport(
         text=ref.text, num_tokens=n, reference_kind=ref.kind, max_abs=max_abs,
         mean_kl=float(kl.mean()), max_kl=float(kl.max()),

@@ -26,6 +26,10 @@ References:
 Another engine measured the same way: `--ours-file F` takes "our" side from a file in the
 reference format (its token ids must be the reference's) instead of running ferrox_jax;
 tools/parity/llamacpp_logits.py writes llama.cpp's logits so (bench/quant/blocks/accuracy.sh).
+`--save-ours F` (with --prompt / --prompts-file and no reference) writes ferrox_jax's own side
+in that format: its logits at every prompt position and its greedy continuation, through the
+same paths and kernels as a comparison; tools/parity/streamed_reference.py teacher-forces such
+a file's continuation when the float32 model is too big to hold.
 
 Reference files, their format and the metrics (max_abs, KL mean / max, top-1 agreement,
 greedy match) are defined in models/reference.py, which tests share with this tool.
@@ -169,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare ferrox_jax's logits and greedy tokens with HF transformers or a reference file.",
         epilog="Reference file format and metric definitions: see docs/compare_logits.md.")
     p.add_argument("--model", default="default", help="HF folder, .gguf file, or 'default' (the embedded SmolLM2)")
-    ref = p.add_mutually_exclusive_group(required=True)
+    ref = p.add_mutually_exclusive_group()
     ref.add_argument("--reference", choices=["hf", "float32"],
                      help="hf: HF transformers in float32; float32: ferrox_jax itself, unquantized in float32 "
                           "(the reference for --quantization)")
@@ -181,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ours-file", metavar="F",
                    help="compare this file's logits and greedy tokens (reference format, e.g. llama.cpp's from "
                         "tools/parity/llamacpp_logits.py) instead of running ferrox_jax")
+    p.add_argument("--save-ours", metavar="F",
+                   help="without a reference: write ferrox_jax's logits and greedy continuation of the prompts "
+                        "to F (reference format), e.g. for tools/parity/streamed_reference.py --along")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", metavar="F", help="prompts, one per line or a JSON list of strings")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
@@ -223,6 +230,10 @@ def _cpu_kernels(args: argparse.Namespace):
 
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not (args.reference or args.reference_file or args.save_ours):
+        p.error("one of --reference, --reference-file or --save-ours is required")
+    if args.save_ours and (args.reference or args.reference_file or args.ours_file):
+        p.error("--save-ours runs ferrox_jax on the prompts alone; drop --reference / --reference-file / --ours-file")
     if args.reference_file and (args.prompt or args.prompts_file or args.chat):
         p.error("--reference-file brings its own token ids; drop --prompt / --prompts-file / --chat")
     if args.save_reference and args.reference not in ("hf", "float32"):
@@ -273,6 +284,17 @@ def _float32_references(args, tokenizer) -> list[PromptReference]:
         save_reference(args.save_reference, refs)
         _log(f"wrote {len(refs)} prompts to {args.save_reference}")
     return refs
+
+
+def ours_references(args, ckpt, kv_dtype) -> list[PromptReference]:
+    """ferrox_jax's own side of the prompts, as a reference file holds it (--save-ours)."""
+    texts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+    encoded = [(t, encode_prompt(ckpt.tokenizer, t, args.chat)) for t in texts or DEFAULT_PROMPTS]
+    max_total = max(len(ids) for _, ids in encoded) + args.greedy_tokens
+    side = FerroxSide(ckpt.model, max_total, 1, args.block_size, args.max_chunk_tokens, kv_dtype)
+    logits = side.prompt_logits([ids for _, ids in encoded])
+    return [PromptReference(token_ids=list(ids), text=t, logits=lg, greedy_ids=side.greedy(ids, args.greedy_tokens))
+            for (t, ids), lg in zip(encoded, logits)]
 
 
 def file_comparison(refs: list[PromptReference], ours_path: str) -> list[PromptReport]:
@@ -333,6 +355,13 @@ def main(argv: list[str] | None = None) -> int:
                 kernels.pack_for_kernel(ckpt.model)
             if kernels and args.quantization == "gguf":
                 kernels.pack_blocks_for_kernel(ckpt.model, args.block_int_rows, wide_rows=args.block_wide_rows)
+        if args.save_ours:
+            from ferrox_jax.quant_setup import resolve_kv_dtype
+
+            kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, args.quantization, jnp.dtype(args.dtype))
+            save_reference(args.save_ours, ours_references(args, ckpt, kv_dtype))
+            _log(f"wrote ferrox_jax's side to {args.save_ours} ({time.perf_counter() - t0:.1f} s)")
+            return 0
         if args.reference == "hf":
             refs = _hf_references(args, ckpt.tokenizer if ckpt else load_tokenizer(args.model))
         elif args.reference == "float32":
