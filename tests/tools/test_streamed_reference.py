@@ -64,6 +64,7 @@ def test_a_layer_with_another_layers_weights_is_caught(files):
     sm = sr.StreamedModel(files["gguf"])
     whole = lr.load_reference(files["whole"])
     good = sr.stream_logits(sm, [whole[0].token_ids], block_size=8)[0]
+    assert len(sm._steps) == 1, "a llama's layers share one structure: one compiled layer step"
     for name in [n for n in sm.tensors if n.startswith("layers.1.")]:
         sm.tensors[name] = sm.tensors[name.replace("layers.1.", "layers.0.", 1)]
     wrong = sr.stream_logits(sm, [whole[0].token_ids], block_size=8)[0]

@@ -85,7 +85,7 @@ class StreamedModel:
         from models.config import UnsupportedModelError
         from models.decoder import CausalLM
         from models.loaders.common import abstract_model
-        from models.loaders.gguf import GGUF_TO_OURS_GLOBAL, config_from_gguf, gguf_tensors, open_gguf
+        from models.loaders.gguf import config_from_gguf, gguf_tensors, open_gguf
         from models.registry import family_for
         from models.tokenizer import Tokenizer
 
@@ -102,7 +102,6 @@ class StreamedModel:
         self.embed_tensor = by_name["token_embd.weight"]
         head = "token_embd.weight" if self.cfg.tie_word_embeddings else "output.weight"
         self.head_tensor = by_name[head]
-        assert GGUF_TO_OURS_GLOBAL["token_embd.weight"] == "embed"
         self._steps: dict = {}
 
     def rows(self, tensor, ids) -> np.ndarray:
@@ -122,7 +121,7 @@ class StreamedModel:
 
             from models.layers import ForwardContext
 
-            rope, cfg = self.model.rope, self.cfg
+            rope = self.model.rope
 
             def step(state, x, positions, valid, tables, k_cache, v_cache):
                 layer = nnx.merge(graphdef, state)
@@ -131,7 +130,6 @@ class StreamedModel:
                 x, _, _ = layer(x, fwd, k_cache, v_cache)
                 return x
 
-            del cfg
             self._steps[graphdef] = jax.jit(step)
         return self._steps[graphdef]
 
