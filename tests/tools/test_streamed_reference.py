@@ -10,6 +10,7 @@ patched), so the chunking is part of what is checked.
 
 from __future__ import annotations
 
+import json
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -55,7 +56,9 @@ def test_streamed_equals_the_whole_float32_model(files, capsys):
         assert np.abs(s.logits - w.logits).max() < 1e-5
         # Along its own greedy continuation the reference's argmax is that continuation.
         assert s.greedy_ids == w.greedy_ids == s.along_ids and len(w.greedy_ids) == GREEDY
-    capsys.readouterr()
+    (summary,) = json.loads(capsys.readouterr().out)["along"]
+    assert summary["greedy_match"] == [GREEDY] * 2 and summary["continuation_top1"] == [1.0] * 2
+    assert summary["parting_gap"] == [None, None]
     assert cl.main(["--reference-file", str(files["whole"]), "--ours-file", str(out), "--max-abs", "1e-5",
                     "--min-greedy-match", str(GREEDY)]) == 0
 
@@ -85,6 +88,7 @@ def test_greedy_match_along_another_continuation_is_exact(files):
     lr.save_reference(src, along)
     (summary,) = sr.run_along(sr.StreamedModel(files["gguf"]), [(str(src), str(out))], block_size=8)
     assert summary.greedy_match == [2, 2] and summary.greedy_tokens == [GREEDY, GREEDY]
+    assert all(g > 0 for g in summary.parting_gap)  # the reference's own choice ranks above the altered token
     for ref, a, w in zip(lr.load_reference(out), along, whole):
         assert lr.greedy_known_prefix(ref) == w.greedy_ids[:3]
         assert lr.compare_prompt(ref, w.logits, a.greedy_ids).greedy_match == 2

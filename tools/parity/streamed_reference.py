@@ -224,6 +224,9 @@ class AlongSummary:
     greedy_match: list[int]
     greedy_tokens: list[int]
     continuation_top1: list[float]
+    # At the first step the reference leaves the continuation: log p(its argmax) - log p(the
+    # continuation's token), in nats (a near-tie is small); None where it never leaves.
+    parting_gap: list[float | None]
 
 
 def along_references(prompt_logits: list[np.ndarray], along: list[PromptReference],
@@ -240,12 +243,19 @@ def along_references(prompt_logits: list[np.ndarray], along: list[PromptReferenc
     return out
 
 
-def summarize(path: str, refs: list[PromptReference]) -> AlongSummary:
-    from models.reference import greedy_known_prefix, common_prefix_len
+def summarize(path: str, refs: list[PromptReference], sequence_logits: list[np.ndarray]) -> AlongSummary:
+    from models.reference import common_prefix_len, greedy_known_prefix, log_softmax
 
     match = [common_prefix_len(r.along_ids, greedy_known_prefix(r)) for r in refs]
-    top1 = [float(np.mean(np.asarray(r.greedy_ids) == np.asarray(r.along_ids))) if r.along_ids else 1.0 for r in refs]
-    return AlongSummary(path, match, [len(r.along_ids) for r in refs], top1)
+    top1 = [float(np.mean(np.asarray(r.greedy_ids) == np.asarray(r.along_ids))) for r in refs]
+    gaps = []
+    for r, m, s_logits in zip(refs, match, sequence_logits):
+        if m == len(r.along_ids):
+            gaps.append(None)
+            continue
+        logp = log_softmax(s_logits[len(r.token_ids) - 1 + m])
+        gaps.append(float(logp[r.greedy_ids[m]] - logp[r.along_ids[m]]))
+    return AlongSummary(path, match, [len(r.along_ids) for r in refs], top1, gaps)
 
 
 def run_along(sm: StreamedModel, pairs: list[tuple[str, str]], block_size: int = 16,
@@ -267,7 +277,7 @@ def run_along(sm: StreamedModel, pairs: list[tuple[str, str]], block_size: int =
     for k, ((src, dst), refs) in enumerate(zip(pairs, alongs)):
         out = along_references(prompt_logits, refs, logits[k * n:(k + 1) * n])
         save_reference(dst, out)
-        summaries.append(summarize(src, out))
+        summaries.append(summarize(src, out, logits[k * n:(k + 1) * n]))
     return summaries
 
 
