@@ -18,8 +18,8 @@ thousand vocabulary rows at a time. Peak memory: one layer's float32 weights (0.
 every position [positions, V] (the output itself).
 
 The greedy continuation. A greedy reference needs one forward per token; streamed, each one
-would dequantize the whole model again (at 8B about 4 minutes on this host's two cores, so
-30 tokens cost two hours). Instead each `--along F OUT` teacher-forces the continuation that
+would dequantize the whole model again (at 8B about 5 minutes on this host's two cores, so
+30 tokens cost over two hours). Instead each `--along F OUT` teacher-forces the continuation that
 F (a reference-format file from the engine being measured: `compare_logits.py --save-ours`,
 `llamacpp_logits.py`) chose: the sequence prompt + F's greedy tokens runs once, and OUT
 records, besides the prompt logits, `greedy_ids` = the reference's argmax at each step along
@@ -30,7 +30,9 @@ agreement `compare_logits.py --reference-file OUT --ours-file F` reports is exac
 engine (for another engine it is exact as long as it stays on F's path, else a lower bound).
 The tool also prints, per along file, the top-1 agreement over the continuation positions:
 the fraction of F's continuation tokens the reference also ranks first given the same
-prefix (a position after a disagreement still counts, judged on F's own prefix).
+prefix (a position after a disagreement still counts, judged on F's own prefix), and the
+parting gap: the reference's log-prob of its own choice minus that of F's token at the
+first step they differ.
 
 All along files must hold the same prompts (token ids); their sequences share one pass.
 Without `--along`, `--prompt` / `--prompts-file` (tokenized by the GGUF's tokenizer as
