@@ -229,10 +229,12 @@ def test_integer_row_path_fused_equals_one_call_per_weight():
 
 
 # 2 and 3 rows (one group of rows' int32 sums), 4 (a whole group), 5 and 8 (a second group,
-# short and whole); [1536, 44] on the calling thread, [2048, 300] shared over threads
+# short and whole); 9, 12, 15: two passes of rows (9: a second pass of one row; 15: the most
+# rows before the prompt-chunk path, tests/models/test_block_matmul_k_split_rows.py); [1536, 44]
+# on the calling thread, [2048, 300] shared over threads (more than one 64-column block a thread)
 @needs_vnni
 @pytest.mark.parametrize("fmt", K_FORMATS)
-@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 12, 15])
 @pytest.mark.parametrize("k,n", [(1536, 44), (2048, 300)])
 def test_integer_path_rows_within_their_16_bit_bound(fmt, rows, k, n):
     x, w, got = int_product(fmt, k, n, seed=13 + rows, rows=rows)
@@ -243,26 +245,33 @@ def test_integer_path_rows_within_their_16_bit_bound(fmt, rows, k, n):
     assert np.all(np.any(err > bound(x, w), axis=1)), f"{fmt} {rows} rows: a row within float32's bound"
 
 
-@needs_vnni
-@pytest.mark.parametrize("fmt", K_FORMATS)
-def test_integer_path_rows_are_quantized_each_on_its_own(fmt):
-    # a row of activations 1000x the others', a zero row and a one-spike row in one product:
-    # each row's own scale (a shared or neighbouring row's would put the small rows' error
-    # far past their bound, or the zero row off zero); and 5 rows, the second group of rows,
-    # on the 8-bit negative control: the bound tells 16-bit from llama.cpp's 8-bit there too
+
+def check_rows_on_their_own(fmt, rows, big, zero, spike, seed):
+    """A product of `rows` rows, row `big` 1000x the others', row `zero` zero and row `spike` one
+    spike: each row's own scale (a shared or neighbouring row's would put the small rows' error
+    far past their bound, or the zero row off zero). Negative control: the rows after `spike`
+    rounded to llama.cpp's 8 bits (S = amax / 127 per 256) miss the bound, so the check tells
+    16-bit activations from 8-bit there."""
     k, n = 2048, 64
-    x = activations(5, k, seed=21)
-    x[0] *= 1000.0
-    x[2] = 0.0
-    x[3] = 0.0
-    x[3, 700] = 3.0
-    x, w, got = int_product(fmt, k, n, seed=22, x=x)
+    x = activations(rows, k, seed=seed)
+    x[big] *= 1000.0
+    x[zero] = 0.0
+    x[spike] = 0.0
+    x[spike, 700] = 3.0
+    x, w, got = int_product(fmt, k, n, seed=seed + 1, x=x)
     want = x.astype(np.float64) @ w.T
     err = np.abs(got - want)
     assert np.all(err <= int_bound(x, w)), f"{fmt}: max error / bound {np.max(err / int_bound(x, w)):.3g}"
-    assert np.all(got[2] == 0)
-    np.testing.assert_allclose(got[3], want[3], rtol=1e-6, atol=1e-6)
-    amax = np.abs(x).reshape(5, -1, 256).max(axis=2, keepdims=True)
+    assert np.all(got[zero] == 0)
+    np.testing.assert_allclose(got[spike], want[spike], rtol=1e-6, atol=1e-6)
+    amax = np.abs(x).reshape(rows, -1, 256).max(axis=2, keepdims=True)
     s = np.where(amax > 0, amax / 127, 1.0)  # the zero row stays zero
-    x8 = (np.round(x.reshape(5, -1, 256) / s) * s).reshape(5, k)
-    assert np.any((np.abs(x8 @ w.T - want) > int_bound(x, w))[4])
+    x8 = (np.round(x.reshape(rows, -1, 256) / s) * s).reshape(rows, k)
+    assert np.any((np.abs(x8 @ w.T - want) > int_bound(x, w))[spike + 1:])
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_integer_path_rows_are_quantized_each_on_its_own(fmt):
+    # 5 rows: the second group of rows holds row 4, on the 8-bit negative control
+    check_rows_on_their_own(fmt, 5, big=0, zero=2, spike=3, seed=21)
