@@ -30,21 +30,15 @@ from tokenizers.models import BPE
 
 from models.config import UnsupportedModelError
 from models.tokenizer import Tokenizer
+from tests.models.test_tokenizer import CORPUS as BASE_CORPUS
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
 CHAT_MARKERS = ["<|turn>", "<turn|>", "<|think|>", "<|tool>", "<tool|>"]
 # The converter writes these as user-defined (always rendered, for the chat parser).
 VISIBLE = ["<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>",
            '<|"|>']
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Hello world! How are you today? I am fine, thank you.",
-    "def main():\n    print('hello')\n    return 0\n",
-    "Paged attention stores keys and values in fixed-size blocks.",
-    "Continuous batching admits new requests while others decode.",
-    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000; unicode café naïve.",
-    "The model answers in the same language as the question.\n\nThen it stops.",
-] * 8
+# test_tokenizer's training text, with a paragraph break (Gemma 4 keeps newline runs whole)
+CORPUS = BASE_CORPUS + ["The model answers in the same language as the question.\n\nThen it stops."] * 8
 TEXTS = [
     "Hello world!",
     " leading space and trailing  ",
