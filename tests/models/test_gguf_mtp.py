@@ -34,6 +34,7 @@ from ferrox_jax.config import EngineConfig, SpeculativeConfig
 from ferrox_jax.request import Job, RowSampling
 from tests.support import family_checks as fc
 from tests.support.gguf_from_hf import write_deepseek2_gguf, write_qwen35_gguf
+from tests.support.mtp_serving import serve_one_greedy_completion
 from tests.support.spec_driver import drive
 
 K = 2
@@ -283,19 +284,8 @@ def test_qwen3_5_gguf_served_with_mtp_through_the_engine_builder(qwen, qwen_fitt
     """`--speculative mtp` on the GGUF file from the engine builder (check_mtp accepts it, the
     block read from the file, its K/V in the block budget) behind the real server: the plain
     greedy reply, drafts accepted and counted, no compile after warm-up."""
-    import httpx
-
-    from api.app import create_app
-    from tests.support.server_harness import ServerThread, tiny_engine, wait_for
-
     _, _, _, _, ckpt, jobs, plain = qwen
-    engine = tiny_engine(qwen_fitted, speculative=_spec(1), **{**fc.SERVE_LIMITS, "max_seqs": 1, "prefill_chunk": 8})
-    with ServerThread(create_app(engine)) as base, httpx.Client(base_url=base, timeout=120) as http:
-        model = http.get("/v1/models").json()["data"][0]["id"]
-        body = {"model": model, "prompt": list(jobs[0].prompt_token_ids), "max_tokens": 14, "temperature": 0}
-        text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
-        stats = wait_for(lambda: (s := http.get("/admin/stats").json())["spec_decode_num_draft_tokens"] and s)
-    print({k: v for k, v in stats.items() if k.startswith("spec_decode")})
+    text, stats = serve_one_greedy_completion(qwen_fitted, _spec(1), jobs[0].prompt_token_ids)
     assert text == ckpt.tokenizer.decode(plain.tokens["r0"][0])
     assert 0 < stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
     assert stats["recompiles_after_warmup"] == 0

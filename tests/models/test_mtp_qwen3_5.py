@@ -36,6 +36,7 @@ import transformers
 from ferrox_jax.config import EngineConfig, SpeculativeConfig
 from ferrox_jax.request import Job, RowSampling
 from tests.support import family_checks as fc
+from tests.support.mtp_serving import serve_one_greedy_completion
 from tests.support.spec_driver import drive
 
 MAX_ROWS = 2  # rows at once: three prompts queue behind each other
@@ -309,19 +310,8 @@ def test_served_through_the_engine_builder(case):
     """`--speculative mtp` from the engine builder (the block read from the folder, its K/V in
     the block budget, 1 + k state entries) behind the real server: the plain greedy reply,
     drafts accepted and counted, no compile after warm-up."""
-    import httpx
-
-    from api.app import create_app
-    from tests.support.server_harness import ServerThread, tiny_engine, wait_for
-
     path, _, ckpt, jobs, plain, _ = case
-    engine = tiny_engine(path, speculative=_spec(1), **{**fc.SERVE_LIMITS, "max_seqs": 1, "prefill_chunk": 8})
-    with ServerThread(create_app(engine)) as base, httpx.Client(base_url=base, timeout=120) as http:
-        model = http.get("/v1/models").json()["data"][0]["id"]
-        body = {"model": model, "prompt": list(jobs[0].prompt_token_ids), "max_tokens": 14, "temperature": 0}
-        text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
-        stats = wait_for(lambda: (s := http.get("/admin/stats").json())["spec_decode_num_draft_tokens"] and s)
-    print({k: v for k, v in stats.items() if k.startswith("spec_decode")})
+    text, stats = serve_one_greedy_completion(path, _spec(1), jobs[0].prompt_token_ids)
     assert text == ckpt.tokenizer.decode(plain.tokens["r0"][0])
     assert 0 < stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
     assert stats["recompiles_after_warmup"] == 0
