@@ -34,6 +34,7 @@ from ferrox_jax.config import EngineConfig, SpeculativeConfig
 from ferrox_jax.request import Job, RowSampling
 from tests.support import family_checks as fc
 from tests.support.gguf_from_hf import write_deepseek2_gguf, write_qwen35_gguf
+from tests.models.test_mtp_qwen3_5 import layer_tensors
 from tests.support.mtp_serving import serve_one_greedy_completion
 from tests.support.spec_driver import drive
 
@@ -59,20 +60,6 @@ def _save(path, extra: dict) -> None:
     tensors = load_file(str(path / "model.safetensors"))
     save_file({**tensors, **{k: np.asarray(v, np.float32) for k, v in extra.items()}},
               str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _layer_copy(tensors, layer: int, prefix: str, rng, scale_out: float) -> dict[str, np.ndarray]:
-    """A decoder layer of the shapes of the main model's layer `layer`, fresh random values
-    (1-D ones near zero), o_proj / down_proj times `scale_out`, under `prefix`."""
-    out = {}
-    for name, arr in tensors.items():
-        if name.startswith(f"model.layers.{layer}."):
-            suffix = name.split(".", 3)[3]
-            value = rng.randn(*arr.shape) * (float(arr.std()) or 0.02) if arr.ndim > 1 else 0.1 * rng.randn(*arr.shape)
-            if suffix.endswith(("o_proj.weight", "down_proj.weight")):
-                value = value * scale_out
-            out[prefix + suffix] = value
-    return out
 
 
 def _ours(module, path, ckpt, tokens, hidden):
@@ -190,7 +177,7 @@ def qwen_random(qwen):
     _save(random, {"mtp.fc.weight": rng.randn(d, 2 * d) / np.sqrt(2 * d),
                    **{f"mtp.{k}.weight": 0.3 * rng.randn(d) for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden",
                                                                       "norm")},
-                   **_layer_copy(tensors, 1, "mtp.layers.0.", rng, scale_out=1.0)})  # layer 1: full attention
+                   **layer_tensors(tensors, 1, rng, scale_out=1.0)})  # layer 1: full attention
     return random, write_qwen35_gguf(random, root / "random-mtp.gguf")
 
 
@@ -268,7 +255,7 @@ def qwen_fitted(qwen):
     fit = np.linalg.lstsq(e, want, rcond=None)[0]  # normed embedding of x -> LM head column of succ(x)
     _save(fitted, {"mtp.fc.weight": np.concatenate([fit.T, np.zeros((d, d))], axis=1),
                    **{f"mtp.{k}.weight": np.zeros(d) for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")},
-                   **_layer_copy(tensors, 1, "mtp.layers.0.", np.random.RandomState(2), scale_out=0.02)})
+                   **layer_tensors(tensors, 1, np.random.RandomState(2), scale_out=0.02)})
     return write_qwen35_gguf(fitted, root / "fitted-mtp.gguf")
 
 
@@ -323,7 +310,7 @@ def test_moe_gguf_mtp_layer_with_experts_equals_the_safetensors_one(arch, tmp_pa
     d = config.hidden_size
     mtp = {"mtp.fc.weight": rng.randn(d, 2 * d) / np.sqrt(2 * d),
            **{f"mtp.{k}.weight": 0.3 * rng.randn(d) for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")},
-           **_layer_copy(tensors, 1, "mtp.layers.0.", rng, scale_out=1.0)}
+           **layer_tensors(tensors, 1, rng, scale_out=1.0)}
     assert any(".mlp.experts.3." in k for k in mtp) and "mtp.layers.0.mlp.shared_expert_gate.weight" in mtp
     _save(folder, mtp)
     path = write_qwen35_gguf(folder, tmp_path / f"tiny-{arch}.gguf", arch=arch)
@@ -359,7 +346,7 @@ def _deepseek_mtp(tensors, n: int, rng, eh_proj, head, norms, scale_out: float) 
         "enorm.weight": norms[0], "hnorm.weight": norms[1], "eh_proj.weight": eh_proj,
         "shared_head.norm.weight": np.ones(d), "shared_head.head.weight": head,
         "embed_tokens.weight": tensors["model.embed_tokens.weight"],
-        **_layer_copy(tensors, n - 1, "", rng, scale_out)}.items()}
+        **layer_tensors(tensors, n - 1, rng, scale_out, prefix="")}.items()}
 
 
 def test_deepseek_v3_gguf_mtp_layer_equals_the_safetensors_one(deepseek, monkeypatch):

@@ -59,9 +59,10 @@ def _rms(x):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)
 
 
-def _layer_tensors(tensors, layer: int, rng, scale_out: float) -> dict[str, np.ndarray]:
-    """`mtp.layers.0.*`: the shapes of the main model's layer `layer`, fresh random values
-    (norms zero-centred, as the checkpoints store them), o_proj / down_proj times `scale_out`."""
+def layer_tensors(tensors, layer: int, rng, scale_out: float, prefix: str = "mtp.layers.0.") -> dict[str, np.ndarray]:
+    """`mtp.layers.0.*` (or another `prefix`): the shapes of the main model's layer `layer`, fresh
+    random values (norms zero-centred, as the checkpoints store them), o_proj / down_proj times
+    `scale_out` (tests/models/test_gguf_mtp.py builds its blocks with it too)."""
     out = {}
     for name, arr in tensors.items():
         if name.startswith(f"model.layers.{layer}."):
@@ -69,7 +70,7 @@ def _layer_tensors(tensors, layer: int, rng, scale_out: float) -> dict[str, np.n
             value = rng.randn(*arr.shape) * (float(arr.std()) or 0.02) if arr.ndim > 1 else 0.1 * rng.randn(*arr.shape)
             if suffix.endswith(("o_proj.weight", "down_proj.weight")):
                 value = value * scale_out
-            out[f"mtp.layers.0.{suffix}"] = np.asarray(value, np.float32)
+            out[prefix + suffix] = np.asarray(value, np.float32)
     return out
 
 
@@ -117,7 +118,7 @@ def case(tmp_path_factory):
     mtp = {"mtp.fc.weight": np.concatenate([fit.T, np.zeros((d, d))], axis=1).astype(np.float32),  # HF [out, in]
            **{f"mtp.{k}.weight": np.zeros(d, np.float32) for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden",
                                                                     "norm")},
-           **_layer_tensors(tensors, 1, rng, scale_out=0.02)}  # layer 1 is a full-attention one
+           **layer_tensors(tensors, 1, rng, scale_out=0.02)}  # layer 1 is a full-attention one
     _write(path, mtp)
     return path, runner, ckpt, jobs, plain, succ
 
@@ -237,7 +238,7 @@ def test_mtp_layer_matches_vllms_definition(case, tmp_path):
     mtp = {"mtp.fc.weight": (rng.randn(d, 2 * d) / np.sqrt(2 * d)).astype(np.float32),
            **{f"mtp.{k}.weight": (0.1 * rng.randn(d)).astype(np.float32)
               for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")},
-           **_layer_tensors(tensors, 1, rng, scale_out=1.0)}
+           **layer_tensors(tensors, 1, rng, scale_out=1.0)}
     _write(folder, mtp)
     cfg = transformers.AutoConfig.from_pretrained(folder)
     cfg._attn_implementation = "eager"
