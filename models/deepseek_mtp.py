@@ -49,7 +49,6 @@ from flax import nnx
 
 from models.deepseek_v3 import HF_LAYER_WEIGHTS, DeepseekV3Config, DeepseekV3DecoderLayer
 from models.layers import ForwardContext, norm_param, param, project, rms_norm
-from models.loaders.gguf_mtp import gguf_mtp_tensors
 from models.loaders.shards import shard_tensors
 from models.mtp_weights import NoMtpLayerError, fill_mtp, our_mtp_tensors
 from models.quant import embed_lookup
@@ -142,6 +141,8 @@ def mtp_tensors(folder: Path, cfg: DeepseekV3Config) -> dict[str, Callable[[], n
     NoMtpLayerError when it has none."""
     n = cfg.num_layers
     if folder.suffix == ".gguf":  # the block's decoder layer is an MoE one, as layer n is
+        from models.loaders.gguf_mtp import gguf_mtp_tensors  # the gguf package only for a GGUF file
+
         return gguf_mtp_tensors(folder, cfg, dataclasses.replace(cfg, num_layers=1, dense_layers=()),
                                 GGUF_MTP_WEIGHTS)
     layer_re = re.compile(rf"^model\.layers\.{n}\.(.+)$")

@@ -54,7 +54,6 @@ from flax import nnx
 
 from models.deepseek_mtp import gathered
 from models.layers import ForwardContext, norm_param, param, project, rms_norm_plus_one
-from models.loaders.gguf_mtp import gguf_mtp_tensors
 from models.loaders.shards import shard_tensors
 from models.mtp_weights import NoMtpLayerError, fill_mtp, our_mtp_tensors
 from models.qwen3_5 import MTP_PREFIXES, Qwen3_5Config, Qwen3_5DecoderLayer
@@ -139,6 +138,8 @@ def mtp_tensors(folder: Path, cfg: Qwen3_5Config) -> dict[str, Callable[[], np.n
     block (`folder`: a checkpoint folder, or a GGUF file's `nextn` block); raises
     NoMtpLayerError when it has none, or one we cannot run."""
     if folder.suffix == ".gguf":
+        from models.loaders.gguf_mtp import gguf_mtp_tensors  # the gguf package only for a GGUF file
+
         return gguf_mtp_tensors(folder, cfg, layer_config(cfg), GGUF_MTP_WEIGHTS, norm_offset=1.0, max_blocks=1)
     loads = shard_tensors(folder, lambda name: name.split("mtp.", 1)[1] if name.startswith(MTP_PREFIXES) else None)
     if "fc.weight" not in loads:
