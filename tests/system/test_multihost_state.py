@@ -42,7 +42,9 @@ from tests.support.server_harness import ServerThread, tiny_engine
 from tests.system.test_multihost import cluster
 
 # Blocks of 4 (X is 3 of them), 2 rows (n = 2), one 16-token chunk: few shapes to compile.
-LIMITS = dict(block_size=4, kv_blocks=64, max_context=96, max_seqs=2, prefill_chunk=16, max_queue=4)
+# 8 snapshot slots (two per row would be 4): every prompt's and reply's snapshot stays, so the hits
+# below test what the group carries, not which snapshot a full pool gives up (its own tests)
+LIMITS = dict(block_size=4, kv_blocks=64, max_context=96, max_seqs=2, prefill_chunk=16, max_queue=4, state_snapshots=8)
 PREFIX = 12
 
 
