@@ -188,7 +188,9 @@ def test_qwen3_5_gguf_mtp_layer_equals_the_safetensors_one(qwen_random, monkeypa
     random, path = qwen_random
     _, gg, tokens, hidden, want = _check_parity(qwen3_5_mtp, random, path, monkeypatch, "Qwen3.5")
     # negative control: the nextn norms' stored 1 + w kept
-    monkeypatch.setattr(qwen3_5_mtp, "gguf_mtp_tensors",
+    from models.loaders import gguf_mtp  # imported by the layer module when it reads a GGUF file
+
+    monkeypatch.setattr(gguf_mtp, "gguf_mtp_tensors",
                         lambda *a, **kw: gguf_mtp_tensors(*a, **{**kw, "norm_offset": 0.0}))
     unshifted = _diff(_ours(qwen3_5_mtp, path, gg, tokens, hidden), want)
     print(f"Qwen3.5: nextn norms read as stored (1 + w): max |Δ| {unshifted:.1e}")
