@@ -67,7 +67,7 @@ from ferrox_jax.runner import ModelRunner, block_table_width
 from ferrox_jax.runner_protocol import Runner
 from ferrox_jax.sharding import check_divisibility, make_mesh, param_placement
 from models.moe_ep import enable_expert_parallel, resolve_expert_parallel
-from ferrox_jax.state_pool import recurrent_settings, settings_pool_bytes, snapshot_slots, state_entries
+from ferrox_jax.state_pool import settings_pool_bytes, snapshot_slots, state_entries
 from models.checkpoint import CheckpointSource
 from models.config import ModelConfig
 from models.loader import open_checkpoint
@@ -410,7 +410,6 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
                     "its outputs are meaningless (for sizing and benchmarks only)",
                     config.dummy_weights_seed, source.name)
     vision, config, source = open_vision(source, config)  # a model taking images: its encoder
-    config = recurrent_settings(config, source.config)  # every setting runs with them now (state_pool.py)
     _, model_axis = config.mesh_shape
     if jax.process_count() > 1:
         check_mesh(model_axis, jax.device_count())

@@ -197,15 +197,3 @@ def state_entries(speculative) -> int:
     token a row verifies, 1 + its most drafts, so that the next step continues from the last
     accepted one (`models/deltanet.py`, "Speculation"); 1 without."""
     return 1 if speculative is None else 1 + speculative.most_drafts
-
-
-def recurrent_settings(config, model_cfg):
-    """The `EngineConfig` a model with recurrent layers is served under: every setting runs
-    with them now, so it is returned as it is. Prefix caching keeps state snapshots
-    (`ferrox_jax/state_snapshots.py`), the host KV tier keeps snapshots beside its blocks
-    (`ferrox_jax/kv_offload.py`, "Snapshots"), speculation runs on one device or under
-    tensor parallelism (`--speculative mtp` runs their own `mtp.*` block,
-    `models/qwen3_5_mtp.py`, on one device). The place a setting these models cannot take
-    would be refused, before the weights are placed."""
-    del model_cfg
-    return config

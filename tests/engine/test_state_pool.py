@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 
 from ferrox_jax.admission import check_admission
-from ferrox_jax.config import EngineConfig, SchedulerLimits, SpeculativeConfig
+from ferrox_jax.config import EngineConfig, SchedulerLimits
 from ferrox_jax.request import Job
 from ferrox_jax.scheduler import Scheduler
-from ferrox_jax.state_pool import NULL_SLOT, StatePool, pool_bytes, recurrent_settings
+from ferrox_jax.state_pool import NULL_SLOT, StatePool, pool_bytes
 from models.deltanet import DeltaNetSpec
 from tests.support.scripted import ByteTokenizer, ScriptedRunner, letters_token_fn, run_until_idle, tick
 
@@ -114,35 +114,7 @@ def test_n_above_one_is_admitted_for_a_model_with_recurrent_state():
     assert check_admission(job("n2", n=2), limits) is None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Cfg:
-    specs: tuple = ()
-    architecture: str = "Qwen3_5ForCausalLM"
-
-    def recurrent_specs(self):
-        return self.specs
-
-
 SPEC = DeltaNetSpec(num_k_heads=2, num_v_heads=4, k_head_dim=16, v_head_dim=16, conv_kernel=4)
-
-
-def test_recurrent_models_keep_prefix_caching_and_speculate():
-    config = EngineConfig(model="unused")
-    assert recurrent_settings(config, _Cfg()) is config, "other models keep their settings"
-    assert recurrent_settings(config, _Cfg((SPEC,))).prefix_caching, "hits restore state snapshots"
-    # speculation runs: each slot keeps the states after every verified token (models/deltanet.py)
-    spec = recurrent_settings(dataclasses.replace(config, speculative=SpeculativeConfig()), _Cfg((SPEC,)))
-    assert spec.speculative == SpeculativeConfig() and spec.prefix_caching
-    # and under tensor parallelism: the entries split as their states, the positions replicated
-    both = recurrent_settings(dataclasses.replace(config, speculative=SpeculativeConfig(), tensor_parallel=2),
-                              _Cfg((SPEC,)))
-    assert both.speculative == SpeculativeConfig() and both.mesh_shape == (1, 2)
-    # the host KV tier keeps snapshots beside its blocks (ferrox_jax/kv_offload.py): no longer refused
-    tiered = dataclasses.replace(config, kv_offload_gib=1.0)
-    assert recurrent_settings(tiered, _Cfg((SPEC,))) is tiered
-    # tensor parallelism splits the pool (ferrox_jax/sharding.py): served, prefix caching on as on one device
-    sharded = recurrent_settings(dataclasses.replace(config, tensor_parallel=2), _Cfg((SPEC,)))
-    assert sharded.mesh_shape == (1, 2) and sharded.prefix_caching
 
 
 def test_pool_bytes_are_every_slot_of_every_layer():

@@ -25,7 +25,7 @@ import transformers
 from ferrox_jax.config import EngineConfig, SpeculativeConfig
 from ferrox_jax.request import Job, RowSampling
 from ferrox_jax.runner import ModelRunner
-from ferrox_jax.state_pool import pool_bytes, recurrent_settings, state_entries
+from ferrox_jax.state_pool import pool_bytes, state_entries
 from models import deltanet
 from models.loader import load_checkpoint
 from tests.support import family_checks as fc
@@ -200,14 +200,6 @@ def test_negative_control_keeping_the_states_after_every_verified_token_is_caugh
 def test_speculation_is_served_and_sized_for_these_models():
     spec = deltanet.DeltaNetSpec(num_k_heads=2, num_v_heads=4, k_head_dim=16, v_head_dim=16, conv_kernel=4)
 
-    class Cfg:
-        architecture = "Qwen3_5ForCausalLM"
-
-        def recurrent_specs(self):
-            return (spec,)
-
-    config = EngineConfig(model="unused", speculative=NGRAM)
-    assert recurrent_settings(config, Cfg()).speculative == NGRAM, "prompt lookup is no longer refused"
     # 1 + k entries a slot, and each slot's position (i32): 3 slots of 2 layers
     per_entry = 2 * (3 * 128 + 4 * 16 * 16) * 4
     assert state_entries(NGRAM) == 1 + K and state_entries(None) == 1
@@ -224,7 +216,6 @@ def test_mtp_and_a_draft_with_recurrent_layers_are_refused_with_the_reason(qwen3
     # --speculative mtp runs on these models' own mtp.* block (tests/models/test_mtp_qwen3_5.py);
     # this checkpoint has none, and is refused naming it.
     mtp = EngineConfig(model=str(path), speculative=SpeculativeConfig(method="mtp"))
-    assert recurrent_settings(mtp, ckpt.config).speculative.method == "mtp"
     with pytest.raises(ValueError, match=r"no multi-token-prediction layer \(no mtp\.fc\.weight.*--speculative ngram"):
         check_mtp(mtp, open_checkpoint(str(path)), 1)
     # A draft's proposal steps would move its own states past the row's tokens.
