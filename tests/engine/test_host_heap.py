@@ -21,8 +21,8 @@ def test_trimming_the_host_heap_gives_freed_pages_back():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-    blocks = [ctypes.create_string_buffer(1000) for _ in range(100_000)]  # ~100 MB of small mallocs
-    keep = blocks[::1000]  # a few live blocks pin the heap's top: free() alone cannot shrink it
+    blocks = [ctypes.create_string_buffer(1000) for _ in range(200_000)]  # ~200 MB of small mallocs
+    keep = blocks[::2000]  # a few live blocks pin the heap's top: free() alone cannot shrink it
     del blocks
     before = rss()
     assert trim_host_heap()
