@@ -162,6 +162,30 @@ struct WideActivations {
   }
 };
 
+// One row (M == 1, wide_rows > 0, AVX-512 VNNI): x quantized once into 16-bit-accurate int8
+// pairs per block (block_matmul_rowint.inc), then the columns of every weight shared over
+// the pool as RunProducts shares them, one thread computing each output element whole.
+ffi::Error RunOneRowProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* fmts, int64_t count,
+                             int64_t threads) {
+  const int64_t k = ps[0].k;
+  std::vector<uint8_t> buf(ferrox_rowint::RowIntBytes(k) + 64);
+  uint8_t* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+  const ferrox_rowint::RowIntX xr = ferrox_rowint::QuantizeRowInt(ps[0].x, k, at);
+  int64_t n_total = 0;
+  for (int64_t i = 0; i < count; ++i) n_total += ps[i].n;
+  const int64_t target = threads * 4;
+  const int64_t chunk = std::max<int64_t>(4, ((n_total + target - 1) / target + 3) / 4 * 4);
+  int64_t first[4] = {0, 0, 0, 0}, tasks = 0;
+  for (int64_t i = 0; i < count; ++i) first[i] = tasks, tasks += (ps[i].n + chunk - 1) / chunk;
+  ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, &xr, chunk](int64_t t) {
+    int64_t i = count - 1;
+    while (t < first[i]) --i;
+    const int64_t begin = (t - first[i]) * chunk, end = std::min(ps[i].n, begin + chunk);
+    ferrox_rowint::RowIntRun(fmts[i], ps[i], xr, begin, end);
+  });
+  return ffi::Error::Success();
+}
+
 // The products of one call: outs[i] = x @ dequantize(ws[i])^T for `count` weights of the
 // same x (the multi-weight handler fuses q/k/v and gate/up this way; one weight is the
 // plain call). The columns of all of them are shared over the pool as one problem; the
@@ -185,6 +209,7 @@ ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* f
   // x quantized once for every weight of the call, for the integer or the 16-bit path
   const bool integer = int_rows > 0 && m >= int_rows;
   const bool wide = !integer && kIsa == 2 && wide_rows > 0 && m >= wide_rows;
+  if (!integer && kIsa == 2 && wide_rows > 0 && m == 1) return RunOneRowProducts(pool, ps, fmts, count, threads);
   Int8Activations xq;
   WideActivations xw;
   if (integer) xq.Quantize(pool, threads, ps[0].x, m, k);

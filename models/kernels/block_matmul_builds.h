@@ -64,4 +64,12 @@ namespace ferrox_avx512 {
 }  // namespace ferrox_avx512
 #pragma GCC pop_options
 
+// One row on integer dot products with 16-bit-accurate activations (AVX-512 VNNI only).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+namespace ferrox_rowint {
+#include "block_matmul_rowint.inc"
+}  // namespace ferrox_rowint
+#pragma GCC pop_options
+
 #endif  // FERROX_MODELS_KERNELS_BLOCK_MATMUL_BUILDS_H_
