@@ -97,8 +97,9 @@ def block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
         rows, wide = cpu_kernels.block_int_rows(), cpu_kernels.block_wide_rows()
         if rows:
             paths = f"float32 activations below {rows} rows, 32-wide int8 activation blocks from there"
-        elif wide:
-            paths = f"float32 activations below {wide} rows, 32-wide int16 activation blocks from there"
+        elif wide:  # wide_rows > 0 also puts one row on integer dots (block_matmul_rowint.inc)
+            between = f", float32 from 2 to {wide - 1} rows" if wide > 2 else ""
+            paths = f"16-bit integer activations at one row{between}, 32-wide int16 activation blocks from {max(wide, 2)}"
         else:
             paths = "float32 activations at every row count"
         if amx := cpu_kernels.block_amx_rows():

@@ -200,6 +200,14 @@ def block_int_rows() -> int:
 # 56.8 (docs/benchmarks.md "16-bit activation blocks"). The rounding is at most 1/65534 of
 # a block's largest activation; the default mode's KL against float32 stays ~2,500x below
 # llama.cpp's (tools/parity/compare_logits.py).
+# Any wide_rows > 0 also puts a one-row product (a c1 decode step's) on integer dot products
+# (block_matmul_rowint.inc: each 32-wide activation block split into two int8 parts, x ~= S
+# (q1 + q2 / 256), error <= amax / 65024 of the block; vpdpbusd on the weights' own nibbles /
+# bytes, d and Q4_1's m applied in float per block); 0 keeps float32 activations at one row
+# too. Measured on Zen 4 (bench/kernels/block_rowint_stream.sh, docs/benchmarks.md "One row of
+# Q4_0 / Q4_1 / Q8_0 on integer dot products"): one thread from L2, [2048, 512], 1.58 / 1.74 /
+# 1.65x the float tile (Q4_0 / Q4_1 / Q8_0); two threads through DRAM on the 1B shapes Q4_0
+# 1.13-1.36x, Q4_1 1.19-1.46x, Q8_0 0.90-1.06x (its tile was already at the memory; load 16-20).
 BLOCK_WIDE_ROWS = {"AVX-512 VNNI": 5, "AVX2": 0}
 
 

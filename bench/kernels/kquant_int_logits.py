@@ -13,9 +13,10 @@ every projection an R-row product, as a decode step of R sequences), R prompts c
 per group (the whole groups of the 16 prompts), up to the shortest prompt + continuation of the group, and the greedy
 continuations run all R rows a step on both sides. The calls alternate between the sides
 (in both orders) and are timed: best and median ms of a step through `run_logits` (its host
-work and the full-vocabulary logits' copy included) on each path. Only the K-quant tensors
-change path (the block kernel's Q4_0 / Q8_0 tensors keep wide_rows 0 in both: the same as
-the float side below 5 rows).
+work and the full-vocabulary logits' copy included) on each path. The block kernel's Q4_0 /
+Q4_1 / Q8_0 tensors change path too: wide_rows 1 puts their one-row products on integer dots
+(block_matmul_rowint.inc), 2 rows and more on 32-wide int16 activation blocks; so on a file of
+those formats (the default model, llama-3.2-1b-Q4_0) the same run measures that kernel.
 """
 
 from __future__ import annotations
