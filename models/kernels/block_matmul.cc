@@ -20,13 +20,17 @@
 // (per layer of the default model at one row, the separate k and v calls cost ~8.5 µs each
 // for 69 KB of weights, mostly a call's start and end).
 //
-// Four paths, chosen by the row count M:
+// Five paths, chosen by the row count M:
 // - M >= amx_rows on a CPU with AMX-BF16: activations and dequantized blocks split into
 //   bf16 hi + lo pairs, three tile products (block_matmul_amx.inc has why and how exact).
 // - M >= wide_rows on the AVX-512 VNNI build (and below int_rows): activations in 32-wide
 //   int16 blocks, the weights' integers widened to int16, vpdpwssd block dots
 //   (block_matmul_i16.inc: one thread, 1.45x the float path at 8 rows, 1.5-1.7x at
 //   16-160; activation rounding at most 1/65534 of a block's largest value).
+// - M == 1 with wide_rows > 0 on the AVX-512 VNNI build (below int_rows): the row split into
+//   two int8 parts per 32-wide block, x ~= S (q1 + q2 / 256), vpdpbusd on the weights' own
+//   nibbles / bytes (block_matmul_rowint.inc: 1.6-1.7x the float tile from L2 on one thread;
+//   activation rounding at most amax / 65024 of a block).
 // - M < int_rows: float32 activations times the blocks dequantized in registers
 //   (d * q + m, one FMA per 8 weights; from a few rows into an L1 panel, once for all
 //   rows: AVX2 from 4 rows, AVX-512 from 5, 16 for Q8_0), accumulated in float32: the
