@@ -55,6 +55,7 @@
 #include <cpuid.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -190,6 +191,30 @@ ffi::Error RunOneRowProducts(ffi::ThreadPool& pool, const Problem* ps, const int
   return ffi::Error::Success();
 }
 
+// x [m, k] for block_matmul_rows16.inc (2 to 15 rows, AVX-512 VNNI): groups of R rows, each
+// row in P = 8 / R lanes; a row a task.
+struct Rows16Activations {
+  std::vector<Lanes16> pairs;  // 8 Lanes16 (16 slots x 8 lanes) a group and block
+  std::vector<float> scales, sums;
+  ferrox_avx512::Rows16 rows{};
+
+  void Quantize(ffi::ThreadPool& pool, int64_t threads, const float* x, int64_t m, int64_t k) {
+    const int64_t per = ferrox_avx512::Rows16PerGroup(m), groups = (m + per - 1) / per, blocks = k / kBlock;
+    pairs.resize(groups * blocks * 8);  // zero: lanes of rows past m
+    scales.resize(groups * blocks * 8);
+    sums.resize(groups * blocks * 8);
+    int32_t* pair_data = pairs.data()->v;
+    ferrox::ParallelFor(pool, std::min<int64_t>(threads, m), m, [&](int64_t r) {
+      ferrox_avx512::QuantizeRows16Row(x, k, per, r, pair_data, scales.data(), sums.data());
+    });
+    rows = ferrox_avx512::Rows16{pair_data, scales.data(), sums.data(), per};
+  }
+};
+
+// Products that ran on block_matmul_rows16.inc since the library loaded (the tests' check
+// that the path ran: its results are block_matmul_i16.inc's bits).
+std::atomic<int64_t> rows16_calls{0};
+
 // The products of one call: outs[i] = x @ dequantize(ws[i])^T for `count` weights of the
 // same x (the multi-weight handler fuses q/k/v and gate/up this way; one weight is the
 // plain call). The columns of all of them are shared over the pool as one problem; the
@@ -214,10 +239,14 @@ ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* f
   const bool integer = int_rows > 0 && m >= int_rows;
   const bool wide = !integer && kIsa == 2 && wide_rows > 0 && m >= wide_rows;
   if (!integer && kIsa == 2 && wide_rows > 0 && m == 1) return RunOneRowProducts(pool, ps, fmts, count, threads);
+  // 2 to 15 rows: rows and columns in the lanes where block_matmul_rows16.inc takes M
+  const bool rows16 = wide && m <= 15 && ferrox_avx512::Rows16PerGroup(m) > 0;
   Int8Activations xq;
   WideActivations xw;
+  Rows16Activations xr;
   if (integer) xq.Quantize(pool, threads, ps[0].x, m, k);
-  if (wide) xw.Quantize(pool, threads, ps[0].x, m, k);
+  if (rows16) xr.Quantize(pool, threads, ps[0].x, m, k), rows16_calls.fetch_add(1, std::memory_order_relaxed);
+  else if (wide) xw.Quantize(pool, threads, ps[0].x, m, k);
   // 4 chunks per thread balance uneven progress; chunks are whole 4-column tiles of one
   // weight (a weight's last chunk may be short).
   const int64_t target = threads * 4;
@@ -226,13 +255,15 @@ ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* f
   int64_t tasks = 0;
   for (int64_t i = 0; i < count; ++i) first[i] = tasks, tasks += (ps[i].n + chunk - 1) / chunk;
   const QuantizedRows* rows = integer ? &xq.rows : nullptr;
-  const ferrox_avx512::WideRows* wide_rows_ptr = wide ? &xw.rows : nullptr;
-  ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, rows, wide_rows_ptr, chunk](int64_t t) {
+  const ferrox_avx512::WideRows* wide_rows_ptr = wide && !rows16 ? &xw.rows : nullptr;
+  const ferrox_avx512::Rows16* rows16_ptr = rows16 ? &xr.rows : nullptr;
+  ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, rows, wide_rows_ptr, rows16_ptr, chunk](int64_t t) {
     int64_t i = count - 1;
     while (t < first[i]) --i;
     const Problem& p = ps[i];
     const int64_t begin = (t - first[i]) * chunk, end = std::min(p.n, begin + chunk);
-    if (wide_rows_ptr != nullptr) ferrox_avx512::RunWide(fmts[i], p, *wide_rows_ptr, begin, end);
+    if (rows16_ptr != nullptr) ferrox_avx512::RunRows16(fmts[i], p, *rows16_ptr, begin, end);
+    else if (wide_rows_ptr != nullptr) ferrox_avx512::RunWide(fmts[i], p, *wide_rows_ptr, begin, end);
     else if (kIsa == 2) ferrox_avx512::Run(fmts[i], p, rows, begin, end);
     else ferrox_avx2::Run(fmts[i], p, rows, begin, end);
   });
@@ -312,6 +343,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxBlockMatmulMulti, BlockMatmulMultiImpl,
 
 // Which build of this kernel runs here: 2 AVX-512 VNNI, 1 AVX2, 0 none.
 extern "C" int ferrox_block_isa() { return kIsa; }
+
+// How many products block_matmul_rows16.inc has run (tests: that the path ran).
+extern "C" int64_t ferrox_block_rows16_calls() { return rows16_calls.load(std::memory_order_relaxed); }
 
 // Whether the AMX-BF16 path can run here (1) or not (0).
 extern "C" int ferrox_block_amx() { return kAmx ? 1 : 0; }
