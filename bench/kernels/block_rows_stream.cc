@@ -8,7 +8,9 @@
 // 16-bit paths' times include quantizing the rows on the calling thread. Prints the best and
 // the median sample of ROUNDS rounds (the best copy of a round is its sample) in GB/s of
 // weight bytes, and each path's max difference from the float path relative to |float| + 1
-// (the 16-bit activation rounding: ~1e-4; a bug shows as O(1)).
+// (the 16-bit activation rounding: ~1e-4; a bug shows as O(1)), and how many outputs of the
+// rows16 variants differ in their bits from the wide path's (the same block terms in the same
+// order: 0).
 //   c++ -O3 -std=c++17 -mf16c -pthread -I models/kernels bench/kernels/block_rows_stream.cc -o /tmp/block_rows_stream
 //   /tmp/block_rows_stream THREADS ROUNDS K N ROWS
 #include <immintrin.h>
@@ -93,7 +95,8 @@ int main(int argc, char** argv) {
   const int64_t per_thread = (n / threads + 7) / 8 * 8;
   std::vector<double> probe_samples, samples[3][kPaths];
   double max_diff[3][kPaths] = {};
-  std::vector<float> out(m * n), ref(m * n);
+  int64_t unequal[3][kPaths] = {};  // outputs whose bits differ from the wide path's
+  std::vector<float> out(m * n), ref(m * n), wide_out(m * n);
   volatile float sink = 0;
   for (int round = 0; round < rounds; ++round) {
     double best_probe = 0;
@@ -109,7 +112,7 @@ int main(int argc, char** argv) {
       const int64_t bytes = n * k / kBlock * BlockBytes(fmts[fi]);
       for (int path = 0; path < kPaths; ++path) {
         double best = 0;
-        float* o = path ? out.data() : ref.data();
+        float* o = path == 0 ? ref.data() : path == 1 ? wide_out.data() : out.data();
         const auto quantize = [&] {
           if (path == 1)
             for (int64_t g = 0; g < wgroups; ++g)
@@ -132,9 +135,11 @@ int main(int argc, char** argv) {
           best = std::max(best, bytes / team.Time(quantize, product) / 1e9);
         }
         samples[fi][path].push_back(best);
-        if (path > 0)
-          for (int64_t i = 0; i < m * n; ++i)
-            max_diff[fi][path] = std::max<double>(max_diff[fi][path], std::fabs(out[i] - ref[i]) / (std::fabs(ref[i]) + 1.0));
+        for (int64_t i = 0; path > 0 && i < m * n; ++i) {
+          const float v = path == 1 ? wide_out[i] : out[i];
+          max_diff[fi][path] = std::max<double>(max_diff[fi][path], std::fabs(v - ref[i]) / (std::fabs(ref[i]) + 1.0));
+          if (path > 1) unequal[fi][path] += std::memcmp(&v, &wide_out[i], 4) != 0;
+        }
       }
     }
   }
@@ -149,6 +154,7 @@ int main(int argc, char** argv) {
       const double b = *std::max_element(samples[fi][path].begin(), samples[fi][path].end()), md = Median(samples[fi][path]);
       std::printf("  %s %.1f / %.1f", paths[path], b, md);
       if (path > 0) std::printf(" (%.2fx / %.2fx, diff %.1g)", b / base, md / base_med, max_diff[fi][path]);
+      if (path > 1) std::printf(" [%ld outputs not wide's bits]", static_cast<long>(unequal[fi][path]));
     }
     std::printf("\n");
   }
