@@ -99,7 +99,8 @@ def block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
             paths = f"float32 activations below {rows} rows, 32-wide int8 activation blocks from there"
         elif wide:  # wide_rows > 0 also puts one row on integer dots (block_matmul_rowint.inc)
             between = f", float32 from 2 to {wide - 1} rows" if wide > 2 else ""
-            paths = f"16-bit integer activations at one row{between}, 32-wide int16 activation blocks from {max(wide, 2)}"
+            paths = (f"16-bit integer activations at one row{between}, 32-wide int16 activation blocks from "
+                     f"{max(wide, 2)} ({cpu_kernels.BLOCK_ROWS16_RANGE} rows with rows and columns in the vector lanes)")
         else:
             paths = "float32 activations at every row count"
         if amx := cpu_kernels.block_amx_rows():

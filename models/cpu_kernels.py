@@ -208,7 +208,16 @@ def block_int_rows() -> int:
 # Q4_0 / Q4_1 / Q8_0 on integer dot products"): one thread from L2, [2048, 512], 1.58 / 1.74 /
 # 1.65x the float tile (Q4_0 / Q4_1 / Q8_0); two threads through DRAM on the 1B shapes Q4_0
 # 1.13-1.36x, Q4_1 1.19-1.46x, Q8_0 0.90-1.06x (its tile was already at the memory; load 16-20).
+# From 5 to 12 rows the kernel takes block_matmul_rows16.inc instead (the same int16
+# activation blocks and the same bits; a vector's 8 lanes are 4 rows x 2 columns, so no lane
+# is padding at 8 or 12 rows and each weight pair broadcast feeds two row groups). One thread
+# from L2, [2048 -> 512], against the float path, alternated in one run: 8 rows Q4_0 1.39x
+# where the 8-lane groups ran 1.21x, 12 rows 1.45x where they ran 1.20x; at 2-4 rows this
+# design (and R 2: 2 rows x 4 columns) stayed below the float tile (0.5-0.8x), so the
+# threshold stays 5 (bench/kernels/block_rows_stream.sh; docs/benchmarks.md "Two to fifteen
+# rows of Q4_0 / Q4_1 / Q8_0").
 BLOCK_WIDE_ROWS = {"AVX-512 VNNI": 5, "AVX2": 0}
+BLOCK_ROWS16_RANGE = "5-12"  # block_matmul_rows16.inc's Rows16PerGroup (the start-up log)
 
 
 def block_wide_rows() -> int:

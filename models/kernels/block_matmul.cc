@@ -26,7 +26,10 @@
 // - M >= wide_rows on the AVX-512 VNNI build (and below int_rows): activations in 32-wide
 //   int16 blocks, the weights' integers widened to int16, vpdpwssd block dots
 //   (block_matmul_i16.inc: one thread, 1.45x the float path at 8 rows, 1.5-1.7x at
-//   16-160; activation rounding at most 1/65534 of a block's largest value).
+//   16-160; activation rounding at most 1/65534 of a block's largest value). From 5 to 12
+//   rows the same activation blocks and block terms with rows and columns in the lanes, 4
+//   rows x 2 columns a vector (block_matmul_rows16.inc: the same bits, 1.4x the float path
+//   at 8 and 12 rows where the 8-lane row groups ran 1.2x; one thread from L2).
 // - M == 1 with wide_rows > 0 on the AVX-512 VNNI build (below int_rows): the row split into
 //   two int8 parts per 32-wide block, x ~= S (q1 + q2 / 256), vpdpbusd on the weights' own
 //   nibbles / bytes (block_matmul_rowint.inc: 1.6-1.7x the float tile from L2 on one thread;
