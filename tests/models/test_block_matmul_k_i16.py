@@ -7,7 +7,9 @@ each activation off by at most amax / 65534 of its block, times sum |w| over the
 the float32 sums' few ulps. Negative controls: the float path's tighter bound is missed (so it
 is this path that ran), and a kernel that paired a sub-block with its neighbour's scale (Q4_K /
 Q5_K: the high nibbles' sub-block with the low nibbles' scale; Q6_K: a block's second 16 with
-its first 16's scale) would miss the bound.
+its first 16's scale) would miss the bound. Q6_K's sub-block scales are in its int16 weights
+(up to 128 x 32 = 4096): at the extreme each 16-wide half's int32 dot is just below 2^31, and
+one int32 sum of both halves would wrap (checked against a model of that kernel).
 """
 
 from __future__ import annotations
@@ -124,3 +126,34 @@ def test_wide_k_fused_call_equals_one_call_per_weight():
     assert fusable(weights)
     for w, got in zip(weights, jax.jit(block_matmul_many)(x, weights)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(block_matmul)(x, w)))
+
+
+def extreme_q6_k(n: int, k: int) -> np.ndarray:
+    """u8[n, k / 256 * 210]: every weight's int16 sc (q - 32) at the extreme: scale -128 and
+    q 0 (4096), the odd columns scale 127 and q 63 (127 x 31), d 2^-12."""
+    sb = np.zeros((n, k // 256, 210), np.uint8)
+    sb[:, :, 192:208] = np.uint8(0x80)  # int8 -128
+    sb[1::2, :, 0:128], sb[1::2, :, 128:192], sb[1::2, :, 192:208] = 0xFF, 0xFF, 127
+    sb[:, :, 208:210] = np.frombuffer(np.float16(2.0 ** -12).tobytes(), np.uint8)
+    return sb.reshape(n, -1)
+
+
+@needs_vnni
+def test_wide_q6_k_halves_at_the_int32_edge_stay_exact():
+    # every activation its block's amax (int16 32767), every weight at its int16 extreme: each
+    # half's dot is 16 x 32767 x 4096 = 2,147,418,112, 65,535 below 2^31
+    rows, k, n = 16, 512, 6
+    blocks, x = extreme_q6_k(n, k), np.ones((rows, k), np.float32)
+    x[1::2] = -1.0
+    w = dequantize_host(blocks, "q6_k")
+    assert np.abs(w).max() == 4096 * 2.0 ** -12
+    want = x.astype(np.float64) @ w.T
+    got = product("q6_k", blocks, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert np.all(np.abs(got - want) <= wide_bound(x, w))
+    # negative control: a kernel that summed both halves in one int32 per block would wrap
+    x16 = np.full(32, 32767, np.int64)
+    wi = np.round(w[0, :32] / 2.0 ** -12).astype(np.int64)  # column 0's int16 weights, one block
+    wrapped = (int(x16 @ wi) + 2 ** 31) % 2 ** 32 - 2 ** 31
+    wrong = wrapped * (1.0 / 32767) * 2.0 ** -12 * (k // 32)  # row 0: amax 1 in every block
+    assert abs(wrong - want[0, 0]) > wide_bound(x, w)[0, 0]
