@@ -131,7 +131,27 @@ def make_weight(blocks: np.ndarray, fmt: str, in_features: int) -> BlockQuantize
     if blocks.dtype != np.uint8 or blocks.ndim not in (2, 3) or blocks.shape[-1] != want:
         raise ValueError(f"{fmt} blocks for {in_features} inputs must be uint8[out, {want}]; "
                          f"got {blocks.dtype}{tuple(blocks.shape)}")
-    return BlockQuantizedWeight(jnp.asarray(np.ascontiguousarray(blocks)), fmt)
+    return BlockQuantizedWeight(device_copy(blocks), fmt)
+
+
+HOST_ALIGN = 64  # the CPU backend adopts a host array this aligned instead of copying it
+
+
+def device_copy(host: np.ndarray) -> jax.Array:
+    """`host` placed on the default device as a copy of its own, for one host copy in all.
+
+    The copy is made here, into a `HOST_ALIGN`-aligned buffer nothing else holds, which the
+    CPU backend then adopts as the device array's memory (`jax.device_put` aliases an
+    aligned host array rather than copying it); other backends transfer it. `jnp.asarray`
+    stages the array through a second copy (about 4x the CPU time for the 1B's 0.67 GB,
+    docs/benchmarks.md); `device_put` of the caller's array would alias it wherever it
+    happens to be aligned: a GGUF's mapped file (the served weights would then be its
+    pages) or an array the caller writes to later."""
+    buf = np.empty(host.nbytes + HOST_ALIGN, np.uint8)
+    start = -buf.ctypes.data % HOST_ALIGN
+    own = buf[start:start + host.nbytes].view(host.dtype).reshape(host.shape)
+    np.copyto(own, host)
+    return jax.device_put(own)
 
 
 def dequantize_host(blocks: np.ndarray, fmt: str, dtype=np.float64) -> np.ndarray:
