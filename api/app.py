@@ -181,7 +181,10 @@ def _start_loader(state: AppState, loader: Callable[[], Engine], loop: asyncio.A
         # Outside the except block, so the traceback (and the frames holding a half-built
         # model) is gone: collect it now. Left to the interpreter's final collection, its
         # device buffers would be freed after the XLA client and abort the process
-        # ("terminate called after throwing an instance of ...") instead of exiting 1.
+        # ("terminate called after throwing an instance of ...") instead of exiting 1. A load
+        # that failed after the weights (the warm-up, the default grammar) made them while
+        # start-up's collector was paused and frozen (api/offload.py): unfreeze them first.
+        gc.unfreeze()
         gc.collect()
 
         def failed() -> None:

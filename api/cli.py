@@ -217,6 +217,7 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
     one the engine cannot enforce stops start-up with its reason."""
     from tqdm import tqdm
 
+    from api import offload
     from ferrox_jax.engine import Engine, MemoryBoundError
 
     logger.info("loading weights: %s", config.model)
@@ -224,7 +225,14 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
         try:
             engine = Engine.load(config, progress=lambda _name: bar.update(1), wrap_runner=wrap_runner)
         except MemoryBoundError as e:  # a setting the devices cannot hold: name its flag and variable
+            offload.resume_collector(freeze=False)
             raise ValueError(name_settings(str(e), e.field)) from None
+        except BaseException:
+            offload.resume_collector(freeze=False)
+            raise
+    # `serve` paused the collector before its imports (api/offload.py): on again, start-up's
+    # heap frozen until the loader's `freeze_heap` collects it. Nothing when not paused.
+    offload.resume_collector()
     logger.info("weights loaded: %d tensors in %.1f s", bar.n, engine.load_s)
     if default_grammar is not None:
         from ferrox_jax.constraint import GrammarError
@@ -262,20 +270,30 @@ def load_engine(config: EngineConfig, url: str | None, default_grammar: Any = No
 
 
 def serve(args: argparse.Namespace, wrap_runner: Callable[[Any], Any] | None = None) -> int:
-    from hypercorn.asyncio import serve as hypercorn_serve
+    from api import offload
 
-    from api import multihost_app, process_knobs
-    from api.app import create_app, drain, state_of
+    offload.pause_collector()  # from before the imports until the weights are placed (load_engine)
+    try:
+        from hypercorn.asyncio import serve as hypercorn_serve
 
-    config = server_config(args)
-    engine_cfg = engine_config(args)
-    if multihost_app.is_follower(engine_cfg):  # processes > 0 of a cluster: steps from process 0, /health only
+        from api import multihost_app, process_knobs
+        from api.app import create_app, drain, state_of
+
+        config = server_config(args)
+        engine_cfg = engine_config(args)
+        follower = multihost_app.is_follower(engine_cfg)
+        if not follower:
+            hc = hypercorn_config(config)
+            try:  # before the app and the model load: a port in use is one line, not a traceback later
+                listener = process_knobs.bind_port(config, config.backlog)
+            except OSError as e:
+                raise SystemExit(f"ferrox serve: {process_knobs.listen_problem(config, e)}") from None
+    except BaseException:
+        offload.resume_collector(freeze=False)
+        raise
+    if follower:  # processes > 0 of a cluster: steps from process 0, /health only
+        offload.resume_collector(freeze=False)
         return multihost_app.serve_follower(engine_cfg, config, wrap_runner)
-    hc = hypercorn_config(config)
-    try:  # before the app and the model load: a port in use is one line, not a traceback later
-        listener = process_knobs.bind_port(config, config.backlog)
-    except OSError as e:
-        raise SystemExit(f"ferrox serve: {process_knobs.listen_problem(config, e)}") from None
     port = listener.getsockname()[1]
     url = process_knobs.url_of(config, port)
     hc.bind = [f"fd://{listener.fileno()}"]  # Hypercorn serves the socket already bound (api/process_knobs.py)

@@ -18,6 +18,13 @@ object in the process (the model, jax, the app: ~0.5-0.9 s each here). `freeze_h
 called once the engine is up, moves the long-lived objects out of the collector's sight
 (`gc.freeze`), so a collection walks only what requests allocated since.
 
+Start-up pauses the collector (`pause_collector`, `ferrox serve` before its imports) until
+the weights are placed (`resume_collector`): the imports, the GGUF's vocabulary and the
+tokenizer allocate ~10^6 long-lived objects, and each full collection they triggered walked
+all of them (0.4-1.3 s of a restart's CPU at load 6-16, docs/benchmarks.md). Resuming
+freezes what start-up made so far, so the warm-up's collections skip it too, and
+`freeze_heap` collects it all once, before serving, as it did already.
+
 The pool and the collector belong to the process, not to one app: `create_app` hands this
 module its two settings (`configure`: `ServerConfig.cpu_workers` and `gc_freeze`).
 """
@@ -40,6 +47,7 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()  # guards the pool and the two settings below
 _cpu_workers = DEFAULT_WORKERS
 _gc_freeze = True
+_paused = False  # `pause_collector` turned automatic collections off, `resume_collector` not yet on
 
 
 def configure(*, cpu_workers: int = DEFAULT_WORKERS, gc_freeze: bool = True) -> None:
@@ -95,9 +103,35 @@ def freeze_heap(collect: bool = True) -> int:
     serving, and a server started over an engine already built, skip it).
     """
     if not _gc_freeze:
+        gc.unfreeze()  # start-up's own freeze (`resume_collector`): its garbage collectable again
         return 0
     gc.unfreeze()
     if collect:
         gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def pause_collector() -> None:
+    """No automatic collections from here until `resume_collector` (module docstring); nothing
+    where the collector is off already (then it is not this module's to turn on)."""
+    global _paused
+    with _pool_lock:
+        if gc.isenabled():
+            gc.disable()
+            _paused = True
+
+
+def resume_collector(freeze: bool = True) -> None:
+    """Automatic collections back on after `pause_collector` (nothing without a pause).
+    `freeze`: what is alive now, start-up's garbage included, is frozen first, so collections
+    until `freeze_heap` walk only what comes after (`freeze_heap` unfreezes and collects it).
+    A failed start passes False: the half-built model must stay collectable (api/app.py)."""
+    global _paused
+    with _pool_lock:
+        if not _paused:
+            return
+        _paused = False
+        if freeze:
+            gc.freeze()
+        gc.enable()
