@@ -433,6 +433,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
     devices = engine_devices(config)
     footprint.check(config, device_room(devices))  # before the weights: what could never fit is refused at once
     config = dataclasses.replace(config, quantization=quantization, expert_parallel="on" if expert_parallel else "off")
+    store = store_for(config, source.path, single_device=mesh is None)  # its entries load from here on
     attention, attention_note = select_decode_attention(
         config.attention_impl, head_dim=source.config.head_dim, block_size=config.block_size,
         max_blocks_per_row=block_table_width(sizing.max_context, config.block_size), mesh=mesh,
@@ -478,7 +479,7 @@ def build_parts(config: EngineConfig, progress: Callable[[str], None] | None = N
                          kv_offload_snapshots=tier.snapshots,
                          window_blocks=sizing.window_blocks, state_snapshots=snapshots,
                          state_entries=state_entries(config.speculative),
-                         executable_store=store_for(config, source.path, single_device=mesh is None))
+                         executable_store=store)
     draft_runner = (_draft_runner(draft_source, config, dtype, kv_dtype, sizing, runner, mesh)
                     if draft_source is not None else None)
     device, (runner, draft, channel) = runner, _leader_runners(runner, draft_runner, config)

@@ -52,6 +52,13 @@ executable) before it is written and again when it is read: one without is never
 (logged; a later start in a fresh process stores it) and an entry without is a miss,
 compiled again.
 
+A restart loads the entries on a thread of their own (`prefetch`, called by the engine's
+build as soon as the fingerprint is known, before the weights are placed): XLA deserializes
+with the GIL released, so on a second core the 23 entries of the 1B load while the main
+thread places the weights, and the warm-up takes each from there (`load` waits for one the
+thread has not reached). The thread reads the folder's files in name order and checks each
+as `load` does; what it could not use is a miss, compiled again.
+
 Used for one process on the CPU backend without a mesh (`store_for`); TPU and GPU, meshes
 and multi-process groups stay on JAX's cache (and `shared_compiles.py`): their round trip
 is not exercised by this project's CPU tests, and their executables are placed on several
@@ -72,6 +79,7 @@ import platform
 import re
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -193,6 +201,11 @@ class ExecutableStore:
         self.max_bytes = max_bytes
         self.loaded = self.stored = 0  # executables this engine loaded from / wrote to the store
         self._lock = threading.Lock()  # the counters and the hold: warm-up loads and compiles from a thread pool
+        # `prefetch`'s thread, and what it loaded by file name (None: unusable, logged); the
+        # condition is notified after each entry and when the thread ends.
+        self._prefetch: threading.Thread | None = None
+        self._prefetched: dict[str, Any] = {}
+        self._arrived = threading.Condition(self._lock)
         # This engine's claim on its folder (`ferrox_jax/store_bound.py`), from before its first
         # load: no other server's start removes it while this one lives. None until it exists.
         self._hold = store_bound.hold(self.folder)
@@ -200,14 +213,79 @@ class ExecutableStore:
             jax.monitoring.register_event_listener(_note_cache_hit)
             _listening.append(True)
 
+    def prefetch(self) -> None:
+        """Starts loading every entry of the folder on a thread (module docstring); `load`
+        takes from it. Nothing without a folder (a first start) or when started already."""
+        if self._prefetch is not None or not self.folder.is_dir():
+            return
+        from models import cpu_kernels
+
+        cpu_kernels.unavailable_reason()  # the kernels' custom calls registered here, before the thread
+        # Not a daemon: a start that fails meanwhile exits once the thread has read the folder,
+        # never while XLA is inside a deserialize.
+        self._prefetch = threading.Thread(target=self._prefetch_all, name="ferrox-store-prefetch")
+        self._prefetch.start()
+
+    def _prefetch_all(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            paths = sorted(self.folder.glob("*.exe"))
+            for path in paths:
+                exe = self._read(path, None)
+                with self._arrived:
+                    self._prefetched[path.name] = exe
+                    self._arrived.notify_all()
+            log.info("executable store: %d entries read on a thread in %.1f s", len(paths), time.perf_counter() - t0)
+        except OSError as e:  # the folder went away meanwhile (another server's bound): `load` reads itself
+            log.warning("executable store: cannot list %s (%s)", self.folder, e)
+        finally:
+            with self._arrived:
+                self._arrived.notify_all()  # `load` stops waiting for names the thread never reached
+
+    def end_prefetch(self) -> None:
+        """Once the warm-up has taken what it loads: waits for the thread, and drops what it
+        loaded that no step of this engine asked for (nothing, unless files were added by hand)."""
+        if self._prefetch is None:
+            return
+        self._prefetch.join()
+        with self._arrived:
+            if self._prefetched:
+                log.info("executable store: %d entries of %s not used: %s", len(self._prefetched), self.folder,
+                         ", ".join(sorted(self._prefetched)))
+            self._prefetched.clear()
+
+    def _take_prefetched(self, name: str) -> tuple[bool, Any]:
+        """(True, what `prefetch` loaded for this file name) once the thread has it; (False,
+        None) without a prefetch, or when its thread ended without reaching the name."""
+        if self._prefetch is None:
+            return False, None
+        with self._arrived:
+            while name not in self._prefetched and self._prefetch.is_alive():
+                self._arrived.wait()
+            if name not in self._prefetched:
+                return False, None
+            return True, self._prefetched.pop(name)
+
     def load(self, key: tuple) -> Any | None:
         """The executable stored for `key` as a `jax.stages.Compiled`, or None (none stored,
         or the entry is unusable: logged, and the caller compiles it again)."""
+        path = self.folder / entry_name(key)
+        found, exe = self._take_prefetched(path.name)
+        if not found:
+            exe = self._read(path, key)
+        if exe is not None:
+            with self._lock:
+                self.loaded += 1
+        return exe
+
+    def _read(self, path: Path, key: tuple | None) -> Any | None:
+        """The executable of one entry, checked (header, checksum, key, object code), or None:
+        missing, or unusable (logged). `key` None (`prefetch`): the key the entry holds, which
+        must be the one its file is named for."""
         from jax.experimental import serialize_executable
 
         from models import cpu_kernels
 
-        path = self.folder / entry_name(key)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -223,7 +301,8 @@ class ExecutableStore:
         cpu_kernels.unavailable_reason()
         try:
             stored_key, payload, in_tree, out_tree = pickle.loads(body)
-            if tuple(stored_key) != tuple(key):
+            stored_key = tuple(stored_key)
+            if stored_key != (stored_key if key is None else tuple(key)) or entry_name(stored_key) != path.name:
                 raise ValueError(f"it holds {stored_key}")
             if not carries_object_code(payload):  # it would load, then fail every run
                 raise ValueError("it holds no object code")
@@ -231,8 +310,6 @@ class ExecutableStore:
         except Exception as e:  # noqa: BLE001 - any unusable entry (unpickling, XLA's loader) means compile again
             log.warning("executable store: %s did not load (%s); compiling it again", path, e)
             return None
-        with self._lock:
-            self.loaded += 1
         return exe
 
     def compile(self, key: tuple, lowered: Any) -> Any:
@@ -308,9 +385,12 @@ class ExecutableStore:
 
 def store_for(config: EngineConfig, model_path: str | None, single_device: bool) -> ExecutableStore | None:
     """The engine's store, or None where it is not used: no compile cache dir, the store
-    turned off, a backend other than CPU, a mesh or a multi-process group (module docstring)."""
+    turned off, a backend other than CPU, a mesh or a multi-process group (module docstring).
+    Its entries start loading at once (`prefetch`): call it as soon as `config` is final."""
     if (not config.compile_cache_dir or not config.executable_store or jax.default_backend() != "cpu"
             or not single_device or jax.process_count() > 1):
         return None
-    return ExecutableStore(config.compile_cache_dir, program_fingerprint(config, model_path),
-                           max_bytes=int(config.executable_store_max_gib * store_bound.GIB))
+    store = ExecutableStore(config.compile_cache_dir, program_fingerprint(config, model_path),
+                            max_bytes=int(config.executable_store_max_gib * store_bound.GIB))
+    store.prefetch()
+    return store

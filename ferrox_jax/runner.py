@@ -341,6 +341,7 @@ class ModelRunner:
                     done += 1
                     if progress:
                         progress(done, len(keys), key)
+            self._store.end_prefetch()
         misses = [k for k in keys if k not in self._compiled]
         if self._store is not None:
             log.info("executable store: %d of %d executables loaded in %.1f s, %d to compile", len(keys) - len(misses),
