@@ -63,12 +63,23 @@ def abstract_model(cfg: ModelConfig, dtype, decode_attention: Any = None) -> Cau
     return model
 
 
+class ShapeOnlyRngs:
+    """The `rngs` of `abstract_model`'s trace, which wants shapes and dtypes, not values: every
+    draw is the same key. `nnx.Rngs` counts its draws in a Variable and flax asks each new
+    count for its `sharding`; inside a trace JAX refuses with a message that walks the whole
+    trace so far, so the 1B's trace spent 0.16 of its 0.24 s of CPU on messages nobody read
+    (docs/benchmarks.md). The models draw only through `models/layers.py:param`."""
+
+    def params(self) -> jax.Array:
+        return jax.random.key(0)
+
+
 @functools.lru_cache(maxsize=4)
 def _traced(cfg: ModelConfig, dtype) -> tuple:
     from models.registry import family_for
 
     model_class = family_for(cfg.architecture).model
-    return nnx.split(nnx.eval_shape(lambda: model_class(cfg, dtype, rngs=nnx.Rngs(0))))
+    return nnx.split(nnx.eval_shape(lambda: model_class(cfg, dtype, rngs=ShapeOnlyRngs())))
 
 
 def expected_params(cfg: ModelConfig, dtype=jnp.float32) -> dict[str, tuple[int, ...]]:
