@@ -349,7 +349,10 @@ def test_api_reports_quantization_and_bytes():
     from api.config import ServerConfig
     from tests.support.server_harness import ServerThread, tiny_engine
 
-    engine = tiny_engine(quantization="w8a8", kv_cache_dtype="bfloat16")
+    # One row, 16-token chunks: 6 executables to warm up (decode, chunk, mixed, 2 samplers, the
+    # copy) where the harness's 32 rows and 64-token chunks make 32; the reports and
+    # the 4-token completion below need no more.
+    engine = tiny_engine(quantization="w8a8", kv_cache_dtype="bfloat16", max_seqs=1, prefill_chunk=16, kv_blocks=64)
     with ServerThread(create_app(engine, ServerConfig())) as url, httpx.Client(base_url=url, timeout=60) as http:
         info = http.get("/health").json()["model_info"]
         assert (info["quantization"], info["kv_cache_dtype"]) == ("w8a8", "bfloat16")
