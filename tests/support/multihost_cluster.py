@@ -114,14 +114,33 @@ def complete_all(url: str, concurrent: bool = False, prompts: list[str] = PROMPT
         return list(pool.map(one, prompts))
 
 
-def tiny_reference_replies() -> list[dict]:
-    """The tiny checkpoint's replies to PROMPTS (two at a time) from one process, in this one."""
+def reference_replies(checkpoint: str | None = None, limits: dict = TINY_LIMITS, concurrent: bool = False) -> list[dict]:
+    """One process's replies to PROMPTS (`complete_all`), from this one: `checkpoint`
+    (None: the tiny one) in float32 under `limits` (over tests/support/server_harness.py's
+    defaults, as `tiny_engine` builds it), served over HTTP, then shut down. Not warmed up:
+    a reference compiles only the shapes its requests reach (the default model one row at a
+    time: 3 of its 6 executables), the same programs a warmed engine runs; the clusters
+    under test warm up, and their "no compile after warm-up" is checked on their leaders."""
     from api.app import create_app
     from api.config import ServerConfig
-    from tests.support.server_harness import ServerThread, tiny_engine
+    from ferrox_jax.config import EngineConfig
+    from ferrox_jax.engine import Engine
+    from tests.support.server_harness import DEFAULT_LIMITS as SERVER_LIMITS
+    from tests.support.server_harness import ServerThread
 
-    with ServerThread(create_app(tiny_engine(**TINY_LIMITS), ServerConfig())) as url:
-        return complete_all(url, concurrent=True)
+    engine = Engine.load(EngineConfig(model=str(checkpoint or api_checkpoint()), dtype="float32",
+                                      **{**SERVER_LIMITS, **limits}))
+    try:
+        engine.start()
+        with ServerThread(create_app(engine, ServerConfig())) as url:
+            return complete_all(url, concurrent=concurrent)
+    finally:
+        engine.shutdown()
+
+
+def tiny_reference_replies() -> list[dict]:
+    """The tiny checkpoint's replies to PROMPTS (two at a time) from one process, in this one."""
+    return reference_replies(concurrent=True)
 
 
 def check_shared_compiles(log_dir: Path, num_processes: int) -> None:

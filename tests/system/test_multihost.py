@@ -25,11 +25,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.app import create_app
-from api.config import ServerConfig
 from tests.support.multihost_cluster import (DEFAULT_LIMITS, PROMPTS, REPO, SECRET, TIMEOUT_S, TINY_LIMITS,
-                                             check_shared_compiles, cluster, complete_all, tiny_reference_replies)
-from tests.support.server_harness import ServerThread, api_checkpoint, free_port, tiny_engine
+                                             check_shared_compiles, cluster, complete_all, reference_replies,
+                                             tiny_reference_replies)
+from tests.support.server_harness import api_checkpoint, free_port
 from tests.support.xla_flags import with_devices
 
 # The cluster harness lived here before it moved to tests/support/multihost_cluster.py: files
@@ -42,8 +41,7 @@ __all__ = ["DEFAULT_LIMITS", "PROMPTS", "REPO", "SECRET", "TIMEOUT_S", "TINY_LIM
 def reference() -> list[dict]:
     """One process, the default model's float32 weights (EngineConfig's quantization "none":
     what `--quantization auto` resolves to under tensor parallelism)."""
-    with ServerThread(create_app(tiny_engine("default", **DEFAULT_LIMITS), ServerConfig())) as url:
-        return complete_all(url)
+    return reference_replies("default", DEFAULT_LIMITS)
 
 
 @pytest.fixture(scope="module")
