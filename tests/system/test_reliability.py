@@ -198,7 +198,9 @@ def test_a_failing_step_answers_a_whole_request_with_500(one_row, monkeypatch):
 
 
 def test_a_dead_loop_ends_open_requests_and_refuses_new_ones_without_hanging(monkeypatch):
-    engine = tiny_engine(max_queue=61)  # unique limits: nobody else uses this engine
+    # Unique limits: nobody else uses this engine. Two rows (both requests below decode at once),
+    # 16-token chunks: 8 executables to warm up where the harness's 32 rows and 64-token chunks make 32.
+    engine = tiny_engine(max_seqs=2, prefill_chunk=16, max_queue=61)
     with ServerThread(create_app(engine, ServerConfig())) as url, httpx.Client(base_url=url, timeout=10) as http:
         with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as open_stream:
             lines = open_stream.iter_lines()
