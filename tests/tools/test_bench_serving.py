@@ -33,7 +33,9 @@ RUN_FIELDS = ["label", "timestamp", "base_url", "endpoint", "model", "input_len"
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    engine = tiny_engine(tiny_llama)
+    # Its own checkpoint, so its own engine: 4 rows (no run here has more requests in flight),
+    # 32-token chunks: 12 executables to warm up where the harness's 32 rows and 64-token chunks make 32.
+    engine = tiny_engine(tiny_llama, max_seqs=4, prefill_chunk=32)
     with ServerThread(create_app(engine, ServerConfig())) as url:
         yield url
 
