@@ -18,6 +18,7 @@ thread, so none of it needs a lock. The owner loop, once per iteration:
       plan     = scheduler.add_drafts(plan, drafts)
       batch    = HostBatch.build(plan, geometry)  numpy arrays, nothing live (images encoded first)
       pending  = runner.forward(batch)            dispatched: the device runs
+      replies.deliver_held()                      the last tick's events (step 7), while it runs
       draft.mirror(batch)                         the draft's K/V goes where the target's does
       bitmask  = the constrained rows' grammar masks, filled while the device runs
       arrays   = runner.sample(pending, bitmask)  one fetch; then draft.follow: the MTP layer's cache
@@ -26,8 +27,11 @@ thread, so none of it needs a lock. The owner loop, once per iteration:
     traceback is logged, and the loop goes on.
  5. `scheduler.update(plan, out)`: advance progress, check stops, flush finished rows.
  6. Publish a `BatcherStats` snapshot; `stats()` only ever reads published snapshots.
- 7. Deliver this tick's `RowEvent`s through each job's `on_event` (on this thread);
-    publishing first means a client that saw its last event also sees it counted.
+ 7. Hand this tick's `RowEvent`s to the jobs' reply channels (`ferrox_jax/replies.py`):
+    held for the next step's dispatch while the scheduler has more work, else delivered at
+    once (each job's `on_event`, on this thread); a step that fails before its dispatch
+    delivers them after it. Publishing first means a client that saw its last event also
+    sees it counted.
 
 A crash in the loop itself is loud: the traceback is logged, every open job gets an
 error event, `health()` turns "dead" and `submit` raises `AdmissionError("unavailable")`.
@@ -62,7 +66,8 @@ from ferrox_jax.host_batch import HostBatch
 from ferrox_jax.images import ImageStage
 from ferrox_jax.inbox import AbortJob, AddJob, EventCallback, Fault, Inbox, OwnerCall, Stop
 from ferrox_jax.plan import StepOutput, StepPlan
-from ferrox_jax.request import AdmissionError, Job, MatcherFactory, RowEvent
+from ferrox_jax.replies import Delivered, Replies
+from ferrox_jax.request import AdmissionError, Job, MatcherFactory
 from ferrox_jax.runner_protocol import Runner, check_limits
 from ferrox_jax.scheduler import Scheduler, check_admission
 from ferrox_jax.speculative import NgramProposer
@@ -80,15 +85,6 @@ _REFUSAL_FIELDS = {"context_length": "kv_rejected_context_length", "too_large": 
 
 class _Abandoned(Exception):
     """The watchdog took over while the owner was in a step: the owner touches nothing more."""
-
-
-@dataclasses.dataclass
-class _OpenJob:
-    """Owner-thread record of a job whose rows have not all finished."""
-
-    job: Job
-    on_event: EventCallback
-    finished_indices: set[int] = dataclasses.field(default_factory=set)
 
 
 class ContinuousBatcher:
@@ -138,7 +134,7 @@ class ContinuousBatcher:
                                       **state_pool_fields(self._scheduler),
                                       kv_offload_blocks_total=self.limits.kv_offload_blocks)
         # Owner thread only:
-        self._open: dict[str, _OpenJob] = {}
+        self._replies = Replies()  # each open job's on_event, and the events held for the next dispatch
         self._ticks = 0
         self._host_s = 0.0
         self._device_s = 0.0
@@ -289,7 +285,7 @@ class ContinuousBatcher:
         num_added = 0
         for message in messages:
             if isinstance(message, AddJob):
-                self._open[message.job.request_id] = _OpenJob(message.job, message.on_event)
+                self._replies.open(message.job, message.on_event)
                 self._scheduler.add_job(message.job)
                 num_added += 1
             elif isinstance(message, AbortJob):
@@ -374,14 +370,18 @@ class ContinuousBatcher:
             self._num_waiting = self._scheduler.num_waiting
         device_s = 0.0
         if not plan.is_empty:
-            device_s = self._run_step(plan)
+            device_s = self._run_step(plan)  # delivers the held events once its forward is dispatched
             self._ticks += 1
+        self._settle(self._replies.deliver_held())  # no step ran, or it failed before its dispatch
         self._device_s += device_s
         self._host_s += time.perf_counter() - start_s - device_s
         # Published before delivery, so a client that saw its last event sees its counts.
         self._publish()
         events = self._scheduler.take_events()
-        self._deliver(events)
+        if self._scheduler.has_work:  # delivered while the next step's device work runs
+            self._replies.hold(events)
+        else:
+            self._settle(self._replies.deliver(events))
         return not plan.is_empty or bool(events)
 
     def _run_step(self, plan: StepPlan) -> float:
@@ -431,6 +431,7 @@ class ContinuousBatcher:
         batch = HostBatch.build(plan, self._runner.geometry)
         start_s = time.perf_counter()
         pending = self._runner.forward(batch)  # dispatched: the device runs
+        self._settle(self._replies.deliver_held())  # the last tick's events: the loop's work runs beside the device
         if self._draft is not None:
             self._draft.mirror(batch)  # the draft's K/V goes where the target's does
         bitmask = self._masks.fill(pending, self._scheduler.matcher) if batch.has_constrained_rows else None
@@ -439,24 +440,13 @@ class ContinuousBatcher:
             self._draft.follow(plan, batch, pending, arrays)
         return plan, step_output(plan, batch, arrays, device_s=time.perf_counter() - start_s)
 
-    def _deliver(self, events: list[RowEvent]) -> None:
-        closed = []
-        for event in events:
-            open_job = self._open[event.request_id]
-            try:
-                open_job.on_event(event)
-            except Exception:  # a broken reply channel cancels its job, not the loop
-                log.exception("on_event failed for request %s; cancelling it", event.request_id)
-                if event.finish_reason is None:
-                    self._scheduler.cancel(event.request_id)
-            if event.finish_reason is not None:
-                open_job.finished_indices.add(event.index)
-                if len(open_job.finished_indices) == open_job.job.n:
-                    del self._open[event.request_id]
-                    closed.append(event.request_id)
-        if closed:
+    def _settle(self, delivered: Delivered) -> None:
+        """After a delivery: a job whose reply channel broke is cancelled, closed ones forgotten."""
+        for request_id in delivered.broken:
+            self._scheduler.cancel(request_id)
+        if delivered.closed:
             with self._lock:
-                self._open_job_ids.difference_update(closed)
+                self._open_job_ids.difference_update(delivered.closed)
 
     def _publish(self) -> None:
         recompiles = self._runner.recompiles_after_warmup + (
@@ -483,18 +473,11 @@ class ContinuousBatcher:
         calls, self._idle_calls = self._idle_calls, []
         for message in self._inbox.drain(block=False):
             if isinstance(message, AddJob):
-                self._open[message.job.request_id] = _OpenJob(message.job, message.on_event)
+                self._replies.open(message.job, message.on_event)
             elif isinstance(message, OwnerCall):
                 calls.append(message)
         for call in calls:  # never to run: their callers learn why
             call.future.set_exception(RuntimeError(error))
-        events = [
-            RowEvent(request_id=request_id, index=index, token_ids=(), text="", logprobs=None,
-                     finish_reason="error", error=error,
-                     num_prompt_tokens=len(open_job.job.prompt_token_ids))
-            for request_id, open_job in self._open.items()
-            for index in range(open_job.job.n)
-            if index not in open_job.finished_indices]
-        self._deliver(events)
+        self._replies.end_all(error)  # the held events first: what the rows said before the end
         with self._lock:
             self._open_job_ids.clear()

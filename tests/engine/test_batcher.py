@@ -130,6 +130,46 @@ def test_stop_string_over_several_tokens_never_reaches_the_stream_and_utf8_stays
         "no event carries half a character or the stop string")
 
 
+def test_a_steps_events_reach_the_job_once_the_next_forward_is_dispatched(cleanup):
+    """While a job has more steps, a step's event is held until the next step's forward is
+    dispatched (the HTTP side's work for it then runs beside the device); the last one is not."""
+    batcher, runner = make(delay_s=0.0)
+    cleanup(batcher)
+    arrivals, done = [], threading.Event()  # (tokens so far, forwards dispatched when it arrived)
+
+    def on_event(event):
+        arrivals.append((event.num_generated_tokens, len(runner.batches)))
+        if event.finish_reason is not None:
+            done.set()
+
+    batcher.submit(req("held", 5, 5), on_event)
+    assert done.wait(WAIT_S)
+    assert arrivals == [(1, 2), (2, 3), (3, 4), (4, 5), (5, 5)], (
+        "token k arrives after forward k + 1; the last as soon as it is sampled")
+
+
+def test_held_events_go_before_a_failed_steps_error_and_before_shutdowns(cleanup):
+    """A step that fails before its dispatch delivers the held tokens first, then its error; a
+    shutdown delivers every token sampled before the jobs' error events."""
+    batcher, runner = make(delay_s=0.0)
+    cleanup(batcher)
+    runner.fail_when = lambda _batch: len(runner.batches) == 3
+    sink = Sink()
+    sink.submit(batcher, req("fails", 5, 8))
+    sink.wait("fails")
+    out = sink.out("fails")
+    assert [len(e.token_ids) for e in out.events] == [1, 1, 0] and out.finish_reason == "error", (
+        "both sampled tokens, then the failed step's error")
+    stopped, runner2 = make(delay_s=0.002)
+    sink.submit(stopped, req("stopped", 3, 200))
+    wait_for(lambda: len(runner2.batches) > 5, "a few steps")
+    stopped.shutdown(WAIT_S)
+    sink.wait("stopped")
+    out = sink.out("stopped")
+    assert out.finish_reason == "error" and len(out.token_ids) == len(runner2.batches), (
+        "every forward's token reached the job before its error event")
+
+
 # -- refusals --------------------------------------------------------------------------
 
 def test_refusals_are_counted_in_their_own_fields_and_hold_nothing(cleanup):
