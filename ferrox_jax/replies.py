@@ -6,8 +6,9 @@ here: `hold` while the scheduler has more work, `deliver` at once when it has no
 held ones go (`deliver_held`) as soon as the next step's forward is dispatched, so the
 event loop's work for them (the HTTP side, which shares the GIL and the cores with the
 owner) runs beside the device, not between one step's fetch and the next step's dispatch.
-Each held event is delivered once: `deliver_held` takes them under a lock, since the
-watchdog's thread may end everything (`end_all`) while the owner is in a step.
+Each event is delivered once: deliveries run under one re-entrant lock, since the
+watchdog's thread may end everything (`end_all`) while the owner is in a step (an
+`on_event` only queues to the event loop, so the lock is never held for long).
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ class Replies:
     def __init__(self) -> None:
         self._open: dict[str, _OpenJob] = {}
         self._held: list[RowEvent] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     def open(self, job: Job, on_event: EventCallback) -> None:
-        self._open[job.request_id] = _OpenJob(job, on_event)
+        with self._lock:
+            self._open[job.request_id] = _OpenJob(job, on_event)
 
     def hold(self, events: list[RowEvent]) -> None:
         """Keeps `events` for `deliver_held` (after any still held)."""
@@ -60,31 +62,39 @@ class Replies:
     def deliver_held(self) -> Delivered:
         with self._lock:
             held, self._held = self._held, []
-        return self.deliver(held)
+            return self.deliver(held)
 
     def deliver(self, events: list[RowEvent]) -> Delivered:
         """Each event to its job's `on_event`, in order; a raising channel is logged."""
         closed, broken = [], []
-        for event in events:
-            open_job = self._open[event.request_id]
-            try:
-                open_job.on_event(event)
-            except Exception:  # a broken reply channel cancels its job, not the loop
-                log.exception("on_event failed for request %s; cancelling it", event.request_id)
-                if event.finish_reason is None:
-                    broken.append(event.request_id)
-            if event.finish_reason is not None:
-                open_job.finished_indices.add(event.index)
-                if len(open_job.finished_indices) == open_job.job.n:
-                    del self._open[event.request_id]
-                    closed.append(event.request_id)
+        with self._lock:
+            for event in events:
+                self._deliver_one(event, closed, broken)
         return Delivered(tuple(closed), tuple(broken))
+
+    def _deliver_one(self, event: RowEvent, closed: list[str], broken: list[str]) -> None:
+        open_job = self._open.get(event.request_id)
+        if open_job is None:  # ended already (end_all on the watchdog's thread)
+            return
+        try:
+            open_job.on_event(event)
+        except Exception:  # a broken reply channel cancels its job, not the loop
+            log.exception("on_event failed for request %s; cancelling it", event.request_id)
+            if event.finish_reason is None:
+                broken.append(event.request_id)
+        if event.finish_reason is not None:
+            open_job.finished_indices.add(event.index)
+            if len(open_job.finished_indices) == open_job.job.n:
+                del self._open[event.request_id]
+                closed.append(event.request_id)
 
     def end_all(self, error: str) -> None:
         """The held events, then an error event for every row not finished yet."""
-        self.deliver_held()
-        self.deliver([RowEvent(request_id=request_id, index=index, token_ids=(), text="", logprobs=None,
-                               finish_reason="error", error=error, num_prompt_tokens=len(open_job.job.prompt_token_ids))
-                      for request_id, open_job in list(self._open.items())
-                      for index in range(open_job.job.n)
-                      if index not in open_job.finished_indices])
+        with self._lock:
+            self.deliver_held()
+            self.deliver([RowEvent(request_id=request_id, index=index, token_ids=(), text="", logprobs=None,
+                                   finish_reason="error", error=error,
+                                   num_prompt_tokens=len(open_job.job.prompt_token_ids))
+                          for request_id, open_job in list(self._open.items())
+                          for index in range(open_job.job.n)
+                          if index not in open_job.finished_indices])
