@@ -1,6 +1,6 @@
 // What the kernel harnesses of bench/kernels share (kquant_stream.cc, kquant_prefill.cc,
 // block_row_stream.cc): a team of spinning threads that times one product split over them, and
-// the DRAM read probe's sizes and sum. The K-quant harnesses' random super-blocks are in
+// the DRAM read probe (its sizes, its sum and one timed pass). The K-quant harnesses' random super-blocks are in
 // kquant_blocks.h.
 #pragma once
 
@@ -70,6 +70,21 @@ __attribute__((target("avx512f"))) inline float SumFloats(const float* p, int64_
     d = _mm512_add_ps(d, _mm512_load_ps(p + i + 48));
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)));
+}
+
+// One pass of the DRAM read probe over PROBE (kStreamBytes of floats, split over the team),
+// timed per kProbeChunk: the best GB/s of the pass.
+inline double ProbeBest(Team& team, const float* probe, int threads) {
+  double best = 0;
+  volatile float sink = 0;
+  for (int64_t chunk = 0; chunk < kStreamBytes / kProbeChunk; ++chunk) {
+    const double s = team.Time([&](int t) {
+      const int64_t per = kProbeChunk / 4 / threads;
+      sink = sink + SumFloats(probe + chunk * kProbeChunk / 4 + t * per, per);
+    });
+    best = best > kProbeChunk / s / 1e9 ? best : kProbeChunk / s / 1e9;
+  }
+  return best;
 }
 
 }  // namespace bench

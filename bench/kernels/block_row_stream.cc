@@ -30,6 +30,7 @@
 
 #include "block_matmul_builds.h"
 #include "bench_team.h"
+#include "block_random.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
@@ -45,17 +46,7 @@ using bench::kStreamBytes;
 using bench::SumFloats;
 using bench::Team;
 
-// Random blocks with finite scales (and Q4_1 offsets) of a real model's size (no slow float paths).
-std::vector<uint8_t> Blocks(int fmt, int64_t bytes, std::mt19937* rng) {
-  std::vector<uint8_t> w(bytes);
-  for (auto& b : w) b = static_cast<uint8_t>((*rng)());
-  const uint16_t d = _cvtss_sh(0.01f, 0), m = _cvtss_sh(-0.08f, 0);
-  for (int64_t at = 0; at + BlockBytes(fmt) <= bytes; at += BlockBytes(fmt)) {
-    std::memcpy(&w[at], &d, 2);
-    if (fmt == kQ4_1) std::memcpy(&w[at + 2], &m, 2);
-  }
-  return w;
-}
+using bench::RandomBlocks;
 
 }  // namespace
 
@@ -82,20 +73,13 @@ int main(int argc, char** argv) {
   for (int f : fmts) {
     const int64_t bytes = n * k / kBlock * BlockBytes(f);
     copies.push_back(std::getenv("CACHED") ? 1 : kStreamBytes / bytes + 1);  // CACHED=1: one copy, from cache
-    weights.push_back(Blocks(f, bytes * copies.back(), &rng));
+    weights.push_back(RandomBlocks(f, bytes * copies.back(), &rng));
   }
   double best_probe = 0, best[3][4] = {};
   double max_diff[3][4] = {};
   std::vector<float> out(m * n), tile_out(m * n);
-  volatile float sink = 0;
   for (int round = 0; round < rounds; ++round) {
-    for (int64_t chunk = 0; chunk < kStreamBytes / kProbeChunk; ++chunk) {
-      const double s = team.Time([&](int t) {
-        const int64_t per = kProbeChunk / 4 / threads;
-        sink = sink + SumFloats(probe_at + chunk * kProbeChunk / 4 + t * per, per);
-      });
-      best_probe = std::max(best_probe, kProbeChunk / s / 1e9);
-    }
+    best_probe = std::max(best_probe, bench::ProbeBest(team, probe_at, threads));
     for (int fi = 0; fi < 3; ++fi) {
       const int64_t bytes = n * k / kBlock * BlockBytes(fmts[fi]);
       for (int path = 0; path < 4; ++path) {

@@ -24,6 +24,7 @@
 
 #include "block_matmul_builds.h"
 #include "bench_team.h"
+#include "block_random.h"
 
 namespace {
 
@@ -32,19 +33,7 @@ using bench::kStreamBytes;
 using bench::SumFloats;
 using bench::Team;
 
-// Random blocks with finite scales (and Q4_1 offsets) (no slow float paths), as block_row_stream.
-std::vector<uint8_t> Blocks(int fmt, int64_t bytes, std::mt19937* rng) {
-  std::vector<uint8_t> w(bytes);
-  for (auto& b : w) b = static_cast<uint8_t>((*rng)());
-  const uint16_t d = _cvtss_sh(0.01f, 0), m = _cvtss_sh(-0.08f, 0);
-  for (int64_t at = 0; at + BlockBytes(fmt) <= bytes; at += BlockBytes(fmt)) {
-    std::memcpy(&w[at], &d, 2);
-    if (fmt == kQ4_1) std::memcpy(&w[at + 2], &m, 2);
-    if (fmt == kQ8_0)
-      for (int j = 0; j < 32; ++j) w[at + 2 + j] = w[at + 2 + j] == 0x80 ? 0x81 : w[at + 2 + j];
-  }
-  return w;
-}
+using bench::RandomBlocks;
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -76,7 +65,7 @@ int main(int argc, char** argv) {
   for (int f : fmts) {
     const int64_t bytes = n * k / kBlock * BlockBytes(f);
     copies.push_back(std::getenv("CACHED") ? 1 : kStreamBytes / bytes + 1);
-    weights.push_back(Blocks(f, bytes * copies.back(), &rng));
+    weights.push_back(RandomBlocks(f, bytes * copies.back(), &rng));
   }
   std::vector<uint8_t> buf(ferrox_rowint::RowIntBytes(k) + 64);
   uint8_t* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
@@ -84,15 +73,8 @@ int main(int argc, char** argv) {
   std::vector<double> samples[3][2];
   double max_rel[3] = {};
   std::vector<float> out(n), tile_out(n);
-  volatile float sink = 0;
   for (int round = 0; round < rounds; ++round) {
-    for (int64_t chunk = 0; chunk < kStreamBytes / kProbeChunk; ++chunk) {
-      const double s = team.Time([&](int t) {
-        const int64_t per = kProbeChunk / 4 / threads;
-        sink = sink + SumFloats(probe_at + chunk * kProbeChunk / 4 + t * per, per);
-      });
-      best_probe = std::max(best_probe, kProbeChunk / s / 1e9);
-    }
+    best_probe = std::max(best_probe, bench::ProbeBest(team, probe_at, threads));
     for (int fi = 0; fi < 3; ++fi) {
       const int64_t bytes = n * k / kBlock * BlockBytes(fmts[fi]);
       for (int path = 0; path < 2; ++path) {

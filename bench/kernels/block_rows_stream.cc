@@ -24,6 +24,7 @@
 
 #include "block_matmul_builds.h"
 #include "bench_team.h"
+#include "block_random.h"
 
 namespace {
 
@@ -32,16 +33,7 @@ using bench::kStreamBytes;
 using bench::SumFloats;
 using bench::Team;
 
-std::vector<uint8_t> Blocks(int fmt, int64_t bytes, std::mt19937* rng) {
-  std::vector<uint8_t> w(bytes);
-  for (auto& b : w) b = static_cast<uint8_t>((*rng)());
-  const uint16_t d = _cvtss_sh(0.01f, 0), m = _cvtss_sh(-0.08f, 0);
-  for (int64_t at = 0; at + BlockBytes(fmt) <= bytes; at += BlockBytes(fmt)) {
-    std::memcpy(&w[at], &d, 2);
-    if (fmt == kQ4_1) std::memcpy(&w[at + 2], &m, 2);
-  }
-  return w;
-}
+using bench::RandomBlocks;
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -75,7 +67,7 @@ int main(int argc, char** argv) {
   for (int f : fmts) {
     const int64_t bytes = n * k / kBlock * BlockBytes(f);
     copies.push_back(std::getenv("CACHED") ? 1 : kStreamBytes / bytes + 1);
-    weights.push_back(Blocks(f, bytes * copies.back(), &rng));
+    weights.push_back(RandomBlocks(f, bytes * copies.back(), &rng));
   }
   // the 16-bit paths' activation buffers (zero: lanes of rows past m stay zero)
   const int64_t lanes = ferrox_avx512::WideLanes(m), wgroups = (m + lanes - 1) / lanes;
@@ -97,16 +89,9 @@ int main(int argc, char** argv) {
   double max_diff[3][kPaths] = {};
   int64_t unequal[3][kPaths] = {};  // outputs whose bits differ from the wide path's
   std::vector<float> out(m * n), ref(m * n), wide_out(m * n);
-  volatile float sink = 0;
   for (int round = 0; round < rounds; ++round) {
     double best_probe = 0;
-    for (int64_t chunk = 0; chunk < kStreamBytes / kProbeChunk; ++chunk) {
-      const double s = team.Time([&](int t) {
-        const int64_t per = kProbeChunk / 4 / threads;
-        sink = sink + SumFloats(probe_at + chunk * kProbeChunk / 4 + t * per, per);
-      });
-      best_probe = std::max(best_probe, kProbeChunk / s / 1e9);
-    }
+    best_probe = std::max(best_probe, bench::ProbeBest(team, probe_at, threads));
     probe_samples.push_back(best_probe);
     for (int fi = 0; fi < 3; ++fi) {
       const int64_t bytes = n * k / kBlock * BlockBytes(fmts[fi]);

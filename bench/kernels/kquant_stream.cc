@@ -88,15 +88,8 @@ int main(int argc, char** argv) {
   double best_probe = 0, best[3][kPaths] = {}, best_quant = 1e9, best_quant16 = 1e9, best_quant_wide = 1e9;
   double max_diff[3][kPaths] = {};
   std::vector<float> out(m * n), tile_out(m * n);
-  volatile float sink = 0;
   for (int round = 0; round < rounds; ++round) {
-    for (int64_t chunk = 0; chunk < kStreamBytes / kProbeChunk; ++chunk) {
-      const double s = team.Time([&](int t) {
-        const int64_t per = kProbeChunk / 4 / threads;
-        sink = sink + SumFloats(probe_at + chunk * kProbeChunk / 4 + t * per, per);
-      });
-      best_probe = std::max(best_probe, kProbeChunk / s / 1e9);
-    }
+    best_probe = std::max(best_probe, bench::ProbeBest(team, probe_at, threads));
     for (int fi = 0; fi < 3; ++fi) {
       const int64_t bytes = n * k / kSuper * SuperBytes(fmts[fi]);
       for (int path = 0; path < kPaths; ++path) {
