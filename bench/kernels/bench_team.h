@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -71,6 +72,19 @@ __attribute__((target("avx512f"))) inline float SumFloats(const float* p, int64_
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)));
 }
+
+// The probe's buffer: kStreamBytes of 1.0f, 64-byte aligned (`at`).
+struct ProbeBuffer {
+  std::vector<float> data = std::vector<float>(kStreamBytes / 4 + 16);
+  float* at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(data.data()) + 63) & ~uintptr_t{63});
+  ProbeBuffer() {
+    for (int64_t i = 0; i < kStreamBytes / 4; ++i) at[i] = 1.0f;
+  }
+};
+
+// How many copies of a product's BYTES of weights the harness streams: as many as fill
+// kStreamBytes (each read from DRAM), or one with CACHED set (read from cache).
+inline int64_t StreamCopies(int64_t bytes) { return std::getenv("CACHED") ? 1 : kStreamBytes / bytes + 1; }
 
 // One pass of the DRAM read probe over PROBE (kStreamBytes of floats, split over the team),
 // timed per kProbeChunk: the best GB/s of the pass.

@@ -55,9 +55,8 @@ int main(int argc, char** argv) {
   std::vector<float> x(m * k);
   std::normal_distribution<float> normal;
   for (auto& v : x) v = normal(rng);
-  std::vector<float> probe(kStreamBytes / 4 + 16);
-  float* probe_at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(probe.data()) + 63) & ~uintptr_t{63});
-  for (int64_t i = 0; i < kStreamBytes / 4; ++i) probe_at[i] = 1.0f;
+  const bench::ProbeBuffer probe;
+  float* const probe_at = probe.at;
   const int fmts[3] = {kQ4_0, kQ4_1, kQ8_0};
   const char* names[3] = {"Q4_0", "Q4_1", "Q8_0"};
   constexpr int kPaths = 4;
@@ -66,7 +65,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> copies;
   for (int f : fmts) {
     const int64_t bytes = n * k / kBlock * BlockBytes(f);
-    copies.push_back(std::getenv("CACHED") ? 1 : kStreamBytes / bytes + 1);
+    copies.push_back(bench::StreamCopies(bytes));  // CACHED=1: one copy, from cache
     weights.push_back(RandomBlocks(f, bytes * copies.back(), &rng));
   }
   // the 16-bit paths' activation buffers (zero: lanes of rows past m stay zero)

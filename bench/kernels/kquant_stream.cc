@@ -59,9 +59,8 @@ int main(int argc, char** argv) {
   std::vector<float> x(m * k);
   std::normal_distribution<float> normal;
   for (auto& v : x) v = normal(rng);
-  std::vector<float, std::allocator<float>> probe(kStreamBytes / 4 + 16);
-  float* probe_at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(probe.data()) + 63) & ~uintptr_t{63});
-  for (int64_t i = 0; i < kStreamBytes / 4; ++i) probe_at[i] = 1.0f;
+  const bench::ProbeBuffer probe;
+  float* const probe_at = probe.at;
   const int fmts[3] = {kQ4_K, kQ5_K, kQ6_K};
   const char* names[3] = {"Q4_K", "Q5_K", "Q6_K"};
   std::vector<std::vector<uint8_t>> weights;
@@ -69,7 +68,7 @@ int main(int argc, char** argv) {
   const int64_t per_thread = (n / threads + 15) / 16 * 16;
   for (int f : fmts) {
     const int64_t bytes = n * k / kSuper * SuperBytes(f);
-    copies.push_back(std::getenv("CACHED") ? 1 : kStreamBytes / bytes + 1);  // CACHED=1: one copy, from cache
+    copies.push_back(bench::StreamCopies(bytes));  // CACHED=1: one copy, from cache
     weights.push_back(Blocks(f, bytes * copies.back(), &rng));
   }
   // the integer path: its activation buffer, the rows quantized once per product; past the
