@@ -170,29 +170,18 @@ struct WideActivations {
   }
 };
 
-// One row (M == 1, wide_rows > 0, AVX-512 VNNI): x quantized once into 16-bit-accurate int8
-// pairs per block (block_matmul_rowint.inc), then the columns of every weight shared over
-// the pool as RunProducts shares them, one thread computing each output element whole.
-ffi::Error RunOneRowProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* fmts, int64_t count,
-                             int64_t threads) {
-  const int64_t k = ps[0].k;
-  std::vector<uint8_t> buf(ferrox_rowint::RowIntBytes(k) + 64);
-  uint8_t* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
-  const ferrox_rowint::RowIntX xr = ferrox_rowint::QuantizeRowInt(ps[0].x, k, at);
-  int64_t n_total = 0;
-  for (int64_t i = 0; i < count; ++i) n_total += ps[i].n;
-  const int64_t target = threads * 4;
-  const int64_t chunk = std::max<int64_t>(4, ((n_total + target - 1) / target + 3) / 4 * 4);
-  int64_t first[4] = {0, 0, 0, 0}, tasks = 0;
-  for (int64_t i = 0; i < count; ++i) first[i] = tasks, tasks += (ps[i].n + chunk - 1) / chunk;
-  ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, &xr, chunk](int64_t t) {
-    int64_t i = count - 1;
-    while (t < first[i]) --i;
-    const int64_t begin = (t - first[i]) * chunk, end = std::min(ps[i].n, begin + chunk);
-    ferrox_rowint::RowIntRun(fmts[i], ps[i], xr, begin, end);
-  });
-  return ffi::Error::Success();
-}
+// x [1, k] for block_matmul_rowint.inc (one row, AVX-512 VNNI): 16-bit-accurate int8 pairs per
+// block, quantized once on the calling thread.
+struct OneRowActivations {
+  std::vector<uint8_t> buf;
+  ferrox_rowint::RowIntX row{};
+
+  void Quantize(const float* x, int64_t k) {
+    buf.resize(ferrox_rowint::RowIntBytes(k) + 64);
+    uint8_t* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+    row = ferrox_rowint::QuantizeRowInt(x, k, at);
+  }
+};
 
 // x [m, k] for block_matmul_rows16.inc (2 to 15 rows, AVX-512 VNNI): groups of R rows, each
 // row in P = 8 / R lanes; a row a task.
@@ -240,14 +229,17 @@ ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* f
   }
   // x quantized once for every weight of the call, for the integer or the 16-bit path
   const bool integer = int_rows > 0 && m >= int_rows;
-  const bool wide = !integer && kIsa == 2 && wide_rows > 0 && m >= wide_rows;
-  if (!integer && kIsa == 2 && wide_rows > 0 && m == 1) return RunOneRowProducts(pool, ps, fmts, count, threads);
+  // one row: block_matmul_rowint.inc wherever the 16-bit path is on
+  const bool one_row = !integer && kIsa == 2 && wide_rows > 0 && m == 1;
+  const bool wide = !integer && !one_row && kIsa == 2 && wide_rows > 0 && m >= wide_rows;
   // 2 to 15 rows: rows and columns in the lanes where block_matmul_rows16.inc takes M
   const bool rows16 = wide && m <= 15 && ferrox_avx512::Rows16PerGroup(m) > 0;
   Int8Activations xq;
   WideActivations xw;
   Rows16Activations xr;
+  OneRowActivations x1;
   if (integer) xq.Quantize(pool, threads, ps[0].x, m, k);
+  if (one_row) x1.Quantize(ps[0].x, k);
   if (rows16) xr.Quantize(pool, threads, ps[0].x, m, k), rows16_calls.fetch_add(1, std::memory_order_relaxed);
   else if (wide) xw.Quantize(pool, threads, ps[0].x, m, k);
   // 4 chunks per thread balance uneven progress; chunks are whole 4-column tiles of one
@@ -260,12 +252,15 @@ ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* f
   const QuantizedRows* rows = integer ? &xq.rows : nullptr;
   const ferrox_avx512::WideRows* wide_rows_ptr = wide && !rows16 ? &xw.rows : nullptr;
   const ferrox_avx512::Rows16* rows16_ptr = rows16 ? &xr.rows : nullptr;
-  ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, rows, wide_rows_ptr, rows16_ptr, chunk](int64_t t) {
+  const ferrox_rowint::RowIntX* one_row_ptr = one_row ? &x1.row : nullptr;
+  ferrox::ParallelFor(pool, threads, tasks,
+                      [ps, fmts, count, &first, rows, wide_rows_ptr, rows16_ptr, one_row_ptr, chunk](int64_t t) {
     int64_t i = count - 1;
     while (t < first[i]) --i;
     const Problem& p = ps[i];
     const int64_t begin = (t - first[i]) * chunk, end = std::min(p.n, begin + chunk);
-    if (rows16_ptr != nullptr) ferrox_avx512::RunRows16(fmts[i], p, *rows16_ptr, begin, end);
+    if (one_row_ptr != nullptr) ferrox_rowint::RowIntRun(fmts[i], p, *one_row_ptr, begin, end);
+    else if (rows16_ptr != nullptr) ferrox_avx512::RunRows16(fmts[i], p, *rows16_ptr, begin, end);
     else if (wide_rows_ptr != nullptr) ferrox_avx512::RunWide(fmts[i], p, *wide_rows_ptr, begin, end);
     else if (kIsa == 2) ferrox_avx512::Run(fmts[i], p, rows, begin, end);
     else ferrox_avx2::Run(fmts[i], p, rows, begin, end);
