@@ -15,6 +15,17 @@ Only where XLA compiles for the CPU: on an accelerator the level would also leav
 kernels unoptimized. `XLA_FLAGS` naming a level of its own keeps it
 (`XLA_FLAGS=--xla_backend_optimization_level=3 make test` runs the suite at XLA's default).
 
+XLA CPU's fusion emitters (the MLIR-based ones that replaced the element-wise IR emitter)
+cost more compile time than they give back on tiny shapes, so the suite also passes
+`--xla_cpu_use_fusion_emitters=false`. Process CPU seconds with an empty compile cache,
+emitters on -> off (load 2-6, alternated, 2026-12-06): tests/engine/test_runner.py 35.7 ->
+22.6 and 37.3 -> 27.1, tests/models/test_ragged_engine.py 73.8 -> 46.3, test_sliding_kv_all.py
+77.9 -> 49.9, test_gguf_mtp.py 90.4 -> 57.6, test_family_llama4.py 53.7 -> 44.8; the files
+that run many steps of the 30-layer default model pay a little back (test_default_model.py
+99.2 -> 104.6, test_speculative_default_model.py 70.3 -> 82.3). Same tests green either way:
+the graph passes are XLA's own in both, only the loops' code generation differs.
+`XLA_FLAGS` naming either flag keeps its own value.
+
 A test that starts a process with its own device count passes `with_devices(n)` as that
 process's XLA_FLAGS, so the process compiles as the suite does (and a group of processes
 sharing compiled programs all alike).
@@ -27,6 +38,14 @@ from pathlib import Path
 
 LEVEL_FLAG = "--xla_backend_optimization_level"
 SUITE_LEVEL = f"{LEVEL_FLAG}=0"
+EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters"
+SUITE_EMITTERS = f"{EMITTERS_FLAG}=false"
+# What the suite adds, each unless XLA_FLAGS names that flag already.
+SUITE_FLAGS = (SUITE_LEVEL, SUITE_EMITTERS)
+
+
+def _name(flag: str) -> str:
+    return flag.split("=", 1)[0]
 
 
 def _on_accelerator() -> bool:
@@ -37,16 +56,18 @@ def _on_accelerator() -> bool:
 
 
 def suite_flags(flags: str) -> str:
-    """`flags` (an XLA_FLAGS value) with the suite's optimization level added, unless it
-    names a level already or the suite runs on an accelerator."""
-    if LEVEL_FLAG in flags or _on_accelerator():
+    """`flags` (an XLA_FLAGS value) with each of the suite's CPU flags added that it does not
+    name already; unchanged where the suite runs on an accelerator."""
+    if _on_accelerator():
         return flags
-    return f"{flags} {SUITE_LEVEL}".strip()
+    named = {_name(f) for f in flags.split()}
+    return " ".join([*flags.split(), *(f for f in SUITE_FLAGS if _name(f) not in named)])
 
 
 def level_flags() -> str:
-    """The optimization level this process compiles at, as XLA_FLAGS text ("" for XLA's default)."""
-    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith(LEVEL_FLAG))
+    """The suite's flags as this process has them, as XLA_FLAGS text ("" for XLA's defaults)."""
+    names = {_name(f) for f in SUITE_FLAGS}
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if _name(f) in names)
 
 
 def with_devices(n: int) -> str:

@@ -1,6 +1,7 @@
 """The suite's XLA flags (tests/support/xla_flags.py): pytest compiles with LLVM's
-optimizations off on CPU, the processes the tests start with a device count of their own
-compile the same way, an explicit level is kept, and an accelerator is left alone."""
+optimizations and XLA CPU's fusion emitters off on CPU, the processes the tests start with a
+device count of their own compile the same way, a flag given explicitly is kept, and an
+accelerator is left alone."""
 
 from __future__ import annotations
 
@@ -13,24 +14,29 @@ from pathlib import Path
 import pytest
 
 from tests.support import xla_flags
-from tests.support.xla_flags import SUITE_LEVEL, suite_flags, with_devices
+from tests.support.xla_flags import SUITE_EMITTERS, SUITE_FLAGS, SUITE_LEVEL, suite_flags, with_devices
 
 REPO = Path(__file__).resolve().parents[2]
 ON_CPU = not xla_flags._on_accelerator()
 
 
 @pytest.mark.skipif(not ON_CPU, reason="an accelerator keeps XLA's default level")
-def test_this_process_compiles_at_the_suite_level():
-    assert SUITE_LEVEL in os.environ.get("XLA_FLAGS", "").split(), os.environ.get("XLA_FLAGS")
+def test_this_process_compiles_with_the_suite_flags():
+    for flag in SUITE_FLAGS:
+        assert flag in os.environ.get("XLA_FLAGS", "").split(), os.environ.get("XLA_FLAGS")
 
 
-def test_the_level_is_added_once_and_an_explicit_one_is_kept(monkeypatch):
+def test_the_flags_are_added_once_and_explicit_ones_are_kept(monkeypatch):
     monkeypatch.setattr(xla_flags, "_on_accelerator", lambda: False)
-    assert suite_flags("") == SUITE_LEVEL
+    both = f"{SUITE_LEVEL} {SUITE_EMITTERS}"
+    assert suite_flags("") == both
     assert suite_flags("--xla_force_host_platform_device_count=2") == (
-        f"--xla_force_host_platform_device_count=2 {SUITE_LEVEL}")
-    assert suite_flags(suite_flags("")) == SUITE_LEVEL, "conftest runs in every xdist worker too"
-    assert suite_flags("--xla_backend_optimization_level=3") == "--xla_backend_optimization_level=3"
+        f"--xla_force_host_platform_device_count=2 {both}")
+    assert suite_flags(suite_flags("")) == both, "conftest runs in every xdist worker too"
+    assert suite_flags("--xla_backend_optimization_level=3") == (
+        f"--xla_backend_optimization_level=3 {SUITE_EMITTERS}")
+    assert suite_flags("--xla_cpu_use_fusion_emitters=true") == (
+        f"--xla_cpu_use_fusion_emitters=true {SUITE_LEVEL}")
 
 
 def test_an_accelerator_keeps_xlas_default(monkeypatch):
@@ -42,9 +48,9 @@ def test_an_accelerator_keeps_xlas_default(monkeypatch):
     assert not xla_flags._on_accelerator()
 
 
-def test_with_devices_carries_this_processs_level(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to=/nowhere {SUITE_LEVEL}")
-    assert with_devices(4) == f"{SUITE_LEVEL} --xla_force_host_platform_device_count=4"
+def test_with_devices_carries_this_processs_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to=/nowhere {SUITE_LEVEL} {SUITE_EMITTERS}")
+    assert with_devices(4) == f"{SUITE_LEVEL} {SUITE_EMITTERS} --xla_force_host_platform_device_count=4"
     monkeypatch.setenv("XLA_FLAGS", "")
     assert with_devices(1) == "--xla_force_host_platform_device_count=1", "XLA's default stays the default"
 
@@ -59,4 +65,5 @@ def test_a_started_process_sees_its_devices_and_the_level():
     assert proc.returncode == 0, proc.stderr[-2000:]
     devices, flags = json.loads(proc.stdout.strip().splitlines()[-1])
     assert devices == 2
-    assert (SUITE_LEVEL in flags.split()) == (SUITE_LEVEL in os.environ.get("XLA_FLAGS", "").split()), flags
+    for flag in SUITE_FLAGS:
+        assert (flag in flags.split()) == (flag in os.environ.get("XLA_FLAGS", "").split()), flags
