@@ -9,7 +9,9 @@ is this path that ran), and a kernel that paired a sub-block with its neighbour'
 Q5_K: the high nibbles' sub-block with the low nibbles' scale; Q6_K: a block's second 16 with
 its first 16's scale) would miss the bound. Q6_K's sub-block scales are in its int16 weights
 (up to 128 x 32 = 4096): at the extreme each 16-wide half's int32 dot is just below 2^31, and
-one int32 sum of both halves would wrap (checked against a model of that kernel).
+one int32 sum of both halves would wrap (checked against a model of that kernel). Q4_K / Q5_K's
+6-bit sub-block scales are in their int16 weights too (up to 63 x 31 = 1953): a block's dot at
+the extreme is 32 x 32767 x 1953, 4.9 % below 2^31, and two blocks' dots in one int32 would wrap.
 """
 
 from __future__ import annotations
@@ -156,4 +158,34 @@ def test_wide_q6_k_halves_at_the_int32_edge_stay_exact():
     wi = np.round(w[0, :32] / 2.0 ** -12).astype(np.int64)  # column 0's int16 weights, one block
     wrapped = (int(x16 @ wi) + 2 ** 31) % 2 ** 32 - 2 ** 31
     wrong = wrapped * (1.0 / 32767) * 2.0 ** -12 * (k // 32)  # row 0: amax 1 in every block
+    assert abs(wrong - want[0, 0]) > wide_bound(x, w)[0, 0]
+
+
+def extreme_q5_k(n: int, k: int) -> np.ndarray:
+    """u8[n, k / 256 * 176]: every int16 weight sc q at its extreme (scale 63, q 31: 1953) with
+    the largest offset (min 63), d = dmin = 2^-12; the odd columns q 0 (the offset alone)."""
+    sb = np.full((n, k // 256, 176), 0xFF, np.uint8)  # scales and mins 63, every q 31
+    sb[1::2, :, 16:176] = 0  # q 0: qh and qs
+    sb[:, :, 0:4] = np.tile(np.frombuffer(np.float16(2.0 ** -12).tobytes(), np.uint8), 2)
+    return sb.reshape(n, -1)
+
+
+@needs_vnni
+def test_wide_q5_k_folded_scales_at_the_int32_edge_stay_exact():
+    # every activation its block's amax (int16 32767), every weight sc q = 1953: each block's
+    # dot is 32 x 32767 x 1953 = 2,047,737,888, and the offset term is at its largest
+    rows, k, n = 16, 512, 6
+    blocks, x = extreme_q5_k(n, k), np.ones((rows, k), np.float32)
+    x[1::2] = -1.0
+    w = dequantize_host(blocks, "q5_k")
+    assert np.allclose(w[0], (63 * 31 - 63) * 2.0 ** -12) and np.allclose(w[1], -63 * 2.0 ** -12)
+    want = x.astype(np.float64) @ w.T
+    got = product("q5_k", blocks, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert np.all(np.abs(got - want) <= wide_bound(x, w))
+    # negative control: a kernel that summed two blocks' dots in one int32 would wrap
+    dot = 32 * 32767 * 1953
+    wrapped = (2 * dot + 2 ** 31) % 2 ** 32 - 2 ** 31
+    offset = -63 * 2.0 ** -12 * 32 * 2  # the two blocks' offset term, row 0 (every x 1)
+    wrong = (wrapped * (1.0 / 32767) * 2.0 ** -12 + offset) * (k // 64)
     assert abs(wrong - want[0, 0]) > wide_bound(x, w)[0, 0]
