@@ -13,7 +13,10 @@ the two outputs relative to max |float|. Then (unless `--no-prefill`) the engine
 for one `--rows`-token prompt chunk at position 0 (`run_plan`: host batch, the compiled forward
 with attention, norms and the last row's LM head, the sampler), each view's forward compiled for
 that one shape (the runner's weights and compiled steps swapped per view), alternated likewise.
-Timings move with the host's load: compare within one run.
+Timings move with the host's load: compare within one run. `--cpu-time` times in process CPU
+time (all threads) instead of wall time: on a shared host a time slice lost to another
+process is then not counted (wall-time samples read 1.0-2.4 s for the same chain at load 5 on
+2 cores).
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--no-prefill", action="store_true", help="time the projections only")
+    p.add_argument("--cpu-time", action="store_true", help="process CPU time (all threads), not wall time")
     args = p.parse_args(argv)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     engine = Engine.load(EngineConfig(model=args.model, quantization="auto", max_context=512, max_seqs=1))
     runner = engine.runner
     views = {}
@@ -68,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     samples = {w: [] for w in views}
     for _ in range(args.rounds):
         for w, f in views.items():
-            t = time.perf_counter()
+            t = clock()
             jax.block_until_ready(f(x))
-            samples[w].append((time.perf_counter() - t) * 1e3)
+            samples[w].append((clock() - t) * 1e3)
     diff = float(np.abs(outs[1] - outs[0]).max() / np.abs(outs[0]).max())
-    prefill = {} if args.no_prefill else prefill_step(runner, args.rows, args.rounds)
+    prefill = {} if args.no_prefill else prefill_step(runner, args.rows, args.rounds, clock)
     print(f"{args.model} {args.rows} rows, {len(model.layers)} layers' projections, "
           f"best / median of {args.rounds} alternated rounds")
     for w, name in ((0, "float32 activations (wide_rows 0)"), (1, "16-bit integer path (wide_rows 1)")):
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def prefill_step(runner, rows: int, rounds: int) -> dict[int, list[float]]:
+def prefill_step(runner, rows: int, rounds: int, clock=time.perf_counter) -> dict[int, list[float]]:
     """ms of the engine's step for one `rows`-token chunk, per view (wide_rows 1, 0), alternated."""
     from ferrox_jax.plan import RowPlan, StepPlan
     from ferrox_jax.request import RowSampling
@@ -118,9 +123,9 @@ def prefill_step(runner, rows: int, rounds: int) -> dict[int, list[float]]:
     for _ in range(rounds):
         for w in views:
             use(w)
-            t = time.perf_counter()
+            t = clock()
             run_plan(runner, plan)
-            samples[w].append((time.perf_counter() - t) * 1e3)
+            samples[w].append((clock() - t) * 1e3)
     return samples
 
 
