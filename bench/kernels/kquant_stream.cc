@@ -74,7 +74,10 @@ int main(int argc, char** argv) {
   // the integer path: its activation buffer, the rows quantized once per product; past the
   // row path's rows the kernel's float path is the tile (path 0), so path 1 is skipped
   const bool row_path = m <= ferrox_k_avx512::kRowPathRows;
-  std::vector<uint8_t> int_buf(m * std::max(ferrox_k_vnni::IntRowBytes(k), ferrox_k_vnni::Int16RowBytes(k)) + 64);
+  std::vector<uint8_t> int_buf(std::max(m * ferrox_k_vnni::IntRowBytes(k), ferrox_k_vnni::Int16RowsBytes(m, k)) + 64);
+  // path 5's second call's scale table (its rows from kIntRows)
+  std::vector<float> rest_table(k / kSuper * 16 + 16);
+  float* rest_at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(rest_table.data()) + 63) & ~uintptr_t{63});
   uint8_t* int_at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(int_buf.data()) + 63) & ~uintptr_t{63});
   // 9 to 15 rows (kIntRows < m): the one-row design takes no more than kIntRows rows (path 2
   // skipped); the prompt-chunk path (block_matmul_k_i16.inc, its 16-lane row group padded) is
@@ -114,6 +117,8 @@ int main(int argc, char** argv) {
           if (path == 5) {  // the same quantized rows as two products
             head.m = first, rest.m = m - first;
             for (int64_t r = 0; r < m; ++r) (r < first ? head.row[r] : rest.row[r - first]) = xr16.row[r];
+            head.scale_t = xr16.scale_t;  // lanes from kIntRows unused by its 8 rows
+            ferrox_k_vnni::FillScaleTable(&rest, k, rest_at);
           }
           const Problem p_head{x.data(), p.w, o, first, n, k}, p_rest{x.data() + first * k, p.w, o + first * n, m - first, n, k};
           s += team.Time([&](int t) {

@@ -114,7 +114,7 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
   ferrox_k_vnni::IntRows xr{};
   ferrox_k_vnni::Int16Rows xr16{};
   if (int_row) {
-    int_buf.resize(m * (w16 ? ferrox_k_vnni::Int16RowBytes(k) : ferrox_k_vnni::IntRowBytes(k)) + 64);
+    int_buf.resize((w16 ? ferrox_k_vnni::Int16RowsBytes(m, k) : m * ferrox_k_vnni::IntRowBytes(k)) + 64);
     uint8_t* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(int_buf.data()) + 63) & ~uintptr_t{63});
     if (w16) xr16 = ferrox_k_vnni::QuantizeInt16Rows(ps[0].x, m, k, at);
     else xr = ferrox_k_vnni::QuantizeIntRows(ps[0].x, m, k, at);

@@ -231,11 +231,13 @@ def test_integer_row_path_fused_equals_one_call_per_weight():
 # 2 and 3 rows (one group of rows' int32 sums), 4 (a whole group), 5 and 8 (a second group,
 # short and whole); 9, 12, 15: two passes of rows (9: a second pass of one row; 15: the most
 # rows before the prompt-chunk path, tests/models/test_block_matmul_k_split_rows.py); [1536, 44]
-# on the calling thread, [2048, 300] shared over threads (more than one 64-column block a thread)
+# on the calling thread, [2048, 300] shared over threads (more than one 64-column block a thread);
+# [1280, 37]: an odd count of super-blocks (the last one's mins alone, not paired with a next
+# one's) and of columns (Q4_K / Q5_K take two columns at a time, the last one alone)
 @needs_vnni
 @pytest.mark.parametrize("fmt", K_FORMATS)
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 12, 15])
-@pytest.mark.parametrize("k,n", [(1536, 44), (2048, 300)])
+@pytest.mark.parametrize("k,n", [(1536, 44), (2048, 300), (1280, 37)])
 def test_integer_path_rows_within_their_16_bit_bound(fmt, rows, k, n):
     x, w, got = int_product(fmt, k, n, seed=13 + rows, rows=rows)
     err = np.abs(got - x.astype(np.float64) @ w.T)
