@@ -233,7 +233,7 @@ def test_integer_row_path_fused_equals_one_call_per_weight():
 # rows before the prompt-chunk path, tests/models/test_block_matmul_k_split_rows.py); [1536, 44]
 # on the calling thread, [2048, 300] shared over threads (more than one 64-column block a thread);
 # [1280, 37]: an odd count of super-blocks (the last one's mins alone, not paired with a next
-# one's) and of columns (Q4_K takes two columns at a time, the last one alone)
+# one's) and of columns (Q4_K and Q6_K take two columns at a time, the last one alone)
 @needs_vnni
 @pytest.mark.parametrize("fmt", K_FORMATS)
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 12, 15])
