@@ -34,9 +34,10 @@ _CACHE = Path(__file__).resolve().parent.parent / ".jax_cache"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# The suite compiles with LLVM's optimizations off on CPU (tests/support/xla_flags.py: a
-# third less compile time), set before any test starts JAX's backend; the processes the
-# tests start inherit it, or take it through `with_devices`.
+# The suite compiles with LLVM's optimizations and XLA CPU's fusion emitters off on CPU
+# (tests/support/xla_flags.py: each a fifth to a third less compile time), set before any
+# test starts JAX's backend; the processes the tests start inherit them, or take them
+# through `with_devices`.
 os.environ["XLA_FLAGS"] = suite_flags(os.environ.get("XLA_FLAGS", ""))
 # Servers and CLI runs started by the tests (in this process or as subprocesses) keep to
 # JAX's cache, not the executable store, for speed: the store is keyed by the checkpoint's
