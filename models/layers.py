@@ -197,14 +197,17 @@ class ForwardContext:
         if start != positions.shape[0]:
             raise ValueError(f"segments hold {start} tokens but the forward has {positions.shape[0]}")
         slots = [kv_slots(s.positions, s.valid, s.block_tables, block_size) for s in segments]
-        if rope_positions is None:
-            tables = [rope(s.positions, s.valid) for s in segments]
-        else:  # the segments' 3-D positions, cut as the flat tokens are
-            tables = [rope(rope_positions[s.start:s.start + s.rows * s.tokens].reshape(s.rows, s.tokens, 3), s.valid)
-                      for s in segments]
-        flat_rope = {kind: tuple(jnp.concatenate([t[kind][i].reshape(s.rows * s.tokens, -1)
-                                                  for s, t in zip(segments, tables)]) for i in (0, 1))
-                     for kind in tables[0]}
+        def flat_tables():
+            if rope_positions is None:
+                tables = [rope(s.positions, s.valid) for s in segments]
+            else:  # the segments' 3-D positions, cut as the flat tokens are
+                tables = [rope(rope_positions[s.start:s.start + s.rows * s.tokens].reshape(s.rows, s.tokens, 3),
+                               s.valid) for s in segments]
+            return {kind: tuple(jnp.concatenate([t[kind][i].reshape(s.rows * s.tokens, -1)
+                                                 for s, t in zip(segments, tables)]) for i in (0, 1))
+                    for kind in tables[0]}
+
+        flat_rope = computed_once(flat_tables, valid)
         # The spans are built once per forward: every layer's ragged call shares them.
         spans = ragged_spans(segments) if isinstance(decode_attention, RaggedAttention) else None
         window = None
@@ -213,6 +216,17 @@ class ForwardContext:
                                limits)
         return cls(tuple(segments), jnp.concatenate([b.reshape(-1) for b, _ in slots]),
                    jnp.concatenate([o.reshape(-1) for _, o in slots]), flat_rope, decode_attention, spans, window)
+
+
+def computed_once(compute, valid):
+    """compute() (the forward's RoPE cos/sin tables), evaluated once per forward: inside a
+    conditional whose two branches are that same computation, so the value never depends
+    on the predicate. XLA fuses nothing across a branch boundary; left bare, XLA CPU fuses
+    the cos/sin into every layer's q and k rotation and evaluates them once per head and
+    layer (at 8 decode rows of the 1B: 32 heads x 64 dims x 16 layers of transcendentals,
+    ~0.4 ms a layer), and an optimization barrier does not stop it (XLA CPU drops barriers
+    before fusing)."""
+    return jax.lax.cond(jnp.any(valid), compute, compute)
 
 
 @dataclasses.dataclass(frozen=True)
