@@ -225,7 +225,10 @@ def computed_once(compute, valid):
     the cos/sin into every layer's q and k rotation and evaluates them once per head and
     layer (at 8 decode rows of the 1B: 32 heads x 64 dims x 16 layers of transcendentals,
     ~0.4 ms a layer), and an optimization barrier does not stop it (XLA CPU drops barriers
-    before fusing)."""
+    before fusing). Only where XLA compiles for the CPU: on an accelerator a conditional can cost
+    a round trip to the host, and its recomputed transcendentals were not measured."""
+    if jax.default_backend() != "cpu":
+        return compute()
     return jax.lax.cond(jnp.any(valid), compute, compute)
 
 
