@@ -130,6 +130,19 @@ def test_wide_k_fused_call_equals_one_call_per_weight():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(block_matmul)(x, w)))
 
 
+def exact_at_the_edge(fmt: str, blocks: np.ndarray, rows: int = 16):
+    """16 rows of +-1 (every activation its block's amax) times `blocks`: the wide path's
+    product within its bound of float64's. Returns (x, w, the float64 product)."""
+    w = dequantize_host(blocks, fmt)
+    x = np.ones((rows, w.shape[1]), np.float32)
+    x[1::2] = -1.0
+    want = x.astype(np.float64) @ w.T
+    got = product(fmt, blocks, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert np.all(np.abs(got - want) <= wide_bound(x, w))
+    return x, w, want
+
+
 def extreme_q6_k(n: int, k: int) -> np.ndarray:
     """u8[n, k / 256 * 210]: every weight's int16 sc (q - 32) at the extreme: scale -128 and
     q 0 (4096), the odd columns scale 127 and q 63 (127 x 31), d 2^-12."""
@@ -144,15 +157,9 @@ def extreme_q6_k(n: int, k: int) -> np.ndarray:
 def test_wide_q6_k_halves_at_the_int32_edge_stay_exact():
     # every activation its block's amax (int16 32767), every weight at its int16 extreme: each
     # half's dot is 16 x 32767 x 4096 = 2,147,418,112, 65,535 below 2^31
-    rows, k, n = 16, 512, 6
-    blocks, x = extreme_q6_k(n, k), np.ones((rows, k), np.float32)
-    x[1::2] = -1.0
-    w = dequantize_host(blocks, "q6_k")
+    k = 512
+    x, w, want = exact_at_the_edge("q6_k", extreme_q6_k(6, k))
     assert np.abs(w).max() == 4096 * 2.0 ** -12
-    want = x.astype(np.float64) @ w.T
-    got = product("q6_k", blocks, x)
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    assert np.all(np.abs(got - want) <= wide_bound(x, w))
     # negative control: a kernel that summed both halves in one int32 per block would wrap
     x16 = np.full(32, 32767, np.int64)
     wi = np.round(w[0, :32] / 2.0 ** -12).astype(np.int64)  # column 0's int16 weights, one block
@@ -174,15 +181,9 @@ def extreme_q5_k(n: int, k: int) -> np.ndarray:
 def test_wide_q5_k_folded_scales_at_the_int32_edge_stay_exact():
     # every activation its block's amax (int16 32767), every weight sc q = 1953: each block's
     # dot is 32 x 32767 x 1953 = 2,047,737,888, and the offset term is at its largest
-    rows, k, n = 16, 512, 6
-    blocks, x = extreme_q5_k(n, k), np.ones((rows, k), np.float32)
-    x[1::2] = -1.0
-    w = dequantize_host(blocks, "q5_k")
+    k = 512
+    x, w, want = exact_at_the_edge("q5_k", extreme_q5_k(6, k))
     assert np.allclose(w[0], (63 * 31 - 63) * 2.0 ** -12) and np.allclose(w[1], -63 * 2.0 ** -12)
-    want = x.astype(np.float64) @ w.T
-    got = product("q5_k", blocks, x)
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    assert np.all(np.abs(got - want) <= wide_bound(x, w))
     # negative control: a kernel that summed two blocks' dots in one int32 would wrap
     dot = 32 * 32767 * 1953
     wrapped = (2 * dot + 2 ** 31) % 2 ** 32 - 2 ** 31
