@@ -285,7 +285,9 @@ def test_qwen3_next_matches_transformers_and_routes_through_every_expert_layer(q
     assert err < bound, f"Qwen3-Next logits differ from HF by {err:.3g} (bound {bound:.3g})"
     assert tokens[len(prompt):] == ref[len(prompt) - 1:-1].argmax(-1).tolist(), "greedy tokens differ from HF's"
     assert all(len(seen) > 1 for seen in fc.experts_routed(hf, tokens)), "the prompt exercises several experts"
-    # two float32 orders of the same sums: about 1.0e-5 at XLA's default optimization level and
-    # 1.2e-5 at the suite's level 0 (tests/support/xla_flags.py: LLVM contracts no multiply-adds there)
+    # two float32 orders of the same sums: about 1.0e-5 at XLA's default optimization level,
+    # 1.2e-5 at the suite's level 0 (tests/support/xla_flags.py: LLVM contracts no multiply-adds
+    # there), 2.1e-5 with the suite's fusion emitters off as well and the RoPE tables computed
+    # once per forward (models/layers.py; either of the two alone leaves it below 2e-5)
     err = chunked_vs_one_shot(runner, prompt_of(ckpt, 2), one_slot=2, chunk_slot=3)
-    assert err < 2e-5, f"Qwen3-Next chunked prefill differs from one-shot by {err:.3g}"
+    assert err < 4e-5, f"Qwen3-Next chunked prefill differs from one-shot by {err:.3g}"
