@@ -42,7 +42,9 @@ formats may differ within one call), so a K-quant layer makes 4 kernel calls ins
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -150,8 +152,42 @@ def device_copy(host: np.ndarray) -> jax.Array:
     buf = np.empty(host.nbytes + HOST_ALIGN, np.uint8)
     start = -buf.ctypes.data % HOST_ALIGN
     own = buf[start:start + host.nbytes].view(host.dtype).reshape(host.shape)
-    np.copyto(own, host)
+    parallel_copy(own, host)
     return jax.device_put(own)
+
+
+PARALLEL_COPY_BYTES = 4 << 20  # smaller arrays are copied on the calling thread
+_copy_pool: list = []  # one ThreadPoolExecutor, made on first use
+
+
+def copy_threads() -> int:
+    """Threads a large copy is split over: the CPUs this process may run on, at most 8."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def parallel_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """`np.copyto(dst, src)` (same shape) split by leading rows over `copy_threads()` threads.
+
+    The copy's cost at start-up is mostly the first touch of `dst`'s fresh pages, not the
+    bytes: in a VM that hands free guest memory back to its host (free page reporting), a
+    page the guest has not touched lately costs a host fault, and one thread placed the
+    1B's 0.67 GB at ~130 MB/s there against ~6 GB/s into recently used pages. Those faults
+    proceed on every vCPU at once: on the 2-vCPU host of docs/benchmarks.md two threads took
+    667 MB of cold pages in 2.55-2.75 s against 5.44-5.48 s (four: 3.08 s;
+    `bench/startup/first_touch.py`), and the 1B's whole `Engine.load` after 40 idle seconds
+    4.39-6.4 s against 5.42-8.19 s (`bench/startup/cold_load_ab.sh`, alternated). numpy's copy
+    releases the GIL for plain dtypes."""
+    threads = copy_threads()
+    rows = dst.shape[0] if dst.ndim else 0
+    if threads == 1 or dst.nbytes < PARALLEL_COPY_BYTES or rows < threads:
+        np.copyto(dst, src)
+        return
+    if not _copy_pool:
+        _copy_pool.append(concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ferrox-copy"))
+    bounds = np.linspace(0, rows, min(rows, threads * 4) + 1).astype(int)
+    jobs = [_copy_pool[0].submit(np.copyto, dst[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    for job in jobs:
+        job.result()
 
 
 def dequantize_host(blocks: np.ndarray, fmt: str, dtype=np.float64) -> np.ndarray:

@@ -19,6 +19,7 @@ pages in the page cache as a restart does (on a host short of memory they are ev
 runs, and the load then waits on the disk); `--evict` drops them instead (posix_fadvise
 DONTNEED on that file alone), as a start after a reboot finds them. Prints one JSON line per
 run, then the best of each checkout; the server is stopped with SIGTERM after each run.
+`--idle S` sleeps S seconds before each run (a restart on a host that was idle: see `--help`).
 
 With `--probe`, once ready each run also answers one greedy completion (`PROBE`, 8 tokens with
 their logprobs) and reads `/metrics`: `probe` is a hash of the tokens and logprobs (every
@@ -130,6 +131,10 @@ def main() -> int:
                         help="evict the model file from the page cache before each run instead of reading it")
     parser.add_argument("--probe", action="store_true",
                         help="once ready, one greedy completion (its hash) and the compiles after warm-up")
+    parser.add_argument("--idle", type=float, default=0.0,
+                        help="seconds of sleep before each run: in a VM with free page reporting the memory the "
+                             "last run freed goes back to the host, and the next run's first touch pays for it "
+                             "(bench/startup/first_touch.py)")
     parser.add_argument("--port", type=int, default=18931)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("extra", nargs="*", help="more `ferrox serve` flags, after --")
@@ -144,6 +149,7 @@ def main() -> int:
     for round_ in range(args.runs):
         order = checkouts if round_ % 2 == 0 else checkouts[::-1]
         for name, checkout in order:
+            time.sleep(args.idle)
             result = one_run(name, checkout, args.model, root / name, args.port, args.extra, args.timeout, args.evict,
                              args.probe)
             result["round"] = round_

@@ -9,10 +9,12 @@ memory, so a later write to the host array shows through in the "placed" weights
 from __future__ import annotations
 
 import gc
+import threading
 
 import jax
 import numpy as np
 
+from models import gguf_blocks
 from models.gguf_blocks import HOST_ALIGN, device_copy, make_weight
 
 
@@ -65,3 +67,37 @@ def test_strided_blocks_and_an_expert_stack_place_as_their_values():
     del host
     gc.collect()  # the placed array holds its own buffer, not the caller's
     np.testing.assert_array_equal(np.asarray(weight.blocks), rows)
+
+
+def test_a_large_copy_is_split_over_the_copy_threads_and_places_every_row(monkeypatch):
+    """Above PARALLEL_COPY_BYTES the copy goes by leading-row chunks to the copy pool; every
+    row must land, a strided source and an expert stack included (a chunk bound off by one
+    leaves a row of zeros or a row shifted)."""
+    monkeypatch.setattr(gguf_blocks, "copy_threads", lambda: 3)
+    calls = []
+    real = np.copyto
+
+    def recording(dst, src):
+        calls.append((threading.current_thread().name, dst.shape[0]))
+        real(dst, src)
+
+    monkeypatch.setattr(gguf_blocks.np, "copyto", recording)
+    big = np.random.default_rng(2).integers(0, 256, (2003, 4608), dtype=np.uint8)
+    src = big[::2]  # 1002 rows, strided, 4.6 MB: over the threshold
+    placed = device_copy(src)
+    monkeypatch.setattr(gguf_blocks.np, "copyto", real)
+    np.testing.assert_array_equal(np.asarray(placed), src)
+    assert len(calls) == 12 and sum(rows for _, rows in calls) == 1002
+    assert all(name.startswith("ferrox-copy") for name, _ in calls)
+    stack = np.random.default_rng(3).integers(0, 256, (5, 1000, 1152), dtype=np.uint8)  # 5 experts, 5.8 MB
+    dst = np.zeros_like(stack)
+    gguf_blocks.parallel_copy(dst, stack)
+    np.testing.assert_array_equal(dst, stack)
+    small = rows_of(16)
+    out = np.zeros_like(small)
+    gguf_blocks.parallel_copy(out, small)  # under the threshold: the calling thread
+    np.testing.assert_array_equal(out, small)
+
+
+def rows_of(n: int) -> np.ndarray:
+    return np.random.default_rng(n).integers(0, 256, (n, 64), dtype=np.uint8)
