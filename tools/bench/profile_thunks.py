@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--context", type=int, default=100, help="each row's position")
+    p.add_argument("--chunk", type=int, default=0,
+                   help="a prompt chunk of this many tokens at position 0 beside the rows (--rows 0: the chunk alone)")
     p.add_argument("--forwards", type=int, default=10, help="forwards traced")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--max-context", type=int, default=512)
@@ -83,13 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     engine = Engine.load(EngineConfig(model=args.model, quantization=args.quantization, max_context=args.max_context,
-                                      max_seqs=max(args.rows, 1)))
+                                      max_seqs=max(args.rows + (args.chunk > 0), 1)))
     runner = engine.runner
     per_row = -(-(args.context + 1) // runner.block_size)
     plan = StepPlan(decode=tuple(
         RowPlan(row_id=r, token_ids=(7,), start_pos=args.context,
                 block_ids=tuple(range(1 + r * per_row, 1 + (r + 1) * per_row)), sample=True,
-                sampling=RowSampling(temperature=0.0)) for r in range(args.rows)))
+                sampling=RowSampling(temperature=0.0)) for r in range(args.rows)),
+        chunks=tuple(RowPlan(row_id=args.rows, token_ids=tuple(range(7, 7 + args.chunk)), start_pos=0,
+                             block_ids=tuple(range(1 + args.rows * per_row,
+                                                   1 + args.rows * per_row + -(-args.chunk // runner.block_size))),
+                             sample=True, sampling=RowSampling(temperature=0.0), num_prompt_tokens=args.chunk)
+                     for _ in range(args.chunk > 0)))
     shape, _, inputs = runner._pad(HostBatch.build(plan, runner.geometry))
 
     def forward():
@@ -115,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['ms_per_forward']:9.3f} ms {r['thunks_per_forward']:6.1f}x  {r['kind']}")
     other = sum(r["ms_per_forward"] for r in rows if not r["kind"].startswith("custom-call"))
-    print(f"{other:9.3f} ms in thunks other than custom calls (rows {args.rows}, load "
+    print(f"{other:9.3f} ms in thunks other than custom calls (rows {args.rows}, chunk {args.chunk}, load "
           f"{' '.join(open('/proc/loadavg').read().split()[:3])})")
     if args.json_path:
         with open(args.json_path, "w") as f:
