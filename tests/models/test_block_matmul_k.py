@@ -233,11 +233,13 @@ def test_integer_row_path_fused_equals_one_call_per_weight():
 # rows before the prompt-chunk path, tests/models/test_block_matmul_k_split_rows.py); [1536, 44]
 # on the calling thread, [2048, 300] shared over threads (more than one 64-column block a thread);
 # [1280, 37]: an odd count of super-blocks (the last one's mins alone, not paired with a next
-# one's) and of columns (Q4_K and Q6_K take two columns at a time, the last one alone)
+# one's) and of columns (Q4_K and Q6_K take two columns at a time, the last one alone);
+# [4352, 37]: rows longer than the prefetch distance (block_matmul_k_rows16.inc's Cross tiles,
+# their own instances, K >= 4096 for Q4_K), an odd count of super-blocks again
 @needs_vnni
 @pytest.mark.parametrize("fmt", K_FORMATS)
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 12, 15])
-@pytest.mark.parametrize("k,n", [(1536, 44), (2048, 300), (1280, 37)])
+@pytest.mark.parametrize("k,n", [(1536, 44), (2048, 300), (1280, 37), (4352, 37)])
 def test_integer_path_rows_within_their_16_bit_bound(fmt, rows, k, n):
     x, w, got = int_product(fmt, k, n, seed=13 + rows, rows=rows)
     err = np.abs(got - x.astype(np.float64) @ w.T)
