@@ -1,8 +1,9 @@
 // The block kernel's Q4_0 / Q4_1 / Q8_0 products of 2 to 15 rows (a c2-c15 decode step):
 // the float path (the 4-row register tile below 5 rows, the L1 panel from 5; Q8_0's tile to
 // 15), block_matmul_i16.inc (rows in 8-lane groups: "wide") and block_matmul_rows16.inc with
-// 2 rows x 4 columns ("r2") and 4 rows x 2 columns ("r4") in the lanes, alternated in every
-// round, with the two cores' DRAM read probe in the same run (block_row_stream.cc's method:
+// 2 rows x 4 columns ("r2") and 4 rows x 2 columns ("r4") in the lanes, and "r4h", the kernel's
+// R 4 as it runs (Q4_0 / Q4_1 at 5 to 8 rows on the byte halves of
+// block_matmul_rows16_halves.inc, the rest as r4), alternated in every round, with the two cores' DRAM read probe in the same run (block_row_stream.cc's method:
 // as many copies of the weights as fill 256 MB, each product on the next copy, columns split
 // over THREADS spinning threads; CACHED=1: one copy, the compute rate from cache). The
 // 16-bit paths' times include quantizing the rows on the calling thread. Prints the best and
@@ -59,8 +60,8 @@ int main(int argc, char** argv) {
   float* const probe_at = probe.at;
   const int fmts[3] = {kQ4_0, kQ4_1, kQ8_0};
   const char* names[3] = {"Q4_0", "Q4_1", "Q8_0"};
-  constexpr int kPaths = 4;
-  const char* paths[kPaths] = {"float", "wide", "r2", "r4"};
+  constexpr int kPaths = 5;
+  const char* paths[kPaths] = {"float", "wide", "r2", "r4", "r4h"};
   std::vector<std::vector<uint8_t>> weights;
   std::vector<int64_t> copies;
   for (int f : fmts) {
@@ -80,6 +81,8 @@ int main(int argc, char** argv) {
     rscales[i].resize(groups * blocks * 8);
     rsums[i].resize(groups * blocks * 8);
   }
+  std::vector<Lanes16> rhalves(rpairs[1].size());
+  const bool halves = ferrox_avx512::Rows16TakesHalves(m);
   const ferrox_avx512::WideRows wide{wpairs.data()->v, wscales.data(), wsums.data(), lanes};
   const ferrox_avx512::Rows16 r16[2] = {{rpairs[0].data()->v, rscales[0].data(), rsums[0].data(), 2},
                                         {rpairs[1].data()->v, rscales[1].data(), rsums[1].data(), 4}};
@@ -97,15 +100,22 @@ int main(int argc, char** argv) {
       for (int path = 0; path < kPaths; ++path) {
         double best = 0;
         float* o = path == 0 ? ref.data() : path == 1 ? wide_out.data() : out.data();
+        const bool use_halves = halves && fmts[fi] != kQ8_0;
+        const ferrox_avx512::Rows16 r4h{use_halves ? nullptr : rpairs[1].data()->v, rscales[1].data(), rsums[1].data(), 4,
+                                        use_halves ? rhalves.data()->v : nullptr};
         const auto quantize = [&] {
           if (path == 1)
             for (int64_t g = 0; g < wgroups; ++g)
               ferrox_avx512::QuantizeWideGroup(x.data(), m, k, lanes, g, wpairs.data()->v, wscales.data(), wsums.data());
-          if (path >= 2)
+          if (path == 2 || path == 3)
             for (int64_t r = 0; r < m; ++r)
               ferrox_avx512::QuantizeRows16Row(x.data(), k, r16[path - 2].rows_per_group, r,
                                                rpairs[path - 2].data()->v, rscales[path - 2].data(),
                                                rsums[path - 2].data());
+          if (path == 4)  // as block_matmul.cc: the halves for Q4 at 5-8 rows, else the pairs
+            for (int64_t r = 0; r < m; ++r)
+              ferrox_avx512::QuantizeRows16Row(x.data(), k, 4, r, use_halves ? nullptr : rpairs[1].data()->v,
+                                               rscales[1].data(), rsums[1].data(), use_halves ? rhalves.data()->v : nullptr);
         };
         for (int64_t c = 0; c < copies[fi]; ++c) {
           const Problem p{x.data(), weights[fi].data() + c * bytes, o, m, n, k};
@@ -113,6 +123,7 @@ int main(int argc, char** argv) {
             const int64_t begin = std::min(n, t * per_thread), end = t == threads - 1 ? n : std::min(n, begin + per_thread);
             if (path == 0) ferrox_avx512::Run(fmts[fi], p, nullptr, begin, end);
             else if (path == 1) ferrox_avx512::RunWide(fmts[fi], p, wide, begin, end);
+            else if (path == 4) ferrox_avx512::RunRows16(fmts[fi], p, r4h, begin, end);
             else ferrox_avx512::RunRows16(fmts[fi], p, r16[path - 2], begin, end);
           };
           if (copies[fi] == 1) team.Time(quantize, product);
