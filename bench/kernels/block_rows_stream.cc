@@ -2,8 +2,8 @@
 // the float path (the 4-row register tile below 5 rows, the L1 panel from 5; Q8_0's tile to
 // 15), block_matmul_i16.inc (rows in 8-lane groups: "wide") and block_matmul_rows16.inc with
 // 2 rows x 4 columns ("r2") and 4 rows x 2 columns ("r4") in the lanes, and "r4h", the kernel's
-// R 4 as it runs (Q4_0 / Q4_1 at 5 to 8 rows on the byte halves of
-// block_matmul_rows16_halves.inc, the rest as r4), alternated in every round, with the two cores' DRAM read probe in the same run (block_row_stream.cc's method:
+// R 4 as it runs (5 to 8 rows on the byte halves of block_matmul_rows16_halves.inc, 9 to 12
+// as r4), alternated in every round, with the two cores' DRAM read probe in the same run (block_row_stream.cc's method:
 // as many copies of the weights as fill 256 MB, each product on the next copy, columns split
 // over THREADS spinning threads; CACHED=1: one copy, the compute rate from cache). The
 // 16-bit paths' times include quantizing the rows on the calling thread. Prints the best and
@@ -100,9 +100,8 @@ int main(int argc, char** argv) {
       for (int path = 0; path < kPaths; ++path) {
         double best = 0;
         float* o = path == 0 ? ref.data() : path == 1 ? wide_out.data() : out.data();
-        const bool use_halves = halves && fmts[fi] != kQ8_0;
-        const ferrox_avx512::Rows16 r4h{use_halves ? nullptr : rpairs[1].data()->v, rscales[1].data(), rsums[1].data(), 4,
-                                        use_halves ? rhalves.data()->v : nullptr};
+        const ferrox_avx512::Rows16 r4h{halves ? nullptr : rpairs[1].data()->v, rscales[1].data(), rsums[1].data(), 4,
+                                        halves ? rhalves.data()->v : nullptr};
         const auto quantize = [&] {
           if (path == 1)
             for (int64_t g = 0; g < wgroups; ++g)
@@ -112,10 +111,10 @@ int main(int argc, char** argv) {
               ferrox_avx512::QuantizeRows16Row(x.data(), k, r16[path - 2].rows_per_group, r,
                                                rpairs[path - 2].data()->v, rscales[path - 2].data(),
                                                rsums[path - 2].data());
-          if (path == 4)  // as block_matmul.cc: the halves for Q4 at 5-8 rows, else the pairs
+          if (path == 4)  // as block_matmul.cc: the halves at 5-8 rows, else the pairs
             for (int64_t r = 0; r < m; ++r)
-              ferrox_avx512::QuantizeRows16Row(x.data(), k, 4, r, use_halves ? nullptr : rpairs[1].data()->v,
-                                               rscales[1].data(), rsums[1].data(), use_halves ? rhalves.data()->v : nullptr);
+              ferrox_avx512::QuantizeRows16Row(x.data(), k, 4, r, halves ? nullptr : rpairs[1].data()->v,
+                                               rscales[1].data(), rsums[1].data(), halves ? rhalves.data()->v : nullptr);
         };
         for (int64_t c = 0; c < copies[fi]; ++c) {
           const Problem p{x.data(), weights[fi].data() + c * bytes, o, m, n, k};

@@ -29,8 +29,8 @@
 //   16-160; activation rounding at most 1/65534 of a block's largest value). From 5 to 12
 //   rows the same activation blocks and block terms with rows and columns in the lanes, 4
 //   rows x 2 columns a vector (block_matmul_rows16.inc: the same bits, 1.4x the float path
-//   at 8 and 12 rows where the 8-lane row groups ran 1.2x; one thread from L2); Q4_0 / Q4_1
-//   at 5 to 8 rows on the activations' byte halves and vpdpbusd, the same bits again
+//   at 8 and 12 rows where the 8-lane row groups ran 1.2x; one thread from L2); at 5 to 8
+//   rows on the activations' byte halves and vpdpbusd, the same bits again
 //   (block_matmul_rows16_halves.inc: no widened weight panel).
 // - M == 1 with wide_rows > 0 on the AVX-512 VNNI build (below int_rows): the row split into
 //   two int8 parts per 32-wide block, x ~= S (q1 + q2 / 256), vpdpbusd on the weights' own
@@ -186,21 +186,17 @@ struct OneRowActivations {
 };
 
 // x [m, k] for block_matmul_rows16.inc (2 to 15 rows, AVX-512 VNNI): groups of R rows, each
-// row in P = 8 / R lanes; a row a task. At 5 to 8 rows the Q4_0 / Q4_1 weights of the call
-// take the byte halves (block_matmul_rows16_halves.inc), Q8_0 the int16 pairs: each layout
-// is written only where a weight of the call reads it.
+// row in P = 8 / R lanes; a row a task. At 5 to 8 rows every format takes the byte halves
+// (block_matmul_rows16_halves.inc) instead of the int16 pairs.
 struct Rows16Activations {
   std::vector<Lanes16> pairs, halves;  // 8 Lanes16 (16 slots x 8 lanes) a group and block
   std::vector<float> scales, sums;
   ferrox_avx512::Rows16 rows{};
 
-  void Quantize(ffi::ThreadPool& pool, int64_t threads, const float* x, int64_t m, int64_t k, const int32_t* fmts,
-                int64_t count) {
+  void Quantize(ffi::ThreadPool& pool, int64_t threads, const float* x, int64_t m, int64_t k) {
     const int64_t per = ferrox_avx512::Rows16PerGroup(m), groups = (m + per - 1) / per, blocks = k / kBlock;
-    bool q4 = false, q8 = false;
-    for (int64_t i = 0; i < count; ++i) (fmts[i] == kQ8_0 ? q8 : q4) = true;
-    const bool use_halves = q4 && ferrox_avx512::Rows16TakesHalves(m);
-    pairs.resize(q8 || !use_halves ? groups * blocks * 8 : 0);  // zero: lanes of rows past m
+    const bool use_halves = ferrox_avx512::Rows16TakesHalves(m);
+    pairs.resize(use_halves ? 0 : groups * blocks * 8);  // zero: lanes of rows past m
     halves.resize(use_halves ? groups * blocks * 8 : 0);
     scales.resize(groups * blocks * 8);
     sums.resize(groups * blocks * 8);
@@ -216,7 +212,7 @@ struct Rows16Activations {
 // Products that ran on block_matmul_rows16.inc since the library loaded (the tests' check
 // that the path ran: its results are block_matmul_i16.inc's bits).
 std::atomic<int64_t> rows16_calls{0};
-// Of them, those whose Q4_0 / Q4_1 weights took the byte halves (block_matmul_rows16_halves.inc).
+// Of them, those that took the byte halves (block_matmul_rows16_halves.inc: 5 to 8 rows).
 std::atomic<int64_t> rows16_halves_calls{0};
 
 // The products of one call: outs[i] = x @ dequantize(ws[i])^T for `count` weights of the
@@ -253,7 +249,7 @@ ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* f
   if (integer) xq.Quantize(pool, threads, ps[0].x, m, k);
   if (one_row) x1.Quantize(ps[0].x, k);
   if (rows16) {
-    xr.Quantize(pool, threads, ps[0].x, m, k, fmts, count);
+    xr.Quantize(pool, threads, ps[0].x, m, k);
     rows16_calls.fetch_add(1, std::memory_order_relaxed);
     if (xr.rows.halves != nullptr) rows16_halves_calls.fetch_add(1, std::memory_order_relaxed);
   }
@@ -361,7 +357,7 @@ extern "C" int ferrox_block_isa() { return kIsa; }
 // How many products block_matmul_rows16.inc has run (tests: that the path ran).
 extern "C" int64_t ferrox_block_rows16_calls() { return rows16_calls.load(std::memory_order_relaxed); }
 
-// How many of them took the byte halves for their Q4_0 / Q4_1 weights.
+// How many of them took the byte halves.
 extern "C" int64_t ferrox_block_rows16_halves_calls() { return rows16_halves_calls.load(std::memory_order_relaxed); }
 
 // Whether the AMX-BF16 path can run here (1) or not (0).

@@ -10,9 +10,9 @@ tests/models/test_block_matmul.py (integer dots exact, the rest float64) within 
 ulps, and against float64 x @ dequantize(w)^T within the activation rounding (amax / 65534 per
 block times sum |w|). The library's counter of rows16 products says which path ran. Shapes:
 a 1B model's row lengths (K 2048 and 8192), columns shared over the pool (n 200: 25 8-column
-panels, the last one short in the thread chunks). Q4_0 / Q4_1 at 5 to 8 rows split the int16
-activations into byte halves for vpdpbusd (block_matmul_rows16_halves.inc: the same integer
-dots, so the same bounds); its own counter says where that ran.
+panels, the last one short in the thread chunks). At 5 to 8 rows the int16 activations split
+into byte halves for vpdpbusd (block_matmul_rows16_halves.inc: the same integer dots, so the
+same bounds); its own counter says where that ran.
 """
 
 from __future__ import annotations
@@ -149,25 +149,26 @@ def test_wide_rows_0_keeps_float32():
 @needs_wide
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [4, 5, 8, 9, 12])
-def test_q4_at_5_to_8_rows_takes_the_byte_halves(fmt, rows):
-    # Rows16TakesHalves: two 4-row groups (5-8 rows) of a Q4 weight; Q8_0's signed weights and
-    # three groups (9-12) stay on the int16 pairs, 4 rows (wide_rows 2) on block_matmul_i16.inc
+def test_5_to_8_rows_take_the_byte_halves(fmt, rows):
+    # Rows16TakesHalves: two 4-row groups (5-8 rows); three groups (9-12) stay on the int16
+    # pairs, 4 rows (wide_rows 2) on block_matmul_i16.inc
     k, n = 512, 44  # 44 columns: 5 whole 8-column tiles and a short one of 4
     before = rows16_halves_calls()
     blocks, x, got, _ = product(fmt, rows, k, n, seed=50 + rows)
-    want = 1 if fmt != "q8_0" and 5 <= rows <= 8 else 0
+    want = 1 if 5 <= rows <= 8 else 0
     assert rows16_halves_calls() - before == want, f"{fmt} {rows} rows: byte halves ran {rows16_halves_calls() - before}"
     err = np.abs(got - wide_reference(x, blocks, fmt))
     assert np.all(err <= bound(x, dequantize_host(blocks, fmt))), f"{fmt} {rows} rows: max error {err.max():.3g}"
 
 
 @needs_wide
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_byte_halves_at_their_edges(fmt):
     # x16 = 256 hi + lo with hi signed, lo 0-255: rows of int16 values where a wrong sign or
     # carry between the halves shows (-1 = -256 + 255, -256, 255, 256, +-32767, -32768 + 1),
-    # against weights of all 15s, all 0s and random ones; element 0 of every block holds the
-    # amax, so the others round to exactly v (v / 32767 of it). 8 rows: both groups.
+    # against weights at their ends (Q4: all nibbles 15, all 0; Q8_0: all 127, all -127, whose
+    # sum(w) correction is largest) and random ones; element 0 of every block holds the amax,
+    # so the others round to exactly v (v / 32767 of it). 8 rows: both groups.
     k, n = 256, 24
     edges = np.array([-1, -255, -256, -257, 255, 256, 257, -32767, 32767, -128, 127, 0, 1, -2, 32512, -32513])
     rng = np.random.default_rng(60)
@@ -177,10 +178,10 @@ def test_byte_halves_at_their_edges(fmt):
         values[::BLOCK] = 32767.0 if r % 2 == 0 else -32767.0
         x[r] = values / np.float32(32767) * np.float32(0.5 + r)
     blocks = random_blocks(fmt, n, k, seed=61)
-    qs = slice(2 if fmt == "q4_0" else 4, None)
+    qs = slice(4 if fmt == "q4_1" else 2, None)
     blocks = blocks.reshape(n, k // BLOCK, -1)
-    blocks[:8, :, qs] = 0xFF  # every nibble 15
-    blocks[8:12, :, qs] = 0x00
+    blocks[:8, :, qs] = 0xFF if fmt != "q8_0" else 0x7F  # every nibble 15; Q8_0 127
+    blocks[8:12, :, qs] = 0x00 if fmt != "q8_0" else 0x81  # Q8_0 -127
     blocks = blocks.reshape(n, -1)
     weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_TARGET, 0, wide_rows=2)
     before = rows16_halves_calls()
