@@ -215,10 +215,10 @@ def block_int_rows() -> int:
 # where the 8-lane groups ran 1.21x, 12 rows 1.45x where they ran 1.20x; at 2-4 rows this
 # design (and R 2: 2 rows x 4 columns) stayed below the float tile (0.5-0.8x), so the
 # threshold stays 5 (bench/kernels/block_rows_stream.sh; docs/benchmarks.md "Two to fifteen
-# rows of Q4_0 / Q4_1 / Q8_0"). Q4_0 / Q4_1 at 5 to 8 rows split those int16 activations into
-# byte halves for vpdpbusd on the quants' own nibbles (block_matmul_rows16_halves.inc: the
-# same bits, no widened weight panel; 1.26-1.29x the R 4 tile one thread from L2, 1.3-1.8x
-# two threads through DRAM; docs/benchmarks.md "The 8-row Q4_0 product: what bounds it").
+# rows of Q4_0 / Q4_1 / Q8_0"). At 5 to 8 rows those int16 activations split into byte
+# halves for vpdpbusd on the quants' own bytes (block_matmul_rows16_halves.inc: the same bits,
+# no widened weight panel; 1.18-1.29x the R 4 tile one thread from L2, 1.3-1.9x two threads
+# through DRAM; docs/benchmarks.md "The 8-row Q4_0 product: what bounds it").
 BLOCK_WIDE_ROWS = {"AVX-512 VNNI": 5, "AVX2": 0}
 BLOCK_ROWS16_RANGE = "5-12"  # block_matmul_rows16.inc's Rows16PerGroup (the start-up log)
 
