@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 
 import jax
@@ -157,7 +158,12 @@ def device_copy(host: np.ndarray) -> jax.Array:
 
 
 PARALLEL_COPY_BYTES = 4 << 20  # smaller arrays are copied on the calling thread
-_copy_pool: list = []  # one ThreadPoolExecutor, made on first use
+
+
+@functools.cache
+def _copy_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's copy pool of `threads` workers, made on first use."""
+    return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ferrox-copy")
 
 
 def copy_threads() -> int:
@@ -182,10 +188,9 @@ def parallel_copy(dst: np.ndarray, src: np.ndarray) -> None:
     if threads == 1 or dst.nbytes < PARALLEL_COPY_BYTES or rows < threads:
         np.copyto(dst, src)
         return
-    if not _copy_pool:
-        _copy_pool.append(concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ferrox-copy"))
+    pool = _copy_pool(threads)
     bounds = np.linspace(0, rows, min(rows, threads * 4) + 1).astype(int)
-    jobs = [_copy_pool[0].submit(np.copyto, dst[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    jobs = [pool.submit(np.copyto, dst[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     for job in jobs:
         job.result()
 
