@@ -106,9 +106,11 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
   for (int64_t i = 0; i < count; ++i) macs += ps[i].m * ps[i].n * ps[i].k, n_total += ps[i].n;
   const int64_t m = ps[0].m, k = ps[0].k;
   const bool vnni = isa == 2 && kVnni && wide_rows == 1;
-  // kW16FromRows to kW16Rows rows: the weights as 16-bit integers, once for all rows
-  // (block_matmul_k_rows16.inc); fewer, the one-row integer path (block_matmul_k_rowint.inc)
-  const bool w16 = vnni && m >= ferrox_k_vnni::kW16FromRows && m <= ferrox_k_vnni::kW16Rows;
+  // kW16FromRows to kW16Rows rows, and one row of kW16FromK inputs or more: the weights as
+  // 16-bit integers, once for all rows (block_matmul_k_rows16.inc); else one row on the
+  // one-row integer path (block_matmul_k_rowint.inc)
+  const bool w16 = vnni && (m >= ferrox_k_vnni::kW16FromRows || k >= ferrox_k_vnni::kW16FromK) &&
+                   m <= ferrox_k_vnni::kW16Rows;
   const bool int_row = vnni && (w16 || m < ferrox_k_vnni::kW16FromRows);
   std::vector<uint8_t> int_buf;
   ferrox_k_vnni::IntRows xr{};

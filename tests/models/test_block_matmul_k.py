@@ -173,10 +173,11 @@ def int_product(fmt: str, k: int, n: int, seed: int, x: np.ndarray | None = None
 
 
 # one super-block per row and few columns; [2048, 300] shared over threads (the row quantized
-# once, before the threads start); k = 8192 (a down projection's row); odd n
+# once, before the threads start); k = 8192 (a down projection's row); odd n; k = 12288: a row
+# long enough for the 16-bit weights' path (block_matmul_k_rows16.inc's kW16FromK), at one row
 @needs_vnni
 @pytest.mark.parametrize("fmt", K_FORMATS)
-@pytest.mark.parametrize("k,n", [(256, 5), (1536, 44), (2048, 300), (8192, 37)])
+@pytest.mark.parametrize("k,n", [(256, 5), (1536, 44), (2048, 300), (8192, 37), (12288, 37)])
 def test_integer_row_path_within_its_16_bit_bound(fmt, k, n):
     x, w, got = int_product(fmt, k, n, seed=11)
     want = x.astype(np.float64) @ w.T
