@@ -8,7 +8,8 @@
 // block_matmul_k_row512.inc, at 1 to 3 rows; the integer paths, block_matmul_k_rowint.inc's
 // design at any row count and block_matmul_k_rows16.inc's 16-bit weights, their times
 // including the rows' quantization on the calling thread before the threads start, as the
-// kernel does it once per call; rows x GB/s is the rate of row products); the best sample of ROUNDS rounds is printed for each,
+// kernel does it once per call; at 1 to 8 rows also block_matmul_k_rows8.inc's rows in lanes,
+// every lane computed whatever the rows; rows x GB/s is the rate of row products); the best sample of ROUNDS rounds is printed for each,
 // in GB/s of bytes read, with each path's max difference from the tile path relative to
 // |tile| + 1 (the row path: both float32 sums of the same dequantized weights, ~1e-5; the
 // integer path adds its 16-bit activation rounding, ~1e-3 here: a bug shows as O(1); the
@@ -86,7 +87,11 @@ int main(int argc, char** argv) {
   const bool many = m > ferrox_k_vnni::kIntRows;
   std::vector<uint8_t> wide_buf(many ? ferrox_k_vnni::WideKBytes(m, k) + 64 : 0);
   uint8_t* wide_at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wide_buf.data()) + 63) & ~uintptr_t{63});
-  constexpr int kPaths = 6;
+  // 1 to 8 rows: the rows-in-lanes path (block_matmul_k_rows8.inc), path 6, its time including
+  // the int16 quantization and the lanes' layout
+  std::vector<uint8_t> lane_buf(ferrox_k_vnni::Lane8Bytes(k) + 64);
+  uint8_t* lane_at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(lane_buf.data()) + 63) & ~uintptr_t{63});
+  constexpr int kPaths = 7;
   double best_probe = 0, best[3][kPaths] = {}, best_quant = 1e9, best_quant16 = 1e9, best_quant_wide = 1e9;
   double max_diff[3][kPaths] = {};
   std::vector<float> out(m * n), tile_out(m * n);
@@ -96,7 +101,7 @@ int main(int argc, char** argv) {
       const int64_t bytes = n * k / kSuper * SuperBytes(fmts[fi]);
       for (int path = 0; path < kPaths; ++path) {
         if (path == 1 && !row_path) continue;
-        if ((path == 2 && many) || (path >= 4 && !many)) continue;
+        if ((path == 2 && many) || (path >= 4 && path <= 5 && !many) || (path == 6 && many)) continue;
         float* o = path ? out.data() : tile_out.data();
         for (int64_t c = 0; c < copies[fi]; ++c) {
           const Problem p{x.data(), weights[fi].data() + c * bytes, o, m, n, k};
@@ -104,11 +109,13 @@ int main(int argc, char** argv) {
           ferrox_k_vnni::IntRows xr{};
           ferrox_k_vnni::Int16Rows xr16{}, head{}, rest{};
           ferrox_k_vnni::WideRowsK xw{};
+          ferrox_k_vnni::Lane8Rows xl{};
           if (path >= 2) {  // the caller quantizes the rows once, then the threads share them
             const auto q0 = std::chrono::steady_clock::now();
             if (path == 2) xr = ferrox_k_vnni::QuantizeIntRows(x.data(), m, k, int_at);
             else if (path == 4) xw = ferrox_k_vnni::QuantizeWideK(x.data(), m, k, wide_at);
             else xr16 = ferrox_k_vnni::QuantizeInt16Rows(x.data(), m, k, int_at);
+            if (path == 6) xl = ferrox_k_vnni::LayLane8Rows(xr16, k, lane_at);
             s = std::chrono::duration<double>(std::chrono::steady_clock::now() - q0).count();
             double& bq = path == 2 ? best_quant : path == 4 ? best_quant_wide : best_quant16;
             bq = std::min(bq, s);
@@ -127,6 +134,7 @@ int main(int argc, char** argv) {
               ferrox_k_vnni::W16Run(fmts[fi], p_head, head, begin, end);
               ferrox_k_vnni::W16Run(fmts[fi], p_rest, rest, begin, end);
             } else if (path == 4) ferrox_k_vnni::WideRunK(fmts[fi], p, xw, begin, end);
+            else if (path == 6) ferrox_k_vnni::L8Run(fmts[fi], p, xl, begin, end);
             else if (path == 3) ferrox_k_vnni::W16Run(fmts[fi], p, xr16, begin, end);
             else if (path == 2) ferrox_k_vnni::IntRun(fmts[fi], p, xr, begin, end);
             else ferrox_k_avx512::Run(fmts[fi], p, begin, end, path ? ferrox_k_avx512::kRowPathRows : 0);
@@ -172,6 +180,10 @@ int main(int argc, char** argv) {
                 "%.2fx the integer path; max |int16 - tile| / (|tile| + 1) %.2g\n",
                 names[fi], best[fi][3], 100 * best[fi][3] / best_probe, m * best[fi][3], best[fi][3] / best[fi][served],
                 row_path ? "row" : "tile", best[fi][3] / best[fi][2], max_diff[fi][3]);
+    std::printf("  %s rows-in-lanes path %.1f GB/s (%.0f%% of the probe), %.1f rows x GB/s, %.2fx the int16-weight "
+                "path; max |lanes - tile| / (|tile| + 1) %.2g\n",
+                names[fi], best[fi][6], 100 * best[fi][6] / best_probe, m * best[fi][6], best[fi][6] / best[fi][3],
+                max_diff[fi][6]);
   }
   if (many)
     std::printf("  quantizing the %ld rows, int16: %.1f us, prompt-chunk int16: %.1f us (best)\n", static_cast<long>(m),

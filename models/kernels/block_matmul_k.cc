@@ -17,7 +17,8 @@
 //   (k 0, 2) or ql[32 + l] (k 1, 3), low nibble for k < 2, and bits 2k, 2k + 1 of qh[l]).
 // Attributes: fmt (3 Q4_K, 4 Q5_K, 5 Q6_K); wide_rows 1: a product of 1 to kW16Rows (15) rows
 // runs on 16-bit integer activations where the CPU has AVX-512 VNNI (one row
-// block_matmul_k_rowint.inc, 2 to 15 block_matmul_k_rows16.inc), and so do products of
+// block_matmul_k_rowint.inc, 7 and 8 block_matmul_k_rows8.inc, the other rows to 15
+// block_matmul_k_rows16.inc), and so do products of
 // kWideRowsK (16) rows and more (prompt chunks: block_matmul_k_i16.inc, 32-wide int16 activation
 // blocks, error <= amax / 65534 of a block); any other value, or another CPU: the float paths. int_rows and
 // amx_rows are accepted for the shared call signature of models/gguf_blocks.py and ignored.
@@ -112,14 +113,20 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
   const bool w16 = vnni && (m >= ferrox_k_vnni::kW16FromRows || k >= ferrox_k_vnni::kW16FromK) &&
                    m <= ferrox_k_vnni::kW16Rows;
   const bool int_row = vnni && (w16 || m < ferrox_k_vnni::kW16FromRows);
+  // kL8FromRows to kL8Rows rows: the same 16-bit rows laid out in the lanes of a vector
+  // (block_matmul_k_rows8.inc)
+  const bool lanes8 = w16 && m >= ferrox_k_vnni::kL8FromRows && m <= ferrox_k_vnni::kL8Rows;
   std::vector<uint8_t> int_buf;
   ferrox_k_vnni::IntRows xr{};
   ferrox_k_vnni::Int16Rows xr16{};
+  ferrox_k_vnni::Lane8Rows xl{};
   if (int_row) {
-    int_buf.resize((w16 ? ferrox_k_vnni::Int16RowsBytes(m, k) : m * ferrox_k_vnni::IntRowBytes(k)) + 64);
+    const int64_t rows_bytes = (w16 ? ferrox_k_vnni::Int16RowsBytes(m, k) : m * ferrox_k_vnni::IntRowBytes(k)) + 64;
+    int_buf.resize(rows_bytes + (lanes8 ? ferrox_k_vnni::Lane8Bytes(k) : 0) + 64);
     uint8_t* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(int_buf.data()) + 63) & ~uintptr_t{63});
     if (w16) xr16 = ferrox_k_vnni::QuantizeInt16Rows(ps[0].x, m, k, at);
     else xr = ferrox_k_vnni::QuantizeIntRows(ps[0].x, m, k, at);
+    if (lanes8) xl = ferrox_k_vnni::LayLane8Rows(xr16, k, at + rows_bytes / 64 * 64);
   }
   // many rows (prompt chunks) on 16-bit integer activations (block_matmul_k_i16.inc)
   const bool wide = isa == 2 && kVnni && wide_rows == 1 && ps[0].m >= ferrox_k_vnni::kWideRowsK;
@@ -127,20 +134,21 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
   uint8_t* wide_at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wide_buf.data()) + 63) & ~uintptr_t{63});
   const auto xw = wide ? ferrox_k_vnni::QuantizeWideK(ps[0].x, ps[0].m, ps[0].k, wide_at) : ferrox_k_vnni::WideRowsK{};
   const int64_t threads = macs >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
-  // 4 chunks per thread balance uneven progress; chunks are whole 4-column tiles of one
-  // weight (a weight's last chunk may be short).
-  const int64_t target = threads * 4;
-  const int64_t chunk = std::max<int64_t>(4, ((n_total + target - 1) / target + 3) / 4 * 4);
+  // 4 chunks per thread balance uneven progress; chunks are whole tiles of one weight (4
+  // columns, 8 on the lanes path; a weight's last chunk may be short).
+  const int64_t target = threads * 4, tile = lanes8 ? ferrox_k_vnni::kL8Cols : 4;
+  const int64_t chunk = std::max<int64_t>(tile, ((n_total + target - 1) / target + tile - 1) / tile * tile);
   int64_t first[4] = {0, 0, 0, 0};  // the first task of each weight (count <= 3)
   int64_t tasks = 0;
   for (int64_t i = 0; i < count; ++i) first[i] = tasks, tasks += (ps[i].n + chunk - 1) / chunk;
   ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, chunk, isa, int_row, w16, &xr,
-                                              &xr16, wide, &xw](int64_t t) {
+                                              &xr16, wide, &xw, lanes8, &xl](int64_t t) {
     int64_t i = count - 1;
     while (t < first[i]) --i;
     const Problem& p = ps[i];
     const int64_t begin = (t - first[i]) * chunk, end = std::min(p.n, begin + chunk);
     if (wide) ferrox_k_vnni::WideRunK(fmts[i], p, xw, begin, end);
+    else if (lanes8) ferrox_k_vnni::L8Run(fmts[i], p, xl, begin, end);
     else if (w16) ferrox_k_vnni::W16Run(fmts[i], p, xr16, begin, end);
     else if (int_row) ferrox_k_vnni::IntRun(fmts[i], p, xr, begin, end);
     else if (isa == 2) ferrox_k_avx512::Run(fmts[i], p, begin, end, ferrox_k_avx512::kRowPathRows);

@@ -2,7 +2,8 @@
 // constants and `Problem`, then the body compiled for AVX2 + FMA + F16C (namespace
 // ferrox_k_avx2) and for AVX-512 (ferrox_k_avx512: F for the float tiles, BW for the
 // one-row path's byte work), and the VNNI build of the 16-bit integer paths (ferrox_k_vnni:
-// one row, block_matmul_k_rowint.inc; 16 rows and more, block_matmul_k_i16.inc). Included by
+// one row, block_matmul_k_rowint.inc; 2 to 15 rows, block_matmul_k_rows16.inc, 7 and 8 rows
+// block_matmul_k_rows8.inc; 16 rows and more, block_matmul_k_i16.inc). Included by
 // block_matmul_k.cc and by the kernel's harnesses (bench/kernels/kquant_stream.cc,
 // kquant_prefill.cc), which need no XLA.
 
@@ -59,6 +60,7 @@ namespace ferrox_k_avx512 {
 namespace ferrox_k_vnni {
 #include "block_matmul_k_rowint.inc"
 #include "block_matmul_k_rows16.inc"
+#include "block_matmul_k_rows8.inc"  // 5 to 8 rows, the rows in the lanes
 #include "block_matmul_k_i16.inc"  // many rows on 16-bit integer activations
 }  // namespace ferrox_k_vnni
 #pragma GCC pop_options

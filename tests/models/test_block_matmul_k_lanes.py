@@ -1,0 +1,104 @@
+"""The K-quant kernel at 7 and 8 rows: the rows in the lanes of a vector (block_matmul_k_rows8.inc).
+
+A c8 decode step multiplies 7 or 8 activation rows by every weight. With wide_rows 1 on AVX-512
+VNNI block_matmul_k.cc quantizes them as the 16-bit weights path does (one int16 each, S = amax
+/ 32767 per row and 256-wide super-block) and lays them out two lanes a row, the weights
+broadcast 4 at a time. Checked against float64 x @ dequantize(w)^T within the integer paths'
+bound (tests/models/test_block_matmul_k.py's int_bound), every row off float32's tighter bound
+(so the integer path ran for every row), each row on its own scale, the fused call giving each
+weight's own bits, and the int32 sums at their edge: a lane takes 16 products a block, so the
+path converts every 4 blocks (Q4_K, sc q <= 945), 2 (Q5_K, 1953) or 1 (Q6_K, 4096); at the
+extreme weights and activations those sums are within 8 % of 2^31, and one int32 sum over twice
+as many blocks would wrap (a model of that kernel misses the bound).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import cpu_kernels
+from models.gguf_blocks import K_FORMATS, block_matmul, block_matmul_many, dequantize_host, fusable, make_weight, \
+    with_kernel
+from tests.models.test_block_matmul import activations, bound
+from tests.models.test_block_matmul_k import check_rows_on_their_own, int_bound, int_product, needs_vnni
+from tests.models.test_block_matmul_k_i16 import extreme_q5_k, extreme_q6_k
+from tests.support.kquant_blocks import random_k_blocks
+
+
+# [1536, 44] on the calling thread (5 tiles of 8 columns and one of 4); [2048, 300] shared over
+# threads; [1280, 37] an odd count of super-blocks and of columns (tiles of 8, 4 and 1);
+# [4352, 61]: rows past the prefetch distance (its wrap to the next tile's columns), tiles of
+# 8, 4 and 1; [12288, 45] rows near an 8B down projection's length (its float32 bound wider)
+@needs_vnni
+@pytest.mark.parametrize("fmt", K_FORMATS)
+@pytest.mark.parametrize("rows", [7, 8])
+@pytest.mark.parametrize("k,n", [(1536, 44), (2048, 300), (1280, 37), (4352, 61), (12288, 45)])
+def test_lanes_rows_within_their_16_bit_bound(fmt, rows, k, n):
+    x, w, got = int_product(fmt, k, n, seed=70 + rows, rows=rows)
+    err = np.abs(got - x.astype(np.float64) @ w.T)
+    lim = int_bound(x, w)
+    assert np.all(err <= lim), f"{fmt} {rows}x[{k}, {n}]: max error / bound {np.max(err / lim):.3g}"
+    assert np.all(np.any(err > bound(x, w), axis=1)), f"{fmt} {rows} rows: a row within float32's bound"
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_lanes_rows_are_quantized_each_on_their_own(fmt):
+    # 8 rows: row 0 1000x the others', row 5 zero, row 6 one spike; the 8-bit control on row 7
+    check_rows_on_their_own(fmt, 8, big=0, zero=5, spike=6, seed=81)
+
+
+@needs_vnni
+def test_lanes_fused_call_equals_one_call_per_weight():
+    # the multi-weight call lays x out once for its weights: the same bits as one call each
+    k = 2048
+    specs = [("q4_k", 44), ("q6_k", 37), ("q5_k", 9)]
+    weights = [with_kernel(make_weight(random_k_blocks(fmt, n, k, seed=90 + i), fmt, k), cpu_kernels.BLOCK_K_TARGET,
+                           0, 0, 1) for i, (fmt, n) in enumerate(specs)]
+    assert fusable(weights)
+    for rows in (7, 8):
+        x = jnp.asarray(activations(rows, k, seed=91))
+        for w, got in zip(weights, jax.jit(block_matmul_many)(x, weights)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(block_matmul)(x, w)))
+
+
+def extreme_q4_k(n: int, k: int) -> np.ndarray:
+    """u8[n, k / 256 * 144]: every int16 weight sc q at its extreme (scale 63, q 15: 945) with
+    the largest offset (min 63), d = dmin = 2^-12; the odd columns q 0 (the offset alone)."""
+    sb = np.full((n, k // 256, 144), 0xFF, np.uint8)  # scales and mins 63, every q 15
+    sb[1::2, :, 16:144] = 0
+    sb[:, :, 0:4] = np.tile(np.frombuffer(np.float16(2.0 ** -12).tobytes(), np.uint8), 2)
+    return sb.reshape(n, -1)
+
+
+# per format: the extreme blocks, the largest |sc q|, the blocks between the path's conversions
+EDGES = {"q4_k": (extreme_q4_k, 945, 4), "q5_k": (extreme_q5_k, 1953, 2), "q6_k": (extreme_q6_k, 4096, 1)}
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_lanes_int32_sums_at_their_edge_stay_exact(fmt):
+    # 8 rows of +-1, every activation its super-block's amax (int16 32767), every weight at its
+    # int16 extreme: a lane's sum between conversions is 16 x blocks x 32767 x |sc q|
+    make, extreme, blocks = EDGES[fmt]
+    k = 512
+    packed = make(6, k)
+    w = dequantize_host(packed, fmt)
+    x = np.ones((8, k), np.float32)
+    x[1::2] = -1.0
+    weight = with_kernel(make_weight(packed, fmt, k), cpu_kernels.BLOCK_K_TARGET, 0, 0, 1)
+    got = np.asarray(jax.jit(block_matmul)(jnp.asarray(x), weight))
+    want = x.astype(np.float64) @ w.T
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert np.all(np.abs(got - want) <= int_bound(x, w))
+    lane = 16 * blocks * 32767 * extreme
+    assert 0.92 * 2 ** 31 < lane < 2 ** 31
+    # negative control: one int32 sum over twice the blocks wraps, and the output it gives
+    # (row 0, column 0: both lanes of the row wrapped alike) misses the bound
+    d = 2.0 ** -12
+    wrapped = (2 * lane + 2 ** 31) % 2 ** 32 - 2 ** 31
+    error = 2 * (2 * lane - wrapped) * d / 32767 * (k // (32 * 2 * blocks))
+    assert error > int_bound(x, w)[0, 0]
