@@ -60,7 +60,8 @@ namespace ferrox_k_avx512 {
 namespace ferrox_k_vnni {
 #include "block_matmul_k_rowint.inc"
 #include "block_matmul_k_rows16.inc"
-#include "block_matmul_k_rows8.inc"  // 5 to 8 rows, the rows in the lanes
+#include "block_matmul_k_rows8.inc"  // 7 and 8 rows, the rows in the lanes
+#include "block_matmul_k_rows8_bytes.inc"  // (Q4_K there on byte products)
 #include "block_matmul_k_i16.inc"  // many rows on 16-bit integer activations
 }  // namespace ferrox_k_vnni
 #pragma GCC pop_options

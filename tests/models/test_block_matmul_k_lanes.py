@@ -3,13 +3,16 @@
 A c8 decode step multiplies 7 or 8 activation rows by every weight. With wide_rows 1 on AVX-512
 VNNI block_matmul_k.cc quantizes them as the 16-bit weights path does (one int16 each, S = amax
 / 32767 per row and 256-wide super-block) and lays them out two lanes a row, the weights
-broadcast 4 at a time. Checked against float64 x @ dequantize(w)^T within the integer paths'
-bound (tests/models/test_block_matmul_k.py's int_bound), every row off float32's tighter bound
-(so the integer path ran for every row), each row on its own scale, the fused call giving each
-weight's own bits, and the int32 sums at their edge: a lane takes 16 products a block, so the
-path converts every 4 blocks (Q4_K, sc q <= 945), 2 (Q5_K, 1953) or 1 (Q6_K, 4096); at the
-extreme weights and activations those sums are within 8 % of 2^31, and one int32 sum over twice
-as many blocks would wrap (a model of that kernel misses the bound).
+broadcast. Checked against float64 x @ dequantize(w)^T within the integer paths' bound
+(tests/models/test_block_matmul_k.py's int_bound), every row off float32's tighter bound (so
+the integer path ran for every row), each row on its own scale, the fused call giving each
+weight's own bits, and the integer sums at their edge. Q5_K and Q6_K take int16 weights: a
+lane takes 16 products a block, so the path converts every 2 blocks (Q5_K, sc q <= 1953) or 1
+(Q6_K, 4096); at the extreme those sums are within 5 % of 2^31, and one int32 sum over twice
+as many blocks would wrap (a model of that kernel misses the bound). Q4_K takes its quants as
+bytes against each int16 activation split as 256 hi + lo (block_matmul_k_rows8_bytes.inc): at
++-32767 the split's signed high byte is -128 or 127, and a split that lost its sign would miss
+the bound.
 """
 
 from __future__ import annotations
@@ -66,26 +69,17 @@ def test_lanes_fused_call_equals_one_call_per_weight():
 
 
 def extreme_q4_k(n: int, k: int) -> np.ndarray:
-    """u8[n, k / 256 * 144]: every int16 weight sc q at its extreme (scale 63, q 15: 945) with
-    the largest offset (min 63), d = dmin = 2^-12; the odd columns q 0 (the offset alone)."""
+    """u8[n, k / 256 * 144]: every quant at its extreme (scale 63, q 15) with the largest offset
+    (min 63), d = dmin = 2^-12; the odd columns q 0 (the offset alone)."""
     sb = np.full((n, k // 256, 144), 0xFF, np.uint8)  # scales and mins 63, every q 15
     sb[1::2, :, 16:144] = 0
     sb[:, :, 0:4] = np.tile(np.frombuffer(np.float16(2.0 ** -12).tobytes(), np.uint8), 2)
     return sb.reshape(n, -1)
 
 
-# per format: the extreme blocks, the largest |sc q|, the blocks between the path's conversions
-EDGES = {"q4_k": (extreme_q4_k, 945, 4), "q5_k": (extreme_q5_k, 1953, 2), "q6_k": (extreme_q6_k, 4096, 1)}
-
-
-@needs_vnni
-@pytest.mark.parametrize("fmt", K_FORMATS)
-def test_lanes_int32_sums_at_their_edge_stay_exact(fmt):
-    # 8 rows of +-1, every activation its super-block's amax (int16 32767), every weight at its
-    # int16 extreme: a lane's sum between conversions is 16 x blocks x 32767 x |sc q|
-    make, extreme, blocks = EDGES[fmt]
-    k = 512
-    packed = make(6, k)
+def extreme_product(fmt: str, packed: np.ndarray, k: int):
+    """8 rows of +-1 (every activation its super-block's amax, int16 +-32767) times `packed`:
+    the lanes path within its bound of float64's. Returns (x, w)."""
     w = dequantize_host(packed, fmt)
     x = np.ones((8, k), np.float32)
     x[1::2] = -1.0
@@ -94,11 +88,36 @@ def test_lanes_int32_sums_at_their_edge_stay_exact(fmt):
     want = x.astype(np.float64) @ w.T
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert np.all(np.abs(got - want) <= int_bound(x, w))
+    return x, w
+
+
+# per format: the extreme blocks, the largest |sc q|, the blocks between the path's conversions
+EDGES = {"q5_k": (extreme_q5_k, 1953, 2), "q6_k": (extreme_q6_k, 4096, 1)}
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", sorted(EDGES))
+def test_lanes_int32_sums_at_their_edge_stay_exact(fmt):
+    # every weight at its int16 extreme: a lane's sum between conversions is 16 x blocks x
+    # 32767 x |sc q|
+    make, extreme, blocks = EDGES[fmt]
+    k = 512
+    x, w = extreme_product(fmt, make(6, k), k)
     lane = 16 * blocks * 32767 * extreme
-    assert 0.92 * 2 ** 31 < lane < 2 ** 31
+    assert 0.95 * 2 ** 31 < lane < 2 ** 31
     # negative control: one int32 sum over twice the blocks wraps, and the output it gives
     # (row 0, column 0: both lanes of the row wrapped alike) misses the bound
-    d = 2.0 ** -12
     wrapped = (2 * lane + 2 ** 31) % 2 ** 32 - 2 ** 31
-    error = 2 * (2 * lane - wrapped) * d / 32767 * (k // (32 * 2 * blocks))
+    error = 2 * (2 * lane - wrapped) * 2.0 ** -12 / 32767 * (k // (32 * 2 * blocks))
     assert error > int_bound(x, w)[0, 0]
+
+
+@needs_vnni
+def test_lanes_q4_k_byte_split_at_the_extremes_stays_exact():
+    # the odd rows' activations are -32767: high byte -128, low byte 1
+    k = 512
+    x, w = extreme_product("q4_k", extreme_q4_k(6, k), k)
+    # negative control: a split whose high byte lost its sign (256 x 128 + 1 = 32769 for each
+    # -32767) puts row 1 off by 65536 x S per input, far past the bound
+    error = np.abs(65536 / 32767 * x[1].astype(np.float64) @ w[0])
+    assert error > int_bound(x, w)[1, 0]
