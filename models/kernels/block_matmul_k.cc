@@ -128,11 +128,27 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
     else xr = ferrox_k_vnni::QuantizeIntRows(ps[0].x, m, k, at);
     if (lanes8) xl = ferrox_k_vnni::LayLane8Rows(xr16, k, at + rows_bytes / 64 * 64);
   }
-  // many rows (prompt chunks) on 16-bit integer activations (block_matmul_k_i16.inc)
-  const bool wide = isa == 2 && kVnni && wide_rows == 1 && ps[0].m >= ferrox_k_vnni::kWideRowsK;
-  std::vector<uint8_t> wide_buf(wide ? ferrox_k_vnni::WideKBytes(ps[0].m, ps[0].k) : 0);
+  // many rows (prompt chunks) on 16-bit integer activations (block_matmul_k_i16.inc); past whole
+  // 16-row groups, a last kL8FromRows to kL8Rows rows (a c8 mixed step: a 128-token chunk and 7
+  // decode rows) take the lanes path, at the decode rows' accuracy (S per 256), instead of a
+  // 16-lane group of their own: about half its time. One thread from L2, [2048 -> 1024], best of
+  // 15 alternated: 135 rows Q4_K 1.064x, Q6_K 1.028x; 136 rows 1.083x / 1.067x.
+  const bool wide = isa == 2 && kVnni && wide_rows == 1 && m >= ferrox_k_vnni::kWideRowsK;
+  const int64_t rest = m % ferrox_k_vnni::kWideLanesK;
+  const int64_t tail = wide && rest >= ferrox_k_vnni::kL8FromRows && rest <= ferrox_k_vnni::kL8Rows ? rest : 0;
+  const int64_t wide_m = m - tail;
+  std::vector<uint8_t> wide_buf(wide ? ferrox_k_vnni::WideKBytes(wide_m, k) : 0);
   uint8_t* wide_at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wide_buf.data()) + 63) & ~uintptr_t{63});
-  const auto xw = wide ? ferrox_k_vnni::QuantizeWideK(ps[0].x, ps[0].m, ps[0].k, wide_at) : ferrox_k_vnni::WideRowsK{};
+  const auto xw = wide ? ferrox_k_vnni::QuantizeWideK(ps[0].x, wide_m, k, wide_at) : ferrox_k_vnni::WideRowsK{};
+  std::vector<uint8_t> tail_buf;
+  ferrox_k_vnni::Lane8Rows xt{};
+  if (tail) {
+    const int64_t rows_bytes = ferrox_k_vnni::Int16RowsBytes(tail, k) + 64;
+    tail_buf.resize(rows_bytes + ferrox_k_vnni::Lane8Bytes(k) + 64);
+    uint8_t* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(tail_buf.data()) + 63) & ~uintptr_t{63});
+    const auto rows = ferrox_k_vnni::QuantizeInt16Rows(ps[0].x + wide_m * k, tail, k, at);
+    xt = ferrox_k_vnni::LayLane8Rows(rows, k, at + rows_bytes / 64 * 64);
+  }
   const int64_t threads = macs >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
   // 4 chunks per thread balance uneven progress; chunks are whole tiles of one weight (4
   // columns, 8 on the lanes path; a weight's last chunk may be short).
@@ -142,13 +158,17 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
   int64_t tasks = 0;
   for (int64_t i = 0; i < count; ++i) first[i] = tasks, tasks += (ps[i].n + chunk - 1) / chunk;
   ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, chunk, isa, int_row, w16, &xr,
-                                              &xr16, wide, &xw, lanes8, &xl](int64_t t) {
+                                              &xr16, wide, &xw, lanes8, &xl, wide_m, tail, &xt](int64_t t) {
     int64_t i = count - 1;
     while (t < first[i]) --i;
     const Problem& p = ps[i];
     const int64_t begin = (t - first[i]) * chunk, end = std::min(p.n, begin + chunk);
-    if (wide) ferrox_k_vnni::WideRunK(fmts[i], p, xw, begin, end);
-    else if (lanes8) ferrox_k_vnni::L8Run(fmts[i], p, xl, begin, end);
+    if (wide) {
+      ferrox_k_vnni::WideRunK(fmts[i], Problem{p.x, p.w, p.out, wide_m, p.n, p.k}, xw, begin, end);
+      if (tail)
+        ferrox_k_vnni::L8Run(fmts[i], Problem{p.x + wide_m * p.k, p.w, p.out + wide_m * p.n, tail, p.n, p.k}, xt,
+                             begin, end);
+    } else if (lanes8) ferrox_k_vnni::L8Run(fmts[i], p, xl, begin, end);
     else if (w16) ferrox_k_vnni::W16Run(fmts[i], p, xr16, begin, end);
     else if (int_row) ferrox_k_vnni::IntRun(fmts[i], p, xr, begin, end);
     else if (isa == 2) ferrox_k_avx512::Run(fmts[i], p, begin, end, ferrox_k_avx512::kRowPathRows);

@@ -27,7 +27,7 @@ from models.gguf_blocks import K_FORMATS, block_matmul, block_matmul_many, dequa
     with_kernel
 from tests.models.test_block_matmul import activations, bound
 from tests.models.test_block_matmul_k import check_rows_on_their_own, int_bound, int_product, needs_vnni
-from tests.models.test_block_matmul_k_i16 import extreme_q5_k, extreme_q6_k
+from tests.models.test_block_matmul_k_i16 import extreme_q5_k, extreme_q6_k, wide_bound
 from tests.support.kquant_blocks import random_k_blocks
 
 
@@ -66,6 +66,25 @@ def test_lanes_fused_call_equals_one_call_per_weight():
         x = jnp.asarray(activations(rows, k, seed=91))
         for w, got in zip(weights, jax.jit(block_matmul_many)(x, weights)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(block_matmul)(x, w)))
+
+
+# a prompt chunk's product with 7 or 8 rows past whole 16-row groups (135: a 128-token chunk
+# beside 7 decode rows) runs the groups on the prompt path and the last rows on the lanes: each
+# part within its own bound, and each the same bits as a product of its rows alone (23 and 40
+# rows: a group and 7, two groups and 8; on a 16-lane group of the prompt path, whose scales are
+# per 32, the last rows would not give the lanes' bits)
+@needs_vnni
+@pytest.mark.parametrize("fmt", K_FORMATS)
+@pytest.mark.parametrize("rows,k,n", [(23, 768, 37), (40, 2048, 301), (135, 512, 44)])
+def test_prompt_rows_past_whole_groups_take_the_lanes(fmt, rows, k, n):
+    x, w, got = int_product(fmt, k, n, seed=100, rows=rows)
+    err = np.abs(got - x.astype(np.float64) @ w.T)
+    head = rows // 16 * 16
+    assert np.all(err[:head] <= wide_bound(x, w)[:head])
+    assert np.all(err[head:] <= int_bound(x[head:], w))
+    assert np.all(np.any(err > bound(x, w), axis=1))
+    np.testing.assert_array_equal(got[head:], int_product(fmt, k, n, seed=100, x=x[head:])[2])
+    np.testing.assert_array_equal(got[:head], int_product(fmt, k, n, seed=100, x=x[:head])[2])
 
 
 def extreme_q4_k(n: int, k: int) -> np.ndarray:
