@@ -233,7 +233,10 @@ def block_wide_rows() -> int:
 # prompt tokens) on 16-bit integer activations (one row: block_matmul_k_rowint.inc, error <=
 # amax / 64516 of a 256-wide super-block, vpmaddubsw + vpdpwssd; 2 to 15 rows:
 # block_matmul_k_rows16.inc, int16 weights times int16 activations, amax / 65534, ~1.9-2.1x the
-# float tile at 4 and 8 rows, 2.0-2.6x at 9 to 15 in two passes of rows); 0 keeps float32
+# float tile at 4 and 8 rows, 2.0-2.6x at 9 to 15 in two passes of rows; 7 and 8 rows, and a
+# prompt chunk's last 7-8 rows past whole 16-row groups: block_matmul_k_rows8.inc, the same
+# activations with the rows in the lanes, Q4_K on byte products, 1.04-1.36x rows16 through DRAM
+# at 8 rows); 0 keeps float32
 # activations. Measured on Zen 4: two threads through DRAM,
 # Llama-3.2-1B projection shapes, Q4_K 1.48-1.94x the float row path, Q5_K 1.77-2.16x, Q6_K
 # 1.67-1.90x, at 66-102 % of the DRAM probe (bench/kernels/kquant_stream.sh). The 1B Q4_K_M
