@@ -207,19 +207,26 @@ def test_integer_row_bound_tells_16_bit_from_8_bit(fmt):
     np.testing.assert_allclose(got1, x1.astype(np.float64) @ w1.T, rtol=1e-6, atol=1e-6)
 
 
-@needs_vnni
-def test_integer_row_path_fused_equals_one_call_per_weight():
-    # the multi-weight call quantizes x once for all its weights: the same bits as one call
-    # each, at one row and at 5 (two groups of rows)
+def check_fused_equals_one_call(row_counts, seed: int) -> None:
+    """The multi-weight call (Q4_K, Q6_K and Q5_K weights of one x, [2048, 44 / 37 / 9]) gives
+    each weight the bits of a call of its own, at each of `row_counts` rows: it quantizes and
+    lays out x once for all its weights."""
     k = 2048
     specs = [("q4_k", 44), ("q6_k", 37), ("q5_k", 9)]
-    weights = [with_kernel(make_weight(random_k_blocks(fmt, n, k, seed=40 + i), fmt, k), cpu_kernels.BLOCK_K_TARGET,
+    weights = [with_kernel(make_weight(random_k_blocks(fmt, n, k, seed=seed + i), fmt, k), cpu_kernels.BLOCK_K_TARGET,
                            0, 0, 1) for i, (fmt, n) in enumerate(specs)]
     assert fusable(weights)
-    for rows in (1, 5):
-        x = jnp.asarray(activations(rows, k, seed=7))
+    for rows in row_counts:
+        x = jnp.asarray(activations(rows, k, seed=seed + 10))
         for w, got in zip(weights, jax.jit(block_matmul_many)(x, weights)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(block_matmul)(x, w)))
+
+
+@needs_vnni
+def test_integer_row_path_fused_equals_one_call_per_weight():
+    # at one row and at 5 (two groups of rows)
+    check_fused_equals_one_call((1, 5), seed=40)
+    k = 2048
     # with wide_rows 0 the float paths run at these rows: within float32's bound
     x9 = activations(9, k, seed=8)
     blocks = random_k_blocks("q4_k", 9, k, seed=41)

@@ -23,12 +23,11 @@ import numpy as np
 import pytest
 
 from models import cpu_kernels
-from models.gguf_blocks import K_FORMATS, block_matmul, block_matmul_many, dequantize_host, fusable, make_weight, \
-    with_kernel
-from tests.models.test_block_matmul import activations, bound
-from tests.models.test_block_matmul_k import check_rows_on_their_own, int_bound, int_product, needs_vnni
+from models.gguf_blocks import K_FORMATS, block_matmul, dequantize_host, make_weight, with_kernel
+from tests.models.test_block_matmul import bound
+from tests.models.test_block_matmul_k import check_fused_equals_one_call, check_rows_on_their_own, int_bound, int_product, \
+    needs_vnni
 from tests.models.test_block_matmul_k_i16 import extreme_q5_k, extreme_q6_k, wide_bound
-from tests.support.kquant_blocks import random_k_blocks
 
 
 # [1536, 44] on the calling thread (5 tiles of 8 columns and one of 4); [2048, 300] shared over
@@ -56,16 +55,8 @@ def test_lanes_rows_are_quantized_each_on_their_own(fmt):
 
 @needs_vnni
 def test_lanes_fused_call_equals_one_call_per_weight():
-    # the multi-weight call lays x out once for its weights: the same bits as one call each
-    k = 2048
-    specs = [("q4_k", 44), ("q6_k", 37), ("q5_k", 9)]
-    weights = [with_kernel(make_weight(random_k_blocks(fmt, n, k, seed=90 + i), fmt, k), cpu_kernels.BLOCK_K_TARGET,
-                           0, 0, 1) for i, (fmt, n) in enumerate(specs)]
-    assert fusable(weights)
-    for rows in (7, 8):
-        x = jnp.asarray(activations(rows, k, seed=91))
-        for w, got in zip(weights, jax.jit(block_matmul_many)(x, weights)):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(block_matmul)(x, w)))
+    # at 7 and 8 rows
+    check_fused_equals_one_call((7, 8), seed=90)
 
 
 # a prompt chunk's product with 7 or 8 rows past whole 16-row groups (135: a 128-token chunk

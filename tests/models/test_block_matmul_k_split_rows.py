@@ -13,16 +13,10 @@ zero and a one-spike row in the second); the fused q/k/v call giving each weight
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from models import cpu_kernels
-from models.gguf_blocks import K_FORMATS, block_matmul, block_matmul_many, fusable, make_weight, with_kernel
-from tests.models.test_block_matmul import activations
-from tests.models.test_block_matmul_k import check_rows_on_their_own, needs_vnni
-from tests.support.kquant_blocks import random_k_blocks
+from models.gguf_blocks import K_FORMATS
+from tests.models.test_block_matmul_k import check_fused_equals_one_call, check_rows_on_their_own, needs_vnni
 
 
 # 9, 12 and 15 rows against float64 within their bound, every row off float32's: in
@@ -40,13 +34,5 @@ def test_split_rows_are_quantized_each_on_its_own(fmt):
 
 @needs_vnni
 def test_split_rows_fused_equals_one_call_per_weight():
-    # the multi-weight call quantizes x once for all its weights and runs both passes per
-    # weight: the same bits as one call each, at 12 rows
-    k = 2048
-    specs = [("q4_k", 44), ("q6_k", 37), ("q5_k", 9)]
-    weights = [with_kernel(make_weight(random_k_blocks(fmt, n, k, seed=60 + i), fmt, k), cpu_kernels.BLOCK_K_TARGET,
-                           0, 0, 1) for i, (fmt, n) in enumerate(specs)]
-    assert fusable(weights)
-    x = jnp.asarray(activations(12, k, seed=61))
-    for w, got in zip(weights, jax.jit(block_matmul_many)(x, weights)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(block_matmul)(x, w)))
+    # both passes per weight, at 12 rows
+    check_fused_equals_one_call((12,), seed=60)
