@@ -249,11 +249,16 @@ def test_integer_row_path_fused_equals_one_call_per_weight():
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 12, 15])
 @pytest.mark.parametrize("k,n", [(1536, 44), (2048, 300), (1280, 37), (4352, 37)])
 def test_integer_path_rows_within_their_16_bit_bound(fmt, rows, k, n):
-    x, w, got = int_product(fmt, k, n, seed=13 + rows, rows=rows)
+    check_rows_within_their_bound(fmt, rows, k, n, seed=13 + rows)
+
+
+def check_rows_within_their_bound(fmt: str, rows: int, k: int, n: int, seed: int) -> None:
+    """A product of `rows` random rows within the integer paths' bound of float64's, and every
+    row off float32's tighter bound somewhere (so every row went through an integer path)."""
+    x, w, got = int_product(fmt, k, n, seed=seed, rows=rows)
     err = np.abs(got - x.astype(np.float64) @ w.T)
     lim = int_bound(x, w)
     assert np.all(err <= lim), f"{fmt} {rows}x[{k}, {n}]: max error / bound {np.max(err / lim):.3g}"
-    # every row went through the integer path (the float paths stay within float32's bound)
     assert np.all(np.any(err > bound(x, w), axis=1)), f"{fmt} {rows} rows: a row within float32's bound"
 
 
@@ -282,8 +287,12 @@ def check_rows_on_their_own(fmt, rows, big, zero, spike, seed):
     assert np.any((np.abs(x8 @ w.T - want) > int_bound(x, w))[spike + 1:])
 
 
+# 5 rows: the second group of rows holds row 4, on the 8-bit negative control; 8 rows (the rows
+# in the lanes, block_matmul_k_rows8.inc): row 7 on the control; 13 rows (two passes of rows,
+# tests/models/test_block_matmul_k_split_rows.py): row 0 in the first pass, rows 9 and 10 (zero,
+# one spike) in the second, the control on rows 11-12
 @needs_vnni
 @pytest.mark.parametrize("fmt", K_FORMATS)
-def test_integer_path_rows_are_quantized_each_on_its_own(fmt):
-    # 5 rows: the second group of rows holds row 4, on the 8-bit negative control
-    check_rows_on_their_own(fmt, 5, big=0, zero=2, spike=3, seed=21)
+@pytest.mark.parametrize("rows,zero,spike,seed", [(5, 2, 3, 21), (8, 5, 6, 81), (13, 9, 10, 51)])
+def test_integer_path_rows_are_quantized_each_on_its_own(fmt, rows, zero, spike, seed):
+    check_rows_on_their_own(fmt, rows, big=0, zero=zero, spike=spike, seed=seed)

@@ -25,8 +25,8 @@ import pytest
 from models import cpu_kernels
 from models.gguf_blocks import K_FORMATS, block_matmul, dequantize_host, make_weight, with_kernel
 from tests.models.test_block_matmul import bound
-from tests.models.test_block_matmul_k import check_fused_equals_one_call, check_rows_on_their_own, int_bound, int_product, \
-    needs_vnni
+from tests.models.test_block_matmul_k import check_fused_equals_one_call, check_rows_within_their_bound, int_bound, \
+    int_product, needs_vnni
 from tests.models.test_block_matmul_k_i16 import extreme_q5_k, extreme_q6_k, wide_bound
 
 
@@ -39,18 +39,11 @@ from tests.models.test_block_matmul_k_i16 import extreme_q5_k, extreme_q6_k, wid
 @pytest.mark.parametrize("rows", [7, 8])
 @pytest.mark.parametrize("k,n", [(1536, 44), (2048, 300), (1280, 37), (4352, 61), (12288, 45)])
 def test_lanes_rows_within_their_16_bit_bound(fmt, rows, k, n):
-    x, w, got = int_product(fmt, k, n, seed=70 + rows, rows=rows)
-    err = np.abs(got - x.astype(np.float64) @ w.T)
-    lim = int_bound(x, w)
-    assert np.all(err <= lim), f"{fmt} {rows}x[{k}, {n}]: max error / bound {np.max(err / lim):.3g}"
-    assert np.all(np.any(err > bound(x, w), axis=1)), f"{fmt} {rows} rows: a row within float32's bound"
+    check_rows_within_their_bound(fmt, rows, k, n, seed=70 + rows)
 
 
-@needs_vnni
-@pytest.mark.parametrize("fmt", K_FORMATS)
-def test_lanes_rows_are_quantized_each_on_their_own(fmt):
-    # 8 rows: row 0 1000x the others', row 5 zero, row 6 one spike; the 8-bit control on row 7
-    check_rows_on_their_own(fmt, 8, big=0, zero=5, spike=6, seed=81)
+# each row on its own scale at 8 rows: in test_block_matmul_k.py's
+# test_integer_path_rows_are_quantized_each_on_its_own
 
 
 @needs_vnni

@@ -13,23 +13,15 @@ zero and a one-spike row in the second); the fused q/k/v call giving each weight
 
 from __future__ import annotations
 
-import pytest
-
-from models.gguf_blocks import K_FORMATS
-from tests.models.test_block_matmul_k import check_fused_equals_one_call, check_rows_on_their_own, needs_vnni
+from tests.models.test_block_matmul_k import check_fused_equals_one_call, needs_vnni
 
 
 # 9, 12 and 15 rows against float64 within their bound, every row off float32's: in
 # tests/models/test_block_matmul_k.py's test_integer_path_rows_within_their_16_bit_bound
 
 
-@needs_vnni
-@pytest.mark.parametrize("fmt", K_FORMATS)
-def test_split_rows_are_quantized_each_on_its_own(fmt):
-    # 13 rows: row 0 (first pass) 1000x the others', rows 9 and 10 (second pass) zero and one
-    # spike; a row read with another row's scale or activations would miss its bound or move
-    # the zero row off zero; the 8-bit control on rows 11-12 (second pass)
-    check_rows_on_their_own(fmt, 13, big=0, zero=9, spike=10, seed=51)
+# each row on its own scale at 13 rows: in test_block_matmul_k.py's
+# test_integer_path_rows_are_quantized_each_on_its_own
 
 
 @needs_vnni
