@@ -115,7 +115,7 @@ int main(int argc, char** argv) {
             if (path == 2) xr = ferrox_k_vnni::QuantizeIntRows(x.data(), m, k, int_at);
             else if (path == 4) xw = ferrox_k_vnni::QuantizeWideK(x.data(), m, k, wide_at);
             else xr16 = ferrox_k_vnni::QuantizeInt16Rows(x.data(), m, k, int_at);
-            if (path == 6) xl = ferrox_k_vnni::LayLane8Rows(xr16, k, lane_at);
+            if (path == 6) xl = ferrox_k_vnni::LayLane8Rows(xr16, k, lane_at, fmts[fi] != kQ4_K, fmts[fi] == kQ4_K);
             s = std::chrono::duration<double>(std::chrono::steady_clock::now() - q0).count();
             double& bq = path == 2 ? best_quant : path == 4 ? best_quant_wide : best_quant16;
             bq = std::min(bq, s);

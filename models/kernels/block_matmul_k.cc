@@ -120,13 +120,13 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
   ferrox_k_vnni::IntRows xr{};
   ferrox_k_vnni::Int16Rows xr16{};
   ferrox_k_vnni::Lane8Rows xl{};
-  if (int_row) {
-    const int64_t rows_bytes = (w16 ? ferrox_k_vnni::Int16RowsBytes(m, k) : m * ferrox_k_vnni::IntRowBytes(k)) + 64;
-    int_buf.resize(rows_bytes + (lanes8 ? ferrox_k_vnni::Lane8Bytes(k) : 0) + 64);
+  if (lanes8) {
+    xl = ferrox_k_vnni::QuantizeLane8Rows(ps[0].x, m, k, fmts, count, &int_buf);
+  } else if (int_row) {
+    int_buf.resize((w16 ? ferrox_k_vnni::Int16RowsBytes(m, k) : m * ferrox_k_vnni::IntRowBytes(k)) + 64);
     uint8_t* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(int_buf.data()) + 63) & ~uintptr_t{63});
     if (w16) xr16 = ferrox_k_vnni::QuantizeInt16Rows(ps[0].x, m, k, at);
     else xr = ferrox_k_vnni::QuantizeIntRows(ps[0].x, m, k, at);
-    if (lanes8) xl = ferrox_k_vnni::LayLane8Rows(xr16, k, at + rows_bytes / 64 * 64);
   }
   // many rows (prompt chunks) on 16-bit integer activations (block_matmul_k_i16.inc); past whole
   // 16-row groups, a last kL8FromRows to kL8Rows rows (a c8 mixed step: a 128-token chunk and 7
@@ -141,14 +141,8 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
   uint8_t* wide_at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wide_buf.data()) + 63) & ~uintptr_t{63});
   const auto xw = wide ? ferrox_k_vnni::QuantizeWideK(ps[0].x, wide_m, k, wide_at) : ferrox_k_vnni::WideRowsK{};
   std::vector<uint8_t> tail_buf;
-  ferrox_k_vnni::Lane8Rows xt{};
-  if (tail) {
-    const int64_t rows_bytes = ferrox_k_vnni::Int16RowsBytes(tail, k) + 64;
-    tail_buf.resize(rows_bytes + ferrox_k_vnni::Lane8Bytes(k) + 64);
-    uint8_t* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(tail_buf.data()) + 63) & ~uintptr_t{63});
-    const auto rows = ferrox_k_vnni::QuantizeInt16Rows(ps[0].x + wide_m * k, tail, k, at);
-    xt = ferrox_k_vnni::LayLane8Rows(rows, k, at + rows_bytes / 64 * 64);
-  }
+  const auto xt = tail ? ferrox_k_vnni::QuantizeLane8Rows(ps[0].x + wide_m * k, tail, k, fmts, count, &tail_buf)
+                       : ferrox_k_vnni::Lane8Rows{};
   const int64_t threads = macs >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
   // 4 chunks per thread balance uneven progress; chunks are whole tiles of one weight (4
   // columns, 8 on the lanes path; a weight's last chunk may be short).
