@@ -45,7 +45,7 @@ def empty_forward(shape: StepShape, table_width: int, has_lora: bool, image_widt
         row_of_token=np.full(n, r, np.int32), want_prompt_logprobs=np.asarray(False),
         segment_tokens=tuple(tokens for _, tokens in segments),
         adapter_slots=np.zeros(n, np.int32) if has_lora else None, state_slots=np.zeros(r, np.int32),
-        **image_padding(n, image_width, mrope),
+        want_every_hidden=np.asarray(False), **image_padding(n, image_width, mrope),
         window_tables=tuple(np.zeros((rows, table_width), np.int32) for rows, _ in segments) if windowed else None)
 
 
@@ -91,7 +91,9 @@ def pad_batch(batch: HostBatch, buckets: Buckets, table_width: int, has_lora: bo
             out.window_tables[segment][local] = batch.window_tables[host]
         if batch.state_slots is not None:
             out.state_slots[row] = batch.state_slots[host]
-    out = out.replace(want_prompt_logprobs=np.asarray(bool(batch.prompt_logprobs.any())))
+    wants_prompt = bool(batch.prompt_logprobs.any())
+    out = out.replace(want_prompt_logprobs=np.asarray(wants_prompt),
+                      want_every_hidden=np.asarray(wants_prompt or bool(batch.pooling.any())))
     return shape, order, _pad_adapters(out, batch, order, starts, shape.decode_rows) if has_lora else out
 
 

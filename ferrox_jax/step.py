@@ -74,6 +74,10 @@ class ForwardBatch:
     rope_positions: jax.Array | None = None  # i32[N, 3]: M-RoPE positions (a model with them; None otherwise)
     # one i32[B_s, MB] per segment: the sliding-window layers' slots (ferrox_jax/kv_groups.py); None: no such pool
     window_tables: tuple[jax.Array, ...] | None = None
+    # bool[]: some row reads every token's final hidden state (prompt logprobs, pooling); while
+    # it is False a model whose `finishes_kept_rows` runs its last layer's MLP over each row's
+    # last new token only. None (a batch built by hand): every token's, always.
+    want_every_hidden: jax.Array | None = None
 
     @classmethod
     def padding(cls, shape: StepShape, table_width: int, has_lora: bool = False,
@@ -90,7 +94,8 @@ class ForwardBatch:
                    row_of_token=np.full(n, r, np.int32), want_prompt_logprobs=np.asarray(False),
                    segment_tokens=tuple(tokens for _, tokens in segments),
                    adapter_slots=np.zeros(n, np.int32) if has_lora else None,
-                   state_slots=np.zeros(r, np.int32), **image_padding(n, image_width, mrope))
+                   state_slots=np.zeros(r, np.int32), want_every_hidden=np.asarray(False),
+                   **image_padding(n, image_width, mrope))
 
 
 def image_padding(num_tokens: int, image_width: int, mrope: bool = False) -> dict:
@@ -133,7 +138,9 @@ def _prompt_logprobs(model, hidden, next_tokens):
     return chosen, top_ids.astype(jnp.int32), top_lp
 
 
-def _run_model(graphdef, state, kv_cache: KVCache, batch: ForwardBatch):
+def _run_model(graphdef, state, kv_cache: KVCache, batch: ForwardBatch, kept_rows: bool = False):
+    """(model, hidden, kv_cache); `kept_rows` (the forward step): hidden may come as (every
+    token's [N, D], each row's last new token's [R, D]), see `ForwardBatch.want_every_hidden`."""
     model = nnx.merge(graphdef, state)
     if batch.adapter_slots is not None:
         bind_token_slots(model, batch.adapter_slots)
@@ -145,6 +152,11 @@ def _run_model(graphdef, state, kv_cache: KVCache, batch: ForwardBatch):
     args = (batch.tokens, batch.positions, batch.valid, kv_cache.k, kv_cache.v, batch.block_tables,
             batch.segment_tokens, images)
     if kv_cache.states is None:
+        # The last layer's MLP over each row's last new token only, where nothing reads the
+        # others' hidden states (a LoRA batch keeps every token: its slots are bound per token).
+        if kept_rows and batch.want_every_hidden is not None and batch.adapter_slots is None and model.finishes_kept_rows:
+            hidden, last_hidden, k, v = model(*args, **windows, keep=(batch.last_index, batch.want_every_hidden))
+            return model, (hidden, last_hidden), KVCache(k=k, v=v)
         hidden, k, v = model(*args, **windows)
         return model, hidden, KVCache(k=k, v=v)
     # a model with recurrent layers: its state slots go in and come back beside the K/V
@@ -158,10 +170,10 @@ def _forward(graphdef, state_tree, state_leaves, kv_cache: KVCache, batch: Forwa
     numpy batch leaves instead of a `device_put`: 1.6 -> 0.3 ms of host time a call for the
     default model's 273 leaves, one thread, AMD EPYC)."""
     state = jax.tree.unflatten(state_tree, state_leaves)
-    model, hidden, kv_cache = _run_model(graphdef, state, kv_cache, batch)
+    model, hidden, kv_cache = _run_model(graphdef, state, kv_cache, batch, kept_rows=True)
+    hidden, last_hidden = hidden if isinstance(hidden, tuple) else (hidden, hidden[batch.last_index])  # [N, D], [R, D]
     n, _ = hidden.shape
     rows = batch.last_index.shape[0]
-    last_hidden = hidden[batch.last_index]  # [R, D]
     logits = model.logits(last_hidden)  # f32[R, V]
     sample_pos = batch.positions[batch.last_index] + 1
     zeros = (jnp.zeros((n,), jnp.float32), jnp.zeros((n, MAX_LOGPROBS), jnp.int32),

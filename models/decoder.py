@@ -86,8 +86,17 @@ class CausalLM(nnx.Module):
 
     # -- the shared forward --------------------------------------------------------------
 
+    @property
+    def finishes_kept_rows(self) -> bool:
+        """Whether `__call__` takes `keep`: the family runs this skeleton's forward (not one of
+        its own), its last layer comes in two halves (`attend`, every token; `finish`, row by
+        row: `models/llama.py`'s layer), and no step reads every token's final hidden state."""
+        last = self.layers[-1]
+        return (type(self).__call__ is CausalLM.__call__ and hasattr(last, "attend") and hasattr(last, "finish")
+                and not self.keeps_step_hidden)
+
     def __call__(self, tokens, positions, valid, k_caches, v_caches, block_tables, segment_tokens,
-                 images=None, window_tables=None):
+                 images=None, window_tables=None, keep=None):
         """Run the decoder over one forward's new tokens, writing their K/V into the paged cache.
 
         The tokens are flat: segment after segment, each segment's rows row-major
@@ -109,8 +118,15 @@ class CausalLM(nnx.Module):
             its `rope` takes in place of `positions`.
           window_tables: None, or one i32[B_s, MB] per segment: the sliding-window layers'
             slots (`ferrox_jax/kv_groups.py`), whose cache arrays then hold that pool.
+          keep: None, or (index i32[R], every bool[]) on a model whose `finishes_kept_rows`:
+            the last layer's attention half runs over every token (their K/V are written) and
+            its MLP half over the R tokens `index` names only (a step reads the hidden state at
+            each row's last new token; a prompt chunk's other tokens only fill the cache:
+            127 of a 128-token chunk's last-layer MLPs, as llama.cpp's `inp_out_ids` skips);
+            over every token too where `every` is set (prompt logprobs, pooling).
         Returns:
-          (hidden f32/dtype[N, D] after the final norm, k_caches, v_caches).
+          (hidden f32/dtype[N, D] after the final norm, k_caches, v_caches); with `keep`,
+          (hidden [N, D], zeros unless `every`; hidden [R, D] at `index`; k_caches, v_caches).
         """
         if len(k_caches) != self.cfg.num_layers or len(v_caches) != self.cfg.num_layers:
             raise ValueError(f"expected {self.cfg.num_layers} K and V cache arrays; got {len(k_caches)} "
@@ -124,8 +140,19 @@ class CausalLM(nnx.Module):
         if embeds is not None:
             x = jnp.where(mask[:, None], embeds.astype(x.dtype), x)
         new_k, new_v = [], []
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
-            x, k_cache, v_cache = layer(x, fwd, k_cache, v_cache)
+        last = self.cfg.num_layers - 1 if keep is not None else None
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches)):
+            if i == last:
+                x, k_cache, v_cache = layer.attend(x, fwd, k_cache, v_cache)
+            else:
+                x, k_cache, v_cache = layer(x, fwd, k_cache, v_cache)
             new_k.append(k_cache)
             new_v.append(v_cache)
-        return self.norm(x, self.final_norm[...]), tuple(new_k), tuple(new_v)
+        if keep is None:
+            return self.norm(x, self.final_norm[...]), tuple(new_k), tuple(new_v)
+        index, every = keep
+        layer = self.layers[last]
+        kept = self.norm(layer.finish(x[index]), self.final_norm[...])
+        # Only the [N, D] result crosses the cond: its untaken branch costs nothing.
+        whole = jax.lax.cond(every, lambda: self.norm(layer.finish(x), self.final_norm[...]), lambda: jnp.zeros_like(x))
+        return whole, kept, tuple(new_k), tuple(new_v)

@@ -47,11 +47,20 @@ class LlamaDecoderLayer(nnx.Module, SelfAttention):
 
     def __call__(self, x, fwd, k_cache, v_cache):
         """x: [N, D] -> ([N, D], k_cache, v_cache)."""
+        x, k_cache, v_cache = self.attend(x, fwd, k_cache, v_cache)
+        return self.finish(x), k_cache, v_cache
+
+    # The layer in two halves, so that the last layer can finish only the rows whose hidden
+    # state the step reads (`models/decoder.py:CausalLM.__call__`, `keep`).
+    def attend(self, x, fwd, k_cache, v_cache):
+        """The attention half, over every token (it writes their K/V): x [N, D] -> ([N, D], k_cache, v_cache)."""
         attn, k_cache, v_cache = self.attention(rms_norm(x, self.input_norm[...], self.eps), fwd, k_cache, v_cache)
-        x = x + attn
+        return x + attn, k_cache, v_cache
+
+    def finish(self, x):
+        """The MLP half, row by row: x [M, D] -> [M, D]."""
         h = rms_norm(x, self.post_attn_norm[...], self.eps)
-        x = x + gated_mlp(h, self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value(), silu)
-        return x, k_cache, v_cache
+        return x + gated_mlp(h, self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value(), silu)
 
 
 class LlamaModel(CausalLM):

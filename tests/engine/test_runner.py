@@ -207,3 +207,29 @@ def test_a_mixed_step_equals_its_rows_run_apart(tiny_llama):
                    sampling=greedy)
     assert run_plan(mixed, StepPlan(chunks=(rest,))).results[10].token_id == generate_alone(
         mixed, long_prompt, 1, blocks[6], sampling=greedy)[0]
+
+
+def test_the_last_layer_finishes_only_each_rows_last_token(runner):
+    """A prompt chunk's last-layer MLP runs for its last token only (the one the step reads)
+    unless some row reads every token's hidden state: the sampled row's logprobs equal the
+    whole-prompt forward's (`run_logits`, every token through every layer) at its last token,
+    and the pooled sums, which need every token, are computed only when a row asks."""
+    prompt = _prompt(40, 31)
+    blocks = tuple(shuffled_blocks(6, NUM_BLOCKS, seed=32))
+    whole = runner.run_logits([RowPlan(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks, sample=False)])[0][-1]
+    want = whole - whole.max() - np.log(np.exp(whole - whole.max()).sum())
+    for prompt_logprobs in (False, True):
+        row = RowPlan(row_id=0, token_ids=tuple(prompt), start_pos=0, block_ids=blocks, sample=True,
+                      sampling=RowSampling(temperature=0.0, logprobs=20), prompt_logprobs=prompt_logprobs)
+        plan = StepPlan(chunks=(row,))
+        batch = HostBatch.build(plan, runner.geometry)
+        pending = runner.forward(batch)
+        pooled = np.asarray(pending.result.hidden_sum)
+        res = step_output(plan, batch, runner.sample(pending, None)).results[0]
+        assert res.token_id == int(np.argmax(whole))
+        got = dict(res.top_logprobs)
+        np.testing.assert_allclose([got[t] for t in np.argsort(-want)[:20]], np.sort(want)[::-1][:20], atol=1e-5)
+        if prompt_logprobs:
+            assert np.abs(pooled).max() > 0, "every token's hidden state, when a row reads them"
+        else:
+            assert not pooled.any(), "the other tokens' last-layer MLP ran though nothing reads it"
