@@ -17,6 +17,7 @@
 // MAC an instruction).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -94,7 +95,11 @@ int main(int argc, char** argv) {
   for (auto& v : x) v = normal(rng);
   const int fmts[3] = {kQ4_K, kQ5_K, kQ6_K};
   const char* names[3] = {"Q4_K", "Q5_K", "Q6_K"};
+#ifdef KQ_OLD  // one buffer for both versions' activations: the larger of their sizes
+  std::vector<uint8_t> wide_buf(std::max(ferrox_k_vnni::WideKBytes(m, k), kq_old::WideKBytes(m, k)));
+#else
   std::vector<uint8_t> wide_buf(ferrox_k_vnni::WideKBytes(m, k));
+#endif
   uint8_t* wide_at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wide_buf.data()) + 63) & ~uintptr_t{63});
   const int64_t chunks = threads * 4, chunk = ((n + chunks - 1) / chunks + 3) / 4 * 4;
   std::printf("[%lld, %lld] x %lld rows, %d threads, best of %d rounds%s\n", static_cast<long long>(k),

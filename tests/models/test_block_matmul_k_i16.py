@@ -1,10 +1,10 @@
 """The K-quant kernel's many-row path on 16-bit integer activations (block_matmul_k_i16.inc).
 
 From 16 rows with wide_rows 1 on AVX-512 VNNI, Q4_K / Q5_K / Q6_K products quantize the
-activations per row and 32-wide block to int16 (scale amax / 32767) and multiply the weights'
-integers with vpdpwssd. Checked against float64 x @ dequantize(w)^T within that path's bound:
-each activation off by at most amax / 65534 of its block, times sum |w| over the block, plus
-the float32 sums' few ulps. Negative controls: the float path's tighter bound is missed (so it
+activations per row and 256-wide super-block to int16 (scale amax / 32767, as the 2-15-row
+paths do) and multiply the weights' integers with vpdpwssd. Checked against float64
+x @ dequantize(w)^T within that path's bound: each activation off by at most amax / 65534 of
+its super-block, times sum |w| over the super-block, plus the float32 sums' few ulps. Negative controls: the float path's tighter bound is missed (so it
 is this path that ran), and a kernel that paired a sub-block with its neighbour's scale (Q4_K /
 Q5_K: the high nibbles' sub-block with the low nibbles' scale; Q6_K: a block's second 16 with
 its first 16's scale) would miss the bound. Q6_K's sub-block scales are in its int16 weights
@@ -32,11 +32,11 @@ needs_vnni = pytest.mark.skipif(cpu_kernels.block_isa() != "AVX-512 VNNI",
 
 
 def wide_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Per output element: amax / 65534 of each 32-wide activation block (65000 leaves room
-    for the float32 rounding of x / scale) times sum |w| over the block, plus float32's bound."""
+    """Per output element: amax / 65534 of each 256-wide activation super-block (65000 leaves
+    room for the float32 rounding of x / scale) times sum |w| over it, plus float32's bound."""
     m, k = x.shape
-    amax = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(axis=2)
-    return np.repeat(amax / 65000, 32, axis=1) @ np.abs(w).T + bound(x, w)
+    amax = np.abs(x.astype(np.float64)).reshape(m, k // 256, 256).max(axis=2)
+    return np.repeat(amax / 65000, 256, axis=1) @ np.abs(w).T + bound(x, w)
 
 
 def product(fmt: str, blocks: np.ndarray, x: np.ndarray, wide_rows: int = 1) -> np.ndarray:
@@ -102,7 +102,7 @@ def test_wide_k_zero_rows_and_an_outlier_stay_exact():
     zero = np.zeros((16, k), np.float32)
     assert np.all(product("q4_k", blocks, zero) == 0)
     spike = zero.copy()
-    spike[3, 300] = 3.0  # one value per block is its own amax: exact in int16
+    spike[3, 300] = 3.0  # one value per super-block is its own amax: exact in int16
     w = dequantize_host(blocks, "q4_k")
     np.testing.assert_allclose(product("q4_k", blocks, spike), spike.astype(np.float64) @ w.T, rtol=1e-6, atol=1e-6)
 
@@ -164,7 +164,7 @@ def test_wide_q6_k_halves_at_the_int32_edge_stay_exact():
     x16 = np.full(32, 32767, np.int64)
     wi = np.round(w[0, :32] / 2.0 ** -12).astype(np.int64)  # column 0's int16 weights, one block
     wrapped = (int(x16 @ wi) + 2 ** 31) % 2 ** 32 - 2 ** 31
-    wrong = wrapped * (1.0 / 32767) * 2.0 ** -12 * (k // 32)  # row 0: amax 1 in every block
+    wrong = wrapped * (1.0 / 32767) * 2.0 ** -12 * (k // 32)  # row 0: amax 1 in every super-block
     assert abs(wrong - want[0, 0]) > wide_bound(x, w)[0, 0]
 
 
