@@ -9,7 +9,9 @@ interleaved (25 rounds, median), so the machine's drift hits both alike. Each ca
 the default model's attention shape (9 heads, 3 kv heads, head_dim 64, blocks of 16)
 over 30 layers' own caches, as a decode step does, so the keys and values come from
 memory, not from a cache the previous call warmed. Prints A and B in ms per 30 layers,
-A/B, and the largest difference between the two builds' outputs.
+A/B, and the largest difference between the two builds' outputs. Environment: SHAPE
+"heads,kv_heads,head_dim,block_size,layers" (default "9,3,64,16,30"; the 1B: "32,8,64,16,16"),
+CASES "rows:context,..." and DTYPES (f32, bf16, f16) pick other cases.
 """
 import ctypes
 import sys
@@ -22,7 +24,8 @@ import numpy as np
 for name, path in (("attA", sys.argv[1]), ("attB", sys.argv[2])):
     lib = ctypes.cdll.LoadLibrary(path)
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.FerroxDecodeAttention), platform="cpu")
-H, K, hd, bs, layers = 9, 3, 64, 16, 30
+import os
+H, K, hd, bs, layers = [int(v) for v in os.environ.get("SHAPE", "9,3,64,16,30").split(",")]
 def case(rows, ctx, dtype):
     rng = np.random.default_rng(0)
     width = -(-ctx // bs)
@@ -33,6 +36,8 @@ def case(rows, ctx, dtype):
         v = rng.standard_normal((K, nblocks, bs, hd)).astype(np.float32)
         if dtype == "bf16":
             k, v = (jax.lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.bfloat16), jnp.uint16) for x in (k, v))
+        if dtype == "f16":
+            k, v = (jax.lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.float16), jnp.int16) for x in (k, v))
         caches.append((jnp.asarray(k), jnp.asarray(v)))
     tables = jnp.asarray((1 + np.arange(rows * width).reshape(rows, width)).astype(np.int32))
     lengths = jnp.full((rows,), ctx, jnp.int32)
@@ -53,6 +58,7 @@ def case(rows, ctx, dtype):
             t0 = time.perf_counter(); jax.block_until_ready(f(q, caches)); t.append(time.perf_counter() - t0)
     a, b = np.median(ta) * 1e3, np.median(tb) * 1e3
     print(f"rows {rows} ctx {ctx} {dtype}: A {a:.2f} ms  B {b:.2f} ms  A/B {a/b:.2f}  max|diff| {err:.2g}", flush=True)
-for rows, ctx in ((1, 256), (1, 1000), (1, 2000), (8, 500), (32, 256), (32, 1000)):
-    for dt in ("f32", "bf16"):
+CASES = os.environ.get("CASES", "1:256,1:1000,1:2000,8:500,32:256,32:1000")
+for rows, ctx in (tuple(int(v) for v in c.split(":")) for c in CASES.split(",")):
+    for dt in os.environ.get("DTYPES", "f32,bf16").split(","):
         case(rows, ctx, dt)

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -118,14 +119,28 @@ struct Piece {
 
   const T* KeyRow(const T* cache, int64_t j) const { return CacheRow(p, cache, row, kv_head, j); }
 
-  // scores[g * padded + i] = q_g . k_(begin + i) * scale, 8 keys at a time.
-  void Scores(int64_t begin, int64_t n, int64_t padded, float* scores) const {
+  // scores[g * padded + i] = q_g . k_(begin + i) * scale, 8 keys at a time. A 16-bit cache's
+  // 8 keys are converted once into `wide` (f32[8][hd], L1) for all G query heads: converting
+  // them for each head made the conversions, not the FMAs, the bound (2026-12-07, Zen 4).
+  void Scores(int64_t begin, int64_t n, int64_t padded, float* scores, float* wide) const {
     const int64_t groups = p.heads / p.kv_heads, hd = p.head_dim;
     const float* q = p.q + (row * p.heads + kv_head * groups) * hd;
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
       const int64_t count = std::min<int64_t>(8, n - j0);
-      const T* keys[8];
-      for (int64_t i = 0; i < 8; ++i) keys[i] = KeyRow(k_cache, begin + j0 + std::min(i, count - 1));
+      const float* keys[8];
+      // with blocks of a multiple of 8 positions a run of 8 from a multiple of 8 stays inside
+      // one block: one table lookup (and division) for the run
+      const T* run = KeyRow(k_cache, begin + j0);
+      for (int64_t i = 0; i < 8; ++i) {
+        const T* key = p.block_size % 8 == 0 ? run + std::min(i, count - 1) * hd
+                                              : KeyRow(k_cache, begin + j0 + std::min(i, count - 1));
+        if constexpr (std::is_same_v<T, float>) {
+          keys[i] = key;
+        } else {
+          for (int64_t d = 0; d < hd; d += 8) _mm256_store_ps(wide + i * hd + d, Load8(key + d));
+          keys[i] = wide + i * hd;
+        }
+      }
       // the 8 cache rows kAheadKeys on: contiguous (a run of 8 from a multiple of 8 stays
       // inside one block of 8 or more positions)
       if (j0 + kAheadKeys < n) ferrox::PrefetchSpan(KeyRow(k_cache, begin + j0 + kAheadKeys), 8 * hd * int64_t{sizeof(T)});
@@ -134,7 +149,7 @@ struct Piece {
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
         for (int64_t d = 0; d < hd; d += 8) {
           const __m256 qv = _mm256_loadu_ps(q + g * hd + d);
-          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, Load8(keys[i] + d), acc[i]);
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[i] + d), acc[i]);
         }
         alignas(32) float sums[8];
         _mm256_store_ps(sums, _mm256_mul_ps(Sum8(acc), _mm256_set1_ps(p.scale)));
@@ -155,9 +170,15 @@ struct Piece {
     for (int g = 0; g < NG; ++g)
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_ps();
+    const T* run = nullptr;
+    const bool runs = p.block_size % 8 == 0;  // a run of 8 from a multiple of 8 inside one block
     for (int64_t j = 0; j < n; ++j) {
-      const T* v = KeyRow(v_cache, begin + j) + d0;
-      if (d0 == 0 && j + kAheadKeys < n) ferrox::PrefetchSpan(KeyRow(v_cache, begin + j + kAheadKeys), hd * int64_t{sizeof(T)});
+      if (j % 8 == 0) {  // one table lookup for the run
+        run = KeyRow(v_cache, begin + j);
+        if (d0 == 0 && j + kAheadKeys < n)
+          ferrox::PrefetchSpan(KeyRow(v_cache, begin + j + kAheadKeys), 8 * hd * int64_t{sizeof(T)});
+      }
+      const T* v = (runs ? run + (j % 8) * hd : KeyRow(v_cache, begin + j)) + d0;
       __m256 vr[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) vr[r] = Load8(v + 8 * r);
@@ -197,8 +218,10 @@ struct Piece {
       return;
     }
     const int64_t padded = (n + 7) / 8 * 8;
-    scores.assign(groups * padded, -INFINITY);
-    Scores(begin, n, padded, scores.data());
+    // the scores, then (16-bit caches) 8 converted keys, 32-byte aligned
+    scores.assign(groups * padded + 8 * hd + 8, -INFINITY);
+    float* wide = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scores.data() + groups * padded) + 31) & ~uintptr_t{31});
+    Scores(begin, n, padded, scores.data(), wide);
     for (int64_t g = 0; g < groups; ++g) {
       float* s = scores.data() + g * padded;
       const float max = *std::max_element(s, s + n);
@@ -213,7 +236,14 @@ struct Piece {
       partial[g * stride + hd] = max;
       partial[g * stride + hd + 1] = HorizontalSum(total);
     }
-    // Each value row is read once per 32 columns for up to 3 query heads together (the
+    // Four query heads (Llama 3's and Qwen's 32 / 8 among them) over a 16-bit cache: each value
+    // row read and converted once per 16 columns for all four (4 x 2 accumulators, 2 value
+    // vectors; a float cache has nothing to convert and reads faster 32 columns at a time).
+    if (!std::is_same_v<T, float> && groups == 4 && hd % 16 == 0) {
+      for (int64_t d0 = 0; d0 < hd; d0 += 16) Values<4, 2>(begin, n, padded, scores.data(), 0, d0, partial);
+      return;
+    }
+    // Else each value row is read once per 32 columns for up to 3 query heads together (the
     // 16 AVX2 registers hold 3 x 4 accumulators and the 4 value vectors).
     for (int64_t d0 = 0; d0 < hd; d0 += 32) {
       const int64_t width = std::min<int64_t>(32, hd - d0);

@@ -216,14 +216,19 @@ def _random_cache(rng, kv_heads, blocks, block_size, head_dim, dtype):
     return k, v
 
 
-# head_dim 56 and 40: value columns in pieces of 32 + 24 and 32 + 8 (each width its own tile)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (4, 4, 128), (6, 2, 56), (2, 2, 40)])
+# head_dim 56 and 40: value columns in pieces of 32 + 24 and 32 + 8 (each width its own tile);
+# 32 / 8 heads (Llama 3.2 1B) and 8 / 2: four query heads a kv head, a 16-bit cache's values
+# 16 columns at a time for all four. Blocks of 8 keep a run of 8 keys in one block (one table
+# lookup a run); blocks of 12 do not (a lookup per key).
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (4, 4, 128), (6, 2, 56), (2, 2, 40),
+                                                     (32, 8, 64), (8, 2, 48)])
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_decode_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, head_dim, kv_dtype):
+@pytest.mark.parametrize("block_size", [8, 12])
+def test_decode_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, head_dim, kv_dtype, block_size):
     from models.attention import paged_attention
 
     rng = np.random.default_rng(heads * head_dim)
-    block_size, width = 8, 16  # a table of 16 blocks: up to 128 keys
+    width = 16  # a table of 16 blocks: up to 128 (blocks of 8) or 192 keys
     k_cache, v_cache = _random_cache(rng, kv_heads, 60, block_size, head_dim, kv_dtype)
     lengths = [1, 7, 8, 9, 40, 128]  # within a block, at and across block edges, a full table
     tables = np.zeros((len(lengths), width), np.int32)
