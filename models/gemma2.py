@@ -64,13 +64,21 @@ class Gemma2DecoderLayer(nnx.Module, SelfAttention):
 
     def __call__(self, x, fwd, k_cache, v_cache):
         """x: [N, D] -> ([N, D], k_cache, v_cache)."""
+        x, k_cache, v_cache = self.attend(x, fwd, k_cache, v_cache)
+        return self.finish(x), k_cache, v_cache
+
+    # In two halves, as models/llama.py's layer (models/decoder.py:CausalLM.__call__, `keep`).
+    def attend(self, x, fwd, k_cache, v_cache):
+        """The attention half, over every token (it writes their K/V): x [N, D] -> ([N, D], k_cache, v_cache)."""
         attn, k_cache, v_cache = self.attention(rms_norm_plus_one(x, self.input_norm[...], self.eps), fwd,
                                                 k_cache, v_cache)
-        x = x + rms_norm_plus_one(attn, self.post_attn_norm[...], self.eps)
+        return x + rms_norm_plus_one(attn, self.post_attn_norm[...], self.eps), k_cache, v_cache
+
+    def finish(self, x):
+        """The MLP half, row by row: x [M, D] -> [M, D]."""
         h = rms_norm_plus_one(x, self.pre_mlp_norm[...], self.eps)
         h = gated_mlp(h, self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value(), gelu_tanh)
-        x = x + rms_norm_plus_one(h, self.post_mlp_norm[...], self.eps)
-        return x, k_cache, v_cache
+        return x + rms_norm_plus_one(h, self.post_mlp_norm[...], self.eps)
 
 
 class Gemma2Model(CausalLM):

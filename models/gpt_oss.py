@@ -99,15 +99,24 @@ class GptOssDecoderLayer(nnx.Module, SelfAttention):
 
     def __call__(self, x, fwd, k_cache, v_cache):
         """x: [N, D] -> ([N, D], k_cache, v_cache)."""
+        x, k_cache, v_cache = self.attend(x, fwd, k_cache, v_cache)
+        return self.finish(x), k_cache, v_cache
+
+    # In two halves, as models/llama.py's layer (models/decoder.py:CausalLM.__call__, `keep`).
+    def attend(self, x, fwd, k_cache, v_cache):
+        """The attention half, over every token (it writes their K/V): x [N, D] -> ([N, D], k_cache, v_cache)."""
         attn, k_cache, v_cache = self.attention(rms_norm(x, self.input_norm[...], self.eps), fwd, k_cache, v_cache)
-        x = x + attn
+        return x + attn, k_cache, v_cache
+
+    def finish(self, x):
+        """The experts' half, token by token: x [M, D] -> [M, D]."""
         h = rms_norm(x, self.post_attn_norm[...], self.eps)
         biases = ExpertBiases(self.experts_gate_bias[...], self.experts_up_bias[...], self.experts_down_bias[...])
         y = moe_mlp(h, self.router[...], self.experts_gate.get_value(), self.experts_up.get_value(),
                     self.experts_down.get_value(), top_k=self.top_k, normalize=True, act=silu,
                     router_bias=self.router_bias[...], biases=biases, glu=self.glu,
                     expert_parallel=self.expert_parallel)
-        return x + y, k_cache, v_cache
+        return x + y
 
 
 class GptOssModel(CausalLM):
