@@ -90,7 +90,8 @@ class CausalLM(nnx.Module):
     def finishes_kept_rows(self) -> bool:
         """Whether `__call__` takes `keep`: the family runs this skeleton's forward (not one of
         its own), its last layer comes in two halves (`attend`, every token; `finish`, row by
-        row: `models/llama.py`'s layer), and no step reads every token's final hidden state."""
+        row: the layers of llama.py, mixtral.py, gemma2.py and gpt_oss.py), and no step reads
+        every token's final hidden state."""
         last = self.layers[-1]
         return (type(self).__call__ is CausalLM.__call__ and hasattr(last, "attend") and hasattr(last, "finish")
                 and not self.keeps_step_hidden)
