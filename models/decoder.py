@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import ForwardContext, norm_param, param, project, rms_norm
+from models.layers import ForwardContext, TwoHalves, norm_param, param, project, rms_norm
 from models.quant import embed_lookup, tied_head
 from models.rope import rope_cos_sin
 
@@ -89,11 +89,9 @@ class CausalLM(nnx.Module):
     @property
     def finishes_kept_rows(self) -> bool:
         """Whether `__call__` takes `keep`: the family runs this skeleton's forward (not one of
-        its own), its last layer comes in two halves (`attend`, every token; `finish`, row by
-        row: the layers of llama.py, mixtral.py, gemma2.py and gpt_oss.py), and no step reads
-        every token's final hidden state."""
-        last = self.layers[-1]
-        return (type(self).__call__ is CausalLM.__call__ and hasattr(last, "attend") and hasattr(last, "finish")
+        its own), its last layer comes in two halves (`models/layers.py:TwoHalves`), and no step
+        reads every token's final hidden state."""
+        return (type(self).__call__ is CausalLM.__call__ and isinstance(self.layers[-1], TwoHalves)
                 and not self.keeps_step_hidden)
 
     def __call__(self, tokens, positions, valid, k_caches, v_caches, block_tables, segment_tokens,

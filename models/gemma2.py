@@ -36,7 +36,7 @@ from models.config import ModelConfig, UnsupportedModelError, hf_common_fields
 from models.decoder import CausalLM
 from models.family import Family
 from models.quant import embed_lookup
-from models.layers import (AttentionSpec, SelfAttention, gated_mlp, gelu_tanh, norm_param, param,
+from models.layers import (AttentionSpec, TwoHalves, gated_mlp, gelu_tanh, norm_param, param,
                            rms_norm_plus_one, softcap)
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -49,7 +49,7 @@ class Gemma2Config(ModelConfig):
     final_logit_softcap: float | None = None
 
 
-class Gemma2DecoderLayer(nnx.Module, SelfAttention):
+class Gemma2DecoderLayer(nnx.Module, TwoHalves):
     def __init__(self, cfg: Gemma2Config, attention: AttentionSpec, dtype, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
@@ -62,14 +62,8 @@ class Gemma2DecoderLayer(nnx.Module, SelfAttention):
         self.down_proj = param(rngs, (f, d), dtype)
         self.post_mlp_norm = norm_param(d, dtype, 0.0)
 
-    def __call__(self, x, fwd, k_cache, v_cache):
-        """x: [N, D] -> ([N, D], k_cache, v_cache)."""
-        x, k_cache, v_cache = self.attend(x, fwd, k_cache, v_cache)
-        return self.finish(x), k_cache, v_cache
-
-    # In two halves, as models/llama.py's layer (models/decoder.py:CausalLM.__call__, `keep`).
     def attend(self, x, fwd, k_cache, v_cache):
-        """The attention half, over every token (it writes their K/V): x [N, D] -> ([N, D], k_cache, v_cache)."""
+        """The attention half (its output normed before the residual): x [N, D] -> ([N, D], k_cache, v_cache)."""
         attn, k_cache, v_cache = self.attention(rms_norm_plus_one(x, self.input_norm[...], self.eps), fwd,
                                                 k_cache, v_cache)
         return x + rms_norm_plus_one(attn, self.post_attn_norm[...], self.eps), k_cache, v_cache

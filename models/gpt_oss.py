@@ -56,7 +56,7 @@ from models import llama
 from models.config import FULL_ATTENTION, SLIDING_ATTENTION, UnsupportedModelError, hf_common_fields, hf_layer_types
 from models.decoder import CausalLM
 from models.family import ExpertStack, Family
-from models.layers import AttentionSpec, SelfAttention, norm_param, param, rms_norm, silu
+from models.layers import AttentionSpec, TwoHalves, norm_param, param, rms_norm, silu
 from models.moe import GGUF_EXPERT_WEIGHTS, ExpertBiases, MoeConfig, moe_mlp
 
 
@@ -74,7 +74,7 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -
     return (jnp.clip(up, -limit, limit) + 1) * (g * jax.nn.sigmoid(g * alpha))
 
 
-class GptOssDecoderLayer(nnx.Module, SelfAttention):
+class GptOssDecoderLayer(nnx.Module, TwoHalves):
     supports_expert_parallel = True  # models/moe_ep.py: the stacks and their biases may be split by expert
     expert_parallel = None  # set by models/moe_ep.py:enable_expert_parallel
 
@@ -96,17 +96,6 @@ class GptOssDecoderLayer(nnx.Module, SelfAttention):
 
     def glu(self, gate: jax.Array, up: jax.Array) -> jax.Array:
         return clamped_swiglu(gate, up, self.alpha, self.limit)
-
-    def __call__(self, x, fwd, k_cache, v_cache):
-        """x: [N, D] -> ([N, D], k_cache, v_cache)."""
-        x, k_cache, v_cache = self.attend(x, fwd, k_cache, v_cache)
-        return self.finish(x), k_cache, v_cache
-
-    # In two halves, as models/llama.py's layer (models/decoder.py:CausalLM.__call__, `keep`).
-    def attend(self, x, fwd, k_cache, v_cache):
-        """The attention half, over every token (it writes their K/V): x [N, D] -> ([N, D], k_cache, v_cache)."""
-        attn, k_cache, v_cache = self.attention(rms_norm(x, self.input_norm[...], self.eps), fwd, k_cache, v_cache)
-        return x + attn, k_cache, v_cache
 
     def finish(self, x):
         """The experts' half, token by token: x [M, D] -> [M, D]."""

@@ -325,6 +325,28 @@ class SelfAttention:
         return self._out(attend(spec, q, k_cache, v_cache, fwd, sinks), h.dtype), k_cache, v_cache
 
 
+class TwoHalves(SelfAttention):
+    """Mix-in for a decoder layer that runs in two halves: `attend`, x + attention(norm(x)) over
+    every token (it writes their K/V), then `finish`, the layer's MLP or experts, row by row. The
+    last layer can then finish only the rows a step reads (`models/decoder.py:CausalLM.__call__`,
+    `keep`). The layer defines `finish`, `input_norm` and `eps`; one whose attention half
+    differs (Gemma 2's post-attention norm) overrides `attend`."""
+
+    def __call__(self, x, fwd, k_cache, v_cache):
+        """x: [N, D] -> ([N, D], k_cache, v_cache)."""
+        x, k_cache, v_cache = self.attend(x, fwd, k_cache, v_cache)
+        return self.finish(x), k_cache, v_cache
+
+    def attend(self, x, fwd, k_cache, v_cache):
+        """The attention half, over every token: x [N, D] -> ([N, D], k_cache, v_cache)."""
+        attn, k_cache, v_cache = self.attention(rms_norm(x, self.input_norm[...], self.eps), fwd, k_cache, v_cache)
+        return x + attn, k_cache, v_cache
+
+    def finish(self, x):
+        """The MLP half, row by row: x [M, D] -> [M, D]."""
+        raise NotImplementedError
+
+
 def attend(spec: AttentionSpec, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, fwd: ForwardContext,
            sinks: jax.Array | None = None) -> jax.Array:
     """The new tokens' queries q [N, H, hd] (rotated) attend through their rows' block

@@ -31,10 +31,10 @@ from flax import nnx
 from models.config import ModelConfig, UnsupportedModelError, hf_common_fields, hf_layer_types
 from models.decoder import CausalLM
 from models.family import Family
-from models.layers import AttentionSpec, SelfAttention, gated_mlp, norm_param, param, rms_norm, silu
+from models.layers import AttentionSpec, TwoHalves, gated_mlp, norm_param, param, rms_norm, silu
 
 
-class LlamaDecoderLayer(nnx.Module, SelfAttention):
+class LlamaDecoderLayer(nnx.Module, TwoHalves):
     def __init__(self, cfg: ModelConfig, index: int, dtype, rngs: nnx.Rngs, attention: AttentionSpec | None = None):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
@@ -44,18 +44,6 @@ class LlamaDecoderLayer(nnx.Module, SelfAttention):
         self.gate_proj = param(rngs, (d, f), dtype)
         self.up_proj = param(rngs, (d, f), dtype)
         self.down_proj = param(rngs, (f, d), dtype)
-
-    def __call__(self, x, fwd, k_cache, v_cache):
-        """x: [N, D] -> ([N, D], k_cache, v_cache)."""
-        x, k_cache, v_cache = self.attend(x, fwd, k_cache, v_cache)
-        return self.finish(x), k_cache, v_cache
-
-    # The layer in two halves, so that the last layer can finish only the rows whose hidden
-    # state the step reads (`models/decoder.py:CausalLM.__call__`, `keep`).
-    def attend(self, x, fwd, k_cache, v_cache):
-        """The attention half, over every token (it writes their K/V): x [N, D] -> ([N, D], k_cache, v_cache)."""
-        attn, k_cache, v_cache = self.attention(rms_norm(x, self.input_norm[...], self.eps), fwd, k_cache, v_cache)
-        return x + attn, k_cache, v_cache
 
     def finish(self, x):
         """The MLP half, row by row: x [M, D] -> [M, D]."""

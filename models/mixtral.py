@@ -27,11 +27,11 @@ from models import llama
 from models.config import hf_common_fields
 from models.decoder import CausalLM
 from models.family import Family
-from models.layers import AttentionSpec, SelfAttention, norm_param, param, rms_norm, silu
+from models.layers import AttentionSpec, TwoHalves, norm_param, param, rms_norm, silu
 from models.moe import GGUF_EXPERT_WEIGHTS, MoeConfig, moe_mlp
 
 
-class MoeDecoderLayer(nnx.Module, SelfAttention):
+class MoeDecoderLayer(nnx.Module, TwoHalves):
     """Attention then experts; the layer Mixtral and Qwen3-MoE share (Qwen3-MoE adds q/k
     norms through its AttentionSpec)."""
 
@@ -49,18 +49,6 @@ class MoeDecoderLayer(nnx.Module, SelfAttention):
         self.experts_gate = param(rngs, (e, d, f), dtype)
         self.experts_up = param(rngs, (e, d, f), dtype)
         self.experts_down = param(rngs, (e, f, d), dtype)
-
-    def __call__(self, x, fwd, k_cache, v_cache):
-        """x: [N, D] -> ([N, D], k_cache, v_cache)."""
-        x, k_cache, v_cache = self.attend(x, fwd, k_cache, v_cache)
-        return self.finish(x), k_cache, v_cache
-
-    # In two halves, as models/llama.py's layer: the last layer's experts run only for the
-    # tokens the step reads (models/decoder.py:CausalLM.__call__, `keep`).
-    def attend(self, x, fwd, k_cache, v_cache):
-        """The attention half, over every token (it writes their K/V): x [N, D] -> ([N, D], k_cache, v_cache)."""
-        attn, k_cache, v_cache = self.attention(rms_norm(x, self.input_norm[...], self.eps), fwd, k_cache, v_cache)
-        return x + attn, k_cache, v_cache
 
     def finish(self, x):
         """The experts' half, token by token (routing is per token): x [M, D] -> [M, D]."""

@@ -120,8 +120,9 @@ struct Piece {
   const T* KeyRow(const T* cache, int64_t j) const { return CacheRow(p, cache, row, kv_head, j); }
 
   // scores[g * padded + i] = q_g . k_(begin + i) * scale, 8 keys at a time. A 16-bit cache's
-  // 8 keys are converted once into `wide` (f32[8][hd], L1) for all G query heads: converting
-  // them for each head made the conversions, not the FMAs, the bound (2026-12-07, Zen 4).
+  // 8 keys are converted once into `wide` (f32[8][hd], L1) for all G query heads, not once a
+  // head (with the run lookups and the four-head values below: 1.10-1.27x on a float16 cache,
+  // Zen 4, docs/benchmarks.md; memory, not the conversions, bounds it at long contexts).
   void Scores(int64_t begin, int64_t n, int64_t padded, float* scores, float* wide) const {
     const int64_t groups = p.heads / p.kv_heads, hd = p.head_dim;
     const float* q = p.q + (row * p.heads + kv_head * groups) * hd;
