@@ -104,7 +104,8 @@ def block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
         else:
             paths = "float32 activations at every row count"
         if amx := cpu_kernels.block_amx_rows():
-            paths += f"; AMX-BF16 tiles (split bf16) from {amx} rows"
+            paths += (f"; AMX-BF16 tiles (split bf16) from {amx} rows for weights of "
+                      f"{cpu_kernels.BLOCK_AMX_MIN_K}+ inputs")
         k_quants = cpu_kernels.k_quant_count(model)
         k_acts = ("16-bit integer activations at every row count" if cpu_kernels.block_k_wide_rows() == 1
                   else "float32 activations")

@@ -256,15 +256,23 @@ def block_k_wide_rows() -> int:
 
 
 # Rows from which a block product runs on AMX-BF16 tiles where the CPU has them (split bf16:
-# hi + lo halves of every operand, ~2^-15 relative per product; block_matmul_amx.inc).
-# Measured with `python -m tools.bench.bench_cpu_kernels --only blocks` (docs/benchmarks.md, "GGUF
-# blocks on the CPU"): the tiles dequantize each block once for all rows, so they win where
-# there are rows to share it.
-BLOCK_AMX_ROWS = 16
+# hi + lo halves of every operand, ~2^-15 relative per product; block_matmul_amx.inc), and
+# only for weights of at least BLOCK_AMX_MIN_K inputs. The tiles dequantize each block once
+# for all rows, but they stream every panel's activations from L2 (about 9 ns per 1 KB tile
+# load on the 2-vCPU Xeon here, against 4.9 ns per tile product), so since the 16-bit integer
+# paths landed they only pay at prompt-chunk sizes on 1B-class projections. Whole steps on an
+# Intel Xeon with AMX (2026-12-07, `tools.bench.profile_step`, AMX on / off alternated, best ms of
+# 5, 2 rounds; docs/benchmarks.md "On an Intel Xeon with AMX"): SmolLM2-135M Q4_1 (K 576 /
+# 1,536) 32 rows 72-75 on / 55-59 off, 135 rows 269-280 / 220-229; Llama-3.2-1B Q4_0 (K 2,048 /
+# 8,192) 32 rows 309-322 / 261-264, 135 rows 900-937 / 1,093-1,117 (one projection alone from 64
+# rows on is level or better only where N is wide). 0 in either: never.
+BLOCK_AMX_ROWS = 128
+BLOCK_AMX_MIN_K = 2048
 
 
 def block_amx_rows() -> int:
-    """BLOCK_AMX_ROWS where the block kernel can use AMX-BF16 here, else 0."""
+    """BLOCK_AMX_ROWS where the block kernel can use AMX-BF16 here, else 0 (weights of fewer
+    than BLOCK_AMX_MIN_K inputs never take the tiles by default: `pack_blocks_for_kernel`)."""
     return BLOCK_AMX_ROWS if block_amx() else 0
 
 
@@ -299,14 +307,16 @@ def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None, amx_r
                            wide_rows: int | None = None) -> int:
     """Points every BlockQuantizedWeight of `model` at its block kernel, in place (the bytes
     stay as they are), with int8 activation blocks from `int_rows` rows (None:
-    `block_int_rows()`; 0: never), AMX tiles from `amx_rows` (None: `block_amx_rows()`; 0:
-    never) and int16 activation blocks from `wide_rows` (None: `block_wide_rows()`; 0:
+    `block_int_rows()`; 0: never), AMX tiles from `amx_rows` (None: `block_amx_rows()` for
+    weights of at least BLOCK_AMX_MIN_K inputs, never for narrower ones; a number: every weight;
+    0: never) and int16 activation blocks from `wide_rows` (None: `block_wide_rows()`; 0:
     never); the K-quants' kernel takes `wide_rows` too (1: its one-row integer path, the
     only integer path it has; None: `block_k_wide_rows()`); MXFP4's has only the float path.
     Returns how many. Raises
     RuntimeError where the kernels cannot run."""
     _require()
     int_rows = block_int_rows() if int_rows is None else int_rows
+    amx_min_k = BLOCK_AMX_MIN_K if amx_rows is None else 0
     amx_rows = block_amx_rows() if amx_rows is None else amx_rows
     k_wide_rows = block_k_wide_rows() if wide_rows is None else wide_rows
     wide_rows = block_wide_rows() if wide_rows is None else wide_rows
@@ -331,7 +341,8 @@ def pack_blocks_for_kernel(model: nnx.Module, int_rows: int | None = None, amx_r
                 # token, so row thresholds measured on real rows would quantize a one-row decode's
                 # activations (1.1e-3 on a Qwen3-MoE-shaped file's logits): float activations only.
                 return with_kernel(leaf, BLOCK_TARGET, 0, 0, 0)
-            return with_kernel(leaf, BLOCK_TARGET, int_rows, amx_rows, wide_rows)
+            amx = amx_rows if leaf.in_features >= amx_min_k else 0
+            return with_kernel(leaf, BLOCK_TARGET, int_rows, amx, wide_rows)
         return leaf
 
     nnx.update(model, jax.tree_util.tree_map_with_path(one, state,

@@ -90,6 +90,38 @@ def test_kernel_float_path_logits_equal_the_dequantized_float_model(tiny_gguf, f
     assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), "float path: float32 rounding only"
 
 
+@needs_kernels
+def test_default_pack_puts_only_weights_of_many_inputs_on_the_tiles(tiny_gguf, monkeypatch):
+    # The default (amx_rows=None) gives AMX tiles only to weights of BLOCK_AMX_MIN_K inputs or
+    # more (measured: narrower ones lose whole steps to the 16-bit path); an explicit amx_rows
+    # applies to every weight. Set up as an AMX host would be, on any CPU: the rule is the
+    # pack's. The tiny file's Q4_0 / Q4_1 / Q8_0 weights all have D inputs: a bound of D takes
+    # them, D + 1 leaves them; K-quants (their own kernel) never take the tiles.
+    monkeypatch.setattr(cpu_kernels, "block_amx_rows", lambda: 128)
+    model = tiny_gguf.build(quantization="gguf")
+
+    def amx_rows_of_blocks():
+        found = {}
+        for i, layer in enumerate(model.layers):
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+                w = getattr(layer, name).get_value()
+                if isinstance(w, BlockQuantizedWeight):
+                    found[(i, name, w.fmt, w.in_features)] = w.amx_rows
+        return found
+
+    for bound, want in ((D, 128), (D + 1, 0)):
+        monkeypatch.setattr(cpu_kernels, "BLOCK_AMX_MIN_K", bound)
+        cpu_kernels.pack_blocks_for_kernel(model)
+        found = amx_rows_of_blocks()
+        blocks = {key: rows for key, rows in found.items() if key[2] in ("q4_0", "q4_1", "q8_0")}
+        assert len(blocks) >= 10 and all(key[3] == D for key in blocks)
+        assert set(blocks.values()) == {want}, (bound, blocks)
+        assert {rows for key, rows in found.items() if key not in blocks} == {0}, "K-quants: no tiles"
+    cpu_kernels.pack_blocks_for_kernel(model, amx_rows=7)
+    assert {rows for key, rows in amx_rows_of_blocks().items() if key[2] in ("q4_0", "q4_1", "q8_0")} == {7}, \
+        "an explicit amx_rows applies to every block weight"
+
+
 @pytest.mark.skipif(cpu_kernels.block_isa() != "AVX-512 VNNI", reason="the 16-bit path is AVX-512 VNNI only")
 def test_kernel_wide_path_logits_stay_within_int16_activation_rounding(tiny_gguf, float_logits):
     prompt, blocks, ref = float_logits

@@ -173,7 +173,7 @@ def steps(rows: list[int], contexts: list[int], repeats: int) -> None:
     variants = {"float32 + attention kernel": ("none", False, True), "w8a8, XLA": ("w8a8", False, False),
                 "w8a8, matmul + attention kernels": ("w8a8", True, True),
                 "gguf blocks + attention kernels": ("gguf", True, True)}
-    if cpu_kernels.block_amx():  # the default above takes AMX tiles from BLOCK_AMX_ROWS rows
+    if cpu_kernels.block_amx():  # the default above: AMX tiles from BLOCK_AMX_ROWS rows, wide weights
         variants["gguf blocks, AMX off"] = ("gguf-no-amx", True, True)
     runners = {}
     for name, (mode, matmul, attend) in variants.items():
