@@ -6,6 +6,13 @@
 #   bench/llama_cpp/build_peer.sh [DEST]      # DEST defaults to results/llama-cpp
 #
 # Prints the three binaries' paths at the end. About 10-15 minutes on 2 cores.
+#
+# On an Intel host with AMX, llama.cpp 0.3.36's AMX weight buffers crash llama-server and
+# llama-bench at the first product (a general protection fault in libggml-cpu). Either run the
+# native build with `--no-repack` (its plain kernels: no AMX, no repacked K-quant tiles), or build
+# with LLAMA_NO_AMX=1: native flags with AMX compiled out, which keeps the repacked tiles (on the
+# 2-vCPU Xeon of 2026-12-07 the stronger of the two at decode: llama-bench 1B Q4_K_M tg32 20.0
+# against 17.7 tok/s, pp128 146 against 195; docs/benchmarks.md "On an Intel Xeon with AMX").
 set -euo pipefail
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 DEST=${1:-results/llama-cpp}
@@ -19,9 +26,15 @@ if [ ! -d "$DEST/src" ]; then
   mkdir -p "$DEST/src"
   tar -xzf "$DEST/llama_cpp_python-$VERSION.tar.gz" -C "$DEST/src" --strip-components=1
 fi
+# GCC lets an explicit -mno-* win over -march=native's implied flags, whatever the order
+NO_AMX_FLAGS=()
+if [ "${LLAMA_NO_AMX:-0}" = 1 ]; then
+  NO_AMX_FLAGS=("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+                "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+fi
 cmake -S "$DEST/src/vendor/llama.cpp" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_WEBUI=OFF >"$DEST/cmake.log"
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_WEBUI=OFF ${NO_AMX_FLAGS[@]+"${NO_AMX_FLAGS[@]}"} >"$DEST/cmake.log"
 cmake --build "$DEST/build" -j "$(nproc)" --target llama-server llama-bench llama-quantize >"$DEST/build.log"
 for b in llama-server llama-bench llama-quantize; do
   ls "$DEST/build/bin/$b"
