@@ -69,8 +69,13 @@ def test_matches_transformers_prefill_and_greedy_decode(qwen3_5):
     ref = fc.hf_logits(hf, tokens)
     n = len(prompt)
     prefill_err, decode_err = float(np.abs(ours[:n] - ref[:n]).max()), float(np.abs(ours[n:] - ref[n:]).max())
-    print(f"qwen3_5: max |Δlogit| vs HF prefill {prefill_err:.2e} decode {decode_err:.2e}")
-    assert prefill_err < fc.ATOL and decode_err < fc.ATOL, (prefill_err, decode_err)
+    bound = moe_bound(hf, tokens, ref)
+    print(f"qwen3_5: max |Δlogit| vs HF prefill {prefill_err:.2e} decode {decode_err:.2e} (bound {bound:.2e})")
+    # decode: the same bound as the MoE checkpoints below, fc.ATOL or HF's own chunked-vs-recurrent
+    # spread where that is larger; on an Intel Xeon (2026-12-07) one of the 32 steps here differed
+    # by 1.29e-4, the others by 7e-6 to 5e-5 (logit std 1.28), where HF's own two forms differ by
+    # 9.9e-5 (bound 1.48e-4)
+    assert prefill_err < fc.ATOL and decode_err < bound, (prefill_err, decode_err, bound)
     assert tokens[n:] == ref[n - 1:-1].argmax(-1).tolist(), "greedy tokens differ from HF's"
 
 
