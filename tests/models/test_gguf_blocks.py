@@ -99,6 +99,7 @@ def test_default_pack_puts_only_weights_of_many_inputs_on_the_tiles(tiny_gguf, m
     # them, D + 1 leaves them; K-quants (their own kernel) never take the tiles.
     monkeypatch.setattr(cpu_kernels, "block_amx_rows", lambda: 128)
     model = tiny_gguf.build(quantization="gguf")
+    tiled = ("q4_0", "q4_1", "q8_0")  # the block kernel's formats, the ones the tiles can take
 
     def amx_rows_of_blocks():
         found = {}
@@ -113,12 +114,12 @@ def test_default_pack_puts_only_weights_of_many_inputs_on_the_tiles(tiny_gguf, m
         monkeypatch.setattr(cpu_kernels, "BLOCK_AMX_MIN_K", bound)
         cpu_kernels.pack_blocks_for_kernel(model)
         found = amx_rows_of_blocks()
-        blocks = {key: rows for key, rows in found.items() if key[2] in ("q4_0", "q4_1", "q8_0")}
+        blocks = {key: rows for key, rows in found.items() if key[2] in tiled}
         assert len(blocks) >= 10 and all(key[3] == D for key in blocks)
         assert set(blocks.values()) == {want}, (bound, blocks)
         assert {rows for key, rows in found.items() if key not in blocks} == {0}, "K-quants: no tiles"
     cpu_kernels.pack_blocks_for_kernel(model, amx_rows=7)
-    assert {rows for key, rows in amx_rows_of_blocks().items() if key[2] in ("q4_0", "q4_1", "q8_0")} == {7}, \
+    assert {rows for key, rows in amx_rows_of_blocks().items() if key[2] in tiled} == {7}, \
         "an explicit amx_rows applies to every block weight"
 
 
