@@ -13,7 +13,8 @@ store is keyed by what the program is made from instead, all of it known before 
     are its arguments, so a content hash would buy nothing but seconds of reading), the
     mmproj file likewise, jax and jaxlib versions, the backend, its platform version and
     device kind, the device and process counts, the CPU's feature flags (XLA and our
-    kernels pick instructions by them), XLA_FLAGS, the x64 and matmul-precision switches,
+    kernels pick instructions by them) and FERROX_CPU_ISA's cap on them, XLA_FLAGS, the x64
+    and matmul-precision switches,
     a hash of the CPU kernels library and a hash of every Python source of ferrox_jax/
     and models/ (our own code version: any edit is a new program, which is safe);
   * the step's own key (`("forward", Bd, Pc, Tc)`, `("sample", rows)`, ...:
@@ -88,6 +89,7 @@ import jaxlib
 
 from ferrox_jax import store_bound
 from ferrox_jax.config import EngineConfig
+from models.cpu_isa import ENV as ISA_ENV
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +178,7 @@ def program_fingerprint(config: EngineConfig, model_path: str | None) -> str:
         "jax": jax.__version__, "jaxlib": jaxlib.__version__,
         "backend": [jax.default_backend(), device.client.platform_version, device.device_kind,
                     jax.device_count(), jax.process_count()],
-        "cpu": _cpu_flags(), "xla_flags": _xla_flags(),
+        "cpu": _cpu_flags(), "cpu_isa": os.environ.get(ISA_ENV, ""), "xla_flags": _xla_flags(),
         "jax_flags": [jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision)],
         "kernels": _kernels_hash(), "code": code_version(),
     }

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from ferrox_jax.config import EngineConfig
 from models import cpu_kernels
 from models.checkpoint import CheckpointSource
+from models.cpu_isa import ENV as ISA_ENV, isa_cap
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ def block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
         if mxfp4 := cpu_kernels.k_quant_count(model, ("mxfp4",)):
             k_note += (f"; of them {mxfp4} MXFP4 (expert stacks), on the {cpu_kernels.block_mxfp4_isa()} "
                        "MXFP4 kernel (float32 activations)")
+        if (cap := isa_cap()) != "native":
+            k_note += f"; {ISA_ENV}={cap}"
         return f"gguf projections: {packed} on the {cpu_kernels.block_isa()} block kernel ({paths}){k_note}"
     note = "gguf projections: XLA dequantizes the blocks every step (slow): " + "; ".join(problems)
     log.warning("%s", note)

@@ -56,6 +56,7 @@ import numpy as np
 from flax import nnx
 
 from models.attention import KV_WORD_FLOATS, check_decode_inputs, paged_attention
+from models.cpu_isa import isa_cap
 from models.gguf_blocks import K_FORMATS, MULTI_TARGETS, BlockQuantizedWeight, with_kernel
 from models.quant import QuantizedWeight
 
@@ -97,6 +98,10 @@ def unavailable_reason() -> str | None:
     """None once the kernels are registered with XLA (first call); else why they cannot be."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the kernels are for x86-64 CPUs; this is {platform.machine()}"
+    try:
+        isa_cap()  # the library reads it as it loads
+    except ValueError as e:
+        return str(e)
     if not LIBRARY.exists():
         return f"the kernels are not built (run `{BUILD_HINT}`, which `make` does)"
     try:

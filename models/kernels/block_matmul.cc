@@ -106,8 +106,8 @@ int DetectIsa() {
   return 0;
 }
 
-const int kIsa = DetectIsa();
-const bool kAmx = kIsa == 2 && DetectAmx();
+const int kIsa = std::min(DetectIsa(), ferrox::IsaCap());
+const bool kAmx = kIsa == 2 && ferrox::IsaCap() == 3 && DetectAmx();
 
 // Below this many multiply-adds a product runs on the calling thread alone.
 constexpr int64_t kParallelMacs = 1 << 18;

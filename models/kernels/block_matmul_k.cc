@@ -70,7 +70,7 @@ int DetectIsa() {
   return avx2 ? 1 : 0;
 }
 
-const int kIsa = DetectIsa();
+const int kIsa = std::min(DetectIsa(), ferrox::IsaCap());
 // The integer path's vpdpwssd (on top of the AVX-512 F + BW build).
 const bool kVnni = kIsa == 2 && __builtin_cpu_supports("avx512vnni");
 

@@ -34,6 +34,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cpu_common.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -155,7 +156,7 @@ int DetectIsa() {
   return avx2 ? 1 : 0;
 }
 
-const int kIsa = DetectIsa();
+const int kIsa = std::min(DetectIsa(), ferrox::IsaCap());
 
 // Below this many multiply-adds a product runs on the calling thread alone.
 constexpr int64_t kParallelMacs = 1 << 18;

@@ -9,9 +9,21 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace ferrox {
+
+// The most the kernels may use, from FERROX_CPU_ISA (`models/cpu_isa.py`, which refuses other
+// values before this library loads): 1 "avx2" (the AVX2 builds, as on an AVX2-only host),
+// 2 "avx512" (AVX-512, no AMX), 3 unset or "native" (whatever cpuid offers). Each kernel's
+// build is the lesser of this and what the CPU has.
+inline int IsaCap() {
+  const char* v = std::getenv("FERROX_CPU_ISA");
+  if (v != nullptr && std::strcmp(v, "avx2") == 0) return 1;
+  if (v != nullptr && std::strcmp(v, "avx512") == 0) return 2;
+  return 3;
+}
 
 // The IEEE half (a GGUF scale or offset) at p, as float32.
 __attribute__((target("f16c"))) inline float HalfToFloat(const uint8_t* p) {
