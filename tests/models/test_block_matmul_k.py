@@ -93,8 +93,11 @@ def test_kernel_equals_float64_reference(fmt, rows, k, n):
 @needs_kernels
 @pytest.mark.parametrize("fmt", K_FORMATS)
 def test_avx2_build_equals_float64_reference(fmt):
-    # where the CPU has AVX-512 the auto target runs that build; this one forces AVX2's
-    for rows, k, n in ((1, 768, 37), (6, 512, 9)):
+    # where the CPU has AVX-512 the auto target runs that build; this one forces AVX2's: its
+    # register tile (1 and 6 rows) and from 8 rows its panel (panel256.inc), with a last panel of
+    # 256 inputs (768, 1280), columns past the last pair and the last 8 (37, 19), rows past the
+    # last 4 (9, 35, 11)
+    for rows, k, n in ((1, 768, 37), (6, 512, 9), (9, 768, 37), (35, 1280, 19), (11, 512, 8)):
         check_product(fmt, rows, k, n, cpu_kernels.BLOCK_K_AVX2_TARGET, seed=3)
 
 
