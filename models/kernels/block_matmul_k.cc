@@ -133,6 +133,14 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
   // decode rows) take the lanes path, at the decode rows' accuracy (S per 256), instead of a
   // 16-lane group of their own: about half its time. One thread from L2, [2048 -> 1024], best of
   // 15 alternated: 135 rows Q4_K 1.064x, Q6_K 1.028x; 136 rows 1.083x / 1.067x.
+  // AVX2: 1 to kIntRows256 rows on 16-bit integer activations (block_matmul_k_row256.inc)
+  const bool int256 = isa == 1 && wide_rows == 1 && m <= ferrox_k_avx2::kIntRows256;
+  std::vector<uint8_t> int256_buf(int256 ? m * ferrox_k_avx2::IntRow256Bytes(k) + 64 : 0);
+  const auto x256 = int256 ? ferrox_k_avx2::QuantizeIntRows256(
+                                 ps[0].x, m, k,
+                                 reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(int256_buf.data()) + 63) &
+                                                            ~uintptr_t{63}))
+                           : ferrox_k_avx2::IntRows256{};
   const bool wide = isa == 2 && kVnni && wide_rows == 1 && m >= ferrox_k_vnni::kWideRowsK;
   const int64_t rest = m % ferrox_k_vnni::kWideLanesK;
   const int64_t tail = wide && rest >= ferrox_k_vnni::kL8FromRows && rest <= ferrox_k_vnni::kL8Rows ? rest : 0;
@@ -152,7 +160,7 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
   int64_t tasks = 0;
   for (int64_t i = 0; i < count; ++i) first[i] = tasks, tasks += (ps[i].n + chunk - 1) / chunk;
   ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, chunk, isa, int_row, w16, &xr,
-                                              &xr16, wide, &xw, lanes8, &xl, wide_m, tail, &xt](int64_t t) {
+                                              &xr16, wide, &xw, lanes8, &xl, wide_m, tail, &xt, int256, &x256](int64_t t) {
     int64_t i = count - 1;
     while (t < first[i]) --i;
     const Problem& p = ps[i];
@@ -165,6 +173,7 @@ ffi::Error RunProducts(ffi::ThreadPool& pool, const Problem* ps, const int32_t* 
     } else if (lanes8) ferrox_k_vnni::L8Run(fmts[i], p, xl, begin, end);
     else if (w16) ferrox_k_vnni::W16Run(fmts[i], p, xr16, begin, end);
     else if (int_row) ferrox_k_vnni::IntRun(fmts[i], p, xr, begin, end);
+    else if (int256) ferrox_k_avx2::IntRun256(fmts[i], p, x256, begin, end);
     else if (isa == 2) ferrox_k_avx512::Run(fmts[i], p, begin, end, ferrox_k_avx512::kRowPathRows);
     else ferrox_k_avx2::Run(fmts[i], p, begin, end, 0);
   });
@@ -187,8 +196,8 @@ ffi::Error BlockMatmulKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 
 ffi::Error BlockMatmulKAvx2Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                                 ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int32_t /*int_rows*/,
-                            int32_t /*wide_rows*/, int32_t /*amx_rows*/) {
-  return Matmul(pool, x, w, out, fmt, std::min(kIsa, 1), 0);
+                                int32_t wide_rows, int32_t /*amx_rows*/) {
+  return Matmul(pool, x, w, out, fmt, std::min(kIsa, 1), wide_rows);
 }
 
 // x, then 2 or 3 weights of any K-quant formats; as many outputs, outs[i] f32[M, N_i];

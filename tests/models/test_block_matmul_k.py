@@ -210,6 +210,64 @@ def test_integer_row_bound_tells_16_bit_from_8_bit(fmt):
     np.testing.assert_allclose(got1, x1.astype(np.float64) @ w1.T, rtol=1e-6, atol=1e-6)
 
 
+# ---- the AVX2 build's integer rows, 1 to 4 (block_matmul_k_row256.inc, wide_rows 1) -------------
+# Run on any CPU with AVX2 through the forced AVX2 target (its wide_rows passed through).
+
+
+def avx2_int_product(fmt: str, k: int, n: int, seed: int, x: np.ndarray | None = None, rows: int = 1):
+    blocks = random_k_blocks(fmt, n, k, seed=seed)
+    x = activations(rows, k, seed=seed + 1) if x is None else x
+    w = dequantize_host(blocks, fmt)
+    weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_K_AVX2_TARGET, 0, 0, 1)
+    got = np.asarray(jax.jit(block_matmul)(jnp.asarray(x), weight))
+    return x, w, got
+
+
+# one super-block per row and few columns; [2048, 300] shared over threads (the rows quantized
+# once, before the threads start); k = 8192 (a down projection's row); 1 to 4 rows, 5 (past the
+# path: the register tile) must stay within float32's bound
+@needs_kernels
+@pytest.mark.parametrize("fmt", K_FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k,n", [(256, 5), (2048, 300), (8192, 37)])
+def test_avx2_integer_rows_within_their_16_bit_bound(fmt, rows, k, n):
+    x, w, got = avx2_int_product(fmt, k, n, seed=31, rows=rows)
+    err = np.abs(got - x.astype(np.float64) @ w.T)
+    assert np.all(err <= int_bound(x, w)), (f"{fmt} {rows}x[{k}, {n}]: max error / bound "
+                                            f"{np.max(err / int_bound(x, w)):.3g}")
+    assert np.any(err > bound(x, w)), f"{fmt}: every element within float32's bound: the float path ran"
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_avx2_integer_rows_end_at_four(fmt):
+    x, w, got = avx2_int_product(fmt, 1280, 44, seed=32, rows=5)
+    assert np.all(np.abs(got - x.astype(np.float64) @ w.T) <= bound(x, w))
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_avx2_integer_rows_tell_16_bit_from_8_bit(fmt):
+    # as the VNNI path's control: 8-bit activations miss the bound; a zero row and one outlier
+    # stay exact; each of 3 rows gets its own scale (a row 1000x the others keeps theirs)
+    k, n = 2048, 64
+    x, w, _ = avx2_int_product(fmt, k, n, seed=33)
+    amax = np.abs(x).reshape(1, -1, 256).max(axis=2, keepdims=True)
+    s = amax / 127
+    x8 = (np.round(x.reshape(1, -1, 256) / s) * s).reshape(1, k)
+    assert np.any(np.abs(x8 @ w.T - x.astype(np.float64) @ w.T) > int_bound(x, w))
+    zero = np.zeros((1, k), np.float32)
+    assert np.all(avx2_int_product(fmt, k, n, seed=33, x=zero)[2] == 0)
+    spike = zero.copy()
+    spike[0, 700] = 3.0
+    x1, w1, got1 = avx2_int_product(fmt, k, n, seed=33, x=spike)
+    np.testing.assert_allclose(got1, x1.astype(np.float64) @ w1.T, rtol=1e-6, atol=1e-6)
+    mixed = activations(3, k, seed=34)
+    mixed[1] *= 1000.0
+    x3, w3, got3 = avx2_int_product(fmt, k, n, seed=33, x=mixed)
+    assert np.all(np.abs(got3 - x3.astype(np.float64) @ w3.T) <= int_bound(x3, w3))
+
+
 def check_fused_equals_one_call(row_counts, seed: int) -> None:
     """The multi-weight call (Q4_K, Q6_K and Q5_K weights of one x, [2048, 44 / 37 / 9]) gives
     each weight the bits of a call of its own, at each of `row_counts` rows: it quantizes and

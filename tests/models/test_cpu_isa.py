@@ -20,23 +20,36 @@ from models.cpu_isa import cap_xla, isa_cap
 needs_kernels = pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None,
                                    reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
 
-# In a fresh interpreter under the cap: the build each kernel reports, and whether a K-quant
-# product on the default target gives the forced AVX2 build's bits.
+# In a fresh interpreter under the cap: the build each kernel reports, whether K-quant products
+# on the default target give the forced AVX2 build's bits (float tile: wide_rows 0; integer rows:
+# 1), and whether a fused q/k/v call (Q4_K, Q6_K, Q5_K of one x) gives each weight its own call's
+# bits at 1 and 3 rows (on AVX2: the rows quantized once for the three).
 PROBE = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from models import cpu_kernels
-from models.gguf_blocks import block_matmul, make_weight, with_kernel
+from models.gguf_blocks import block_matmul, block_matmul_many, make_weight, with_kernel
 from tests.support.kquant_blocks import random_k_blocks
 from tests.models.test_block_matmul import activations
+assert cpu_kernels.unavailable_reason() is None
 k = 512
 x = jnp.asarray(activations(1, k, seed=5))
 w = make_weight(random_k_blocks("q4_k", 24, k, seed=4), "q4_k", k)
-auto = np.asarray(jax.jit(block_matmul)(x, with_kernel(w, cpu_kernels.BLOCK_K_TARGET, 0)))
-forced = np.asarray(jax.jit(block_matmul)(x, with_kernel(w, cpu_kernels.BLOCK_K_AVX2_TARGET, 0)))
+same = []
+for wide in (0, 1):
+    auto = np.asarray(jax.jit(block_matmul)(x, with_kernel(w, cpu_kernels.BLOCK_K_TARGET, 0, 0, wide)))
+    forced = np.asarray(jax.jit(block_matmul)(x, with_kernel(w, cpu_kernels.BLOCK_K_AVX2_TARGET, 0, 0, wide)))
+    same.append(bool((auto == forced).all()))
+fused = []
+ws = [with_kernel(make_weight(random_k_blocks(f, n, 2048, seed=6 + n), f, 2048), cpu_kernels.BLOCK_K_TARGET, 0, 0, 1)
+      for f, n in (("q4_k", 44), ("q6_k", 37), ("q5_k", 9))]
+for rows in (1, 3):
+    xr = jnp.asarray(activations(rows, 2048, seed=7))
+    fused += [bool((np.asarray(got) == np.asarray(block_matmul(xr, wi))).all())
+              for got, wi in zip(jax.jit(block_matmul_many)(xr, ws), ws)]
 json.dump({"reason": cpu_kernels.unavailable_reason(), "block": cpu_kernels.block_isa(),
            "block_k": cpu_kernels.block_k_isa(), "mxfp4": cpu_kernels.block_mxfp4_isa(),
-           "amx": cpu_kernels.block_amx(), "auto_is_avx2_build": bool((auto == forced).all())}, sys.stdout)
+           "amx": cpu_kernels.block_amx(), "auto_is_avx2_build": same, "fused_equals_own_calls": fused}, sys.stdout)
 """
 
 
@@ -55,7 +68,8 @@ def test_avx2_cap_runs_every_kernel_on_its_avx2_build():
     got = probe("avx2")
     assert got["reason"] is None
     assert (got["block"], got["block_k"], got["mxfp4"], got["amx"]) == ("AVX2", "AVX2", "AVX2", False)
-    assert got["auto_is_avx2_build"]  # the default target's bits are the AVX2 build's
+    assert got["auto_is_avx2_build"] == [True, True]  # the default target's bits are the AVX2 build's
+    assert got["fused_equals_own_calls"] == [True] * 6
 
 
 @needs_kernels
