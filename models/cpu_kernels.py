@@ -252,14 +252,13 @@ def block_wide_rows() -> int:
 # (prompt chunks) on 32-wide int16 activation blocks (block_matmul_k_i16.inc: error <= amax /
 # 65534 of a block, vpdpwssd; 1.3-2.2x the float panel at 16-128 rows on Zen 4, two threads,
 # bench/kernels/kquant_prefill.cc; docs/benchmarks.md "K-quant prompt chunks on 16-bit integers").
-# On AVX2 (no VNNI) the same 1 puts products of 1 to 4 rows on 16-bit integer activations
+# On AVX2 (no VNNI) the same 1 puts products of 1 to 8 rows on 16-bit integer activations
 # (block_matmul_k_row256.inc: the one-row path's activations and bound, vpmaddubsw + vpmaddwd);
-# 5 rows and more keep float32 (the register tile, from 8 rows a dequantized panel). The 2-vCPU
-# Xeon under FERROX_CPU_ISA=avx2 (2026-12-07, the 1B's Q4_K [2048, 2048], [2048, 8192], Q6_K
-# [8192, 2048], best of 7, two runs): 1 row 1.71-1.94x the float tile (Q6_K 1.47-1.75x), 2 rows
-# 0.86-1.52x, 4 rows 0.89-1.28x (docs/benchmarks.md "AVX2 instruction set").
+# 9 rows and more keep float32 on a dequantized panel (panel256.inc). The 2-vCPU Xeon under
+# FERROX_CPU_ISA=avx2 (2026-12-07, the 1B's Q4_K and Q6_K shapes, best of 7, two runs): 1 row
+# 1.7-2.4x the float tile, 8 rows 1.1-1.25x the panel (docs/benchmarks.md "AVX2 instruction set").
 BLOCK_K_WIDE_ROWS = {"AVX-512 VNNI": 1, "AVX2": 1}
-K_INT_ROWS_AVX2 = 4  # block_matmul_k_row256.inc's kIntRows256 (the start-up log)
+K_INT_ROWS_AVX2 = 8  # block_matmul_k_row256.inc's kIntRows256 (the start-up log)
 
 
 def block_k_wide_rows() -> int:

@@ -43,7 +43,7 @@ namespace ferrox_k_avx2 {
 #define FERROX_K_AVX512 0
 #include "block_matmul_k_body.inc"
 #undef FERROX_K_AVX512
-#include "block_matmul_k_row256.inc"  // 1 to 4 rows on 16-bit integer activations
+#include "block_matmul_k_row256.inc"  // 1 to 8 rows on 16-bit integer activations
 }  // namespace ferrox_k_avx2
 #pragma GCC pop_options
 

@@ -210,7 +210,7 @@ def test_integer_row_bound_tells_16_bit_from_8_bit(fmt):
     np.testing.assert_allclose(got1, x1.astype(np.float64) @ w1.T, rtol=1e-6, atol=1e-6)
 
 
-# ---- the AVX2 build's integer rows, 1 to 4 (block_matmul_k_row256.inc, wide_rows 1) -------------
+# ---- the AVX2 build's integer rows, 1 to 8 (block_matmul_k_row256.inc, wide_rows 1) -------------
 # Run on any CPU with AVX2 through the forced AVX2 target (its wide_rows passed through).
 
 
@@ -224,11 +224,11 @@ def avx2_int_product(fmt: str, k: int, n: int, seed: int, x: np.ndarray | None =
 
 
 # one super-block per row and few columns; [2048, 300] shared over threads (the rows quantized
-# once, before the threads start); k = 8192 (a down projection's row); 1 to 4 rows, 5 (past the
-# path: the register tile) must stay within float32's bound
+# once, before the threads start); k = 8192 (a down projection's row); 1 to 8 rows (one group of
+# 4 rows' sums, then a second); 9 (past the path: the float panel) must stay within float32's bound
 @needs_kernels
 @pytest.mark.parametrize("fmt", K_FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
 @pytest.mark.parametrize("k,n", [(256, 5), (2048, 300), (8192, 37)])
 def test_avx2_integer_rows_within_their_16_bit_bound(fmt, rows, k, n):
     x, w, got = avx2_int_product(fmt, k, n, seed=31, rows=rows)
@@ -240,8 +240,8 @@ def test_avx2_integer_rows_within_their_16_bit_bound(fmt, rows, k, n):
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", K_FORMATS)
-def test_avx2_integer_rows_end_at_four(fmt):
-    x, w, got = avx2_int_product(fmt, 1280, 44, seed=32, rows=5)
+def test_avx2_integer_rows_end_at_eight(fmt):
+    x, w, got = avx2_int_product(fmt, 1280, 44, seed=32, rows=9)
     assert np.all(np.abs(got - x.astype(np.float64) @ w.T) <= bound(x, w))
 
 
