@@ -98,6 +98,8 @@ def block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
         rows, wide = cpu_kernels.block_int_rows(), cpu_kernels.block_wide_rows()
         if rows:
             paths = f"float32 activations below {rows} rows, 32-wide int8 activation blocks from there"
+        elif wide and cpu_kernels.block_isa() == "AVX2":  # one row on integer dots (block_matmul_rowint256.inc)
+            paths = "16-bit integer activations at one row, float32 from 2 rows"
         elif wide:  # wide_rows > 0 also puts one row on integer dots (block_matmul_rowint.inc)
             between = f", float32 from 2 to {wide - 1} rows" if wide > 2 else ""
             paths = (f"16-bit integer activations at one row{between}, 32-wide int16 activation blocks from "

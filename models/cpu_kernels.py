@@ -224,7 +224,10 @@ def block_int_rows() -> int:
 # halves for vpdpbusd on the quants' own bytes (block_matmul_rows16_halves.inc: the same bits,
 # no widened weight panel; 1.18-1.29x the R 4 tile one thread from L2, 1.3-1.9x two threads
 # through DRAM; docs/benchmarks.md "The 8-row Q4_0 product: what bounds it").
-BLOCK_WIDE_ROWS = {"AVX-512 VNNI": 5, "AVX2": 0}
+# On AVX2 (no VNNI) any wide_rows > 0 puts one row on block_matmul_rowint256.inc (the same
+# split on base 254, error <= amax / 64516 of a block; vpmaddubsw + vpmaddwd, eight blocks' dots
+# to one float step) and changes nothing else: 2 rows and more keep float32.
+BLOCK_WIDE_ROWS = {"AVX-512 VNNI": 5, "AVX2": 1}
 BLOCK_ROWS16_RANGE = "5-12"  # block_matmul_rows16.inc's Rows16PerGroup (the start-up log)
 
 

@@ -11,7 +11,8 @@
 //   out  f32[M, N]
 // Attributes: fmt (0 Q4_0, 1 Q4_1, 2 Q8_0), int_rows (M at or above which the integer
 // path runs; 0 never), wide_rows (M at or above which the 16-bit activation path runs on
-// the AVX-512 VNNI build, where int_rows does not; 0 never; AVX2 ignores it), amx_rows (M
+// the AVX-512 VNNI build, where int_rows does not; 0 never; on AVX2 any value > 0 puts one row
+// on its integer dots and changes nothing else), amx_rows (M
 // at or above which the AMX-BF16 path runs where the CPU and the OS allow it, before the
 // others are looked at; 0 never).
 // The multi-weight handler (ferrox_block_matmul_multi) takes x and 2 or 3 weights of the
@@ -36,6 +37,10 @@
 //   two int8 parts per 32-wide block, x ~= S (q1 + q2 / 256), vpdpbusd on the weights' own
 //   nibbles / bytes (block_matmul_rowint.inc: 1.6-1.7x the float tile from L2 on one thread;
 //   activation rounding at most amax / 65024 of a block).
+// - M == 1 with wide_rows > 0 on the AVX2 build (a CPU without AVX-512 VNNI): the same split on
+//   base 254, vpmaddubsw + vpmaddwd on the weights' own nibbles / bytes, eight blocks' dots
+//   reduced into one float step (block_matmul_rowint256.inc; activation rounding at most amax /
+//   64516 of a block).
 // - M < int_rows: float32 activations times the blocks dequantized in registers
 //   (d * q + m, one FMA per 8 weights; from a few rows into an L1 panel, once for all
 //   rows: AVX2 from 4 rows, AVX-512 from 5, 16 for Q8_0), accumulated in float32: the
@@ -185,6 +190,19 @@ struct OneRowActivations {
   }
 };
 
+// x [1, k] for block_matmul_rowint256.inc (one row, AVX2 without VNNI): the same 16-bit-accurate
+// int8 pairs on base 254, quantized once on the calling thread.
+struct OneRowActivations256 {
+  std::vector<uint8_t> buf;
+  ferrox_rowint256::RowInt256X row{};
+
+  void Quantize(const float* x, int64_t k) {
+    buf.resize(ferrox_rowint256::RowInt256Bytes(k) + 64);
+    uint8_t* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+    row = ferrox_rowint256::QuantizeRowInt256(x, k, at);
+  }
+};
+
 // x [m, k] for block_matmul_rows16.inc (2 to 15 rows, AVX-512 VNNI): groups of R rows, each
 // row in P = 8 / R lanes; a row a task. At 5 to 8 rows every format takes the byte halves
 // (block_matmul_rows16_halves.inc) instead of the int16 pairs.
@@ -239,6 +257,8 @@ ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* f
   const bool integer = int_rows > 0 && m >= int_rows;
   // one row: block_matmul_rowint.inc wherever the 16-bit path is on
   const bool one_row = !integer && kIsa == 2 && wide_rows > 0 && m == 1;
+  // one row on AVX2 without VNNI: block_matmul_rowint256.inc, where wide_rows > 0
+  const bool one_row256 = !integer && kIsa == 1 && wide_rows > 0 && m == 1;
   const bool wide = !integer && !one_row && kIsa == 2 && wide_rows > 0 && m >= wide_rows;
   // 2 to 15 rows: rows and columns in the lanes where block_matmul_rows16.inc takes M
   const bool rows16 = wide && m <= 15 && ferrox_avx512::Rows16PerGroup(m) > 0;
@@ -247,7 +267,9 @@ ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* f
   Rows16Activations xr;
   OneRowActivations x1;
   if (integer) xq.Quantize(pool, threads, ps[0].x, m, k);
+  OneRowActivations256 x256;
   if (one_row) x1.Quantize(ps[0].x, k);
+  if (one_row256) x256.Quantize(ps[0].x, k);
   if (rows16) {
     xr.Quantize(pool, threads, ps[0].x, m, k);
     rows16_calls.fetch_add(1, std::memory_order_relaxed);
@@ -265,13 +287,15 @@ ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* f
   const ferrox_avx512::WideRows* wide_rows_ptr = wide && !rows16 ? &xw.rows : nullptr;
   const ferrox_avx512::Rows16* rows16_ptr = rows16 ? &xr.rows : nullptr;
   const ferrox_rowint::RowIntX* one_row_ptr = one_row ? &x1.row : nullptr;
-  ferrox::ParallelFor(pool, threads, tasks,
-                      [ps, fmts, count, &first, rows, wide_rows_ptr, rows16_ptr, one_row_ptr, chunk](int64_t t) {
+  const ferrox_rowint256::RowInt256X* one_row256_ptr = one_row256 ? &x256.row : nullptr;
+  ferrox::ParallelFor(pool, threads, tasks, [ps, fmts, count, &first, rows, wide_rows_ptr, rows16_ptr, one_row_ptr,
+                                             one_row256_ptr, chunk](int64_t t) {
     int64_t i = count - 1;
     while (t < first[i]) --i;
     const Problem& p = ps[i];
     const int64_t begin = (t - first[i]) * chunk, end = std::min(p.n, begin + chunk);
     if (one_row_ptr != nullptr) ferrox_rowint::RowIntRun(fmts[i], p, *one_row_ptr, begin, end);
+    else if (one_row256_ptr != nullptr) ferrox_rowint256::RowInt256Run(fmts[i], p, *one_row256_ptr, begin, end);
     else if (rows16_ptr != nullptr) ferrox_avx512::RunRows16(fmts[i], p, *rows16_ptr, begin, end);
     else if (wide_rows_ptr != nullptr) ferrox_avx512::RunWide(fmts[i], p, *wide_rows_ptr, begin, end);
     else if (kIsa == 2) ferrox_avx512::Run(fmts[i], p, rows, begin, end);

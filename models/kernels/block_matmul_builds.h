@@ -72,4 +72,12 @@ namespace ferrox_rowint {
 }  // namespace ferrox_rowint
 #pragma GCC pop_options
 
+// One row on integer dot products with 16-bit-accurate activations, for AVX2 without VNNI.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace ferrox_rowint256 {
+#include "block_matmul_rowint256.inc"
+}  // namespace ferrox_rowint256
+#pragma GCC pop_options
+
 #endif  // FERROX_MODELS_KERNELS_BLOCK_MATMUL_BUILDS_H_

@@ -1,8 +1,10 @@
-"""One activation row times Q4_0 / Q4_1 / Q8_0 blocks on integer dot products
-(block_matmul_rowint.inc: AVX-512 VNNI, M == 1 with wide_rows > 0).
+"""One activation row times Q4_0 / Q4_1 / Q8_0 blocks on integer dot products (M == 1 with
+wide_rows > 0): block_matmul_rowint.inc on AVX-512 VNNI, block_matmul_rowint256.inc on AVX2
+(this file runs on an AVX-512 host under FERROX_CPU_ISA=avx2 too: tests/models/test_cpu_isa.py).
 
-The kernel splits each 32-wide activation block into two int8 parts, x ~= S (q1 + q2 / 256)
-with S = amax / 127, so every activation is off by at most amax / 65024 of its block. Two
+The kernel splits each 32-wide activation block into two int8 parts, x ~= S (q1 + q2 / B)
+with S = amax / 127 (VNNI: B 256, q1 = floor(t + 1/2 + 1/512); AVX2: B 254, q1 = round(t)),
+so every activation is off by at most amax / 65024 (AVX2: 64516) of its block. Two
 references, both float64: the same quantization done in numpy (float32 arithmetic, as the
 kernel does it) with exact integer block dots, which the kernel must meet within float32's
 accumulation bound; and the exact product x @ dequantize(w)^T, which it must meet within the
@@ -22,37 +24,44 @@ from models import cpu_kernels
 from models.gguf_blocks import BLOCK, block_matmul, dequantize_host, make_weight, with_kernel
 from tests.models.test_block_matmul import FORMATS, activations, block_dots_reference, bound, random_blocks
 
-needs_rowint = pytest.mark.skipif(cpu_kernels.block_isa() != "AVX-512 VNNI",
-                                  reason="the one-row integer path is in the AVX-512 VNNI build only")
+needs_rowint = pytest.mark.skipif(cpu_kernels.block_isa() not in ("AVX-512 VNNI", "AVX2"),
+                                  reason="the one-row integer path needs AVX2 or AVX-512 VNNI")
+AVX2 = cpu_kernels.block_isa() == "AVX2"
 
 # K 2048 and 8192 (the 1B model's rows) threaded; 576 (the default model's: 16 + 2 blocks, a
-# partial chunk) and 96 (3 blocks, a partial chunk alone) on one thread.
+# partial chunk / group) and 96 (3 blocks, a partial chunk alone) on one thread.
 SHAPES = [(2048, 300), (8192, 37), (576, 46), (96, 5)]
 
 
 def split_activations(x: np.ndarray):
-    """The kernel's activation parts for one row [K]: (256 q1 + q2 [K / 32, 32] int64, the
-    float32 scale S / 256 [K / 32], q1 [K / 32, 32])."""
+    """The kernel's activation parts for one row [K]: (B q1 + q2 [K / 32, 32] int64, the
+    float32 scale S / B [K / 32], q1 [K / 32, 32]), B = 256 (VNNI) or 254 (AVX2)."""
     xb = x.reshape(-1, BLOCK).astype(np.float32)
     amax = np.abs(xb).max(axis=1)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
     t = xb * inv[:, None]
-    q1 = np.floor(t + np.float32(0.5 + 1 / 512))
-    q2 = np.clip(np.rint((t - q1) * np.float32(256)), -128, 127)
+    base = 254 if AVX2 else 256
+    if AVX2:
+        q1 = np.rint(t)
+        q2 = np.rint((t - q1) * np.float32(254))
+        assert np.abs(q2).max() <= 127
+    else:
+        q1 = np.floor(t + np.float32(0.5 + 1 / 512))
+        q2 = np.clip(np.rint((t - q1) * np.float32(256)), -128, 127)
     assert np.abs(q1).max() <= 127
-    scale = amax / np.float32(127) / np.float32(256)
-    return 256 * q1.astype(np.int64) + q2.astype(np.int64), scale, q1.astype(np.int64)
+    scale = amax / np.float32(127) / np.float32(base)
+    return base * q1.astype(np.int64) + q2.astype(np.int64), scale, q1.astype(np.int64)
 
 
 def rowint_reference(x: np.ndarray, blocks: np.ndarray, fmt: str, neighbour_scale: bool = False,
                      drop_q2: bool = False) -> np.ndarray:
     """The one-row integer path in numpy: exact block dots of the kernel's activation parts,
-    then d (S / 256) dot + m X_b in float64. `neighbour_scale`: each block takes the next
+    then d (S / B) dot + m X_b in float64. `neighbour_scale`: each block takes the next
     block's d (and m); `drop_q2`: activations rounded to 8 bits (q1 alone)."""
     values, scale, q1 = split_activations(x[0])
     if drop_q2:
-        values = 256 * q1
+        values = (254 if AVX2 else 256) * q1
     sums = x[0].reshape(-1, BLOCK).astype(np.float64).sum(axis=1)
     if neighbour_scale:
         n, size = blocks.shape[0], blocks.shape[1] // (x.shape[1] // BLOCK)
