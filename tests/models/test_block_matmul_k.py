@@ -166,13 +166,34 @@ def int_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 
-def int_product(fmt: str, k: int, n: int, seed: int, x: np.ndarray | None = None, rows: int = 1):
+def int_product(fmt: str, k: int, n: int, seed: int, x: np.ndarray | None = None, rows: int = 1,
+                target: str | None = None):
+    """x, dequantized w and the kernel's product on wide_rows 1 (`target`: the auto K-quant
+    target unless given, e.g. the forced AVX2 build's)."""
     blocks = random_k_blocks(fmt, n, k, seed=seed)
     x = activations(rows, k, seed=seed + 1) if x is None else x
     w = dequantize_host(blocks, fmt)
-    weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_K_TARGET, 0, 0, 1)
+    weight = with_kernel(make_weight(blocks, fmt, k), target or cpu_kernels.BLOCK_K_TARGET, 0, 0, 1)
     got = np.asarray(jax.jit(block_matmul)(jnp.asarray(x), weight))
     return x, w, got
+
+
+def check_16_bit_controls(fmt: str, seed: int, target: str | None = None) -> None:
+    """Negative control: the same product with the activations rounded to llama.cpp's 8-bit
+    (S = amax / 127 per 256, no second part) misses the bound, so the check would catch a path
+    that dropped q2 or rounded coarser; a zero row and a row of one outlier stay exact."""
+    k, n = 2048, 64
+    x, w, _ = int_product(fmt, k, n, seed=seed, target=target)
+    amax = np.abs(x).reshape(1, -1, 256).max(axis=2, keepdims=True)
+    s = amax / 127
+    x8 = (np.round(x.reshape(1, -1, 256) / s) * s).reshape(1, k)
+    assert np.any(np.abs(x8 @ w.T - x.astype(np.float64) @ w.T) > int_bound(x, w))
+    zero = np.zeros((1, k), np.float32)
+    assert np.all(int_product(fmt, k, n, seed=seed, x=zero, target=target)[2] == 0)
+    spike = zero.copy()
+    spike[0, 700] = 3.0
+    x1, w1, got1 = int_product(fmt, k, n, seed=seed, x=spike, target=target)
+    np.testing.assert_allclose(got1, x1.astype(np.float64) @ w1.T, rtol=1e-6, atol=1e-6)
 
 
 # one super-block per row and few columns; [2048, 300] shared over threads (the row quantized
@@ -193,21 +214,7 @@ def test_integer_row_path_within_its_16_bit_bound(fmt, k, n):
 @needs_vnni
 @pytest.mark.parametrize("fmt", K_FORMATS)
 def test_integer_row_bound_tells_16_bit_from_8_bit(fmt):
-    # negative control: the same product with the activations rounded to llama.cpp's 8-bit
-    # (S = amax / 127 per 256, no second part) misses the bound, so the check would catch a
-    # path that dropped q2 or rounded coarser; a zero row and a row of one outlier stay exact
-    k, n = 2048, 64
-    x, w, got = int_product(fmt, k, n, seed=12)
-    amax = np.abs(x).reshape(1, -1, 256).max(axis=2, keepdims=True)
-    s = amax / 127
-    x8 = (np.round(x.reshape(1, -1, 256) / s) * s).reshape(1, k)
-    assert np.any(np.abs(x8 @ w.T - x.astype(np.float64) @ w.T) > int_bound(x, w))
-    zero = np.zeros((1, k), np.float32)
-    assert np.all(int_product(fmt, k, n, seed=12, x=zero)[2] == 0)
-    spike = zero.copy()
-    spike[0, 700] = 3.0
-    x1, w1, got1 = int_product(fmt, k, n, seed=12, x=spike)
-    np.testing.assert_allclose(got1, x1.astype(np.float64) @ w1.T, rtol=1e-6, atol=1e-6)
+    check_16_bit_controls(fmt, seed=12)
 
 
 # ---- the AVX2 build's integer rows, 1 to 8 (block_matmul_k_row256.inc, wide_rows 1) -------------
@@ -215,12 +222,7 @@ def test_integer_row_bound_tells_16_bit_from_8_bit(fmt):
 
 
 def avx2_int_product(fmt: str, k: int, n: int, seed: int, x: np.ndarray | None = None, rows: int = 1):
-    blocks = random_k_blocks(fmt, n, k, seed=seed)
-    x = activations(rows, k, seed=seed + 1) if x is None else x
-    w = dequantize_host(blocks, fmt)
-    weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_K_AVX2_TARGET, 0, 0, 1)
-    got = np.asarray(jax.jit(block_matmul)(jnp.asarray(x), weight))
-    return x, w, got
+    return int_product(fmt, k, n, seed, x=x, rows=rows, target=cpu_kernels.BLOCK_K_AVX2_TARGET)
 
 
 # one super-block per row and few columns; [2048, 300] shared over threads (the rows quantized
@@ -248,23 +250,12 @@ def test_avx2_integer_rows_end_at_eight(fmt):
 @needs_kernels
 @pytest.mark.parametrize("fmt", K_FORMATS)
 def test_avx2_integer_rows_tell_16_bit_from_8_bit(fmt):
-    # as the VNNI path's control: 8-bit activations miss the bound; a zero row and one outlier
-    # stay exact; each of 3 rows gets its own scale (a row 1000x the others keeps theirs)
-    k, n = 2048, 64
-    x, w, _ = avx2_int_product(fmt, k, n, seed=33)
-    amax = np.abs(x).reshape(1, -1, 256).max(axis=2, keepdims=True)
-    s = amax / 127
-    x8 = (np.round(x.reshape(1, -1, 256) / s) * s).reshape(1, k)
-    assert np.any(np.abs(x8 @ w.T - x.astype(np.float64) @ w.T) > int_bound(x, w))
-    zero = np.zeros((1, k), np.float32)
-    assert np.all(avx2_int_product(fmt, k, n, seed=33, x=zero)[2] == 0)
-    spike = zero.copy()
-    spike[0, 700] = 3.0
-    x1, w1, got1 = avx2_int_product(fmt, k, n, seed=33, x=spike)
-    np.testing.assert_allclose(got1, x1.astype(np.float64) @ w1.T, rtol=1e-6, atol=1e-6)
-    mixed = activations(3, k, seed=34)
+    # as the VNNI path's controls, and each of 3 rows gets its own scale (a row 1000x the others
+    # keeps theirs)
+    check_16_bit_controls(fmt, seed=33, target=cpu_kernels.BLOCK_K_AVX2_TARGET)
+    mixed = activations(3, 2048, seed=34)
     mixed[1] *= 1000.0
-    x3, w3, got3 = avx2_int_product(fmt, k, n, seed=33, x=mixed)
+    x3, w3, got3 = avx2_int_product(fmt, 2048, 64, seed=33, x=mixed)
     assert np.all(np.abs(got3 - x3.astype(np.float64) @ w3.T) <= int_bound(x3, w3))
 
 
