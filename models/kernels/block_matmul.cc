@@ -177,31 +177,23 @@ struct WideActivations {
   }
 };
 
-// x [1, k] for block_matmul_rowint.inc (one row, AVX-512 VNNI): 16-bit-accurate int8 pairs per
-// block, quantized once on the calling thread.
-struct OneRowActivations {
+// x [1, k] quantized once, on the calling thread, for a one-row integer path: block_matmul_rowint.inc
+// (AVX-512 VNNI) or block_matmul_rowint256.inc (AVX2): 16-bit-accurate int8 pairs per block.
+// `Bytes` sizes the path's buffer, `Split` fills it (64-byte aligned).
+template <typename Row, int64_t (*Bytes)(int64_t), Row (*Split)(const float*, int64_t, uint8_t*)>
+struct OneRow {
   std::vector<uint8_t> buf;
-  ferrox_rowint::RowIntX row{};
+  Row row{};
 
   void Quantize(const float* x, int64_t k) {
-    buf.resize(ferrox_rowint::RowIntBytes(k) + 64);
+    buf.resize(Bytes(k) + 64);
     uint8_t* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
-    row = ferrox_rowint::QuantizeRowInt(x, k, at);
+    row = Split(x, k, at);
   }
 };
-
-// x [1, k] for block_matmul_rowint256.inc (one row, AVX2 without VNNI): the same 16-bit-accurate
-// int8 pairs on base 254, quantized once on the calling thread.
-struct OneRowActivations256 {
-  std::vector<uint8_t> buf;
-  ferrox_rowint256::RowInt256X row{};
-
-  void Quantize(const float* x, int64_t k) {
-    buf.resize(ferrox_rowint256::RowInt256Bytes(k) + 64);
-    uint8_t* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
-    row = ferrox_rowint256::QuantizeRowInt256(x, k, at);
-  }
-};
+using OneRowActivations = OneRow<ferrox_rowint::RowIntX, ferrox_rowint::RowIntBytes, ferrox_rowint::QuantizeRowInt>;
+using OneRowActivations256 = OneRow<ferrox_rowint256::RowInt256X, ferrox_rowint256::RowInt256Bytes,
+                                    ferrox_rowint256::QuantizeRowInt256>;
 
 // x [m, k] for block_matmul_rows16.inc (2 to 15 rows, AVX-512 VNNI): groups of R rows, each
 // row in P = 8 / R lanes; a row a task. At 5 to 8 rows every format takes the byte halves
@@ -266,8 +258,8 @@ ffi::Error RunProducts(ffi::ThreadPool pool, const Problem* ps, const int32_t* f
   WideActivations xw;
   Rows16Activations xr;
   OneRowActivations x1;
-  if (integer) xq.Quantize(pool, threads, ps[0].x, m, k);
   OneRowActivations256 x256;
+  if (integer) xq.Quantize(pool, threads, ps[0].x, m, k);
   if (one_row) x1.Quantize(ps[0].x, k);
   if (one_row256) x256.Quantize(ps[0].x, k);
   if (rows16) {

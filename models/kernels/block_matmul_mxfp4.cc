@@ -104,12 +104,6 @@ namespace ferrox_mx_avx2 {
 
 constexpr int kMaxRows = 4;
 
-inline float Sum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 // The 8 weights whose codes are the nibbles at bit `shift` of q's lanes: the magnitude
 // picked from the table's first 8 entries by the code's low 3 bits, the sign from bit 3.
 inline __m256 Pick(__m256 table, __m256i q, int shift) {
@@ -139,7 +133,7 @@ void Columns(const MxProblem& p, int64_t row0, int64_t begin, int64_t end) {
         }
       }
     }
-    for (int r = 0; r < R; ++r) p.out[(row0 + r) * p.n + n] = Sum8(acc[r]);
+    for (int r = 0; r < R; ++r) p.out[(row0 + r) * p.n + n] = ferrox::Sum8(acc[r]);
   }
 }
 

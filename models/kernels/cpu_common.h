@@ -32,6 +32,27 @@ __attribute__((target("f16c"))) inline float HalfToFloat(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+// The sum of a 256-bit vector's 8 floats (halves added, then pairs, then the last two).
+__attribute__((target("avx"))) inline float Sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The largest of a 256-bit vector's 8 floats.
+__attribute__((target("avx"))) inline float Max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// 32 int32 already within int8 (four registers of 8, in order) as 32 int8 in order: the two
+// saturating packs work within 128-bit lanes, a dword permute puts the pieces back in order.
+__attribute__((target("avx2"))) inline __m256i PackInt8(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 // Every cache line of [at, at + bytes) requested into L1. A prefetch never faults, so the
 // span may run past the data.
 inline void PrefetchSpan(const void* at, int64_t bytes) {
