@@ -34,7 +34,6 @@ from api import cli_help
 from api.config import DEFAULT_HOST, DEFAULT_PORT, ServerConfig
 from api.process_memory import describe_rss
 from api.settings import SETTINGS, default_grammar, env_defaults, name_settings, split_addr
-from models.cpu_isa import cap_xla
 
 if TYPE_CHECKING:  # the facade's module imports jax: `ferrox --help` stays without it
     from ferrox_jax.engine import Engine, EngineConfig, SpeculativeConfig
@@ -111,7 +110,9 @@ def main(argv: Sequence[str] | None = None, wrap_runner: Callable[[Any], Any] | 
     fault injection, `tests/support/fault_serve.py`); None in every product use."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:  # before any backend starts: XLA reads its cap once
+    from ferrox_jax.engine import cap_xla  # imports jax, starts no backend: XLA reads XLA_FLAGS when one starts
+
+    try:
         cap_xla()
     except ValueError as e:
         raise SystemExit(f"ferrox: {e}") from None

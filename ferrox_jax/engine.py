@@ -48,6 +48,7 @@ from ferrox_jax.stats import BatcherStats
 from models.chat_template import ChatTemplateError
 from models.checkpoint import CheckpointSource
 from models.config import ModelConfig
+from models.cpu_isa import cap_xla
 from models.loader import resolve_path
 from models.lora import LoraError
 from models.tokenizer import Tokenizer
@@ -67,6 +68,7 @@ __all__ = (
     "check_priority",  # a request's priority under the scheduling policy, before it is submitted
     "host_total_bytes",  # the host's memory, which also caps the server's own byte caps
     "ImageError", "ImageLimits",  # `Engine.prepare_images`' refusal and limits
+    "cap_xla",  # FERROX_CPU_ISA's cap on XLA's own code, before the backend starts (models/cpu_isa.py)
 )
 
 

@@ -89,7 +89,7 @@ import jaxlib
 
 from ferrox_jax import store_bound
 from ferrox_jax.config import EngineConfig
-from models.cpu_isa import ENV as ISA_ENV
+from models import cpu_isa
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ def program_fingerprint(config: EngineConfig, model_path: str | None) -> str:
         "jax": jax.__version__, "jaxlib": jaxlib.__version__,
         "backend": [jax.default_backend(), device.client.platform_version, device.device_kind,
                     jax.device_count(), jax.process_count()],
-        "cpu": _cpu_flags(), "cpu_isa": os.environ.get(ISA_ENV, ""), "xla_flags": _xla_flags(),
+        "cpu": _cpu_flags(), "cpu_isa": cpu_isa.requested(), "xla_flags": _xla_flags(),
         "jax_flags": [jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision)],
         "kernels": _kernels_hash(), "code": code_version(),
     }

@@ -51,6 +51,11 @@ ENV_READERS = {
     ("ferrox_jax.executable_store", "_xla_flags"):
         "XLA_FLAGS change what XLA compiles, so the executable store's key holds them (as JAX's own cache "
         "key does); not a setting of ours",
+    ("models.cpu_isa", "requested"):
+        "FERROX_CPU_ISA is read by the kernels' C library as it loads, before any engine or setting exists; "
+        "this reads the same value so the check, the start-up log and the store's key agree with the library",
+    ("models.cpu_isa", "cap_xla"):
+        "hands that cap to XLA's own code generation through XLA_FLAGS, which XLA reads when the backend starts",
     ("models.cpu_kernels", "build"):
         "the kernels' build step (`make`, `python -m models.cpu_kernels`) takes its compiler from CXX, as make "
         "does; the server never calls it",
