@@ -110,16 +110,15 @@ def block_matmul(model: Any, config: EngineConfig, mesh: Any) -> str:
             paths += (f"; AMX-BF16 tiles (split bf16) from {amx} rows for weights of "
                       f"{cpu_kernels.BLOCK_AMX_MIN_K}+ inputs")
         k_quants = cpu_kernels.k_quant_count(model)
-        # wide_rows 1 takes the VNNI build's integer paths, or the AVX2 build's integer rows
-        # (an AVX-512 CPU without VNNI runs neither: its float paths)
-        if cpu_kernels.block_k_wide_rows() != 1 or cpu_kernels.block_k_isa() not in ("AVX2", "AVX-512") or (
-                cpu_kernels.block_k_isa() == "AVX-512" and cpu_kernels.block_isa() != "AVX-512 VNNI"):
-            k_acts = "float32 activations"
-        elif cpu_kernels.block_k_isa() == "AVX2":
+        # wide_rows 1 takes the AVX2 build's integer rows or the VNNI build's integer paths (an
+        # AVX-512 CPU without VNNI runs neither: its float paths)
+        if cpu_kernels.block_k_wide_rows() == 1 and cpu_kernels.block_k_isa() == "AVX2":
             k_acts = (f"16-bit integer activations at 1-{cpu_kernels.K_INT_ROWS_AVX2} rows, float32 from "
                       f"{cpu_kernels.K_INT_ROWS_AVX2 + 1}")
-        else:
+        elif cpu_kernels.block_k_wide_rows() == 1 and cpu_kernels.block_isa() == "AVX-512 VNNI":
             k_acts = "16-bit integer activations at every row count"
+        else:
+            k_acts = "float32 activations"
         k_note = (f"; of them {k_quants} K-quants, on the {cpu_kernels.block_k_isa()} K-quant kernel "
                   f"({k_acts})" if k_quants else "")
         if mxfp4 := cpu_kernels.k_quant_count(model, ("mxfp4",)):

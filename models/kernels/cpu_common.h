@@ -53,6 +53,24 @@ __attribute__((target("avx2"))) inline __m256i PackInt8(__m256i a, __m256i b, __
   return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+// 32 activations v times inv (127 / amax of their block or super-block) split into two int8
+// parts on base 254, the AVX2 integer paths' 16-bit activation: q1 = round(t), q2 = round(254 (t
+// - q1)), both in [-127, 127] (so Q8_0's sign trick never negates -128), x ~= (q1 + q2 / 254) /
+// inv within 1 / (508 inv) = amax / 64516. Stored as 32 bytes each at q1, q2 (32-byte aligned).
+__attribute__((target("avx2"))) inline void SplitBase254(const __m256 (&v)[4], __m256 inv, int8_t* q1, int8_t* q2) {
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256 k254 = _mm256_set1_ps(254.0f);
+  __m256i i1[4], i2[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 t = _mm256_mul_ps(v[i], inv);
+    const __m256 r1 = _mm256_round_ps(t, kRound);
+    i1[i] = _mm256_cvtps_epi32(r1);
+    i2[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(t, r1), k254), kRound));
+  }
+  _mm256_store_si256(reinterpret_cast<__m256i*>(q1), PackInt8(i1[0], i1[1], i1[2], i1[3]));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(q2), PackInt8(i2[0], i2[1], i2[2], i2[3]));
+}
+
 // Every cache line of [at, at + bytes) requested into L1. A prefetch never faults, so the
 // span may run past the data.
 inline void PrefetchSpan(const void* at, int64_t bytes) {
