@@ -372,9 +372,16 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                        "and kv heads divide the heads");
   const Problem p{q.typed_data(), tables.typed_data(), lengths.typed_data(), out->typed_data(),
                   heads, kd[0], kd[1], kd[2], hd, td[1], scale};
-  for (int64_t b = 0; b < rows; ++b)
+  for (int64_t b = 0; b < rows; ++b) {
     if (p.lengths[b] < 1 || p.lengths[b] > p.max_blocks * p.block_size)
       return ffi::Error::InvalidArgument("ferrox_decode_attention: a row's length is outside its block table");
+    // the blocks a row reads must be in the cache: an id past it would read past the buffer
+    // (the scheduler never hands one out; this keeps a bad table an error, not a crash)
+    const int32_t* table = p.tables + b * p.max_blocks;
+    for (int64_t j = 0; j < (p.lengths[b] + p.block_size - 1) / p.block_size; ++j)
+      if (table[j] < 0 || table[j] >= p.blocks)
+        return ffi::Error::InvalidArgument("ferrox_decode_attention: a block id in a row's table is outside the cache");
+  }
   switch (k.element_type()) {
     case ffi::DataType::F32:
       Run(pool, p, static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()), rows);

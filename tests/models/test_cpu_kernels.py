@@ -246,6 +246,25 @@ def test_decode_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, 
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("bad_id", [60, 1 << 20, -1])
+def test_a_block_id_outside_the_cache_is_an_error_not_a_read_past_it(bad_id):
+    """The scheduler never hands out such an id; a tool once did (profile_step's tables past a
+    smaller cache), and the kernel read past the cache's buffer until the process died."""
+    rng = np.random.default_rng(3)
+    k_cache, v_cache = _random_cache(rng, 2, 60, 8, 16, jnp.float16)  # blocks 0..59
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 16)).astype(np.float32))
+    positions = jnp.asarray(np.array([[19], [7]], np.int32))  # row 0 reads 3 blocks, row 1 one
+    run = jax.jit(cpu_kernels.decode_attention(), static_argnums=(5,))
+    tables = np.zeros((2, 4), np.int32)
+    tables[0, :3], tables[1, 0] = (5, 6, 7), 9
+    tables[1, 1:] = bad_id  # past row 1's length: never read, so not checked
+    ok = run(q, k_cache, v_cache, jnp.asarray(tables), positions, 0.25)
+    assert np.isfinite(np.asarray(ok)).all()
+    tables[0, 2] = bad_id  # row 0's third block, which it reads
+    with pytest.raises(Exception, match="a block id in a row's table is outside the cache"):
+        jax.block_until_ready(run(q, k_cache, v_cache, jnp.asarray(tables), positions, 0.25))
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,lengths", [
     (9, 3, 64, [1000]),  # one decoding row of the default model: 3 (row, kv head) pairs for the threads
     (9, 3, 64, [65, 300]),

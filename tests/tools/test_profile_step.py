@@ -99,3 +99,20 @@ def test_kind_chains_count_every_layers_bytes(model):
         assert np.all(np.isfinite(np.asarray(run(jnp.ones((1, in_features), jnp.float32)))))
         singles = profile_step.single_calls(model, names)
         assert len(singles) == len(model.layers) and sum(b for _, b in singles) == want
+
+
+def test_row_tables_stay_inside_the_cache_or_exit_naming_the_sizes():
+    """Tables past the cache once had the attention kernel read past its buffer (profile_step
+    --rows 128 on a 3B whose cache held 1,170 blocks): the tools now stop first."""
+    from types import SimpleNamespace
+
+    from tools.bench.bench_engine import row_tables
+
+    runner = SimpleNamespace(block_size=16, num_blocks=1 + 3 * 2 + 1)  # 8 blocks: 1..7 usable
+    tables = row_tables(runner, 3, 32)  # 2 blocks a row
+    assert tables == [(1, 2), (3, 4), (5, 6)]
+    assert row_tables(runner, 3, 32, extra_blocks=1)[-1] == (5, 6)  # block 7 left for the chunk
+    with pytest.raises(SystemExit, match=r"3 rows x 2 blocks \+ 2 do not fit in the cache's 8 KV blocks"):
+        row_tables(runner, 3, 32, extra_blocks=2)
+    with pytest.raises(SystemExit, match="4 rows x 2 blocks do not fit"):
+        row_tables(runner, 4, 17)

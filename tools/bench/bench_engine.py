@@ -120,6 +120,19 @@ def _row_blocks(runner, tokens: int) -> int:
     return -(-tokens // runner.block_size)
 
 
+def row_tables(runner, rows: int, tokens: int, extra_blocks: int = 0) -> list[tuple[int, ...]]:
+    """Block tables for `rows` rows of `tokens` positions each, distinct blocks from 1 (0 is the
+    null block), leaving `extra_blocks` after them for a caller's chunk. Exits naming the sizes
+    when they do not fit: a table past the cache would have the attention read past its buffer."""
+    per_row = _row_blocks(runner, tokens)
+    need = rows * per_row + extra_blocks
+    if need >= runner.num_blocks:
+        raise SystemExit(f"{rows} rows x {per_row} blocks{f' + {extra_blocks}' if extra_blocks else ''} do not fit "
+                         f"in the cache's {runner.num_blocks} KV blocks (block 0 is the null block): lower the rows "
+                         f"or the context")
+    return [tuple(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(rows)]
+
+
 def bench_prefill(engine, tokens_list: list[int], repeats: int = 3, deadline: float | None = None) -> dict:
     """Tokens/s of one prefill chunk of each size (one warm-up run, then `repeats` timed)."""
     from ferrox_jax.plan import RowPlan, StepPlan
@@ -158,10 +171,7 @@ def bench_mixed(engine, decode_rows: int, context: int, chunk_tokens: int, chunk
     greedy = RowSampling(temperature=0.0)
     per_row = _row_blocks(runner, context + steps + 2)
     chunk_blocks = _row_blocks(runner, chunk_tokens)
-    need = decode_rows * per_row + max(chunks_list) * chunk_blocks
-    if need >= runner.num_blocks:
-        raise SystemExit(f"the mixed step needs {need} KV blocks; the cache has {runner.num_blocks}")
-    tables = [tuple(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(decode_rows)]
+    tables = row_tables(runner, decode_rows, context + steps + 2, extra_blocks=max(chunks_list) * chunk_blocks)
     base = 1 + decode_rows * per_row
     prompt = tuple(int(t) for t in np.random.RandomState(chunk_tokens).randint(10, cfg.vocab_size - 10, chunk_tokens))
 
@@ -204,13 +214,10 @@ def bench_decode(engine, rows_list: list[int], contexts: list[int], steps: int,
 
     runner, cfg = engine.runner, engine.model_config
     dtype_bytes = jnp.dtype(engine.model_card.kv_cache_dtype).itemsize
-    per_row = _row_blocks(runner, max(contexts) + steps + 1)
     sampling = RowSampling(temperature=0.0) if greedy else RowSampling(temperature=0.8, top_p=0.95, seed=1)
     out: dict = {}
     for rows in rows_list:
-        if rows * per_row >= runner.num_blocks:
-            raise SystemExit(f"{rows} rows x {per_row} blocks do not fit in {runner.num_blocks} KV blocks")
-        tables = [tuple(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(rows)]
+        tables = row_tables(runner, rows, max(contexts) + steps + 1)
         for context in contexts:
             key = f"decode_{rows}_rows_{context}_context"
             if deadline is not None and time.monotonic() > deadline:

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     from ferrox_jax.plan import RowPlan, StepPlan
     from ferrox_jax.request import RowSampling
     from ferrox_jax.step_output import run_plan
-    from tools.bench.bench_engine import fill_kv_random
+    from tools.bench.bench_engine import fill_kv_random, row_tables
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
@@ -192,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = engine.runner
     fill_kv_random(runner)
     model = nnx.merge(runner.graphdef, runner.state)
-    per_row = -(-(args.context + args.rounds * args.steps * 4 + 8) // runner.block_size)
-    tables = [tuple(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(args.rows)]
+    tables = row_tables(runner, args.rows, args.context + args.rounds * args.steps * 4 + 8)
     greedy = RowSampling(temperature=0.0)
     pos = [args.context]
 

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from ferrox_jax.host_batch import HostBatch
     from ferrox_jax.plan import RowPlan, StepPlan
     from ferrox_jax.request import RowSampling
+    from tools.bench.bench_engine import row_tables
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
@@ -88,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                                       max_seqs=max(args.rows + (args.chunk > 0), 1)))
     runner = engine.runner
     per_row = -(-(args.context + 1) // runner.block_size)
+    tables = row_tables(runner, args.rows, args.context + 1, extra_blocks=-(-args.chunk // runner.block_size))
     plan = StepPlan(decode=tuple(
-        RowPlan(row_id=r, token_ids=(7,), start_pos=args.context,
-                block_ids=tuple(range(1 + r * per_row, 1 + (r + 1) * per_row)), sample=True,
+        RowPlan(row_id=r, token_ids=(7,), start_pos=args.context, block_ids=tables[r], sample=True,
                 sampling=RowSampling(temperature=0.0)) for r in range(args.rows)),
         chunks=tuple(RowPlan(row_id=args.rows, token_ids=tuple(range(7, 7 + args.chunk)), start_pos=0,
                              block_ids=tuple(range(1 + args.rows * per_row,
