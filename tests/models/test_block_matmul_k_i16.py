@@ -63,6 +63,23 @@ def swap_neighbour_scales(blocks: np.ndarray, fmt: str) -> np.ndarray:
     return sb.reshape(blocks.shape)
 
 
+# Past 1 MB of quantized activations a span of 16 columns is packed at once and the row groups
+# run over it in passes that fit 512 KB: at k = 8192 (280 KB a group of 16 rows) passes of 2 groups, so
+# 80 rows are three passes (2, 2, 1). n = 150 on two threads gives 20-column shares: a whole
+# span of 16 and one of 4. Each output is still one tile's sum, so the 16-row slices (each
+# under the bound: 4 columns packed at a time, all rows over them) give the same bits.
+@needs_vnni
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_wide_k_passes_over_a_packed_span_give_the_same_bits(fmt):
+    rows, k, n = 80, 8192, 150
+    blocks, x = random_k_blocks(fmt, n, k, seed=11), activations(rows, k, seed=12)
+    whole = product(fmt, blocks, x)
+    sliced = np.concatenate([product(fmt, blocks, x[r:r + 16]) for r in range(0, rows, 16)])
+    np.testing.assert_array_equal(whole, sliced)
+    w = dequantize_host(blocks, fmt)
+    assert np.all(np.abs(whole - x.astype(np.float64) @ w.T) <= wide_bound(x, w))
+
+
 # 16 rows: one row group; 17: a group and a remainder row (15 lanes of zeros); 32: a tile of
 # two groups; 128: eight. k 768: three super-blocks; 2048 / 300 columns share the threads
 # (4-column panels and a last single column at n = 37 / 301)
