@@ -1,7 +1,8 @@
 // What the kernel harnesses of bench/kernels share (kquant_stream.cc, kquant_prefill.cc,
 // block_row_stream.cc): a team of spinning threads that times one product split over them, and
-// the DRAM read probe (its sizes, its sum and one timed pass). The K-quant harnesses' random super-blocks are in
-// kquant_blocks.h.
+// the DRAM read probe (its sizes, its sum and one timed pass); and the instruction-rate probes'
+// (dot_peak.cc, dot_peak256.cc) best summed rate over rounds. The K-quant harnesses' random
+// super-blocks are in kquant_blocks.h.
 #pragma once
 
 #include <immintrin.h>
@@ -97,6 +98,23 @@ inline double ProbeBest(Team& team, const float* probe, int threads) {
       sink = sink + SumFloats(probe + chunk * kProbeChunk / 4 + t * per, per);
     });
     best = best > kProbeChunk / s / 1e9 ? best : kProbeChunk / s / 1e9;
+  }
+  return best;
+}
+
+// The best over `rounds` of rate() run on `threads` threads at once (each returning its own
+// rate, e.g. instructions or multiply-adds a second): their sum.
+template <typename Rate>
+double BestSummedRate(Rate rate, int threads, int rounds) {
+  double best = 0;
+  for (int r = 0; r < rounds; ++r) {
+    std::vector<double> rates(threads);
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) pool.emplace_back([&rates, &rate, t] { rates[t] = rate(); });
+    for (auto& th : pool) th.join();
+    double sum = 0;
+    for (double v : rates) sum += v;
+    best = sum > best ? sum : best;
   }
   return best;
 }

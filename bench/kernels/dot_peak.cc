@@ -16,6 +16,8 @@
 #include <thread>
 #include <vector>
 
+#include "bench_team.h"
+
 namespace {
 constexpr long kIters = 20'000'000;  // x 12 instructions per timed loop
 constexpr int kChains = 12;
@@ -44,20 +46,6 @@ __attribute__((noinline)) double Loop() {
   return static_cast<double>(kIters) * kChains / s;
 }
 
-template <int Op>
-double Best(int threads, int rounds) {  // instructions a second, all threads together
-  double best = 0;
-  for (int r = 0; r < rounds; ++r) {
-    std::vector<double> rate(threads);
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) pool.emplace_back([&rate, t] { rate[t] = Loop<Op>(); });
-    for (auto& th : pool) th.join();
-    double sum = 0;
-    for (double v : rate) sum += v;
-    best = sum > best ? sum : best;
-  }
-  return best;
-}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -67,7 +55,9 @@ int main(int argc, char** argv) {
                           "vfmadd ps zmm (float32, 16 MAC)"};
   const int macs[3] = {32, 64, 16};
   for (int threads : {1, cores}) {
-    const double rates[3] = {Best<0>(threads, rounds), Best<1>(threads, rounds), Best<2>(threads, rounds)};
+    const double rates[3] = {bench::BestSummedRate(Loop<0>, threads, rounds),
+                             bench::BestSummedRate(Loop<1>, threads, rounds),
+                             bench::BestSummedRate(Loop<2>, threads, rounds)};
     for (int op = 0; op < 3; ++op)
       std::printf("%d thread%s  %-38s %6.2f G/s  %7.1f GMAC/s\n", threads, threads > 1 ? "s" : " ", names[op],
                   rates[op] / 1e9, rates[op] * macs[op] / 1e9);

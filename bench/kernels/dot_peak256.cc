@@ -21,6 +21,8 @@
 #include <thread>
 #include <vector>
 
+#include "bench_team.h"
+
 namespace {
 constexpr long kIters = 20'000'000;
 constexpr int kChains = 12;
@@ -137,20 +139,6 @@ __attribute__((noinline)) double Int16Tile() {  // 2 groups of 8 rows x 3 column
   return kBlocks * 16.0 * 2 * 3 * 8 * 2 / s;
 }
 
-template <typename F>
-double Best(F f, int threads, int rounds) {  // multiply-adds a second, all threads together
-  double best = 0;
-  for (int r = 0; r < rounds; ++r) {
-    std::vector<double> rate(threads);
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) pool.emplace_back([&rate, t, &f] { rate[t] = f(); });
-    for (auto& th : pool) th.join();
-    double sum = 0;
-    for (double v : rate) sum += v;
-    best = sum > best ? sum : best;
-  }
-  return best;
-}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -174,6 +162,6 @@ int main(int argc, char** argv) {
   for (int threads : {1, cores})
     for (const Row& row : rows)
       std::printf("%d thread%s  %-52s %7.1f GMAC/s\n", threads, threads > 1 ? "s" : " ", row.name,
-                  Best(row.f, threads, rounds) / 1e9);
+                  bench::BestSummedRate(row.f, threads, rounds) / 1e9);
   return 0;
 }
