@@ -122,7 +122,7 @@ def _row_blocks(runner, tokens: int) -> int:
 
 def row_tables(runner, rows: int, tokens: int, extra_blocks: int = 0) -> list[tuple[int, ...]]:
     """Block tables for `rows` rows of `tokens` positions each, distinct blocks from 1 (0 is the
-    null block), leaving `extra_blocks` after them for a caller's chunk. Exits naming the sizes
+    null block), leaving `extra_blocks` after them for a caller's chunk (from 1 + the tables' total). Exits naming the sizes
     when they do not fit: a table past the cache would have the attention read past its buffer."""
     per_row = _row_blocks(runner, tokens)
     need = rows * per_row + extra_blocks
@@ -169,10 +169,9 @@ def bench_mixed(engine, decode_rows: int, context: int, chunk_tokens: int, chunk
 
     runner, cfg = engine.runner, engine.model_config
     greedy = RowSampling(temperature=0.0)
-    per_row = _row_blocks(runner, context + steps + 2)
     chunk_blocks = _row_blocks(runner, chunk_tokens)
     tables = row_tables(runner, decode_rows, context + steps + 2, extra_blocks=max(chunks_list) * chunk_blocks)
-    base = 1 + decode_rows * per_row
+    base = 1 + sum(map(len, tables))  # the chunks' blocks follow the rows'
     prompt = tuple(int(t) for t in np.random.RandomState(chunk_tokens).randint(10, cfg.vocab_size - 10, chunk_tokens))
 
     def decode_rows_at(pos):

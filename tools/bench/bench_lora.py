@@ -72,9 +72,10 @@ def decode_step_s(engine, rows: int, slots: list[int], context: int, steps: int)
     from ferrox_jax.plan import RowPlan, StepPlan
     from ferrox_jax.request import RowSampling
 
+    from tools.bench.bench_engine import row_tables
+
     runner = engine.runner
-    per_row = -(-(context + steps + 2) // runner.block_size)
-    tables = [tuple(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(rows)]
+    tables = row_tables(runner, rows, context + steps + 2)
     greedy = RowSampling(temperature=0.0)
 
     def plan_at(pos):

@@ -88,14 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.load(EngineConfig(model=args.model, quantization=args.quantization, max_context=args.max_context,
                                       max_seqs=max(args.rows + (args.chunk > 0), 1)))
     runner = engine.runner
-    per_row = -(-(args.context + 1) // runner.block_size)
-    tables = row_tables(runner, args.rows, args.context + 1, extra_blocks=-(-args.chunk // runner.block_size))
+    chunk_blocks = -(-args.chunk // runner.block_size)
+    tables = row_tables(runner, args.rows, args.context + 1, extra_blocks=chunk_blocks)
+    base = 1 + sum(map(len, tables))  # the chunk's blocks follow the rows'
     plan = StepPlan(decode=tuple(
         RowPlan(row_id=r, token_ids=(7,), start_pos=args.context, block_ids=tables[r], sample=True,
                 sampling=RowSampling(temperature=0.0)) for r in range(args.rows)),
         chunks=tuple(RowPlan(row_id=args.rows, token_ids=tuple(range(7, 7 + args.chunk)), start_pos=0,
-                             block_ids=tuple(range(1 + args.rows * per_row,
-                                                   1 + args.rows * per_row + -(-args.chunk // runner.block_size))),
+                             block_ids=tuple(range(base, base + chunk_blocks)),
                              sample=True, sampling=RowSampling(temperature=0.0), num_prompt_tokens=args.chunk)
                      for _ in range(args.chunk > 0)))
     shape, _, inputs = runner._pad(HostBatch.build(plan, runner.geometry))
