@@ -213,6 +213,26 @@ def test_wide_path_equals_int16_reference(fmt, rows):
     assert np.all(err <= bound(x, w)), f"{fmt} 16-bit path: max error {err.max():.3g}"
 
 
+# Past 1 MB of quantized activations a span of 16 columns is packed at once and the row groups
+# run over it in passes that fit 512 KB: at k = 8192 (288 KB a group of 16 rows) passes of 2
+# groups, so 80 rows are three passes (2, 2, 1). n = 150 on two threads gives 20-column shares
+# (a whole span of 16 and one of 4) and a last share of 10 (two 4-column tiles and 2 single
+# columns). Each output is still one tile's sum, so 16-row slices (each under the switch: 4
+# columns packed at a time, all rows over them) give the same bits.
+@needs_wide
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wide_passes_over_a_packed_span_give_the_same_bits(fmt):
+    rows, k, n = 80, 8192, 150
+    blocks, x = random_blocks(fmt, n, k, seed=11), activations(rows, k, seed=12)
+    weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_TARGET, 0, wide_rows=1)
+    run = jax.jit(block_matmul)
+    whole = np.asarray(run(jnp.asarray(x), weight))
+    sliced = np.concatenate([np.asarray(run(jnp.asarray(x[r:r + 16]), weight)) for r in range(0, rows, 16)])
+    np.testing.assert_array_equal(whole, sliced)
+    err = np.abs(whole - wide_reference(x, blocks, fmt))
+    assert np.all(err <= bound(x, dequantize_host(blocks, fmt))), f"{fmt} spans: max error {err.max():.3g}"
+
+
 @needs_wide
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
