@@ -8,6 +8,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -69,6 +70,31 @@ __attribute__((target("avx2"))) inline void SplitBase254(const __m256 (&v)[4], _
   }
   _mm256_store_si256(reinterpret_cast<__m256i*>(q1), PackInt8(i1[0], i1[1], i1[2], i1[3]));
   _mm256_store_si256(reinterpret_cast<__m256i*>(q2), PackInt8(i2[0], i2[1], i2[2], i2[3]));
+}
+
+// The order in which the float panel kernels (panel256.inc, panel512.inc, the block kernel's
+// AVX2 panel) visit their panels: columns [n_begin, n_end) in panels of `cols` and the m x k
+// activations' K in pieces of `piece`, step(n0, width, k0, len) dequantizing one panel and
+// running every row over it. While the rows fit kPanelRowBytes, columns outer, each panel over
+// all of K. Past it the rows no longer stay in L2 while one panel runs over all of K, and every
+// panel read them again from L3 (K = 8192, a down projection, at 128 rows: 4 MB a panel), so
+// K outer within spans of columns whose m rows of sums fit kPanelOutBytes: each piece of every
+// panel of the span in turn, the rows' piece (m x piece floats) and the span's sums in L2.
+// Each output's pieces are summed in the same order either way (k0 ascending): the same bits.
+constexpr int64_t kPanelRowBytes = 1024 * 1024, kPanelOutBytes = 256 * 1024;
+
+template <typename Step>
+inline void ForPanels(int64_t m, int64_t k, int64_t n_begin, int64_t n_end, int64_t cols, int64_t piece, Step step) {
+  if (m * k * static_cast<int64_t>(sizeof(float)) <= kPanelRowBytes) {
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += cols)
+      for (int64_t k0 = 0; k0 < k; k0 += piece) step(n0, std::min(cols, n_end - n0), k0, std::min(piece, k - k0));
+    return;
+  }
+  const int64_t span = std::max<int64_t>(cols, kPanelOutBytes / (m * static_cast<int64_t>(sizeof(float))) / cols * cols);
+  for (int64_t s0 = n_begin; s0 < n_end; s0 += span)
+    for (int64_t k0 = 0; k0 < k; k0 += piece)
+      for (int64_t n0 = s0; n0 < std::min(n_end, s0 + span); n0 += cols)
+        step(n0, std::min(cols, n_end - n0), k0, std::min(piece, k - k0));
 }
 
 // Every cache line of [at, at + bytes) requested into L1. A prefetch never faults, so the

@@ -162,6 +162,28 @@ def test_float_path_few_rows_shared_over_threads(fmt, rows, k, n):
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_float_panel_with_k_outer_gives_the_columns_outer_bits(fmt):
+    # Past 1 MB of activations (rows x k floats) the float panel (AVX-512: 576-input pieces of 8
+    # columns; AVX2, this file's run under the cap: 512 of 6) runs each piece of every panel of a
+    # span of columns in turn, spans whose sums fit 256 KB: 1,100 rows (6.8 MB at k = 1536) give
+    # spans of 56 / 54 columns, shorter than a thread's share of n = 523 on two threads (68, the
+    # last 47), so a share is a span and then a short one. Rows taken 150 at a time (0.9 MB) run
+    # columns outer; each output is summed in the same order either way, so the bits are equal;
+    # and both are within the float64 bound.
+    rows, k, n = 1100, 1536, 523
+    blocks, x = random_blocks(fmt, n, k, seed=7), activations(rows, k, seed=8)
+    weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_TARGET, 0)
+    run = jax.jit(block_matmul)
+    whole = np.asarray(run(jnp.asarray(x), weight))
+    sliced = np.concatenate([np.asarray(run(jnp.asarray(x[r:r + 150]), weight)) for r in range(0, rows, 150)])
+    np.testing.assert_array_equal(whole, sliced)
+    w = dequantize_host(blocks, fmt)
+    err = np.abs(whole - x.astype(np.float64) @ w.T)
+    assert np.all(err <= bound(x, w)), f"{fmt} k-outer panel: max error {err.max():.3g}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 5, 70])
 def test_integer_path_equals_integer_reference(fmt, rows):
     # 70 rows: past one 64-row panel; 5: a 4-row tile and a remainder; n = 7: a 4 tile + 3 singles

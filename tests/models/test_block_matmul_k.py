@@ -103,16 +103,18 @@ def test_avx2_build_equals_float64_reference(fmt):
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", K_FORMATS)
-def test_avx2_panel_with_k_outer_gives_the_columns_outer_bits(fmt):
-    # Past 1 MB of activations (rows x k floats) the AVX2 panel runs each 512-input piece of
-    # every panel in turn (k = 768: 512 + 256), in spans of columns whose sums fit 256 KB: 1,100
+@pytest.mark.parametrize("target", [cpu_kernels.BLOCK_K_AVX2_TARGET, cpu_kernels.BLOCK_K_TARGET])
+def test_float_panel_with_k_outer_gives_the_columns_outer_bits(fmt, target):
+    # The AVX2 build, and the build this CPU runs (on an AVX-512 host panel512.inc's; the float
+    # path, wide_rows 0). Past 1 MB of activations (rows x k floats) the panel runs each 512-input
+    # piece of every panel in turn (k = 768: 512 + 256), in spans of columns whose sums fit 256 KB: 1,100
     # rows (3.4 MB) give spans of 56 columns, shorter than a thread's share of n = 523 on two
     # threads (68, the last 47), so a share is a span, then 12 columns (two panels, the last of
     # 4). Rows taken 300 at a time (0.9 MB) run columns outer; each output is summed in the same
     # order either way, so the bits are equal; and both are within the float64 bound.
     rows, k, n = 1100, 768, 523
     blocks, x = random_k_blocks(fmt, n, k, seed=5), activations(rows, k, seed=6)
-    weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_K_AVX2_TARGET, 0)
+    weight = with_kernel(make_weight(blocks, fmt, k), target, 0)
     run = jax.jit(block_matmul)
     whole = np.asarray(run(jnp.asarray(x), weight))
     sliced = np.concatenate([np.asarray(run(jnp.asarray(x[r:r + 300]), weight)) for r in range(0, rows, 300)])
