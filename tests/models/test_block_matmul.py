@@ -357,6 +357,28 @@ def test_amx_path_within_split_bf16_bound_of_float64(fmt, rows):
 
 
 @needs_amx
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_amx_pieces_of_k_give_the_whole_k_bits(fmt):
+    # Past 1 MB of packed activations (2 KB a 16-row tile and block) K goes in pieces whose rows
+    # fit 512 KB, outer to spans of panels whose C tiles fit 256 KB: 600 rows at k = 8192 (38
+    # tiles, 19 MB) give pieces of 6 blocks (the last of 4) and spans of 6 panels, shorter than
+    # a thread's share of n = 1024 on two threads (8 panels: a span and one of 2). Slices of 32
+    # rows (two tiles, 1 MB; the last of 24) run over all of K at once. C tiles go through memory
+    # as float32 between pieces, so the bits are equal; and within the split-bf16 bound.
+    rows, k, n = 600, 8192, 1024
+    blocks, x = random_blocks(fmt, n, k, seed=9), activations(rows, k, seed=10)
+    weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_TARGET, 0, amx_rows=16)
+    run = jax.jit(block_matmul)
+    whole = np.asarray(run(jnp.asarray(x), weight))
+    sliced = np.concatenate([np.asarray(run(jnp.asarray(x[r:r + 32]), weight)) for r in range(0, rows, 32)])
+    np.testing.assert_array_equal(whole, sliced)
+    w = dequantize_host(blocks, fmt)
+    err = np.abs(whole - x.astype(np.float64) @ w.T)
+    limit = SPLIT_BF16_EPS * (np.abs(x).astype(np.float64) @ np.abs(w).T) + bound(x, w)
+    assert np.all(err <= limit), f"{fmt} AMX pieces: max relative error {(err / limit).max():.3g}"
+
+
+@needs_amx
 def test_amx_path_is_chosen_by_row_count():
     # x_0 = 1 + 2^-9 + 2^-20 needs 21 bits: the float path keeps it, the split keeps
     # hi + lo = 1 + 2^-9 (the 2^-20 is below lo's 8 bits). A Q8_0 weight d = 1, q = 1 picks x_0.
