@@ -359,7 +359,7 @@ def test_amx_path_within_split_bf16_bound_of_float64(fmt, rows):
 @needs_amx
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_amx_pieces_of_k_give_the_whole_k_bits(fmt):
-    # Past 1 MB of packed activations (2 KB a 16-row tile and block) K goes in pieces whose rows
+    # Past 1.5 MB of packed activations (2 KB a 16-row tile and block) K goes in pieces whose rows
     # fit 512 KB, outer to spans of panels whose C tiles fit 256 KB: 600 rows at k = 8192 (38
     # tiles, 19 MB) give pieces of 6 blocks (the last of 4) and spans of 6 panels, shorter than
     # a thread's share of n = 1024 on two threads (8 panels: a span and one of 2). Slices of 32
