@@ -51,6 +51,16 @@ def activations(m: int, k: int, seed: int = 1) -> np.ndarray:
     return x
 
 
+def same_bits_as_slices(weight, x: np.ndarray, step: int) -> np.ndarray:
+    """The kernel's product of all of x's rows, checked bit for bit against the same rows
+    taken `step` at a time (a path switched on by the row count against the one below it)."""
+    run = jax.jit(block_matmul)
+    whole = np.asarray(run(jnp.asarray(x), weight))
+    sliced = np.concatenate([np.asarray(run(jnp.asarray(x[r:r + step]), weight)) for r in range(0, len(x), step)])
+    np.testing.assert_array_equal(whole, sliced)
+    return whole
+
+
 def quantize_blocks_ref(x: np.ndarray):
     """numpy version of the kernel's activation quantization: (int values, f32 scales)."""
     m, k = x.shape
@@ -173,10 +183,7 @@ def test_float_panel_with_k_outer_gives_the_columns_outer_bits(fmt):
     rows, k, n = 1100, 1536, 523
     blocks, x = random_blocks(fmt, n, k, seed=7), activations(rows, k, seed=8)
     weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_TARGET, 0)
-    run = jax.jit(block_matmul)
-    whole = np.asarray(run(jnp.asarray(x), weight))
-    sliced = np.concatenate([np.asarray(run(jnp.asarray(x[r:r + 150]), weight)) for r in range(0, rows, 150)])
-    np.testing.assert_array_equal(whole, sliced)
+    whole = same_bits_as_slices(weight, x, 150)
     w = dequantize_host(blocks, fmt)
     err = np.abs(whole - x.astype(np.float64) @ w.T)
     assert np.all(err <= bound(x, w)), f"{fmt} k-outer panel: max error {err.max():.3g}"
@@ -247,10 +254,7 @@ def test_wide_passes_over_a_packed_span_give_the_same_bits(fmt):
     rows, k, n = 80, 8192, 150
     blocks, x = random_blocks(fmt, n, k, seed=11), activations(rows, k, seed=12)
     weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_TARGET, 0, wide_rows=1)
-    run = jax.jit(block_matmul)
-    whole = np.asarray(run(jnp.asarray(x), weight))
-    sliced = np.concatenate([np.asarray(run(jnp.asarray(x[r:r + 16]), weight)) for r in range(0, rows, 16)])
-    np.testing.assert_array_equal(whole, sliced)
+    whole = same_bits_as_slices(weight, x, 16)
     err = np.abs(whole - wide_reference(x, blocks, fmt))
     assert np.all(err <= bound(x, dequantize_host(blocks, fmt))), f"{fmt} spans: max error {err.max():.3g}"
 
@@ -368,10 +372,7 @@ def test_amx_pieces_of_k_give_the_whole_k_bits(fmt):
     rows, k, n = 600, 8192, 1024
     blocks, x = random_blocks(fmt, n, k, seed=9), activations(rows, k, seed=10)
     weight = with_kernel(make_weight(blocks, fmt, k), cpu_kernels.BLOCK_TARGET, 0, amx_rows=16)
-    run = jax.jit(block_matmul)
-    whole = np.asarray(run(jnp.asarray(x), weight))
-    sliced = np.concatenate([np.asarray(run(jnp.asarray(x[r:r + 32]), weight)) for r in range(0, rows, 32)])
-    np.testing.assert_array_equal(whole, sliced)
+    whole = same_bits_as_slices(weight, x, 32)
     w = dequantize_host(blocks, fmt)
     err = np.abs(whole - x.astype(np.float64) @ w.T)
     limit = SPLIT_BF16_EPS * (np.abs(x).astype(np.float64) @ np.abs(w).T) + bound(x, w)

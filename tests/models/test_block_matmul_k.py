@@ -19,7 +19,7 @@ from models import cpu_kernels
 from models.gguf_blocks import K_FORMATS, block_matmul, block_matmul_many, dequantize_blocks, dequantize_host, fusable, \
     make_weight, with_kernel
 from tests.support.kquant_blocks import quantize_k, random_k_blocks
-from tests.models.test_block_matmul import activations, bound
+from tests.models.test_block_matmul import activations, bound, same_bits_as_slices
 
 GGML = {"q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
 
@@ -115,10 +115,7 @@ def test_float_panel_with_k_outer_gives_the_columns_outer_bits(fmt, target):
     rows, k, n = 1100, 768, 523
     blocks, x = random_k_blocks(fmt, n, k, seed=5), activations(rows, k, seed=6)
     weight = with_kernel(make_weight(blocks, fmt, k), target, 0)
-    run = jax.jit(block_matmul)
-    whole = np.asarray(run(jnp.asarray(x), weight))
-    sliced = np.concatenate([np.asarray(run(jnp.asarray(x[r:r + 300]), weight)) for r in range(0, rows, 300)])
-    np.testing.assert_array_equal(whole, sliced)
+    whole = same_bits_as_slices(weight, x, 300)
     w = dequantize_host(blocks, fmt)
     assert np.all(np.abs(whole - x.astype(np.float64) @ w.T) <= bound(x, w))
 
