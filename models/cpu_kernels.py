@@ -279,7 +279,9 @@ def block_k_wide_rows() -> int:
 # 5, 2 rounds; docs/benchmarks.md "On an Intel Xeon with AMX"): SmolLM2-135M Q4_1 (K 576 /
 # 1,536) 32 rows 72-75 on / 55-59 off, 135 rows 269-280 / 220-229; Llama-3.2-1B Q4_0 (K 2,048 /
 # 8,192) 32 rows 309-322 / 261-264, 135 rows 900-937 / 1,093-1,117 (one projection alone from 64
-# rows on is level or better only where N is wide). 0 in either: never.
+# rows on is level or better only where N is wide). 0 in either: never. Past 1.5 MB of packed rows
+# the tiles take K in pieces that stay in L2 (block_matmul_amx.inc): the 1B Q4_0's 135-row step's
+# down projections 225-236 -> 157 ms (docs/benchmarks.md, "long-input products in L2").
 BLOCK_AMX_ROWS = 128
 BLOCK_AMX_MIN_K = 2048
 
