@@ -69,6 +69,7 @@ from models.moe_ep import uses_expert_parallel
 from ferrox_jax.step import ForwardBatch, ForwardResult, jit_steps
 from ferrox_jax.vision import VisionEncoder
 from models.attention import ATTENTION_CHUNK_BLOCKS
+from models.cpu_kernels import runtime_problems
 from models.deltanet import create_states
 from models.deltanet_groups import group_for_devices
 from models.lora import lora_slot_count
@@ -175,7 +176,9 @@ class ModelRunner:
         self._set_state(state if self.shardings is None else place_on_mesh(state, self.shardings.state))
         # One process: batch inputs go to the compiled steps as numpy (`ferrox_jax/step.py`).
         self._place_inputs = jax.process_count() > 1
-        self._steps = jit_steps(self.shardings)
+        # On a CPU, the sampler's passes over the vocabulary are one kernel call (step.py).
+        self._steps = jit_steps(self.shardings, cpu_sampler=self.shardings is None and not runtime_problems(
+            jax.default_backend()))
         self.max_loras = lora_slot_count(self.state)  # adapter slots the projections carry (0: no LoRA)
         self.has_lora = self.max_loras > 0
         self.kv_cache: KVCache = create_model_kv_cache(

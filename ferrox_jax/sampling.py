@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from ferrox_jax.host_batch import SamplingArrays
 from ferrox_jax.request import MAX_LOGPROBS
 from ferrox_jax.token_mask import apply_token_bitmask
+from models.cpu_kernels import sample_rows
 
 _BISECT_STEPS = 24
 
@@ -103,6 +104,11 @@ def _cumsum(x: jax.Array, block: int = 256) -> jax.Array:
     return (inner + offsets[:, :, None]).reshape(b, padded)[:, :v]
 
 
+def _uniform(seed: jax.Array, position: jax.Array) -> jax.Array:
+    """A row's draw in [0, 1): it depends only on (seed, position)."""
+    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), position), (), jnp.float32)
+
+
 def _draw(logits: jax.Array, positions: jax.Array, s: SamplingArrays) -> jax.Array:
     """Temperature, filters and a seeded inverse-CDF draw: i32[B].
 
@@ -119,11 +125,8 @@ def _draw(logits: jax.Array, positions: jax.Array, s: SamplingArrays) -> jax.Arr
     kept = jnp.where(probs >= threshold[:, None], probs, 0.0)
     cdf = _cumsum(kept)
 
-    def uniform(seed, pos):
-        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), pos), (), jnp.float32)
-
     # (1 - u) is in (0, 1], so the target is never 0 and never lands on a dropped token.
-    target = (1.0 - jax.vmap(uniform)(s.seed, positions)) * cdf[:, -1]
+    target = (1.0 - jax.vmap(_uniform)(s.seed, positions)) * cdf[:, -1]
     reached = (cdf >= target[:, None]) & (kept > 0)
     iota = jax.lax.broadcasted_iota(jnp.int32, cdf.shape, 1)
     return jnp.min(jnp.where(reached, iota, cdf.shape[-1] - 1), axis=-1)
@@ -142,17 +145,23 @@ def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays, bitmask: 
       tokens i32[B], logprob f32[B] (raw, of the chosen token),
       top_ids i32[B, 20], top_logprobs f32[B, 20] (raw, best first).
     """
+    return sample_checked(logits, positions, s, bitmask)[:4]
+
+
+def sample_checked(logits: jax.Array, positions: jax.Array, s: SamplingArrays, bitmask: jax.Array | None = None,
+                   *, cpu_kernel: bool = False):
+    """`sample`'s four arrays and finite bool[B] (every raw logit of the row finite: a NaN
+    is caught without copying the logits to the host, `ferrox_jax/step_faults.py`).
+
+    cpu_kernel: the passes over the vocabulary (the raw logits' max, log-sum-exp and
+    finiteness, the greedy argmax, the filtered draw) in one CPU kernel call
+    (`models/kernels/sample_rows.cc`) instead of XLA's reductions; the caller checked that
+    the kernels run here (`models/cpu_kernels.py:runtime_problems`). Same greedy tokens;
+    the same draw up to float rounding, with exact top-k / top-p thresholds in place of
+    the bisection's.
+    """
     b = logits.shape[0]
     raw_logits = logits
-    # The raw logprobs are log_softmax's (x - max) - log(sum(exp(x - max))), but only the
-    # chosen token's is always needed: two reductions over [B, V] instead of a whole
-    # [B, V] array written and read back (32 rows: ~2 ms of a ~7 ms sampler on a 2-core CPU).
-    row_max = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
-    log_sum = jnp.log(jnp.exp(logits - row_max).sum(axis=-1, keepdims=True))
-    # The top-20 search over the vocabulary runs only when some row asked for logprobs.
-    top_lp, top_ids = jax.lax.cond(
-        jnp.any(s.want_logprobs), lambda: tuple(jax.lax.top_k((logits - row_max) - log_sum, MAX_LOGPROBS)),
-        lambda: (jnp.zeros((b, MAX_LOGPROBS), jnp.float32), jnp.zeros((b, MAX_LOGPROBS), jnp.int32)))
     has_penalties = jnp.any(s.penalty_ids < logits.shape[-1]) | jnp.any(s.repetition_penalty != 1.0)
     logits = jax.lax.cond(has_penalties, lambda: apply_penalties(logits, s), lambda: logits)
     if bitmask is not None:
@@ -163,9 +172,24 @@ def sample(logits: jax.Array, positions: jax.Array, s: SamplingArrays, bitmask: 
         # through `where` bit for bit either way.
         logits = jax.lax.cond(jnp.any(bitmask != -1), lambda: apply_token_bitmask(logits, bitmask),
                               lambda: logits)
-    greedy = fast_argmax(logits)
-    # An all-greedy batch skips the noise and the filters entirely.
-    drawn = jax.lax.cond(jnp.any(s.temperature > 0), lambda: _draw(logits, positions, s), lambda: greedy)
-    tokens = jnp.where(s.temperature > 0, drawn, greedy)
+    if cpu_kernel:
+        tokens, row_max, log_sum, finite = sample_rows(raw_logits, logits, s.temperature, s.top_k, s.top_p, s.min_p,
+                                                       jax.vmap(_uniform)(s.seed, positions))
+        row_max, log_sum = row_max[:, None], log_sum[:, None]
+    else:
+        finite = jnp.isfinite(raw_logits).all(axis=-1)
+        # The raw logprobs are log_softmax's (x - max) - log(sum(exp(x - max))), but only the
+        # chosen token's is always needed: two reductions over [B, V] instead of a whole
+        # [B, V] array written and read back (32 rows: ~2 ms of a ~7 ms sampler on a 2-core CPU).
+        row_max = jax.lax.stop_gradient(raw_logits.max(axis=-1, keepdims=True))
+        log_sum = jnp.log(jnp.exp(raw_logits - row_max).sum(axis=-1, keepdims=True))
+        greedy = fast_argmax(logits)
+        # An all-greedy batch skips the noise and the filters entirely.
+        drawn = jax.lax.cond(jnp.any(s.temperature > 0), lambda: _draw(logits, positions, s), lambda: greedy)
+        tokens = jnp.where(s.temperature > 0, drawn, greedy)
+    # The top-20 search over the vocabulary runs only when some row asked for logprobs.
+    top_lp, top_ids = jax.lax.cond(
+        jnp.any(s.want_logprobs), lambda: tuple(jax.lax.top_k((raw_logits - row_max) - log_sum, MAX_LOGPROBS)),
+        lambda: (jnp.zeros((b, MAX_LOGPROBS), jnp.float32), jnp.zeros((b, MAX_LOGPROBS), jnp.int32)))
     chosen_lp = ((jnp.take_along_axis(raw_logits, tokens[:, None], axis=-1) - row_max) - log_sum)[:, 0]
-    return tokens, chosen_lp, top_ids.astype(jnp.int32), top_lp
+    return tokens, chosen_lp, top_ids.astype(jnp.int32), top_lp, finite

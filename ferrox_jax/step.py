@@ -44,7 +44,7 @@ from ferrox_jax.buckets import StepShape
 from ferrox_jax.host_batch import SamplingArrays
 from ferrox_jax.kv_cache import KVCache
 from ferrox_jax.request import MAX_LOGPROBS
-from ferrox_jax.sampling import sample
+from ferrox_jax.sampling import sample_checked
 from ferrox_jax.sharding import RunnerShardings, kv_cache_shardings
 from models.lora import bind_token_slots
 
@@ -210,13 +210,10 @@ def pack_sampled(tokens, logprob, top_ids, top_logprobs, finite) -> SampleResult
                                          finite[:, None].astype(jnp.int32)], axis=1))
 
 
-def _sample(logits, positions, sampling: SamplingArrays, bitmask) -> SampleResult:
-    """logits f32[R, V], positions i32[R], bitmask i32[R, ceil(V/32)] -> SampleResult.
-
-    `finite` is one reduction over the logits already on the device, so a NaN is caught
-    without copying the logits to the host (`ferrox_jax/step_faults.py`)."""
-    finite = jnp.isfinite(logits).all(axis=-1)
-    return pack_sampled(*sample(logits, positions, sampling, bitmask), finite)
+def _sample(logits, positions, sampling: SamplingArrays, bitmask, cpu_kernel: bool = False) -> SampleResult:
+    """logits f32[R, V], positions i32[R], bitmask i32[R, ceil(V/32)] -> SampleResult
+    (`ferrox_jax/sampling.py:sample_checked`; cpu_kernel: its CPU kernel path)."""
+    return pack_sampled(*sample_checked(logits, positions, sampling, bitmask, cpu_kernel=cpu_kernel))
 
 
 def _logits(graphdef, state, kv_cache: KVCache, batch: ForwardBatch):
@@ -234,7 +231,7 @@ class JittedSteps:
     logits: Callable  # offline parity: (graphdef, state, kv_cache, batch) -> (kv_cache, f32[N, V])
 
 
-def jit_steps(shardings: RunnerShardings | None = None) -> JittedSteps:
+def jit_steps(shardings: RunnerShardings | None = None, cpu_sampler: bool = False) -> JittedSteps:
     """jax.jit the step bodies for one runner, donating the KV cache of the model calls
     (by name); the sampler donates nothing.
 
@@ -242,10 +239,12 @@ def jit_steps(shardings: RunnerShardings | None = None) -> JittedSteps:
     its own sharding (so the next step takes it without a reshard or recompile) and the
     outputs come back replicated; the sampler takes and returns replicated arrays.
     Without: a plain jit on the default device, shared by every unsharded runner (so
-    equal graphdefs and shapes reuse one trace).
+    equal graphdefs and shapes reuse one trace); `cpu_sampler` (the caller checked that
+    the CPU kernels run here) samples on `sample_checked`'s kernel path. A sharded sampler
+    stays on XLA's (the kernel has no partitioning rule).
     """
     if shardings is None:
-        return _unsharded_steps()
+        return _unsharded_steps(cpu_sampler)
     kv = kv_cache_shardings(shardings)
     rep = shardings.replicated
     forward = jax.jit(_forward, static_argnums=(0, 1), donate_argnames=("kv_cache",),
@@ -257,7 +256,8 @@ def jit_steps(shardings: RunnerShardings | None = None) -> JittedSteps:
 
 
 @functools.cache
-def _unsharded_steps() -> JittedSteps:
+def _unsharded_steps(cpu_sampler: bool) -> JittedSteps:
     forward = jax.jit(_forward, static_argnums=(0, 1), donate_argnames=("kv_cache",))
     logits = jax.jit(_logits, static_argnums=(0,), donate_argnames=("kv_cache",))
-    return JittedSteps(forward=forward, sample=jax.jit(_sample), logits=logits)
+    return JittedSteps(forward=forward, sample=jax.jit(functools.partial(_sample, cpu_kernel=cpu_sampler)),
+                       logits=logits)

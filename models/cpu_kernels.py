@@ -62,7 +62,7 @@ from models.quant import QuantizedWeight
 
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = (KERNELS / "int8_matmul.cc", KERNELS / "decode_attention.cc", KERNELS / "block_matmul.cc",
-           KERNELS / "block_matmul_k.cc", KERNELS / "block_matmul_mxfp4.cc")
+           KERNELS / "block_matmul_k.cc", KERNELS / "block_matmul_mxfp4.cc", KERNELS / "sample_rows.cc")
 LIBRARY = KERNELS / "_ferrox_cpu.so"
 MATMUL_TARGET = "ferrox_int8_matmul"
 ATTENTION_TARGET = "ferrox_decode_attention"
@@ -73,6 +73,7 @@ BLOCK_K_MULTI_TARGET = MULTI_TARGETS[BLOCK_K_TARGET]  # 2-3 K-quant weights of t
 BLOCK_K_AVX2_TARGET = "ferrox_block_matmul_k_avx2"  # the same, its AVX2 build forced (tests)
 BLOCK_MXFP4_TARGET = "ferrox_block_matmul_mxfp4"  # MXFP4 (block_matmul_mxfp4.cc)
 BLOCK_MXFP4_AVX2_TARGET = "ferrox_block_matmul_mxfp4_avx2"  # the same, its AVX2 build forced (tests)
+SAMPLE_TARGET = "ferrox_sample_rows"  # the sampler's passes over the vocabulary (sample_rows.cc)
 LANE = 32  # the matmul's input sizes are multiples of one AVX2 register of int8
 BUILD_HINT = f"{sys.executable} -m models.cpu_kernels"
 
@@ -124,6 +125,7 @@ def unavailable_reason() -> str | None:
     jax.ffi.register_ffi_target(BLOCK_MXFP4_AVX2_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmulMxfp4Avx2),
                                 platform="cpu")
     _ISA["block_mxfp4"] = BLOCK_K_ISAS.get(lib.ferrox_block_mxfp4_isa(), "none")
+    jax.ffi.register_ffi_target(SAMPLE_TARGET, jax.ffi.pycapsule(lib.FerroxSampleRows), platform="cpu")
     return None
 
 
@@ -453,6 +455,24 @@ def decode_attention() -> CpuDecodeAttention:
     """The attention object (raises RuntimeError where the kernels cannot run)."""
     _require()
     return CpuDecodeAttention()
+
+
+def sample_rows(raw, logits, temperature, top_k, top_p, min_p, uniform):
+    """The sampler's passes over the vocabulary, per row (sample_rows.cc; the caller checked
+    `runtime_problems`): raw and logits f32[B, V] (the model's, and after penalties and
+    masks), the rows' settings [B] and their uniform draws f32[B] in [0, 1).
+
+    Returns:
+      token i32[B] (the first maximum of `logits` where temperature is 0, else the draw),
+      row_max f32[B] and log_sum f32[B] (raw logprobs are raw - row_max - log_sum),
+      finite bool[B] (every raw logit finite).
+    """
+    b = raw.shape[0]
+    i32, f32 = (jax.ShapeDtypeStruct((b,), t) for t in (jnp.int32, jnp.float32))
+    token, row_max, log_sum, finite = jax.ffi.ffi_call(SAMPLE_TARGET, (i32, f32, f32, i32))(
+        raw.astype(jnp.float32), logits.astype(jnp.float32), temperature.astype(jnp.float32),
+        top_k.astype(jnp.int32), top_p.astype(jnp.float32), min_p.astype(jnp.float32), uniform.astype(jnp.float32))
+    return token, row_max, log_sum, finite != 0
 
 
 def main() -> None:

@@ -11,7 +11,9 @@
 #     ROUNDS         default 3
 #   env: LLAMA_BIN (default results/llama-cpp/build/bin, from bench/llama_cpp/build_peer.sh),
 #        CTX per slot (default 1024), INPUT_LEN (128), OUTPUT_LEN (64), REQS_PER_CONC (2: requests
-#        = max(8, 2 x concurrency)), FERROX_ARGS (more `ferrox serve` flags), THREADS (2)
+#        = max(8, 2 x concurrency)), FERROX_ARGS (more `ferrox serve` flags), THREADS (2),
+#        EXTRA_BODY (JSON merged into every request of both, e.g. '{"temperature": 0.7, "top_p": 0.9}';
+#        unset: greedy)
 # Then: .venv/bin/python bench/llama_cpp/summarize.py OUT
 set -u
 GGUF=$1; OUT=$2; SLOTS=${3:-8}; CONCS=${4:-"1 8"}; ROUNDS=${5:-3}
@@ -39,7 +41,7 @@ bench() { # url label concurrency file
   local n=$(( $3 * ${REQS_PER_CONC:-2} )); [ $n -lt 8 ] && n=8
   .venv/bin/python -m tools.bench.bench_serving --base-url $1 --label $2 --tokenizer-model default \
     --input-len $INPUT_LEN --output-len $OUTPUT_LEN --max-concurrency $3 --num-requests $n \
-    --warmup-requests 2 --seed $ROUND --result-json $4 > $4.log 2>&1
+    --warmup-requests 2 --seed $ROUND ${EXTRA_BODY:+--extra-body "$EXTRA_BODY"} --result-json $4 > $4.log 2>&1
 }
 for ROUND in $(seq 1 $ROUNDS); do
   for c in $CONCS; do

@@ -1,5 +1,5 @@
 // Small pieces the x86 kernels share (block_matmul_builds.h, block_matmul_k.cc,
-// decode_attention.cc). Included outside the per-ISA `#pragma GCC target` blocks: what
+// decode_attention.cc, sample_rows.cc). Included outside the per-ISA `#pragma GCC target` blocks: what
 // needs an ISA extension says so in its own target attribute, and GCC inlines it into
 // any build whose target includes that extension.
 
@@ -45,6 +45,24 @@ __attribute__((target("avx"))) inline float Max8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// exp(x) for x <= 0 (Cephes' expf: 2^n times a degree-5 polynomial on [-ln2/2, ln2/2],
+// within 2 ulp of the true value; x below -87.3 gives 2^-126).
+__attribute__((target("avx2,fma"))) inline __m256 Exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
 // 32 int32 already within int8 (four registers of 8, in order) as 32 int8 in order: the two

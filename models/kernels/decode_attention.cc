@@ -50,24 +50,6 @@ inline float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// exp(x) for x <= 0 (Cephes' expf: 2^n times a degree-5 polynomial on [-ln2/2, ln2/2],
-// within 2 ulp of the true value; x below -87.3 gives 2^-126).
-inline __m256 Exp(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
-
 // 8 cache elements as f32: a float cache as is, a u16 one as bfloat16 words (<< 16), an
 // s16 one as float16 words (F16C's exact conversion).
 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -230,7 +212,7 @@ struct Piece {
       for (int64_t j = 0; j < padded; j += 8) {
         const __m256 x = _mm256_loadu_ps(s + j);  // the tail past n is -inf: weight 0
         const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        const __m256 e = _mm256_and_ps(Exp(_mm256_sub_ps(x, _mm256_set1_ps(max))), live);
+        const __m256 e = _mm256_and_ps(ferrox::Exp8(_mm256_sub_ps(x, _mm256_set1_ps(max))), live);
         _mm256_storeu_ps(s + j, e);
         total = _mm256_add_ps(total, e);
       }

@@ -1,4 +1,8 @@
-"""On-device sampling: filters keep exactly the right tokens, draws follow the probabilities."""
+"""On-device sampling: filters keep exactly the right tokens, draws follow the probabilities.
+Every test runs on XLA's path and, where the CPU kernels are built, on the kernel's
+(`ferrox_jax/sampling.py:sample_checked`, `models/kernels/sample_rows.cc`)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -7,18 +11,32 @@ import pytest
 
 from ferrox_jax.request import RowSampling
 from ferrox_jax.host_batch import SamplingArrays
-from ferrox_jax.sampling import fast_argmax, sample
+from ferrox_jax.sampling import fast_argmax, sample_checked
+from models import cpu_kernels
 
 PROBS = np.array([0.4, 0.3, 0.2, 0.1] + [0.0] * 28)  # a vocabulary of 32 (top-20 logprobs need >= 20)
 LOGITS = np.log(np.maximum(PROBS, 1e-30)).astype(np.float32)
 ROWS = 4000  # one row per seed: frequencies within ~3 sigma = 3*sqrt(.4*.6/4000) ~ 0.023
+KERNEL = cpu_kernels.unavailable_reason() is None
+_path = {"kernel": False}  # which path `_draw` samples on (the autouse fixture sets it)
+
+
+@pytest.fixture(autouse=True, params=["xla", "kernel"])
+def sampler_path(request):
+    if request.param == "kernel" and not KERNEL:
+        pytest.skip(f"the CPU kernels are unavailable: {cpu_kernels.unavailable_reason()}")
+    _path["kernel"] = request.param == "kernel"
+    yield request.param
+    _path["kernel"] = False
 
 
 def _draw(params: RowSampling, rows=ROWS, logits=LOGITS, histories=None, positions=None):
     plist = [RowSampling(**{**params.__dict__, "seed": i}) for i in range(rows)]
     batch = jax.device_put(SamplingArrays.build(plist, histories or [()] * rows, [0] * rows, logits.shape[-1]))
     pos = jnp.asarray(positions if positions is not None else np.full(rows, 5), jnp.int32)
-    tokens, lp, top_ids, top_lp = jax.jit(sample)(jnp.asarray(np.tile(logits, (rows, 1))), pos, batch)
+    run = jax.jit(functools.partial(sample_checked, cpu_kernel=_path["kernel"]))
+    tokens, lp, top_ids, top_lp, finite = run(jnp.asarray(np.tile(logits, (rows, 1))), pos, batch)
+    assert np.asarray(finite).all()
     return np.asarray(tokens), np.asarray(lp), np.asarray(top_ids), np.asarray(top_lp)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,8 @@ import pytest
 
 from ferrox_jax.request import RowSampling
 from ferrox_jax.host_batch import SamplingArrays
-from ferrox_jax.sampling import sample
+from ferrox_jax.sampling import sample_checked
+from models import cpu_kernels
 from ferrox_jax.token_mask import apply_token_bitmask
 
 
@@ -75,7 +78,13 @@ def test_mismatched_shapes_and_dtypes_raise_naming_both_sides():
         apply_token_bitmask(logits, np.zeros((2, 4), np.uint32))
 
 
-def test_sampler_only_picks_allowed_tokens_greedy_and_drawn():
+KERNEL = cpu_kernels.unavailable_reason() is None
+# XLA's sampler, and the CPU kernel's where it is built (`ferrox_jax/sampling.py:sample_checked`).
+PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(not KERNEL, reason="the CPU kernels are unavailable"))]
+
+
+@pytest.mark.parametrize("cpu_kernel", PATHS)
+def test_sampler_only_picks_allowed_tokens_greedy_and_drawn(cpu_kernel):
     vocab_size, rows = 1000, 4
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((rows, vocab_size)).astype(np.float32) * 3
@@ -90,7 +99,7 @@ def test_sampler_only_picks_allowed_tokens_greedy_and_drawn():
     masked = jax.jit(apply_token_bitmask)(logits, bitmask)
     settings = [RowSampling(temperature=0.0), RowSampling(temperature=1.0, seed=11),
                 RowSampling(temperature=2.5, top_p=0.9, seed=5), RowSampling(temperature=0.7, top_k=3, min_p=0.05, seed=9)]
-    run = jax.jit(sample)
+    run = jax.jit(functools.partial(sample_checked, cpu_kernel=cpu_kernel))
     for params in settings:
         for position in range(8):
             batch = jax.device_put(SamplingArrays.build([params] * rows, [()] * rows, [0] * rows, vocab_size))
@@ -99,7 +108,8 @@ def test_sampler_only_picks_allowed_tokens_greedy_and_drawn():
                 assert tokens[r] in ids, f"{params}: row {r} sampled {tokens[r]}, allowed {ids[:8]}"
 
 
-def test_a_penalty_that_rounds_to_zero_never_brings_back_a_masked_token():
+@pytest.mark.parametrize("cpu_kernel", PATHS)
+def test_a_penalty_that_rounds_to_zero_never_brings_back_a_masked_token(cpu_kernel):
     # Found by the 200-example fuzz run: repetition_penalty 5e-324 (> 0, so valid) is 0.0 in
     # float32; the penalty times a masked -inf was NaN, argmax took it, and the grammar
     # matcher rejected the token (a 500). The mask now comes after the penalties.
@@ -110,7 +120,7 @@ def test_a_penalty_that_rounds_to_zero_never_brings_back_a_masked_token():
     for t in allowed:
         bitmask.view(np.uint32)[:, 0] |= np.uint32(1 << t)
     history = tuple(range(0, vocab_size, 3))  # penalised: masked tokens and allowed token 6
-    run = jax.jit(sample)
+    run = jax.jit(functools.partial(sample_checked, cpu_kernel=cpu_kernel))
     for params in (RowSampling(temperature=0.0, repetition_penalty=5e-324),
                    RowSampling(temperature=1.0, repetition_penalty=5e-324, top_p=5e-324, seed=3)):
         batch = jax.device_put(SamplingArrays.build([params] * rows, [history] * rows, [0] * rows, vocab_size))
