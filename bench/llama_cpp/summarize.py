@@ -1,6 +1,7 @@
 """The table of a side-by-side run (bench/llama_cpp/side_by_side.sh): per concurrency, each
 server's median over rounds of output tok/s, TTFT p50 and TPOT p50, the ratio ferrox / llama-server,
-the peak RSS of each, and the start-up times.
+the peak RSS of each, and the start-up times. A before / after run (bench/llama_cpp/before_after.sh)
+adds "ferrox-before" and the ratio ferrox / ferrox-before.
 
     .venv/bin/python bench/llama_cpp/summarize.py results/sbs-1b-q4km [--json out.json]
 """
@@ -28,7 +29,7 @@ def summarize(folder: Path) -> dict:
     rows = []
     for conc in sorted({c for _, c in runs}):
         row = {"concurrency": conc}
-        for server in ("llama-server", "ferrox"):
+        for server in ("llama-server", "ferrox", "ferrox-before"):
             results = runs.get((server, conc), [])
             if not results:
                 continue
@@ -43,13 +44,15 @@ def summarize(folder: Path) -> dict:
             }
         if "llama-server" in row and "ferrox" in row:
             row["ratio"] = row["ferrox"]["output_tok_s"] / row["llama-server"]["output_tok_s"]
+        if "ferrox-before" in row and "ferrox" in row:
+            row["after_before"] = row["ferrox"]["output_tok_s"] / row["ferrox-before"]["output_tok_s"]
         rows.append(row)
     out = {"rows": rows}
     rss = folder / "rss.jsonl"
     if rss.exists():
         lines = [json.loads(x) for x in rss.read_text().splitlines() if x.strip()]
         out["peak_rss_gib"] = {k.removesuffix("_kib"): max(x[k] for x in lines) / 2**20
-                               for k in ("llama-server_kib", "ferrox_kib")}
+                               for k in ("llama-server_kib", "ferrox_kib", "ferrox-before_kib") if k in lines[0]}
     if (folder / "startup.json").exists():
         out.update(json.loads((folder / "startup.json").read_text()))
     return out
@@ -63,9 +66,13 @@ def table(summary: dict) -> str:
         lines.append(f"| {r['concurrency']} | {p.get('output_tok_s', 0):.1f} | {o.get('output_tok_s', 0):.1f} | "
                      f"{r.get('ratio', 0):.2f}x | {p.get('ttft_p50_ms', 0):.0f} / {o.get('ttft_p50_ms', 0):.0f} | "
                      f"{p.get('tpot_p50_ms', 0):.1f} / {o.get('tpot_p50_ms', 0):.1f} |")
+    for r in summary["rows"]:
+        if "after_before" in r:
+            b = r["ferrox-before"]
+            lines.append(f"c{r['concurrency']} ferrox before: {b['output_tok_s']:.1f} tok/s, TTFT {b['ttft_p50_ms']:.0f}, "
+                         f"TPOT {b['tpot_p50_ms']:.1f}; after / before {r['after_before']:.2f}x")
     if "peak_rss_gib" in summary:
-        r = summary["peak_rss_gib"]
-        lines.append(f"\npeak RSS: llama-server {r['llama-server']:.2f} GiB, ferrox {r['ferrox']:.2f} GiB")
+        lines.append("\npeak RSS: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in summary["peak_rss_gib"].items()))
     if "startup_s" in summary:
         s = summary["startup_s"]
         lines.append(f"start-up to /health: llama-server {s['llama-server']:.1f} s, ferrox {s['ferrox']:.1f} s")
