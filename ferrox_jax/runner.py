@@ -410,7 +410,10 @@ class ModelRunner:
             fetch += [forward.prompt_logprob, forward.prompt_top_ids, forward.prompt_top_logprobs]
         if wants_pooled:
             fetch += [forward.hidden_sum, forward.last_hidden]
-        packed, *rest = [np.asarray(a) for a in jax.device_get(fetch)]
+        if len(fetch) == 1:  # one array: np.asarray, not device_get's tree walk (~0.2 ms a step on cold caches)
+            packed, rest = np.asarray(samples.packed), []
+        else:
+            packed, *rest = [np.asarray(a) for a in jax.device_get(fetch)]
         return unpad_results(batch, shape, order, [*split_sampled(packed), *rest], wants_prompt, wants_pooled)
 
     def _run_forward(self, shape: StepShape, inputs: ForwardBatch) -> ForwardResult:

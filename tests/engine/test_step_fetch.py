@@ -1,6 +1,6 @@
 """What a step hands back to the host, cheaply: the sampler's outputs as one packed array
-(one fetch), read back bit for bit, and the sampling columns not copied when the rows
-already fill their bucket in order."""
+(one fetch), read back bit for bit, the sampling columns not copied when the rows
+already fill their bucket in order, and each host row's results picked from its padded rows."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from ferrox_jax.host_batch import BatchGeometry, HostBatch, SamplingArrays
-from ferrox_jax.padding import split_sampled
+from ferrox_jax.buckets import Buckets
+from ferrox_jax.padding import pad_batch, split_sampled, unpad_results
 from ferrox_jax.plan import RowPlan, StepPlan
 from ferrox_jax.request import MAX_LOGPROBS, RowSampling
 from ferrox_jax.step import SAMPLED_COLUMNS, pack_sampled
@@ -98,3 +99,40 @@ def test_rows_out_of_order_or_padded_are_gathered_as_before(order):
             np.testing.assert_array_equal(value[j], want, err_msg=f"{name}, padded row {j}")
     for name, value in _fields(sampling).items():  # the source is left as it was
         np.testing.assert_array_equal(value, before[name])
+
+
+def _row(r: int, tokens: int, samples: int) -> RowPlan:
+    return RowPlan(row_id=r, token_ids=tuple(range(5, 5 + tokens)), start_pos=3, block_ids=(1, 2, 3),
+                   sample=samples > 0, num_draft_tokens=max(0, samples - 1) if samples == tokens else 0,
+                   sampling=RowSampling(temperature=0.0))
+
+
+@pytest.mark.parametrize("rows", [
+    [(1, 1), (1, 1), (6, 1), (5, 0)],  # two decode rows, a last chunk and a middle one: plain picks
+    [(1, 1), (3, 3), (6, 1)],  # a row verifying 2 drafts takes 3 padded rows: the general path
+], ids=["plain", "speculating"])
+def test_each_host_row_reads_its_own_padded_rows(rows):
+    """Every padded row's outputs are distinct, so a host row that read another row's (or a
+    padding row's) would show: row h's column j is its (j+1)-th padded row (its first where it
+    sampled less), finite the AND over its padded rows."""
+    plan = StepPlan(decode=tuple(_row(r, t, n) for r, (t, n) in enumerate(rows) if t == n or t == 1),
+                    chunks=tuple(_row(r, t, n) for r, (t, n) in enumerate(rows) if not (t == n or t == 1)))
+    batch = HostBatch.build(plan, GEOMETRY)
+    shape, order, _ = pad_batch(batch, Buckets.derive(8, 16, 2), GEOMETRY.table_width, has_lora=False)
+    p = shape.num_rows
+    tokens = np.arange(p, dtype=np.int32) + 1000
+    logprob = -np.arange(p, dtype=np.float32) / 8
+    top_ids = (np.arange(p * MAX_LOGPROBS, dtype=np.int32) + 7).reshape(p, MAX_LOGPROBS)
+    top = -top_ids.astype(np.float32)
+    finite = np.arange(p) % 3 != 2
+    got = unpad_results(batch, shape, order, [tokens, logprob, top_ids, top, finite], False, False)
+    width = max(1, int(batch.num_logits.max()))
+    assert got.tokens.shape == (batch.num_rows, width) and got.top_ids.shape == (batch.num_rows, width, MAX_LOGPROBS)
+    for h in range(batch.num_rows):
+        mine = np.flatnonzero(order == h)
+        for j in range(width):
+            at = mine[j] if j < max(1, batch.num_logits[h]) else mine[0]
+            assert got.tokens[h, j] == tokens[at] and got.logprob[h, j] == logprob[at], (h, j)
+            np.testing.assert_array_equal(got.top_ids[h, j], top_ids[at])
+            np.testing.assert_array_equal(got.top_logprobs[h, j], top[at])
+        assert got.finite[h] == finite[mine].all(), h
