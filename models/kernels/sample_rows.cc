@@ -165,8 +165,10 @@ float Threshold(const float* e, int64_t n, double total, int32_t top_k, float to
   float t = min_p > 0.0f ? min_p : 0.0f;
   const bool want_k = top_k > 0 && top_k < n, want_p = top_p < 1.0f;
   if (want_k || want_p) {
-    std::vector<int64_t> count(kBuckets, 0);
-    std::vector<double> mass(kBuckets, 0.0);
+    thread_local std::vector<int64_t> count;
+    thread_local std::vector<double> mass;
+    count.assign(kBuckets, 0);
+    mass.assign(kBuckets, 0.0);
     for (int64_t i = 0; i < n; ++i) {
       const int b = Bucket(e[i]);
       count[b] += 1;
@@ -183,12 +185,14 @@ float Threshold(const float* e, int64_t n, double total, int32_t top_k, float to
       above += count[b];
       mass_above += mass[b];
     }
+    std::vector<float> values;  // the last bucket read, largest first (both crossings may share one)
+    int read = -1;
     if (bk >= 0) {  // the (k+1)-th largest e; keep what is above it
-      const std::vector<float> values = BucketValues(e, n, bk);
+      values = BucketValues(e, n, read = bk);
       t = std::max(t, std::nextafter(values[top_k - count_above_k], std::numeric_limits<float>::infinity()));
     }
     if (bp >= 0) {  // the value at which the running mass, largest first, reaches the target
-      const std::vector<float> values = BucketValues(e, n, bp);
+      if (bp != read) values = BucketValues(e, n, read = bp);
       double cum = mass_above_p;
       float at = values.back();
       for (float v : values) {
