@@ -15,19 +15,21 @@ through the one-query kernels, with no shape of its own). Padding tokens are inv
 write into the null block 0; padding rows sample greedily and are dropped. Host work
 only (numpy); the runner hands the result to its compiled step.
 
-`unpad_results` maps what one fetch brought back (padded rows) to host-batch rows
-(`StepArrays`): each host row from its first padded row, a speculating row's samples from
-its consecutive ones, each prompt token from its flat index.
+`fetch_results` is the step's one fetch (the sampler's packed array, and the prompt or
+pooled arrays when a row asked), and `unpad_results` maps what it brought back (padded rows)
+to host-batch rows (`StepArrays`): each host row from its first padded row, a speculating
+row's samples from its consecutive ones, each prompt token from its flat index.
 """
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from ferrox_jax.buckets import Buckets, StepShape
 from ferrox_jax.host_batch import HostBatch, StepArrays
 from ferrox_jax.request import MAX_LOGPROBS
-from ferrox_jax.step import SAMPLED_COLUMNS, ForwardBatch, image_padding
+from ferrox_jax.step import SAMPLED_COLUMNS, ForwardBatch, ForwardResult, image_padding
 
 
 def empty_forward(shape: StepShape, table_width: int, has_lora: bool, image_width: int = 0,
@@ -137,6 +139,23 @@ def split_sampled(packed: np.ndarray) -> list[np.ndarray]:
     k = MAX_LOGPROBS
     return [packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2:2 + k], packed[:, 2 + k:2 + 2 * k].view(np.float32),
             packed[:, 2 + 2 * k] != 0]
+
+
+def fetch_results(batch: HostBatch, shape: StepShape, order: np.ndarray, forward: ForwardResult,
+                  packed: jax.Array) -> StepArrays:
+    """The step's one fetch, per host-batch row: the sampler's packed array (`packed`), and
+    the forward's prompt logprobs or pooled states when some row of the batch asked."""
+    wants_prompt, wants_pooled = bool(batch.prompt_logprobs.any()), bool(batch.pooling.any())
+    fetch = [packed]
+    if wants_prompt:
+        fetch += [forward.prompt_logprob, forward.prompt_top_ids, forward.prompt_top_logprobs]
+    if wants_pooled:
+        fetch += [forward.hidden_sum, forward.last_hidden]
+    if len(fetch) == 1:  # one array: np.asarray, not device_get's tree walk (~0.2 ms a step on cold caches)
+        host, rest = np.asarray(packed), []
+    else:
+        host, *rest = [np.asarray(a) for a in jax.device_get(fetch)]
+    return unpad_results(batch, shape, order, [*split_sampled(host), *rest], wants_prompt, wants_pooled)
 
 
 def unpad_results(batch: HostBatch, shape: StepShape, order: np.ndarray, fetched: list[np.ndarray],

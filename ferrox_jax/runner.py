@@ -25,8 +25,8 @@ compiled on demand and counted in `recompiles_after_warmup` (it should stay 0: t
      (`ferrox_jax/batcher.py`): the mask for a row depends on the token it sampled last
      step, so this is the earliest it can be computed, and the forward is what it hides behind.
   4. `sample` runs the sampler on the forward's logits; everything comes back in one
-     `jax.device_get`, un-padded to host-batch rows (`StepArrays`: per row, what was sampled
-     after each position it samples at).
+     fetch (`ferrox_jax/padding.py:fetch_results`), un-padded to host-batch rows
+     (`StepArrays`: per row, what was sampled after each position it samples at).
 
 A draft model (`--speculative draft`) is a runner of its own; the owner loop mirrors every
 target batch on it and drives its proposal steps through the same verbs (`ferrox_jax/draft.py`).
@@ -59,7 +59,7 @@ from ferrox_jax.kv_cache import KVCache, copy_blocks, create_model_kv_cache, sto
 from ferrox_jax.kv_groups import window_arrays
 from ferrox_jax.kv_offload import HostKVPool, HostStatePool
 from ferrox_jax.multihost import place_on_mesh
-from ferrox_jax.padding import empty_forward, pad_batch, split_sampled, unpad_results
+from ferrox_jax.padding import empty_forward, fetch_results, pad_batch
 from ferrox_jax.runner_protocol import DeviceState
 from ferrox_jax.executable_store import ExecutableStore
 from ferrox_jax.shared_compiles import SharedCompiles
@@ -404,17 +404,7 @@ class ModelRunner:
         else:
             sampling, padded = self._to_step(sampling), self._all_ones_mask(rows)
         samples = self._executable(("sample", rows))(forward.logits, forward.sample_pos, sampling, padded)
-        wants_prompt, wants_pooled = bool(batch.prompt_logprobs.any()), bool(batch.pooling.any())
-        fetch = [samples.packed]
-        if wants_prompt:
-            fetch += [forward.prompt_logprob, forward.prompt_top_ids, forward.prompt_top_logprobs]
-        if wants_pooled:
-            fetch += [forward.hidden_sum, forward.last_hidden]
-        if len(fetch) == 1:  # one array: np.asarray, not device_get's tree walk (~0.2 ms a step on cold caches)
-            packed, rest = np.asarray(samples.packed), []
-        else:
-            packed, *rest = [np.asarray(a) for a in jax.device_get(fetch)]
-        return unpad_results(batch, shape, order, [*split_sampled(packed), *rest], wants_prompt, wants_pooled)
+        return fetch_results(batch, shape, order, forward, samples.packed)
 
     def _run_forward(self, shape: StepShape, inputs: ForwardBatch) -> ForwardResult:
         exe = self._executable(("forward", *shape.key))
