@@ -11,7 +11,8 @@ over 30 layers' own caches, as a decode step does, so the keys and values come f
 memory, not from a cache the previous call warmed. Prints A and B in ms per 30 layers,
 A/B, and the largest difference between the two builds' outputs. Environment: SHAPE
 "heads,kv_heads,head_dim,block_size,layers" (default "9,3,64,16,30"; the 1B: "32,8,64,16,16"),
-CASES "rows:context,..." and DTYPES (f32, bf16, f16) pick other cases.
+CASES "rows:context,..." and DTYPES (f32, bf16, f16) pick other cases; SHUFFLE=1 hands the rows
+their blocks in a random order (a cache whose blocks were freed and reused), not consecutively.
 """
 import ctypes
 import sys
@@ -39,7 +40,10 @@ def case(rows, ctx, dtype):
         if dtype == "f16":
             k, v = (jax.lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.float16), jnp.int16) for x in (k, v))
         caches.append((jnp.asarray(k), jnp.asarray(v)))
-    tables = jnp.asarray((1 + np.arange(rows * width).reshape(rows, width)).astype(np.int32))
+    ids = 1 + np.arange(rows * width)
+    if os.environ.get("SHUFFLE"):  # a cache whose blocks were freed and handed out again in no order
+        ids = np.random.default_rng(1).permutation(ids)
+    tables = jnp.asarray(ids.reshape(rows, width).astype(np.int32))
     lengths = jnp.full((rows,), ctx, jnp.int32)
     q = jnp.asarray(rng.standard_normal((rows, H, hd)).astype(np.float32))
     def make(target):

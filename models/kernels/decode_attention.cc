@@ -50,6 +50,12 @@ inline float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+inline float HorizontalMax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 // 8 cache elements as f32: a float cache as is, a u16 one as bfloat16 words (<< 16), an
 // s16 one as float16 words (F16C's exact conversion).
 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -79,6 +85,14 @@ inline __m256 Sum8(const __m256* v) {
 // How far ahead of the keys and values being read their cache rows are fetched: the
 // hardware prefetcher alone left a decoding row waiting on memory.
 constexpr int64_t kAheadKeys = 16;
+// And further ahead into L2, keys and values both, while the scores are computed: the values'
+// pass then reads L2, and twice the rows are in flight (1.05-1.20x on a long context,
+// bench/kernels/ab_decode_attention.py; 64 or 256 keys measured the same as 128).
+constexpr int64_t kFarKeys = 128;
+inline void PrefetchL2(const void* at, int64_t bytes) {
+  const char* c = static_cast<const char*>(at);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
+}
 
 // Key or value j of `row` for `kv_head`: its cache row, found through the row's block table.
 template <typename T>
@@ -127,6 +141,10 @@ struct Piece {
       // the 8 cache rows kAheadKeys on: contiguous (a run of 8 from a multiple of 8 stays
       // inside one block of 8 or more positions)
       if (j0 + kAheadKeys < n) ferrox::PrefetchSpan(KeyRow(k_cache, begin + j0 + kAheadKeys), 8 * hd * int64_t{sizeof(T)});
+      if (j0 + kFarKeys < n) {
+        PrefetchL2(KeyRow(k_cache, begin + j0 + kFarKeys), 8 * hd * int64_t{sizeof(T)});
+        PrefetchL2(KeyRow(v_cache, begin + j0 + kFarKeys), 8 * hd * int64_t{sizeof(T)});
+      }
       for (int64_t g = 0; g < groups; ++g) {
         __m256 acc[8];
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
@@ -162,14 +180,17 @@ struct Piece {
           ferrox::PrefetchSpan(KeyRow(v_cache, begin + j + kAheadKeys), 8 * hd * int64_t{sizeof(T)});
       }
       const T* v = (runs ? run + (j % 8) * hd : KeyRow(v_cache, begin + j)) + d0;
-      __m256 vr[R];
+      // the NG weights, then one value vector at a time: NG x R accumulators + NG + 1
+      // registers (3 x 4 + 4 = 16; R value vectors at once had one accumulator spilled, a
+      // store and reload in every key's chain)
+      __m256 w[NG];
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) vr[r] = Load8(v + 8 * r);
+      for (int g = 0; g < NG; ++g) w[g] = _mm256_broadcast_ss(e + (g0 + g) * padded + j);
 #pragma GCC unroll 4
-      for (int g = 0; g < NG; ++g) {
-        const __m256 w = _mm256_broadcast_ss(e + (g0 + g) * padded + j);
+      for (int r = 0; r < R; ++r) {
+        const __m256 vr = Load8(v + 8 * r);
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) acc[g][r] = _mm256_fmadd_ps(w, vr[r], acc[g][r]);
+        for (int g = 0; g < NG; ++g) acc[g][r] = _mm256_fmadd_ps(w[g], vr, acc[g][r]);
       }
     }
 #pragma GCC unroll 4
@@ -207,7 +228,11 @@ struct Piece {
     Scores(begin, n, padded, scores.data(), wide);
     for (int64_t g = 0; g < groups; ++g) {
       float* s = scores.data() + g * padded;
-      const float max = *std::max_element(s, s + n);
+      // the maximum 8 lanes at a time (the tail past n is -inf): a scalar max_element was a
+      // 4-cycle dependency per key
+      __m256 lanes = _mm256_set1_ps(-INFINITY);
+      for (int64_t j = 0; j < padded; j += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + j));
+      const float max = HorizontalMax(lanes);
       __m256 total = _mm256_setzero_ps();
       for (int64_t j = 0; j < padded; j += 8) {
         const __m256 x = _mm256_loadu_ps(s + j);  // the tail past n is -inf: weight 0
