@@ -115,11 +115,12 @@ inline void ForPanels(int64_t m, int64_t k, int64_t n_begin, int64_t n_end, int6
         step(n0, std::min(cols, n_end - n0), k0, std::min(piece, k - k0));
 }
 
-// Every cache line of [at, at + bytes) requested into L1. A prefetch never faults, so the
-// span may run past the data.
+// Every cache line of [at, at + bytes) requested into L1 (`Hint` _MM_HINT_T1: into L2). A
+// prefetch never faults, so the span may run past the data.
+template <auto Hint = _MM_HINT_T0>
 inline void PrefetchSpan(const void* at, int64_t bytes) {
   const char* p = static_cast<const char*>(at);
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, Hint);
 }
 
 // A tile of NB output columns reads their NB weight rows (contiguous bytes) as NB

@@ -89,10 +89,6 @@ constexpr int64_t kAheadKeys = 16;
 // pass then reads L2, and twice the rows are in flight (1.05-1.20x on a long context,
 // bench/kernels/ab_decode_attention.py; 64 or 256 keys measured the same as 128).
 constexpr int64_t kFarKeys = 128;
-inline void PrefetchL2(const void* at, int64_t bytes) {
-  const char* c = static_cast<const char*>(at);
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
-}
 
 // Key or value j of `row` for `kv_head`: its cache row, found through the row's block table.
 template <typename T>
@@ -142,8 +138,8 @@ struct Piece {
       // inside one block of 8 or more positions)
       if (j0 + kAheadKeys < n) ferrox::PrefetchSpan(KeyRow(k_cache, begin + j0 + kAheadKeys), 8 * hd * int64_t{sizeof(T)});
       if (j0 + kFarKeys < n) {
-        PrefetchL2(KeyRow(k_cache, begin + j0 + kFarKeys), 8 * hd * int64_t{sizeof(T)});
-        PrefetchL2(KeyRow(v_cache, begin + j0 + kFarKeys), 8 * hd * int64_t{sizeof(T)});
+        ferrox::PrefetchSpan<_MM_HINT_T1>(KeyRow(k_cache, begin + j0 + kFarKeys), 8 * hd * int64_t{sizeof(T)});
+        ferrox::PrefetchSpan<_MM_HINT_T1>(KeyRow(v_cache, begin + j0 + kFarKeys), 8 * hd * int64_t{sizeof(T)});
       }
       for (int64_t g = 0; g < groups; ++g) {
         __m256 acc[8];
