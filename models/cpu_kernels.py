@@ -66,6 +66,7 @@ SOURCES = (KERNELS / "int8_matmul.cc", KERNELS / "decode_attention.cc", KERNELS 
 LIBRARY = KERNELS / "_ferrox_cpu.so"
 MATMUL_TARGET = "ferrox_int8_matmul"
 ATTENTION_TARGET = "ferrox_decode_attention"
+ATTENTION_AVX2_TARGET = "ferrox_decode_attention_avx2"  # the same, its AVX2 build forced (tests)
 BLOCK_TARGET = "ferrox_block_matmul"
 BLOCK_K_TARGET = "ferrox_block_matmul_k"  # the K-quants (block_matmul_k.cc)
 BLOCK_MULTI_TARGET = MULTI_TARGETS[BLOCK_TARGET]  # 2-3 weights of the same x in one call
@@ -113,6 +114,9 @@ def unavailable_reason() -> str | None:
         return "this CPU has no AVX2"
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.FerroxInt8Matmul), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.FerroxDecodeAttention), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_AVX2_TARGET, jax.ffi.pycapsule(lib.FerroxDecodeAttentionAvx2),
+                                platform="cpu")
+    _ISA["attention"] = BLOCK_K_ISAS.get(lib.ferrox_decode_attention_isa(), "none")
     jax.ffi.register_ffi_target(BLOCK_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmul), platform="cpu")
     jax.ffi.register_ffi_target(BLOCK_MULTI_TARGET, jax.ffi.pycapsule(lib.FerroxBlockMatmulMulti), platform="cpu")
     _ISA["block"] = BLOCK_ISAS.get(lib.ferrox_block_isa(), "none")
@@ -309,6 +313,12 @@ def block_k_isa() -> str:
     return _ISA.get("block_k", "none") if unavailable_reason() is None else "none"
 
 
+def attention_isa() -> str:
+    """Which build of the decode attention's lone rows this CPU runs ("AVX-512" where head_dim is a
+    multiple of 16, else the AVX2 one; "AVX2"), or "none"."""
+    return _ISA.get("attention", "none") if unavailable_reason() is None else "none"
+
+
 def block_mxfp4_isa() -> str:
     """Which build of the MXFP4 kernel this CPU runs ("AVX-512", "AVX2"), or "none"."""
     return _ISA.get("block_mxfp4", "none") if unavailable_reason() is None else "none"
@@ -404,7 +414,10 @@ def _kernel_reads(head_dim: int, k_cache) -> bool:
 class CpuDecodeAttention:
     """Decode attention (one query per row) via `decode_attention.cc`. Hashable: static.
     A head size or cache dtype the kernel cannot read (`attention_problems`) takes the
-    pure-JAX path instead, so the object is safe to hand any model."""
+    pure-JAX path instead, so the object is safe to hand any model. `avx2` forces the
+    kernel's AVX2 build (tests compare it with the AVX-512 one on one host)."""
+
+    avx2: bool = False
 
     def __call__(self, q, k_cache, v_cache, block_tables, positions, scale: float):
         """Same contract as `models.attention.paged_attention` for T == 1.
@@ -422,7 +435,8 @@ class CpuDecodeAttention:
             return paged_attention(q, k_cache, v_cache, block_tables, positions, scale)
         out = jax.ShapeDtypeStruct((b, num_heads, head_dim), jnp.float32)
         lengths = (positions[:, 0] + 1).astype(jnp.int32)
-        y = jax.ffi.ffi_call(ATTENTION_TARGET, out)(q[:, 0].astype(jnp.float32), k_cache, v_cache,
+        target = ATTENTION_AVX2_TARGET if self.avx2 else ATTENTION_TARGET
+        y = jax.ffi.ffi_call(target, out)(q[:, 0].astype(jnp.float32), k_cache, v_cache,
                                                     block_tables.astype(jnp.int32), lengths,
                                                     scale=np.float32(scale))
         return y.reshape(b, 1, num_heads, head_dim)
@@ -451,10 +465,11 @@ class CpuDecodeAttention:
         return jnp.where(valid[:, :, None, None], out.reshape(b, t, num_heads, head_dim), 0.0)
 
 
-def decode_attention() -> CpuDecodeAttention:
-    """The attention object (raises RuntimeError where the kernels cannot run)."""
+def decode_attention(avx2: bool = False) -> CpuDecodeAttention:
+    """The attention object (raises RuntimeError where the kernels cannot run); `avx2` forces
+    the kernel's AVX2 build."""
     _require()
-    return CpuDecodeAttention()
+    return CpuDecodeAttention(avx2)
 
 
 def sample_rows(raw, logits, temperature, top_k, top_p, min_p, uniform):

@@ -138,12 +138,13 @@ def kernel_problems(head_dim: int, block_size: int, max_blocks_per_row: int, ppc
 
 
 def _cpu_decode_attention(impl: str, *, head_dim: int, backend: str, mesh: Mesh | None, kv_dtype):
-    """`auto` on a CPU backend, or `cpu`: ferrox's AVX2 kernel where it can run."""
+    """`auto` on a CPU backend, or `cpu`: ferrox's kernel (AVX-512 or AVX2) where it can run."""
     from models import cpu_kernels
 
     problems = cpu_kernels.runtime_problems(backend, mesh) + cpu_kernels.attention_problems(head_dim, kv_dtype)
     if not problems:
-        return cpu_kernels.decode_attention(), "decode attention: ferrox's AVX2 CPU kernel (models/cpu_kernels.py)"
+        isa = "AVX-512" if cpu_kernels.attention_isa() == "AVX-512" and head_dim % 16 == 0 else "AVX2"
+        return cpu_kernels.decode_attention(), f"decode attention: ferrox's {isa} CPU kernel (models/cpu_kernels.py)"
     if impl == "cpu":
         raise ValueError("attention_impl=cpu: the CPU kernel cannot run here: " + "; ".join(problems))
     return None, "decode attention: pure JAX (the CPU kernel cannot run here: " + "; ".join(problems) + ")"

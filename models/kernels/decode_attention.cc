@@ -1,4 +1,5 @@
-// Decode attention on x86 CPUs with AVX2: one query per row over its paged KV cache.
+// Decode attention on x86 CPUs with AVX2 (and AVX-512 where the CPU has it): one query per row
+// over its paged KV cache.
 // Prompt chunks use it too: models/cpu_kernels.py (`CpuDecodeAttention.chunks`) makes each
 // query token a row of its own, with its row's block table and its causal length.
 //
@@ -21,6 +22,10 @@
 // kv head) pairs; where they are fewer than 4 per thread (one decoding row has K of them),
 // each pair's keys are cut into pieces of at least 64, and the pieces' softmax sums are
 // merged as flash-decoding does (each rescaled from its own maximum to the overall one).
+// Where the CPU has AVX-512 F / BW / VL (and FERROX_CPU_ISA allows it) and hd is a multiple of
+// 16, both paths run their products on 16-lane registers (decode_attention_piece512.inc and
+// decode_attention_shared.inc's FERROX_WIDE build); the handler FerroxDecodeAttentionAvx2
+// forces the AVX2 build (tests compare the two on one host).
 
 #include <immintrin.h>
 
@@ -80,6 +85,15 @@ inline __m256 Sum8(const __m256* v) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// 8 keys' scores at `to` (a padded row: 8 floats are there), -inf past the first `count` (their
+// sums were of a repeated key). One store: a copy of `count` floats through the stack cost more
+// than the 8 keys' sums at a short head_dim.
+inline void StoreScores(__m256 sums, int64_t count, float* to) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lane));
+  _mm256_storeu_ps(to, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sums, live));
 }
 
 // How far ahead of the keys and values being read their cache rows are fetched: the
@@ -148,9 +162,7 @@ struct Piece {
           const __m256 qv = _mm256_loadu_ps(q + g * hd + d);
           for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[i] + d), acc[i]);
         }
-        alignas(32) float sums[8];
-        _mm256_store_ps(sums, _mm256_mul_ps(Sum8(acc), _mm256_set1_ps(p.scale)));
-        std::copy(sums, sums + count, scores + g * padded + j0);  // past `count`: stays -inf
+        StoreScores(_mm256_mul_ps(Sum8(acc), _mm256_set1_ps(p.scale)), count, scores + g * padded + j0);
       }
     }
   }
@@ -207,44 +219,14 @@ struct Piece {
     }
   }
 
-  void Run(int64_t begin, int64_t end, std::vector<float>& scores, float* partial) const {
-    const int64_t groups = p.heads / p.kv_heads, hd = p.head_dim, stride = hd + 2, n = end - begin;
-    if (n <= 0) {  // an empty range (a short row split as a long one is): weight 0 in the merge
-      for (int64_t g = 0; g < groups; ++g) {
-        std::fill(partial + g * stride, partial + g * stride + hd, 0.0f);
-        partial[g * stride + hd] = -INFINITY;
-        partial[g * stride + hd + 1] = 0.0f;
-      }
-      return;
-    }
-    const int64_t padded = (n + 7) / 8 * 8;
-    // the scores, then (16-bit caches) 8 converted keys, 32-byte aligned
-    scores.assign(groups * padded + 8 * hd + 8, -INFINITY);
-    float* wide = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scores.data() + groups * padded) + 31) & ~uintptr_t{31});
-    Scores(begin, n, padded, scores.data(), wide);
-    for (int64_t g = 0; g < groups; ++g) {
-      float* s = scores.data() + g * padded;
-      // the maximum 8 lanes at a time (the tail past n is -inf): a scalar max_element was a
-      // 4-cycle dependency per key
-      __m256 lanes = _mm256_set1_ps(-INFINITY);
-      for (int64_t j = 0; j < padded; j += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + j));
-      const float max = HorizontalMax(lanes);
-      __m256 total = _mm256_setzero_ps();
-      for (int64_t j = 0; j < padded; j += 8) {
-        const __m256 x = _mm256_loadu_ps(s + j);  // the tail past n is -inf: weight 0
-        const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        const __m256 e = _mm256_and_ps(ferrox::Exp8(_mm256_sub_ps(x, _mm256_set1_ps(max))), live);
-        _mm256_storeu_ps(s + j, e);
-        total = _mm256_add_ps(total, e);
-      }
-      partial[g * stride + hd] = max;
-      partial[g * stride + hd + 1] = HorizontalSum(total);
-    }
+  // The values' pass for all query heads (Values' tiles over the columns).
+  void AllValues(int64_t begin, int64_t n, int64_t padded, const float* e, float* partial) const {
+    const int64_t groups = p.heads / p.kv_heads, hd = p.head_dim;
     // Four query heads (Llama 3's and Qwen's 32 / 8 among them) over a 16-bit cache: each value
     // row read and converted once per 16 columns for all four (4 x 2 accumulators, 2 value
     // vectors; a float cache has nothing to convert and reads faster 32 columns at a time).
     if (!std::is_same_v<T, float> && groups == 4 && hd % 16 == 0) {
-      for (int64_t d0 = 0; d0 < hd; d0 += 16) Values<4, 2>(begin, n, padded, scores.data(), 0, d0, partial);
+      for (int64_t d0 = 0; d0 < hd; d0 += 16) Values<4, 2>(begin, n, padded, e, 0, d0, partial);
       return;
     }
     // Else each value row is read once per 32 columns for up to 3 query heads together (the
@@ -252,16 +234,78 @@ struct Piece {
     for (int64_t d0 = 0; d0 < hd; d0 += 32) {
       const int64_t width = std::min<int64_t>(32, hd - d0);
       int64_t g = 0;
-      for (; g + 3 <= groups; g += 3) ValuesOfWidth<3>(begin, n, padded, scores.data(), g, d0, width, partial);
-      if (groups - g == 2) ValuesOfWidth<2>(begin, n, padded, scores.data(), g, d0, width, partial);
-      if (groups - g == 1) ValuesOfWidth<1>(begin, n, padded, scores.data(), g, d0, width, partial);
+      for (; g + 3 <= groups; g += 3) ValuesOfWidth<3>(begin, n, padded, e, g, d0, width, partial);
+      if (groups - g == 2) ValuesOfWidth<2>(begin, n, padded, e, g, d0, width, partial);
+      if (groups - g == 1) ValuesOfWidth<1>(begin, n, padded, e, g, d0, width, partial);
     }
   }
 };
 
+// One piece (Piece or, on AVX-512, Piece512) of keys [begin, end): its scores, their softmax
+// numerators against the range's own maximum, and the values' pass into `partial`.
+template <typename P>
+void RunPiece(const P& piece, int64_t begin, int64_t end, std::vector<float>& scores, float* partial) {
+  const Problem& p = piece.p;
+  const int64_t groups = p.heads / p.kv_heads, hd = p.head_dim, stride = hd + 2, n = end - begin;
+  if (n <= 0) {  // an empty range (a short row split as a long one is): weight 0 in the merge
+    for (int64_t g = 0; g < groups; ++g) {
+      std::fill(partial + g * stride, partial + g * stride + hd, 0.0f);
+      partial[g * stride + hd] = -INFINITY;
+      partial[g * stride + hd + 1] = 0.0f;
+    }
+    return;
+  }
+  const int64_t padded = (n + 7) / 8 * 8;
+  // the scores, then (16-bit caches) 8 converted keys, 64-byte aligned
+  scores.assign(groups * padded + 8 * hd + 16, -INFINITY);
+  float* wide = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scores.data() + groups * padded) + 63) & ~uintptr_t{63});
+  piece.Scores(begin, n, padded, scores.data(), wide);
+  for (int64_t g = 0; g < groups; ++g) {
+    float* s = scores.data() + g * padded;
+    // the maximum 8 lanes at a time (the tail past n is -inf): a scalar max_element was a
+    // 4-cycle dependency per key
+    __m256 lanes = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < padded; j += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + j));
+    const float max = HorizontalMax(lanes);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 8) {
+      const __m256 x = _mm256_loadu_ps(s + j);  // the tail past n is -inf: weight 0
+      const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+      const __m256 e = _mm256_and_ps(ferrox::Exp8(_mm256_sub_ps(x, _mm256_set1_ps(max))), live);
+      _mm256_storeu_ps(s + j, e);
+      total = _mm256_add_ps(total, e);
+    }
+    partial[g * stride + hd] = max;
+    partial[g * stride + hd + 1] = HorizontalSum(total);
+  }
+  piece.AllValues(begin, n, padded, scores.data(), partial);
+}
+
+#define FERROX_WIDE 0
 #include "decode_attention_shared.inc"
+#undef FERROX_WIDE
 
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
+#include "decode_attention_piece512.inc"
+namespace wide {
+#define FERROX_WIDE 1
+#include "decode_attention_shared.inc"
+#undef FERROX_WIDE
+}  // namespace wide
+#pragma GCC pop_options
+
+// 2: AVX-512 F + BW + VL (lone rows on Piece512 where head_dim is a multiple of 16), 1: AVX2.
+int DetectIsa() {
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  return avx512 ? 2 : 1;
+}
+
+const int kIsa = std::min(DetectIsa(), ferrox::IsaCap());
 
 // Below this many multiply-adds (keys x heads x head_dim, twice) the caller works alone.
 constexpr int64_t kParallelMacs = 1 << 17;
@@ -306,7 +350,7 @@ std::vector<std::pair<int64_t, int64_t>> SharedRuns(const Problem& p, int64_t ro
 }
 
 // The rows with a table of their own: one task per (row, kv head) pair, or per piece of it.
-template <typename T>
+template <template <typename> class Part, typename T>
 void RunLone(ffi::ThreadPool& pool, const Problem& p, const T* k_cache, const T* v_cache, int64_t threads,
              const std::vector<int64_t>& lone) {
   int64_t longest = 0;
@@ -322,20 +366,24 @@ void RunLone(ffi::ThreadPool& pool, const Problem& p, const T* k_cache, const T*
     thread_local std::vector<float> scores;
     const int64_t pair = task / pieces, c = task % pieces, row = lone[pair / p.kv_heads];
     const int64_t length = p.lengths[row], per = ((length + pieces - 1) / pieces + 7) / 8 * 8;
-    const Piece<T> piece{p, k_cache, v_cache, row, pair % p.kv_heads};
-    piece.Run(std::min(length, c * per), std::min(length, (c + 1) * per), scores,
-              partials.data() + task * groups * (p.head_dim + 2));
+    const Part<T> piece{Piece<T>{p, k_cache, v_cache, row, pair % p.kv_heads}};
+    RunPiece(piece, std::min(length, c * per), std::min(length, (c + 1) * per), scores,
+             partials.data() + task * groups * (p.head_dim + 2));
   });
   for (int64_t pair = 0; pair < pairs; ++pair)
     MergePieces(p, lone[pair / p.kv_heads], pair % p.kv_heads, pieces,
                 partials.data() + pair * pieces * groups * (p.head_dim + 2));
 }
 
-// Most rows of a slice of shared rows (its queries' state stays in L1/L2).
-constexpr int64_t kSliceRows = 16;
+// Most rows of a slice of shared rows (its queries' state stays in L1/L2). Each slice converts and
+// transposes every key tile again: past a long context 64 rows a slice (a 128-token chunk at 1,920:
+// 1.09x 16 rows, 1.03x 32). A chunk that is mostly its own causal triangle (its first row sees fewer
+// keys than the run has rows) takes 32: its later rows see more keys, and 64-row slices left a
+// thread waiting on the other's (a first chunk at 0: 0.95x 32 rows).
+constexpr int64_t kSliceRows = 64, kTriangleSliceRows = 32;
 
 template <typename T>
-void Run(ffi::ThreadPool& pool, const Problem& p, const T* k_cache, const T* v_cache, int64_t rows) {
+void Run(ffi::ThreadPool& pool, const Problem& p, const T* k_cache, const T* v_cache, int64_t rows, bool wide) {
   int64_t work = 0;
   for (int64_t b = 0; b < rows; ++b) work += int64_t{p.lengths[b]} * p.heads * p.head_dim * 2;
   const int64_t threads = work >= kParallelMacs ? std::max<int64_t>(1, pool.num_threads()) : 1;
@@ -348,18 +396,28 @@ void Run(ffi::ThreadPool& pool, const Problem& p, const T* k_cache, const T* v_c
       lone.push_back(first);
       continue;
     }
-    const int64_t per = std::clamp<int64_t>(count * p.kv_heads / (2 * threads), 1, kSliceRows);
+    const int64_t most = p.lengths[first] >= count ? kSliceRows : kTriangleSliceRows;
+    const int64_t per = std::clamp<int64_t>(count * p.kv_heads / (2 * threads), 1, most);
     for (int64_t r = 0; r < count; r += per) slices.push_back({first + r, std::min(per, count - r)});
   }
   if (!slices.empty())
     ferrox::ParallelFor(pool, threads, static_cast<int64_t>(slices.size()) * p.kv_heads, [&](int64_t task) {
       thread_local std::vector<float> scratch;
       const auto& [first, count] = slices[task / p.kv_heads];
-      SharedRows<T>{p, k_cache, v_cache, first, count, task % p.kv_heads}.Run(scratch);
+      if (wide)
+        wide::SharedRows<T>{p, k_cache, v_cache, first, count, task % p.kv_heads}.Run(scratch);
+      else
+        SharedRows<T>{p, k_cache, v_cache, first, count, task % p.kv_heads}.Run(scratch);
     });
-  if (!lone.empty()) RunLone(pool, p, k_cache, v_cache, threads, lone);
+  if (lone.empty()) return;
+  if (wide)
+    RunLone<Piece512>(pool, p, k_cache, v_cache, threads, lone);
+  else
+    RunLone<Piece>(pool, p, k_cache, v_cache, threads, lone);
 }
 
+// kAvx2: the AVX2 build whatever the CPU has (tests compare the builds on one host).
+template <bool kAvx2>
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                                ffi::AnyBuffer v, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
                                float scale, ffi::ResultBuffer<ffi::F32> out) {
@@ -385,17 +443,19 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
       if (table[j] < 0 || table[j] >= p.blocks)
         return ffi::Error::InvalidArgument("ferrox_decode_attention: a block id in a row's table is outside the cache");
   }
+  const bool wide = !kAvx2 && kIsa == 2 && hd % 16 == 0;
   switch (k.element_type()) {
     case ffi::DataType::F32:
-      Run(pool, p, static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()), rows);
+      Run(pool, p, static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()), rows,
+          wide);
       break;
     case ffi::DataType::U16:
       Run(pool, p, static_cast<const uint16_t*>(k.untyped_data()), static_cast<const uint16_t*>(v.untyped_data()),
-          rows);
+          rows, wide);
       break;
     case ffi::DataType::S16:
       Run(pool, p, static_cast<const int16_t*>(k.untyped_data()), static_cast<const int16_t*>(v.untyped_data()),
-          rows);
+          rows, wide);
       break;
     default:
       return ffi::Error::InvalidArgument(
@@ -406,13 +466,19 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxDecodeAttention, DecodeAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define FERROX_DECODE_ATTENTION_BINDING                   \
+  ffi::Ffi::Bind()                                        \
+      .Ctx<ffi::ThreadPool>()                             \
+      .Arg<ffi::Buffer<ffi::F32>>()                       \
+      .Arg<ffi::AnyBuffer>()                              \
+      .Arg<ffi::AnyBuffer>()                              \
+      .Arg<ffi::Buffer<ffi::S32>>()                       \
+      .Arg<ffi::Buffer<ffi::S32>>()                       \
+      .Attr<float>("scale")                               \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxDecodeAttention, DecodeAttentionImpl<false>, FERROX_DECODE_ATTENTION_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FerroxDecodeAttentionAvx2, DecodeAttentionImpl<true>, FERROX_DECODE_ATTENTION_BINDING);
+
+// Which build lone rows run on (2: AVX-512 where head_dim is a multiple of 16, 1: AVX2).
+extern "C" int ferrox_decode_attention_isa() { return kIsa; }

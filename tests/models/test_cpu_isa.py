@@ -49,7 +49,7 @@ for rows in (1, 3):
               for got, wi in zip(jax.jit(block_matmul_many)(xr, ws), ws)]
 json.dump({"reason": cpu_kernels.unavailable_reason(), "block": cpu_kernels.block_isa(),
            "block_k": cpu_kernels.block_k_isa(), "mxfp4": cpu_kernels.block_mxfp4_isa(),
-           "amx": cpu_kernels.block_amx(), "auto_is_avx2_build": same, "fused_equals_own_calls": fused}, sys.stdout)
+           "amx": cpu_kernels.block_amx(), "attention": cpu_kernels.attention_isa(), "auto_is_avx2_build": same, "fused_equals_own_calls": fused}, sys.stdout)
 """
 
 
@@ -67,7 +67,8 @@ def probe(cap: str | None) -> dict:
 def test_avx2_cap_runs_every_kernel_on_its_avx2_build():
     got = probe("avx2")
     assert got["reason"] is None
-    assert (got["block"], got["block_k"], got["mxfp4"], got["amx"]) == ("AVX2", "AVX2", "AVX2", False)
+    assert (got["block"], got["block_k"], got["mxfp4"], got["amx"], got["attention"]) == ("AVX2", "AVX2", "AVX2",
+                                                                                         False, "AVX2")
     assert got["auto_is_avx2_build"] == [True, True]  # the default target's bits are the AVX2 build's
     assert got["fused_equals_own_calls"] == [True] * 6
 
@@ -75,8 +76,8 @@ def test_avx2_cap_runs_every_kernel_on_its_avx2_build():
 @needs_kernels
 def test_avx512_cap_keeps_avx512_but_never_the_tiles():
     native, capped = probe(None), probe("avx512")
-    assert (capped["block"], capped["block_k"], capped["mxfp4"]) == (native["block"], native["block_k"],
-                                                                    native["mxfp4"])
+    assert (capped["block"], capped["block_k"], capped["mxfp4"], capped["attention"]) == (
+        native["block"], native["block_k"], native["mxfp4"], native["attention"])
     assert capped["amx"] is False
 
 

@@ -206,6 +206,10 @@ def test_default_model_on_the_kernel_stays_within_the_w8a8_budget():
 
 # ---- decode attention ---------------------------------------------------------------------------
 
+# The kernel's builds: the one this CPU runs (AVX-512 lone rows where it has AVX-512 and head_dim
+# is a multiple of 16) and its AVX2 build forced, so that an AVX-512 host checks both.
+BUILDS = pytest.mark.parametrize("avx2", [False, True], ids=["native", "avx2"])
+
 def _random_cache(rng, kv_heads, blocks, block_size, head_dim, dtype):
     k = jnp.asarray(rng.standard_normal((kv_heads, blocks, block_size, head_dim)).astype(np.float32))
     v = jnp.asarray(rng.standard_normal((kv_heads, blocks, block_size, head_dim)).astype(np.float32))
@@ -224,7 +228,8 @@ def _random_cache(rng, kv_heads, blocks, block_size, head_dim, dtype):
                                                      (32, 8, 64), (8, 2, 48)])
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("block_size", [8, 12])
-def test_decode_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, head_dim, kv_dtype, block_size):
+@BUILDS
+def test_decode_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, head_dim, kv_dtype, block_size, avx2):
     from models.attention import paged_attention
 
     rng = np.random.default_rng(heads * head_dim)
@@ -238,8 +243,8 @@ def test_decode_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, 
     positions = jnp.asarray(np.array(lengths, np.int32)[:, None] - 1)
     scale = head_dim ** -0.5
     want = jax.jit(paged_attention, static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables), positions, scale)
-    got = jax.jit(cpu_kernels.decode_attention(), static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables),
-                                                                        positions, scale)
+    got = jax.jit(cpu_kernels.decode_attention(avx2), static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables),
+                                                                            positions, scale)
     assert got.shape == want.shape == (len(lengths), 1, heads, head_dim) and got.dtype == jnp.float32
     # Both softmax in f32 over the same keys; they differ in summation order and exp's last
     # bits (an AVX2 polynomial here): a few ulp of outputs of magnitude ~1.
@@ -271,8 +276,9 @@ def test_a_block_id_outside_the_cache_is_an_error_not_a_read_past_it(bad_id):
     (4, 1, 128, [5, 700]),  # the short row's later pieces are empty
 ])
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@BUILDS
 def test_decode_attention_split_into_pieces_matches_the_pure_jax_paged_attention(heads, kv_heads, head_dim, lengths,
-                                                                                  kv_dtype):
+                                                                                  kv_dtype, avx2):
     # Fewer than 4 (row, kv head) pairs a thread: each pair's keys are cut into pieces of at
     # least 64 whose softmax sums are merged (decode_attention.cc, MergePieces).
     from models.attention import paged_attention
@@ -288,8 +294,8 @@ def test_decode_attention_split_into_pieces_matches_the_pure_jax_paged_attention
     positions = jnp.asarray(np.array(lengths, np.int32)[:, None] - 1)
     scale = head_dim ** -0.5
     want = jax.jit(paged_attention, static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables), positions, scale)
-    got = jax.jit(cpu_kernels.decode_attention(), static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables),
-                                                                        positions, scale)
+    got = jax.jit(cpu_kernels.decode_attention(avx2), static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables),
+                                                                            positions, scale)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
 
 
@@ -297,7 +303,8 @@ def test_decode_attention_split_into_pieces_matches_the_pure_jax_paged_attention
 # head_dim 56: value columns 32 + 24
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 16), (4, 2, 56), (4, 4, 32)])
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_rows_sharing_a_block_table_match_the_pure_jax_paged_attention(heads, kv_heads, head_dim, kv_dtype):
+@BUILDS
+def test_rows_sharing_a_block_table_match_the_pure_jax_paged_attention(heads, kv_heads, head_dim, kv_dtype, avx2):
     """Consecutive rows with one table (a speculating row's 1 + d tokens, a prompt chunk's
     tokens) walk their keys together in tiles with an online softmax (SharedRows in
     decode_attention_shared.inc); lone rows between them keep the Piece path."""
@@ -322,8 +329,8 @@ def test_rows_sharing_a_block_table_match_the_pure_jax_paged_attention(heads, kv
     positions = jnp.asarray(lengths[:, None] - 1)
     scale = head_dim ** -0.5
     want = jax.jit(paged_attention, static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables), positions, scale)
-    got = jax.jit(cpu_kernels.decode_attention(), static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables),
-                                                                        positions, scale)
+    got = jax.jit(cpu_kernels.decode_attention(avx2), static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables),
+                                                                            positions, scale)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
 
 
@@ -362,7 +369,10 @@ def test_decode_attention_is_chosen_on_cpu_where_it_can_run():
 
     kw = dict(block_size=16, max_blocks_per_row=64, backend="cpu")
     attention, note = select_decode_attention("auto", head_dim=64, kv_dtype=jnp.float32, **kw)
-    assert isinstance(attention, cpu_kernels.CpuDecodeAttention) and "AVX2 CPU kernel" in note
+    isa = "AVX-512" if cpu_kernels.attention_isa() == "AVX-512" else "AVX2"
+    assert isinstance(attention, cpu_kernels.CpuDecodeAttention) and f"ferrox's {isa} CPU kernel" in note
+    _, note = select_decode_attention("auto", head_dim=40, kv_dtype=jnp.float32, **kw)  # not a multiple of 16
+    assert "ferrox's AVX2 CPU kernel" in note
     assert select_decode_attention("jax", head_dim=64, kv_dtype=jnp.float32, **kw)[0] is None
     attention, note = select_decode_attention("auto", head_dim=12, kv_dtype=jnp.float32, **kw)
     assert attention is None and "head_dim 12 is not a multiple of 8" in note
