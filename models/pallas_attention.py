@@ -19,8 +19,8 @@ field of the model, so it is part of the compiled step's graphdef):
     "auto"             cuda/gpu   yes               the ragged GPU kernel (every row, every layer)
     "auto"             tpu / gpu  no                pure JAX (reason logged: a block size the
                                                     kernel's tiles refuse)
-    "auto"             cpu        -                 ferrox's AVX2 decode kernel where it can
-                                                    run (models/cpu_kernels.py), else pure JAX
+    "auto"             cpu        -                 ferrox's decode kernel where it can
+                                                    run (models/cpu_attention.py), else pure JAX
     "auto"             other      -                 pure JAX
     "ragged-tpu", "ragged-gpu", and their "-interpret" variants
                                                     the ragged kernels of models/ragged_tpu.py
@@ -139,12 +139,12 @@ def kernel_problems(head_dim: int, block_size: int, max_blocks_per_row: int, ppc
 
 def _cpu_decode_attention(impl: str, *, head_dim: int, backend: str, mesh: Mesh | None, kv_dtype):
     """`auto` on a CPU backend, or `cpu`: ferrox's kernel (AVX-512 or AVX2) where it can run."""
-    from models import cpu_kernels
+    from models import cpu_attention, cpu_kernels
 
-    problems = cpu_kernels.runtime_problems(backend, mesh) + cpu_kernels.attention_problems(head_dim, kv_dtype)
+    problems = cpu_kernels.runtime_problems(backend, mesh) + cpu_attention.attention_problems(head_dim, kv_dtype)
     if not problems:
         isa = "AVX-512" if cpu_kernels.attention_isa() == "AVX-512" and head_dim % 16 == 0 else "AVX2"
-        return cpu_kernels.decode_attention(), f"decode attention: ferrox's {isa} CPU kernel (models/cpu_kernels.py)"
+        return cpu_attention.decode_attention(), f"decode attention: ferrox's {isa} CPU kernel (models/cpu_attention.py)"
     if impl == "cpu":
         raise ValueError("attention_impl=cpu: the CPU kernel cannot run here: " + "; ".join(problems))
     return None, "decode attention: pure JAX (the CPU kernel cannot run here: " + "; ".join(problems) + ")"

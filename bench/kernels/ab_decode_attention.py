@@ -15,7 +15,7 @@ CASES "rows:context,..." and DTYPES (f32, bf16, f16) pick other cases; SHUFFLE=1
 their blocks in a random order (a cache whose blocks were freed and reused), not consecutively.
 CHUNK=1 makes each case a prompt chunk instead: `rows` query tokens of one sequence that share
 its block table, at positions ctx .. ctx + rows - 1 (the kernel's SharedRows path, as
-`CpuDecodeAttention.chunks` calls it), e.g. CHUNK=1 CASES=128:1920 DTYPES=f16.
+`models.cpu_attention.CpuDecodeAttention.chunks` calls it), e.g. CHUNK=1 CASES=128:1920 DTYPES=f16.
 """
 import ctypes
 import sys

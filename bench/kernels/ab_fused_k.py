@@ -20,7 +20,7 @@ from models import cpu_kernels
 from models.gguf_blocks import block_matmul, block_matmul_many, make_weight, with_kernel
 from tests.support.kquant_blocks import random_k_blocks
 
-cpu_kernels._require()
+cpu_kernels.require()
 
 rows = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 10

@@ -62,14 +62,14 @@ def main() -> None:
     import jax.numpy as jnp
 
     from ferrox_jax.plan import RowPlan
-    from models import cpu_kernels
+    from models import cpu_attention, cpu_kernels
     from models.loader import load_checkpoint
     from tools.parity.compare_logits import FerroxSide
 
     sides = {}
     for wide in (0, 1):
         ckpt = load_checkpoint(args.model, dtype=jnp.float32, quantization="gguf",
-                               decode_attention=cpu_kernels.decode_attention())
+                               decode_attention=cpu_attention.decode_attention())
         cpu_kernels.pack_blocks_for_kernel(ckpt.model, int_rows=0, wide_rows=wide)
         sides[wide] = FerroxSide(ckpt.model, 256, args.rows)
         tok = ckpt.tokenizer

@@ -1,6 +1,6 @@
 // Decode attention on x86 CPUs with AVX2 (and AVX-512 where the CPU has it): one query per row
 // over its paged KV cache.
-// Prompt chunks use it too: models/cpu_kernels.py (`CpuDecodeAttention.chunks`) makes each
+// Prompt chunks use it too: models/cpu_attention.py (`CpuDecodeAttention.chunks`) makes each
 // query token a row of its own, with its row's block table and its causal length.
 //
 // The pure-JAX path (models/attention.py:paged_attention) gathers each row's blocks into

@@ -17,7 +17,7 @@ from flax import nnx
 from ferrox_jax.config import EngineConfig
 from ferrox_jax.plan import RowPlan
 from ferrox_jax.runner import ModelRunner
-from models import cpu_kernels
+from models import cpu_attention, cpu_kernels
 from models.loader import load_checkpoint
 from models.quant import QuantizedWeight, quantize, quantized_matmul
 from tests.support.engine_helpers import default_model_case, prompt_logits, shuffled_blocks
@@ -243,7 +243,7 @@ def test_decode_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, 
     positions = jnp.asarray(np.array(lengths, np.int32)[:, None] - 1)
     scale = head_dim ** -0.5
     want = jax.jit(paged_attention, static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables), positions, scale)
-    got = jax.jit(cpu_kernels.decode_attention(avx2), static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables),
+    got = jax.jit(cpu_attention.decode_attention(avx2), static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables),
                                                                             positions, scale)
     assert got.shape == want.shape == (len(lengths), 1, heads, head_dim) and got.dtype == jnp.float32
     # Both softmax in f32 over the same keys; they differ in summation order and exp's last
@@ -259,7 +259,7 @@ def test_a_block_id_outside_the_cache_is_an_error_not_a_read_past_it(bad_id):
     k_cache, v_cache = _random_cache(rng, 2, 60, 8, 16, jnp.float16)  # blocks 0..59
     q = jnp.asarray(rng.standard_normal((2, 1, 4, 16)).astype(np.float32))
     positions = jnp.asarray(np.array([[19], [7]], np.int32))  # row 0 reads 3 blocks, row 1 one
-    run = jax.jit(cpu_kernels.decode_attention(), static_argnums=(5,))
+    run = jax.jit(cpu_attention.decode_attention(), static_argnums=(5,))
     tables = np.zeros((2, 4), np.int32)
     tables[0, :3], tables[1, 0] = (5, 6, 7), 9
     tables[1, 1:] = bad_id  # past row 1's length: never read, so not checked
@@ -294,7 +294,7 @@ def test_decode_attention_split_into_pieces_matches_the_pure_jax_paged_attention
     positions = jnp.asarray(np.array(lengths, np.int32)[:, None] - 1)
     scale = head_dim ** -0.5
     want = jax.jit(paged_attention, static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables), positions, scale)
-    got = jax.jit(cpu_kernels.decode_attention(avx2), static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables),
+    got = jax.jit(cpu_attention.decode_attention(avx2), static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables),
                                                                             positions, scale)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
 
@@ -329,7 +329,7 @@ def test_rows_sharing_a_block_table_match_the_pure_jax_paged_attention(heads, kv
     positions = jnp.asarray(lengths[:, None] - 1)
     scale = head_dim ** -0.5
     want = jax.jit(paged_attention, static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables), positions, scale)
-    got = jax.jit(cpu_kernels.decode_attention(avx2), static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables),
+    got = jax.jit(cpu_attention.decode_attention(avx2), static_argnums=(5,))(q, k_cache, v_cache, jnp.asarray(tables),
                                                                             positions, scale)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
 
@@ -357,7 +357,7 @@ def test_chunk_attention_matches_the_pure_jax_paged_attention(heads, kv_heads, h
     scale = head_dim ** -0.5
     args = (q, k_cache, v_cache, jnp.asarray(tables), jnp.asarray(positions))
     want = jax.jit(lambda *a: paged_attention(*a, scale, valid=jnp.asarray(valid)))(*args)
-    got = jax.jit(lambda *a: cpu_kernels.decode_attention().chunks(*a, jnp.asarray(valid), scale))(*args)
+    got = jax.jit(lambda *a: cpu_attention.decode_attention().chunks(*a, jnp.asarray(valid), scale))(*args)
     assert got.shape == want.shape == (len(starts), t, heads, head_dim) and got.dtype == jnp.float32
     # real tokens as the pure-JAX path; padding tokens (whose outputs nothing reads) zeros
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], rtol=1e-5, atol=2e-6)
@@ -370,7 +370,7 @@ def test_decode_attention_is_chosen_on_cpu_where_it_can_run():
     kw = dict(block_size=16, max_blocks_per_row=64, backend="cpu")
     attention, note = select_decode_attention("auto", head_dim=64, kv_dtype=jnp.float32, **kw)
     isa = "AVX-512" if cpu_kernels.attention_isa() == "AVX-512" else "AVX2"
-    assert isinstance(attention, cpu_kernels.CpuDecodeAttention) and f"ferrox's {isa} CPU kernel" in note
+    assert isinstance(attention, cpu_attention.CpuDecodeAttention) and f"ferrox's {isa} CPU kernel" in note
     _, note = select_decode_attention("auto", head_dim=40, kv_dtype=jnp.float32, **kw)  # not a multiple of 16
     assert "ferrox's AVX2 CPU kernel" in note
     assert select_decode_attention("jax", head_dim=64, kv_dtype=jnp.float32, **kw)[0] is None
@@ -391,7 +391,7 @@ def test_model_decode_steps_on_the_attention_kernel_match_pure_jax(tiny_llama, k
     blocks = shuffled_blocks(8, 48, seed=20)
     tables = [tuple(blocks[:4]), tuple(blocks[4:])]  # positions up to 22 need 3 blocks of 8
     steps = {}
-    for attention in (None, cpu_kernels.decode_attention()):
+    for attention in (None, cpu_attention.decode_attention()):
         model = load_checkpoint(str(tiny_llama), decode_attention=attention).model
         runner = ModelRunner(model, num_blocks=48, block_size=8, max_rows=4, max_chunk_tokens=32,
                              max_context=128, kv_dtype=kv_dtype)

@@ -179,12 +179,12 @@ def test_cpu_decode_kernel_leaves_sink_layers_to_pure_jax(gpt_oss):
     """With the CPU decode kernel chosen (as `auto` does on a CPU), every gpt-oss layer has
     sinks, which the kernel does not know: they attend through pure JAX, prefill and
     decode, and match HF (models/layers.py picks the path per layer)."""
-    from models import cpu_kernels
+    from models import cpu_attention, cpu_kernels
 
     if cpu_kernels.unavailable_reason():
         pytest.skip(cpu_kernels.unavailable_reason())
     path, hf, report = gpt_oss
-    err = _prefill_err(path, hf, report.prompt, attention=cpu_kernels.decode_attention(), decode=2)
+    err = _prefill_err(path, hf, report.prompt, attention=cpu_attention.decode_attention(), decode=2)
     assert err < fc.ATOL, f"gpt_oss with the CPU kernel chosen differs from HF by {err:.3g}"
 
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ferrox_jax.step_output import run_plan
-from models import cpu_kernels
+from models import cpu_attention, cpu_kernels
 from models.attention import paged_attention
 from models.quant import quantize, quantized_matmul
 
@@ -143,7 +143,7 @@ def attention(rows: list[int], contexts: list[int], repeats: int) -> None:
     print("| rows | context | KV dtype | pure JAX (µs) | kernel (µs) | speed-up |\n|---|---|---|---|---|---|")
     rng = np.random.default_rng(1)
     heads, kv_heads, hd, bs = 9, 3, 64, 16
-    kernel = jax.jit(cpu_kernels.decode_attention(), static_argnums=(5,))
+    kernel = jax.jit(cpu_attention.decode_attention(), static_argnums=(5,))
     reference = jax.jit(paged_attention, static_argnums=(5,))
     for b in rows:
         width = max(contexts) // bs + 8
@@ -178,7 +178,7 @@ def steps(rows: list[int], contexts: list[int], repeats: int) -> None:
     runners = {}
     for name, (mode, matmul, attend) in variants.items():
         model = source.build(quantization=mode.removesuffix("-amx16"),
-                             decode_attention=cpu_kernels.decode_attention() if attend else None)
+                             decode_attention=cpu_attention.decode_attention() if attend else None)
         if matmul and mode == "w8a8":
             cpu_kernels.pack_for_kernel(model)
         if matmul and mode.startswith("gguf"):

@@ -6,7 +6,7 @@
 #   .venv/bin/python bench/quant/host-path/ab_step.py 1,8,32
 import time, os, sys, numpy as np, jax, jax.numpy as jnp
 from flax import nnx
-from models import cpu_kernels
+from models import cpu_attention, cpu_kernels
 from ferrox_jax.host_batch import HostBatch
 from ferrox_jax.kv_cache import KVCache
 from ferrox_jax.padding import pad_batch
@@ -16,7 +16,7 @@ from ferrox_jax.runner import ModelRunner
 from models.loader import open_checkpoint
 rows = [int(r) for r in sys.argv[1].split(",")]
 source = open_checkpoint("default")
-model = source.build(quantization="gguf", decode_attention=cpu_kernels.decode_attention())
+model = source.build(quantization="gguf", decode_attention=cpu_attention.decode_attention())
 cpu_kernels.pack_blocks_for_kernel(model)
 R = max(rows)
 runner = ModelRunner(model, num_blocks=40 * R + 1, block_size=16, max_rows=R, max_chunk_tokens=16, max_context=640)

@@ -4,7 +4,7 @@
 import os, sys, time, numpy as np, jax, jax.numpy as jnp
 from models import cpu_kernels
 from models.gguf_blocks import make_weight, with_kernel, block_matmul, row_bytes
-cpu_kernels._require() if hasattr(cpu_kernels, "_require") else None
+cpu_kernels.require()
 rng = np.random.default_rng(0)
 def blocks(n, k=576):
     b = rng.integers(0, 256, (n, k // 32, 20), dtype=np.uint8)
