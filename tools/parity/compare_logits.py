@@ -346,11 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         if run_ours:
             import jax.numpy as jnp
 
+            from models import cpu_attention
             from models.loader import load_checkpoint
 
             _log(f"loading {args.model} into ferrox_jax ({args.dtype}, quantization {args.quantization}) ...")
             ckpt = load_checkpoint(args.model, dtype=jnp.dtype(args.dtype), quantization=args.quantization,
-                                   decode_attention=kernels.decode_attention() if kernels else None)
+                                   decode_attention=cpu_attention.decode_attention() if kernels else None)
             if kernels and args.quantization == "w8a8":
                 kernels.pack_for_kernel(ckpt.model)
             if kernels and args.quantization == "gguf":
