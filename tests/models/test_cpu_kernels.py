@@ -299,9 +299,9 @@ def test_decode_attention_split_into_pieces_matches_the_pure_jax_paged_attention
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
 
 
-# heads / kv heads 3 (the default model), 4 (a pack of 3 query heads and 1), 2 and 1;
-# head_dim 56: value columns 32 + 24
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 16), (4, 2, 56), (4, 4, 32)])
+# heads / kv heads 3 (the default model), 4 (one pack of 4 query heads on AVX-512, 3 and 1 on
+# AVX2), 7 (4 + 3; 3 + 3 + 1), 2 and 1; head_dim 56: value columns 32 + 24
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 16), (14, 2, 32), (4, 2, 56), (4, 4, 32)])
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @BUILDS
 def test_rows_sharing_a_block_table_match_the_pure_jax_paged_attention(heads, kv_heads, head_dim, kv_dtype, avx2):
