@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -65,11 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": engine.model_name, "prompt_len": args.prompt_len, "chunk_tokens": chunk,
               "total_s": [round(sum(r), 4) for r in rounds], "best_s": round(min(map(sum, rounds)), 4),
               "chunk_ms": [round(s * 1e3, 1) for s in rounds[-1]]}
-    text = json.dumps(result, indent=2)
-    print(text)
+    print(json.dumps(result, indent=2))
     if args.json_path:
-        with open(args.json_path, "w") as f:
-            f.write(text + "\n")
+        Path(args.json_path).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
