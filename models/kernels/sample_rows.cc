@@ -57,13 +57,12 @@ namespace {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
-constexpr float kExpFloor = -87.33654f;  // Exp8's floor: below it, exp is taken as 0
 constexpr int kBucketShift = 20;         // e's float bits >> 20: exponent and 3 mantissa bits
 constexpr int kBuckets = 1024;           // e in [0, 1]: 1.0f is bucket 0x3f8
 constexpr int64_t kSumBlock = 256;       // the draw's running sum walks blocks of this many
 
 inline __m256 ExpOrZero(__m256 x) {
-  return _mm256_and_ps(ferrox::Exp8(x), _mm256_cmp_ps(x, _mm256_set1_ps(kExpFloor), _CMP_GE_OQ));
+  return _mm256_and_ps(ferrox::Exp8(x), _mm256_cmp_ps(x, _mm256_set1_ps(ferrox::kExpFloor), _CMP_GE_OQ));
 }
 
 // 8 floats from x[i..i+8), -inf past the row's end (n): a row's tail takes the vector path.
