@@ -133,11 +133,26 @@ def row_tables(runner, rows: int, tokens: int, extra_blocks: int = 0) -> list[tu
     return [tuple(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(rows)]
 
 
-def bench_prefill(engine, tokens_list: list[int], repeats: int = 3, deadline: float | None = None) -> dict:
-    """Tokens/s of one prefill chunk of each size (one warm-up run, then `repeats` timed)."""
+def prefill_steps(runner, prompt: tuple[int, ...], block_ids: tuple[int, ...], chunk: int) -> list[float]:
+    """Seconds of each step of one greedy prefill of `prompt` into `block_ids`, in chunks of
+    `chunk` tokens as the scheduler cuts a prompt when nothing else runs (the last one samples)."""
     from ferrox_jax.plan import RowPlan, StepPlan
     from ferrox_jax.request import RowSampling
 
+    seconds = []
+    for start in range(0, len(prompt), chunk):
+        end = min(len(prompt), start + chunk)
+        row = RowPlan(row_id=0, token_ids=prompt[start:end], start_pos=start, block_ids=block_ids,
+                      sample=end == len(prompt), sampling=RowSampling(temperature=0.0),
+                      next_token_id=prompt[end] if end < len(prompt) else -1, num_prompt_tokens=len(prompt))
+        t0 = time.perf_counter()
+        run_plan(runner, StepPlan(chunks=(row,)))
+        seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
+def bench_prefill(engine, tokens_list: list[int], repeats: int = 3, deadline: float | None = None) -> dict:
+    """Tokens/s of one prefill chunk of each size (one warm-up run, then `repeats` timed)."""
     runner, cfg = engine.runner, engine.model_config
     out: dict = {}
     for tokens in tokens_list:
@@ -146,13 +161,8 @@ def bench_prefill(engine, tokens_list: list[int], repeats: int = 3, deadline: fl
             continue
         prompt = tuple(int(t) for t in np.random.RandomState(tokens).randint(10, cfg.vocab_size - 10, tokens))
         blocks = tuple(range(1, 1 + _row_blocks(runner, tokens)))
-        plan = StepPlan(chunks=(RowPlan(row_id=0, token_ids=prompt, start_pos=0, block_ids=blocks, sample=True,
-                                         sampling=RowSampling(temperature=0.0)),))
-        run_plan(runner, plan)
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            run_plan(runner, plan)
-        seconds = (time.perf_counter() - t0) / repeats
+        prefill_steps(runner, prompt, blocks, tokens)
+        seconds = sum(sum(prefill_steps(runner, prompt, blocks, tokens)) for _ in range(repeats)) / repeats
         out[f"prefill_{tokens}"] = {"tokens": tokens, "tokens_per_s": tokens / seconds, "step_ms": seconds * 1e3,
                                     "achieved_tflops": prefill_flops(cfg, tokens) / seconds / 1e12}
     return out

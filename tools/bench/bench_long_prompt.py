@@ -6,7 +6,7 @@ without HTTP, scheduling or other requests.
 Loads the engine as `ferrox serve` would (`--quantization auto`), one row, and runs a random
 prompt of `--prompt-len` tokens as the scheduler cuts it when nothing else runs: chunks of the
 largest chunk bucket, each one step (`run_plan`: host batch, forward, sampler, fetch), the last
-sampling the first token. One untimed prefill compiles and warms the shapes; then `--rounds`
+sampling the first token (`bench_engine.prefill_steps`). One untimed prefill compiles and warms the shapes; then `--rounds`
 timed ones. Prints JSON: each round's total seconds and the last round's per-chunk milliseconds,
 which grow with the position as each chunk's attention reads the keys before it (the projections'
 share stays flat). For before / after runs of a change, run it from each checkout in turn.
@@ -17,34 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 
 
-def prefill_steps(runner, prompt: tuple[int, ...], block_ids: tuple[int, ...], chunk: int) -> list[float]:
-    """Seconds of each chunk step of one prefill of `prompt` into `block_ids`."""
-    from ferrox_jax.plan import RowPlan, StepPlan
-    from ferrox_jax.request import RowSampling
-    from ferrox_jax.step_output import run_plan
-
-    seconds = []
-    for start in range(0, len(prompt), chunk):
-        end = min(len(prompt), start + chunk)
-        row = RowPlan(row_id=0, token_ids=prompt[start:end], start_pos=start, block_ids=block_ids,
-                      sample=end == len(prompt), sampling=RowSampling(temperature=0.0),
-                      next_token_id=prompt[end] if end < len(prompt) else -1, num_prompt_tokens=len(prompt))
-        t0 = time.perf_counter()
-        run_plan(runner, StepPlan(chunks=(row,)))
-        seconds.append(time.perf_counter() - t0)
-    return seconds
-
-
 def main(argv: list[str] | None = None) -> int:
     from ferrox_jax.config import EngineConfig
     from ferrox_jax.engine import Engine
-    from tools.bench.bench_engine import row_tables
+    from tools.bench.bench_engine import prefill_steps, row_tables
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
